@@ -1,0 +1,65 @@
+"""``hetero-launch``: parse, load, call one library function, print."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import click
+
+from hetero_llm import layout as layout_mod
+from hetero_llm.errors import LayoutError, RankFailure
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("layout_file", metavar="LAYOUT.toml", type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
+@click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules; start nothing.")
+@click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
+@click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process.")
+@click.option("--metrics-jsonl", type=click.Path(dir_okay=False), default=None,
+              help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).")
+@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+              help="Save the final parameters here (one shard file per rank, keyed by global names).")
+@click.option("--trace", type=click.Path(file_okay=False), default=None,
+              help="Record every action's start and end per rank into this directory.")
+@click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, trace, quiet):
+    """Train the model a LAYOUT.toml describes, on the ranks of this host."""
+    from hetero_llm import launch
+    from hetero_llm.plan import compile_plan, describe
+
+    try:
+        lay = layout_mod.load(layout_file, overrides)
+        plan = compile_plan(lay)
+        options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, trace, quiet)
+        if dry_run:
+            click.echo(describe(plan))
+            return
+        if rank is not None:
+            launch.run_one_rank(plan, rank, options)
+            return
+        from hetero_llm import data
+
+        source = data.make_source(lay.data, lay.file)  # tokenizes a text file once, before any rank starts
+        ranks = launch.local_ranks(plan, node)
+        if not quiet:
+            click.echo(f"hetero-launch: starting {len(ranks)} of {plan.world_size} ranks here: {ranks}")
+            if hasattr(source, "loss_floor"):
+                click.echo(f"data: embedded grammar, loss floor {source.loss_floor(lay.model.seq_len):.4f} nats/token "
+                           f"(uniform guess: {math.log(source.vocab_size):.4f})")
+        launch.run_ranks(layout_file, plan, ranks, options)
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except RankFailure as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        click.echo("interrupted: stopped every rank", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

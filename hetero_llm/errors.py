@@ -1,0 +1,29 @@
+"""Library error types. The CLI turns a ``LayoutError`` into one line and exit code 2."""
+
+from __future__ import annotations
+
+
+class HeteroError(Exception):
+    """Base class for errors this library raises on purpose."""
+
+
+class LayoutError(HeteroError):
+    """Bad user input, located: ``file: toml.path: what is wrong (and the fix)``."""
+
+    def __init__(self, file: str, path: str, message: str):
+        self.file = str(file)
+        self.path = path
+        self.message = message
+        super().__init__(str(self))
+
+    def __str__(self) -> str:
+        where = f"{self.file}: {self.path}" if self.path else self.file
+        return f"{where}: {self.message}"
+
+
+class ScheduleError(HeteroError):
+    """An invalid or deadlocking schedule; the message carries the schedule grid."""
+
+
+class RankFailure(HeteroError):
+    """A rank of a running job failed; the message names the rank and its cause."""

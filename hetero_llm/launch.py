@@ -1,0 +1,171 @@
+"""Start a node's ranks (or one rank), watch them, and take the job down when any rank fails.
+
+Each rank is its own OS process running ``hetero-launch LAYOUT --rank R``: the same command a user
+runs by hand on nodes with uneven GPU counts, so one launch and per-process launches are the same
+code path. Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher
+leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import attrs
+
+from hetero_llm.errors import HeteroError, LayoutError, RankFailure
+from hetero_llm.layout import Layout
+from hetero_llm.plan import Plan
+
+
+@attrs.frozen
+class RunOptions:
+    """Per-run options that are not part of the layout (CLI flags)."""
+
+    overrides: tuple[str, ...] = ()
+    metrics_jsonl: str | None = None
+    checkpoint: str | None = None
+    trace: str | None = None
+    quiet: bool = False
+
+    def argv(self) -> list[str]:
+        args = []
+        for o in self.overrides:
+            args += ["--set", o]
+        for flag, value in (("--metrics-jsonl", self.metrics_jsonl), ("--checkpoint", self.checkpoint),
+                            ("--trace", self.trace)):
+            if value:
+                args += [flag, value]
+        return args + (["--quiet"] if self.quiet else [])
+
+
+def local_addresses() -> set[str]:
+    names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
+    try:
+        names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        pass
+    return names
+
+
+def local_ranks(plan: Plan, node: str | None) -> list[int]:
+    lay = plan.layout
+    if node is not None:
+        names = [n.name for n in lay.cluster.nodes]
+        if node not in names:
+            raise LayoutError(lay.file, "--node", f"'{node}' is not a node of [cluster] (nodes: {', '.join(names)})")
+        nodes = {node}
+    else:
+        here = local_addresses()
+        nodes = {n.name for n in lay.cluster.nodes if n.host in here}
+        if not nodes:
+            raise LayoutError(lay.file, "cluster.nodes", "no node's host is an address of this machine "
+                              "(pass --node NAME or --rank R to choose what to start here)")
+    return [r.rank for r in plan.ranks if r.node in nodes]
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
+    """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
+    errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
+    env["HETERO_ERROR_DIR"] = str(errdir)
+    env["PYTHONUNBUFFERED"] = "1"
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for r in ranks:
+            cmd = [sys.executable, "-m", "hetero_llm.cli", layout_path, "--rank", str(r), *options.argv()]
+            procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+        while procs:
+            for r, p in list(procs.items()):
+                code = p.poll()
+                if code is None:
+                    continue
+                del procs[r]
+                if code != 0:
+                    raise RankFailure(_describe_failure(plan, r, code, errdir))
+            time.sleep(0.05)
+    finally:
+        _terminate(list(procs.values()), grace_s)
+
+
+def _describe_failure(plan: Plan, rank: int, code: int, errdir: Path) -> str:
+    info = plan.ranks[rank]
+    who = f"rank {rank} ({info.device_id}, pipeline {info.pipeline} stage {info.stage})"
+    err = errdir / f"rank{rank}.err"
+    if err.exists() and err.read_text().strip():
+        cause = err.read_text().strip().splitlines()[0]
+    elif code < 0:
+        cause = f"killed by {signal.Signals(-code).name}"
+    else:
+        cause = f"exited with code {code}"
+    tb = errdir / f"rank{rank}.traceback"
+    more = f" (traceback: {tb})" if tb.exists() else ""
+    return f"{who} failed: {cause}{more}; stopped the other ranks"
+
+
+def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
+    """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
+    import torch  # torch-free until here: --dry-run and planning never import it
+
+    from hetero_llm import comm, trace as tracing
+    from hetero_llm.train import train
+
+    if not 0 <= rank < plan.world_size:
+        raise LayoutError(plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})")
+    info = plan.ranks[rank]
+    try:
+        device = torch.device(info.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
+        comms = comm.init(plan, rank, device)
+        events: list | None = [] if options.trace else None
+        try:
+            train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
+                  trace=events, quiet=options.quiet)
+            if options.trace:
+                tracing.write_rank_trace(options.trace, plan, rank, events)
+        finally:
+            comm.shutdown()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        _report_rank_error(rank, e)
+        raise
+
+
+def _report_rank_error(rank: int, e: BaseException) -> None:
+    errdir = os.environ.get("HETERO_ERROR_DIR")
+    cause = f"{type(e).__name__}: {e}".splitlines()[0] if not isinstance(e, HeteroError) else str(e).splitlines()[0]
+    if errdir:
+        Path(errdir, f"rank{rank}.err").write_text(cause + "\n")
+        Path(errdir, f"rank{rank}.traceback").write_text(traceback.format_exc())

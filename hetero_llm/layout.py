@@ -1,0 +1,497 @@
+"""Layouts: the TOML a user writes, loaded once into frozen attrs classes.
+
+This is the only module that touches the raw TOML dict. Every key is declared once, on an attrs
+field (type, default, docstring in ``metadata["doc"]``); unknown keys are errors with a did-you-mean,
+because a silently ignored typo (``train.stpes``) is the classic way a TOML config lies to its user.
+Imports no torch: ``--dry-run``, planning and most tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.9/3.10 only
+    import tomli as tomllib
+
+from hetero_llm.errors import LayoutError
+
+
+def _doc(text: str, **kw: Any) -> Any:
+    return attrs.field(metadata={"doc": text}, **kw)
+
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule kind (``train.schedule``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+
+
+class Norm(str, enum.Enum):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class Position(str, enum.Enum):
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+class Mlp(str, enum.Enum):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class DataKind(str, enum.Enum):
+    GRAMMAR = "grammar"
+    TEXT = "text"
+    JSONL = "jsonl"
+
+
+class Backend(str, enum.Enum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+@attrs.frozen
+class ModelSpec:
+    """``[model]``: a GPT/Llama-style decoder-only transformer."""
+
+    layers: int = _doc("number of transformer blocks")
+    hidden: int = _doc("model width (channels)")
+    heads: int = _doc("attention heads; TP sizes must divide it")
+    vocab: int = _doc("vocabulary size; >= the data's vocabulary (grammar: grammar_vocab; text: 256)")
+    seq_len: int = _doc("tokens per training sequence")
+    ffn: int = _doc("MLP inner width; 0 means 4 * hidden", default=0)
+    norm: Norm = _doc("'layernorm' (GPT) or 'rmsnorm' (Llama)", default=Norm.LAYERNORM)
+    position: Position = _doc("'learned' absolute embeddings (GPT) or 'rope' (Llama)", default=Position.LEARNED)
+    mlp: Mlp = _doc("'gelu' (GPT) or 'swiglu' (Llama)", default=Mlp.GELU)
+    init_std: float = _doc("std of the normal init of weight matrices", default=0.02)
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+@attrs.frozen
+class TrainSpec:
+    """``[train]``: the optimization, identical for every layout of one model."""
+
+    steps: int = _doc("optimizer steps")
+    global_batch: int = _doc("sequences per step, summed over pipelines")
+    seed: int = _doc("seed of initialization and data order", default=0)
+    schedule: Schedule = _doc("'gpipe' or '1f1b'", default=Schedule.ONE_F_ONE_B)
+    lr: float = _doc("peak learning rate (after warmup)", default=1e-3)
+    min_lr: float = _doc("learning rate at the end of the cosine decay", default=1e-4)
+    warmup_steps: int = _doc("linear warmup steps from 0 to lr", default=0)
+    weight_decay: float = _doc("AdamW decoupled weight decay (matrices only)", default=0.0)
+    beta1: float = _doc("AdamW beta1", default=0.9)
+    beta2: float = _doc("AdamW beta2", default=0.95)
+    eps: float = _doc("AdamW epsilon", default=1e-8)
+    grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", default=1.0)
+    log_every: int = _doc("print progress every N steps", default=1)
+
+
+@attrs.frozen
+class DataSpec:
+    """``[data]``: where the tokens come from."""
+
+    kind: DataKind = _doc("'grammar' (embedded, known loss floor), 'text' or 'jsonl'", default=DataKind.GRAMMAR)
+    path: str = _doc("text/jsonl file, relative to the layout file; '' for grammar", default="")
+    field: str = _doc("JSONL key holding the text", default="text")
+    grammar_seed: int = _doc("seed of the grammar itself (not of the data order)", default=1234)
+    grammar_vocab: int = _doc("tokens the grammar uses", default=64)
+    branching: int = _doc("possible successors of each grammar context", default=4)
+
+
+@attrs.frozen
+class NodeSpec:
+    """``[[cluster.nodes]]``: one host."""
+
+    name: str = _doc("node name used in device ids ('node0' -> 'node0:1')")
+    host: str = _doc("address other nodes reach this host at", default="127.0.0.1")
+    devices: tuple[str, ...] = _doc("local devices in index order: 'cpu' or 'cuda:N'", default=("cpu",))
+
+
+@attrs.frozen
+class ClusterSpec:
+    """``[cluster]``: the hosts and how ranks meet."""
+
+    nodes: tuple[NodeSpec, ...] = _doc("the hosts")
+    master: str = _doc("node whose host serves rendezvous; '' means the first node", default="")
+    port: int = _doc("rendezvous TCP port (MASTER_PORT overrides)", default=29511)
+    backend: Backend = _doc("'gloo' (CPU, default) or 'nccl' (CUDA)", default=Backend.GLOO)
+    timeout_s: float = _doc("seconds to wait for every rank to arrive", default=60.0)
+
+    def node(self, name: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def master_node(self) -> NodeSpec:
+        return self.node(self.master) if self.master else self.nodes[0]
+
+
+@attrs.frozen
+class StageSpec:
+    """``[[pipelines.stages]]``: contiguous layers on one TP group."""
+
+    layers: int = _doc("number of transformer blocks in this stage")
+    devices: tuple[str, ...] = _doc("device ids 'node:index'; their count is the stage's TP size")
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+
+@attrs.frozen
+class PipelineSpec:
+    """``[[pipelines]]``: one data-parallel replica of the whole model."""
+
+    batch: int = _doc("sequences of each global batch this pipeline trains on")
+    microbatches: int = _doc("microbatches the batch is split into; must divide batch")
+    stages: tuple[StageSpec, ...] = _doc("ordered stages; their layers sum to model.layers")
+
+
+@attrs.frozen
+class Layout:
+    file: str
+    model: ModelSpec
+    train: TrainSpec
+    data: DataSpec
+    cluster: ClusterSpec
+    pipelines: tuple[PipelineSpec, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Layout:
+    """Read, override (``--set a.b=v``), type-check and validate a layout file."""
+    file = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise LayoutError(file, "", "no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)")
+    text = p.read_text()
+    if not text.strip():
+        raise LayoutError(file, "", "file is empty (start from layouts/quickstart.toml)")
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    for item in overrides:
+        _apply_override(raw, item, file)
+    return from_dict(raw, file, base_dir=p.parent)
+
+
+def loads(text: str, file: str = "<string>", base_dir: str | os.PathLike = ".") -> Layout:
+    """Load a layout from TOML text (tests, generated layouts)."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    return from_dict(raw, file, base_dir=Path(base_dir))
+
+
+_SECTIONS = {"model": ModelSpec, "train": TrainSpec, "data": DataSpec, "cluster": ClusterSpec}
+_REQUIRED_SECTIONS = ("model", "train", "cluster", "pipelines")
+_NESTED = {(ClusterSpec, "nodes"): NodeSpec, (PipelineSpec, "stages"): StageSpec}
+
+
+def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
+    _check_keys(raw, list(_SECTIONS) + ["pipelines"], "", file, what="section")
+    for name in _REQUIRED_SECTIONS:
+        if name not in raw:
+            hint = "[[pipelines]]" if name == "pipelines" else f"[{name}]"
+            raise LayoutError(file, name, f"missing section (add a {hint} section; see layouts/quickstart.toml)")
+    sections = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _SECTIONS.items()}
+    pipes = raw["pipelines"]
+    if not isinstance(pipes, list) or not pipes:
+        raise LayoutError(file, "pipelines", "expected one or more [[pipelines]] tables")
+    pipelines = tuple(_build(PipelineSpec, t, f"pipelines[{i}]", file) for i, t in enumerate(pipes))
+    data = sections["data"]
+    if data.path:
+        data = attrs.evolve(data, path=str((base_dir / data.path)))
+    layout = Layout(file=file, model=sections["model"], train=sections["train"], data=data,
+                    cluster=sections["cluster"], pipelines=pipelines)
+    validate(layout)
+    return layout
+
+
+def _check_keys(table: dict, allowed: list[str], path: str, file: str, what: str = "key") -> None:
+    for key in table:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, allowed, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(allowed)})"
+            where = f"{path}.{key}" if path else key
+            raise LayoutError(file, where, f"unknown {what} '{key}'{hint}")
+
+
+def _build(cls: type, table: Any, path: str, file: str) -> Any:
+    if not isinstance(table, dict):
+        raise LayoutError(file, path, f"expected a table, got {_type_name(table)}")
+    fields = attrs.fields(cls)
+    _check_keys(table, [f.name for f in fields], path, file)
+    kwargs = {}
+    for f in fields:
+        where = f"{path}.{f.name}"
+        if f.name not in table:
+            if f.default is attrs.NOTHING:
+                raise LayoutError(file, where, f"missing required key ({f.metadata['doc']})")
+            continue
+        value = table[f.name]
+        nested = _NESTED.get((cls, f.name))
+        if nested is not None:
+            if not isinstance(value, list) or not value:
+                raise LayoutError(file, where, f"expected one or more [[{where.split('[')[0]}]] tables")
+            kwargs[f.name] = tuple(_build(nested, t, f"{where}[{i}]", file) for i, t in enumerate(value))
+        else:
+            kwargs[f.name] = _convert(value, f.type, where, file)
+    return cls(**kwargs)
+
+
+def _type_name(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
+            list: "an array", dict: "a table"}.get(type(v), type(v).__name__) + f" ({v!r})"
+
+
+def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
+    """Check one scalar/array value against a field's annotation (a string under PEP 563)."""
+    enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
+                "DataKind": DataKind, "Backend": Backend}.get(annotation)
+    if enum_cls is not None:
+        choices = [m.value for m in enum_cls]
+        if not isinstance(value, str) or value not in choices:
+            close = difflib.get_close_matches(str(value), choices, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise LayoutError(file, where, f"unknown value {value!r} ({hint}choose one of: {', '.join(choices)})")
+        return enum_cls(value)
+    if annotation == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LayoutError(file, where, f"expected an integer, got {_type_name(value)}")
+        return value
+    if annotation == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise LayoutError(file, where, f"expected a number, got {_type_name(value)}")
+        return float(value)
+    if annotation == "str":
+        if not isinstance(value, str):
+            raise LayoutError(file, where, f"expected a string, got {_type_name(value)}")
+        return value
+    if annotation == "tuple[str, ...]":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise LayoutError(file, where, f"expected an array of strings, got {_type_name(value)}")
+        return tuple(value)
+    raise TypeError(f"layout field type {annotation!r} has no converter")  # a bug here, not user input
+
+
+# --------------------------------------------------------------------------------------------
+# --set overrides
+
+
+_SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?$")
+
+
+def _apply_override(raw: dict, item: str, file: str) -> None:
+    """Apply ``a.b[0].c=value`` (``a.b.0.c`` also accepted); the value is parsed as TOML."""
+    if "=" not in item:
+        raise LayoutError(file, f"--set {item}", "expected KEY=VALUE, e.g. --set train.steps=5")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # bare words are strings: --set data.kind=text
+    segments: list[str | int] = []
+    for part in key.split("."):
+        if part.isdigit():
+            segments.append(int(part))
+            continue
+        m = _SEGMENT.match(part)
+        if not m:
+            raise LayoutError(file, f"--set {key}", f"cannot parse key segment '{part}' (use e.g. pipelines[0].batch)")
+        segments.append(m.group(1))
+        if m.group(2) is not None:
+            segments.append(int(m.group(2)))
+    _check_override_path(segments, key, file)
+    node: Any = raw
+    for i, seg in enumerate(segments[:-1]):
+        nxt = segments[i + 1]
+        if isinstance(seg, int):
+            if not isinstance(node, list) or seg >= len(node):
+                have = len(node) if isinstance(node, list) else 0
+                raise LayoutError(file, f"--set {key}", f"index {seg} out of range (the file has {have})")
+            node = node[seg]
+        else:
+            node = node.setdefault(seg, [] if isinstance(nxt, int) else {})
+    last = segments[-1]
+    if isinstance(last, int):
+        raise LayoutError(file, f"--set {key}", "cannot replace a whole array element; set one of its keys")
+    node[last] = value
+
+
+def _check_override_path(segments: list[str | int], key: str, file: str) -> None:
+    """Reject --set keys that are not in the schema, even where the file leaves them at a default."""
+    cls: type | None = None
+    for seg in segments:
+        if isinstance(seg, int):
+            continue
+        if cls is None:
+            allowed = list(_SECTIONS) + ["pipelines"]
+            if seg not in allowed:
+                close = difflib.get_close_matches(seg, allowed, n=1)
+                hint = f" (did you mean '{close[0]}'?)" if close else ""
+                raise LayoutError(file, f"--set {key}", f"unknown section '{seg}'{hint}")
+            cls = PipelineSpec if seg == "pipelines" else _SECTIONS[seg]
+            continue
+        names = [f.name for f in attrs.fields(cls)]
+        if seg not in names:
+            close = difflib.get_close_matches(seg, names, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
+            raise LayoutError(file, f"--set {key}", f"unknown key '{seg}'{hint}")
+        cls = _NESTED.get((cls, seg))
+
+
+# --------------------------------------------------------------------------------------------
+# Validation: everything that a single field cannot check by itself.
+
+
+def _positive(layout: Layout, obj: Any, path: str, names: list[str], minimum: int = 1) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < minimum:
+            raise LayoutError(layout.file, f"{path}.{name}", f"must be >= {minimum}, got {value}")
+
+
+def validate(layout: Layout) -> None:
+    f = layout.file
+    m, t, d, c = layout.model, layout.train, layout.data, layout.cluster
+    _positive(layout, m, "model", ["layers", "hidden", "heads", "vocab", "seq_len"])
+    _positive(layout, m, "model", ["ffn"], minimum=0)
+    _positive(layout, t, "train", ["steps", "global_batch", "log_every"])
+    _positive(layout, t, "train", ["warmup_steps"], minimum=0)
+    if m.hidden % m.heads:
+        raise LayoutError(f, "model.heads", f"{m.heads} heads do not divide hidden {m.hidden} (pick a divisor of {m.hidden})")
+    if m.position is Position.ROPE and m.head_dim % 2:
+        raise LayoutError(f, "model.heads", f"rope needs an even head size, got {m.head_dim} (hidden / heads)")
+    if t.lr < 0 or t.min_lr < 0:
+        raise LayoutError(f, "train.lr", f"learning rates must be >= 0, got lr={t.lr}, min_lr={t.min_lr}")
+    if t.grad_clip < 0:
+        raise LayoutError(f, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    _validate_data(layout)
+
+    # cluster
+    names = [n.name for n in c.nodes]
+    seen_nodes: set[str] = set()
+    for i, node in enumerate(c.nodes):
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", node.name):
+            raise LayoutError(f, f"cluster.nodes[{i}].name", f"'{node.name}' must be letters, digits, '-' or '_'")
+        if node.name in seen_nodes:
+            raise LayoutError(f, f"cluster.nodes[{i}].name", f"node '{node.name}' is declared twice (give each node its own name)")
+        seen_nodes.add(node.name)
+        if not node.devices:
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", "a node needs at least one device")
+        for j, dev in enumerate(node.devices):
+            if not re.fullmatch(r"cpu|cuda:\d+", dev):
+                raise LayoutError(f, f"cluster.nodes[{i}].devices[{j}]", f"unknown device '{dev}' (use 'cpu' or 'cuda:N')")
+        cuda = [dv for dv in node.devices if dv != "cpu"]
+        if len(set(cuda)) != len(cuda):
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)}")
+    if c.master and c.master not in names:
+        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node (nodes: {', '.join(names)})")
+    if not 1 <= c.port <= 65535:
+        raise LayoutError(f, "cluster.port", f"must be a TCP port 1..65535, got {c.port}")
+    if c.timeout_s <= 0:
+        raise LayoutError(f, "cluster.timeout_s", f"must be > 0, got {c.timeout_s}")
+
+    # pipelines
+    used: dict[str, str] = {}
+    total_batch = 0
+    for pi, pipe in enumerate(layout.pipelines):
+        pp = f"pipelines[{pi}]"
+        _positive(layout, pipe, pp, ["batch", "microbatches"])
+        if pipe.batch % pipe.microbatches:
+            raise LayoutError(f, f"{pp}.microbatches", f"{pipe.microbatches} microbatches do not divide the pipeline's batch "
+                              f"{pipe.batch} (use a divisor of {pipe.batch})")
+        total_batch += pipe.batch
+        layer_sum = 0
+        for si, stage in enumerate(pipe.stages):
+            sp = f"{pp}.stages[{si}]"
+            _positive(layout, stage, sp, ["layers"])
+            layer_sum += stage.layers
+            if not stage.devices:
+                raise LayoutError(f, f"{sp}.devices", "a stage needs at least one device")
+            tp = stage.tp
+            if m.heads % tp:
+                raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide heads ({m.heads}) (use a TP size dividing {m.heads})")
+            if m.ffn_width % tp:
+                raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide the MLP width ({m.ffn_width})")
+            for di, dev in enumerate(stage.devices):
+                where = f"{sp}.devices[{di}]"
+                _check_device_id(layout, dev, where)
+                if dev in used:
+                    raise LayoutError(f, where, f"device '{dev}' is already used by {used[dev]} (each device runs one rank)")
+                used[dev] = sp
+        if layer_sum != m.layers:
+            counts = " + ".join(str(s.layers) for s in pipe.stages)
+            raise LayoutError(f, f"{pp}.stages", f"stage layers sum to {layer_sum} ({counts}) but model.layers is {m.layers} "
+                              f"(make them add up to {m.layers})")
+    if total_batch != t.global_batch:
+        shares = " + ".join(str(p.batch) for p in layout.pipelines)
+        raise LayoutError(f, "pipelines", f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
+                          f"{t.global_batch} (make them add up to {t.global_batch})")
+
+
+def _check_device_id(layout: Layout, dev: str, where: str) -> None:
+    c = layout.cluster
+    node_name, sep, index = dev.partition(":")
+    if not sep or not index.isdigit():
+        raise LayoutError(layout.file, where, f"'{dev}' is not a device id (write 'node:index', e.g. '{c.nodes[0].name}:0')")
+    known = {n.name: len(n.devices) for n in c.nodes}
+    if node_name not in known or int(index) >= known[node_name]:
+        have = ", ".join(f"{n} ({k} device{'s' if k > 1 else ''})" for n, k in known.items())
+        raise LayoutError(layout.file, where, f"device '{dev}' is not in [cluster] (nodes: {have})")
+
+
+def _validate_data(layout: Layout) -> None:
+    d, m, f = layout.data, layout.model, layout.file
+    if d.kind is DataKind.GRAMMAR:
+        _positive(layout, d, "data", ["grammar_vocab"], minimum=2)
+        _positive(layout, d, "data", ["branching"])
+        if d.branching > d.grammar_vocab:
+            raise LayoutError(f, "data.branching", f"{d.branching} exceeds grammar_vocab {d.grammar_vocab}")
+        if m.vocab < d.grammar_vocab:
+            raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than data.grammar_vocab {d.grammar_vocab} "
+                              f"(set model.vocab >= {d.grammar_vocab})")
+        return
+    if not d.path:
+        raise LayoutError(f, "data.path", f"data.kind '{d.kind.value}' needs a path to a .{d.kind.value if d.kind is DataKind.JSONL else 'txt'} file")
+    if not Path(d.path).is_file():
+        raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
+    if m.vocab < 256:
+        raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
+
+
+def schema_markdown() -> str:
+    """Every layout key with its default and meaning, for docs/layout.md."""
+    rows = []
+    for section, cls in [("model", ModelSpec), ("train", TrainSpec), ("data", DataSpec), ("cluster", ClusterSpec),
+                         ("cluster.nodes[]", NodeSpec), ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec)]:
+        for fl in attrs.fields(cls):
+            default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
+            rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
+    return "| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n"

@@ -1,0 +1,215 @@
+"""Compile a layout into what every rank does: pure data, no torch.
+
+Rank numbering: pipelines in order, their stages in order, each stage's devices in order.
+Every communicator is listed once in ``Plan.groups`` in one deterministic order, and every rank
+creates all of them in that order (lazily created groups deadlock).
+
+Gradient sync across pipelines that shard a parameter differently (HexiScale, generalized): the
+shards of one parameter are cut at every shard boundary of every holder (the common refinement),
+and each resulting block is summed among exactly the ranks holding it. Blocks with the same holder
+set share one bucket, i.e. one all-reduce.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import attrs
+
+from hetero_llm import schedule as sched
+from hetero_llm.layout import Layout
+from hetero_llm.params import ParamInfo, shard_range, stage_params
+
+
+@attrs.frozen
+class StagePlan:
+    pipeline: int
+    stage: int
+    ranks: tuple[int, ...]  # the TP group, tp index = position
+    layer_lo: int
+    layer_hi: int  # exclusive
+    first: bool
+    last: bool
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def label(self) -> str:
+        return f"p{self.pipeline}.s{self.stage}"
+
+
+@attrs.frozen
+class RankInfo:
+    rank: int
+    pipeline: int
+    stage: int
+    tp_index: int
+    node: str
+    device_id: str  # "node0:1"
+    device: str  # "cpu" or "cuda:1"
+
+
+@attrs.frozen
+class Route:
+    """One piece of a stage-boundary tensor: piece ``piece`` of ``pieces`` goes ``src`` -> ``dst``.
+
+    A boundary tensor is replicated on the sending TP group; it crosses the boundary once, split in
+    as many pieces as the receiving group has ranks, each sent by a different sender where possible,
+    and is re-assembled by an all-gather inside the (fast, intra-stage) receiving group.
+    """
+
+    src: int
+    dst: int
+    piece: int
+    pieces: int
+
+
+@attrs.frozen
+class GradBucket:
+    """Blocks of gradients that one all-reduce sums among ``group``.
+
+    ``entries`` are (param name, dim, lo, hi) in the full tensor's coordinates.
+    """
+
+    group: tuple[int, ...]
+    entries: tuple[tuple[str, int, int, int], ...]
+
+    @property
+    def name(self) -> str:
+        return "grad_sync[" + ",".join(map(str, self.group)) + "]"
+
+
+@attrs.frozen
+class Group:
+    name: str  # "tp[p0.s1]", "grad_sync[0,3]"
+    ranks: tuple[int, ...]
+
+
+@attrs.frozen
+class Plan:
+    layout: Layout
+    ranks: tuple[RankInfo, ...]
+    stages: tuple[StagePlan, ...]
+    groups: tuple[Group, ...]  # creation order
+    buckets: tuple[GradBucket, ...]
+    schedules: tuple[tuple[tuple[sched.Action, ...], ...], ...]  # [pipeline][stage] -> actions
+    routes_f: tuple[Route, ...]
+    routes_b: tuple[Route, ...]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def stage_of(self, rank: int) -> StagePlan:
+        r = self.ranks[rank]
+        return next(s for s in self.stages if s.pipeline == r.pipeline and s.stage == r.stage)
+
+    def actions(self, rank: int) -> tuple[sched.Action, ...]:
+        r = self.ranks[rank]
+        return self.schedules[r.pipeline][r.stage]
+
+    def params_of(self, rank: int) -> list[tuple[ParamInfo, int, int]]:
+        """(info, lo, hi) of every parameter shard ``rank`` holds, along info.shard_dim (or dim 0)."""
+        st = self.stage_of(rank)
+        tp_index = self.ranks[rank].tp_index
+        return [(p, *shard_range(p, st.tp, tp_index))
+                for p in stage_params(self.layout.model, st.layer_lo, st.layer_hi, st.first, st.last)]
+
+    def batch_share(self, pipeline: int) -> tuple[int, int]:
+        """(offset, size) of a pipeline's contiguous rows of the global batch."""
+        offset = sum(p.batch for p in self.layout.pipelines[:pipeline])
+        return offset, self.layout.pipelines[pipeline].batch
+
+    def reporter(self) -> int:
+        """The rank that prints progress and writes metrics (rank 0: every rank knows the reduced loss)."""
+        return 0
+
+
+def compile_plan(layout: Layout) -> Plan:
+    ranks: list[RankInfo] = []
+    stages: list[StagePlan] = []
+    schedules = []
+    nodes = {n.name: n for n in layout.cluster.nodes}
+    for pi, pipe in enumerate(layout.pipelines):
+        lo = 0
+        for si, st in enumerate(pipe.stages):
+            members = []
+            for ti, dev in enumerate(st.devices):
+                node, _, idx = dev.partition(":")
+                rank = len(ranks)
+                ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
+                members.append(rank)
+            stages.append(StagePlan(pi, si, tuple(members), lo, lo + st.layers, si == 0, si == len(pipe.stages) - 1))
+            lo += st.layers
+        compute = sched.compute_schedule(layout.train.schedule.value, len(pipe.stages), pipe.microbatches)
+        lowered = sched.lower(compute)
+        sched.validate(lowered, pipe.microbatches)
+        schedules.append(tuple(tuple(a) for a in lowered))
+
+    routes_f, routes_b = _boundary_routes(stages)
+    buckets = _grad_buckets(layout, stages)
+    groups = [Group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
+    groups += [Group(b.name, b.group) for b in buckets]
+    return Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
+                tuple(routes_f), tuple(routes_b))
+
+
+def _boundary_routes(stages: list[StagePlan]) -> tuple[list[Route], list[Route]]:
+    fwd, bwd = [], []
+    for a, b in zip(stages, stages[1:]):
+        if a.pipeline != b.pipeline:
+            continue
+        senders, receivers = a.ranks, b.ranks
+        fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
+        bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
+    return fwd, bwd
+
+
+def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
+    # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
+    holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    infos: dict[str, ParamInfo] = {}
+    for st in stages:
+        for info in stage_params(layout.model, st.layer_lo, st.layer_hi, st.first, st.last):
+            infos[info.name] = info
+            for ti, rank in enumerate(st.ranks):
+                holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
+    by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
+    for name, held in holders.items():
+        dim = infos[name].shard_dim or 0
+        cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
+            if len(group) > 1:
+                by_group[group].append((name, dim, lo, hi))
+    return [GradBucket(g, tuple(e)) for g, e in sorted(by_group.items())]
+
+
+def describe(plan: Plan) -> str:
+    """The ``--dry-run`` report: rank table, communicators, per-pipeline schedule grids."""
+    lay = plan.layout
+    lines = [f"layout {lay.file}: {plan.world_size} ranks, {len(lay.pipelines)} pipeline(s), "
+             f"global batch {lay.train.global_batch}, schedule {lay.train.schedule.value}", "",
+             "rank  device      node      pipeline  stage  tp     layers   batch share"]
+    for r in plan.ranks:
+        st = plan.stage_of(r.rank)
+        off, size = plan.batch_share(r.pipeline)
+        lines.append(f"{r.rank:<5} {r.device_id:<11} {r.node:<9} {r.pipeline:<9} {r.stage:<6} "
+                     f"{r.tp_index}/{st.tp:<4} {f'{st.layer_lo}-{st.layer_hi - 1}':<8} "
+                     f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb")
+    lines += ["", "communicators (created in this order on every rank):"]
+    for g in plan.groups:
+        lines.append(f"  {g.name:<28} ranks {list(g.ranks)}")
+    if not plan.groups:
+        lines.append("  (none besides the world group)")
+    lines += ["", "gradient sync buckets (blocks summed among exactly their holders):"]
+    for b in plan.buckets:
+        layers = sorted({e[0].split(".")[1] if e[0].startswith("layers.") else e[0].split(".")[0] for e in b.entries})
+        lines.append(f"  {b.name:<28} {len(b.entries)} blocks ({', '.join(layers)})")
+    if not plan.buckets:
+        lines.append("  (none: a single pipeline holds every parameter once)")
+    for pi, pipe_sched in enumerate(plan.schedules):
+        lines += ["", f"pipeline {pi} schedule:", sched.format_grid([list(a) for a in pipe_sched])]
+    return "\n".join(lines)

@@ -1,0 +1,517 @@
+"""Pipeline schedules as data: actions, generators, lowering, validator and lockstep simulator.
+
+A schedule is one list of actions per **stage** (every TP rank of a stage runs the same list),
+indexed by stage. Generators (``gpipe``, ``one_f_one_b``) emit compute-only schedules (``F``/``B``);
+``lower`` adds the communication of a linear pipeline (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``);
+``validate`` checks a schedule statically and then runs all stages in a lockstep simulation to find
+deadlocks. Errors carry the schedule grid with the failing step marked ``<-- ERROR HERE``.
+
+Semantics (the runtime implements exactly these):
+
+- ``SEND`` is non-blocking; ``RECV`` blocks until the adjacent stage has issued the matching
+  ``SEND`` (``SEND_F`` on s-1 -> ``RECV_F`` on s; ``SEND_B`` on s+1 -> ``RECV_B`` on s; same
+  microbatch, same chunk).
+- ``F m`` on s>0 needs ``RECV_F m`` earlier on s; ``B m`` needs ``F m`` on s and, on s<last,
+  ``RECV_B m``; ``SEND_F m`` needs ``F m``; ``SEND_B m`` needs ``B m``; ``W m`` needs ``B m``.
+- A schedule without any communication action is read as compute-only: the data dependency is
+  then direct (``F m`` on s needs ``F m`` on s-1; ``B m`` on s needs ``B m`` on s+1), so generator
+  output can be validated before lowering.
+
+Pure standard library + attrs: no torch, so planning, dry runs and tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from hetero_llm.errors import ScheduleError
+
+__all__ = [
+    "COMM_KINDS",
+    "COMPUTE_KINDS",
+    "Action",
+    "Event",
+    "Kind",
+    "Schedule",
+    "build",
+    "compute_schedule",
+    "format_actions",
+    "format_grid",
+    "gpipe",
+    "lower",
+    "one_f_one_b",
+    "parse_actions",
+    "peer",
+    "requirements",
+    "simulate_order",
+    "validate",
+]
+
+
+class Kind(enum.Enum):
+    """What an action does; the value is its prefix in the string form."""
+
+    F = "F"  # forward of one microbatch
+    B = "B"  # full backward (input and weight gradients)
+    W = "W"  # weight gradient only; reserved for a zero-bubble schedule
+    SEND_F = "SEND_F"  # send the forward activation to the next stage (non-blocking)
+    RECV_F = "RECV_F"  # receive the forward activation from the previous stage (blocking)
+    SEND_B = "SEND_B"  # send the input gradient to the previous stage (non-blocking)
+    RECV_B = "RECV_B"  # receive the output gradient from the next stage (blocking)
+
+
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W})
+COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+
+# For each communication kind: the stage offset of its peer and the kind the peer runs.
+_PEER = {
+    Kind.SEND_F: (+1, Kind.RECV_F),
+    Kind.RECV_F: (-1, Kind.SEND_F),
+    Kind.SEND_B: (-1, Kind.RECV_B),
+    Kind.RECV_B: (+1, Kind.SEND_B),
+}
+
+# Canonical form only (no leading zeros, no ".0"), so that str(parse(s)) == s for every accepted s
+# and two equal actions always print the same.
+_ACTION_RE = re.compile(
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(?P<mb>0|[1-9]\d*)(?:\.(?P<chunk>[1-9]\d*))?"
+)
+_KINDS_HELP = ", ".join(kind.value for kind in Kind)
+
+
+@attrs.frozen(repr=False)
+class Action:
+    """One schedule step on one stage.
+
+    ``mb`` is the microbatch index (0-based); ``chunk`` is the model chunk on this stage (the
+    virtual stage index of an interleaved schedule; 0 for non-interleaved schedules).
+    """
+
+    kind: Kind = attrs.field(validator=attrs.validators.instance_of(Kind))
+    mb: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
+    chunk: int = attrs.field(
+        default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)]
+    )
+
+    def __str__(self) -> str:
+        suffix = f".{self.chunk}" if self.chunk else ""
+        return f"{self.kind.value}{self.mb}{suffix}"
+
+    def __repr__(self) -> str:
+        # Compact in pytest diffs and still evaluable.
+        return f"Action.parse({str(self)!r})"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        """Inverse of ``str``: ``"F3"``, ``"SEND_B0.2"``; raises ScheduleError on anything else."""
+        match = _ACTION_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+        if match is None:
+            raise ScheduleError(
+                f"bad action {text!r}: expected KIND MB[.CHUNK] in canonical form, KIND one of "
+                f"{_KINDS_HELP} (e.g. 'F3', 'SEND_B0.2'; chunk 0 is written without '.0')"
+            )
+        chunk = match["chunk"]
+        return cls(Kind(match["kind"]), int(match["mb"]), int(chunk) if chunk else 0)
+
+
+Event = tuple[int, Action]
+"""``(stage, action)``: "this action has run on this stage"; the unit of dependencies."""
+
+Schedule = list[list[Action]]
+
+
+def format_actions(actions: Iterable[Action]) -> str:
+    """``[F0, F1, B0]`` -> ``"F0 F1 B0"``."""
+    return " ".join(str(action) for action in actions)
+
+
+def parse_actions(text: str) -> list[Action]:
+    """Inverse of ``format_actions``: whitespace-separated actions."""
+    actions = []
+    for position, token in enumerate(text.split()):
+        try:
+            actions.append(Action.parse(token))
+        except ScheduleError as error:
+            raise ScheduleError(f"action {position}: {error}") from None
+    return actions
+
+
+# --------------------------------------------------------------------------- generators
+
+
+def _check_counts(num_stages: int, num_microbatches: int) -> None:
+    if num_stages < 1 or num_microbatches < 1:
+        raise ValueError(
+            f"need num_stages >= 1 and num_microbatches >= 1, "
+            f"got num_stages={num_stages}, num_microbatches={num_microbatches}"
+        )
+
+
+def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+    """GPipe: every stage runs all forwards, then all backwards, both in microbatch order.
+
+    Simple, but holds the activations of all microbatches at once.
+    """
+    _check_counts(num_stages, num_microbatches)
+    forwards = [Action(Kind.F, mb) for mb in range(num_microbatches)]
+    backwards = [Action(Kind.B, mb) for mb in range(num_microbatches)]
+    return [forwards + backwards for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+    """Non-interleaved 1F1B (PipeDream-flush), compute only.
+
+    Stage s runs ``warmup = min(num_stages - s - 1, M)`` forwards, then alternates F then B
+    until every forward has run, then the remaining backwards. This is the order of PyTorch's
+    ``Schedule1F1B`` (which counts ``num_stages - s`` warmup forwards and then alternates B, F),
+    and it caps the microbatches in flight on stage s at ``num_stages - s``.
+    """
+    _check_counts(num_stages, num_microbatches)
+    return [
+        _one_f_one_b_stage(min(num_stages - stage - 1, num_microbatches), num_microbatches)
+        for stage in range(num_stages)
+    ]
+
+
+def _one_f_one_b_stage(warmup: int, num_microbatches: int) -> list[Action]:
+    actions = [Action(Kind.F, mb) for mb in range(warmup)]
+    for step in range(num_microbatches - warmup):
+        actions += [Action(Kind.F, warmup + step), Action(Kind.B, step)]
+    actions += [Action(Kind.B, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
+    return actions
+
+
+_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def compute_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """Compute-only schedule of the named kind (``"gpipe"`` or ``"1f1b"``)."""
+    try:
+        generator = _GENERATORS[kind]
+    except KeyError:
+        raise ValueError(
+            f"unknown schedule {kind!r} (known: {', '.join(sorted(_GENERATORS))})"
+        ) from None
+    return generator(num_stages, num_microbatches)
+
+
+def lower(compute: Sequence[Sequence[Action]]) -> Schedule:
+    """Add the communication of a linear pipeline to a compute-only schedule.
+
+    Receives go right before the compute that needs them and sends right after the compute that
+    produces them, so each stage blocks as late and sends as early as its own order allows.
+    """
+    last = len(compute) - 1
+    lowered = []
+    for stage, actions in enumerate(compute):
+        out: list[Action] = []
+        for action in actions:
+            if action.kind in COMM_KINDS:
+                raise ScheduleError(
+                    f"lower: stage {stage} already has communication ({action}); "
+                    "lower takes a compute-only schedule"
+                )
+            same = (action.mb, action.chunk)
+            if action.kind is Kind.F:
+                out += [Action(Kind.RECV_F, *same)] if stage > 0 else []
+                out += [action]
+                out += [Action(Kind.SEND_F, *same)] if stage < last else []
+            elif action.kind is Kind.B:
+                out += [Action(Kind.RECV_B, *same)] if stage < last else []
+                out += [action]
+                out += [Action(Kind.SEND_B, *same)] if stage > 0 else []
+            else:
+                out.append(action)
+        lowered.append(out)
+    return lowered
+
+
+def build(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
+    """The runnable schedule: ``lower(compute_schedule(kind, num_stages, num_microbatches))``."""
+    return lower(compute_schedule(kind, num_stages, num_microbatches))
+
+
+# --------------------------------------------------------------------------- dependencies
+
+
+def requirements(
+    stage: int, action: Action, num_stages: int, *, lowered: bool = True
+) -> tuple[Event, ...]:
+    """The events that must have run before ``action`` can run on ``stage``.
+
+    This is the single statement of the semantics: the validator, the lockstep simulator and a
+    cost model all read dependencies from here. ``lowered=False`` reads a compute-only schedule,
+    where the cross-stage data dependency is direct instead of through SEND/RECV.
+    """
+    last = num_stages - 1
+    same = (action.mb, action.chunk)
+    kind = action.kind
+    if kind is Kind.F:
+        if stage == 0:
+            return ()
+        return ((stage, Action(Kind.RECV_F, *same)),) if lowered else ((stage - 1, action),)
+    if kind is Kind.B:
+        own = (stage, Action(Kind.F, *same))
+        if stage == last:
+            return (own,)
+        after = (stage, Action(Kind.RECV_B, *same)) if lowered else (stage + 1, action)
+        return (own, after)
+    if kind is Kind.W:
+        return ((stage, Action(Kind.B, *same)),)
+    if kind is Kind.SEND_F:
+        return ((stage, Action(Kind.F, *same)),)
+    if kind is Kind.SEND_B:
+        return ((stage, Action(Kind.B, *same)),)
+    return (peer(stage, action),)  # a RECV waits for its SEND
+
+
+def peer(stage: int, action: Action) -> Event:
+    """The matching action of a SEND or RECV on the adjacent stage (which may not exist)."""
+    offset, kind = _PEER[action.kind]
+    return stage + offset, Action(kind, action.mb, action.chunk)
+
+
+def _is_lowered(schedule: Sequence[Sequence[Action]]) -> bool:
+    return any(action.kind in COMM_KINDS for actions in schedule for action in actions)
+
+
+# --------------------------------------------------------------------------- grid
+
+
+_MARK = " <-- ERROR HERE"
+
+
+def format_grid(schedule: Sequence[Sequence[Action]], mark: dict[int, int] | None = None) -> str:
+    """A table with one column per stage and one row per action index.
+
+    ``mark={stage: index}`` appends ``<-- ERROR HERE`` to those cells; columns stay aligned.
+    """
+    mark = mark or {}
+    num_rows = max((len(actions) for actions in schedule), default=0)
+    columns = []
+    for stage, actions in enumerate(schedule):
+        cells = [str(action) for action in actions] + [""] * (num_rows - len(actions))
+        if stage in mark and 0 <= mark[stage] < num_rows:
+            cells[mark[stage]] += _MARK
+        columns.append([f"stage {stage}"] + cells)
+    labels = ["step"] + [str(index) for index in range(num_rows)]
+    widths = [max(len(cell) for cell in column) for column in [labels] + columns]
+    lines = []
+    for row, label in enumerate(labels):
+        cells = [label.rjust(widths[0])]
+        cells += [column[row].ljust(width) for column, width in zip(columns, widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _error(
+    schedule: Sequence[Sequence[Action]], what: str, mark: dict[int, int] | None = None
+) -> ScheduleError:
+    """A ScheduleError: one line saying what is wrong, then the grid with the failing step(s)."""
+    return ScheduleError(f"{what}\n{format_grid(schedule, mark)}")
+
+
+# --------------------------------------------------------------------------- simulation
+
+
+@attrs.frozen
+class _Run:
+    """What a lockstep run did: ``rounds[r]`` lists the ``(stage, index)`` that ran in round r.
+
+    ``stuck`` maps each stage that did not finish to the index of the action it waits at.
+    """
+
+    rounds: list[list[tuple[int, int]]]
+    stuck: dict[int, int]
+
+
+def _lockstep(schedule: Sequence[Sequence[Action]]) -> _Run:
+    """Run all stages in rounds: each stage runs actions while the next one is ready.
+
+    A cross-stage requirement counts only if it ran in an earlier round, so the rounds do not
+    depend on the order stages are visited in, and a message takes at least one round. The
+    flattened rounds are a topological order of all events: every requirement of an action comes
+    before it. A cost model is a fold over that order (start = max(stage free time, end of each
+    requirement + its link time)), so it reuses this loop and ``requirements`` unchanged.
+    """
+    num_stages = len(schedule)
+    lowered = _is_lowered(schedule)
+    next_index = [0] * num_stages
+    ran_in: dict[Event, int] = {}  # event -> round it ran in
+    rounds: list[list[tuple[int, int]]] = []
+
+    def ready(stage: int, action: Action, this_round: int) -> bool:
+        return all(
+            event in ran_in and (event[0] == stage or ran_in[event] < this_round)
+            for event in requirements(stage, action, num_stages, lowered=lowered)
+        )
+
+    while True:
+        this_round = len(rounds)
+        ran: list[tuple[int, int]] = []
+        for stage, actions in enumerate(schedule):
+            while next_index[stage] < len(actions) and ready(
+                stage, actions[next_index[stage]], this_round
+            ):
+                ran_in[(stage, actions[next_index[stage]])] = this_round
+                ran.append((stage, next_index[stage]))
+                next_index[stage] += 1
+        if not ran:
+            break
+        rounds.append(ran)
+    stuck = {s: i for s, i in enumerate(next_index) if i < len(schedule[s])}
+    return _Run(rounds, stuck)
+
+
+def _deadlock_message(schedule: Sequence[Sequence[Action]], stuck: dict[int, int]) -> str:
+    """One line naming the first stuck stage, what it waits for and why that never comes."""
+    num_stages = len(schedule)
+    lowered = _is_lowered(schedule)
+    stage, index = min(stuck.items())
+    action = schedule[stage][index]
+    waits = f"deadlock: stage {stage} waits at {action} (step {index})"
+    for other, needed in requirements(stage, action, num_stages, lowered=lowered):
+        if other == stage:
+            if needed in schedule[stage][:index]:
+                continue  # already ran: actions before the stuck one all did
+            # Only possible without validate's static checks (simulate_order on raw input).
+            return f"{waits} for its own {needed}, which is not before it on stage {stage}"
+        if not 0 <= other < num_stages:
+            return f"{waits} for {needed} on stage {other}, which does not exist"
+        if other not in stuck or needed not in schedule[other][stuck[other] :]:
+            if needed not in schedule[other]:
+                return f"{waits} for {needed} on stage {other}, which stage {other} never does"
+            continue
+        blocked = schedule[other][stuck[other]]
+        return (
+            f"{waits} for {needed} on stage {other}, which never comes "
+            f"(stage {other} is stuck at {blocked}, step {stuck[other]})"
+        )
+    return f"{waits}, which never becomes ready"
+
+
+def _check_no_duplicates(schedule: Sequence[Sequence[Action]]) -> None:
+    # Events are keyed by (stage, action): a repeated action would make them ambiguous.
+    for stage, actions in enumerate(schedule):
+        seen: dict[Action, int] = {}
+        for index, action in enumerate(actions):
+            if action in seen:
+                raise _error(
+                    schedule,
+                    f"stage {stage} runs {action} twice (steps {seen[action]} and {index})",
+                    {stage: index},
+                )
+            seen[action] = index
+
+
+def simulate_order(schedule: Sequence[Sequence[Action]]) -> list[list[tuple[int, int]]]:
+    """The lockstep order: ``result[r]`` lists the ``(stage, index)`` pairs run in round r.
+
+    Raises ScheduleError on a repeated action or a deadlock; ``validate`` checks the rest.
+    """
+    _check_types(schedule)
+    _check_no_duplicates(schedule)
+    run = _lockstep(schedule)
+    if run.stuck:
+        raise _error(schedule, _deadlock_message(schedule, run.stuck), run.stuck)
+    return run.rounds
+
+
+# --------------------------------------------------------------------------- validator
+
+
+def _check_types(schedule: Sequence[Sequence[Action]]) -> None:
+    if not schedule:
+        raise ScheduleError("schedule has no stages")
+    for stage, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            if not isinstance(action, Action):
+                raise ScheduleError(
+                    f"stage {stage} step {index}: {action!r} is not an Action "
+                    "(use Action.parse or parse_actions for strings)"
+                )
+
+
+def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> None:
+    """Every microbatch index is in range and every stage runs F and B once per (mb, chunk)."""
+    for stage, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            if action.mb >= num_microbatches:
+                raise _error(
+                    schedule,
+                    f"stage {stage} step {index}: {action} names microbatch {action.mb}, "
+                    f"but there are {num_microbatches} (0..{num_microbatches - 1})",
+                    {stage: index},
+                )
+    num_chunks = 1 + max((action.chunk for actions in schedule for action in actions), default=0)
+    rule = f"every stage runs F and B exactly once per microbatch 0..{num_microbatches - 1}"
+    if num_chunks > 1:
+        rule += f" and chunk 0..{num_chunks - 1}"
+    for stage, actions in enumerate(schedule):
+        present = set(actions)
+        for chunk in range(num_chunks):
+            for mb in range(num_microbatches):
+                for kind in (Kind.F, Kind.B):
+                    if Action(kind, mb, chunk) not in present:
+                        missing = Action(kind, mb, chunk)
+                        raise _error(schedule, f"stage {stage} is missing {missing} ({rule})")
+
+
+def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
+    """Own-stage requirements come earlier; cross-stage ones exist; every SEND has its RECV."""
+    num_stages = len(schedule)
+    lowered = _is_lowered(schedule)
+    positions = [{action: index for index, action in enumerate(actions)} for actions in schedule]
+    for stage, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            here = f"stage {stage} step {index}: {action}"
+            if action.kind in COMM_KINDS:
+                other, match = peer(stage, action)
+                if not 0 <= other < num_stages:
+                    side = "previous" if other < stage else "next"
+                    raise _error(
+                        schedule,
+                        f"{here} talks to stage {other}, but stage {stage} has no {side} stage",
+                        {stage: index},
+                    )
+                if match not in positions[other]:
+                    raise _error(
+                        schedule,
+                        f"{here} has no matching {match} on stage {other}",
+                        {stage: index},
+                    )
+            for other, needed in requirements(stage, action, num_stages, lowered=lowered):
+                if other != stage:
+                    continue  # cross-stage: checked above (comm) or by coverage (compute-only)
+                where = positions[stage].get(needed)
+                if where is None:
+                    raise _error(
+                        schedule, f"{here} needs {needed} first, which stage {stage} never does",
+                        {stage: index},
+                    )
+                if where > index:
+                    raise _error(
+                        schedule,
+                        f"{here} needs {needed} first, but {needed} comes later (step {where})",
+                        {stage: index},
+                    )
+
+
+def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> None:
+    """Check a schedule completely; raise ScheduleError (what is wrong, then the grid) if not.
+
+    Static checks first (types, repeats, F/B coverage, order on each stage, SEND/RECV pairing),
+    because they give the most precise message; then a lockstep simulation of all stages finds
+    deadlocks.
+    """
+    if num_microbatches < 1:
+        raise ScheduleError(f"num_microbatches must be >= 1, got {num_microbatches}")
+    _check_types(schedule)
+    _check_no_duplicates(schedule)
+    _check_microbatches(schedule, num_microbatches)
+    _check_dependencies(schedule)
+    simulate_order(schedule)
