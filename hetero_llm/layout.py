@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import math
 import os
 import re
 import sys
@@ -186,7 +187,15 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -
     p = Path(path)
     if not p.is_file():
         raise LayoutError(file, "", "no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)")
-    text = p.read_text()
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise LayoutError(file, "", f"cannot read the file: {e.strerror} (check its permissions)") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise LayoutError(file, "", f"line {line} is not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
     if not text.strip():
         raise LayoutError(file, "", "file is empty (start from layouts/quickstart.toml)")
     try:
@@ -257,7 +266,8 @@ def _build(cls: type, table: Any, path: str, file: str) -> Any:
         nested = _NESTED.get((cls, f.name))
         if nested is not None:
             if not isinstance(value, list) or not value:
-                raise LayoutError(file, where, f"expected one or more [[{where.split('[')[0]}]] tables")
+                array = re.sub(r"\[\d+\]", "", where)  # pipelines[0].stages -> pipelines.stages
+                raise LayoutError(file, where, f"expected one or more [[{array}]] tables")
             kwargs[f.name] = tuple(_build(nested, t, f"{where}[{i}]", file) for i, t in enumerate(value))
         else:
             kwargs[f.name] = _convert(value, f.type, where, file)
@@ -275,26 +285,44 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
                 "DataKind": DataKind, "Backend": Backend}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
-        if not isinstance(value, str) or value not in choices:
-            close = difflib.get_close_matches(str(value), choices, n=1)
+        if not isinstance(value, str):
+            raise LayoutError(file, where, f"expected a string, got {_type_name(value)} (choose one of: {', '.join(choices)})")
+        if value not in choices:
+            # case-insensitive first: "1F1B" and "GPipe" are the likeliest slips
+            lowered = {c.lower(): c for c in choices}
+            close = [lowered[value.lower()]] if value.lower() in lowered else \
+                difflib.get_close_matches(value.lower(), choices, n=1)
             hint = f"did you mean '{close[0]}'? " if close else ""
             raise LayoutError(file, where, f"unknown value {value!r} ({hint}choose one of: {', '.join(choices)})")
         return enum_cls(value)
-    if annotation == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise LayoutError(file, where, f"expected an integer, got {_type_name(value)}")
-        return value
-    if annotation == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise LayoutError(file, where, f"expected a number, got {_type_name(value)}")
-        return float(value)
+    if annotation in ("int", "float"):
+        wanted = "an integer" if annotation == "int" else "a number"
+        ok = (int,) if annotation == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, ok):
+            fix = ""
+            if isinstance(value, str):
+                try:
+                    unquoted = tomllib.loads(f"v = {value}")["v"]
+                except tomllib.TOMLDecodeError:
+                    unquoted = None
+                if isinstance(unquoted, ok) and not isinstance(unquoted, bool):
+                    fix = " (remove the quotes)"
+            elif annotation == "int" and isinstance(value, float) and value.is_integer():
+                fix = f" (write {int(value)})"
+            raise LayoutError(file, where, f"expected {wanted}, got {_type_name(value)}{fix}")
+        if annotation == "float" and not math.isfinite(value):
+            raise LayoutError(file, where, f"expected a finite number, got {value!r}")
+        return value if annotation == "int" else float(value)
     if annotation == "str":
         if not isinstance(value, str):
-            raise LayoutError(file, where, f"expected a string, got {_type_name(value)}")
+            raise LayoutError(file, where, f"expected a string, got {_type_name(value)} (put it in quotes)")
         return value
     if annotation == "tuple[str, ...]":
-        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-            raise LayoutError(file, where, f"expected an array of strings, got {_type_name(value)}")
+        if not isinstance(value, list):
+            raise LayoutError(file, where, f"expected an array of strings, got {_type_name(value)} (put the values in [ ], each in quotes)")
+        for i, v in enumerate(value):
+            if not isinstance(v, str):
+                raise LayoutError(file, f"{where}[{i}]", f"expected a string, got {_type_name(v)} (put it in quotes)")
         return tuple(value)
     raise TypeError(f"layout field type {annotation!r} has no converter")  # a bug here, not user input
 
@@ -309,16 +337,18 @@ _SEGMENT = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)(?:\[(\d+)\])?$")
 def _apply_override(raw: dict, item: str, file: str) -> None:
     """Apply ``a.b[0].c=value`` (``a.b.0.c`` also accepted); the value is parsed as TOML."""
     if "=" not in item:
-        raise LayoutError(file, f"--set {item}", "expected KEY=VALUE, e.g. --set train.steps=5")
+        raise LayoutError(file, f"--set {item}", "expected KEY=VALUE (e.g. --set train.steps=5)")
     key, _, text = item.partition("=")
     key = key.strip()
+    if not key:
+        raise LayoutError(file, f"--set {item}", "no key before '=' (e.g. --set train.steps=5)")
     try:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # bare words are strings: --set data.kind=text
     segments: list[str | int] = []
     for part in key.split("."):
-        if part.isdigit():
+        if part.isascii() and part.isdigit():
             segments.append(int(part))
             continue
         m = _SEGMENT.match(part)
@@ -329,27 +359,43 @@ def _apply_override(raw: dict, item: str, file: str) -> None:
             segments.append(int(m.group(2)))
     _check_override_path(segments, key, file)
     node: Any = raw
-    for i, seg in enumerate(segments[:-1]):
-        nxt = segments[i + 1]
+    done = ""  # the part of the key walked so far, for messages
+    for i, seg in enumerate(segments):
         if isinstance(seg, int):
-            if not isinstance(node, list) or seg >= len(node):
-                have = len(node) if isinstance(node, list) else 0
-                raise LayoutError(file, f"--set {key}", f"index {seg} out of range (the file has {have})")
+            if not isinstance(node, list):
+                raise LayoutError(file, f"--set {key}", f"'{done}' is not an array (drop the index [{seg}])")
+            if seg >= len(node):
+                have = f"{done} has {len(node)} entr{'y' if len(node) == 1 else 'ies'}"
+                fix = f"use an index below {len(node)}" if node else "add one to the file first"
+                raise LayoutError(file, f"--set {key}", f"index {seg} is out of range: {have} ({fix})")
+            if i == len(segments) - 1:
+                if isinstance(node[seg], dict):
+                    raise LayoutError(file, f"--set {key}", "cannot replace a whole table (set one of its keys)")
+                node[seg] = value  # one entry of a plain array: --set pipelines.0.stages.0.devices.0=node0:1
+                return
             node = node[seg]
-        else:
-            node = node.setdefault(seg, [] if isinstance(nxt, int) else {})
-    last = segments[-1]
-    if isinstance(last, int):
-        raise LayoutError(file, f"--set {key}", "cannot replace a whole array element; set one of its keys")
-    node[last] = value
+            done += f"[{seg}]"
+            continue
+        if isinstance(node, list):
+            raise LayoutError(file, f"--set {key}", f"'{done}' is an array of tables (pick one, e.g. {done}[0].{seg})")
+        if not isinstance(node, dict):
+            raise LayoutError(file, f"--set {key}", f"'{done}' is a value, not a table (set '{done}' itself)")
+        if i == len(segments) - 1:
+            node[seg] = value
+            return
+        node = node.setdefault(seg, [] if isinstance(segments[i + 1], int) else {})
+        done = f"{done}.{seg}" if done else seg
 
 
 def _check_override_path(segments: list[str | int], key: str, file: str) -> None:
     """Reject --set keys that are not in the schema, even where the file leaves them at a default."""
     cls: type | None = None
-    for seg in segments:
+    for n, seg in enumerate(segments):
         if isinstance(seg, int):
             continue
+        if cls is None and n > 0:  # the previous key was a value, not a table
+            done = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in segments[:n]).lstrip(".")
+            raise LayoutError(file, f"--set {key}", f"'{done}' is a value, not a table (set '{done}' itself)")
         if cls is None:
             allowed = list(_SECTIONS) + ["pipelines"]
             if seg not in allowed:
@@ -387,11 +433,24 @@ def validate(layout: Layout) -> None:
     if m.hidden % m.heads:
         raise LayoutError(f, "model.heads", f"{m.heads} heads do not divide hidden {m.hidden} (pick a divisor of {m.hidden})")
     if m.position is Position.ROPE and m.head_dim % 2:
-        raise LayoutError(f, "model.heads", f"rope needs an even head size, got {m.head_dim} (hidden / heads)")
-    if t.lr < 0 or t.min_lr < 0:
-        raise LayoutError(f, "train.lr", f"learning rates must be >= 0, got lr={t.lr}, min_lr={t.min_lr}")
+        raise LayoutError(f, "model.heads", f"rope needs an even head size (hidden / heads), got {m.head_dim} "
+                          f"(pick heads so that {m.hidden} / heads is even, or position = 'learned')")
+    _positive(layout, t, "train", ["seed"], minimum=0)  # numpy seeds the data stream; it rejects negatives
+    for name in ("lr", "min_lr", "weight_decay", "eps"):
+        if getattr(t, name) < 0:
+            raise LayoutError(f, f"train.{name}", f"must be >= 0, got {getattr(t, name)}")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(t, name) < 1:
+            raise LayoutError(f, f"train.{name}", f"must be in [0, 1), got {getattr(t, name)} (AdamW's usual values: 0.9, 0.95)")
     if t.grad_clip < 0:
         raise LayoutError(f, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
+    if m.init_std < 0:
+        raise LayoutError(f, "model.init_std", f"must be >= 0, got {m.init_std}")
+    if d.kind is DataKind.GRAMMAR:
+        _positive(layout, d, "data", ["grammar_seed"], minimum=0)  # numpy rejects negative seeds
+        if d.path:  # a forgotten data.kind would otherwise train on the grammar without a word
+            raise LayoutError(f, "data.path", "is set but data.kind is 'grammar', which reads no file "
+                              "(set data.kind = 'text' or 'jsonl', or remove data.path)")
     _validate_data(layout)
 
     # cluster
@@ -404,15 +463,19 @@ def validate(layout: Layout) -> None:
             raise LayoutError(f, f"cluster.nodes[{i}].name", f"node '{node.name}' is declared twice (give each node its own name)")
         seen_nodes.add(node.name)
         if not node.devices:
-            raise LayoutError(f, f"cluster.nodes[{i}].devices", "a node needs at least one device")
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", "a node needs at least one device (e.g. devices = [\"cpu\"])")
         for j, dev in enumerate(node.devices):
-            if not re.fullmatch(r"cpu|cuda:\d+", dev):
+            if not re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", dev):
                 raise LayoutError(f, f"cluster.nodes[{i}].devices[{j}]", f"unknown device '{dev}' (use 'cpu' or 'cuda:N')")
         cuda = [dv for dv in node.devices if dv != "cpu"]
         if len(set(cuda)) != len(cuda):
-            raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)}")
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)} (list each GPU once)")
+        if not node.host.strip():
+            raise LayoutError(f, f"cluster.nodes[{i}].host", "is empty (give the address other nodes reach this host at, e.g. '127.0.0.1')")
     if c.master and c.master not in names:
-        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node (nodes: {', '.join(names)})")
+        close = difflib.get_close_matches(c.master, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node ({hint}nodes: {', '.join(names)})")
     if not 1 <= c.port <= 65535:
         raise LayoutError(f, "cluster.port", f"must be a TCP port 1..65535, got {c.port}")
     if c.timeout_s <= 0:
@@ -420,6 +483,7 @@ def validate(layout: Layout) -> None:
 
     # pipelines
     used: dict[str, str] = {}
+    gpus: dict[tuple[str, str], str] = {}  # (host, 'cuda:N') -> device id, for NCCL's one rank per GPU
     total_batch = 0
     for pi, pipe in enumerate(layout.pipelines):
         pp = f"pipelines[{pi}]"
@@ -434,18 +498,29 @@ def validate(layout: Layout) -> None:
             _positive(layout, stage, sp, ["layers"])
             layer_sum += stage.layers
             if not stage.devices:
-                raise LayoutError(f, f"{sp}.devices", "a stage needs at least one device")
+                raise LayoutError(f, f"{sp}.devices", "a stage needs at least one device (list device ids, e.g. [\"node0:0\"])")
             tp = stage.tp
             if m.heads % tp:
                 raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide heads ({m.heads}) (use a TP size dividing {m.heads})")
             if m.ffn_width % tp:
-                raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide the MLP width ({m.ffn_width})")
+                raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide the MLP width ({m.ffn_width}) "
+                                  f"(use a TP size dividing {m.ffn_width}, or a model.ffn divisible by {tp})")
             for di, dev in enumerate(stage.devices):
                 where = f"{sp}.devices[{di}]"
                 _check_device_id(layout, dev, where)
                 if dev in used:
                     raise LayoutError(f, where, f"device '{dev}' is already used by {used[dev]} (each device runs one rank)")
                 used[dev] = sp
+                node_name, _, index = dev.partition(":")
+                node = c.node(node_name)
+                local = node.devices[int(index)]
+                if c.backend is Backend.NCCL and local == "cpu":
+                    raise LayoutError(f, where, f"device '{dev}' is 'cpu' but cluster.backend is 'nccl' "
+                                      "(NCCL needs CUDA devices: list 'cuda:N' devices or use backend = 'gloo')")
+                if c.backend is Backend.NCCL and gpus.setdefault((node.host, local), dev) != dev:
+                    other = gpus[(node.host, local)]
+                    raise LayoutError(f, where, f"device '{dev}' is {local} on host {node.host}, like '{other}' "
+                                      "(NCCL runs one rank per GPU: give each rank its own GPU, or use backend = 'gloo')")
         if layer_sum != m.layers:
             counts = " + ".join(str(s.layers) for s in pipe.stages)
             raise LayoutError(f, f"{pp}.stages", f"stage layers sum to {layer_sum} ({counts}) but model.layers is {m.layers} "
@@ -459,7 +534,7 @@ def validate(layout: Layout) -> None:
 def _check_device_id(layout: Layout, dev: str, where: str) -> None:
     c = layout.cluster
     node_name, sep, index = dev.partition(":")
-    if not sep or not index.isdigit():
+    if not sep or not re.fullmatch(r"0|[1-9][0-9]*", index):
         raise LayoutError(layout.file, where, f"'{dev}' is not a device id (write 'node:index', e.g. '{c.nodes[0].name}:0')")
     known = {n.name: len(n.devices) for n in c.nodes}
     if node_name not in known or int(index) >= known[node_name]:
@@ -473,13 +548,14 @@ def _validate_data(layout: Layout) -> None:
         _positive(layout, d, "data", ["grammar_vocab"], minimum=2)
         _positive(layout, d, "data", ["branching"])
         if d.branching > d.grammar_vocab:
-            raise LayoutError(f, "data.branching", f"{d.branching} exceeds grammar_vocab {d.grammar_vocab}")
+            raise LayoutError(f, "data.branching", f"{d.branching} exceeds grammar_vocab {d.grammar_vocab} (use at most {d.grammar_vocab})")
         if m.vocab < d.grammar_vocab:
             raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than data.grammar_vocab {d.grammar_vocab} "
                               f"(set model.vocab >= {d.grammar_vocab})")
         return
     if not d.path:
-        raise LayoutError(f, "data.path", f"data.kind '{d.kind.value}' needs a path to a .{d.kind.value if d.kind is DataKind.JSONL else 'txt'} file")
+        raise LayoutError(f, "data.path", f"data.kind '{d.kind.value}' needs a file (set data.path to a "
+                          f".{d.kind.value if d.kind is DataKind.JSONL else 'txt'} file, relative to the layout file)")
     if not Path(d.path).is_file():
         raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
     if m.vocab < 256:

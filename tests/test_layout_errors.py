@@ -1,0 +1,194 @@
+"""Every bad layout gets one located line on stderr and exit code 2; every good layout dry-runs.
+
+The bad inputs are files in ``tests/bad_layouts/``, one case each, whose first line is
+``# expect: <the line after 'error: '>`` with the layout's path written ``{file}`` (and its folder
+``{dir}``). Messages are compared exactly: they are the interface a user reads.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hetero_llm import layout
+from hetero_llm.cli import main
+from hetero_llm.errors import LayoutError
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+BAD = sorted((TESTS / "bad_layouts").glob("*.toml"))
+GOOD = sorted((REPO / "layouts").glob("*.toml"))
+QUICKSTART = REPO / "layouts" / "quickstart.toml"
+RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
+
+
+def _runner() -> CliRunner:
+    # click < 8.2 mixes stderr into output unless told not to; 8.2 removed the flag and always separates
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
+        return CliRunner(mix_stderr=False)
+    return CliRunner()
+
+
+def invoke(*args: str):
+    return _runner().invoke(main, [str(a) for a in args])
+
+
+def expected_line(path: Path) -> str:
+    first = path.read_bytes().split(b"\n", 1)[0].decode("ascii")
+    prefix = "# expect: "
+    assert first.startswith(prefix), f"{path.name}: first line must be '{prefix}<message>'"
+    return first[len(prefix):].replace("{file}", str(path)).replace("{dir}", str(path.parent))
+
+
+def assert_one_error_line(result, expected: str) -> None:
+    # CliRunner catches exceptions rather than printing them: an unexpected one shows here, not as a traceback
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert result.stderr == f"error: {expected}\n"
+    assert result.exit_code == 2
+
+
+def test_corpus_is_there():
+    assert len(BAD) >= 40
+    assert all(p.read_bytes().startswith(b"# expect: ") for p in BAD)
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_layout_file(path: Path):
+    assert_one_error_line(invoke(path, "--dry-run"), expected_line(path))
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_layout_raises_located_error(path: Path):
+    """The library raises a LayoutError whose parts are what the CLI prints."""
+    with pytest.raises(LayoutError) as info:
+        layout.load(path)
+    assert str(info.value) == expected_line(path)
+    assert info.value.file == str(path)
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", "   \n\t\n"], ids=["empty", "newlines", "whitespace"])
+def test_empty_file(tmp_path: Path, content: str):
+    path = tmp_path / "empty.toml"
+    path.write_text(content)
+    assert_one_error_line(invoke(path, "--dry-run"), f"{path}: file is empty (start from layouts/quickstart.toml)")
+
+
+def test_missing_layout_file(tmp_path: Path):
+    path = tmp_path / "no_such_layout.toml"
+    expected = f"{path}: no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+    assert_one_error_line(invoke(path, "--dry-run"), expected)
+
+
+def test_loads_names_its_file():
+    with pytest.raises(LayoutError) as info:
+        layout.loads('[modle]\nlayers = 2\n', file="inline.toml")
+    assert str(info.value) == "inline.toml: modle: unknown section 'modle' (did you mean 'model'?)"
+    assert (info.value.file, info.value.path) == ("inline.toml", "modle")
+
+
+# ------------------------------------------------------------------------------------ --set
+
+
+SET_ERRORS = {
+    "train.stpes=5": "--set train.stpes: unknown key 'stpes' (did you mean 'steps'?)",
+    "trian.steps=5": "--set trian.steps: unknown section 'trian' (did you mean 'train'?)",
+    "optimizer.lr=1": "--set optimizer.lr: unknown section 'optimizer'",
+    "pipelines[0].stages[0].layer=3": "--set pipelines[0].stages[0].layer: unknown key 'layer' (did you mean 'layers'?)",
+    "pipelines.0.microbatch=2": "--set pipelines.0.microbatch: unknown key 'microbatch' (did you mean 'microbatches'?)",
+    "train.steps": "--set train.steps: expected KEY=VALUE (e.g. --set train.steps=5)",
+    "=5": "--set =5: no key before '=' (e.g. --set train.steps=5)",
+    "train.st eps=1": "--set train.st eps: cannot parse key segment 'st eps' (use e.g. pipelines[0].batch)",
+    "pipelines[5].batch=2": "--set pipelines[5].batch: index 5 is out of range: pipelines has 1 entry (use an index below 1)",
+    "pipelines.5.batch=2": "--set pipelines.5.batch: index 5 is out of range: pipelines has 1 entry (use an index below 1)",
+    "pipelines[0].stages[7].layers=1":
+        "--set pipelines[0].stages[7].layers: index 7 is out of range: pipelines[0].stages has 2 entries (use an index below 2)",
+    "pipelines.batch=3": "--set pipelines.batch: 'pipelines' is an array of tables (pick one, e.g. pipelines[0].batch)",
+    "train[0].steps=1": "--set train[0].steps: 'train' is not an array (drop the index [0])",
+    "train.steps.x=1": "--set train.steps.x: 'train.steps' is a value, not a table (set 'train.steps' itself)",
+    "pipelines[0]=1": "--set pipelines[0]: cannot replace a whole table (set one of its keys)",
+    # a --set that parses but makes the layout invalid gets the normal validation message
+    "train.steps=0": "train.steps: must be >= 1, got 0",
+    "train.steps=five": "train.steps: expected an integer, got a string ('five')",
+    "train.schedule=1F1B": "train.schedule: unknown value '1F1B' (did you mean '1f1b'? choose one of: gpipe, 1f1b)",
+    "pipelines[0].batch=12": "pipelines: pipeline batches sum to 12 (12) but train.global_batch is 16 (make them add up to 16)",
+    "data.kind=text": "data.path: data.kind 'text' needs a file (set data.path to a .txt file, relative to the layout file)",
+    "pipelines.0.stages.1.devices.0=node0:0":
+        "pipelines[0].stages[1].devices[0]: device 'node0:0' is already used by pipelines[0].stages[0] (each device runs one rank)",
+}
+
+
+@pytest.mark.parametrize("item", list(SET_ERRORS))
+def test_set_error(item: str):
+    result = invoke(QUICKSTART, "--dry-run", "--set", item)
+    assert_one_error_line(result, f"{QUICKSTART}: {SET_ERRORS[item]}")
+
+
+@pytest.mark.parametrize(
+    "items, check",
+    [
+        (["train.steps=5"], lambda lay: lay.train.steps == 5),
+        (["pipelines[0].microbatches=2"], lambda lay: lay.pipelines[0].microbatches == 2),
+        (["pipelines.0.batch=8", "train.global_batch=8"], lambda lay: (lay.pipelines[0].batch, lay.train.global_batch) == (8, 8)),
+        (["train.schedule=gpipe"], lambda lay: lay.train.schedule is layout.Schedule.GPIPE),  # bare word: a string
+        (["pipelines[0].stages[0].layers=2", "pipelines[0].stages[1].layers=2"],
+         lambda lay: [s.layers for s in lay.pipelines[0].stages] == [2, 2]),
+        (['pipelines.0.stages.0.devices=["node0:1"]', 'pipelines.0.stages.1.devices=["node0:0"]'],
+         lambda lay: [s.devices for s in lay.pipelines[0].stages] == [("node0:1",), ("node0:0",)]),
+        (["cluster.nodes[0].host=localhost"], lambda lay: lay.cluster.nodes[0].host == "localhost"),
+    ],
+    ids=["steps", "microbatches", "dotted-index", "bare-word", "two-sets", "array-value", "nested-table"],
+)
+def test_set_good(items: list[str], check):
+    assert check(layout.load(QUICKSTART, items))
+    args = [a for item in items for a in ("--set", item)]
+    result = invoke(QUICKSTART, "--dry-run", *args)
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    assert RANK_TABLE_HEADER in result.stdout
+
+
+def test_set_shows_in_dry_run():
+    result = invoke(QUICKSTART, "--dry-run", "--set", "pipelines[0].microbatches=2")
+    assert result.exit_code == 0, result.stderr
+    assert "rows 0-15 in 2 mb" in result.stdout
+
+
+def test_real_subprocess():
+    """Once for real: the installed entry module, its exit code and its stderr, outside CliRunner."""
+    path = Path("tests") / "bad_layouts" / "unknown_key_typo.toml"
+    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(path), "--dry-run"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr == f"error: {expected_line(REPO / path).replace(str(REPO / path), str(path))}\n"
+    assert proc.stderr.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------ good layouts
+
+
+@pytest.mark.parametrize("path", GOOD, ids=[p.stem for p in GOOD])
+def test_good_layout_dry_run(path: Path):
+    lay = layout.load(path)
+    result = invoke(path, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == ""
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"layout {path}: ")
+    header = lines.index(RANK_TABLE_HEADER)
+    world = sum(s.tp for p in lay.pipelines for s in p.stages)
+    rows = lines[header + 1: header + 1 + world]
+    assert [int(r.split()[0]) for r in rows] == list(range(world))
+    assert lines[header + 1 + world] == ""
+    assert "pipeline 0 schedule:" in result.stdout
+
+
+def test_good_layouts_exist():
+    assert {p.name for p in GOOD} >= {"quickstart.toml", "reference.toml"}
