@@ -1,20 +1,28 @@
 """Pipeline schedules as data: actions, generators, lowering, validator and lockstep simulator.
 
 A schedule is one list of actions per **stage** (every TP rank of a stage runs the same list),
-indexed by stage. Generators (``gpipe``, ``one_f_one_b``) emit compute-only schedules (``F``/``B``);
-``lower`` adds the communication of a linear pipeline (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``);
-``validate`` checks a schedule statically and then runs all stages in a lockstep simulation to find
-deadlocks. Errors carry the schedule grid with the failing step marked ``<-- ERROR HERE``.
+indexed by stage. Generators (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``) emit compute-only
+schedules (``F``/``B``); ``lower`` adds the communication (``SEND_F``/``RECV_F``/``SEND_B``/
+``RECV_B``); ``validate`` checks a schedule statically and then runs all stages in a lockstep
+simulation to find deadlocks. Errors carry the schedule grid with the failing step marked
+``<-- ERROR HERE``. ``load_schedule_file`` reads a user-written schedule.
+
+Chunks (interleaved, "virtual" stages): with ``chunks`` model chunks per stage, chunk c of stage s
+is virtual stage ``v = c * num_stages + s``, and data flows through virtual stages in order. So the
+last stage's chunk c sends forward to stage 0's chunk c + 1 (the *wrap*), and backward the reverse.
+The number of chunks of a schedule is ``1 + its largest chunk index`` (``num_chunks``); a schedule
+whose actions are all chunk 0 is an ordinary linear pipeline.
 
 Semantics (the runtime implements exactly these):
 
-- ``SEND`` is non-blocking; ``RECV`` blocks until the adjacent stage has issued the matching
-  ``SEND`` (``SEND_F`` on s-1 -> ``RECV_F`` on s; ``SEND_B`` on s+1 -> ``RECV_B`` on s; same
-  microbatch, same chunk).
-- ``F m`` on s>0 needs ``RECV_F m`` earlier on s; ``B m`` needs ``F m`` on s and, on s<last,
-  ``RECV_B m``; ``SEND_F m`` needs ``F m``; ``SEND_B m`` needs ``B m``; ``W m`` needs ``B m``.
+- ``SEND`` is non-blocking; ``RECV`` blocks until the neighbouring virtual stage has issued the
+  matching ``SEND`` (``SEND_F m.c`` on virtual stage v-1 -> ``RECV_F m.c'`` on v;
+  ``SEND_B`` on v+1 -> ``RECV_B`` on v; same microbatch; ``peer`` gives the exact match).
+- ``F m`` needs ``RECV_F m`` earlier on its stage unless it is the first virtual stage; ``B m``
+  needs ``F m`` and, unless it is the last virtual stage, ``RECV_B m``; ``SEND_F m`` needs
+  ``F m``; ``SEND_B m`` needs ``B m``; ``W m`` needs ``B m`` (all same chunk).
 - A schedule without any communication action is read as compute-only: the data dependency is
-  then direct (``F m`` on s needs ``F m`` on s-1; ``B m`` on s needs ``B m`` on s+1), so generator
+  then direct (``F m`` on v needs ``F m`` on v-1; ``B m`` on v needs ``B m`` on v+1), so generator
   output can be validated before lowering.
 
 Pure standard library + attrs: no torch, so planning, dry runs and tests run anywhere.
@@ -22,9 +30,12 @@ Pure standard library + attrs: no torch, so planning, dry runs and tests run any
 
 from __future__ import annotations
 
+import csv
 import enum
+import io
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -42,7 +53,10 @@ __all__ = [
     "format_actions",
     "format_grid",
     "gpipe",
+    "interleaved_1f1b",
+    "load_schedule_file",
     "lower",
+    "num_chunks",
     "one_f_one_b",
     "parse_actions",
     "peer",
@@ -67,7 +81,7 @@ class Kind(enum.Enum):
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W})
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
-# For each communication kind: the stage offset of its peer and the kind the peer runs.
+# For each communication kind: the virtual-stage offset of its peer and the kind the peer runs.
 _PEER = {
     Kind.SEND_F: (+1, Kind.RECV_F),
     Kind.RECV_F: (-1, Kind.SEND_F),
@@ -185,27 +199,96 @@ def _one_f_one_b_stage(warmup: int, num_microbatches: int) -> list[Action]:
     return actions
 
 
-_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM's virtual pipeline), compute only.
+
+    Every stage holds ``chunks`` model chunks; chunk c of stage s is virtual stage
+    ``c * num_stages + s``. Each stage runs ``chunks * M`` forwards and as many backwards. The k-th
+    forward of a stage belongs to chunk ``(k mod (S * chunks)) // S`` and microbatch
+    ``(k // (S * chunks)) * S + k mod S``: groups of S microbatches go through chunk 0, then the same
+    group through chunk 1, and so on. Backwards visit chunks in reverse. Stage s runs
+    ``warmup = min(2 * (S - s - 1) + (chunks - 1) * S, chunks * M)`` forwards, then alternates F then B,
+    then the remaining backwards (Megatron-LM's ``forward_backward_pipelining_with_interleaving``).
+
+    With equal stage times and free communication the bubble shrinks from 1F1B's
+    ``(S - 1) / (M + S - 1)`` to ``(S - 1) / (chunks * M + S - 1)``, for ``chunks`` times as many
+    messages. Needs ``num_microbatches % num_stages == 0``.
+    """
+    _check_counts(num_stages, num_microbatches)
+    if chunks < 1:
+        raise ValueError(f"need chunks >= 1, got chunks={chunks}")
+    if num_microbatches % num_stages:
+        multiple = num_microbatches + num_stages - num_microbatches % num_stages
+        raise ValueError(
+            f"interleaved 1F1B needs num_microbatches to be a multiple of num_stages, got "
+            f"num_microbatches={num_microbatches}, num_stages={num_stages} (e.g. {multiple})"
+        )
+    total = chunks * num_microbatches
+    group = num_stages * chunks
+
+    def forward(k: int) -> Action:
+        return Action(Kind.F, (k // group) * num_stages + k % num_stages, (k % group) // num_stages)
+
+    def backward(k: int) -> Action:
+        chunk = chunks - 1 - (k % group) // num_stages
+        return Action(Kind.B, (k // group) * num_stages + k % num_stages, chunk)
+
+    schedule = []
+    for stage in range(num_stages):
+        warmup = min(2 * (num_stages - stage - 1) + (chunks - 1) * num_stages, total)
+        actions = [forward(k) for k in range(warmup)]
+        for k in range(total - warmup):
+            actions += [forward(warmup + k), backward(k)]
+        actions += [backward(k) for k in range(total - warmup, total)]
+        schedule.append(actions)
+    return schedule
 
 
-def compute_schedule(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
-    """Compute-only schedule of the named kind (``"gpipe"`` or ``"1f1b"``)."""
+_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+
+
+def compute_schedule(
+    kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1
+) -> Schedule:
+    """Compute-only schedule of the named kind: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+
+    ``chunks`` is the number of model chunks per stage; only ``"interleaved"`` takes more than 1.
+    """
     try:
         generator = _GENERATORS[kind]
     except KeyError:
         raise ValueError(
             f"unknown schedule {kind!r} (known: {', '.join(sorted(_GENERATORS))})"
         ) from None
+    if kind == "interleaved":
+        return interleaved_1f1b(num_stages, num_microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"schedule {kind!r} has one chunk per stage, got chunks={chunks}")
     return generator(num_stages, num_microbatches)
 
 
-def lower(compute: Sequence[Sequence[Action]]) -> Schedule:
-    """Add the communication of a linear pipeline to a compute-only schedule.
+def num_chunks(schedule: Sequence[Sequence[Action]]) -> int:
+    """Model chunks per stage: ``1 + the largest chunk index`` (1 for a linear pipeline)."""
+    return 1 + max((action.chunk for actions in schedule for action in actions), default=0)
+
+
+def _first_virtual(stage: int, chunk: int) -> bool:
+    return stage == 0 and chunk == 0
+
+
+def _last_virtual(stage: int, chunk: int, num_stages: int, chunks: int) -> bool:
+    return stage == num_stages - 1 and chunk == chunks - 1
+
+
+def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Schedule:
+    """Add the communication to a compute-only schedule (linear, or interleaved with chunks).
 
     Receives go right before the compute that needs them and sends right after the compute that
     produces them, so each stage blocks as late and sends as early as its own order allows.
+    ``chunks`` defaults to ``num_chunks(compute)``.
     """
-    last = len(compute) - 1
+    num_stages = len(compute)
+    chunks = num_chunks(compute) if chunks is None else chunks
     lowered = []
     for stage, actions in enumerate(compute):
         out: list[Action] = []
@@ -215,64 +298,102 @@ def lower(compute: Sequence[Sequence[Action]]) -> Schedule:
                     f"lower: stage {stage} already has communication ({action}); "
                     "lower takes a compute-only schedule"
                 )
+            if action.chunk >= chunks:
+                raise ScheduleError(
+                    f"lower: stage {stage}: {action} names chunk {action.chunk}, "
+                    f"but there are {chunks} chunks (0..{chunks - 1})"
+                )
             same = (action.mb, action.chunk)
+            first = _first_virtual(stage, action.chunk)
+            last = _last_virtual(stage, action.chunk, num_stages, chunks)
             if action.kind is Kind.F:
-                out += [Action(Kind.RECV_F, *same)] if stage > 0 else []
+                out += [] if first else [Action(Kind.RECV_F, *same)]
                 out += [action]
-                out += [Action(Kind.SEND_F, *same)] if stage < last else []
+                out += [] if last else [Action(Kind.SEND_F, *same)]
             elif action.kind is Kind.B:
-                out += [Action(Kind.RECV_B, *same)] if stage < last else []
+                out += [] if last else [Action(Kind.RECV_B, *same)]
                 out += [action]
-                out += [Action(Kind.SEND_B, *same)] if stage > 0 else []
+                out += [] if first else [Action(Kind.SEND_B, *same)]
             else:
                 out.append(action)
         lowered.append(out)
     return lowered
 
 
-def build(kind: str, num_stages: int, num_microbatches: int) -> Schedule:
+def build(kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1) -> Schedule:
     """The runnable schedule: ``lower(compute_schedule(kind, num_stages, num_microbatches))``."""
-    return lower(compute_schedule(kind, num_stages, num_microbatches))
+    return lower(compute_schedule(kind, num_stages, num_microbatches, chunks=chunks), chunks)
 
 
 # --------------------------------------------------------------------------- dependencies
 
 
 def requirements(
-    stage: int, action: Action, num_stages: int, *, lowered: bool = True
+    stage: int, action: Action, num_stages: int, *, lowered: bool = True, chunks: int = 1
 ) -> tuple[Event, ...]:
     """The events that must have run before ``action`` can run on ``stage``.
 
-    This is the single statement of the semantics: the validator, the lockstep simulator and a
-    cost model all read dependencies from here. ``lowered=False`` reads a compute-only schedule,
-    where the cross-stage data dependency is direct instead of through SEND/RECV.
+    This is the single statement of the semantics: the validator, the lockstep simulator and the
+    cost-model simulator all read dependencies from here. ``lowered=False`` reads a compute-only
+    schedule, where the cross-stage data dependency is direct instead of through SEND/RECV.
+    ``chunks`` is the schedule's number of model chunks per stage (``num_chunks``).
     """
-    last = num_stages - 1
     same = (action.mb, action.chunk)
     kind = action.kind
+    first = _first_virtual(stage, action.chunk)
+    last = _last_virtual(stage, action.chunk, num_stages, chunks)
     if kind is Kind.F:
-        if stage == 0:
+        if first:
             return ()
-        return ((stage, Action(Kind.RECV_F, *same)),) if lowered else ((stage - 1, action),)
+        if lowered:
+            return ((stage, Action(Kind.RECV_F, *same)),)
+        return (_neighbour(stage, action, -1, num_stages, chunks),)
     if kind is Kind.B:
         own = (stage, Action(Kind.F, *same))
-        if stage == last:
+        if last:
             return (own,)
-        after = (stage, Action(Kind.RECV_B, *same)) if lowered else (stage + 1, action)
-        return (own, after)
+        if lowered:
+            return (own, (stage, Action(Kind.RECV_B, *same)))
+        return (own, _neighbour(stage, action, +1, num_stages, chunks))
     if kind is Kind.W:
         return ((stage, Action(Kind.B, *same)),)
     if kind is Kind.SEND_F:
         return ((stage, Action(Kind.F, *same)),)
     if kind is Kind.SEND_B:
         return ((stage, Action(Kind.B, *same)),)
-    return (peer(stage, action),)  # a RECV waits for its SEND
+    return (peer(stage, action, num_stages, chunks=chunks),)  # a RECV waits for its SEND
 
 
-def peer(stage: int, action: Action) -> Event:
-    """The matching action of a SEND or RECV on the adjacent stage (which may not exist)."""
+def _neighbour(stage: int, action: Action, offset: int, num_stages: int, chunks: int) -> Event:
+    """``action``'s kind on virtual stage ``v + offset``, as (stage, action).
+
+    Off either end of the virtual pipeline this returns stage -1 or ``num_stages`` (which do not
+    exist), so callers name the missing neighbour in their message.
+    """
+    virtual = action.chunk * num_stages + stage + offset
+    if not 0 <= virtual < num_stages * chunks:
+        return stage + offset, action  # no neighbour: a stage that does not exist
+    chunk, other = divmod(virtual, num_stages)
+    return other, Action(action.kind, action.mb, chunk)
+
+
+def peer(
+    stage: int, action: Action, num_stages: int | None = None, *, chunks: int = 1
+) -> Event:
+    """The matching action of a SEND or RECV on the neighbouring virtual stage.
+
+    ``SEND_F m.c`` on the last stage matches ``RECV_F m.(c+1)`` on stage 0 when there are more
+    chunks (the wrap of an interleaved schedule); otherwise peers are on the adjacent stage with
+    the same chunk. The returned stage may not exist (-1 or ``num_stages``): callers check.
+    ``num_stages`` is needed only with ``chunks > 1``.
+    """
     offset, kind = _PEER[action.kind]
-    return stage + offset, Action(kind, action.mb, action.chunk)
+    if chunks == 1:
+        return stage + offset, Action(kind, action.mb, action.chunk)
+    if num_stages is None:
+        raise ValueError(f"peer: num_stages is needed with chunks={chunks}")
+    other, match = _neighbour(stage, action, offset, num_stages, chunks)
+    return other, Action(kind, match.mb, match.chunk)
 
 
 def _is_lowered(schedule: Sequence[Sequence[Action]]) -> bool:
@@ -340,6 +461,7 @@ def _lockstep(schedule: Sequence[Sequence[Action]]) -> _Run:
     """
     num_stages = len(schedule)
     lowered = _is_lowered(schedule)
+    chunks = num_chunks(schedule)
     next_index = [0] * num_stages
     ran_in: dict[Event, int] = {}  # event -> round it ran in
     rounds: list[list[tuple[int, int]]] = []
@@ -347,7 +469,7 @@ def _lockstep(schedule: Sequence[Sequence[Action]]) -> _Run:
     def ready(stage: int, action: Action, this_round: int) -> bool:
         return all(
             event in ran_in and (event[0] == stage or ran_in[event] < this_round)
-            for event in requirements(stage, action, num_stages, lowered=lowered)
+            for event in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks)
         )
 
     while True:
@@ -371,10 +493,11 @@ def _deadlock_message(schedule: Sequence[Sequence[Action]], stuck: dict[int, int
     """One line naming the first stuck stage, what it waits for and why that never comes."""
     num_stages = len(schedule)
     lowered = _is_lowered(schedule)
+    chunks = num_chunks(schedule)
     stage, index = min(stuck.items())
     action = schedule[stage][index]
     waits = f"deadlock: stage {stage} waits at {action} (step {index})"
-    for other, needed in requirements(stage, action, num_stages, lowered=lowered):
+    for other, needed in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks):
         if other == stage:
             if needed in schedule[stage][:index]:
                 continue  # already ran: actions before the stuck one all did
@@ -447,13 +570,13 @@ def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: 
                     f"but there are {num_microbatches} (0..{num_microbatches - 1})",
                     {stage: index},
                 )
-    num_chunks = 1 + max((action.chunk for actions in schedule for action in actions), default=0)
+    chunks = num_chunks(schedule)
     rule = f"every stage runs F and B exactly once per microbatch 0..{num_microbatches - 1}"
-    if num_chunks > 1:
-        rule += f" and chunk 0..{num_chunks - 1}"
+    if chunks > 1:
+        rule += f" and chunk 0..{chunks - 1}"
     for stage, actions in enumerate(schedule):
         present = set(actions)
-        for chunk in range(num_chunks):
+        for chunk in range(chunks):
             for mb in range(num_microbatches):
                 for kind in (Kind.F, Kind.B):
                     if Action(kind, mb, chunk) not in present:
@@ -465,12 +588,13 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
     """Own-stage requirements come earlier; cross-stage ones exist; every SEND has its RECV."""
     num_stages = len(schedule)
     lowered = _is_lowered(schedule)
+    chunks = num_chunks(schedule)
     positions = [{action: index for index, action in enumerate(actions)} for actions in schedule]
     for stage, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             here = f"stage {stage} step {index}: {action}"
             if action.kind in COMM_KINDS:
-                other, match = peer(stage, action)
+                other, match = peer(stage, action, num_stages, chunks=chunks)
                 if not 0 <= other < num_stages:
                     side = "previous" if other < stage else "next"
                     raise _error(
@@ -484,7 +608,9 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
                         f"{here} has no matching {match} on stage {other}",
                         {stage: index},
                     )
-            for other, needed in requirements(stage, action, num_stages, lowered=lowered):
+            for other, needed in requirements(
+                stage, action, num_stages, lowered=lowered, chunks=chunks
+            ):
                 if other != stage:
                     continue  # cross-stage: checked above (comm) or by coverage (compute-only)
                 where = positions[stage].get(needed)
@@ -515,3 +641,133 @@ def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> Non
     _check_microbatches(schedule, num_microbatches)
     _check_dependencies(schedule)
     simulate_order(schedule)
+
+
+# --------------------------------------------------------------------------- schedule files
+
+
+def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int) -> Schedule:
+    """Read a user-written schedule, lower it if it is compute-only, and validate it.
+
+    Two formats; ``#`` starts a comment and blank lines are skipped in both:
+
+    - text: one line per stage, its actions separated by spaces (``F0 F1 B0 F2 B1 B2``);
+    - CSV (a ``.csv`` file, or one whose first line starts with ``stage``): a header
+      ``stage 0,stage 1,...`` and then one row per step, one column per stage; a stage with fewer
+      actions leaves its trailing cells empty (the layout ``format_grid`` prints).
+
+    Actions may be compute-only (``F``/``B``/``W``; communication is then added by ``lower``) or
+    already lowered. Every error is a ScheduleError that starts ``FILE: line N:``.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ScheduleError(f"{path}: cannot read schedule file: {error.strerror}") from None
+    lines = [(number, raw.split("#", 1)[0].strip()) for number, raw in enumerate(text.splitlines(), 1)]
+    lines = [(number, content) for number, content in lines if content]
+    if not lines:
+        raise ScheduleError(f"{path}: no actions (expected one line per stage, {num_stages} stages)")
+    is_csv = path.suffix.lower() == ".csv" or lines[0][1].lower().startswith("stage")
+    reader = _read_csv_schedule if is_csv else _read_text_schedule
+    schedule, where = reader(path, lines, num_stages)
+
+    def located(error: ScheduleError, note: str = "") -> ScheduleError:
+        first, _, rest = str(error).partition("\n")
+        stage, step = _locate(first)
+        line = where(stage, step) if stage is not None else None
+        prefix = f"{path}: line {line}: " if line is not None else f"{path}: "
+        return ScheduleError(prefix + note + first + ("\n" + rest if rest else ""))
+
+    try:
+        validate(schedule, num_microbatches)
+    except ScheduleError as error:
+        raise located(error) from None
+    if _is_lowered(schedule):
+        return schedule
+    lowered = lower(schedule)
+    try:
+        validate(lowered, num_microbatches)
+    except ScheduleError as error:  # not expected: lowering keeps a valid order valid
+        raise ScheduleError(f"{path}: after lowering: {error}") from None
+    return lowered
+
+
+# Where a validator message points: "stage S ..." and, when it names one, the step.
+_STAGE_RE = re.compile(r"^(?:deadlock: )?stage (\d+)")
+_STEP_RES = (
+    re.compile(r"^stage \d+ step (\d+)"),
+    re.compile(r"^deadlock: stage \d+ waits at \S+ \(step (\d+)\)"),
+    re.compile(r"^stage \d+ runs \S+ twice \(steps \d+ and (\d+)\)"),
+)
+
+
+def _locate(message: str) -> tuple[int | None, int | None]:
+    stage = _STAGE_RE.match(message)
+    if stage is None:
+        return None, None
+    for pattern in _STEP_RES:
+        step = pattern.match(message)
+        if step:
+            return int(stage[1]), int(step[1])
+    return int(stage[1]), None
+
+
+def _parse_cell(path: Path, line: int, token: str, what: str) -> Action:
+    try:
+        return Action.parse(token)
+    except ScheduleError as error:
+        raise ScheduleError(f"{path}: line {line}: {what}: {error}") from None
+
+
+def _read_text_schedule(path: Path, lines: list[tuple[int, str]], num_stages: int):
+    if len(lines) != num_stages:
+        extra = lines[num_stages][0] if len(lines) > num_stages else lines[-1][0]
+        raise ScheduleError(
+            f"{path}: line {extra}: {len(lines)} stage lines, expected {num_stages} "
+            "(one line of space-separated actions per stage)"
+        )
+    schedule = [
+        [
+            _parse_cell(path, number, token, f"stage {stage} action {index}")
+            for index, token in enumerate(content.split())
+        ]
+        for stage, (number, content) in enumerate(lines)
+    ]
+
+    def where(stage: int, step: int | None) -> int | None:
+        return lines[stage][0] if 0 <= stage < len(lines) else None
+
+    return schedule, where
+
+
+def _read_csv_schedule(path: Path, lines: list[tuple[int, str]], num_stages: int):
+    header_line, header = lines[0]
+    names = [cell.strip() for cell in next(csv.reader(io.StringIO(header)))]
+    expected = [f"stage {stage}" for stage in range(num_stages)]
+    if names != expected:
+        raise ScheduleError(
+            f"{path}: line {header_line}: header {','.join(names)!r}, expected "
+            f"{','.join(expected)!r} (one column per stage)"
+        )
+    schedule: Schedule = [[] for _ in range(num_stages)]
+    rows: list[list[int]] = [[] for _ in range(num_stages)]  # file line of each stage's step
+    for number, content in lines[1:]:
+        cells = [cell.strip() for cell in next(csv.reader(io.StringIO(content)))]
+        if len(cells) > num_stages:
+            raise ScheduleError(
+                f"{path}: line {number}: {len(cells)} cells, but the header has {num_stages} stages"
+            )
+        for stage, cell in enumerate(cells):
+            if cell:
+                schedule[stage].append(_parse_cell(path, number, cell, f"stage {stage}"))
+                rows[stage].append(number)
+
+    def where(stage: int, step: int | None) -> int | None:
+        if not 0 <= stage < num_stages:
+            return None
+        if step is None or step >= len(rows[stage]):
+            return header_line
+        return rows[stage][step]
+
+    return schedule, where

@@ -1,11 +1,14 @@
-"""Schedule IR, generators, lowering and validator against written rules.
+"""Schedule IR, generators, lowering, validator and schedule files against written rules.
 
-Generators are checked over a grid of (stages 1..5, microbatches 1..9).
+Generators are checked over a grid of (stages 1..5, microbatches 1..9); interleaved 1F1B over
+(stages 2..4, chunks 2..3, microbatches the multiples of stages up to 8).
 """
 
 from __future__ import annotations
 
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 
@@ -19,9 +22,14 @@ from hetero_llm.schedule import (
     format_actions,
     format_grid,
     gpipe,
+    interleaved_1f1b,
+    load_schedule_file,
     lower,
+    num_chunks,
     one_f_one_b,
     parse_actions,
+    peer,
+    requirements,
     simulate_order,
     validate,
 )
@@ -149,8 +157,11 @@ def test_generators_follow_written_rules(num_stages: int, num_microbatches: int)
 def test_compute_schedule_dispatch_and_errors() -> None:
     assert compute_schedule("gpipe", 2, 3) == gpipe(2, 3)
     assert compute_schedule("1f1b", 2, 3) == one_f_one_b(2, 3)
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb' \(known: 1f1b, gpipe\)"):
+    assert compute_schedule("interleaved", 2, 4, chunks=3) == interleaved_1f1b(2, 4, 3)
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb' \(known: 1f1b, gpipe, interleaved\)"):
         compute_schedule("zb", 2, 3)
+    with pytest.raises(ValueError, match=r"schedule '1f1b' has one chunk per stage, got chunks=2"):
+        compute_schedule("1f1b", 2, 4, chunks=2)
     with pytest.raises(ValueError, match="num_stages=0"):
         gpipe(0, 3)
     with pytest.raises(ValueError, match="num_microbatches=0"):
@@ -189,11 +200,21 @@ def check_lowering(kind: str, num_stages: int, num_microbatches: int) -> None:
 
 
 def test_lowering_keeps_chunks_and_rejects_lowered_input() -> None:
-    compute = [[Action(Kind.F, 0, 1), Action(Kind.B, 0, 1)]] * 2
-    assert format_actions(lower(compute)[0]) == "F0.1 SEND_F0.1 RECV_B0.1 B0.1"
-    assert format_actions(lower(compute)[1]) == "RECV_F0.1 F0.1 B0.1 SEND_B0.1"
+    # Two stages, two chunks: virtual stages 0 1 2 3 are (stage, chunk) (0,0) (1,0) (0,1) (1,1);
+    # stage 1's chunk 0 sends forward to stage 0's chunk 1 (the wrap), gradients come back the same way.
+    compute = [parse_actions("F0 F0.1 B0.1 B0")] * 2
+    assert num_chunks(compute) == 2
+    assert format_actions(lower(compute)[0]) == (
+        "F0 SEND_F0 RECV_F0.1 F0.1 SEND_F0.1 RECV_B0.1 B0.1 SEND_B0.1 RECV_B0 B0"
+    )
+    assert format_actions(lower(compute)[1]) == (
+        "RECV_F0 F0 SEND_F0 RECV_F0.1 F0.1 B0.1 SEND_B0.1 RECV_B0 B0 SEND_B0"
+    )
+    validate(lower(compute), 1)
     with pytest.raises(ScheduleError, match="already has communication"):
         lower(build("1f1b", 2, 2))
+    with pytest.raises(ScheduleError, match=r"^lower: stage 0: F0.1 names chunk 1, but there are 1 chunks"):
+        lower(compute, chunks=1)
 
 
 # --------------------------------------------------------------------------- validator
@@ -328,3 +349,223 @@ def test_format_grid_uneven_stages_and_wide_row_labels() -> None:
     assert len(lines) == 13
     assert lines[1] == "   0  F0       B0"
     assert lines[12] == "  11  F11"
+
+
+# --------------------------------------------------------------------------- interleaved 1F1B
+
+INTERLEAVED_GRID = [
+    (stages, chunks, mbs)
+    for stages in range(2, 5)
+    for chunks in (2, 3)
+    for mbs in range(stages, 9, stages)
+]
+
+
+def megatron_interleaved(num_stages: int, num_microbatches: int, chunks: int, stage: int) -> list[Action]:
+    """Megatron-LM's order, phrased as its loop: microbatches go in groups of S; a group runs
+    through chunk 0, 1, ... forwards and through the chunks in reverse backwards; stage s does
+    min(2 (S - s - 1) + (chunks - 1) S, chunks M) warmup forwards, then F/B pairs, then Bs."""
+    forwards, backwards = [], []
+    for first in range(0, num_microbatches, num_stages):
+        group = range(first, first + num_stages)
+        forwards += [Action(Kind.F, m, c) for c in range(chunks) for m in group]
+        backwards += [Action(Kind.B, m, c) for c in reversed(range(chunks)) for m in group]
+    total = len(forwards)
+    warmup = min(2 * (num_stages - stage - 1) + (chunks - 1) * num_stages, total)
+    order = forwards[:warmup]
+    for k in range(total - warmup):
+        order += [forwards[warmup + k], backwards[k]]
+    return order + backwards[total - warmup :]
+
+
+def chunk_peak(actions: list[Action]) -> int:
+    """Most (microbatch, chunk) pairs with forward run and backward not yet."""
+    return in_flight_peak(actions)
+
+
+@pytest.mark.parametrize("num_stages, chunks, num_microbatches", INTERLEAVED_GRID)
+def test_interleaved_follows_megatron_and_validates(
+    num_stages: int, chunks: int, num_microbatches: int
+) -> None:
+    compute = interleaved_1f1b(num_stages, num_microbatches, chunks)
+    assert len(compute) == num_stages
+    for stage, actions in enumerate(compute):
+        # Each (mb, chunk) has exactly one F and one B, the F first.
+        expected = {
+            Action(kind, m, c)
+            for kind in (Kind.F, Kind.B)
+            for m in range(num_microbatches)
+            for c in range(chunks)
+        }
+        assert len(actions) == len(expected) and set(actions) == expected
+        for m, c in itertools.product(range(num_microbatches), range(chunks)):
+            assert actions.index(Action(Kind.F, m, c)) < actions.index(Action(Kind.B, m, c))
+        assert actions == megatron_interleaved(num_stages, num_microbatches, chunks, stage)
+        warmup = min(2 * (num_stages - stage - 1) + (chunks - 1) * num_stages, chunks * num_microbatches)
+        assert chunk_peak(actions) == min(warmup + 1, chunks * num_microbatches)
+    validate(compute, num_microbatches)
+
+    lowered = lower(compute)
+    assert lowered == build("interleaved", num_stages, num_microbatches, chunks=chunks)
+    validate(lowered, num_microbatches)
+    flat = [action for actions in lowered for action in actions]
+    # Every virtual-stage boundary (S * chunks - 1 of them) carries each microbatch once each way.
+    hops = num_stages * chunks - 1
+    assert sum(a.kind in (Kind.SEND_F, Kind.SEND_B) for a in flat) == 2 * num_microbatches * hops
+    assert sum(a.kind in (Kind.RECV_F, Kind.RECV_B) for a in flat) == 2 * num_microbatches * hops
+    for before, after in zip(compute, lowered):
+        assert [a for a in after if a.kind not in COMM_KINDS] == before
+    # No deadlock: the lockstep run finishes every action.
+    ran = [event for round_ in simulate_order(lowered) for event in round_]
+    assert len(ran) == len(flat)
+
+
+@pytest.mark.parametrize("num_stages, num_microbatches", [(2, 3), (4, 6), (3, 4), (4, 2)])
+def test_interleaved_needs_microbatches_multiple_of_stages(num_stages: int, num_microbatches: int) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"multiple of num_stages, got num_microbatches={num_microbatches}, num_stages={num_stages}",
+    ):
+        interleaved_1f1b(num_stages, num_microbatches, 2)
+    with pytest.raises(ValueError, match="chunks=0"):
+        interleaved_1f1b(2, 2, 0)
+
+
+def test_wrap_peers_and_requirements() -> None:
+    send = Action(Kind.SEND_F, 3, 0)
+    # The last stage's chunk 0 feeds stage 0's chunk 1; the last chunk of the last stage has no next.
+    assert peer(3, send, 4, chunks=2) == (0, Action(Kind.RECV_F, 3, 1))
+    assert peer(0, Action(Kind.RECV_F, 3, 1), 4, chunks=2) == (3, Action(Kind.SEND_F, 3, 0))
+    assert peer(0, Action(Kind.SEND_B, 3, 1), 4, chunks=2) == (3, Action(Kind.RECV_B, 3, 0))
+    assert peer(3, Action(Kind.RECV_B, 3, 0), 4, chunks=2) == (0, Action(Kind.SEND_B, 3, 1))
+    assert peer(3, Action(Kind.SEND_F, 3, 1), 4, chunks=2)[0] == 4  # does not exist
+    assert peer(0, Action(Kind.RECV_F, 3, 0), 4, chunks=2)[0] == -1
+    assert peer(1, Action(Kind.SEND_F, 3, 1), 4, chunks=2) == (2, Action(Kind.RECV_F, 3, 1))
+    # One chunk: the adjacent stage, whatever the chunk label (and num_stages is not needed).
+    assert peer(3, send) == (4, Action(Kind.RECV_F, 3, 0))
+    with pytest.raises(ValueError, match="num_stages is needed"):
+        peer(3, send, chunks=2)
+    # Compute-only reading: F on stage 0, chunk 1 needs F of chunk 0 on the last stage.
+    f01 = Action(Kind.F, 0, 1)
+    assert requirements(0, f01, 4, lowered=False, chunks=2) == ((3, Action(Kind.F, 0, 0)),)
+    assert requirements(3, Action(Kind.B, 0, 0), 4, lowered=False, chunks=2) == (
+        (3, Action(Kind.F, 0, 0)), (0, Action(Kind.B, 0, 1)))
+    assert requirements(3, Action(Kind.B, 0, 1), 4, lowered=True, chunks=2) == ((3, Action(Kind.F, 0, 1)),)
+    assert requirements(0, f01, 4, chunks=2) == ((0, Action(Kind.RECV_F, 0, 1)),)
+
+
+def test_interleaved_deadlock_names_the_wrap() -> None:
+    # Stage 0 runs chunk 1 of mb 0 before chunk 0: it waits for stage 1, which waits for it.
+    compute = [parse_actions("F0.1 F0 B0.1 B0"), parse_actions("F0 F0.1 B0.1 B0")]
+    with pytest.raises(ScheduleError) as info:
+        validate(compute, 1)
+    lines = str(info.value).splitlines()
+    assert lines[0] == (
+        "deadlock: stage 0 waits at F0.1 (step 0) for F0 on stage 1, which never comes "
+        "(stage 1 is stuck at F0, step 0)"
+    )
+    assert lines[2].split() == ["0", "F0.1", "<--", "ERROR", "HERE", "F0", "<--", "ERROR", "HERE"]
+
+
+# --------------------------------------------------------------------------- schedule files
+
+
+def write(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_load_text_compute_only_is_lowered(tmp_path: Path) -> None:
+    path = write(tmp_path, "sched.txt", """\
+# 1F1B on two stages, three microbatches
+F0 F1 B0 F2 B1 B2   # stage 0
+
+F0 B0 F1 B1 F2 B2
+""")
+    assert load_schedule_file(path, 2, 3) == build("1f1b", 2, 3)
+
+
+def test_load_text_lowered_is_kept(tmp_path: Path) -> None:
+    lowered = build("gpipe", 3, 2)
+    text = "\n".join(format_actions(actions) for actions in lowered) + "\n"
+    assert load_schedule_file(write(tmp_path, "lowered.sched", text), 3, 2) == lowered
+
+
+def test_load_interleaved_text(tmp_path: Path) -> None:
+    compute = interleaved_1f1b(2, 4, 2)
+    text = "\n".join(format_actions(actions) for actions in compute)
+    loaded = load_schedule_file(write(tmp_path, "interleaved.txt", text), 2, 4)
+    assert loaded == build("interleaved", 2, 4, chunks=2)
+
+
+def test_load_csv(tmp_path: Path) -> None:
+    # Uneven columns: the grid format_grid prints, as CSV; a comment line in between.
+    path = write(tmp_path, "sched.csv", """\
+stage 0,stage 1
+F0,F0
+F1,B0
+# the steady state
+B0,F1
+B1,B1
+""")
+    assert load_schedule_file(path, 2, 2) == lower(
+        [parse_actions("F0 F1 B0 B1"), parse_actions("F0 B0 F1 B1")]
+    )
+    uneven = write(tmp_path, "uneven.txt", "stage 0, stage 1\nF0,RECV_F0\nSEND_F0,F0\nRECV_B0,B0\nB0,SEND_B0\n")
+    assert load_schedule_file(uneven, 2, 1) == build("gpipe", 2, 1)
+
+
+@pytest.mark.parametrize(
+    "name, text, stages, mbs, error",
+    [
+        ("a.txt", "F0 B0\nF0 X1 B0\n", 2, 1,
+         r"^a.txt: line 2: stage 1 action 1: bad action 'X1': expected KIND"),
+        ("a.txt", "# two lines for three stages\nF0 B0\n\nF0 B0\n", 3, 1,
+         r"^a.txt: line 4: 2 stage lines, expected 3 \(one line of space-separated actions per stage\)"),
+        ("a.txt", "F0 B0\nF0 B0\nF0 B0\n", 2, 1, r"^a.txt: line 3: 3 stage lines, expected 2"),
+        ("a.txt", "F0 F1 B0 B1\nF0 F1 B0\n", 2, 2,
+         r"^a.txt: line 2: stage 1 is missing B1 \(every stage runs F and B exactly once"),
+        ("a.txt", "F0 B0\nF0 B0 F1 B1\n", 2, 1,
+         r"^a.txt: line 2: stage 1 step 2: F1 names microbatch 1, but there are 1 \(0..0\)"),
+        ("a.txt", "F0 B0 B1 F1\nF0 B0 F1 B1\n", 2, 2,
+         r"^a.txt: line 1: stage 0 step 2: B1 needs F1 first, but F1 comes later \(step 3\)"),
+        ("a.txt", "F0 SEND_F0 RECV_B0 B0\nF0 B0 SEND_B0\n", 2, 1,
+         r"^a.txt: line 1: stage 0 step 1: SEND_F0 has no matching RECV_F0 on stage 1"),
+        ("dead.txt", "F0 RECV_B0 SEND_F0 B0\nRECV_F0 F0 B0 SEND_B0\n", 2, 1,
+         r"^dead.txt: line 1: deadlock: stage 0 waits at RECV_B0 \(step 1\) for SEND_B0 on stage 1"),
+        ("empty.txt", "# nothing\n\n", 2, 1, r"^empty.txt: no actions \(expected one line per stage, 2 stages\)"),
+        ("b.csv", "stage 0,stage 2\nF0,F0\n", 2, 1,
+         r"^b.csv: line 1: header 'stage 0,stage 2', expected 'stage 0,stage 1' \(one column per stage\)"),
+        ("b.csv", "stage 0,stage 1\nF0,F0,F0\n", 2, 1,
+         r"^b.csv: line 2: 3 cells, but the header has 2 stages"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,F1\n", 2, 1,
+         r"^b.csv: line 3: stage 1 step 1: F1 names microbatch 1"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,\n", 2, 1,
+         r"^b.csv: line 1: stage 1 is missing B0"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,B-1\n", 2, 1,
+         r"^b.csv: line 3: stage 1: bad action 'B-1'"),
+        ("b.csv", "stage 0,stage 1\nF0,B0\nB0,F0\n", 2, 1,
+         r"^b.csv: line 2: stage 1 step 0: B0 needs F0 first, but F0 comes later \(step 1\)"),
+    ],
+)
+def test_load_schedule_file_errors(
+    tmp_path: Path, name: str, text: str, stages: int, mbs: int, error: str
+) -> None:
+    path = write(tmp_path, name, text)
+    with pytest.raises(ScheduleError, match=error.replace("^", "^" + re.escape(str(tmp_path) + "/"), 1)):
+        load_schedule_file(path, stages, mbs)
+
+
+def test_load_schedule_file_error_keeps_the_grid(tmp_path: Path) -> None:
+    path = write(tmp_path, "dead.txt", "F0 RECV_B0 SEND_F0 B0\nRECV_F0 F0 B0 SEND_B0\n")
+    with pytest.raises(ScheduleError) as info:
+        load_schedule_file(path, 2, 1)
+    lines = str(info.value).splitlines()
+    assert lines[1].split() == ["step", "stage", "0", "stage", "1"]
+    assert "RECV_B0 <-- ERROR HERE" in lines[3]
+
+
+def test_load_schedule_file_missing(tmp_path: Path) -> None:
+    with pytest.raises(ScheduleError, match=r"nope.txt: cannot read schedule file: No such file"):
+        load_schedule_file(tmp_path / "nope.txt", 2, 1)

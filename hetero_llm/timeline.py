@@ -1,0 +1,224 @@
+"""Timelines of a schedule: a PNG with one row per rank or stage, measured or simulated.
+
+``plot_timeline`` draws rows of ``(action string, start s, end s)``: the rank files that
+``hetero-launch --trace DIR`` writes (``trace.rank_rows``) or a simulation (``SimResult.rows()``).
+
+Command line::
+
+    python -m hetero_llm.timeline TRACE_DIR --out timeline.png --chrome trace.json
+    python -m hetero_llm.timeline --simulate --stages 4 --microbatches 8 --schedule 1f1b --out sim.png
+
+matplotlib is imported only when a PNG is drawn (``pip install hetero_llm[plot]``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+
+from hetero_llm import trace as tracing
+from hetero_llm.errors import ScheduleError
+
+__all__ = ["COLORS", "plot_timeline", "main"]
+
+COLORS = {
+    "F": "#4e79a7",  # forward: blue
+    "B": "#59a14f",  # backward: green
+    "W": "#b07aa1",  # weight gradient: purple
+    "SEND": "#f28e2b",  # send posted / in flight: orange
+    "RECV": "#9c9c9c",  # receive, waiting for data: grey
+}
+_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "SEND": "send", "RECV": "recv (wait)"}
+_ACTION_RE = re.compile(r"(?P<kind>[A-Z_]+?)(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
+
+# Vertical layout of one row (y grows downwards): compute on top, then recv, then send strips.
+_COMPUTE = (-0.42, 0.58)  # (offset from the row's centre, height)
+_RECV = (0.18, 0.11)
+_SEND = (0.30, 0.11)
+
+
+def _category(action: str) -> tuple[str, int | None, int]:
+    """``"SEND_F3.1"`` -> ``("SEND", 3, 1)``; unknown strings get their own category."""
+    match = _ACTION_RE.match(action)
+    if match is None:
+        return action, None, 0
+    kind = match["kind"]
+    category = kind.split("_")[0] if kind.startswith(("SEND", "RECV")) else kind
+    return category, int(match["mb"]), int(match["chunk"] or 0)
+
+
+def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:
+    """Later chunks of an interleaved schedule are drawn lighter (mixed with white)."""
+    rgb = tuple(int(color[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    mix = 0.5 * chunk / max(chunks - 1, 1) if chunks > 1 else 0.0
+    return tuple(c + (1 - c) * mix for c in rgb)  # type: ignore[return-value]
+
+
+def plot_timeline(
+    rows: Sequence[Sequence[tuple[str, float, float]]],
+    path_png: str | Path,
+    title: str = "",
+    *,
+    labels: Sequence[str] | None = None,
+) -> Path:
+    """Draw ``rows`` (per rank or stage: ``(action, start s, end s)``) into a PNG; returns its path.
+
+    Compute bars fill most of a row, receives (the time spent waiting for data) and sends (until
+    the data has arrived, in a simulation) are thin strips under them. Microbatch numbers
+    (``mb.chunk`` for later chunks) are written in bars wide enough to hold them. Time is in ms
+    from the earliest start.
+    """
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.patches import Patch
+    except ImportError:  # pragma: no cover - matplotlib is a test dependency
+        raise RuntimeError("plot_timeline needs matplotlib: pip install 'hetero_llm[plot]'") from None
+
+    labels = list(labels) if labels is not None else [f"stage {i}" for i in range(len(rows))]
+    if len(labels) != len(rows):
+        raise ValueError(f"plot_timeline: {len(labels)} labels for {len(rows)} rows")
+    starts = [start for row in rows for _, start, _ in row]
+    ends = [end for row in rows for _, _, end in row]
+    t0 = min(starts, default=0.0)
+    span_ms = max((max(ends, default=0.0) - t0) * 1e3, 1e-6)
+    chunks = 1 + max((_category(a)[2] for row in rows for a, _, _ in row), default=0)
+
+    fig = Figure(figsize=(min(max(8.0, 0.12 * max(len(r) for r in rows) if rows else 8.0), 20.0),
+                          1.2 + 0.55 * max(len(rows), 1)), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    used: set[str] = set()
+    texts = []  # (x centre ms, y centre, width ms, text, colour)
+    for y, row in enumerate(rows):
+        for action, start, end in row:
+            category, mb, chunk = _category(action)
+            color = COLORS.get(category, "#333333")
+            used.add(category if category in COLORS else "other")
+            x, width = (start - t0) * 1e3, max(end - start, 0.0) * 1e3
+            offset, height = {"SEND": _SEND, "RECV": _RECV}.get(category, _COMPUTE)
+            ax.broken_barh([(x, width)], (y + offset, height),
+                           facecolors=[_shade(color, chunk, chunks)],
+                           edgecolors="white" if category in ("F", "B", "W") else "none",
+                           linewidth=0.4)
+            if category in ("F", "B", "W") and mb is not None:
+                light = chunks > 1 and chunk / (chunks - 1) > 0.5
+                texts.append((x + width / 2, y + offset + height / 2, width,
+                              f"{mb}.{chunk}" if chunk else str(mb), "#222222" if light else "white"))
+    ax.set_xlim(0, span_ms * 1.01)
+    ax.set_ylim(len(rows) - 0.5, -0.6)  # row 0 on top
+    ax.set_yticks(range(len(rows)), labels)
+    ax.set_xlabel("time (ms)")
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
+    ax.set_axisbelow(True)
+    if title:
+        ax.set_title(title, fontsize=10)
+    handles = [Patch(color=COLORS[c], label=_NAMES[c]) for c in COLORS if c in used]
+    if "other" in used:
+        handles.append(Patch(color="#333333", label="other"))
+    if chunks > 1:
+        handles.append(Patch(facecolor=_shade(COLORS["F"], chunks - 1, chunks),
+                             label=f"lighter: later chunk (of {chunks})"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # leave 0.35 in for the legend
+
+    # Write microbatch numbers only where they fit: measure the axes in pixels after layout.
+    axes_px = ax.get_window_extent().width
+    px_per_ms = axes_px / (span_ms * 1.01)
+    fontsize = 7 if len(rows) > 8 else 8
+    char_px = 0.62 * fontsize * fig.dpi / 72
+    for x, y, width, text, color in texts:
+        if width * px_per_ms >= char_px * len(text) + 3:
+            ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color=color)
+    path = Path(path_png)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
+
+
+# --------------------------------------------------------------------------- command line
+
+
+def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, latency_ms):
+    from hetero_llm import schedule as sched
+    from hetero_llm.simulate import CostModel, simulate
+
+    if schedule_file:
+        actions = sched.load_schedule_file(schedule_file, stages, microbatches)
+        name = Path(schedule_file).name
+    else:
+        chunks = chunks if chunks is not None else (2 if kind == "interleaved" else 1)
+        actions = sched.build(kind, stages, microbatches, chunks=chunks)
+        name = kind + (f" ({chunks} chunks)" if kind == "interleaved" else "")
+    cost = CostModel.uniform(stages, forward_ms / 1e3, backward_ms / 1e3, latency=latency_ms / 1e3)
+    result = simulate(actions, cost)
+    title = (f"simulated {name}: {stages} stages, {microbatches} microbatches; step "
+             f"{result.step_time * 1e3:.2f} ms, bubble {result.mean_bubble:.1%}")
+    return [f"stage {s}" for s in range(stages)], result.rows(), title, result.summary()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("trace_dir", required=False, type=click.Path(file_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the timeline PNG here.")
+@click.option("--chrome", type=click.Path(dir_okay=False), default=None,
+              help="Write a Chrome/Perfetto trace JSON here (open in ui.perfetto.dev).")
+@click.option("--step", type=int, default=None,
+              help="Plot only this step of a measured trace (0-based; -1: the last). Default: all.")
+@click.option("--title", default=None, help="Title of the PNG.")
+@click.option("--simulate", "simulate_", is_flag=True, help="Simulate a schedule instead of reading a trace.")
+@click.option("--stages", type=int, default=4, show_default=True, help="Simulated pipeline stages.")
+@click.option("--microbatches", type=int, default=8, show_default=True, help="Simulated microbatches.")
+@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved"]), default="1f1b",
+              show_default=True, help="Simulated schedule.")
+@click.option("--chunks", type=int, default=None, help="Model chunks per stage for --schedule interleaved [2].")
+@click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
+              help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).")
+@click.option("--forward-ms", type=float, default=1.0, show_default=True, help="Simulated F time per stage.")
+@click.option("--backward-ms", type=float, default=2.0, show_default=True, help="Simulated B time per stage.")
+@click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Simulated p2p latency per link.")
+def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, kind, chunks, schedule_file,
+         forward_ms, backward_ms, latency_ms):
+    """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""
+    try:
+        if not out and not chrome:
+            raise click.UsageError("nothing to write: give --out PNG and/or --chrome JSON")
+        if simulate_ == bool(trace_dir):
+            raise click.UsageError("give either TRACE_DIR or --simulate (one of them)")
+        if simulate_:
+            labels, rows, default_title, summary = _simulated(
+                stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, latency_ms)
+            click.echo(summary)
+            chrome_rows, process = rows, default_title
+        else:
+            labels, rows = tracing.rank_rows(tracing.read_rank_traces(trace_dir))
+            chrome_rows, process = rows, f"trace {trace_dir}"
+            default_title = f"trace {trace_dir}: {len(rows)} ranks"
+            if step is not None:  # the Chrome trace keeps every step: it zooms
+                rows = [_pick_step(tracing.split_steps(row), step, label) for row, label in zip(rows, labels)]
+                default_title += ", last step" if step == -1 else f", step {step}"
+        if chrome:
+            Path(chrome).parent.mkdir(parents=True, exist_ok=True)
+            Path(chrome).write_text(json.dumps(tracing.chrome_events(labels, chrome_rows, process=process)))
+            click.echo(f"wrote {chrome} ({sum(len(r) for r in chrome_rows)} events, {len(labels)} rows)")
+        if out:
+            plot_timeline(rows, out, title if title is not None else default_title, labels=labels)
+            click.echo(f"wrote {out}")
+    except (ScheduleError, ValueError, FileNotFoundError) as error:
+        click.echo(f"error: {error}", err=True)
+        sys.exit(2)
+
+
+def _pick_step(steps: list, step: int, label: str) -> list:
+    try:
+        return steps[step]
+    except IndexError:
+        raise ValueError(f"{label}: no step {step} (the trace has {len(steps)} steps)") from None
+
+
+if __name__ == "__main__":
+    main()
