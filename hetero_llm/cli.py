@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import click
@@ -38,7 +39,16 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             click.echo(describe(plan))
             return
         if rank is not None:
-            launch.run_one_rank(plan, rank, options)
+            try:
+                launch.run_one_rank(plan, rank, options)
+            except (LayoutError, RankFailure, KeyboardInterrupt):
+                raise
+            except Exception as e:  # one line on the console; the launcher has the traceback file
+                if os.environ.get("HETERO_DEBUG"):
+                    raise
+                info = plan.ranks[rank]
+                raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
+                                  f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
             return
         from hetero_llm import data
 
@@ -54,7 +64,8 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except RankFailure as e:
-        click.echo(f"error: {e}", err=True)
+        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # under the launcher, it reports
+            click.echo(f"error: {e}", err=True)
         sys.exit(1)
     except KeyboardInterrupt:
         click.echo("interrupted: stopped every rank", err=True)

@@ -60,9 +60,11 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
     else:
         try:
             store.wait(["go"], timedelta(seconds=timeout))
-        except Exception:  # torch raises a DistStoreError subtype; its text is unhelpful
-            raise RankFailure(f"rank {rank}: rendezvous timed out after {timeout:g} s waiting for all ranks") from None
-        if store.get("go") != b"ok":
+            go = store.get("go")
+        except Exception:  # a timeout, or rank 0 gave up and closed the store: both end the rendezvous
+            raise RankFailure(f"rank {rank}: rendezvous did not complete within {timeout:g} s "
+                              f"(rank 0 names the ranks that never arrived)") from None
+        if go != b"ok":
             raise RankFailure(f"rank {rank}: rendezvous aborted by rank 0 (another rank never arrived)")
     return store
 

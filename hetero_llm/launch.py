@@ -93,31 +93,43 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
             cmd = [sys.executable, "-m", "hetero_llm.cli", layout_path, "--rank", str(r), *options.argv()]
             procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
         while procs:
-            for r, p in list(procs.items()):
-                code = p.poll()
-                if code is None:
-                    continue
+            failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
+            for r in [r for r, p in procs.items() if p.returncode == 0]:
                 del procs[r]
-                if code != 0:
-                    raise RankFailure(_describe_failure(plan, r, code, errdir))
+            if failed:
+                # A dead rank makes its peers fail with connection errors moments later: give them a
+                # moment to report, then blame the root cause rather than the first rank polled.
+                time.sleep(0.3)
+                failed.update({r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0})
+                raise RankFailure(_describe_failures(plan, failed, errdir))
             time.sleep(0.05)
     finally:
         _terminate(list(procs.values()), grace_s)
 
 
-def _describe_failure(plan: Plan, rank: int, code: int, errdir: Path) -> str:
-    info = plan.ranks[rank]
-    who = f"rank {rank} ({info.device_id}, pipeline {info.pipeline} stage {info.stage})"
+_SECONDARY = ("connection", "closed by peer", "broken pipe", "timed out", "gloo", "nccl", "rendezvous aborted")
+
+
+def _cause(rank: int, code: int, errdir: Path) -> str:
     err = errdir / f"rank{rank}.err"
     if err.exists() and err.read_text().strip():
-        cause = err.read_text().strip().splitlines()[0]
-    elif code < 0:
-        cause = f"killed by {signal.Signals(-code).name}"
-    else:
-        cause = f"exited with code {code}"
-    tb = errdir / f"rank{rank}.traceback"
+        return err.read_text().strip().splitlines()[0]
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _describe_failures(plan: Plan, failed: dict[int, int], errdir: Path) -> str:
+    causes = {r: _cause(r, code, errdir) for r, code in failed.items()}
+    # Root cause first: a signal or an error of the rank's own before another rank's connection errors.
+    order = sorted(causes, key=lambda r: (any(w in causes[r].lower() for w in _SECONDARY), r))
+    first = order[0]
+    info = plan.ranks[first]
+    tb = errdir / f"rank{first}.traceback"
     more = f" (traceback: {tb})" if tb.exists() else ""
-    return f"{who} failed: {cause}{more}; stopped the other ranks"
+    others = f"; {len(order) - 1} other rank(s) failed after it" if len(order) > 1 else ""
+    return (f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
+            f"{causes[first]}{more}{others}; stopped the other ranks")
 
 
 def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:

@@ -130,19 +130,6 @@ def test_grammar_depends_on_its_seed_only():
     assert not np.array_equal(same[0].transition_matrix(), GrammarSource(16, 3, seed=6).transition_matrix())
 
 
-def test_grammar_sampling_is_fast(grammar):
-    rng = np.random.default_rng(14)
-    grammar.sample(rng, 256, 513)  # first call pays for the stationary distribution
-    fastest = min(_seconds(lambda: grammar.sample(rng, 256, 513)) for _ in range(3))
-    assert fastest < 0.05
-
-
-def _seconds(call) -> float:
-    start = time.perf_counter()
-    call()
-    return time.perf_counter() - start
-
-
 # ---------------------------------------------------------------------------------------------- token files
 
 

@@ -1,0 +1,93 @@
+"""Run layouts as a user would (``hetero-launch`` subprocesses) and compare against a reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import torch
+
+from hetero_llm.train import load_full_params
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = ROOT / "layouts"
+RTOL = 1e-5  # float32 layout-invariance tolerance (relative; see docs/invariance.md)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@attrs.frozen
+class RunResult:
+    losses: list[float]
+    grad_norms: list[float]
+    params: dict[str, torch.Tensor]
+    stdout: str
+    stderr: str
+
+
+def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
+    """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
+    metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
+           "--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}", *extra]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    return RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(ckpt)),
+                     proc.stdout, proc.stderr)
+
+
+def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> None:
+    """Per-step losses and every final parameter tensor within ``rtol`` of the reference.
+
+    Parameters compare by relative L2 norm per tensor: Adam divides each element by its own gradient
+    magnitude, so an element whose gradient is ~0 turns float32 rounding noise into an lr-sized
+    difference; a per-element test would measure that noise, not the layout.
+    """
+    assert len(run.losses) == len(ref.losses)
+    for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"
+    for step, (a, b) in enumerate(zip(run.grad_norms, ref.grad_norms)):
+        assert abs(a - b) <= 10 * rtol * abs(b), f"step {step}: grad norm {a!r} vs reference {b!r}"
+    assert set(run.params) == set(ref.params)
+    for name, want in ref.params.items():
+        got = run.params[name]
+        assert not torch.isnan(got).any(), f"{name}: some shard was never written"
+        err = float((got - want).norm() / want.norm())
+        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+
+
+def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[tuple[int, int]]]],
+                 schedule: str | None = None) -> Path:
+    """A layout from ``common`` ([model]/[train]/[data]) and pipelines [(batch, microbatches, [(layers, tp)])].
+
+    Every pipeline gets its own node, its stages' devices in order.
+    """
+    lines = [common.replace('schedule = "1f1b"', f'schedule = "{schedule}"') if schedule else common, "[cluster]"]
+    for pi, (_, _, stages) in enumerate(pipelines):
+        n = sum(tp for _, tp in stages)
+        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {json.dumps(['cpu'] * n)}"]
+    for pi, (batch, mbs, stages) in enumerate(pipelines):
+        lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {mbs}"]
+        d = 0
+        for layers, tp in stages:
+            devs = [f"n{pi}:{d + i}" for i in range(tp)]
+            d += tp
+            lines += ["[[pipelines.stages]]", f"layers = {layers}", f"devices = {json.dumps(devs)}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def common_sections(layout: Path) -> str:
+    """The [model]/[train]/[data] part of a layout file (everything before [cluster])."""
+    return layout.read_text().split("[cluster]")[0]

@@ -1,0 +1,141 @@
+"""The launcher as a user meets it: failures named and prompt, no process left behind, per-rank launches."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from harness import LAYOUTS, common_sections, free_port, launch, write_layout
+
+pytestmark = pytest.mark.multiprocess
+
+COMMON = common_sections(LAYOUTS / "reference.toml")
+THREE_STAGES = [(12, 3, [(2, 1), (2, 1), (2, 1)])]
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _rank_of(pid: int) -> int | None:
+    try:
+        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    return int(argv[argv.index(b"--rank") + 1]) if b"--rank" in argv else None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _start(layout: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
+           "--set", f"cluster.port={free_port()}", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics
+
+
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.1)
+    raise AssertionError(f"no {steps} steps within {timeout} s")
+
+
+def test_killed_rank_takes_the_job_down_and_is_named(tmp_path):
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000")
+    _wait_for_steps(proc, metrics, 2)
+    children = _children_of(proc.pid)
+    victim = next(pid for pid in children if _rank_of(pid) == 1)
+    killed_at = time.monotonic()
+    os.kill(victim, signal.SIGKILL)
+    _, err = proc.communicate(timeout=30)
+    took = time.monotonic() - killed_at
+    assert proc.returncode == 1
+    assert took < 10, f"job took {took:.1f} s to stop"
+    assert "rank 1 (n0:1, pipeline 0 stage 1) failed: killed by SIGKILL" in err, err
+    assert "Traceback" not in err
+    assert not [pid for pid in children if _alive(pid)], "ranks left running"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without CUDA to make a CUDA rank fail; "
+                    "runs on CPU-only machines (CI, developer machines)")
+def test_rank_error_is_named_with_its_cause(tmp_path):
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    text = layout.read_text().replace('devices = ["cpu", "cpu", "cpu"]', 'devices = ["cpu", "cpu", "cuda:0"]')
+    layout.write_text(text)
+    proc, _ = _start(layout, tmp_path)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert err.strip().splitlines()[-1].startswith(
+        "error: rank 2 (n0:2, pipeline 0 stage 2) failed: device cuda:0 requested but CUDA is not available on this host")
+
+
+def test_ctrl_c_leaves_no_process_behind(tmp_path):
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000")
+    _wait_for_steps(proc, metrics, 1)
+    children = _children_of(proc.pid)
+    assert len(children) == 3
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
+
+
+def test_every_rank_as_its_own_process_equals_one_launch(tmp_path):
+    """``hetero-launch L --rank R`` per process (uneven nodes) trains exactly what one launch trains."""
+    layout = write_layout(tmp_path / "l.toml", COMMON, [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])])
+    whole = launch(layout, tmp_path / "whole")
+    port = free_port()
+    metrics = tmp_path / "per_rank.jsonl"
+    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
+                               "--set", f"cluster.port={port}", "--metrics-jsonl", str(metrics)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for r in (3, 1, 0, 2)]  # arrival order does not matter
+    for p in procs:
+        out, err = p.communicate(timeout=180)
+        assert p.returncode == 0, err
+    losses = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    assert losses == whole.losses
+
+
+def test_rank_that_never_arrives_is_named(tmp_path):
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
+                               "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert procs[0].returncode == 1
+    assert results[0][1].strip() == "error: rendezvous timed out after 3 s: never arrived: rank 2 (n0:2)"
+    assert procs[1].returncode == 1
+    assert "rank 1" in results[1][1] and "rendezvous" in results[1][1]
