@@ -8,6 +8,7 @@ Written device-agnostic: gloo on CPU, NCCL on CUDA, same calls.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -76,7 +77,7 @@ class Comms:
     device: torch.device
     groups: dict[str, dist.ProcessGroup]  # by plan group name
     tp_group: dist.ProcessGroup | None  # this rank's TP group (None when TP size is 1)
-    tp_size: int
+    tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group, TP index order
     pending_sends: list = attrs.field(factory=list)
 
 
@@ -96,7 +97,20 @@ def init(plan: Plan, rank: int, device: torch.device) -> Comms:
     tp_group = groups.get(f"tp[{st.label}]")
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
-    return Comms(rank, plan.world_size, device, groups, tp_group, st.tp)
+    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks)
+
+
+def tp_index(comms: Comms) -> int:
+    return comms.tp_ranks.index(comms.rank)
+
+
+def tp_agree(comms: Comms, choice: tuple[str, int] | None) -> tuple[str, int]:
+    """TP rank 0's choice of the next dynamic action, on every rank of the TP group."""
+    t = torch.zeros(2, dtype=torch.int64, device=comms.device)
+    if choice is not None:
+        t[0], t[1] = (0 if choice[0] == "F" else 1), choice[1]
+    dist.broadcast(t, src=comms.tp_ranks[0], group=comms.tp_group)
+    return ("F" if int(t[0]) == 0 else "B"), int(t[1])
 
 
 def shutdown() -> None:
@@ -173,9 +187,38 @@ class PendingRecv:
     buffer: torch.Tensor
     route: Route
     shape: tuple[int, ...]
+    _arrived: threading.Event | None = None
+    _error: list = attrs.field(factory=list)
+
+    def watch(self) -> None:
+        """Make ``arrived()`` pollable. Gloo's p2p Work only completes inside ``wait()``, so a daemon
+        thread waits for it; NCCL's ``is_completed()`` queries the CUDA event and needs no thread."""
+        if self.buffer.is_cuda or self._arrived is not None:
+            return
+        self._arrived = threading.Event()
+
+        def waiter(work=self.work, flag=self._arrived, error=self._error):
+            try:
+                work.wait()  # consumes gloo's completion: nobody may wait() on this work again
+            except BaseException as e:  # handed to the main thread by wait()
+                error.append(e)
+            finally:
+                flag.set()
+
+        threading.Thread(target=waiter, daemon=True).start()
+
+    def arrived(self) -> bool:
+        if self._arrived is not None:
+            return self._arrived.is_set()
+        return self.work.is_completed()
 
     def wait(self, comms: Comms) -> torch.Tensor:
-        self.work.wait()
+        if self._arrived is not None:
+            self._arrived.wait()
+            if self._error:
+                raise self._error[0]
+        else:
+            self.work.wait()
         numel = 1
         for s in self.shape:
             numel *= s

@@ -36,6 +36,8 @@ class Schedule(str, enum.Enum):
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B: train.chunks model chunks per rank
+    DYNAMIC = "dynamic"  # MegatronDPP: run the highest-priority action whose input has arrived
 
 
 class Norm(str, enum.Enum):
@@ -95,7 +97,8 @@ class TrainSpec:
     steps: int = _doc("optimizer steps")
     global_batch: int = _doc("sequences per step, summed over pipelines")
     seed: int = _doc("seed of initialization and data order", default=0)
-    schedule: Schedule = _doc("'gpipe' or '1f1b'", default=Schedule.ONE_F_ONE_B)
+    schedule: Schedule = _doc("'gpipe', '1f1b', 'interleaved' (with chunks) or 'dynamic'", default=Schedule.ONE_F_ONE_B)
+    chunks: int = _doc("model chunks (virtual stages) per rank for 'interleaved'; 1 otherwise", default=1)
     lr: float = _doc("peak learning rate (after warmup)", default=1e-3)
     min_lr: float = _doc("learning rate at the end of the cosine decay", default=1e-4)
     warmup_steps: int = _doc("linear warmup steps from 0 to lr", default=0)
@@ -165,6 +168,8 @@ class PipelineSpec:
     batch: int = _doc("sequences of each global batch this pipeline trains on")
     microbatches: int = _doc("microbatches the batch is split into; must divide batch")
     stages: tuple[StageSpec, ...] = _doc("ordered stages; their layers sum to model.layers")
+    schedule_file: str = _doc("a file of action strings (one line, or CSV column, per stage) to run instead of "
+                              "train.schedule; relative to the layout file; '' for none", default="")
 
 
 @attrs.frozen
@@ -232,6 +237,8 @@ def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
     if not isinstance(pipes, list) or not pipes:
         raise LayoutError(file, "pipelines", "expected one or more [[pipelines]] tables")
     pipelines = tuple(_build(PipelineSpec, t, f"pipelines[{i}]", file) for i, t in enumerate(pipes))
+    pipelines = tuple(attrs.evolve(p, schedule_file=str(base_dir / p.schedule_file)) if p.schedule_file else p
+                      for p in pipelines)
     data = sections["data"]
     if data.path:
         data = attrs.evolve(data, path=str((base_dir / data.path)))
@@ -428,7 +435,7 @@ def validate(layout: Layout) -> None:
     m, t, d, c = layout.model, layout.train, layout.data, layout.cluster
     _positive(layout, m, "model", ["layers", "hidden", "heads", "vocab", "seq_len"])
     _positive(layout, m, "model", ["ffn"], minimum=0)
-    _positive(layout, t, "train", ["steps", "global_batch", "log_every"])
+    _positive(layout, t, "train", ["steps", "global_batch", "log_every", "chunks"])
     _positive(layout, t, "train", ["warmup_steps"], minimum=0)
     if m.hidden % m.heads:
         raise LayoutError(f, "model.heads", f"{m.heads} heads do not divide hidden {m.hidden} (pick a divisor of {m.hidden})")
@@ -521,6 +528,7 @@ def validate(layout: Layout) -> None:
                     other = gpus[(node.host, local)]
                     raise LayoutError(f, where, f"device '{dev}' is {local} on host {node.host}, like '{other}' "
                                       "(NCCL runs one rank per GPU: give each rank its own GPU, or use backend = 'gloo')")
+        _validate_pipeline_schedule(layout, pi)
         if layer_sum != m.layers:
             counts = " + ".join(str(s.layers) for s in pipe.stages)
             raise LayoutError(f, f"{pp}.stages", f"stage layers sum to {layer_sum} ({counts}) but model.layers is {m.layers} "
@@ -529,6 +537,31 @@ def validate(layout: Layout) -> None:
         shares = " + ".join(str(p.batch) for p in layout.pipelines)
         raise LayoutError(f, "pipelines", f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
                           f"{t.global_batch} (make them add up to {t.global_batch})")
+
+
+def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
+    f, t, pipe = layout.file, layout.train, layout.pipelines[pi]
+    pp, n = f"pipelines[{pi}]", len(pipe.stages)
+    if pipe.schedule_file:
+        if not Path(pipe.schedule_file).is_file():
+            raise LayoutError(f, f"{pp}.schedule_file", f"file '{pipe.schedule_file}' does not exist "
+                              "(give a text or CSV file of action strings, one line or column per stage)")
+        return
+    if t.schedule is Schedule.INTERLEAVED:
+        if t.chunks < 2:
+            raise LayoutError(f, "train.chunks", f"'interleaved' needs chunks >= 2, got {t.chunks} (or use schedule = '1f1b')")
+        if n < 2:
+            raise LayoutError(f, f"{pp}.stages", "'interleaved' needs at least 2 stages (or use schedule = '1f1b' here)")
+        if pipe.microbatches % n:
+            raise LayoutError(f, f"{pp}.microbatches", f"'interleaved' needs microbatches divisible by the {n} stages, "
+                              f"got {pipe.microbatches} (use a multiple of {n})")
+        for si, stage in enumerate(pipe.stages):
+            if stage.layers % t.chunks:
+                raise LayoutError(f, f"{pp}.stages[{si}].layers", f"{stage.layers} layers do not split into "
+                                  f"{t.chunks} chunks (use a multiple of train.chunks = {t.chunks})")
+    elif t.chunks != 1:
+        raise LayoutError(f, "train.chunks", f"chunks = {t.chunks} needs schedule = 'interleaved' "
+                          f"(got '{t.schedule.value}'; set chunks = 1)")
 
 
 def _check_device_id(layout: Layout, dev: str, where: str) -> None:

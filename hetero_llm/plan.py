@@ -17,7 +17,8 @@ from collections import defaultdict
 import attrs
 
 from hetero_llm import schedule as sched
-from hetero_llm.layout import Layout
+from hetero_llm.errors import LayoutError, ScheduleError
+from hetero_llm.layout import Layout, Schedule
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -26,10 +27,8 @@ class StagePlan:
     pipeline: int
     stage: int
     ranks: tuple[int, ...]  # the TP group, tp index = position
-    layer_lo: int
-    layer_hi: int  # exclusive
-    first: bool
-    last: bool
+    chunk_ranges: tuple[tuple[int, int], ...]  # [lo, hi) layers of each model chunk on this stage
+    num_stages: int  # stages of this pipeline
 
     @property
     def tp(self) -> int:
@@ -38,6 +37,34 @@ class StagePlan:
     @property
     def label(self) -> str:
         return f"p{self.pipeline}.s{self.stage}"
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.num_stages - 1
+
+    @property
+    def layer_lo(self) -> int:
+        return self.chunk_ranges[0][0]
+
+    @property
+    def layer_hi(self) -> int:
+        return self.chunk_ranges[-1][1]
+
+    def chunk_shape(self, chunk: int) -> tuple[int, int, bool, bool]:
+        """(layer_lo, layer_hi, holds the embedding, holds the head) of one model chunk."""
+        lo, hi = self.chunk_ranges[chunk]
+        last_chunk = len(self.chunk_ranges) - 1
+        return lo, hi, self.first and chunk == 0, self.last and chunk == last_chunk
+
+    def params(self, model) -> list[ParamInfo]:
+        out: list[ParamInfo] = []
+        for c in range(len(self.chunk_ranges)):
+            out += stage_params(model, *self.chunk_shape(c))
+        return out
 
 
 @attrs.frozen
@@ -114,8 +141,7 @@ class Plan:
         """(info, lo, hi) of every parameter shard ``rank`` holds, along info.shard_dim (or dim 0)."""
         st = self.stage_of(rank)
         tp_index = self.ranks[rank].tp_index
-        return [(p, *shard_range(p, st.tp, tp_index))
-                for p in stage_params(self.layout.model, st.layer_lo, st.layer_hi, st.first, st.last)]
+        return [(p, *shard_range(p, st.tp, tp_index)) for p in st.params(self.layout.model)]
 
     def batch_share(self, pipeline: int) -> tuple[int, int]:
         """(offset, size) of a pipeline's contiguous rows of the global batch."""
@@ -132,8 +158,10 @@ def compile_plan(layout: Layout) -> Plan:
     stages: list[StagePlan] = []
     schedules = []
     nodes = {n.name: n for n in layout.cluster.nodes}
+    chunks = layout.train.chunks
     for pi, pipe in enumerate(layout.pipelines):
-        lo = 0
+        n = len(pipe.stages)
+        ranges = _chunk_ranges([st.layers for st in pipe.stages], chunks)
         for si, st in enumerate(pipe.stages):
             members = []
             for ti, dev in enumerate(st.devices):
@@ -141,14 +169,10 @@ def compile_plan(layout: Layout) -> Plan:
                 rank = len(ranks)
                 ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
                 members.append(rank)
-            stages.append(StagePlan(pi, si, tuple(members), lo, lo + st.layers, si == 0, si == len(pipe.stages) - 1))
-            lo += st.layers
-        compute = sched.compute_schedule(layout.train.schedule.value, len(pipe.stages), pipe.microbatches)
-        lowered = sched.lower(compute)
-        sched.validate(lowered, pipe.microbatches)
-        schedules.append(tuple(tuple(a) for a in lowered))
+            stages.append(StagePlan(pi, si, tuple(members), ranges[si], n))
+        schedules.append(tuple(tuple(a) for a in pipeline_schedule(layout, pi)))
 
-    routes_f, routes_b = _boundary_routes(stages)
+    routes_f, routes_b = _boundary_routes(stages, wrap=chunks > 1)
     buckets = _grad_buckets(layout, stages)
     groups = [Group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
     groups += [Group(b.name, b.group) for b in buckets]
@@ -156,11 +180,45 @@ def compile_plan(layout: Layout) -> Plan:
                 tuple(routes_f), tuple(routes_b))
 
 
-def _boundary_routes(stages: list[StagePlan]) -> tuple[list[Route], list[Route]]:
+def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int, int], ...]]:
+    """Layer ranges per (stage, chunk): virtual stage v = chunk * stages + stage takes the next
+    layers_s / chunks layers, so chunk c of every stage comes before chunk c + 1 of any stage."""
+    out: list[list[tuple[int, int]]] = [[] for _ in stage_layers]
+    lo = 0
+    for c in range(chunks):
+        for s, layers in enumerate(stage_layers):
+            width = layers // chunks
+            out[s].append((lo, lo + width))
+            lo += width
+    return [tuple(r) for r in out]
+
+
+def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
+    """The lowered, validated action lists of pipeline ``pi`` (one per stage).
+
+    'dynamic' pipelines list the 1F1B order here: it is what ``--dry-run`` shows and what the
+    runtime falls back to for priorities; the runtime picks the actual order as inputs arrive.
+    """
+    pipe, train = layout.pipelines[pi], layout.train
+    n = len(pipe.stages)
+    if pipe.schedule_file:
+        try:
+            return sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
+        except ScheduleError as e:
+            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
+    kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
+    lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
+    sched.validate(lowered, pipe.microbatches)
+    return lowered
+
+
+def _boundary_routes(stages: list[StagePlan], wrap: bool) -> tuple[list[Route], list[Route]]:
+    """Routes between consecutive stages of each pipeline, plus last -> first when chunks wrap around."""
     fwd, bwd = [], []
-    for a, b in zip(stages, stages[1:]):
-        if a.pipeline != b.pipeline:
-            continue
+    pairs = [(a, b) for a, b in zip(stages, stages[1:]) if a.pipeline == b.pipeline]
+    if wrap:
+        pairs += [(s, next(f for f in stages if f.pipeline == s.pipeline and f.first)) for s in stages if s.last]
+    for a, b in pairs:
         senders, receivers = a.ranks, b.ranks
         fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
         bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
@@ -172,7 +230,7 @@ def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
     holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     infos: dict[str, ParamInfo] = {}
     for st in stages:
-        for info in stage_params(layout.model, st.layer_lo, st.layer_hi, st.first, st.last):
+        for info in st.params(layout.model):
             infos[info.name] = info
             for ti, rank in enumerate(st.ranks):
                 holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
@@ -187,6 +245,10 @@ def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
     return [GradBucket(g, tuple(e)) for g, e in sorted(by_group.items())]
 
 
+def _ranges(st: StagePlan) -> str:
+    return ",".join(f"{lo}-{hi - 1}" for lo, hi in st.chunk_ranges)
+
+
 def describe(plan: Plan) -> str:
     """The ``--dry-run`` report: rank table, communicators, per-pipeline schedule grids."""
     lay = plan.layout
@@ -197,7 +259,7 @@ def describe(plan: Plan) -> str:
         st = plan.stage_of(r.rank)
         off, size = plan.batch_share(r.pipeline)
         lines.append(f"{r.rank:<5} {r.device_id:<11} {r.node:<9} {r.pipeline:<9} {r.stage:<6} "
-                     f"{r.tp_index}/{st.tp:<4} {f'{st.layer_lo}-{st.layer_hi - 1}':<8} "
+                     f"{r.tp_index}/{st.tp:<4} {_ranges(st):<8} "
                      f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb")
     lines += ["", "communicators (created in this order on every rank):"]
     for g in plan.groups:

@@ -1,22 +1,32 @@
-"""One interpreter loop that executes any schedule's action list on one rank.
+"""One interpreter loop that executes any schedule's action list on one rank, plus the dynamic mode.
 
-Semantics (the validator in ``schedule`` simulates exactly these): sends are non-blocking and are
-completed at the end of the step; a receive is posted at its RECV action and waited for by the
-compute action that needs it; compute actions run in list order.
+Static schedules (GPipe, 1F1B, interleaved, files): sends are non-blocking and completed at the end
+of the step; a receive is posted at its RECV action and waited for by the compute action that needs
+it; compute actions run in list order. The validator in ``schedule`` simulates exactly this.
+
+Dynamic schedule (MegatronDPP): every receive a rank will need is posted ahead (within its memory
+window); the rank then repeatedly runs the highest-priority action whose input has arrived, polling
+without blocking: a backward before a forward, lower microbatches first. Forwards are capped at the
+1F1B in-flight bound (stages - stage), so memory equals 1F1B's. Ranks of a TP group must run the
+same actions in the same order (their collectives pair up), so TP rank 0 decides and broadcasts.
+Deadlock-free: the last stage can always run a backward right after its forward, so some rank can
+always move.
 """
 
 from __future__ import annotations
 
+import os
+import random
 import time
 
 import attrs
 import torch
 
 from hetero_llm import comm
-from hetero_llm.model import TP, StageShape, stage_forward, token_loss_sum
 from hetero_llm.layout import ModelSpec
-from hetero_llm.plan import Plan, Route
-from hetero_llm.schedule import Action, Kind
+from hetero_llm.model import TP, StageShape, stage_forward, token_loss_sum
+from hetero_llm.plan import Plan, Route, StagePlan
+from hetero_llm.schedule import Action, Kind, peer
 
 FWD, BWD = 0, 1
 
@@ -44,70 +54,192 @@ class Microbatch:
     targets: torch.Tensor  # (b, T)
 
 
+@attrs.frozen
+class Emulation:
+    """Emulated slower / jittery devices for benchmarks (documented as emulation, never on by default).
+
+    After each compute action the rank sleeps ``(slowdown - 1 + U(0, jitter)) * compute time``.
+    Read from ``HETERO_EMULATE_SLOWDOWN`` and ``HETERO_EMULATE_JITTER``: ``"rank:value,..."``.
+    """
+
+    slowdown: float = 1.0
+    jitter: float = 0.0
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Emulation":
+        def pick(var: str, default: float) -> float:
+            for item in filter(None, os.environ.get(var, "").split(",")):
+                r, _, v = item.partition(":")
+                if r.strip() in (str(rank), "*"):
+                    return float(v)
+            return default
+
+        return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank)
+
+    @property
+    def active(self) -> bool:
+        return self.slowdown != 1.0 or self.jitter > 0
+
+
 @attrs.define
 class StageRunner:
     """Executes one rank's actions for one step; accumulates gradients into ``params``."""
 
     comms: comm.Comms
     params: dict[str, torch.Tensor]
-    shape: StageShape
+    stage: StagePlan
     model: ModelSpec
     tp: TP
     routes: StageRoutes
     trace: list | None = None  # (action string, start s, end s) per action, when tracing
+    emulation: Emulation = Emulation()
+    _rng: random.Random = attrs.field(init=False)
+    _state: dict = attrs.field(init=False, factory=dict)
+
+    def __attrs_post_init__(self):
+        self._rng = random.Random(self.emulation.seed)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.stage.chunk_ranges)
+
+    # -- one action ---------------------------------------------------------------------------
+
+    def _begin(self, microbatches: list[Microbatch], global_tokens: int) -> None:
+        self._state = dict(mbs=microbatches, tokens=global_tokens, inputs={}, outputs={}, recvs={}, grads_out={},
+                           loss=torch.zeros((), dtype=torch.float64, device=self.comms.device),
+                           dtype=next(iter(self.params.values())).dtype)
+
+    def _shape(self, m: int) -> tuple[int, ...]:
+        b, t = self._state["mbs"][m].inputs.shape
+        return (b, t, self.model.hidden)
+
+    def _peer_tag(self, a: Action) -> tuple[int, int]:
+        """(mb, chunk) of the receiving action that a send pairs with (the wrap changes the chunk)."""
+        _, match = peer(self.stage.stage, a, self.stage.num_stages, chunks=self.chunks)
+        return match.mb, match.chunk
+
+    def execute(self, a: Action) -> None:
+        st, s = self.stage, self._state
+        key = (a.mb, a.chunk)
+        t0 = time.perf_counter()
+        if a.kind is Kind.RECV_F:
+            s["recvs"][(FWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
+                                                        FWD, a.mb, a.chunk)
+        elif a.kind is Kind.RECV_B:
+            s["recvs"][(BWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
+                                                        BWD, a.mb, a.chunk)
+        elif a.kind is Kind.F:
+            self._forward(a)
+        elif a.kind is Kind.B:
+            self._backward(a)
+        elif a.kind is Kind.SEND_F:
+            mb, chunk = self._peer_tag(a)
+            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk)
+        elif a.kind is Kind.SEND_B:
+            mb, chunk = self._peer_tag(a)
+            comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk)
+        else:
+            raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
+        if a.kind in (Kind.F, Kind.B) and self.emulation.active:
+            spent = time.perf_counter() - t0
+            time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
+        if self.trace is not None:
+            self.trace.append((str(a), t0, time.perf_counter()))
+
+    def _forward(self, a: Action) -> None:
+        s = self._state
+        key = (a.mb, a.chunk)
+        lo, hi, first, last = self.stage.chunk_shape(a.chunk)
+        if first:
+            x = s["mbs"][a.mb].inputs.to(self.comms.device)
+        else:
+            x = s["recvs"].pop((FWD, key)).wait(self.comms).requires_grad_()
+        s["inputs"][key] = x
+        out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp)
+        if last:
+            loss = token_loss_sum(out, s["mbs"][a.mb].targets.to(self.comms.device))
+            s["loss"] += loss.detach().double()
+            out = loss / s["tokens"]  # mean over the GLOBAL batch: pipelines' gradients then sum
+        s["outputs"][key] = out
+
+    def _backward(self, a: Action) -> None:
+        s = self._state
+        key = (a.mb, a.chunk)
+        _, _, first, last = self.stage.chunk_shape(a.chunk)
+        out = s["outputs"].pop(key)
+        if last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, s["recvs"].pop((BWD, key)).wait(self.comms))
+        x = s["inputs"].pop(key)
+        if not first:
+            s["grads_out"][key] = x.grad
+
+    def _finish(self) -> torch.Tensor:
+        comm.wait_sends(self.comms)
+        s = self._state
+        if s["recvs"] or s["outputs"] or s["inputs"] or s["grads_out"]:
+            raise RuntimeError(f"schedule left work undone: receives {sorted(s['recvs'])}, outputs {sorted(s['outputs'])}")
+        return s["loss"]
+
+    # -- whole steps ----------------------------------------------------------------------------
 
     def run(self, actions: tuple[Action, ...], microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
-        """Run the step; returns this stage's summed loss share (0 on non-last stages)."""
-        dtype = next(iter(self.params.values())).dtype
-        device = self.comms.device
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        recvs: dict[tuple[int, int], comm.PendingRecv] = {}
-        grads_out: dict[int, torch.Tensor] = {}
-        loss_total = torch.zeros((), dtype=torch.float64, device=device)
-
-        def act_shape(m: int) -> tuple[int, ...]:
-            b, t = microbatches[m].inputs.shape
-            return (b, t, self.model.hidden)
-
+        """Run a static schedule; returns this rank's summed token loss (0 off the last stage)."""
+        self._begin(microbatches, global_tokens)
         for a in actions:
-            t0 = time.perf_counter()
-            m = a.mb
-            if a.kind is Kind.RECV_F:
-                recvs[(FWD, m)] = comm.recv_boundary(self.comms, self.routes.recv_f, act_shape(m), dtype, FWD, m, a.chunk)
-            elif a.kind is Kind.RECV_B:
-                recvs[(BWD, m)] = comm.recv_boundary(self.comms, self.routes.recv_b, act_shape(m), dtype, BWD, m, a.chunk)
-            elif a.kind is Kind.F:
-                if self.shape.first:
-                    x = microbatches[m].inputs.to(device)
-                else:
-                    x = recvs.pop((FWD, m)).wait(self.comms).requires_grad_()
-                inputs[m] = x
-                out = stage_forward(self.params, x, self.shape, self.model, self.tp)
-                if self.shape.last:
-                    loss = token_loss_sum(out, microbatches[m].targets.to(device))
-                    loss_total += loss.detach().double()
-                    out = loss / global_tokens  # mean over the GLOBAL batch: pipelines' grads then sum
-                outputs[m] = out
-            elif a.kind is Kind.SEND_F:
-                comm.send_boundary(self.comms, outputs[m], list(self.routes.send_f), FWD, m, a.chunk)
-            elif a.kind is Kind.B:
-                out = outputs.pop(m)
-                if self.shape.last:
-                    out.backward()
-                else:
-                    grad = recvs.pop((BWD, m)).wait(self.comms)
-                    torch.autograd.backward(out, grad)
-                x = inputs.pop(m)
-                if not self.shape.first:
-                    grads_out[m] = x.grad
-            elif a.kind is Kind.SEND_B:
-                comm.send_boundary(self.comms, grads_out.pop(m), list(self.routes.send_b), BWD, m, a.chunk)
+            self.execute(a)
+        return self._finish()
+
+    def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
+        """MegatronDPP: run whichever ready action has the highest priority (see module doc)."""
+        st = self.stage
+        M = len(microbatches)
+        window = st.num_stages - st.stage  # the 1F1B in-flight bound: same activation memory
+        self._begin(microbatches, global_tokens)
+        s = self._state
+        next_f, next_recv_f, in_flight, done = 0, 0, [], 0
+        leader = self.comms.tp_group is None or comm.tp_index(self.comms) == 0
+
+        def post_forward_receives():
+            nonlocal next_recv_f
+            while not st.first and next_recv_f < min(M, next_f + window):
+                self.execute(Action(Kind.RECV_F, next_recv_f))
+                s["recvs"][(FWD, (next_recv_f, 0))].watch()
+                next_recv_f += 1
+
+        def ready(kind: str, m: int) -> bool:
+            if kind == "F":
+                return st.first or s["recvs"][(FWD, (m, 0))].arrived()
+            return st.last or s["recvs"][(BWD, (m, 0))].arrived()
+
+        while done < M:
+            post_forward_receives()
+            choice = None
+            if leader:
+                while choice is None:
+                    choice = next((("B", m) for m in in_flight if ready("B", m)), None)
+                    if choice is None and next_f < M and len(in_flight) < window and ready("F", next_f):
+                        choice = ("F", next_f)
+                    if choice is None:
+                        time.sleep(20e-6)  # polls never block; yield the core to the watcher threads
+            if self.comms.tp_group is not None:
+                choice = comm.tp_agree(self.comms, choice)
+            kind, m = choice
+            if kind == "F":
+                self.execute(Action(Kind.F, m))
+                if not st.last:
+                    self.execute(Action(Kind.SEND_F, m))
+                    self.execute(Action(Kind.RECV_B, m))  # post the gradient receive right away
+                    s["recvs"][(BWD, (m, 0))].watch()
+                in_flight.append(m)
+                next_f += 1
             else:
-                raise NotImplementedError(f"action kind {a.kind} is not supported by this runtime yet")
-            if self.trace is not None:
-                self.trace.append((str(a), t0, time.perf_counter()))
-        comm.wait_sends(self.comms)
-        if recvs or outputs or inputs:
-            raise RuntimeError(f"schedule left work undone: recvs {sorted(recvs)}, outputs {sorted(outputs)}")
-        return loss_total
+                self.execute(Action(Kind.B, m))
+                if not st.first:
+                    self.execute(Action(Kind.SEND_B, m))
+                in_flight.remove(m)
+                done += 1
+        return self._finish()

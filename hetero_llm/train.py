@@ -14,10 +14,10 @@ import numpy as np
 import torch
 
 from hetero_llm import comm, data
-from hetero_llm.layout import TrainSpec
-from hetero_llm.model import StageShape, init_shard
+from hetero_llm.layout import Schedule, TrainSpec
+from hetero_llm.model import init_shard
 from hetero_llm.plan import Plan
-from hetero_llm.runtime import Microbatch, StageRoutes, StageRunner
+from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
 
 
 def lr_at(train: TrainSpec, step: int) -> float:
@@ -134,8 +134,9 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     state = init_state(plan, rank, device)
     optimizer = _make_optimizer(state, tr)
     st = plan.stage_of(rank)
-    runner = StageRunner(comms, state.params, StageShape(st.layer_lo, st.layer_hi, st.first, st.last), model,
-                         comm.tp_ops(comms), StageRoutes.of(plan, rank), trace)
+    runner = StageRunner(comms, state.params, st, model, comm.tp_ops(comms), StageRoutes.of(plan, rank), trace,
+                         Emulation.from_env(rank))
+    dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     source = data.make_source(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len
     reporting = rank == plan.reporter()
@@ -148,7 +149,8 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
             batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
-            loss_sum = runner.run(plan.actions(rank), _microbatches(plan, rank, batch), global_tokens)
+            mbs = _microbatches(plan, rank, batch)
+            loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
             sq = sync_grads(plan, rank, state, comms)
             totals = torch.tensor([float(loss_sum) if contributes_loss else 0.0, sq], dtype=torch.float64, device=device)
             comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm

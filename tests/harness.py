@@ -17,6 +17,7 @@ from hetero_llm.train import load_full_params
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"
 RTOL = 1e-5  # float32 layout-invariance tolerance (relative; see docs/invariance.md)
+TENSOR_RTOL = 1e-4  # per parameter tensor (see assert_same_model)
 
 
 def free_port() -> int:
@@ -48,23 +49,30 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
 
 
 def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> None:
-    """Per-step losses and every final parameter tensor within ``rtol`` of the reference.
+    """Per-step losses within ``rtol``; all final parameters within ``rtol`` (relative L2 over the model).
 
-    Parameters compare by relative L2 norm per tensor: Adam divides each element by its own gradient
-    magnitude, so an element whose gradient is ~0 turns float32 rounding noise into an lr-sized
-    difference; a per-element test would measure that noise, not the layout.
+    Each tensor must also be within ``TENSOR_RTOL``: a layout bug (a block never synced, a shard from
+    the wrong rows) shows up as errors of 1e-2 or more in its tensor. Tighter per-tensor bounds would
+    measure float32 summation order instead: Adam's first update is ~lr*sign(g), so elements whose
+    gradient is ~0 flip with rounding noise; one process with 3 vs 2 microbatches already differs by
+    4e-6 in single tensors (docs/invariance.md).
     """
     assert len(run.losses) == len(ref.losses)
     for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"
     for step, (a, b) in enumerate(zip(run.grad_norms, ref.grad_norms)):
-        assert abs(a - b) <= 10 * rtol * abs(b), f"step {step}: grad norm {a!r} vs reference {b!r}"
+        assert abs(a - b) <= rtol * abs(b), f"step {step}: grad norm {a!r} vs reference {b!r}"
     assert set(run.params) == set(ref.params)
+    diff = ref_sq = 0.0
     for name, want in ref.params.items():
         got = run.params[name]
         assert not torch.isnan(got).any(), f"{name}: some shard was never written"
         err = float((got - want).norm() / want.norm())
-        assert err <= rtol, f"{name}: relative error {err:.2e} > {rtol:.0e}"
+        assert err <= TENSOR_RTOL, f"{name}: relative error {err:.2e} > {TENSOR_RTOL:.0e}"
+        diff += float((got - want).double().pow(2).sum())
+        ref_sq += float(want.double().pow(2).sum())
+    total = (diff / ref_sq) ** 0.5
+    assert total <= rtol, f"parameters: relative error {total:.2e} > {rtol:.0e}"
 
 
 def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[tuple[int, int]]]],
