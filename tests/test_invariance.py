@@ -117,9 +117,21 @@ def test_at_least_three_examples_share_a_single_process_reference():
     assert len(sharing) >= 3, sharing
 
 
+@pytest.fixture(scope="module")
+def example_references(tmp_path_factory):
+    """One single-process run per reference layout, shared by the examples that match it."""
+    cache = {}
+
+    def get(path: Path, steps: int):
+        if (path, steps) not in cache:
+            cache[(path, steps)] = launch(path, tmp_path_factory.mktemp(path.stem), "--set", f"train.steps={steps}")
+        return cache[(path, steps)]
+
+    return get
+
+
 @pytest.mark.parametrize("example", EXAMPLES, ids=[p.stem for p in EXAMPLES])
-def test_example_layout_trains_its_reference_model(example, tmp_path):
+def test_example_layout_trains_its_reference_model(example, example_references, tmp_path):
     lay = layout_mod.load(example)
     ref_path = next(p for p, r in _single_process_references().items() if _same_model(lay, r))
-    ref = launch(ref_path, tmp_path / "ref", "--set", f"train.steps={lay.train.steps}")
-    assert_same_model(launch(example, tmp_path / "run"), ref)
+    assert_same_model(launch(example, tmp_path), example_references(ref_path, lay.train.steps))
