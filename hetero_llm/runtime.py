@@ -120,10 +120,25 @@ class StageRunner:
         _, match = peer(self.stage.stage, a, self.stage.num_stages, chunks=self.chunks)
         return match.mb, match.chunk
 
+    def _await(self, direction: int, a: Action) -> torch.Tensor:
+        """Wait for a received tensor; traced as its own event (the RECV's wait), not as compute."""
+        t0 = time.perf_counter()
+        x = self._state["recvs"].pop((direction, (a.mb, a.chunk))).wait(self.comms)
+        if self.trace is not None:
+            kind = Kind.RECV_F if direction == FWD else Kind.RECV_B
+            self.trace.append((str(Action(kind, a.mb, a.chunk)), t0, time.perf_counter()))
+        return x
+
     def execute(self, a: Action) -> None:
         st, s = self.stage, self._state
         key = (a.mb, a.chunk)
-        t0 = time.perf_counter()
+        _, _, first, last = st.chunk_shape(a.chunk)
+        received = None
+        if a.kind is Kind.F and not first:
+            received = self._await(FWD, a)
+        elif a.kind is Kind.B and not last:
+            received = self._await(BWD, a)
+        t0 = time.perf_counter()  # compute time excludes the wait: traces and emulation see compute only
         if a.kind is Kind.RECV_F:
             s["recvs"][(FWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
                                                         FWD, a.mb, a.chunk)
@@ -131,9 +146,9 @@ class StageRunner:
             s["recvs"][(BWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
                                                         BWD, a.mb, a.chunk)
         elif a.kind is Kind.F:
-            self._forward(a)
+            self._forward(a, received)
         elif a.kind is Kind.B:
-            self._backward(a)
+            self._backward(a, received)
         elif a.kind is Kind.SEND_F:
             mb, chunk = self._peer_tag(a)
             comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk)
@@ -148,14 +163,11 @@ class StageRunner:
         if self.trace is not None:
             self.trace.append((str(a), t0, time.perf_counter()))
 
-    def _forward(self, a: Action) -> None:
+    def _forward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state
         key = (a.mb, a.chunk)
         lo, hi, first, last = self.stage.chunk_shape(a.chunk)
-        if first:
-            x = s["mbs"][a.mb].inputs.to(self.comms.device)
-        else:
-            x = s["recvs"].pop((FWD, key)).wait(self.comms).requires_grad_()
+        x = s["mbs"][a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
         s["inputs"][key] = x
         out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp)
         if last:
@@ -164,7 +176,7 @@ class StageRunner:
             out = loss / s["tokens"]  # mean over the GLOBAL batch: pipelines' gradients then sum
         s["outputs"][key] = out
 
-    def _backward(self, a: Action) -> None:
+    def _backward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state
         key = (a.mb, a.chunk)
         _, _, first, last = self.stage.chunk_shape(a.chunk)
@@ -172,7 +184,7 @@ class StageRunner:
         if last:
             out.backward()
         else:
-            torch.autograd.backward(out, s["recvs"].pop((BWD, key)).wait(self.comms))
+            torch.autograd.backward(out, received)
         x = s["inputs"].pop(key)
         if not first:
             s["grads_out"][key] = x.grad
