@@ -72,5 +72,26 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         sys.exit(130)
 
 
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="Write the placed layout here (the cluster file plus [[pipelines]]).")
+@click.option("--pipelines", type=int, default=0, show_default="as many as the smallest domain allows",
+              help="Data-parallel pipelines.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Devices per stage (inside one node).")
+@click.option("--microbatches", type=int, default=0, show_default="2 x stages", help="Microbatches per pipeline.")
+def place_main(cluster_file, out, pipelines, tp, microbatches):
+    """Place a model on a cluster NIC-aware (Holmes): TP in a node, DP in a domain, stages across domains."""
+    from hetero_llm import place
+
+    try:
+        placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(place.report(placement))
+    click.echo(f"\nwrote {out} (check it with: hetero-launch {out} --dry-run)")
+
+
 if __name__ == "__main__":
     main()

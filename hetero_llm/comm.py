@@ -7,7 +7,11 @@ Written device-agnostic: gloo on CPU, NCCL on CUDA, same calls.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -17,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from hetero_llm.errors import RankFailure
+from hetero_llm.layout import CommLib
 from hetero_llm.model import TP
-from hetero_llm.plan import Plan, Route
+from hetero_llm.plan import Group, Plan, Route
 
 
 # ------------------------------------------------------------------------------------------
@@ -45,6 +50,7 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
                               f"(port in use? set MASTER_PORT or cluster.port)") from None
         raise RankFailure(f"rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
                           f"(is rank 0 on {plan.ranks[0].device_id} started? {e})") from None
+    fingerprint = plan.fingerprint()
     store.set(f"arrived/{rank}", "1")
     if rank == 0:
         deadline = time.monotonic() + timeout
@@ -57,6 +63,7 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
             names = ", ".join(f"rank {r} ({plan.ranks[r].device_id})" for r in missing)
             store.set("go", "abort")
             raise RankFailure(f"rendezvous timed out after {timeout:g} s: never arrived: {names}")
+        store.set("plan", fingerprint)
         store.set("go", "ok")
     else:
         try:
@@ -67,6 +74,10 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
                               f"(rank 0 names the ranks that never arrived)") from None
         if go != b"ok":
             raise RankFailure(f"rank {rank}: rendezvous aborted by rank 0 (another rank never arrived)")
+        theirs = store.get("plan").decode()
+        if theirs != fingerprint:
+            raise RankFailure(f"rank {rank} compiled a different plan than rank 0 (fingerprint {fingerprint} vs "
+                              f"{theirs}): start every rank with the same layout and the same --set overrides")
     return store
 
 
@@ -79,25 +90,179 @@ class Comms:
     tp_group: dist.ProcessGroup | None  # this rank's TP group (None when TP size is 1)
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group, TP index order
     pending_sends: list = attrs.field(factory=list)
+    cupy: dict = attrs.field(factory=dict)  # group name -> CupyGroup, for cluster.comm = 'cupy'
 
 
 def init(plan: Plan, rank: int, device: torch.device) -> Comms:
-    """Rendezvous, the default group, then every plan group in plan order (on every rank)."""
+    """Rendezvous, the default group, then every plan group in plan order (on every rank).
+
+    Each group is created under its transport's network settings (``Plan.group_env``: its domain's,
+    or the cross-domain network's when it spans domains), which are restored right after: gloo binds
+    the group's sockets to GLOO_SOCKET_IFNAME when the group is constructed, NCCL reads its variables
+    when the communicator is created, which we force at once with a one-element all-reduce.
+    """
     store = rendezvous(plan, rank)
-    backend = plan.layout.cluster.backend.value
-    timeout = timedelta(seconds=max(plan.layout.cluster.timeout_s, 30))
+    cluster = plan.layout.cluster
+    backend = cluster.backend.value
+    timeout = timedelta(seconds=max(cluster.timeout_s, 30))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank,
-                            world_size=plan.world_size, timeout=timeout)
+    world = plan.world
+    with _network_env(plan, rank, world):
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=plan.world_size,
+                                timeout=timeout, pg_options=_pg_options(plan, rank, world))
+        _connect(None, device, backend)
     groups: dict[str, dist.ProcessGroup] = {}
     for g in plan.groups:
-        groups[g.name] = dist.new_group(list(g.ranks), timeout=timeout)
+        with _network_env(plan, rank, g):
+            groups[g.name] = dist.new_group(list(g.ranks), timeout=timeout, pg_options=_pg_options(plan, rank, g))
+            if rank in g.ranks:
+                _connect(groups[g.name], device, backend)
+    cupy_groups = _cupy_groups(plan, rank, store, device) if cluster.comm is CommLib.CUPY else {}
+    _warn_missing_interfaces(plan, rank)
     st = plan.stage_of(rank)
     tp_group = groups.get(f"tp[{st.label}]")
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
-    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks)
+    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks, cupy=cupy_groups)
+
+
+def has_interface(name: str) -> bool:
+    try:
+        socket.if_nametoindex(name)
+        return True
+    except OSError:
+        return False
+
+
+def group_env(plan: Plan, rank: int, group: Group) -> dict[str, str]:
+    """``Plan.group_env`` minus a gloo interface this host lacks (plain CPU runs: the default applies)."""
+    env = plan.group_env(rank, group)
+    if "GLOO_SOCKET_IFNAME" in env and not has_interface(env["GLOO_SOCKET_IFNAME"]):
+        del env["GLOO_SOCKET_IFNAME"]
+    return env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str]):
+    """Set ``env`` in os.environ for the duration; restore the previous values (or absence) after."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield env
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _network_env(plan: Plan, rank: int, group: Group):
+    """The group's network variables, set while it is created (nothing for a rank outside it)."""
+    return environment(group_env(plan, rank, group) if rank in group.ranks else {})
+
+
+def _pg_options(plan: Plan, rank: int, group: Group):
+    """NCCL: per-communicator options carrying the transport's net (``config.net_name``, where this
+    torch and NCCL have it; the NCCL_NET variable set around creation covers older ones). Gloo: None,
+    since torch's new_group ignores gloo options (it builds the device from GLOO_SOCKET_IFNAME)."""
+    if plan.layout.cluster.backend.value != "nccl" or rank not in group.ranks:
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.is_high_priority_stream = False
+    net = plan.group_env(rank, group).get("NCCL_NET")
+    config = getattr(opts, "config", None)
+    if net and config is not None and hasattr(config, "net_name"):
+        config.net_name = net
+        opts.config = config
+    return opts
+
+
+def _connect(group, device: torch.device, backend: str) -> None:
+    """NCCL creates a communicator at its first collective: do one now, while the group's variables are set."""
+    if backend != "nccl":
+        return  # gloo connects its full mesh when the group is constructed
+    t = torch.zeros(1, device=device)
+    dist.all_reduce(t, group=group)
+    torch.cuda.synchronize(device)
+
+
+def _warn_missing_interfaces(plan: Plan, rank: int) -> None:
+    """One line per node (from its first rank) naming the layout's gloo interfaces this host lacks."""
+    node = plan.ranks[rank].node
+    local = [r.rank for r in plan.ranks if r.node == node]
+    if rank != local[0]:
+        return
+    wanted: dict[str, set[str]] = {}
+    for g in (plan.world,) + plan.groups:
+        for r in set(local) & set(g.ranks):
+            name = plan.group_env(r, g).get("GLOO_SOCKET_IFNAME")
+            if name:
+                wanted.setdefault(name, set()).add(g.transport)
+    missing = [f"{name} ({', '.join(sorted(t))})" for name, t in sorted(wanted.items()) if not has_interface(name)]
+    if missing:
+        sys.stderr.write(f"warning: {node}: no network interface {', '.join(missing)} on this host; those groups "
+                         "use the default interface (expected on a plain CPU run; on a cluster, check gloo_ifname)\n")
+        sys.stderr.flush()
+
+
+# ------------------------------------------------------------------------------------------
+# CuPy NCCL communicators for gradient sync (cluster.comm = 'cupy'): our own NCCL comms, one per
+# gradient-sync group, created with the group's domain settings, run on torch's current stream.
+
+
+@attrs.frozen
+class CupyGroup:
+    comm: object  # cupy.cuda.nccl.NcclCommunicator
+    ranks: tuple[int, ...]
+
+    def all_reduce(self, flat: torch.Tensor) -> None:
+        """In-place sum of a contiguous CUDA tensor, by its data pointer, on torch's current stream."""
+        from cupy.cuda import nccl
+
+        kinds = {torch.float32: nccl.NCCL_FLOAT32, torch.float64: nccl.NCCL_FLOAT64, torch.float16: nccl.NCCL_FLOAT16}
+        if hasattr(nccl, "NCCL_BFLOAT16"):
+            kinds[torch.bfloat16] = nccl.NCCL_BFLOAT16
+        if flat.dtype not in kinds or not flat.is_cuda or not flat.is_contiguous():
+            raise RankFailure(f"CuPy all-reduce needs a contiguous CUDA tensor of {sorted(map(str, kinds))}, "
+                              f"got {flat.dtype} on {flat.device}")
+        stream = torch.cuda.current_stream(flat.device).cuda_stream
+        self.comm.allReduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), kinds[flat.dtype], nccl.NCCL_SUM, stream)
+
+
+def _cupy():
+    try:
+        import cupy
+        from cupy.cuda import nccl  # noqa: F401  (CuPy built without NCCL fails here)
+    except ImportError as e:
+        raise RankFailure(f"cluster.comm = 'cupy' but CuPy with NCCL is not importable here ({e}) "
+                          "(pip install 'hetero_llm[cupy]', or set comm = 'torch')") from None
+    return cupy
+
+
+def make_cupy_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: int, env: dict[str, str]) -> CupyGroup:
+    """One NCCL communicator among ``ranks``: the first member makes the unique id, the store carries it."""
+    nccl = _cupy().cuda.nccl
+    key = f"cupy_nccl/{name}"
+    me = ranks.index(rank)
+    if me == 0:
+        store.set(key, json.dumps(list(nccl.get_unique_id())))
+    uid = tuple(json.loads(store.get(key)))  # get() waits until the key is there
+    with environment(env):
+        comm = nccl.NcclCommunicator(len(ranks), uid, me)  # blocking: NCCL reads its variables here
+    return CupyGroup(comm, ranks)
+
+
+def _cupy_groups(plan: Plan, rank: int, store: dist.Store, device: torch.device) -> dict[str, CupyGroup]:
+    """Every gradient-sync group this rank is in, in plan order (each init waits for all its members)."""
+    out = {}
+    grad_sync = {b.name for b in plan.buckets}
+    with _cupy().cuda.Device(device.index if device.index is not None else 0):
+        for g in plan.groups:
+            if g.name in grad_sync and rank in g.ranks:
+                out[g.name] = make_cupy_group(store, g.name, g.ranks, rank, group_env(plan, rank, g))
+    return out
 
 
 def tp_index(comms: Comms) -> int:
@@ -157,6 +322,70 @@ def tp_ops(comms: Comms) -> TP:
 
 
 # ------------------------------------------------------------------------------------------
+# CUDA streams beside the compute stream, and host staging for gloo's p2p.
+
+
+class Streams:
+    """Side CUDA streams for communication, so it overlaps compute; on CPU none, and no-ops.
+
+    ``p2p`` carries stage-boundary receives (and the host copies of gloo staging), ``grads`` the
+    packing and all-reduce of gradient sync. Every hand-over between streams is explicit: the
+    consumer stream waits for the producer (``wait``), and a tensor allocated on one stream and used
+    on another is recorded on the user (``hand_over``) so the caching allocator does not reuse its
+    memory while that stream may still read it. Tests pass a fake with the same methods to check
+    the order of these calls on CPU.
+    """
+
+    def __init__(self, device: torch.device):
+        self.active = device.type == "cuda"
+        cuda = torch.cuda if self.active else None
+        self.compute = cuda.current_stream(device) if cuda else None
+        self.p2p = cuda.Stream(device) if cuda else None
+        self.grads = cuda.Stream(device) if cuda else None
+
+    def use(self, stream) -> contextlib.AbstractContextManager:
+        """Make ``stream`` current for the kernels (and NCCL calls) issued inside."""
+        return torch.cuda.stream(stream) if self.active else contextlib.nullcontext()
+
+    def wait(self, waiter, producer) -> None:
+        """Work issued on ``waiter`` from now on starts after all work issued on ``producer`` so far."""
+        if self.active:
+            waiter.wait_stream(producer)
+
+    def hand_over(self, tensor: torch.Tensor, stream) -> None:
+        if self.active:
+            tensor.record_stream(stream)
+
+    def synchronize(self, stream) -> None:
+        """Block the host until ``stream`` is done (gloo reads host memory the moment it is called)."""
+        if self.active:
+            stream.synchronize()
+
+
+NO_STREAMS = Streams(torch.device("cpu"))
+
+
+def stages_through_host(device: torch.device) -> bool:
+    """Gloo's send/recv read and write raw host memory, so a CUDA tensor crosses through a host copy.
+
+    This is what lets several ranks share one GPU (NCCL refuses that) with backend = 'gloo'. Gloo's
+    collectives take CUDA tensors themselves (they copy through pinned memory on their own streams).
+    """
+    return device.type != "cpu" and dist.get_backend() == "gloo"
+
+
+def _to_host(tensor: torch.Tensor, streams: Streams) -> torch.Tensor:
+    """A host copy of ``tensor``, complete on return: copied on the p2p stream after the compute
+    that produced it. The host waits for that compute: gloo's send reads the memory at once."""
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+    streams.wait(streams.p2p, streams.compute)
+    with streams.use(streams.p2p):
+        host.copy_(tensor, non_blocking=True)
+    streams.synchronize(streams.p2p)
+    return host
+
+
+# ------------------------------------------------------------------------------------------
 # Stage-boundary p2p: a tensor crosses once, in pieces, and is all-gathered in the receiving group.
 
 
@@ -168,9 +397,16 @@ def _piece_len(numel: int, pieces: int) -> int:
     return -(-numel // pieces)
 
 
-def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: int, mb: int, chunk: int) -> None:
-    """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``)."""
+def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: int, mb: int, chunk: int,
+                  streams: Streams = NO_STREAMS) -> None:
+    """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``).
+
+    NCCL sends from the device on its own stream, after the compute stream's work so far; gloo
+    sends a host copy of a CUDA tensor (``stages_through_host``).
+    """
     flat = tensor.detach().contiguous().view(-1)
+    if stages_through_host(flat.device):
+        flat = _to_host(flat, streams)  # one copy for all pieces
     for r in routes:
         n = _piece_len(flat.numel(), r.pieces)
         piece = flat[r.piece * n:(r.piece + 1) * n]
@@ -184,9 +420,11 @@ def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direc
 @attrs.define
 class PendingRecv:
     work: object
-    buffer: torch.Tensor
+    buffer: torch.Tensor  # this rank's piece; a host copy-to-be when staged for gloo
     route: Route
     shape: tuple[int, ...]
+    device: torch.device | None = None  # staged through host: the device the tensor goes to after arrival
+    streams: Streams = NO_STREAMS
     _arrived: threading.Event | None = None
     _error: list = attrs.field(factory=list)
 
@@ -213,30 +451,54 @@ class PendingRecv:
         return self.work.is_completed()
 
     def wait(self, comms: Comms) -> torch.Tensor:
+        """The whole tensor, ready for the compute stream (the caller's current stream)."""
+        s = self.streams
         if self._arrived is not None:
             self._arrived.wait()
             if self._error:
                 raise self._error[0]
         else:
-            self.work.wait()
+            self.work.wait()  # NCCL: the current (compute) stream waits for the receive; gloo: blocks
+        if self.device is None:
+            s.hand_over(self.buffer, s.compute)  # allocated on the p2p stream, read on the compute stream
         numel = 1
-        for s in self.shape:
-            numel *= s
-        if self.route.pieces == 1:
-            return self.buffer[:numel].view(self.shape)
-        gathered = [torch.empty_like(self.buffer) for _ in range(self.route.pieces)]
-        dist.all_gather(gathered, self.buffer, group=comms.tp_group)
-        return torch.cat(gathered)[:numel].view(self.shape)
+        for n in self.shape:
+            numel *= n
+        whole = self.buffer
+        if self.route.pieces > 1:  # on the host when staged: only the whole tensor crosses to the device
+            gathered = [torch.empty_like(self.buffer) for _ in range(self.route.pieces)]
+            dist.all_gather(gathered, self.buffer, group=comms.tp_group)
+            whole = torch.cat(gathered)
+        out = whole[:numel].view(self.shape)
+        if self.device is None:
+            return out
+        with s.use(s.p2p):
+            out = out.to(self.device, non_blocking=True)
+        s.wait(s.compute, s.p2p)
+        s.hand_over(out, s.compute)
+        return out
 
 
 def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: torch.dtype,
-                  direction: int, mb: int, chunk: int) -> PendingRecv:
+                  direction: int, mb: int, chunk: int, streams: Streams = NO_STREAMS) -> PendingRecv:
+    """Post the receive of this rank's piece (non-blocking); ``wait()`` on the result to use it.
+
+    On CUDA the buffer is allocated and the receive posted on the p2p stream, so the receive does
+    not wait for the compute queued before it; with gloo it lands in host memory (see
+    ``stages_through_host``) and ``wait()`` copies it to the device.
+    """
     numel = 1
-    for s in shape:
-        numel *= s
-    buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
-    work = dist.irecv(buf, route.src, tag=_tag(direction, mb, chunk, route.piece))
-    return PendingRecv(work, buf, route, shape)
+    for n in shape:
+        numel *= n
+    tag = _tag(direction, mb, chunk, route.piece)
+    if stages_through_host(comms.device):
+        buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, pin_memory=comms.device.type == "cuda")
+        work = dist.irecv(buf, route.src, tag=tag)
+        return PendingRecv(work, buf, route, shape, device=comms.device, streams=streams)
+    with streams.use(streams.p2p):
+        buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
+        work = dist.irecv(buf, route.src, tag=tag)
+    return PendingRecv(work, buf, route, shape, streams=streams)
 
 
 def wait_sends(comms: Comms) -> None:
@@ -249,15 +511,53 @@ def wait_sends(comms: Comms) -> None:
 # Reductions
 
 
-def all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name: str) -> list[torch.Tensor]:
-    """Sum ``tensors`` among the group in one collective; returns the summed tensors."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    dist.all_reduce(flat, group=comms.groups[group_name])
-    out, offset = [], 0
+@attrs.define
+class PendingReduce:
+    work: object | None  # None for CuPy: its all-reduce is ordered on the grads stream, nothing to wait on
+    flat: torch.Tensor
+    shapes: list[torch.Size]
+    streams: Streams
+
+    def wait(self) -> list[torch.Tensor]:
+        """The summed tensors, ready for the compute stream (views into one flat buffer)."""
+        s = self.streams
+        if self.work is not None:
+            self.work.wait()  # NCCL / gloo on CUDA: the current stream waits; gloo on CPU: blocks
+        s.wait(s.compute, s.grads)
+        s.hand_over(self.flat, s.compute)
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(self.flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+
+def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name: str,
+                          streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start summing ``tensors`` among the group in one collective; ``wait()`` gives the sums.
+
+    On CUDA the packing and the all-reduce run on the grads stream, after the compute stream's work
+    so far (the gradients are final there), and overlap what the compute stream does next.
+    """
+    streams.wait(streams.grads, streams.compute)
+    cupy_group = comms.cupy.get(group_name)
+    with streams.use(streams.grads):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if cupy_group is not None:
+            cupy_group.all_reduce(flat)  # on torch's current stream: the grads stream
+            work = None
+        else:
+            work = dist.all_reduce(flat, group=comms.groups[group_name], async_op=True)
     for t in tensors:
-        out.append(flat[offset:offset + t.numel()].view_as(t))
-        offset += t.numel()
-    return out
+        streams.hand_over(t, streams.grads)  # read on the grads stream; the caller may drop them now
+    return PendingReduce(work, flat, [t.shape for t in tensors], streams)
+
+
+def all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name: str,
+                    streams: Streams = NO_STREAMS) -> list[torch.Tensor]:
+    """Sum ``tensors`` among the group in one collective; returns the summed tensors."""
+    return start_all_reduce_flat(comms, tensors, group_name, streams).wait()
 
 
 def all_reduce_world(tensor: torch.Tensor) -> torch.Tensor:

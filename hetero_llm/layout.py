@@ -66,6 +66,60 @@ class Backend(str, enum.Enum):
     NCCL = "nccl"
 
 
+class DomainKind(str, enum.Enum):
+    """What a network domain's NICs are (``cluster.domains[].kind``)."""
+
+    IB = "ib"  # InfiniBand verbs
+    ROCE = "roce"  # RDMA over Converged Ethernet (verbs too: NCCL's IB transport, with a GID index)
+    ETHERNET = "ethernet"  # TCP only: NCCL's Socket transport
+    OTHER = "other"  # anything else (a vendor net plugin, ...): no consistency checks
+
+
+class CommLib(str, enum.Enum):
+    """Who owns the gradient-sync communicators (``cluster.comm``)."""
+
+    TORCH = "torch"  # torch.distributed process groups (gloo or NCCL)
+    CUPY = "cupy"  # cupy.cuda.nccl communicators, one per gradient-sync group, on CUDA tensors
+
+
+# Transport names a plan group can carry besides a domain name (so no domain may be called either).
+DEFAULT_TRANSPORT = "default"  # no [[cluster.domains]]: the process's own network settings
+CROSS_DOMAIN = "cross_domain"  # a group whose members are in more than one domain
+
+# NCCL variables a domain may set: the network-selection ones Holmes-style domains need, plus common
+# tuning knobs. Anything else named NCCL_* is more likely a typo than a wish (did-you-mean).
+NCCL_VARIABLES = (
+    "NCCL_NET", "NCCL_NET_PLUGIN", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_ROCE_VERSION_NUM",
+    "NCCL_IB_TC", "NCCL_IB_SL", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_PCI_RELAXED_ORDERING", "NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_DISABLE", "NCCL_IB_MERGE_NICS",
+    "NCCL_NET_GDR_LEVEL", "NCCL_NET_GDR_READ", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY",
+    "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_CROSS_NIC", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "NCCL_DEBUG",
+    "NCCL_DEBUG_SUBSYS", "NCCL_TOPO_FILE",
+)
+
+
+class Precision(str, enum.Enum):
+    """Compute precision (``train.precision``); parameters and AdamW state are float32 either way."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation (``train.recompute``, ``pipelines.stages.recompute``)."""
+
+    NONE = "none"
+    FULL = "full"  # keep only each block's input; recompute the block in backward
+
+
+class Compile(str, enum.Enum):
+    """``torch.compile`` regions (``train.compile``)."""
+
+    NONE = "none"
+    BLOCKS = "blocks"  # each transformer block (one compiled graph, reused by every block)
+
+
 @attrs.frozen
 class ModelSpec:
     """``[model]``: a GPT/Llama-style decoder-only transformer."""
@@ -108,6 +162,16 @@ class TrainSpec:
     eps: float = _doc("AdamW epsilon", default=1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", default=1.0)
     log_every: int = _doc("print progress every N steps", default=1)
+    precision: Precision = _doc(
+        "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
+        "and accumulated gradients stay float32; activations and their gradients cross stage boundaries "
+        "in bf16, halving p2p traffic; the loss is float32). Layouts then agree to the bf16 tolerance "
+        "(per-step loss within 1e-2 relative), not float32's 1e-5", default=Precision.FP32)
+    recompute: Recompute = _doc("'none' or 'full': recompute each transformer block's activations in backward "
+                                "(keeps only block inputs: less memory, about one more forward of compute); "
+                                "the default for stages that do not set their own", default=Recompute.NONE)
+    compile: Compile = _doc("'none' or 'blocks': torch.compile each transformer block's apply (the first steps "
+                            "are slower while it compiles; on CPU it needs a C++ compiler)", default=Compile.NONE)
 
 
 @attrs.frozen
@@ -129,6 +193,46 @@ class NodeSpec:
     name: str = _doc("node name used in device ids ('node0' -> 'node0:1')")
     host: str = _doc("address other nodes reach this host at", default="127.0.0.1")
     devices: tuple[str, ...] = _doc("local devices in index order: 'cpu' or 'cuda:N'", default=("cpu",))
+    domain: str = _doc("name of the [[cluster.domains]] entry this node's NICs are in; '' when the cluster "
+                       "declares no domains", default="")
+    speed: float = _doc("relative compute speed of each of this node's devices (1.0 = reference); placement "
+                        "gives faster stages more layers", default=1.0)
+    memory_gb: float = _doc("memory per device in GB for placement's layer cap; 0 = no cap", default=0.0)
+
+
+@attrs.frozen
+class DomainSpec:
+    """``[[cluster.domains]]``: one network domain, i.e. a NIC kind and the fabric joining its nodes."""
+
+    name: str = _doc("domain name that nodes refer to ('ib0'); letters, digits, '-' or '_'")
+    kind: DomainKind = _doc("'ib', 'roce', 'ethernet' or 'other'")
+    bandwidth_gbps: float = _doc("bandwidth of one NIC inside the domain, Gbit/s")
+    latency_us: float = _doc("one-way latency between two nodes of the domain, microseconds")
+    gloo_ifname: str = _doc("network interface gloo binds this domain's groups to, e.g. 'ib0' (IPoIB) or "
+                            "'eth1'; '' = the process default (GLOO_SOCKET_IFNAME or the hostname's address)",
+                            default="")
+    nccl: tuple[tuple[str, str], ...] = _doc("NCCL variables for this domain's communicators, as a table: "
+                                             "[cluster.domains.nccl] NCCL_IB_HCA = 'mlx5_0'", default=())
+
+    @property
+    def nccl_env(self) -> dict[str, str]:
+        return dict(self.nccl)
+
+
+@attrs.frozen
+class CrossDomainSpec:
+    """``[cluster.cross_domain]``: the network between domains, used by every group spanning domains."""
+
+    bandwidth_gbps: float = _doc("bandwidth of one node's cross-domain NIC, Gbit/s; 0 = not given", default=0.0)
+    latency_us: float = _doc("one-way latency between domains, microseconds; 0 = not given", default=0.0)
+    gloo_ifname: str = _doc("network interface gloo binds cross-domain groups to; '' = the process default",
+                            default="")
+    nccl: tuple[tuple[str, str], ...] = _doc("NCCL variables for cross-domain communicators, e.g. "
+                                             "{ NCCL_NET = 'Socket', NCCL_SOCKET_IFNAME = 'eth0' }", default=())
+
+    @property
+    def nccl_env(self) -> dict[str, str]:
+        return dict(self.nccl)
 
 
 @attrs.frozen
@@ -140,6 +244,11 @@ class ClusterSpec:
     port: int = _doc("rendezvous TCP port (MASTER_PORT overrides)", default=29511)
     backend: Backend = _doc("'gloo' (CPU, default) or 'nccl' (CUDA)", default=Backend.GLOO)
     timeout_s: float = _doc("seconds to wait for every rank to arrive", default=60.0)
+    domains: tuple[DomainSpec, ...] = _doc("network domains; none declared means one implicit domain whose "
+                                           "groups all use the process's own network settings", default=())
+    cross_domain: CrossDomainSpec = _doc("the network between domains (a table)", default=CrossDomainSpec())
+    comm: CommLib = _doc("'torch' (process groups for everything) or 'cupy' (CuPy NCCL communicators for "
+                         "gradient sync; needs CUDA devices and cupy)", default=CommLib.TORCH)
 
     def node(self, name: str) -> NodeSpec:
         return next(n for n in self.nodes if n.name == name)
@@ -148,6 +257,16 @@ class ClusterSpec:
     def master_node(self) -> NodeSpec:
         return self.node(self.master) if self.master else self.nodes[0]
 
+    def domain_of(self, node: str) -> str:
+        """The domain a node is in; DEFAULT_TRANSPORT when the cluster declares no domains."""
+        return self.node(node).domain if self.domains else DEFAULT_TRANSPORT
+
+    def transport(self, name: str) -> DomainSpec | CrossDomainSpec | None:
+        """Settings of a plan group's transport: a domain, the cross-domain network, or None (defaults)."""
+        if name == CROSS_DOMAIN:
+            return self.cross_domain
+        return next((d for d in self.domains if d.name == name), None)
+
 
 @attrs.frozen
 class StageSpec:
@@ -155,6 +274,8 @@ class StageSpec:
 
     layers: int = _doc("number of transformer blocks in this stage")
     devices: tuple[str, ...] = _doc("device ids 'node:index'; their count is the stage's TP size")
+    recompute: Recompute | None = _doc("'none' or 'full' for this stage (e.g. 'full' on a GPU short of memory); "
+                                       "unset: train.recompute", default=None)
 
     @property
     def tp(self) -> int:
@@ -223,7 +344,13 @@ def loads(text: str, file: str = "<string>", base_dir: str | os.PathLike = ".") 
 
 _SECTIONS = {"model": ModelSpec, "train": TrainSpec, "data": DataSpec, "cluster": ClusterSpec}
 _REQUIRED_SECTIONS = ("model", "train", "cluster", "pipelines")
-_NESTED = {(ClusterSpec, "nodes"): NodeSpec, (PipelineSpec, "stages"): StageSpec}
+_NESTED = {(ClusterSpec, "nodes"): NodeSpec, (ClusterSpec, "domains"): DomainSpec, (PipelineSpec, "stages"): StageSpec}
+# Fields holding one table rather than an array of tables: (class, field) -> converter(value, where, file).
+_TABLES = {
+    (ClusterSpec, "cross_domain"): lambda v, where, file: _one_table(CrossDomainSpec, v, where, file),
+    (DomainSpec, "nccl"): lambda v, where, file: _nccl_table(v, where, file),
+    (CrossDomainSpec, "nccl"): lambda v, where, file: _nccl_table(v, where, file),
+}
 
 
 def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
@@ -276,9 +403,41 @@ def _build(cls: type, table: Any, path: str, file: str) -> Any:
                 array = re.sub(r"\[\d+\]", "", where)  # pipelines[0].stages -> pipelines.stages
                 raise LayoutError(file, where, f"expected one or more [[{array}]] tables")
             kwargs[f.name] = tuple(_build(nested, t, f"{where}[{i}]", file) for i, t in enumerate(value))
+        elif (cls, f.name) in _TABLES:
+            kwargs[f.name] = _TABLES[(cls, f.name)](value, where, file)
         else:
             kwargs[f.name] = _convert(value, f.type, where, file)
     return cls(**kwargs)
+
+
+def _one_table(cls: type, value: Any, where: str, file: str) -> Any:
+    if isinstance(value, list):
+        raise LayoutError(file, where, f"expected one [{where}] table, got an array of tables "
+                          f"(write [{where}] with single brackets)")
+    return _build(cls, value, where, file)
+
+
+def _nccl_table(value: Any, where: str, file: str) -> tuple[tuple[str, str], ...]:
+    """An ``nccl`` table: known NCCL variable names, values as the text NCCL will read."""
+    if not isinstance(value, dict):
+        raise LayoutError(file, where, f"expected a table of NCCL variables, got {_type_name(value)} "
+                          "(e.g. nccl = { NCCL_IB_HCA = \"mlx5_0\" })")
+    out = []
+    for key, v in value.items():
+        at = f"{where}.{key}"
+        if key not in NCCL_VARIABLES:
+            close = difflib.get_close_matches(key.upper(), NCCL_VARIABLES, n=1)
+            if not close and not key.upper().startswith("NCCL_"):
+                close = difflib.get_close_matches("NCCL_" + key.upper(), NCCL_VARIABLES, n=1)
+            hint = f"did you mean '{close[0]}'?" if close else "docs/domains.md lists the accepted names"
+            raise LayoutError(file, at, f"unknown NCCL variable '{key}' ({hint})")
+        if isinstance(v, bool) or not isinstance(v, (str, int)):
+            raise LayoutError(file, at, f"expected a string or an integer, got {_type_name(v)} "
+                              "(NCCL reads its variables as text, e.g. \"1\")")
+        if isinstance(v, str) and not v.strip():
+            raise LayoutError(file, at, "is empty (remove it to keep NCCL's default)")
+        out.append((key, str(v)))
+    return tuple(out)
 
 
 def _type_name(v: Any) -> str:
@@ -288,8 +447,10 @@ def _type_name(v: Any) -> str:
 
 def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
     """Check one scalar/array value against a field's annotation (a string under PEP 563)."""
+    annotation = annotation.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
-                "DataKind": DataKind, "Backend": Backend}.get(annotation)
+                "DataKind": DataKind, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
+                "Compile": Compile}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
         if not isinstance(value, str):
@@ -400,6 +561,9 @@ def _check_override_path(segments: list[str | int], key: str, file: str) -> None
     for n, seg in enumerate(segments):
         if isinstance(seg, int):
             continue
+        if cls is dict:  # a free-key table (nccl): the loader checks the name
+            cls = None
+            continue
         if cls is None and n > 0:  # the previous key was a value, not a table
             done = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in segments[:n]).lstrip(".")
             raise LayoutError(file, f"--set {key}", f"'{done}' is a value, not a table (set '{done}' itself)")
@@ -416,7 +580,9 @@ def _check_override_path(segments: list[str | int], key: str, file: str) -> None
             close = difflib.get_close_matches(seg, names, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else f" (known: {', '.join(names)})"
             raise LayoutError(file, f"--set {key}", f"unknown key '{seg}'{hint}")
-        cls = _NESTED.get((cls, seg))
+        table = _TABLES.get((cls, seg))
+        cls = _NESTED.get((cls, seg)) or (None if table is None else
+                                          CrossDomainSpec if seg == "cross_domain" else dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -460,33 +626,7 @@ def validate(layout: Layout) -> None:
                               "(set data.kind = 'text' or 'jsonl', or remove data.path)")
     _validate_data(layout)
 
-    # cluster
-    names = [n.name for n in c.nodes]
-    seen_nodes: set[str] = set()
-    for i, node in enumerate(c.nodes):
-        if not re.fullmatch(r"[A-Za-z0-9_\-]+", node.name):
-            raise LayoutError(f, f"cluster.nodes[{i}].name", f"'{node.name}' must be letters, digits, '-' or '_'")
-        if node.name in seen_nodes:
-            raise LayoutError(f, f"cluster.nodes[{i}].name", f"node '{node.name}' is declared twice (give each node its own name)")
-        seen_nodes.add(node.name)
-        if not node.devices:
-            raise LayoutError(f, f"cluster.nodes[{i}].devices", "a node needs at least one device (e.g. devices = [\"cpu\"])")
-        for j, dev in enumerate(node.devices):
-            if not re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", dev):
-                raise LayoutError(f, f"cluster.nodes[{i}].devices[{j}]", f"unknown device '{dev}' (use 'cpu' or 'cuda:N')")
-        cuda = [dv for dv in node.devices if dv != "cpu"]
-        if len(set(cuda)) != len(cuda):
-            raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)} (list each GPU once)")
-        if not node.host.strip():
-            raise LayoutError(f, f"cluster.nodes[{i}].host", "is empty (give the address other nodes reach this host at, e.g. '127.0.0.1')")
-    if c.master and c.master not in names:
-        close = difflib.get_close_matches(c.master, names, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node ({hint}nodes: {', '.join(names)})")
-    if not 1 <= c.port <= 65535:
-        raise LayoutError(f, "cluster.port", f"must be a TCP port 1..65535, got {c.port}")
-    if c.timeout_s <= 0:
-        raise LayoutError(f, "cluster.timeout_s", f"must be > 0, got {c.timeout_s}")
+    validate_cluster(f, c)
 
     # pipelines
     used: dict[str, str] = {}
@@ -537,6 +677,100 @@ def validate(layout: Layout) -> None:
         shares = " + ".join(str(p.batch) for p in layout.pipelines)
         raise LayoutError(f, "pipelines", f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
                           f"{t.global_batch} (make them add up to {t.global_batch})")
+
+
+def validate_cluster(f: str, c: ClusterSpec) -> None:
+    """The ``[cluster]`` checks, on their own: placement validates a cluster file that has no pipelines yet."""
+    names = [n.name for n in c.nodes]
+    seen_nodes: set[str] = set()
+    for i, node in enumerate(c.nodes):
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", node.name):
+            raise LayoutError(f, f"cluster.nodes[{i}].name", f"'{node.name}' must be letters, digits, '-' or '_'")
+        if node.name in seen_nodes:
+            raise LayoutError(f, f"cluster.nodes[{i}].name", f"node '{node.name}' is declared twice (give each node its own name)")
+        seen_nodes.add(node.name)
+        if not node.devices:
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", "a node needs at least one device (e.g. devices = [\"cpu\"])")
+        for j, dev in enumerate(node.devices):
+            if not re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", dev):
+                raise LayoutError(f, f"cluster.nodes[{i}].devices[{j}]", f"unknown device '{dev}' (use 'cpu' or 'cuda:N')")
+        cuda = [dv for dv in node.devices if dv != "cpu"]
+        if len(set(cuda)) != len(cuda):
+            raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)} (list each GPU once)")
+        if not node.host.strip():
+            raise LayoutError(f, f"cluster.nodes[{i}].host", "is empty (give the address other nodes reach this host at, e.g. '127.0.0.1')")
+    if c.master and c.master not in names:
+        close = difflib.get_close_matches(c.master, names, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node ({hint}nodes: {', '.join(names)})")
+    if not 1 <= c.port <= 65535:
+        raise LayoutError(f, "cluster.port", f"must be a TCP port 1..65535, got {c.port}")
+    if c.timeout_s <= 0:
+        raise LayoutError(f, "cluster.timeout_s", f"must be > 0, got {c.timeout_s}")
+    _validate_domains(f, c)
+
+
+_IFNAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # Linux interface names: at most 15 bytes, no '/' or spaces
+
+
+def _validate_domains(f: str, c: ClusterSpec) -> None:
+    domain_names = [d.name for d in c.domains]
+    for i, d in enumerate(c.domains):
+        at = f"cluster.domains[{i}]"
+        if not re.fullmatch(r"[A-Za-z0-9_\-]+", d.name):
+            raise LayoutError(f, f"{at}.name", f"'{d.name}' must be letters, digits, '-' or '_'")
+        if d.name in (DEFAULT_TRANSPORT, CROSS_DOMAIN):
+            raise LayoutError(f, f"{at}.name", f"'{d.name}' is reserved (it names a group's transport; pick another name)")
+        if d.name in domain_names[:i]:
+            raise LayoutError(f, f"{at}.name", f"domain '{d.name}' is declared twice (give each domain its own name)")
+        if d.bandwidth_gbps <= 0:
+            raise LayoutError(f, f"{at}.bandwidth_gbps", f"must be > 0, got {d.bandwidth_gbps:g}")
+        if d.latency_us < 0:
+            raise LayoutError(f, f"{at}.latency_us", f"must be >= 0, got {d.latency_us:g}")
+        _check_transport(f, at, d.gloo_ifname, d.nccl)
+        if d.kind is DomainKind.ETHERNET:
+            env = d.nccl_env
+            ib = [k for k in env if k.startswith("NCCL_IB_")]
+            if ib or env.get("NCCL_NET", "").lower() == "ib":
+                what = ib[0] if ib else "NCCL_NET = 'IB'"
+                raise LayoutError(f, f"{at}.nccl.{ib[0] if ib else 'NCCL_NET'}",
+                                  f"{what} needs RDMA verbs, but kind is 'ethernet' (remove it, or set kind = 'roce' or 'ib')")
+    x = c.cross_domain
+    for name in ("bandwidth_gbps", "latency_us"):
+        if getattr(x, name) < 0:
+            raise LayoutError(f, f"cluster.cross_domain.{name}", f"must be >= 0 (0 = not given), got {getattr(x, name):g}")
+    _check_transport(f, "cluster.cross_domain", x.gloo_ifname, x.nccl)
+    for i, node in enumerate(c.nodes):
+        at = f"cluster.nodes[{i}]"
+        if node.speed <= 0:
+            raise LayoutError(f, f"{at}.speed", f"must be > 0 (1.0 = reference speed), got {node.speed:g}")
+        if node.memory_gb < 0:
+            raise LayoutError(f, f"{at}.memory_gb", f"must be >= 0 (0 = no cap), got {node.memory_gb:g}")
+        if not c.domains and node.domain:
+            raise LayoutError(f, f"{at}.domain", f"'{node.domain}' is not declared: the cluster has no [[cluster.domains]] "
+                              f"(add one named '{node.domain}', or remove domain)")
+        if c.domains and not node.domain:
+            raise LayoutError(f, f"{at}.domain", f"missing: the cluster declares domains, so every node names its own "
+                              f"(domains: {', '.join(domain_names)})")
+        if c.domains and node.domain not in domain_names:
+            close = difflib.get_close_matches(node.domain, domain_names, n=1)
+            hint = f"did you mean '{close[0]}'? " if close else ""
+            raise LayoutError(f, f"{at}.domain", f"'{node.domain}' is not a domain ({hint}domains: {', '.join(domain_names)})")
+    if c.comm is CommLib.CUPY:
+        for i, node in enumerate(c.nodes):
+            if "cpu" in node.devices:
+                raise LayoutError(f, "cluster.comm", f"'cupy' needs CUDA devices, but node '{node.name}' lists 'cpu' "
+                                  "(list 'cuda:N' devices, or use comm = 'torch')")
+
+
+def _check_transport(f: str, at: str, ifname: str, nccl: tuple[tuple[str, str], ...]) -> None:
+    if ifname and not _IFNAME.fullmatch(ifname):
+        raise LayoutError(f, f"{at}.gloo_ifname", f"'{ifname}' is not a network interface name (at most 15 letters, "
+                          "digits, '_', '.', ':' or '-', e.g. 'eth0')")
+    net = dict(nccl).get("NCCL_NET")
+    if net is not None and net.lower() not in ("ib", "socket") and "NCCL_NET_PLUGIN" not in dict(nccl):
+        raise LayoutError(f, f"{at}.nccl.NCCL_NET", f"'{net}' is not one of NCCL's built-in nets 'IB' or 'Socket' "
+                          "(or set NCCL_NET_PLUGIN to the plugin that provides it)")
 
 
 def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
@@ -599,8 +833,12 @@ def schema_markdown() -> str:
     """Every layout key with its default and meaning, for docs/layout.md."""
     rows = []
     for section, cls in [("model", ModelSpec), ("train", TrainSpec), ("data", DataSpec), ("cluster", ClusterSpec),
-                         ("cluster.nodes[]", NodeSpec), ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec)]:
+                         ("cluster.nodes[]", NodeSpec), ("cluster.domains[]", DomainSpec),
+                         ("cluster.cross_domain", CrossDomainSpec),
+                         ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec)]:
         for fl in attrs.fields(cls):
             default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
+            if (cls, fl.name) in _TABLES:
+                default = "{}" if fl.name == "nccl" else "(table)"
             rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
     return "| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n"

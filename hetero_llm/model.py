@@ -5,10 +5,15 @@ the caller supplies (Megatron's f and g operators): ``enter`` is identity forwar
 backward, ``exit`` is all-reduce forward / identity backward. With ``NO_TP`` the same code is the
 one-process model. A sharded weight simply has fewer rows (column-parallel) or columns
 (row-parallel); head counts are read off the shard shapes.
+
+Precision is how a stage computes, not what: parameters are always float32 leaves (the optimizer's
+master weights) and every layer computes in the dtype of the activations it receives, casting its
+weights on use. Gradients flow back through the casts, so they accumulate in float32 ``.grad``.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from typing import Callable
@@ -16,11 +21,13 @@ from typing import Callable
 import attrs
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
-from hetero_llm.params import ParamInfo
+from hetero_llm.params import ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
+BlockFn = Callable[[Params, torch.Tensor], torch.Tensor]  # (one block's params by local name, x) -> x
 
 
 @attrs.frozen
@@ -45,6 +52,22 @@ class StageShape:
     first: bool
     last: bool
 
+
+@attrs.frozen
+class Compute:
+    """How a stage computes: the same math whatever is chosen, so the same model (up to rounding).
+
+    ``dtype``: compute dtype (float32, or bfloat16 from float32 weights). ``recompute``: keep only
+    each block's input and recompute the block in backward. ``compile``: ``torch.compile`` the
+    block apply (one graph for every block of the stage: blocks see their parameters by local name).
+    """
+
+    dtype: torch.dtype = torch.float32
+    recompute: bool = False
+    compile: bool = False
+
+
+FP32 = Compute()
 
 # ------------------------------------------------------------------------------------------
 # Initialization: a pure function of (seed, global name), so every layout starts identical.
@@ -81,9 +104,24 @@ def init_shard(info: ParamInfo, model: ModelSpec, seed: int, lo: int, hi: int) -
 
 
 def _norm(x: torch.Tensor, p: Params, prefix: str, model: ModelSpec) -> torch.Tensor:
+    weight = p[f"{prefix}.weight"].to(x.dtype)  # the cast is a no-op (no copy, no graph node) in float32
     if model.norm is Norm.LAYERNORM:
-        return F.layer_norm(x, (x.shape[-1],), p[f"{prefix}.weight"], p[f"{prefix}.bias"], eps=1e-5)
-    return F.rms_norm(x, (x.shape[-1],), p[f"{prefix}.weight"], eps=1e-5)
+        return F.layer_norm(x, (x.shape[-1],), weight, p[f"{prefix}.bias"].to(x.dtype), eps=1e-5)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-5)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w.to(x.dtype).T
+
+
+def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``x @ w.T`` for each weight (one input). When the weights are cast anyway, the cast copy is
+    also the concatenation, so the projections run as one GEMM (as a fused QKV layer would); in
+    float32 they stay separate GEMMs and nothing is copied."""
+    if weights[0].dtype == x.dtype:
+        return [x @ w.T for w in weights]
+    fused = torch.cat([w.to(x.dtype) for w in weights])
+    return list((x @ fused.T).split([w.shape[0] for w in weights], dim=-1))
 
 
 def rope_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,16 +137,26 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.flatten(-2)
 
 
-def block(p: Params, i: int, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) -> torch.Tensor:
-    """One transformer block; ``x`` (B, T, C) is replicated across the TP group."""
-    pre = f"layers.{i}"
+def block_params(p: Params, i: int, model: ModelSpec) -> Params:
+    """Block ``i``'s parameters keyed by local names (``attn.wq``), so one compiled block serves all."""
+    return {name: p[f"layers.{i}.{name}"] for name in _local_names(model)}
+
+
+@functools.cache
+def _local_names(model: ModelSpec) -> tuple[str, ...]:
+    return tuple(info.name.split(".", 2)[2] for info in layer_params(model, 0))  # drop "layers.0."
+
+
+def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) -> torch.Tensor:
+    """One transformer block over its parameters ``p`` (local names, see ``block_params``).
+
+    ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype.
+    """
     B, T, _ = x.shape
     hd = model.head_dim
 
-    h = tp.enter(_norm(x, p, f"{pre}.attn_norm", model))
-    q = h @ p[f"{pre}.attn.wq"].T  # (B, T, C/tp)
-    k = h @ p[f"{pre}.attn.wk"].T
-    v = h @ p[f"{pre}.attn.wv"].T
+    h = tp.enter(_norm(x, p, "attn_norm", model))
+    q, k, v = _linears(h, [p["attn.wq"], p["attn.wk"], p["attn.wv"]])  # (B, T, C/tp) each
     nh = q.shape[-1] // hd  # local heads
     q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
     if model.position is Position.ROPE:
@@ -116,33 +164,59 @@ def block(p: Params, i: int, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) 
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y.transpose(1, 2).reshape(B, T, nh * hd)
-    x = x + tp.exit(y @ p[f"{pre}.attn.wo"].T)  # row-parallel: partial sums reduced by exit
+    x = x + tp.exit(_linear(y, p["attn.wo"]))  # row-parallel: partial sums reduced by exit
 
-    h = tp.enter(_norm(x, p, f"{pre}.mlp_norm", model))
-    a = h @ p[f"{pre}.mlp.w1"].T  # (B, T, F/tp)
+    h = tp.enter(_norm(x, p, "mlp_norm", model))
     if model.mlp is Mlp.SWIGLU:
-        a = F.silu(a) * (h @ p[f"{pre}.mlp.w3"].T)
+        a, gate = _linears(h, [p["mlp.w1"], p["mlp.w3"]])  # (B, T, F/tp) each
+        a = F.silu(a) * gate
     else:
-        a = F.gelu(a, approximate="tanh")
-    return x + tp.exit(a @ p[f"{pre}.mlp.w2"].T)
+        a = F.gelu(_linear(h, p["mlp.w1"]), approximate="tanh")  # (B, T, F/tp)
+    return x + tp.exit(_linear(a, p["mlp.w2"]))
+
+
+def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32) -> BlockFn:
+    """A stage's block apply, built once per stage: eager or compiled, recomputed in backward or not."""
+    if compute.compile and tp is not NO_TP:
+        # c10d collectives do not trace: the TP all-reduces run eagerly between compiled pieces.
+        tp = TP(torch.compiler.disable(tp.enter), torch.compiler.disable(tp.exit))
+
+    def apply(p: Params, x: torch.Tensor) -> torch.Tensor:
+        return block(p, x, model, tp)
+
+    fn = torch.compile(apply) if compute.compile else apply
+    if not compute.recompute:
+        return fn
+
+    def recomputed(p: Params, x: torch.Tensor) -> torch.Tensor:
+        # The weight casts happen inside, so the bf16 copies are recomputed too rather than kept.
+        return torch.utils.checkpoint.checkpoint(fn, p, x, use_reentrant=False)
+
+    return recomputed
 
 
 def embed(p: Params, tokens: torch.Tensor, model: ModelSpec) -> torch.Tensor:
-    x = F.embedding(tokens, p["embed.tok"])  # (B, T, C)
+    x = F.embedding(tokens, p["embed.tok"])  # (B, T, C), float32: the cast to the compute dtype follows
     if model.position is Position.LEARNED:
         x = x + p["embed.pos"][: tokens.shape[1]]
     return x
 
 
 def head(p: Params, x: torch.Tensor, model: ModelSpec) -> torch.Tensor:
-    return _norm(x, p, "final_norm", model) @ p["lm_head.weight"].T  # (B, T, V)
+    return _linear(_norm(x, p, "final_norm", model), p["lm_head.weight"])  # (B, T, V)
 
 
-def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP) -> torch.Tensor:
-    """Tokens (first stage) or activations in; activations or logits (last stage) out."""
-    x = embed(p, inp, model) if shape.first else inp
+def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP,
+                  compute: Compute = FP32, block_fn: BlockFn | None = None) -> torch.Tensor:
+    """Tokens (first stage) or activations in; activations or logits (last stage) out.
+
+    Activations come out in ``compute.dtype`` (received ones arrive in it); ``block_fn`` is the
+    stage's ``make_block_fn``, built here when not given.
+    """
+    x = embed(p, inp, model).to(compute.dtype) if shape.first else inp
+    run = block_fn or make_block_fn(model, tp, compute)
     for i in range(shape.layer_lo, shape.layer_hi):
-        x = block(p, i, x, model, tp)
+        x = run(block_params(p, i, model), x)
     return head(p, x, model) if shape.last else x
 
 

@@ -12,13 +12,15 @@ set share one bucket, i.e. one all-reduce.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import defaultdict
 
 import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import Layout, Schedule
+from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, Layout, Schedule
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -110,8 +112,11 @@ class GradBucket:
 
 @attrs.frozen
 class Group:
-    name: str  # "tp[p0.s1]", "grad_sync[0,3]"
+    name: str  # "tp[p0.s1]", "grad_sync[0,3]", "world"
     ranks: tuple[int, ...]
+    # Network settings the group is created with: its members' domain when they share one,
+    # CROSS_DOMAIN when they span domains, DEFAULT_TRANSPORT when the cluster declares no domains.
+    transport: str = DEFAULT_TRANSPORT
 
 
 @attrs.frozen
@@ -148,9 +153,41 @@ class Plan:
         offset = sum(p.batch for p in self.layout.pipelines[:pipeline])
         return offset, self.layout.pipelines[pipeline].batch
 
+    def fingerprint(self) -> str:
+        """A short hash of what every rank must agree on (the layout's content, not its file path)."""
+        lay = self.layout
+        content = attrs.evolve(lay, file="", data=attrs.evolve(lay.data, path=os.path.basename(lay.data.path)),
+                               pipelines=tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file))
+                                               for p in lay.pipelines))
+        return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
+
     def reporter(self) -> int:
         """The rank that prints progress and writes metrics (rank 0: every rank knows the reduced loss)."""
         return 0
+
+    @property
+    def world(self) -> Group:
+        """The default group: every rank; it carries the stage-boundary p2p and the logged-loss reduction."""
+        ranks = tuple(r.rank for r in self.ranks)
+        return Group("world", ranks, transport_of(self.layout, [r.node for r in self.ranks]))
+
+    def group_env(self, rank: int, group: Group) -> dict[str, str]:
+        """Environment ``rank`` creates ``group`` under: GLOO_SOCKET_IFNAME and NCCL variables.
+
+        NCCL initializes each of its nets (IB, Socket) once per process and keeps the device list it
+        found then, so the rank's own domain's variables are the base of every group it creates and the
+        group's transport overrides them: the first group (the world, often cross-domain) then also
+        initializes IB with this domain's NCCL_IB_HCA. NCCL_NET is read per communicator.
+        """
+        cluster = self.layout.cluster
+        own = cluster.transport(cluster.domain_of(self.ranks[rank].node))
+        spec = cluster.transport(group.transport)
+        env = dict(own.nccl_env) if own is not None else {}
+        if spec is not None:
+            env.update(spec.nccl_env)
+            if spec.gloo_ifname:
+                env["GLOO_SOCKET_IFNAME"] = spec.gloo_ifname
+        return env
 
 
 def compile_plan(layout: Layout) -> Plan:
@@ -174,10 +211,24 @@ def compile_plan(layout: Layout) -> Plan:
 
     routes_f, routes_b = _boundary_routes(stages, wrap=chunks > 1)
     buckets = _grad_buckets(layout, stages)
-    groups = [Group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
-    groups += [Group(b.name, b.group) for b in buckets]
+    node_of = [r.node for r in ranks]
+
+    def group(name: str, members: tuple[int, ...]) -> Group:
+        return Group(name, members, transport_of(layout, [node_of[r] for r in members]))
+
+    groups = [group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
+    groups += [group(b.name, b.group) for b in buckets]
     return Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
                 tuple(routes_f), tuple(routes_b))
+
+
+def transport_of(layout: Layout, nodes: list[str]) -> str:
+    """A group's transport: its members' domain if they share one, else the cross-domain network (Holmes)."""
+    cluster = layout.cluster
+    if not cluster.domains:
+        return DEFAULT_TRANSPORT
+    domains = {cluster.domain_of(n) for n in nodes}
+    return domains.pop() if len(domains) == 1 else CROSS_DOMAIN
 
 
 def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int, int], ...]]:
@@ -229,18 +280,22 @@ def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
     # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
     holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     infos: dict[str, ParamInfo] = {}
+    stage_of: dict[int, str] = {}
     for st in stages:
         for info in st.params(layout.model):
             infos[info.name] = info
             for ti, rank in enumerate(st.ranks):
                 holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
+                stage_of[rank] = st.label
     by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
     for name, held in holders.items():
         dim = infos[name].shard_dim or 0
         cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
         for lo, hi in zip(cuts, cuts[1:]):
             group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
-            if len(group) > 1:
+            # Holders inside one TP group already have identical gradients (replicated tensors see
+            # replicated activations and all-reduced input gradients): nothing to sum.
+            if len({stage_of[r] for r in group}) > 1:
                 by_group[group].append((name, dim, lo, hi))
     return [GradBucket(g, tuple(e)) for g, e in sorted(by_group.items())]
 
@@ -261,9 +316,13 @@ def describe(plan: Plan) -> str:
         lines.append(f"{r.rank:<5} {r.device_id:<11} {r.node:<9} {r.pipeline:<9} {r.stage:<6} "
                      f"{r.tp_index}/{st.tp:<4} {_ranges(st):<8} "
                      f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb")
+    domains = bool(lay.cluster.domains)
+    if domains:
+        lines += ["", *describe_domains(plan)]
     lines += ["", "communicators (created in this order on every rank):"]
-    for g in plan.groups:
-        lines.append(f"  {g.name:<28} ranks {list(g.ranks)}")
+    for g in ((plan.world,) if domains else ()) + plan.groups:
+        via = f"  via {g.transport}" if domains else ""
+        lines.append(f"  {g.name:<28} ranks {list(g.ranks)}{via}")
     if not plan.groups:
         lines.append("  (none besides the world group)")
     lines += ["", "gradient sync buckets (blocks summed among exactly their holders):"]
@@ -275,3 +334,22 @@ def describe(plan: Plan) -> str:
     for pi, pipe_sched in enumerate(plan.schedules):
         lines += ["", f"pipeline {pi} schedule:", sched.format_grid([list(a) for a in pipe_sched])]
     return "\n".join(lines)
+
+
+def describe_domains(plan: Plan) -> list[str]:
+    """The network-domain table of ``--dry-run``: what each transport a group can get is set to."""
+    c = plan.layout.cluster
+    lines = ["network domains (a group uses its members' domain when they share one, else cross_domain):",
+             f"  {'transport':<14} {'kind':<9} {'Gbit/s':>7} {'us':>6}  {'gloo if':<9} {'nodes':<20} nccl"]
+
+    def row(name: str, kind: str, spec, nodes: str) -> str:
+        bw = f"{spec.bandwidth_gbps:g}" if spec.bandwidth_gbps else "?"
+        lat = f"{spec.latency_us:g}" if spec.latency_us else "?"
+        nccl = " ".join(f"{k}={v}" for k, v in spec.nccl) or "-"
+        return f"  {name:<14} {kind:<9} {bw:>7} {lat:>6}  {spec.gloo_ifname or '(default)':<9} {nodes:<20} {nccl}"
+
+    for d in c.domains:
+        nodes = ",".join(n.name for n in c.nodes if n.domain == d.name) or "(none)"
+        lines.append(row(d.name, d.kind.value, d, nodes))
+    lines.append(row(CROSS_DOMAIN, "-", c.cross_domain, "(all)"))
+    return lines

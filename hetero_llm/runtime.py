@@ -24,7 +24,7 @@ import torch
 
 from hetero_llm import comm
 from hetero_llm.layout import ModelSpec
-from hetero_llm.model import TP, StageShape, stage_forward, token_loss_sum
+from hetero_llm.model import FP32, TP, Compute, StageShape, make_block_fn, stage_forward, token_loss_sum
 from hetero_llm.plan import Plan, Route, StagePlan
 from hetero_llm.schedule import Action, Kind, peer
 
@@ -94,11 +94,15 @@ class StageRunner:
     routes: StageRoutes
     trace: list | None = None  # (action string, start s, end s) per action, when tracing
     emulation: Emulation = Emulation()
+    compute: Compute = FP32  # precision, recomputation, compilation of this stage
+    streams: comm.Streams = comm.NO_STREAMS  # side CUDA streams for p2p (none on CPU)
     _rng: random.Random = attrs.field(init=False)
     _state: dict = attrs.field(init=False, factory=dict)
+    _block_fn: object = attrs.field(init=False)
 
     def __attrs_post_init__(self):
         self._rng = random.Random(self.emulation.seed)
+        self._block_fn = make_block_fn(self.model, self.tp, self.compute)  # built once: compiled once
 
     @property
     def chunks(self) -> int:
@@ -107,9 +111,13 @@ class StageRunner:
     # -- one action ---------------------------------------------------------------------------
 
     def _begin(self, microbatches: list[Microbatch], global_tokens: int) -> None:
+        device = self.comms.device
+        if device.type == "cuda":  # one asynchronous copy each, now: a pageable copy per action would stall the host
+            microbatches = [Microbatch(mb.inputs.pin_memory().to(device, non_blocking=True),
+                                       mb.targets.pin_memory().to(device, non_blocking=True)) for mb in microbatches]
         self._state = dict(mbs=microbatches, tokens=global_tokens, inputs={}, outputs={}, recvs={}, grads_out={},
-                           loss=torch.zeros((), dtype=torch.float64, device=self.comms.device),
-                           dtype=next(iter(self.params.values())).dtype)
+                           loss=torch.zeros((), dtype=torch.float64, device=device),
+                           dtype=self.compute.dtype)  # boundary tensors travel in the compute dtype
 
     def _shape(self, m: int) -> tuple[int, ...]:
         b, t = self._state["mbs"][m].inputs.shape
@@ -120,13 +128,20 @@ class StageRunner:
         _, match = peer(self.stage.stage, a, self.stage.num_stages, chunks=self.chunks)
         return match.mb, match.chunk
 
+    def _clock(self) -> float:
+        """``perf_counter``; on CUDA, when tracing or emulating, once the device has done what was issued,
+        so the times are the device's (this gives up the overlap of host and device while it is on)."""
+        if self.comms.device.type == "cuda" and (self.trace is not None or self.emulation.active):
+            torch.cuda.synchronize(self.comms.device)
+        return time.perf_counter()
+
     def _await(self, direction: int, a: Action) -> torch.Tensor:
         """Wait for a received tensor; traced as its own event (the RECV's wait), not as compute."""
-        t0 = time.perf_counter()
+        t0 = self._clock()
         x = self._state["recvs"].pop((direction, (a.mb, a.chunk))).wait(self.comms)
         if self.trace is not None:
             kind = Kind.RECV_F if direction == FWD else Kind.RECV_B
-            self.trace.append((str(Action(kind, a.mb, a.chunk)), t0, time.perf_counter()))
+            self.trace.append((str(Action(kind, a.mb, a.chunk)), t0, self._clock()))
         return x
 
     def execute(self, a: Action) -> None:
@@ -138,30 +153,31 @@ class StageRunner:
             received = self._await(FWD, a)
         elif a.kind is Kind.B and not last:
             received = self._await(BWD, a)
-        t0 = time.perf_counter()  # compute time excludes the wait: traces and emulation see compute only
+        t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         if a.kind is Kind.RECV_F:
             s["recvs"][(FWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
-                                                        FWD, a.mb, a.chunk)
+                                                        FWD, a.mb, a.chunk, self.streams)
         elif a.kind is Kind.RECV_B:
             s["recvs"][(BWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
-                                                        BWD, a.mb, a.chunk)
+                                                        BWD, a.mb, a.chunk, self.streams)
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
             self._backward(a, received)
         elif a.kind is Kind.SEND_F:
             mb, chunk = self._peer_tag(a)
-            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk)
+            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams)
         elif a.kind is Kind.SEND_B:
             mb, chunk = self._peer_tag(a)
-            comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk)
+            comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
+                               self.streams)
         else:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in (Kind.F, Kind.B) and self.emulation.active:
-            spent = time.perf_counter() - t0
+            spent = self._clock() - t0
             time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
         if self.trace is not None:
-            self.trace.append((str(a), t0, time.perf_counter()))
+            self.trace.append((str(a), t0, self._clock()))
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state
@@ -169,7 +185,8 @@ class StageRunner:
         lo, hi, first, last = self.stage.chunk_shape(a.chunk)
         x = s["mbs"][a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
         s["inputs"][key] = x
-        out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp)
+        out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp, self.compute,
+                            self._block_fn)
         if last:
             loss = token_loss_sum(out, s["mbs"][a.mb].targets.to(self.comms.device))
             s["loss"] += loss.detach().double()

@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from hetero_llm import comm, data
-from hetero_llm.layout import Schedule, TrainSpec
-from hetero_llm.model import init_shard
+from hetero_llm.errors import RankFailure
+from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
+from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
 
@@ -70,25 +71,44 @@ def _block_view(state: RankState, name: str, dim: int, lo: int, hi: int) -> torc
     return state.params[name].grad.narrow(dim, lo - shard_lo, hi - lo)
 
 
-def sync_grads(plan: Plan, rank: int, state: RankState, comms: comm.Comms) -> float:
-    """Sum every gradient block among its holders; return this rank's share of the squared global norm.
+def _sum_sq(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
+    """sum_i weights[i] * |tensors[i]|^2 as a float64 scalar on the tensors' device (no host sync).
+
+    One multi-tensor norm kernel per distinct weight (on CUDA), not a few kernels per tensor.
+    """
+    total = torch.zeros((), dtype=torch.float64, device=tensors[0].device)
+    for w in sorted(set(weights)):
+        group = [t for t, tw in zip(tensors, weights) if tw == w]
+        total = total + w * torch.stack(torch._foreach_norm(group)).double().pow(2).sum()
+    return total
+
+
+def sync_grads(plan: Plan, rank: int, state: RankState, comms: comm.Comms,
+               streams: comm.Streams = comm.NO_STREAMS) -> torch.Tensor:
+    """Sum every gradient block among its holders; return this rank's share of the squared global norm
+    (a float64 scalar on the device, so the step syncs the host once, for the logged totals).
 
     A TP-replicated shard is scaled by 1/replicas first, so the sum counts each pipeline once. The norm
     counts every block once: each holder contributes 1/len(group) of the (identical) summed block.
+    Every bucket's all-reduce is started first (on CUDA: on the grads stream), so they overlap one
+    another and the local part of the norm.
     """
-    sq = sum(float(p.grad.double().pow(2).sum()) for p in state.params.values())
+    pending = []
     for bucket in plan.buckets:
         if rank not in bucket.group:
             continue
         views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in bucket.entries]
         scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
                   for v, (name, *_rest) in zip(views, bucket.entries)]
-        summed = comm.all_reduce_flat(comms, scaled, bucket.name)
+        pending.append((bucket, views, comm.start_all_reduce_flat(comms, scaled, bucket.name, streams)))
+    # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
+    sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])
+    for bucket, views, reduction in pending:
+        summed = reduction.wait()
         share = 1.0 / len(bucket.group)
-        for view, new in zip(views, summed):
-            sq -= float(view.double().pow(2).sum())
-            view.copy_(new)
-            sq += share * float(new.double().pow(2).sum())
+        sq = sq - _sum_sq(views, [1.0 / state.replicas[name] for name, *_rest in bucket.entries])
+        sq = sq + _sum_sq(summed, [share] * len(summed))
+        torch._foreach_copy_(views, summed)
     return sq
 
 
@@ -99,6 +119,19 @@ def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer
     fused = next(iter(state.params.values())).is_cuda
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr, betas=(train.beta1, train.beta2),
                              eps=train.eps, fused=fused or None)
+
+
+def stage_compute(plan: Plan, rank: int, device: torch.device) -> Compute:
+    """How ``rank``'s stage computes: train.precision, its stage's recompute (else train.recompute), train.compile."""
+    tr = plan.layout.train
+    st = plan.stage_of(rank)
+    spec = plan.layout.pipelines[st.pipeline].stages[st.stage]
+    recompute = spec.recompute if spec.recompute is not None else tr.recompute
+    dtype = torch.bfloat16 if tr.precision is Precision.BF16 else torch.float32
+    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RankFailure(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} does not support "
+                          "bfloat16 (use precision = 'fp32' on this GPU)")
+    return Compute(dtype, recompute=recompute is Recompute.FULL, compile=tr.compile is Compile.BLOCKS)
 
 
 def _microbatches(plan: Plan, rank: int, batch: np.ndarray) -> list[Microbatch]:
@@ -134,8 +167,10 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     state = init_state(plan, rank, device)
     optimizer = _make_optimizer(state, tr)
     st = plan.stage_of(rank)
+    compute = stage_compute(plan, rank, device)
+    streams = comm.Streams(device)
     runner = StageRunner(comms, state.params, st, model, comm.tp_ops(comms), StageRoutes.of(plan, rank), trace,
-                         Emulation.from_env(rank))
+                         Emulation.from_env(rank), compute, streams)
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     source = data.make_source(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len
@@ -151,15 +186,15 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
             mbs = _microbatches(plan, rank, batch)
             loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
-            sq = sync_grads(plan, rank, state, comms)
-            totals = torch.tensor([float(loss_sum) if contributes_loss else 0.0, sq], dtype=torch.float64, device=device)
+            sq = sync_grads(plan, rank, state, comms, streams)
+            totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
-            loss, grad_norm = float(totals[0]) / global_tokens, math.sqrt(float(totals[1]))
+            loss_total, sq_total = totals.tolist()  # the step's one host sync
+            loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
             if tr.grad_clip > 0:
                 coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6))
                 if coef < 1.0:
-                    for p in state.params.values():
-                        p.grad.mul_(coef)
+                    torch._foreach_mul_([p.grad for p in state.params.values()], coef)
             for group in optimizer.param_groups:
                 group["lr"] = lr
             optimizer.step()

@@ -43,9 +43,31 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    assert_copies_agree(ckpt)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(ckpt)),
                      proc.stdout, proc.stderr)
+
+
+def assert_copies_agree(ckpt: Path) -> None:
+    """Every copy of every parameter element (TP replicas, other pipelines' shards) is bitwise equal.
+
+    Holders of a block get the same summed gradient and run the same elementwise AdamW, so any
+    difference means a block was not synced (or replicas drifted).
+    """
+    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
+    for path in sorted(ckpt.glob("rank*.pt")):
+        for name, shard in torch.load(path)["shards"].items():
+            dim, lo, hi, shape = shard["coords"]
+            if name not in seen:
+                seen[name] = (torch.zeros(tuple(shape)), torch.zeros(tuple(shape), dtype=torch.bool))
+            values, written = seen[name]
+            region = (slice(None),) * (dim or 0) + (slice(lo, hi),) if dim is not None else (slice(None),)
+            old, mask = values[region], written[region]
+            new = shard["tensor"]
+            assert torch.equal(old[mask], new[mask]), f"{name}: copies on different ranks differ ({path.name})"
+            values[region] = new
+            written[region] = True
 
 
 def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> None:

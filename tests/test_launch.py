@@ -139,3 +139,18 @@ def test_rank_that_never_arrives_is_named(tmp_path):
     assert results[0][1].strip() == "error: rendezvous timed out after 3 s: never arrived: rank 2 (n0:2)"
     assert procs[1].returncode == 1
     assert "rank 1" in results[1][1] and "rendezvous" in results[1][1]
+
+
+def test_rank_started_with_a_different_layout_is_named(tmp_path):
+    layout = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
+                               "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=20", *extra],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r, extra in ((0, []), (1, ["--set", "train.lr=0.5"]))]
+    results = [p.communicate(timeout=60) for p in procs]
+    assert procs[1].returncode == 1
+    err = results[1][1].strip().splitlines()[-1]
+    assert err.startswith("error: rank 1 compiled a different plan than rank 0 (fingerprint ")
+    assert err.endswith("start every rank with the same layout and the same --set overrides")
+    assert procs[0].returncode == 1  # rank 0 does not train alone

@@ -1,0 +1,354 @@
+"""Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files.
+
+Scripts in this folder import it as ``import benchlib`` (Python puts a script's own folder first
+on ``sys.path``). Nothing here is part of the library: it drives ``hetero-launch`` as a user
+would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``, ``--trace``).
+
+Measurement rules every script follows (the machine is small and shared):
+
+- A/B comparisons are measured in one run, with repetitions interleaved A, B, A, B, ... so a
+  change in background load hits both sides alike; each side's number is the median over its
+  repetitions, and each repetition's number is the median over the steps after the warm-up steps.
+- The load average (``os.getloadavg``) is recorded before and after and published with the table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def say(message: str) -> None:
+    """One progress line, flushed at once (the scripts run for minutes)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+# ------------------------------------------------------------------------------------------
+# The machine
+
+
+def load_average() -> tuple[float, float, float]:
+    return os.getloadavg()
+
+
+def machine() -> dict:
+    """What the numbers were measured on: CPU model and count, Python and torch versions."""
+    from importlib.metadata import version
+
+    model = platform.processor() or "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": version("torch"),
+            "platform": platform.platform(), "git": git_state()}
+
+
+def git_state() -> str:
+    """The commit the library was measured at, ``+dirty`` when the working tree had changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "hetero_llm"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")
+
+
+def machine_line(info: dict) -> str:
+    return (f"{info['cores']}-core CPU ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
+            f"hetero_llm at {info.get('git', 'unknown')}")
+
+
+def load_line(before: Sequence[float], after: Sequence[float]) -> str:
+    return (f"load average (1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
+            f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after")
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts
+
+
+@attrs.frozen
+class ModelConfig:
+    """The [model] and [train] keys the benchmarks vary (the rest are the library's defaults)."""
+
+    layers: int = 8
+    hidden: int = 128
+    heads: int = 4
+    vocab: int = 256
+    seq_len: int = 128
+    global_batch: int = 16
+    steps: int = 12
+    seed: int = 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+def layout_toml(cfg: ModelConfig, stage_layers: Sequence[int], microbatches: int, schedule: str,
+                *, chunks: int = 1) -> str:
+    """One pipeline, one stage per CPU process, GPT-style model (LayerNorm, learned positions, GELU)."""
+    if sum(stage_layers) != cfg.layers:
+        raise ValueError(f"stage layers {list(stage_layers)} do not sum to {cfg.layers}")
+    lines = [
+        "[model]", f"layers = {cfg.layers}", f"hidden = {cfg.hidden}", f"heads = {cfg.heads}",
+        f"vocab = {cfg.vocab}", f"seq_len = {cfg.seq_len}",
+        "", "[train]", f"steps = {cfg.steps}", f"global_batch = {cfg.global_batch}", f"seed = {cfg.seed}",
+        f'schedule = "{schedule}"', *([f"chunks = {chunks}"] if schedule == "interleaved" else []),
+        "lr = 1e-3", "min_lr = 1e-4", "warmup_steps = 2", "weight_decay = 0.1", "log_every = 1",
+        "", "[data]", 'kind = "grammar"',
+        "", "[cluster]", "timeout_s = 120", "[[cluster.nodes]]", 'name = "node0"',
+        f"devices = {json.dumps(['cpu'] * len(stage_layers))}",
+        "", "[[pipelines]]", f"batch = {cfg.global_batch}", f"microbatches = {microbatches}",
+    ]
+    for index, layers in enumerate(stage_layers):
+        lines += ["[[pipelines.stages]]", f"layers = {layers}", f'devices = ["node0:{index}"]']
+    return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This environment without rendezvous or emulation variables, plus ``extra``."""
+    drop = ("MASTER_ADDR", "MASTER_PORT", "HETERO_EMULATE_SLOWDOWN", "HETERO_EMULATE_JITTER")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.update(extra or {})
+    return env
+
+
+@attrs.frozen
+class Launch:
+    """One finished ``hetero-launch`` run."""
+
+    rows: list[dict]  # --metrics-jsonl, one dict per step
+    cpu_s: float  # user + system CPU seconds of the launcher and all its ranks (startup included)
+    wall_s: float
+
+
+def run_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None,
+               timeout: float = 600) -> list[dict]:
+    """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion; the per-step metrics rows."""
+    return launch_layout(layout, workdir, env=env, trace=trace, timeout=timeout).rows
+
+
+def launch_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None,
+                  timeout: float = 600) -> Launch:
+    """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion, with its CPU and wall time."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    metrics = workdir / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
+           "--set", f"cluster.port={free_port()}"]
+    if trace is not None:
+        cmd += ["--trace", str(trace)]
+    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(env), cwd=ROOT)
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return Launch([json.loads(line) for line in metrics.read_text().splitlines()], cpu, wall)
+
+
+# ------------------------------------------------------------------------------------------
+# Statistics
+
+
+def steady(values: Sequence[float], skip: int) -> list[float]:
+    """The values after the first ``skip`` warm-up steps (all of them if too few)."""
+    return list(values[skip:]) if len(values) > skip else list(values)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def tokens_per_second(step_seconds: Sequence[float], tokens_per_step: int, skip: int) -> float:
+    """Tokens per step over the median step time after ``skip`` warm-up steps."""
+    return tokens_per_step / median(steady(step_seconds, skip))
+
+
+# ------------------------------------------------------------------------------------------
+# Output
+
+
+def fmt(value, digits: int = 3) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "n/a"
+        return f"{value:.{digits}g}" if abs(value) < 1e4 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+    cells = [[str(h) for h in headers]] + [[c if isinstance(c, str) else fmt(c) for c in row] for row in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
+    lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
+    return "\n".join(lines)
+
+
+def write_results(out_dir: Path, name: str, markdown: str, payload: dict) -> tuple[Path, Path]:
+    """``out_dir/name.md`` (the table and its context) and ``out_dir/name.json`` (every number)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    md, js = out_dir / f"{name}.md", out_dir / f"{name}.json"
+    md.write_text(markdown.rstrip() + "\n")
+    js.write_text(json.dumps(payload, indent=1) + "\n")
+    return md, js
+
+
+def command_line() -> str:
+    """How this script was started, for the results file."""
+    script = Path(sys.argv[0])
+    try:
+        script = script.resolve().relative_to(ROOT)
+    except ValueError:
+        pass
+    return " ".join(["python", str(script), *sys.argv[1:]])
+
+
+# ------------------------------------------------------------------------------------------
+# Traces (``hetero-launch --trace DIR``): per-step rows and compute intervals
+
+
+def _split_steps(row: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
+    """Cut one rank's records into steps at each recurrence of its first compute action.
+
+    (``trace.split_steps`` cuts at the first record, which fails now that the runtime records a
+    receive twice, when posted and when waited for.) Receive records just before that compute
+    action belong to the step it opens.
+    """
+    first = next((a for a, _, _ in row if a[0] in "FBW"), None)
+    cuts = [i for i, (a, _, _) in enumerate(row) if a == first]
+    starts = []
+    for i in cuts:
+        while i > 0 and row[i - 1][0].startswith("RECV") and (not starts or i - 1 >= starts[-1]):
+            i -= 1
+        starts.append(i)
+    if starts:
+        starts[0] = 0
+    return [row[a:b] for a, b in zip(starts, starts[1:] + [len(row)])]
+
+
+def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:
+    """``[step][rank] -> (action, start s, end s)`` for the steps every rank recorded completely."""
+    from hetero_llm import trace as tracing
+
+    _, rows = tracing.rank_rows(tracing.read_rank_traces(directory))
+    per_rank = [_split_steps(row) for row in rows]
+    steps = min(len(s) for s in per_rank)
+    return [[per_rank[rank][k] for rank in range(len(rows))] for k in range(steps)]
+
+
+def compute_intervals(step: list[list[tuple[str, float, float]]], chunks: int = 1) -> list[list[tuple[str, float, float]]]:
+    """Per rank (= stage: one pipeline, TP 1) the ``F``/``B`` records with the wait for input cut off.
+
+    The runtime records the wait for a received tensor as its own ``RECV`` record, so ``F``/``B``
+    records are compute only; as a guard (older runtimes waited inside the ``F``), a compute start
+    is never earlier than the end of the peer's matching ``SEND`` (one clock per host).
+    """
+    from hetero_llm.schedule import Action, Kind, peer, requirements
+
+    num_stages = len(step)
+    sends = [{a: e for a, _, e in row if a.startswith("SEND")} for row in step]
+    out = []
+    for stage, row in enumerate(step):
+        kept = []
+        for text, start, end in row:
+            action = Action.parse(text)
+            if action.kind not in (Kind.F, Kind.B):
+                continue
+            for _, needed in requirements(stage, action, num_stages, lowered=True, chunks=chunks):
+                if needed.kind in (Kind.RECV_F, Kind.RECV_B):
+                    src, send = peer(stage, needed, num_stages, chunks=chunks)
+                    posted = sends[src].get(str(send))
+                    if posted is not None:
+                        start = min(max(start, posted), end)
+            kept.append((text, start, end))
+        out.append(kept)
+    return out
+
+
+def step_span(step: list[list[tuple[str, float, float]]]) -> float:
+    """Seconds from the first compute's start to the last compute's end, over every rank.
+
+    Compute, not every record: a rank that finished the previous step's optimizer early posts its
+    receives and waits before the first stage has started; that wait is not part of the pipeline.
+    """
+    rows = [[r for r in row if r[0][0] in "FBW"] for row in step]
+    return max(e for row in rows for _, _, e in row) - min(s for row in rows for _, s, _ in row)
+
+
+def bubble_fraction(step: list[list[tuple[str, float, float]]], chunks: int = 1) -> float:
+    """Idle fraction of all stages together over the step's span (idle = not computing F or B)."""
+    busy = sum(e - s for row in compute_intervals(step, chunks) for _, s, e in row)
+    return 1.0 - busy / (len(step) * step_span(step))
+
+
+# ------------------------------------------------------------------------------------------
+# Point-to-point cost of gloo on this host
+
+
+def _p2p_rank(rank: int, port: int, sizes: list[int], reps: int, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    result = {}
+    for n in sizes:
+        buf = torch.zeros(n)
+        times = []
+        for i in range(reps + 5):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            if i >= 5:
+                times.append(time.perf_counter() - t0)
+        result[n] = statistics.median(times) / 2  # one way
+    if rank == 0:
+        Path(out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def p2p_probe(reps: int = 50, big: int = 1 << 20) -> tuple[float, float]:
+    """(latency s, bandwidth bytes/s) of one gloo send between two processes here, from ping-pongs of
+    a 1-element and a ``big``-element float32 tensor (median one-way times; 4 MB by default, so
+    the bandwidth term is well above the timing noise of a busy host)."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "p2p.json"))
+        mp.start_processes(_p2p_rank, args=(free_port(), [1, big], reps, out), nprocs=2, start_method="spawn")
+        times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+    latency = times[1]
+    extra = max(times[big] - latency, 1e-9)
+    return latency, 4 * (big - 1) / extra

@@ -1,0 +1,333 @@
+"""Dynamic pipeline schedule (MegatronDPP) against 1F1B on the same layout, with and without a slow, jittery stage.
+
+One pipeline of 4 even stages on CPU (gloo). Two scenarios:
+
+- ``jitter``: the runtime's emulation makes stage ``--slow-rank`` ``--slowdown`` times slower and
+  every stage jittery: after each forward/backward a rank sleeps ``(slowdown - 1 + U(0, jitter))``
+  times its compute time (``HETERO_EMULATE_SLOWDOWN`` / ``HETERO_EMULATE_JITTER``);
+- ``even``: no emulation.
+
+For each scenario 1F1B and dynamic runs are interleaved (the order flipped every repetition);
+every run records ``--trace``, from which the bubble fraction is read and the timeline PNGs of one
+step are drawn. A Monte-Carlo model of the policies with the measured per-stage times (this
+script's ``model_policies``: the library's simulator runs fixed action lists only) shows what a
+policy itself can gain when compute times are drawn like the emulation draws them, next to a
+lower bound for any order and to variants the runtime does not have (forward first, more
+microbatches in flight).
+
+    python bench/dynamic_vs_1f1b.py
+    python bench/dynamic_vs_1f1b.py --quick
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+from pathlib import Path
+
+import attrs
+import click
+
+import benchlib as B
+
+NAME = "dynamic_vs_1f1b"
+SCHEDULES = ("1f1b", "dynamic")
+
+
+def emulation_env(slow_rank: int, slowdown: float, jitter: float) -> dict[str, str]:
+    return {"HETERO_EMULATE_SLOWDOWN": f"{slow_rank}:{slowdown}", "HETERO_EMULATE_JITTER": f"*:{jitter}"}
+
+
+# ------------------------------------------------------------------------------------------
+# A Monte-Carlo model of scheduling policies (stages run in parallel; transfers take `latency`)
+
+
+@attrs.frozen
+class Policy:
+    """How a stage picks its next compute action.
+
+    ``fixed``: run the 1F1B list in order, waiting for each input. Otherwise dynamic: among ready
+    actions (a backward whose gradient arrived; the next forward if its input arrived and fewer than
+    ``stages - stage + extra`` microbatches are in flight), take a backward first (``backward_first``)
+    or the forward first. The runtime's ``run_dynamic`` is ``Policy("dynamic", backward_first=True)``.
+    """
+
+    name: str
+    fixed: bool = False
+    backward_first: bool = True
+    extra: int = 0  # microbatches in flight beyond 1F1B's bound (more activation memory)
+
+
+RUNTIME_POLICIES = (Policy("1f1b", fixed=True), Policy("dynamic"))
+WHAT_IF_POLICIES = RUNTIME_POLICIES + (
+    Policy("dynamic, forward first", backward_first=False),
+    Policy("dynamic, +2 in flight", extra=2),
+    Policy("dynamic, forward first, +2 in flight", backward_first=False, extra=2),
+)
+
+
+def model_policies(forward: list[float], backward: list[float], microbatches: int, multiplier, latency: float,
+                   steps: int = 200, seed: int = 0, policies=RUNTIME_POLICIES) -> dict[str, float]:
+    """Mean step time of each policy when each compute's time is drawn, plus ``"bound"``.
+
+    ``multiplier(stage, rng)`` scales one compute's time (the emulation: ``slowdown + U(0, jitter)``);
+    every policy sees the same draws. ``bound`` is a lower bound for any order: the busiest stage's
+    work plus the least fill (forwards of microbatch 0 before it) and drain (backwards of the last
+    microbatch after it).
+    """
+    from hetero_llm.schedule import Kind, one_f_one_b
+
+    S, M = len(forward), microbatches
+    rng = random.Random(seed)
+    fixed = [[("F" if a.kind is Kind.F else "B", a.mb) for a in actions] for actions in one_f_one_b(S, M)]
+    totals = {p.name: 0.0 for p in policies} | {"bound": 0.0}
+    for _ in range(steps):
+        draw = {(s, k, m): multiplier(s, rng) for s in range(S) for k in "FB" for m in range(M)}
+
+        def cost(s, k, m):
+            return (forward if k == "F" else backward)[s] * draw[(s, k, m)]
+
+        totals["bound"] += max(sum(cost(s, k, m) for k in "FB" for m in range(M))
+                               + sum(cost(u, "F", 0) + latency for u in range(s))
+                               + sum(cost(u, "B", M - 1) + latency for u in range(s)) for s in range(S))
+        for policy in policies:
+            totals[policy.name] += _model_step(S, M, cost, latency, policy, fixed)
+    return {k: v / steps for k, v in totals.items()}
+
+
+def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> float:
+    """One step, event by event: always commit the action (over all stages) that can start first."""
+    f_ready = {(0, m): 0.0 for m in range(M)}  # (stage, mb) -> when the forward's input is there
+    b_ready: dict[tuple[int, int], float] = {}
+    free = [0.0] * S
+    pending = [list(actions) for actions in fixed]
+    in_flight: list[set[int]] = [set() for _ in range(S)]
+    next_f, done, end = [0] * S, [0] * S, 0.0
+    while any(d < M for d in done):
+        best = None
+        for s in range(S):
+            if done[s] == M:
+                continue
+            if policy.fixed:
+                k, m = pending[s][0]
+                ready = (f_ready if k == "F" else b_ready).get((s, m))
+                option = (max(free[s], ready), k, m) if ready is not None else None
+            else:
+                options = [(max(free[s], b_ready[(s, m)]), "B", m) for m in in_flight[s] if (s, m) in b_ready]
+                f = next_f[s]
+                if f < M and len(in_flight[s]) < S - s + policy.extra and (s, f) in f_ready:
+                    options.append((max(free[s], f_ready[(s, f)]), "F", f))
+                option = None
+                if options:  # at the earliest moment something is ready, take the preferred kind
+                    t0 = min(o[0] for o in options)
+                    now = sorted(o for o in options if o[0] <= t0)
+                    preferred = [o for o in now if (o[1] == "B") == policy.backward_first]
+                    option = min(preferred or now, key=lambda o: o[2])
+            if option is not None and (best is None or option[0] < best[0]):
+                best = (option[0], s, option[1], option[2])
+        t, s, k, m = best
+        finish = t + cost(s, k, m)
+        free[s], end = finish, max(end, finish)
+        if (k, m) in pending[s]:
+            pending[s].remove((k, m))
+        if k == "F":
+            in_flight[s].add(m)
+            next_f[s] += 1
+            if s + 1 < S:
+                f_ready[(s + 1, m)] = finish + latency
+            else:
+                b_ready[(s, m)] = finish
+        else:
+            in_flight[s].discard(m)
+            done[s] += 1
+            if s > 0:
+                b_ready[(s - 1, m)] = finish + latency
+    return end
+
+
+# ------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunResult:
+    tokens_s: float
+    bubble: float
+    forward: list[float]  # median compute seconds per stage (emulated slowdown included)
+    backward: list[float]
+    trace: Path
+    cpu_s: float  # CPU seconds of the whole run, every rank (startup included)
+
+
+def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> RunResult:
+    rows = launch.rows
+    steps = B.steady(B.trace_steps(trace), skip)
+    stages = len(steps[0])
+    fwd = [[] for _ in range(stages)]
+    bwd = [[] for _ in range(stages)]
+    for step in steps:
+        for s, row in enumerate(B.compute_intervals(step)):
+            for a, start, end in row:
+                (fwd if a.startswith("F") else bwd)[s].append(end - start)
+    return RunResult(B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
+                     B.median([B.bubble_fraction(step) for step in steps]),
+                     [B.median(v) for v in fwd], [B.median(v) for v in bwd], trace, launch.cpu_s)
+
+
+def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
+    from hetero_llm import trace as tracing
+    from hetero_llm.timeline import plot_timeline
+
+    labels, _ = tracing.rank_rows(tracing.read_rank_traces(trace))
+    rows = B.trace_steps(trace)[step]
+    plot_timeline(rows, path, title, labels=labels)
+
+
+def plot_bars(results: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6), dpi=120)
+    w = 0.38
+    x = range(len(results))
+    for j, (kind, color) in enumerate((("1f1b", "#9c9c9c"), ("dynamic", "#4e79a7"))):
+        ax.bar([i + (j - 0.5) * w for i in x], [r[f"{kind}_tokens_s"] for r in results], w, label=kind, color=color)
+    top = max(max(r["1f1b_tokens_s"], r["dynamic_tokens_s"]) for r in results)
+    for i, r in enumerate(results):
+        ax.text(i, top * 1.03, f"{r['ratio']:.2f}x", ha="center", fontsize=9)
+    ax.set_xticks(list(x), [r["scenario"] for r in results])
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_ylim(0, top * 1.18)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--stages", default=4, show_default=True)
+@click.option("--microbatches", default=8, show_default=True)
+@click.option("--reps", default=3, show_default=True, help="Interleaved repetitions per scenario and schedule.")
+@click.option("--steps", default=10, show_default=True)
+@click.option("--skip", default=2, show_default=True, help="Warm-up steps left out of the medians.")
+@click.option("--layers", default=8, show_default=True)
+@click.option("--hidden", default=128, show_default=True)
+@click.option("--seq-len", default=128, show_default=True)
+@click.option("--batch", default=16, show_default=True, help="Global batch (sequences per step).")
+@click.option("--slow-rank", default=2, show_default=True, help="The stage made slower in the jitter scenario.")
+@click.option("--slowdown", default=1.5, show_default=True)
+@click.option("--jitter", default=0.6, show_default=True, help="Every stage's jitter U(0, jitter) x compute time.")
+@click.option("--scenarios", default="jitter,even", show_default=True)
+@click.option("--quick", is_flag=True, help="Smoke run: 2 stages, tiny model, 1 repetition, 3 steps.")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
+def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch, slow_rank, slowdown, jitter,
+         scenarios, quick, out_dir):
+    """tokens/s of dynamic vs 1F1B, with a slow jittery stage and with even stages."""
+    cfg = B.ModelConfig(layers=layers, hidden=hidden, seq_len=seq_len, global_batch=batch, steps=steps)
+    if quick:
+        stages, microbatches, reps, skip, slow_rank, scenarios = 2, 4, 1, 1, 1, "jitter"
+        cfg = B.ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, global_batch=4, steps=3)
+    names = [s.strip() for s in scenarios.split(",")]
+    envs = {"jitter": emulation_env(slow_rank, slowdown, jitter), "even": {}}
+    info, before = B.machine(), B.load_average()
+    B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
+    split = [cfg.layers // stages + (1 if i < cfg.layers % stages else 0) for i in range(stages)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    measured: dict[tuple[str, str], list[RunResult]] = {(n, k): [] for n in names for k in SCHEDULES}
+    with tempfile.TemporaryDirectory(prefix="bench_dynamic_") as tmp:
+        layouts = {}
+        for k in SCHEDULES:
+            layouts[k] = Path(tmp, f"{k}.toml")
+            layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
+        for rep in range(reps):
+            for n in names:
+                for k in (SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]):
+                    work = Path(tmp, f"{n}_{k}_r{rep}")
+                    launch = B.launch_layout(layouts[k], work, env=envs[n], trace=work / "trace")
+                    r = analyse(work / "trace", launch, cfg, skip)
+                    measured[(n, k)].append(r)
+                    B.say(f"rep {rep + 1}/{reps} {n:6} {k:7}: {r.tokens_s:8.0f} tokens/s, bubble {r.bubble:.1%}, CPU {r.cpu_s:.1f} s "
+                          f"(load {B.load_average()[0]:.2f})")
+        # timelines of one steady step of the last repetition
+        pngs = {}
+        for n in names:
+            for k in SCHEDULES:
+                png = out_dir / f"{NAME}_{n}_{k}.png"
+                last = measured[(n, k)][-1]
+                draw_timeline(last.trace, min(skip + 1, len(B.trace_steps(last.trace)) - 1), png,
+                              f"{k}, {n} ({stages} stages, {microbatches} microbatches): one step")
+                pngs[(n, k)] = png.name
+    after = B.load_average()
+    results = []
+    for n in names:
+        a, d = measured[(n, "1f1b")], measured[(n, "dynamic")]
+        paired = [y.tokens_s / x.tokens_s for x, y in zip(a, d)]
+        # the same comparison in the Monte-Carlo model, fed with this scenario's measured 1F1B compute times
+        fwd, bwd = [B.median([r.forward[s] for r in a]) for s in range(stages)], \
+                   [B.median([r.backward[s] for r in a]) for s in range(stages)]
+        if n == "jitter":  # measured times include the emulation; take it out, the model draws it again
+            mean = [(slowdown if s == slow_rank else 1.0) + jitter / 2 for s in range(stages)]
+            fwd, bwd = [f / m for f, m in zip(fwd, mean)], [b / m for b, m in zip(bwd, mean)]
+
+            def multiplier(s, rng):
+                return (slowdown if s == slow_rank else 1.0) + rng.uniform(0, jitter)
+        else:
+            def multiplier(s, rng):
+                return 1.0
+        model = model_policies(fwd, bwd, microbatches, multiplier, latency=1e-4, steps=100 if not quick else 5,
+                               policies=WHAT_IF_POLICIES)
+        results.append({"scenario": n, "1f1b_tokens_s": B.median([r.tokens_s for r in a]),
+                        "dynamic_tokens_s": B.median([r.tokens_s for r in d]), "ratio": B.median(paired),
+                        "ratio_min": min(paired), "ratio_max": max(paired),
+                        "1f1b_bubble": B.median([r.bubble for r in a]), "dynamic_bubble": B.median([r.bubble for r in d]),
+                        "1f1b_cpu_s": B.median([r.cpu_s for r in a]), "dynamic_cpu_s": B.median([r.cpu_s for r in d]),
+                        "model_ratio": model["1f1b"] / model["dynamic"], "model_step_s": model,
+                        "stage_forward_s": fwd, "stage_backward_s": bwd,
+                        "1f1b_runs": [r.tokens_s for r in a], "dynamic_runs": [r.tokens_s for r in d],
+                        "timelines": {k: pngs[(n, k)] for k in SCHEDULES}})
+    headers = ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
+               "bubble 1f1b", "bubble dynamic", "CPU s 1f1b", "CPU s dynamic", "model ratio"]
+    table = B.markdown_table(headers, [[r["scenario"], f"{r['1f1b_tokens_s']:.0f}", f"{r['dynamic_tokens_s']:.0f}",
+                                        f"{r['ratio']:.3f}", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                                        f"{r['1f1b_bubble']:.1%}", f"{r['dynamic_bubble']:.1%}",
+                                        f"{r['1f1b_cpu_s']:.1f}", f"{r['dynamic_cpu_s']:.1f}",
+                                        f"{r['model_ratio']:.3f}"] for r in results])
+    policy_names = [p.name for p in WHAT_IF_POLICIES] + ["bound"]
+    what_if = B.markdown_table(["scenario", *policy_names],
+                               [[r["scenario"], *(f"{r['model_step_s']['1f1b'] / r['model_step_s'][p]:.3f}x"
+                                                  for p in policy_names)] for r in results])
+    setup = (f"layout: 1 pipeline, {stages} stages x {split} layers, {microbatches} microbatches, global batch "
+             f"{cfg.global_batch}, GPT {cfg.layers} layers hidden {cfg.hidden} seq {cfg.seq_len}; {cfg.steps} steps, "
+             f"medians over steps {skip + 1}..; {reps} interleaved repetitions. jitter scenario: "
+             f"HETERO_EMULATE_SLOWDOWN={envs['jitter']['HETERO_EMULATE_SLOWDOWN']} "
+             f"HETERO_EMULATE_JITTER={envs['jitter']['HETERO_EMULATE_JITTER']}")
+    md = "\n".join([f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
+                    B.load_line(before, after), "", setup, "", table, "",
+                    "bubble: idle fraction of all stages over the step (from --trace); CPU s: user + system CPU "
+                    "seconds of a whole run, every rank (startup included; the same for both schedules); "
+                    "model ratio: the same comparison in a Monte-Carlo model of both policies with the measured "
+                    "per-stage times (stages never share a core there).", ""]
+                   + ["## What the policy can gain (Monte-Carlo model, speedup over 1F1B)", "", what_if, "",
+                      "Same draws of compute times for every policy; 'bound': no order of any policy can beat the busiest "
+                      "stage's work plus the least pipeline fill and drain. '+2 in flight' holds 2 more microbatches' "
+                      "activations than 1F1B.", ""]
+                   + [f"![{n} {k}]({pngs[(n, k)]})" for n in names for k in SCHEDULES])
+    payload = {"name": NAME, "command": B.command_line(), "machine": info, "load_before": before,
+               "load_after": after, "config": {**attrs.asdict(cfg), "stages": stages, "stage_layers": split,
+                                               "microbatches": microbatches, "reps": reps, "skip": skip,
+                                               "emulation": envs["jitter"]},
+               "results": results}
+    md_path, _ = B.write_results(out_dir, NAME, md, payload)
+    plot_bars(results, out_dir / f"{NAME}.png", f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)")
+    print()
+    print(table)
+    print()
+    print(what_if)
+    print()
+    B.say(f"wrote {md_path}, {md_path.with_suffix('.json')}, {md_path.with_suffix('.png')} and timelines")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""One rank of the paired comparison: hetero_llm's training loop and torch.distributed.pipelining in turns,
+in the same processes.
+
+On a busy shared machine the load changes within seconds, so separate runs of the two sides see
+different machines. Here every rank process holds both: ``hetero_llm.train.train`` (the library's
+own loop, runtime and communicators) and ``torch_pp_rank.TorchPipeline`` (on its own gloo group), and
+runs them in alternating rounds of a few steps (ours, torch, torch, ours, ...), each round from
+the initial parameters, so both sides train the same steps and their losses can be compared too.
+Each rank also counts its process CPU time per round (``time.process_time``: every thread, gloo's
+included), which the load of other programs does not change: the same math at a higher CPU cost
+is runtime overhead.
+
+    python bench/paired_rank.py LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+
+
+@click.command()
+@click.argument("layout_file", type=click.Path(exists=True, dir_okay=False))
+@click.option("--rank", type=int, required=True)
+@click.option("--port", type=int, required=True)
+@click.option("--rounds", default=6, show_default=True, help="Rounds per side, alternating.")
+@click.option("--steps", default=4, show_default=True, help="Training steps per round.")
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes the step rows here.")
+def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: str | None) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from hetero_llm import comm
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+    from hetero_llm.train import train
+    from torch_pp_rank import TorchPipeline
+
+    plan = compile_plan(layout_mod.load(layout_file, [f"train.steps={steps}", f"cluster.port={port}"]))
+    comms = comm.init(plan, rank, torch.device("cpu"))
+    baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))
+    result: dict[str, list] = {"ours": [], "torch": [], "ours_events": [], "cpu": []}
+    cpu = {"ours": [], "torch": []}  # this process's CPU seconds per round (every thread: gloo's too)
+    try:
+        for round_ in range(rounds):
+            for side in (("ours", "torch") if round_ % 2 == 0 else ("torch", "ours")):
+                start = time.process_time()
+                if side == "ours":
+                    events: list = []
+                    history = train(plan, rank, comms, trace=events, quiet=True)
+                    result["ours"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
+                    result["ours_events"].append(events)
+                else:
+                    baseline.reset()
+                    result["torch"].append([baseline.step(k) for k in range(steps)])
+                cpu[side].append(time.process_time() - start)
+                dist.barrier()  # the two sides never overlap
+        every = [None] * plan.world_size
+        dist.all_gather_object(every, cpu)
+        result["cpu"] = every  # [rank] -> {"ours": [s per round], "torch": [...]}
+        if rank == 0 and out:
+            Path(out).write_text(json.dumps(result))
+    finally:
+        comm.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The benchmark scripts of bench/ run end to end (``--quick``) and write the results they promise.
+
+Each script runs once as a real subprocess, as a user would start it, into a temporary folder;
+the tests check the results files' tables and JSON fields, never the timings (the machine is
+small and shared). The helpers the scripts share are checked on recorded rows, without processes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+benchlib = _load("benchlib")
+
+
+def _run(script: str, out: Path) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=300, env=benchlib.clean_env())
+    assert proc.returncode == 0, f"{script} --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def _header(markdown: str) -> list[str]:
+    """Column names of the first markdown table in ``markdown``."""
+    line = next(line for line in markdown.splitlines() if line.startswith("| "))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def _check_files(out: Path, name: str, columns: list[str], fields: list[str]) -> dict:
+    md = (out / f"{name}.md").read_text()
+    assert _header(md) == columns
+    assert "load average" in md and "torch" in md  # the machine and the load are published with the table
+    payload = json.loads((out / f"{name}.json").read_text())
+    assert payload["results"], "no result rows"
+    for row in payload["results"]:
+        assert set(fields) <= set(row), f"missing {sorted(set(fields) - set(row))}"
+    assert (out / f"{name}.png").stat().st_size > 0
+    return payload
+
+
+@pytest.mark.multiprocess
+def test_vs_torch_pipelining_quick(tmp_path):
+    proc = _run("vs_torch_pipelining.py", tmp_path)
+    assert "rep 1/1" in proc.stdout  # progress lines while it runs
+    payload = _check_files(tmp_path, "vs_torch_pipelining",
+                           ["stages", "schedule", "ours tokens/s", "torch tokens/s", "ratio ours/torch", "ratio range",
+                            "max rel. loss diff"],
+                           ["stages", "schedule", "ours_tokens_s", "torch_tokens_s", "ratio", "max_rel_loss_diff"])
+    # same model, same data, same optimizer: both sides must log the same losses (float32 rounding)
+    assert all(row["max_rel_loss_diff"] < 1e-4 for row in payload["results"])
+
+
+@pytest.mark.multiprocess
+def test_dynamic_vs_1f1b_quick(tmp_path):
+    _run("dynamic_vs_1f1b.py", tmp_path)
+    payload = _check_files(tmp_path, "dynamic_vs_1f1b",
+                           ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
+                            "bubble 1f1b", "bubble dynamic", "CPU s 1f1b", "CPU s dynamic", "model ratio"],
+                           ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"])
+    for row in payload["results"]:
+        for png in row["timelines"].values():
+            assert (tmp_path / png).stat().st_size > 0
+
+
+@pytest.mark.multiprocess
+def test_sim_vs_measured_quick(tmp_path):
+    _run("sim_vs_measured.py", tmp_path)
+    payload = _check_files(tmp_path, "sim_vs_measured",
+                           ["layout", "schedule", "measured ms", "predicted ms", "error %", "bubble measured",
+                            "bubble predicted", "full step ms", "F ms per stage", "B ms per stage"],
+                           ["layout", "schedule", "measured_ms", "predicted_ms", "error_pct", "measured_bubble",
+                            "predicted_bubble"])
+    assert payload["p2p"]["latency_s"] > 0 and payload["p2p"]["bandwidth_bytes_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def test_trace_steps_split_where_the_first_compute_recurs():
+    """A receive is recorded twice (posted, waited for); steps still split at the first compute action."""
+    one = [("RECV_F0", 0, 1), ("RECV_F0", 1, 2), ("F0", 2, 3), ("RECV_B0", 3, 3), ("RECV_B0", 3, 4), ("B0", 4, 5),
+           ("SEND_B0", 5, 5)]
+    row = one + [(a, s + 10, e + 10) for a, s, e in one]
+    steps = benchlib._split_steps(row)
+    assert [[a for a, _, _ in step] for step in steps] == [[a for a, _, _ in one]] * 2
+    assert steps[1][0][1] == 10
+
+
+def test_compute_intervals_and_bubble():
+    # stage 0: F0 [0, 1], B0 [3, 5]; stage 1 receives at 1, F0 [1, 2], B0 [2, 3]
+    step = [[("F0", 0.0, 1.0), ("SEND_F0", 1.0, 1.0), ("RECV_B0", 1.0, 3.0), ("B0", 3.0, 5.0)],
+            [("RECV_F0", 0.0, 0.0), ("RECV_F0", 0.0, 1.0), ("F0", 1.0, 2.0), ("B0", 2.0, 3.0), ("SEND_B0", 3.0, 3.0)]]
+    assert benchlib.compute_intervals(step) == [[("F0", 0.0, 1.0), ("B0", 3.0, 5.0)], [("F0", 1.0, 2.0), ("B0", 2.0, 3.0)]]
+    assert benchlib.step_span(step) == 5.0
+    assert benchlib.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
+
+
+def test_markdown_table():
+    assert benchlib.markdown_table(["a", "bb"], [[1, "x"]]) == "| a | bb |\n| - | -- |\n| 1 | x  |"

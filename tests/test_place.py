@@ -1,0 +1,225 @@
+"""NIC-aware placement (hetero_llm/place.py) against its written rules, on several clusters, and one
+placed layout trained against the single-process reference (layout invariance).
+
+Rules: TP inside a node; every stage's DP group (the same layers in every pipeline) inside one domain;
+a pipeline crosses domains exactly (domains - 1) times; layers by speed, capped by memory; rows by
+pipeline throughput.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hetero_llm import layout
+from hetero_llm.cli import place_main
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout import CROSS_DOMAIN, loads
+from hetero_llm.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
+from hetero_llm.plan import compile_plan
+
+from harness import LAYOUTS, assert_same_model, common_sections, launch
+
+MODEL = """[model]
+layers = {layers}
+hidden = 32
+heads = 4
+vocab = 64
+seq_len = 8
+[train]
+steps = 1
+global_batch = {batch}
+schedule = "{schedule}"
+chunks = {chunks}
+[data]
+kind = "grammar"
+"""
+
+
+def domain(name: str, kind: str = "ib") -> str:
+    return (f'[[cluster.domains]]\nname = "{name}"\nkind = "{kind}"\nbandwidth_gbps = 100\nlatency_us = 2\n'
+            'gloo_ifname = "dom0"\n')
+
+
+def cluster_text(nodes: list[tuple[str, str, int, float, float]], domains=("A", "B"), *, layers=4, batch=8,
+                 schedule="1f1b", chunks=1) -> str:
+    """``nodes``: (name, domain, devices, speed, memory_gb)."""
+    lines = [MODEL.format(layers=layers, batch=batch, schedule=schedule, chunks=chunks), "[cluster]"]
+    lines += [domain(d) for d in domains]
+    lines.append('[cluster.cross_domain]\ngloo_ifname = "xdom"\n')
+    for name, dom, n, speed, mem in nodes:
+        devs = ", ".join(['"cpu"'] * n)
+        lines += ["[[cluster.nodes]]", f'name = "{name}"', f"devices = [{devs}]", f"speed = {speed}",
+                  f"memory_gb = {mem}"] + ([f'domain = "{dom}"'] if domains else [])
+    return "\n".join(lines) + "\n"
+
+
+def placed(tmp_path: Path, text: str, **options):
+    src = tmp_path / "cluster.toml"
+    src.write_text(text)
+    p = place_file(src, tmp_path / "placed.toml", PlaceOptions(**options))
+    return p, layout.load(tmp_path / "placed.toml")
+
+
+def check_rules(lay) -> None:
+    """The rules every placed layout obeys, checked on the compiled plan."""
+    plan = compile_plan(lay)
+    c = lay.cluster
+    for st in plan.stages:  # TP inside a node
+        assert len({plan.ranks[r].node for r in st.ranks}) == 1, st
+    for g in plan.groups:  # DP (and TP) inside a domain
+        assert g.transport != CROSS_DOMAIN, g
+    domains_used = {c.domain_of(plan.ranks[r].node) for r in range(plan.world_size)}
+    for pi in range(len(lay.pipelines)):  # one cross-domain boundary per domain change
+        seq = [c.domain_of(plan.ranks[s.ranks[0]].node) for s in plan.stages if s.pipeline == pi]
+        crossings = sum(a != b for a, b in zip(seq, seq[1:]))
+        assert crossings == len(domains_used) - 1 and seq == sorted(seq, key=seq.index), seq
+
+
+# ------------------------------------------------------------------------------------ rules
+
+
+def test_two_domains_of_two_nodes(tmp_path):
+    nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0), ("b1", "B", 1, 1.0, 0)]
+    p, lay = placed(tmp_path, cluster_text(nodes))
+    check_rules(lay)
+    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [[("a0:0",), ("b0:0",)],
+                                                                          [("a1:0",), ("b1:0",)]]
+    assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[2, 2], [2, 2]]
+    assert [pipe.batch for pipe in lay.pipelines] == [4, 4]
+    assert [pipe.microbatches for pipe in lay.pipelines] == [4, 4]  # 2 x stages, dividing 4
+    assert p.domains == ("A", "B") and p.notes == ()
+
+
+def test_uneven_gpu_counts_with_tp(tmp_path):
+    """A: 4 + 2 devices, B: 2 + 3 devices, TP 2: 3 groups in A, 2 in B (one device of b1 idle) -> 2 pipelines."""
+    nodes = [("a0", "A", 4, 1.0, 0), ("a1", "A", 2, 1.0, 0), ("b0", "B", 2, 1.0, 0), ("b1", "B", 3, 1.0, 0)]
+    p, lay = placed(tmp_path, cluster_text(nodes, layers=6), tp=2)
+    check_rules(lay)
+    devices = [[s.devices for s in pipe.stages] for pipe in lay.pipelines]
+    assert devices == [[("a0:0", "a0:1"), ("a0:2", "a0:3"), ("b0:0", "b0:1")],
+                       [("a1:0", "a1:1"), ("b1:0", "b1:1")]]
+    # A holds the same layers in both pipelines (4 = its share by speed); pipeline 0 splits them 2 + 2
+    assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[2, 2, 2], [4, 2]]
+    # pipeline 0's slowest stage is twice as fast: rows minimize the slower pipeline's time (6/2 and 5/3
+    # both take 12 layer-rows; ties go to the earlier pipeline)
+    assert [pipe.batch for pipe in lay.pipelines] == [6, 2]
+    assert p.notes == ("b1: 1 of its 3 devices left unused (TP 2 groups stay inside a node)",)
+
+
+def test_layers_follow_speed_across_and_inside_domains(tmp_path):
+    # A is twice as fast as B: A gets 2/3 of the layers
+    nodes = [("a0", "A", 1, 2.0, 0), ("a1", "A", 1, 2.0, 0), ("b0", "B", 1, 1.0, 0), ("b1", "B", 1, 1.0, 0)]
+    _, lay = placed(tmp_path, cluster_text(nodes, layers=6))
+    check_rules(lay)
+    assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]
+    # one pipeline; inside A a node 3x as fast as its neighbour gets 3x the layers
+    nodes = [("a0", "A", 1, 3.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 4.0, 0)]
+    _, lay = placed(tmp_path, cluster_text(nodes, layers=16), pipelines=1)
+    assert [s.layers for s in lay.pipelines[0].stages] == [6, 2, 8]
+
+
+def test_memory_caps_a_stage(tmp_path):
+    """A is 3x as fast, but its devices hold only 2 layers each (16 bytes per parameter, embedding on the first)."""
+    model = layout.loads(cluster_text([("a0", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)]) +
+                         '[[pipelines]]\nbatch = 8\nmicrobatches = 1\n[[pipelines.stages]]\nlayers = 2\n'
+                         'devices = ["a0:0"]\n[[pipelines.stages]]\nlayers = 2\ndevices = ["b0:0"]\n').model
+    from hetero_llm.params import embedding_params, layer_params
+    from hetero_llm.place import BYTES_PER_PARAM, _device_params
+
+    need = (_device_params(model, embedding_params(model), 1) + 2.5 * _device_params(model, layer_params(model, 0), 1))
+    gb = need * BYTES_PER_PARAM / 1e9
+    nodes = [("a0", "A", 1, 3.0, gb), ("b0", "B", 1, 1.0, 0)]
+    _, lay = placed(tmp_path, cluster_text(nodes, layers=8))
+    assert [s.layers for s in lay.pipelines[0].stages] == [2, 6]
+    _, lay = placed(tmp_path, cluster_text([("a0", "A", 1, 3.0, 0), ("b0", "B", 1, 1.0, 0)], layers=8))
+    assert [s.layers for s in lay.pipelines[0].stages] == [6, 2]  # uncapped: by speed
+
+
+def test_interleaved_gets_layers_in_multiples_of_chunks(tmp_path):
+    nodes = [("a0", "A", 1, 2.0, 0), ("b0", "B", 1, 1.0, 0)]
+    _, lay = placed(tmp_path, cluster_text(nodes, layers=8, schedule="interleaved", chunks=2))
+    assert all(s.layers % 2 == 0 for s in lay.pipelines[0].stages)
+    assert lay.pipelines[0].microbatches % 2 == 0
+
+
+def test_a_domain_too_small_for_every_pipeline_is_left_out(tmp_path):
+    nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)]
+    p, lay = placed(tmp_path, cluster_text(nodes), pipelines=2)
+    check_rules(lay)
+    assert p.domains == ("A",) and {d for pipe in lay.pipelines for s in pipe.stages for d in s.devices} == {"a0:0", "a1:0"}
+    assert "domain B left out" in p.notes[0]
+
+
+def test_without_domains_every_tp_group_is_a_pipeline(tmp_path):
+    nodes = [("n0", "", 2, 1.0, 0), ("n1", "", 2, 1.0, 0)]
+    _, lay = placed(tmp_path, cluster_text(nodes, domains=()))
+    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [[("n0:0",)], [("n0:1",)], [("n1:0",)], [("n1:1",)]]
+    _, lay = placed(tmp_path, cluster_text(nodes, domains=()), pipelines=1)
+    assert len(lay.pipelines[0].stages) == 4
+
+
+@pytest.mark.parametrize("options, where, message", [
+    (dict(tp=3), "--tp", "TP size 3 does not divide heads (4) and the MLP width (128) (pick a common divisor)"),
+    (dict(tp=4), "--tp", "no node has 4 devices (the most is 1; TP stays inside a node)"),
+    (dict(pipelines=3), "--pipelines", "no domain has 3 TP groups of 1 device(s) (the most is 2, in A): use --pipelines 2 or fewer"),
+])
+def test_bad_options(tmp_path, options, where, message):
+    nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0), ("b1", "B", 1, 1.0, 0)]
+    src = tmp_path / "cluster.toml"
+    src.write_text(cluster_text(nodes))
+    with pytest.raises(LayoutError) as info:
+        place_file(src, tmp_path / "out.toml", PlaceOptions(**options))
+    assert str(info.value) == f"{src}: {where}: {message}"
+    assert not (tmp_path / "out.toml").exists()
+
+
+def test_a_layout_with_pipelines_is_not_a_cluster_file():
+    with pytest.raises(LayoutError) as info:
+        read_cluster_file(LAYOUTS / "holmes_two_domains.toml")
+    assert info.value.path == "pipelines"
+
+
+def test_example_layout_is_the_placement_of_its_cluster_file():
+    text, model, train, _, cluster = read_cluster_file(LAYOUTS / "clusters" / "two_domains.toml")
+    p = place("two_domains.toml", model, train, cluster, PlaceOptions())
+    assert (LAYOUTS / "holmes_two_domains.toml").read_text().endswith(pipelines_toml(p))
+    check_rules(layout.load(LAYOUTS / "holmes_two_domains.toml"))
+
+
+def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
+    out = tmp_path / "placed.toml"
+    result = CliRunner().invoke(place_main, [str(LAYOUTS / "clusters" / "two_domains.toml"), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "stages visit domains ib0 -> roce0 (1 cross-domain boundary per pipeline)" in result.output
+    assert "  layers 0-2 in ib0: node0:0 node1:0" in result.output
+    assert layout.load(out).pipelines == layout.load(LAYOUTS / "holmes_two_domains.toml").pipelines
+    bad = CliRunner().invoke(place_main, [str(LAYOUTS / "clusters" / "two_domains.toml"), "-o", str(out), "--tp", "3"])
+    assert bad.exit_code == 2 and bad.output.startswith("error: ") and "--tp: TP size 3" in bad.output
+
+
+# ------------------------------------------------------------------------------------ invariance
+
+
+@pytest.mark.multiprocess
+def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
+    """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
+    common = common_sections(LAYOUTS / "reference.toml")
+    cluster = "\n".join(["[cluster]", domain("fast"), domain("slow", "roce"),
+                         '[cluster.cross_domain]\ngloo_ifname = "xdom"',
+                         '[[cluster.nodes]]\nname = "f0"\ndevices = ["cpu", "cpu"]\nspeed = 2.0\ndomain = "fast"',
+                         '[[cluster.nodes]]\nname = "s0"\ndomain = "slow"',
+                         '[[cluster.nodes]]\nname = "s1"\ndomain = "slow"']) + "\n"
+    (tmp_path / "cluster.toml").write_text(common + cluster)
+    place_file(tmp_path / "cluster.toml", tmp_path / "placed.toml", PlaceOptions())
+    lay = layout.load(tmp_path / "placed.toml")
+    assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]
+    check_rules(lay)
+    ref = launch(LAYOUTS / "reference.toml", tmp_path / "ref")
+    run = launch(tmp_path / "placed.toml", tmp_path / "run")
+    assert_same_model(run, ref)
+    # no dom0/xdom on this host: each node says once that its groups use the default interface
+    warnings = [line for line in run.stderr.splitlines() if line.startswith("warning: ")]
+    assert sorted(w.split(":")[1].strip() for w in warnings) == ["f0", "s0", "s1"], run.stderr
