@@ -15,6 +15,7 @@ import torch
 
 from hetero_llm import comm, data
 from hetero_llm.errors import RankFailure
+from hetero_llm.optim import AdamW
 from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
@@ -112,13 +113,14 @@ def sync_grads(plan: Plan, rank: int, state: RankState, comms: comm.Comms,
     return sq
 
 
-def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer:
+def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer | AdamW:
     names = sorted(state.params)  # same order on every layout
     groups = [{"params": [state.params[n] for n in names if state.decay[n]], "weight_decay": train.weight_decay},
               {"params": [state.params[n] for n in names if not state.decay[n]], "weight_decay": 0.0}]
-    fused = next(iter(state.params.values())).is_cuda
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=train.lr, betas=(train.beta1, train.beta2),
-                             eps=train.eps, fused=fused or None)
+    groups = [g for g in groups if g["params"]]
+    if next(iter(state.params.values())).is_cuda:
+        return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)
+    return AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
 
 
 def stage_compute(plan: Plan, rank: int, device: torch.device) -> Compute:
