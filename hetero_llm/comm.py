@@ -50,8 +50,10 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
                               f"(port in use? set MASTER_PORT or cluster.port)") from None
         raise RankFailure(f"rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
                           f"(is rank 0 on {plan.ranks[0].device_id} started? {e})") from None
+    # Each rank arrives with the fingerprint of the plan it compiled: a rank started with another
+    # layout or other --set overrides is named before anything trains.
     fingerprint = plan.fingerprint()
-    store.set(f"arrived/{rank}", "1")
+    store.set(f"arrived/{rank}", fingerprint)
     if rank == 0:
         deadline = time.monotonic() + timeout
         missing = list(range(world))
@@ -63,7 +65,12 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
             names = ", ".join(f"rank {r} ({plan.ranks[r].device_id})" for r in missing)
             store.set("go", "abort")
             raise RankFailure(f"rendezvous timed out after {timeout:g} s: never arrived: {names}")
-        store.set("plan", fingerprint)
+        differ = [r for r in range(world) if store.get(f"arrived/{r}").decode() != fingerprint]
+        if differ:
+            store.set("go", "mismatch")
+            names = ", ".join(f"rank {r} ({plan.ranks[r].device_id}): {store.get(f'arrived/{r}').decode()}" for r in differ)
+            raise RankFailure(f"ranks compiled different plans: rank 0: {fingerprint}; {names} "
+                              "(start every rank with the same layout and the same --set overrides)")
         store.set("go", "ok")
     else:
         try:
@@ -72,12 +79,11 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
         except Exception:  # a timeout, or rank 0 gave up and closed the store: both end the rendezvous
             raise RankFailure(f"rank {rank}: rendezvous did not complete within {timeout:g} s "
                               f"(rank 0 names the ranks that never arrived)") from None
+        if go == b"mismatch":
+            raise RankFailure(f"rank {rank}: rank 0 found ranks with a different plan (this rank's: {fingerprint}); "
+                              "start every rank with the same layout and the same --set overrides")
         if go != b"ok":
             raise RankFailure(f"rank {rank}: rendezvous aborted by rank 0 (another rank never arrived)")
-        theirs = store.get("plan").decode()
-        if theirs != fingerprint:
-            raise RankFailure(f"rank {rank} compiled a different plan than rank 0 (fingerprint {fingerprint} vs "
-                              f"{theirs}): start every rank with the same layout and the same --set overrides")
     return store
 
 
