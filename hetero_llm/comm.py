@@ -434,9 +434,10 @@ class PendingRecv:
     _arrived: threading.Event | None = None
     _error: list = attrs.field(factory=list)
 
-    def watch(self) -> None:
+    def watch(self, notify: threading.Event | None = None) -> None:
         """Make ``arrived()`` pollable. Gloo's p2p Work only completes inside ``wait()``, so a daemon
-        thread waits for it; NCCL's ``is_completed()`` queries the CUDA event and needs no thread."""
+        thread waits for it (and sets ``notify``, so an idle rank can sleep until something arrives);
+        NCCL's ``is_completed()`` queries the CUDA event and needs no thread."""
         if self.buffer.is_cuda or self._arrived is not None:
             return
         self._arrived = threading.Event()
@@ -448,6 +449,8 @@ class PendingRecv:
                 error.append(e)
             finally:
                 flag.set()
+                if notify is not None:
+                    notify.set()
 
         threading.Thread(target=waiter, daemon=True).start()
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import random
+import threading
 import time
 
 import attrs
@@ -231,12 +232,13 @@ class StageRunner:
         s = self._state
         next_f, next_recv_f, in_flight, done = 0, 0, [], 0
         leader = self.comms.tp_group is None or comm.tp_index(self.comms) == 0
+        arrival = threading.Event()  # set by the receive watchers
 
         def post_forward_receives():
             nonlocal next_recv_f
             while not st.first and next_recv_f < min(M, next_f + window):
                 self.execute(Action(Kind.RECV_F, next_recv_f))
-                s["recvs"][(FWD, (next_recv_f, 0))].watch()
+                s["recvs"][(FWD, (next_recv_f, 0))].watch(arrival)
                 next_recv_f += 1
 
         def ready(kind: str, m: int) -> bool:
@@ -249,11 +251,14 @@ class StageRunner:
             choice = None
             if leader:
                 while choice is None:
+                    arrival.clear()  # cleared before the polls: an arrival after them wakes the wait below
                     choice = next((("B", m) for m in in_flight if ready("B", m)), None)
                     if choice is None and next_f < M and len(in_flight) < window and ready("F", next_f):
                         choice = ("F", next_f)
                     if choice is None:
-                        time.sleep(20e-6)  # polls never block; yield the core to the watcher threads
+                        # Nothing is ready: sleep until a watcher sees an arrival instead of spinning, which
+                        # would steal the core from other ranks (polling NCCL work: a short timeout).
+                        arrival.wait(0.0005 if self.comms.device.type == "cuda" else 0.05)
             if self.comms.tp_group is not None:
                 choice = comm.tp_agree(self.comms, choice)
             kind, m = choice
@@ -262,7 +267,7 @@ class StageRunner:
                 if not st.last:
                     self.execute(Action(Kind.SEND_F, m))
                     self.execute(Action(Kind.RECV_B, m))  # post the gradient receive right away
-                    s["recvs"][(BWD, (m, 0))].watch()
+                    s["recvs"][(BWD, (m, 0))].watch(arrival)
                 in_flight.append(m)
                 next_f += 1
             else:
