@@ -22,6 +22,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -171,6 +172,43 @@ def launch_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = N
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return Launch([json.loads(line) for line in metrics.read_text().splitlines()], cpu, wall)
+
+
+def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str] | None = None,
+                timeout: float = 900) -> None:
+    """One ``python SCRIPT ARGS --rank R`` process per rank, to completion; raise on the first failure.
+
+    Each gets the threads ``hetero-launch`` gives a local rank (``cpu_count // ranks``, at least 1)
+    unless ``OMP_NUM_THREADS`` is set.
+    """
+    extra = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))}
+    full_env = clean_env({**extra, **(env or {})})
+    procs, logs = [], []
+    try:
+        for rank in range(world):
+            cmd = [sys.executable, str(script), *args, "--rank", str(rank)]
+            logs.append(tempfile.TemporaryFile("w+"))  # a pipe nobody reads could fill and stall the rank
+            procs.append(subprocess.Popen(cmd, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
+                                          cwd=ROOT))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs):
+            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    if bad:
+        rank, code = bad[0]
+        raise RuntimeError(f"{Path(script).name} rank {rank} failed ({code}):\n{outputs[rank]}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -341,8 +379,6 @@ def p2p_probe(reps: int = 50, big: int = 1 << 20) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of one gloo send between two processes here, from ping-pongs of
     a 1-element and a ``big``-element float32 tensor (median one-way times; 4 MB by default, so
     the bandwidth term is well above the timing noise of a busy host)."""
-    import tempfile
-
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -7,9 +7,14 @@ One pipeline of 4 even stages on CPU (gloo). Two scenarios:
   times its compute time (``HETERO_EMULATE_SLOWDOWN`` / ``HETERO_EMULATE_JITTER``);
 - ``even``: no emulation.
 
-For each scenario 1F1B and dynamic runs are interleaved (the order flipped every repetition);
-every run records ``--trace``, from which the bubble fraction is read and the timeline PNGs of one
-step are drawn. A Monte-Carlo model of the policies with the measured per-stage times (this
+Two measurements per scenario, both interleaved so that background load hits both alike:
+
+1. paired rounds (``paired_rank.py --versus dynamic``): the same rank processes run
+   ``hetero_llm.train.train`` with 1F1B and with dynamic in alternating rounds of a few steps;
+   ratio = median over rounds; each rank's process CPU time per round is counted too;
+2. separate ``hetero-launch`` runs, the order flipped every repetition; every run records
+   ``--trace``, from which the bubble fraction is read and the timeline PNGs of one step are drawn.
+ A Monte-Carlo model of the policies with the measured per-stage times (this
 script's ``model_policies``: the library's simulator runs fixed action lists only) shows what a
 policy itself can gain when compute times are drawn like the emulation draws them, next to a
 lower bound for any order and to variants the runtime does not have (forward first, more
@@ -21,6 +26,7 @@ microbatches in flight).
 
 from __future__ import annotations
 
+import json
 import random
 import tempfile
 from pathlib import Path
@@ -30,6 +36,7 @@ import click
 
 import benchlib as B
 
+HERE = Path(__file__).resolve().parent
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")
 
@@ -148,6 +155,30 @@ def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> 
 # ------------------------------------------------------------------------------------------
 
 
+def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int, env: dict[str, str]) -> dict:
+    """1F1B (the layout's schedule) and dynamic in alternating rounds inside the same rank processes."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "paired.json"
+    B.start_ranks(HERE / "paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
+                                            "--steps", str(steps), "--out", str(out), "--versus", "dynamic"],
+                  world, env=env)
+    return json.loads(out.read_text())
+
+
+def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
+    def rate(rows):
+        return tokens / B.median([r["seconds"] for r in B.steady(rows, 1)])
+
+    fixed, dynamic = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
+    ratios = [d / f for f, d in zip(fixed, dynamic)]
+    rounds = len(ratios)
+    cpu = {side: B.median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(rounds)])
+           for side in ("ours", "other")}
+    return {"scenario": scenario, "1f1b_tokens_s": B.median(fixed), "dynamic_tokens_s": B.median(dynamic),
+            "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
+            "1f1b_cpu_step_s": cpu["ours"], "dynamic_cpu_step_s": cpu["other"], "ratios": ratios}
+
+
 @attrs.frozen
 class RunResult:
     tokens_s: float
@@ -156,6 +187,7 @@ class RunResult:
     backward: list[float]
     trace: Path
     cpu_s: float  # CPU seconds of the whole run, every rank (startup included)
+    compute_s: float  # seconds of forwards and backwards per step, every rank together (median over steps)
 
 
 def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> RunResult:
@@ -170,7 +202,8 @@ def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> Run
                 (fwd if a.startswith("F") else bwd)[s].append(end - start)
     return RunResult(B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
                      B.median([B.bubble_fraction(step) for step in steps]),
-                     [B.median(v) for v in fwd], [B.median(v) for v in bwd], trace, launch.cpu_s)
+                     [B.median(v) for v in fwd], [B.median(v) for v in bwd], trace, launch.cpu_s,
+                     B.median([sum(e - s for row in B.compute_intervals(step) for _, s, e in row) for step in steps]))
 
 
 def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
@@ -220,14 +253,16 @@ def plot_bars(results: list[dict], path: Path, title: str) -> None:
 @click.option("--slowdown", default=1.5, show_default=True)
 @click.option("--jitter", default=0.6, show_default=True, help="Every stage's jitter U(0, jitter) x compute time.")
 @click.option("--scenarios", default="jitter,even", show_default=True)
+@click.option("--rounds", default=10, show_default=True, help="Paired rounds per schedule (0: skip).")
+@click.option("--round-steps", default=4, show_default=True, help="Steps per paired round (the first is warm-up).")
 @click.option("--quick", is_flag=True, help="Smoke run: 2 stages, tiny model, 1 repetition, 3 steps.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
 def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch, slow_rank, slowdown, jitter,
-         scenarios, quick, out_dir):
+         scenarios, rounds, round_steps, quick, out_dir):
     """tokens/s of dynamic vs 1F1B, with a slow jittery stage and with even stages."""
     cfg = B.ModelConfig(layers=layers, hidden=hidden, seq_len=seq_len, global_batch=batch, steps=steps)
     if quick:
-        stages, microbatches, reps, skip, slow_rank, scenarios = 2, 4, 1, 1, 1, "jitter"
+        stages, microbatches, reps, skip, slow_rank, scenarios, rounds, round_steps = 2, 4, 1, 1, 1, "jitter", 2, 2
         cfg = B.ModelConfig(layers=2, hidden=32, heads=4, vocab=64, seq_len=16, global_batch=4, steps=3)
     names = [s.strip() for s in scenarios.split(",")]
     envs = {"jitter": emulation_env(slow_rank, slowdown, jitter), "even": {}}
@@ -241,6 +276,14 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
         for k in SCHEDULES:
             layouts[k] = Path(tmp, f"{k}.toml")
             layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
+        paired_rounds = []
+        for n in names if rounds else []:
+            got = run_paired(layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps, envs[n])
+            paired_rounds.append(summarize_paired(n, got, cfg.tokens_per_step, round_steps))
+            p = paired_rounds[-1]
+            B.say(f"paired {n:6}: 1f1b {p['1f1b_tokens_s']:.0f}, dynamic {p['dynamic_tokens_s']:.0f} tokens/s, ratio "
+                  f"{p['ratio']:.3f} ({p['ratio_min']:.2f}-{p['ratio_max']:.2f}) over {rounds} rounds; CPU s/step "
+                  f"{p['1f1b_cpu_step_s']:.3f} vs {p['dynamic_cpu_step_s']:.3f} (load {B.load_average()[0]:.2f})")
         for rep in range(reps):
             for n in names:
                 for k in (SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]):
@@ -283,15 +326,19 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
                         "ratio_min": min(paired), "ratio_max": max(paired),
                         "1f1b_bubble": B.median([r.bubble for r in a]), "dynamic_bubble": B.median([r.bubble for r in d]),
                         "1f1b_cpu_s": B.median([r.cpu_s for r in a]), "dynamic_cpu_s": B.median([r.cpu_s for r in d]),
+                        "1f1b_compute_s": B.median([r.compute_s for r in a]),
+                        "dynamic_compute_s": B.median([r.compute_s for r in d]),
                         "model_ratio": model["1f1b"] / model["dynamic"], "model_step_s": model,
                         "stage_forward_s": fwd, "stage_backward_s": bwd,
                         "1f1b_runs": [r.tokens_s for r in a], "dynamic_runs": [r.tokens_s for r in d],
                         "timelines": {k: pngs[(n, k)] for k in SCHEDULES}})
     headers = ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
-               "bubble 1f1b", "bubble dynamic", "CPU s 1f1b", "CPU s dynamic", "model ratio"]
+               "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
+               "CPU s dynamic", "model ratio"]
     table = B.markdown_table(headers, [[r["scenario"], f"{r['1f1b_tokens_s']:.0f}", f"{r['dynamic_tokens_s']:.0f}",
                                         f"{r['ratio']:.3f}", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
                                         f"{r['1f1b_bubble']:.1%}", f"{r['dynamic_bubble']:.1%}",
+                                        f"{1e3 * r['1f1b_compute_s']:.0f}", f"{1e3 * r['dynamic_compute_s']:.0f}",
                                         f"{r['1f1b_cpu_s']:.1f}", f"{r['dynamic_cpu_s']:.1f}",
                                         f"{r['model_ratio']:.3f}"] for r in results])
     policy_names = [p.name for p in WHAT_IF_POLICIES] + ["bound"]
@@ -303,9 +350,22 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
              f"medians over steps {skip + 1}..; {reps} interleaved repetitions. jitter scenario: "
              f"HETERO_EMULATE_SLOWDOWN={envs['jitter']['HETERO_EMULATE_SLOWDOWN']} "
              f"HETERO_EMULATE_JITTER={envs['jitter']['HETERO_EMULATE_JITTER']}")
+    paired_table = B.markdown_table(
+        ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range", "rounds",
+         "1f1b CPU s/step", "dynamic CPU s/step", "dynamic / 1f1b CPU"],
+        [[p["scenario"], f"{p['1f1b_tokens_s']:.0f}", f"{p['dynamic_tokens_s']:.0f}", f"{p['ratio']:.3f}",
+          f"{p['ratio_min']:.2f}-{p['ratio_max']:.2f}", p["rounds"], f"{p['1f1b_cpu_step_s']:.3f}",
+          f"{p['dynamic_cpu_step_s']:.3f}", f"{p['dynamic_cpu_step_s'] / p['1f1b_cpu_step_s']:.3f}"]
+         for p in paired_rounds])
+    paired_part = [f"## Paired rounds ({rounds} rounds of {round_steps} steps per schedule in the same rank processes, "
+                   "alternating; first step of a round left out)", "", paired_table, "",
+                   "CPU s/step: every rank's process CPU time (all threads) per step, median over rounds.", "",
+                   f"## Separate runs ({reps} runs per schedule and scenario)", ""] if paired_rounds else []
     md = "\n".join([f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
-                    B.load_line(before, after), "", setup, "", table, "",
-                    "bubble: idle fraction of all stages over the step (from --trace); CPU s: user + system CPU "
+                    B.load_line(before, after), "", setup, "", *paired_part, table, "",
+                    "bubble: idle fraction of all stages over the step (from --trace); compute ms: forwards and "
+                    "backwards of one step, every rank together (the same math on both sides: more means the ranks "
+                    "got less of the cores); CPU s: user + system CPU "
                     "seconds of a whole run, every rank (startup included; the same for both schedules); "
                     "model ratio: the same comparison in a Monte-Carlo model of both policies with the measured "
                     "per-stage times (stages never share a core there).", ""]
@@ -318,10 +378,13 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
                "load_after": after, "config": {**attrs.asdict(cfg), "stages": stages, "stage_layers": split,
                                                "microbatches": microbatches, "reps": reps, "skip": skip,
                                                "emulation": envs["jitter"]},
-               "results": results}
+               "results": results, "paired": paired_rounds}
     md_path, _ = B.write_results(out_dir, NAME, md, payload)
     plot_bars(results, out_dir / f"{NAME}.png", f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)")
     print()
+    if paired_rounds:
+        print(paired_table)
+        print()
     print(table)
     print()
     print(what_if)

@@ -11,6 +11,10 @@ included), which the load of other programs does not change: the same math at a 
 is runtime overhead.
 
     python bench/paired_rank.py LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
+    python bench/paired_rank.py LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
+
+With ``--versus SCHEDULE`` both sides are hetero_llm's loop, the layout's schedule against SCHEDULE
+(the results name the two sides "ours" and "other").
 """
 
 from __future__ import annotations
@@ -29,7 +33,10 @@ import click
 @click.option("--rounds", default=6, show_default=True, help="Rounds per side, alternating.")
 @click.option("--steps", default=4, show_default=True, help="Training steps per round.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes the step rows here.")
-def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: str | None) -> None:
+@click.option("--versus", default="torch", show_default=True,
+              help="The other side: 'torch' (torch.distributed.pipelining), or a train.schedule value to run "
+                   "hetero_llm's loop with instead of the layout's (e.g. 'dynamic').")
+def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: str | None, versus: str) -> None:
     import torch
     import torch.distributed as dist
 
@@ -39,28 +46,37 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     from hetero_llm.train import train
     from torch_pp_rank import TorchPipeline
 
-    plan = compile_plan(layout_mod.load(layout_file, [f"train.steps={steps}", f"cluster.port={port}"]))
+    overrides = [f"train.steps={steps}", f"cluster.port={port}"]
+    plan = compile_plan(layout_mod.load(layout_file, overrides))
     comms = comm.init(plan, rank, torch.device("cpu"))
-    baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))
-    result: dict[str, list] = {"ours": [], "torch": [], "ours_events": [], "cpu": []}
-    cpu = {"ours": [], "torch": []}  # this process's CPU seconds per round (every thread: gloo's too)
+    if versus == "torch":
+        baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))
+    else:  # the same communicators serve both: the plan's groups do not depend on the schedule
+        other = compile_plan(layout_mod.load(layout_file, [*overrides, f"train.schedule={versus}"]))
+    result: dict[str, list] = {"ours": [], "other": [], "ours_events": [], "other_events": [], "cpu": []}
+    cpu = {"ours": [], "other": []}  # this process's CPU seconds per round (every thread: gloo's too)
     try:
         for round_ in range(rounds):
-            for side in (("ours", "torch") if round_ % 2 == 0 else ("torch", "ours")):
+            for side in (("ours", "other") if round_ % 2 == 0 else ("other", "ours")):
                 start = time.process_time()
                 if side == "ours":
                     events: list = []
                     history = train(plan, rank, comms, trace=events, quiet=True)
                     result["ours"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["ours_events"].append(events)
-                else:
+                elif versus == "torch":
                     baseline.reset()
-                    result["torch"].append([baseline.step(k) for k in range(steps)])
+                    result["other"].append([baseline.step(k) for k in range(steps)])
+                else:
+                    events = []
+                    history = train(other, rank, comms, trace=events, quiet=True)
+                    result["other"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
+                    result["other_events"].append(events)
                 cpu[side].append(time.process_time() - start)
                 dist.barrier()  # the two sides never overlap
         every = [None] * plan.world_size
         dist.all_gather_object(every, cpu)
-        result["cpu"] = every  # [rank] -> {"ours": [s per round], "torch": [...]}
+        result["cpu"] = every  # [rank] -> {"ours": [s per round], "other": [...]}
         if rank == 0 and out:
             Path(out).write_text(json.dumps(result))
     finally:

@@ -59,17 +59,46 @@ CASES = (
 QUICK_CASES = (Case((1, 1), "1f1b"),)
 
 
-def stage_times(steps, num_stages: int, chunks: int) -> tuple[list[float], list[float]]:
-    """Per stage: seconds of one microbatch's forward (backward) through all its chunks (medians)."""
+def stage_times(steps, num_stages: int, chunks: int, average=B.median) -> tuple[list[float], list[float]]:
+    """Per stage: seconds of one microbatch's forward (backward) through all its chunks (``average`` of
+    each chunk's records, summed over chunks)."""
     samples: dict[tuple[str, int, int], list[float]] = {}
     for step in steps:
         for stage, row in enumerate(B.compute_intervals(step, chunks)):
             for action, start, end in row:
                 chunk = int(action.split(".")[1]) if "." in action else 0
                 samples.setdefault((action[0], stage, chunk), []).append(end - start)
-    fwd = [sum(B.median(samples.get(("F", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
-    bwd = [sum(B.median(samples.get(("B", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
+    fwd = [sum(average(samples.get(("F", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
+    bwd = [sum(average(samples.get(("B", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
     return fwd, bwd
+
+
+def mean(values) -> float:
+    return sum(values) / len(values)
+
+
+def action_overhead(steps) -> list[float]:
+    """Per stage: mean seconds per compute action the rank spends outside compute and outside waiting
+    for data: posting sends and receives, and the interpreter between records (the gaps).
+
+    A receive is recorded twice, when posted and when waited for; only the wait is waiting.
+    """
+    per_stage: list[list[float]] = [[] for _ in steps[0]]
+    for step in steps:
+        for stage, row in enumerate(step):
+            seen: set[str] = set()
+            busy = waits = 0.0
+            computes = 0
+            for action, start, end in row:
+                if action[0] in "FBW":
+                    busy += end - start
+                    computes += 1
+                elif action.startswith("RECV") and action in seen:
+                    waits += end - start
+                seen.add(action)
+            span = row[-1][2] - row[0][1]
+            per_stage[stage].append(max(0.0, span - busy - waits) / max(computes, 1))
+    return [B.median(v) for v in per_stage]
 
 
 def plot_errors(results: list[dict], path: Path, title: str) -> None:
@@ -138,10 +167,19 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             S = len(case.stage_layers)
             fwd, bwd = stage_times(traced, S, case.chunks)
             links = S if case.chunks > 1 else S - 1
-            cost = CostModel(forward=fwd, backward=bwd, latency=[latency] * links, bandwidth=[bandwidth] * links,
-                             activation_bytes=4 * act_numel)
             plan = compile_plan(layout_mod.load(path))
-            sim = simulate(plan.schedules[0], cost)
+
+            def predict(forward, backward):
+                return simulate(plan.schedules[0], CostModel(forward=forward, backward=backward, latency=[latency] * links,
+                                                             bandwidth=[bandwidth] * links, activation_bytes=4 * act_numel))
+
+            sim = predict(fwd, bwd)
+            # what the median misses: the mean of skewed compute times, then the per-action runtime cost
+            fwd_mean, bwd_mean = stage_times(traced, S, case.chunks, average=mean)
+            sim_mean = predict(fwd_mean, bwd_mean)
+            overhead = action_overhead(traced)
+            sim_over = predict([f + o * case.chunks for f, o in zip(fwd_mean, overhead)],
+                               [b + o * case.chunks for b, o in zip(bwd_mean, overhead)])
             measured = B.median([B.step_span(s) for s in traced])
             step_s = B.median(B.steady([r["seconds"] for r in rows], skip))
             bubble = B.median([B.bubble_fraction(s, case.chunks) for s in traced])
@@ -149,6 +187,11 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
                  "chunks": case.chunks, "measured_ms": measured * 1e3, "predicted_ms": sim.step_time * 1e3,
                  "error_pct": 100 * (sim.step_time - measured) / measured, "measured_bubble": bubble,
                  "predicted_bubble": sim.mean_bubble, "step_ms": step_s * 1e3,
+                 "predicted_mean_ms": sim_mean.step_time * 1e3,
+                 "error_mean_pct": 100 * (sim_mean.step_time - measured) / measured,
+                 "predicted_overhead_ms": sim_over.step_time * 1e3,
+                 "error_overhead_pct": 100 * (sim_over.step_time - measured) / measured,
+                 "action_overhead_ms": [o * 1e3 for o in overhead],
                  "stage_forward_ms": [f * 1e3 for f in fwd], "stage_backward_ms": [b * 1e3 for b in bwd]}
             results.append(r)
             B.say(f"[{index + 1}/{len(cases)}] {case.label} {case.schedule}: measured {r['measured_ms']:.1f} ms, "
@@ -171,6 +214,11 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
                                         " / ".join(f"{x:.1f}" for x in r["stage_backward_ms"])] for r in results])
     errors = [abs(r["error_pct"]) for r in results]
     summary = f"mean |error| {sum(errors) / len(errors):.1f}%, max |error| {max(errors):.1f}%"
+    decomposition = B.markdown_table(
+        ["layout", "schedule", "measured ms", "error: median F/B", "error: mean F/B", "error: mean F/B + runtime",
+         "runtime ms per action (per stage)"],
+        [[r["layout"], r["schedule"], f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}%", f"{r['error_mean_pct']:+.1f}%",
+          f"{r['error_overhead_pct']:+.1f}%", " / ".join(f"{x:.2f}" for x in r["action_overhead_ms"])] for r in results])
     setup = (f"model: GPT {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
              f"{microbatches} microbatches; {cfg.steps} steps, medians over steps {skip + 1}..; gloo p2p "
              f"latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s, activation "
@@ -178,6 +226,10 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     timelines = [png for r in results for png in r.get("timelines", [])]
     md = "\n".join([f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
                     B.load_line(before, after), "", setup, "", table, "", summary, "",
+                    "Where the error comes from: the same simulation fed with the mean instead of the median F/B time "
+                    "(compute times on a shared host are skewed: a few slow ones), and then with each action's "
+                    "runtime cost added (posting sends and receives and the interpreter between actions, per compute "
+                    "action, from the trace):", "", decomposition, "",
                     "measured ms: span of one step's actions over all ranks (median); predicted: simulate() with the "
                     "measured per-stage F/B times and the p2p estimate; full step: --metrics-jsonl seconds (adds "
                     "gradient sync, clipping, AdamW).", ""] + [f"![{png}]({png})" for png in timelines])
@@ -189,6 +241,8 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     print()
     print(table)
     print(summary)
+    print()
+    print(decomposition)
     print()
     B.say(f"wrote {md_path}, {md_path.with_suffix('.json')}, {md_path.with_suffix('.png')}")
 

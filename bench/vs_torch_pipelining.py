@@ -21,11 +21,7 @@ Two measurements, both interleaved so that background load hits both sides alike
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import attrs
@@ -41,44 +37,20 @@ def even_split(layers: int, stages: int) -> list[int]:
     return [layers // stages + (1 if i < layers % stages else 0) for i in range(stages)]
 
 
-def start_ranks(script: str, args: list[str], world: int, timeout: float = 900) -> None:
-    """One ``script`` process per rank (``--rank R`` appended), threads as hetero-launch gives its ranks."""
-    env = B.clean_env({"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS",
-                                                         str(max(1, (os.cpu_count() or 1) // world)))})
-    procs = []
-    try:
-        for rank in range(world):
-            cmd = [sys.executable, str(HERE / script), *args, "--rank", str(rank)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs):
-            if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = [(r, p.returncode, p.stdout.read()) for r, p in enumerate(procs) if p.returncode != 0]
-    if bad:
-        rank, code, out = bad[0]
-        raise RuntimeError(f"{script} rank {rank} failed ({code}):\n{out}")
-
-
 def run_torch(layout: Path, workdir: Path, world: int) -> list[dict]:
     """The baseline as separate processes; rank 0's metrics rows."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    start_ranks("torch_pp_rank.py", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)], world)
+    B.start_ranks(HERE / "torch_pp_rank.py", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)],
+                  world)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
 def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "paired.json"
-    start_ranks("paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
-                                   "--steps", str(steps), "--out", str(out)], world)
+    B.start_ranks(HERE / "paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
+                                            "--steps", str(steps), "--out", str(out)], world)
     return json.loads(out.read_text())
 
 
@@ -236,12 +208,13 @@ def main(stages, schedules, reps, steps, skip, rounds, round_steps, layers, hidd
             for n, k in configs:
                 got = run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
                 pairs = [(measure_ours([m["seconds"] for m in o], ev, tokens, 1), measure_torch(t, tokens, 1))
-                         for o, ev, t in zip(got["ours"], got["ours_events"], got["torch"])]
-                diff = max(max_loss_difference(o, t) for o, t in zip(got["ours"], got["torch"]))
+                         for o, ev, t in zip(got["ours"], got["ours_events"], got["other"])]
+                diff = max(max_loss_difference(o, t) for o, t in zip(got["ours"], got["other"]))
                 paired_results.append(summarize(n, k, pairs, diff))
                 r = paired_results[-1]
                 for side in ("ours", "torch"):  # CPU seconds per step, all ranks together, median over rounds
-                    per_round = [sum(rank_cpu[side][i] for rank_cpu in got["cpu"]) / round_steps
+                    key = "ours" if side == "ours" else "other"
+                    per_round = [sum(rank_cpu[key][i] for rank_cpu in got["cpu"]) / round_steps
                                  for i in range(rounds)]
                     r[f"{side}_cpu_step_s"] = B.median(per_round)
                 B.say(f"paired {n} stages {k:5}: ours {r['ours_tokens_s']:.0f}, torch {r['torch_tokens_s']:.0f} tokens/s, "

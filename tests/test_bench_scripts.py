@@ -60,10 +60,13 @@ def test_vs_torch_pipelining_quick(tmp_path):
     assert "rep 1/1" in proc.stdout  # progress lines while it runs
     payload = _check_files(tmp_path, "vs_torch_pipelining",
                            ["stages", "schedule", "ours tokens/s", "torch tokens/s", "ratio ours/torch", "ratio range",
-                            "max rel. loss diff"],
-                           ["stages", "schedule", "ours_tokens_s", "torch_tokens_s", "ratio", "max_rel_loss_diff"])
+                            "ratio (fastest steps)", "pairs", "max rel. loss diff"],
+                           ["stages", "schedule", "ours_tokens_s", "torch_tokens_s", "ratio", "max_rel_loss_diff",
+                            "ours_step_ms", "torch_step_ms", "ours_compute_ms", "torch_compute_ms"])
+    assert payload["paired"] and payload["separate"]  # both measurements ran
+    assert {"ours_cpu_step_s", "torch_cpu_step_s"} <= set(payload["paired"][0])
     # same model, same data, same optimizer: both sides must log the same losses (float32 rounding)
-    assert all(row["max_rel_loss_diff"] < 1e-4 for row in payload["results"])
+    assert all(row["max_rel_loss_diff"] < 1e-4 for row in payload["paired"] + payload["separate"])
 
 
 @pytest.mark.multiprocess
@@ -71,11 +74,13 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
     _run("dynamic_vs_1f1b.py", tmp_path)
     payload = _check_files(tmp_path, "dynamic_vs_1f1b",
                            ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
-                            "bubble 1f1b", "bubble dynamic", "CPU s 1f1b", "CPU s dynamic", "model ratio"],
+                            "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
+                            "CPU s dynamic", "model ratio"],
                            ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"])
     for row in payload["results"]:
         for png in row["timelines"].values():
             assert (tmp_path / png).stat().st_size > 0
+    assert {"ratio", "1f1b_cpu_step_s", "dynamic_cpu_step_s"} <= set(payload["paired"][0])
 
 
 @pytest.mark.multiprocess
