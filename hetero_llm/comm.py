@@ -63,12 +63,12 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
                 time.sleep(0.05)
         if missing:
             names = ", ".join(f"rank {r} ({plan.ranks[r].device_id})" for r in missing)
-            store.set("go", "abort")
+            _abort(store, "abort", world - len(missing) - 1)
             raise RankFailure(f"rendezvous timed out after {timeout:g} s: never arrived: {names}")
         differ = [r for r in range(world) if store.get(f"arrived/{r}").decode() != fingerprint]
         if differ:
-            store.set("go", "mismatch")
             names = ", ".join(f"rank {r} ({plan.ranks[r].device_id}): {store.get(f'arrived/{r}').decode()}" for r in differ)
+            _abort(store, "mismatch", world - 1)
             raise RankFailure(f"ranks compiled different plans: rank 0: {fingerprint}; {names} "
                               "(start every rank with the same layout and the same --set overrides)")
         store.set("go", "ok")
@@ -76,6 +76,8 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
         try:
             store.wait(["go"], timedelta(seconds=timeout))
             go = store.get("go")
+            if go != b"ok":
+                store.add("go_seen", 1)  # rank 0 keeps the store up until every rank has read why
         except Exception:  # a timeout, or rank 0 gave up and closed the store: both end the rendezvous
             raise RankFailure(f"rank {rank}: rendezvous did not complete within {timeout:g} s "
                               f"(rank 0 names the ranks that never arrived)") from None
@@ -85,6 +87,16 @@ def rendezvous(plan: Plan, rank: int) -> dist.Store:
         if go != b"ok":
             raise RankFailure(f"rank {rank}: rendezvous aborted by rank 0 (another rank never arrived)")
     return store
+
+
+def _abort(store: dist.Store, why: str, readers: int, grace_s: float = 5.0) -> None:
+    """Tell the other ranks why the rendezvous failed, and serve the store until ``readers`` of them
+    have read it (at most ``grace_s``): rank 0's store dies with its process, and a rank that finds
+    it gone can only report a timeout instead of the cause."""
+    store.set("go", why)
+    deadline = time.monotonic() + grace_s
+    while readers > 0 and store.add("go_seen", 0) < readers and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 @attrs.define

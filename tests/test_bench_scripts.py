@@ -36,15 +36,19 @@ def _run(script: str, out: Path) -> subprocess.CompletedProcess:
     return proc
 
 
-def _header(markdown: str) -> list[str]:
-    """Column names of the first markdown table in ``markdown``."""
-    line = next(line for line in markdown.splitlines() if line.startswith("| "))
-    return [cell.strip() for cell in line.strip("|").split("|")]
+def _headers(markdown: str) -> list[list[str]]:
+    """Column names of every markdown table in ``markdown``, in order."""
+    lines = markdown.splitlines()
+    return [[cell.strip() for cell in line.strip("|").split("|")]
+            for prev, line in zip([""] + lines, lines) if line.startswith("| ") and not prev.startswith("|")]
 
 
-def _check_files(out: Path, name: str, columns: list[str], fields: list[str]) -> dict:
+def _check_files(out: Path, name: str, columns: list[str], fields: list[str],
+                 more_tables: tuple[list[str], ...] = ()) -> dict:
     md = (out / f"{name}.md").read_text()
-    assert _header(md) == columns
+    headers = _headers(md)
+    for table in (columns, *more_tables):
+        assert table in headers, f"no table with columns {table} in {name}.md (tables: {headers})"
     assert "load average" in md and "torch" in md  # the machine and the load are published with the table
     payload = json.loads((out / f"{name}.json").read_text())
     assert payload["results"], "no result rows"
@@ -76,7 +80,10 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
                            ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
                             "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
                             "CPU s dynamic", "model ratio"],
-                           ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"])
+                           ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"],
+                           more_tables=(["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b",
+                                         "ratio range", "rounds", "1f1b CPU s/step", "dynamic CPU s/step",
+                                         "dynamic / 1f1b CPU"],))
     for row in payload["results"]:
         for png in row["timelines"].values():
             assert (tmp_path / png).stat().st_size > 0
