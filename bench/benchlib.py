@@ -302,13 +302,14 @@ def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:
 
 
 def compute_intervals(step: list[list[tuple[str, float, float]]], chunks: int = 1) -> list[list[tuple[str, float, float]]]:
-    """Per rank (= stage: one pipeline, TP 1) the ``F``/``B`` records with the wait for input cut off.
+    """Per rank (= stage: one pipeline, TP 1) the compute records (``F``, ``B``, ``I``, ``W``) with the wait
+    for input cut off.
 
     The runtime records the wait for a received tensor as its own ``RECV`` record, so ``F``/``B``
     records are compute only; as a guard (older runtimes waited inside the ``F``), a compute start
     is never earlier than the end of the peer's matching ``SEND`` (one clock per host).
     """
-    from hetero_llm.schedule import Action, Kind, peer, requirements
+    from hetero_llm.schedule import COMPUTE_KINDS, Action, Kind, peer, requirements
 
     num_stages = len(step)
     sends = [{a: e for a, _, e in row if a.startswith("SEND")} for row in step]
@@ -317,7 +318,7 @@ def compute_intervals(step: list[list[tuple[str, float, float]]], chunks: int = 
         kept = []
         for text, start, end in row:
             action = Action.parse(text)
-            if action.kind not in (Kind.F, Kind.B):
+            if action.kind not in COMPUTE_KINDS:
                 continue
             for _, needed in requirements(stage, action, num_stages, lowered=True, chunks=chunks):
                 if needed.kind in (Kind.RECV_F, Kind.RECV_B):

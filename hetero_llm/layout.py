@@ -38,6 +38,7 @@ class Schedule(str, enum.Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"  # interleaved 1F1B: train.chunks model chunks per rank
     DYNAMIC = "dynamic"  # MegatronDPP: run the highest-priority action whose input has arrived
+    ZBH1 = "zbh1"  # zero-bubble ZB-H1: backward split into input (I) and weight (W) gradients
 
 
 class Norm(str, enum.Enum):
@@ -151,7 +152,10 @@ class TrainSpec:
     steps: int = _doc("optimizer steps")
     global_batch: int = _doc("sequences per step, summed over pipelines")
     seed: int = _doc("seed of initialization and data order", default=0)
-    schedule: Schedule = _doc("'gpipe', '1f1b', 'interleaved' (with chunks) or 'dynamic'", default=Schedule.ONE_F_ONE_B)
+    schedule: Schedule = _doc("'gpipe', '1f1b', 'interleaved' (with chunks), 'dynamic' (run what is ready), or "
+                              "'zbh1' (zero-bubble: each backward split into input and weight gradients, the "
+                              "weight gradients filling 1F1B's bubbles; keeps up to stages microbatches in "
+                              "flight on every stage)", default=Schedule.ONE_F_ONE_B)
     chunks: int = _doc("model chunks (virtual stages) per rank for 'interleaved'; 1 otherwise", default=1)
     lr: float = _doc("peak learning rate (after warmup)", default=1e-3)
     min_lr: float = _doc("learning rate at the end of the cosine decay", default=1e-4)
@@ -796,6 +800,14 @@ def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
     elif t.chunks != 1:
         raise LayoutError(f, "train.chunks", f"chunks = {t.chunks} needs schedule = 'interleaved' "
                           f"(got '{t.schedule.value}'; set chunks = 1)")
+    if t.schedule is Schedule.ZBH1 and t.compile is Compile.BLOCKS:
+        raise LayoutError(f, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
+
+
+# A split backward defers weight gradients from inside autograd's backward; a compiled block would
+# trace that backward once, with or without the deferral, whatever the action asks for.
+SPLIT_BACKWARD_NO_COMPILE = ("'blocks' cannot compile a schedule that splits backwards into I and W "
+                             "(set compile = 'none', or a schedule without I/W actions)")
 
 
 def _check_device_id(layout: Layout, dev: str, where: str) -> None:

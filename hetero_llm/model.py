@@ -6,6 +6,9 @@ backward, ``exit`` is all-reduce forward / identity backward. With ``NO_TP`` the
 one-process model. A sharded weight simply has fewer rows (column-parallel) or columns
 (row-parallel); head counts are read off the shard shapes.
 
+A linear layer is ``x @ w.T`` by default; a stage whose schedule splits its backward passes the
+``linear`` of a ``WeightGradStore`` instead, the same math with the weight gradient put off.
+
 Precision is how a stage computes, not what: parameters are always float32 leaves (the optimizer's
 master weights) and every layer computes in the dtype of the activations it receives, casting its
 weights on use. Gradients flow back through the casts, so they accumulate in float32 ``.grad``.
@@ -13,6 +16,7 @@ weights on use. Gradients flow back through the casts, so they accumulate in flo
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -28,6 +32,7 @@ from hetero_llm.params import ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
 BlockFn = Callable[[Params, torch.Tensor], torch.Tensor]  # (one block's params by local name, x) -> x
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w) -> x @ w.T in x's dtype
 
 
 @attrs.frozen
@@ -114,14 +119,89 @@ def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.to(x.dtype).T
 
 
-def _linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+PLAIN_LINEAR: Linear = _linear  # what a stage uses unless its backwards split (WeightGradStore.linear)
+
+
+def _linears(x: torch.Tensor, weights: list[torch.Tensor], linear: Linear = _linear) -> list[torch.Tensor]:
     """``x @ w.T`` for each weight (one input). When the weights are cast anyway, the cast copy is
     also the concatenation, so the projections run as one GEMM (as a fused QKV layer would); in
     float32 they stay separate GEMMs and nothing is copied."""
+    if linear is not _linear:
+        return [linear(x, w) for w in weights]
     if weights[0].dtype == x.dtype:
         return [x @ w.T for w in weights]
     fused = torch.cat([w.to(x.dtype) for w in weights])
     return list((x @ fused.T).split([w.shape[0] for w in weights], dim=-1))
+
+
+class WeightGradStore:
+    """Weight gradients of linear layers put off from an input-gradient pass to a weight pass.
+
+    Zero-bubble schedules split a backward in two: ``I`` computes the input gradient, which the
+    previous stage waits for, and ``W`` the weight gradient, which nobody waits for. A stage built with
+    this store's ``linear`` runs ``I`` as ordinary autograd inside ``capturing(key)``: each linear
+    layer's backward then computes its input gradient and leaves (weight, input, output gradient)
+    here instead of its weight gradient; ``flush(key)`` (the ``W``) turns them into weight gradients
+    and accumulates them into ``.grad`` as autograd would. Outside ``capturing`` (a full backward) the
+    linear layers compute both at once. Norm weights and embeddings are cheap and get theirs in ``I``.
+    Holding the inputs and output gradients until ``W`` is the memory a split backward costs.
+    """
+
+    def __init__(self) -> None:
+        self._capture: list | None = None
+        self._pending: dict[object, list] = {}
+
+    @contextlib.contextmanager
+    def capturing(self, key: object):
+        """Put off the weight gradients of the backward run inside, under ``key`` (e.g. (mb, chunk))."""
+        self._capture = self._pending.setdefault(key, [])
+        try:
+            yield
+        finally:
+            self._capture = None
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """``x @ w.T`` in x's dtype (a ``Linear``) whose weight gradient this store may put off."""
+        return _DeferrableLinear.apply(x, w, self)
+
+    @torch.no_grad()
+    def flush(self, key: object) -> None:
+        """Compute the weight gradients put off under ``key`` and add them to the weights' ``.grad``."""
+        for w, x, g in self._pending.pop(key, ()):
+            grad = _weight_grad(x, g).to(w.dtype)
+            if w.grad is None:
+                w.grad = grad
+            else:
+                w.grad += grad
+
+    @property
+    def pending(self) -> list:
+        """Keys whose weight gradients are still put off."""
+        return list(self._pending)
+
+
+def _weight_grad(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """d(x @ w.T)/dw for output gradient g: the sum over every row of g and x, (out, in)."""
+    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+
+
+class _DeferrableLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, store):
+        cast = w.to(x.dtype)
+        ctx.save_for_backward(x, cast)
+        ctx.weight, ctx.store = w, store
+        return x @ cast.T
+
+    @staticmethod
+    def backward(ctx, g):
+        x, cast = ctx.saved_tensors
+        grad_x = g @ cast if ctx.needs_input_grad[0] else None
+        capture = ctx.store._capture
+        if capture is not None:
+            capture.append((ctx.weight, x, g))
+            return grad_x, None, None
+        return grad_x, _weight_grad(x, g).to(ctx.weight.dtype), None
 
 
 def rope_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +227,7 @@ def _local_names(model: ModelSpec) -> tuple[str, ...]:
     return tuple(info.name.split(".", 2)[2] for info in layer_params(model, 0))  # drop "layers.0."
 
 
-def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) -> torch.Tensor:
+def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: Linear = _linear) -> torch.Tensor:
     """One transformer block over its parameters ``p`` (local names, see ``block_params``).
 
     ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype.
@@ -156,7 +236,7 @@ def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) -> torch
     hd = model.head_dim
 
     h = tp.enter(_norm(x, p, "attn_norm", model))
-    q, k, v = _linears(h, [p["attn.wq"], p["attn.wk"], p["attn.wv"]])  # (B, T, C/tp) each
+    q, k, v = _linears(h, [p["attn.wq"], p["attn.wk"], p["attn.wv"]], linear)  # (B, T, C/tp) each
     nh = q.shape[-1] // hd  # local heads
     q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
     if model.position is Position.ROPE:
@@ -164,25 +244,25 @@ def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP) -> torch
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y.transpose(1, 2).reshape(B, T, nh * hd)
-    x = x + tp.exit(_linear(y, p["attn.wo"]))  # row-parallel: partial sums reduced by exit
+    x = x + tp.exit(linear(y, p["attn.wo"]))  # row-parallel: partial sums reduced by exit
 
     h = tp.enter(_norm(x, p, "mlp_norm", model))
     if model.mlp is Mlp.SWIGLU:
-        a, gate = _linears(h, [p["mlp.w1"], p["mlp.w3"]])  # (B, T, F/tp) each
+        a, gate = _linears(h, [p["mlp.w1"], p["mlp.w3"]], linear)  # (B, T, F/tp) each
         a = F.silu(a) * gate
     else:
-        a = F.gelu(_linear(h, p["mlp.w1"]), approximate="tanh")  # (B, T, F/tp)
-    return x + tp.exit(_linear(a, p["mlp.w2"]))
+        a = F.gelu(linear(h, p["mlp.w1"]), approximate="tanh")  # (B, T, F/tp)
+    return x + tp.exit(linear(a, p["mlp.w2"]))
 
 
-def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32) -> BlockFn:
+def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32, linear: Linear = _linear) -> BlockFn:
     """A stage's block apply, built once per stage: eager or compiled, recomputed in backward or not."""
     if compute.compile and tp is not NO_TP:
         # c10d collectives do not trace: the TP all-reduces run eagerly between compiled pieces.
         tp = TP(torch.compiler.disable(tp.enter), torch.compiler.disable(tp.exit))
 
     def apply(p: Params, x: torch.Tensor) -> torch.Tensor:
-        return block(p, x, model, tp)
+        return block(p, x, model, tp, linear)
 
     fn = torch.compile(apply) if compute.compile else apply
     if not compute.recompute:
@@ -202,22 +282,22 @@ def embed(p: Params, tokens: torch.Tensor, model: ModelSpec) -> torch.Tensor:
     return x
 
 
-def head(p: Params, x: torch.Tensor, model: ModelSpec) -> torch.Tensor:
-    return _linear(_norm(x, p, "final_norm", model), p["lm_head.weight"])  # (B, T, V)
+def head(p: Params, x: torch.Tensor, model: ModelSpec, linear: Linear = _linear) -> torch.Tensor:
+    return linear(_norm(x, p, "final_norm", model), p["lm_head.weight"])  # (B, T, V)
 
 
 def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP,
-                  compute: Compute = FP32, block_fn: BlockFn | None = None) -> torch.Tensor:
+                  compute: Compute = FP32, block_fn: BlockFn | None = None, linear: Linear = _linear) -> torch.Tensor:
     """Tokens (first stage) or activations in; activations or logits (last stage) out.
 
     Activations come out in ``compute.dtype`` (received ones arrive in it); ``block_fn`` is the
-    stage's ``make_block_fn``, built here when not given.
+    stage's ``make_block_fn`` (built with the same ``linear``), built here when not given.
     """
     x = embed(p, inp, model).to(compute.dtype) if shape.first else inp
-    run = block_fn or make_block_fn(model, tp, compute)
+    run = block_fn or make_block_fn(model, tp, compute, linear)
     for i in range(shape.layer_lo, shape.layer_hi):
         x = run(block_params(p, i, model), x)
-    return head(p, x, model) if shape.last else x
+    return head(p, x, model, linear) if shape.last else x
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, Layout, Schedule
+from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, SPLIT_BACKWARD_NO_COMPILE, Compile, Layout, Schedule
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -254,9 +254,12 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
     n = len(pipe.stages)
     if pipe.schedule_file:
         try:
-            return sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
+            loaded = sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
         except ScheduleError as e:
             raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
+        if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
+            raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
+        return loaded
     kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
     lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
     sched.validate(lowered, pipe.microbatches)

@@ -1,8 +1,9 @@
 """One interpreter loop that executes any schedule's action list on one rank, plus the dynamic mode.
 
-Static schedules (GPipe, 1F1B, interleaved, files): sends are non-blocking and completed at the end
-of the step; a receive is posted at its RECV action and waited for by the compute action that needs
-it; compute actions run in list order. The validator in ``schedule`` simulates exactly this.
+Static schedules (GPipe, 1F1B, interleaved, zero-bubble, files): sends are non-blocking and completed
+at the end of the step; a receive is posted at its RECV action and waited for by the compute action
+that needs it; compute actions run in list order. The validator in ``schedule`` simulates exactly
+this. A stage whose list splits backwards (``I`` then ``W``) computes with a ``WeightGradStore``.
 
 Dynamic schedule (MegatronDPP): every receive a rank will need is posted ahead (within its memory
 window); the rank then repeatedly runs the highest-priority action whose input has arrived, polling
@@ -25,9 +26,10 @@ import torch
 
 from hetero_llm import comm
 from hetero_llm.layout import ModelSpec
-from hetero_llm.model import FP32, TP, Compute, StageShape, make_block_fn, stage_forward, token_loss_sum
+from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
+                               stage_forward, token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan
-from hetero_llm.schedule import Action, Kind, peer
+from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, peer
 
 FWD, BWD = 0, 1
 
@@ -97,13 +99,19 @@ class StageRunner:
     emulation: Emulation = Emulation()
     compute: Compute = FP32  # precision, recomputation, compilation of this stage
     streams: comm.Streams = comm.NO_STREAMS  # side CUDA streams for p2p (none on CPU)
+    split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
     _rng: random.Random = attrs.field(init=False)
     _state: dict = attrs.field(init=False, factory=dict)
     _block_fn: object = attrs.field(init=False)
+    _weight_grads: WeightGradStore | None = attrs.field(init=False, default=None)
+    _linear: Linear = attrs.field(init=False, default=PLAIN_LINEAR)
 
     def __attrs_post_init__(self):
         self._rng = random.Random(self.emulation.seed)
-        self._block_fn = make_block_fn(self.model, self.tp, self.compute)  # built once: compiled once
+        if self.split_backward:
+            self._weight_grads = WeightGradStore()
+            self._linear = self._weight_grads.linear
+        self._block_fn = make_block_fn(self.model, self.tp, self.compute, self._linear)  # built once: compiled once
 
     @property
     def chunks(self) -> int:
@@ -152,7 +160,7 @@ class StageRunner:
         received = None
         if a.kind is Kind.F and not first:
             received = self._await(FWD, a)
-        elif a.kind is Kind.B and not last:
+        elif a.kind in BACKWARD_KINDS and not last:
             received = self._await(BWD, a)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         if a.kind is Kind.RECV_F:
@@ -165,6 +173,11 @@ class StageRunner:
             self._forward(a, received)
         elif a.kind is Kind.B:
             self._backward(a, received)
+        elif a.kind is Kind.I:
+            with self._weight_grads.capturing(key):  # W computes what this backward leaves out
+                self._backward(a, received)
+        elif a.kind is Kind.W:
+            self._weight_grads.flush(key)
         elif a.kind is Kind.SEND_F:
             mb, chunk = self._peer_tag(a)
             comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams)
@@ -174,7 +187,7 @@ class StageRunner:
                                self.streams)
         else:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
-        if a.kind in (Kind.F, Kind.B) and self.emulation.active:
+        if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
             time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
         if self.trace is not None:
@@ -187,7 +200,7 @@ class StageRunner:
         x = s["mbs"][a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
         s["inputs"][key] = x
         out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp, self.compute,
-                            self._block_fn)
+                            self._block_fn, self._linear)
         if last:
             loss = token_loss_sum(out, s["mbs"][a.mb].targets.to(self.comms.device))
             s["loss"] += loss.detach().double()
@@ -210,8 +223,10 @@ class StageRunner:
     def _finish(self) -> torch.Tensor:
         comm.wait_sends(self.comms)
         s = self._state
-        if s["recvs"] or s["outputs"] or s["inputs"] or s["grads_out"]:
-            raise RuntimeError(f"schedule left work undone: receives {sorted(s['recvs'])}, outputs {sorted(s['outputs'])}")
+        put_off = self._weight_grads.pending if self._weight_grads is not None else []
+        if s["recvs"] or s["outputs"] or s["inputs"] or s["grads_out"] or put_off:
+            raise RuntimeError(f"schedule left work undone: receives {sorted(s['recvs'])}, outputs {sorted(s['outputs'])}, "
+                               f"weight gradients {sorted(put_off)}")
         return s["loss"]
 
     # -- whole steps ----------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: actions, generators, lowering, validator and lockstep simulator.
 
 A schedule is one list of actions per **stage** (every TP rank of a stage runs the same list),
-indexed by stage. Generators (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``) emit compute-only
-schedules (``F``/``B``); ``lower`` adds the communication (``SEND_F``/``RECV_F``/``SEND_B``/
+indexed by stage. Generators (``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``)
+emit compute-only schedules (``F``/``B``, or ``F``/``I``/``W``); ``lower`` adds the communication (``SEND_F``/``RECV_F``/``SEND_B``/
 ``RECV_B``); ``validate`` checks a schedule statically and then runs all stages in a lockstep
 simulation to find deadlocks. Errors carry the schedule grid with the failing step marked
 ``<-- ERROR HERE``. ``load_schedule_file`` reads a user-written schedule.
@@ -18,12 +18,16 @@ Semantics (the runtime implements exactly these):
 - ``SEND`` is non-blocking; ``RECV`` blocks until the neighbouring virtual stage has issued the
   matching ``SEND`` (``SEND_F m.c`` on virtual stage v-1 -> ``RECV_F m.c'`` on v;
   ``SEND_B`` on v+1 -> ``RECV_B`` on v; same microbatch; ``peer`` gives the exact match).
-- ``F m`` needs ``RECV_F m`` earlier on its stage unless it is the first virtual stage; ``B m``
-  needs ``F m`` and, unless it is the last virtual stage, ``RECV_B m``; ``SEND_F m`` needs
-  ``F m``; ``SEND_B m`` needs ``B m``; ``W m`` needs ``B m`` (all same chunk).
+- A backward is either one ``B m`` (input and weight gradients) or split in two (zero-bubble):
+  ``I m`` computes only the input gradient, which the previous stage waits for, and ``W m`` the
+  weight gradient, which nobody waits for and so can fill a bubble. "The input gradient of m" is
+  the event ``I m``; a ``B m`` produces it too.
+- ``F m`` needs ``RECV_F m`` earlier on its stage unless it is the first virtual stage; ``B m`` and
+  ``I m`` need ``F m`` and, unless it is the last virtual stage, ``RECV_B m``; ``SEND_F m`` needs
+  ``F m``; ``SEND_B m`` and ``W m`` need the input gradient ``I m`` (all same chunk).
 - A schedule without any communication action is read as compute-only: the data dependency is
-  then direct (``F m`` on v needs ``F m`` on v-1; ``B m`` on v needs ``B m`` on v+1), so generator
-  output can be validated before lowering.
+  then direct (``F m`` on v needs ``F m`` on v-1; ``B m`` or ``I m`` on v needs the input gradient
+  of m on v+1), so generator output can be validated before lowering.
 
 Pure standard library + attrs: no torch, so planning, dry runs and tests run anywhere.
 """
@@ -42,6 +46,7 @@ import attrs
 from hetero_llm.errors import ScheduleError
 
 __all__ = [
+    "BACKWARD_KINDS",
     "COMM_KINDS",
     "COMPUTE_KINDS",
     "Action",
@@ -60,9 +65,11 @@ __all__ = [
     "one_f_one_b",
     "parse_actions",
     "peer",
+    "produces",
     "requirements",
     "simulate_order",
     "validate",
+    "zero_bubble_h1",
 ]
 
 
@@ -71,14 +78,16 @@ class Kind(enum.Enum):
 
     F = "F"  # forward of one microbatch
     B = "B"  # full backward (input and weight gradients)
-    W = "W"  # weight gradient only; reserved for a zero-bubble schedule
+    I = "I"  # input gradient only (zero-bubble); its W follows later  # noqa: E741
+    W = "W"  # weight gradient only, of a microbatch whose I has run
     SEND_F = "SEND_F"  # send the forward activation to the next stage (non-blocking)
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage (blocking)
     SEND_B = "SEND_B"  # send the input gradient to the previous stage (non-blocking)
     RECV_B = "RECV_B"  # receive the output gradient from the next stage (blocking)
 
 
-COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W})
+COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
+BACKWARD_KINDS = frozenset({Kind.B, Kind.I})  # the actions that produce a microbatch's input gradient
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
 
 # For each communication kind: the virtual-stage offset of its peer and the kind the peer runs.
@@ -92,7 +101,7 @@ _PEER = {
 # Canonical form only (no leading zeros, no ".0"), so that str(parse(s)) == s for every accepted s
 # and two equal actions always print the same.
 _ACTION_RE = re.compile(
-    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|F|B|W)(?P<mb>0|[1-9]\d*)(?:\.(?P<chunk>[1-9]\d*))?"
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(?P<mb>0|[1-9]\d*)(?:\.(?P<chunk>[1-9]\d*))?"
 )
 _KINDS_HELP = ", ".join(kind.value for kind in Kind)
 
@@ -244,13 +253,43 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Sch
     return schedule
 
 
-_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b}
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+    """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), compute only.
+
+    The backward is split: ``I m`` (input gradient) is what the previous stage waits for, ``W m``
+    (weight gradient) waits for nobody. Stage s runs 1F1B's order of forwards and input gradients
+    (``F`` then ``I`` in the steady state) and puts each ``W`` right after an ``I``, but ``s`` input
+    gradients late: the later a stage, the sooner its input gradients reach the stages before it,
+    and its ``s`` delayed ``W`` fill the end of the step, where 1F1B idles. With F = I = W the bubble
+    shrinks from 1F1B's ``(S - 1)(F + I + W)`` to ``(S - 1)(F + I - W)``: a third. The cost is memory:
+    stage s keeps what the ``W`` need (layer inputs and output gradients) for ``s`` more microbatches,
+    so every stage peaks at S microbatches in flight, stage 0's 1F1B peak (torch's ZB1P order).
+    """
+    _check_counts(num_stages, num_microbatches)
+    schedule = []
+    for stage in range(num_stages):
+        actions: list[Action] = []
+        weights = 0  # W actions placed so far, in microbatch order
+        for action in _one_f_one_b_stage(min(num_stages - stage - 1, num_microbatches), num_microbatches):
+            if action.kind is Kind.F:
+                actions.append(action)
+                continue
+            actions.append(Action(Kind.I, action.mb))
+            if action.mb >= stage:
+                actions.append(Action(Kind.W, weights))
+                weights += 1
+        actions += [Action(Kind.W, mb) for mb in range(weights, num_microbatches)]
+        schedule.append(actions)
+    return schedule
+
+
+_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1}
 
 
 def compute_schedule(
     kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1
 ) -> Schedule:
-    """Compute-only schedule of the named kind: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
+    """Compute-only schedule of the named kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zbh1"``.
 
     ``chunks`` is the number of model chunks per stage; only ``"interleaved"`` takes more than 1.
     """
@@ -310,7 +349,7 @@ def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Sch
                 out += [] if first else [Action(Kind.RECV_F, *same)]
                 out += [action]
                 out += [] if last else [Action(Kind.SEND_F, *same)]
-            elif action.kind is Kind.B:
+            elif action.kind in BACKWARD_KINDS:
                 out += [] if last else [Action(Kind.RECV_B, *same)]
                 out += [action]
                 out += [] if first else [Action(Kind.SEND_B, *same)]
@@ -348,20 +387,26 @@ def requirements(
         if lowered:
             return ((stage, Action(Kind.RECV_F, *same)),)
         return (_neighbour(stage, action, -1, num_stages, chunks),)
-    if kind is Kind.B:
+    if kind in BACKWARD_KINDS:
         own = (stage, Action(Kind.F, *same))
         if last:
             return (own,)
         if lowered:
             return (own, (stage, Action(Kind.RECV_B, *same)))
-        return (own, _neighbour(stage, action, +1, num_stages, chunks))
-    if kind is Kind.W:
-        return ((stage, Action(Kind.B, *same)),)
+        return (own, _neighbour(stage, Action(Kind.I, *same), +1, num_stages, chunks))
+    if kind is Kind.W or kind is Kind.SEND_B:
+        return ((stage, Action(Kind.I, *same)),)  # the input gradient: from I, or from a B
     if kind is Kind.SEND_F:
         return ((stage, Action(Kind.F, *same)),)
-    if kind is Kind.SEND_B:
-        return ((stage, Action(Kind.B, *same)),)
     return (peer(stage, action, num_stages, chunks=chunks),)  # a RECV waits for its SEND
+
+
+def produces(stage: int, action: Action) -> tuple[Event, ...]:
+    """The events running ``action`` on ``stage`` makes true: itself, and for a ``B`` also the
+    input-gradient event ``I`` that ``requirements`` names (a full backward computes it too)."""
+    if action.kind is Kind.B:
+        return ((stage, action), (stage, Action(Kind.I, action.mb, action.chunk)))
+    return ((stage, action),)
 
 
 def _neighbour(stage: int, action: Action, offset: int, num_stages: int, chunks: int) -> Event:
@@ -479,7 +524,8 @@ def _lockstep(schedule: Sequence[Sequence[Action]]) -> _Run:
             while next_index[stage] < len(actions) and ready(
                 stage, actions[next_index[stage]], this_round
             ):
-                ran_in[(stage, actions[next_index[stage]])] = this_round
+                for event in produces(stage, actions[next_index[stage]]):
+                    ran_in[event] = this_round
                 ran.append((stage, next_index[stage]))
                 next_index[stage] += 1
         if not ran:
@@ -499,15 +545,15 @@ def _deadlock_message(schedule: Sequence[Sequence[Action]], stuck: dict[int, int
     waits = f"deadlock: stage {stage} waits at {action} (step {index})"
     for other, needed in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks):
         if other == stage:
-            if needed in schedule[stage][:index]:
+            if needed in _made_by(schedule[stage][:index]):
                 continue  # already ran: actions before the stuck one all did
             # Only possible without validate's static checks (simulate_order on raw input).
-            return f"{waits} for its own {needed}, which is not before it on stage {stage}"
+            return f"{waits} for its own {_named(needed)}, which is not before it on stage {stage}"
         if not 0 <= other < num_stages:
-            return f"{waits} for {needed} on stage {other}, which does not exist"
-        if other not in stuck or needed not in schedule[other][stuck[other] :]:
-            if needed not in schedule[other]:
-                return f"{waits} for {needed} on stage {other}, which stage {other} never does"
+            return f"{waits} for {_named(needed)} on stage {other}, which does not exist"
+        if other not in stuck or needed not in _made_by(schedule[other][stuck[other] :]):
+            if needed not in _made_by(schedule[other]):
+                return f"{waits} for {_named(needed)} on stage {other}, which stage {other} never does"
             continue
         blocked = schedule[other][stuck[other]]
         return (
@@ -515,6 +561,18 @@ def _deadlock_message(schedule: Sequence[Sequence[Action]], stuck: dict[int, int
             f"(stage {other} is stuck at {blocked}, step {stuck[other]})"
         )
     return f"{waits}, which never becomes ready"
+
+
+def _made_by(actions: Sequence[Action]) -> set[Action]:
+    """Every event the actions produce (a ``B`` also produces its ``I``), stage left out."""
+    return {made for action in actions for _, made in produces(0, action)}
+
+
+def _named(event: Action) -> str:
+    """An event as a message names it: the input-gradient event can come from an ``I`` or a ``B``."""
+    if event.kind is Kind.I:
+        return f"{event} (or {Action(Kind.B, event.mb, event.chunk)})"
+    return str(event)
 
 
 def _check_no_duplicates(schedule: Sequence[Sequence[Action]]) -> None:
@@ -560,7 +618,8 @@ def _check_types(schedule: Sequence[Sequence[Action]]) -> None:
 
 
 def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> None:
-    """Every microbatch index is in range and every stage runs F and B once per (mb, chunk)."""
+    """Every microbatch index is in range; every stage runs, once per (mb, chunk), F and either B or
+    both I and W."""
     for stage, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             if action.mb >= num_microbatches:
@@ -571,17 +630,27 @@ def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: 
                     {stage: index},
                 )
     chunks = num_chunks(schedule)
-    rule = f"every stage runs F and B exactly once per microbatch 0..{num_microbatches - 1}"
+    rule = (f"every stage runs F and B (or I and W) exactly once per microbatch 0..{num_microbatches - 1}")
     if chunks > 1:
         rule += f" and chunk 0..{chunks - 1}"
     for stage, actions in enumerate(schedule):
-        present = set(actions)
+        position = {action: index for index, action in enumerate(actions)}
         for chunk in range(chunks):
             for mb in range(num_microbatches):
-                for kind in (Kind.F, Kind.B):
-                    if Action(kind, mb, chunk) not in present:
-                        missing = Action(kind, mb, chunk)
-                        raise _error(schedule, f"stage {stage} is missing {missing} ({rule})")
+                f, b, i, w = (Action(kind, mb, chunk) for kind in (Kind.F, Kind.B, Kind.I, Kind.W))
+                if f not in position:
+                    raise _error(schedule, f"stage {stage} is missing {f} ({rule})")
+                if b in position and (i in position or w in position):
+                    other = i if i in position else w
+                    raise _error(schedule, f"stage {stage} runs both {b} and {other} (a backward is one B, "
+                                 f"or an I and a W)", {stage: position[other]})
+                if b not in position and i not in position:
+                    missing = f"{b} (or {i} and {w})" if w in position or any(
+                        a.kind is Kind.I for a in actions) else str(b)
+                    raise _error(schedule, f"stage {stage} is missing {missing} ({rule})")
+                if i in position and w not in position:
+                    raise _error(schedule, f"stage {stage} runs {i} but never {w} (an input gradient I needs "
+                                 f"its weight gradient W later)", {stage: position[i]})
 
 
 def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
@@ -590,6 +659,8 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
     lowered = _is_lowered(schedule)
     chunks = num_chunks(schedule)
     positions = [{action: index for index, action in enumerate(actions)} for actions in schedule]
+    made_at = [{made: index for index, action in enumerate(actions) for _, made in produces(stage, action)}
+               for stage, actions in enumerate(schedule)]
     for stage, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             here = f"stage {stage} step {index}: {action}"
@@ -613,16 +684,18 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
             ):
                 if other != stage:
                     continue  # cross-stage: checked above (comm) or by coverage (compute-only)
-                where = positions[stage].get(needed)
+                where = made_at[stage].get(needed)
                 if where is None:
                     raise _error(
-                        schedule, f"{here} needs {needed} first, which stage {stage} never does",
+                        schedule,
+                        f"{here} needs {_named(needed)} first, which stage {stage} never does",
                         {stage: index},
                     )
                 if where > index:
                     raise _error(
                         schedule,
-                        f"{here} needs {needed} first, but {needed} comes later (step {where})",
+                        f"{here} needs {_named(needed)} first, but {schedule[stage][where]} comes "
+                        f"later (step {where})",
                         {stage: index},
                     )
 

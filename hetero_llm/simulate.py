@@ -4,7 +4,7 @@ The simulator executes the same semantics as the validator (``schedule.requireme
 the lockstep order of ``schedule.simulate_order``, which is a topological order of all events),
 now with durations:
 
-- compute (``F``, ``B``, ``W``) runs one at a time per stage, in list order, starting when the
+- compute (``F``, ``B``, or ``I`` and ``W``) runs one at a time per stage, in list order, starting when the
   stage is free and everything it requires is done;
 - a ``SEND`` is posted when its compute is done and does not occupy the stage; its data arrives
   ``latency + activation_bytes / bandwidth`` seconds after it starts (links are not shared: two
@@ -31,6 +31,7 @@ from hetero_llm.schedule import (
     Kind,
     num_chunks,
     peer,
+    produces,
     requirements,
     simulate_order,
     validate,
@@ -91,8 +92,8 @@ class CostModel:
     weight: tuple[float, ...] | None = attrs.field(
         default=None, converter=_optional_floats, validator=_non_negative
     )
-    """Seconds of the weight-gradient part of ``backward``, per stage (None: no ``W`` actions).
-    When a schedule splits a backward into ``B`` and ``W``, ``B`` takes ``backward - weight``."""
+    """Seconds of the weight-gradient part of ``backward``, per stage (None: no split backwards).
+    When a schedule splits a backward into ``I`` and ``W``, ``I`` takes ``backward - weight``."""
     stash_bytes: tuple[float, ...] | None = attrs.field(
         default=None, converter=_optional_floats, validator=_non_negative
     )
@@ -196,11 +197,12 @@ class SimResult:
     step_time: float
     """Seconds from the first action's start to the last one's end."""
     busy: tuple[float, ...]
-    """Seconds each stage computes (``F``, ``B``, ``W``)."""
+    """Seconds each stage computes (``F``, ``B``, ``I``, ``W``)."""
     bubble: tuple[float, ...]
     """Idle fraction per stage: ``1 - busy / step_time``."""
     peak_in_flight: tuple[int, ...]
-    """Most (microbatch, chunk) pairs per stage whose forward has run and backward has not."""
+    """Most (microbatch, chunk) pairs per stage whose forward has run and backward (``B``, or the
+    ``W`` of a split one) has not: a split backward keeps the ``W``'s inputs until the ``W``."""
     peak_activation_bytes: tuple[float, ...]
     """``peak_in_flight * stash bytes / chunks`` per stage (a chunk holds 1/chunks of the layers)."""
     timeline: tuple[tuple[Timed, ...], ...]
@@ -249,19 +251,16 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     order = simulate_order(schedule)
     chunks = num_chunks(schedule)
     lowered = any(a.kind not in COMPUTE_KINDS for actions in schedule for a in actions)
-    has_w = [{(a.mb, a.chunk) for a in actions if a.kind is Kind.W} for actions in schedule]
-    if cost.weight is None and any(has_w):
+    if cost.weight is None and any(a.kind is Kind.W for actions in schedule for a in actions):
         raise ValueError("the schedule has W actions: give CostModel.weight (seconds per stage)")
 
     def duration(stage: int, action: Action) -> float:
         if action.kind is Kind.F:
             return cost.forward[stage] / chunks
         if action.kind is Kind.B:
-            split = (action.mb, action.chunk) in has_w[stage]
-            weight = cost.weight[stage] if split and cost.weight is not None else 0.0
-            return (cost.backward[stage] - weight) / chunks
-        assert cost.weight is not None  # only W is left among compute kinds
-        return cost.weight[stage] / chunks
+            return cost.backward[stage] / chunks
+        weight = cost.weight[stage]  # type: ignore[index]  (checked above: the schedule splits backwards)
+        return (cost.backward[stage] - weight if action.kind is Kind.I else weight) / chunks
 
     free = [0.0] * num_stages  # when each stage's previous action ended
     ended: dict[Event, float] = {}
@@ -292,7 +291,8 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
                 start = ready
                 end = start + duration(stage, action)
                 free[stage] = end
-            ended[(stage, action)] = end
+            for event in produces(stage, action):
+                ended[event] = end
             timed[stage][index] = Timed(action, start, end)
 
     timeline = tuple(tuple(t for t in stage if t is not None) for stage in timed)
@@ -313,6 +313,6 @@ def _peak_in_flight(actions: Sequence[Action]) -> int:
         if action.kind is Kind.F:
             live += 1
             peak = max(peak, live)
-        elif action.kind is Kind.B:
+        elif action.kind is Kind.B or action.kind is Kind.W:
             live -= 1
     return peak

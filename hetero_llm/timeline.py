@@ -29,11 +29,14 @@ __all__ = ["COLORS", "plot_timeline", "main"]
 COLORS = {
     "F": "#4e79a7",  # forward: blue
     "B": "#59a14f",  # backward: green
+    "I": "#8cd17d",  # input gradient (a split backward's first half): light green
     "W": "#b07aa1",  # weight gradient: purple
     "SEND": "#f28e2b",  # send posted / in flight: orange
     "RECV": "#9c9c9c",  # receive, waiting for data: grey
 }
-_NAMES = {"F": "forward", "B": "backward", "W": "weight grad", "SEND": "send", "RECV": "recv (wait)"}
+_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "SEND": "send",
+          "RECV": "recv (wait)"}
+_COMPUTE_CATEGORIES = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"(?P<kind>[A-Z_]+?)(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
 
 # Vertical layout of one row (y grows downwards): compute on top, then recv, then send strips.
@@ -104,9 +107,9 @@ def plot_timeline(
             offset, height = {"SEND": _SEND, "RECV": _RECV}.get(category, _COMPUTE)
             ax.broken_barh([(x, width)], (y + offset, height),
                            facecolors=[_shade(color, chunk, chunks)],
-                           edgecolors="white" if category in ("F", "B", "W") else "none",
+                           edgecolors="white" if category in _COMPUTE_CATEGORIES else "none",
                            linewidth=0.4)
-            if category in ("F", "B", "W") and mb is not None:
+            if category in _COMPUTE_CATEGORIES and mb is not None:
                 light = chunks > 1 and chunk / (chunks - 1) > 0.5
                 texts.append((x + width / 2, y + offset + height / 2, width,
                               f"{mb}.{chunk}" if chunk else str(mb), "#222222" if light else "white"))

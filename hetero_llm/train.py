@@ -20,6 +20,7 @@ from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
+from hetero_llm.schedule import Kind
 
 
 def lr_at(train: TrainSpec, step: int) -> float:
@@ -172,7 +173,8 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     compute = stage_compute(plan, rank, device)
     streams = comm.Streams(device)
     runner = StageRunner(comms, state.params, st, model, comm.tp_ops(comms), StageRoutes.of(plan, rank), trace,
-                         Emulation.from_env(rank), compute, streams)
+                         Emulation.from_env(rank), compute, streams,
+                         split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     source = data.make_source(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len

@@ -116,7 +116,7 @@ SET_ERRORS = {
     # a --set that parses but makes the layout invalid gets the normal validation message
     "train.steps=0": "train.steps: must be >= 1, got 0",
     "train.steps=five": "train.steps: expected an integer, got a string ('five')",
-    "train.schedule=1F1B": "train.schedule: unknown value '1F1B' (did you mean '1f1b'? choose one of: gpipe, 1f1b, interleaved, dynamic)",
+    "train.schedule=1F1B": "train.schedule: unknown value '1F1B' (did you mean '1f1b'? choose one of: gpipe, 1f1b, interleaved, dynamic, zbh1)",
     "pipelines[0].batch=12": "pipelines: pipeline batches sum to 12 (12) but train.global_batch is 16 (make them add up to 16)",
     "data.kind=text": "data.path: data.kind 'text' needs a file (set data.path to a .txt file, relative to the layout file)",
     "pipelines.0.stages.1.devices.0=node0:0":

@@ -32,10 +32,11 @@ from hetero_llm.schedule import (
     requirements,
     simulate_order,
     validate,
+    zero_bubble_h1,
 )
 
 GRID = list(itertools.product(range(1, 6), range(1, 10)))  # (num_stages, num_microbatches)
-KINDS = ["gpipe", "1f1b"]
+KINDS = ["gpipe", "1f1b", "zbh1"]
 
 
 # --------------------------------------------------------------------------- IR
@@ -154,11 +155,43 @@ def test_generators_follow_written_rules(num_stages: int, num_microbatches: int)
         assert in_flight_peak(actions) == min(num_stages - stage, num_microbatches)
 
 
+@pytest.mark.parametrize("num_stages, num_microbatches", GRID)
+def test_zero_bubble_h1_follows_written_rules(num_stages: int, num_microbatches: int) -> None:
+    """ZB-H1 = 1F1B's order of forwards and input gradients, each stage s placing its W (in microbatch
+    order) right after its I's, but s of them late, and the late ones at the end."""
+    schedule = zero_bubble_h1(num_stages, num_microbatches)
+    assert len(schedule) == num_stages
+    for stage, actions in enumerate(schedule):
+        without_w = [Action(Kind.B, a.mb) if a.kind is Kind.I else a for a in actions if a.kind is not Kind.W]
+        assert without_w == one_f_one_b(num_stages, num_microbatches)[stage]
+        weights = [a.mb for a in actions if a.kind is Kind.W]
+        assert weights == list(range(num_microbatches))
+        for m in range(num_microbatches):
+            w = actions.index(Action(Kind.W, m))
+            if m + stage < num_microbatches:  # right after the I that is `stage` input gradients later
+                assert actions[w - 1] == Action(Kind.I, m + stage)
+            else:  # the delayed tail: after the last I
+                assert w > actions.index(Action(Kind.I, num_microbatches - 1))
+        # activations are kept until the W: every stage peaks where 1F1B's stage 0 does
+        live = [sum(1 if a.kind is Kind.F else -1 if a.kind is Kind.W else 0 for a in actions[:i + 1])
+                for i in range(len(actions))]
+        assert max(live) == min(num_stages, num_microbatches)
+    assert compute_schedule("zbh1", num_stages, num_microbatches) == schedule
+
+
+def test_zero_bubble_h1_example() -> None:
+    assert [format_actions(a) for a in zero_bubble_h1(3, 4)] == [
+        "F0 F1 F2 I0 W0 F3 I1 W1 I2 W2 I3 W3",
+        "F0 F1 I0 F2 I1 W0 F3 I2 W1 I3 W2 W3",
+        "F0 I0 F1 I1 F2 I2 W0 F3 I3 W1 W2 W3",
+    ]
+
+
 def test_compute_schedule_dispatch_and_errors() -> None:
     assert compute_schedule("gpipe", 2, 3) == gpipe(2, 3)
     assert compute_schedule("1f1b", 2, 3) == one_f_one_b(2, 3)
     assert compute_schedule("interleaved", 2, 4, chunks=3) == interleaved_1f1b(2, 4, 3)
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb' \(known: 1f1b, gpipe, interleaved\)"):
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb' \(known: 1f1b, gpipe, interleaved, zbh1\)"):
         compute_schedule("zb", 2, 3)
     with pytest.raises(ValueError, match=r"schedule '1f1b' has one chunk per stage, got chunks=2"):
         compute_schedule("1f1b", 2, 4, chunks=2)
@@ -194,7 +227,7 @@ def check_lowering(kind: str, num_stages: int, num_microbatches: int) -> None:
             if action.kind is Kind.F:
                 assert (prev == Action(Kind.RECV_F, action.mb)) == (stage > 0)
                 assert (nxt == Action(Kind.SEND_F, action.mb)) == (stage < last)
-            if action.kind is Kind.B:
+            if action.kind in (Kind.B, Kind.I):
                 assert (prev == Action(Kind.RECV_B, action.mb)) == (stage < last)
                 assert (nxt == Action(Kind.SEND_B, action.mb)) == (stage > 0)
 
@@ -285,7 +318,7 @@ def test_missing_backward_is_named() -> None:
     with pytest.raises(ScheduleError) as info:
         validate(schedule, 3)
     assert str(info.value).splitlines()[0] == (
-        "stage 1 is missing B1 (every stage runs F and B exactly once per microbatch 0..2)"
+        "stage 1 is missing B1 (every stage runs F and B (or I and W) exactly once per microbatch 0..2)"
     )
     assert "stage 0" in str(info.value).splitlines()[1]  # the grid follows
 
@@ -303,7 +336,15 @@ def test_missing_backward_is_named() -> None:
         (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 B0"], 1,
          r"^stage 0 step 2: RECV_B0 has no matching SEND_B0 on stage 1"),
         (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 B0 SEND_B0 W0 W0"], 1, r"^stage 1 runs W0 twice"),
-        (["F0 B0 W0", "F0 B0"], 1, None),  # W is allowed once after its B
+        (["F0 I0 W0", "F0 B0"], 1, None),  # a backward is one B, or an I and a W
+        (["F0 B0 W0", "F0 B0"], 1, r"^stage 0 runs both B0 and W0 \(a backward is one B, or an I and a W\)"),
+        (["F0 I0 B0", "F0 B0"], 1, r"^stage 0 runs both B0 and I0"),
+        (["F0 I0", "F0 B0"], 1, r"^stage 0 runs I0 but never W0 \(an input gradient I needs its weight gradient W"),
+        (["F0 W0", "F0 B0"], 1, r"^stage 0 is missing B0 \(or I0 and W0\) \(every stage runs"),
+        (["F0 W0 I0", "F0 B0"], 1, r"^stage 0 step 1: W0 needs I0 \(or B0\) first, but I0 comes later \(step 2\)"),
+        (["F0 SEND_F0 RECV_B0 I0 W0", "RECV_F0 F0 I0 SEND_B0 W0"], 1, None),  # lowered, split on both
+        (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 SEND_B0 I0 W0"], 1,
+         r"^stage 1 step 2: SEND_B0 needs I0 \(or B0\) first, but I0 comes later \(step 3\)"),
         (["F0.1 B0.1", "F0.1 B0.1"], 1, r"^stage 0 is missing F0 \(.* and chunk 0..1\)"),
     ],
 )
@@ -449,7 +490,7 @@ def test_wrap_peers_and_requirements() -> None:
     f01 = Action(Kind.F, 0, 1)
     assert requirements(0, f01, 4, lowered=False, chunks=2) == ((3, Action(Kind.F, 0, 0)),)
     assert requirements(3, Action(Kind.B, 0, 0), 4, lowered=False, chunks=2) == (
-        (3, Action(Kind.F, 0, 0)), (0, Action(Kind.B, 0, 1)))
+        (3, Action(Kind.F, 0, 0)), (0, Action(Kind.I, 0, 1)))  # the input gradient: from an I or a B
     assert requirements(3, Action(Kind.B, 0, 1), 4, lowered=True, chunks=2) == ((3, Action(Kind.F, 0, 1)),)
     assert requirements(0, f01, 4, chunks=2) == ((0, Action(Kind.RECV_F, 0, 1)),)
 
@@ -525,7 +566,7 @@ B1,B1
          r"^a.txt: line 4: 2 stage lines, expected 3 \(one line of space-separated actions per stage\)"),
         ("a.txt", "F0 B0\nF0 B0\nF0 B0\n", 2, 1, r"^a.txt: line 3: 3 stage lines, expected 2"),
         ("a.txt", "F0 F1 B0 B1\nF0 F1 B0\n", 2, 2,
-         r"^a.txt: line 2: stage 1 is missing B1 \(every stage runs F and B exactly once"),
+         r"^a.txt: line 2: stage 1 is missing B1 \(every stage runs F and B \(or I and W\) exactly once"),
         ("a.txt", "F0 B0\nF0 B0 F1 B1\n", 2, 1,
          r"^a.txt: line 2: stage 1 step 2: F1 names microbatch 1, but there are 1 \(0..0\)"),
         ("a.txt", "F0 B0 B1 F1\nF0 B0 F1 B1\n", 2, 2,

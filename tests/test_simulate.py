@@ -135,7 +135,7 @@ def check_timeline(schedule: list[list[Action]], result: SimResult, cost: CostMo
         previous_end = 0.0
         for t in timed:
             assert t.start <= t.end
-            if t.action.kind in (Kind.F, Kind.B, Kind.W, Kind.RECV_F, Kind.RECV_B):
+            if t.action.kind in (Kind.F, Kind.B, Kind.I, Kind.W, Kind.RECV_F, Kind.RECV_B):
                 assert t.start >= previous_end - 1e-12
                 previous_end = t.end
             when[(stage, t.action)] = t
@@ -163,17 +163,34 @@ def test_timeline_respects_dependencies() -> None:
 
 
 def test_weight_gradient_split() -> None:
-    # Two stages, one microbatch, B then W: B takes backward - weight; W fills the remaining time.
-    schedule = [parse_actions("F0 B0 W0"), parse_actions("F0 B0 W0")]
+    # Two stages, one microbatch, I then W: I takes backward - weight; W fills the remaining time.
+    schedule = [parse_actions("F0 I0 W0"), parse_actions("F0 I0 W0")]
     cost = CostModel([1.0, 1.0], [3.0, 3.0], latency=[0.0], bandwidth=[math.inf], weight=[1.0, 1.0])
     result = simulate(schedule, cost)
     stage0 = {str(t.action): (t.start, t.end) for t in result.timeline[0]}
-    assert stage0["B0"] == (4.0, 6.0)  # waits for stage 1's F (1..2) and B (2..4)
+    assert stage0["I0"] == (4.0, 6.0)  # waits for stage 1's F (1..2) and I (2..4), not for its W (4..5)
     assert stage0["W0"] == (6.0, 7.0)
     assert result.step_time == 7.0
     assert result.busy == (4.0, 4.0)
+    # a full B on stage 1 produces the input gradient stage 0 waits for, after the whole backward
+    mixed = simulate([parse_actions("F0 I0 W0"), parse_actions("F0 B0")], cost)
+    assert {str(t.action): (t.start, t.end) for t in mixed.timeline[0]}["I0"] == (5.0, 7.0)
     with pytest.raises(ValueError, match="W actions: give CostModel.weight"):
         simulate(schedule, CostModel.uniform(2, 1.0, 3.0))
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4, 6])
+@pytest.mark.parametrize("num_microbatches", [6, 8, 12])
+def test_zero_bubble_h1_cuts_the_bubble_to_a_third(num_stages: int, num_microbatches: int) -> None:
+    """With F = I = W and free links, 1F1B idles (S - 1)(F + I + W) per stage, ZB-H1 (S - 1)(F + I - W)
+    (Qi et al., section 3): step times 3(M + S - 1) and 3M + S - 1, peak activations S on every stage."""
+    m, s = num_microbatches, num_stages
+    one_f_one_b = simulate(build("1f1b", s, m), CostModel.uniform(s, 1.0, 2.0))
+    zb = simulate(build("zbh1", s, m), CostModel.uniform(s, 1.0, 2.0, weight=1.0))
+    assert one_f_one_b.step_time == 3 * (m + s - 1)
+    assert zb.step_time == 3 * m + s - 1
+    assert zb.peak_in_flight == (s,) * s
+    assert one_f_one_b.peak_in_flight == tuple(s - stage for stage in range(s))
 
 
 def test_deadlock_raises_the_validator_error() -> None:
