@@ -279,7 +279,7 @@ def _split_steps(row: list[tuple[str, float, float]]) -> list[list[tuple[str, fl
     receive twice, when posted and when waited for.) Receive records just before that compute
     action belong to the step it opens.
     """
-    first = next((a for a, _, _ in row if a[0] in "FBW"), None)
+    first = next((a for a, _, _ in row if a[0] in "FBIW"), None)
     cuts = [i for i, (a, _, _) in enumerate(row) if a == first]
     starts = []
     for i in cuts:

@@ -90,7 +90,7 @@ def action_overhead(steps) -> list[float]:
             busy = waits = 0.0
             computes = 0
             for action, start, end in row:
-                if action[0] in "FBW":
+                if action[0] in "FBIW":
                     busy += end - start
                     computes += 1
                 elif action.startswith("RECV") and action in seen:

@@ -101,6 +101,22 @@ def test_sim_vs_measured_quick(tmp_path):
     assert payload["p2p"]["latency_s"] > 0 and payload["p2p"]["bandwidth_bytes_s"] > 0
 
 
+@pytest.mark.multiprocess
+def test_zero_bubble_quick(tmp_path):
+    _run("zero_bubble.py", tmp_path)
+    payload = _check_files(tmp_path, "zero_bubble",
+                           ["stages", "1f1b tokens/s", "zbh1 tokens/s", "ratio zbh1/1f1b", "ratio range", "rounds",
+                            "separate runs ratio", "simulated ratio", "bubble 1f1b", "bubble zbh1",
+                            "bubble simulated 1f1b / zbh1", "CPU s/step 1f1b / zbh1", "(I + W) / B"],
+                           ["stages", "1f1b_tokens_s", "zbh1_tokens_s", "ratio", "predicted_ratio", "times_ms"],
+                           more_tables=(["stages", "1f1b F ms", "1f1b B ms", "zbh1 F ms", "zbh1 I ms", "zbh1 W ms"],))
+    for row in payload["results"]:
+        assert set(row["times_ms"]["zbh1"]) == {"F", "I", "W"} and set(row["times_ms"]["1f1b"]) == {"F", "B"}
+        assert row["max_rel_loss_diff"] < 1e-4  # the same model trained both ways
+        assert row["predicted_peak_in_flight_zbh1"] == [2, 2]  # ZB-H1 keeps S microbatches on every stage
+    assert (tmp_path / "zero_bubble_s2_zbh1.png").stat().st_size > 0
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 
