@@ -211,6 +211,18 @@ def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str
         raise RuntimeError(f"{Path(script).name} rank {rank} failed ({code}):\n{outputs[rank]}")
 
 
+def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int, *, versus: str = "torch",
+               env: dict[str, str] | None = None) -> dict:
+    """``paired_rank.py``: the layout's own side and ``versus`` (torch's pipelining, or another
+    ``train.schedule``) in alternating rounds inside the same rank processes; rank 0's results."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    out = workdir / "paired.json"
+    start_ranks(ROOT / "bench" / "paired_rank.py",
+                [str(layout), "--port", str(free_port()), "--rounds", str(rounds), "--steps", str(steps),
+                 "--out", str(out), "--versus", versus], world, env=env)
+    return json.loads(out.read_text())
+
+
 # ------------------------------------------------------------------------------------------
 # Statistics
 
@@ -247,6 +259,33 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in cells]
     lines.insert(1, "| " + " | ".join("-" * w for w in widths) + " |")
     return "\n".join(lines)
+
+
+def plot_pair_bars(results: list[dict], sides: tuple[tuple[str, str], ...], label, path: Path, title: str,
+                   note=lambda r: f"{r['ratio']:.2f}x") -> None:
+    """Bars of ``r[f"{side}_tokens_s"]`` for each (side, colour), one group per result row, ``note(r)`` above."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6), dpi=120)
+    w = 0.8 / len(sides)
+    x = range(len(results))
+    for j, (side, color) in enumerate(sides):
+        ax.bar([i + (j - (len(sides) - 1) / 2) * w for i in x], [r[f"{side}_tokens_s"] for r in results], w,
+               label=side, color=color)
+    top = max(r[f"{side}_tokens_s"] for r in results for side, _ in sides)
+    for i, r in enumerate(results):
+        ax.text(i, top * 1.03, note(r), ha="center", fontsize=8)
+    ax.set_xticks(list(x), [label(r) for r in results])
+    ax.set_ylabel("tokens / s (median)")
+    ax.set_ylim(0, top * 1.2)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
 
 
 def write_results(out_dir: Path, name: str, markdown: str, payload: dict) -> tuple[Path, Path]:

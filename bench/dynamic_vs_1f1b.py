@@ -26,7 +26,6 @@ microbatches in flight).
 
 from __future__ import annotations
 
-import json
 import random
 import tempfile
 from pathlib import Path
@@ -36,7 +35,6 @@ import click
 
 import benchlib as B
 
-HERE = Path(__file__).resolve().parent
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")
 
@@ -155,16 +153,6 @@ def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> 
 # ------------------------------------------------------------------------------------------
 
 
-def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int, env: dict[str, str]) -> dict:
-    """1F1B (the layout's schedule) and dynamic in alternating rounds inside the same rank processes."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "paired.json"
-    B.start_ranks(HERE / "paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
-                                            "--steps", str(steps), "--out", str(out), "--versus", "dynamic"],
-                  world, env=env)
-    return json.loads(out.read_text())
-
-
 def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
     def rate(rows):
         return tokens / B.median([r["seconds"] for r in B.steady(rows, 1)])
@@ -215,30 +203,6 @@ def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
     plot_timeline(rows, path, title, labels=labels)
 
 
-def plot_bars(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.2, 3.6), dpi=120)
-    w = 0.38
-    x = range(len(results))
-    for j, (kind, color) in enumerate((("1f1b", "#9c9c9c"), ("dynamic", "#4e79a7"))):
-        ax.bar([i + (j - 0.5) * w for i in x], [r[f"{kind}_tokens_s"] for r in results], w, label=kind, color=color)
-    top = max(max(r["1f1b_tokens_s"], r["dynamic_tokens_s"]) for r in results)
-    for i, r in enumerate(results):
-        ax.text(i, top * 1.03, f"{r['ratio']:.2f}x", ha="center", fontsize=9)
-    ax.set_xticks(list(x), [r["scenario"] for r in results])
-    ax.set_ylabel("tokens / s (median)")
-    ax.set_ylim(0, top * 1.18)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--stages", default=4, show_default=True)
 @click.option("--microbatches", default=8, show_default=True)
@@ -278,7 +242,8 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
             layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
         paired_rounds = []
         for n in names if rounds else []:
-            got = run_paired(layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps, envs[n])
+            got = B.run_paired(layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps,
+                               versus="dynamic", env=envs[n])
             paired_rounds.append(summarize_paired(n, got, cfg.tokens_per_step, round_steps))
             p = paired_rounds[-1]
             B.say(f"paired {n:6}: 1f1b {p['1f1b_tokens_s']:.0f}, dynamic {p['dynamic_tokens_s']:.0f} tokens/s, ratio "
@@ -380,7 +345,8 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
                                                "emulation": envs["jitter"]},
                "results": results, "paired": paired_rounds}
     md_path, _ = B.write_results(out_dir, NAME, md, payload)
-    plot_bars(results, out_dir / f"{NAME}.png", f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)")
+    B.plot_pair_bars(results, (("1f1b", "#9c9c9c"), ("dynamic", "#4e79a7")), lambda r: r["scenario"],
+                     out_dir / f"{NAME}.png", f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)")
     print()
     if paired_rounds:
         print(paired_table)

@@ -46,14 +46,6 @@ def run_torch(layout: Path, workdir: Path, world: int) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int) -> dict:
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "paired.json"
-    B.start_ranks(HERE / "paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
-                                            "--steps", str(steps), "--out", str(out)], world)
-    return json.loads(out.read_text())
-
-
 @attrs.frozen
 class Run:
     tokens_s: float  # from the median step time
@@ -206,7 +198,7 @@ def main(stages, schedules, reps, steps, skip, rounds, round_steps, layers, hidd
             layouts[(n, k)].write_text(B.layout_toml(cfg, even_split(cfg.layers, n), microbatches, k))
         if rounds:
             for n, k in configs:
-                got = run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
+                got = B.run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
                 pairs = [(measure_ours([m["seconds"] for m in o], ev, tokens, 1), measure_torch(t, tokens, 1))
                          for o, ev, t in zip(got["ours"], got["ours_events"], got["other"])]
                 diff = max(max_loss_difference(o, t) for o, t in zip(got["ours"], got["other"]))

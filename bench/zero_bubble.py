@@ -17,7 +17,6 @@ One pipeline of 2 and of 4 even stages on CPU (gloo, one process per stage). Per
 
 from __future__ import annotations
 
-import json
 import tempfile
 from pathlib import Path
 
@@ -26,18 +25,8 @@ import click
 
 import benchlib as B
 
-HERE = Path(__file__).resolve().parent
 NAME = "zero_bubble"
 SCHEDULES = ("1f1b", "zbh1")
-
-
-def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int) -> dict:
-    """1F1B (the layout's schedule) and ZB-H1 in alternating rounds inside the same rank processes."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "paired.json"
-    B.start_ranks(HERE / "paired_rank.py", [str(layout), "--port", str(B.free_port()), "--rounds", str(rounds),
-                                            "--steps", str(steps), "--out", str(out), "--versus", "zbh1"], world)
-    return json.loads(out.read_text())
 
 
 def summarize_paired(got: dict, tokens: int, steps: int) -> dict:
@@ -87,30 +76,6 @@ def predict(plan_schedule, traced: Traced, latency: float, bandwidth: float, act
                                              weight=t["W"] if split else None))
 
 
-def plot_bars(results: list[dict], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(5.2, 3.6), dpi=120)
-    w = 0.38
-    x = range(len(results))
-    for j, (kind, color) in enumerate((("1f1b", "#9c9c9c"), ("zbh1", "#b07aa1"))):
-        ax.bar([i + (j - 0.5) * w for i in x], [r[f"{kind}_tokens_s"] for r in results], w, label=kind, color=color)
-    top = max(max(r["1f1b_tokens_s"], r["zbh1_tokens_s"]) for r in results)
-    for i, r in enumerate(results):
-        ax.text(i, top * 1.03, f"{r['ratio']:.2f}x (sim {r['predicted_ratio']:.2f}x)", ha="center", fontsize=8)
-    ax.set_xticks(list(x), [f"{r['stages']} stages" for r in results])
-    ax.set_ylabel("tokens / s (paired rounds, median)")
-    ax.set_ylim(0, top * 1.2)
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--stages", "stage_counts", default="2,4", show_default=True, help="Pipelines of these many even stages.")
 @click.option("--microbatches", default=8, show_default=True)
@@ -149,8 +114,8 @@ def main(stage_counts, microbatches, rounds, round_steps, reps, steps, skip, lay
             layouts = {k: Path(tmp, f"s{n}_{k}.toml") for k in SCHEDULES}
             for k, path in layouts.items():
                 path.write_text(B.layout_toml(cfg, split, microbatches, k))
-            paired = summarize_paired(run_paired(layouts["1f1b"], Path(tmp, f"paired_s{n}"), n, rounds, round_steps),
-                                      cfg.tokens_per_step, round_steps)
+            got = B.run_paired(layouts["1f1b"], Path(tmp, f"paired_s{n}"), n, rounds, round_steps, versus="zbh1")
+            paired = summarize_paired(got, cfg.tokens_per_step, round_steps)
             B.say(f"paired {n} stages: 1f1b {paired['1f1b_tokens_s']:.0f}, zbh1 {paired['zbh1_tokens_s']:.0f} tokens/s, "
                   f"ratio {paired['ratio']:.3f} ({paired['ratio_min']:.2f}-{paired['ratio_max']:.2f}) over {rounds} "
                   f"rounds; CPU s/step {paired['1f1b_cpu_step_s']:.3f} vs {paired['zbh1_cpu_step_s']:.3f} "
@@ -217,7 +182,9 @@ def main(stage_counts, microbatches, rounds, round_steps, reps, steps, skip, lay
                "config": {**attrs.asdict(cfg), "microbatches": microbatches, "rounds": rounds,
                           "round_steps": round_steps, "reps": reps, "skip": skip}, "results": results}
     md_path, _ = B.write_results(out_dir, NAME, md, payload)
-    plot_bars(results, out_dir / f"{NAME}.png", f"ZB-H1 vs 1F1B ({info['cores']}-core CPU, gloo)")
+    B.plot_pair_bars(results, (("1f1b", "#9c9c9c"), ("zbh1", "#b07aa1")), lambda r: f"{r['stages']} stages",
+                     out_dir / f"{NAME}.png", f"ZB-H1 vs 1F1B ({info['cores']}-core CPU, gloo)",
+                     note=lambda r: f"{r['ratio']:.2f}x (sim {r['predicted_ratio']:.2f}x)")
     print()
     print(table)
     print()

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from hetero_llm import layout
 from hetero_llm.cli import place_main
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import CROSS_DOMAIN, loads
+from hetero_llm.layout import CROSS_DOMAIN
 from hetero_llm.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
 from hetero_llm.plan import compile_plan
 
