@@ -556,8 +556,10 @@ def _deadlock_message(schedule: Sequence[Sequence[Action]], stuck: dict[int, int
                 return f"{waits} for {_named(needed)} on stage {other}, which stage {other} never does"
             continue
         blocked = schedule[other][stuck[other]]
+        full = Action(Kind.B, needed.mb, needed.chunk)
+        shown = full if needed.kind is Kind.I and full in schedule[other] else needed  # name what that stage runs
         return (
-            f"{waits} for {needed} on stage {other}, which never comes "
+            f"{waits} for {shown} on stage {other}, which never comes "
             f"(stage {other} is stuck at {blocked}, step {stuck[other]})"
         )
     return f"{waits}, which never becomes ready"

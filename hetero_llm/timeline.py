@@ -147,7 +147,7 @@ def plot_timeline(
 # --------------------------------------------------------------------------- command line
 
 
-def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, latency_ms):
+def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms):
     from hetero_llm import schedule as sched
     from hetero_llm.simulate import CostModel, simulate
 
@@ -158,7 +158,9 @@ def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, ba
         chunks = chunks if chunks is not None else (2 if kind == "interleaved" else 1)
         actions = sched.build(kind, stages, microbatches, chunks=chunks)
         name = kind + (f" ({chunks} chunks)" if kind == "interleaved" else "")
-    cost = CostModel.uniform(stages, forward_ms / 1e3, backward_ms / 1e3, latency=latency_ms / 1e3)
+    split = any(a.kind is sched.Kind.W for row in actions for a in row)
+    weight = (weight_ms if weight_ms is not None else backward_ms / 2) / 1e3 if split else None
+    cost = CostModel.uniform(stages, forward_ms / 1e3, backward_ms / 1e3, latency=latency_ms / 1e3, weight=weight)
     result = simulate(actions, cost)
     title = (f"simulated {name}: {stages} stages, {microbatches} microbatches; step "
              f"{result.step_time * 1e3:.2f} ms, bubble {result.mean_bubble:.1%}")
@@ -176,16 +178,18 @@ def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, ba
 @click.option("--simulate", "simulate_", is_flag=True, help="Simulate a schedule instead of reading a trace.")
 @click.option("--stages", type=int, default=4, show_default=True, help="Simulated pipeline stages.")
 @click.option("--microbatches", type=int, default=8, show_default=True, help="Simulated microbatches.")
-@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved"]), default="1f1b",
+@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zbh1"]), default="1f1b",
               show_default=True, help="Simulated schedule.")
 @click.option("--chunks", type=int, default=None, help="Model chunks per stage for --schedule interleaved [2].")
 @click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
               help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).")
 @click.option("--forward-ms", type=float, default=1.0, show_default=True, help="Simulated F time per stage.")
 @click.option("--backward-ms", type=float, default=2.0, show_default=True, help="Simulated B time per stage.")
+@click.option("--weight-ms", type=float, default=None,
+              help="W part of --backward-ms where a schedule splits backwards into I and W [half of it].")
 @click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Simulated p2p latency per link.")
 def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, kind, chunks, schedule_file,
-         forward_ms, backward_ms, latency_ms):
+         forward_ms, backward_ms, weight_ms, latency_ms):
     """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""
     try:
         if not out and not chrome:
@@ -194,7 +198,7 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
             raise click.UsageError("give either TRACE_DIR or --simulate (one of them)")
         if simulate_:
             labels, rows, default_title, summary = _simulated(
-                stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, latency_ms)
+                stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms)
             click.echo(summary)
             chrome_rows, process = rows, default_title
         else:

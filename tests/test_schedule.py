@@ -312,6 +312,16 @@ def test_deadlock_in_a_longer_pipeline_names_the_stage() -> None:
     assert "needs RECV_F1 first" in str(info.value).splitlines()[0]
 
 
+def test_deadlock_names_what_the_other_stage_runs() -> None:
+    """The input gradient a stage waits for is named as the other stage writes it: B0, or I0."""
+    for other, name in (("F0 F1 B0 B1", "B0"), ("F0 F1 I0 I1 W0 W1", "I0")):
+        with pytest.raises(ScheduleError) as info:
+            validate([parse_actions("F0 I0 W0 F1 I1 W1"), parse_actions(other)], 2)
+        assert str(info.value).splitlines()[0] == (
+            f"deadlock: stage 0 waits at I0 (step 1) for {name} on stage 1, which never comes "
+            "(stage 1 is stuck at F1, step 1)")
+
+
 def test_missing_backward_is_named() -> None:
     schedule = gpipe(2, 3)
     schedule[1] = [a for a in schedule[1] if a != Action(Kind.B, 1)]

@@ -122,6 +122,16 @@ def test_cli_simulate(tmp_path: Path) -> None:
     assert sum(e["name"] == "thread_name" for e in json.loads(chrome.read_text())["traceEvents"]) == 4
 
 
+def test_cli_simulate_zero_bubble(tmp_path: Path) -> None:
+    out = tmp_path / "zb.png"
+    args = ["--simulate", "--stages", "4", "--microbatches", "8", "--schedule", "zbh1", "--out", str(out)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    # F = 1, I = W = 1 ms (half the backward): 3M + S - 1, against 1F1B's 3(M + S - 1) = 33 ms above
+    assert result.output.startswith("step time 27.000 ms, mean bubble 11.1%")
+    assert_png(out)
+
+
 def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
     path = tmp_path / "mine.txt"
     path.write_text("F0 F1 B0 F2 B1 B2\nF0 B0 F1 B1 F2 B2\n")
