@@ -416,8 +416,9 @@ def _piece_len(numel: int, pieces: int) -> int:
 
 
 def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: int, mb: int, chunk: int,
-                  streams: Streams = NO_STREAMS) -> None:
-    """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``).
+                  streams: Streams = NO_STREAMS, group: dist.ProcessGroup | None = None) -> None:
+    """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``) in ``group``
+    (the boundary's p2p group; None: the default group). Ranks are global either way.
 
     NCCL sends from the device on its own stream, after the compute stream's work so far; gloo
     sends a host copy of a CUDA tensor (``stages_through_host``).
@@ -431,7 +432,7 @@ def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direc
         if piece.numel() < n:
             piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
         piece = piece.contiguous()
-        work = dist.isend(piece, r.dst, tag=_tag(direction, mb, chunk, r.piece))
+        work = dist.isend(piece, r.dst, group=group, tag=_tag(direction, mb, chunk, r.piece))
         comms.pending_sends.append((work, piece))  # keep the buffer alive until sent
 
 
@@ -501,7 +502,8 @@ class PendingRecv:
 
 
 def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: torch.dtype,
-                  direction: int, mb: int, chunk: int, streams: Streams = NO_STREAMS) -> PendingRecv:
+                  direction: int, mb: int, chunk: int, streams: Streams = NO_STREAMS,
+                  group: dist.ProcessGroup | None = None) -> PendingRecv:
     """Post the receive of this rank's piece (non-blocking); ``wait()`` on the result to use it.
 
     On CUDA the buffer is allocated and the receive posted on the p2p stream, so the receive does
@@ -514,11 +516,11 @@ def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: tor
     tag = _tag(direction, mb, chunk, route.piece)
     if stages_through_host(comms.device):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, pin_memory=comms.device.type == "cuda")
-        work = dist.irecv(buf, route.src, tag=tag)
+        work = dist.irecv(buf, route.src, group=group, tag=tag)
         return PendingRecv(work, buf, route, shape, device=comms.device, streams=streams)
     with streams.use(streams.p2p):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
-        work = dist.irecv(buf, route.src, tag=tag)
+        work = dist.irecv(buf, route.src, group=group, tag=tag)
     return PendingRecv(work, buf, route, shape, streams=streams)
 
 

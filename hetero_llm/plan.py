@@ -2,7 +2,10 @@
 
 Rank numbering: pipelines in order, their stages in order, each stage's devices in order.
 Every communicator is listed once in ``Plan.groups`` in one deterministic order, and every rank
-creates all of them in that order (lazily created groups deadlock).
+creates all of them in that order (lazily created groups deadlock): the TP group of every stage, two
+point-to-point groups per stage boundary (one per direction of data), and one group per gradient-sync
+bucket. Each gets its members' network domain as transport (Holmes): a boundary inside a domain uses
+that domain's fabric, only a boundary between domains the cross-domain network.
 
 Gradient sync across pipelines that shard a parameter differently (HexiScale, generalized): the
 shards of one parameter are cut at every shard boundary of every holder (the common refinement),
@@ -167,7 +170,7 @@ class Plan:
 
     @property
     def world(self) -> Group:
-        """The default group: every rank; it carries the stage-boundary p2p and the logged-loss reduction."""
+        """The default group: every rank; it carries the rendezvous barrier and the logged-loss reduction."""
         ranks = tuple(r.rank for r in self.ranks)
         return Group("world", ranks, transport_of(self.layout, [r.node for r in self.ranks]))
 
@@ -209,7 +212,8 @@ def compile_plan(layout: Layout) -> Plan:
             stages.append(StagePlan(pi, si, tuple(members), ranges[si], n))
         schedules.append(tuple(tuple(a) for a in pipeline_schedule(layout, pi)))
 
-    routes_f, routes_b = _boundary_routes(stages, wrap=chunks > 1)
+    pairs = _boundary_pairs(stages, wrap=chunks > 1)
+    routes_f, routes_b = _boundary_routes(pairs)
     buckets = _grad_buckets(layout, stages)
     node_of = [r.node for r in ranks]
 
@@ -217,6 +221,9 @@ def compile_plan(layout: Layout) -> Plan:
         return Group(name, members, transport_of(layout, [node_of[r] for r in members]))
 
     groups = [group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
+    for a, b in pairs:
+        members = tuple(sorted(a.ranks + b.ranks))
+        groups += [group(p2p_group_name("fwd", a, b), members), group(p2p_group_name("bwd", b, a), members)]
     groups += [group(b.name, b.group) for b in buckets]
     return Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
                 tuple(routes_f), tuple(routes_b))
@@ -266,12 +273,28 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
     return lowered
 
 
-def _boundary_routes(stages: list[StagePlan], wrap: bool) -> tuple[list[Route], list[Route]]:
-    """Routes between consecutive stages of each pipeline, plus last -> first when chunks wrap around."""
-    fwd, bwd = [], []
+def p2p_group_name(direction: str, src: StagePlan, dst: StagePlan) -> str:
+    """The group carrying ``direction`` ('fwd': activations, 'bwd': their gradients) from ``src`` to ``dst``.
+
+    One group per boundary and direction, not one per boundary: NCCL matches sends to receives by
+    order on a communicator and runs them one after the other, so activations one way and gradients
+    the other way on one communicator can wait for each other (1F1B sends a forward while the peer
+    sends a gradient back); on separate communicators each stream keeps its own order.
+    """
+    return f"p2p_{direction}[{src.label}->{dst.label}]"
+
+
+def _boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan, StagePlan]]:
+    """(sender, receiver) of activations: consecutive stages of each pipeline, plus last -> first when
+    model chunks wrap around (interleaved schedules)."""
     pairs = [(a, b) for a, b in zip(stages, stages[1:]) if a.pipeline == b.pipeline]
     if wrap:
         pairs += [(s, next(f for f in stages if f.pipeline == s.pipeline and f.first)) for s in stages if s.last]
+    return pairs
+
+
+def _boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Route], list[Route]]:
+    fwd, bwd = [], []
     for a, b in pairs:
         senders, receivers = a.ranks, b.ranks
         fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]

@@ -28,7 +28,7 @@ from hetero_llm import comm
 from hetero_llm.layout import ModelSpec
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
                                stage_forward, token_loss_sum)
-from hetero_llm.plan import Plan, Route, StagePlan
+from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, peer
 
 FWD, BWD = 0, 1
@@ -36,10 +36,13 @@ FWD, BWD = 0, 1
 
 @attrs.frozen
 class StageRoutes:
+    """This rank's pieces of the stage boundaries, and the plan group each direction travels in."""
+
     recv_f: Route | None
     send_f: tuple[Route, ...]
     recv_b: Route | None
     send_b: tuple[Route, ...]
+    groups: dict = attrs.field(factory=dict)  # "recv_f" | "send_f" | "recv_b" | "send_b" -> plan group name
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "StageRoutes":
@@ -47,8 +50,15 @@ class StageRoutes:
             mine = [r for r in routes if r.dst == rank]
             return mine[0] if mine else None
 
-        return cls(one(plan.routes_f), tuple(r for r in plan.routes_f if r.src == rank),
-                   one(plan.routes_b), tuple(r for r in plan.routes_b if r.src == rank))
+        recv_f, recv_b = one(plan.routes_f), one(plan.routes_b)
+        send_f = tuple(r for r in plan.routes_f if r.src == rank)
+        send_b = tuple(r for r in plan.routes_b if r.src == rank)
+        groups = {}
+        for key, direction, route in (("recv_f", "fwd", recv_f), ("send_f", "fwd", send_f[0] if send_f else None),
+                                      ("recv_b", "bwd", recv_b), ("send_b", "bwd", send_b[0] if send_b else None)):
+            if route is not None:
+                groups[key] = p2p_group_name(direction, plan.stage_of(route.src), plan.stage_of(route.dst))
+        return cls(recv_f, send_f, recv_b, send_b, groups)
 
 
 @attrs.define
@@ -137,6 +147,11 @@ class StageRunner:
         _, match = peer(self.stage.stage, a, self.stage.num_stages, chunks=self.chunks)
         return match.mb, match.chunk
 
+    def _group(self, side: str):
+        """The process group of one side of this stage's boundaries (None: the default group)."""
+        name = self.routes.groups.get(side)
+        return self.comms.groups.get(name) if name is not None else None
+
     def _clock(self) -> float:
         """``perf_counter``; on CUDA, when tracing or emulating, once the device has done what was issued,
         so the times are the device's (this gives up the overlap of host and device while it is on)."""
@@ -165,10 +180,10 @@ class StageRunner:
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         if a.kind is Kind.RECV_F:
             s["recvs"][(FWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
-                                                        FWD, a.mb, a.chunk, self.streams)
+                                                        FWD, a.mb, a.chunk, self.streams, self._group("recv_f"))
         elif a.kind is Kind.RECV_B:
             s["recvs"][(BWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
-                                                        BWD, a.mb, a.chunk, self.streams)
+                                                        BWD, a.mb, a.chunk, self.streams, self._group("recv_b"))
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
@@ -180,11 +195,12 @@ class StageRunner:
             self._weight_grads.flush(key)
         elif a.kind is Kind.SEND_F:
             mb, chunk = self._peer_tag(a)
-            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams)
+            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams,
+                               self._group("send_f"))
         elif a.kind is Kind.SEND_B:
             mb, chunk = self._peer_tag(a)
             comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
-                               self.streams)
+                               self.streams, self._group("send_b"))
         else:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:

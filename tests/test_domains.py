@@ -135,23 +135,39 @@ TWO_BY_TWO = {"a0": ("ib0", 1), "a1": ("ib0", 1), "b0": ("eth", 1), "b1": ("eth"
 
 
 def test_holmes_layout_keeps_gradient_sync_inside_domains():
-    """DP inside domains, pipeline boundaries across: grad sync per domain, the world (p2p) cross-domain."""
+    """DP inside domains, pipeline boundaries across: grad sync per domain, stage boundaries cross-domain."""
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["b0:0"]]), (2, [["a1:0"], ["b1:0"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": "ib0", "grad_sync[1,3]": "eth"}
+    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": "ib0", "grad_sync[1,3]": "eth",
+                               "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN, "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN,
+                               "p2p_fwd[p1.s0->p1.s1]": CROSS_DOMAIN, "p2p_bwd[p1.s1->p1.s0]": CROSS_DOMAIN}
 
 
 def test_naive_layout_syncs_gradients_across_domains():
-    """One pipeline per domain: DP groups span domains, so every grad-sync group goes cross-domain."""
+    """One pipeline per domain: DP groups span domains, so every grad-sync group goes cross-domain (and each
+    pipeline's stage boundary stays inside its domain)."""
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["a1:0"]]), (2, [["b0:0"], ["b1:0"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": CROSS_DOMAIN, "grad_sync[1,3]": CROSS_DOMAIN}
+    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": CROSS_DOMAIN, "grad_sync[1,3]": CROSS_DOMAIN,
+                               "p2p_fwd[p0.s0->p0.s1]": "ib0", "p2p_bwd[p0.s1->p0.s0]": "ib0",
+                               "p2p_fwd[p1.s0->p1.s1]": "eth", "p2p_bwd[p1.s1->p1.s0]": "eth"}
+
+
+def test_stage_boundaries_inside_a_domain_use_it_and_only_the_crossing_goes_cross_domain():
+    """One pipeline over four nodes, two per domain: a0 -> a1 (ib0) -> b0 (across) -> b1 (eth)."""
+    lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["a1:0"], ["b0:0"], ["b1:0"]])])
+    got = {name: t for name, t in transports(lay).items() if name.startswith("p2p")}
+    assert got == {"p2p_fwd[p0.s0->p0.s1]": "ib0", "p2p_bwd[p0.s1->p0.s0]": "ib0",
+                   "p2p_fwd[p0.s1->p0.s2]": CROSS_DOMAIN, "p2p_bwd[p0.s2->p0.s1]": CROSS_DOMAIN,
+                   "p2p_fwd[p0.s2->p0.s3]": "eth", "p2p_bwd[p0.s3->p0.s2]": "eth"}
 
 
 def test_tp_groups_inside_a_node_use_its_domain_and_a_tp_group_across_domains_does_not():
     nodes = {"a0": ("ib0", 2), "b0": ("eth", 2)}
     lay = make(nodes, [(2, [["a0:0", "a0:1"], ["b0:0", "b0:1"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "tp[p0.s0]": "ib0", "tp[p0.s1]": "eth"}
+    assert transports(lay) == {"world": CROSS_DOMAIN, "tp[p0.s0]": "ib0", "tp[p0.s1]": "eth",
+                               "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN, "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN}
     lay = make(nodes, [(2, [["a0:0", "b0:0"], ["a0:1", "b0:1"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "tp[p0.s0]": CROSS_DOMAIN, "tp[p0.s1]": CROSS_DOMAIN}
+    assert {name: t for name, t in transports(lay).items() if not name.startswith("p2p")} == {
+        "world": CROSS_DOMAIN, "tp[p0.s0]": CROSS_DOMAIN, "tp[p0.s1]": CROSS_DOMAIN}
 
 
 def test_everything_in_one_domain_uses_that_domain_even_the_world():
@@ -217,7 +233,7 @@ def test_missing_interface_falls_back_to_the_default(monkeypatch):
     from hetero_llm import comm
 
     plan = compile_plan(layout.load(HOLMES))
-    grad = plan.groups[0]
+    grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
     assert not comm.has_interface("dom0")  # not on a plain host (the testbed's namespaces have it)
     assert "GLOO_SOCKET_IFNAME" not in comm.group_env(plan, 0, grad)
     assert comm.group_env(plan, 0, grad)["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
@@ -233,10 +249,11 @@ def test_network_env_is_restored(monkeypatch):
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.delenv("NCCL_IB_HCA", raising=False)
     monkeypatch.setattr(comm, "has_interface", lambda name: True)
-    with comm._network_env(plan, 0, plan.groups[0]):
+    grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
+    with comm._network_env(plan, 0, grad):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "dom0" and os.environ["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and "NCCL_IB_HCA" not in os.environ
-    with comm._network_env(plan, 1, plan.groups[0]):  # rank 1 is not in grad_sync[0,2]: nothing to set
+    with comm._network_env(plan, 1, grad):  # rank 1 is not in grad_sync[0,2]: nothing to set
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
 
 

@@ -2,8 +2,8 @@
 over its transport's interface. Needs root and network namespaces (skipped otherwise, with the reason).
 
 Counted in bytes each node sent: a NIC-aware layout (DP inside domains, the pipeline boundary across)
-sends its gradient sync over dom0 and only activations over xdom; a naive one (DP across domains)
-sends the gradient sync over xdom. This is what the per-group GLOO_SOCKET_IFNAME binding in
+sends its gradient sync over dom0 and only activations over xdom; a naive one (DP across domains, each
+pipeline inside one domain) sends the gradient sync over xdom and its activations over dom0. This is what the per-group GLOO_SOCKET_IFNAME binding in
 ``comm.init`` buys; without it every byte would take the default group's interface.
 """
 
@@ -64,7 +64,12 @@ def test_gradient_sync_takes_the_domain_fabric_only_when_dp_stays_in_domains(lay
     # every parameter is summed once per step across the two pipelines: ~ its bytes, both ways
     params_mb = 4 * sum(_numel(p.shape) for p in _all_params(lay)) / 1e6
     assert a.sent_mb["dom0"] > params_mb and a.sent_mb["xdom"] < params_mb / 4, a.sent_mb
-    assert b.sent_mb["xdom"] > params_mb and b.sent_mb["dom0"] < 0.01, b.sent_mb
+    # naive: the gradient sync crosses domains; each pipeline's stage boundary stays in its domain, so dom0
+    # carries the ib pipeline's activations and their gradients (2 steps, both directions) and nothing more
+    naive = layout.load(naive)
+    m = naive.model
+    boundary_mb = 2 * 2 * naive.pipelines[0].batch * m.seq_len * m.hidden * 4 / 1e6
+    assert b.sent_mb["xdom"] > params_mb and boundary_mb <= b.sent_mb["dom0"] < 2 * boundary_mb, (b.sent_mb, boundary_mb)
     assert a.tokens_per_s > 0 and b.tokens_per_s > 0
     assert "warning: " not in a.stderr + b.stderr  # dom0 and xdom exist in the namespaces: no fallback
 

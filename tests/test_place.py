@@ -69,8 +69,12 @@ def check_rules(lay) -> None:
     c = lay.cluster
     for st in plan.stages:  # TP inside a node
         assert len({plan.ranks[r].node for r in st.ranks}) == 1, st
-    for g in plan.groups:  # DP (and TP) inside a domain
-        assert g.transport != CROSS_DOMAIN, g
+    for g in plan.groups:  # DP (and TP) inside a domain; stage boundaries cross domains only where they change
+        if g.name.startswith("p2p"):
+            domains = {c.domain_of(plan.ranks[r].node) for r in g.ranks}
+            assert (g.transport == CROSS_DOMAIN) == (len(domains) > 1), g
+        else:
+            assert g.transport != CROSS_DOMAIN, g
     domains_used = {c.domain_of(plan.ranks[r].node) for r in range(plan.world_size)}
     for pi in range(len(lay.pipelines)):  # one cross-domain boundary per domain change
         seq = [c.domain_of(plan.ranks[s.ranks[0]].node) for s in plan.stages if s.pipeline == pi]

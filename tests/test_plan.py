@@ -12,10 +12,11 @@ import subprocess
 import sys
 from collections import Counter
 
+import attrs
 import pytest
 
 from hetero_llm import schedule as sched
-from hetero_llm.layout import loads
+from hetero_llm.layout import Schedule, loads
 from hetero_llm.params import all_params
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan, describe
 
@@ -301,10 +302,12 @@ def test_grad_buckets_tp2_vs_tp3_common_refinement():
 
 def test_single_pipeline_tp1_has_no_buckets():
     plan = compile_plan(make([(4, 2, [(1, 1), (2, 1), (1, 1)])]))
-    assert plan.buckets == () and plan.groups == ()
-    text = describe(plan)
-    assert "  (none besides the world group)" in text
-    assert "  (none: a single pipeline holds every parameter once)" in text
+    assert plan.buckets == ()
+    assert plan.groups == (Group("p2p_fwd[p0.s0->p0.s1]", (0, 1)), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1)),
+                           Group("p2p_fwd[p0.s1->p0.s2]", (1, 2)), Group("p2p_bwd[p0.s2->p0.s1]", (1, 2)))
+    assert "  (none: a single pipeline holds every parameter once)" in describe(plan)
+    one = compile_plan(make([(4, 2, [(4, 1)])]))
+    assert one.groups == () and "  (none besides the world group)" in describe(one)
 
 
 # ------------------------------------------------------------------------------------ groups, describe
@@ -318,12 +321,22 @@ def test_groups_in_one_deterministic_order():
     assert plan == compile_plan(make(TP_MIX))  # compile twice (from a fresh load) -> identical
     names = [g.name for g in plan.groups]
     assert len(set(names)) == len(names)
-    # TP groups in stage order, then one group per bucket in sorted rank order
+    # TP groups in stage order, the p2p groups of each boundary (activations, gradients), then one group
+    # per bucket in sorted rank order
     assert list(plan.groups[:2]) == [Group("tp[p0.s0]", (0, 1)), Group("tp[p1.s0]", (3, 4, 5))]
-    assert list(plan.groups[2:]) == [Group(b.name, b.group) for b in plan.buckets]
+    assert list(plan.groups[2:4]) == [Group("p2p_fwd[p0.s0->p0.s1]", (0, 1, 2)), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1, 2))]
+    assert list(plan.groups[4:]) == [Group(b.name, b.group) for b in plan.buckets]
     assert [b.group for b in plan.buckets] == sorted(b.group for b in plan.buckets)
     assert all(isinstance(b, GradBucket) and len(b.group) > 1 for b in plan.buckets)
     _check_refinement(plan)
+
+
+def test_interleaved_wrap_gets_its_own_p2p_groups():
+    """Two stages, two chunks: activations flow s0 -> s1 and (the wrap) s1 -> s0, gradients back both ways."""
+    lay = make([(4, 2, [(2, 1), (2, 1)])])
+    plan = compile_plan(attrs.evolve(lay, train=attrs.evolve(lay.train, schedule=Schedule.INTERLEAVED, chunks=2)))
+    assert [g.name for g in plan.groups] == ["p2p_fwd[p0.s0->p0.s1]", "p2p_bwd[p0.s1->p0.s0]",
+                                             "p2p_fwd[p0.s1->p0.s0]", "p2p_bwd[p0.s0->p0.s1]"]
 
 
 def test_groups_do_not_depend_on_the_hash_seed():
