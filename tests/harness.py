@@ -12,6 +12,7 @@ from pathlib import Path
 import attrs
 import torch
 
+from hetero_llm import checkpoint
 from hetero_llm.train import load_full_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +34,7 @@ class RunResult:
     params: dict[str, torch.Tensor]
     stdout: str
     stderr: str
+    workdir: Path | None = None  # where metrics.jsonl and the checkpoint root ckpt/ are
 
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
@@ -46,17 +48,18 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
     assert_copies_agree(ckpt)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(ckpt)),
-                     proc.stdout, proc.stderr)
+                     proc.stdout, proc.stderr, workdir)
 
 
 def assert_copies_agree(ckpt: Path) -> None:
     """Every copy of every parameter element (TP replicas, other pipelines' shards) is bitwise equal.
 
     Holders of a block get the same summed gradient and run the same elementwise AdamW, so any
-    difference means a block was not synced (or replicas drifted).
+    difference means a block was not synced (or replicas drifted). ``ckpt``: the newest save of a root.
     """
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
-    for path in sorted(ckpt.glob("rank*.pt")):
+    saved = checkpoint.find(ckpt)
+    for path in (saved.rank_file(r) for r in range(saved.world_size)):
         for name, shard in torch.load(path)["shards"].items():
             dim, lo, hi, shape = shard["coords"]
             if name not in seen:
