@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -11,8 +12,10 @@ from pathlib import Path
 
 import attrs
 import torch
+from click.testing import CliRunner
 
 from hetero_llm import checkpoint
+from hetero_llm.cli import main
 from hetero_llm.train import load_full_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,6 +38,26 @@ class RunResult:
     stdout: str
     stderr: str
     workdir: Path | None = None  # where metrics.jsonl and the checkpoint root ckpt/ are
+
+
+def invoke_cli(*args):
+    """``hetero-launch ARGS`` in this process (click's CliRunner), stdout and stderr apart."""
+    # click < 8.2 mixes stderr into output unless told not to; 8.2 removed the flag and always separates
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
+        runner = CliRunner(mix_stderr=False)
+    else:
+        runner = CliRunner()
+    return runner.invoke(main, [str(a) for a in args])
+
+
+def assert_one_error_line(result, expected: str) -> None:
+    """``result`` (of invoke_cli) is exactly the line ``error: expected`` on stderr, and exit code 2."""
+    # CliRunner catches exceptions rather than printing them: an unexpected one shows here, not as a traceback
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert result.stderr == f"error: {expected}\n"
+    assert result.exit_code == 2
 
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
