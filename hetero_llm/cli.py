@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from hetero_llm import layout as layout_mod
+from hetero_llm import checkpoint as checkpoint_mod, layout as layout_mod
 from hetero_llm.errors import LayoutError, RankFailure
 
 
@@ -22,11 +22,17 @@ from hetero_llm.errors import LayoutError, RankFailure
 @click.option("--metrics-jsonl", type=click.Path(dir_okay=False), default=None,
               help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).")
 @click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
-              help="Save the final parameters here (one shard file per rank, keyed by global names).")
+              help="Save parameters and AdamW state here, into DIR/step-NNNNNN (one shard file per rank, "
+                   "keyed by global names: any layout of the model can resume it).")
+@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, metavar="N",
+              help="Also save every N steps (default 0: at the end only).")
+@click.option("--resume", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder.")
 @click.option("--trace", type=click.Path(file_okay=False), default=None,
               help="Record every action's start and end per rank into this directory.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
-def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, trace, quiet):
+def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
+         quiet):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm import launch
     from hetero_llm.plan import compile_plan, describe
@@ -34,7 +40,11 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     try:
         lay = layout_mod.load(layout_file, overrides)
         plan = compile_plan(lay)
-        options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, trace, quiet)
+        if checkpoint_every and not checkpoint:
+            raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
+        if resume:  # checked here, before any rank starts; every rank then reads the same step folder
+            resume = str(checkpoint_mod.for_resume(resume, lay).path)
+        options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
         if dry_run:
             click.echo(describe(plan))
             return

@@ -1,4 +1,4 @@
-"""Library error types. The CLI turns a ``LayoutError`` into one line and exit code 2."""
+"""Library error types. The CLI turns a ``LayoutError`` (``CheckpointError`` included) into one line and exit code 2."""
 
 from __future__ import annotations
 
@@ -19,6 +19,10 @@ class LayoutError(HeteroError):
     def __str__(self) -> str:
         where = f"{self.file}: {self.path}" if self.path else self.file
         return f"{where}: {self.message}"
+
+
+class CheckpointError(LayoutError):
+    """A checkpoint that cannot be resumed, located like bad layout: ``DIR: --resume: what is wrong (and the fix)``."""
 
 
 class ScheduleError(HeteroError):

@@ -33,6 +33,8 @@ class RunOptions:
     overrides: tuple[str, ...] = ()
     metrics_jsonl: str | None = None
     checkpoint: str | None = None
+    checkpoint_every: int = 0  # save every N steps as well as at the end; 0: at the end only
+    resume: str | None = None  # the step folder to resume from (the CLI resolves a checkpoint root to one)
     trace: str | None = None
     quiet: bool = False
 
@@ -41,7 +43,8 @@ class RunOptions:
         for o in self.overrides:
             args += ["--set", o]
         for flag, value in (("--metrics-jsonl", self.metrics_jsonl), ("--checkpoint", self.checkpoint),
-                            ("--trace", self.trace)):
+                            ("--checkpoint-every", self.checkpoint_every and str(self.checkpoint_every)),
+                            ("--resume", self.resume), ("--trace", self.trace)):
             if value:
                 args += [flag, value]
         return args + (["--quiet"] if self.quiet else [])
@@ -163,7 +166,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         events: list | None = [] if options.trace else None
         try:
             train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
-                  trace=events, quiet=options.quiet)
+                  checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events, quiet=options.quiet)
             if options.trace:
                 tracing.write_rank_trace(options.trace, plan, rank, events)
         finally:

@@ -20,20 +20,21 @@ class AdamW:
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.steps = 0
-        self.exp_avg = [[torch.zeros_like(p) for p in g["params"]] for g in self.param_groups]
-        self.exp_avg_sq = [[torch.zeros_like(p) for p in g["params"]] for g in self.param_groups]
+        # Keyed by parameter with torch.optim.AdamW's names, so a checkpoint reads and writes both alike.
+        self.state = {p: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                      for g in self.param_groups for p in g["params"]}
 
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
         bias1 = 1 - self.beta1 ** self.steps
         bias2_sqrt = math.sqrt(1 - self.beta2 ** self.steps)
-        for group, m, v in zip(self.param_groups, self.exp_avg, self.exp_avg_sq):
+        for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            keep = [i for i, p in enumerate(group["params"]) if p.grad is not None]
-            m, v = [m[i] for i in keep], [v[i] for i in keep]
+            m = [self.state[p]["exp_avg"] for p in params]
+            v = [self.state[p]["exp_avg_sq"] for p in params]
             grads = [p.grad for p in params]
             lr = group["lr"]
             if group["weight_decay"]:

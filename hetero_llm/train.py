@@ -1,4 +1,4 @@
-"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints."""
+"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints, resuming."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Iterable
 
 import attrs
 import numpy as np
 import torch
 
-from hetero_llm import comm, data
-from hetero_llm.errors import RankFailure
+from hetero_llm import checkpoint, comm, data
+from hetero_llm.checkpoint import Checkpoint
+from hetero_llm.errors import CheckpointError, RankFailure
 from hetero_llm.optim import AdamW
 from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
@@ -55,12 +57,15 @@ class RankState:
     decay: dict[str, bool]
 
 
-def init_state(plan: Plan, rank: int, device: torch.device) -> RankState:
+def init_state(plan: Plan, rank: int, device: torch.device,
+               initial: dict[str, torch.Tensor] | None = None) -> RankState:
+    """``rank``'s shards: ``initial`` (restored from a checkpoint) where given, else initialized from the seed."""
     model, seed = plan.layout.model, plan.layout.train.seed
     tp = plan.stage_of(rank).tp
     params, coords, replicas, decay = {}, {}, {}, {}
     for info, lo, hi in plan.params_of(rank):
-        params[info.name] = init_shard(info, model, seed, lo, hi).to(device).requires_grad_()
+        shard = initial[info.name] if initial is not None else init_shard(info, model, seed, lo, hi)
+        params[info.name] = shard.to(device).requires_grad_()
         coords[info.name] = (info.shard_dim, lo, hi, info.shape)
         replicas[info.name] = tp if info.shard_dim is None else 1
         decay[info.name] = info.decay
@@ -124,6 +129,27 @@ def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer
     return AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
 
 
+def _optimizer_steps(optimizer: torch.optim.Optimizer | AdamW) -> int:
+    """Steps taken: ours counts them once; torch's keeps a ``step`` tensor per parameter (all equal)."""
+    if isinstance(optimizer, AdamW):
+        return optimizer.steps
+    return int(next(iter(optimizer.state.values()))["step"])
+
+
+def _restore_optimizer(optimizer: torch.optim.Optimizer | AdamW, params: dict[str, torch.Tensor],
+                       moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
+    """Give every parameter its saved ``exp_avg`` / ``exp_avg_sq`` and the optimizer its step count."""
+    if isinstance(optimizer, AdamW):
+        optimizer.steps = steps
+    for name, p in params.items():
+        entry = {key: moments[key][name].to(p.device) for key in ("exp_avg", "exp_avg_sq")}
+        if not isinstance(optimizer, AdamW):
+            # torch's creates a parameter's state at its first step only when absent; fused keeps the
+            # step count as a float32 tensor on the parameter's device.
+            entry["step"] = torch.tensor(float(steps), dtype=torch.float32, device=p.device)
+        optimizer.state[p] = entry
+
+
 def stage_compute(plan: Plan, rank: int, device: torch.device) -> Compute:
     """How ``rank``'s stage computes: train.precision, its stage's recompute (else train.recompute), train.compile."""
     tr = plan.layout.train
@@ -149,6 +175,7 @@ class Progress:
     """Console progress on the reporting rank: step, loss, tokens/s, ETA."""
 
     total: int
+    first: int = 0  # the step this run starts at (a resumed run's ETA counts only its own steps)
     out: object = sys.stdout
     started: float = attrs.field(factory=time.perf_counter)
     tokens: int = 0
@@ -157,18 +184,28 @@ class Progress:
         self.tokens += m.tokens
         elapsed = time.perf_counter() - self.started
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        eta = elapsed / (m.step + 1) * (self.total - m.step - 1)
+        eta = elapsed / (m.step + 1 - self.first) * (self.total - m.step - 1)
         print(f"step {m.step + 1:>5}/{self.total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
               f"| {rate / 1e3:.1f}k tok/s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", file=self.out, flush=True)
 
 
 def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None = None,
-          checkpoint_dir: str | None = None, trace: list | None = None, quiet: bool = False) -> list[StepMetrics]:
+          checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
+          trace: list | None = None, quiet: bool = False) -> list[StepMetrics]:
+    """Train ``rank`` to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps (0: at the
+    end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root)."""
     lay = plan.layout
     tr, model = lay.train, lay.model
     device = comms.device
-    state = init_state(plan, rank, device)
+    reporting = rank == plan.reporter()
+    restored = restore(plan, rank, resume) if resume else None
+    if restored and reporting and not quiet:
+        print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
+    first = restored.step if restored else 0
+    state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
     optimizer = _make_optimizer(state, tr)
+    if restored:
+        _restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
     st = plan.stage_of(rank)
     compute = stage_compute(plan, rank, device)
     streams = comm.Streams(device)
@@ -178,13 +215,12 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     source = data.make_source(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len
-    reporting = rank == plan.reporter()
     contributes_loss = st.last and plan.ranks[rank].tp_index == 0
-    metrics_file = _open_metrics(metrics_path) if reporting and metrics_path else None
-    progress = Progress(tr.steps) if reporting and not quiet else None
+    metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
+    progress = Progress(tr.steps, first) if reporting and not quiet else None
     history = []
     try:
-        for step in range(tr.steps):
+        for step in range(first, tr.steps):
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
             batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
@@ -211,17 +247,27 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                 progress.update(m)
             elif progress is not None:
                 progress.tokens += m.tokens
+            done = step + 1
+            if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
+                save_checkpoint(plan, rank, state, optimizer, checkpoint_dir, done)
     finally:
         if metrics_file is not None:
             os.close(metrics_file)
-    if checkpoint_dir:
-        save_checkpoint(plan, rank, state, checkpoint_dir, tr.steps)
     return history
 
 
-def _open_metrics(path: str) -> int:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def _open_metrics(path: str, first_step: int) -> int:
+    """Open the metrics file for writing. A resumed run keeps the records of the steps before it and drops
+    later ones: a run that crashed after its last save trained those steps, and they are trained again."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if first_step and p.exists():
+        kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] < first_step]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if kept:
+        os.write(fd, ("\n".join(kept) + "\n").encode())
+    return fd
 
 
 def _append_line(fd: int, line: str) -> None:
@@ -230,43 +276,93 @@ def _append_line(fd: int, line: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# Checkpoints: per-rank shard files keyed by global names, written atomically; meta.json last.
+# Checkpoints (folders and completeness: checkpoint.py). Each rank file holds that rank's shards keyed by
+# global names with their coordinates, so a rank of any layout of the same model finds its slices in them.
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def save_checkpoint(plan: Plan, rank: int, state: RankState, directory: str, step: int) -> None:
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    shards = {name: {"tensor": p.detach().cpu(), "coords": state.coords[name]} for name, p in state.params.items()}
-    _atomic_save({"rank": rank, "step": step, "shards": shards}, out / f"rank{rank}.pt")
-    comm.barrier()  # every shard is on disk before meta.json marks the checkpoint complete
+def save_checkpoint(plan: Plan, rank: int, state: RankState, optimizer: torch.optim.Optimizer | AdamW,
+                    root: str, step: int) -> None:
+    """Save ``rank``'s shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step)."""
+    folder = checkpoint.step_folder(root, step)
     if rank == 0:
-        meta = {"step": step, "world_size": plan.world_size, "layout": plan.layout.file}
-        tmp = out / "meta.json.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, out / "meta.json")
+        checkpoint.begin_save(folder)
+    comm.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = {}
+    for name, p in state.params.items():
+        moments = optimizer.state[p]
+        shards[name] = {"tensor": p.detach().cpu(), "coords": state.coords[name],
+                        **{key: moments[key].detach().cpu() for key in MOMENTS}}
+    saved = {"rank": rank, "step": step, "optimizer_steps": _optimizer_steps(optimizer), "shards": shards}
+    checkpoint.write_atomically(checkpoint.rank_file(folder, rank), lambda f: torch.save(saved, f))
+    comm.barrier()  # every rank's file is on disk before meta.json marks the save complete
+    if rank == 0:
+        checkpoint.finish_save(folder, step, plan.world_size, plan.layout)
+
+
+@attrs.frozen
+class Restored:
+    """What ``rank`` resumes from: its slices of the saved parameters and AdamW moments."""
+
+    path: Path  # the step folder
+    step: int
+    optimizer_steps: int
+    shards: dict[str, dict[str, torch.Tensor]]  # "tensor" (the parameter) | "exp_avg" | "exp_avg_sq" -> name -> slice
+
+
+def restore(plan: Plan, rank: int, path: str) -> Restored:
+    """``rank``'s shards cut from the save ``path`` names (a step folder or a checkpoint root's newest), whatever
+    layout saved it."""
+    ckpt = checkpoint.for_resume(path, plan.layout)
+    ranges = {info.name: (lo, hi) for info, lo, hi in plan.params_of(rank)}
+    files = [_load_rank_file(ckpt, r) for r in range(ckpt.world_size)]
+    steps = {f["optimizer_steps"] for f in files}
+    if len(steps) != 1:
+        raise CheckpointError(str(ckpt.path), "--resume", f"rank files disagree on the optimizer step "
+                              f"({sorted(steps)}): the save is damaged; resume from another step folder")
+    return Restored(ckpt.path, ckpt.step, steps.pop(), _assemble(files, ranges, ("tensor", *MOMENTS), ckpt.path))
+
+
+def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
+    # Memory-mapped: only the slices a rank copies out are read from disk.
+    return torch.load(ckpt.rank_file(rank), mmap=True, weights_only=True)
+
+
+def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], keys: tuple[str, ...],
+              folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """For each name in ``ranges``, its [lo, hi) slice along its shard dim (None: the full tensor) of each of
+    ``keys``, copied from the overlapping shards of ``folder``'s rank files."""
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
+    covered: dict[str, torch.Tensor] = {}  # name -> which of its [lo, hi) rows some saved shard filled
+    for saved in files:
+        for name, shard in saved["shards"].items():
+            if name not in ranges:
+                continue
+            dim, shard_lo, shard_hi, shape = shard["coords"]
+            dim = 0 if dim is None else dim  # a replicated tensor: the whole of dim 0
+            lo, hi = ranges[name] or (0, shape[dim])
+            if name not in covered:
+                size = tuple(hi - lo if d == dim else n for d, n in enumerate(shape))
+                for key in keys:
+                    out[key][name] = torch.empty(size)
+                covered[name] = torch.zeros(hi - lo, dtype=torch.bool)
+            a, b = max(lo, shard_lo), min(hi, shard_hi)
+            if a >= b:
+                continue
+            for key in keys:
+                out[key][name].narrow(dim, a - lo, b - a).copy_(shard[key].narrow(dim, a - shard_lo, b - a))
+            covered[name][a - lo:b - lo] = True
+    for name in ranges:
+        if name not in covered or not covered[name].all():
+            raise CheckpointError(str(folder), "--resume", f"{name}: part of it is in no rank file (the save is "
+                                  "damaged); resume from another step folder")
+    return out
 
 
 def load_full_params(directory: str) -> dict[str, torch.Tensor]:
-    """Assemble full (one-process) tensors from any layout's checkpoint."""
-    d = Path(directory)
-    meta = json.loads((d / "meta.json").read_text())
-    full: dict[str, torch.Tensor] = {}
-    for r in range(meta["world_size"]):
-        for name, shard in torch.load(d / f"rank{r}.pt")["shards"].items():
-            dim, lo, hi, shape = shard["coords"]
-            if name not in full:
-                full[name] = torch.full(tuple(shape), float("nan"))
-            if dim is None:
-                full[name].copy_(shard["tensor"])
-            else:
-                full[name].narrow(dim, lo, hi - lo).copy_(shard["tensor"])
-    return full
+    """Full (one-process) parameters from any layout's save: a step folder, or a checkpoint root's newest."""
+    ckpt = checkpoint.find(directory)
+    files = (_load_rank_file(ckpt, r) for r in range(ckpt.world_size))
+    return _assemble(files, dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)["tensor"]

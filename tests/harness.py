@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -11,7 +12,10 @@ from pathlib import Path
 
 import attrs
 import torch
+from click.testing import CliRunner
 
+from hetero_llm import checkpoint
+from hetero_llm.cli import main
 from hetero_llm.train import load_full_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +37,27 @@ class RunResult:
     params: dict[str, torch.Tensor]
     stdout: str
     stderr: str
+    workdir: Path | None = None  # where metrics.jsonl and the checkpoint root ckpt/ are
+
+
+def invoke_cli(*args):
+    """``hetero-launch ARGS`` in this process (click's CliRunner), stdout and stderr apart."""
+    # click < 8.2 mixes stderr into output unless told not to; 8.2 removed the flag and always separates
+    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
+        runner = CliRunner(mix_stderr=False)
+    else:
+        runner = CliRunner()
+    return runner.invoke(main, [str(a) for a in args])
+
+
+def assert_one_error_line(result, expected: str) -> None:
+    """``result`` (of invoke_cli) is exactly the line ``error: expected`` on stderr, and exit code 2."""
+    # CliRunner catches exceptions rather than printing them: an unexpected one shows here, not as a traceback
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+    assert result.stderr == f"error: {expected}\n"
+    assert result.exit_code == 2
 
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
@@ -46,17 +71,18 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
     assert_copies_agree(ckpt)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(ckpt)),
-                     proc.stdout, proc.stderr)
+                     proc.stdout, proc.stderr, workdir)
 
 
 def assert_copies_agree(ckpt: Path) -> None:
     """Every copy of every parameter element (TP replicas, other pipelines' shards) is bitwise equal.
 
     Holders of a block get the same summed gradient and run the same elementwise AdamW, so any
-    difference means a block was not synced (or replicas drifted).
+    difference means a block was not synced (or replicas drifted). ``ckpt``: the newest save of a root.
     """
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
-    for path in sorted(ckpt.glob("rank*.pt")):
+    saved = checkpoint.find(ckpt)
+    for path in (saved.rank_file(r) for r in range(saved.world_size)):
         for name, shard in torch.load(path)["shards"].items():
             dim, lo, hi, shape = shard["coords"]
             if name not in seen:

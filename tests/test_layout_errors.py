@@ -7,17 +7,15 @@ The bad inputs are files in ``tests/bad_layouts/``, one case each, whose first l
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from hetero_llm import layout
-from hetero_llm.cli import main
 from hetero_llm.errors import LayoutError
+from harness import assert_one_error_line, invoke_cli as invoke
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -27,31 +25,11 @@ QUICKSTART = REPO / "layouts" / "quickstart.toml"
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
 
 
-def _runner() -> CliRunner:
-    # click < 8.2 mixes stderr into output unless told not to; 8.2 removed the flag and always separates
-    if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters:
-        return CliRunner(mix_stderr=False)
-    return CliRunner()
-
-
-def invoke(*args: str):
-    return _runner().invoke(main, [str(a) for a in args])
-
-
 def expected_line(path: Path) -> str:
     first = path.read_bytes().split(b"\n", 1)[0].decode("ascii")
     prefix = "# expect: "
     assert first.startswith(prefix), f"{path.name}: first line must be '{prefix}<message>'"
     return first[len(prefix):].replace("{file}", str(path)).replace("{dir}", str(path.parent))
-
-
-def assert_one_error_line(result, expected: str) -> None:
-    # CliRunner catches exceptions rather than printing them: an unexpected one shows here, not as a traceback
-    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-    assert "Traceback" not in result.stderr
-    assert result.stdout == ""
-    assert result.stderr == f"error: {expected}\n"
-    assert result.exit_code == 2
 
 
 def test_corpus_is_there():
