@@ -22,7 +22,6 @@ from pathlib import Path
 import attrs
 
 from hetero_llm.errors import HeteroError, LayoutError, RankFailure
-from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan
 
 

@@ -114,7 +114,7 @@ def test_receive_is_posted_on_the_p2p_stream_and_handed_to_compute(monkeypatch, 
     payload = torch.arange(24, dtype=torch.float32)
     works = []
 
-    def irecv(buf, src, tag):
+    def irecv(buf, src, tag, group=None):
         streams.log.append(("irecv", streams.current))
         works.append(FakeWork(streams, "irecv", on_wait=lambda: buf.copy_(payload)))
         return works[-1]
@@ -133,7 +133,7 @@ def test_staged_send_copies_once_on_the_p2p_stream_before_gloo_reads(monkeypatch
     streams = FakeStreams()
     sent = []
 
-    def isend(tensor, dst, tag):
+    def isend(tensor, dst, tag, group=None):
         streams.log.append(("isend", streams.current, dst))
         sent.append(tensor)
         return FakeWork(streams, "isend")
@@ -159,7 +159,7 @@ def test_staged_receive_polls_through_the_watcher_and_copies_on_the_p2p_stream(m
     payload = torch.arange(12, dtype=torch.bfloat16)
     works = []
 
-    def irecv(buf, src, tag):
+    def irecv(buf, src, tag, group=None):
         works.append(FakeWork(streams, "irecv", on_wait=lambda: buf.copy_(payload), gate=arrive))
         return works[-1]
 
