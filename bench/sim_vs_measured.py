@@ -1,10 +1,11 @@
 """How well does the cost-model simulator predict real steps? Measured vs predicted, per layout and schedule.
 
-For each layout (2-4 stages, uneven layers; gpipe, 1f1b, interleaved) this script
+For each layout (2-4 stages, uneven layers; gpipe, 1f1b, interleaved, zero-bubble zbh1) this script
 
 1. trains it with ``hetero-launch --trace`` (CPU, gloo, one process per stage);
 2. reads per-stage forward and backward times from the trace (median over the steps after the
-   first; the runtime traces input waits as separate ``RECV`` records, so ``F``/``B`` are compute);
+   first; the runtime traces input waits as separate ``RECV`` records, so ``F``/``B`` are compute;
+   a split backward's ``I`` and ``W`` are read separately and give the cost model its ``weight``);
 3. measures gloo's point-to-point latency and bandwidth on this host (ping-pong of one element and
    of one boundary activation);
 4. feeds both into ``simulate.CostModel`` and ``simulate.simulate`` with the layout's own action
@@ -55,22 +56,31 @@ CASES = (
     Case((1, 2, 3, 2), "gpipe"),
     Case((1, 2, 3, 2), "1f1b"),
     Case((2, 2, 2, 2), "interleaved", 2),
+    Case((3, 5), "zbh1"),
+    Case((1, 2, 3, 2), "zbh1"),
 )
-QUICK_CASES = (Case((1, 1), "1f1b"),)
+QUICK_CASES = (Case((1, 1), "1f1b"), Case((1, 1), "zbh1"))
 
 
-def stage_times(steps, num_stages: int, chunks: int, average=B.median) -> tuple[list[float], list[float]]:
-    """Per stage: seconds of one microbatch's forward (backward) through all its chunks (``average`` of
-    each chunk's records, summed over chunks)."""
+def stage_times(steps, num_stages: int, chunks: int, average=B.median) -> dict[str, list[float]]:
+    """Per action kind present (``F``, ``B``, or ``I`` and ``W``) and stage: seconds of one microbatch through
+    all the stage's chunks (``average`` of each chunk's records, summed over chunks)."""
     samples: dict[tuple[str, int, int], list[float]] = {}
     for step in steps:
         for stage, row in enumerate(B.compute_intervals(step, chunks)):
             for action, start, end in row:
                 chunk = int(action.split(".")[1]) if "." in action else 0
                 samples.setdefault((action[0], stage, chunk), []).append(end - start)
-    fwd = [sum(average(samples.get(("F", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
-    bwd = [sum(average(samples.get(("B", s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
-    return fwd, bwd
+    kinds = sorted({kind for kind, _, _ in samples})
+    return {kind: [sum(average(samples.get((kind, s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
+            for kind in kinds}
+
+
+def backward_and_weight(times: dict[str, list[float]]) -> tuple[list[float], list[float] | None]:
+    """The cost model's ``backward`` (a full one: B, or I + W) and ``weight`` (W; None without a split)."""
+    if "I" in times:
+        return [i + w for i, w in zip(times["I"], times["W"])], times["W"]
+    return times["B"], None
 
 
 def mean(values) -> float:
@@ -165,21 +175,23 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             rows = B.run_layout(path, work, trace=work / "trace")
             traced = B.steady(B.trace_steps(work / "trace"), skip)
             S = len(case.stage_layers)
-            fwd, bwd = stage_times(traced, S, case.chunks)
+            times = stage_times(traced, S, case.chunks)
+            fwd, (bwd, weight) = times["F"], backward_and_weight(times)
             links = S if case.chunks > 1 else S - 1
             plan = compile_plan(layout_mod.load(path))
 
-            def predict(forward, backward):
+            def predict(forward, backward, weight, overhead=None):
                 return simulate(plan.schedules[0], CostModel(forward=forward, backward=backward, latency=[latency] * links,
-                                                             bandwidth=[bandwidth] * links, activation_bytes=4 * act_numel))
+                                                             bandwidth=[bandwidth] * links, activation_bytes=4 * act_numel,
+                                                             weight=weight, overhead=overhead))
 
-            sim = predict(fwd, bwd)
+            sim = predict(fwd, bwd, weight)
             # what the median misses: the mean of skewed compute times, then the per-action runtime cost
-            fwd_mean, bwd_mean = stage_times(traced, S, case.chunks, average=mean)
-            sim_mean = predict(fwd_mean, bwd_mean)
+            times_mean = stage_times(traced, S, case.chunks, average=mean)
+            fwd_mean, (bwd_mean, weight_mean) = times_mean["F"], backward_and_weight(times_mean)
+            sim_mean = predict(fwd_mean, bwd_mean, weight_mean)
             overhead = action_overhead(traced)
-            sim_over = predict([f + o * case.chunks for f, o in zip(fwd_mean, overhead)],
-                               [b + o * case.chunks for b, o in zip(bwd_mean, overhead)])
+            sim_over = predict(fwd_mean, bwd_mean, weight_mean, overhead)
             measured = B.median([B.step_span(s) for s in traced])
             step_s = B.median(B.steady([r["seconds"] for r in rows], skip))
             bubble = B.median([B.bubble_fraction(s, case.chunks) for s in traced])
@@ -192,7 +204,8 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
                  "predicted_overhead_ms": sim_over.step_time * 1e3,
                  "error_overhead_pct": 100 * (sim_over.step_time - measured) / measured,
                  "action_overhead_ms": [o * 1e3 for o in overhead],
-                 "stage_forward_ms": [f * 1e3 for f in fwd], "stage_backward_ms": [b * 1e3 for b in bwd]}
+                 "stage_forward_ms": [f * 1e3 for f in fwd], "stage_backward_ms": [b * 1e3 for b in bwd],
+                 "stage_weight_ms": [w * 1e3 for w in weight] if weight is not None else None}
             results.append(r)
             B.say(f"[{index + 1}/{len(cases)}] {case.label} {case.schedule}: measured {r['measured_ms']:.1f} ms, "
                   f"predicted {r['predicted_ms']:.1f} ms ({r['error_pct']:+.1f}%), bubble {bubble:.1%} vs "
@@ -232,7 +245,7 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
                     "action, from the trace):", "", decomposition, "",
                     "measured ms: span of one step's actions over all ranks (median); predicted: simulate() with the "
                     "measured per-stage F/B times and the p2p estimate; full step: --metrics-jsonl seconds (adds "
-                    "gradient sync, clipping, AdamW).", ""] + [f"![{png}]({png})" for png in timelines])
+                    "gradient sync, clipping, AdamW); B ms for zbh1: its I + W.", ""] + [f"![{png}]({png})" for png in timelines])
     payload = {"name": NAME, "command": B.command_line(), "machine": info, "load_before": before, "load_after": after,
                "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "activation_bytes": 4 * act_numel},
                "config": {**attrs.asdict(cfg), "microbatches": microbatches, "skip": skip}, "results": results}

@@ -99,12 +99,18 @@ class CostModel:
     )
     """Bytes a stage keeps per in-flight microbatch for its backward, per stage
     (None: ``activation_bytes``)."""
+    overhead: tuple[float, ...] | None = attrs.field(
+        default=None, converter=_optional_floats, validator=_non_negative
+    )
+    """Seconds a stage's runtime spends around each compute action, per stage (posting its sends and
+    receives, the interpreter between actions), added to every ``F``, ``B``, ``I`` and ``W``
+    (None: none). Small next to GPU compute; on shared CPU cores it is a large part of a step."""
 
     def __attrs_post_init__(self) -> None:
         num_stages = len(self.forward)
         if num_stages < 1:
             raise ValueError("CostModel needs at least one stage (forward is empty)")
-        for name in ("backward", "weight", "stash_bytes"):
+        for name in ("backward", "weight", "stash_bytes", "overhead"):
             value = getattr(self, name)
             if value is not None and len(value) != num_stages:
                 raise ValueError(
@@ -254,13 +260,16 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     if cost.weight is None and any(a.kind is Kind.W for actions in schedule for a in actions):
         raise ValueError("the schedule has W actions: give CostModel.weight (seconds per stage)")
 
-    def duration(stage: int, action: Action) -> float:
+    def compute(stage: int, action: Action) -> float:
         if action.kind is Kind.F:
             return cost.forward[stage] / chunks
         if action.kind is Kind.B:
             return cost.backward[stage] / chunks
         weight = cost.weight[stage]  # type: ignore[index]  (checked above: the schedule splits backwards)
         return (cost.backward[stage] - weight if action.kind is Kind.I else weight) / chunks
+
+    def duration(stage: int, action: Action) -> float:
+        return compute(stage, action) + (cost.overhead[stage] if cost.overhead is not None else 0.0)
 
     free = [0.0] * num_stages  # when each stage's previous action ended
     ended: dict[Event, float] = {}

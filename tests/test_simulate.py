@@ -193,6 +193,18 @@ def test_zero_bubble_h1_cuts_the_bubble_to_a_third(num_stages: int, num_microbat
     assert one_f_one_b.peak_in_flight == tuple(s - stage for stage in range(s))
 
 
+def test_runtime_overhead_per_compute_action() -> None:
+    """``overhead`` lengthens every compute action: 1F1B on equal stages takes (M + S - 1)(F + B + 2 overhead)."""
+    plain = simulate(build("1f1b", 2, 4), CostModel.uniform(2, 1.0, 2.0))
+    slowed = simulate(build("1f1b", 2, 4), CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], overhead=[0.5, 0.5]))
+    assert (plain.step_time, slowed.step_time) == (15.0, 20.0)
+    split = simulate(build("zbh1", 2, 4), CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], weight=[1.0, 1.0],
+                                                    overhead=[0.5, 0.5]))
+    assert split.busy == (4 * (1.0 + 2.0 + 3 * 0.5),) * 2  # a split backward is two actions: two overheads
+    with pytest.raises(ValueError, match=r"CostModel.overhead has 1 entries, forward has 2"):
+        CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], overhead=[0.5])
+
+
 def test_deadlock_raises_the_validator_error() -> None:
     schedule = [parse_actions("F0 RECV_B0 SEND_F0 B0"), parse_actions("RECV_F0 F0 B0 SEND_B0")]
     with pytest.raises(ScheduleError) as info:
