@@ -407,6 +407,25 @@ def _to_host(tensor: torch.Tensor, streams: Streams) -> torch.Tensor:
 # Stage-boundary p2p: a tensor crosses once, in pieces, and is all-gathered in the receiving group.
 
 
+def batched_p2p(device: torch.device) -> bool:
+    """Whether a send or receive goes out as a (one-op) ``batch_isend_irecv``: with NCCL, yes.
+
+    A batch runs on the group's own communicator, which ``init`` created eagerly under the group's
+    network settings; a lone ``isend``/``irecv`` makes NCCL build a 2-rank communicator per pair lazily,
+    at the first message, under whatever settings are in force then (torch's PGNCCL). Gloo has no
+    batches and no such communicators: plain ``isend``/``irecv``, which tests on CPU exercise.
+    """
+    return device.type != "cpu" and not stages_through_host(device)
+
+
+def _p2p(op, tensor: torch.Tensor, peer: int, group, tag: int):
+    """Start one send (``op = dist.isend``) or receive (``dist.irecv``) to or from global rank ``peer``."""
+    if batched_p2p(tensor.device):
+        works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group, tag)])
+        return works[0]
+    return op(tensor, peer, group=group, tag=tag)
+
+
 def _tag(direction: int, mb: int, chunk: int, piece: int) -> int:
     return ((mb * 16 + chunk) * 2 + direction) * 64 + piece
 
@@ -432,7 +451,7 @@ def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direc
         if piece.numel() < n:
             piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
         piece = piece.contiguous()
-        work = dist.isend(piece, r.dst, group=group, tag=_tag(direction, mb, chunk, r.piece))
+        work = _p2p(dist.isend, piece, r.dst, group, _tag(direction, mb, chunk, r.piece))
         comms.pending_sends.append((work, piece))  # keep the buffer alive until sent
 
 
@@ -516,11 +535,11 @@ def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: tor
     tag = _tag(direction, mb, chunk, route.piece)
     if stages_through_host(comms.device):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, pin_memory=comms.device.type == "cuda")
-        work = dist.irecv(buf, route.src, group=group, tag=tag)
+        work = _p2p(dist.irecv, buf, route.src, group, tag)
         return PendingRecv(work, buf, route, shape, device=comms.device, streams=streams)
     with streams.use(streams.p2p):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
-        work = dist.irecv(buf, route.src, group=group, tag=tag)
+        work = _p2p(dist.irecv, buf, route.src, group, tag)
     return PendingRecv(work, buf, route, shape, streams=streams)
 
 

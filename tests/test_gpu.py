@@ -181,6 +181,33 @@ def test_staged_receive_polls_through_the_watcher_and_copies_on_the_p2p_stream(m
     assert torch.equal(out, payload.view(3, 4))
 
 
+def test_nccl_p2p_goes_out_as_batches_on_the_boundary_group(monkeypatch, staging):
+    """NCCL path: every send and receive is a one-op batch_isend_irecv on the boundary's group (the group's
+    own communicator, made under its network settings), never a lone isend/irecv (a lazy 2-rank one)."""
+    staging(False)
+    monkeypatch.setattr(comm, "batched_p2p", lambda device: True)
+    batches = []
+
+    def batch_isend_irecv(ops):
+        batches.append([(op.op, op.peer, op.group, op.tag, op.tensor.numel()) for op in ops])
+        return [FakeWork(FakeStreams(), "batch")]
+
+    monkeypatch.setattr(comm.dist, "batch_isend_irecv", batch_isend_irecv)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0])
+        comms = _comms()
+        comm.send_boundary(comms, torch.arange(10.0), [Route(0, 0, 0, 2), Route(0, 0, 1, 2)], 0, 3, 0, FakeStreams(),
+                           group)
+        comm.recv_boundary(comms, Route(0, 0, 1, 2), (2, 5), torch.float32, 1, 3, 0, FakeStreams(), group)
+    finally:
+        dist.destroy_process_group()
+    real_isend, real_irecv = dist.isend, dist.irecv
+    assert [[(op is real_isend, peer, g is group, tag, n) for op, peer, g, tag, n in b] for b in batches] == [
+        [(True, 0, True, comm._tag(0, 3, 0, 0), 5)], [(True, 0, True, comm._tag(0, 3, 0, 1), 5)],
+        [(False, 0, True, comm._tag(1, 3, 0, 1), 5)]]
+
+
 def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
     streams = FakeStreams()
     calls = []
