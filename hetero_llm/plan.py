@@ -23,7 +23,8 @@ import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, SPLIT_BACKWARD_NO_COMPILE, Compile, Layout, Schedule
+from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile, Layout,
+                               Schedule)
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -266,6 +267,12 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
             raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
         if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
             raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
+        if layout.cluster.backend is Backend.NCCL:  # generated schedules keep the order by construction
+            try:
+                sched.check_message_order(loaded)
+            except ScheduleError as e:
+                raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
+                                  f"{os.path.basename(pipe.schedule_file)}: {str(e).splitlines()[0]}") from None
         return loaded
     kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
     lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)

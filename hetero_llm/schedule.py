@@ -54,6 +54,7 @@ __all__ = [
     "Kind",
     "Schedule",
     "build",
+    "check_message_order",
     "compute_schedule",
     "format_actions",
     "format_grid",
@@ -716,6 +717,34 @@ def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> Non
     _check_microbatches(schedule, num_microbatches)
     _check_dependencies(schedule)
     simulate_order(schedule)
+
+
+def check_message_order(schedule: Sequence[Sequence[Action]]) -> None:
+    """Each stage receives a neighbour's messages of one kind in the order the neighbour sends them.
+
+    Gloo matches a receive to its send by tag, so any order works there; NCCL matches them by order
+    on a communicator (one per boundary and direction here), so a receive posted out of order would be
+    handed another microbatch's tensor without a word. Checks a lowered, validated schedule; raises
+    ScheduleError with the grid, both the send and the receive marked.
+    """
+    num_stages = len(schedule)
+    chunks = num_chunks(schedule)
+    sent: dict[tuple[int, int, Kind], list[tuple[Action, int]]] = {}  # (src, dst, kind) -> (its RECV, step)
+    received: dict[tuple[int, int, Kind], list[tuple[Action, int]]] = {}
+    for stage, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            if action.kind in (Kind.SEND_F, Kind.SEND_B):
+                other, match = peer(stage, action, num_stages, chunks=chunks)
+                sent.setdefault((stage, other, action.kind), []).append((match, index))
+            elif action.kind in (Kind.RECV_F, Kind.RECV_B):
+                other, match = peer(stage, action, num_stages, chunks=chunks)
+                received.setdefault((other, stage, match.kind), []).append((action, index))
+    for (src, dst, kind), sends in sent.items():
+        for (want, send_at), (got, recv_at) in zip(sends, received.get((src, dst, kind), [])):
+            if want != got:
+                raise _error(schedule, f"stage {dst} step {recv_at}: {got} receives out of order: stage {src} sends "
+                             f"{schedule[src][send_at]} (step {send_at}) first, and NCCL matches messages by order "
+                             f"(receive in the order sent, or use backend = 'gloo')", {dst: recv_at, src: send_at})
 
 
 # --------------------------------------------------------------------------- schedule files

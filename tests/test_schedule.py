@@ -18,6 +18,7 @@ from hetero_llm.schedule import (
     Action,
     Kind,
     build,
+    check_message_order,
     compute_schedule,
     format_actions,
     format_grid,
@@ -620,3 +621,72 @@ def test_load_schedule_file_error_keeps_the_grid(tmp_path: Path) -> None:
 def test_load_schedule_file_missing(tmp_path: Path) -> None:
     with pytest.raises(ScheduleError, match=r"nope.txt: cannot read schedule file: No such file"):
         load_schedule_file(tmp_path / "nope.txt", 2, 1)
+
+
+# --------------------------------------------------------------------------- message order (NCCL)
+
+
+@pytest.mark.parametrize("num_stages, num_microbatches", GRID)
+def test_generated_schedules_receive_in_the_order_sent(num_stages: int, num_microbatches: int) -> None:
+    for kind in KINDS:
+        check_message_order(build(kind, num_stages, num_microbatches))
+
+
+@pytest.mark.parametrize("num_stages, chunks, num_microbatches", INTERLEAVED_GRID)
+def test_interleaved_receives_in_the_order_sent(num_stages: int, chunks: int, num_microbatches: int) -> None:
+    check_message_order(build("interleaved", num_stages, num_microbatches, chunks=chunks))
+
+
+def test_out_of_order_receive_is_named_with_both_ends_marked() -> None:
+    """Valid for gloo (tags match), wrong for NCCL: stage 1 takes microbatch 1 first, stage 0 sends 0 first."""
+    schedule = lower([parse_actions("F0 F1 B0 B1"), parse_actions("F1 F0 B0 B1")])
+    validate(schedule, 2)
+    with pytest.raises(ScheduleError) as info:
+        check_message_order(schedule)
+    lines = str(info.value).splitlines()
+    assert lines[0] == ("stage 1 step 0: RECV_F1 receives out of order: stage 0 sends SEND_F0 (step 1) first, "
+                        "and NCCL matches messages by order (receive in the order sent, or use backend = 'gloo')")
+    assert lines[2].endswith("RECV_F1 <-- ERROR HERE") and "SEND_F0 <-- ERROR HERE" in lines[3]
+
+
+def test_nccl_layout_refuses_a_schedule_file_received_out_of_order(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from hetero_llm.cli import main
+
+    (tmp_path / "order.txt").write_text("F0 F1 B0 B1\nF1 F0 B0 B1\n")
+    layout = tmp_path / "layout.toml"
+    layout.write_text("""
+[model]
+layers = 2
+hidden = 32
+heads = 4
+vocab = 64
+seq_len = 16
+[train]
+steps = 1
+global_batch = 4
+[cluster]
+backend = "nccl"
+[[cluster.nodes]]
+name = "gpu0"
+devices = ["cuda:0", "cuda:1"]
+[[pipelines]]
+batch = 4
+microbatches = 2
+schedule_file = "order.txt"
+[[pipelines.stages]]
+layers = 1
+devices = ["gpu0:0"]
+[[pipelines.stages]]
+layers = 1
+devices = ["gpu0:1"]
+""")
+    result = CliRunner().invoke(main, [str(layout), "--dry-run"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == (
+        f"error: {layout}: pipelines[0].schedule_file: order.txt: stage 1 step 0: RECV_F1 receives out of order: "
+        "stage 0 sends SEND_F0 (step 1) first, and NCCL matches messages by order (receive in the order sent, or "
+        "use backend = 'gloo')")
+    gloo = CliRunner().invoke(main, [str(layout), "--dry-run", "--set", "cluster.backend=gloo"])
+    assert gloo.exit_code == 0, gloo.output  # gloo matches by tag: the same file runs there
