@@ -1,9 +1,13 @@
 """Start a node's ranks (or one rank), watch them, and take the job down when any rank fails.
 
-Each rank is its own OS process running ``hetero-launch LAYOUT --rank R``: the same command a user
-runs by hand on nodes with uneven GPU counts, so one launch and per-process launches are the same
-code path. Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher
-leaves no process behind.
+Each rank is its own OS process running what ``hetero-launch LAYOUT --rank R`` runs (the CLI's own
+``--rank`` path), so one launch and the per-process launches of nodes with uneven GPU counts are the
+same code path. The launcher imports torch once and forks the ranks from it, rather than starting a
+fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
+more ranks than cores pays many times over before any rank trains. The launcher runs no torch op
+before forking (no OpenMP or CUDA state to inherit). A rank names itself ``hl-rank<R>`` (``ps -o
+comm``). Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no
+process behind.
 """
 
 from __future__ import annotations
@@ -12,12 +16,12 @@ import ctypes
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 import attrs
 
@@ -74,7 +78,7 @@ def local_ranks(plan: Plan, node: str | None) -> list[int]:
     return [r.rank for r in plan.ranks if r.node in nodes]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
+def _die_with_parent() -> None:  # runs in the forked child
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
@@ -82,18 +86,44 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+@attrs.define
+class _Child:
+    """One forked rank process: its pid and, once reaped, its exit code (negative: killed by that signal)."""
+
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
 def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
+    import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
+
     errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, len(ranks)))))
-    env["HETERO_ERROR_DIR"] = str(errdir)
-    env["PYTHONUNBUFFERED"] = "1"
-    procs: dict[int, subprocess.Popen] = {}
+    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, len(ranks))))
+    argv = [layout_path, *options.argv()]
+    procs: dict[int, _Child] = {}
     try:
         for r in ranks:
-            cmd = [sys.executable, "-m", "hetero_llm.cli", layout_path, "--rank", str(r), *options.argv()]
-            procs[r] = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)
+            sys.stdout.flush()
+            sys.stderr.flush()  # else the child would print the parent's buffered output again
+            pid = os.fork()
+            if pid == 0:
+                _rank_child(argv, r, threads, errdir)  # never returns
+            procs[r] = _Child(pid)
         while procs:
             failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
             for r in [r for r, p in procs.items() if p.returncode == 0]:
@@ -107,6 +137,43 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
             time.sleep(0.05)
     finally:
         _terminate(list(procs.values()), grace_s)
+
+
+def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoReturn:
+    """In a forked child: become rank ``rank`` (what ``hetero-launch LAYOUT --rank R`` runs) and exit."""
+    code = 1
+    try:
+        _die_with_parent()
+        _name_process(f"hl-rank{rank}")
+        # The OpenMP runtime read OMP_NUM_THREADS when the launcher imported torch: set the count directly.
+        os.environ.update(OMP_NUM_THREADS=str(threads), HETERO_ERROR_DIR=str(errdir), PYTHONUNBUFFERED="1")
+        import torch
+
+        torch.set_num_threads(threads)
+        from hetero_llm import cli
+
+        code = cli.main.main(args=[argv[0], "--rank", str(rank), *argv[1:]], prog_name="hetero-launch",
+                             standalone_mode=False) or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # not expected: the CLI reports a rank's errors itself
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # never back into the launcher's frames, its finally blocks or atexit handlers
+
+
+def _name_process(name: str) -> None:
+    """The name ``ps -o comm`` and ``top`` show (15 bytes at most)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
 
 
 _SECONDARY = ("connection", "closed by peer", "broken pipe", "timed out", "gloo", "nccl", "rendezvous aborted")
@@ -134,17 +201,16 @@ def _describe_failures(plan: Plan, failed: dict[int, int], errdir: Path) -> str:
             f"{causes[first]}{more}{others}; stopped the other ranks")
 
 
-def _terminate(procs: list[subprocess.Popen], grace_s: float) -> None:
+def _terminate(procs: list[_Child], grace_s: float) -> None:
+    for p in procs:
+        p.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
     for p in procs:
         if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + grace_s
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+            p.signal(signal.SIGKILL)
+            os.waitpid(p.pid, 0)
 
 
 def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:

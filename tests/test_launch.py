@@ -35,11 +35,12 @@ def _children_of(pid: int) -> list[int]:
 
 
 def _rank_of(pid: int) -> int | None:
+    """The rank a launcher's child runs: it names itself hl-rank<R> (``ps -o comm``)."""
     try:
-        argv = (Path("/proc") / str(pid) / "cmdline").read_bytes().split(b"\0")
+        name = (Path("/proc") / str(pid) / "comm").read_text().strip()
     except OSError:
         return None
-    return int(argv[argv.index(b"--rank") + 1]) if b"--rank" in argv else None
+    return int(name.removeprefix("hl-rank")) if name.startswith("hl-rank") else None
 
 
 def _alive(pid: int) -> bool:
@@ -102,7 +103,7 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000")
     _wait_for_steps(proc, metrics, 1)
     children = _children_of(proc.pid)
-    assert len(children) == 3
+    assert sorted(_rank_of(pid) for pid in children) == [0, 1, 2]  # one forked child per rank, each named
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err
