@@ -153,9 +153,9 @@ def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
          "error: interleaved 1F1B needs num_microbatches to be a multiple of num_stages"),
     ],
 )
-def test_cli_errors(tmp_path: Path, args: list[str], code: int, message: str) -> None:
-    with CliRunner().isolated_filesystem(temp_dir=tmp_path):
-        result = CliRunner().invoke(main, args)
+def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str) -> None:
+    monkeypatch.chdir(tmp_path)  # relative paths (x.png, missing_dir) land in the test's own folder
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == code
     assert message in result.output
 
