@@ -117,6 +117,14 @@ def test_zero_bubble_quick(tmp_path):
     assert (tmp_path / "zero_bubble_s2_zbh1.png").stat().st_size > 0
 
 
+@pytest.mark.multiprocess
+def test_launch_time_quick(tmp_path):
+    _run("launch_time.py", tmp_path)
+    md = (tmp_path / "launch_time.md").read_text()
+    assert ["source tree", "wall s per launch", "median s"] in _headers(md)
+    assert "load average" in md and "torch" in md
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 

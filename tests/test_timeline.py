@@ -151,6 +151,8 @@ def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
         (["missing_dir", "--out", "x.png"], 2, "error: missing_dir: no rank*.json trace files"),
         (["--simulate", "--schedule", "interleaved", "--microbatches", "6", "--out", "x.png"], 2,
          "error: interleaved 1F1B needs num_microbatches to be a multiple of num_stages"),
+        (["--simulate", "--schedule", "zbh1", "--weight-ms", "5", "--out", "x.png"], 2,
+         "error: CostModel.weight[0] = 0.005 s exceeds backward[0] = 0.002 s"),
     ],
 )
 def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str) -> None:
