@@ -780,17 +780,18 @@ def _check_transport(f: str, at: str, ifname: str, nccl: tuple[tuple[str, str], 
 def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
     f, t, pipe = layout.file, layout.train, layout.pipelines[pi]
     pp, n = f"pipelines[{pi}]", len(pipe.stages)
-    if pipe.schedule_file:
-        if not Path(pipe.schedule_file).is_file():
-            raise LayoutError(f, f"{pp}.schedule_file", f"file '{pipe.schedule_file}' does not exist "
-                              "(give a text or CSV file of action strings, one line or column per stage)")
-        return
+    if pipe.schedule_file and not Path(pipe.schedule_file).is_file():
+        raise LayoutError(f, f"{pp}.schedule_file", f"file '{pipe.schedule_file}' does not exist "
+                          "(give a text or CSV file of action strings, one line or column per stage)")
+    # train.chunks shapes every pipeline, schedule file or not: the plan cuts each stage into
+    # train.chunks model chunks and wraps the last stage round to the first, so these hold for all.
+    # (A file's own chunk count is compared with train.chunks where the file is read: plan.pipeline_schedule.)
     if t.schedule is Schedule.INTERLEAVED:
         if t.chunks < 2:
             raise LayoutError(f, "train.chunks", f"'interleaved' needs chunks >= 2, got {t.chunks} (or use schedule = '1f1b')")
         if n < 2:
             raise LayoutError(f, f"{pp}.stages", "'interleaved' needs at least 2 stages (or use schedule = '1f1b' here)")
-        if pipe.microbatches % n:
+        if not pipe.schedule_file and pipe.microbatches % n:  # the generator's rule; a file brings its own order
             raise LayoutError(f, f"{pp}.microbatches", f"'interleaved' needs microbatches divisible by the {n} stages, "
                               f"got {pipe.microbatches} (use a multiple of {n})")
         for si, stage in enumerate(pipe.stages):

@@ -246,6 +246,8 @@ def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int,
     lo = 0
     for c in range(chunks):
         for s, layers in enumerate(stage_layers):
+            if layers % chunks:  # the validator refuses this; a silent floor would drop layers from the model
+                raise ValueError(f"stage {s}: {layers} layers do not split into {chunks} chunks")
             width = layers // chunks
             out[s].append((lo, lo + width))
             lo += width
@@ -265,6 +267,18 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
             loaded = sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
         except ScheduleError as e:
             raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
+        used = sched.num_chunks(loaded)
+        if used != train.chunks:
+            c = train.chunks
+            if used > c:
+                fix = ("write chunk 0 only" if c == 1 else f"write chunks 0..{c - 1} only") + \
+                      f", or set schedule = 'interleaved' and train.chunks = {used}"
+            else:
+                fix = f"give every stage F and B actions of chunks 0..{c - 1}, e.g. F0.{c - 1} B0.{c - 1}, or " + \
+                      ("set train.chunks = 1 and schedule = '1f1b'" if used == 1 else f"set train.chunks = {used}")
+            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
+                              f"{os.path.basename(pipe.schedule_file)}: uses {used} model chunk{'s' if used > 1 else ''} "
+                              f"per stage but train.chunks is {train.chunks} ({fix})")
         if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
             raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
         if layout.cluster.backend is Backend.NCCL:  # generated schedules keep the order by construction

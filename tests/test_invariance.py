@@ -85,6 +85,18 @@ def test_schedule_file_for_one_pipeline(reference, tmp_path):
     assert_same_model(launch(path, tmp_path), reference)
 
 
+def test_two_chunk_schedule_file_beside_generated_interleaved(reference, tmp_path):
+    """Interleaved with 2 chunks: pipeline 0 runs a user file (GPipe over its 4 virtual stages, 4 + 2
+    layers cut into chunks of 2 + 1), pipeline 1 the generated order (2 + 4 layers)."""
+    order = " ".join([f"F{m}" for m in range(4)] + [f"F{m}.1" for m in range(4)]
+                     + [f"B{m}.1" for m in reversed(range(4))] + [f"B{m}" for m in reversed(range(4))])
+    (tmp_path / "order.txt").write_text(f"{order}\n{order}\n")
+    common = COMMON.replace('schedule = "1f1b"', 'schedule = "interleaved"\nchunks = 2')
+    path = write_layout(tmp_path / "layout.toml", common, [(8, 4, [(4, 1), (2, 1)]), (4, 2, [(2, 1), (4, 1)])])
+    path.write_text(path.read_text().replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n', 1))
+    assert_same_model(launch(path, tmp_path), reference)
+
+
 def test_tp_sizes_2_and_3_in_different_pipelines(reference_tp23, tmp_path):
     """Shards of 1/2 and 1/3 of each weight: gradient sync over the finest common blocks."""
     path = write_layout(tmp_path / "layout.toml", COMMON_TP23,
