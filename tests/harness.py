@@ -1,4 +1,8 @@
-"""Run layouts as a user would (``hetero-launch`` subprocesses) and compare against a reference."""
+"""Run layouts as a user would (``hetero-launch`` subprocesses) and compare against a reference.
+
+Torch is imported only by the functions that read checkpoints, so the torch-free test files that use
+``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/test_torch_free.py).
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,16 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
-import torch
 from click.testing import CliRunner
 
 from hetero_llm import checkpoint
 from hetero_llm.cli import main
-from hetero_llm.train import load_full_params
+
+if TYPE_CHECKING:
+    import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"
@@ -62,6 +68,7 @@ def assert_one_error_line(result, expected: str) -> None:
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
+    from hetero_llm.train import load_full_params
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
            "--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}", *extra]
@@ -80,6 +87,7 @@ def assert_copies_agree(ckpt: Path) -> None:
     Holders of a block get the same summed gradient and run the same elementwise AdamW, so any
     difference means a block was not synced (or replicas drifted). ``ckpt``: the newest save of a root.
     """
+    import torch
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
     saved = checkpoint.find(ckpt)
     for path in (saved.rank_file(r) for r in range(saved.world_size)):
@@ -105,6 +113,7 @@ def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> Non
     gradient is ~0 flip with rounding noise; one process with 3 vs 2 microbatches already differs by
     4e-6 in single tensors (docs/invariance.md).
     """
+    import torch
     assert len(run.losses) == len(ref.losses)
     for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"
