@@ -8,27 +8,46 @@ import sys
 
 import click
 
-from hetero_llm import checkpoint as checkpoint_mod, layout as layout_mod
+from hetero_llm import checkpoint as checkpoint_mod, layout as layout_mod, outputs
 from hetero_llm.errors import LayoutError, RankFailure
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.argument("layout_file", metavar="LAYOUT.toml", type=click.Path(dir_okay=False))
+class _UsageLine(click.ClickException):
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class OneLineCommand(click.Command):
+    """A command whose usage errors (unknown flag, bad flag value, missing argument) are one line,
+    ``error: ...`` with exit code 2, like every other bad input: no usage text."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        try:
+            return super().make_context(info_name, args, parent, **extra)
+        except click.UsageError as e:
+            command = e.ctx.command_path if e.ctx is not None else info_name
+            raise _UsageLine(f"{e.format_message().rstrip('.')} (see {command} --help)") from None
+
+
+@click.command("hetero-launch", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("layout_file", metavar="LAYOUT.toml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules; start nothing.")
 @click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
 @click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process.")
-@click.option("--metrics-jsonl", type=click.Path(dir_okay=False), default=None,
+@click.option("--metrics-jsonl", default=None, metavar="FILE",
               help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).")
-@click.option("--checkpoint", type=click.Path(file_okay=False), default=None,
+@click.option("--checkpoint", default=None, metavar="DIR",
               help="Save parameters and AdamW state here, into DIR/step-NNNNNN (one shard file per rank, "
                    "keyed by global names: any layout of the model can resume it).")
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also save every N steps (default 0: at the end only).")
-@click.option("--resume", type=click.Path(file_okay=False), default=None, metavar="DIR",
+@click.option("--resume", default=None, metavar="DIR",
               help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder.")
-@click.option("--trace", type=click.Path(file_okay=False), default=None,
+@click.option("--trace", default=None, metavar="DIR",
               help="Record every action's start and end per rank into this directory.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
@@ -42,6 +61,12 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         plan = compile_plan(lay)
         if checkpoint_every and not checkpoint:
             raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
+        # What the real run refuses, --dry-run refuses too; all of it before any rank starts.
+        if rank is not None:
+            launch.check_rank(plan, rank)
+        elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
+            ranks = launch.local_ranks(plan, node)
+        outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             resume = str(checkpoint_mod.for_resume(resume, lay).path)
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
@@ -63,7 +88,8 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         from hetero_llm import data
 
         source = data.make_source(lay.data, lay.file)  # tokenizes a text file once, before any rank starts
-        ranks = launch.local_ranks(plan, node)
+        if isinstance(source, data.TokenFileSource):
+            source.require_text(lay.model.seq_len + 1)
         if not quiet:
             click.echo(f"hetero-launch: starting {len(ranks)} of {plan.world_size} ranks here: {ranks}")
             if hasattr(source, "loss_floor"):
@@ -82,7 +108,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         sys.exit(130)
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-place", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
               help="Write the placed layout here (the cluster file plus [[pipelines]]).")

@@ -12,7 +12,7 @@ Two kinds of source, both with the same small interface (``vocab_size``, ``sampl
   entropy rate. A training run that approaches the floor has learned the task; one that stalls far
   above it has a bug, whatever the layout.
 - ``TokenFileSource`` is bring-your-own text (``.txt`` or ``.jsonl``), tokenized once at the byte level
-  into a memory-mapped cache beside the source.
+  into a memory-mapped cache beside the source (or in a user cache folder: see ``cache_path``).
 
 ``global_batch`` makes the tokens of one step a pure function of (seed, step), identical on every
 process, and ``pipeline_share`` cuts out one pipeline's rows and its microbatches. This is what keeps
@@ -263,6 +263,13 @@ class TokenFileSource:
                 "tokens (seq_len + 1); give a longer file or a smaller seq_len",
             )
 
+    def require_text(self, length: int) -> None:
+        """``require_window``, and some text: a file whose documents are all empty holds only their markers."""
+        self.require_window(length)
+        if not np.any(self.tokens != END_OF_DOCUMENT):
+            raise LayoutError(self.file_for_errors, "data.path", f"file '{self.path}' holds no text: its "
+                              f"{self.num_tokens} tokens all end empty documents (give documents with text)")
+
     def sample(self, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
         """``n`` windows of ``length`` consecutive tokens at uniform random offsets, int64 (n, length)."""
         self.require_window(length)
@@ -270,9 +277,20 @@ class TokenFileSource:
         return self.tokens[starts[:, None] + np.arange(length)].astype(np.int64)
 
 
+CACHE_ENV = "HETERO_LLM_CACHE"
+
+
 def cache_path(path: str) -> str:
-    """Where the token cache of ``path`` lives: beside it, so it moves and is deleted with it."""
-    return f"{path}.tokens.u16"
+    """Where the token cache of ``path`` lives: beside it, so it moves and is deleted with it, when its folder is
+    writable. Otherwise (a read-only data folder), or whenever ``$HETERO_LLM_CACHE`` names a folder, in that
+    folder or else the user cache folder (``$XDG_CACHE_HOME/hetero_llm``, by default ``~/.cache/hetero_llm``),
+    under a name made from the source's absolute path."""
+    chosen = os.environ.get(CACHE_ENV)
+    if not chosen and os.access(os.path.dirname(os.path.abspath(path)), os.W_OK | os.X_OK):
+        return f"{path}.tokens.u16"
+    folder = chosen or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hetero_llm")
+    key = hashlib.blake2b(os.path.abspath(path).encode(), digest_size=8).hexdigest()
+    return os.path.join(folder, f"{os.path.basename(path)}.{key}.tokens.u16")
 
 
 def _cache_digest(source: str, kind: str, field: str) -> bytes:
@@ -288,7 +306,7 @@ def _open_cache(cache: str, digest: bytes) -> np.ndarray | None:
         stat = os.stat(cache)
         with open(cache, "rb") as handle:
             header = handle.read(_CACHE_HEADER_BYTES)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # no cache yet (its folder may not exist either)
         return None
     if len(header) != _CACHE_HEADER_BYTES or header[:8] != _CACHE_MAGIC or header[16:] != digest:
         return None
@@ -303,9 +321,14 @@ def _open_cache(cache: str, digest: bytes) -> np.ndarray | None:
 def _write_cache(cache: str, source: str, kind: str, field: str, digest: bytes, file_for_errors: str) -> None:
     """Tokenize ``source`` into ``cache`` atomically: temp file in the same directory, fsync, rename."""
     directory = os.path.dirname(os.path.abspath(cache))
-    handle = tempfile.NamedTemporaryFile(
-        "wb", dir=directory, prefix=os.path.basename(cache) + ".", suffix=".tmp", delete=False
-    )
+    try:
+        os.makedirs(directory, exist_ok=True)
+        handle = tempfile.NamedTemporaryFile(
+            "wb", dir=directory, prefix=os.path.basename(cache) + ".", suffix=".tmp", delete=False
+        )
+    except OSError as error:
+        raise _data_error(file_for_errors, f"cannot write the token cache of '{source}' in '{directory}': "
+                          f"{error.strerror} (set {CACHE_ENV} to a writable folder)") from None
     try:
         with handle:
             handle.write(b"\x00" * _CACHE_HEADER_BYTES)  # placeholder until the count is known

@@ -78,6 +78,11 @@ def local_ranks(plan: Plan, node: str | None) -> list[int]:
     return [r.rank for r in plan.ranks if r.node in nodes]
 
 
+def check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.world_size:
+        raise LayoutError(plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})")
+
+
 def _die_with_parent() -> None:  # runs in the forked child
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
@@ -220,21 +225,20 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     from hetero_llm import comm, trace as tracing
     from hetero_llm.train import train
 
-    if not 0 <= rank < plan.world_size:
-        raise LayoutError(plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})")
+    check_rank(plan, rank)
     info = plan.ranks[rank]
     try:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
         comms = comm.init(plan, rank, device)
-        events: list | None = [] if options.trace else None
+        events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
         try:
             train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
                   checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events, quiet=options.quiet)
-            if options.trace:
-                tracing.write_rank_trace(options.trace, plan, rank, events)
         finally:
+            if events is not None:
+                events.close()
             comm.shutdown()
     except KeyboardInterrupt:
         raise

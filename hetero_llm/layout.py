@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import ipaddress
 import math
 import os
 import re
@@ -195,7 +196,8 @@ class NodeSpec:
     """``[[cluster.nodes]]``: one host."""
 
     name: str = _doc("node name used in device ids ('node0' -> 'node0:1')")
-    host: str = _doc("address other nodes reach this host at", default="127.0.0.1")
+    host: str = _doc("address other nodes reach this host at: a host name or IP address, no port "
+                    "(that is cluster.port)", default="127.0.0.1")
     devices: tuple[str, ...] = _doc("local devices in index order: 'cpu' or 'cuda:N'", default=("cpu",))
     domain: str = _doc("name of the [[cluster.domains]] entry this node's NICs are in; '' when the cluster "
                        "declares no domains", default="")
@@ -247,7 +249,7 @@ class ClusterSpec:
     master: str = _doc("node whose host serves rendezvous; '' means the first node", default="")
     port: int = _doc("rendezvous TCP port (MASTER_PORT overrides)", default=29511)
     backend: Backend = _doc("'gloo' (CPU, default) or 'nccl' (CUDA)", default=Backend.GLOO)
-    timeout_s: float = _doc("seconds to wait for every rank to arrive", default=60.0)
+    timeout_s: float = _doc("seconds to wait for every rank to arrive; at least 1", default=60.0)
     domains: tuple[DomainSpec, ...] = _doc("network domains; none declared means one implicit domain whose "
                                            "groups all use the process's own network settings", default=())
     cross_domain: CrossDomainSpec = _doc("the network between domains (a table)", default=CrossDomainSpec())
@@ -315,12 +317,18 @@ def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -
     """Read, override (``--set a.b=v``), type-check and validate a layout file."""
     file = str(path)
     p = Path(path)
+    if p.is_dir():
+        raise LayoutError(file, "", "is a folder, not a layout file (pass the path of a .toml layout, e.g. "
+                          "layouts/quickstart.toml)")
     if not p.is_file():
         raise LayoutError(file, "", "no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)")
     try:
         data = p.read_bytes()
     except OSError as e:
         raise LayoutError(file, "", f"cannot read the file: {e.strerror} (check its permissions)") from None
+    if data.startswith(b"\xef\xbb\xbf"):
+        raise LayoutError(file, "", "starts with a UTF-8 byte order mark (BOM), which TOML does not allow "
+                          "(save the file as UTF-8 without BOM)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -703,6 +711,7 @@ def validate_cluster(f: str, c: ClusterSpec) -> None:
             raise LayoutError(f, f"cluster.nodes[{i}].devices", f"a CUDA device is listed twice: {list(node.devices)} (list each GPU once)")
         if not node.host.strip():
             raise LayoutError(f, f"cluster.nodes[{i}].host", "is empty (give the address other nodes reach this host at, e.g. '127.0.0.1')")
+        _check_host(f, f"cluster.nodes[{i}].host", node.host)
     if c.master and c.master not in names:
         close = difflib.get_close_matches(c.master, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -711,7 +720,28 @@ def validate_cluster(f: str, c: ClusterSpec) -> None:
         raise LayoutError(f, "cluster.port", f"must be a TCP port 1..65535, got {c.port}")
     if c.timeout_s <= 0:
         raise LayoutError(f, "cluster.timeout_s", f"must be > 0, got {c.timeout_s}")
+    if c.timeout_s < MIN_TIMEOUT_S:
+        raise LayoutError(f, "cluster.timeout_s", f"must be at least {MIN_TIMEOUT_S:g} s (the time ranks have to meet; "
+                          f"the default is 60), got {c.timeout_s:g}")
     _validate_domains(f, c)
+
+
+MIN_TIMEOUT_S = 1.0  # below this, ranks started together time out before they can meet
+
+
+def _check_host(f: str, at: str, host: str) -> None:
+    """A host name or an IP address (IPv6 literals have colons), not ``address:port`` or a URL."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return
+    except ValueError:
+        pass
+    address, sep, port = host.rpartition(":")
+    if sep and port.isdigit():
+        raise LayoutError(f, at, f"'{host}' has a port in it (give the address alone, host = '{address.strip('[]')}'; "
+                          "the rendezvous port is cluster.port)")
+    if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.\-_]*[A-Za-z0-9])?", host):
+        raise LayoutError(f, at, f"'{host}' is not a host name or an IP address (e.g. 'node1.cluster' or '10.0.0.1')")
 
 
 _IFNAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # Linux interface names: at most 15 bytes, no '/' or spaces
@@ -780,6 +810,9 @@ def _check_transport(f: str, at: str, ifname: str, nccl: tuple[tuple[str, str], 
 def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
     f, t, pipe = layout.file, layout.train, layout.pipelines[pi]
     pp, n = f"pipelines[{pi}]", len(pipe.stages)
+    if pipe.schedule_file and Path(pipe.schedule_file).is_dir():
+        raise LayoutError(f, f"{pp}.schedule_file", f"'{pipe.schedule_file}' is a folder, not a file "
+                          "(give a text or CSV file of action strings, one line or column per stage)")
     if pipe.schedule_file and not Path(pipe.schedule_file).is_file():
         raise LayoutError(f, f"{pp}.schedule_file", f"file '{pipe.schedule_file}' does not exist "
                           "(give a text or CSV file of action strings, one line or column per stage)")
@@ -836,8 +869,17 @@ def _validate_data(layout: Layout) -> None:
     if not d.path:
         raise LayoutError(f, "data.path", f"data.kind '{d.kind.value}' needs a file (set data.path to a "
                           f".{d.kind.value if d.kind is DataKind.JSONL else 'txt'} file, relative to the layout file)")
+    if Path(d.path).is_dir():
+        raise LayoutError(f, "data.path", f"'{d.path}' is a folder, not a file (give an existing text or JSONL file)")
     if not Path(d.path).is_file():
         raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
+    size = Path(d.path).stat().st_size
+    if size == 0:
+        raise LayoutError(f, "data.path", f"file '{d.path}' is empty (give a file with at least one window of "
+                          f"{m.seq_len + 1} tokens: seq_len + 1)")
+    if d.kind is DataKind.TEXT and size < m.seq_len + 1:  # byte tokens: a text file has as many tokens as bytes
+        raise LayoutError(f, "data.path", f"file '{d.path}' has {size} tokens, fewer than one window of "
+                          f"{m.seq_len + 1} tokens (seq_len + 1); give a longer file or a smaller seq_len")
     if m.vocab < 256:
         raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
 

@@ -765,9 +765,15 @@ def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int)
     """
     path = Path(path)
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as error:
         raise ScheduleError(f"{path}: cannot read schedule file: {error.strerror}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[:error.start].count(b"\n") + 1
+        raise ScheduleError(f"{path}: line {line} is not UTF-8 text (a schedule file is text: action strings "
+                            "such as F0 B0, one line or CSV column per stage)") from None
     lines = [(number, raw.split("#", 1)[0].strip()) for number, raw in enumerate(text.splitlines(), 1)]
     lines = [(number, content) for number, content in lines if content]
     if not lines:

@@ -22,6 +22,7 @@ from pathlib import Path
 import click
 
 from hetero_llm import trace as tracing
+from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import ScheduleError
 
 __all__ = ["COLORS", "plot_timeline", "main"]
@@ -167,7 +168,7 @@ def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, ba
     return [f"stage {s}" for s in range(stages)], result.rows(), title, result.summary()
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("trace_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the timeline PNG here.")
 @click.option("--chrome", type=click.Path(dir_okay=False), default=None,
@@ -193,9 +194,9 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
     """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""
     try:
         if not out and not chrome:
-            raise click.UsageError("nothing to write: give --out PNG and/or --chrome JSON")
+            raise ValueError("nothing to write: give --out PNG and/or --chrome JSON")
         if simulate_ == bool(trace_dir):
-            raise click.UsageError("give either TRACE_DIR or --simulate (one of them)")
+            raise ValueError("give either TRACE_DIR or --simulate (one of them)")
         if simulate_:
             labels, rows, default_title, summary = _simulated(
                 stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms)

@@ -1,9 +1,14 @@
 """Per-action timing records (``--trace DIR``) and their merge into a Chrome/Perfetto trace.
 
-Each rank writes ``rank{R}.json``: ``{"rank", "pipeline", "stage", "device", "events": [{"action",
-"start", "end"}, ...]}`` with times in seconds of ``time.perf_counter()`` (one clock per host, so
-ranks of one host line up; ranks on different hosts are shifted by their clocks' offset). The
-events of every step follow one another in the file; ``split_steps`` cuts them into steps.
+Each rank streams ``rank{R}.jsonl`` as it runs (``RankTraceWriter``): a first line ``{"rank",
+"pipeline", "stage", "device"}``, then lines ``{"events": [[action, start, end], ...]}``, each holding
+the events of up to ``FLUSH_S`` seconds, with times in seconds of ``time.perf_counter()`` (one clock per
+host, so ranks of one host line up; ranks on different hosts are shifted by their clocks' offset). Each
+line is written whole by one ``write``, so a job that dies keeps all but its last moments' events, and a
+rank holds at most ``FLUSH_S`` seconds of them (or ``FLUSH_EVENTS``) in memory.
+Readers also take ``rank{R}.json``, the whole-run record earlier versions wrote at the end:
+``{"rank", "pipeline", "stage", "device", "events": [{"action", "start", "end"}, ...]}``. The events of
+every step follow one another; ``split_steps`` cuts them into steps.
 """
 
 from __future__ import annotations
@@ -36,21 +41,96 @@ def write_rank_trace(directory: str, plan: Plan, rank: int, events: list[tuple[s
     os.replace(tmp, out / f"rank{rank}.json")
 
 
+FLUSH_S = 0.5  # seconds of events a line holds at most
+FLUSH_EVENTS = 4096  # events a line holds at most
+
+
+class RankTraceWriter:
+    """Streams one rank's ``(action, start, end)`` records into ``rank{R}.jsonl`` as the runtime ``append``s them."""
+
+    def __init__(self, directory: str, plan: Plan, rank: int):
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        # An earlier run's files in this folder would read as ranks of this one.
+        stale = [out / f"rank{rank}.json"]
+        if rank == 0:
+            stale += [p for p in out.glob("rank*.json*") if _rank_of_file(p) is not None
+                      and _rank_of_file(p) >= plan.world_size]
+        for path in stale:
+            path.unlink(missing_ok=True)
+        info = plan.ranks[rank]
+        self._fd: int | None = os.open(out / f"rank{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._write({"rank": rank, "pipeline": info.pipeline, "stage": info.stage, "device": info.device_id})
+        self._pending: list[tuple[str, float, float]] = []
+
+    def append(self, record: tuple[str, float, float]) -> None:
+        self._pending.append(record)
+        if record[2] - self._pending[0][1] >= FLUSH_S or len(self._pending) >= FLUSH_EVENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._write({"events": self._pending})
+            self._pending = []
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.flush()
+            os.close(self._fd)
+            self._fd = None
+
+    def _write(self, line: dict) -> None:
+        os.write(self._fd, (json.dumps(line) + "\n").encode())  # one write per line: no torn line but the last
+
+
+def _rank_of_file(path: Path) -> int | None:
+    digits = path.name.removeprefix("rank").split(".", 1)[0]
+    return int(digits) if digits.isdigit() else None
+
+
 def read_rank_traces(directory: str | Path) -> list[dict]:
-    """Every ``rank*.json`` record in ``directory``, ordered by rank."""
-    paths = list(Path(directory).glob("rank*.json"))
+    """Every rank's record in ``directory`` (``rank*.jsonl`` or ``rank*.json``), ordered by rank."""
+    paths = [p for p in Path(directory).glob("rank*.json*") if p.suffix in (".json", ".jsonl")]
     if not paths:
         raise FileNotFoundError(f"{directory}: no rank*.json trace files (run with --trace {directory})")
     records = []
     for path in paths:
-        try:
-            record = json.loads(path.read_text())
-        except ValueError as error:
-            raise ValueError(f"{path}: not JSON ({error})") from None
+        record = _read_streamed(path) if path.suffix == ".jsonl" else _read_whole(path)
         if not isinstance(record, dict) or "rank" not in record or "events" not in record:
             raise ValueError(f"{path}: not a rank trace file (needs the keys 'rank' and 'events')")
         records.append(record)
+    ranks = [record["rank"] for record in records]
+    if len(set(ranks)) != len(ranks):
+        twice = next(r for r in ranks if ranks.count(r) > 1)
+        raise ValueError(f"{directory}: two trace files of rank {twice} (rank{twice}.json and rank{twice}.jsonl: "
+                         "remove the older)")
     return sorted(records, key=lambda record: record["rank"])
+
+
+def _read_whole(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path}: not JSON ({error})") from None
+
+
+def _read_streamed(path: Path) -> dict:
+    """A ``rank{R}.jsonl`` file, possibly of a job that died: a torn last line is dropped."""
+    lines = path.read_text().splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as error:
+            if number == len(lines) and number > 1:
+                break  # written when the job died
+            raise ValueError(f"{path}: line {number} is not JSON ({error})") from None
+    if not records or not isinstance(records[0], dict) or not all(isinstance(r, dict) for r in records):
+        return {}
+    header, steps = records[0], records[1:]
+    if any(not isinstance(step.get("events"), list) for step in steps):
+        raise ValueError(f"{path}: not a rank trace file (each line after the first needs the key 'events')")
+    return {**header, "events": [{"action": a, "start": s, "end": e} for step in steps for a, s, e in step["events"]]}
 
 
 def rank_label(record: dict) -> str:

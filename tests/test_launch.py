@@ -156,3 +156,34 @@ def test_rank_started_with_a_different_layout_is_named(tmp_path):
     assert re.fullmatch(r"error: ranks compiled different plans: rank 0: [0-9a-f]{12}; rank 1 \(n0:1\): [0-9a-f]{12} "
                         r"\(start every rank with the same layout and the same --set overrides\)", err), err
     assert "rank 1: rank 0 found ranks with a different plan" in results[1][1]
+
+
+def test_trace_of_a_killed_job_is_readable(tmp_path):
+    """--trace streams every rank's events as it runs: a job killed without warning leaves a trace the
+    timeline reads (every line but a torn last one)."""
+    from hetero_llm import trace as tracing
+
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    trace = tmp_path / "trace"
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--trace", str(trace))
+    _wait_for_steps(proc, metrics, 2)
+    deadline = time.monotonic() + 60
+    while not all(len(p.read_text().splitlines()) >= 3 for p in trace.glob("rank*.jsonl")) or \
+            len(list(trace.glob("rank*.jsonl"))) < 3:
+        assert time.monotonic() < deadline, "no trace lines within 60 s"
+        time.sleep(0.1)
+    children = _children_of(proc.pid)
+    proc.kill()  # no finally block of the launcher runs; its ranks get SIGTERM (they die with it)
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    records = tracing.read_rank_traces(trace)
+    assert [r["rank"] for r in records] == [0, 1, 2]
+    for record in records:
+        actions = [ev["action"] for ev in record["events"]]
+        assert actions.count("F0") >= 2, actions[:20]  # at least two steps' worth on every rank
+    done = subprocess.run([sys.executable, "-m", "hetero_llm.timeline", str(trace), "--chrome", str(tmp_path / "t.json")],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"wrote {tmp_path / 't.json'}")

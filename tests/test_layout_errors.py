@@ -64,6 +64,20 @@ def test_missing_layout_file(tmp_path: Path):
     assert_one_error_line(invoke(path, "--dry-run"), expected)
 
 
+def test_layout_path_is_a_folder(tmp_path: Path):
+    expected = f"{tmp_path}: is a folder, not a layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+    assert_one_error_line(invoke(tmp_path, "--dry-run"), expected)
+
+
+def test_byte_order_mark(tmp_path: Path):
+    """A BOM (Windows editors write one) is named, not reported as a TOML syntax error at line 1, column 1."""
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + QUICKSTART.read_bytes())
+    expected = (f"{path}: starts with a UTF-8 byte order mark (BOM), which TOML does not allow (save the file as "
+                "UTF-8 without BOM)")
+    assert_one_error_line(invoke(path, "--dry-run"), expected)
+
+
 def test_loads_names_its_file():
     with pytest.raises(LayoutError) as info:
         layout.loads('[modle]\nlayers = 2\n', file="inline.toml")

@@ -75,6 +75,42 @@ def test_read_errors(tmp_path: Path) -> None:
         tracing.read_rank_traces(tmp_path)
 
 
+def test_streamed_trace_reads_like_a_whole_one(tmp_path: Path, trace_dir: Path, monkeypatch) -> None:
+    """``RankTraceWriter`` lines read back as the records ``write_rank_trace`` writes; a torn last line
+    (a job killed mid-write) is dropped, a torn line elsewhere is an error."""
+    monkeypatch.setattr(tracing, "FLUSH_S", 0.02)  # the fixture's steps are 0.05 s apart
+    whole = tracing.read_rank_traces(trace_dir)
+    streamed = tmp_path / "streamed"
+    plan = SimpleNamespace(world_size=3, ranks=fake_plan(3).ranks)
+    for record in whole:
+        writer = tracing.RankTraceWriter(str(streamed), plan, record["rank"])  # type: ignore[arg-type]
+        for ev in record["events"]:
+            writer.append((ev["action"], ev["start"], ev["end"]))
+        writer.close()
+    assert tracing.read_rank_traces(streamed) == whole
+    assert sorted(p.name for p in streamed.iterdir()) == ["rank0.jsonl", "rank1.jsonl", "rank2.jsonl"]
+
+    path = streamed / "rank0.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) > 2  # the header and more than one line of events: written as it went
+    path.write_text("\n".join(lines) + '\n{"events": [["F0", 1.0')
+    assert tracing.read_rank_traces(streamed) == whole
+    path.write_text("\n".join([lines[0], '{"events": [', *lines[1:]]) + "\n")
+    with pytest.raises(ValueError, match="rank0.jsonl: line 2 is not JSON"):
+        tracing.read_rank_traces(streamed)
+
+
+def test_trace_writer_removes_an_earlier_runs_files(tmp_path: Path, trace_dir: Path) -> None:
+    """Rank 0 removes rank files past this run's world size; each rank its own old whole-run file."""
+    plan = SimpleNamespace(world_size=2, ranks=fake_plan(2).ranks)
+    for rank in range(2):
+        tracing.RankTraceWriter(str(trace_dir), plan, rank).close()  # type: ignore[arg-type]
+    assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
+    (trace_dir / "rank1.json").write_text('{"rank": 1, "events": []}')
+    with pytest.raises(ValueError, match="two trace files of rank 1"):
+        tracing.read_rank_traces(trace_dir)
+
+
 def test_split_steps() -> None:
     row = [("F0", 0, 1), ("B0", 1, 2), ("F0", 5, 6), ("B0", 6, 7), ("F0", 9, 9.5)]
     assert tracing.split_steps(row) == [row[:2], row[2:4], row[4:]]
