@@ -38,9 +38,10 @@ def check_run_paths(layout: Layout, metrics: str | None, checkpoint: str | None,
             if _writes(flag, path, source):
                 raise LayoutError(path, flag, f"would overwrite {what} '{source}', an input of this run "
                                   "(give another path)")
-    if metrics and resume and _inside(metrics, resume):
-        raise LayoutError(metrics, "--metrics-jsonl", f"is inside the --resume folder '{resume}' (an input of this "
-                          "run; give another path)")
+    if metrics and resume and (_writes("--checkpoint", resume, metrics) or  # a file of a save under a root
+                               _inside(metrics, resume) and STEP_FOLDER.fullmatch(Path(resume).resolve().name)):
+        raise LayoutError(metrics, "--metrics-jsonl", f"is a file of the --resume checkpoint '{resume}' (an input "
+                          "of this run; give another path)")
     for flag, path, _ in outputs:
         if flag != "--metrics-jsonl" and metrics and _writes(flag, path, metrics):
             raise LayoutError(metrics, "--metrics-jsonl", f"is a file that {flag} {path} writes (give another path)")

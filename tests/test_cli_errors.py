@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hetero_llm import data
+from hetero_llm import data, layout as layout_mod, outputs
 from hetero_llm.checkpoint import FIX
 from hetero_llm.errors import LayoutError
 from harness import assert_one_error_line, invoke_cli as invoke
@@ -138,13 +138,17 @@ def test_metrics_inside_a_checkpoint_is_refused_where_a_save_writes(tmp_path):
     assert result.exit_code == 0, result.stderr  # beside the saves is fine
 
 
-def test_metrics_inside_the_resume_folder_is_refused(tmp_path):
-    step = tmp_path / "ckpt" / "step-000002"
+def test_metrics_in_a_file_of_the_resumed_save_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    step = root / "step-000002"
     step.mkdir(parents=True)
-    metrics = step / "rank0.pt"
-    assert_one_error_line(invoke(QUICKSTART, "--dry-run", "--resume", step, "--metrics-jsonl", metrics),
-                          f"{metrics}: --metrics-jsonl: is inside the --resume folder '{step}' (an input of this "
-                          "run; give another path)")
+    for resume, metrics in ((step, step / "rank0.pt"), (root, step / "meta.json"), (root, root / "latest")):
+        assert_one_error_line(invoke(QUICKSTART, "--dry-run", "--resume", resume, "--metrics-jsonl", metrics),
+                              f"{metrics}: --metrics-jsonl: is a file of the --resume checkpoint '{resume}' (an "
+                              "input of this run; give another path)")
+    # beside the saves of the root it resumes from and saves into: fine (checked before --resume itself)
+    lay = layout_mod.load(QUICKSTART)
+    outputs.check_run_paths(lay, str(root / "metrics.jsonl"), str(root), str(root / "trace"), str(root))
 
 
 def test_trace_folder_holding_an_input_named_like_a_trace_file(tmp_path):
