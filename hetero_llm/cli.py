@@ -74,6 +74,8 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             click.echo(describe(plan))
             return
         if rank is not None:
+            if not os.environ.get("HETERO_ERROR_DIR"):  # started on its own: no launcher checked the data
+                _checked_source(lay)
             try:
                 launch.run_one_rank(plan, rank, options)
             except (LayoutError, RankFailure, KeyboardInterrupt):
@@ -85,11 +87,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
                 raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
                                   f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
             return
-        from hetero_llm import data
-
-        source = data.make_source(lay.data, lay.file)  # tokenizes a text file once, before any rank starts
-        if isinstance(source, data.TokenFileSource):
-            source.require_text(lay.model.seq_len + 1)
+        source = _checked_source(lay)  # tokenizes a text file once, before any rank starts
         if not quiet:
             click.echo(f"hetero-launch: starting {len(ranks)} of {plan.world_size} ranks here: {ranks}")
             if hasattr(source, "loss_floor"):
@@ -106,6 +104,16 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     except KeyboardInterrupt:
         click.echo("interrupted: stopped every rank", err=True)
         sys.exit(130)
+
+
+def _checked_source(lay: layout_mod.Layout):
+    """The layout's data source, refused now if it cannot give one window of text (rather than in every rank)."""
+    from hetero_llm import data
+
+    source = data.make_source(lay.data, lay.file)
+    if isinstance(source, data.TokenFileSource):
+        source.require_text(lay.model.seq_len + 1)
+    return source
 
 
 @click.command("hetero-place", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})

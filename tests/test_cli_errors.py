@@ -251,3 +251,10 @@ def test_text_data_in_a_read_only_folder_caches_in_the_user_cache(tmp_path):
     assert count == 60
     assert Path(where).parent == cache / "hetero_llm" and Path(where).exists()
     assert os.listdir(data_dir) == ["corpus.txt"]
+
+
+def test_a_rank_started_on_its_own_checks_the_data_first(tmp_path):
+    layout = _text_layout(tmp_path, "jsonl", '{"text": ""}\n' * 40)
+    corpus = tmp_path / "corpus.jsonl"
+    assert_one_error_line(invoke(layout, "--rank", "1", "--quiet"), f"{layout}: data.path: file '{corpus}' holds no "
+                          "text: its 40 tokens all end empty documents (give documents with text)")
