@@ -12,9 +12,11 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-TORCH_FREE_MODULES = ["layout", "plan", "schedule", "simulate", "place", "checkpoint", "cli", "errors", "params"]
+TORCH_FREE_MODULES = ["layout", "plan", "schedule", "simulate", "place", "checkpoint", "cli", "errors", "params",
+                      "outputs", "trace", "timeline"]
 TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
-                    "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py"]
+                    "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py",
+                    "test_cli_errors.py"]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
