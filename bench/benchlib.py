@@ -312,22 +312,9 @@ def command_line() -> str:
 
 
 def _split_steps(row: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
-    """Cut one rank's records into steps at each recurrence of its first compute action.
+    from hetero_llm import trace as tracing
 
-    (``trace.split_steps`` cuts at the first record, which fails now that the runtime records a
-    receive twice, when posted and when waited for.) Receive records just before that compute
-    action belong to the step it opens.
-    """
-    first = next((a for a, _, _ in row if a[0] in "FBIW"), None)
-    cuts = [i for i, (a, _, _) in enumerate(row) if a == first]
-    starts = []
-    for i in cuts:
-        while i > 0 and row[i - 1][0].startswith("RECV") and (not starts or i - 1 >= starts[-1]):
-            i -= 1
-        starts.append(i)
-    if starts:
-        starts[0] = 0
-    return [row[a:b] for a, b in zip(starts, starts[1:] + [len(row)])]
+    return tracing.split_steps(row)
 
 
 def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:

@@ -150,16 +150,22 @@ def rank_rows(records: Sequence[dict]) -> tuple[list[str], list[Row]]:
 
 
 def split_steps(row: Row) -> list[Row]:
-    """Cut one rank's records into steps: a step starts where the rank's first action recurs.
+    """Cut one rank's records into steps at each recurrence of its first compute action.
 
-    Within a step every action of a rank is distinct, so the first one recurs exactly once per step.
+    Every compute action (``F``, ``B``, ``I``, ``W``) runs once per step; a receive is recorded twice
+    (posted, and waited for), so it cannot mark a step. Receive records just before that compute
+    action belong to the step it opens.
     """
-    steps: list[Row] = []
-    for record in row:
-        if not steps or record[0] == row[0][0]:
-            steps.append([])
-        steps[-1].append(record)
-    return steps
+    first = next((a for a, _, _ in row if a[0] in "FBIW"), None)
+    cuts = [i for i, (a, _, _) in enumerate(row) if a == first]
+    starts: list[int] = []
+    for i in cuts:
+        while i > 0 and row[i - 1][0].startswith("RECV") and (not starts or i - 1 >= starts[-1]):
+            i -= 1
+        starts.append(i)
+    if starts:
+        starts[0] = 0
+    return [row[a:b] for a, b in zip(starts, starts[1:] + [len(row)])]
 
 
 def action_kind(action: str) -> str:

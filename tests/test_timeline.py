@@ -115,6 +115,11 @@ def test_split_steps() -> None:
     row = [("F0", 0, 1), ("B0", 1, 2), ("F0", 5, 6), ("B0", 6, 7), ("F0", 9, 9.5)]
     assert tracing.split_steps(row) == [row[:2], row[2:4], row[4:]]
     assert tracing.split_steps([]) == []
+    # a later stage: each receive recorded when posted and when waited for; they open the step they feed
+    step = [("RECV_F0", 0, 1), ("RECV_F0", 1, 2), ("F0", 2, 3), ("RECV_F1", 3, 4), ("RECV_B0", 4, 5),
+            ("RECV_F1", 5, 6), ("F1", 6, 7), ("B0", 7, 8)]
+    later = [(a, s + 10, e + 10) for a, s, e in step]
+    assert tracing.split_steps(step + later) == [step, later]
     assert tracing.action_kind("SEND_F3.1") == "SEND_F"
     assert tracing.action_kind("W12") == "W"
 
