@@ -129,6 +129,7 @@ def place_main(cluster_file, out, pipelines, tp, microbatches):
     from hetero_llm import place
 
     try:
+        outputs.check_output_file("--out", out, [("the cluster file", cluster_file)])
         placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)

@@ -36,8 +36,7 @@ def check_run_paths(layout: Layout, metrics: str | None, checkpoint: str | None,
     for flag, path, _ in outputs:
         for what, source in inputs:
             if _writes(flag, path, source):
-                raise LayoutError(path, flag, f"would overwrite {what} '{source}', an input of this run "
-                                  "(give another path)")
+                raise _overwrites(flag, path, what, source)
     if metrics and resume and (_writes("--checkpoint", resume, metrics) or  # a file of a save under a root
                                _inside(metrics, resume) and STEP_FOLDER.fullmatch(Path(resume).resolve().name)):
         raise LayoutError(metrics, "--metrics-jsonl", f"is a file of the --resume checkpoint '{resume}' (an input "
@@ -47,6 +46,19 @@ def check_run_paths(layout: Layout, metrics: str | None, checkpoint: str | None,
             raise LayoutError(metrics, "--metrics-jsonl", f"is a file that {flag} {path} writes (give another path)")
     for flag, path, folder in outputs:
         _check_writable(flag, path, folder)
+
+
+def check_output_file(flag: str, path: str, inputs: list[tuple[str, str]]) -> None:
+    """One output file on its own (``hetero-place -o``): a file path, none of ``inputs`` (what, path), writable."""
+    _check_kind(flag, path, folder=False)
+    for what, source in inputs:
+        if _same(path, source):
+            raise _overwrites(flag, path, what, source)
+    _check_writable(flag, path, folder=False)
+
+
+def _overwrites(flag: str, path: str, what: str, source: str) -> LayoutError:
+    return LayoutError(path, flag, f"would overwrite {what} '{source}', an input of this run (give another path)")
 
 
 def _inputs(layout: Layout) -> list[tuple[str, str]]:

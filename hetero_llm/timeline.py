@@ -21,9 +21,9 @@ from pathlib import Path
 
 import click
 
-from hetero_llm import trace as tracing
+from hetero_llm import outputs, trace as tracing
 from hetero_llm.cli import OneLineCommand
-from hetero_llm.errors import ScheduleError
+from hetero_llm.errors import LayoutError, ScheduleError
 
 __all__ = ["COLORS", "plot_timeline", "main"]
 
@@ -197,6 +197,10 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
             raise ValueError("nothing to write: give --out PNG and/or --chrome JSON")
         if simulate_ == bool(trace_dir):
             raise ValueError("give either TRACE_DIR or --simulate (one of them)")
+        inputs = [("--schedule-file", schedule_file)] if schedule_file else []
+        for flag, path in (("--out", out), ("--chrome", chrome)):
+            if path:
+                outputs.check_output_file(flag, path, inputs)
         if simulate_:
             labels, rows, default_title, summary = _simulated(
                 stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms)
@@ -216,7 +220,7 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
         if out:
             plot_timeline(rows, out, title if title is not None else default_title, labels=labels)
             click.echo(f"wrote {out}")
-    except (ScheduleError, ValueError, FileNotFoundError) as error:
+    except (ScheduleError, ValueError, FileNotFoundError, LayoutError) as error:
         click.echo(f"error: {error}", err=True)
         sys.exit(2)
 

@@ -258,3 +258,23 @@ def test_a_rank_started_on_its_own_checks_the_data_first(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     assert_one_error_line(invoke(layout, "--rank", "1", "--quiet"), f"{layout}: data.path: file '{corpus}' holds no "
                           "text: its 40 tokens all end empty documents (give documents with text)")
+
+
+def test_place_never_writes_over_its_cluster_file(tmp_path):
+    from click.testing import CliRunner
+
+    from hetero_llm.cli import place_main
+
+    cluster = tmp_path / "cluster.toml"
+    shutil.copy(REPO / "layouts" / "clusters" / "two_domains.toml", cluster)
+    before = cluster.read_bytes()
+    result = CliRunner().invoke(place_main, [str(cluster), "-o", str(cluster)])
+    assert (result.exit_code, result.output) == (2, f"error: {cluster}: --out: would overwrite the cluster file "
+                                                    f"'{cluster}', an input of this run (give another path)\n")
+    assert cluster.read_bytes() == before
+    result = CliRunner().invoke(place_main, [str(cluster), "-o", str(cluster / "placed.toml")])
+    assert (result.exit_code, result.output) == (2, f"error: {cluster / 'placed.toml'}: --out: '{cluster}' is a file, "
+                                                    "so no folder can be made under it (give another path)\n")
+    result = CliRunner().invoke(place_main, [str(cluster), "--out"])
+    assert (result.exit_code, result.output) == (2, "error: Option '--out' requires an argument "
+                                                    "(see hetero-place --help)\n")

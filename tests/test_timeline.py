@@ -194,13 +194,24 @@ def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
          "error: interleaved 1F1B needs num_microbatches to be a multiple of num_stages"),
         (["--simulate", "--schedule", "zbh1", "--weight-ms", "5", "--out", "x.png"], 2,
          "error: CostModel.weight[0] = 0.005 s exceeds backward[0] = 0.002 s"),
+        (["--simulate", "--stages", "2", "--microbatches", "3", "--schedule-file", "order.txt", "--chrome",
+          "order.txt"], 2, "error: order.txt: --chrome: would overwrite --schedule-file 'order.txt', an input of "
+         "this run (give another path)\n"),
+        (["--simulate", "--out", "order.txt/x.png"], 2,
+         "error: order.txt/x.png: --out: '{cwd}/order.txt' is a file, so no folder can be made under it "
+         "(give another path)\n"),
+        (["--simulate", "--stages", "two", "--out", "x.png"], 2,
+         "error: Invalid value for '--stages': 'two' is not a valid integer (see main --help)\n"),
     ],
 )
 def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str) -> None:
     monkeypatch.chdir(tmp_path)  # relative paths (x.png, missing_dir) land in the test's own folder
+    (tmp_path / "order.txt").write_text("F0 F1 F2 B0 B1 B2\nF0 B0 F1 B1 F2 B2\n")
     result = CliRunner().invoke(main, args)
     assert result.exit_code == code
-    assert message in result.output
+    message = message.replace("{cwd}", str(tmp_path))
+    assert result.output == message if message.endswith("\n") else message in result.output
+    assert (tmp_path / "order.txt").read_text() == "F0 F1 F2 B0 B1 B2\nF0 B0 F1 B1 F2 B2\n"
 
 
 def test_cli_as_a_subprocess(tmp_path: Path) -> None:
