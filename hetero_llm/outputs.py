@@ -3,8 +3,8 @@
 A run writes ``--metrics-jsonl FILE`` (the reporting rank, every step), ``--checkpoint DIR`` (every rank,
 at each save) and ``--trace DIR`` (every rank, every step). Found unwritable only at the first save, or
 pointing at the layout the run was started from, they would cost the run or destroy its input; so the CLI
-checks them here, before it forks a rank. Torch-free; the only side effect is a probe file created and
-removed in each output's nearest existing folder.
+checks them here, before it forks a rank (``hetero-place -o`` and the timeline's files: ``check_output_file``).
+Torch-free; the only side effect is a probe file created and removed in each output's nearest existing folder.
 """
 
 from __future__ import annotations
@@ -87,7 +87,8 @@ def _writes(flag: str, output: str, path: str) -> bool:
     if flag == "--trace":
         return str(real.parent) == root and TRACE_FILE.fullmatch(real.name) is not None
     if str(real.parent) == root:  # --checkpoint: DIR/latest, DIR/step-NNNNNN/...
-        return real.name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + ".tmp") or STEP_FOLDER.fullmatch(real.name) is not None
+        return (real.name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + ".tmp")
+                or STEP_FOLDER.fullmatch(real.name) is not None)
     return _inside(str(real), root) and STEP_FOLDER.fullmatch(real.relative_to(root).parts[0]) is not None
 
 
@@ -96,7 +97,8 @@ def _check_kind(flag: str, path: str, folder: bool) -> None:
     if folder and p.exists() and not p.is_dir():
         raise LayoutError(path, flag, "is a file, not a folder (give a folder to write into)")
     if not folder and p.is_dir():
-        raise LayoutError(path, flag, f"is a folder, not a file (give a file path, e.g. {p / 'metrics.jsonl'})")
+        example = f", e.g. {p / 'metrics.jsonl'}" if flag == "--metrics-jsonl" else ""
+        raise LayoutError(path, flag, f"is a folder, not a file (give a file path{example})")
 
 
 def _check_writable(flag: str, path: str, folder: bool) -> None:
