@@ -74,7 +74,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             click.echo(describe(plan))
             return
         if rank is not None:
-            if not os.environ.get("HETERO_ERROR_DIR"):  # started on its own: no launcher checked the data
+            if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file
                 _checked_source(lay)
             try:
                 launch.run_one_rank(plan, rank, options)
