@@ -7,7 +7,9 @@
         rank0.pt ...         one file per rank of the layout that saved (train.py writes them): its parameter
                              shards and their AdamW moments, keyed by global names with their shard coordinates
         meta.json            written last, once every rank's file is on disk: a folder without it is an
-                             interrupted save and is never resumed from
+                             interrupted save and is never resumed from. It records each rank file's size,
+                             sha256 and shards (name -> shard dim, [lo, hi), shape), so ``verify`` finds a
+                             damaged, truncated or swapped file before any rank reads one
 
 Because shards are keyed by global names and coordinates, any layout of the same model can resume any
 save. Torch-free, so the CLI checks ``--resume`` (the folder, a complete save, the model) before any rank starts.
@@ -15,10 +17,11 @@ save. Torch-free, so the CLI checks ``--resume`` (the folder, a complete save, t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import attrs
 
@@ -26,10 +29,26 @@ from hetero_llm.errors import CheckpointError
 from hetero_llm.layout import Layout
 from hetero_llm.params import all_params
 
+if TYPE_CHECKING:
+    from hetero_llm.plan import Plan
+
 STEP_PREFIX = "step-"
 META = "meta.json"
 LATEST = "latest"
+TMP = ".tmp"  # a file being written: renamed over its final name once complete
 FIX = "pass the --checkpoint DIR of an earlier run or one of its step-NNNNNN folders, or start without --resume"
+
+
+Coords = tuple[int | None, int, int, tuple[int, ...]]  # (shard dim or None: replicated, lo, hi, full shape)
+
+
+@attrs.frozen
+class RankFile:
+    """What meta.json records of one rank file when it is saved, to check it before any rank reads it."""
+
+    size: int  # bytes
+    sha256: str  # hex digest of the file's bytes
+    shards: dict[str, Coords]  # global parameter name -> where its shard sits in the full tensor
 
 
 @attrs.frozen
@@ -41,6 +60,7 @@ class Checkpoint:
     world_size: int  # ranks of the layout that saved it: rank0.pt .. rank{world_size - 1}.pt
     shapes: dict[str, tuple[int, ...]]  # global parameter name -> full shape
     layout: str  # the layout file that saved it (for people: any layout of the same model may resume it)
+    files: dict[str, RankFile] | None = None  # rank file name -> its record; None: a save from before records
 
     def rank_file(self, rank: int) -> Path:
         return rank_file(self.path, rank)
@@ -60,12 +80,16 @@ def rank_file(folder: Path, rank: int) -> Path:
 
 def write_atomically(path: Path, write: Callable[[object], None]) -> None:
     """Write ``path`` by ``write(binary file)`` into ``path.tmp``, fsync it, rename it over ``path``."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp = path.with_name(path.name + TMP)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)  # the rename itself survives a power loss
 
 
@@ -84,17 +108,57 @@ def begin_save(folder: Path) -> None:
     old meta.json vouching for a mix of old and new rank files should this save be interrupted.
     """
     folder.mkdir(parents=True, exist_ok=True)
+    remove_leftovers(folder.parent)
     if (folder / META).exists():
         (folder / META).unlink()
         _fsync_dir(folder)
 
 
-def finish_save(folder: Path, step: int, world_size: int, layout: Layout) -> None:
+def remove_leftovers(root: Path) -> None:
+    """Delete the temporary files a killed save left in checkpoint root ``root`` (``*.tmp`` in it and in its
+    step folders). Rank 0 calls it before any rank of this save writes, so no file being written is touched."""
+    for tmp in [*root.glob(f"*{TMP}"), *root.glob(f"{STEP_PREFIX}*/*{TMP}")]:
+        tmp.unlink(missing_ok=True)
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """(size in bytes, sha256 hex digest) of the file at ``path``."""
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            digest.update(chunk)
+            size += len(chunk)
+    return size, digest.hexdigest()
+
+
+def file_records(plan: Plan, digests: list[tuple[int, str]]) -> dict[str, RankFile]:
+    """Each rank file's record: ``digests[rank]`` (its size and sha256) and the shards the plan gives that rank."""
+    return {rank_file(Path(), r).name: RankFile(size, sha, {info.name: (info.shard_dim, lo, hi, info.shape)
+                                                           for info, lo, hi in plan.params_of(r)})
+            for r, (size, sha) in enumerate(digests)}
+
+
+def finish_save(folder: Path, step: int, world_size: int, layout: Layout,
+                files: dict[str, RankFile] | None = None) -> None:
     """Mark ``folder`` complete, then point ``latest`` at it (rank 0, once every rank's file is on disk)."""
     meta = {"step": step, "world_size": world_size, "layout": layout.file,
             "params": {p.name: list(p.shape) for p in all_params(layout.model)}}
-    write_atomically(folder / META, lambda f: f.write(json.dumps(meta, indent=1).encode()))
+    if files is not None:
+        meta["files"] = {name: {"bytes": f.size, "sha256": f.sha256,
+                                "shards": {n: {"dim": dim, "range": [lo, hi], "shape": shard_shape(dim, lo, hi, full)}
+                                           for n, (dim, lo, hi, full) in f.shards.items()}}
+                         for name, f in files.items()}
+    write_atomically(folder / META, lambda f: f.write((_json_lines(meta) + "\n").encode()))
     write_atomically(folder.parent / LATEST, lambda f: f.write(f"{folder.name}\n".encode()))
+
+
+def _json_lines(value, indent: str = "") -> str:
+    """JSON with one line per entry of a dict that holds dicts or more than 4 entries (a parameter, a shard)."""
+    if not isinstance(value, dict) or not (len(value) > 4 or any(isinstance(v, dict) for v in value.values())):
+        return json.dumps(value)
+    inner = indent + " "
+    entries = ",\n".join(f"{inner}{json.dumps(k)}: {_json_lines(v, inner)}" for k, v in value.items())
+    return f"{{\n{entries}\n{indent}}}"
 
 
 # ------------------------------------------------------------------------------------------
@@ -123,8 +187,14 @@ def _newest_complete(root: Path) -> Path | None:
     # same folder was interrupted, and then the highest-numbered complete folder is the newest save.
     latest = root / LATEST
     if latest.exists():
-        named = root / latest.read_text().strip()
-        if _step_of(named) is not None and (named / META).exists():
+        text = latest.read_text().strip()
+        named = root / text
+        # A bare step-NNNNNN name, and a folder in ``root``: ``latest`` never leads outside the checkpoint.
+        if _step_of(Path(text)) is None or Path(text).name != text or named.resolve().parent != root.resolve():
+            raise CheckpointError(str(latest), "--resume", f"names {text!r}, not a step-NNNNNN folder of {root} "
+                                  f"(write the name of one of its step folders into it, or delete it to resume from "
+                                  f"the highest-numbered complete one)")
+        if (named / META).exists():
             return named
     complete = [d for d in root.glob(f"{STEP_PREFIX}*") if _step_of(d) is not None and (d / META).exists()]
     return max(complete, key=_step_of, default=None)
@@ -139,9 +209,15 @@ def _step_of(folder: Path) -> int | None:
 def _read(folder: Path) -> Checkpoint:
     try:
         meta = json.loads((folder / META).read_text())
-        ckpt = Checkpoint(folder, int(meta["step"]), int(meta["world_size"]),
-                          {name: tuple(shape) for name, shape in meta["params"].items()}, str(meta["layout"]))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        shapes = {name: tuple(int(n) for n in shape) for name, shape in meta["params"].items()}
+        files = None
+        if "files" in meta:
+            files = {name: RankFile(int(f["bytes"]), str(f["sha256"]),
+                                    {n: (None if c["dim"] is None else int(c["dim"]), int(c["range"][0]),
+                                         int(c["range"][1]), shapes[n]) for n, c in f["shards"].items()})
+                     for name, f in meta["files"].items()}
+        ckpt = Checkpoint(folder, int(meta["step"]), int(meta["world_size"]), shapes, str(meta["layout"]), files)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
         raise CheckpointError(str(folder), "--resume", f"{META} is not a hetero_llm checkpoint's ({type(e).__name__}: "
                               f"{e}); {FIX}") from None
     missing = [r for r in range(ckpt.world_size) if not ckpt.rank_file(r).exists()]
@@ -149,6 +225,77 @@ def _read(folder: Path) -> Checkpoint:
         raise CheckpointError(str(folder), "--resume", f"{rank_file(folder, missing[0]).name} is missing (the layout "
                               f"that saved it had {ckpt.world_size} ranks); {FIX}")
     return ckpt
+
+
+DAMAGED = "resume from another step folder (or start without --resume)"
+UNVERIFIED = (f"{META} records no sizes or checksums of its rank files (a save by an earlier hetero_llm): "
+              "resuming without verifying them")
+
+
+def verify(ckpt: Checkpoint) -> str | None:
+    """Check every rank file against what meta.json recorded when it was saved: its size, its sha256, and that
+    its shards are slices of the model's tensors that together cover each of them. Raises CheckpointError
+    naming the first bad file; returns a warning for a save from before the records (resumed unchecked).
+
+    Reads every byte of the save (sha256 runs at about 1-2 GB/s): the CLI calls it once, before any rank starts.
+    """
+    if ckpt.files is None:
+        return f"{ckpt.path}: --resume: {UNVERIFIED}"
+    names = [rank_file(ckpt.path, r).name for r in range(ckpt.world_size)]
+    unknown = sorted(set(ckpt.files) ^ set(names))
+    if unknown:
+        raise CheckpointError(str(ckpt.path), "--resume", f"{META} records the rank files {sorted(ckpt.files)} "
+                              f"but its world_size is {ckpt.world_size}: the save is damaged; {DAMAGED}")
+    for name in names:
+        path, record = ckpt.path / name, ckpt.files[name]
+        size = path.stat().st_size
+        if size != record.size:
+            raise CheckpointError(str(path), "--resume", f"{size} bytes, but {record.size} were saved (truncated "
+                                  f"or replaced since); {DAMAGED}")
+        if file_digest(path)[1] != record.sha256:
+            raise CheckpointError(str(path), "--resume", f"its sha256 is not the one {META} recorded when it was "
+                                  f"saved (the file changed since: damaged, edited, or copied from another save); "
+                                  f"{DAMAGED}")
+        for param, coords in record.shards.items():
+            problem = shard_problem(param, coords, ckpt.shapes)
+            if problem:
+                raise CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {DAMAGED}")
+    for param, full in ckpt.shapes.items():
+        gap = _uncovered(param, full, [f.shards[param] for f in ckpt.files.values() if param in f.shards])
+        if gap:
+            raise CheckpointError(str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; "
+                                  f"{DAMAGED}")
+    return None
+
+
+def shard_shape(dim: int | None, lo: int, hi: int, full: tuple[int, ...]) -> list[int]:
+    return [hi - lo if d == dim else n for d, n in enumerate(full)]
+
+
+def shard_problem(name: str, coords: Coords, shapes: dict[str, tuple[int, ...]]) -> str | None:
+    """Why a recorded shard is not a slice of the model's tensor ``name`` (None: it is)."""
+    dim, lo, hi, full = coords
+    if name not in shapes:
+        return f"holds {name}, which is not a tensor of the model {META} describes"
+    along = full[0 if dim is None else dim] if (dim is None or 0 <= dim < len(full)) else None
+    if along is None or not 0 <= lo < hi <= along or (dim is None and (lo, hi) != (0, along)):
+        return f"its shard of {name} ({list(full)}) is rows [{lo}, {hi}) of dim {dim}, outside the tensor"
+    return None
+
+
+def _uncovered(name: str, full: tuple[int, ...], shards: list[Coords]) -> str | None:
+    """The first part of tensor ``name`` that no shard holds, in words (None: every element is held)."""
+    if any(dim is None for dim, *_rest in shards):
+        return None
+    if not shards:
+        return name
+    dim = shards[0][0]
+    end = 0
+    for _, lo, hi, _ in sorted(s for s in shards if s[0] == dim):
+        if lo > end:
+            break
+        end = max(end, hi)
+    return None if end >= full[dim] else f"{name} from row {end} of dim {dim}"
 
 
 def for_resume(path: str | os.PathLike, layout: Layout) -> Checkpoint:

@@ -68,7 +68,12 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             ranks = launch.local_ranks(plan, node)
         outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
-            resume = str(checkpoint_mod.for_resume(resume, lay).path)
+            ckpt = checkpoint_mod.for_resume(resume, lay)
+            if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified
+                warning = checkpoint_mod.verify(ckpt)
+                if warning:
+                    click.echo(f"warning: {warning}", err=True)
+            resume = str(ckpt.path)
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
         if dry_run:
             click.echo(describe(plan))
@@ -95,12 +100,13 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
                            f"(uniform guess: {math.log(source.vocab_size):.4f})")
         launch.run_ranks(layout_file, plan, ranks, options)
     except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
+        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a bad save found by a rank: the launcher says
+            click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except RankFailure as e:
         if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # under the launcher, it reports
             click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted: stopped every rank", err=True)
         sys.exit(130)

@@ -31,3 +31,12 @@ class ScheduleError(HeteroError):
 
 class RankFailure(HeteroError):
     """A rank of a running job failed; the message names the rank and its cause."""
+
+    exit_code = 1
+
+
+class Diverged(RankFailure):
+    """The loss or the gradient norm became NaN or infinite. Both are all-reduced, so every rank sees it at
+    the same step and stops there, before the optimizer step and before any save."""
+
+    exit_code = 3

@@ -25,7 +25,7 @@ from typing import NoReturn
 
 import attrs
 
-from hetero_llm.errors import HeteroError, LayoutError, RankFailure
+from hetero_llm.errors import Diverged, HeteroError, LayoutError, RankFailure
 from hetero_llm.plan import Plan
 
 
@@ -138,10 +138,12 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
                 # moment to report, then blame the root cause rather than the first rank polled.
                 time.sleep(0.3)
                 failed.update({r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0})
-                raise RankFailure(_describe_failures(plan, failed, errdir))
+                raise _failure(plan, failed, errdir)
             time.sleep(0.05)
     finally:
         _terminate(list(procs.values()), grace_s)
+        if not any(errdir.iterdir()):  # kept only when it holds a failure report (the error line names it)
+            errdir.rmdir()
 
 
 def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoReturn:
@@ -193,17 +195,19 @@ def _cause(rank: int, code: int, errdir: Path) -> str:
     return f"exited with code {code}"
 
 
-def _describe_failures(plan: Plan, failed: dict[int, int], errdir: Path) -> str:
+def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
     causes = {r: _cause(r, code, errdir) for r, code in failed.items()}
     # Root cause first: a signal or an error of the rank's own before another rank's connection errors.
     order = sorted(causes, key=lambda r: (any(w in causes[r].lower() for w in _SECONDARY), r))
     first = order[0]
+    if failed[first] == Diverged.exit_code:  # every rank stopped at the same step: no rank to blame
+        return Diverged(causes[first])
     info = plan.ranks[first]
     tb = errdir / f"rank{first}.traceback"
     more = f" (traceback: {tb})" if tb.exists() else ""
     others = f"; {len(order) - 1} other rank(s) failed after it" if len(order) > 1 else ""
-    return (f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
-            f"{causes[first]}{more}{others}; stopped the other ranks")
+    return RankFailure(f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
+                       f"{causes[first]}{more}{others}; stopped the other ranks")
 
 
 def _terminate(procs: list[_Child], grace_s: float) -> None:
@@ -227,6 +231,9 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
 
     check_rank(plan, rank)
     info = plan.ranks[rank]
+    # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
+    # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     try:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():

@@ -16,7 +16,7 @@ import torch
 
 from hetero_llm import checkpoint, comm, data
 from hetero_llm.checkpoint import Checkpoint
-from hetero_llm.errors import CheckpointError, RankFailure
+from hetero_llm.errors import CheckpointError, Diverged, RankFailure
 from hetero_llm.optim import AdamW
 from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
@@ -186,14 +186,26 @@ class Progress:
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
         eta = elapsed / (m.step + 1 - self.first) * (self.total - m.step - 1)
         print(f"step {m.step + 1:>5}/{self.total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
-              f"| {rate / 1e3:.1f}k tok/s | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", file=self.out, flush=True)
+              f"| {rate / 1e3:.1f}k tok/s | ETA {duration(eta)}", file=self.out, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """``01:02:03`` under a day, ``3d 01:02:03`` beyond; ``>9999d`` past that (an absurd train.steps, or inf)."""
+    if not seconds < 10_000 * 86400:
+        return ">9999d"
+    s = int(seconds)
+    clock = f"{s // 3600 % 24:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 86400}d {clock}" if s >= 86400 else clock
 
 
 def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
-          trace: list | None = None, quiet: bool = False) -> list[StepMetrics]:
+          trace: list | None = None, quiet: bool = False, keep_history: bool = False) -> list[StepMetrics]:
     """Train ``rank`` to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps (0: at the
-    end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root)."""
+    end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
+
+    Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
+    by a record per step (bench/soak.py)."""
     lay = plan.layout
     tr, model = lay.train, lay.model
     device = comms.device
@@ -219,6 +231,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
     progress = Progress(tr.steps, first) if reporting and not quiet else None
     history = []
+    last_save = restored.path if restored else None
     try:
         for step in range(first, tr.steps):
             t0 = time.perf_counter()
@@ -231,6 +244,11 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
             loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
+                raise Diverged(f"training diverged at step {step} of {tr.steps} (0-based, as in --metrics-jsonl): "
+                               f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
+                               f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
+                               f"(lower train.lr, or raise train.warmup_steps)")
             if tr.grad_clip > 0:
                 coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6))
                 if coef < 1.0:
@@ -240,7 +258,8 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             m = StepMetrics(step, loss, lr, grad_norm, global_tokens, time.perf_counter() - t0)
-            history.append(m)
+            if keep_history:
+                history.append(m)
             if metrics_file is not None:
                 _append_line(metrics_file, m.json())
             if progress is not None and (step % tr.log_every == 0 or step == tr.steps - 1):
@@ -250,6 +269,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             done = step + 1
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
                 save_checkpoint(plan, rank, state, optimizer, checkpoint_dir, done)
+                last_save = checkpoint.step_folder(checkpoint_dir, done)
     finally:
         if metrics_file is not None:
             os.close(metrics_file)
@@ -296,10 +316,24 @@ def save_checkpoint(plan: Plan, rank: int, state: RankState, optimizer: torch.op
         shards[name] = {"tensor": p.detach().cpu(), "coords": state.coords[name],
                         **{key: moments[key].detach().cpu() for key in MOMENTS}}
     saved = {"rank": rank, "step": step, "optimizer_steps": _optimizer_steps(optimizer), "shards": shards}
-    checkpoint.write_atomically(checkpoint.rank_file(folder, rank), lambda f: torch.save(saved, f))
-    comm.barrier()  # every rank's file is on disk before meta.json marks the save complete
+    path = checkpoint.rank_file(folder, rank)
+    checkpoint.write_atomically(path, lambda f: torch.save(saved, f))
+    # Also the barrier: every rank's file is on disk before meta.json marks the save complete.
+    device = next(iter(state.params.values())).device
+    digests = _all_digests(plan.world_size, rank, checkpoint.file_digest(path), device)
     if rank == 0:
-        checkpoint.finish_save(folder, step, plan.world_size, plan.layout)
+        checkpoint.finish_save(folder, step, plan.world_size, plan.layout, checkpoint.file_records(plan, digests))
+
+
+def _all_digests(world_size: int, rank: int, digest: tuple[int, str], device: torch.device) -> list[tuple[int, str]]:
+    """Every rank's (file size, sha256 hex), from each rank's own: one all-reduce of a (world, 5) int64 table
+    in which each rank fills its row (the size, then the 32 digest bytes as 4 int64s) and leaves the rest 0."""
+    size, sha = digest
+    table = torch.zeros(world_size, 5, dtype=torch.int64)
+    table[rank, 0] = size
+    table[rank, 1:] = torch.from_numpy(np.frombuffer(bytes.fromhex(sha), dtype=np.int64).copy())
+    rows = comm.all_reduce_world(table.to(device)).cpu().numpy()
+    return [(int(row[0]), row[1:].astype(np.int64).tobytes().hex()) for row in rows]
 
 
 @attrs.frozen
@@ -322,12 +356,40 @@ def restore(plan: Plan, rank: int, path: str) -> Restored:
     if len(steps) != 1:
         raise CheckpointError(str(ckpt.path), "--resume", f"rank files disagree on the optimizer step "
                               f"({sorted(steps)}): the save is damaged; resume from another step folder")
-    return Restored(ckpt.path, ckpt.step, steps.pop(), _assemble(files, ranges, ("tensor", *MOMENTS), ckpt.path))
+    shards = _assemble(files, ranges, ("tensor", *MOMENTS), ckpt.path)
+    bad = next((f"{key} of {name}" for key, by_name in shards.items() for name, t in by_name.items()
+                if not torch.isfinite(t).all()), None)
+    if bad:  # a save of a diverged run, or damage meta.json's checksums could not catch (a save without them)
+        raise CheckpointError(str(ckpt.path), "--resume", f"the {bad} holds NaN or infinite values; "
+                              f"{checkpoint.DAMAGED}")
+    return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
 
 
 def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
-    # Memory-mapped: only the slices a rank copies out are read from disk.
-    return torch.load(ckpt.rank_file(rank), mmap=True, weights_only=True)
+    """One rank file, memory-mapped (only the slices a rank copies out are read from disk), its shards checked
+    against the model's shapes: ``checkpoint.verify`` checked it before the ranks started, but a save from
+    before meta.json's records was not."""
+    path = ckpt.rank_file(rank)
+
+    def damaged(problem: str) -> CheckpointError:
+        return CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {checkpoint.DAMAGED}")
+
+    try:
+        saved = torch.load(path, mmap=True, weights_only=True)
+        shards = {name: (tuple(shard["coords"]), [shard[key].shape for key in ("tensor", *MOMENTS)])
+                  for name, shard in saved["shards"].items()}
+    except Exception as e:  # noqa: BLE001 (whatever torch or the file's content raises: name the file)
+        raise damaged(f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0].split('. ')[0]})") from None
+    for name, ((dim, lo, hi, full), shapes) in shards.items():
+        problem = checkpoint.shard_problem(name, (dim, lo, hi, ckpt.shapes.get(name, ())), ckpt.shapes)
+        if problem is None and tuple(full) != ckpt.shapes[name]:
+            problem = f"its {name} is a shard of a {list(full)} tensor, but the model's is {list(ckpt.shapes[name])}"
+        want = torch.Size(checkpoint.shard_shape(dim, lo, hi, tuple(full)))
+        if problem is None and any(shape != want for shape in shapes):
+            problem = f"its {name} is {[list(shape) for shape in shapes]} (tensor, moments), not {list(want)}"
+        if problem:
+            raise damaged(problem)
+    return saved
 
 
 def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], keys: tuple[str, ...],

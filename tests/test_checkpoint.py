@@ -203,3 +203,171 @@ def test_bad_resume_in_a_real_process(tmp_path):
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == f"error: {tmp_path / 'nope'}: --resume: no such folder ({FIX})\n"
+
+
+# ------------------------------------------------------------------------------------ integrity (meta.json's records)
+
+DAMAGED = "resume from another step folder (or start without --resume)"
+
+
+def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = REFERENCE) -> Path:
+    """A complete save whose meta.json records its rank files (``contents``) and the shards the layout's plan
+    gives each rank, as train.save_checkpoint writes it."""
+    from hetero_llm.plan import compile_plan
+
+    lay = layout_mod.load(layout)
+    plan = compile_plan(lay)
+    folder = checkpoint.step_folder(root, step)
+    checkpoint.begin_save(folder)
+    for r, data in enumerate(contents):
+        checkpoint.rank_file(folder, r).write_bytes(data)
+    digests = [checkpoint.file_digest(checkpoint.rank_file(folder, r)) for r in range(len(contents))]
+    checkpoint.finish_save(folder, step, plan.world_size, lay, checkpoint.file_records(plan, digests))
+    return folder
+
+
+def test_meta_records_size_sha256_and_shards_of_every_rank_file(tmp_path):
+    import hashlib
+    import json
+
+    folder = _save_recorded(tmp_path, 2, [b"rank zero's bytes"])
+    meta = json.loads((folder / "meta.json").read_text())
+    record = meta["files"]["rank0.pt"]
+    assert record["bytes"] == 17 and record["sha256"] == hashlib.sha256(b"rank zero's bytes").hexdigest()
+    assert record["shards"]["layers.0.attn.wq"] == {"dim": 0, "range": [0, 32], "shape": [32, 32]}
+    assert record["shards"]["layers.0.attn.wo"] == {"dim": 1, "range": [0, 32], "shape": [32, 32]}
+    assert set(record["shards"]) == set(meta["params"])
+    assert '  "layers.0.attn.wq": [32, 32],\n' in (folder / "meta.json").read_text()  # one line per tensor
+    found = checkpoint.find(tmp_path)
+    assert found.files["rank0.pt"].shards["layers.0.attn.wq"] == (0, 0, 32, (32, 32))
+    assert checkpoint.verify(found) is None
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda data: data[:5] + bytes([data[5] ^ 1]) + data[6:],  # one bit flipped
+     "its sha256 is not the one meta.json recorded when it was saved (the file changed since: damaged, edited, "
+     "or copied from another save)"),
+    (lambda data: data[:-4], "12 bytes, but 16 were saved (truncated or replaced since)"),
+    (lambda data: b"", "0 bytes, but 16 were saved (truncated or replaced since)"),
+    (lambda data: b"another model's rank file", "25 bytes, but 16 were saved (truncated or replaced since)"),
+], ids=["bit flip", "truncated", "zero bytes", "another save's file"])
+def test_a_damaged_rank_file_is_refused_before_any_rank_starts(damage, problem, tmp_path):
+    folder = _save_recorded(tmp_path, 2, [b"0123456789abcdef"])
+    path = folder / "rank0.pt"
+    path.write_bytes(damage(path.read_bytes()))
+    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
+                          f"{path}: --resume: {problem}; {DAMAGED}")
+
+
+def test_rank_files_swapped_between_ranks_are_refused(tmp_path):
+    """Two files of one save, each intact but under the other's name (say, copied from another layout's save)."""
+    contents = [f"rank {r}".encode() for r in range(6)]  # three_pipelines.toml has 6 ranks
+    folder = _save_recorded(tmp_path, 2, contents, LAYOUTS / "three_pipelines.toml")
+    one, two = folder / "rank1.pt", folder / "rank2.pt"
+    a, b = one.read_bytes(), two.read_bytes()
+    one.write_bytes(b)
+    two.write_bytes(a)
+    result = invoke_cli(LAYOUTS / "three_pipelines.toml", "--set", "train.steps=4", "--resume", folder, "--dry-run")
+    assert_one_error_line(result, f"{one}: --resume: its sha256 is not the one meta.json recorded when it was saved "
+                                  f"(the file changed since: damaged, edited, or copied from another save); {DAMAGED}")
+
+
+def test_shards_that_miss_part_of_a_tensor_are_refused(tmp_path):
+    """A save whose ranks did not hold every layer (the bug class of issue 10 §1) is refused before any rank starts."""
+    import json
+
+    folder = _save_recorded(tmp_path, 2, [b"x"])
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["rank0.pt"]["shards"]["layers.0.mlp.w1"]["range"] = [0, 64]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
+                          f"{folder}: --resume: layers.0.mlp.w1 from row 64 of dim 0 is in no rank file: the save is "
+                          f"incomplete; {DAMAGED}")
+    del meta["files"]["rank0.pt"]["shards"]["layers.0.mlp.w1"]
+    meta["files"]["rank0.pt"]["shards"]["layers.9.mlp.w1"] = {"dim": 0, "range": [0, 64], "shape": [64, 32]}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
+                          f"{folder}: --resume: meta.json is not a hetero_llm checkpoint's (KeyError: "
+                          f"'layers.9.mlp.w1'); {FIX}")
+
+
+@pytest.mark.parametrize("text", ["../elsewhere/step-000002", "/tmp/step-000002", "step-000002/..", "meta.json"])
+def test_latest_never_leads_outside_the_checkpoint_folder(text, tmp_path):
+    root = tmp_path / "ckpt"
+    _save_recorded(root, 2, [b"x"])
+    _save_recorded(tmp_path / "elsewhere", 2, [b"y"])
+    (root / "latest").write_text(text + "\n")
+    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", root),
+                          f"{root / 'latest'}: --resume: names {text!r}, not a step-NNNNNN folder of {root} (write "
+                          "the name of one of its step folders into it, or delete it to resume from the "
+                          "highest-numbered complete one)")
+
+
+def test_latest_through_a_symlink_out_of_the_folder_is_refused(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    outside = _save_recorded(tmp_path / "elsewhere", 2, [b"y"])
+    (root / "step-000002").symlink_to(outside)
+    (root / "latest").write_text("step-000002\n")
+    result = invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", root)
+    assert result.exit_code == 2 and "names 'step-000002', not a step-NNNNNN folder of" in result.stderr
+
+
+def test_a_save_without_records_resumes_with_a_warning(tmp_path):
+    """Saves from before meta.json recorded its files are accepted, unverified, with one warning line."""
+    folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
+    result = invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert result.stderr == (f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank "
+                             "files (a save by an earlier hetero_llm): resuming without verifying them\n")
+
+
+def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
+    """Without records nothing is checked before the ranks start; the rank that reads the file names it."""
+    from hetero_llm.train import _load_rank_file
+
+    folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))  # its rank0.pt is empty
+    with pytest.raises(CheckpointError) as e:
+        _load_rank_file(checkpoint.find(tmp_path), 0)
+    assert str(e.value).startswith(f"{folder / 'rank0.pt'}: --resume: cannot be read (")  # then torch's words
+    assert str(e.value).endswith(f"): the save is damaged; {DAMAGED}")
+
+
+def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
+    from hetero_llm.train import _load_rank_file
+
+    folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
+    wq = torch.zeros(48, 32)
+    torch.save({"shards": {"layers.0.attn.wq": {"tensor": wq, "exp_avg": wq, "exp_avg_sq": wq,
+                                                "coords": (0, 0, 48, (48, 32))}}}, folder / "rank0.pt")
+    with pytest.raises(CheckpointError) as e:
+        _load_rank_file(checkpoint.find(tmp_path), 0)
+    assert str(e.value) == (f"{folder / 'rank0.pt'}: --resume: its shard of layers.0.attn.wq ([32, 32]) is rows "
+                            f"[0, 48) of dim 0, outside the tensor: the save is damaged; {DAMAGED}")
+
+
+# ------------------------------------------------------------------------------------ leftovers of killed saves
+
+
+def test_the_next_save_removes_temporary_files_of_a_killed_one(tmp_path):
+    lay = layout_mod.load(REFERENCE)
+    killed = checkpoint.step_folder(tmp_path, 2)
+    killed.mkdir(parents=True)
+    leftovers = [killed / "rank0.pt.tmp", killed / "meta.json.tmp", tmp_path / "latest.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half")
+    (killed / "rank1.pt").write_bytes(b"complete rank file of the killed save")
+    _save(tmp_path, 4, lay)
+    assert not [p for p in leftovers if p.exists()]
+    assert (killed / "rank1.pt").exists()  # only temporary files go
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step-000002", "step-000004"]
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path):
+    def fail(f):
+        f.write(b"half")
+        raise OSError("No space left on device")
+
+    with pytest.raises(OSError):
+        checkpoint.write_atomically(tmp_path / "rank0.pt", fail)
+    assert list(tmp_path.iterdir()) == []
