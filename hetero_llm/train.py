@@ -245,7 +245,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             loss_total, sq_total = totals.tolist()  # the step's one host sync
             loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
-                raise Diverged(f"training diverged at step {step} of {tr.steps} (0-based, as in --metrics-jsonl): "
+                raise Diverged(f"training diverged at step {step} (counting from 0, as --metrics-jsonl does): "
                                f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
                                f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
                                f"(lower train.lr, or raise train.warmup_steps)")

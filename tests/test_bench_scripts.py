@@ -149,3 +149,14 @@ def test_compute_intervals_and_bubble():
 
 def test_markdown_table():
     assert benchlib.markdown_table(["a", "bb"], [[1, "x"]]) == "| a | bb |\n| - | -- |\n| 1 | x  |"
+
+
+@pytest.mark.multiprocess
+def test_soak_quick(tmp_path):
+    _run("soak.py", tmp_path)
+    md = (tmp_path / "soak.md").read_text()
+    assert ["rank", "RSS at step 100 MiB", "at step 400 MiB", "growth", "bytes per step", "target < 1%"] in _headers(md)
+    result = json.loads((tmp_path / "soak.json").read_text())
+    assert sorted(result["rss_kib"]) == sorted(str(s) for s in range(100, 401, 100))
+    assert all(sorted(row) == ["0", "1"] and all(v > 10_000 for v in row.values()) for row in result["rss_kib"].values())
+    assert sorted(result["growth"]) == ["0", "1"]

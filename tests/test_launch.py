@@ -51,11 +51,11 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _start(layout: Path, tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _start(layout: Path, tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
            "--set", f"cluster.port={free_port()}", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), metrics
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), metrics
 
 
 def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:
@@ -188,3 +188,42 @@ def test_trace_of_a_killed_job_is_readable(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"wrote {tmp_path / 't.json'}")
+
+
+def test_a_diverging_run_stops_every_rank_at_that_step_and_saves_nothing_after(tmp_path):
+    """lr = 1e30: the loss is finite at step 0 and NaN soon after. Every rank sees the all-reduced NaN at the
+    same step and stops before its optimizer step: exit code 3, one line naming the step, the last save good."""
+    layout = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
+    ckpt = tmp_path / "ckpt"
+    proc, metrics = _start(layout, tmp_path, "--set", "train.lr=1e30", "--set", "train.min_lr=0", "--set",
+                           "train.steps=8", "--checkpoint", str(ckpt), "--checkpoint-every", "1",
+                           env={**os.environ, "TMPDIR": str(tmp_path)})  # the failure reports' folder stays here
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    match = re.fullmatch(r"error: training diverged at step (\d+) \(counting from 0, as --metrics-jsonl does\): loss "
+                         r"nan, gradient norm nan; every rank stopped before its optimizer step, the last save is "
+                         r"(\S+) \(lower train.lr, or raise train.warmup_steps\)\n", err)
+    assert match, err
+    step = int(match[1])
+    assert 0 < step < 8 and match[2] == str(ckpt / f"step-{step:06d}")
+    assert (ckpt / "latest").read_text() == f"step-{step:06d}\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", *(f"step-{s:06d}" for s in range(1, step + 1))]
+    assert len(metrics.read_text().splitlines()) == step  # the diverged step is not recorded
+    reports = list(tmp_path.glob("hetero_llm_errors_*/rank*.err"))
+    assert reports and all(p.read_text() == err.removeprefix("error: ") for p in reports)  # every rank, one cause
+
+
+def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
+    """No empty /tmp/hetero_llm_errors_* per launch; the .tmp files of a killed save go at the next save."""
+    ckpt, tmp = tmp_path / "ckpt", tmp_path / "tmp"
+    tmp.mkdir()
+    (ckpt / "step-000002").mkdir(parents=True)
+    leftovers = [ckpt / "step-000002" / "rank0.pt.tmp", ckpt / "latest.tmp"]
+    for path in leftovers:
+        path.write_bytes(b"half written")
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(LAYOUTS / "reference.toml"), "--quiet", "--checkpoint", str(ckpt),
+           "--set", f"cluster.port={free_port()}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
+    assert proc.returncode == 0, proc.stderr
+    assert list(tmp.iterdir()) == []
+    assert not [p for p in leftovers if p.exists()]

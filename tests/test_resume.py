@@ -14,10 +14,12 @@ import sys
 
 import attrs
 import pytest
+import torch
 
 from hetero_llm import checkpoint
 from hetero_llm.train import load_full_params
-from harness import LAYOUTS, RunResult, assert_same_model, common_sections, free_port, launch, write_layout
+from harness import (LAYOUTS, RunResult, assert_one_error_line, assert_same_model, common_sections, free_port,
+                     invoke_cli, launch, write_layout)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -85,3 +87,64 @@ def test_resume_skips_an_interrupted_save_and_keeps_the_metrics_before_it(refere
     resumed = RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(root)),
                         proc.stdout, proc.stderr)
     assert_same_model(resumed, reference)
+
+
+# ------------------------------------------------------------------------------------ integrity of real saves
+
+
+def test_a_save_records_the_size_and_sha256_of_each_rank_file(reference):
+    import hashlib
+
+    for step in (2, 4):
+        folder = checkpoint.step_folder(reference.workdir / "ckpt", step)
+        record = json.loads((folder / "meta.json").read_text())["files"]["rank0.pt"]
+        data = (folder / "rank0.pt").read_bytes()
+        assert (record["bytes"], record["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
+        assert checkpoint.verify(checkpoint.find(folder)) is None
+
+
+def _nan_filled(path):
+    """NaN over one tensor's values in place: the file keeps its size and its structure."""
+    values = torch.load(path, weights_only=True)["shards"]["layers.2.mlp.w1"]["tensor"].numpy().tobytes()
+    data = path.read_bytes()
+    assert data.count(values) == 1
+    path.write_bytes(data.replace(values, torch.full((len(values) // 4,), float("nan")).numpy().tobytes()))
+
+
+def _bit_flipped(path):
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_bit_flipped, _nan_filled], ids=["bit flip", "NaN-filled"])
+def test_a_damaged_rank_file_of_a_real_save_is_refused(damage, reference, tmp_path):
+    root = tmp_path / "ckpt"
+    shutil.copytree(reference.workdir / "ckpt", root)
+    damage(root / "step-000002" / "rank0.pt")
+    assert_one_error_line(invoke_cli(REFERENCE, *STEPS, "--resume", root / "step-000002"),
+                          f"{root / 'step-000002' / 'rank0.pt'}: --resume: its sha256 is not the one meta.json recorded "
+                          "when it was saved (the file changed since: damaged, edited, or copied from another save); "
+                          "resume from another step folder (or start without --resume)")
+
+
+def test_a_nan_filled_save_without_records_is_refused_by_the_ranks(reference, tmp_path):
+    """A save from before meta.json's records is resumed unverified (one warning line); its NaN values still
+    stop the run before it trains, naming the tensor."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(reference.workdir / "ckpt", root)
+    folder = root / "step-000002"
+    meta = json.loads((folder / "meta.json").read_text())
+    del meta["files"]
+    (folder / "meta.json").write_text(json.dumps(meta))
+    _nan_filled(folder / "rank0.pt")
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), *STEPS, "--quiet", "--resume", str(folder),
+           "--set", f"cluster.port={free_port()}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[0] == (f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank files (a "
+                        "save by an earlier hetero_llm): resuming without verifying them")
+    assert len(lines) == 2 and lines[1].startswith("error: rank 0 (node0:0, pipeline 0 stage 0) failed: "
+                                                   f"{folder}: --resume: the tensor of layers.2.mlp.w1 holds NaN or "
+                                                   "infinite values; resume from another step folder"), proc.stderr
