@@ -141,7 +141,6 @@ def main(steps, from_step, every, quick, out_dir):
     if quick:
         steps, from_step, every = 400, 100, 100
     samples = sorted({from_step, *range(every, steps + 1, every), steps})
-    samples = [s for s in samples if s >= min(from_step, every)]
     before = B.load_average()
     with tempfile.TemporaryDirectory(prefix="bench_soak_") as tmp:
         t0 = time.perf_counter()
