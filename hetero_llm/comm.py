@@ -609,3 +609,35 @@ def all_reduce_world(tensor: torch.Tensor) -> torch.Tensor:
 
 def barrier() -> None:
     dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------
+# ZeRO-1 (hetero_llm/zero1.py): reduce-scatter of gradient blocks, all-gather of updated parameters.
+# torch 2.13 renamed the *_tensor collectives *_single; both take (output, input) of equal chunks.
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str, streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
+    ``wait()`` gives this rank's summed chunk. On CUDA it runs on the grads stream, after the backward."""
+    group = comms.groups[group_name]
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        out = flat.new_empty(flat.numel() // dist.get_world_size(group))
+        work = _reduce_scatter(out, flat, group=group, async_op=True)
+    streams.hand_over(flat, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)
+
+
+def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str, streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
+    ``wait()`` gives it."""
+    group = comms.groups[group_name]
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        out = chunk.new_empty(chunk.numel() * dist.get_world_size(group))
+        work = _all_gather(out, chunk, group=group, async_op=True)
+    streams.hand_over(chunk, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)
