@@ -42,6 +42,10 @@ class ShardedAdamW:
         self.slices: list[Slice] = [s for _, sl in mine for s in sl] + rest
         self.exp_avg = [torch.zeros_like(self._view(s, "data")) for s in self.slices]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
+        # Parameters whose every row this rank holds is in a reduce-scattered block: once packed for the
+        # reduce-scatter their whole gradient is dead (the summed slices come back), so it is freed at once.
+        kept = {s[0] for s in rest} | {e[0] for u, _ in mine if not u.reduce for e in u.entries}
+        self._freed_after_reduce = sorted({e[0] for u, _ in mine if u.reduce for e in u.entries} - kept)
         self._reductions: list = []
         self._grads: list[torch.Tensor] = []
         self._gathers: list = []
@@ -84,10 +88,24 @@ class ShardedAdamW:
         return torch.cat(parts)
 
     def start_reduce(self) -> None:
-        """Start every reduce-scatter this rank takes part in (the ``RS`` action)."""
-        self._reductions = [(unit, comm.start_reduce_scatter(self.comms, self._packed(unit, "grad"), unit.group,
-                                                             self.streams)) if unit.reduce else (unit, None)
-                            for unit, _ in self.units]
+        """Start every reduce-scatter this rank takes part in (the ``RS`` action).
+
+        A gradient that is only reduce-scattered is freed as soon as the last unit holding a block of it is
+        packed, so the packed copy does not sit beside the whole gradient for the rest of the step.
+        """
+        left = {name: sum(name in {e[0] for e in u.entries} for u, _ in self.units if u.reduce)
+                for name in self._freed_after_reduce}
+        self._reductions = []
+        for unit, _ in self.units:
+            if not unit.reduce:
+                self._reductions.append((unit, None))
+                continue
+            packed = self._packed(unit, "grad")
+            for name in {e[0] for e in unit.entries} & left.keys():
+                left[name] -= 1
+                if not left[name]:
+                    self.state_of_rank.params[name].grad = None
+            self._reductions.append((unit, comm.start_reduce_scatter(self.comms, packed, unit.group, self.streams)))
 
     def finish_reduce(self) -> torch.Tensor:
         """Wait for the reduce-scatters; this rank's share of the squared global norm (float64, on the device)."""
@@ -100,7 +118,7 @@ class ShardedAdamW:
                 continue
             flat, offset = pending.wait()[0], 0
             for s in slices:
-                shape = self._view(s, "grad").shape
+                shape = self._view(s, "data").shape
                 n = math.prod(shape)
                 grads.append(flat[offset:offset + n].view(shape))
                 offset += n
@@ -135,6 +153,7 @@ class ShardedAdamW:
         torch._foreach_div_(denom, bias2_sqrt)
         torch._foreach_add_(denom, self.eps)
         torch._foreach_addcdiv_(params, self.exp_avg, denom, -lr / bias1)
+        self.zero_grad()  # before the all-gather's buffers are made: the gradients are dead now
 
     def start_gather(self) -> None:
         """Start the all-gathers of the updated slices (right after ``step``)."""
