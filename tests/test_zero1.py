@@ -131,6 +131,8 @@ def test_simulator_overlaps_the_all_gather_with_the_pipeline_fill():
 # ------------------------------------------------------------------------------------------
 # Whole runs (multi-process, gloo)
 
+multiprocess = pytest.mark.multiprocess
+
 
 STEPS = ("--set", "train.steps=4")  # 4 steps: the checkpoint tests save after 2
 
@@ -154,21 +156,25 @@ RUN_CASES = [
 ]
 
 
+@multiprocess
 def test_reference_clips_every_step(reference):
     assert all(n > 0.3 for n in reference.grad_norms), reference.grad_norms
 
 
+@multiprocess
 @pytest.mark.parametrize("name,pipelines,schedule", RUN_CASES, ids=[c[0] for c in RUN_CASES])
 def test_zero1_layout_trains_the_reference_model(name, pipelines, schedule, reference, tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON, pipelines, schedule)
     assert_same_model(launch(path, tmp_path, *CLIP, *ZERO1, *STEPS), reference)
 
 
+@multiprocess
 def test_zero1_tp_2_beside_tp_3(reference_tp23, tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON_TP23, [(6, 2, [(6, 2)]), (6, 3, [(6, 3)])])
     assert_same_model(launch(path, tmp_path, *CLIP, *ZERO1, *STEPS), reference_tp23)
 
 
+@multiprocess
 @pytest.mark.parametrize("zero1_first", [True, False], ids=["zero1 save -> plain resume", "plain save -> zero1 resume"])
 def test_checkpoint_moves_between_zero1_and_plain_adamw_and_layouts(zero1_first, reference, tmp_path):
     a = write_layout(tmp_path / "a.toml", COMMON, [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])])
@@ -180,6 +186,7 @@ def test_checkpoint_moves_between_zero1_and_plain_adamw_and_layouts(zero1_first,
     assert_same_model(both, reference)
 
 
+@multiprocess
 def test_zero1_in_bf16_stays_within_the_bf16_tolerance(reference, tmp_path):
     from test_precision import assert_bf16_close
 
@@ -187,6 +194,7 @@ def test_zero1_in_bf16_stays_within_the_bf16_tolerance(reference, tmp_path):
     assert_bf16_close(launch(path, tmp_path, *CLIP, *ZERO1, *STEPS, "--set", "train.precision=bf16"), reference)
 
 
+@multiprocess
 def test_trace_shows_the_optimizer_actions(tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON, [(6, 2, [(3, 1), (3, 1)]), (6, 2, [(6, 1)])])
     launch(path, tmp_path, *ZERO1, "--trace", str(tmp_path / "trace"))
