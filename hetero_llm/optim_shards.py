@@ -135,3 +135,13 @@ def state_elements(plan: Plan, rank: int, zero1: bool) -> int:
         return sum(_row_size(info, info.shard_dim or 0) * (hi - lo) for info, lo, hi in plan.params_of(rank))
     mine, rest = owned(plan, rank)
     return sum(u.elements(rank) for u, _ in mine) + sum(_row_size(infos[n], d) * (hi - lo) for n, d, lo, hi in rest)
+
+
+def describe(plan: Plan) -> str:
+    """The ``--dry-run`` table of AdamW state per rank, plain and ZeRO-1 (two float32 moments per element)."""
+    lines = ["optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1'):",
+             "rank  adamw MiB  adamw_zero1 MiB  factor"]
+    for rank in range(plan.world_size):
+        plain, zero = (8 * state_elements(plan, rank, z) / 2 ** 20 for z in (False, True))
+        lines.append(f"{rank:<5} {plain:<10.3f} {zero:<16.3f} {plain / zero if zero else float('inf'):.2f}")
+    return "\n".join(lines)

@@ -207,7 +207,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
     streams = comm.Streams(device)
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
-    optimizer = zero1.ShardedAdamW(plan, rank, state, tr.lr, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
+    optimizer = zero1.ShardedAdamW(plan, rank, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
                                    streams) if sharded else _make_optimizer(state, tr)
     if restored:
         _restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)

@@ -30,11 +30,11 @@ from hetero_llm.schedule import Kind
 class ShardedAdamW:
     """AdamW over this rank's slices; parameters stay whole (float32) on every holder."""
 
-    def __init__(self, plan: Plan, rank: int, state, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, comms: comm.Comms, streams: comm.Streams = comm.NO_STREAMS):
+    def __init__(self, plan: Plan, rank: int, state, betas: tuple[float, float], eps: float, weight_decay: float,
+                 comms: comm.Comms, streams: comm.Streams = comm.NO_STREAMS):
         self.state_of_rank = state  # train.RankState: params, coords, replicas, decay
         self.rank, self.comms, self.streams = rank, comms, streams
-        self.lr, (self.beta1, self.beta2), self.eps, self.weight_decay = lr, betas, eps, weight_decay
+        (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
         mine, rest = optim_shards.owned(plan, rank)
         self.units: list[tuple[Unit, list[Slice]]] = mine

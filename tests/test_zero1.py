@@ -8,19 +8,19 @@ and resumed without it on another layout and the reverse, bf16, and the trace's 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
 import pytest
 
-from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
+from harness import LAYOUTS, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm import optim_shards, schedule as sched
 from hetero_llm.errors import ScheduleError
 from hetero_llm.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.simulate import CostModel, simulate
+from hetero_llm.trace import rank_rows, read_rank_traces
 
 REFERENCE = LAYOUTS / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
@@ -81,6 +81,17 @@ def test_state_per_rank_reduced_by_the_documented_factor(tmp_path):
     for r in (1, 2, 4):
         assert abs(zero[r] - full[4] / 3) <= full[4] * 0.05, (r, zero[r], full[4])
     assert sum(zero.values()) == sum(full[r] for r in (0, 4))  # each element's state exactly once
+
+
+def test_dry_run_shows_the_state_per_rank(tmp_path):
+    path = write_layout(tmp_path / "layout.toml", COMMON, [(6, 2, [(6, 1)]), (6, 2, [(6, 1)])])
+    plain = invoke_cli(path, "--dry-run")
+    zero = invoke_cli(path, "--dry-run", "--set", "train.optimizer=adamw_zero1")
+    assert plain.exit_code == 0 and zero.exit_code == 0, zero.output
+    assert "optimizer state per rank" not in plain.stdout
+    table = zero.stdout.split("optimizer state per rank")[1].splitlines()[2:]
+    assert [row.split()[-1] for row in table] == ["2.00", "2.00"]  # two identical pipelines halve it
+    assert "AG0" in zero.stdout and "RS0" in zero.stdout and "AG0" not in plain.stdout
 
 
 def test_memory_gb_weights_the_slices(tmp_path):
@@ -198,8 +209,9 @@ def test_zero1_in_bf16_stays_within_the_bf16_tolerance(reference, tmp_path):
 def test_trace_shows_the_optimizer_actions(tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON, [(6, 2, [(3, 1), (3, 1)]), (6, 2, [(6, 1)])])
     launch(path, tmp_path, *ZERO1, "--trace", str(tmp_path / "trace"))
-    for rank in range(3):
-        events = [e["action"] for e in json.loads((tmp_path / "trace" / f"rank{rank}.json").read_text())["events"]]
-        steps = 3
-        assert events.count("AG0") == steps and events.count("RS0") == steps, events
+    labels, rows = rank_rows(read_rank_traces(tmp_path / "trace"))
+    assert len(rows) == 3
+    for row in rows:
+        events = [action for action, _, _ in row]
+        assert events.count("AG0") == 3 and events.count("RS0") == 3, events  # once per step
         assert events.index("AG0") < events.index("F0") and events[-1] == "RS0"
