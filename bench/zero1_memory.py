@@ -37,12 +37,14 @@ def layout_toml(pipelines, hidden: int, layers: int, steps: int, optimizer: str)
              "", "[train]", f"steps = {steps}", "global_batch = 8", f'optimizer = "{optimizer}"', "",
              "[data]", 'kind = "grammar"', "", "[cluster]", "timeout_s = 120"]
     for pi, (_, _, stages) in enumerate(pipelines):
-        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {json.dumps(['cpu'] * sum(t for _, t in stages))}"]
+        devices = ["cpu"] * sum(t for _, t in stages)
+        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {json.dumps(devices)}"]
     for pi, (batch, mbs, stages) in enumerate(pipelines):
         lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {mbs}"]
         d = 0
         for n, tp in stages:
-            lines += ["[[pipelines.stages]]", f"layers = {n}", f"devices = {json.dumps([f'n{pi}:{d + i}' for i in range(tp)])}"]
+            devices = [f"n{pi}:{d + i}" for i in range(tp)]
+            lines += ["[[pipelines.stages]]", f"layers = {n}", f"devices = {json.dumps(devices)}"]
             d += tp
     return "\n".join(lines) + "\n"
 

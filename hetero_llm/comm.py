@@ -634,7 +634,8 @@ class _Works:
             work.wait()
 
 
-def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str, streams: Streams = NO_STREAMS) -> PendingReduce:
+def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str,
+                         streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
     ``wait()`` gives this rank's summed chunk (on gloo: a view into ``flat``). On CUDA it runs on the grads
     stream, after the backward."""
@@ -655,7 +656,8 @@ def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str, stre
     return PendingReduce(work, out, [out.shape], streams)
 
 
-def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str, streams: Streams = NO_STREAMS) -> PendingReduce:
+def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str,
+                     streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
     ``wait()`` gives it."""
     group = comms.groups[group_name]

@@ -104,7 +104,8 @@ def units(plan: Plan) -> tuple[Unit, ...]:
     return tuple(out)
 
 
-def owned(plan: Plan, rank: int, all_units: tuple[Unit, ...] | None = None) -> tuple[list[tuple[Unit, list[Slice]]], list[Slice]]:
+def owned(plan: Plan, rank: int,
+          all_units: tuple[Unit, ...] | None = None) -> tuple[list[tuple[Unit, list[Slice]]], list[Slice]]:
     """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone)."""
     all_units = units(plan) if all_units is None else all_units
     mine = [(u, u.slices(rank)) for u in all_units if rank in u.ranks]

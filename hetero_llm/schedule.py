@@ -371,11 +371,13 @@ def add_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> Schedule:
     last backward (its reduce-scatters then overlap the other stages' remaining work)."""
     out = []
     for actions in schedule:
-        if any(a.kind in OPTIMIZER_KINDS for a in actions):  # a schedule file that places them itself
-            out.append(list(actions))
-            continue
-        first_f = next(i for i, a in enumerate(actions) if a.kind is Kind.F)
-        out.append([*actions[:first_f], Action(Kind.AG, 0), *actions[first_f:], Action(Kind.RS, 0)])
+        actions = list(actions)  # a schedule file may place either itself: only what is missing is added
+        if Action(Kind.AG, 0) not in actions:
+            first_f = next(i for i, a in enumerate(actions) if a.kind is Kind.F)
+            actions.insert(first_f, Action(Kind.AG, 0))
+        if Action(Kind.RS, 0) not in actions:
+            actions.append(Action(Kind.RS, 0))
+        out.append(actions)
     return out
 
 

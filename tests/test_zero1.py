@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from harness import LAYOUTS, assert_same_model, common_sections, invoke_cli, launch, write_layout
+from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm import optim_shards, schedule as sched
 from hetero_llm.errors import ScheduleError
@@ -30,9 +30,12 @@ CLIP = ("--set", "train.grad_clip=0.3")  # every step's global norm is 0.6-0.7 h
 ZERO1 = ("--set", "train.optimizer=adamw_zero1")
 
 
+def _zero1(common: str) -> str:
+    return common.replace('schedule = "1f1b"', 'schedule = "1f1b"\noptimizer = "adamw_zero1"')
+
+
 def _plan(tmp_path: Path, pipelines, common: str = COMMON, memory: list[float] | None = None):
-    path = write_layout(tmp_path / "layout.toml", common.replace('schedule = "1f1b"', 'schedule = "1f1b"\n'
-                                                                 'optimizer = "adamw_zero1"'), pipelines)
+    path = write_layout(tmp_path / "layout.toml", _zero1(common), pipelines)
     if memory:
         text = path.read_text()
         for i, gb in enumerate(memory):
@@ -115,6 +118,31 @@ def test_optimizer_actions_frame_every_stage_and_round_trip(tmp_path):
     assert sched.format_actions(sched.parse_actions(text)) == text
 
 
+def _with_schedule_file(tmp_path: Path, order: str) -> Path:
+    """A 2-stage ZeRO-1 layout whose schedule is ``order`` (a schedule file's text)."""
+    (tmp_path / "order.txt").write_text(order)
+    path = write_layout(tmp_path / "layout.toml", _zero1(COMMON), [(12, 2, [(3, 1), (3, 1)])])
+    path.write_text(path.read_text().replace("microbatches = 2\n", 'microbatches = 2\nschedule_file = "order.txt"\n'))
+    return path
+
+
+def test_a_schedule_file_may_place_the_optimizer_actions(tmp_path):
+    """A user's file with its own RS0 early (after its last B, before a trailing send) gets only the AG0 it lacks."""
+    path = _with_schedule_file(tmp_path, "F0 F1 SEND_F0 SEND_F1 RECV_B0 B0 RECV_B1 B1 RS0\n"
+                                         "AG0 RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 RS0 SEND_B1\n")
+    stage0, stage1 = compile_plan(layout_mod.load(path)).schedules[0]
+    assert sched.format_actions(stage0) == "AG0 F0 F1 SEND_F0 SEND_F1 RECV_B0 B0 RECV_B1 B1 RS0"
+    assert sched.format_actions(stage1) == "AG0 RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 RS0 SEND_B1"
+
+
+def test_a_schedule_file_with_a_misplaced_all_gather_wait_is_one_error_line(tmp_path):
+    path = _with_schedule_file(tmp_path, "# stage 0: the all-gather wait after a forward\nF0 AG0 F1 B0 B1\n"
+                                         "F0 B0 F1 B1\n")
+    assert_one_error_line(invoke_cli(path, "--dry-run"),
+                          f"{path}: pipelines[0].schedule_file: {tmp_path / 'order.txt'}: line 2: stage 0 step 1: "
+                          "AG0 must come before the stage's first forward (F0 is on the wrong side)")
+
+
 def test_misplaced_optimizer_actions_are_refused():
     lowered = sched.build("1f1b", 2, 2)
     bad = [lowered[0][:1] + [sched.Action(sched.Kind.AG, 0)] + lowered[0][1:], lowered[1]]
@@ -133,7 +161,8 @@ def test_simulator_overlaps_the_all_gather_with_the_pipeline_fill():
     cost = attrs.evolve(CostModel.uniform(2, 1.0, 2.0), all_gather=(0.5, 0.5), reduce_scatter=(0.25, 0.25))
     result = simulate(schedule, cost)
     assert result.step_time == pytest.approx(base.step_time + 0.5 + 0.25)
-    first_f = {stage: next(t for t in row if t.action.kind is sched.Kind.F) for stage, row in enumerate(result.timeline)}
+    first_f = {stage: next(t for t in row if t.action.kind is sched.Kind.F)
+               for stage, row in enumerate(result.timeline)}
     assert first_f[0].start == pytest.approx(0.5) and first_f[1].start == pytest.approx(1.5)  # no wait on stage 1
     rs = [next(t for t in row if t.action.kind is sched.Kind.RS) for row in result.timeline]
     assert rs[1].end < rs[0].end  # stage 1 finishes first: its reduce-scatter overlaps stage 0's last backward
