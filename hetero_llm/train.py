@@ -136,7 +136,7 @@ def _optimizer_steps(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAda
     return int(next(iter(optimizer.state.values()))["step"])
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer | AdamW, params: dict[str, torch.Tensor],
+def _restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, params: dict[str, torch.Tensor],
                        moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
     """Give every parameter its saved ``exp_avg`` / ``exp_avg_sq`` and the optimizer its step count."""
     if isinstance(optimizer, zero1.ShardedAdamW):
@@ -292,8 +292,8 @@ def _append_line(fd: int, line: str) -> None:
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(plan: Plan, rank: int, state: RankState, optimizer: torch.optim.Optimizer | AdamW,
-                    root: str, step: int) -> None:
+def save_checkpoint(plan: Plan, rank: int, state: RankState,
+                    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int) -> None:
     """Save ``rank``'s shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step)."""
     folder = checkpoint.step_folder(root, step)
     if rank == 0:

@@ -110,7 +110,7 @@ class ShardedAdamW:
     def finish_reduce(self) -> torch.Tensor:
         """Wait for the reduce-scatters; this rank's share of the squared global norm (float64, on the device)."""
         if not self._reductions and self.units:
-            self.start_reduce()  # a schedule without an RS action (e.g. a user's file without one)
+            self.start_reduce()  # defensive: the compiler gives every stage an RS0 (schedule.add_optimizer_actions)
         grads = []
         for (unit, pending), (_, slices) in zip(self._reductions, self.units):
             if pending is None:  # TP replicas: the local gradient is the whole gradient
