@@ -53,7 +53,7 @@ class OneLineCommand(click.Command):
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import launch
+    from hetero_llm import launch, optim_shards
     from hetero_llm.plan import compile_plan, describe
 
     try:
@@ -77,6 +77,8 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
         if dry_run:
             click.echo(describe(plan))
+            if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
+                click.echo("\n" + optim_shards.describe(plan))
             return
         if rank is not None:
             if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file

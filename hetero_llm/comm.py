@@ -609,3 +609,68 @@ def all_reduce_world(tensor: torch.Tensor) -> torch.Tensor:
 
 def barrier() -> None:
     dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------
+# ZeRO-1 (hetero_llm/zero1.py): reduce-scatter of gradient blocks, all-gather of updated parameters.
+# torch 2.13 renamed the *_tensor collectives *_single; both take (output, input) of equal chunks.
+# Gloo copies a whole reduce-scatter's input and all-gather's output inside (50 MB in: +73 MB and +192 MB of
+# peak memory, measured on CPU), which would cancel what ZeRO-1 saves; its reduce and broadcast work in place
+# (+5 MB, +1 MB). So on gloo a reduce-scatter is one reduce per member (chunk j summed onto member j) and an
+# all-gather one broadcast per member, about the same bytes sent per rank; NCCL runs the collectives themselves.
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+@attrs.frozen
+class _Works:
+    """Several started collectives, waited for as one."""
+
+    works: tuple
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str,
+                         streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
+    ``wait()`` gives this rank's summed chunk (on gloo: a view into ``flat``). On CUDA it runs on the grads
+    stream, after the backward."""
+    group = comms.groups[group_name]
+    members = dist.get_process_group_ranks(group)
+    n = flat.numel() // len(members)
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        if dist.get_backend(group) == "gloo":
+            pieces = flat.view(len(members), n)
+            work = _Works(tuple(dist.reduce(pieces[j], dst=r, group=group, async_op=True)
+                                for j, r in enumerate(members)))
+            out = pieces[members.index(comms.rank)]
+        else:
+            out = flat.new_empty(n)
+            work = _reduce_scatter(out, flat, group=group, async_op=True)
+    streams.hand_over(flat, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)
+
+
+def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str,
+                     streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
+    ``wait()`` gives it."""
+    group = comms.groups[group_name]
+    members = dist.get_process_group_ranks(group)
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        out = chunk.new_empty(chunk.numel() * len(members))
+        if dist.get_backend(group) == "gloo":
+            pieces = out.view(len(members), chunk.numel())
+            pieces[members.index(comms.rank)].copy_(chunk)
+            work = _Works(tuple(dist.broadcast(pieces[j], src=r, group=group, async_op=True)
+                                for j, r in enumerate(members)))
+        else:
+            work = _all_gather(out, chunk, group=group, async_op=True)
+    streams.hand_over(chunk, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)

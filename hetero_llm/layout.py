@@ -115,6 +115,13 @@ class Recompute(str, enum.Enum):
     FULL = "full"  # keep only each block's input; recompute the block in backward
 
 
+class Optimizer(str, enum.Enum):
+    """``train.optimizer``: where AdamW's state lives."""
+
+    ADAMW = "adamw"  # every rank keeps the moments of every parameter shard it holds
+    ADAMW_ZERO1 = "adamw_zero1"  # each gradient-sync block's holders split its moments (docs/zero1.md)
+
+
 class Compile(str, enum.Enum):
     """``torch.compile`` regions (``train.compile``)."""
 
@@ -166,6 +173,10 @@ class TrainSpec:
     beta2: float = _doc("AdamW beta2", default=0.95)
     eps: float = _doc("AdamW epsilon", default=1e-8)
     grad_clip: float = _doc("clip the global gradient norm to this; 0 disables", default=1.0)
+    optimizer: Optimizer = _doc(
+        "'adamw' (every rank keeps AdamW moments for all it holds) or 'adamw_zero1' (ZeRO-1: the holders of each "
+        "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
+        "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)", default=Optimizer.ADAMW)
     log_every: int = _doc("print progress every N steps", default=1)
     precision: Precision = _doc(
         "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
@@ -462,7 +473,7 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
     annotation = annotation.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
                 "DataKind": DataKind, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
-                "Compile": Compile}.get(annotation)
+                "Compile": Compile, "Optimizer": Optimizer}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
         if not isinstance(value, str):

@@ -24,7 +24,7 @@ import attrs
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile, Layout,
-                               Schedule)
+                               Optimizer, Schedule)
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -211,7 +211,10 @@ def compile_plan(layout: Layout) -> Plan:
                 ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
                 members.append(rank)
             stages.append(StagePlan(pi, si, tuple(members), ranges[si], n))
-        schedules.append(tuple(tuple(a) for a in pipeline_schedule(layout, pi)))
+        actions = pipeline_schedule(layout, pi)
+        if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
+            actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
+        schedules.append(tuple(tuple(a) for a in actions))
 
     pairs = _boundary_pairs(stages, wrap=chunks > 1)
     routes_f, routes_b = _boundary_routes(pairs)

@@ -29,7 +29,7 @@ from hetero_llm.layout import ModelSpec
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
                                stage_forward, token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
-from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, Action, Kind, peer
+from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Kind, peer
 
 FWD, BWD = 0, 1
 
@@ -110,6 +110,7 @@ class StageRunner:
     compute: Compute = FP32  # precision, recomputation, compilation of this stage
     streams: comm.Streams = comm.NO_STREAMS  # side CUDA streams for p2p (none on CPU)
     split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
+    optimizer_hooks: dict = attrs.field(factory=dict)  # Kind.RS / Kind.AG -> what ZeRO-1 does there (zero1.py)
     _rng: random.Random = attrs.field(init=False)
     _state: dict = attrs.field(init=False, factory=dict)
     _block_fn: object = attrs.field(init=False)
@@ -201,6 +202,10 @@ class StageRunner:
             mb, chunk = self._peer_tag(a)
             comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
                                self.streams, self._group("send_b"))
+        elif a.kind in OPTIMIZER_KINDS:  # RS: start the reduce-scatters; AG: wait for the parameter all-gathers
+            hook = self.optimizer_hooks.get(a.kind)
+            if hook is not None:
+                hook()
         else:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:
@@ -262,6 +267,8 @@ class StageRunner:
         self._begin(microbatches, global_tokens)
         s = self._state
         next_f, next_recv_f, in_flight, done = 0, 0, [], 0
+        if self.optimizer_hooks:
+            self.execute(Action(Kind.AG, 0))  # this step's parameters, before any forward
         leader = self.comms.tp_group is None or comm.tp_index(self.comms) == 0
         arrival = threading.Event()  # set by the receive watchers
 
@@ -307,4 +314,6 @@ class StageRunner:
                     self.execute(Action(Kind.SEND_B, m))
                 in_flight.remove(m)
                 done += 1
+        if self.optimizer_hooks:
+            self.execute(Action(Kind.RS, 0))
         return self._finish()

@@ -49,10 +49,12 @@ __all__ = [
     "BACKWARD_KINDS",
     "COMM_KINDS",
     "COMPUTE_KINDS",
+    "OPTIMIZER_KINDS",
     "Action",
     "Event",
     "Kind",
     "Schedule",
+    "add_optimizer_actions",
     "build",
     "check_message_order",
     "compute_schedule",
@@ -85,11 +87,14 @@ class Kind(enum.Enum):
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage (blocking)
     SEND_B = "SEND_B"  # send the input gradient to the previous stage (non-blocking)
     RECV_B = "RECV_B"  # receive the output gradient from the next stage (blocking)
+    RS = "RS"  # ZeRO-1: start reduce-scattering the stage's gradient blocks (non-blocking), after its last backward
+    AG = "AG"  # ZeRO-1: wait for the all-gather of the parameters the last step updated, before the first forward
 
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})  # the actions that produce a microbatch's input gradient
 COMM_KINDS = frozenset({Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B})
+OPTIMIZER_KINDS = frozenset({Kind.RS, Kind.AG})  # one each per stage and step, written with microbatch 0
 
 # For each communication kind: the virtual-stage offset of its peer and the kind the peer runs.
 _PEER = {
@@ -102,7 +107,7 @@ _PEER = {
 # Canonical form only (no leading zeros, no ".0"), so that str(parse(s)) == s for every accepted s
 # and two equal actions always print the same.
 _ACTION_RE = re.compile(
-    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(?P<mb>0|[1-9]\d*)(?:\.(?P<chunk>[1-9]\d*))?"
+    r"(?P<kind>SEND_F|RECV_F|SEND_B|RECV_B|RS|AG|F|B|I|W)(?P<mb>0|[1-9]\d*)(?:\.(?P<chunk>[1-9]\d*))?"
 )
 _KINDS_HELP = ", ".join(kind.value for kind in Kind)
 
@@ -360,6 +365,22 @@ def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Sch
     return lowered
 
 
+def add_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> Schedule:
+    """ZeRO-1's actions on every stage: ``AG0`` right before its first forward (the parameter all-gather
+    started after the last step's update must be done there, and only there), ``RS0`` at the end, after its
+    last backward (its reduce-scatters then overlap the other stages' remaining work)."""
+    out = []
+    for actions in schedule:
+        actions = list(actions)  # a schedule file may place either itself: only what is missing is added
+        if Action(Kind.AG, 0) not in actions:
+            first_f = next(i for i, a in enumerate(actions) if a.kind is Kind.F)
+            actions.insert(first_f, Action(Kind.AG, 0))
+        if Action(Kind.RS, 0) not in actions:
+            actions.append(Action(Kind.RS, 0))
+        out.append(actions)
+    return out
+
+
 def build(kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1) -> Schedule:
     """The runnable schedule: ``lower(compute_schedule(kind, num_stages, num_microbatches))``."""
     return lower(compute_schedule(kind, num_stages, num_microbatches, chunks=chunks), chunks)
@@ -399,6 +420,8 @@ def requirements(
         return ((stage, Action(Kind.I, *same)),)  # the input gradient: from I, or from a B
     if kind is Kind.SEND_F:
         return ((stage, Action(Kind.F, *same)),)
+    if kind in OPTIMIZER_KINDS:
+        return ()  # their place on the stage is the dependency (_check_optimizer_actions)
     return (peer(stage, action, num_stages, chunks=chunks),)  # a RECV waits for its SEND
 
 
@@ -703,6 +726,24 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
                     )
 
 
+def _check_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> None:
+    """``AG0`` (if any) comes before every forward of its stage, ``RS0`` after every backward."""
+    for stage, actions in enumerate(schedule):
+        for index, action in enumerate(actions):
+            if action.kind not in OPTIMIZER_KINDS:
+                continue
+            if action.mb or action.chunk:
+                raise _error(schedule, f"stage {stage} step {index}: {action}: {action.kind.value} is once per step, "
+                             f"written {action.kind.value}0", {stage: index})
+            wrong = (Kind.F,) if action.kind is Kind.AG else (Kind.B, Kind.I, Kind.W)
+            before = actions[:index] if action.kind is Kind.AG else actions[index + 1:]
+            clash = next((a for a in before if a.kind in wrong), None)
+            if clash is not None:
+                rule = "before the stage's first forward" if action.kind is Kind.AG else "after its last backward"
+                raise _error(schedule, f"stage {stage} step {index}: {action} must come {rule} ({clash} is on the "
+                             f"wrong side)", {stage: index})
+
+
 def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> None:
     """Check a schedule completely; raise ScheduleError (what is wrong, then the grid) if not.
 
@@ -716,6 +757,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> Non
     _check_no_duplicates(schedule)
     _check_microbatches(schedule, num_microbatches)
     _check_dependencies(schedule)
+    _check_optimizer_actions(schedule)
     simulate_order(schedule)
 
 

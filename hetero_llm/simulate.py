@@ -11,7 +11,11 @@ now with durations:
   sends on one link do not slow each other down);
 - a ``RECV`` holds its stage until the data has arrived (that wait is pipeline bubble);
 - in a compute-only schedule the transfer is implicit: ``F m`` on stage s starts at the earliest
-  when ``F m`` on s-1 has ended plus the transfer time (and likewise backwards).
+  when ``F m`` on s-1 has ended plus the transfer time (and likewise backwards);
+- ZeRO-1 (``docs/zero1.md``): ``AG`` holds its stage until the parameter all-gather, started at the step's
+  start (right after the last step's update), has taken ``all_gather`` seconds; ``RS`` starts the
+  reduce-scatter, which takes ``reduce_scatter`` seconds without occupying the stage, and the step ends
+  when the last one has (the optimizer needs every slice's summed gradient).
 
 A deadlocking schedule raises the validator's ScheduleError (the grid with the stuck steps marked).
 Pure standard library + attrs, like ``schedule``.
@@ -106,11 +110,20 @@ class CostModel:
     receives, the interpreter between actions), added to every ``F``, ``B``, ``I`` and ``W``
     (None: none). Small next to GPU compute; on shared CPU cores it is a large part of a step."""
 
+    reduce_scatter: tuple[float, ...] | None = attrs.field(
+        default=None, converter=_optional_floats, validator=_non_negative
+    )
+    """Seconds of a stage's ZeRO-1 gradient reduce-scatter (the ``RS`` action), per stage (None: 0)."""
+    all_gather: tuple[float, ...] | None = attrs.field(
+        default=None, converter=_optional_floats, validator=_non_negative
+    )
+    """Seconds of a stage's ZeRO-1 parameter all-gather (waited for at ``AG``), per stage (None: 0)."""
+
     def __attrs_post_init__(self) -> None:
         num_stages = len(self.forward)
         if num_stages < 1:
             raise ValueError("CostModel needs at least one stage (forward is empty)")
-        for name in ("backward", "weight", "stash_bytes", "overhead"):
+        for name in ("backward", "weight", "stash_bytes", "overhead", "reduce_scatter", "all_gather"):
             value = getattr(self, name)
             if value is not None and len(value) != num_stages:
                 raise ValueError(
@@ -288,7 +301,14 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
                     ready = max(ready, arrives[(other, needed)])
                 else:  # compute-only: the transfer is implicit
                     ready = max(ready, ended[(other, needed)] + cost.transfer(other, stage))
-            if action.kind is Kind.SEND_F or action.kind is Kind.SEND_B:
+            if action.kind is Kind.RS:
+                start, end = ready, ready + (cost.reduce_scatter[stage] if cost.reduce_scatter else 0.0)
+                free[stage] = start
+            elif action.kind is Kind.AG:
+                start = free[stage]
+                end = max(start, cost.all_gather[stage] if cost.all_gather else 0.0)
+                free[stage] = end
+            elif action.kind is Kind.SEND_F or action.kind is Kind.SEND_B:
                 destination, _ = peer(stage, action, num_stages, chunks=chunks)
                 start, end = ready, ready + cost.transfer(stage, destination)
                 arrives[(stage, action)] = end

@@ -34,9 +34,11 @@ COLORS = {
     "W": "#b07aa1",  # weight gradient: purple
     "SEND": "#f28e2b",  # send posted / in flight: orange
     "RECV": "#9c9c9c",  # receive, waiting for data: grey
+    "RS": "#e15759",  # ZeRO-1 gradient reduce-scatter in flight: red
+    "AG": "#76b7b2",  # ZeRO-1 wait for the parameter all-gather: teal
 }
 _NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "SEND": "send",
-          "RECV": "recv (wait)"}
+          "RECV": "recv (wait)", "RS": "reduce-scatter", "AG": "all-gather (wait)"}
 _COMPUTE_CATEGORIES = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"(?P<kind>[A-Z_]+?)(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
 
@@ -105,7 +107,7 @@ def plot_timeline(
             color = COLORS.get(category, "#333333")
             used.add(category if category in COLORS else "other")
             x, width = (start - t0) * 1e3, max(end - start, 0.0) * 1e3
-            offset, height = {"SEND": _SEND, "RECV": _RECV}.get(category, _COMPUTE)
+            offset, height = {"SEND": _SEND, "RS": _SEND, "RECV": _RECV, "AG": _RECV}.get(category, _COMPUTE)
             ax.broken_barh([(x, width)], (y + offset, height),
                            facecolors=[_shade(color, chunk, chunks)],
                            edgecolors="white" if category in _COMPUTE_CATEGORIES else "none",

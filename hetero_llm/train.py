@@ -14,11 +14,11 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm import checkpoint, comm, data
+from hetero_llm import checkpoint, comm, data, zero1
 from hetero_llm.checkpoint import Checkpoint
 from hetero_llm.errors import CheckpointError, Diverged, RankFailure
 from hetero_llm.optim import AdamW
-from hetero_llm.layout import Compile, Precision, Recompute, Schedule, TrainSpec
+from hetero_llm.layout import Compile, Optimizer, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
@@ -129,16 +129,18 @@ def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer
     return AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
 
 
-def _optimizer_steps(optimizer: torch.optim.Optimizer | AdamW) -> int:
+def _optimizer_steps(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW) -> int:
     """Steps taken: ours counts them once; torch's keeps a ``step`` tensor per parameter (all equal)."""
-    if isinstance(optimizer, AdamW):
+    if isinstance(optimizer, (AdamW, zero1.ShardedAdamW)):
         return optimizer.steps
     return int(next(iter(optimizer.state.values()))["step"])
 
 
-def _restore_optimizer(optimizer: torch.optim.Optimizer | AdamW, params: dict[str, torch.Tensor],
+def _restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, params: dict[str, torch.Tensor],
                        moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
     """Give every parameter its saved ``exp_avg`` / ``exp_avg_sq`` and the optimizer its step count."""
+    if isinstance(optimizer, zero1.ShardedAdamW):
+        return optimizer.load_moments(moments, steps)  # its slices of them
     if isinstance(optimizer, AdamW):
         optimizer.steps = steps
     for name, p in params.items():
@@ -215,15 +217,18 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
     first = restored.step if restored else 0
     state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
-    optimizer = _make_optimizer(state, tr)
+    streams = comm.Streams(device)
+    sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
+    optimizer = zero1.ShardedAdamW(plan, rank, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
+                                   streams) if sharded else _make_optimizer(state, tr)
     if restored:
         _restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
     st = plan.stage_of(rank)
     compute = stage_compute(plan, rank, device)
-    streams = comm.Streams(device)
     runner = StageRunner(comms, state.params, st, model, comm.tp_ops(comms), StageRoutes.of(plan, rank), trace,
                          Emulation.from_env(rank), compute, streams,
-                         split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))
+                         split_backward=any(a.kind is Kind.I for a in plan.actions(rank)),
+                         optimizer_hooks=optimizer.hooks() if sharded else {})
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     source = data.make_source(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len
@@ -239,7 +244,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
             mbs = _microbatches(plan, rank, batch)
             loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
-            sq = sync_grads(plan, rank, state, comms, streams)
+            sq = optimizer.finish_reduce() if sharded else sync_grads(plan, rank, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
@@ -249,13 +254,16 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                                f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
                                f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
                                f"(lower train.lr, or raise train.warmup_steps)")
-            if tr.grad_clip > 0:
-                coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6))
+            coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6)) if tr.grad_clip > 0 else 1.0
+            if sharded:
+                optimizer.step(lr, coef)  # clips and updates this rank's slices only
+                optimizer.start_gather()  # waited for at the stage's next AG action (before its first forward)
+            else:
                 if coef < 1.0:
                     torch._foreach_mul_([p.grad for p in state.params.values()], coef)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            optimizer.step()
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             m = StepMetrics(step, loss, lr, grad_norm, global_tokens, time.perf_counter() - t0)
             if keep_history:
@@ -270,6 +278,8 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
                 save_checkpoint(plan, rank, state, optimizer, checkpoint_dir, done)
                 last_save = checkpoint.step_folder(checkpoint_dir, done)
+        if sharded:
+            optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:
         if metrics_file is not None:
             os.close(metrics_file)
@@ -302,8 +312,8 @@ def _append_line(fd: int, line: str) -> None:
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def save_checkpoint(plan: Plan, rank: int, state: RankState, optimizer: torch.optim.Optimizer | AdamW,
-                    root: str, step: int) -> None:
+def save_checkpoint(plan: Plan, rank: int, state: RankState,
+                    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int) -> None:
     """Save ``rank``'s shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step)."""
     folder = checkpoint.step_folder(root, step)
     if rank == 0:
@@ -311,8 +321,11 @@ def save_checkpoint(plan: Plan, rank: int, state: RankState, optimizer: torch.op
     comm.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
     folder.mkdir(parents=True, exist_ok=True)
     shards = {}
+    if isinstance(optimizer, zero1.ShardedAdamW):
+        optimizer.wait_gather()
+        gathered = optimizer.full_moments()  # plain AdamW's format: any layout resumes it, sharded or not
     for name, p in state.params.items():
-        moments = optimizer.state[p]
+        moments = gathered[name] if isinstance(optimizer, zero1.ShardedAdamW) else optimizer.state[p]
         shards[name] = {"tensor": p.detach().cpu(), "coords": state.coords[name],
                         **{key: moments[key].detach().cpu() for key in MOMENTS}}
     saved = {"rank": rank, "step": step, "optimizer_steps": _optimizer_steps(optimizer), "shards": shards}

@@ -160,3 +160,19 @@ def test_soak_quick(tmp_path):
     assert sorted(result["rss_kib"]) == sorted(str(s) for s in range(100, 401, 100))
     assert all(sorted(row) == ["0", "1"] and all(v > 10_000 for v in row.values()) for row in result["rss_kib"].values())
     assert sorted(result["growth"]) == ["0", "1"]
+
+
+@pytest.mark.multiprocess
+def test_zero1_memory_quick(tmp_path):
+    _run("zero1_memory.py", tmp_path)
+    payload = _check_files(tmp_path, "zero1_memory",
+                           ["layout", "rank", "state adamw MiB", "state zero1 MiB", "formula MiB", "factor",
+                            "peak RSS adamw MiB", "peak RSS zero1 MiB", "added adamw MiB", "added zero1 MiB", "saved MiB",
+                            "end RSS adamw MiB", "end RSS zero1 MiB"],
+                           ["layout", "rank", "adamw_state_mib", "zero1_state_mib", "zero1_formula_mib", "state_factor",
+                            "adamw_peak_mib", "zero1_peak_mib"])
+    for row in payload["results"]:  # the moments the ranks really kept are what the formula says
+        assert row["zero1_state_mib"] == pytest.approx(row["zero1_formula_mib"], rel=1e-9)
+    factors = {(r["layout"], r["rank"]): r["state_factor"] for r in payload["results"]}
+    assert factors[("2 pipelines, tp 1 and tp 1", 0)] == pytest.approx(2.0, rel=1e-3)
+    assert factors[("tp 2 beside tp 1", 2)] > 2.9  # the TP-1 rank keeps about a third of its state
