@@ -53,12 +53,13 @@ class OneLineCommand(click.Command):
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import launch, optim_shards
+    from hetero_llm import launch, optim_shards, rendezvous
     from hetero_llm.plan import compile_plan, describe
 
     try:
         lay = layout_mod.load(layout_file, overrides)
         plan = compile_plan(lay)
+        rendezvous.endpoint(plan)  # a bad MASTER_PORT, or a master node without ranks: one line, before anything starts
         if checkpoint_every and not checkpoint:
             raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
         # What the real run refuses, --dry-run refuses too; all of it before any rank starts.

@@ -24,79 +24,7 @@ from hetero_llm.errors import RankFailure
 from hetero_llm.layout import CommLib
 from hetero_llm.model import TP
 from hetero_llm.plan import Group, Plan, Route
-
-
-# ------------------------------------------------------------------------------------------
-# Rendezvous: our own arrival check on the TCP store, so a rank that never comes is named.
-
-
-def master_address(plan: Plan) -> tuple[str, int]:
-    cluster = plan.layout.cluster
-    addr = os.environ.get("MASTER_ADDR") or cluster.master_node.host
-    port = int(os.environ.get("MASTER_PORT") or cluster.port)
-    return addr, port
-
-
-def rendezvous(plan: Plan, rank: int) -> dist.Store:
-    addr, port = master_address(plan)
-    world = plan.world_size
-    timeout = plan.layout.cluster.timeout_s
-    try:
-        store = dist.TCPStore(addr, port, world, is_master=(rank == 0), timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
-    except (RuntimeError, TimeoutError) as e:
-        if rank == 0:
-            raise RankFailure(f"rank 0 could not serve the rendezvous on {addr}:{port}: {e} "
-                              f"(port in use? set MASTER_PORT or cluster.port)") from None
-        raise RankFailure(f"rank {rank} could not reach the rendezvous at {addr}:{port} within {timeout:g} s "
-                          f"(is rank 0 on {plan.ranks[0].device_id} started? {e})") from None
-    # Each rank arrives with the fingerprint of the plan it compiled: a rank started with another
-    # layout or other --set overrides is named before anything trains.
-    fingerprint = plan.fingerprint()
-    store.set(f"arrived/{rank}", fingerprint)
-    if rank == 0:
-        deadline = time.monotonic() + timeout
-        missing = list(range(world))
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"arrived/{r}"])]
-            if missing:
-                time.sleep(0.05)
-        if missing:
-            names = ", ".join(f"rank {r} ({plan.ranks[r].device_id})" for r in missing)
-            _abort(store, "abort", world - len(missing) - 1)
-            raise RankFailure(f"rendezvous timed out after {timeout:g} s: never arrived: {names}")
-        differ = [r for r in range(world) if store.get(f"arrived/{r}").decode() != fingerprint]
-        if differ:
-            names = ", ".join(f"rank {r} ({plan.ranks[r].device_id}): {store.get(f'arrived/{r}').decode()}" for r in differ)
-            _abort(store, "mismatch", world - 1)
-            raise RankFailure(f"ranks compiled different plans: rank 0: {fingerprint}; {names} "
-                              "(start every rank with the same layout and the same --set overrides)")
-        store.set("go", "ok")
-    else:
-        try:
-            store.wait(["go"], timedelta(seconds=timeout))
-            go = store.get("go")
-            if go != b"ok":
-                store.add("go_seen", 1)  # rank 0 keeps the store up until every rank has read why
-        except Exception:  # a timeout, or rank 0 gave up and closed the store: both end the rendezvous
-            raise RankFailure(f"rank {rank}: rendezvous did not complete within {timeout:g} s "
-                              f"(rank 0 names the ranks that never arrived)") from None
-        if go == b"mismatch":
-            raise RankFailure(f"rank {rank}: rank 0 found ranks with a different plan (this rank's: {fingerprint}); "
-                              "start every rank with the same layout and the same --set overrides")
-        if go != b"ok":
-            raise RankFailure(f"rank {rank}: rendezvous aborted by rank 0 (another rank never arrived)")
-    return store
-
-
-def _abort(store: dist.Store, why: str, readers: int, grace_s: float = 5.0) -> None:
-    """Tell the other ranks why the rendezvous failed, and serve the store until ``readers`` of them
-    have read it (at most ``grace_s``): rank 0's store dies with its process, and a rank that finds
-    it gone can only report a timeout instead of the cause."""
-    store.set("go", why)
-    deadline = time.monotonic() + grace_s
-    while readers > 0 and store.add("go_seen", 0) < readers and time.monotonic() < deadline:
-        time.sleep(0.02)
+from hetero_llm.rendezvous import rendezvous
 
 
 @attrs.define
@@ -111,7 +39,7 @@ class Comms:
     cupy: dict = attrs.field(factory=dict)  # group name -> CupyGroup, for cluster.comm = 'cupy'
 
 
-def init(plan: Plan, rank: int, device: torch.device) -> Comms:
+def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
     """Rendezvous, the default group, then every plan group in plan order (on every rank).
 
     Each group is created under its transport's network settings (``Plan.group_env``: its domain's,
@@ -119,7 +47,7 @@ def init(plan: Plan, rank: int, device: torch.device) -> Comms:
     the group's sockets to GLOO_SOCKET_IFNAME when the group is constructed, NCCL reads its variables
     when the communicator is created, which we force at once with a one-element all-reduce.
     """
-    store = rendezvous(plan, rank)
+    store = rendezvous(plan, rank, agree)  # hetero_llm.rendezvous: where the store is, who serves it
     cluster = plan.layout.cluster
     backend = cluster.backend.value
     timeout = timedelta(seconds=max(cluster.timeout_s, 30))

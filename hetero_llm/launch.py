@@ -62,6 +62,25 @@ def local_addresses() -> set[str]:
     return names
 
 
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine: a name of it, or an address a socket can bind here (which
+    also tells apart the hosts of network namespaces that share one hostname, as on the testbed)."""
+    if host in local_addresses():
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((addr[0], 0, *addr[2:]))
+                return True
+        except OSError:
+            continue
+    return False
+
+
 def local_ranks(plan: Plan, node: str | None) -> list[int]:
     lay = plan.layout
     if node is not None:
@@ -70,8 +89,7 @@ def local_ranks(plan: Plan, node: str | None) -> list[int]:
             raise LayoutError(lay.file, "--node", f"'{node}' is not a node of [cluster] (nodes: {', '.join(names)})")
         nodes = {node}
     else:
-        here = local_addresses()
-        nodes = {n.name for n in lay.cluster.nodes if n.host in here}
+        nodes = {n.name for n in lay.cluster.nodes if is_local_host(n.host)}
         if not nodes:
             raise LayoutError(lay.file, "cluster.nodes", "no node's host is an address of this machine "
                               "(pass --node NAME or --rank R to choose what to start here)")
@@ -238,7 +256,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
-        comms = comm.init(plan, rank, device)
+        comms = comm.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
         events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
         try:
             train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,

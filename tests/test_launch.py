@@ -154,7 +154,7 @@ def test_rank_started_with_a_different_layout_is_named(tmp_path):
     assert procs[0].returncode == 1 and procs[1].returncode == 1
     err = results[0][1].strip().splitlines()[-1]
     assert re.fullmatch(r"error: ranks compiled different plans: rank 0: [0-9a-f]{12}; rank 1 \(n0:1\): [0-9a-f]{12} "
-                        r"\(start every rank with the same layout and the same --set overrides\)", err), err
+                        r"\(start every rank with the same layout, the same --set overrides and the same --resume\)", err), err
     assert "rank 1: rank 0 found ranks with a different plan" in results[1][1]
 
 
