@@ -37,7 +37,8 @@ class OneLineCommand(click.Command):
               help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
 @click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules; start nothing.")
 @click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
-@click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process.")
+@click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process (default under "
+              "torchrun or srun: the rank they give it, from RANK or SLURM_PROCID).")
 @click.option("--metrics-jsonl", default=None, metavar="FILE",
               help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).")
 @click.option("--checkpoint", default=None, metavar="DIR",
@@ -46,20 +47,26 @@ class OneLineCommand(click.Command):
 @click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, metavar="N",
               help="Also save every N steps (default 0: at the end only).")
 @click.option("--resume", default=None, metavar="DIR",
-              help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder.")
+              help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder; "
+                   "'auto': the --checkpoint DIR's newest complete save if it has one, else start fresh.")
 @click.option("--trace", default=None, metavar="DIR",
               help="Record every action's start and end per rank into this directory.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import launch, optim_shards, rendezvous
+    from hetero_llm import envlaunch, launch, optim_shards, rendezvous
     from hetero_llm.plan import compile_plan, describe
 
     try:
         lay = layout_mod.load(layout_file, overrides)
         plan = compile_plan(lay)
         rendezvous.endpoint(plan)  # a bad MASTER_PORT, or a master node without ranks: one line, before anything starts
+        if rank is None and node is None and (given := envlaunch.assigned(os.environ)) is not None:
+            envlaunch.check(plan, given)  # started by torchrun or srun: run the rank it gave this process
+            rank = given.rank
+        if resume == envlaunch.AUTO:
+            resume = envlaunch.resume_auto(checkpoint, lay)  # the newest complete save, or None: start fresh
         if checkpoint_every and not checkpoint:
             raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
         # What the real run refuses, --dry-run refuses too; all of it before any rank starts.

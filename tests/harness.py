@@ -156,3 +156,30 @@ def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[t
 def common_sections(layout: Path) -> str:
     """The [model]/[train]/[data] part of a layout file (everything before [cluster])."""
     return layout.read_text().split("[cluster]")[0]
+
+
+def rank0_off_master_layout(path: Path, hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"), timeout_s: float = 60) -> Path:
+    """The reference model on two nodes, node0 the master: stage 0 (rank 0) on node1, stage 1 (rank 1) on node0,
+    so the rendezvous is served by rank 1, not rank 0."""
+    path.write_text(common_sections(LAYOUTS / "reference.toml") + f"""[cluster]
+timeout_s = {timeout_s}
+[[cluster.nodes]]
+name = "node0"
+host = "{hosts[0]}"
+devices = ["cpu"]
+[[cluster.nodes]]
+name = "node1"
+host = "{hosts[1]}"
+devices = ["cpu"]
+
+[[pipelines]]
+batch = 12
+microbatches = 3
+[[pipelines.stages]]
+layers = 3
+devices = ["node1:0"]
+[[pipelines.stages]]
+layers = 3
+devices = ["node0:0"]
+""")
+    return path

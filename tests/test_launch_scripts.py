@@ -7,6 +7,7 @@ stop scripts are exercised with stand-in processes (``sleep``), which is what th
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from harness import rank0_off_master_layout
 from hetero_llm import layout as layout_mod
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -305,51 +307,59 @@ def test_shell_syntax(script):
 
 @pytest.fixture
 def fake_slurm(tmp_path: Path) -> dict[str, str]:
-    """scontrol and srun stand-ins: srun logs its arguments; it fails on $FAIL_HOST, and then the others hang."""
+    """scontrol and srun stand-ins. srun logs its arguments and the hostfile; exits $FAIL if set; with $RUN
+    set, runs its command once per task here, each with SLURM_PROCID / SLURM_NTASKS / SLURM_STEP_ID."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] && tr , "\\n" <<<"$3"\n')
     (bin_dir / "srun").write_text(
-        '#!/usr/bin/env bash\necho "$* @$MASTER_ADDR:$MASTER_PORT" >> "$SRUN_LOG"\n'
-        'for a in "$@"; do case $a in --nodelist=*) host=${a#--nodelist=};; esac; done\n'
-        'if [[ $host == "${FAIL_HOST:-}" ]]; then sleep 0.3; exit 3; fi\n'
-        'if [[ -n ${FAIL_HOST:-} ]]; then echo $$ >> "$SRUN_LOG.hung"; exec sleep 60; fi\n')
+        '#!/usr/bin/env bash\necho "$* @$MASTER_PORT" >> "$SRUN_LOG"\ncp "$SLURM_HOSTFILE" "$SRUN_LOG.hosts"\n'
+        '[[ -n ${FAIL:-} ]] && exit "$FAIL"\n[[ -z ${RUN:-} ]] && exit 0\n'
+        'while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n'
+        'pids=(); for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_NTASKS=$n SLURM_STEP_ID=0 "$@" & pids+=($!); done\n'
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit "$status"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    return _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"))
+    return _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"), PYTHON=sys.executable,
+                      HETERO_LAUNCH=f"{sys.executable} -m hetero_llm.cli")
 
 
-def test_sbatch_runs_one_step_per_node_of_a_het_job(uneven_layout, fake_slurm):
-    env = dict(fake_slurm, SLURM_HET_SIZE="2", SLURM_JOB_NODELIST_HET_GROUP_0="gpu-a",
-               SLURM_JOB_NODELIST_HET_GROUP_1="gpu-b", SLURM_CPUS_PER_TASK_HET_GROUP_0="24", SLURM_JOB_ID="123")
+def test_sbatch_places_each_rank_on_its_node(uneven_layout, fake_slurm):
+    env = dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", SLURM_JOB_ID="123", SLURM_CPUS_PER_TASK="6")
     proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout), "--quiet"], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
-    steps = sorted(Path(env["SRUN_LOG"]).read_text().splitlines())
-    assert steps == [
-        f"--nodes=1 --ntasks=1 --nodelist=gpu-a --kill-on-bad-exit=1 --het-group=0 --cpus-per-task=24 "
-        f"launch/run_node.sh {uneven_layout} node0 --quiet @gpu-a:20123",
-        f"--nodes=1 --ntasks=1 --nodelist=gpu-b --kill-on-bad-exit=1 --het-group=1 "
-        f"launch/run_node.sh {uneven_layout} node1 --quiet @gpu-a:20123"]
+    assert Path(env["SRUN_LOG"]).read_text().splitlines() == [
+        f"--ntasks=4 --distribution=arbitrary --kill-on-bad-exit=1 {sys.executable} -m hetero_llm.cli {uneven_layout} "
+        '--set cluster.nodes[0].host="gpu-a" --set cluster.nodes[1].host="gpu-b" --quiet @20123']
+    # ranks 0-2 on node0 (TP 1 then TP 2), rank 3 on node1
+    assert Path(env["SRUN_LOG"] + ".hosts").read_text().split() == ["gpu-a", "gpu-a", "gpu-a", "gpu-b"]
+    assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("hetero-llm-hosts.*"))  # hostfile removed
 
 
-def test_sbatch_stops_the_other_steps_when_one_fails(uneven_layout, fake_slurm):
-    env = dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", FAIL_HOST="gpu-b", MASTER_PORT="29650")
-    start = time.monotonic()
-    proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout)], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=60)
+def test_sbatch_trains_with_ranks_from_slurm_variables(fake_slurm, tmp_path):
+    """Two hosts (127.0.0.1 and 127.0.0.2, both this machine), one task per rank, each rank from SLURM_PROCID."""
+    layout = rank0_off_master_layout(tmp_path / "two.toml")  # rank 0 on node1, rank 1 on node0
+    metrics = tmp_path / "m.jsonl"
+    env = dict(fake_slurm, SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", RUN="1", MASTER_PORT=str(free_port()))
+    proc = subprocess.run(["bash", str(SBATCH), str(layout), "--quiet", "--metrics-jsonl", str(metrics)],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert Path(env["SRUN_LOG"] + ".hosts").read_text().split() == ["127.0.0.2", "127.0.0.1"]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+
+
+def test_sbatch_exits_with_the_failed_steps_status(uneven_layout, fake_slurm):
+    proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout)], capture_output=True, text=True, cwd=ROOT,
+                          env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", FAIL="3"), timeout=60)
     assert proc.returncode == 3
-    assert time.monotonic() - start < 30
-    assert "a node's step failed (exit 3); stopping the other steps" in proc.stderr
-    hung = [int(p) for p in Path(env["SRUN_LOG"] + ".hung").read_text().split()]
-    assert hung and all(_wait_dead(p) for p in hung)
 
 
 def test_sbatch_node_count_mismatch_exits_2(uneven_layout, fake_slurm):
     proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout)], capture_output=True, text=True, cwd=ROOT,
                           env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a"), timeout=60)
     assert proc.returncode == 2
-    assert "declares 2 node(s) (node0 node1) but the job has 1 host(s) (gpu-a)" in proc.stderr
+    assert "declares 2 node(s) but the job has 1 host(s) (gpu-a); make #SBATCH --nodes match" in proc.stderr
 
 
 # ------------------------------------------------------------------------------------------

@@ -13,12 +13,11 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from harness import LAYOUTS, common_sections, free_port, launch
+from harness import free_port, launch, rank0_off_master_layout
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
 if "testbed" not in sys.modules:
@@ -29,34 +28,9 @@ testbed = sys.modules["testbed"]
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 
-COMMON = common_sections(LAYOUTS / "reference.toml")
-
 
 def _layout(path: Path, hosts: tuple[str, str]) -> Path:
-    """node0 (the master) and node1; stage 0 (rank 0) on node1, stage 1 (rank 1) on node0."""
-    path.write_text(COMMON + f"""
-[cluster]
-timeout_s = 30
-[[cluster.nodes]]
-name = "node0"
-host = "{hosts[0]}"
-devices = ["cpu"]
-[[cluster.nodes]]
-name = "node1"
-host = "{hosts[1]}"
-devices = ["cpu"]
-
-[[pipelines]]
-batch = 12
-microbatches = 3
-[[pipelines.stages]]
-layers = 3
-devices = ["node1:0"]
-[[pipelines.stages]]
-layers = 3
-devices = ["node0:0"]
-""")
-    return path
+    return rank0_off_master_layout(path, hosts, timeout_s=30)
 
 
 @pytest.fixture(scope="module")
