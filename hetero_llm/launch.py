@@ -220,6 +220,9 @@ def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
     first = order[0]
     if failed[first] == Diverged.exit_code:  # every rank stopped at the same step: no rank to blame
         return Diverged(causes[first])
+    if " stopped responding: " in causes[first]:  # the peers' heartbeats named the rank they all waited for
+        others = f"; {len(order) - 1} other rank(s) gave up too" if len(order) > 1 else ""
+        return RankFailure(f"{causes[first]}{others}; stopped the other ranks")
     info = plan.ranks[first]
     tb = errdir / f"rank{first}.traceback"
     more = f" (traceback: {tb})" if tb.exists() else ""
@@ -231,6 +234,7 @@ def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
 def _terminate(procs: list[_Child], grace_s: float) -> None:
     for p in procs:
         p.signal(signal.SIGTERM)
+        p.signal(signal.SIGCONT)  # a stopped rank (SIGSTOP, Ctrl-Z) takes its SIGTERM only once continued
     deadline = time.monotonic() + grace_s
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -244,7 +248,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
     import torch  # torch-free until here: --dry-run and planning never import it
 
-    from hetero_llm import comm, trace as tracing
+    from hetero_llm import comm, heartbeat, trace as tracing
     from hetero_llm.train import train
 
     check_rank(plan, rank)
@@ -259,8 +263,10 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         comms = comm.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
         events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
         try:
-            train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
-                  checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events, quiet=options.quiet)
+            with heartbeat.Heartbeat(plan, rank, lambda cause: heartbeat.exit_now(cause, _gave_up(rank))):
+                train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
+                      checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
+                      quiet=options.quiet)
         finally:
             if events is not None:
                 events.close()
@@ -270,6 +276,15 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     except BaseException as e:
         _report_rank_error(rank, e)
         raise
+
+
+def _gave_up(rank: int):
+    """How the heartbeat thread reports that this rank gives up on a stopped peer (then it exits)."""
+    def report(cause: str) -> None:
+        _report_rank_error(rank, RankFailure(cause))
+        if not os.environ.get("HETERO_ERROR_DIR"):  # no launcher to print it
+            sys.stderr.write(f"error: {cause}\n")
+    return report
 
 
 def _report_rank_error(rank: int, e: BaseException) -> None:

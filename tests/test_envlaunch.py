@@ -173,21 +173,20 @@ def _workers(parent: int) -> dict[int, int]:
 
 
 @pytest.mark.multiprocess
-def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_save(tmp_path):
-    path = write_layout(tmp_path / "l.toml", COMMON, TWO_STAGES)
-    steps = 12
-    ref = launch(path, tmp_path / "ref", "--set", f"train.steps={steps}")
+def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_save(reference, tmp_path):
+    path, ref = reference  # 8 steps uninterrupted
+    steps = 8
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     # emulated slower compute (sleeps only: the numbers do not change) so the kill lands mid-run
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
                              "--max-restarts", "1", "--master-port", str(free_port()), *_hetero_launch(), str(path),
-                             "--metrics-jsonl", str(metrics), "--checkpoint", str(ckpt), "--checkpoint-every", "3",
+                             "--metrics-jsonl", str(metrics), "--checkpoint", str(ckpt), "--checkpoint-every", "2",
                              "--resume", "auto", "--set", f"train.steps={steps}"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(HETERO_EMULATE_SLOWDOWN="*:15"))
+                            env=_env(HETERO_EMULATE_SLOWDOWN="*:8"))
     try:
         deadline = time.monotonic() + 120
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
             time.sleep(0.05)
         os.kill(_workers(proc.pid)[1], signal.SIGKILL)

@@ -227,3 +227,25 @@ def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert list(tmp.iterdir()) == []
     assert not [p for p in leftovers if p.exists()]
+
+
+@pytest.mark.parametrize("victim", [1, 0])  # rank 0 also serves the store: its silence names it too
+def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--set", "cluster.timeout_s=4")
+    _wait_for_steps(proc, metrics, 2)
+    children = _children_of(proc.pid)
+    stopped_at = time.monotonic()
+    os.kill(next(pid for pid in children if _rank_of(pid) == victim), signal.SIGSTOP)
+    _, err = proc.communicate(timeout=60)
+    took = time.monotonic() - stopped_at
+    assert proc.returncode == 1
+    assert took < 4 + 10, f"job took {took:.1f} s to stop"  # cluster.timeout_s, then the launcher's teardown
+    assert re.fullmatch(rf"error: rank {victim} \(n0:{victim}\) stopped responding: (no heartbeat|the rendezvous store "
+                        r"it serves stopped answering) for \d+ s \(cluster.timeout_s 4; a stopped or hung process\); "
+                        r"rank \d gave up waiting for it(; 1 other rank\(s\) gave up too)?; stopped the other ranks",
+                        err.strip()), err
+    deadline = time.monotonic() + 5
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)], "ranks left running (the stopped one included)"

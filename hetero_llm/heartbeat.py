@@ -1,0 +1,115 @@
+"""Name a rank that stops responding (SIGSTOP, a hung host) instead of the ranks left waiting for it.
+
+A rank blocked in a collective or a receive cannot tell a slow peer from a stopped one, and gloo's
+timeout then fails the *waiting* ranks, so the launcher would blame them. Each rank therefore runs a
+thread that bumps its own counter in the rendezvous store every ``INTERVAL_S`` and reads everyone
+else's. A process that is stopped stops all its threads, so its counter stands still while the rank is
+alive to the kernel. When a peer's counter has not moved for ``cluster.timeout_s``, the watcher gives
+up for its rank with one line naming that peer, and exits: the main thread may be blocked inside a
+collective, where no exception can reach it. When the store itself stops answering for that long,
+the rank that serves it is the one named (it runs in that rank's process).
+
+A rank that finishes marks itself done, so peers that are still saving or exiting never blame it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Callable
+
+from hetero_llm.plan import Plan
+from hetero_llm.rendezvous import endpoint
+
+INTERVAL_S = 1.0
+_OP_TIMEOUT_S = 2.0  # one store operation; a stopped server makes every operation wait this long
+
+
+class Heartbeat:
+    """Started after the rendezvous, stopped when the rank ends (``with Heartbeat(...):``).
+
+    Two threads: one talks to the store (an operation on a stopped server blocks, however long), the
+    other only reads the times the first one recorded, so it notices a store that stopped answering.
+    """
+
+    def __init__(self, plan: Plan, rank: int, give_up: Callable[[str], None]):
+        import torch.distributed as dist
+
+        ep = endpoint(plan)
+        store = dist.TCPStore(ep.host, ep.port, plan.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S),
+                              wait_for_workers=False)  # its own connection: the main thread's store stays free
+        self.store = dist.PrefixStore(f"{ep.prefix}heartbeat", store)
+        self.plan, self.rank, self.server, self.give_up = plan, rank, ep.server, give_up
+        self.limit_s = plan.layout.cluster.timeout_s
+        now = time.monotonic()
+        self._lock = threading.Lock()
+        self._answered = now  # when the store last answered
+        self._moved = [now] * plan.world_size  # when each rank's counter last changed (or it finished)
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._beat, name="hl-heartbeat", daemon=True),
+                         threading.Thread(target=self._watch, name="hl-watchdog", daemon=True)]
+
+    def __enter__(self) -> Heartbeat:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        # Say this rank is done, but never wait long on a store that may be gone or stopped.
+        done = threading.Thread(target=self._mark_done, daemon=True)
+        done.start()
+        done.join(timeout=_OP_TIMEOUT_S)
+
+    def _mark_done(self) -> None:
+        try:
+            self.store.set(f"done/{self.rank}", "1")
+        except Exception:  # the store's rank finished first: nobody is left to blame this one
+            pass
+
+    def _beat(self) -> None:
+        world = self.plan.world_size
+        seen = [-1] * world
+        while not self._stop.wait(INTERVAL_S):
+            try:
+                self.store.add(f"beat/{self.rank}", 1)
+                counts = [self.store.add(f"beat/{r}", 0) for r in range(world)]
+                done = [self.store.check([f"done/{r}"]) for r in range(world)]
+            except Exception:  # no answer in time, or the store is gone: the watchdog sees _answered age
+                continue
+            now = time.monotonic()
+            with self._lock:
+                self._answered = now
+                for r in range(world):
+                    if counts[r] != seen[r] or done[r]:
+                        seen[r], self._moved[r] = counts[r], now
+
+    def _watch(self) -> None:
+        while not self._stop.wait(INTERVAL_S):
+            now = time.monotonic()
+            with self._lock:
+                silent = now - self._answered
+                stalled = sorted((now - t, r) for r, t in enumerate(self._moved) if r != self.rank)
+            if self._stop.is_set():
+                return
+            if silent > self.limit_s and self.server is not None and self.server != self.rank:
+                self._blame(self.server, silent, "the rendezvous store it serves stopped answering")
+            elif stalled and stalled[-1][0] > self.limit_s:
+                self._blame(stalled[-1][1], stalled[-1][0], "no heartbeat")
+
+    def _blame(self, rank: int, seconds: float, why: str) -> None:
+        info = self.plan.ranks[rank]
+        self.give_up(f"rank {rank} ({info.device_id}) stopped responding: {why} for {seconds:.0f} s "
+                     f"(cluster.timeout_s {self.limit_s:g}; a stopped or hung process); rank {self.rank} gave up "
+                     "waiting for it")
+
+
+def exit_now(cause: str, report: Callable[[str], None]) -> None:
+    """Report ``cause`` and end this process at once (from the heartbeat thread)."""
+    report(cause)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
