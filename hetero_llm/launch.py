@@ -123,6 +123,13 @@ class _Child:
                 self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
 
+    def stopped(self) -> bool:
+        """Stopped by a signal (state T; not 't', a debugger's tracing stop)."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
+
     def signal(self, sig: int) -> None:
         if self.poll() is None:
             try:
@@ -139,6 +146,7 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, len(ranks))))
     argv = [layout_path, *options.argv()]
     procs: dict[int, _Child] = {}
+    stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
     try:
         for r in ranks:
             sys.stdout.flush()
@@ -157,11 +165,32 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
                 time.sleep(0.3)
                 failed.update({r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0})
                 raise _failure(plan, failed, errdir)
+            _check_stopped(plan, procs, stopped_since)
             time.sleep(0.05)
     finally:
         _terminate(list(procs.values()), grace_s)
         if not any(errdir.iterdir()):  # kept only when it holds a failure report (the error line names it)
             errdir.rmdir()
+
+
+def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]) -> None:
+    """A rank whose process stays stopped (SIGSTOP) for twice ``cluster.timeout_s`` fails the job, naming it.
+    Its peers give up on it after ``cluster.timeout_s`` (heartbeat.py), but nothing else would ever end the
+    launch of the node it runs on; twice, so that the peers (on other nodes too) name it first, rather than
+    see their connections to it reset when this launcher kills it."""
+    now = time.monotonic()
+    for r, p in procs.items():
+        if p.stopped():
+            since.setdefault(r, now)
+        else:
+            since.pop(r, None)
+    limit = plan.layout.cluster.timeout_s
+    late = sorted(r for r, t in since.items() if now - t > 2 * limit)
+    if late:
+        info = plan.ranks[late[0]]
+        raise RankFailure(f"rank {late[0]} ({info.device_id}) stopped responding: its process has been stopped "
+                          f"(SIGSTOP) for {now - since[late[0]]:.0f} s (twice cluster.timeout_s {limit:g}); "
+                          "stopped the other ranks")
 
 
 def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoReturn:

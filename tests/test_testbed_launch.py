@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +110,63 @@ def test_store_listens_on_the_masters_address_only(bed, tmp_path):
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)
+
+
+def _torchrun(bed, node_ranks: dict[str, int], master: str, layout: Path, metrics: Path) -> list[tuple[int, str]]:
+    """``torchrun --nnodes 2 --nproc-per-node 1 --node-rank N`` in each node's namespace."""
+    port = str(free_port())
+    starts = [(node, ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(n),
+                      "--master-addr", bed.address(master, "xdom"), "--master-port", port,
+                      "-m", "hetero_llm.cli", str(layout)]) for node, n in node_ranks.items()]
+    env = {"GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    procs = [bed.run(node, [sys.executable, *args, "--quiet", "--metrics-jsonl", str(metrics)], env=env,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for node, args in starts]
+    return [(p.wait(180), p.stdout.read()) for p in procs]
+
+
+def test_torchrun_on_two_hosts(bed, reference, tmp_path):
+    """torchrun numbers node by node: node1 (rank 0's node) is torchrun's node 0 and serves its store."""
+    layout = _layout(tmp_path / "l.toml", _hosts(bed))
+    results = _torchrun(bed, {"node1": 0, "node0": 1}, "node1", layout, tmp_path / "m.jsonl")
+    assert [code for code, _ in results] == [0, 0], results
+    assert _losses(tmp_path / "m.jsonl") == reference.losses
+
+
+def test_torchrun_rank_on_the_wrong_host_is_one_line(bed, tmp_path):
+    layout = _layout(tmp_path / "l.toml", _hosts(bed))
+    results = _torchrun(bed, {"node0": 0, "node1": 1}, "node0", layout, tmp_path / "m.jsonl")
+    assert all(code != 0 for code, _ in results), results
+    expected = (f"error: {layout}: cluster.nodes[1].host: torchrun started rank 0 (RANK) on {socket.gethostname()}, "
+                f"but the layout puts it (node1:0) on node node1, host '{bed.address('node1', 'xdom')}', which is not "
+                "this machine; give each node its machine's host, and start ranks so that each machine gets its nodes' "
+                "ranks (--dry-run lists them)")
+    assert [line for line in results[0][1].splitlines() if line.startswith("error: ")] == [expected], results[0][1]
+
+
+def test_stopped_rank_on_another_host_is_named_on_both(bed, tmp_path):
+    """SIGSTOP rank 0 (node1): node0's rank gives up on it by its heartbeat, node1's launcher by its state."""
+    layout = _layout(tmp_path / "l.toml", _hosts(bed))
+    metrics, port = tmp_path / "m.jsonl", free_port()
+    env = {"GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1", "MASTER_ADDR": "", "MASTER_PORT": ""}
+    procs = {node: bed.run(node, [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl",
+                                  str(metrics), "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=4",
+                                  "--set", "train.steps=100000"], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True) for node in ("node0", "node1")}
+    try:
+        for _ in range(1200):
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                break
+            assert all(p.poll() is None for p in procs.values()), [p.communicate() for p in procs.values()]
+            time.sleep(0.1)
+        rank0 = int(subprocess.run(["pgrep", "-P", str(procs["node1"].pid)], capture_output=True, text=True).stdout)
+        os.kill(rank0, signal.SIGSTOP)
+        errs = {node: p.communicate(timeout=60)[1] for node, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs.values()] == [1, 1]
+    errs = {node: err.strip().splitlines()[-1] for node, err in errs.items()}  # after c10d's hostname warnings
+    assert errs["node0"].startswith("error: rank 0 (node1:0) stopped responding: no heartbeat for "), errs["node0"]
+    assert errs["node1"].startswith("error: rank 0 (node1:0) stopped responding: its process has been stopped "
+                                    "(SIGSTOP) for "), errs["node1"]
