@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch.distributed  # noqa: F401  (imported here, so the timed rendezvous below does not include it)
 
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, write_layout
 from hetero_llm import layout as layout_mod, rendezvous
@@ -85,7 +86,7 @@ def test_port_in_use_is_one_line():
 @pytest.mark.parametrize("addr, why", [("127.0.0.1", "Connection refused"),  # nothing listens
                                        ("192.0.2.1", None)])  # nothing answers (unreachable or timing out)
 def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path, monkeypatch, capfd, addr, why):
-    plan, _ = _plan(tmp_path, "cluster.timeout_s=2")
+    plan, _ = _plan(tmp_path, "cluster.timeout_s=3")
     port = free_port()
     monkeypatch.setenv("MASTER_ADDR", addr)
     monkeypatch.setenv("MASTER_PORT", str(port))
@@ -93,9 +94,10 @@ def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path,
     with pytest.raises(RankFailure) as err:
         rendezvous.rendezvous(plan, 1)
     took = time.monotonic() - start
-    assert 2.0 <= took < 3.5, f"gave up after {took:.1f} s for a 2 s timeout"
+    # 3.0 s when the machine is idle; the slack is for a loaded one (before: ~3.3 x the timeout, in C++ frames)
+    assert 3.0 <= took < 5.0, f"gave up after {took:.1f} s for a 3 s timeout"
     message = str(err.value)
-    assert message.startswith(f"rank 1: nothing answered at {addr}:{port} (MASTER_ADDR, MASTER_PORT) within 2 s (last: ")
+    assert message.startswith(f"rank 1: nothing answered at {addr}:{port} (MASTER_ADDR, MASTER_PORT) within 3 s (last: ")
     assert message.endswith("); is rank 0 (n0:0), which serves it, started, and is the address right?")
     if why:
         assert f"(last: {why})" in message
