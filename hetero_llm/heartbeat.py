@@ -26,6 +26,8 @@ from hetero_llm.rendezvous import endpoint
 
 INTERVAL_S = 1.0
 _OP_TIMEOUT_S = 2.0  # one store operation; a stopped server makes every operation wait this long
+_DONE = 1 << 40  # added to a rank's counter when it finishes: never blamed after that
+_LINGER_S = 3.0  # how long the rank serving the store waits for the others to stop using it
 
 
 class Heartbeat:
@@ -35,7 +37,7 @@ class Heartbeat:
     other only reads the times the first one recorded, so it notices a store that stopped answering.
     """
 
-    def __init__(self, plan: Plan, rank: int, give_up: Callable[[str], None]):
+    def __init__(self, plan: Plan, rank: int, give_up: Callable[[str, float], None]):
         import torch.distributed as dist
 
         ep = endpoint(plan)
@@ -62,29 +64,39 @@ class Heartbeat:
         # Say this rank is done, but never wait long on a store that may be gone or stopped.
         done = threading.Thread(target=self._mark_done, daemon=True)
         done.start()
-        done.join(timeout=_OP_TIMEOUT_S)
+        done.join(timeout=_LINGER_S)
 
     def _mark_done(self) -> None:
         try:
-            self.store.set(f"done/{self.rank}", "1")
+            self.store.add(f"beat/{self.rank}", _DONE)
+            if self.rank == self.server:
+                # The store dies with this process: let the other ranks' heartbeats finish first, or one
+                # caught in an operation prints torch's connection-closed warning, C++ frames and all.
+                deadline = time.monotonic() + _LINGER_S
+                keys = [f"beat/{r}" for r in range(self.plan.world_size)]
+                while time.monotonic() < deadline and min(int(v) for v in self.store.multi_get(keys)) < _DONE:
+                    time.sleep(0.02)
         except Exception:  # the store's rank finished first: nobody is left to blame this one
             pass
 
     def _beat(self) -> None:
         world = self.plan.world_size
+        keys = [f"beat/{r}" for r in range(world)]
         seen = [-1] * world
+        created = False
         while not self._stop.wait(INTERVAL_S):
             try:
-                self.store.add(f"beat/{self.rank}", 1)
-                counts = [self.store.add(f"beat/{r}", 0) for r in range(world)]
-                done = [self.store.check([f"done/{r}"]) for r in range(world)]
+                self.store.add(keys[self.rank], 1)
+                if not created:  # add(key, 0) makes every key, so that multi_get never waits for one
+                    created = all(self.store.add(k, 0) >= 0 for k in keys)
+                counts = [int(v) for v in self.store.multi_get(keys)]  # two store operations a second per rank
             except Exception:  # no answer in time, or the store is gone: the watchdog sees _answered age
                 continue
             now = time.monotonic()
             with self._lock:
                 self._answered = now
                 for r in range(world):
-                    if counts[r] != seen[r] or done[r]:
+                    if counts[r] != seen[r] or counts[r] >= _DONE:
                         seen[r], self._moved[r] = counts[r], now
 
     def _watch(self) -> None:
@@ -102,14 +114,17 @@ class Heartbeat:
 
     def _blame(self, rank: int, seconds: float, why: str) -> None:
         info = self.plan.ranks[rank]
+        # The other ranks' watchdogs fire within an interval of this one: the rank serving the store
+        # lingers so that they give up (and exit) while it still answers them.
         self.give_up(f"rank {rank} ({info.device_id}) stopped responding: {why} for {seconds:.0f} s "
                      f"(cluster.timeout_s {self.limit_s:g}; a stopped or hung process); rank {self.rank} gave up "
-                     "waiting for it")
+                     "waiting for it", _LINGER_S if self.rank == self.server else 0.0)
 
 
-def exit_now(cause: str, report: Callable[[str], None]) -> None:
-    """Report ``cause`` and end this process at once (from the heartbeat thread)."""
+def exit_now(cause: str, linger_s: float, report: Callable[[str], None]) -> None:
+    """Report ``cause`` and end this process (from the heartbeat thread), ``linger_s`` later."""
     report(cause)
     sys.stdout.flush()
     sys.stderr.flush()
+    time.sleep(linger_s)
     os._exit(1)
