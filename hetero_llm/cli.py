@@ -85,6 +85,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
         if dry_run:
             click.echo(describe(plan))
+            click.echo(rendezvous.describe(plan))
             if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
                 click.echo("\n" + optim_shards.describe(plan))
             return

@@ -86,6 +86,15 @@ def endpoint(plan: Plan, environ: Mapping[str, str] | None = None) -> Endpoint:
     return Endpoint(host, port, server_rank(plan), "", where)
 
 
+def describe(plan: Plan) -> str:
+    """The ``--dry-run`` line: where the ranks meet and who serves the store there."""
+    ep = endpoint(plan)
+    if ep.server is None:
+        return f"rendezvous: {ep.host}:{ep.port} ({ep.where}), torchrun's store"
+    info = plan.ranks[ep.server]
+    return f"rendezvous: {ep.host}:{ep.port} ({ep.where}), served by rank {ep.server} ({info.device_id})"
+
+
 def rendezvous(plan: Plan, rank: int, agree: str = ""):
     """Meet every other rank; return the store (a ``PrefixStore`` per torchrun attempt).
 

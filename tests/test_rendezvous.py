@@ -15,7 +15,8 @@ import time
 import pytest
 import torch.distributed  # noqa: F401  (imported here, so the timed rendezvous below does not include it)
 
-from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, write_layout
+from harness import (LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, rank0_off_master_layout,
+                     write_layout)
 from hetero_llm import layout as layout_mod, rendezvous
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.plan import compile_plan
@@ -145,3 +146,13 @@ def test_endpoint_is_torch_free_and_checked_before_anything_starts(tmp_path):
     assert out.strip() == "False"
     with pytest.raises(LayoutError):
         rendezvous.endpoint(compile_plan(layout_mod.load(path)), {"MASTER_PORT": "x"})
+
+
+def test_dry_run_says_where_the_ranks_meet_and_who_serves(tmp_path, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    path = rank0_off_master_layout(tmp_path / "l.toml", ("127.0.0.1", "127.0.0.2"))
+    result = invoke_cli(path, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert ("rendezvous: 127.0.0.1:29511 (node node0's host, cluster.port), served by rank 1 (node0:0)"
+            in result.stdout.splitlines())
