@@ -292,7 +292,8 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         comms = comm.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
         events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
         try:
-            with heartbeat.Heartbeat(plan, rank, lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))):
+            give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
+            with heartbeat.Heartbeat(plan, rank, give_up):
                 train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
                       checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
                       quiet=options.quiet)
