@@ -128,7 +128,11 @@ def _checked_source(lay: layout_mod.Layout):
     from hetero_llm import data
 
     source = data.make_source(lay.data, lay.file)
-    if isinstance(source, data.TokenFileSource):
+    if lay.data.packing is layout_mod.Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
+        from hetero_llm import documents
+
+        documents.make_document_source(lay.data, lay.model.seq_len, lay.file)
+    elif isinstance(source, data.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
     return source
 

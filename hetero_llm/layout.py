@@ -63,6 +63,13 @@ class DataKind(str, enum.Enum):
     JSONL = "jsonl"
 
 
+class Packing(str, enum.Enum):
+    """How a step's tokens form rows (``data.packing``)."""
+
+    NONE = "none"  # random windows of seq_len + 1 tokens, crossing document boundaries
+    DOCUMENTS = "documents"  # whole documents packed into rows, attention masked to each document
+
+
 class Backend(str, enum.Enum):
     GLOO = "gloo"
     NCCL = "nccl"
@@ -200,6 +207,17 @@ class DataSpec:
     grammar_seed: int = _doc("seed of the grammar itself (not of the data order)", default=1234)
     grammar_vocab: int = _doc("tokens the grammar uses", default=64)
     branching: int = _doc("possible successors of each grammar context", default=4)
+    packing: Packing = _doc("'none': each row is a window of seq_len + 1 tokens cut anywhere in the data; "
+                            "'documents': whole documents (at most seq_len + 1 tokens; longer ones are cut) "
+                            "packed into the global_batch rows of seq_len, attention kept inside each document "
+                            "and positions restarting in each, the loss averaged over real targets "
+                            "(see docs/hot_switching.md)", default=Packing.NONE)
+    separator: str = _doc("with packing = 'documents' and kind = 'text': the string between documents; '' "
+                          "makes the whole file one document (cut to seq_len + 1 tokens)", default="\n\n")
+    doc_len_median: float = _doc("with packing = 'documents' and kind = 'grammar': median document length in "
+                                 "tokens (lengths are lognormal, clipped to [2, seq_len + 1])", default=32.0)
+    doc_len_sigma: float = _doc("with packing = 'documents' and kind = 'grammar': standard deviation of the log "
+                                "of document lengths (larger: a longer tail)", default=1.0)
 
 
 @attrs.frozen
@@ -472,7 +490,7 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
     """Check one scalar/array value against a field's annotation (a string under PEP 563)."""
     annotation = annotation.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
-                "DataKind": DataKind, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
+                "DataKind": DataKind, "Packing": Packing, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
                 "Compile": Compile, "Optimizer": Optimizer}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
@@ -868,6 +886,7 @@ def _check_device_id(layout: Layout, dev: str, where: str) -> None:
 
 def _validate_data(layout: Layout) -> None:
     d, m, f = layout.data, layout.model, layout.file
+    _validate_packing(layout)
     if d.kind is DataKind.GRAMMAR:
         _positive(layout, d, "data", ["grammar_vocab"], minimum=2)
         _positive(layout, d, "data", ["branching"])
@@ -893,6 +912,21 @@ def _validate_data(layout: Layout) -> None:
                           f"{m.seq_len + 1} tokens (seq_len + 1); give a longer file or a smaller seq_len")
     if m.vocab < 256:
         raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
+
+
+def _validate_packing(layout: Layout) -> None:
+    d, f = layout.data, layout.file
+    if d.packing is not Packing.DOCUMENTS:
+        return
+    if d.doc_len_median < 2:
+        raise LayoutError(f, "data.doc_len_median", f"must be >= 2 tokens (a document needs a token to predict "
+                          f"from and one to predict), got {d.doc_len_median}")
+    if d.doc_len_sigma < 0:
+        raise LayoutError(f, "data.doc_len_sigma", f"must be >= 0 (0: every document has the median length), "
+                          f"got {d.doc_len_sigma}")
+    if layout.train.compile is Compile.BLOCKS:
+        raise LayoutError(f, "train.compile", "'blocks' cannot compile packed documents (their attention groups "
+                          "change shape every microbatch; set compile = 'none', or data.packing = 'none')")
 
 
 def schema_markdown() -> str:

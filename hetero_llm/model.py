@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from hetero_llm.docmask import DocumentMask
 from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
 from hetero_llm.params import ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
-BlockFn = Callable[[Params, torch.Tensor], torch.Tensor]  # (one block's params by local name, x) -> x
+BlockFn = Callable[..., torch.Tensor]  # (one block's params by local name, x, docs=None) -> x
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w) -> x @ w.T in x's dtype
 
 
@@ -227,10 +228,12 @@ def _local_names(model: ModelSpec) -> tuple[str, ...]:
     return tuple(info.name.split(".", 2)[2] for info in layer_params(model, 0))  # drop "layers.0."
 
 
-def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: Linear = _linear) -> torch.Tensor:
+def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: Linear = _linear,
+          docs: DocumentMask | None = None) -> torch.Tensor:
     """One transformer block over its parameters ``p`` (local names, see ``block_params``).
 
-    ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype.
+    ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype. ``docs``: the
+    rows are packed documents; attention stays inside each, positions restart in each.
     """
     B, T, _ = x.shape
     hd = model.head_dim
@@ -241,8 +244,13 @@ def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: 
     q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
     if model.position is Position.ROPE:
         cos, sin = rope_tables(T, hd, x.device, q.dtype)
+        if docs is not None:
+            cos, sin = docs.at_positions(cos), docs.at_positions(sin)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if docs is not None:
+        y = docs.attention(q, k, v)
+    else:
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y.transpose(1, 2).reshape(B, T, nh * hd)
     x = x + tp.exit(linear(y, p["attn.wo"]))  # row-parallel: partial sums reduced by exit
 
@@ -261,24 +269,24 @@ def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32, lin
         # c10d collectives do not trace: the TP all-reduces run eagerly between compiled pieces.
         tp = TP(torch.compiler.disable(tp.enter), torch.compiler.disable(tp.exit))
 
-    def apply(p: Params, x: torch.Tensor) -> torch.Tensor:
-        return block(p, x, model, tp, linear)
+    def apply(p: Params, x: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
+        return block(p, x, model, tp, linear, docs)
 
     fn = torch.compile(apply) if compute.compile else apply
     if not compute.recompute:
         return fn
 
-    def recomputed(p: Params, x: torch.Tensor) -> torch.Tensor:
+    def recomputed(p: Params, x: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
         # The weight casts happen inside, so the bf16 copies are recomputed too rather than kept.
-        return torch.utils.checkpoint.checkpoint(fn, p, x, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(fn, p, x, docs, use_reentrant=False)
 
     return recomputed
 
 
-def embed(p: Params, tokens: torch.Tensor, model: ModelSpec) -> torch.Tensor:
+def embed(p: Params, tokens: torch.Tensor, model: ModelSpec, docs: DocumentMask | None = None) -> torch.Tensor:
     x = F.embedding(tokens, p["embed.tok"])  # (B, T, C), float32: the cast to the compute dtype follows
     if model.position is Position.LEARNED:
-        x = x + p["embed.pos"][: tokens.shape[1]]
+        x = x + (p["embed.pos"][docs.positions] if docs is not None else p["embed.pos"][: tokens.shape[1]])
     return x
 
 
@@ -287,16 +295,18 @@ def head(p: Params, x: torch.Tensor, model: ModelSpec, linear: Linear = _linear)
 
 
 def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP,
-                  compute: Compute = FP32, block_fn: BlockFn | None = None, linear: Linear = _linear) -> torch.Tensor:
+                  compute: Compute = FP32, block_fn: BlockFn | None = None, linear: Linear = _linear,
+                  docs: DocumentMask | None = None) -> torch.Tensor:
     """Tokens (first stage) or activations in; activations or logits (last stage) out.
 
     Activations come out in ``compute.dtype`` (received ones arrive in it); ``block_fn`` is the
-    stage's ``make_block_fn`` (built with the same ``linear``), built here when not given.
+    stage's ``make_block_fn`` (built with the same ``linear``), built here when not given. ``docs``: the
+    microbatch's document mask when its rows are packed documents.
     """
-    x = embed(p, inp, model).to(compute.dtype) if shape.first else inp
+    x = embed(p, inp, model, docs).to(compute.dtype) if shape.first else inp
     run = block_fn or make_block_fn(model, tp, compute, linear)
     for i in range(shape.layer_lo, shape.layer_hi):
-        x = run(block_params(p, i, model), x)
+        x = run(block_params(p, i, model), x, docs)
     return head(p, x, model, linear) if shape.last else x
 
 

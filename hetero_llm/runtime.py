@@ -26,6 +26,7 @@ import torch
 
 from hetero_llm import comm
 from hetero_llm.layout import ModelSpec
+from hetero_llm.docmask import DocumentMask
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
                                stage_forward, token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
@@ -65,6 +66,7 @@ class StageRoutes:
 class Microbatch:
     inputs: torch.Tensor  # (b, T) token ids
     targets: torch.Tensor  # (b, T)
+    docs: DocumentMask | None = None  # the rows are packed documents (data.packing = 'documents')
 
 
 @attrs.frozen
@@ -134,7 +136,8 @@ class StageRunner:
         device = self.comms.device
         if device.type == "cuda":  # one asynchronous copy each, now: a pageable copy per action would stall the host
             microbatches = [Microbatch(mb.inputs.pin_memory().to(device, non_blocking=True),
-                                       mb.targets.pin_memory().to(device, non_blocking=True)) for mb in microbatches]
+                                       mb.targets.pin_memory().to(device, non_blocking=True),
+                                       mb.docs.to(device) if mb.docs is not None else None) for mb in microbatches]
         self._state = dict(mbs=microbatches, tokens=global_tokens, inputs={}, outputs={}, recvs={}, grads_out={},
                            loss=torch.zeros((), dtype=torch.float64, device=device),
                            dtype=self.compute.dtype)  # boundary tensors travel in the compute dtype
@@ -221,7 +224,7 @@ class StageRunner:
         x = s["mbs"][a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
         s["inputs"][key] = x
         out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp, self.compute,
-                            self._block_fn, self._linear)
+                            self._block_fn, self._linear, s["mbs"][a.mb].docs)
         if last:
             loss = token_loss_sum(out, s["mbs"][a.mb].targets.to(self.comms.device))
             s["loss"] += loss.detach().double()

@@ -14,11 +14,12 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm import checkpoint, comm, data, zero1
+from hetero_llm import checkpoint, comm, data, documents, zero1
 from hetero_llm.checkpoint import Checkpoint
 from hetero_llm.errors import CheckpointError, Diverged, RankFailure
 from hetero_llm.optim import AdamW
-from hetero_llm.layout import Compile, Optimizer, Precision, Recompute, Schedule, TrainSpec
+from hetero_llm.docmask import DocumentMask
+from hetero_llm.layout import Compile, Optimizer, Packing, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
@@ -172,6 +173,15 @@ def _microbatches(plan: Plan, rank: int, batch: np.ndarray) -> list[Microbatch]:
     return [Microbatch(torch.from_numpy(p[:, :-1]), torch.from_numpy(p[:, 1:])) for p in pieces]
 
 
+def _packed_microbatches(plan: Plan, rank: int, batch: documents.PackedRows) -> list[Microbatch]:
+    """``rank``'s microbatches of packed documents, each with its document mask (built on the host)."""
+    pipe = plan.ranks[rank].pipeline
+    offset, size = plan.batch_share(pipe)
+    pieces = batch.share(offset, size, plan.layout.pipelines[pipe].microbatches)
+    return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
+                       DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]
+
+
 @attrs.define
 class Progress:
     """Console progress on the reporting rank: step, loss, tokens/s, ETA."""
@@ -230,7 +240,9 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                          split_backward=any(a.kind is Kind.I for a in plan.actions(rank)),
                          optimizer_hooks=optimizer.hooks() if sharded else {})
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
-    source = data.make_source(lay.data, lay.file)
+    packed = lay.data.packing is Packing.DOCUMENTS
+    source = (documents.make_document_source(lay.data, model.seq_len, lay.file) if packed
+              else data.make_source(lay.data, lay.file))
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = st.last and plan.ranks[rank].tp_index == 0
     metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
@@ -241,8 +253,12 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         for step in range(first, tr.steps):
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
-            batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
-            mbs = _microbatches(plan, rank, batch)
+            if packed:  # the loss averages over the documents' targets, not over the rows' padding
+                rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
+                global_tokens, mbs = rows.num_targets, _packed_microbatches(plan, rank, rows)
+            else:
+                batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
+                mbs = _microbatches(plan, rank, batch)
             loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
             sq = optimizer.finish_reduce() if sharded else sync_grads(plan, rank, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
