@@ -329,13 +329,30 @@ class PipelineSpec:
 
 
 @attrs.frozen
+class BucketSpec:
+    """``[[buckets]]``: the documents up to a length, trained under their own layout (hot switching)."""
+
+    max_len: int = _doc("longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
+                        "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
+                        "longest and the last one's max_len is model.seq_len")
+    schedule: Schedule | None = _doc("this bucket's pipeline schedule; unset: train.schedule", default=None)
+    chunks: int = _doc("model chunks per rank when this bucket's schedule is 'interleaved'; 0: train.chunks",
+                       default=0)
+    pipelines: tuple[PipelineSpec, ...] = _doc(
+        "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
+        "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
+        "proportion); none: the bucket runs under the home layout", default=())
+
+
+@attrs.frozen
 class Layout:
     file: str
     model: ModelSpec
     train: TrainSpec
     data: DataSpec
     cluster: ClusterSpec
-    pipelines: tuple[PipelineSpec, ...]
+    pipelines: tuple[PipelineSpec, ...]  # the home layout: it holds the optimizer state and takes the step
+    buckets: tuple[BucketSpec, ...] = ()  # hot switching: each bucket of document lengths under its own layout
 
 
 # --------------------------------------------------------------------------------------------
@@ -385,7 +402,8 @@ def loads(text: str, file: str = "<string>", base_dir: str | os.PathLike = ".") 
 
 _SECTIONS = {"model": ModelSpec, "train": TrainSpec, "data": DataSpec, "cluster": ClusterSpec}
 _REQUIRED_SECTIONS = ("model", "train", "cluster", "pipelines")
-_NESTED = {(ClusterSpec, "nodes"): NodeSpec, (ClusterSpec, "domains"): DomainSpec, (PipelineSpec, "stages"): StageSpec}
+_NESTED = {(ClusterSpec, "nodes"): NodeSpec, (ClusterSpec, "domains"): DomainSpec, (PipelineSpec, "stages"): StageSpec,
+           (BucketSpec, "pipelines"): PipelineSpec}
 # Fields holding one table rather than an array of tables: (class, field) -> converter(value, where, file).
 _TABLES = {
     (ClusterSpec, "cross_domain"): lambda v, where, file: _one_table(CrossDomainSpec, v, where, file),
@@ -395,7 +413,7 @@ _TABLES = {
 
 
 def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
-    _check_keys(raw, list(_SECTIONS) + ["pipelines"], "", file, what="section")
+    _check_keys(raw, list(_SECTIONS) + ["pipelines", "buckets"], "", file, what="section")
     for name in _REQUIRED_SECTIONS:
         if name not in raw:
             hint = "[[pipelines]]" if name == "pipelines" else f"[{name}]"
@@ -405,15 +423,24 @@ def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
     if not isinstance(pipes, list) or not pipes:
         raise LayoutError(file, "pipelines", "expected one or more [[pipelines]] tables")
     pipelines = tuple(_build(PipelineSpec, t, f"pipelines[{i}]", file) for i, t in enumerate(pipes))
-    pipelines = tuple(attrs.evolve(p, schedule_file=str(base_dir / p.schedule_file)) if p.schedule_file else p
-                      for p in pipelines)
+    pipelines = _resolve_schedule_files(pipelines, base_dir)
+    buckets = raw.get("buckets", [])
+    if not isinstance(buckets, list) or not buckets and "buckets" in raw:
+        raise LayoutError(file, "buckets", "expected one or more [[buckets]] tables")
+    buckets = tuple(_build(BucketSpec, t, f"buckets[{i}]", file) for i, t in enumerate(buckets))
+    buckets = tuple(attrs.evolve(b, pipelines=_resolve_schedule_files(b.pipelines, base_dir)) for b in buckets)
     data = sections["data"]
     if data.path:
         data = attrs.evolve(data, path=str((base_dir / data.path)))
     layout = Layout(file=file, model=sections["model"], train=sections["train"], data=data,
-                    cluster=sections["cluster"], pipelines=pipelines)
+                    cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
     validate(layout)
     return layout
+
+
+def _resolve_schedule_files(pipelines: tuple[PipelineSpec, ...], base_dir: Path) -> tuple[PipelineSpec, ...]:
+    return tuple(attrs.evolve(p, schedule_file=str(base_dir / p.schedule_file)) if p.schedule_file else p
+                 for p in pipelines)
 
 
 def _check_keys(table: dict, allowed: list[str], path: str, file: str, what: str = "key") -> None:
@@ -609,12 +636,12 @@ def _check_override_path(segments: list[str | int], key: str, file: str) -> None
             done = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in segments[:n]).lstrip(".")
             raise LayoutError(file, f"--set {key}", f"'{done}' is a value, not a table (set '{done}' itself)")
         if cls is None:
-            allowed = list(_SECTIONS) + ["pipelines"]
+            allowed = list(_SECTIONS) + ["pipelines", "buckets"]
             if seg not in allowed:
                 close = difflib.get_close_matches(seg, allowed, n=1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise LayoutError(file, f"--set {key}", f"unknown section '{seg}'{hint}")
-            cls = PipelineSpec if seg == "pipelines" else _SECTIONS[seg]
+            cls = {"pipelines": PipelineSpec, "buckets": BucketSpec}.get(seg) or _SECTIONS[seg]
             continue
         names = [f.name for f in attrs.fields(cls)]
         if seg not in names:
@@ -718,6 +745,62 @@ def validate(layout: Layout) -> None:
         shares = " + ".join(str(p.batch) for p in layout.pipelines)
         raise LayoutError(f, "pipelines", f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
                           f"{t.global_batch} (make them add up to {t.global_batch})")
+    _validate_buckets(layout)
+
+
+def bucket_layout(layout: Layout, index: int) -> Layout:
+    """Bucket ``index``'s own layout: its pipelines (the home ones if it has none), schedule and chunks, and a
+    global batch that is the sum of its pipelines' shares. The model is the same (its rows are ``max_len`` wide,
+    a matter of the data, not of the parameters)."""
+    b, t = layout.buckets[index], layout.train
+    pipelines = b.pipelines or layout.pipelines
+    schedule = b.schedule or t.schedule
+    chunks = b.chunks or (t.chunks if schedule is t.schedule else 1)
+    train = attrs.evolve(t, schedule=schedule, chunks=chunks, global_batch=sum(p.batch for p in pipelines))
+    return attrs.evolve(layout, train=train, pipelines=pipelines, buckets=())
+
+
+def _validate_buckets(layout: Layout) -> None:
+    """Bounds ascend and end at seq_len; each bucket's layout is valid on its own, on home devices."""
+    f, m = layout.file, layout.model
+    if not layout.buckets:
+        return
+    if layout.data.packing is not Packing.DOCUMENTS:
+        raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
+    home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
+    previous = 0
+    for bi, b in enumerate(layout.buckets):
+        at = f"buckets[{bi}]"
+        _positive(layout, b, at, ["max_len"])
+        _positive(layout, b, at, ["chunks"], minimum=0)
+        if b.max_len <= previous:
+            raise LayoutError(f, f"{at}.max_len", f"{b.max_len} is not above buckets[{bi - 1}].max_len ({previous}) "
+                              "(list buckets from shortest to longest, each bound above the one before)")
+        if b.max_len > m.seq_len:
+            raise LayoutError(f, f"{at}.max_len", f"{b.max_len} exceeds model.seq_len ({m.seq_len}): no document is "
+                              f"longer (use at most {m.seq_len})")
+        previous = b.max_len
+        for pi, pipe in enumerate(b.pipelines):
+            for si, stage in enumerate(pipe.stages):
+                for di, dev in enumerate(stage.devices):
+                    where = f"{at}.pipelines[{pi}].stages[{si}].devices[{di}]"
+                    _check_device_id(layout, dev, where)
+                    if dev not in home:
+                        raise LayoutError(f, where, f"device '{dev}' is not in the home layout ([[pipelines]]); "
+                                          "every bucket runs on the home layout's devices")
+        try:
+            validate(bucket_layout(layout, bi))
+        except LayoutError as e:
+            path = e.path
+            if path.startswith("pipelines"):
+                path = f"{at}.{path}"
+            elif path in ("train.schedule", "train.chunks"):
+                path = f"{at}.{path.removeprefix('train.')}"
+            raise LayoutError(f, path, e.message) from None
+    if previous != m.seq_len:
+        raise LayoutError(f, f"buckets[{len(layout.buckets) - 1}].max_len", f"{previous} is below model.seq_len "
+                          f"({m.seq_len}): documents of {previous + 1} to {m.seq_len} positions would fit no bucket "
+                          f"(make the last bucket's max_len {m.seq_len})")
 
 
 def validate_cluster(f: str, c: ClusterSpec) -> None:
@@ -935,7 +1018,8 @@ def schema_markdown() -> str:
     for section, cls in [("model", ModelSpec), ("train", TrainSpec), ("data", DataSpec), ("cluster", ClusterSpec),
                          ("cluster.nodes[]", NodeSpec), ("cluster.domains[]", DomainSpec),
                          ("cluster.cross_domain", CrossDomainSpec),
-                         ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec)]:
+                         ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec),
+                         ("buckets[]", BucketSpec)]:
         for fl in attrs.fields(cls):
             default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
             if (cls, fl.name) in _TABLES:

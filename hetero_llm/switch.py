@@ -28,8 +28,9 @@ from collections import defaultdict
 
 import attrs
 
+from hetero_llm.layout import Layout, bucket_layout
 from hetero_llm.params import ParamInfo, all_params
-from hetero_llm.plan import Plan
+from hetero_llm.plan import Plan, compile_plan
 
 FLOAT32_BYTES = 4  # parameters and accumulated gradients are float32 (master weights)
 LINKS = ("local", "node", "domain", "cross_domain")  # where a transfer travels, cheapest first
@@ -222,3 +223,30 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
         else:
             out.append(t)
     return out
+
+
+def bucket_plans(layout: Layout) -> list[Plan]:
+    """The compiled plan of every bucket of ``layout``, shortest first."""
+    return [compile_plan(bucket_layout(layout, i)) for i in range(len(layout.buckets))]
+
+
+def describe_buckets(layout: Layout, home: Plan) -> str:
+    """The ``--dry-run`` report of hot switching: each bucket's layout, and the switches of a step in which
+    every bucket has documents (home -> shortest -> ... -> longest -> home; none between equal layouts)."""
+    lines = ["hot switching buckets (shortest first; each runs under its own layout, the home layout takes the step):"]
+    plans = bucket_plans(layout)
+    low = 0
+    for i, (b, plan) in enumerate(zip(layout.buckets, plans)):
+        shape = " | ".join("[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines)
+        where = "home layout" if not b.pipelines else f"{plan.world_size} ranks"
+        lines.append(f"  bucket {i}: documents of {low + 1}-{b.max_len} positions, rows of {b.max_len}, {where}, "
+                     f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}")
+        low = b.max_len
+    names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
+    chain = [home] + plans + [home]
+    for (a, name_a), (b, name_b) in zip(zip(chain, names), zip(chain[1:], names[1:])):
+        if a.layout.pipelines == b.layout.pipelines:
+            continue
+        grads = name_a != "home"  # nothing has accumulated before the first bucket
+        lines.append(plan_switch(a, b, grads=grads, source_name=name_a, target_name=name_b).describe())
+    return "\n".join(lines)
