@@ -93,9 +93,6 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
 
                 click.echo("\n" + switch.describe_buckets(lay, plan))
             return
-        if lay.buckets:  # the planner and the layouts are there; the switching step is not
-            raise LayoutError(lay.file, "buckets", "hot-switching runs are not implemented yet (--dry-run shows the "
-                              "bucket layouts and their switches; remove [[buckets]] to train under [[pipelines]])")
         if rank is not None:
             if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file
                 _checked_source(lay)

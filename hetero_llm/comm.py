@@ -602,3 +602,33 @@ def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str,
             work = _all_gather(out, chunk, group=group, async_op=True)
     streams.hand_over(chunk, streams.grads)
     return PendingReduce(work, out, [out.shape], streams)
+
+
+# ------------------------------------------------------------------------------------------
+# Hot switching: another layout's groups over the same processes, and the batched switch exchange.
+
+
+def layout_groups(plan: Plan, plan_rank: int | None, world_rank_of: dict[int, int]) -> dict[str, dist.ProcessGroup]:
+    """Every group of another layout's ``plan`` (a hot-switching bucket) over this job's processes: created on
+    every rank in plan order, members mapped to world ranks; ``plan_rank`` is this process's rank in
+    ``plan`` (None: it has none), whose network settings apply as in ``init``."""
+    timeout = timedelta(seconds=max(plan.layout.cluster.timeout_s, 30))
+    groups = {}
+    for g in plan.groups:
+        env = group_env(plan, plan_rank, g) if plan_rank is not None and plan_rank in g.ranks else {}
+        with environment(env):
+            groups[g.name] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=timeout)
+    dist.barrier()
+    return groups
+
+
+SWITCH_TAG = 1 << 20  # apart from every stage-boundary tag (_tag)
+
+
+def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
+    """One flat message to and from each peer (global ranks): post every receive, then every send, then
+    wait for all. Both sides list the same pairs (a switch plan every rank computes alike)."""
+    works = [dist.irecv(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(receives.items())]
+    works += [dist.isend(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(sends.items())]
+    for w in works:
+        w.wait()

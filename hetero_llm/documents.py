@@ -238,6 +238,15 @@ def fill_rows(source: DocumentSource, seed: int, step: int, rows: int, width: in
     """One step's documents packed into ``rows`` rows of ``width`` positions: a pure function of (seed,
     step, rows, width). Candidates are placed first-fit in the order drawn until ``_MISSES`` in a row fit
     nowhere, so a static layout's global batch (rows) stays the same whatever the documents."""
+    return pack_placed(*_fill(source, seed, step, rows, width), rows, width)
+
+
+def fill_documents(source: DocumentSource, seed: int, step: int, rows: int, width: int) -> list[np.ndarray]:
+    """The documents ``fill_rows`` packs, for a layout that packs them otherwise (hot switching's buckets)."""
+    return _fill(source, seed, step, rows, width)[0]
+
+
+def _fill(source: DocumentSource, seed: int, step: int, rows: int, width: int) -> tuple[list[np.ndarray], list[int]]:
     rng = _step_rng(seed, step)
     free = np.full(rows, width, dtype=np.int64)
     ids, lengths, placed, misses = [], [], [], 0
@@ -256,7 +265,7 @@ def fill_rows(source: DocumentSource, seed: int, step: int, rows: int, width: in
             lengths.append(n)
             placed.append(int(fits[0]))
     docs = source.documents(rng, np.asarray(ids, dtype=np.int64), np.asarray(lengths, dtype=np.int64))
-    return pack_placed(docs, placed, rows, width)
+    return docs, placed
 
 
 # --------------------------------------------------------------------------------------------------

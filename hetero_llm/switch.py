@@ -225,6 +225,17 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
     return out
 
 
+def step_switch(home: Plan, source: Plan, target: Plan, *, params: bool, grads: bool, source_name: str = "",
+                target_name: str = "") -> SwitchPlan:
+    """A switch inside a hot-switching step: parameters from ``home`` (no optimizer step has changed them since
+    it took the last one, so every layout's copy equals home's), accumulated gradients from ``source``."""
+    moved = plan_switch(source, target, grads=grads, source_name=source_name, target_name=target_name)
+    if not params:
+        return attrs.evolve(moved, params=())
+    fresh = moved if source is home else plan_switch(home, target, grads=False)
+    return attrs.evolve(moved, params=fresh.params, link_of={**moved.link_of, **fresh.link_of})
+
+
 def bucket_plans(layout: Layout) -> list[Plan]:
     """The compiled plan of every bucket of ``layout``, shortest first."""
     return [compile_plan(bucket_layout(layout, i)) for i in range(len(layout.buckets))]
@@ -232,7 +243,8 @@ def bucket_plans(layout: Layout) -> list[Plan]:
 
 def describe_buckets(layout: Layout, home: Plan) -> str:
     """The ``--dry-run`` report of hot switching: each bucket's layout, and the switches of a step in which
-    every bucket has documents (home -> shortest -> ... -> longest -> home; none between equal layouts)."""
+    every bucket has documents (home -> shortest -> ... -> longest -> home; none between equal layouts):
+    parameters from home, gradients from the layout before."""
     lines = ["hot switching buckets (shortest first; each runs under its own layout, the home layout takes the step):"]
     plans = bucket_plans(layout)
     low = 0
@@ -244,9 +256,11 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
         low = b.max_len
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]
-    for (a, name_a), (b, name_b) in zip(zip(chain, names), zip(chain[1:], names[1:])):
+    for i, ((a, name_a), (b, name_b)) in enumerate(zip(zip(chain, names), zip(chain[1:], names[1:]))):
         if a.layout.pipelines == b.layout.pipelines:
             continue
-        grads = name_a != "home"  # nothing has accumulated before the first bucket
-        lines.append(plan_switch(a, b, grads=grads, source_name=name_a, target_name=name_b).describe())
+        # nothing has accumulated before the first bucket; home's parameters never left it
+        switch = step_switch(home, a, b, params=b.layout.pipelines != home.layout.pipelines, grads=i > 0,
+                             source_name=name_a, target_name=name_b)
+        lines.append(switch.describe())
     return "\n".join(lines)

@@ -245,6 +245,13 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
               else data.make_source(lay.data, lay.file))
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = st.last and plan.ranks[rank].tp_index == 0
+    switcher = None
+    if lay.buckets:  # hot switching: every bucket of a step under its own layout (hotswitch.py)
+        from hetero_llm.hotswitch import Switcher
+
+        switcher = Switcher(plan, rank, comms, state.params, state.coords, runner,
+                            lambda p, r: stage_compute(p, r, device), trace, streams)
+        contributes_loss = True  # the switcher returns only what this rank's loss counts for
     metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
     progress = Progress(tr.steps, first) if reporting and not quiet else None
     history = []
@@ -253,13 +260,16 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         for step in range(first, tr.steps):
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
-            if packed:  # the loss averages over the documents' targets, not over the rows' padding
-                rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
-                global_tokens, mbs = rows.num_targets, _packed_microbatches(plan, rank, rows)
+            if switcher is not None:
+                loss_sum, global_tokens = switcher.step(step, source)
             else:
-                batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
-                mbs = _microbatches(plan, rank, batch)
-            loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
+                if packed:  # the loss averages over the documents' targets, not over the rows' padding
+                    rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
+                    global_tokens, mbs = rows.num_targets, _packed_microbatches(plan, rank, rows)
+                else:
+                    batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
+                    mbs = _microbatches(plan, rank, batch)
+                loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
             sq = optimizer.finish_reduce() if sharded else sync_grads(plan, rank, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm

@@ -1,0 +1,235 @@
+"""The hot-switching step on one rank: each bucket of a step's documents under its own layout.
+
+A step takes the documents ``documents.fill_documents`` draws (the ones a static layout with packing
+trains on), sorts them into the layout's buckets by length and packs each bucket into rows of its
+``max_len``. Then, shortest bucket first, every bucket with documents runs under its layout (a
+*slot*: the bucket's plan, this rank's shards in it, its stage runner), the switch planner's
+transfers moving state between slots: parameters always from the home layout (nothing has changed
+them since its last optimizer step), accumulated gradients from the slot that ran before. After the
+last bucket the gradients switch back to the home layout, where ``train`` syncs them and steps AdamW.
+A bucket without documents is skipped, without a switch. Each switch is one batched exchange (one
+flat message per device pair) and is traced as its own action (``SWITCH>b1``).
+
+The processes are the home layout's ranks; a bucket's groups are created once over them
+(``comm.layout_groups``) and its routes are mapped to their world ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import numpy as np
+import torch
+
+from hetero_llm import comm, documents
+from hetero_llm.docmask import DocumentMask
+from hetero_llm.layout import Schedule, bucket_layout
+from hetero_llm.plan import Plan, compile_plan
+from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
+from hetero_llm.schedule import Kind
+from hetero_llm.switch import SwitchPlan, Transfer, step_switch
+
+
+@attrs.define(eq=False)
+class Slot:
+    """One layout on this rank: its plan, this rank's shards (name -> (dim, lo)), and its runner."""
+
+    name: str
+    plan: Plan
+    rank: int | None  # this process's rank in ``plan``; None when the layout leaves its device idle
+    params: dict[str, torch.Tensor]
+    coords: dict[str, tuple[int, int]]
+    runner: StageRunner | None
+    dynamic: bool = False
+
+    @property
+    def contributes_loss(self) -> bool:
+        """Whether this rank's summed loss is the one counted (last stage, TP rank 0)."""
+        if self.rank is None:
+            return False
+        return self.plan.stage_of(self.rank).last and self.plan.ranks[self.rank].tp_index == 0
+
+
+class Switcher:
+    """Runs the buckets of every step on one rank (see the module doc)."""
+
+    def __init__(self, home: Plan, rank: int, comms: comm.Comms, params: dict[str, torch.Tensor],
+                 coords: dict[str, tuple], home_runner: StageRunner, compute_of, trace: list | None,
+                 streams: comm.Streams):
+        lay = home.layout
+        self.layout, self.trace = lay, trace
+        self.device = comms.device
+        self.me = home.ranks[rank].device_id
+        self.world_rank = {r.device_id: r.rank for r in home.ranks}
+        self.home = Slot("home", home, rank, params, {n: (c[0] or 0, c[1]) for n, c in coords.items()}, home_runner,
+                         _dynamic(home, rank))
+        self.slots: list[Slot] = []
+        for i, bucket in enumerate(lay.buckets):
+            if not bucket.pipelines:
+                self.slots.append(self.home)
+                continue
+            plan = compile_plan(bucket_layout(lay, i))
+            self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams))
+        self._plans: dict[tuple, SwitchPlan] = {}
+
+    def _slot(self, name: str, plan: Plan, comms: comm.Comms, compute_of, streams: comm.Streams) -> Slot:
+        mine = [r.rank for r in plan.ranks if r.device_id == self.me]
+        rank = mine[0] if mine else None
+        world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
+        groups = comm.layout_groups(plan, rank, world_of)  # every rank, every bucket, in order
+        if rank is None:
+            return Slot(name, plan, None, {}, {}, None)
+        params, coords = {}, {}
+        for info, lo, hi in plan.params_of(rank):
+            shape = list(info.shape)
+            dim = info.shard_dim or 0
+            shape[dim] = hi - lo
+            params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
+            coords[info.name] = (dim, lo)
+        st = plan.stage_of(rank)
+        bucket_comms = comm.Comms(comms.rank, comms.world_size, comms.device, groups, groups.get(f"tp[{st.label}]"),
+                                  tuple(world_of[r] for r in st.ranks))
+        routes = _world_routes(StageRoutes.of(plan, rank), world_of)
+        runner = StageRunner(bucket_comms, params, st, plan.layout.model, comm.tp_ops(bucket_comms), routes,
+                             self.trace, Emulation.from_env(comms.rank), compute_of(plan, rank), streams,
+                             split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))
+        return Slot(name, plan, rank, params, coords, runner, _dynamic(plan, rank))
+
+    # -- one step --------------------------------------------------------------------------------
+
+    def step(self, step: int, source) -> tuple[torch.Tensor, int]:
+        """Run every bucket of ``step``; leaves the summed gradients in the home parameters' ``.grad``.
+        Returns this rank's share of the summed token loss and the step's target count."""
+        lay = self.layout
+        docs = documents.fill_documents(source, lay.train.seed, step, lay.train.global_batch, lay.model.seq_len)
+        global_tokens = sum(len(d) - 1 for d in docs)
+        loss = torch.zeros((), dtype=torch.float64, device=self.device)
+        current, accumulated = self.home, False
+        for slot, rows in zip(self.slots, bucket_rows(lay, docs)):
+            if rows is None:
+                continue  # no documents: no switch either
+            if slot is not current:
+                self._switch(current, slot, accumulated)
+            if slot.runner is not None:
+                mbs = _microbatches(slot, rows)
+                run = slot.runner.run_dynamic(mbs, global_tokens) if slot.dynamic else \
+                    slot.runner.run(slot.plan.actions(slot.rank), mbs, global_tokens)
+                if slot.contributes_loss:
+                    loss += run
+            current, accumulated = slot, True
+        if current is not self.home:
+            self._switch(current, self.home, accumulated)
+        return loss, global_tokens
+
+    # -- switches --------------------------------------------------------------------------------
+
+    def _switch(self, source: Slot, target: Slot, grads: bool, params: bool = True) -> None:
+        """Parameters from home into ``target``; with ``grads``, the accumulated gradients from ``source``."""
+        t0 = time.perf_counter()
+        params = params and target is not self.home  # home's own parameters never left it
+        key = (source.name, target.name, grads, params)
+        if key not in self._plans:
+            self._plans[key] = step_switch(self.home.plan, source.plan, target.plan, params=params, grads=grads,
+                                           source_name=source.name, target_name=target.name)
+        plan = self._plans[key]
+        moves = [(t, self.home) for t in plan.params] + [(t, source) for t in plan.grads]
+        if grads:
+            for p in target.params.values():
+                p.grad = torch.zeros_like(p)
+        sends: dict[int, list[torch.Tensor]] = {}
+        receives: dict[int, list[Transfer]] = {}
+        with torch.no_grad():
+            for t, origin in moves:
+                if t.src == self.me:
+                    block = _block(origin, t)
+                    if t.dst == self.me:
+                        _apply(target, t, block)
+                    else:
+                        sends.setdefault(self.world_rank[t.dst], []).append(block.reshape(-1))
+                elif t.dst == self.me:
+                    receives.setdefault(self.world_rank[t.src], []).append(t)
+            send_flat = {peer: torch.cat(blocks) for peer, blocks in sends.items()}
+            recv_flat = {peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device)
+                         for peer, ts in receives.items()}
+            comm.exchange(send_flat, recv_flat)
+            for peer, ts in receives.items():
+                pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
+                for t, piece in zip(ts, pieces):
+                    _apply(target, t, piece.view(_block_shape(target, t)))
+        if grads:
+            for p in source.params.values():
+                p.grad = None  # moved: the target holds them now
+        if self.trace is not None:
+            self.trace.append((f"SWITCH>{target.name}", t0, time.perf_counter()))
+
+
+def _dynamic(plan: Plan, rank: int) -> bool:
+    pipe = plan.layout.pipelines[plan.ranks[rank].pipeline]
+    return plan.layout.train.schedule is Schedule.DYNAMIC and not pipe.schedule_file
+
+
+def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:
+    def one(r):
+        return None if r is None else attrs.evolve(r, src=world_of[r.src], dst=world_of[r.dst])
+
+    return StageRoutes(one(routes.recv_f), tuple(map(one, routes.send_f)), one(routes.recv_b),
+                       tuple(map(one, routes.send_b)), routes.groups)
+
+
+def _block(slot: Slot, t: Transfer) -> torch.Tensor:
+    """The block ``t`` moves, out of ``slot``'s parameter (or its accumulated gradient)."""
+    dim, lo = slot.coords[t.name]
+    p = slot.params[t.name]
+    whole = p.detach() if not t.accumulate else (p.grad if p.grad is not None else torch.zeros_like(p))
+    return whole.narrow(dim, t.lo - lo, t.hi - t.lo).contiguous()
+
+
+def _block_shape(slot: Slot, t: Transfer) -> tuple[int, ...]:
+    dim, _ = slot.coords[t.name]
+    shape = list(slot.params[t.name].shape)
+    shape[dim] = t.hi - t.lo
+    return tuple(shape)
+
+
+def _apply(slot: Slot, t: Transfer, block: torch.Tensor) -> None:
+    dim, lo = slot.coords[t.name]
+    p = slot.params[t.name]
+    if t.accumulate:
+        p.grad.narrow(dim, t.lo - lo, t.hi - t.lo).add_(block)
+    else:
+        p.detach().narrow(dim, t.lo - lo, t.hi - t.lo).copy_(block)
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+
+def bucket_rows(layout, docs: list[np.ndarray]) -> list[documents.PackedRows | None]:
+    """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
+    padded with empty rows to a multiple of the bucket's pipeline shares."""
+    bounds = [b.max_len for b in layout.buckets]
+    mine: list[list[np.ndarray]] = [[] for _ in bounds]
+    for d in docs:
+        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(d)
+    out = []
+    for i, group in enumerate(mine):
+        if not group:
+            out.append(None)
+            continue
+        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
+        rows_of = documents.first_fit_decreasing([len(d) for d in group], bounds[i])
+        rows = -(-(max(rows_of) + 1) // unit) * unit
+        out.append(documents.pack_placed(group, rows_of, rows, bounds[i]))
+    return out
+
+
+def _microbatches(slot: Slot, rows: documents.PackedRows) -> list[Microbatch]:
+    """This rank's microbatches of a bucket: its pipeline's share of the rows, in proportion to ``batch``."""
+    lay = slot.plan.layout
+    pipe = slot.plan.ranks[slot.rank].pipeline
+    scale = rows.num_rows // sum(p.batch for p in lay.pipelines)
+    offset = sum(p.batch for p in lay.pipelines[:pipe]) * scale
+    spec = lay.pipelines[pipe]
+    pieces = rows.share(offset, spec.batch * scale, spec.microbatches)
+    return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
+                       DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]
