@@ -13,10 +13,10 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 TORCH_FREE_MODULES = ["layout", "plan", "schedule", "simulate", "place", "checkpoint", "cli", "errors", "params",
-                      "outputs", "trace", "timeline", "optim_shards"]
+                      "outputs", "trace", "timeline", "optim_shards", "switch", "documents"]
 TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
                     "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py",
-                    "test_cli_errors.py"]
+                    "test_cli_errors.py", "test_switch.py"]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
