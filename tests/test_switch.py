@@ -236,3 +236,17 @@ def test_adjacent_blocks_merge_into_one_transfer():
     one = make_plan([(12, [(4, ["n0:0"])])], FOUR)
     to_other = plan_switch(one, make_plan([(12, [(4, ["n1:0"])])], FOUR), grads=False)
     assert len(to_other.params) == len(all_params(one.layout.model))
+
+
+def test_predicted_time_is_the_busiest_device_latency_and_bytes():
+    """Two replicas on n0 send everything to two receivers on n1: each receiver takes the model's bytes."""
+    source = make_plan([(6, [(4, ["n0:0"])]), (6, [(4, ["n0:1"])])], FOUR)
+    target = make_plan([(6, [(4, ["n1:0"])]), (6, [(4, ["n1:1"])])], FOUR)
+    switch = plan_switch(source, target, grads=False)
+    model_bytes = sum(4 * int(np.prod(i.shape)) for i in all_params(source.layout.model))
+    messages_of_receiver = sum(1 for _, dst in switch.messages() if dst == "n1:0")
+    want = messages_of_receiver * 1e-3 + model_bytes / 1e9
+    assert switch.predict_seconds(1e9, 1e-3) == pytest.approx(want)
+    same = plan_switch(source, source)  # local copies only: free, unless copies have a bandwidth
+    assert same.predict_seconds(1e9, 1e-3) == 0.0
+    assert same.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
