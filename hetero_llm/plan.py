@@ -160,9 +160,12 @@ class Plan:
     def fingerprint(self) -> str:
         """A short hash of what every rank must agree on (the layout's content, not its file path)."""
         lay = self.layout
+        def local(pipes):  # schedule files by name: every node has its own path to them
+            return tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file)) for p in pipes)
+
         content = attrs.evolve(lay, file="", data=attrs.evolve(lay.data, path=os.path.basename(lay.data.path)),
-                               pipelines=tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file))
-                                               for p in lay.pipelines))
+                               pipelines=local(lay.pipelines),
+                               buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
 
     def reporter(self) -> int:

@@ -149,3 +149,20 @@ def test_two_buckets_dp2_and_home_tp2_train_the_one_process_model(tmp_path):
     two = DATA / "buckets_two.toml"
     ref = launch(one_process(two, tmp_path / "ref"), tmp_path / "ref")
     assert_same_model(launch(two, tmp_path / "run"), ref)
+
+
+def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_path):
+    """The plan fingerprint every rank checks at rendezvous covers the buckets, schedule files by name."""
+    # bucket 0's first pipeline (one stage, one microbatch) runs a hand-written order
+    plain = "[[buckets.pipelines]]\nbatch = 1\nmicrobatches = 1\n"
+    text = THREE.read_text().replace(plain, plain + 'schedule_file = "order.txt"\n', 1)
+    prints = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "order.txt").write_text("F0 B0\n")
+        (tmp_path / name / "layout.toml").write_text(text)
+        lay = layout_mod.load(tmp_path / name / "layout.toml")
+        assert lay.buckets[0].pipelines[0].schedule_file == str(tmp_path / name / "order.txt")
+        prints.append(compile_plan(lay).fingerprint())
+    other = layout_mod.load(tmp_path / "a" / "layout.toml", ["buckets.1.max_len=40"])
+    assert prints[0] == prints[1] != compile_plan(other).fingerprint()
