@@ -18,9 +18,11 @@ not the activations to the MB.
 
 Measured, interleaved in one run (static TP 2, static PP 2, switching over TP 2, switching over
 PP 2, then again): tokens/s (median step after warm-up, over the real targets of the step), the
-fraction of the step spent in switches (the ``SWITCH`` actions of rank 0's trace), and the switch
-time the planner's model predicts (``SwitchPlan.predict_seconds``) from gloo's point-to-point latency
-and bandwidth probed on this host (``benchlib.p2p_probe``) and a memory-copy bandwidth measured here.
+fraction of the step rank 0 spends in switches (its ``SWITCH`` trace actions, which include waiting
+for the other rank to finish its bucket), each switch's own time (from the last rank entering it to
+the last leaving it), and the time the planner's model predicts for it (``SwitchPlan.predict_seconds``)
+from gloo's point-to-point latency and bandwidth probed on this host (``benchlib.p2p_probe``) and a
+memory-copy bandwidth measured here.
 
     python bench/hot_switch.py
     python bench/hot_switch.py --quick
@@ -114,19 +116,28 @@ def activation_bytes(cfg: Config, kind: str) -> int:
     raise ValueError(kind)
 
 
-def switch_times(trace: Path) -> list[float]:
-    """Seconds rank 0 spent in SWITCH actions per step (a step begins at its switch into bucket 0)."""
-    events = json.loads((trace / "rank0.json").read_text())["events"]
-    steps: list[float] = []
-    for e in events:
+def switch_times(trace: Path) -> tuple[list[float], list[float]]:
+    """Per step (a step begins at its switch into bucket 0): the seconds rank 0 spent in SWITCH actions,
+    waiting for the other rank included, and the switches' own time: for each switch, from the moment the
+    last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
+    ranks = sorted(trace.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    switches = [[e for e in json.loads(p.read_text())["events"] if e["action"].startswith("SWITCH")] for p in ranks]
+    if len({tuple(e["action"] for e in row) for row in switches}) != 1:
+        raise RuntimeError(f"ranks of {trace} made different switches")
+    rank0: list[float] = []
+    own: list[float] = []
+    for k, e in enumerate(switches[0]):
         if e["action"] == "SWITCH>b0":
-            steps.append(0.0)
-        if e["action"].startswith("SWITCH") and steps:
-            steps[-1] += float(e["end"]) - float(e["start"])
-    return steps
+            rank0.append(0.0)
+            own.append(0.0)
+        if rank0:
+            rank0[-1] += float(e["end"]) - float(e["start"])
+            own[-1] += max(float(row[k]["end"]) for row in switches) - max(float(row[k]["start"]) for row in switches)
+    return rank0, own
 
 
-def predicted_switch_seconds(layout: Path, trace: Path, latency: float, bandwidth: float, copy_bw: float) -> list[float]:
+def predicted_switch_seconds(layout: Path, trace: Path, latency: float, bandwidth: float, copy_bw: float,
+                             per_block: float) -> list[float]:
     """The planner's predicted time of the switches each step of the trace made."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
@@ -148,22 +159,29 @@ def predicted_switch_seconds(layout: Path, trace: Path, latency: float, bandwidt
             steps.append(0.0)
             current, ran = "home", False
         switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
-        steps[-1] += switch.predict_seconds(bandwidth, latency, copy_bw)
+        steps[-1] += switch.predict_seconds(bandwidth, latency, copy_bw, per_block)
         current = target
     return steps
 
 
-def copy_bandwidth() -> float:
-    """Bytes/s of a narrow-and-copy of a few MB on this host (what a local switch block costs)."""
+def copy_costs() -> tuple[float, float]:
+    """(bytes/s of copying a few MB, seconds of host work per block) on this host: what a local switch
+    block costs, and what cutting any block out of a shard and writing it into another costs besides
+    its bytes (two narrows, a contiguous copy, an add: the switch's per-transfer work on a tiny block)."""
     import torch
 
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    times = []
+    big, small = [], []
     for _ in range(30):
         t0 = time.perf_counter()
         dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    return 4 * (1 << 20) / B.median(times)
+        big.append(time.perf_counter() - t0)
+    for _ in range(200):
+        t0 = time.perf_counter()
+        block = src.narrow(0, 64, 32).contiguous()
+        dst.narrow(0, 128, 32).add_(block)
+        small.append(time.perf_counter() - t0)
+    return 4 * (1 << 20) / B.median(big), B.median(small)
 
 
 def launch_with_peak(layout: Path, workdir: Path, trace: Path | None) -> tuple[list[dict], int]:
@@ -195,9 +213,10 @@ def run_one(cfg: Config, name: str, folder: Path) -> dict:
     out = {"layout": name, "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
            "step_s": B.median(seconds), "peak_rss_mb": peak / 1024, "layout_file": str(layout), "trace": str(trace)}
     if switching:
-        sw = B.steady(switch_times(trace), cfg.warmup)
-        out["switch_s"] = B.median(sw)
-        out["switch_fraction"] = out["switch_s"] / out["step_s"]
+        waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
+        out["switch_s"] = B.median(own)
+        out["switch_waiting_s"] = B.median(waited)
+        out["switch_fraction"] = out["switch_waiting_s"] / out["step_s"]
     return out
 
 
@@ -210,8 +229,8 @@ def main(quick: bool, out_dir: Path) -> None:
     cfg = QUICK if quick else Config()
     info, load_before = B.machine(), B.load_average()
     B.say(f"probing gloo point-to-point and memory copies on this host")
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50)
-    copy_bw = copy_bandwidth()
+    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23)
+    copy_bw, per_block = copy_costs()
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(cfg.rounds):
@@ -221,7 +240,8 @@ def main(quick: bool, out_dir: Path) -> None:
                 result = run_one(cfg, name, Path(tmp) / f"r{r}")
                 if LAYOUTS[name][1]:
                     predicted = B.steady(predicted_switch_seconds(Path(result["layout_file"]), Path(result["trace"]),
-                                                                  latency, bandwidth, copy_bw), cfg.warmup)
+                                                                  latency, bandwidth, copy_bw, per_block),
+                                           cfg.warmup)
                     result["predicted_switch_s"] = B.median(predicted)
                 runs[name].append(result)
     load_after = B.load_average()
@@ -235,18 +255,19 @@ def main(quick: bool, out_dir: Path) -> None:
                "longest_rows_activation_mb": activation_bytes(cfg, kind) / 2**20,
                "fits_cap": activation_bytes(cfg, kind) <= cap}
         if switching:
-            for key in ("switch_s", "switch_fraction", "predicted_switch_s"):
+            for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
                 row[key] = B.median([x[key] for x in reps])
-            row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1
+            row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
         results.append(row)
     static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]), key=lambda r: r["tokens_s"])
     for r in results:
         r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     table = B.markdown_table(
-        ["layout", "tokens/s", "x best static", "switch % of step", "switch s", "predicted s", "modelled act. MB",
-         "fits cap", "peak RSS MB"],
+        ["layout", "tokens/s", "x best static", "switch % of step", "switch s with wait", "switch s", "predicted s",
+         "modelled act. MB", "fits cap", "peak RSS MB"],
         [[r["layout"], r["tokens_s"], r["vs_best_static"], 100 * r.get("switch_fraction", float("nan")),
-          r.get("switch_s", float("nan")), r.get("predicted_switch_s", float("nan")), r["longest_rows_activation_mb"],
+          r.get("switch_waiting_s", float("nan")), r.get("switch_s", float("nan")),
+          r.get("predicted_switch_s", float("nan")), r["longest_rows_activation_mb"],
           "yes" if r["fits_cap"] else "no", r["peak_rss_mb"]] for r in results])
     markdown = "\n".join([
         f"# Hot switching vs the best static layout ({'quick' if quick else 'full'})", "",
@@ -258,10 +279,12 @@ def main(quick: bool, out_dir: Path) -> None:
         f"longest rows (DP 2 would need {activation_bytes(cfg, 'dp2') / 2**20:.1f} MB).", "",
         table, "",
         f"Best static layout that fits: {static['layout']}. gloo p2p probed here: latency {latency * 1e6:.0f} us, "
-        f"bandwidth {bandwidth / 1e9:.2f} GB/s; local copies {copy_bw / 1e9:.2f} GB/s.", "",
+        f"bandwidth {bandwidth / 1e9:.2f} GB/s; local copies {copy_bw / 1e9:.2f} GB/s, host work per block "
+        f"{per_block * 1e6:.0f} us.", "",
         f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
     payload = {"config": attrs.asdict(cfg), "machine": info, "load_before": load_before, "load_after": load_after,
-               "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw},
+               "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
+                       "per_block_s": per_block},
                "cap_bytes": cap, "results": results, "runs": runs}
     md, js = B.write_results(out_dir, NAME, markdown, payload)
     plot(results, out_dir / f"{NAME}.png")

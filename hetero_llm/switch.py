@@ -107,20 +107,24 @@ class SwitchPlan:
                 received[t.dst] += t.nbytes
         return {d: (sent[d], received[d]) for d in sorted(set(sent) | set(received))}
 
-    def predict_seconds(self, bandwidth: float, latency: float, copy_bandwidth: float = 0.0) -> float:
+    def predict_seconds(self, bandwidth: float, latency: float, copy_bandwidth: float = 0.0,
+                        block_overhead: float = 0.0) -> float:
         """The switch's modelled time: the busiest device's, each device paying ``latency`` per message it
         sends or receives plus its larger direction's bytes over ``bandwidth`` (bytes/s; sends and receives
-        overlap), plus its local copies over ``copy_bandwidth`` (0: free). Every device switches at once."""
+        overlap), plus its local copies over ``copy_bandwidth`` (0: free), plus ``block_overhead`` seconds
+        per transfer it takes part in (cutting a block out and writing it in: host work that does not
+        shrink with the bytes). Every device switches at once."""
         per_device: dict[str, float] = defaultdict(float)
         for (src, dst), _ in self.messages().items():
             per_device[src] += latency
             per_device[dst] += latency
         for device, (sent, received) in self.bytes_by_device().items():
             per_device[device] += max(sent, received) / bandwidth
-        if copy_bandwidth:
-            for t in self.transfers:
-                if t.local:
-                    per_device[t.src] += t.nbytes / copy_bandwidth
+        for t in self.transfers:
+            if t.local and copy_bandwidth:
+                per_device[t.src] += t.nbytes / copy_bandwidth
+            for device in {t.src, t.dst}:
+                per_device[device] += block_overhead
         return max(per_device.values(), default=0.0)
 
     def describe(self) -> str:

@@ -250,3 +250,5 @@ def test_predicted_time_is_the_busiest_device_latency_and_bytes():
     same = plan_switch(source, source)  # local copies only: free, unless copies have a bandwidth
     assert same.predict_seconds(1e9, 1e-3) == 0.0
     assert same.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
+    blocks = sum(1 for t in same.transfers if t.dst == "n0:0")
+    assert same.predict_seconds(1e9, 1e-3, block_overhead=1e-5) == pytest.approx(blocks * 1e-5)
