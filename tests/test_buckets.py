@@ -25,7 +25,7 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.switch import bucket_plans
 
 DATA = Path(__file__).resolve().parent / "data"
-THREE = DATA / "buckets_three.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2, 4 devices
+THREE = Path(__file__).resolve().parents[1] / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
 TP23 = DATA / "buckets_tp23.toml"  # home TP 3 | asymmetric zbh1 | PP 2 dynamic | interleaved, 3 devices
 
 
