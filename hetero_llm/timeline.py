@@ -36,9 +36,10 @@ COLORS = {
     "RECV": "#9c9c9c",  # receive, waiting for data: grey
     "RS": "#e15759",  # ZeRO-1 gradient reduce-scatter in flight: red
     "AG": "#76b7b2",  # ZeRO-1 wait for the parameter all-gather: teal
+    "SWITCH": "#edc948",  # hot switching: parameters and gradients re-laid out between layouts: yellow
 }
 _NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "SEND": "send",
-          "RECV": "recv (wait)", "RS": "reduce-scatter", "AG": "all-gather (wait)"}
+          "RECV": "recv (wait)", "RS": "reduce-scatter", "AG": "all-gather (wait)", "SWITCH": "switch"}
 _COMPUTE_CATEGORIES = ("F", "B", "I", "W")
 _ACTION_RE = re.compile(r"(?P<kind>[A-Z_]+?)(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
 
@@ -50,6 +51,8 @@ _SEND = (0.30, 0.11)
 
 def _category(action: str) -> tuple[str, int | None, int]:
     """``"SEND_F3.1"`` -> ``("SEND", 3, 1)``; unknown strings get their own category."""
+    if action.startswith("SWITCH>"):  # "SWITCH>b1": a hot switch into bucket 1's layout
+        return "SWITCH", None, 0
     match = _ACTION_RE.match(action)
     if match is None:
         return action, None, 0

@@ -222,3 +222,10 @@ def test_cli_as_a_subprocess(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "mean bubble" in done.stdout
     assert_png(out)
+
+
+def test_hot_switches_have_their_own_colour() -> None:
+    from hetero_llm.timeline import COLORS, _category
+
+    assert _category("SWITCH>b1") == ("SWITCH", None, 0) and _category("SWITCH>home")[0] == "SWITCH"
+    assert COLORS["SWITCH"] not in {c for k, c in COLORS.items() if k != "SWITCH"}
