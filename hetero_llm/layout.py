@@ -767,6 +767,9 @@ def _validate_buckets(layout: Layout) -> None:
         return
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
+    if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
+        raise LayoutError(f, "train.optimizer", "'adamw_zero1' cannot run with [[buckets]] (its reduce-scatter starts "
+                          "inside the home layout's backward, which a switching step may not run; use 'adamw')")
     home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
     previous = 0
     for bi, b in enumerate(layout.buckets):
