@@ -120,8 +120,10 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     """Per step (a step begins at its switch into bucket 0): the seconds rank 0 spent in SWITCH actions,
     waiting for the other rank included, and the switches' own time: for each switch, from the moment the
     last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
-    ranks = sorted(trace.glob("rank*.json"), key=lambda p: int(p.stem[4:]))
-    switches = [[e for e in json.loads(p.read_text())["events"] if e["action"].startswith("SWITCH")] for p in ranks]
+    from hetero_llm import trace as tracing
+
+    switches = [[e for e in record["events"] if e["action"].startswith("SWITCH")]
+                for record in tracing.read_rank_traces(trace)]
     if len({tuple(e["action"] for e in row) for row in switches}) != 1:
         raise RuntimeError(f"ranks of {trace} made different switches")
     rank0: list[float] = []
@@ -140,13 +142,14 @@ def predicted_switch_seconds(layout: Path, trace: Path, latency: float, bandwidt
                              per_block: float) -> list[float]:
     """The planner's predicted time of the switches each step of the trace made."""
     from hetero_llm import layout as layout_mod
+    from hetero_llm import trace as tracing
     from hetero_llm.plan import compile_plan
     from hetero_llm.switch import bucket_plans, step_switch
 
     lay = layout_mod.load(layout)
     home = compile_plan(lay)
     plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
-    events = json.loads((trace / "rank0.json").read_text())["events"]
+    events = tracing.read_rank_traces(trace)[0]["events"]
     steps: list[float] = []
     current, ran = "home", False
     for e in events:

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import json
-
 import attrs
 import pytest
 
 from harness import assert_same_model, invoke_cli, launch
 from hetero_llm import layout as layout_mod
+from hetero_llm import trace as tracing
 from hetero_llm.documents import fill_documents, make_document_source
 from hetero_llm.hotswitch import bucket_rows
 from hetero_llm.layout import Schedule, bucket_layout
@@ -83,9 +82,12 @@ def reference_three(tmp_path_factory):
 def test_three_buckets_over_dp_tp_and_pp_train_the_one_process_model(reference_three, tmp_path):
     run = launch(THREE, tmp_path, *STEPS, "--checkpoint-every", "2", "--trace", str(tmp_path / "trace"))
     assert_same_model(run, reference_three)
-    events = json.loads((tmp_path / "trace" / "rank0.json").read_text())["events"]
-    switches = [e["action"] for e in events if e["action"].startswith("SWITCH")]
-    assert switches == expected_switches(layout_mod.load(THREE, ["train.steps=3"]))
+    assert switches(tmp_path / "trace", 0) == expected_switches(layout_mod.load(THREE, ["train.steps=3"]))
+
+
+def switches(trace: Path, rank: int) -> list[str]:
+    """The SWITCH actions ``rank`` recorded under ``--trace``, in order."""
+    return [e["action"] for e in tracing.read_rank_traces(trace)[rank]["events"] if e["action"].startswith("SWITCH")]
 
 
 def expected_switches(lay) -> list[str]:
@@ -123,8 +125,7 @@ def test_tp2_tp3_asymmetric_and_every_schedule_kind_train_the_one_process_model(
     assert_same_model(run, ref)
     kinds = {layout_mod.load(TP23).buckets[i].schedule for i in range(3)} | {layout_mod.load(TP23).train.schedule}
     assert {k.value for k in kinds} == {"zbh1", "dynamic", "interleaved", "1f1b"}  # gpipe: the other test
-    events = json.loads((tmp_path / "trace" / "rank2.json").read_text())["events"]
-    assert [e["action"] for e in events if e["action"].startswith("SWITCH")] == \
+    assert switches(tmp_path / "trace", 2) == \
         ["SWITCH>b0", "SWITCH>b1", "SWITCH>b2", "SWITCH>home"] * 2  # node0:2 idles in b2 but still switches
 
 
@@ -135,8 +136,7 @@ def test_buckets_without_documents_are_skipped_without_a_switch(tmp_path):
     ref = launch(one_process(TP23, tmp_path / "ref"), tmp_path / "ref", *same_length)
     run = launch(TP23, tmp_path / "run", *same_length, "--trace", str(tmp_path / "trace"))
     assert_same_model(run, ref)
-    events = json.loads((tmp_path / "trace" / "rank0.json").read_text())["events"]
-    assert [e["action"] for e in events if e["action"].startswith("SWITCH")] == ["SWITCH>b1", "SWITCH>home"] * 2
+    assert switches(tmp_path / "trace", 0) == ["SWITCH>b1", "SWITCH>home"] * 2
 
 
 def test_buckets_can_be_overridden_from_the_command_line():
