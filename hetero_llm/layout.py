@@ -771,6 +771,10 @@ def _validate_buckets(layout: Layout) -> None:
         raise LayoutError(f, "train.optimizer", "'adamw_zero1' cannot run with [[buckets]] (its reduce-scatter starts "
                           "inside the home layout's backward, which a switching step may not run; use 'adamw')")
     home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
+    cuda = sorted(d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu")
+    if cuda:  # the switch exchange is plain gloo send/recv of device tensors: CPU only until it is built for NCCL
+        raise LayoutError(f, "buckets", f"hot switching runs on CPU devices only for now, and device '{cuda[0]}' is "
+                          "a GPU (remove [[buckets]] to train under [[pipelines]] on GPUs)")
     previous = 0
     for bi, b in enumerate(layout.buckets):
         at = f"buckets[{bi}]"
