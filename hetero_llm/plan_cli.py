@@ -1,0 +1,47 @@
+"""``hetero-plan``: parse, load, call the planner, print."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from hetero_llm.errors import LayoutError
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
+@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+              help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).")
+@click.option("--explain", is_flag=True, help="Print the top plans side by side and why the best wins.")
+@click.option("--top", type=int, default=3, show_default=True, help="Plans --explain and --json show.")
+@click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON instead of text.")
+def main(cluster_file, out, explain, top, as_json):
+    """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
+    from hetero_llm.planner import plan_file
+    from hetero_llm.planner import output
+
+    try:
+        if top < 1:
+            raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
+        cluster, result = plan_file(cluster_file, top=top)
+        output.write_layout(cluster, out, result.best, result.score, result.seed_score)
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps({"plans": [output.to_json(c, s) for c, s in result.ranked],
+                               "evaluated": result.evaluated, "seconds": result.seconds,
+                               "seed_step_time": result.seed_score.step_time if result.seed_score else None}, indent=1))
+        return
+    click.echo(output.header(cluster, result.best, result.score, result.seed_score).rstrip())
+    if explain:
+        click.echo("")
+        click.echo(output.explain(cluster, result.ranked, result.seed_score))
+    click.echo(f"\nsearched {result.evaluated} plans in {result.seconds:.2f} s; wrote {out} "
+               f"(check it with: hetero-launch {out} --dry-run)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,254 @@
+"""What the planner knows about a cluster: device kinds, nodes, links and ``[plan]`` limits. Torch-free.
+
+A planner cluster file is a layout without ``[[pipelines]]`` (what ``hetero-place`` reads) plus a
+``[plan]`` section that only the planner reads and that the written layout leaves out:
+
+    [plan]
+    max_tp = 8                      # largest TP size to try (0: a node's device count)
+    schedules = ["1f1b", "zbh1", "interleaved"]
+    memory_margin = 0.1             # fraction of each device's memory kept free
+    time_budget_s = 60              # stop searching after this long (a plan is always returned)
+    [plan.nodes]                    # device kind of each node; keys are node names or globs
+    "ib*" = "a100-80g"
+    roce0 = "rtx4090"
+    [plan.kinds.my-gpu]             # a kind the built-in catalogue lacks (or a corrected one)
+    tflops = 120.0                  # peak dense TFLOPS at the training precision
+    memory_gb = 32.0
+    link_gbps = 256.0               # intra-node link per device, Gbit/s (NVLink, PCIe, shared memory)
+    mem_bw_gbs = 900.0              # device memory bandwidth, GB/s (the optimizer step is bound by it)
+
+A node whose devices are all ``cpu`` is of kind ``cpu`` unless ``[plan.nodes]`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import sys
+from pathlib import Path
+
+import attrs
+
+from hetero_llm import layout as layout_mod
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout import ClusterSpec, DataSpec, ModelSpec, Precision, TrainSpec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+def _doc(text: str, **kw):
+    return attrs.field(metadata={"doc": text}, **kw)
+
+
+@attrs.frozen
+class DeviceKind:
+    """``[plan.kinds.NAME]``: one kind of device."""
+
+    tflops: float = _doc("peak dense TFLOPS at the training precision (train.precision)")
+    memory_gb: float = _doc("memory per device, GB (10^9 bytes)")
+    link_gbps: float = _doc("intra-node link bandwidth per device and direction, Gbit/s (NVLink, PCIe, ...)")
+    mem_bw_gbs: float = _doc("device memory bandwidth, GB/s (bounds the optimizer step)")
+    name: str = ""
+
+
+# Datasheet numbers: dense peak TFLOPS (bf16 tensor cores with fp32 accumulation; fp32 without TF32,
+# which torch leaves off for matmuls by default), memory, per-device intra-node bandwidth per
+# direction (NVLink 3: 300 GB/s, NVLink 4: 450 GB/s; PCIe 4.0 x16: 32 GB/s; consumer cards have no
+# P2P, so their traffic goes through host memory at PCIe speed), memory bandwidth.
+# name: (bf16 TFLOPS, fp32 TFLOPS, memory GB, link Gbit/s, memory GB/s)
+CATALOGUE: dict[str, tuple[float, float, float, float, float]] = {
+    "h100-sxm": (989.0, 67.0, 80.0, 3600.0, 3350.0),
+    "a100-80g": (312.0, 19.5, 80.0, 2400.0, 2039.0),
+    "a100-40g": (312.0, 19.5, 40.0, 2400.0, 1555.0),
+    "a6000": (154.8, 38.7, 48.0, 256.0, 768.0),
+    "rtx4090": (165.2, 82.6, 24.0, 256.0, 1008.0),
+    "rtx3090": (71.0, 35.6, 24.0, 256.0, 936.0),
+    "rtx3080ti": (68.2, 34.1, 12.0, 256.0, 912.0),
+    # One CPU process slot of a small VM (the test and testbed clusters): nominal numbers, measured
+    # order of magnitude on the 2-core CI machine (a 64-wide matmul runs at a few GFLOPS per core).
+    "cpu": (0.005, 0.005, 8.0, 40.0, 10.0),
+}
+
+
+def catalogue_kind(name: str, precision: Precision) -> DeviceKind:
+    bf16, fp32, mem, link, bw = CATALOGUE[name]
+    return DeviceKind(bf16 if precision is Precision.BF16 else fp32, mem, link, bw, name)
+
+
+@attrs.frozen
+class PlanLimits:
+    """``[plan]``: limits on the search."""
+
+    max_tp: int = _doc("largest TP size to try; 0 = a node's device count", default=8)
+    schedules: tuple[str, ...] = _doc("schedules to choose from: '1f1b', 'zbh1', 'interleaved'",
+                                      default=("1f1b", "zbh1", "interleaved"))
+    memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
+    time_budget_s: float = _doc("stop the local search after this many seconds; the plan found so far is "
+                                "returned (0 = no limit; the search is deterministic unless the budget is hit)",
+                                default=60.0)
+
+
+SCHEDULES = ("1f1b", "zbh1", "interleaved")
+
+
+@attrs.frozen
+class Node:
+    name: str
+    domain: str
+    devices: int
+    kind: DeviceKind
+
+
+@attrs.frozen
+class Network:
+    """Bandwidth (bytes/s) and latency (s) of the three kinds of link: inside a node, a domain, across domains."""
+
+    domain_bw: tuple[tuple[str, float], ...]
+    domain_latency: tuple[tuple[str, float], ...]
+    cross_bw: float
+    cross_latency: float
+
+
+@attrs.frozen
+class Cluster:
+    """Everything the planner reads from a cluster file."""
+
+    file: str
+    text: str  # the file without [plan]: what the written layout starts from
+    model: ModelSpec
+    train: TrainSpec
+    data: DataSpec
+    spec: ClusterSpec
+    nodes: tuple[Node, ...]
+    network: Network
+    limits: PlanLimits
+
+    @property
+    def num_devices(self) -> int:
+        return sum(n.devices for n in self.nodes)
+
+    def node(self, name: str) -> Node:
+        return next(n for n in self.nodes if n.name == name)
+
+
+def _network(c: ClusterSpec) -> Network:
+    if not c.domains:  # one implicit domain: take a 100 Gbit/s Ethernet-class NIC, 5 us
+        return Network((("default", 100e9 / 8),), (("default", 5e-6),), 100e9 / 8, 5e-6)
+    bw = tuple((d.name, d.bandwidth_gbps * 1e9 / 8) for d in c.domains)
+    lat = tuple((d.name, d.latency_us * 1e-6) for d in c.domains)
+    x = c.cross_domain
+    # cross_domain bandwidth 0 = not given: the slowest domain NIC bounds it (traffic leaves through one)
+    cross_bw = x.bandwidth_gbps * 1e9 / 8 if x.bandwidth_gbps else min(b for _, b in bw)
+    cross_lat = x.latency_us * 1e-6 if x.latency_us else max(v for _, v in lat)
+    return Network(bw, lat, cross_bw, cross_lat)
+
+
+_HEADER = re.compile(r"\s*\[\[?\s*([A-Za-z0-9_\-\".]+)\s*\]\]?\s*(#.*)?")
+
+
+def strip_plan_tables(text: str) -> str:
+    """The file's text without its ``[plan]`` and ``[plan.*]`` tables (the layout loader knows none of them)."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        m = _HEADER.fullmatch(line)
+        if m:
+            head = m.group(1).replace('"', "")
+            skipping = head == "plan" or head.startswith("plan.")
+        if not skipping:
+            out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def load_cluster(path: str | os.PathLike) -> Cluster:
+    """Read and check a planner cluster file; every problem is a LayoutError naming the TOML path."""
+    file = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise LayoutError(file, "", "no such file (pass a TOML file with [model], [train] and [cluster])")
+    try:
+        text = p.read_text()
+        raw = tomllib.loads(text)
+    except UnicodeDecodeError:
+        raise LayoutError(file, "", "not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    layout_mod._check_keys(raw, list(layout_mod._SECTIONS) + ["pipelines", "plan"], "", file, what="section")
+    if "pipelines" in raw:
+        raise LayoutError(file, "pipelines", "the file already has [[pipelines]] (the planner writes them: "
+                          "start from a copy without them)")
+    for name in ("model", "train", "cluster"):
+        if name not in raw:
+            raise LayoutError(file, name, f"missing section (add a [{name}] section)")
+    sec = {name: layout_mod._build(cls, raw.get(name, {}), name, file) for name, cls in layout_mod._SECTIONS.items()}
+    model, train, cluster = sec["model"], sec["train"], sec["cluster"]
+    layout_mod.validate_cluster(file, cluster)
+    if train.global_batch < 1:
+        raise LayoutError(file, "train.global_batch", f"must be >= 1, got {train.global_batch}")
+    for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
+        if getattr(model, key) < 1:
+            raise LayoutError(file, f"model.{key}", f"must be >= 1, got {getattr(model, key)}")
+    plan = raw.get("plan", {})
+    if not isinstance(plan, dict):
+        raise LayoutError(file, "plan", "expected a table ([plan])")
+    kinds_raw = plan.get("kinds", {})
+    node_kinds = plan.get("nodes", {})
+    limits = layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in ("kinds", "nodes")}, "plan", file) \
+        if set(plan) - {"kinds", "nodes"} else PlanLimits()
+    _check_limits(file, limits)
+    kinds = _kinds(file, kinds_raw, train.precision)
+    if not isinstance(node_kinds, dict):
+        raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
+    for pattern, kind in node_kinds.items():
+        if not isinstance(kind, str) or kind not in kinds:
+            raise LayoutError(file, f"plan.nodes.{pattern}", f"unknown device kind {kind!r} "
+                              f"(known: {', '.join(sorted(kinds))}; or add [plan.kinds.{kind}])")
+        if not any(fnmatch.fnmatchcase(n.name, pattern) for n in cluster.nodes):
+            raise LayoutError(file, f"plan.nodes.{pattern}", f"matches no node (nodes: "
+                              f"{', '.join(n.name for n in cluster.nodes)})")
+    nodes = []
+    for i, n in enumerate(cluster.nodes):
+        kind = next((k for pat, k in node_kinds.items() if fnmatch.fnmatchcase(n.name, pat)), None)
+        if kind is None:
+            if not all(d == "cpu" for d in n.devices):
+                raise LayoutError(file, f"cluster.nodes[{i}]", f"node '{n.name}' has no device kind (add it to "
+                                  f"[plan.nodes], e.g. {n.name} = \"a100-80g\"; kinds: {', '.join(sorted(kinds))})")
+            kind = "cpu"
+        nodes.append(Node(n.name, cluster.domain_of(n.name), len(n.devices), kinds[kind]))
+    return Cluster(file, strip_plan_tables(text), model, train, sec["data"], cluster, tuple(nodes),
+                   _network(cluster), limits)
+
+
+def _check_limits(file: str, limits: PlanLimits) -> None:
+    if limits.max_tp < 0:
+        raise LayoutError(file, "plan.max_tp", f"must be >= 0 (0 = a node's device count), got {limits.max_tp}")
+    if not limits.schedules:
+        raise LayoutError(file, "plan.schedules", f"needs at least one schedule (from {', '.join(SCHEDULES)})")
+    for i, s in enumerate(limits.schedules):
+        if s not in SCHEDULES:
+            raise LayoutError(file, f"plan.schedules[{i}]", f"unknown schedule {s!r} (the planner chooses from "
+                              f"{', '.join(SCHEDULES)})")
+    if not 0 <= limits.memory_margin < 1:
+        raise LayoutError(file, "plan.memory_margin", f"must be in [0, 1), got {limits.memory_margin:g}")
+    if limits.time_budget_s < 0:
+        raise LayoutError(file, "plan.time_budget_s", f"must be >= 0 (0 = no limit), got {limits.time_budget_s:g}")
+
+
+def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind]:
+    kinds = {name: catalogue_kind(name, precision) for name in CATALOGUE}
+    if not isinstance(raw, dict):
+        raise LayoutError(file, "plan.kinds", "expected tables [plan.kinds.NAME]")
+    for name, table in raw.items():
+        where = f"plan.kinds.{name}"
+        kind = layout_mod._build(DeviceKind, table, where, file) if isinstance(table, dict) and "name" not in table \
+            else None
+        if kind is None:
+            raise LayoutError(file, where, "expected a table with tflops, memory_gb, link_gbps, mem_bw_gbs")
+        for key in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
+            if not getattr(kind, key) > 0:
+                raise LayoutError(file, f"{where}.{key}", f"must be > 0, got {getattr(kind, key):g}")
+        kinds[name] = attrs.evolve(kind, name=name)
+    return kinds

@@ -1,0 +1,335 @@
+"""The planner's cost model: step time and memory of a candidate layout, from first principles. Torch-free.
+
+Every number comes from the model's shapes, the device kinds' datasheet figures and the cluster's
+links; nothing is scaled by a fitted factor. Per transformer layer and sequence of S tokens
+(hidden H, MLP width F with ``nm`` weight matrices: 2 for GELU, 3 for SwiGLU):
+
+- forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H``: the matmuls (2 FLOPs per multiply-add) and causal
+  attention (QK^T and AV over the lower triangle); the head adds ``2 S H V``. A backward is twice a
+  forward: its weight-gradient part (``W`` of a split backward) is the matmuls' share, once.
+  Full recompute adds one forward to every backward. Time = FLOPs / (TP x the kind's peak).
+- TP: Megatron's two all-reduces per layer in forward and two in backward (four when the backward
+  recomputes), ring all-reduce ``2 (t-1)/t x bytes / link``, over the kind's intra-node link.
+- stage boundary: ``rows S H`` activation elements; inside a node over the slower of the two kinds'
+  links, else over the domain's NIC (or the cross-domain network), then an all-gather inside the
+  receiving TP group (the runtime sends one piece to each receiver).
+- gradient sync: every rank's gradient shard is all-reduced (ring) with one holder per pipeline; a
+  rank sends ``2 (P-1)/P`` of its shard (float32), over the narrowest network its holders span;
+  every rank of a node shares the node's NIC. The optimizer step reads param, grad and both AdamW
+  moments and writes three of them back: 28 bytes per parameter over the device memory bandwidth.
+- memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
+  plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
+  inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
+  ``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
+  microbatches in flight; with full recompute only each layer's input (H per token) plus one layer's
+  working set. The last stage adds one microbatch's logits and their gradient (float32).
+
+Step time = the slowest pipeline's simulated step (``simulate.simulate`` on the schedule's actions)
++ gradient sync + optimizer step: the runtime syncs after the last backward and steps after the sync.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import attrs
+
+from hetero_llm.layout import Mlp, Norm, Position, Precision
+from hetero_llm.planner.cluster import Cluster, DeviceKind
+from hetero_llm.planner import pipesim
+
+PARAM_STATE_BYTES = 16  # float32 weight + gradient + AdamW exp_avg + exp_avg_sq
+OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
+GRAD_BYTES = 4  # gradients are summed in float32
+
+
+@attrs.frozen
+class Group:
+    """A TP group: devices of one node."""
+
+    node: str
+    domain: str
+    devices: tuple[str, ...]
+    kind: DeviceKind
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def flops(self) -> float:
+        return self.tp * self.kind.tflops * 1e12
+
+
+@attrs.frozen
+class StageChoice:
+    group: Group
+    layers: int
+    recompute: bool = False
+
+
+@attrs.frozen
+class PipelineChoice:
+    batch: int
+    microbatches: int
+    stages: tuple[StageChoice, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.batch // self.microbatches
+
+
+@attrs.frozen
+class Candidate:
+    pipelines: tuple[PipelineChoice, ...]
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+    def key(self) -> tuple:
+        return (self.schedule, self.chunks, tuple((p.batch, p.microbatches, tuple(
+            (s.group.devices, s.layers, s.recompute) for s in p.stages)) for p in self.pipelines))
+
+
+@attrs.frozen
+class Score:
+    """What the cost model predicts for one candidate."""
+
+    step_time: float  # seconds; inf when a stage does not fit in memory
+    pipeline_times: tuple[float, ...]
+    bubble: float  # idle fraction of the slowest pipeline's stages
+    tp_time: float  # seconds of TP all-reduces per step on the busiest stage of the slowest pipeline
+    sync_time: float
+    optimizer_time: float
+    memory: tuple[tuple[float, ...], ...]  # bytes per device, [pipeline][stage]
+    capacity: tuple[tuple[float, ...], ...]  # usable bytes per device (after the margin)
+    tokens_per_s: float
+    mfu: float
+    lower_bound: float  # seconds: the step's model FLOPs over every device's peak
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.step_time)
+
+    @property
+    def gap(self) -> float:
+        return self.step_time / self.lower_bound - 1.0
+
+    def worst_memory(self) -> tuple[int, int, float]:
+        """(pipeline, stage, bytes over capacity) of the stage furthest over (or nearest to) its memory."""
+        return max(((p, s, m - c) for p, (ms, cs) in enumerate(zip(self.memory, self.capacity))
+                    for s, (m, c) in enumerate(zip(ms, cs))), key=lambda x: x[2])
+
+
+class CostModelPlanner:
+    """Costs of stages, pipelines and whole candidates on one cluster (memoised: the search asks often)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        m = cluster.model
+        self.model = m
+        self.H, self.F, self.S, self.V, self.L = m.hidden, m.ffn_width, m.seq_len, m.vocab, m.layers
+        self.nm = 3 if m.mlp is Mlp.SWIGLU else 2
+        self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
+        self.domain_bw = dict(cluster.network.domain_bw)
+        self.domain_lat = dict(cluster.network.domain_latency)
+        self.margin = cluster.limits.memory_margin
+        self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
+        self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
+
+    # ---------------------------------------------------------------- per layer arithmetic
+    def layer_matmul_flops(self) -> float:
+        """Forward FLOPs of one layer's matmuls for one sequence."""
+        return self.S * (8 * self.H ** 2 + 2 * self.nm * self.H * self.F)
+
+    def layer_forward_flops(self) -> float:
+        return self.layer_matmul_flops() + 2 * self.S ** 2 * self.H
+
+    def head_forward_flops(self) -> float:
+        return 2 * self.S * self.H * self.V
+
+    def model_flops_per_step(self) -> float:
+        """Forward + backward FLOPs of one step without recompute (what MFU counts)."""
+        per_seq = 3 * (self.L * self.layer_forward_flops() + self.head_forward_flops())
+        return per_seq * self.cluster.train.global_batch
+
+    def layer_params(self, tp: int) -> tuple[float, float]:
+        """(sharded, replicated) parameters of one layer on one device of a TP group."""
+        H, F = self.H, self.F
+        norms = 2 * H * (2 if self.model.norm is Norm.LAYERNORM else 1)
+        return (4 * H * H + self.nm * H * F) / tp, norms
+
+    def embed_params(self) -> float:
+        return self.V * self.H + (self.S * self.H if self.model.position is Position.LEARNED else 0)
+
+    def head_params(self) -> float:
+        return self.V * self.H + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
+
+    def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
+        sharded, repl = self.layer_params(tp)
+        return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+
+    # ---------------------------------------------------------------- time
+    def allreduce(self, nbytes: float, members: int, bw: float) -> float:
+        return 2 * (members - 1) / members * nbytes / bw if members > 1 else 0.0
+
+    def stage_times(self, group: Group, layers: int, last: bool, rows: int, recompute: bool) -> tuple[float, float, float, float]:
+        """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
+        speed = group.flops
+        fwd = rows * layers * self.layer_forward_flops() / speed
+        wgt = rows * layers * self.layer_matmul_flops() / speed
+        if last:
+            head = rows * self.head_forward_flops() / speed
+            fwd += head
+            wgt += head
+        bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
+        link = group.kind.link_gbps * 1e9 / 8
+        one = self.allreduce(rows * self.S * self.H * self.act_bytes, group.tp, link)
+        tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
+        return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
+
+    def link(self, a: Group, b: Group) -> tuple[float, float]:
+        """(bytes/s, latency s) of the path between two groups."""
+        if a.node == b.node:
+            return min(a.kind.link_gbps, b.kind.link_gbps) * 1e9 / 8, 0.0
+        if a.domain == b.domain:
+            return self.domain_bw[a.domain], self.domain_lat[a.domain]
+        return self.cluster.network.cross_bw, self.cluster.network.cross_latency
+
+    def boundary(self, a: Group, b: Group, rows: int) -> tuple[float, float]:
+        """(effective bytes/s, latency) of one activation crossing a -> b (with the receivers' all-gather)."""
+        nbytes = rows * self.S * self.H * self.act_bytes
+        bw, lat = self.link(a, b)
+        seconds = nbytes / bw
+        if a.node != b.node and b.tp > 1:
+            seconds += (b.tp - 1) / b.tp * nbytes / (b.kind.link_gbps * 1e9 / 8)
+        return nbytes / seconds, lat
+
+    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+        return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+
+    def _simulate(self, schedule: str, chunks: int, microbatches: int, fwd: tuple, bwd: tuple, wgt: tuple,
+                  lat: tuple, bw: tuple, nbytes: float) -> tuple[float, float]:
+        """(step seconds, idle fraction) of one pipeline, simulated."""
+        n = len(fwd)
+        if n == 1 and schedule == "interleaved":
+            schedule, chunks = "1f1b", 1
+        if schedule == "interleaved":  # the wrap link goes from the last stage back to the first
+            lat, bw = lat + (lat[-1],), bw + (bw[-1],)
+        acts = pipesim.actions(schedule, n, microbatches, chunks)
+        step, busy = pipesim.simulate(acts, fwd, bwd, wgt if schedule == "zbh1" else None, lat, bw, nbytes)
+        return step, 1.0 - sum(busy) / (n * step) if step else 0.0
+
+    def stage_memory(self, group: Group, layers: int, first: bool, last: bool, rows: int, recompute: bool,
+                     in_flight: int) -> float:
+        """Bytes on one device of the stage."""
+        params = self.stage_params(group.tp, layers, first, last) * PARAM_STATE_BYTES
+        H, F, t = self.H, self.F, group.tp
+        nf = 4 if self.model.mlp is Mlp.SWIGLU else 2
+        full = (4 * H + (4 * H + nf * F) / t) * self.act_bytes  # per token per layer
+        tokens = rows * self.S
+        if recompute:
+            act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
+        else:
+            act = in_flight * layers * tokens * full
+        if last:
+            act += tokens * self.V * (self.act_bytes + 4) * 2  # logits (compute dtype + float32 loss) and grad
+        return params + act
+
+    def capacity(self, group: Group) -> float:
+        return group.kind.memory_gb * 1e9 * (1 - self.margin)
+
+    # ---------------------------------------------------------------- whole candidates
+    def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
+        """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step."""
+        rows, st = pipe.rows, pipe.stages
+        times = [self.stage_times(s.group, s.layers, i == len(st) - 1, rows, s.recompute) for i, s in enumerate(st)]
+        links = [self.boundary(a.group, b.group, rows) for a, b in zip(st, st[1:])]
+        nbytes = rows * self.S * self.H * self.act_bytes
+        step, bubble = self._sim(schedule, chunks, pipe.microbatches, tuple(t[0] for t in times),
+                                 tuple(t[1] for t in times), tuple(t[2] for t in times),
+                                 tuple(x[1] for x in links), tuple(x[0] for x in links), nbytes)
+        busiest = max(range(len(st)), key=lambda i: times[i][0] + times[i][1])
+        return step, bubble, times[busiest][3] * pipe.microbatches
+
+    def grad_sync_time(self, cand: Candidate) -> float:
+        """Seconds of the gradient all-reduces: the busiest node NIC (or intra-node link)."""
+        P = len(cand.pipelines)
+        if P == 1:
+            return 0.0
+        # holders[layer] = the groups (one per pipeline) holding it
+        owner: list[list[Group]] = [[] for _ in range(self.L)]
+        for pipe in cand.pipelines:
+            lo = 0
+            for s in pipe.stages:
+                for layer in range(lo, lo + s.layers):
+                    owner[layer].append(s.group)
+                lo += s.layers
+        nic: dict[tuple[str, str], float] = {}  # (node, network) -> seconds
+        intra: dict[str, float] = {}
+        hops = 0
+        ring = 2 * (P - 1) / P
+        for layer, groups in enumerate(owner):
+            nodes = {g.node for g in groups}
+            domains = {g.domain for g in groups}
+            extra = (self.embed_params() if layer == 0 else 0) + (self.head_params() if layer == self.L - 1 else 0)
+            for g in groups:
+                sharded, repl = self.layer_params(g.tp)
+                nbytes = ring * (sharded + repl + extra) * GRAD_BYTES
+                if len(nodes) == 1:
+                    intra[g.node] = intra.get(g.node, 0.0) + nbytes / (g.kind.link_gbps * 1e9 / 8)
+                elif len(domains) == 1:
+                    key = (g.node, g.domain)
+                    nic[key] = nic.get(key, 0.0) + nbytes * g.tp / self.domain_bw[g.domain]
+                else:
+                    key = (g.node, "cross")
+                    nic[key] = nic.get(key, 0.0) + nbytes * g.tp / self.cluster.network.cross_bw
+            if len(domains) > 1:
+                hops = max(hops, 1)
+        # every rank's NIC traffic adds up per node; a node's domain and cross-domain traffic share its NIC
+        per_node: dict[str, float] = {}
+        for (node, _), sec in nic.items():
+            per_node[node] = per_node.get(node, 0.0) + sec
+        lat = self.cluster.network.cross_latency if hops else max(self.domain_lat.values())
+        buckets = len({tuple(g.devices for g in groups) for groups in owner})
+        latency = buckets * 2 * (P - 1) * lat
+        return max(list(per_node.values()) + list(intra.values()) + [0.0]) + latency
+
+    def optimizer_time(self, cand: Candidate) -> float:
+        worst = 0.0
+        for pipe in cand.pipelines:
+            for i, s in enumerate(pipe.stages):
+                n = self.stage_params(s.group.tp, s.layers, i == 0, i == len(pipe.stages) - 1)
+                worst = max(worst, n * OPTIMIZER_BYTES / (s.group.kind.mem_bw_gbs * 1e9))
+        return worst
+
+    def lower_bound(self) -> float:
+        """Seconds of the step's model FLOPs spread over every device at its peak."""
+        total = sum(n.devices * n.kind.tflops * 1e12 for n in self.cluster.nodes)
+        return self.model_flops_per_step() / total
+
+    def memory(self, cand: Candidate) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+        mems, caps = [], []
+        for pipe in cand.pipelines:
+            n = len(pipe.stages)
+            chunks = cand.chunks if cand.schedule == "interleaved" and n > 1 else 1
+            kind = "1f1b" if n == 1 and cand.schedule == "interleaved" else cand.schedule
+            peaks = self._peaks(kind, n, pipe.microbatches, chunks)
+            mems.append(tuple(self.stage_memory(s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i])
+                              for i, s in enumerate(pipe.stages)))
+            caps.append(tuple(self.capacity(s.group) for s in pipe.stages))
+        return tuple(mems), tuple(caps)
+
+    def score(self, cand: Candidate) -> Score:
+        mems, caps = self.memory(cand)
+        fits = all(m <= c for ms, cs in zip(mems, caps) for m, c in zip(ms, cs))
+        chunks = cand.chunks
+        results = [self.pipeline_time(p, cand.schedule, chunks) for p in cand.pipelines]
+        slowest = max(range(len(results)), key=lambda i: results[i][0])
+        sync, opt = self.grad_sync_time(cand), self.optimizer_time(cand)
+        step = results[slowest][0] + sync + opt
+        total_peak = sum(n.devices * n.kind.tflops * 1e12 for n in self.cluster.nodes)
+        tokens = self.cluster.train.global_batch * self.S
+        return Score(step if fits else math.inf, tuple(r[0] for r in results), results[slowest][1],
+                     results[slowest][2], sync, opt, mems, caps, tokens / step,
+                     self.model_flops_per_step() / (step * total_peak), self.lower_bound())

@@ -1,0 +1,448 @@
+"""The search: from a cluster to the layout with the least predicted step time. Torch-free, deterministic.
+
+A candidate is built from a *structure* (which TP groups form which pipeline, in which stage order,
+how many rows per microbatch, which schedule) by two exact steps:
+
+1. layers: a min-max dynamic program over contiguous splits gives each pipeline the split whose
+   slowest stage (forward + backward of one microbatch, TP all-reduces included) is fastest, with
+   every stage inside its memory (a stage that does not fit without recompute may recompute);
+2. batch: microbatches go one at a time to the pipeline whose 1F1B time grows least (exact for
+   this min-max of increasing costs).
+
+Structures come from a sweep over TP sizes per device kind, pipeline counts and two ways of
+dealing TP groups to pipelines (contiguous per domain, as Holmes; or speed-balanced per domain), pruned
+by the compute lower bound and ranked by a closed-form 1F1B estimate. The best few, plus
+``hetero-place``'s plan, are scored with the simulator under every allowed schedule and improved by
+local search (move or swap TP groups between pipelines, split or merge TP groups, pipelines +-1,
+microbatch rows x2 or /2). The result is the best candidate ever scored, so never worse than the seed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import time
+
+import attrs
+
+from hetero_llm.errors import LayoutError
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, Score, StageChoice
+
+INF = math.inf
+
+
+@attrs.frozen
+class Structure:
+    pipelines: tuple[tuple[Group, ...], ...]  # ordered stages (TP groups) of each pipeline
+    rows: int  # sequences per microbatch
+    schedule: str = "1f1b"
+
+    def key(self) -> tuple:
+        return (self.rows, self.schedule, tuple(tuple(g.devices for g in p) for p in self.pipelines))
+
+
+@attrs.frozen
+class Result:
+    best: Candidate
+    score: Score
+    ranked: tuple[tuple[Candidate, Score], ...]  # the best distinct candidates, best first
+    evaluated: int
+    seconds: float
+    seed_score: Score | None  # hetero-place's plan, when it applies
+
+
+class Planner:
+    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int = 4000):
+        self.c = cluster
+        self.cost = CostModelPlanner(cluster)
+        self.model = cluster.model
+        self.G = cluster.train.global_batch
+        self.L = cluster.model.layers
+        self.limits = cluster.limits
+        self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s
+        self.max_evals = max_evals
+        self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
+        self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
+        self.scored: dict[tuple, tuple[Candidate, Score]] = {}
+        self.realized: dict[tuple, Candidate | None] = {}
+        self._splits: dict[tuple, tuple | None] = {}
+        self._rep: dict[tuple[str, int], Group] = {}
+        self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
+        self.start = time.perf_counter()
+
+    # ---------------------------------------------------------------- TP groups
+    def tp_sizes(self, devices: int) -> list[int]:
+        cap = self.limits.max_tp or devices
+        return [t for t in range(1, min(cap, devices) + 1)
+                if self.model.heads % t == 0 and self.model.ffn_width % t == 0]
+
+    def groups(self, tp_by_kind: dict[str, int]) -> list[Group]:
+        out = []
+        for node in self.c.nodes:
+            want = tp_by_kind.get(node.kind.name, 1)
+            left, idx = node.devices, 0
+            while left:
+                t = max(s for s in self.tp_sizes(left) if s <= want)
+                out.append(Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)),
+                                 node.kind))
+                idx, left = idx + t, left - t
+        return out
+
+    def order(self, groups) -> tuple[Group, ...]:
+        """Stage order inside a pipeline: by domain as declared, then node, then device."""
+        return tuple(sorted(groups, key=lambda g: (self.domain_order.get(g.domain, 0), self.node_order[g.node],
+                                                   g.devices)))
+
+    # ---------------------------------------------------------------- exact layer split
+    def stage_cost(self, g: Group, *args) -> tuple[float, bool]:
+        return self._stage_cost(self._rep.setdefault((g.kind.name, g.tp), g), *args)
+
+    def _stage_cost_raw(self, group: Group, layers: int, first: bool, last: bool, rows: int,
+                        in_flight: int) -> tuple[float, bool]:
+        """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none."""
+        cap = self.cost.capacity(group)
+        for rc in (False, True):
+            if self.cost.stage_memory(group, layers, first, last, rows, rc, in_flight) <= cap:
+                f, b, _, _ = self.cost.stage_times(group, layers, last, rows, rc)
+                return f + b, rc
+        return INF, True
+
+    def split_layers(self, groups: tuple[Group, ...], rows: int, schedule: str, chunks: int,
+                     microbatches: int) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
+        """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
+        k = len(groups)
+        if schedule == "interleaved" and k == 1:
+            schedule, chunks = "1f1b", 1
+        m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
+        key = (tuple((g.kind.name, g.tp) for g in groups), rows, schedule, chunks, m)
+        if key not in self._splits:
+            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m)
+        return self._splits[key]
+
+    def _split_layers(self, groups, rows, schedule, chunks, m):
+        # stage costs depend on the kind and TP size only: one representative each keeps the cache small
+        groups = [self._rep.setdefault((g.kind.name, g.tp), g) for g in groups]
+        k, unit = len(groups), chunks
+        if self.L % unit or self.L // unit < k:
+            return None
+        peaks = self.cost._peaks(schedule, k, m, chunks)
+        n = self.L // unit
+        # cost[i][u]: time of stage i holding u units (inf: does not fit); at most n - (k - 1) units
+        top_units = n - k + 1
+        cost = []
+        for i, g in enumerate(groups):
+            row = [INF]
+            for u in range(1, top_units + 1):
+                c, _ = self._stage_cost(g, u * unit, i == 0, i == k - 1, rows, peaks[i])
+                row.append(c)
+                if c == INF:
+                    row += [INF] * (top_units - u)  # more layers never fit where fewer did not
+                    break
+            cost.append(row)
+        # best[r]: (slowest time, split) of stages i.. holding r units, built from the last stage back
+        best: dict[int, tuple[float, tuple[int, ...]]] = {u: (cost[k - 1][u], (u,)) for u in range(1, top_units + 1)
+                                                          if cost[k - 1][u] < INF}
+        for i in range(k - 2, -1, -1):
+            nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
+            row = cost[i]
+            for r in range(k - i, n + 1):
+                top = INF, ()
+                for u in range(1, min(top_units, r - (k - i - 1)) + 1):
+                    c = row[u]
+                    if c >= top[0]:
+                        continue
+                    tail = best.get(r - u)
+                    if tail is None:
+                        continue
+                    t = c if c > tail[0] else tail[0]
+                    if t < top[0]:
+                        top = t, (u,) + tail[1]
+                if top[1]:
+                    nxt[r] = top
+            best = nxt
+        if n not in best:
+            return None
+        t, split = best[n]
+        split = tuple(u * unit for u in split)
+        flags = tuple(self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i])[1]
+                      for i, (g, l) in enumerate(zip(groups, split)))
+        return split, flags, t
+
+    # ---------------------------------------------------------------- batch shares
+    def realize(self, st: Structure) -> Candidate | None:
+        key = st.key()
+        if key not in self.realized:
+            self.realized[key] = self._realize(st)
+        return self.realized[key]
+
+    def _realize(self, st: Structure) -> Candidate | None:
+        if self.G % st.rows:
+            return None
+        chunks = 2 if st.schedule == "interleaved" else 1
+        total = self.G // st.rows
+        per_pipe = max(1, total // max(1, len(st.pipelines)))
+        splits = []
+        for groups in st.pipelines:
+            s = self.split_layers(groups, st.rows, st.schedule, chunks, per_pipe)
+            if s is None:
+                return None
+            splits.append(s)
+        # per microbatch: sum of stage times (fill) and the slowest stage (steady state)
+        fill = []
+        for groups, (layers, flags, slow) in zip(st.pipelines, splits):
+            fill.append(sum(self.stage_cost(g, l, i == 0, i == len(groups) - 1, st.rows, 1)[0]
+                            for i, (g, l) in enumerate(zip(groups, layers))))
+        unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
+        counts = [0] * len(st.pipelines)
+
+        def t(i: int, m: int) -> float:
+            return fill[i] + (m - 1) * splits[i][2] if m else 0.0
+
+        left = total
+        while left > 0:
+            options = [i for i in range(len(counts)) if unit[i] <= left]
+            if not options:
+                return None
+            i = min(options, key=lambda i: (t(i, counts[i] + unit[i]), i))
+            counts[i] += unit[i]
+            left -= unit[i]
+        pipes = []
+        for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
+            if m == 0:
+                continue
+            pipes.append(PipelineChoice(m * st.rows, m, tuple(StageChoice(g, l, rc) for g, l, rc in zip(groups, layers, flags))))
+        return Candidate(tuple(pipes), st.schedule, chunks)
+
+    def estimate(self, cand: Candidate) -> float:
+        """Closed-form 1F1B step time (for ranking structures before simulating)."""
+        worst = 0.0
+        for p in cand.pipelines:
+            n = len(p.stages)
+            times = [self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)]
+            worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
+        return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+
+    # ---------------------------------------------------------------- scoring
+    def evaluate(self, cand: Candidate | None) -> Score | None:
+        if cand is None:
+            return None
+        key = cand.key()
+        if key not in self.scored:
+            self.scored[key] = (cand, self.cost.score(cand))
+        return self.scored[key][1]
+
+    def out_of_time(self) -> bool:
+        return (self.budget > 0 and time.perf_counter() - self.start > self.budget) or len(self.scored) >= self.max_evals
+
+    # ---------------------------------------------------------------- structures
+    def deal(self, groups: list[Group], P: int, balanced: bool) -> tuple[tuple[Group, ...], ...]:
+        """TP groups into P pipelines, domain by domain: contiguous runs, or speed-balanced (LPT)."""
+        pipes: list[list[Group]] = [[] for _ in range(P)]
+        load = [0.0] * P
+        by_domain: dict[str, list[Group]] = {}
+        for g in groups:
+            by_domain.setdefault(g.domain, []).append(g)
+        for d in sorted(by_domain, key=lambda d: self.domain_order.get(d, 0)):
+            gs = by_domain[d]
+            if balanced:
+                for g in sorted(gs, key=lambda g: (-g.flops, self.node_order[g.node], g.devices)):
+                    i = min(range(P), key=lambda i: (load[i], i))
+                    pipes[i].append(g)
+                    load[i] += g.flops
+            else:
+                base, extra = divmod(len(gs), P)
+                lo = 0
+                # the pipelines with the least compute so far get the extra groups
+                for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
+                    n = base + (rank < extra)
+                    pipes[i] += gs[lo:lo + n]
+                    load[i] += sum(g.flops for g in gs[lo:lo + n])
+                    lo += n
+        return tuple(self.order(p) for p in pipes if p)
+
+    def pipeline_counts(self, n_groups: int) -> list[int]:
+        top = min(n_groups, self.G)
+        if top <= 12:
+            return list(range(1, top + 1))
+        out, p = set(range(1, 9)), 8.0
+        while p < top:
+            p *= 1.25
+            out.add(min(top, int(round(p))))
+        out.add(top)
+        return sorted(out)
+
+    def row_options(self, P: int) -> list[int]:
+        divisors = [d for d in range(1, self.G // P + 1) if self.G % d == 0]
+        small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
+        return sorted(set(small + divisors[-1:]))
+
+    def tp_menus(self) -> list[dict[str, int]]:
+        kinds: dict[str, int] = {}
+        for n in self.c.nodes:
+            kinds[n.kind.name] = max(kinds.get(n.kind.name, 0), n.devices)
+        options = {k: self.tp_sizes(d) for k, d in kinds.items()}
+        names = sorted(options)
+        combos = list(itertools.product(*(options[k] for k in names)))
+        if len(combos) > 64:  # many kinds: the same TP size everywhere (capped per node), plus each kind alone
+            sizes = sorted({t for k in names for t in options[k]})
+            combos = [tuple(max(s for s in options[k] if s <= t) for k in names) for t in sizes]
+        return [dict(zip(names, c)) for c in combos]
+
+    def sweep(self, keep: int) -> list[Structure]:
+        """The ``keep`` best structures by the closed-form estimate."""
+        found: list[tuple[float, int, Structure]] = []
+        lb_compute = self.cost.lower_bound()
+        seen = set()
+        for menu in self.tp_menus():
+            groups = self.groups(menu)
+            for P in self.pipeline_counts(len(groups)):
+                for balanced in (False, True):
+                    pipes = self.deal(groups, P, balanced)
+                    sig = tuple(tuple(g.devices for g in p) for p in pipes)
+                    if sig in seen:
+                        continue
+                    seen.add(sig)
+                    for rows in self.row_options(len(pipes)):
+                        if found and len(found) >= keep and lb_compute >= found[-1][0]:
+                            break
+                        st = Structure(pipes, rows)
+                        cand = self.realize(st)
+                        if cand is None:
+                            continue
+                        est = self.estimate(cand)
+                        found.append((est, len(found), st))
+                        found.sort(key=lambda x: (x[0], x[1]))
+                        del found[keep * 4:]
+                if time.perf_counter() - self.start > self.budget * 0.4 > 0:
+                    break
+        return [st for _, _, st in found[:keep]]
+
+    # ---------------------------------------------------------------- local search
+    def neighbours(self, st: Structure, cand: Candidate, score: Score) -> list[Structure]:
+        pipes = [list(p) for p in st.pipelines]
+        P = len(pipes)
+        out: list[Structure] = []
+
+        def make(new: list[list[Group]], rows: int = st.rows, schedule: str = st.schedule) -> None:
+            new = [self.order(p) for p in new if p]
+            out.append(Structure(tuple(new), rows, schedule))
+
+        # pipeline time per row decides who gives and who takes
+        rate = {}
+        for i, groups in enumerate(pipes):
+            rate[i] = sum(g.flops for g in groups)
+        slow = min(range(P), key=lambda i: (rate[i], i))
+        fast = max(range(P), key=lambda i: (rate[i], -i))
+        if P > 1:
+            for src, dst in ((fast, slow), (slow, fast)):
+                for gi in range(len(pipes[src])):
+                    if len(pipes[src]) > 1:
+                        new = [list(p) for p in pipes]
+                        g = new[src].pop(gi)
+                        new[dst].append(g)
+                        make(new)
+            for gi, gj in itertools.product(range(len(pipes[slow])), range(len(pipes[fast]))):
+                a, b = pipes[slow][gi], pipes[fast][gj]
+                if a.kind != b.kind or a.tp != b.tp:
+                    new = [list(p) for p in pipes]
+                    new[slow][gi], new[fast][gj] = b, a
+                    make(new)
+            # merge the two smallest pipelines (P - 1)
+            i, j = sorted(range(P), key=lambda i: (rate[i], i))[:2]
+            new = [p for k, p in enumerate(pipes) if k not in (i, j)] + [pipes[i] + pipes[j]]
+            make(new)
+        # split the pipeline with the most groups (P + 1)
+        big = max(range(P), key=lambda i: (len(pipes[i]), -i))
+        if len(pipes[big]) > 1:
+            half = len(pipes[big]) // 2
+            make([p for k, p in enumerate(pipes) if k != big] + [pipes[big][:half], pipes[big][half:]])
+        # split / merge TP groups
+        for pi, groups in enumerate(pipes):
+            for gi, g in enumerate(groups):
+                if g.tp > 1 and g.tp % 2 == 0 and self.model.heads % (g.tp // 2) == 0 \
+                        and self.model.ffn_width % (g.tp // 2) == 0:
+                    h = g.tp // 2
+                    a = attrs.evolve(g, devices=g.devices[:h])
+                    b = attrs.evolve(g, devices=g.devices[h:])
+                    new = [list(p) for p in pipes]
+                    new[pi][gi:gi + 1] = [a, b]
+                    make(new)
+                    break
+            for ga, gb in zip(groups, groups[1:]):
+                t = ga.tp + gb.tp
+                if ga.node == gb.node and t in self.tp_sizes(self.c.node(ga.node).devices):
+                    ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
+                    new = [list(p) for p in pipes]
+                    k = new[pi].index(ga)
+                    new[pi][k:k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
+                    make(new)
+                    break
+        for rows in (st.rows * 2, st.rows // 2):
+            if rows >= 1 and self.G % rows == 0:
+                make(pipes, rows=rows)
+        for s in self.limits.schedules:
+            if s != st.schedule:
+                make(pipes, schedule=s)
+        return out
+
+    def improve(self, st: Structure) -> tuple[Structure, float]:
+        cand = self.realize(st)
+        score = self.evaluate(cand)
+        best = score.step_time if score else INF
+        improved = True
+        while improved and not self.out_of_time():
+            improved = False
+            for nb in self.neighbours(st, cand, score):
+                if self.out_of_time():
+                    break
+                c = self.realize(nb)
+                s = self.evaluate(c)
+                if s is not None and s.step_time < best * (1 - 1e-9):
+                    st, cand, score, best, improved = nb, c, s, s.step_time, True
+                    break
+        return st, best
+
+    # ---------------------------------------------------------------- driver
+    def run(self, seeds: list[Candidate] = (), top: int = 5) -> Result:
+        structures = self.sweep(keep=8)
+        seed_score = None
+        for s in seeds:
+            sc = self.evaluate(s)
+            seed_score = sc if seed_score is None or sc.step_time < seed_score.step_time else seed_score
+            structures.append(Structure(tuple(tuple(x.group for x in p.stages) for p in s.pipelines),
+                                        max(1, s.pipelines[0].rows)))
+        starts = []
+        for st in structures:
+            for sched in self.limits.schedules:
+                alt = attrs.evolve(st, schedule=sched)
+                sc = self.evaluate(self.realize(alt))
+                if sc is not None:
+                    starts.append((sc.step_time, len(starts), alt))
+        starts.sort(key=lambda x: (x[0], x[1]))
+        for _, _, st in starts[:4]:
+            if self.out_of_time():
+                break
+            self.improve(st)
+        ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
+        if not ranked:
+            raise LayoutError(self.c.file, "cluster", "no structure could be built (too few layers for any stage?)")
+        best, score = ranked[0]
+        if not score.feasible:
+            raise infeasible_error(self.c, self.cost, best)
+        distinct = [cs for cs in ranked if cs[1].feasible][:max(1, top)]
+        return Result(best, score, tuple(distinct), len(self.scored), time.perf_counter() - self.start, seed_score)
+
+
+def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) -> LayoutError:
+    """Nothing fits: name the stage of the closest candidate that is furthest over, and by how much."""
+    score = cost.score(cand)
+    p, s, over = score.worst_memory()
+    stage = cand.pipelines[p].stages[s]
+    need = score.memory[p][s] / 1e9
+    have = score.capacity[p][s] / 1e9
+    return LayoutError(cluster.file, "cluster", f"nothing fits in memory: the closest plan's pipeline {p} stage {s} "
+                       f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
+                       f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
+                       f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
