@@ -20,6 +20,7 @@ microbatch rows x2 or /2). The result is the best candidate ever scored, so neve
 from __future__ import annotations
 
 import functools
+import heapq
 import itertools
 import math
 import time
@@ -115,7 +116,9 @@ class Planner:
         k = len(groups)
         if schedule == "interleaved" and k == 1:
             schedule, chunks = "1f1b", 1
+        # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
         m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
+        m = min(m, k * (chunks + 1))
         key = (tuple((g.kind.name, g.tp) for g in groups), rows, schedule, chunks, m)
         if key not in self._splits:
             self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m)
@@ -182,10 +185,10 @@ class Planner:
             return None
         chunks = 2 if st.schedule == "interleaved" else 1
         total = self.G // st.rows
-        per_pipe = max(1, total // max(1, len(st.pipelines)))
         splits = []
         for groups in st.pipelines:
-            s = self.split_layers(groups, st.rows, st.schedule, chunks, per_pipe)
+            # memory is checked for as many microbatches in flight as the schedule can hold (any share)
+            s = self.split_layers(groups, st.rows, st.schedule, chunks, total)
             if s is None:
                 return None
             splits.append(s)
@@ -200,14 +203,19 @@ class Planner:
         def t(i: int, m: int) -> float:
             return fill[i] + (m - 1) * splits[i][2] if m else 0.0
 
+        # microbatches one at a time to the pipeline whose time grows least (a heap keeps it O(M log P))
+        heap = [(t(i, unit[i]), i) for i in range(len(counts))]
+        heapq.heapify(heap)
         left = total
-        while left > 0:
-            options = [i for i in range(len(counts)) if unit[i] <= left]
-            if not options:
-                return None
-            i = min(options, key=lambda i: (t(i, counts[i] + unit[i]), i))
+        while left > 0 and heap:
+            _, i = heapq.heappop(heap)
+            if unit[i] > left:
+                continue
             counts[i] += unit[i]
             left -= unit[i]
+            heapq.heappush(heap, (t(i, counts[i] + unit[i]), i))
+        if left:
+            return None
         pipes = []
         for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
             if m == 0:
@@ -426,13 +434,30 @@ class Planner:
                 break
             self.improve(st)
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
-        if not ranked:
-            raise LayoutError(self.c.file, "cluster", "no structure could be built (too few layers for any stage?)")
+        if not ranked or not ranked[0][1].feasible:
+            raise infeasible_error(self.c, self.cost, self.closest())
         best, score = ranked[0]
-        if not score.feasible:
-            raise infeasible_error(self.c, self.cost, best)
         distinct = [cs for cs in ranked if cs[1].feasible][:max(1, top)]
         return Result(best, score, tuple(distinct), len(self.scored), time.perf_counter() - self.start, seed_score)
+
+
+    def closest(self) -> Candidate:
+        """When nothing fits: the candidate least over memory, among those scored and the most frugal one
+        (every device in one pipeline at its node's largest TP size, one sequence per microbatch, recompute,
+        layers in proportion to memory)."""
+        groups = self.order(self.groups({n.kind.name: n.devices for n in self.c.nodes}))[:self.L]
+        room = [self.cost.capacity(g) * g.tp for g in groups]
+        layers = [1] * len(groups)
+        for _ in range(self.L - len(groups)):
+            i = max(range(len(groups)), key=lambda i: (room[i] / (layers[i] + 1), -i))
+            layers[i] += 1
+        frugal = Candidate((PipelineChoice(self.G, self.G, tuple(StageChoice(g, l, True) for g, l in zip(groups, layers))),))
+        pool = [frugal] + [c for c, _ in self.scored.values()]
+
+        def over(cand: Candidate) -> float:
+            mems, caps = self.cost.memory(cand)
+            return max(m / c for ms, cs in zip(mems, caps) for m, c in zip(ms, cs))
+        return min(pool, key=over)
 
 
 def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) -> LayoutError:

@@ -1,0 +1,300 @@
+"""hetero-plan: cost arithmetic, the search's rules on small cases, bad cluster files, and planned layouts
+training the reference model. Single process and torch-free except the one multi-process test."""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import json
+import math
+import random
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hetero_llm import layout as layout_mod, schedule as sched
+from hetero_llm.errors import LayoutError
+from hetero_llm.params import layer_params, stage_params
+from hetero_llm.plan_cli import main as plan_main
+from hetero_llm.planner import pipesim, plan_cluster
+from hetero_llm.planner.cluster import load_cluster, strip_plan_tables
+from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+from hetero_llm.planner.output import layout_text
+from hetero_llm.planner.search import Planner, Structure
+from hetero_llm.simulate import CostModel, simulate
+
+from harness import LAYOUTS, assert_same_model, launch
+
+SMALL = LAYOUTS / "clusters" / "small_cpu.toml"
+
+
+def run_plan(*args):
+    runner = CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters \
+        else CliRunner()
+    return runner.invoke(plan_main, [str(a) for a in args])
+
+
+def small_cluster(tmp_path: Path, plan: str = "", nodes: str = "", edit=None) -> Path:
+    text = SMALL.read_text()
+    if edit:
+        text = edit(text)
+    text = text + plan
+    if nodes:
+        text = text.replace("[plan]\n", nodes + "\n[plan]\n", 1)
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    return path
+
+
+# ------------------------------------------------------------------------------------ fast simulator
+
+
+@pytest.mark.parametrize("kind,chunks", [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)])
+@pytest.mark.parametrize("stages,microbatches", [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8)])
+def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches):
+    if kind == "interleaved" and (stages < 2 or microbatches % stages):
+        pytest.skip("interleaved needs >= 2 stages and microbatches divisible by them (a schedule rule)")
+    rng = random.Random(stages * 100 + microbatches)
+    fwd = [rng.uniform(0.5, 2) for _ in range(stages)]
+    bwd = [f * rng.uniform(1.5, 3) for f in fwd]
+    wgt = [b * rng.uniform(0.2, 0.5) for b in bwd]
+    links = stages if kind == "interleaved" else stages - 1
+    lat = [rng.uniform(0, 0.3) for _ in range(links)]
+    bw = [rng.uniform(1, 10) for _ in range(links)]
+    cost = CostModel(forward=fwd, backward=bwd, latency=lat, bandwidth=bw, activation_bytes=2.0,
+                     weight=wgt if kind == "zbh1" else None)
+    want = simulate(sched.compute_schedule(kind, stages, microbatches, chunks=chunks), cost)
+    acts = pipesim.actions(kind, stages, microbatches, chunks)
+    step, busy = pipesim.simulate(acts, fwd, bwd, wgt if kind == "zbh1" else None, lat, bw, 2.0)
+    assert step == pytest.approx(want.step_time, rel=1e-12)
+    assert busy == pytest.approx(want.busy, rel=1e-12)
+    assert pipesim.peak_in_flight(acts) == want.peak_in_flight
+
+
+# ------------------------------------------------------------------------------------ cost arithmetic
+
+
+def test_parameter_counts_match_the_models_parameters():
+    c = load_cluster(SMALL)
+    cost = CostModelPlanner(c)
+    for tp in (1, 2):
+        for first, last in itertools.product((False, True), repeat=2):
+            infos = stage_params(c.model, 2, 5, first, last)
+            want = sum(math.prod(i.shape) / (tp if i.shard_dim is not None else 1) for i in infos)
+            assert cost.stage_params(tp, 3, first, last) == pytest.approx(want)
+    assert sum(math.prod(i.shape) for i in layer_params(c.model, 0)) == sum(cost.layer_params(1))
+
+
+def test_flops_and_tp_all_reduce_arithmetic():
+    c = load_cluster(SMALL)
+    cost = CostModelPlanner(c)
+    H, F, S, V = 32, 128, 16, 64  # the reference model: swiglu, ffn = 4 * hidden
+    assert cost.layer_forward_flops() == S * (8 * H * H + 2 * 3 * H * F) + 2 * S * S * H
+    g = Group("fast0", "fast", ("fast0:0", "fast0:1"), c.node("fast0").kind)
+    f, b, w, tp = cost.stage_times(g, 2, True, 4, False)
+    speed = 2 * 0.01e12
+    compute = 4 * (2 * cost.layer_forward_flops() + 2 * S * H * V) / speed
+    ring = 2 * (2 - 1) / 2 * (4 * S * H * 4) / (40e9 / 8)  # fp32 activations over a 40 Gbit/s link
+    assert tp == pytest.approx(4 * 2 * ring)
+    assert f == pytest.approx(compute + 2 * 2 * ring)
+    assert b == pytest.approx(2 * compute + 2 * 2 * ring)
+    _, b_rc, _, tp_rc = cost.stage_times(g, 2, True, 4, True)
+    assert b_rc == pytest.approx(b + 4 * 2 * cost.layer_forward_flops() / speed + 2 * 2 * ring)
+
+
+def test_gradient_sync_is_zero_for_one_pipeline_and_crosses_domains_when_holders_do():
+    c = load_cluster(SMALL)
+    cost = CostModelPlanner(c)
+    kind_f, kind_s = c.node("fast0").kind, c.node("slow0").kind
+    a = Group("fast0", "fast", ("fast0:0",), kind_f)
+    b = Group("fast0", "fast", ("fast0:1",), kind_f)
+    s0 = Group("slow0", "slow", ("slow0:0",), kind_s)
+    one = Candidate((PipelineChoice(8, 2, (StageChoice(a, 8),)),))
+    assert cost.grad_sync_time(one) == 0
+    same_node = Candidate((PipelineChoice(4, 2, (StageChoice(a, 8),)), PipelineChoice(4, 2, (StageChoice(b, 8),))))
+    cross = Candidate((PipelineChoice(4, 2, (StageChoice(a, 8),)), PipelineChoice(4, 2, (StageChoice(s0, 8),))))
+    full = cost.stage_params(1, 8, True, True) * 4  # float32 gradient bytes of the whole model
+    assert cost.grad_sync_time(same_node) < cost.grad_sync_time(cross)
+    assert cost.grad_sync_time(cross) >= full / (5e9 / 8)  # every byte over the 5 Gbit/s cross-domain link
+
+
+def test_memory_counts_parameter_state_and_activations_in_flight():
+    c = load_cluster(SMALL)
+    cost = CostModelPlanner(c)
+    g = Group("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
+    base = cost.stage_memory(g, 2, False, False, 1, False, 0)
+    assert base == cost.stage_params(1, 2, False, False) * 16
+    one = cost.stage_memory(g, 2, False, False, 1, False, 1) - base
+    assert one == 2 * 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4  # layers x tokens x elements x fp32
+    assert cost.stage_memory(g, 2, False, False, 1, False, 3) - base == 3 * one
+    recompute = cost.stage_memory(g, 2, False, False, 1, True, 3) - base
+    assert recompute == 3 * 2 * 16 * 32 * 4 + 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4
+
+
+# ------------------------------------------------------------------------------------ search rules
+
+
+def brute_split(planner: Planner, groups, rows, in_flight):
+    k, best = len(groups), (math.inf, None)
+    for cuts in itertools.combinations(range(1, planner.L), k - 1):
+        split = [b - a for a, b in zip((0,) + cuts, cuts + (planner.L,))]
+        t = max(planner.stage_cost(g, l, i == 0, i == k - 1, rows, in_flight[i])[0] for i, (g, l) in enumerate(zip(groups, split)))
+        if t < best[0]:
+            best = t, tuple(split)
+    return best
+
+
+def test_layer_split_is_the_exact_min_max(tmp_path):
+    c = load_cluster(small_cluster(tmp_path, edit=lambda t: t.replace("memory_gb = 8", "memory_gb = 0.0011")))
+    planner = Planner(c)
+    groups = planner.groups({"cpu2x": 1, "cpu": 1})
+    for order in itertools.permutations(groups, 3):
+        got = planner.split_layers(tuple(order), 2, "1f1b", 1, 8)
+        want = brute_split(planner, order, 2, planner.cost._peaks("1f1b", 3, 8, 1))
+        if want[1] is None:
+            assert got is None
+        else:
+            assert got[2] == pytest.approx(want[0]) and sum(got[0]) == planner.L
+
+
+def test_batch_shares_are_the_min_max_over_every_split():
+    c = load_cluster(SMALL)
+    planner = Planner(c)
+    groups = planner.groups({"cpu2x": 1, "cpu": 1})
+    st = Structure(((groups[0], groups[2]), (groups[1],), (groups[3],)), 1)
+    cand = planner.realize(st)
+    assert sum(p.batch for p in cand.pipelines) == 8
+    splits = [planner.split_layers(p, 1, "1f1b", 1, 8) for p in st.pipelines]
+
+    def est(m, s, groups):
+        times = [planner.stage_cost(g, l, i == 0, i == len(groups) - 1, 1, 1)[0] for i, (g, l) in enumerate(zip(groups, s[0]))]
+        return sum(times) + (m - 1) * s[2] if m else 0.0
+
+    worst = max(est(p.microbatches, s, g) for p, s, g in zip(cand.pipelines, splits, st.pipelines))
+    brute = min(max(est(m, s, g) for m, s, g in zip(ms, splits, st.pipelines))
+                for ms in itertools.product(range(9), repeat=3) if sum(ms) == 8)
+    assert worst == pytest.approx(brute)
+
+
+def test_tp_groups_stay_in_a_node_and_divide_heads(tmp_path):
+    c = load_cluster(small_cluster(tmp_path, edit=lambda t: t.replace('devices = ["cpu", "cpu"]', 'devices = ["cpu", "cpu", "cpu"]')
+                                   .replace("max_tp = 2", "max_tp = 0")))
+    planner = Planner(c)
+    assert planner.tp_sizes(3) == [1, 2]  # 3 does not divide 4 heads
+    groups = planner.groups({"cpu2x": 4, "cpu": 1})
+    assert [g.devices for g in groups if g.node == "fast0"] == [("fast0:0", "fast0:1"), ("fast0:2",)]
+    result = plan_cluster(c)
+    for p in result.best.pipelines:
+        for s in p.stages:
+            assert len({d.split(":")[0] for d in s.group.devices}) == 1 and 4 % s.group.tp == 0
+
+
+def test_plan_is_deterministic_and_never_worse_than_hetero_place():
+    c = load_cluster(SMALL)
+    a, b = plan_cluster(c), plan_cluster(c)
+    assert a.best.key() == b.best.key()
+    assert a.seed_score is not None and a.score.step_time <= a.seed_score.step_time
+    assert a.score.step_time >= a.score.lower_bound
+
+
+def test_written_layout_drops_plan_tables_and_sets_the_schedule(tmp_path):
+    c = load_cluster(SMALL)
+    result = plan_cluster(c)
+    text = layout_text(c, result.best, result.score, result.seed_score)
+    assert "[plan" not in text and "cpu2x = " not in text
+    lay = layout_mod.loads(text, base_dir=SMALL.parent)
+    assert lay.train.schedule.value == result.best.schedule
+    assert "[plan]" not in strip_plan_tables("[a]\nx = 1\n[plan]\ny = 2\n[plan.kinds.q]\nz = 3\n[b]\nw = 4\n")
+    assert text.startswith("# Planned by hetero-plan")
+    assert "PREDICTED" in text and "MFU" in text and "gap" in text
+
+
+def test_cli_writes_json_and_explains(tmp_path):
+    out = tmp_path / "plan.toml"
+    res = run_plan(SMALL, "-o", out, "--json", "--top", "2")
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.stdout)
+    assert len(data["plans"]) == 2 and data["plans"][0]["predicted"]["step_time"] <= data["plans"][1]["predicted"]["step_time"]
+    res = run_plan(SMALL, "-o", out, "--explain", "--top", "3")
+    assert res.exit_code == 0 and "why #1 wins" in res.stdout and "#3" in res.stdout
+    assert layout_mod.load(out).pipelines
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+
+SCHEDULES = 'schedules = ["1f1b", "zbh1", "interleaved"]\n'
+BAD = [
+    ("max_tp = 2\n", "max_tp = -1\n", "plan.max_tp: must be >= 0 (0 = a node's device count), got -1"),
+    (SCHEDULES, 'schedules = ["1f1b", "gpipe"]\n', "plan.schedules[1]: unknown schedule 'gpipe' (the planner chooses "
+     "from 1f1b, zbh1, interleaved)"),
+    (SCHEDULES, "schedules = []\n", "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved)"),
+    ("[plan]\n", "[plan]\nmemory_margin = 1.5\n", "plan.memory_margin: must be in [0, 1), got 1.5"),
+    ("[plan]\n", "[plan]\ntime_budget_s = -2\n", "plan.time_budget_s: must be >= 0 (0 = no limit), got -2"),
+    ("max_tp = 2\n", "max_tpp = 2\n", "plan.max_tpp: unknown key 'max_tpp' (did you mean 'max_tp'?)"),
+    ("[plan.nodes]\n", '[plan.nodes]\nslow0 = "h100"\n', "plan.nodes.slow0: unknown device kind 'h100' (known: a100-40g, a100-80g, "
+     "a6000, cpu, cpu2x, h100-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])"),
+    ("[plan.nodes]\n", '[plan.nodes]\n"gpu*" = "cpu"\n', "plan.nodes.gpu*: matches no node (nodes: fast0, slow0, slow1)"),
+    ("tflops = 0.01\n", "tflops = 0.01\nlink_gbs = 3\n", "plan.kinds.cpu2x.link_gbs: unknown key 'link_gbs' "
+     "(did you mean 'link_gbps'?)"),
+    ("memory_gb = 8\n", "memory_gb = -8\n", "plan.kinds.cpu2x.memory_gb: must be > 0, got -8"),
+]
+
+
+@pytest.mark.parametrize("old,new,message", BAD, ids=[b[2].split(":")[0] for b in BAD])
+def test_bad_plan_keys(tmp_path, old, new, message):
+    assert old in SMALL.read_text()
+    path = small_cluster(tmp_path, edit=lambda t: t.replace(old, new, 1))
+    res = run_plan(path, "-o", tmp_path / "out.toml")
+    assert res.stderr == f"error: {path}: {message}\n" and res.exit_code == 2 and res.stdout == ""
+    assert not (tmp_path / "out.toml").exists()
+
+
+def test_gpu_node_without_a_kind(tmp_path):
+    path = small_cluster(tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cuda:0"]\n'))
+    res = run_plan(path, "-o", tmp_path / "out.toml")
+    assert res.stderr == (f"error: {path}: cluster.nodes[2]: node 'slow1' has no device kind (add it to [plan.nodes], "
+                          'e.g. slow1 = "a100-80g"; kinds: a100-40g, a100-80g, a6000, cpu, cpu2x, h100-sxm, rtx3080ti, '
+                          "rtx3090, rtx4090)\n")
+    assert res.exit_code == 2
+
+
+def test_bad_flags_and_files(tmp_path):
+    res = run_plan(SMALL, "-o", tmp_path / "o.toml", "--top", "0")
+    assert res.stderr == f"error: {SMALL}: --top: must be >= 1, got 0\n" and res.exit_code == 2
+    res = run_plan(tmp_path / "none.toml", "-o", tmp_path / "o.toml")
+    assert res.stderr == f"error: {tmp_path / 'none.toml'}: no such file (pass a TOML file with [model], [train] and " \
+                         "[cluster])\n"
+    lay = LAYOUTS / "hexiscale_reference.toml"
+    res = run_plan(lay, "-o", tmp_path / "o.toml")
+    assert res.stderr == f"error: {lay}: pipelines: the file already has [[pipelines]] (the planner writes them: " \
+                         "start from a copy without them)\n"
+
+
+def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
+    path = small_cluster(tmp_path, edit=lambda t: t.replace("memory_gb = 8", "memory_gb = 0.0001")
+                         .replace("[plan.nodes]", '[plan.kinds.tiny]\ntflops = 0.005\nmemory_gb = 0.0001\nlink_gbps = 40\n'
+                                  'mem_bw_gbs = 10\n[plan.nodes]\n"slow*" = "tiny"'))
+    res = run_plan(path, "-o", tmp_path / "out.toml")
+    assert res.exit_code == 2 and res.stdout == ""
+    line = res.stderr
+    assert line.startswith(f"error: {path}: cluster: nothing fits in memory: the closest plan's pipeline ") and \
+        "GB per device but has 9e-05 GB (" in line and line.count("\n") == 1
+
+
+# ------------------------------------------------------------------------------------ invariance
+
+
+@pytest.mark.multiprocess
+def test_planned_layouts_train_the_reference_model(tmp_path):
+    """The planner's pick and its best plan with two pipelines (another schedule) train what one process does."""
+    c = load_cluster(SMALL)
+    result = plan_cluster(c, top=10)
+    other = next(cs for cs in result.ranked if len(cs[0].pipelines) > 1)
+    ref = launch(LAYOUTS / "hexiscale_reference.toml", tmp_path / "ref")
+    for i, (cand, score) in enumerate([(result.best, result.score), other]):
+        path = tmp_path / f"planned_{i}.toml"
+        path.write_text(layout_text(c, cand, score, None))
+        run = launch(path, tmp_path / f"run{i}")
+        assert_same_model(run, ref)
