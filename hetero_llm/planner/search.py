@@ -55,7 +55,8 @@ class Result:
 
 
 class Planner:
-    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int = 4000):
+    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int = 4000,
+                 exact_limit: int = 20_000):
         self.c = cluster
         self.cost = CostModelPlanner(cluster)
         self.model = cluster.model
@@ -64,6 +65,7 @@ class Planner:
         self.limits = cluster.limits
         self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s
         self.max_evals = max_evals
+        self.exact_limit = exact_limit  # enumerate every structure when there are at most this many
         self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
@@ -232,6 +234,15 @@ class Planner:
             worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
         return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
 
+    def bound(self, cand: Candidate) -> float:
+        """A lower bound of the simulated step: the busiest stage's compute, gradient sync, optimizer."""
+        worst = 0.0
+        for p in cand.pipelines:
+            for i, s in enumerate(p.stages):
+                f, b, _, _ = self.cost.stage_times(s.group, s.layers, i == len(p.stages) - 1, p.rows, s.recompute)
+                worst = max(worst, p.microbatches * (f + b))
+        return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+
     # ---------------------------------------------------------------- scoring
     def evaluate(self, cand: Candidate | None) -> Score | None:
         if cand is None:
@@ -303,8 +314,9 @@ class Planner:
         found: list[tuple[float, int, Structure]] = []
         lb_compute = self.cost.lower_bound()
         seen = set()
-        for menu in self.tp_menus():
-            groups = self.groups(menu)
+        kinds = sorted({n.kind.name for n in self.c.nodes})
+        for menu, drop in itertools.product(self.tp_menus(), [None] + (kinds if len(kinds) > 1 else [])):
+            groups = [g for g in self.groups(menu) if g.kind.name != drop]  # or leave one kind idle
             for P in self.pipeline_counts(len(groups)):
                 for balanced in (False, True):
                     pipes = self.deal(groups, P, balanced)
@@ -328,40 +340,84 @@ class Planner:
         return [st for _, _, st in found[:keep]]
 
     # ---------------------------------------------------------------- local search
-    def neighbours(self, st: Structure, cand: Candidate, score: Score) -> list[Structure]:
+    def neighbours(self, st: Structure) -> list[Structure]:
+        """Structures one move away, deduplicated: moves of interchangeable TP groups (same node, kind and
+        size) are made once, and pipelines with the same stage kinds are changed together or one alone."""
         pipes = [list(p) for p in st.pipelines]
         P = len(pipes)
         out: list[Structure] = []
+        seen: set[tuple] = set()
 
         def make(new: list[list[Group]], rows: int = st.rows, schedule: str = st.schedule) -> None:
-            new = [self.order(p) for p in new if p]
-            out.append(Structure(tuple(new), rows, schedule))
+            new_st = Structure(tuple(tuple(p) for p in new if p), rows, schedule)
+            k = new_st.key()
+            if k not in seen:
+                seen.add(k)
+                out.append(new_st)
 
-        # pipeline time per row decides who gives and who takes
-        rate = {}
-        for i, groups in enumerate(pipes):
-            rate[i] = sum(g.flops for g in groups)
-        slow = min(range(P), key=lambda i: (rate[i], i))
-        fast = max(range(P), key=lambda i: (rate[i], -i))
-        if P > 1:
-            for src, dst in ((fast, slow), (slow, fast)):
-                for gi in range(len(pipes[src])):
-                    if len(pipes[src]) > 1:
-                        new = [list(p) for p in pipes]
-                        g = new[src].pop(gi)
-                        new[dst].append(g)
-                        make(new)
-            for gi, gj in itertools.product(range(len(pipes[slow])), range(len(pipes[fast]))):
-                a, b = pipes[slow][gi], pipes[fast][gj]
-                if a.kind != b.kind or a.tp != b.tp:
+        def kind(g: Group) -> tuple:
+            return (g.node, g.tp)
+
+        def signature(p: list[Group]) -> tuple:
+            return tuple((g.kind.name, g.tp, g.domain) for g in p)
+
+        # one representative pipeline per signature (the slowest first), and all pipelines sharing it
+        rate = [sum(g.flops for g in p) for p in pipes]
+        reps: dict[tuple, list[int]] = {}
+        for i in sorted(range(P), key=lambda i: (rate[i], i)):
+            reps.setdefault(signature(pipes[i]), []).append(i)
+
+        def each(transform) -> None:
+            for members in list(reps.values())[:4]:
+                for targets in ([members[0]], members) if len(members) > 1 else ([members[0]],):
                     new = [list(p) for p in pipes]
-                    new[slow][gi], new[fast][gj] = b, a
-                    make(new)
-            # merge the two smallest pipelines (P - 1)
+                    ok = False
+                    for i in targets:
+                        changed = transform(new[i])
+                        if changed is not None:
+                            new[i], ok = changed, True
+                    if ok:
+                        make(new)
+
+        # stage order inside a pipeline
+        for i in range(max((len(p) for p in pipes), default=0) - 1):
+            each(lambda p, i=i: p[:i] + [p[i + 1], p[i]] + p[i + 2:] if i + 1 < len(p) and kind(p[i]) != kind(p[i + 1]) else None)
+        each(lambda p: p[::-1] if len(p) > 1 else None)
+        for i in range(max((len(p) for p in pipes), default=0)):
+            each(lambda p, i=i: p[:i] + p[i + 1:] + [p[i]] if 0 < len(p) - 1 != i < len(p) else None)
+            each(lambda p, i=i: [p[i]] + p[:i] + p[i + 1:] if 0 < i < len(p) else None)
+        # leave a TP group idle, or put an idle one to work
+        for i in range(max((len(p) for p in pipes), default=0)):
+            each(lambda p, i=i: p[:i] + p[i + 1:] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None)
+        for g in self.idle_groups(st):
+            each(lambda p, g=g: p + [g])
+            each(lambda p, g=g: [g] + p)
+            make(pipes + [[g]])
+        if P > 1:
+            slow = min(range(P), key=lambda i: (rate[i], i))
+            fast = max(range(P), key=lambda i: (rate[i], -i))
+            pairs = [(a, b) for a in range(P) for b in range(P) if a != b] if P <= 4 else [(fast, slow), (slow, fast)]
+            for src, dst in pairs:
+                done = set()
+                for gi, g in enumerate(pipes[src]):
+                    if len(pipes[src]) > 1 and kind(g) not in done:
+                        done.add(kind(g))
+                        new = [list(p) for p in pipes]
+                        new[src].pop(gi)
+                        near = [k for k, h in enumerate(new[dst]) if h.node == g.node]
+                        at = near[-1] + 1 if near else len(new[dst])
+                        new[dst].insert(at, g)
+                        make(new)
+            for a, b in pairs:
+                if a < b or P > 4:
+                    for gi, gj in itertools.product(range(len(pipes[a])), range(len(pipes[b]))):
+                        x, y = pipes[a][gi], pipes[b][gj]
+                        if (x.kind, x.tp, x.domain) != (y.kind, y.tp, y.domain):
+                            new = [list(p) for p in pipes]
+                            new[a][gi], new[b][gj] = y, x
+                            make(new)
             i, j = sorted(range(P), key=lambda i: (rate[i], i))[:2]
-            new = [p for k, p in enumerate(pipes) if k not in (i, j)] + [pipes[i] + pipes[j]]
-            make(new)
-        # split the pipeline with the most groups (P + 1)
+            make([p for k, p in enumerate(pipes) if k not in (i, j)] + [pipes[i] + pipes[j]])
         big = max(range(P), key=lambda i: (len(pipes[i]), -i))
         if len(pipes[big]) > 1:
             half = len(pipes[big]) // 2
@@ -369,30 +425,34 @@ class Planner:
         # split / merge TP groups
         for pi, groups in enumerate(pipes):
             for gi, g in enumerate(groups):
-                if g.tp > 1 and g.tp % 2 == 0 and self.model.heads % (g.tp // 2) == 0 \
-                        and self.model.ffn_width % (g.tp // 2) == 0:
-                    h = g.tp // 2
-                    a = attrs.evolve(g, devices=g.devices[:h])
-                    b = attrs.evolve(g, devices=g.devices[h:])
+                h = g.tp // 2
+                if g.tp % 2 == 0 and h in self.tp_sizes(g.tp):
                     new = [list(p) for p in pipes]
-                    new[pi][gi:gi + 1] = [a, b]
+                    new[pi][gi:gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
                     make(new)
-                    break
-            for ga, gb in zip(groups, groups[1:]):
-                t = ga.tp + gb.tp
-                if ga.node == gb.node and t in self.tp_sizes(self.c.node(ga.node).devices):
+            for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
+                if ga.node == gb.node and ga.tp + gb.tp in self.tp_sizes(self.c.node(ga.node).devices):
                     ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
                     new = [list(p) for p in pipes]
-                    k = new[pi].index(ga)
                     new[pi][k:k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                     make(new)
-                    break
         for rows in (st.rows * 2, st.rows // 2):
             if rows >= 1 and self.G % rows == 0:
                 make(pipes, rows=rows)
-        for s in self.limits.schedules:
-            if s != st.schedule:
-                make(pipes, schedule=s)
+        for sch in self.limits.schedules:
+            if sch != st.schedule:
+                make(pipes, schedule=sch)
+        return out
+
+    def idle_groups(self, st: Structure) -> list[Group]:
+        """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""
+        used = {d for p in st.pipelines for g in p for d in g.devices}
+        out = []
+        for node in self.c.nodes:
+            free = [i for i in range(node.devices) if f"{node.name}:{i}" not in used]
+            if free:
+                t = max(self.tp_sizes(len(free)))
+                out.append(Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
         return out
 
     def improve(self, st: Structure) -> tuple[Structure, float]:
@@ -402,18 +462,70 @@ class Planner:
         improved = True
         while improved and not self.out_of_time():
             improved = False
-            for nb in self.neighbours(st, cand, score):
+            for nb in self.neighbours(st):
                 if self.out_of_time():
                     break
                 c = self.realize(nb)
+                if c is None or (c.key() not in self.scored and self.bound(c) >= best):
+                    continue
                 s = self.evaluate(c)
                 if s is not None and s.step_time < best * (1 - 1e-9):
                     st, cand, score, best, improved = nb, c, s, s.step_time, True
                     break
         return st, best
 
+    # ---------------------------------------------------------------- exact, for small clusters
+    def all_structures(self, limit: int) -> list[Structure] | None:
+        """Every structure of the space, or None when there are more than ``limit``: every TP grouping of
+        every node, every partition of the groups into pipelines and every stage order, as multisets
+        (TP groups of one node and size are interchangeable), every microbatch size and schedule."""
+        per_node = [_cuts(n.devices, self.tp_sizes(n.devices)) for n in self.c.nodes]
+        out: list[Structure] = []
+        for choice in itertools.product(*per_node):
+            pools: dict[tuple[str, int], list[Group]] = {}
+            for node, cut in zip(self.c.nodes, choice):
+                idx = 0
+                for t in cut:
+                    pools.setdefault((node.name, t), []).append(
+                        Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
+                    idx += t
+            names = sorted(pools)
+            labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
+            for part in _multiset_partitions(labels):
+                P = len(part)
+                if P > self.G:
+                    continue
+                for orders in itertools.product(*(_multiset_permutations(p) for p in part)):
+                    used = dict.fromkeys(pools, 0)
+                    pipes = []
+                    for order in orders:
+                        stages = []
+                        for lab in order:
+                            key = names[lab]
+                            stages.append(pools[key][used[key]])
+                            used[key] += 1
+                        pipes.append(tuple(stages))
+                    for rows in [r for r in range(1, self.G // P + 1) if self.G % r == 0]:
+                        for sched in self.limits.schedules:
+                            out.append(Structure(tuple(pipes), rows, sched))
+                            if len(out) > limit:
+                                return None
+        return out
+
+    def exact(self, structures: list[Structure]) -> None:
+        """Score every structure whose lower bound beats the best so far."""
+        best = min((s.step_time for _, s in self.scored.values()), default=INF)
+        for st in structures:
+            cand = self.realize(st)
+            if cand is None or self.bound(cand) >= best:
+                continue
+            best = min(best, self.evaluate(cand).step_time)
+
     # ---------------------------------------------------------------- driver
     def run(self, seeds: list[Candidate] = (), top: int = 5) -> Result:
+        small = self.all_structures(self.exact_limit) if self.c.num_devices <= 8 and self.exact_limit else None
+        if small is not None:
+            self.exact(small)
         structures = self.sweep(keep=8)
         seed_score = None
         for s in seeds:
@@ -429,7 +541,7 @@ class Planner:
                 if sc is not None:
                     starts.append((sc.step_time, len(starts), alt))
         starts.sort(key=lambda x: (x[0], x[1]))
-        for _, _, st in starts[:4]:
+        for _, _, st in starts[:8]:
             if self.out_of_time():
                 break
             self.improve(st)
@@ -471,3 +583,29 @@ def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) 
                        f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
                        f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
                        f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
+
+
+def _cuts(n: int, sizes: list[int]) -> list[tuple[int, ...]]:
+    """Every way to cut n devices into TP sizes (non-increasing: each multiset once)."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(left: int, top: int, acc: tuple[int, ...]) -> None:
+        if not left:
+            out.append(acc)
+            return
+        for t in sizes:
+            if t <= min(left, top):
+                rec(left - t, t, acc + (t,))
+    rec(n, n, ())
+    return out
+
+
+def _multiset_partitions(items: list[int]):
+    """Partitions of a sorted multiset into blocks, each once (sympy's generator)."""
+    from sympy.utilities.iterables import multiset_partitions
+    return multiset_partitions(items)
+
+
+def _multiset_permutations(items: list[int]) -> list[list[int]]:
+    from sympy.utilities.iterables import multiset_permutations
+    return list(multiset_permutations(items))
