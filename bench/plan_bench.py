@@ -131,7 +131,13 @@ def exhaustive(cluster) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------ runs
 
 
-def run_small(n: int) -> list[dict]:
+def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
+    """Write the rows so far (a long run that is stopped still leaves its results)."""
+    if path is not None:
+        path.write_text(json.dumps({key: rows}, indent=1, default=str))
+
+
+def run_small(n: int, partial: Path | None = None) -> list[dict]:
     rows = []
     for seed in range(n):
         cluster = load(small_cluster(seed))
@@ -148,11 +154,13 @@ def run_small(n: int) -> list[dict]:
         print(f"small {seed}: {cluster.num_devices} devices, planner/optimum {rows[-1]['ratio']:.4f} "
               f"(without enumeration {rows[-1]['heuristic_ratio']:.4f}) "
               f"({visited} structures in {t1 - t0:.1f} s, planner {t2 - t1:.2f} s)", flush=True)
+        checkpoint(partial, "small", rows)
     return rows
 
 
-def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float) -> list[dict]:
-    rows = []
+def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float, partial: Path | None = None,
+              rows: list[dict] | None = None) -> list[dict]:
+    rows = [] if rows is None else rows
     for n_gpus in sizes:
         for seed in range(seeds):
             cluster = load(large_cluster(n_gpus, seed, budget))
@@ -178,6 +186,7 @@ def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float) -> l
             print(f"{n_gpus} GPUs seed {seed}: ours {r['ours']:.3f} s (MFU {r['mfu']:.1%}, {search_s:.1f} s search), "
                   f"HexiScale {hexi_med:.3f} ({r['hexiscale_feasible']}/{hexi_seeds} fit), Metis-style {r['metis']:.3f}, "
                   f"hetero-place {place:.3f}", flush=True)
+            checkpoint(partial, "large", rows)
     return rows
 
 
@@ -266,15 +275,17 @@ def main() -> None:
     if args.quick:
         args.small, sizes, seeds, args.hexiscale_seeds = 3, [16], [1], 2
     t0 = time.time()
-    small = run_small(args.small)
-    large = []
-    for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
-        large += run_large([n], s, args.hexiscale_seeds, args.budget)
-    text = summarize(small, large)
-    print(text)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_bench" + (f"_{args.tag}" if args.tag else "")
+    partial = out / f"{name}.partial.json"
+    small = run_small(args.small, partial)
+    large: list[dict] = []
+    for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
+        run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)
+    partial.unlink(missing_ok=True)
+    text = summarize(small, large)
+    print(text)
     (out / f"{name}.json").write_text(json.dumps({"small": small, "large": large, "seconds": time.time() - t0,
                                                      "command": " ".join(sys.argv)}, indent=1, default=str))
     (out / f"{name}.md").write_text(text)

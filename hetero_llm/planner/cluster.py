@@ -252,3 +252,22 @@ def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind
                 raise LayoutError(file, f"{where}.{key}", f"must be > 0, got {getattr(kind, key):g}")
         kinds[name] = attrs.evolve(kind, name=name)
     return kinds
+
+
+def schema_markdown() -> str:
+    """Every key the planner reads ([plan], [plan.kinds.NAME], [plan.nodes]), for docs/planner.md."""
+    rows = []
+    for section, cls in (("plan", PlanLimits), ("plan.kinds.NAME", DeviceKind)):
+        for fl in attrs.fields(cls):
+            if fl.name == "name":
+                continue
+            default = "required" if fl.default is attrs.NOTHING else repr(fl.default)
+            rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
+    rows.append("| `plan.nodes.PATTERN` | nodes of only `cpu` devices: 'cpu' | device kind of the nodes whose name "
+                "matches PATTERN (a name or a glob such as 'ib*'; the first match wins); a catalogue kind or a "
+                "[plan.kinds.NAME] |")
+    catalogue = ["| kind | bf16 TFLOPS | fp32 TFLOPS | memory GB | link Gbit/s | memory GB/s |",
+                 "| --- | --- | --- | --- | --- | --- |"]
+    catalogue += [f"| `{k}` | {v[0]:g} | {v[1]:g} | {v[2]:g} | {v[3]:g} | {v[4]:g} |" for k, v in CATALOGUE.items()]
+    return ("| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n\nBuilt-in device kinds:\n\n"
+            + "\n".join(catalogue) + "\n")

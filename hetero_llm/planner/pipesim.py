@@ -47,19 +47,23 @@ def simulate(acts, forward: Sequence[float], backward: Sequence[float], weight: 
     """(step seconds, busy seconds per stage), as ``simulate.simulate`` computes them."""
     n = len(acts)
     chunks = 1 + max((c for stage in acts for _, _, c in stage), default=0)
-    last_v = n * chunks - 1
-
-    def transfer(src: int, dst: int) -> float:
-        if src == dst:
-            return 0.0
-        link = min(src, dst) if abs(src - dst) == 1 else n - 1
-        return latency[link] + nbytes / bandwidth[link]
-
+    m = 1 + max((mb for stage in acts for _, mb, _ in stage), default=0)
+    nv = n * chunks
+    # hop[v]: seconds for data to go between virtual stages v and v + 1 (their stages' link; 0 on one stage)
+    hop = []
+    for v in range(nv - 1):
+        a, b = v % n, (v + 1) % n
+        if a == b:
+            hop.append(0.0)
+        else:
+            link = min(a, b) if abs(a - b) == 1 else n - 1
+            hop.append(latency[link] + nbytes / bandwidth[link])
     dur = []
     for s in range(n):
         w = weight[s] if weight is not None else 0.0
         dur.append((forward[s] / chunks, backward[s] / chunks, (backward[s] - w) / chunks, w / chunks))
-    done: dict[tuple[int, int, int, int], float] = {}  # (code, stage, mb, chunk) -> end; B also ends I
+    end_f = [[-1.0] * m for _ in range(nv)]  # per virtual stage and microbatch; -1: not yet
+    end_i = [[-1.0] * m for _ in range(nv)]  # the input gradient (from an I or a B)
     free = [0.0] * n
     busy = [0.0] * n
     pos = [0] * n
@@ -67,43 +71,50 @@ def simulate(acts, forward: Sequence[float], backward: Sequence[float], weight: 
     while remaining:
         progressed = False
         for s in range(n):
-            stage = acts[s]
-            while pos[s] < len(stage):
-                code, mb, c = stage[pos[s]]
+            stage, d = acts[s], dur[s]
+            p = pos[s]
+            while p < len(stage):
+                code, mb, c = stage[p]
                 v = c * n + s
                 ready = free[s]
                 if code == F:
                     if v:
-                        c2, s2 = divmod(v - 1, n)
-                        t = done.get((F, s2, mb, c2))
-                        if t is None:
+                        t = end_f[v - 1][mb]
+                        if t < 0:
                             break
-                        ready = max(ready, t + transfer(s2, s))
+                        t += hop[v - 1]
+                        if t > ready:
+                            ready = t
                 elif code == W:
-                    t = done.get((I, s, mb, c))
-                    if t is None:
+                    t = end_i[v][mb]
+                    if t < 0:
                         break
-                    ready = max(ready, t)
+                    if t > ready:
+                        ready = t
                 else:
-                    t = done.get((F, s, mb, c))
-                    if t is None:
+                    t = end_f[v][mb]
+                    if t < 0:
                         break
-                    ready = max(ready, t)
-                    if v != last_v:
-                        c2, s2 = divmod(v + 1, n)
-                        t = done.get((I, s2, mb, c2))
-                        if t is None:
+                    if t > ready:
+                        ready = t
+                    if v != nv - 1:
+                        t = end_i[v + 1][mb]
+                        if t < 0:
                             break
-                        ready = max(ready, t + transfer(s2, s))
-                end = ready + dur[s][code]
-                done[(code, s, mb, c)] = end
-                if code == B:
-                    done[(I, s, mb, c)] = end
+                        t += hop[v]
+                        if t > ready:
+                            ready = t
+                end = ready + d[code]
+                if code == F:
+                    end_f[v][mb] = end
+                elif code != W:
+                    end_i[v][mb] = end
                 busy[s] += end - ready
                 free[s] = end
-                pos[s] += 1
+                p += 1
                 remaining -= 1
                 progressed = True
+            pos[s] = p
         if not progressed:
             raise RuntimeError("schedule deadlocks (the generators never make one)")
     return max(free), tuple(busy)

@@ -55,7 +55,7 @@ class Result:
 
 
 class Planner:
-    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int = 4000,
+    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int | None = None,
                  exact_limit: int = 20_000):
         self.c = cluster
         self.cost = CostModelPlanner(cluster)
@@ -64,7 +64,9 @@ class Planner:
         self.L = cluster.model.layers
         self.limits = cluster.limits
         self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s
-        self.max_evals = max_evals
+        # candidates the local search may simulate: enough that more found nothing better on generated
+        # 16-GPU clusters (bench/plan_bench.py), and the search stays deterministic (a count, not a clock)
+        self.max_evals = 250 + 2 * cluster.num_devices if max_evals is None else max_evals
         self.exact_limit = exact_limit  # enumerate every structure when there are at most this many
         self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
