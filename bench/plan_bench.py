@@ -137,9 +137,9 @@ def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
         path.write_text(json.dumps({key: rows}, indent=1, default=str))
 
 
-def run_small(n: int, partial: Path | None = None) -> list[dict]:
+def run_small(seeds: range, partial: Path | None = None) -> list[dict]:
     rows = []
-    for seed in range(n):
+    for seed in seeds:
         cluster = load(small_cluster(seed))
         t0 = time.perf_counter()
         opt, visited = exhaustive(cluster)
@@ -273,13 +273,13 @@ def main() -> None:
     sizes = [int(x) for x in args.sizes.split(",") if x]
     seeds = [int(x) for x in args.seeds.split(",")]
     if args.quick:
-        args.small, sizes, seeds, args.hexiscale_seeds = 3, [16], [1], 2
+        sizes, seeds, args.hexiscale_seeds = [16], [1], 2  # and small clusters 1 and 2 (the quick ones)
     t0 = time.time()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_bench" + (f"_{args.tag}" if args.tag else "")
     partial = out / f"{name}.partial.json"
-    small = run_small(args.small, partial)
+    small = run_small(range(1, 3) if args.quick else range(args.small), partial)
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
         run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)

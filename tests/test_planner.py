@@ -190,6 +190,21 @@ def test_tp_groups_stay_in_a_node_and_divide_heads(tmp_path):
             assert len({d.split(":")[0] for d in s.group.devices}) == 1 and 4 % s.group.tp == 0
 
 
+def test_local_search_moves_never_use_a_device_twice(tmp_path):
+    """Pipelines with the same stage kinds move together, but an idle TP group joins one of them only."""
+    c = load_cluster(small_cluster(tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cpu", "cpu"]\n')))
+    planner = Planner(c)
+    groups = planner.groups({"cpu2x": 1, "cpu": 1})
+    a, b, s0, s1a, _ = groups
+    for st in (Structure(((a, s0), (b, s1a)), 1), Structure(((a,), (b,)), 2, "zbh1")):
+        moves = planner.neighbours(st)
+        assert len(moves) > 5
+        for nb in moves:
+            devices = [d for p in nb.pipelines for g in p for d in g.devices]
+            assert len(devices) == len(set(devices)), nb
+        assert any(sum(len(p) for p in nb.pipelines) > sum(len(p) for p in st.pipelines) for nb in moves)
+
+
 def test_plan_is_deterministic_and_never_worse_than_hetero_place():
     c = load_cluster(SMALL)
     a, b = plan_cluster(c), plan_cluster(c)
@@ -286,15 +301,49 @@ def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
 # ------------------------------------------------------------------------------------ invariance
 
 
+def test_example_layout_is_the_plan_of_its_cluster_file():
+    """layouts/planned_small_cpu.toml is what hetero-plan writes for layouts/clusters/small_cpu.toml (and
+    tests/test_invariance.py trains it against layouts/hexiscale_reference.toml, as every example)."""
+    c = load_cluster(SMALL)
+    result = plan_cluster(c)
+    written = (LAYOUTS / "planned_small_cpu.toml").read_text()
+    assert written == layout_text(c, result.best, result.score, result.seed_score)
+
+
 @pytest.mark.multiprocess
-def test_planned_layouts_train_the_reference_model(tmp_path):
-    """The planner's pick and its best plan with two pipelines (another schedule) train what one process does."""
+def test_a_lower_ranked_plan_trains_the_reference_model_too(tmp_path):
+    """The best plan with two pipelines (and another schedule than the pick) trains what one process does."""
     c = load_cluster(SMALL)
     result = plan_cluster(c, top=10)
-    other = next(cs for cs in result.ranked if len(cs[0].pipelines) > 1)
-    ref = launch(LAYOUTS / "hexiscale_reference.toml", tmp_path / "ref")
-    for i, (cand, score) in enumerate([(result.best, result.score), other]):
-        path = tmp_path / f"planned_{i}.toml"
-        path.write_text(layout_text(c, cand, score, None))
-        run = launch(path, tmp_path / f"run{i}")
-        assert_same_model(run, ref)
+    cand, score = next(cs for cs in result.ranked if len(cs[0].pipelines) > 1 and cs[0].schedule != result.best.schedule)
+    path = tmp_path / "planned.toml"
+    path.write_text(layout_text(c, cand, score, None))
+    assert_same_model(launch(path, tmp_path / "run"), launch(LAYOUTS / "hexiscale_reference.toml", tmp_path / "ref"))
+
+
+# ------------------------------------------------------------------------------------ benchmark and docs
+
+
+def test_plan_bench_quick(tmp_path):
+    """bench/plan_bench.py --quick runs end to end; its plans keep the planner's guarantees."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "plan_bench.py"), "--quick", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "plan_bench.json").read_text())
+    assert len(data["small"]) == 2 and len(data["large"]) == 1
+    for row in data["small"]:
+        assert row["ratio"] <= 1.0 + 1e-9  # these spaces are small enough to enumerate: the planner is exact
+        assert row["heuristic_ratio"] >= row["ratio"] - 1e-9
+    for row in data["large"]:
+        assert row["ours"] <= row["place"] and row["memory_ok"]
+    assert (tmp_path / "plan_bench.md").read_text().startswith("## vs exhaustive")
+
+
+def test_planner_doc_lists_every_key():
+    from hetero_llm.planner.cluster import schema_markdown
+    assert schema_markdown() in (LAYOUTS.parent / "docs" / "planner.md").read_text(), \
+        "docs/planner.md is stale: regenerate its tables with python -c 'from hetero_llm.planner.cluster import " \
+        "schema_markdown; print(schema_markdown())'"

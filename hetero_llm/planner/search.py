@@ -64,9 +64,9 @@ class Planner:
         self.L = cluster.model.layers
         self.limits = cluster.limits
         self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s
-        # candidates the local search may simulate: enough that more found nothing better on generated
-        # 16-GPU clusters (bench/plan_bench.py), and the search stays deterministic (a count, not a clock)
-        self.max_evals = 250 + 2 * cluster.num_devices if max_evals is None else max_evals
+        # candidates the local search may simulate (a count, not a clock, so the search is deterministic):
+        # on generated 16-GPU clusters more found nothing better; bigger clusters get more
+        self.max_evals = 400 + 8 * cluster.num_devices if max_evals is None else max_evals
         self.exact_limit = exact_limit  # enumerate every structure when there are at most this many
         self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
@@ -185,7 +185,8 @@ class Planner:
         return self.realized[key]
 
     def _realize(self, st: Structure) -> Candidate | None:
-        if self.G % st.rows:
+        devices = [d for p in st.pipelines for g in p for d in g.devices]
+        if self.G % st.rows or len(set(devices)) != len(devices):
             return None
         chunks = 2 if st.schedule == "interleaved" else 1
         total = self.G // st.rows
@@ -369,9 +370,10 @@ class Planner:
         for i in sorted(range(P), key=lambda i: (rate[i], i)):
             reps.setdefault(signature(pipes[i]), []).append(i)
 
-        def each(transform) -> None:
+        def each(transform, alone: bool = False) -> None:
+            """Apply ``transform`` to one pipeline of each signature, and (unless ``alone``) to all of them."""
             for members in list(reps.values())[:4]:
-                for targets in ([members[0]], members) if len(members) > 1 else ([members[0]],):
+                for targets in ([members[0]], members) if len(members) > 1 and not alone else ([members[0]],):
                     new = [list(p) for p in pipes]
                     ok = False
                     for i in targets:
@@ -392,8 +394,8 @@ class Planner:
         for i in range(max((len(p) for p in pipes), default=0)):
             each(lambda p, i=i: p[:i] + p[i + 1:] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None)
         for g in self.idle_groups(st):
-            each(lambda p, g=g: p + [g])
-            each(lambda p, g=g: [g] + p)
+            each(lambda p, g=g: p + [g], alone=True)
+            each(lambda p, g=g: [g] + p, alone=True)
             make(pipes + [[g]])
         if P > 1:
             slow = min(range(P), key=lambda i: (rate[i], i))
@@ -551,7 +553,14 @@ class Planner:
         if not ranked or not ranked[0][1].feasible:
             raise infeasible_error(self.c, self.cost, self.closest())
         best, score = ranked[0]
-        distinct = [cs for cs in ranked if cs[1].feasible][:max(1, top)]
+        distinct, shapes = [], set()
+        for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
+            shape = (cand.schedule, tuple(sorted((p.batch, p.microbatches, tuple(
+                (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages))
+                for p in cand.pipelines)))
+            if sc.feasible and shape not in shapes and len(distinct) < max(1, top):
+                shapes.add(shape)
+                distinct.append((cand, sc))
         return Result(best, score, tuple(distinct), len(self.scored), time.perf_counter() - self.start, seed_score)
 
 
