@@ -190,6 +190,21 @@ def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float, part
     return rows
 
 
+def run_timing(sizes: list[int], seeds: int, budget: float) -> list[dict]:
+    """Search time alone (run it under an exclusive lock: nothing else computing)."""
+    rows = []
+    for n_gpus in sizes:
+        for seed in range(seeds):
+            cluster = load(large_cluster(n_gpus, seed, budget))
+            t0 = time.perf_counter()
+            res = plan_cluster(cluster)
+            rows.append({"gpus": n_gpus, "seed": seed, "search_s": time.perf_counter() - t0, "evaluated": res.evaluated,
+                         "ours": res.score.step_time})
+            print(f"timing {n_gpus} GPUs seed {seed}: {rows[-1]['search_s']:.2f} s, {res.evaluated} plans simulated",
+                  flush=True)
+    return rows
+
+
 def geomean(xs: list[float]) -> float:
     xs = [x for x in xs if math.isfinite(x) and x > 0]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else math.nan
@@ -268,6 +283,8 @@ def main() -> None:
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
     ap.add_argument("--budget", type=float, default=60.0, help="planner time budget (plan.time_budget_s)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    ap.add_argument("--timing", type=int, default=0, metavar="N",
+                    help="only time the search on N clusters per size (run alone: flock -x)")
     ap.add_argument("--tag", default="", help="suffix of the result files (plan_bench_TAG.*), for split runs")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -279,6 +296,17 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_bench" + (f"_{args.tag}" if args.tag else "")
     partial = out / f"{name}.partial.json"
+    if args.timing:
+        rows = run_timing(sizes, args.timing, args.budget)
+        lines = ["| GPUs | clusters | search s (median) | max | plans simulated (median) |", "| --- | --- | --- | --- | --- |"]
+        for n in sizes:
+            rs = [r for r in rows if r["gpus"] == n]
+            lines.append(f"| {n} | {len(rs)} | {statistics.median(r['search_s'] for r in rs):.2f} | "
+                         f"{max(r['search_s'] for r in rs):.2f} | {statistics.median(r['evaluated'] for r in rs):.0f} |")
+        (out / f"{name}.json").write_text(json.dumps({"timing": rows, "command": " ".join(sys.argv)}, indent=1))
+        (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     small = run_small(range(1, 3) if args.quick else range(args.small), partial)
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
