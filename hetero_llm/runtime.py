@@ -80,6 +80,9 @@ class Emulation:
     slowdown: float = 1.0
     jitter: float = 0.0
     seed: int = 0
+    # Emulated device: each compute action lasts this many seconds (by kind: "F", "B", "I", "W"); the real
+    # computation runs inside it and the rank sleeps the rest (HETERO_EMULATE_ACTION_S, "rank:F=s;B=s,...").
+    seconds: tuple[tuple[str, float], ...] = ()
 
     @classmethod
     def from_env(cls, rank: int) -> "Emulation":
@@ -90,11 +93,16 @@ class Emulation:
                     return float(v)
             return default
 
-        return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank)
+        seconds: tuple[tuple[str, float], ...] = ()
+        for item in filter(None, os.environ.get("HETERO_EMULATE_ACTION_S", "").split(",")):
+            r, _, spec = item.partition(":")
+            if r.strip() in (str(rank), "*"):
+                seconds = tuple((k.strip(), float(v)) for k, _, v in (x.partition("=") for x in spec.split(";")))
+        return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds)
 
     @property
     def active(self) -> bool:
-        return self.slowdown != 1.0 or self.jitter > 0
+        return self.slowdown != 1.0 or self.jitter > 0 or bool(self.seconds)
 
 
 @attrs.define
@@ -213,7 +221,11 @@ class StageRunner:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
-            time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
+            lasts = dict(self.emulation.seconds).get(a.kind.value)
+            if lasts is not None:
+                time.sleep(max(0.0, lasts - spent))
+            else:
+                time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
 

@@ -225,6 +225,20 @@ def test_written_layout_drops_plan_tables_and_sets_the_schedule(tmp_path):
     assert "PREDICTED" in text and "MFU" in text and "gap" in text
 
 
+def test_every_ranked_plan_is_a_valid_layout(tmp_path):
+    """Not only the pick: every plan the planner ranks loads as a layout (interleaving needs 2 stages, ...)."""
+    import sys
+    sys.path.insert(0, str(LAYOUTS.parent / "bench"))
+    import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
+    (tmp_path / "emulated.toml").write_text(plan_vs_measured.CLUSTER.format(steps=1))
+    for path in (SMALL, tmp_path / "emulated.toml"):
+        c = load_cluster(path)
+        result = plan_cluster(c, top=20)
+        assert len(result.ranked) >= 8
+        for cand, score in result.ranked:
+            layout_mod.loads(layout_text(c, cand, score, None), base_dir=path.parent)
+
+
 def test_cli_writes_json_and_explains(tmp_path):
     out = tmp_path / "plan.toml"
     res = run_plan(SMALL, "-o", out, "--json", "--top", "2")

@@ -118,8 +118,8 @@ class Planner:
                      microbatches: int) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
         k = len(groups)
-        if schedule == "interleaved" and k == 1:
-            schedule, chunks = "1f1b", 1
+        if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
+            return None
         # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
         m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
         m = min(m, k * (chunks + 1))
