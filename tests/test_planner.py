@@ -361,3 +361,25 @@ def test_planner_doc_lists_every_key():
     assert schema_markdown() in (LAYOUTS.parent / "docs" / "planner.md").read_text(), \
         "docs/planner.md is stale: regenerate its tables with python -c 'from hetero_llm.planner.cluster import " \
         "schema_markdown; print(schema_markdown())'"
+
+
+def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
+    from hetero_llm.runtime import Emulation
+    monkeypatch.setenv("HETERO_EMULATE_ACTION_S", "0:F=0.02;B=0.04,1:F=0.01;B=0.02;I=0.012;W=0.008")
+    assert dict(Emulation.from_env(1).seconds) == {"F": 0.01, "B": 0.02, "I": 0.012, "W": 0.008}
+    assert Emulation.from_env(0).active and not Emulation.from_env(2).active
+
+
+@pytest.mark.multiprocess
+def test_plan_vs_measured_quick(tmp_path):
+    """bench/plan_vs_measured.py --quick: two planned layouts run with emulated device speeds."""
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, str(root / "bench" / "plan_vs_measured.py"), "--quick", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads((tmp_path / "plan_vs_measured.json").read_text())
+    assert len(data["rows"]) == 2
+    for row in data["rows"]:  # the emulated durations are a floor: a step cannot beat the model's compute
+        assert row["measured_s"] >= 0.8 * row["predicted_s"]
