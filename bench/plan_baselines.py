@@ -20,7 +20,6 @@ Nothing here is copied from those projects; it follows their published design.
 
 from __future__ import annotations
 
-import itertools
 import math
 import random
 

@@ -7,7 +7,8 @@ Every plan is scored by the same cost model and simulator (``hetero_llm.planner.
 here runs a model. Results: bench/results/plan_bench.{json,md,png} (or --out-dir).
 
 1. **vs exhaustive**: seeded random clusters of 4-8 devices (2-3 kinds from the catalogue, 1-3
-   domains, at most 4 nodes) with an 8-layer model. The enumerator visits every structure the
+   domains, at most 4 nodes) with an 8-layer model; a draw whose space holds more than 60 000
+   structures is redrawn (the enumerator visits about 2 000 a second). The enumerator visits every structure the
    planner's space holds: every TP grouping of every node, every partition of the TP groups into
    pipelines (as multisets: groups of one node and TP size are interchangeable), every stage order of
    every pipeline, every microbatch size and schedule; each structure's layers and batch shares come
@@ -83,7 +84,19 @@ def cluster_toml(model: str, batch: int, nodes: list[tuple[int, str, int]], doma
     return "\n".join(lines) + "\n"
 
 
+EXHAUSTIVE_LIMIT = 60_000  # structures; a cluster whose space is larger is redrawn (the enumerator takes ~0.5 ms each)
+
+
 def small_cluster(seed: int) -> str:
+    """A random cluster of 4-8 devices whose space the enumerator can visit (redrawn until it can)."""
+    for attempt in range(100):
+        text = _draw_small(seed * 100 + attempt)
+        if text is not None and Planner(load(text)).all_structures(EXHAUSTIVE_LIMIT) is not None:
+            return text
+    raise RuntimeError(f"no tractable small cluster for seed {seed}")
+
+
+def _draw_small(seed: int) -> str | None:
     rng = random.Random(seed)
     total = rng.randint(4, 8)
     kinds = rng.sample(KINDS_SMALL, rng.randint(2, 3))
@@ -91,9 +104,11 @@ def small_cluster(seed: int) -> str:
     sizes = []
     while sum(sizes) < total:
         sizes.append(min(rng.randint(1, 4), total - sum(sizes)))
-    while len(sizes) > 4:  # at most 4 nodes keeps the enumeration tractable
-        sizes[-2] += sizes.pop()
-    sizes = [min(s, 4) for s in sizes] if max(sizes) <= 4 else sizes
+    while len(sizes) > 4:  # at most 4 nodes
+        last = sizes.pop()
+        sizes[-1] += last
+    if len(sizes) < 2:  # one node would be one kind
+        return None
     nodes = [(s, kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds), rng.randrange(n_dom) if i >= n_dom else i)
              for i, s in enumerate(sizes)]
     domains = [(rng.choice([25, 100, 200]), rng.choice([2, 5, 10])) for _ in range(n_dom)]

@@ -14,7 +14,6 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout as layout_mod, schedule as sched
-from hetero_llm.errors import LayoutError
 from hetero_llm.params import layer_params, stage_params
 from hetero_llm.plan_cli import main as plan_main
 from hetero_llm.planner import pipesim, plan_cluster

@@ -29,6 +29,7 @@ import attrs
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner import exact, moves
 from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, Score, StageChoice
 
 INF = math.inf
@@ -344,120 +345,7 @@ class Planner:
 
     # ---------------------------------------------------------------- local search
     def neighbours(self, st: Structure) -> list[Structure]:
-        """Structures one move away, deduplicated: moves of interchangeable TP groups (same node, kind and
-        size) are made once, and pipelines with the same stage kinds are changed together or one alone."""
-        pipes = [list(p) for p in st.pipelines]
-        P = len(pipes)
-        out: list[Structure] = []
-        seen: set[tuple] = set()
-
-        def make(new: list[list[Group]], rows: int = st.rows, schedule: str = st.schedule) -> None:
-            new_st = Structure(tuple(tuple(p) for p in new if p), rows, schedule)
-            k = new_st.key()
-            if k not in seen:
-                seen.add(k)
-                out.append(new_st)
-
-        def kind(g: Group) -> tuple:
-            return (g.node, g.tp)
-
-        def signature(p: list[Group]) -> tuple:
-            return tuple((g.kind.name, g.tp, g.domain) for g in p)
-
-        # one representative pipeline per signature (the slowest first), and all pipelines sharing it
-        rate = [sum(g.flops for g in p) for p in pipes]
-        reps: dict[tuple, list[int]] = {}
-        for i in sorted(range(P), key=lambda i: (rate[i], i)):
-            reps.setdefault(signature(pipes[i]), []).append(i)
-
-        def each(transform, alone: bool = False) -> None:
-            """Apply ``transform`` to one pipeline of each signature, and (unless ``alone``) to all of them."""
-            for members in list(reps.values())[:4]:
-                for targets in ([members[0]], members) if len(members) > 1 and not alone else ([members[0]],):
-                    new = [list(p) for p in pipes]
-                    ok = False
-                    for i in targets:
-                        changed = transform(new[i])
-                        if changed is not None:
-                            new[i], ok = changed, True
-                    if ok:
-                        make(new)
-
-        # stage order inside a pipeline
-        for i in range(max((len(p) for p in pipes), default=0) - 1):
-            each(lambda p, i=i: p[:i] + [p[i + 1], p[i]] + p[i + 2:] if i + 1 < len(p) and kind(p[i]) != kind(p[i + 1]) else None)
-        each(lambda p: p[::-1] if len(p) > 1 else None)
-        for i in range(max((len(p) for p in pipes), default=0)):
-            each(lambda p, i=i: p[:i] + p[i + 1:] + [p[i]] if 0 < len(p) - 1 != i < len(p) else None)
-            each(lambda p, i=i: [p[i]] + p[:i] + p[i + 1:] if 0 < i < len(p) else None)
-        # leave a TP group idle, or put an idle one to work
-        for i in range(max((len(p) for p in pipes), default=0)):
-            each(lambda p, i=i: p[:i] + p[i + 1:] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None)
-        for g in self.idle_groups(st):
-            each(lambda p, g=g: p + [g], alone=True)
-            each(lambda p, g=g: [g] + p, alone=True)
-            make(pipes + [[g]])
-        if P > 1:
-            slow = min(range(P), key=lambda i: (rate[i], i))
-            fast = max(range(P), key=lambda i: (rate[i], -i))
-            pairs = [(a, b) for a in range(P) for b in range(P) if a != b] if P <= 4 else [(fast, slow), (slow, fast)]
-            for src, dst in pairs:
-                done = set()
-                for gi, g in enumerate(pipes[src]):
-                    if len(pipes[src]) > 1 and kind(g) not in done:
-                        done.add(kind(g))
-                        new = [list(p) for p in pipes]
-                        new[src].pop(gi)
-                        near = [k for k, h in enumerate(new[dst]) if h.node == g.node]
-                        at = near[-1] + 1 if near else len(new[dst])
-                        new[dst].insert(at, g)
-                        make(new)
-            for a, b in pairs:
-                if a < b or P > 4:
-                    for gi, gj in itertools.product(range(len(pipes[a])), range(len(pipes[b]))):
-                        x, y = pipes[a][gi], pipes[b][gj]
-                        if (x.kind, x.tp, x.domain) != (y.kind, y.tp, y.domain):
-                            new = [list(p) for p in pipes]
-                            new[a][gi], new[b][gj] = y, x
-                            make(new)
-            i, j = sorted(range(P), key=lambda i: (rate[i], i))[:2]
-            make([p for k, p in enumerate(pipes) if k not in (i, j)] + [pipes[i] + pipes[j]])
-        big = max(range(P), key=lambda i: (len(pipes[i]), -i))
-        if len(pipes[big]) > 1:
-            half = len(pipes[big]) // 2
-            make([p for k, p in enumerate(pipes) if k != big] + [pipes[big][:half], pipes[big][half:]])
-        # split / merge TP groups
-        for pi, groups in enumerate(pipes):
-            for gi, g in enumerate(groups):
-                h = g.tp // 2
-                if g.tp % 2 == 0 and h in self.tp_sizes(g.tp):
-                    new = [list(p) for p in pipes]
-                    new[pi][gi:gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
-                    make(new)
-            for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
-                if ga.node == gb.node and ga.tp + gb.tp in self.tp_sizes(self.c.node(ga.node).devices):
-                    ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
-                    new = [list(p) for p in pipes]
-                    new[pi][k:k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
-                    make(new)
-        for rows in (st.rows * 2, st.rows // 2):
-            if rows >= 1 and self.G % rows == 0:
-                make(pipes, rows=rows)
-        for sch in self.limits.schedules:
-            if sch != st.schedule:
-                make(pipes, schedule=sch)
-        return out
-
-    def idle_groups(self, st: Structure) -> list[Group]:
-        """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""
-        used = {d for p in st.pipelines for g in p for d in g.devices}
-        out = []
-        for node in self.c.nodes:
-            free = [i for i in range(node.devices) if f"{node.name}:{i}" not in used]
-            if free:
-                t = max(self.tp_sizes(len(free)))
-                out.append(Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
-        return out
+        return moves.neighbours(self, st)
 
     def improve(self, st: Structure) -> tuple[Structure, float]:
         cand = self.realize(st)
@@ -480,41 +368,8 @@ class Planner:
 
     # ---------------------------------------------------------------- exact, for small clusters
     def all_structures(self, limit: int) -> list[Structure] | None:
-        """Every structure of the space, or None when there are more than ``limit``: every TP grouping of
-        every node, every partition of the groups into pipelines and every stage order, as multisets
-        (TP groups of one node and size are interchangeable), every microbatch size and schedule."""
-        per_node = [_cuts(n.devices, self.tp_sizes(n.devices)) for n in self.c.nodes]
-        out: list[Structure] = []
-        for choice in itertools.product(*per_node):
-            pools: dict[tuple[str, int], list[Group]] = {}
-            for node, cut in zip(self.c.nodes, choice):
-                idx = 0
-                for t in cut:
-                    pools.setdefault((node.name, t), []).append(
-                        Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
-                    idx += t
-            names = sorted(pools)
-            labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
-            for part in _multiset_partitions(labels):
-                P = len(part)
-                if P > self.G:
-                    continue
-                for orders in itertools.product(*(_multiset_permutations(p) for p in part)):
-                    used = dict.fromkeys(pools, 0)
-                    pipes = []
-                    for order in orders:
-                        stages = []
-                        for lab in order:
-                            key = names[lab]
-                            stages.append(pools[key][used[key]])
-                            used[key] += 1
-                        pipes.append(tuple(stages))
-                    for rows in [r for r in range(1, self.G // P + 1) if self.G % r == 0]:
-                        for sched in self.limits.schedules:
-                            out.append(Structure(tuple(pipes), rows, sched))
-                            if len(out) > limit:
-                                return None
-        return out
+        """Every structure of the space, or None when there are more than ``limit`` (see ``exact``)."""
+        return exact.all_structures(self, limit)
 
     def exact(self, structures: list[Structure]) -> None:
         """Score every structure whose lower bound beats the best so far."""
@@ -595,28 +450,3 @@ def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) 
                        f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
                        f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
 
-
-def _cuts(n: int, sizes: list[int]) -> list[tuple[int, ...]]:
-    """Every way to cut n devices into TP sizes (non-increasing: each multiset once)."""
-    out: list[tuple[int, ...]] = []
-
-    def rec(left: int, top: int, acc: tuple[int, ...]) -> None:
-        if not left:
-            out.append(acc)
-            return
-        for t in sizes:
-            if t <= min(left, top):
-                rec(left - t, t, acc + (t,))
-    rec(n, n, ())
-    return out
-
-
-def _multiset_partitions(items: list[int]):
-    """Partitions of a sorted multiset into blocks, each once (sympy's generator)."""
-    from sympy.utilities.iterables import multiset_partitions
-    return multiset_partitions(items)
-
-
-def _multiset_permutations(items: list[int]) -> list[list[int]]:
-    from sympy.utilities.iterables import multiset_permutations
-    return list(multiset_permutations(items))

@@ -1,0 +1,81 @@
+"""Exact enumeration of a small cluster's whole space of structures. Torch-free.
+
+Every TP grouping of every node, every partition of the TP groups into pipelines and every stage
+order, as multisets (TP groups of one node and size are interchangeable, so each distinct structure
+comes once), every microbatch size and schedule. ``search.Planner.exact`` scores them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING
+
+from hetero_llm.planner.cost import Group
+
+if TYPE_CHECKING:
+    from hetero_llm.planner.search import Planner
+
+
+def all_structures(planner: Planner, limit: int) -> list | None:
+    """Every structure of the space, or None when there are more than ``limit``: every TP grouping of
+    every node, every partition of the groups into pipelines and every stage order, as multisets
+    (TP groups of one node and size are interchangeable), every microbatch size and schedule."""
+    from hetero_llm.planner.search import Structure  # search imports this module
+    per_node = [_cuts(n.devices, planner.tp_sizes(n.devices)) for n in planner.c.nodes]
+    out = []
+    for choice in itertools.product(*per_node):
+        pools: dict[tuple[str, int], list[Group]] = {}
+        for node, cut in zip(planner.c.nodes, choice):
+            idx = 0
+            for t in cut:
+                pools.setdefault((node.name, t), []).append(
+                    Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
+                idx += t
+        names = sorted(pools)
+        labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
+        for part in _multiset_partitions(labels):
+            P = len(part)
+            if P > planner.G:
+                continue
+            for orders in itertools.product(*(_multiset_permutations(p) for p in part)):
+                used = dict.fromkeys(pools, 0)
+                pipes = []
+                for order in orders:
+                    stages = []
+                    for lab in order:
+                        key = names[lab]
+                        stages.append(pools[key][used[key]])
+                        used[key] += 1
+                    pipes.append(tuple(stages))
+                for rows in [r for r in range(1, planner.G // P + 1) if planner.G % r == 0]:
+                    for sched in planner.limits.schedules:
+                        out.append(Structure(tuple(pipes), rows, sched))
+                        if len(out) > limit:
+                            return None
+    return out
+
+
+def _cuts(n: int, sizes: list[int]) -> list[tuple[int, ...]]:
+    """Every way to cut n devices into TP sizes (non-increasing: each multiset once)."""
+    out: list[tuple[int, ...]] = []
+
+    def rec(left: int, top: int, acc: tuple[int, ...]) -> None:
+        if not left:
+            out.append(acc)
+            return
+        for t in sizes:
+            if t <= min(left, top):
+                rec(left - t, t, acc + (t,))
+    rec(n, n, ())
+    return out
+
+
+def _multiset_partitions(items: list[int]):
+    """Partitions of a sorted multiset into blocks, each once (sympy's generator)."""
+    from sympy.utilities.iterables import multiset_partitions
+    return multiset_partitions(items)
+
+
+def _multiset_permutations(items: list[int]) -> list[list[int]]:
+    from sympy.utilities.iterables import multiset_permutations
+    return list(multiset_permutations(items))
