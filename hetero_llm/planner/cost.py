@@ -257,43 +257,47 @@ class CostModelPlanner:
         P = len(cand.pipelines)
         if P == 1:
             return 0.0
-        # holders[layer] = the groups (one per pipeline) holding it
-        owner: list[list[Group]] = [[] for _ in range(self.L)]
+        # layers [lo, hi) between two consecutive stage boundaries of any pipeline have the same holders
+        cuts = {0, self.L}
         for pipe in cand.pipelines:
             lo = 0
             for s in pipe.stages:
-                for layer in range(lo, lo + s.layers):
-                    owner[layer].append(s.group)
                 lo += s.layers
-        nic: dict[tuple[str, str], float] = {}  # (node, network) -> seconds
-        intra: dict[str, float] = {}
-        hops = 0
+                cuts.add(lo)
+        cuts = sorted(cuts)
+        owner = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
+        for pipe in cand.pipelines:
+            seg, hi = 0, 0
+            for s in pipe.stages:
+                hi += s.layers
+                while seg < len(cuts) - 1 and cuts[seg + 1] <= hi:
+                    owner[seg].append(s.group)
+                    seg += 1
         ring = 2 * (P - 1) / P
-        for layer, groups in enumerate(owner):
+        per_rank = {}  # TP size -> parameters one rank holds of one layer
+        nic: dict[str, float] = {}  # node -> seconds on its NIC (domain and cross-domain traffic share it)
+        intra: dict[str, float] = {}
+        cross = False
+        for (lo, hi), groups in zip(zip(cuts, cuts[1:]), owner):
             nodes = {g.node for g in groups}
             domains = {g.domain for g in groups}
-            extra = (self.embed_params() if layer == 0 else 0) + (self.head_params() if layer == self.L - 1 else 0)
+            cross |= len(domains) > 1
+            # the embedding (first layer's holders) and the head (last layer's) sync alongside
+            extra = (self.embed_params() if lo == 0 else 0) + (self.head_params() if hi == self.L else 0)
             for g in groups:
-                sharded, repl = self.layer_params(g.tp)
-                nbytes = ring * (sharded + repl + extra) * GRAD_BYTES
+                t = len(g.devices)
+                if t not in per_rank:
+                    per_rank[t] = sum(self.layer_params(t))
+                nbytes = ring * (per_rank[t] * (hi - lo) + extra) * GRAD_BYTES
                 if len(nodes) == 1:
                     intra[g.node] = intra.get(g.node, 0.0) + nbytes / (g.kind.link_gbps * 1e9 / 8)
-                elif len(domains) == 1:
-                    key = (g.node, g.domain)
-                    nic[key] = nic.get(key, 0.0) + nbytes * g.tp / self.domain_bw[g.domain]
                 else:
-                    key = (g.node, "cross")
-                    nic[key] = nic.get(key, 0.0) + nbytes * g.tp / self.cluster.network.cross_bw
-            if len(domains) > 1:
-                hops = max(hops, 1)
-        # every rank's NIC traffic adds up per node; a node's domain and cross-domain traffic share its NIC
-        per_node: dict[str, float] = {}
-        for (node, _), sec in nic.items():
-            per_node[node] = per_node.get(node, 0.0) + sec
-        lat = self.cluster.network.cross_latency if hops else max(self.domain_lat.values())
-        buckets = len({tuple(g.devices for g in groups) for groups in owner})
+                    bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cluster.network.cross_bw
+                    nic[g.node] = nic.get(g.node, 0.0) + nbytes * t / bw
+        lat = self.cluster.network.cross_latency if cross else max(self.domain_lat.values())
+        buckets = len({tuple(id(g) for g in groups) for groups in owner})
         latency = buckets * 2 * (P - 1) * lat
-        return max(list(per_node.values()) + list(intra.values()) + [0.0]) + latency
+        return max(list(nic.values()) + list(intra.values()) + [0.0]) + latency
 
     def optimizer_time(self, cand: Candidate) -> float:
         worst = 0.0
