@@ -64,9 +64,13 @@ def header(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None) 
 
 
 def summary(cand: Candidate) -> str:
-    stages = [len(p.stages) for p in cand.pipelines]
+    """'3 pipelines (2 of 9 stages, 1 of 4), zbh1': pipelines counted by their number of stages."""
+    counts: dict[int, int] = {}
+    for p in cand.pipelines:
+        counts[len(p.stages)] = counts.get(len(p.stages), 0) + 1
+    shapes = ", ".join(f"{n} of {k} stage{'s' if k > 1 else ''}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
     sched = cand.schedule + (f" x{cand.chunks} chunks" if cand.chunks > 1 else "")
-    return f"{len(cand.pipelines)} pipeline(s) of {'/'.join(map(str, stages))} stages, {sched}"
+    return f"{len(cand.pipelines)} pipeline{'s' if len(cand.pipelines) > 1 else ''} ({shapes}), {sched}"
 
 
 _HEADER = re.compile(r"\s*\[\[?\s*([A-Za-z0-9_\-\".]+)\s*\]\]?\s*(#.*)?")
