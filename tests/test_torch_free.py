@@ -13,7 +13,9 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 TORCH_FREE_MODULES = ["layout", "plan", "schedule", "simulate", "place", "checkpoint", "cli", "errors", "params",
-                      "outputs", "trace", "timeline", "optim_shards", "switch", "documents"]
+                      "outputs", "trace", "timeline", "optim_shards", "switch", "documents", "planner",
+                      "planner.cluster", "planner.cost", "planner.pipesim", "planner.search", "planner.moves",
+                      "planner.exact", "planner.output", "plan_cli"]
 TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
                     "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py",
                     "test_cli_errors.py", "test_switch.py"]
