@@ -2,7 +2,8 @@
 
 Every TP grouping of every node, every partition of the TP groups into pipelines and every stage
 order, as multisets (TP groups of one node and size are interchangeable, so each distinct structure
-comes once), every microbatch size and schedule. ``search.Planner.exact`` scores them.
+comes once), every microbatch size and schedule. Every device is used: structures that leave devices
+idle are not enumerated (the sweep and the local search reach them). ``search.Planner.exact`` scores them.
 """
 
 from __future__ import annotations
