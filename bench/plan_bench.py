@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -325,13 +326,16 @@ def main() -> None:
     name = "plan_bench" + (f"_{args.tag}" if args.tag else "")
     partial = out / f"{name}.partial.json"
     if args.timing:
+        load0 = os.getloadavg()
         rows = run_timing(sizes, args.timing, args.budget)
         lines = ["| GPUs | clusters | search s (median) | max | plans simulated (median) |", "| --- | --- | --- | --- | --- |"]
         for n in sizes:
             rs = [r for r in rows if r["gpus"] == n]
             lines.append(f"| {n} | {len(rs)} | {statistics.median(r['search_s'] for r in rs):.2f} | "
                          f"{max(r['search_s'] for r in rs):.2f} | {statistics.median(r['evaluated'] for r in rs):.0f} |")
-        (out / f"{name}.json").write_text(json.dumps({"timing": rows, "command": " ".join(sys.argv)}, indent=1))
+        (out / f"{name}.json").write_text(json.dumps({"timing": rows, "command": " ".join(sys.argv),
+                                                      "load_before": load0, "load_after": os.getloadavg()}, indent=1))
+        lines.append(f"\nload average before {load0[0]:.2f}, after {os.getloadavg()[0]:.2f}")
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
