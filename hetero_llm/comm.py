@@ -20,6 +20,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from hetero_llm import shm
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import CommLib
 from hetero_llm.model import TP
@@ -37,6 +38,7 @@ class Comms:
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group, TP index order
     pending_sends: list = attrs.field(factory=list)
     cupy: dict = attrs.field(factory=dict)  # group name -> CupyGroup, for cluster.comm = 'cupy'
+    shm: dict = attrs.field(factory=dict)  # (src, dst, direction) -> this rank's end of a shared-memory ring
 
 
 def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
@@ -65,12 +67,13 @@ def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
             if rank in g.ranks:
                 _connect(groups[g.name], device, backend)
     cupy_groups = _cupy_groups(plan, rank, store, device) if cluster.comm is CommLib.CUPY else {}
+    rings = shm.connect(plan, rank, store, timeout.total_seconds())  # boundaries inside a node (their groups stay: fallback)
     _warn_missing_interfaces(plan, rank)
     st = plan.stage_of(rank)
     tp_group = groups.get(f"tp[{st.label}]")
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
-    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks, cupy=cupy_groups)
+    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks, cupy=cupy_groups, shm=rings)
 
 
 def has_interface(name: str) -> bool:
@@ -379,7 +382,8 @@ def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direc
         if piece.numel() < n:
             piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
         piece = piece.contiguous()
-        work = _p2p(dist.isend, piece, r.dst, group, _tag(direction, mb, chunk, r.piece))
+        tag, ring = _tag(direction, mb, chunk, r.piece), comms.shm.get((comms.rank, r.dst, direction))
+        work = ring.send(piece, tag) if ring is not None else _p2p(dist.isend, piece, r.dst, group, tag)
         comms.pending_sends.append((work, piece))  # keep the buffer alive until sent
 
 
@@ -463,12 +467,18 @@ def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: tor
     tag = _tag(direction, mb, chunk, route.piece)
     if stages_through_host(comms.device):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, pin_memory=comms.device.type == "cuda")
-        work = _p2p(dist.irecv, buf, route.src, group, tag)
+        work = _irecv(comms, buf, route.src, group, tag, direction)
         return PendingRecv(work, buf, route, shape, device=comms.device, streams=streams)
     with streams.use(streams.p2p):
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
-        work = _p2p(dist.irecv, buf, route.src, group, tag)
+        work = _irecv(comms, buf, route.src, group, tag, direction)
     return PendingRecv(work, buf, route, shape, streams=streams)
+
+
+def _irecv(comms: Comms, buf: torch.Tensor, src: int, group, tag: int, direction: int):
+    """Post a receive on the shared-memory ring from ``src`` if there is one, else on the process group."""
+    ring = comms.shm.get((src, comms.rank, direction))
+    return ring.post(buf, tag) if ring is not None else _p2p(dist.irecv, buf, src, group, tag)
 
 
 def wait_sends(comms: Comms) -> None:

@@ -142,6 +142,9 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
     import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
 
+    from hetero_llm import shm
+
+    shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
     errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
     threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, len(ranks))))
     argv = [layout_path, *options.argv()]
@@ -277,10 +280,12 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
     import torch  # torch-free until here: --dry-run and planning never import it
 
-    from hetero_llm import comm, heartbeat, trace as tracing
+    from hetero_llm import comm, heartbeat, shm, trace as tracing
     from hetero_llm.train import train
 
     check_rank(plan, rank)
+    if not os.environ.get("HETERO_ERROR_DIR"):  # started by hand, not forked by run_ranks (which checked)
+        shm.check_space(plan, [rank])
     info = plan.ranks[rank]
     # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
     # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.

@@ -91,9 +91,18 @@ class CommLib(str, enum.Enum):
     CUPY = "cupy"  # cupy.cuda.nccl communicators, one per gradient-sync group, on CUDA tensors
 
 
-# Transport names a plan group can carry besides a domain name (so no domain may be called either).
+class P2P(str, enum.Enum):
+    """How a node's stage boundaries between its own ranks travel (``cluster.nodes[].p2p``)."""
+
+    AUTO = "auto"  # shared memory when both sides of the boundary are CPU ranks of this node, else the network
+    SHM = "shm"  # shared memory (hetero_llm/shm.py) for every boundary inside this node; needs backend gloo
+    NETWORK = "network"  # the boundary's process group (gloo over TCP, or NCCL), like a boundary between nodes
+
+
+# Transport names a plan group can carry besides a domain name (so no domain may be called any of them).
 DEFAULT_TRANSPORT = "default"  # no [[cluster.domains]]: the process's own network settings
 CROSS_DOMAIN = "cross_domain"  # a group whose members are in more than one domain
+SHM = "shm"  # a stage-boundary group inside one node that moves its tensors through shared memory
 
 # NCCL variables a domain may set: the network-selection ones Holmes-style domains need, plus common
 # tuning knobs. Anything else named NCCL_* is more likely a typo than a wish (did-you-mean).
@@ -233,6 +242,10 @@ class NodeSpec:
     speed: float = _doc("relative compute speed of each of this node's devices (1.0 = reference); placement "
                         "gives faster stages more layers", default=1.0)
     memory_gb: float = _doc("memory per device in GB for placement's layer cap; 0 = no cap", default=0.0)
+    p2p: P2P = _doc("stage boundaries between this node's own ranks: 'auto' (shared memory between CPU ranks, "
+                    "the network otherwise; the network too if /dev/shm is missing or too small, with a warning), "
+                    "'shm' (shared memory, an error if /dev/shm cannot hold the ring buffers; backend gloo only) "
+                    "or 'network' (the boundary's process group, as between nodes)", default=P2P.AUTO)
 
 
 @attrs.frozen
@@ -518,7 +531,7 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
     annotation = annotation.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
                 "DataKind": DataKind, "Packing": Packing, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
-                "Compile": Compile, "Optimizer": Optimizer}.get(annotation)
+                "Compile": Compile, "Optimizer": Optimizer, "P2P": P2P}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
         if not isinstance(value, str):
@@ -831,6 +844,9 @@ def validate_cluster(f: str, c: ClusterSpec) -> None:
         if not node.host.strip():
             raise LayoutError(f, f"cluster.nodes[{i}].host", "is empty (give the address other nodes reach this host at, e.g. '127.0.0.1')")
         _check_host(f, f"cluster.nodes[{i}].host", node.host)
+        if node.p2p is P2P.SHM and c.backend is not Backend.GLOO:
+            raise LayoutError(f, f"cluster.nodes[{i}].p2p", f"'shm' moves host memory, but backend is '{c.backend.value}' "
+                              "(NCCL keeps boundaries on the GPU and uses its own paths inside a node: set p2p = 'auto')")
     if c.master and c.master not in names:
         close = difflib.get_close_matches(c.master, names, n=1)
         hint = f"did you mean '{close[0]}'? " if close else ""
@@ -872,7 +888,7 @@ def _validate_domains(f: str, c: ClusterSpec) -> None:
         at = f"cluster.domains[{i}]"
         if not re.fullmatch(r"[A-Za-z0-9_\-]+", d.name):
             raise LayoutError(f, f"{at}.name", f"'{d.name}' must be letters, digits, '-' or '_'")
-        if d.name in (DEFAULT_TRANSPORT, CROSS_DOMAIN):
+        if d.name in (DEFAULT_TRANSPORT, CROSS_DOMAIN, SHM):
             raise LayoutError(f, f"{at}.name", f"'{d.name}' is reserved (it names a group's transport; pick another name)")
         if d.name in domain_names[:i]:
             raise LayoutError(f, f"{at}.name", f"domain '{d.name}' is declared twice (give each domain its own name)")

@@ -23,8 +23,8 @@ import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile, Layout,
-                               Optimizer, Schedule)
+from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
+                               Layout, Optimizer, Schedule)
 from hetero_llm.params import ParamInfo, shard_range, stage_params
 
 
@@ -119,7 +119,9 @@ class Group:
     name: str  # "tp[p0.s1]", "grad_sync[0,3]", "world"
     ranks: tuple[int, ...]
     # Network settings the group is created with: its members' domain when they share one,
-    # CROSS_DOMAIN when they span domains, DEFAULT_TRANSPORT when the cluster declares no domains.
+    # CROSS_DOMAIN when they span domains, DEFAULT_TRANSPORT when the cluster declares no domains;
+    # SHM: a stage boundary inside one node whose tensors go through shared memory (hetero_llm/shm.py;
+    # the process group is still created, with the node's own settings, for the network fallback).
     transport: str = DEFAULT_TRANSPORT
 
 
@@ -188,7 +190,7 @@ class Plan:
         """
         cluster = self.layout.cluster
         own = cluster.transport(cluster.domain_of(self.ranks[rank].node))
-        spec = cluster.transport(group.transport)
+        spec = own if group.transport == SHM else cluster.transport(group.transport)
         env = dict(own.nccl_env) if own is not None else {}
         if spec is not None:
             env.update(spec.nccl_env)
@@ -230,7 +232,8 @@ def compile_plan(layout: Layout) -> Plan:
     groups = [group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
     for a, b in pairs:
         members = tuple(sorted(a.ranks + b.ranks))
-        groups += [group(p2p_group_name("fwd", a, b), members), group(p2p_group_name("bwd", b, a), members)]
+        via = p2p_transport(layout, [ranks[r] for r in members])
+        groups += [Group(p2p_group_name("fwd", a, b), members, via), Group(p2p_group_name("bwd", b, a), members, via)]
     groups += [group(b.name, b.group) for b in buckets]
     return Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
                 tuple(routes_f), tuple(routes_b))
@@ -243,6 +246,17 @@ def transport_of(layout: Layout, nodes: list[str]) -> str:
         return DEFAULT_TRANSPORT
     domains = {cluster.domain_of(n) for n in nodes}
     return domains.pop() if len(domains) == 1 else CROSS_DOMAIN
+
+
+def p2p_transport(layout: Layout, members: list[RankInfo]) -> str:
+    """A stage boundary's transport: SHM when its ranks share one node whose ``p2p`` allows it ('shm'; 'auto'
+    when they are all CPU ranks), else the network transport of their nodes (``transport_of``)."""
+    nodes = {r.node for r in members}
+    if len(nodes) == 1 and layout.cluster.backend is Backend.GLOO:
+        p2p = layout.cluster.node(nodes.pop()).p2p
+        if p2p is P2P.SHM or (p2p is P2P.AUTO and all(r.device == "cpu" for r in members)):
+            return SHM
+    return transport_of(layout, [r.node for r in members])
 
 
 def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int, int], ...]]:
@@ -374,7 +388,7 @@ def describe(plan: Plan) -> str:
         lines += ["", *describe_domains(plan)]
     lines += ["", "communicators (created in this order on every rank):"]
     for g in ((plan.world,) if domains else ()) + plan.groups:
-        via = f"  via {g.transport}" if domains else ""
+        via = f"  via {g.transport}" if domains or g.transport == SHM else ""
         lines.append(f"  {g.name:<28} ranks {list(g.ranks)}{via}")
     if not plan.groups:
         lines.append("  (none besides the world group)")

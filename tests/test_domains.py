@@ -11,12 +11,13 @@ import os
 from datetime import timedelta
 from pathlib import Path
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout
 from hetero_llm.cli import main
-from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, CommLib, DomainKind, loads
+from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, CommLib, DomainKind, loads
 from hetero_llm.plan import compile_plan, describe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,7 @@ def test_domains_load_into_typed_specs():
 def test_layouts_without_domains_are_one_implicit_domain():
     lay = layout.load(ROOT / "layouts" / "two_pipelines.toml")
     assert lay.cluster.domains == () and lay.cluster.domain_of("node0") == DEFAULT_TRANSPORT
-    assert set(transports(lay).values()) == {DEFAULT_TRANSPORT}
+    assert set(transports(lay).values()) == {DEFAULT_TRANSPORT, SHM}  # stage boundaries inside a node: shm
     plan = compile_plan(lay)
     assert all(plan.group_env(r.rank, g) == {} for r in plan.ranks for g in (plan.world,) + plan.groups)
 
@@ -186,9 +187,24 @@ def test_mixed_asymmetric_layout_gets_one_transport_per_group():
     for g in plan.groups:
         nodes_in = {plan.ranks[r].node for r in g.ranks}
         domains = {lay.cluster.domain_of(n) for n in nodes_in}
+        if g.name.startswith("p2p") and len(nodes_in) == 1:  # a stage boundary inside one node
+            assert g.transport == SHM, g
+            continue
         assert g.transport == (domains.pop() if len(domains) == 1 else CROSS_DOMAIN), g
     assert any(g.transport == "ib0" for g in plan.groups if g.name.startswith("grad_sync"))
     assert any(g.transport == CROSS_DOMAIN for g in plan.groups if g.name.startswith("grad_sync"))
+
+
+def test_a_shared_memory_boundary_keeps_its_nodes_domain_settings_for_its_process_group():
+    """The group beside the rings (the network fallback) is created like any group inside the node's domain."""
+    lay = make({"a0": ("ib0", 2), "b0": ("eth", 2)}, [(2, [["a0:0"], ["a0:1"], ["b0:0"], ["b0:1"]])])
+    plan = compile_plan(lay)
+    inside = next(g for g in plan.groups if g.name == "p2p_fwd[p0.s0->p0.s1]")
+    assert inside.transport == SHM
+    assert plan.group_env(0, inside) == {"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3",
+                                         "GLOO_SOCKET_IFNAME": "ib0if"}
+    assert transports(attrs.evolve(lay, cluster=attrs.evolve(lay.cluster, nodes=tuple(
+        attrs.evolve(n, p2p=P2P.NETWORK) for n in lay.cluster.nodes))))["p2p_fwd[p0.s0->p0.s1]"] == "ib0"
 
 
 def test_group_env_is_own_domain_overridden_by_the_group_transport():
@@ -222,7 +238,9 @@ def test_dry_run_prints_domains_and_each_groups_transport():
 
 def test_dry_run_without_domains_has_no_domain_table():
     text = describe(compile_plan(layout.load(ROOT / "layouts" / "two_pipelines.toml")))
-    assert "network domains" not in text and " via " not in text
+    assert "network domains" not in text  # only the shared-memory boundaries say how they travel
+    assert all(line.endswith("  via shm") for line in text.splitlines() if " via " in line)
+    assert "  p2p_fwd[p0.s0->p0.s1]        ranks [0, 1]  via shm" in text.splitlines()
 
 
 # ------------------------------------------------------------------------------------ comm mechanics

@@ -16,7 +16,7 @@ import attrs
 import pytest
 
 from hetero_llm import schedule as sched
-from hetero_llm.layout import Schedule, loads
+from hetero_llm.layout import SHM, Schedule, loads
 from hetero_llm.params import all_params
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan, describe
 
@@ -303,8 +303,9 @@ def test_grad_buckets_tp2_vs_tp3_common_refinement():
 def test_single_pipeline_tp1_has_no_buckets():
     plan = compile_plan(make([(4, 2, [(1, 1), (2, 1), (1, 1)])]))
     assert plan.buckets == ()
-    assert plan.groups == (Group("p2p_fwd[p0.s0->p0.s1]", (0, 1)), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1)),
-                           Group("p2p_fwd[p0.s1->p0.s2]", (1, 2)), Group("p2p_bwd[p0.s2->p0.s1]", (1, 2)))
+    # one node of CPU ranks: the boundaries go through shared memory (cluster.nodes[].p2p = 'auto')
+    assert plan.groups == (Group("p2p_fwd[p0.s0->p0.s1]", (0, 1), SHM), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1), SHM),
+                           Group("p2p_fwd[p0.s1->p0.s2]", (1, 2), SHM), Group("p2p_bwd[p0.s2->p0.s1]", (1, 2), SHM))
     assert "  (none: a single pipeline holds every parameter once)" in describe(plan)
     one = compile_plan(make([(4, 2, [(4, 1)])]))
     assert one.groups == () and "  (none besides the world group)" in describe(one)
@@ -324,7 +325,8 @@ def test_groups_in_one_deterministic_order():
     # TP groups in stage order, the p2p groups of each boundary (activations, gradients), then one group
     # per bucket in sorted rank order
     assert list(plan.groups[:2]) == [Group("tp[p0.s0]", (0, 1)), Group("tp[p1.s0]", (3, 4, 5))]
-    assert list(plan.groups[2:4]) == [Group("p2p_fwd[p0.s0->p0.s1]", (0, 1, 2)), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1, 2))]
+    assert list(plan.groups[2:4]) == [Group("p2p_fwd[p0.s0->p0.s1]", (0, 1, 2), SHM),
+                                      Group("p2p_bwd[p0.s1->p0.s0]", (0, 1, 2), SHM)]
     assert list(plan.groups[4:]) == [Group(b.name, b.group) for b in plan.buckets]
     assert [b.group for b in plan.buckets] == sorted(b.group for b in plan.buckets)
     assert all(isinstance(b, GradBucket) and len(b.group) > 1 for b in plan.buckets)
@@ -358,8 +360,8 @@ def test_describe_has_rank_table_groups_and_schedule_grids():
     lines = text.splitlines()
     assert lines[0] == "layout inline.toml: 6 ranks, 2 pipeline(s), global batch 6, schedule 1f1b"
     assert RANK_TABLE_HEADER in lines
-    for g in plan.groups:
-        assert f"  {g.name:<28} ranks {list(g.ranks)}" in lines
+    for g in plan.groups:  # no domains declared: only shared-memory boundaries say how they travel
+        assert f"  {g.name:<28} ranks {list(g.ranks)}" + ("  via shm" if g.transport == SHM else "") in lines
     for pi, pipe in enumerate(plan.schedules):
         grid = sched.format_grid([list(a) for a in pipe])
         assert f"pipeline {pi} schedule:\n{grid}" in text
