@@ -14,7 +14,8 @@ is runtime overhead.
     python bench/paired_rank.py LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
 
 With ``--versus SCHEDULE`` both sides are hetero_llm's loop, the layout's schedule against SCHEDULE
-(the results name the two sides "ours" and "other").
+(the results name the two sides "ours" and "other"). With ``--versus network`` both run the layout
+as it is, "other" with every stage boundary over its process group instead of shared memory.
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ import click
 @click.option("--steps", default=4, show_default=True, help="Training steps per round.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes the step rows here.")
 @click.option("--versus", default="torch", show_default=True,
-              help="The other side: 'torch' (torch.distributed.pipelining), or a train.schedule value to run "
+              help="The other side: 'torch' (torch.distributed.pipelining), 'network' (the layout with its "
+                   "shared-memory boundaries over their process groups), or a train.schedule value to run "
                    "hetero_llm's loop with instead of the layout's (e.g. 'dynamic').")
 def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: str | None, versus: str) -> None:
+    import attrs
     import torch
     import torch.distributed as dist
 
@@ -49,8 +52,11 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))
     comms = comm.init(plan, rank, torch.device("cpu"))
+    other_comms = comms
     if versus == "torch":
         baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))
+    elif versus == "network":  # the same plan and groups; no shared-memory rings: gloo carries every boundary
+        other, other_comms = plan, attrs.evolve(comms, shm={})
     else:  # the same communicators serve both: the plan's groups do not depend on the schedule
         other = compile_plan(layout_mod.load(layout_file, [*overrides, f"train.schedule={versus}"]))
     result: dict[str, list] = {"ours": [], "other": [], "ours_events": [], "other_events": [], "cpu": []}
@@ -69,7 +75,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
                     result["other"].append([baseline.step(k) for k in range(steps)])
                 else:
                     events = []
-                    history = train(other, rank, comms, trace=events, quiet=True, keep_history=True)
+                    history = train(other, rank, other_comms, trace=events, quiet=True, keep_history=True)
                     result["other"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["other_events"].append(events)
                 cpu[side].append(time.process_time() - start)

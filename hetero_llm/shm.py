@@ -13,9 +13,11 @@ a mismatched tensor) and hands each message to the posted receive with its tag; 
 not posted yet stays in its slot, or is set aside when a later message is wanted first (the dynamic
 schedule may send backward gradients out of order).
 
-Waiting: a reader with nothing to read spins for ``SPIN_S``, then sleeps in futex(2) on the ring's
-data bell, a counter the writer increments and wakes after each message (one syscall, about 1 us):
-an idle rank gives its core back to the computing ranks (``bench/shm_bench.py`` measures both).
+Waiting: a reader with nothing to read sleeps in futex(2) on the ring's data bell, a counter the
+writer increments and wakes after each message (one syscall, about 1 us), so an idle rank gives its
+core back to the computing ranks; it can spin ``SPIN_S`` first (0: ``bench/shm_bench.py`` measures
+why). A big message is written in chunks, each published at once, so the reader copies one out
+while the writer copies the next in.
 
 Lifetime: the receiver creates each ring's file (its name carries the creator's pid), the sender maps
 it, and the file is unlinked as soon as both have mapped it: from then on only the two mappings hold
@@ -53,14 +55,17 @@ from hetero_llm.plan import Plan, p2p_group_name
 
 FWD, BWD = 0, 1  # the runtime's directions: activations, their gradients
 PREFIX = "hl-shm"
-SPIN_S = 50e-6  # a reader spins this long before it sleeps (bench/shm_bench.py: the measured trade-off)
+# A reader spins this long before it sleeps. 0: on 2 shared cores a spinning reader delays the very writer
+# it waits for (bench/shm_bench.py: 4 B one-way ~20 us without spinning, ~70 us with 50 us, ~470 us with 500 us).
+SPIN_S = 0.0
 SLEEP_S = 0.5  # one futex sleep at most, between checks that the peer still lives
+CHUNK = 256 << 10  # a bigger message is written in chunks of this size, each published at once
 _MAGIC = b"HLSHM001"
 _HEADER = 256  # magic, sizes, pids; the counters, each pair on its own cache line
 _SLOT_HEADER = 64
 _META = struct.Struct("<8sIIQ")  # magic, slots, writer pid, slot bytes (at 0); reader pid at 24
 _MSG = struct.Struct("<QqQ")  # sequence number, tag, payload bytes (at the start of each slot)
-_READER_PID, _HEAD, _DATA_BELL, _TAIL, _SPACE_BELL, _WRITER_WAITING = 24, 64, 72, 128, 136, 140
+_READER_PID, _HEAD, _DATA_BELL, _PUBLISHED, _TAIL, _SPACE_BELL, _WRITER_WAITING = 24, 64, 72, 80, 128, 136, 140
 _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
@@ -204,22 +209,28 @@ def futex() -> _Futex:
 
 
 class Ring:
-    """A mapped ring. Writer-owned: head (messages written), data bell. Reader-owned: tail (messages
-    taken), space bell. Never unmapped while the process runs: a thread may still sleep on a bell."""
+    """A mapped ring. Writer-owned: head (messages written), published (payload bytes written, all messages
+    together, partly written ones included), data bell. Reader-owned: tail (messages taken), space bell.
+    Never unmapped while the process runs: a thread may still sleep on a bell."""
 
     def __init__(self, mm: mmap.mmap, spec: RingSpec, label: str):
         self.mm, self.spec, self.label = mm, spec, label
         self.head = ctypes.c_uint64.from_buffer(mm, _HEAD)
         self.data_bell = ctypes.c_uint32.from_buffer(mm, _DATA_BELL)
+        self.published = ctypes.c_uint64.from_buffer(mm, _PUBLISHED)
         self.tail = ctypes.c_uint64.from_buffer(mm, _TAIL)
         self.space_bell = ctypes.c_uint32.from_buffer(mm, _SPACE_BELL)
         self.writer_waiting = ctypes.c_uint32.from_buffer(mm, _WRITER_WAITING)
         self.reader_pid = ctypes.c_uint32.from_buffer(mm, _READER_PID)
         self.writer_pid = ctypes.c_uint32.from_buffer(mm, 12)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
         stride = _SLOT_HEADER + spec.slot_bytes
         self.offsets = [_HEADER + i * stride for i in range(spec.slots)]
-        self.payloads = [torch.frombuffer(mm, dtype=torch.uint8, count=spec.slot_bytes, offset=o + _SLOT_HEADER)
-                         for o in self.offsets]
+        self.payloads = [base + o + _SLOT_HEADER for o in self.offsets]  # addresses
+
+    def ring(self, bell: ctypes.c_uint32) -> None:
+        bell.value = bell.value + 1 & 0xFFFFFFFF
+        futex().wake(ctypes.addressof(bell))
 
     def peer_gone(self, peer_pid: int) -> bool:
         try:
@@ -258,9 +269,11 @@ class Ring:
             futex().wait(addr, seen, min(nap_s, max(check_at - now, 1e-4)))
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous tensor, flat."""
-    return tensor.reshape(-1).view(torch.uint8)
+def _address(tensor: torch.Tensor, what: str) -> tuple[int, int]:
+    """(data address, bytes) of a contiguous CPU tensor."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise RankFailure(f"shm {what} needs a contiguous CPU tensor, got one on {tensor.device}")
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
 
 
 @attrs.define(eq=False)
@@ -282,8 +295,7 @@ class Sender:
 
     def send(self, tensor: torch.Tensor, tag: int) -> Sent:
         r, spec = self.ring, self.ring.spec
-        data = _bytes(tensor)
-        nbytes = data.numel()
+        src, nbytes = _address(tensor, "send")
         if nbytes > spec.slot_bytes:
             raise RankFailure(f"{r.label}: a {nbytes}-byte message does not fit the {spec.slot_bytes}-byte slots of "
                               f"the ring to rank {spec.dst} (sized from the plan: the tensor has another shape)")
@@ -296,11 +308,16 @@ class Sender:
             finally:
                 r.writer_waiting.value = 0
         slot = n % spec.slots
-        r.payloads[slot][:nbytes].copy_(data)
-        _MSG.pack_into(r.mm, r.offsets[slot], n, tag, nbytes)
-        r.head.value = n + 1  # publishes the message (after its payload and header: TSO)
-        r.data_bell.value = r.data_bell.value + 1 & 0xFFFFFFFF
-        futex().wake(ctypes.addressof(r.data_bell))
+        _MSG.pack_into(r.mm, r.offsets[slot], n, tag, nbytes)  # before any byte is published: TSO
+        dst, published = r.payloads[slot], r.published.value
+        for lo in range(0, nbytes, CHUNK):  # a big message in chunks: the reader copies one out while
+            size = min(CHUNK, nbytes - lo)  # the next goes in
+            ctypes.memmove(dst + lo, src + lo, size)
+            r.published.value = published + lo + size
+            if size < nbytes:
+                r.ring(r.data_bell)
+        r.head.value = n + 1  # the whole message is there
+        r.ring(r.data_bell)
         return Sent()
 
 
@@ -309,9 +326,10 @@ class Received:
     """A posted receive: ``wait()`` blocks until its message is in ``buffer``; ``is_completed()`` polls."""
 
     receiver: "Receiver"
-    buffer: torch.Tensor  # the bytes of the caller's tensor
+    buffer: torch.Tensor  # the caller's tensor
     tag: int
     done: bool = False
+    copied: int = 0  # bytes of its message copied so far (a big one arrives in chunks)
 
     def wait(self) -> None:
         self.receiver.wait(self)
@@ -330,13 +348,16 @@ class Receiver:
         self.posted: dict[int, deque[Received]] = {}
         self.early: dict[int, deque[torch.Tensor]] = {}  # messages taken out of turn, by tag
         self.expected = 0  # the next sequence number
+        self.taken = 0  # payload bytes of the messages before it
 
     def post(self, tensor: torch.Tensor, tag: int) -> Received:
-        work = Received(self, _bytes(tensor), tag)
+        _address(tensor, "receive")
+        work = Received(self, tensor, tag)
         with self.lock:
             kept = self.early.get(tag)
             if kept:
-                self._fill(work, kept.popleft())
+                message = kept.popleft()
+                self._copy(work, message.data_ptr(), message.numel(), message.numel())
             else:
                 self.posted.setdefault(tag, deque()).append(work)
         return work
@@ -352,31 +373,43 @@ class Receiver:
         r.wait(r.data_bell, lambda: self.poll(work), r.writer_pid.value, r.spec.src,
                f"receive tag {work.tag}", self.timeout_s, SPIN_S)
 
-    def _fill(self, work: Received, payload: torch.Tensor) -> None:
-        if payload.numel() != work.buffer.numel():
+    def _copy(self, work: Received, src: int, upto: int, nbytes: int) -> None:
+        """Copy bytes [work.copied, upto) of an ``nbytes`` message at ``src`` into the receive's tensor."""
+        dst, size = _address(work.buffer, "receive")
+        if size != nbytes:
             raise RankFailure(f"{self.ring.label}: message tag {work.tag} from rank {self.ring.spec.src} has "
-                              f"{payload.numel()} bytes, the receive expects {work.buffer.numel()}")
-        work.buffer.copy_(payload)
-        work.done = True
+                              f"{nbytes} bytes, the receive expects {size}")
+        ctypes.memmove(dst + work.copied, src + work.copied, upto - work.copied)
+        work.copied = upto
+        work.done = upto == nbytes
 
     def _take(self, want: Received) -> None:
         """Deliver arrived messages in order to their posted receives, until ``want`` has its message; a
-        message ahead of it whose receive is not posted is set aside, one behind it stays in the ring."""
+        message ahead of it whose receive is not posted is set aside, one behind it stays in the ring.
+        A message still being written goes into its receive as far as it is written."""
         r, spec = self.ring, self.ring.spec
-        while not want.done and self.expected < r.head.value:
+        while not want.done:
             n = self.expected
+            complete = n < r.head.value
+            if not complete and r.published.value == self.taken:
+                return  # nothing of message n yet
             slot = n % spec.slots
             seq, tag, nbytes = _MSG.unpack_from(r.mm, r.offsets[slot])
             if seq != n:
                 raise RankFailure(f"{r.label}: shared-memory ring from rank {spec.src} is out of sequence: message "
                                   f"{seq} in the slot of message {n} (a bug: please report it)")
-            payload = r.payloads[slot][:nbytes]
             waiting = self.posted.get(tag)
+            if not complete:
+                if waiting:
+                    self._copy(waiting[0], r.payloads[slot], min(r.published.value - self.taken, nbytes), nbytes)
+                return
             if waiting:
-                self._fill(waiting.popleft(), payload)
+                self._copy(waiting.popleft(), r.payloads[slot], nbytes, nbytes)
             else:
-                self.early.setdefault(tag, deque()).append(payload.clone())
-            self.expected = n + 1
+                kept = torch.empty(nbytes, dtype=torch.uint8)
+                ctypes.memmove(kept.data_ptr(), r.payloads[slot], nbytes)
+                self.early.setdefault(tag, deque()).append(kept)
+            self.expected, self.taken = n + 1, self.taken + nbytes
             r.tail.value = n + 1  # the slot is free again
             r.space_bell.value = r.space_bell.value + 1 & 0xFFFFFFFF
             if r.writer_waiting.value:

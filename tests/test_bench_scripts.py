@@ -91,6 +91,19 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_shm_bench_quick(tmp_path):
+    _run("shm_bench.py", tmp_path)
+    payload = _check_files(tmp_path, "shm_bench",
+                           ["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
+                           ["bytes", "gloo_us", "shm_us", "ratio", "gloo_MBps", "shm_MBps"],
+                           more_tables=(["waiter", "CPU ms per 100 ms waited", "one-way 4 B, us", "one-way 1 MiB, us"],
+                                        ["model", "schedule", "shm tokens/s", "gloo tokens/s", "shm/gloo", "range",
+                                         "CPU s/step shm", "CPU s/step gloo", "same losses"]))
+    assert [r["bytes"] for r in payload["results"]] == [4, 64 << 10, 1 << 20, 16 << 20]
+    assert [w["waiter"] for w in payload["waiting"]] == ["gloo", "shm, spin 0 us", "shm, spin 50 us", "shm, spin 500 us"]
+    assert {(t["schedule"], t["same_losses"]) for t in payload["training"]} == {("1f1b", True), ("dynamic", True)}
+
+
 def test_sim_vs_measured_quick(tmp_path):
     _run("sim_vs_measured.py", tmp_path)
     payload = _check_files(tmp_path, "sim_vs_measured",

@@ -69,6 +69,16 @@ def test_layout_trains_the_reference_model(name, pipelines, schedule, reference,
     assert_same_model(launch(path, tmp_path), reference)
 
 
+NETWORK_CASES = [PIPELINE_CASES[0], TP_CASES[0], SCHEDULE_CASES[1]]  # one pipeline each: its node is n0
+
+
+@pytest.mark.parametrize("name,pipelines,schedule", NETWORK_CASES, ids=[c[0] for c in NETWORK_CASES])
+def test_boundaries_over_the_network_train_the_reference_model(name, pipelines, schedule, reference, tmp_path):
+    """The cases above move same-node boundaries through shared memory (p2p = 'auto'); these through gloo."""
+    path = write_layout(tmp_path / "layout.toml", COMMON, pipelines, schedule)
+    assert_same_model(launch(path, tmp_path, "--set", "cluster.nodes[0].p2p=network"), reference)
+
+
 @pytest.mark.parametrize("stages,microbatches", [([(4, 1), (2, 2)], 4), ([(2, 1), (2, 2), (2, 1)], 6)],
                          ids=["2 stages tp [1, 2]", "3 stages tp [1, 2, 1]"])
 def test_interleaved_two_chunks(stages, microbatches, reference, tmp_path):

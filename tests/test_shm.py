@@ -8,6 +8,7 @@ their boundaries use shared memory ('auto'), and two of its cases run with p2p =
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -80,6 +81,31 @@ def test_messages_go_to_the_receive_with_their_tag_in_any_order(shm_dir):
     assert not late.is_completed()
     sender.send(x := torch.randn(32).bfloat16(), 9)
     assert late.is_completed() and torch.equal(buf, x)
+
+
+def test_a_big_message_is_copied_out_while_it_is_written(shm_dir):
+    spec = shm.RingSpec(0, 1, shm.FWD, slots=2, slot_bytes=3 * shm.CHUNK + 64, group="big")
+    ends0, ends1 = _pair([spec])
+    x, y = torch.randn((3 * shm.CHUNK + 64) // 4), torch.empty((3 * shm.CHUNK + 64) // 4)
+    work = ends1[spec.key].post(y, 1)
+    waiter = threading.Thread(target=work.wait)
+    waiter.start()
+    ends0[spec.key].send(x, 1)
+    waiter.join()
+    assert torch.equal(x, y)
+    # the next message written by hand, half of it published: the receive takes that half, and waits for the rest
+    ring, nbytes, z, neg = ends0[spec.key].ring, x.numel() * 4, torch.empty_like(x), -x
+    shm._MSG.pack_into(ring.mm, ring.offsets[1], 1, 2, nbytes)
+    ctypes.memmove(ring.payloads[1], neg.data_ptr(), shm.CHUNK)
+    ring.published.value += shm.CHUNK
+    work = ends1[spec.key].post(z, 2)
+    assert not work.is_completed() and work.copied == shm.CHUNK
+    assert torch.equal(z[:shm.CHUNK // 4], neg[:shm.CHUNK // 4])
+    ctypes.memmove(ring.payloads[1] + shm.CHUNK, neg.data_ptr() + shm.CHUNK, nbytes - shm.CHUNK)
+    ring.published.value += nbytes - shm.CHUNK
+    ring.head.value = 2
+    work.wait()
+    assert torch.equal(z, neg)
 
 
 def test_the_ring_wraps_around_many_times(shm_dir):
