@@ -241,6 +241,18 @@ def tokens_per_second(step_seconds: Sequence[float], tokens_per_step: int, skip:
     return tokens_per_step / median(steady(step_seconds, skip))
 
 
+def paired_rates(got: dict, tokens_per_step: int, steps: int) -> tuple[list[float], list[float], dict[str, float]]:
+    """``run_paired``'s result: tokens/s of "ours" and of "other" in each round (the first step is warm-up),
+    and each side's CPU seconds per step, every rank together (median over rounds)."""
+    def rate(rows):
+        return tokens_per_second([r["seconds"] for r in rows], tokens_per_step, 1)
+
+    ours, other = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
+    cpu = {side: median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(len(ours))])
+           for side in ("ours", "other")}
+    return ours, other, cpu
+
+
 # ------------------------------------------------------------------------------------------
 # Output
 

@@ -154,14 +154,9 @@ def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> 
 
 
 def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
-    def rate(rows):
-        return tokens / B.median([r["seconds"] for r in B.steady(rows, 1)])
-
-    fixed, dynamic = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
+    fixed, dynamic, cpu = B.paired_rates(got, tokens, steps)
     ratios = [d / f for f, d in zip(fixed, dynamic)]
     rounds = len(ratios)
-    cpu = {side: B.median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(rounds)])
-           for side in ("ours", "other")}
     return {"scenario": scenario, "1f1b_tokens_s": B.median(fixed), "dynamic_tokens_s": B.median(dynamic),
             "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
             "1f1b_cpu_step_s": cpu["ours"], "dynamic_cpu_step_s": cpu["other"], "ratios": ratios}

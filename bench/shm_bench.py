@@ -149,14 +149,9 @@ def summarize_waiting(got: dict) -> list[dict]:
 
 
 def summarize_training(name: str, schedule: str, got: dict, tokens: int, steps: int) -> dict:
-    def rate(rows):
-        return tokens / B.median([r["seconds"] for r in B.steady(rows, 1)])
-
-    shm, gloo = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
+    shm, gloo, cpu = B.paired_rates(got, tokens, steps)
     ratios = [s / g for s, g in zip(shm, gloo)]
     rounds = len(ratios)
-    cpu = {side: B.median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(rounds)])
-           for side in ("ours", "other")}
     same = all(abs(a["loss"] - b["loss"]) == 0 for ra, rb in zip(got["ours"], got["other"]) for a, b in zip(ra, rb))
     return {"model": name, "schedule": schedule, "shm_tokens_s": B.median(shm), "gloo_tokens_s": B.median(gloo),
             "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
