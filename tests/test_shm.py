@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from datetime import timedelta
@@ -235,6 +236,16 @@ def test_shm_dir_missing_is_one_line_naming_the_size(monkeypatch):
 # Real runs: every exit path leaves /dev/shm as it found it
 
 
+@pytest.fixture
+def private_shm(monkeypatch):
+    """A folder of its own in /dev/shm (tmpfs, like /dev/shm itself) for the rings of one test's runs, so
+    other jobs' rings on this host do not show in its listing; removed after (it must be empty then)."""
+    d = tempfile.mkdtemp(prefix="hl-test-", dir="/dev/shm")
+    monkeypatch.setenv("HETERO_SHM_DIR", d)
+    yield d
+    os.rmdir(d)
+
+
 def _ours() -> set[str]:
     return {n for n in os.listdir(shm.shm_dir()) if n.startswith(shm.PREFIX + ".")}
 
@@ -246,8 +257,7 @@ def _small(tmp_path: Path, schedule: str = "1f1b") -> Path:
     return path
 
 
-def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path):
-    before = _ours()
+def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path, private_shm):
     path = _small(tmp_path, "dynamic")
     port = free_port()
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(path), "--quiet", "--set", f"cluster.port={port}",
@@ -261,7 +271,7 @@ def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path):
     network = launch(path, tmp_path / "net", "--set", "cluster.nodes[0].p2p=network")
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "m0.jsonl").read_text().splitlines()]
     assert losses == network.losses  # the same bytes crossed: bitwise the same run
-    assert _ours() == before
+    assert _ours() == set()
 
 
 def _start(path: Path, tmp_path: Path) -> subprocess.Popen:
@@ -288,8 +298,7 @@ def _rank_pid(launcher: int, rank: int) -> int:
     raise AssertionError(f"no hl-rank{rank} under {launcher}")
 
 
-def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path):
-    before = _ours()
+def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path, private_shm):
     path = _small(tmp_path)
     (tmp_path / "a").mkdir()
     proc = _start(path, tmp_path / "a")
@@ -297,7 +306,7 @@ def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert _ours() == before
+    assert _ours() == set()
 
     (tmp_path / "b").mkdir()
     proc = _start(path, tmp_path / "b")
@@ -306,4 +315,4 @@ def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert "rank 1 (node0:1, pipeline 0 stage 1) failed: killed by SIGKILL" in err, err
-    assert _ours() == before
+    assert _ours() == set()
