@@ -159,6 +159,18 @@ class ModelSpec:
     position: Position = _doc("'learned' absolute embeddings (GPT) or 'rope' (Llama)", default=Position.LEARNED)
     mlp: Mlp = _doc("'gelu' (GPT) or 'swiglu' (Llama)", default=Mlp.GELU)
     init_std: float = _doc("std of the normal init of weight matrices", default=0.02)
+    norm_eps: float = _doc("epsilon of every layernorm/rmsnorm (GPT-2: 1e-5; Llama: 1e-5 or 1e-6)", default=1e-5)
+    rope_theta: float = _doc("RoPE base: position p rotates pair j by p / rope_theta^(2j / head size) "
+                             "(Llama 2: 10000; Llama 3: 500000)", default=10000.0)
+    kv_heads: int = _doc("key/value heads (grouped-query attention: each serves heads / kv_heads query heads); "
+                         "0 means heads (plain multi-head attention); TP sizes must divide it", default=0)
+    tie_embeddings: bool = _doc("the output head reuses the token embedding (GPT-2); with pipelines the first "
+                                "and last stage each hold it and sum its gradient", default=False)
+    bias: bool = _doc("biases on the attention and MLP projections (GPT-2); norms keep theirs either way",
+                      default=False)
+    init_from: str = _doc("a local Hugging Face model directory (config.json + model.safetensors, Llama or "
+                          "GPT-2) to start from instead of the seeded init; relative to the layout file; "
+                          "its config must match this [model]", default="")
 
     @property
     def ffn_width(self) -> int:
@@ -167,6 +179,11 @@ class ModelSpec:
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def kv_heads_n(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` when it is 0."""
+        return self.kv_heads or self.heads
 
 
 @attrs.frozen
@@ -442,6 +459,8 @@ def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
         raise LayoutError(file, "buckets", "expected one or more [[buckets]] tables")
     buckets = tuple(_build(BucketSpec, t, f"buckets[{i}]", file) for i, t in enumerate(buckets))
     buckets = tuple(attrs.evolve(b, pipelines=_resolve_schedule_files(b.pipelines, base_dir)) for b in buckets)
+    if sections["model"].init_from:
+        sections["model"] = attrs.evolve(sections["model"], init_from=str(base_dir / sections["model"].init_from))
     data = sections["data"]
     if data.path:
         data = attrs.evolve(data, path=str((base_dir / data.path)))
@@ -562,6 +581,10 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
         if annotation == "float" and not math.isfinite(value):
             raise LayoutError(file, where, f"expected a finite number, got {value!r}")
         return value if annotation == "int" else float(value)
+    if annotation == "bool":
+        if not isinstance(value, bool):
+            raise LayoutError(file, where, f"expected true or false, got {_type_name(value)}")
+        return value
     if annotation == "str":
         if not isinstance(value, str):
             raise LayoutError(file, where, f"expected a string, got {_type_name(value)} (put it in quotes)")
@@ -700,6 +723,7 @@ def validate(layout: Layout) -> None:
         raise LayoutError(f, "train.grad_clip", f"must be >= 0 (0 disables clipping), got {t.grad_clip}")
     if m.init_std < 0:
         raise LayoutError(f, "model.init_std", f"must be >= 0, got {m.init_std}")
+    _validate_model_options(layout)
     if d.kind is DataKind.GRAMMAR:
         _positive(layout, d, "data", ["grammar_seed"], minimum=0)  # numpy rejects negative seeds
         if d.path:  # a forgotten data.kind would otherwise train on the grammar without a word
@@ -730,6 +754,9 @@ def validate(layout: Layout) -> None:
             tp = stage.tp
             if m.heads % tp:
                 raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide heads ({m.heads}) (use a TP size dividing {m.heads})")
+            if m.kv_heads_n % tp:
+                raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide model.kv_heads ({m.kv_heads_n}) "
+                                  f"(use a TP size dividing {m.kv_heads_n})")
             if m.ffn_width % tp:
                 raise LayoutError(f, f"{sp}.devices", f"TP size {tp} does not divide the MLP width ({m.ffn_width}) "
                                   f"(use a TP size dividing {m.ffn_width}, or a model.ffn divisible by {tp})")
@@ -821,6 +848,24 @@ def _validate_buckets(layout: Layout) -> None:
         raise LayoutError(f, f"buckets[{len(layout.buckets) - 1}].max_len", f"{previous} is below model.seq_len "
                           f"({m.seq_len}): documents of {previous + 1} to {m.seq_len} positions would fit no bucket "
                           f"(make the last bucket's max_len {m.seq_len})")
+
+
+def _validate_model_options(layout: Layout) -> None:
+    """``norm_eps``, ``rope_theta``, ``kv_heads``, ``init_from``: the options that reproduce Llama/GPT-2 models."""
+    f, m = layout.file, layout.model
+    if m.norm_eps <= 0:
+        raise LayoutError(f, "model.norm_eps", f"must be > 0, got {m.norm_eps:g} (GPT-2 and Llama use 1e-5)")
+    if m.rope_theta <= 0:
+        raise LayoutError(f, "model.rope_theta", f"must be > 0, got {m.rope_theta:g} (Llama 2 uses 10000)")
+    if m.kv_heads < 0:
+        raise LayoutError(f, "model.kv_heads", f"must be >= 0 (0 = heads), got {m.kv_heads}")
+    if m.heads % m.kv_heads_n:
+        raise LayoutError(f, "model.kv_heads", f"{m.kv_heads} does not divide heads ({m.heads}) "
+                          f"(use a divisor of {m.heads}, or 0 for one key/value head per query head)")
+    if m.init_from:
+        from hetero_llm import hf  # torch-free: reads config.json only
+
+        hf.check_config(layout)
 
 
 def validate_cluster(f: str, c: ClusterSpec) -> None:

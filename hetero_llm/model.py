@@ -29,7 +29,7 @@ import torch.utils.checkpoint
 
 from hetero_llm.docmask import DocumentMask
 from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
-from hetero_llm.params import ParamInfo, layer_params
+from hetero_llm.params import BIAS_OF, ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
 BlockFn = Callable[..., torch.Tensor]  # (one block's params by local name, x, docs=None) -> x
@@ -89,7 +89,7 @@ def init_full(info: ParamInfo, model: ModelSpec, seed: int) -> torch.Tensor:
     leaf = info.name.rsplit(".", 1)[-1]
     if info.name.endswith("norm.weight"):
         return torch.ones(info.shape)
-    if info.name.endswith("norm.bias"):
+    if info.name.endswith("norm.bias") or leaf in BIAS_OF.values():
         return torch.zeros(info.shape)
     gen = torch.Generator().manual_seed(param_seed(seed, info.name))
     std = model.init_std
@@ -112,8 +112,8 @@ def init_shard(info: ParamInfo, model: ModelSpec, seed: int, lo: int, hi: int) -
 def _norm(x: torch.Tensor, p: Params, prefix: str, model: ModelSpec) -> torch.Tensor:
     weight = p[f"{prefix}.weight"].to(x.dtype)  # the cast is a no-op (no copy, no graph node) in float32
     if model.norm is Norm.LAYERNORM:
-        return F.layer_norm(x, (x.shape[-1],), weight, p[f"{prefix}.bias"].to(x.dtype), eps=1e-5)
-    return F.rms_norm(x, (x.shape[-1],), weight, eps=1e-5)
+        return F.layer_norm(x, (x.shape[-1],), weight, p[f"{prefix}.bias"].to(x.dtype), eps=model.norm_eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps=model.norm_eps)
 
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -205,8 +205,9 @@ class _DeferrableLinear(torch.autograd.Function):
         return grad_x, _weight_grad(x, g).to(ctx.weight.dtype), None
 
 
-def rope_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+def rope_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype,
+                theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)  # (T, hd/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
@@ -239,28 +240,43 @@ def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: 
     hd = model.head_dim
 
     h = tp.enter(_norm(x, p, "attn_norm", model))
-    q, k, v = _linears(h, [p["attn.wq"], p["attn.wk"], p["attn.wv"]], linear)  # (B, T, C/tp) each
-    nh = q.shape[-1] // hd  # local heads
-    q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hd)
+    q, k, v = _projections(h, p, ["attn.wq", "attn.wk", "attn.wv"], linear)  # (B, T, C/tp), (B, T, KV/tp) x2
+    nh, nkv = q.shape[-1] // hd, k.shape[-1] // hd  # local query and key/value heads
+    q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
+    k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
     if model.position is Position.ROPE:
-        cos, sin = rope_tables(T, hd, x.device, q.dtype)
+        cos, sin = rope_tables(T, hd, x.device, q.dtype, model.rope_theta)
         if docs is not None:
             cos, sin = docs.at_positions(cos), docs.at_positions(sin)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+    if nkv != nh:  # grouped-query attention: query head i reads key/value head i // (nh / nkv)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
     if docs is not None:
         y = docs.attention(q, k, v)
     else:
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     y = y.transpose(1, 2).reshape(B, T, nh * hd)
-    x = x + tp.exit(linear(y, p["attn.wo"]))  # row-parallel: partial sums reduced by exit
+    x = x + _bias(tp.exit(linear(y, p["attn.wo"])), p, "attn.wo")  # row-parallel: partial sums reduced by exit
 
     h = tp.enter(_norm(x, p, "mlp_norm", model))
     if model.mlp is Mlp.SWIGLU:
-        a, gate = _linears(h, [p["mlp.w1"], p["mlp.w3"]], linear)  # (B, T, F/tp) each
+        a, gate = _projections(h, p, ["mlp.w1", "mlp.w3"], linear)  # (B, T, F/tp) each
         a = F.silu(a) * gate
     else:
-        a = F.gelu(linear(h, p["mlp.w1"]), approximate="tanh")  # (B, T, F/tp)
-    return x + tp.exit(linear(a, p["mlp.w2"]))
+        a = F.gelu(_projections(h, p, ["mlp.w1"], linear)[0], approximate="tanh")  # (B, T, F/tp)
+    return x + _bias(tp.exit(linear(a, p["mlp.w2"])), p, "mlp.w2")
+
+
+def _bias(y: torch.Tensor, p: Params, weight: str) -> torch.Tensor:
+    """``y`` plus the bias of projection ``weight`` when the model has biases (model.bias)."""
+    prefix, leaf = weight.rsplit(".", 1)
+    b = p.get(f"{prefix}.{BIAS_OF[leaf]}")
+    return y if b is None else y + b.to(y.dtype)
+
+
+def _projections(h: torch.Tensor, p: Params, weights: list[str], linear: Linear) -> list[torch.Tensor]:
+    """The column-parallel projections ``weights`` of ``h`` (one GEMM where ``_linears`` fuses), with their biases."""
+    return [_bias(y, p, w) for y, w in zip(_linears(h, [p[w] for w in weights], linear), weights)]
 
 
 def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32, linear: Linear = _linear) -> BlockFn:
@@ -291,7 +307,8 @@ def embed(p: Params, tokens: torch.Tensor, model: ModelSpec, docs: DocumentMask 
 
 
 def head(p: Params, x: torch.Tensor, model: ModelSpec, linear: Linear = _linear) -> torch.Tensor:
-    return linear(_norm(x, p, "final_norm", model), p["lm_head.weight"])  # (B, T, V)
+    weight = p["embed.tok"] if model.tie_embeddings else p["lm_head.weight"]
+    return linear(_norm(x, p, "final_norm", model), weight)  # (B, T, V)
 
 
 def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP,

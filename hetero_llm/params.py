@@ -32,17 +32,33 @@ def _norm(prefix: str, model: ModelSpec, layer: int | None) -> list[ParamInfo]:
     return out
 
 
+# model.bias: the bias of each projection, named after its weight. Column-parallel biases are split with
+# their weight's rows; row-parallel ones (bo, b2) are replicated and added once, after the all-reduce.
+BIAS_OF = {"wq": "bq", "wk": "bk", "wv": "bv", "wo": "bo", "w1": "b1", "w3": "b3", "w2": "b2"}
+
+
+def _proj(name: str, shape: tuple[int, int], shard_dim: int, model: ModelSpec, i: int) -> list[ParamInfo]:
+    """A projection weight (column-parallel: shard_dim 0, row-parallel: 1) and, with model.bias, its bias."""
+    out = [ParamInfo(name, shape, shard_dim, True, i)]
+    if model.bias:
+        prefix, leaf = name.rsplit(".", 1)
+        out.append(ParamInfo(f"{prefix}.{BIAS_OF[leaf]}", shape[:1], 0 if shard_dim == 0 else None, False, i))
+    return out
+
+
 def layer_params(model: ModelSpec, i: int) -> list[ParamInfo]:
     C, F = model.hidden, model.ffn_width
+    KV = model.kv_heads_n * model.head_dim  # grouped-query attention: fewer key/value rows
     p = f"layers.{i}"
     out = _norm(f"{p}.attn_norm", model, i)
-    out += [ParamInfo(f"{p}.attn.{w}", (C, C), 0, True, i) for w in ("wq", "wk", "wv")]  # column-parallel
-    out.append(ParamInfo(f"{p}.attn.wo", (C, C), 1, True, i))  # row-parallel
+    for w, rows in (("wq", C), ("wk", KV), ("wv", KV)):
+        out += _proj(f"{p}.attn.{w}", (rows, C), 0, model, i)  # column-parallel
+    out += _proj(f"{p}.attn.wo", (C, C), 1, model, i)  # row-parallel
     out += _norm(f"{p}.mlp_norm", model, i)
-    out.append(ParamInfo(f"{p}.mlp.w1", (F, C), 0, True, i))
+    out += _proj(f"{p}.mlp.w1", (F, C), 0, model, i)
     if model.mlp is Mlp.SWIGLU:
-        out.append(ParamInfo(f"{p}.mlp.w3", (F, C), 0, True, i))
-    out.append(ParamInfo(f"{p}.mlp.w2", (C, F), 1, True, i))
+        out += _proj(f"{p}.mlp.w3", (F, C), 0, model, i)
+    out += _proj(f"{p}.mlp.w2", (C, F), 1, model, i)
     return out
 
 
@@ -54,15 +70,21 @@ def embedding_params(model: ModelSpec) -> list[ParamInfo]:
 
 
 def head_params(model: ModelSpec) -> list[ParamInfo]:
+    """The final norm and the output head. With model.tie_embeddings the head is ``embed.tok`` itself: a
+    last stage holds a copy of it, and gradient sync sums the copies' gradients (Megatron's embedding group)."""
+    if model.tie_embeddings:
+        return _norm("final_norm", model, None) + embedding_params(model)[:1]
     return _norm("final_norm", model, None) + [ParamInfo("lm_head.weight", (model.vocab, model.hidden), None, True, None)]
 
 
 def stage_params(model: ModelSpec, layer_lo: int, layer_hi: int, first: bool, last: bool) -> list[ParamInfo]:
-    """Parameters a stage holding layers [layer_lo, layer_hi) owns, in a fixed order."""
+    """Parameters a stage holding layers [layer_lo, layer_hi) owns, in a fixed order (each once)."""
     out = embedding_params(model) if first else []
     for i in range(layer_lo, layer_hi):
         out += layer_params(model, i)
-    return out + (head_params(model) if last else [])
+    if last:
+        out += [info for info in head_params(model) if info not in out]  # a tied head on the first stage
+    return out
 
 
 def all_params(model: ModelSpec) -> list[ParamInfo]:

@@ -69,7 +69,7 @@ class StagePlan:
     def params(self, model) -> list[ParamInfo]:
         out: list[ParamInfo] = []
         for c in range(len(self.chunk_ranges)):
-            out += stage_params(model, *self.chunk_shape(c))
+            out += [info for info in stage_params(model, *self.chunk_shape(c)) if info not in out]  # tied embed.tok once
         return out
 
 
