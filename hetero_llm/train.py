@@ -60,9 +60,14 @@ class RankState:
 
 def init_state(plan: Plan, rank: int, device: torch.device,
                initial: dict[str, torch.Tensor] | None = None) -> RankState:
-    """``rank``'s shards: ``initial`` (restored from a checkpoint) where given, else initialized from the seed."""
+    """``rank``'s shards: ``initial`` (restored from a checkpoint) where given, else read from model.init_from
+    when it is set, else initialized from the seed."""
     model, seed = plan.layout.model, plan.layout.train.seed
     tp = plan.stage_of(rank).tp
+    if initial is None and model.init_from:  # a Hugging Face model: this rank reads only its slices
+        from hetero_llm import hf
+
+        initial = hf.load_shards(model, plan.params_of(rank))
     params, coords, replicas, decay = {}, {}, {}, {}
     for info, lo, hi in plan.params_of(rank):
         shard = initial[info.name] if initial is not None else init_shard(info, model, seed, lo, hi)
