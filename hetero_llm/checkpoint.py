@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import attrs
 
 from hetero_llm.errors import CheckpointError
-from hetero_llm.layout import Layout
+from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.params import all_params
 
 if TYPE_CHECKING:
@@ -142,7 +142,8 @@ def finish_save(folder: Path, step: int, world_size: int, layout: Layout,
                 files: dict[str, RankFile] | None = None) -> None:
     """Mark ``folder`` complete, then point ``latest`` at it (rank 0, once every rank's file is on disk)."""
     meta = {"step": step, "world_size": world_size, "layout": layout.file,
-            "params": {p.name: list(p.shape) for p in all_params(layout.model)}}
+            "params": {p.name: list(p.shape) for p in all_params(layout.model)},
+            "model": spec_dict(layout.model), "data": spec_dict(layout.data)}  # for hetero-export / hetero-generate
     if files is not None:
         meta["files"] = {name: {"bytes": f.size, "sha256": f.sha256,
                                 "shards": {n: {"dim": dim, "range": [lo, hi], "shape": shard_shape(dim, lo, hi, full)}

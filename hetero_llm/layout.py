@@ -230,6 +230,8 @@ class DataSpec:
     kind: DataKind = _doc("'grammar' (embedded, known loss floor), 'text' or 'jsonl'", default=DataKind.GRAMMAR)
     path: str = _doc("text/jsonl file, relative to the layout file; '' for grammar", default="")
     field: str = _doc("JSONL key holding the text", default="text")
+    tokenizer: str = _doc("'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
+                          "layout file; every document ends with its end-of-document token", default="bytes")
     grammar_seed: int = _doc("seed of the grammar itself (not of the data order)", default=1234)
     grammar_vocab: int = _doc("tokens the grammar uses", default=64)
     branching: int = _doc("possible successors of each grammar context", default=4)
@@ -464,6 +466,8 @@ def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
     data = sections["data"]
     if data.path:
         data = attrs.evolve(data, path=str((base_dir / data.path)))
+    if data.tokenizer != "bytes":
+        data = attrs.evolve(data, tokenizer=str(base_dir / data.tokenizer))
     layout = Layout(file=file, model=sections["model"], train=sections["train"], data=data,
                     cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
     validate(layout)
@@ -508,6 +512,16 @@ def _build(cls: type, table: Any, path: str, file: str) -> Any:
         else:
             kwargs[f.name] = _convert(value, f.type, where, file)
     return cls(**kwargs)
+
+
+def spec_dict(spec: Any) -> dict[str, Any]:
+    """A flat spec (``ModelSpec``, ``DataSpec``) as the TOML table it loads from: enums as their values."""
+    return {f.name: getattr(getattr(spec, f.name), "value", getattr(spec, f.name)) for f in attrs.fields(type(spec))}
+
+
+def model_from_dict(table: dict, file: str) -> ModelSpec:
+    """A ``ModelSpec`` from a ``spec_dict`` table (a checkpoint's meta.json), type-checked like [model]."""
+    return _build(ModelSpec, table, "model", file)
 
 
 def _one_table(cls: type, value: Any, where: str, file: str) -> Any:
@@ -726,6 +740,9 @@ def validate(layout: Layout) -> None:
     _validate_model_options(layout)
     if d.kind is DataKind.GRAMMAR:
         _positive(layout, d, "data", ["grammar_seed"], minimum=0)  # numpy rejects negative seeds
+        if d.tokenizer != "bytes":
+            raise LayoutError(f, "data.tokenizer", "is set but data.kind is 'grammar', which has its own tokens "
+                              "(set data.kind = 'text' or 'jsonl', or remove data.tokenizer)")
         if d.path:  # a forgotten data.kind would otherwise train on the grammar without a word
             raise LayoutError(f, "data.path", "is set but data.kind is 'grammar', which reads no file "
                               "(set data.kind = 'text' or 'jsonl', or remove data.path)")
@@ -1058,11 +1075,22 @@ def _validate_data(layout: Layout) -> None:
     if size == 0:
         raise LayoutError(f, "data.path", f"file '{d.path}' is empty (give a file with at least one window of "
                           f"{m.seq_len + 1} tokens: seq_len + 1)")
-    if d.kind is DataKind.TEXT and size < m.seq_len + 1:  # byte tokens: a text file has as many tokens as bytes
+    if d.kind is DataKind.TEXT and d.tokenizer == "bytes" and size < m.seq_len + 1:  # as many byte tokens as bytes
         raise LayoutError(f, "data.path", f"file '{d.path}' has {size} tokens, fewer than one window of "
                           f"{m.seq_len + 1} tokens (seq_len + 1); give a longer file or a smaller seq_len")
-    if m.vocab < 256:
-        raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
+    if d.tokenizer == "bytes":
+        if m.vocab < 256:
+            raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
+        return
+    from hetero_llm import tokens  # torch-free; the tokenizers library loads only for a tokenizer.json
+
+    try:
+        vocab = tokens.load(d.tokenizer).vocab_size
+    except ValueError as e:
+        raise LayoutError(f, "data.tokenizer", str(e)) from None
+    if m.vocab < vocab:
+        raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the tokenizer's {vocab} tokens "
+                          f"(set model.vocab >= {vocab})")
 
 
 def _validate_packing(layout: Layout) -> None:

@@ -55,9 +55,9 @@ def _assert_same_model_noisy_biases(run: RunResult, ref: RunResult) -> None:
     assert_same_model(without(run), without(ref))
 
 
+# The Llama options (GQA, tied, theta, eps, bias) train across TP stages and 2 pipelines in
+# tests/test_hf.py's round trip, started from a transformers model and compared with one process.
 CASES = [
-    ("llama: gqa, tied, theta, eps; tp [[1, 2, 1], [2, 2]]", LLAMA,
-     [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "1f1b"),
     ("gpt2: bias, tied; tp [[2, 1], [1]] zbh1", GPT2, [(6, 3, [(3, 2), (3, 1)]), (6, 2, [(6, 1)])], "zbh1"),
 ]
 
