@@ -413,7 +413,7 @@ def _fsync_directory(directory: str) -> None:
 # From the layout's data section to batches
 # --------------------------------------------------------------------------------------------------
 
-_KINDS = ("grammar", "text", "jsonl")
+_KINDS = ("grammar", "text", "jsonl", "tokens")
 
 
 def _unknown_kind_message(kind: str) -> str:
@@ -440,6 +440,15 @@ def make_source(spec, file_for_errors: str) -> GrammarSource | TokenFileSource:
                 f"must be between 1 and grammar_vocab ({spec.grammar_vocab}), got {spec.branching}",
             )
         return GrammarSource(spec.grammar_vocab, spec.branching, spec.grammar_seed)
+    if spec.kind == "tokens":  # a .bin/.npy token file (tokenfiles.py)
+        from hetero_llm import tokenfiles
+
+        return tokenfiles.open_tokens(spec.path, getattr(spec.token_dtype, "value", spec.token_dtype), file_for_errors)
+    if spec.kind in ("text", "jsonl") and getattr(spec, "tokenizer", "bytes") != "bytes":
+        from hetero_llm import tokenfiles
+
+        kind = getattr(spec.kind, "value", spec.kind)
+        return tokenfiles.tokenized_source(spec.path, kind, spec.field, spec.tokenizer, file_for_errors)
     if spec.kind in ("text", "jsonl"):
         return TokenFileSource.from_file(spec.path, spec.kind, spec.field, file_for_errors)
     raise LayoutError(file_for_errors, "data.kind", _unknown_kind_message(spec.kind))

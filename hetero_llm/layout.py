@@ -61,6 +61,14 @@ class DataKind(str, enum.Enum):
     GRAMMAR = "grammar"
     TEXT = "text"
     JSONL = "jsonl"
+    TOKENS = "tokens"  # a pre-tokenized .bin/.npy file (hetero-tokenize, nanoGPT)
+
+
+class TokenDtype(str, enum.Enum):
+    """Width of the ids in a .bin token file (``data.token_dtype``)."""
+
+    UINT16 = "uint16"  # nanoGPT's; vocabularies up to 65536
+    UINT32 = "uint32"
 
 
 class Packing(str, enum.Enum):
@@ -227,11 +235,14 @@ class TrainSpec:
 class DataSpec:
     """``[data]``: where the tokens come from."""
 
-    kind: DataKind = _doc("'grammar' (embedded, known loss floor), 'text' or 'jsonl'", default=DataKind.GRAMMAR)
-    path: str = _doc("text/jsonl file, relative to the layout file; '' for grammar", default="")
+    kind: DataKind = _doc("'grammar' (embedded, known loss floor), 'text', 'jsonl' or 'tokens' (a pre-tokenized "
+                          ".bin or .npy file, memory-mapped)", default=DataKind.GRAMMAR)
+    path: str = _doc("text/jsonl/token file, relative to the layout file; '' for grammar", default="")
     field: str = _doc("JSONL key holding the text", default="text")
     tokenizer: str = _doc("'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
                           "layout file; every document ends with its end-of-document token", default="bytes")
+    token_dtype: TokenDtype = _doc("'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file "
+                                   "says its own)", default=TokenDtype.UINT16)
     grammar_seed: int = _doc("seed of the grammar itself (not of the data order)", default=1234)
     grammar_vocab: int = _doc("tokens the grammar uses", default=64)
     branching: int = _doc("possible successors of each grammar context", default=4)
@@ -563,7 +574,8 @@ def _convert(value: Any, annotation: str, where: str, file: str) -> Any:
     """Check one scalar/array value against a field's annotation (a string under PEP 563)."""
     annotation = annotation.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     enum_cls = {"Schedule": Schedule, "Norm": Norm, "Position": Position, "Mlp": Mlp,
-                "DataKind": DataKind, "Packing": Packing, "Backend": Backend, "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
+                "DataKind": DataKind, "Packing": Packing, "TokenDtype": TokenDtype, "Backend": Backend,
+                "DomainKind": DomainKind, "CommLib": CommLib, "Precision": Precision, "Recompute": Recompute,
                 "Compile": Compile, "Optimizer": Optimizer, "P2P": P2P}.get(annotation)
     if enum_cls is not None:
         choices = [m.value for m in enum_cls]
@@ -1066,10 +1078,18 @@ def _validate_data(layout: Layout) -> None:
         return
     if not d.path:
         raise LayoutError(f, "data.path", f"data.kind '{d.kind.value}' needs a file (set data.path to a "
-                          f".{d.kind.value if d.kind is DataKind.JSONL else 'txt'} file, relative to the layout file)")
+                          f".{ {DataKind.JSONL: 'jsonl', DataKind.TOKENS: 'bin'}.get(d.kind, 'txt')} file, relative to "
+                          "the layout file)")
     if Path(d.path).is_dir():
         raise LayoutError(f, "data.path", f"'{d.path}' is a folder, not a file (give an existing text or JSONL file)")
-    if not Path(d.path).is_file():
+    if d.kind is DataKind.TOKENS:
+        if not Path(d.path).is_file():
+            raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give a .bin or .npy token file, e.g. "
+                              "one hetero-tokenize wrote)")
+        if not d.path.endswith((".bin", ".npy")):
+            raise LayoutError(f, "data.path", f"file '{d.path}' is neither .bin nor .npy (data.kind 'tokens' reads "
+                              "token files; use kind 'text' or 'jsonl' for text)")
+    elif not Path(d.path).is_file():
         raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
     size = Path(d.path).stat().st_size
     if size == 0:
@@ -1079,6 +1099,8 @@ def _validate_data(layout: Layout) -> None:
         raise LayoutError(f, "data.path", f"file '{d.path}' has {size} tokens, fewer than one window of "
                           f"{m.seq_len + 1} tokens (seq_len + 1); give a longer file or a smaller seq_len")
     if d.tokenizer == "bytes":
+        if d.kind is DataKind.TOKENS:
+            return  # the ids in the file bound model.vocab (checked when the file is opened)
         if m.vocab < 256:
             raise LayoutError(f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)")
         return

@@ -195,7 +195,7 @@ def test_missing_file_names_the_file(tmp_path):
 
 def test_unknown_kind_lists_the_kinds():
     message = raises_layout_error(lambda: make_source(data_spec(kind="csv"), LAYOUT), "data.kind")
-    assert message == "layout.toml: data.kind: unknown kind 'csv' (expected one of 'grammar', 'text', 'jsonl')"
+    assert message == "layout.toml: data.kind: unknown kind 'csv' (expected one of 'grammar', 'text', 'jsonl', 'tokens')"
 
 
 def test_bad_jsonl_line_names_the_line_and_writes_no_cache(tmp_path):

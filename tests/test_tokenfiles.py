@@ -1,0 +1,161 @@
+"""Tokenizers and token files: hetero-tokenize writes .bin/.npy files, data.kind = 'tokens' trains on them,
+text through a local tokenizer.json is cached once, and every document ends with the tokenizer's EOS."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hetero_llm import data, layout as layout_mod, tokenfiles, tokens
+from hetero_llm.errors import LayoutError
+from harness import assert_one_error_line, invoke_cli
+
+pytest.importorskip("tokenizers", reason="the 'test' extra installs tokenizers")
+
+DOCS = ["the cat sat on the mat", "a dog ran after the cat", "héllo wörld"]
+
+
+def make_tokenizer(path: Path) -> Path:
+    """A tiny byte-level BPE tokenizer trained here (never downloaded), with an <|endoftext|> token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 5, trainer)
+    tok.save(str(path))
+    return path
+
+
+def write_jsonl(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    return path
+
+
+def tokenize(*args):
+    return CliRunner().invoke(tokenfiles.main, [str(a) for a in args])
+
+
+def test_hetero_tokenize_bytes_bin_is_nanogpt_layout(tmp_path):
+    out = tmp_path / "train.bin"
+    result = tokenize(write_jsonl(tmp_path / "docs.jsonl"), "-o", out)
+    assert result.exit_code == 0, result.output
+    want = [t for d in DOCS for t in (*d.encode(), tokens.BYTE_EOS)]
+    assert np.fromfile(out, dtype="<u2").tolist() == want  # raw little-endian uint16, EOS after each document
+    assert result.output == (f"wrote {len(want)} tokens (uint16) to {out}: train on it with [data] kind = 'tokens', "
+                             f"path = '{out}'\n")
+
+
+def test_hetero_tokenize_with_a_tokenizer_to_npy(tmp_path):
+    tok_path = make_tokenizer(tmp_path / "tokenizer.json")
+    out = tmp_path / "train.npy"
+    assert tokenize(write_jsonl(tmp_path / "docs.jsonl"), "-o", out, "--tokenizer", tok_path).exit_code == 0
+    tok = tokens.load(str(tok_path))
+    assert tok.eos_id == tok._tok.token_to_id("<|endoftext|>")
+    want = [t for d in DOCS for t in (*tok.encode(d), tok.eos_id)]
+    got = np.load(out)
+    assert got.dtype == np.uint16 and got.tolist() == want
+    assert tok.decode(tok.encode(DOCS[2])) == DOCS[2]
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["missing.txt", "-o", "x.bin"], "missing.txt: INPUT: no such file (give a .txt or .jsonl file)"),
+    (["{src}", "-o", "x.txt"], "x.txt: --out: must end in .bin or .npy"),
+    (["{src}", "-o", "x.bin", "--tokenizer", "nope.json"],
+     "nope.json: --tokenizer: file 'nope.json' does not exist (give 'bytes' or a local Hugging Face tokenizer.json)"),
+])
+def test_hetero_tokenize_bad_input(args, expected, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "src.txt").write_text("hello")
+    result = tokenize(*[a.replace("{src}", "src.txt") for a in args])
+    assert result.exit_code == 2 and result.output == f"error: {expected}\n"
+
+
+def layout_text(data_lines: str, vocab: int = 512) -> str:
+    return (f"[model]\nlayers = 2\nhidden = 32\nheads = 4\nvocab = {vocab}\nseq_len = 8\n[train]\nsteps = 1\n"
+            f"global_batch = 2\n[data]\n{data_lines}\n[cluster]\n[[cluster.nodes]]\nname = \"n\"\n[[pipelines]]\n"
+            "batch = 2\nmicrobatches = 1\n[[pipelines.stages]]\nlayers = 2\ndevices = [\"n:0\"]\n")
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_token_file_windows(dtype, tmp_path):
+    ids = (np.arange(1000) * 7 % 70000 if dtype == "uint32" else np.arange(1000) % 500).astype(dtype)
+    ids.tofile(tmp_path / "t.bin")
+    lay = layout_mod.loads(layout_text(f'kind = "tokens"\npath = "t.bin"\ntoken_dtype = "{dtype}"', vocab=70000),
+                           base_dir=tmp_path)
+    source = data.make_source(lay.data, lay.file)
+    assert source.vocab_size == int(ids.max()) + 1
+    batch = data.global_batch(source, seed=0, step=3, global_batch=4, seq_len=8)
+    for row in batch:  # every window is a run of consecutive file tokens
+        start = int(np.flatnonzero(ids == row[0])[0])
+        assert row.tolist() == ids[start:start + 9].tolist()
+
+
+def test_token_ids_above_the_vocab_are_refused_before_training(tmp_path):
+    (np.arange(600) % 300).astype("<u2").tofile(tmp_path / "t.bin")
+    path = tmp_path / "layout.toml"
+    path.write_text(layout_text('kind = "tokens"\npath = "t.bin"', vocab=256))
+    assert_one_error_line(invoke_cli(path), f"{path}: model.vocab: 256 is too small for '{tmp_path / 't.bin'}', whose "
+                                            "token ids go up to 299 (set model.vocab >= 300)")
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("t.txt", b"ab", "data.path: file '{f}' is neither .bin nor .npy (data.kind 'tokens' reads token files; use kind "
+                     "'text' or 'jsonl' for text)"),
+    ("t.bin", b"abc", None),
+    ("t.npy", b"not numpy", None),
+])
+def test_bad_token_files(name, content, expected, tmp_path):
+    (tmp_path / name).write_bytes(content)
+    f = tmp_path / name
+    text = layout_text(f'kind = "tokens"\npath = "{name}"')
+    with pytest.raises(LayoutError) as info:
+        lay = layout_mod.loads(text, base_dir=tmp_path)
+        data.make_source(lay.data, lay.file)
+    if expected:
+        assert str(info.value) == "<string>: " + expected.format(f=f)
+    elif name.endswith(".bin"):
+        assert str(info.value) == (f"<string>: data.path: file '{f}' has 3 bytes, not a whole number of uint16 tokens "
+                                   "(check data.token_dtype)")
+    else:
+        assert str(info.value).startswith(f"<string>: data.path: file '{f}' is not a NumPy .npy file (")
+
+
+def test_text_through_a_tokenizer_is_cached_once(tmp_path, monkeypatch):
+    tok_path = make_tokenizer(tmp_path / "tokenizer.json")
+    write_jsonl(tmp_path / "docs.jsonl")
+    lay = layout_mod.loads(layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'),
+                           base_dir=tmp_path)
+    source = data.make_source(lay.data, lay.file)
+    tok = tokens.load(str(tok_path))
+    assert source.tokens.tolist() == [t for d in DOCS for t in (*tok.encode(d), tok.eos_id)]
+    cache = tmp_path / "docs.jsonl.hf-tokens.bin"
+    assert cache.exists() and cache.with_suffix(".json").exists()
+    monkeypatch.setattr(tokenfiles, "tokenize_file", lambda *a, **k: pytest.fail("tokenized again"))
+    assert data.make_source(lay.data, lay.file).tokens.tolist() == source.tokens.tolist()
+
+
+def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
+    """Root ignores file modes, so the data folder's refusal is simulated where the cache is written."""
+    make_tokenizer(tmp_path / "tokenizer.json")
+    write_jsonl(tmp_path / "docs.jsonl")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    write = tokenfiles.write_tokens
+
+    def refuse_beside_source(out, *args, **kwargs):
+        if Path(out).parent == tmp_path:
+            raise PermissionError(13, "Permission denied", out)
+        return write(out, *args, **kwargs)
+
+    monkeypatch.setattr(tokenfiles, "write_tokens", refuse_beside_source)
+    lay = layout_mod.loads(layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'),
+                           base_dir=tmp_path)
+    source = data.make_source(lay.data, lay.file)
+    assert Path(source.path).parent == tmp_path / "user-cache" / "hetero_llm"
+    assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()
