@@ -219,6 +219,9 @@ class TrainSpec:
         "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
         "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)", default=Optimizer.ADAMW)
     log_every: int = _doc("print progress every N steps", default=1)
+    eval_every: int = _doc("compute the held-out loss every N steps and after the last; 0 = never", default=0)
+    eval_batches: int = _doc("held-out batches of global_batch sequences per evaluation: the same ones every "
+                             "time, whatever the layout", default=4)
     precision: Precision = _doc(
         "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
         "and accumulated gradients stay float32; activations and their gradients cross stage boundaries "
@@ -241,6 +244,10 @@ class DataSpec:
     field: str = _doc("JSONL key holding the text", default="text")
     tokenizer: str = _doc("'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
                           "layout file; every document ends with its end-of-document token", default="bytes")
+    valid_path: str = _doc("held-out file of the same kind (and tokenizer) for train.eval_every, relative to the "
+                           "layout file; '' = none", default="")
+    valid_fraction: float = _doc("hold out this last fraction of data.path's tokens instead of a valid_path "
+                                 "(training never samples them); 0 = none", default=0.0)
     token_dtype: TokenDtype = _doc("'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file "
                                    "says its own)", default=TokenDtype.UINT16)
     grammar_seed: int = _doc("seed of the grammar itself (not of the data order)", default=1234)
@@ -479,6 +486,8 @@ def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
         data = attrs.evolve(data, path=str((base_dir / data.path)))
     if data.tokenizer != "bytes":
         data = attrs.evolve(data, tokenizer=str(base_dir / data.tokenizer))
+    if data.valid_path:
+        data = attrs.evolve(data, valid_path=str(base_dir / data.valid_path))
     layout = Layout(file=file, model=sections["model"], train=sections["train"], data=data,
                     cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
     validate(layout)
@@ -759,6 +768,7 @@ def validate(layout: Layout) -> None:
             raise LayoutError(f, "data.path", "is set but data.kind is 'grammar', which reads no file "
                               "(set data.kind = 'text' or 'jsonl', or remove data.path)")
     _validate_data(layout)
+    _validate_eval(layout)
 
     validate_cluster(f, c)
 
@@ -1128,6 +1138,33 @@ def _validate_packing(layout: Layout) -> None:
     if layout.train.compile is Compile.BLOCKS:
         raise LayoutError(f, "train.compile", "'blocks' cannot compile packed documents (their attention groups "
                           "change shape every microbatch; set compile = 'none', or data.packing = 'none')")
+
+
+def _validate_eval(layout: Layout) -> None:
+    """Held-out evaluation: ``train.eval_every`` / ``eval_batches``, ``data.valid_path`` / ``valid_fraction``."""
+    f, t, d = layout.file, layout.train, layout.data
+    _positive(layout, t, "train", ["eval_every"], minimum=0)
+    _positive(layout, t, "train", ["eval_batches"])
+    if not 0 <= d.valid_fraction < 1:
+        raise LayoutError(f, "data.valid_fraction", f"must be in [0, 1), got {d.valid_fraction:g} (e.g. 0.05)")
+    if d.valid_path and d.valid_fraction:
+        raise LayoutError(f, "data.valid_fraction", "is set as well as data.valid_path (hold out one way: remove one)")
+    if d.kind is DataKind.GRAMMAR and (d.valid_path or d.valid_fraction):
+        which = "valid_path" if d.valid_path else "valid_fraction"
+        raise LayoutError(f, f"data.{which}", "is set but data.kind is 'grammar', whose held-out batches are fresh "
+                          f"samples of the grammar (remove data.{which})")
+    if d.valid_path and not Path(d.valid_path).is_file():
+        raise LayoutError(f, "data.valid_path", f"file '{d.valid_path}' does not exist (give a held-out file of the "
+                          f"same kind as data.path)")
+    if t.eval_every and d.packing is Packing.DOCUMENTS:
+        raise LayoutError(f, "train.eval_every", "is not supported with data.packing = 'documents' yet (set "
+                          "eval_every = 0, or packing = 'none')")
+    if t.eval_every and layout.buckets:
+        raise LayoutError(f, "train.eval_every", "is not supported with [[buckets]] (hot switching) yet (set "
+                          "eval_every = 0)")
+    if t.eval_every and d.kind is not DataKind.GRAMMAR and not (d.valid_path or d.valid_fraction):
+        raise LayoutError(f, "train.eval_every", "needs held-out data (set data.valid_path, or data.valid_fraction "
+                          "= 0.05 to hold out the end of data.path)")
 
 
 def schema_markdown() -> str:

@@ -274,6 +274,20 @@ class StageRunner:
             self.execute(a)
         return self._finish()
 
+    def run_forward(self, actions: tuple[Action, ...], microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
+        """Forward only, without autograd (held-out loss): the schedule's forwards and their sends and receives,
+        in its order (forward messages alone keep it deadlock-free); returns the summed token loss as ``run``.
+        ZeRO-1's AG runs too: the parameters the last step updated are whole before the first forward (the next
+        step's AG then has nothing to wait for)."""
+        self._begin(microbatches, global_tokens)
+        with torch.no_grad():
+            for a in actions:
+                if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.AG):
+                    self.execute(a)
+        self._state["inputs"].clear()
+        self._state["outputs"].clear()
+        return self._finish()
+
     def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
         """MegatronDPP: run whichever ready action has the highest priority (see module doc)."""
         st = self.stage

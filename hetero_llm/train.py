@@ -14,7 +14,7 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm import checkpoint, comm, data, documents, zero1
+from hetero_llm import checkpoint, comm, data, documents, evaluate, zero1
 from hetero_llm.checkpoint import Checkpoint
 from hetero_llm.errors import CheckpointError, Diverged, RankFailure
 from hetero_llm.optim import AdamW
@@ -37,15 +37,16 @@ def lr_at(train: TrainSpec, step: int) -> float:
 
 @attrs.frozen
 class StepMetrics:
-    step: int
+    step: int  # optimizer steps taken, counting this one (1 for the first step), as the console and checkpoints count
     loss: float
     lr: float
     grad_norm: float
     tokens: int
     seconds: float
+    valid_loss: float | None = None  # the held-out loss after this step, on steps that evaluate (train.eval_every)
 
     def json(self) -> str:
-        return json.dumps(attrs.asdict(self))
+        return json.dumps({k: v for k, v in attrs.asdict(self).items() if v is not None})
 
 
 @attrs.define
@@ -201,8 +202,9 @@ class Progress:
         self.tokens += m.tokens
         elapsed = time.perf_counter() - self.started
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
-        eta = elapsed / (m.step + 1 - self.first) * (self.total - m.step - 1)
-        print(f"step {m.step + 1:>5}/{self.total} | loss {m.loss:.4f} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
+        eta = elapsed / (m.step - self.first) * (self.total - m.step)
+        valid = f" | valid {m.valid_loss:.4f}" if m.valid_loss is not None else ""
+        print(f"step {m.step:>5}/{self.total} | loss {m.loss:.4f}{valid} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
               f"| {rate / 1e3:.1f}k tok/s | ETA {duration(eta)}", file=self.out, flush=True)
 
 
@@ -246,8 +248,10 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                          optimizer_hooks=optimizer.hooks() if sharded else {})
     dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
     packed = lay.data.packing is Packing.DOCUMENTS
-    source = (documents.make_document_source(lay.data, model.seq_len, lay.file) if packed
-              else data.make_source(lay.data, lay.file))
+    if packed:  # held-out evaluation is refused with packing (layout.py)
+        source, valid = documents.make_document_source(lay.data, model.seq_len, lay.file), None
+    else:
+        source, valid = evaluate.sources(lay.data, lay.file)
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = st.last and plan.ranks[rank].tp_index == 0
     switcher = None
@@ -281,7 +285,8 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
             loss_total, sq_total = totals.tolist()  # the step's one host sync
             loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
-                raise Diverged(f"training diverged at step {step} (counting from 0, as --metrics-jsonl does): "
+                raise Diverged(f"training diverged at step {step + 1} (counting from 1, as the console and "
+                               f"--metrics-jsonl do): "
                                f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
                                f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
                                f"(lower train.lr, or raise train.warmup_steps)")
@@ -296,16 +301,20 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                     group["lr"] = lr
                 optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            m = StepMetrics(step, loss, lr, grad_norm, global_tokens, time.perf_counter() - t0)
+            done = step + 1
+            seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
+            valid_loss = None
+            if valid is not None and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
+                valid_loss = held_out_loss(plan, rank, runner, valid, contributes_loss)
+            m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
             if keep_history:
                 history.append(m)
             if metrics_file is not None:
                 _append_line(metrics_file, m.json())
-            if progress is not None and (step % tr.log_every == 0 or step == tr.steps - 1):
+            if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
                 progress.update(m)
             elif progress is not None:
                 progress.tokens += m.tokens
-            done = step + 1
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
                 save_checkpoint(plan, rank, state, optimizer, checkpoint_dir, done)
                 last_save = checkpoint.step_folder(checkpoint_dir, done)
@@ -317,6 +326,20 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     return history
 
 
+def held_out_loss(plan: Plan, rank: int, runner: StageRunner, valid, contributes_loss: bool) -> float:
+    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only."""
+    tr, model = plan.layout.train, plan.layout.model
+    tokens = tr.global_batch * model.seq_len
+    total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
+    for index in range(tr.eval_batches):
+        batch = evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len)
+        loss_sum = runner.run_forward(plan.actions(rank), _microbatches(plan, rank, batch), tokens)
+        if contributes_loss:
+            total += loss_sum
+    comm.all_reduce_world(total)
+    return float(total) / (tokens * tr.eval_batches)
+
+
 def _open_metrics(path: str, first_step: int) -> int:
     """Open the metrics file for writing. A resumed run keeps the records of the steps before it and drops
     later ones: a run that crashed after its last save trained those steps, and they are trained again."""
@@ -324,7 +347,7 @@ def _open_metrics(path: str, first_step: int) -> int:
     p.parent.mkdir(parents=True, exist_ok=True)
     kept = []
     if first_step and p.exists():
-        kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] < first_step]
+        kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] <= first_step]
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     if kept:
         os.write(fd, ("\n".join(kept) + "\n").encode())

@@ -27,7 +27,7 @@ def _plan():
 
 
 def test_a_diverged_run_is_reported_as_such_not_as_a_rank_failure(tmp_path):
-    cause = "training diverged at step 4 (counting from 0, as --metrics-jsonl does): loss nan, gradient norm nan; ..."
+    cause = "training diverged at step 5 (counting from 1, as the console and --metrics-jsonl do): loss nan, gradient norm nan; ..."
     for r in (0, 1, 2):
         (tmp_path / f"rank{r}.err").write_text(cause + "\n")
     failure = launch._failure(_plan(), {0: 3, 1: 3, 2: 3}, tmp_path)

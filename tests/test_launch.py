@@ -200,15 +200,16 @@ def test_a_diverging_run_stops_every_rank_at_that_step_and_saves_nothing_after(t
                            env={**os.environ, "TMPDIR": str(tmp_path)})  # the failure reports' folder stays here
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
-    match = re.fullmatch(r"error: training diverged at step (\d+) \(counting from 0, as --metrics-jsonl does\): loss "
+    match = re.fullmatch(r"error: training diverged at step (\d+) \(counting from 1, as the console and --metrics-jsonl "
+                         r"do\): loss "
                          r"nan, gradient norm nan; every rank stopped before its optimizer step, the last save is "
                          r"(\S+) \(lower train.lr, or raise train.warmup_steps\)\n", err)
     assert match, err
-    step = int(match[1])
-    assert 0 < step < 8 and match[2] == str(ckpt / f"step-{step:06d}")
-    assert (ckpt / "latest").read_text() == f"step-{step:06d}\n"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", *(f"step-{s:06d}" for s in range(1, step + 1))]
-    assert len(metrics.read_text().splitlines()) == step  # the diverged step is not recorded
+    step = int(match[1])  # the step that diverged: steps 1 .. step - 1 were taken and saved
+    assert 1 < step <= 8 and match[2] == str(ckpt / f"step-{step - 1:06d}")
+    assert (ckpt / "latest").read_text() == f"step-{step - 1:06d}\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", *(f"step-{s:06d}" for s in range(1, step))]
+    assert len(metrics.read_text().splitlines()) == step - 1  # the diverged step is not recorded
     reports = list(tmp_path.glob("hetero_llm_errors_*/rank*.err"))
     assert reports and all(p.read_text() == err.removeprefix("error: ") for p in reports)  # every rank, one cause
 

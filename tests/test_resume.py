@@ -83,7 +83,7 @@ def test_resume_skips_an_interrupted_save_and_keeps_the_metrics_before_it(refere
     assert f"resuming from {root / 'step-000002'} (step 2 of 4)\n" in proc.stdout
     assert (root / "latest").read_text() == "step-000004\n"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # steps taken, as the console and step folders count them
     resumed = RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(root)),
                         proc.stdout, proc.stderr)
     assert_same_model(resumed, reference)

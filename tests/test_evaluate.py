@@ -1,0 +1,93 @@
+"""Held-out evaluation: the same held-out batches under every layout, the loss a one-process model gives on
+them, printed next to the training loss and written to the metrics JSONL with the console's step numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from hetero_llm import evaluate, layout as layout_mod
+from hetero_llm.model import StageShape, stage_forward, token_loss_sum
+from hetero_llm.train import load_full_params
+from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
+
+COMMON = common_sections(LAYOUTS / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
+                                                             "eval_batches = 2")
+
+
+def run_console(layout, workdir):
+    """hetero-launch without --quiet: the console lines and the metrics rows."""
+    metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--metrics-jsonl", str(metrics), "--checkpoint",
+           str(ckpt), "--set", f"cluster.port={free_port()}"]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout, [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+@pytest.mark.multiprocess
+def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    one = write_layout(tmp_path / "one" / "layout.toml", COMMON, [(12, 3, [(6, 1)])])
+    stdout, rows = run_console(one, tmp_path / "one")
+    # console and JSONL count steps alike, from 1; the evaluating steps carry valid_loss
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [("valid_loss" in r) for r in rows] == [False, True, True]
+    for r in rows:
+        line = next(x for x in stdout.splitlines() if x.startswith(f"step {r['step']:>5}/3 | loss {r['loss']:.4f}"))
+        assert ("| valid " in line) == ("valid_loss" in r)
+        if "valid_loss" in r:
+            assert f"| valid {r['valid_loss']:.4f} |" in line
+
+    many = launch(write_layout(tmp_path / "many" / "layout.toml", COMMON,
+                               [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "zbh1"), tmp_path / "many")
+    many_rows = [json.loads(line) for line in (tmp_path / "many" / "metrics.jsonl").read_text().splitlines()]
+    for a, b in zip(many_rows, rows):
+        assert a.keys() == b.keys()
+        if "valid_loss" in b:
+            assert abs(a["valid_loss"] - b["valid_loss"]) <= RTOL * b["valid_loss"]
+
+    # the logged loss is the final model's mean loss over exactly held-out batches 0 and 1
+    lay = layout_mod.load(one)
+    params = load_full_params(str(tmp_path / "one" / "ckpt"))
+    train, valid = evaluate.sources(lay.data, lay.file)
+    total = 0.0
+    with torch.no_grad():
+        for index in range(2):
+            batch = torch.from_numpy(evaluate.batch(valid, lay.train.seed, index, 12, lay.model.seq_len))
+            logits = stage_forward(params, batch[:, :-1], StageShape(0, 6, True, True), lay.model)
+            total += float(token_loss_sum(logits, batch[:, 1:]))
+    assert abs(total / (2 * 12 * 16) - rows[-1]["valid_loss"]) <= RTOL * rows[-1]["valid_loss"]
+    assert many.losses  # trained
+
+
+def test_held_out_batches_differ_from_training_batches():
+    lay = layout_mod.loads(COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
+                           'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    train, valid = evaluate.sources(lay.data, lay.file)
+    from hetero_llm import data
+
+    held = evaluate.batch(valid, 7, 0, 12, 16)
+    assert np.array_equal(held, evaluate.batch(valid, 7, 0, 12, 16))
+    assert not any(np.array_equal(held, data.global_batch(train, 7, step, 12, 16)) for step in range(5))
+
+
+def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
+    (tmp_path / "t.txt").write_bytes(bytes(range(32, 127)) * 20)
+    text = (COMMON.replace("vocab = 64", "vocab = 256").replace('kind = "grammar"', 'kind = "text"\npath = "t.txt"\n'
+                                                                 'valid_fraction = 0.25')
+            + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
+              '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    lay = layout_mod.loads(text, base_dir=tmp_path)
+    train, valid = evaluate.sources(lay.data, lay.file)
+    n = 95 * 20
+    assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
+    assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))
