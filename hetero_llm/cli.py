@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -52,8 +53,10 @@ class OneLineCommand(click.Command):
 @click.option("--trace", default=None, metavar="DIR",
               help="Record every action's start and end per rank into this directory.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+@click.option("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
+              help="Also write loss, valid_loss, lr and grad_norm as TensorBoard scalars into DIR (needs tensorboard).")
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
-         quiet):
+         quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm import envlaunch, launch, optim_shards, rendezvous
     from hetero_llm.plan import compile_plan, describe
@@ -82,7 +85,10 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
                 if warning:
                     click.echo(f"warning: {warning}", err=True)
             resume = str(ckpt.path)
-        options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet)
+        if tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
+        options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet,
+                                    tensorboard)
         if dry_run:
             click.echo(describe(plan))
             click.echo(rendezvous.describe(plan))

@@ -40,6 +40,7 @@ class RunOptions:
     resume: str | None = None  # the step folder to resume from (the CLI resolves a checkpoint root to one)
     trace: str | None = None
     quiet: bool = False
+    tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
 
     def argv(self) -> list[str]:
         args = []
@@ -47,7 +48,7 @@ class RunOptions:
             args += ["--set", o]
         for flag, value in (("--metrics-jsonl", self.metrics_jsonl), ("--checkpoint", self.checkpoint),
                             ("--checkpoint-every", self.checkpoint_every and str(self.checkpoint_every)),
-                            ("--resume", self.resume), ("--trace", self.trace)):
+                            ("--resume", self.resume), ("--trace", self.trace), ("--tensorboard", self.tensorboard)):
             if value:
                 args += [flag, value]
         return args + (["--quiet"] if self.quiet else [])
@@ -301,7 +302,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
             with heartbeat.Heartbeat(plan, rank, give_up):
                 train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
                       checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
-                      quiet=options.quiet)
+                      quiet=options.quiet, tensorboard=options.tensorboard)
         finally:
             if events is not None:
                 events.close()

@@ -219,7 +219,8 @@ def duration(seconds: float) -> str:
 
 def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
-          trace: list | None = None, quiet: bool = False, keep_history: bool = False) -> list[StepMetrics]:
+          trace: list | None = None, quiet: bool = False, keep_history: bool = False,
+          tensorboard: str | None = None) -> list[StepMetrics]:
     """Train ``rank`` to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps (0: at the
     end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
 
@@ -263,6 +264,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         contributes_loss = True  # the switcher returns only what this rank's loss counts for
     metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
     progress = Progress(tr.steps, first) if reporting and not quiet else None
+    scalars = _summary_writer(tensorboard) if reporting and tensorboard else None
     history = []
     last_save = restored.path if restored else None
     try:
@@ -311,6 +313,10 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                 history.append(m)
             if metrics_file is not None:
                 _append_line(metrics_file, m.json())
+            if scalars is not None:
+                for tag in ("loss", "valid_loss", "lr", "grad_norm"):
+                    if getattr(m, tag) is not None:
+                        scalars.add_scalar(f"train/{tag}", getattr(m, tag), m.step)
             if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
                 progress.update(m)
             elif progress is not None:
@@ -323,7 +329,16 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
     finally:
         if metrics_file is not None:
             os.close(metrics_file)
+        if scalars is not None:
+            scalars.close()
     return history
+
+
+def _summary_writer(directory: str):
+    """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(directory)
 
 
 def held_out_loss(plan: Plan, rank: int, runner: StageRunner, valid, contributes_loss: bool) -> float:

@@ -91,3 +91,33 @@ def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
     n = 95 * 20
     assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
     assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))
+
+
+def test_tensorboard_scalars_match_the_jsonl(tmp_path):
+    pytest.importorskip("tensorboard", reason="installed by the 'tensorboard' extra; the flag refuses to start without it")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from harness import invoke_cli
+
+    layout = write_layout(tmp_path / "layout.toml", COMMON.replace("steps = 3", "steps = 2"), [(12, 3, [(6, 1)])])
+    result = invoke_cli(layout, "--quiet", "--metrics-jsonl", tmp_path / "m.jsonl", "--tensorboard", tmp_path / "tb",
+                        "--set", f"cluster.port={free_port()}")
+    assert result.exit_code == 0, result.output
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == [(r["step"], round(r["loss"], 5))
+                                                                                   for r in rows]
+    assert [e.step for e in events.Scalars("train/valid_loss")] == [2]
+
+
+def test_tensorboard_flag_without_tensorboard_is_one_line(tmp_path, monkeypatch):
+    import importlib.util
+
+    from harness import assert_one_error_line, invoke_cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    layout = write_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(6, 1)])])
+    assert_one_error_line(invoke_cli(layout, "--tensorboard", tmp_path / "tb"),
+                          f"{layout}: --tensorboard: needs the tensorboard package (pip install tensorboard)")
