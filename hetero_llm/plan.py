@@ -165,7 +165,10 @@ class Plan:
         def local(pipes):  # schedule files by name: every node has its own path to them
             return tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file)) for p in pipes)
 
-        content = attrs.evolve(lay, file="", data=attrs.evolve(lay.data, path=os.path.basename(lay.data.path)),
+        base = os.path.basename  # paths are resolved per host: compare file names
+        data = attrs.evolve(lay.data, path=base(lay.data.path), valid_path=base(lay.data.valid_path),
+                            tokenizer=base(lay.data.tokenizer))
+        content = attrs.evolve(lay, file="", data=data, model=attrs.evolve(lay.model, init_from=base(lay.model.init_from)),
                                pipelines=local(lay.pipelines),
                                buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]

@@ -3,6 +3,7 @@ them, printed next to the training loss and written to the metrics JSONL with th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,11 +22,11 @@ COMMON = common_sections(LAYOUTS / "reference.toml").replace("log_every = 1", "l
                                                              "eval_batches = 2")
 
 
-def run_console(layout, workdir):
+def run_console(layout, workdir, *extra):
     """hetero-launch without --quiet: the console lines and the metrics rows."""
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--metrics-jsonl", str(metrics), "--checkpoint",
-           str(ckpt), "--set", f"cluster.port={free_port()}"]
+           str(ckpt), "--set", f"cluster.port={free_port()}", *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -37,7 +38,8 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "many").mkdir()
     one = write_layout(tmp_path / "one" / "layout.toml", COMMON, [(12, 3, [(6, 1)])])
-    stdout, rows = run_console(one, tmp_path / "one")
+    tensorboard = importlib.util.find_spec("tensorboard") is not None  # the 'tensorboard' extra
+    stdout, rows = run_console(one, tmp_path / "one", *(["--tensorboard", str(tmp_path / "tb")] if tensorboard else []))
     # console and JSONL count steps alike, from 1; the evaluating steps carry valid_loss
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [("valid_loss" in r) for r in rows] == [False, True, True]
@@ -46,6 +48,15 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
         assert ("| valid " in line) == ("valid_loss" in r)
         if "valid_loss" in r:
             assert f"| valid {r['valid_loss']:.4f} |" in line
+
+    if tensorboard:  # the same numbers at the same steps as TensorBoard scalars
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        events = EventAccumulator(str(tmp_path / "tb"))
+        events.Reload()
+        assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == \
+            [(r["step"], round(r["loss"], 5)) for r in rows]
+        assert [e.step for e in events.Scalars("train/valid_loss")] == [2, 3]
 
     many = launch(write_layout(tmp_path / "many" / "layout.toml", COMMON,
                                [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "zbh1"), tmp_path / "many")
@@ -93,27 +104,7 @@ def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
     assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))
 
 
-def test_tensorboard_scalars_match_the_jsonl(tmp_path):
-    pytest.importorskip("tensorboard", reason="installed by the 'tensorboard' extra; the flag refuses to start without it")
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from harness import invoke_cli
-
-    layout = write_layout(tmp_path / "layout.toml", COMMON.replace("steps = 3", "steps = 2"), [(12, 3, [(6, 1)])])
-    result = invoke_cli(layout, "--quiet", "--metrics-jsonl", tmp_path / "m.jsonl", "--tensorboard", tmp_path / "tb",
-                        "--set", f"cluster.port={free_port()}")
-    assert result.exit_code == 0, result.output
-    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    events = EventAccumulator(str(tmp_path / "tb"))
-    events.Reload()
-    assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == [(r["step"], round(r["loss"], 5))
-                                                                                   for r in rows]
-    assert [e.step for e in events.Scalars("train/valid_loss")] == [2]
-
-
 def test_tensorboard_flag_without_tensorboard_is_one_line(tmp_path, monkeypatch):
-    import importlib.util
-
     from harness import assert_one_error_line, invoke_cli
 
     real = importlib.util.find_spec

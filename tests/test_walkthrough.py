@@ -3,6 +3,9 @@ instead of 300) and does what the README says it does."""
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import os
 import re
 import shlex
@@ -12,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
@@ -37,22 +41,29 @@ def test_scripts_are_declared():
         assert f'{script} = "{module}:' in text
 
 
-def run(line: str, cwd: Path) -> str:
-    """One README command, in ``cwd``: the script through its module (the few-step settings for a launch)."""
+def run(line: str, cwd: Path, monkeypatch) -> str:
+    """One README command, in ``cwd``: a launch as a subprocess (a few steps), the other scripts through
+    their click commands and the ``python -c`` line through exec, in this process (no interpreter start)."""
     line = line.split("  # ")[0].replace("$PWD", str(cwd))
     argv = shlex.split(line)
-    if argv[0] in SCRIPTS:
-        argv = [sys.executable, "-m", SCRIPTS[argv[0]], *argv[1:]]
-        if SCRIPTS[line.split()[0]] == "hetero_llm.cli":
-            argv += FEW_STEPS + ["--set", f"cluster.port={free_port()}"]
-    else:
-        assert argv[0] == "python"
-        argv[0] = sys.executable
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
-    assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
+    monkeypatch.chdir(cwd)
+    if argv[0] == "hetero-launch":
+        argv = [sys.executable, "-m", SCRIPTS[argv[0]], *argv[1:], *FEW_STEPS, "--set", f"cluster.port={free_port()}"]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        proc = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 0, f"{line}\n{proc.stdout}\n{proc.stderr}"
+        return proc.stdout
+    if argv[0] == "python":
+        assert argv[1] == "-c"
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(argv[2], {})
+        return out.getvalue()
+    module = importlib.import_module(SCRIPTS[argv[0]])
+    result = CliRunner().invoke(module.main, argv[1:])
+    assert result.exit_code == 0, f"{line}\n{result.output}"
+    return result.output
 
 
 @pytest.fixture
@@ -64,27 +75,28 @@ def workdir(tmp_path):
     return tmp_path
 
 
-def test_own_text_to_transformers(workdir):
+def test_own_text_to_transformers(workdir, monkeypatch):
     train, sample, export, load = readme_blocks()[0]
-    out = run(train, workdir)
+    out = run(train, workdir, monkeypatch)
     assert re.search(r"step +2/4 \| loss \d\.\d{4} \| valid \d\.\d{4} \|", out), out
     prompt = re.search(r'--prompt "([^"]+)"', sample).group(1)
-    assert run(sample, workdir).startswith(prompt)
-    run(export, workdir)
-    name, count = run(load, workdir).split()
+    assert run(sample, workdir, monkeypatch).startswith(prompt)
+    run(export, workdir, monkeypatch)
+    name, count = run(load, workdir, monkeypatch).split()
     said = re.search(r"Step 4 prints\s+`(\w+) (\d+)`", (ROOT / "README.md").read_text())
     assert (name, count) == said.groups()
 
 
-def test_with_a_tokenizer_and_a_token_file(workdir):
+def test_with_a_tokenizer_and_a_token_file(workdir, monkeypatch):
     tokenize, train = readme_blocks()[1]
     make_tokenizer(workdir / "tokenizer.json")
     (workdir / "corpus.jsonl").write_text(write_jsonl(workdir / "docs.jsonl").read_text() * 100)
-    assert "tokens (uint16) to corpus.bin" in run(tokenize, workdir)
-    run(train, workdir)
+    assert "tokens (uint16) to corpus.bin" in run(tokenize, workdir, monkeypatch)
+    assert "--set model.vocab=50304" in train  # GPT-2's vocabulary, padded; the tiny tokenizer here has 300
+    run(train.replace("model.vocab=50304", "model.vocab=320"), workdir, monkeypatch)
     ckpt = re.search(r"--checkpoint (\S+)", train).group(1)
-    assert run(f"hetero-generate {ckpt} --prompt 'the cat' --max-new-tokens 5", workdir).startswith("the cat")
-    run(f"hetero-export {ckpt} --hf hf-out", workdir)
+    assert run(f"hetero-generate {ckpt} --prompt 'the cat' --max-new-tokens 5", workdir, monkeypatch).startswith("the cat")
+    run(f"hetero-export {ckpt} --hf hf-out", workdir, monkeypatch)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "hf-out")
     from hetero_llm import tokens
 
