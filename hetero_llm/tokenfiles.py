@@ -15,7 +15,7 @@ attention is not masked at the boundary).
 
 Text or JSONL with a tokenizer.json (``data.tokenizer``) is tokenized once into such a file: a cache beside
 the source (``<source>.hf-tokens.bin`` with a ``.json`` sidecar that says what it was made from), or under the
-user cache directory when the source's folder is read-only. Imports numpy only (``tokenizers`` on use).
+user cache directory when the source's folder is read-only, or in ``$HETERO_LLM_CACHE`` when that is set. Imports numpy only (``tokenizers`` on use).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import click
 import numpy as np
 
 from hetero_llm import tokens
-from hetero_llm.data import TokenFileSource, _jsonl_document
+from hetero_llm.data import CACHE_ENV, TokenFileSource, _jsonl_document
 from hetero_llm.errors import LayoutError
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -177,11 +177,13 @@ def tokenize_file(source: str, out: str, kind: str, field: str, tokenizer: str, 
 
 
 def cache_paths(source: str) -> list[Path]:
-    """Where the tokens of ``source`` may be cached: beside it, else under the user cache directory."""
+    """Where the tokens of ``source`` may be cached, in order: the folder ``$HETERO_LLM_CACHE`` names when set;
+    else beside the source, then the user cache folder (as ``data.cache_path`` for byte tokens)."""
     name = os.path.basename(source) + ".hf-tokens.bin"
-    home = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero_llm"
-    unique = hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:16]
-    return [Path(source).with_name(name), home / f"{unique}-{name}"]
+    chosen = os.environ.get(CACHE_ENV)
+    home = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero_llm"
+    user = home / f"{hashlib.sha256(os.path.abspath(source).encode()).hexdigest()[:16]}-{name}"
+    return [user] if chosen else [Path(source).with_name(name), user]
 
 
 def _recipe(source: str, kind: str, field: str, tokenizer: str) -> str:

@@ -128,6 +128,7 @@ def test_bad_token_files(name, content, expected, tmp_path):
 
 
 def test_text_through_a_tokenizer_is_cached_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETERO_LLM_CACHE", raising=False)
     tok_path = make_tokenizer(tmp_path / "tokenizer.json")
     write_jsonl(tmp_path / "docs.jsonl")
     lay = layout_mod.loads(layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'),
@@ -146,6 +147,7 @@ def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
     make_tokenizer(tmp_path / "tokenizer.json")
     write_jsonl(tmp_path / "docs.jsonl")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    monkeypatch.delenv("HETERO_LLM_CACHE", raising=False)
     write = tokenfiles.write_tokens
 
     def refuse_beside_source(out, *args, **kwargs):
@@ -158,4 +160,14 @@ def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
                            base_dir=tmp_path)
     source = data.make_source(lay.data, lay.file)
     assert Path(source.path).parent == tmp_path / "user-cache" / "hetero_llm"
+    assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()
+
+
+def test_hetero_llm_cache_names_the_cache_folder(tmp_path, monkeypatch):
+    make_tokenizer(tmp_path / "tokenizer.json")
+    write_jsonl(tmp_path / "docs.jsonl")
+    monkeypatch.setenv("HETERO_LLM_CACHE", str(tmp_path / "chosen"))
+    lay = layout_mod.loads(layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'),
+                           base_dir=tmp_path)
+    assert Path(data.make_source(lay.data, lay.file).path).parent == tmp_path / "chosen"
     assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()
