@@ -15,6 +15,7 @@ import attrs
 import click
 
 from hetero_llm import checkpoint, hf, tokens
+from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import CheckpointError, LayoutError
 from hetero_llm.layout import DataSpec, ModelSpec, _build, model_from_dict
 
@@ -71,7 +72,7 @@ def export_checkpoint(directory: str, out_dir: str) -> Path:
     return hf.export(params, s.model, out_dir, eos_token_id=tok.eos_id, extra_files=tokenizer_files(tok))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--hf", "out", required=True, type=click.Path(file_okay=False), metavar="OUT_DIR",
               help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or "

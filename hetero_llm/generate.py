@@ -15,6 +15,7 @@ import click
 import torch
 import torch.nn.functional as F
 
+from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DataKind, Mlp, ModelSpec, Position
 from hetero_llm.model import Params, _apply_rope, _bias, _norm, _projections, block_params, head, rope_tables
@@ -104,7 +105,7 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
     return out
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-generate", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--prompt", required=True, help="Text the model continues.")
 @click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)

@@ -32,6 +32,7 @@ import click
 import numpy as np
 
 from hetero_llm import tokens
+from hetero_llm.cli import OneLineCommand
 from hetero_llm.data import CACHE_ENV, TokenFileSource, _jsonl_document
 from hetero_llm.errors import LayoutError
 
@@ -236,7 +237,7 @@ def _progress_bar():
     return bar.update, bar.close
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("source", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
               help="Token file to write: .bin (raw, as nanoGPT) or .npy.")

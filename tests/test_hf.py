@@ -190,3 +190,16 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
         assert rel(trained(ids).logits, one_process) <= RTOL
         assert rel(start(ids).logits, one_process) > 100 * RTOL  # the 2 steps did train
     shutil.rmtree(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("command,args,expected", [
+    (export.main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
+    ("generate", ["ckpt"], "Missing option '--prompt' (see hetero-generate --help)"),
+    ("tokenfiles", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
+])
+def test_usage_errors_are_one_line(command, args, expected):
+    import importlib
+
+    main = command if callable(command) else importlib.import_module(f"hetero_llm.{command}").main
+    result = CliRunner().invoke(main, args)
+    assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
