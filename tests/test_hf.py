@@ -203,3 +203,24 @@ def test_usage_errors_are_one_line(command, args, expected):
     main = command if callable(command) else importlib.import_module(f"hetero_llm.{command}").main
     result = CliRunner().invoke(main, args)
     assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
+
+
+def test_hub_style_gpt2_names_and_sharded_files(tmp_path):
+    """The hub's GPT-2 file names tensors without 'transformer.' (saved from GPT2Model), and large models
+    come as several safetensors files with a model.safetensors.index.json: both load alike."""
+    from safetensors.torch import load_file, save_file
+
+    make_hf("gpt2-tied", tmp_path / "hf")
+    model = load_model("gpt2-tied", tmp_path / "hf")
+    want = hf.load_shards(model, full(model))
+    tensors = load_file(tmp_path / "hf" / hf.WEIGHTS)
+    (tmp_path / "hf" / hf.WEIGHTS).unlink()
+    renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
+    names = sorted(renamed)
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        save_file({k: renamed[k] for k in keys}, tmp_path / "hf" / file)
+    (tmp_path / "hf" / hf.WEIGHTS_INDEX).write_text(json.dumps(
+        {"weight_map": {k: file for file, keys in halves.items() for k in keys}}))
+    got = hf.load_shards(load_model("gpt2-tied", tmp_path / "hf"), full(model))
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
