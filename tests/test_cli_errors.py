@@ -102,7 +102,7 @@ def _layout_with_inputs(tmp_path: Path) -> Path:
     text = QUICKSTART.read_text().replace('kind = "grammar"', 'kind = "text"\npath = "corpus.txt"')
     text = text.replace("vocab = 64", "vocab = 256").replace("seq_len = 64", "seq_len = 16")
     text = text.replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n')
-    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching")))
+    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every")))
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     return path
@@ -192,7 +192,7 @@ def _text_layout(tmp_path: Path, kind: str, contents: str) -> Path:
     (tmp_path / name).write_text(contents)
     text = QUICKSTART.read_text().replace('kind = "grammar"', f'kind = "{kind}"\npath = "{name}"')
     text = text.replace("vocab = 64", "vocab = 256").replace("seq_len = 64", "seq_len = 16")
-    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching")))
+    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every")))
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     return path
