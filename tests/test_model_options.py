@@ -57,8 +57,12 @@ def _assert_same_model_noisy_biases(run: RunResult, ref: RunResult) -> None:
 
 # The Llama options (GQA, tied, theta, eps, bias) train across TP stages and 2 pipelines in
 # tests/test_hf.py's round trip, started from a transformers model and compared with one process.
+# Here: GPT-2's, and the Llama options under ZeRO-1 (the tied embed.tok's moments split among its holders).
 CASES = [
     ("gpt2: bias, tied; tp [[2, 1], [1]] zbh1", GPT2, [(6, 3, [(3, 2), (3, 1)]), (6, 2, [(6, 1)])], "zbh1"),
+    ("llama: gqa, tied, theta, eps; zero1; tp [[1, 2, 1], [2, 2]]",
+     LLAMA.replace('schedule = "1f1b"', 'schedule = "1f1b"\noptimizer = "adamw_zero1"'),
+     [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "1f1b"),
 ]
 
 
