@@ -199,5 +199,5 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_sa
     assert killed_after < steps, "the kill came after training ended"
     assert "resuming from" in out and f"{ckpt}/step-00000" in out, out
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(steps))  # each step once
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # each step once (numbered from 1, like the console)
     assert [r["loss"] for r in rows] == ref.losses

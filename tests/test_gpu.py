@@ -90,7 +90,7 @@ class FakeWork:
 
 
 def _comms(**kw):
-    fields = dict(device=torch.device("cpu"), tp_group=None, pending_sends=[], groups={}, cupy={})
+    fields = dict(device=torch.device("cpu"), tp_group=None, pending_sends=[], groups={}, cupy={}, shm={}, rank=0)
     return types.SimpleNamespace(**{**fields, **kw})
 
 

@@ -346,7 +346,7 @@ def test_sbatch_trains_with_ranks_from_slurm_variables(fake_slurm, tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert Path(env["SRUN_LOG"] + ".hosts").read_text().split() == ["127.0.0.2", "127.0.0.1"]
-    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [0, 1, 2]
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
 
 
 def test_sbatch_exits_with_the_failed_steps_status(uneven_layout, fake_slurm):
