@@ -40,6 +40,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -397,37 +398,40 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
             raise click.UsageError(f"unknown mode '{m}' (choose from eager, compiled)")
     info = gpu_info(dev, peak_tflops)
     workdir = Path(tempfile.mkdtemp(prefix="gpu_bench_"))
-    corpus = workdir / "corpus.txt"
-    corpus.write_bytes(os.urandom(32 << 20 if not tiny else 1 << 20))  # bytes: the text source's tokens
-    config = {"models": models, "seqs": seqs, "modes": modes, "tokens_per_step": tokens_per_step, "steps": steps,
-              "warmup": warmup, "device": str(dev)}
-    benchlib.say(f"{info['name']}: {config}")
+    try:
+        corpus = workdir / "corpus.txt"
+        corpus.write_bytes(os.urandom(32 << 20 if not tiny else 1 << 20))  # bytes: the text source's tokens
+        config = {"models": models, "seqs": seqs, "modes": modes, "tokens_per_step": tokens_per_step, "steps": steps,
+                  "warmup": warmup, "device": str(dev)}
+        benchlib.say(f"{info['name']}: {config}")
 
-    single, world = [], World(dev)
-    # Untimed: the first run in a process pays for the CUDA context, library handles and kernel caches.
-    run_plain(Case(SIZES[models[0]], seqs[0], max(1, tokens_per_step // seqs[0])), "eager", 2, dev, corpus)
-    for name in models:
-        for seq in seqs:
-            case = Case(SIZES[name], seq, max(1, tokens_per_step // seq))
-            for mode in modes:
-                for runner in (run_ours, run_plain):  # same GPU, same process, one after the other
-                    run = runner(case, mode, steps, dev, corpus, world) if runner is run_ours else \
-                        runner(case, mode, steps, dev, corpus)
-                    row = single_row(case, run, warmup, info["peak_bf16_tflops"])
-                    single.append(row)
-                    benchlib.say(f"{name} seq {seq} {mode} {run.impl}: {row['step_s'] * 1e3:.1f} ms/step, "
-                                 f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB")
-    multi, breakdown = [], []
-    if multi_rank:
-        comm.shutdown()  # the children make their own process groups; this one is done
-        case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
-        dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
-        for name, kw in (("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),
-                         ("1 stage, TP 2", {"tp": 2})):
-            summary, parts = run_multi_rank(name, case, dev_name, steps, warmup, corpus, workdir, **kw)
-            multi.append(summary)
-            breakdown += parts
-            benchlib.say(f"{name}: {summary['step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s")
+        single, world = [], World(dev)
+        # Untimed: the first run in a process pays for the CUDA context, library handles and kernel caches.
+        run_plain(Case(SIZES[models[0]], seqs[0], max(1, tokens_per_step // seqs[0])), "eager", 2, dev, corpus)
+        for name in models:
+            for seq in seqs:
+                case = Case(SIZES[name], seq, max(1, tokens_per_step // seq))
+                for mode in modes:
+                    for runner in (run_ours, run_plain):  # same GPU, same process, one after the other
+                        run = runner(case, mode, steps, dev, corpus, world) if runner is run_ours else \
+                            runner(case, mode, steps, dev, corpus)
+                        row = single_row(case, run, warmup, info["peak_bf16_tflops"])
+                        single.append(row)
+                        benchlib.say(f"{name} seq {seq} {mode} {run.impl}: {row['step_s'] * 1e3:.1f} ms/step, "
+                                     f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB")
+        multi, breakdown = [], []
+        if multi_rank:
+            comm.shutdown()  # the children make their own process groups; this one is done
+            case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
+            dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
+            for name, kw in (("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),
+                             ("1 stage, TP 2", {"tp": 2})):
+                summary, parts = run_multi_rank(name, case, dev_name, steps, warmup, corpus, workdir, **kw)
+                multi.append(summary)
+                breakdown += parts
+                benchlib.say(f"{name}: {summary['step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s")
+    finally:  # the corpus and the runs' folders: results go to --out
+        shutil.rmtree(workdir, ignore_errors=True)
     markdown = report(info, single, multi, breakdown, config)
     payload = {"device": info, "torch": torch.__version__, "config": config, "single_stage": single,
                "multi_rank": multi, "breakdown": breakdown, "machine": benchlib.machine()}
