@@ -49,11 +49,15 @@ def small_cluster(tmp_path: Path, plan: str = "", nodes: str = "", edit=None) ->
 # ------------------------------------------------------------------------------------ fast simulator
 
 
-@pytest.mark.parametrize("kind,chunks", [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)])
-@pytest.mark.parametrize("stages,microbatches", [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8)])
+# interleaved needs >= 2 stages and microbatches divisible by them (a schedule rule): those cases are left out
+SIM_GRID = [(kind, chunks, stages, mbs)
+            for kind, chunks in [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)]
+            for stages, mbs in [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8)]
+            if kind != "interleaved" or (stages >= 2 and mbs % stages == 0)]
+
+
+@pytest.mark.parametrize("kind,chunks,stages,microbatches", SIM_GRID)
 def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches):
-    if kind == "interleaved" and (stages < 2 or microbatches % stages):
-        pytest.skip("interleaved needs >= 2 stages and microbatches divisible by them (a schedule rule)")
     rng = random.Random(stages * 100 + microbatches)
     fwd = [rng.uniform(0.5, 2) for _ in range(stages)]
     bwd = [f * rng.uniform(1.5, 3) for f in fwd]
