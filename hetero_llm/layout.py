@@ -907,6 +907,34 @@ def _validate_model_options(layout: Layout) -> None:
         hf.check_config(layout)
 
 
+def read_cluster_file(path: str | os.PathLike, writer: str, extra: tuple[str, ...] = ()
+                      ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """A layout file without ``[[pipelines]]`` (the input of placement and the planner, named ``writer`` in the
+    message that refuses pipelines): its text, raw TOML and typed sections, checked like a layout's cluster.
+    ``extra``: sections the caller reads itself (e.g. the planner's ``[plan]``)."""
+    file = str(path)
+    p = Path(path)
+    if not p.is_file():
+        raise LayoutError(file, "", "no such file (pass a TOML file with [model], [train] and [cluster])")
+    try:
+        text = p.read_text()
+        raw = tomllib.loads(text)
+    except UnicodeDecodeError:
+        raise LayoutError(file, "", "not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    _check_keys(raw, list(_SECTIONS) + ["pipelines", *extra], "", file, what="section")
+    if "pipelines" in raw:
+        raise LayoutError(file, "pipelines", f"the file already has [[pipelines]] ({writer} writes them: "
+                          "start from a copy without them)")
+    for name in ("model", "train", "cluster"):
+        if name not in raw:
+            raise LayoutError(file, name, f"missing section (add a [{name}] section)")
+    sections = {name: _build(cls, raw.get(name, {}), name, file) for name, cls in _SECTIONS.items()}
+    validate_cluster(file, sections["cluster"])
+    return text, raw, sections
+
+
 def validate_cluster(f: str, c: ClusterSpec) -> None:
     """The ``[cluster]`` checks, on their own: placement validates a cluster file that has no pipelines yet."""
     names = [n.name for n in c.nodes]

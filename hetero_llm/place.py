@@ -24,7 +24,6 @@ and ``[cluster]`` (no ``[[pipelines]]``), and writes it back with the placed pip
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import attrs
@@ -33,11 +32,6 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DEFAULT_TRANSPORT, ClusterSpec, DataSpec, ModelSpec, Schedule, TrainSpec
 from hetero_llm.params import embedding_params, head_params, layer_params
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 BYTES_PER_PARAM = 16  # float32 weight + gradient + AdamW's two moments
 
@@ -265,24 +259,7 @@ def report(placement: Placement) -> str:
 
 def read_cluster_file(path: str | os.PathLike) -> tuple[str, ModelSpec, TrainSpec, DataSpec, ClusterSpec]:
     """The text and sections of a layout file without ``[[pipelines]]``, checked like a layout's."""
-    file = str(path)
-    p = Path(path)
-    if not p.is_file():
-        raise LayoutError(file, "", "no such file (pass a TOML file with [model], [train] and [cluster])")
-    text = p.read_text()
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
-    layout_mod._check_keys(raw, list(layout_mod._SECTIONS) + ["pipelines"], "", file, what="section")
-    if "pipelines" in raw:
-        raise LayoutError(file, "pipelines", "the file already has [[pipelines]] (placement writes them: "
-                          "start from a copy without them)")
-    for name in ("model", "train", "cluster"):
-        if name not in raw:
-            raise LayoutError(file, name, f"missing section (add a [{name}] section)")
-    sec = {name: layout_mod._build(cls, raw.get(name, {}), name, file) for name, cls in layout_mod._SECTIONS.items()}
-    layout_mod.validate_cluster(file, sec["cluster"])
+    text, _, sec = layout_mod.read_cluster_file(path, "placement")
     return text, sec["model"], sec["train"], sec["data"], sec["cluster"]
 
 

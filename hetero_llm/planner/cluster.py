@@ -25,19 +25,12 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-import sys
-from pathlib import Path
 
 import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import ClusterSpec, DataSpec, ModelSpec, Precision, TrainSpec
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 
 def _doc(text: str, **kw):
@@ -166,26 +159,8 @@ def strip_plan_tables(text: str) -> str:
 def load_cluster(path: str | os.PathLike) -> Cluster:
     """Read and check a planner cluster file; every problem is a LayoutError naming the TOML path."""
     file = str(path)
-    p = Path(path)
-    if not p.is_file():
-        raise LayoutError(file, "", "no such file (pass a TOML file with [model], [train] and [cluster])")
-    try:
-        text = p.read_text()
-        raw = tomllib.loads(text)
-    except UnicodeDecodeError:
-        raise LayoutError(file, "", "not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
-    except tomllib.TOMLDecodeError as e:
-        raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
-    layout_mod._check_keys(raw, list(layout_mod._SECTIONS) + ["pipelines", "plan"], "", file, what="section")
-    if "pipelines" in raw:
-        raise LayoutError(file, "pipelines", "the file already has [[pipelines]] (the planner writes them: "
-                          "start from a copy without them)")
-    for name in ("model", "train", "cluster"):
-        if name not in raw:
-            raise LayoutError(file, name, f"missing section (add a [{name}] section)")
-    sec = {name: layout_mod._build(cls, raw.get(name, {}), name, file) for name, cls in layout_mod._SECTIONS.items()}
+    text, raw, sec = layout_mod.read_cluster_file(path, "the planner", extra=("plan",))
     model, train, cluster = sec["model"], sec["train"], sec["cluster"]
-    layout_mod.validate_cluster(file, cluster)
     if train.global_batch < 1:
         raise LayoutError(file, "train.global_batch", f"must be >= 1, got {train.global_batch}")
     for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
