@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-torch = pytest.importorskip("torch")
+torch = pytest.importorskip("torch", reason="the interop needs torch (a core dependency: always there, CI included)")
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
 from click.testing import CliRunner  # noqa: E402
