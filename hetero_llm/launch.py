@@ -139,6 +139,11 @@ class _Child:
                 pass
 
 
+def node_threads(ranks_here: int) -> int:
+    """CPU threads per rank when ``ranks_here`` ranks share this host's cores (OMP_NUM_THREADS overrides)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
 def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
     import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
@@ -147,7 +152,7 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
 
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
     errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
-    threads = int(os.environ.get("OMP_NUM_THREADS") or max(1, (os.cpu_count() or 1) // max(1, len(ranks))))
+    threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
     argv = [layout_path, *options.argv()]
     procs: dict[int, _Child] = {}
     stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
@@ -285,9 +290,14 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     from hetero_llm.train import train
 
     check_rank(plan, rank)
+    info = plan.ranks[rank]
     if not os.environ.get("HETERO_ERROR_DIR"):  # started by hand, not forked by run_ranks (which checked)
         shm.check_space(plan, [rank])
-    info = plan.ranks[rank]
+        if not os.environ.get("OMP_NUM_THREADS"):
+            # As run_ranks does for the ranks it starts: this node's ranks share its cores. (Besides not
+            # oversubscribing the host, this keeps the arithmetic that of a one-command launch: CPU kernels
+            # may sum in another order with another thread count, which changes a run's last bits.)
+            torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == info.node])))
     # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
     # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")

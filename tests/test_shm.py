@@ -270,7 +270,10 @@ def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path, 
         assert "warning" not in err
     network = launch(path, tmp_path / "net", "--set", "cluster.nodes[0].p2p=network")
     losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "m0.jsonl").read_text().splitlines()]
-    assert losses == network.losses  # the same bytes crossed: bitwise the same run
+    # The same model; not asserted bitwise: a dynamic stage that sees two gradients arrive together runs the
+    # backwards in the order it notices them, which sums its weight gradients in another order under load
+    # (a 3e-8 relative difference at step 2 was seen on a loaded CI machine). docs/schedules.md says so.
+    assert losses == pytest.approx(network.losses, rel=1e-6, abs=0)
     assert _ours() == set()
 
 
