@@ -178,7 +178,7 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
             time.sleep(0.05)
     finally:
         _terminate(list(procs.values()), grace_s)
-        if not any(errdir.iterdir()):  # kept only when it holds a failure report (the error line names it)
+        if errdir.is_dir() and not any(errdir.iterdir()):  # kept only when it holds a failure report (named)
             errdir.rmdir()
 
 

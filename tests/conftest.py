@@ -1,29 +1,27 @@
-"""Suite hygiene: test runs leave nothing behind in /tmp.
+"""Suite hygiene: test runs leave nothing behind in /tmp, and never touch another run's files there.
 
 Failure tests make ranks fail on purpose, and the launcher keeps a failed job's report folder
 (``$TMPDIR/hetero_llm_errors_*``, named in the job's error line) for its user; torchrun keeps a log folder
-(``torchelastic_*``) per run. The suite removes the ones it made.
+(``torchelastic_*``) per run. The suite gives itself a private ``$TMPDIR`` (every process it starts
+inherits it) and removes that folder at the end. Removing matching folders from the shared /tmp instead
+would delete the live report folder of a job that another suite (or a user) runs on the same machine.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import pytest
 
-LEFT_BY_DESIGN = ("hetero_llm_errors_*", "torchelastic_*")
-
-
-def _folders(tmp: Path) -> set[Path]:
-    return {p for pattern in LEFT_BY_DESIGN for p in tmp.glob(pattern)}
+_SUITE_TMP = Path(tempfile.mkdtemp(prefix="hl-suite-"))
+os.environ["TMPDIR"] = str(_SUITE_TMP)
+tempfile.tempdir = None  # recomputed from $TMPDIR on next use
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _remove_what_the_suite_left_in_tmp():
-    tmp = Path(tempfile.gettempdir())
-    before = _folders(tmp)
+def _remove_the_suites_tmp():
     yield
-    for folder in _folders(tmp) - before:
-        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(_SUITE_TMP, ignore_errors=True)
