@@ -63,7 +63,7 @@ def testbed_spec(lay: Layout, *, cross_like_domains: bool = False) -> T.TestbedS
     c = lay.cluster
     if not c.domains:
         raise T.TestbedError(f"{lay.file}: the layout declares no [[cluster.domains]] to emulate")
-    domains = [T.DomainSpec(d.name, T.FabricSpec(_rate(d.bandwidth_gbps), _delay(d.latency_us))) for d in c.domains]
+    domains = [T.EmulatedDomain(d.name, T.FabricSpec(_rate(d.bandwidth_gbps), _delay(d.latency_us))) for d in c.domains]
     x = c.cross_domain
     if cross_like_domains:
         cross = domains[0].fabric

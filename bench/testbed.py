@@ -18,9 +18,9 @@ traffic ever leaves the namespaces this module creates. Namespace names are ``hl
 plus ``hl_<run id>-sw``; everything is torn down on exit, on exceptions, on SIGINT/SIGTERM/SIGHUP
 and at interpreter exit, and ``cleanup --all`` removes what a killed run left behind.
 
-Compute speed is not emulated by the kernel (two cores cannot be split into slower CPUs): a node's
-``speed`` reaches its processes as ``HETERO_EMULATED_SPEED``, and the runtime is expected to stretch
-its compute time by ``1 / speed``.
+Compute speed is not emulated here (two cores cannot be split into slower CPUs): a node's ``speed``
+only describes it (the node table shows it). A run that wants slower nodes sets the runtime's
+``HETERO_EMULATE_SLOWDOWN`` for their processes itself, as ``holmes_bench.py`` does from the layout's speeds.
 
 Library: ``with Testbed(spec) as tb: tb.run(node, argv)``. CLI: ``python bench/testbed.py demo``.
 """
@@ -106,8 +106,9 @@ class FabricSpec:
 
 
 @attrs.frozen
-class DomainSpec:
-    """A network domain (e.g. 'ib', 'roce'): its nodes share one fabric."""
+class EmulatedDomain:
+    """An emulated network domain (e.g. 'ib', 'roce'): its nodes share one shaped fabric. (The layout's
+    ``layout.DomainSpec`` describes a real domain; ``holmes_bench.testbed_spec`` makes one of these from it.)"""
 
     name: str = _doc("domain name, as in the layout ('ib', 'roce', 'eth')")
     fabric: FabricSpec = _doc("the domain's own (fast) fabric")
@@ -119,7 +120,8 @@ class EmulatedNode:
 
     name: str = _doc("node name ('node0'); letters, digits, '_' and '-', at most 32 characters")
     domain: str = _doc("name of the domain the node belongs to")
-    speed: float = _doc("relative compute speed (1.0 = full, 0.5 = half); see HETERO_EMULATED_SPEED", default=1.0)
+    speed: float = _doc("relative compute speed (1.0 = full, 0.5 = half), as a label: the testbed does not "
+                        "slow the node's processes (HETERO_EMULATE_SLOWDOWN does, where a run sets it)", default=1.0)
 
 
 @attrs.frozen
@@ -128,14 +130,14 @@ class TestbedSpec:
 
     __test__ = False
 
-    domains: tuple[DomainSpec, ...] = _doc("the domains, in index order (10.77.<index>.0/24)", converter=tuple)
+    domains: tuple[EmulatedDomain, ...] = _doc("the domains, in index order (10.77.<index>.0/24)", converter=tuple)
     nodes: tuple[EmulatedNode, ...] = _doc("the nodes, in index order (host byte = index + 1)", converter=tuple)
     cross: FabricSpec = _doc("the cross-domain fabric every node is on (10.78.0.0/24); usually slower")
 
     def __attrs_post_init__(self) -> None:
         _check_spec(self)
 
-    def domain(self, name: str) -> DomainSpec:
+    def domain(self, name: str) -> EmulatedDomain:
         return next(d for d in self.domains if d.name == name)
 
     def node(self, name: str) -> EmulatedNode:
@@ -162,7 +164,7 @@ def grid_spec(
         for i in range(nodes_per_domain)
     ]
     return TestbedSpec(
-        tuple(DomainSpec(n, fabric) for n in names), tuple(nodes), FabricSpec(cross_bandwidth, cross_delay)
+        tuple(EmulatedDomain(n, fabric) for n in names), tuple(nodes), FabricSpec(cross_bandwidth, cross_delay)
     )
 
 
@@ -430,7 +432,6 @@ class Testbed:
         """The variables ``run`` sets for a process on ``node``."""
         hosts = {f.interface: self.peers(node, f) for f in Fabric}
         return {
-            "HETERO_EMULATED_SPEED": repr(self.speed(node)),
             "HETERO_TESTBED_NODE": node,
             "HETERO_TESTBED_DOMAIN": self.spec.node(node).domain,
             "HETERO_TESTBED_HOSTS": json.dumps(hosts, separators=(",", ":")),

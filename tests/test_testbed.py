@@ -80,8 +80,8 @@ def test_addresses_interfaces_and_env_follow_the_description() -> None:
     tb = testbed.Testbed(
         testbed.TestbedSpec(
             domains=[
-                testbed.DomainSpec("ib", testbed.FabricSpec("1gbit", "0.1ms")),
-                testbed.DomainSpec("roce", testbed.FabricSpec("10gbit", "50us")),
+                testbed.EmulatedDomain("ib", testbed.FabricSpec("1gbit", "0.1ms")),
+                testbed.EmulatedDomain("roce", testbed.FabricSpec("10gbit", "50us")),
             ],
             nodes=[
                 testbed.EmulatedNode("a", "ib"),
@@ -100,7 +100,8 @@ def test_addresses_interfaces_and_env_follow_the_description() -> None:
     assert tb.peers("b", "domain") == {"b": "10.77.1.2", "c": "10.77.1.3"}
     assert tb.peers("b", "xdom") == {"a": "10.78.0.1", "b": "10.78.0.2", "c": "10.78.0.3"}
     env = tb.env("b")
-    assert env["HETERO_EMULATED_SPEED"] == "0.5" and env["HETERO_TESTBED_DOMAIN"] == "roce"
+    assert sorted(env) == ["HETERO_TESTBED_DOMAIN", "HETERO_TESTBED_HOSTS", "HETERO_TESTBED_NODE"]
+    assert env["HETERO_TESTBED_NODE"] == "b" and env["HETERO_TESTBED_DOMAIN"] == "roce"
     assert json.loads(env["HETERO_TESTBED_HOSTS"])["dom0"] == {"b": "10.77.1.2", "c": "10.77.1.3"}
     assert tb.fabric("b", "domain").bits_per_s == 10**10 and tb.fabric("b", "xdom").delay_s == pytest.approx(0.005)
 
@@ -131,7 +132,7 @@ def test_bad_rates_and_delays_are_named(change, message) -> None:
 
 def test_bad_nodes_are_named() -> None:
     fabric = testbed.FabricSpec("1gbit", "1ms")
-    domains = [testbed.DomainSpec("ib", fabric)]
+    domains = [testbed.EmulatedDomain("ib", fabric)]
     with pytest.raises(
         testbed.TestbedError, match=r"^testbed: nodes\[1\]\.domain: unknown domain 'eth' \(domains: ib\)$"
     ):
@@ -189,20 +190,20 @@ def test_throughput_across_domains_is_held_to_the_configured_rate(bed, paths) ->
 
 
 @pytest.mark.netns
-def test_processes_see_their_interfaces_addresses_and_speed(netns_ok) -> None:
+def test_processes_see_their_interfaces_addresses_and_node(netns_ok) -> None:
     spec = testbed.TestbedSpec(
-        [testbed.DomainSpec("ib", testbed.FabricSpec("1gbit", "0.1ms"))],
+        [testbed.EmulatedDomain("ib", testbed.FabricSpec("1gbit", "0.1ms"))],
         [testbed.EmulatedNode("fast", "ib"), testbed.EmulatedNode("slow", "ib", speed=0.5)],
         testbed.FabricSpec("100mbit", "1ms"),
     )
-    code = "import os, socket; print(os.environ['HETERO_EMULATED_SPEED'], sorted(n for _, n in socket.if_nameindex()))"
+    code = "import os, socket; print(os.environ['HETERO_TESTBED_NODE'], sorted(n for _, n in socket.if_nameindex()))"
     with testbed.Testbed(spec) as tb:
         out = subprocess.run(
             ["ip", "-n", tb.namespace("slow"), "-4", "-o", "addr", "show"], capture_output=True, text=True, check=True
         ).stdout
         assert "dom0    inet 10.77.0.2/24" in out and "xdom    inet 10.78.0.2/24" in out
         proc = tb.run("slow", [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-        assert proc.communicate(timeout=10)[0].strip() == "0.5 ['dom0', 'lo', 'xdom']"
+        assert proc.communicate(timeout=10)[0].strip() == "slow ['dom0', 'lo', 'xdom']"
 
 
 @pytest.mark.netns
