@@ -17,7 +17,7 @@ import click
 from hetero_llm import checkpoint, hf, tokens
 from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import CheckpointError, LayoutError
-from hetero_llm.layout import DataSpec, ModelSpec, _build, model_from_dict
+from hetero_llm.layout import DataSpec, ModelSpec, build, model_from_dict
 
 WHERE = "CHECKPOINT_DIR"
 
@@ -42,7 +42,7 @@ def saved(directory: str) -> Saved:
         raise CheckpointError(str(ckpt.path), WHERE, f"{checkpoint.META} records no [model] (saved by an older "
                               "version): resume it for one step with --checkpoint to save it again")
     file = str(ckpt.path / checkpoint.META)
-    return Saved(ckpt, model_from_dict(meta["model"], file), _build(DataSpec, meta.get("data", {}), "data", file))
+    return Saved(ckpt, model_from_dict(meta["model"], file), build(DataSpec, meta.get("data", {}), "data", file))
 
 
 def tokenizer_files(tok: tokens.ByteTokenizer | tokens.HFTokenizer) -> dict[str, bytes]:

@@ -163,6 +163,50 @@ def test_real_subprocess():
     assert proc.stderr.count("\n") == 1
 
 
+# ------------------------------------------------------------------------------------ several problems
+
+
+FIRST_OF_TWO = [  # (two --set items each making one problem, the one reported): validation order, not schema order
+    (["model.init_std=-1.0", "train.lr=-0.1"], "train.lr: must be >= 0, got -0.1"),
+    (["model.norm_eps=0", "model.hidden=30"], "model.heads: 4 heads do not divide hidden 30 (pick a divisor of 30)"),
+    (["cluster.port=0", "data.valid_fraction=2"], "data.valid_fraction: must be in [0, 1), got 2 (e.g. 0.05)"),
+    (["cluster.nodes.0.speed=0", "cluster.port=0"], "cluster.port: must be a TCP port 1..65535, got 0"),
+    (["cluster.nodes.0.host=h:80", 'cluster.nodes.0.devices=["gpu"]'],
+     "cluster.nodes[0].devices[0]: unknown device 'gpu' (use 'cpu' or 'cuda:N')"),
+    (["pipelines.0.stages.0.devices=[]", "pipelines.0.batch=3"],
+     "pipelines[0].microbatches: 4 microbatches do not divide the pipeline's batch 3 (use a divisor of 3)"),
+]
+
+
+@pytest.mark.parametrize("items, first", FIRST_OF_TWO, ids=[i[0] for i, _ in FIRST_OF_TWO])
+def test_first_of_two_problems(items: list[str], first: str):
+    with pytest.raises(LayoutError) as info:
+        layout.load(QUICKSTART, items)
+    assert str(info.value) == f"{QUICKSTART}: {first}"
+
+
+def test_every_field_rule_runs(monkeypatch):
+    """Every single-field rule the schema declares is run by validation, and only those: a rule on a field
+    that validation never asks about would be dead without a word."""
+    import attrs
+
+    from hetero_llm import layout_fields, layout_rules, layout_schema
+
+    asked = set()
+
+    def spy(obj, name):
+        asked.add((type(obj).__name__, name))
+        return layout_fields.problems(obj, name)
+
+    monkeypatch.setattr(layout_rules, "problems", spy)
+    for path in GOOD:  # between them: grammar and file data, packed documents, buckets, network domains
+        layout.load(path)
+    declared = {(cls.__name__, f.name) for cls in vars(layout_schema).values()
+                if isinstance(cls, type) and attrs.has(cls) for f in attrs.fields(cls) if f.metadata.get("checks")}
+    assert len(declared) >= 40
+    assert asked == declared
+
+
 # ------------------------------------------------------------------------------------ good layouts
 
 
