@@ -28,7 +28,7 @@ def key(doc: str, check: Rule | tuple[Rule, ...] = (), **kw: Any) -> Any:
     return attrs.field(metadata={"doc": doc, "checks": checks}, **kw)
 
 
-def problems(obj: Any, name: str) -> tuple[str, str] | None:
+def first_problem(obj: Any, name: str) -> tuple[str, str] | None:
     """The first rule of field ``name`` that ``obj``'s value breaks, as (path suffix, message); None if none."""
     value = getattr(obj, name)
     for rule in attrs.fields_dict(type(obj))[name].metadata["checks"]:

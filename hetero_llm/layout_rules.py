@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout_fields import problems
+from hetero_llm.layout_fields import first_problem
 from hetero_llm.layout_schema import (Backend, ClusterSpec, CommLib, Compile, DataKind, DomainKind, Layout,
                                       Optimizer, P2P, Packing, Position, Schedule, bucket_layout)
 
@@ -28,7 +28,7 @@ SPLIT_BACKWARD_NO_COMPILE = ("'blocks' cannot compile a schedule that splits bac
 def _own(f: str, obj: Any, path: str, *names: str) -> None:
     """Run the single-field rules of ``obj``'s fields ``names``, in that order."""
     for name in names:
-        found = problems(obj, name)
+        found = first_problem(obj, name)
         if found is not None:
             raise LayoutError(f, f"{path}.{found[0]}", found[1])
 
