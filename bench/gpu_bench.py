@@ -54,10 +54,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import benchlib
-from hetero_llm import comm, data
+from hetero_llm import data, groups
 from hetero_llm import layout as layout_mod
 from hetero_llm import trace as tracing
 from hetero_llm.params import count_params
+from hetero_llm.groups import Comms
 from hetero_llm.plan import compile_plan
 from hetero_llm.train import train
 
@@ -144,12 +145,12 @@ class World:
     """The one-rank process group the in-process runs of ours share (it can be created once)."""
 
     device: torch.device
-    comms: comm.Comms | None = None
+    comms: Comms | None = None
 
-    def get(self, plan) -> comm.Comms:
+    def get(self, plan) -> Comms:
         if self.comms is None:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(benchlib.free_port())
-            self.comms = comm.init(plan, 0, self.device)
+            self.comms = groups.init(plan, 0, self.device)
         return self.comms
 
 
@@ -421,7 +422,7 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
                                      f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB")
         multi, breakdown = [], []
         if multi_rank:
-            comm.shutdown()  # the children make their own process groups; this one is done
+            groups.shutdown()  # the children make their own process groups; this one is done
             case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
             dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
             for name, kw in (("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),

@@ -43,7 +43,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import comm
+    from hetero_llm import groups
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.train import train
@@ -51,7 +51,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))
-    comms = comm.init(plan, rank, torch.device("cpu"))
+    comms = groups.init(plan, rank, torch.device("cpu"))
     other_comms = comms
     if versus == "torch":
         baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))
@@ -86,7 +86,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
         if rank == 0 and out:
             Path(out).write_text(json.dumps(result))
     finally:
-        comm.shutdown()
+        groups.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ A bucket without documents is skipped, without a switch. Each switch is one batc
 flat message per device pair) and is traced as its own action (``SWITCH>b1``).
 
 The processes are the home layout's ranks; a bucket's groups are created once over them
-(``comm.layout_groups``) and its routes are mapped to their world ranks.
+(``groups.layout_groups``) and its routes are mapped to their world ranks.
 """
 
 from __future__ import annotations
@@ -22,12 +22,14 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm import comm, documents
+from hetero_llm import collectives, documents, p2p
 from hetero_llm.docmask import DocumentMask
+from hetero_llm.groups import Comms, layout_groups
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
 from hetero_llm.schedule import Kind
+from hetero_llm.streams import Streams
 from hetero_llm.switch import SwitchPlan, Transfer, step_switch
 
 
@@ -54,9 +56,9 @@ class Slot:
 class Switcher:
     """Runs the buckets of every step on one rank (see the module doc)."""
 
-    def __init__(self, home: Plan, rank: int, comms: comm.Comms, params: dict[str, torch.Tensor],
+    def __init__(self, home: Plan, rank: int, comms: Comms, params: dict[str, torch.Tensor],
                  coords: dict[str, tuple], home_runner: StageRunner, compute_of, trace: list | None,
-                 streams: comm.Streams):
+                 streams: Streams):
         lay = home.layout
         self.layout, self.trace = lay, trace
         self.device = comms.device
@@ -73,11 +75,11 @@ class Switcher:
             self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams))
         self._plans: dict[tuple, SwitchPlan] = {}
 
-    def _slot(self, name: str, plan: Plan, comms: comm.Comms, compute_of, streams: comm.Streams) -> Slot:
+    def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams) -> Slot:
         mine = [r.rank for r in plan.ranks if r.device_id == self.me]
         rank = mine[0] if mine else None
         world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
-        groups = comm.layout_groups(plan, rank, world_of)  # every rank, every bucket, in order
+        groups = layout_groups(plan, rank, world_of)  # every rank, every bucket, in order
         if rank is None:
             return Slot(name, plan, None, {}, {}, None)
         params, coords = {}, {}
@@ -88,10 +90,10 @@ class Switcher:
             params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
             coords[info.name] = (dim, lo)
         st = plan.stage_of(rank)
-        bucket_comms = comm.Comms(comms.rank, comms.world_size, comms.device, groups, groups.get(f"tp[{st.label}]"),
-                                  tuple(world_of[r] for r in st.ranks))
+        bucket_comms = Comms(comms.rank, comms.world_size, comms.device, groups, groups.get(f"tp[{st.label}]"),
+                             tuple(world_of[r] for r in st.ranks))
         routes = _world_routes(StageRoutes.of(plan, rank), world_of)
-        runner = StageRunner(bucket_comms, params, st, plan.layout.model, comm.tp_ops(bucket_comms), routes,
+        runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,
                              self.trace, Emulation.from_env(comms.rank), compute_of(plan, rank), streams,
                              split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))
         return Slot(name, plan, rank, params, coords, runner, _dynamic(plan, rank))
@@ -152,7 +154,7 @@ class Switcher:
             send_flat = {peer: torch.cat(blocks) for peer, blocks in sends.items()}
             recv_flat = {peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device)
                          for peer, ts in receives.items()}
-            comm.exchange(send_flat, recv_flat)
+            p2p.exchange(send_flat, recv_flat)
             for peer, ts in receives.items():
                 pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
                 for t, piece in zip(ts, pieces):

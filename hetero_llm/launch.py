@@ -286,7 +286,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
     import torch  # torch-free until here: --dry-run and planning never import it
 
-    from hetero_llm import comm, heartbeat, shm, trace as tracing
+    from hetero_llm import groups, heartbeat, shm, trace as tracing
     from hetero_llm.train import train
 
     check_rank(plan, rank)
@@ -305,7 +305,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
-        comms = comm.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
+        comms = groups.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
         events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
@@ -316,7 +316,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         finally:
             if events is not None:
                 events.close()
-            comm.shutdown()
+            groups.shutdown()
     except KeyboardInterrupt:
         raise
     except BaseException as e:

@@ -24,13 +24,15 @@ import time
 import attrs
 import torch
 
-from hetero_llm import comm
+from hetero_llm import collectives, p2p
 from hetero_llm.layout import ModelSpec
 from hetero_llm.docmask import DocumentMask
+from hetero_llm.groups import Comms
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
                                stage_forward, token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Kind, peer
+from hetero_llm.streams import NO_STREAMS, Streams
 
 FWD, BWD = 0, 1
 
@@ -109,7 +111,7 @@ class Emulation:
 class StageRunner:
     """Executes one rank's actions for one step; accumulates gradients into ``params``."""
 
-    comms: comm.Comms
+    comms: Comms
     params: dict[str, torch.Tensor]
     stage: StagePlan
     model: ModelSpec
@@ -118,7 +120,7 @@ class StageRunner:
     trace: list | None = None  # (action string, start s, end s) per action, when tracing
     emulation: Emulation = Emulation()
     compute: Compute = FP32  # precision, recomputation, compilation of this stage
-    streams: comm.Streams = comm.NO_STREAMS  # side CUDA streams for p2p (none on CPU)
+    streams: Streams = NO_STREAMS  # side CUDA streams for p2p (none on CPU)
     split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
     optimizer_hooks: dict = attrs.field(factory=dict)  # Kind.RS / Kind.AG -> what ZeRO-1 does there (zero1.py)
     _rng: random.Random = attrs.field(init=False)
@@ -191,11 +193,11 @@ class StageRunner:
             received = self._await(BWD, a)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         if a.kind is Kind.RECV_F:
-            s["recvs"][(FWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
-                                                        FWD, a.mb, a.chunk, self.streams, self._group("recv_f"))
+            s["recvs"][(FWD, key)] = p2p.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
+                                                       FWD, a.mb, a.chunk, self.streams, self._group("recv_f"))
         elif a.kind is Kind.RECV_B:
-            s["recvs"][(BWD, key)] = comm.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
-                                                        BWD, a.mb, a.chunk, self.streams, self._group("recv_b"))
+            s["recvs"][(BWD, key)] = p2p.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
+                                                       BWD, a.mb, a.chunk, self.streams, self._group("recv_b"))
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
@@ -207,12 +209,12 @@ class StageRunner:
             self._weight_grads.flush(key)
         elif a.kind is Kind.SEND_F:
             mb, chunk = self._peer_tag(a)
-            comm.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams,
-                               self._group("send_f"))
+            p2p.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams,
+                              self._group("send_f"))
         elif a.kind is Kind.SEND_B:
             mb, chunk = self._peer_tag(a)
-            comm.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
-                               self.streams, self._group("send_b"))
+            p2p.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
+                              self.streams, self._group("send_b"))
         elif a.kind in OPTIMIZER_KINDS:  # RS: start the reduce-scatters; AG: wait for the parameter all-gathers
             hook = self.optimizer_hooks.get(a.kind)
             if hook is not None:
@@ -257,7 +259,7 @@ class StageRunner:
             s["grads_out"][key] = x.grad
 
     def _finish(self) -> torch.Tensor:
-        comm.wait_sends(self.comms)
+        p2p.wait_sends(self.comms)
         s = self._state
         put_off = self._weight_grads.pending if self._weight_grads is not None else []
         if s["recvs"] or s["outputs"] or s["inputs"] or s["grads_out"] or put_off:
@@ -298,7 +300,7 @@ class StageRunner:
         next_f, next_recv_f, in_flight, done = 0, 0, [], 0
         if self.optimizer_hooks:
             self.execute(Action(Kind.AG, 0))  # this step's parameters, before any forward
-        leader = self.comms.tp_group is None or comm.tp_index(self.comms) == 0
+        leader = self.comms.tp_group is None or collectives.tp_index(self.comms) == 0
         arrival = threading.Event()  # set by the receive watchers
 
         def post_forward_receives():
@@ -327,7 +329,7 @@ class StageRunner:
                         # would steal the core from other ranks (polling NCCL work: a short timeout).
                         arrival.wait(0.0005 if self.comms.device.type == "cuda" else 0.05)
             if self.comms.tp_group is not None:
-                choice = comm.tp_agree(self.comms, choice)
+                choice = collectives.tp_agree(self.comms, choice)
             kind, m = choice
             if kind == "F":
                 self.execute(Action(Kind.F, m))

@@ -14,16 +14,18 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm import checkpoint, comm, data, documents, evaluate, zero1
+from hetero_llm import checkpoint, collectives, data, documents, evaluate, zero1
 from hetero_llm.checkpoint import Checkpoint
 from hetero_llm.errors import CheckpointError, Diverged, RankFailure
 from hetero_llm.optim import AdamW
 from hetero_llm.docmask import DocumentMask
+from hetero_llm.groups import Comms
 from hetero_llm.layout import Compile, Optimizer, Packing, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
 from hetero_llm.schedule import Kind
+from hetero_llm.streams import NO_STREAMS, Streams
 
 
 def lr_at(train: TrainSpec, step: int) -> float:
@@ -97,8 +99,8 @@ def _sum_sq(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     return total
 
 
-def sync_grads(plan: Plan, rank: int, state: RankState, comms: comm.Comms,
-               streams: comm.Streams = comm.NO_STREAMS) -> torch.Tensor:
+def sync_grads(plan: Plan, rank: int, state: RankState, comms: Comms,
+               streams: Streams = NO_STREAMS) -> torch.Tensor:
     """Sum every gradient block among its holders; return this rank's share of the squared global norm
     (a float64 scalar on the device, so the step syncs the host once, for the logged totals).
 
@@ -114,7 +116,7 @@ def sync_grads(plan: Plan, rank: int, state: RankState, comms: comm.Comms,
         views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in bucket.entries]
         scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
                   for v, (name, *_rest) in zip(views, bucket.entries)]
-        pending.append((bucket, views, comm.start_all_reduce_flat(comms, scaled, bucket.name, streams)))
+        pending.append((bucket, views, collectives.start_all_reduce_flat(comms, scaled, bucket.name, streams)))
     # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
     sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])
     for bucket, views, reduction in pending:
@@ -217,7 +219,7 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d {clock}" if s >= 86400 else clock
 
 
-def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None = None,
+def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
           trace: list | None = None, quiet: bool = False, keep_history: bool = False,
           tensorboard: str | None = None) -> list[StepMetrics]:
@@ -235,7 +237,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
     first = restored.step if restored else 0
     state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
-    streams = comm.Streams(device)
+    streams = Streams(device)
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
     optimizer = zero1.ShardedAdamW(plan, rank, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
                                    streams) if sharded else _make_optimizer(state, tr)
@@ -243,7 +245,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
         _restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
     st = plan.stage_of(rank)
     compute = stage_compute(plan, rank, device)
-    runner = StageRunner(comms, state.params, st, model, comm.tp_ops(comms), StageRoutes.of(plan, rank), trace,
+    runner = StageRunner(comms, state.params, st, model, collectives.tp_ops(comms), StageRoutes.of(plan, rank), trace,
                          Emulation.from_env(rank), compute, streams,
                          split_backward=any(a.kind is Kind.I for a in plan.actions(rank)),
                          optimizer_hooks=optimizer.hooks() if sharded else {})
@@ -283,7 +285,7 @@ def train(plan: Plan, rank: int, comms: comm.Comms, *, metrics_path: str | None 
                 loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
             sq = optimizer.finish_reduce() if sharded else sync_grads(plan, rank, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
-            comm.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
+            collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
             loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
@@ -351,7 +353,7 @@ def held_out_loss(plan: Plan, rank: int, runner: StageRunner, valid, contributes
         loss_sum = runner.run_forward(plan.actions(rank), _microbatches(plan, rank, batch), tokens)
         if contributes_loss:
             total += loss_sum
-    comm.all_reduce_world(total)
+    collectives.all_reduce_world(total)
     return float(total) / (tokens * tr.eval_batches)
 
 
@@ -387,7 +389,7 @@ def save_checkpoint(plan: Plan, rank: int, state: RankState,
     folder = checkpoint.step_folder(root, step)
     if rank == 0:
         checkpoint.begin_save(folder)
-    comm.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
+    collectives.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
     folder.mkdir(parents=True, exist_ok=True)
     shards = {}
     if isinstance(optimizer, zero1.ShardedAdamW):
@@ -414,7 +416,7 @@ def _all_digests(world_size: int, rank: int, digest: tuple[int, str], device: to
     table = torch.zeros(world_size, 5, dtype=torch.int64)
     table[rank, 0] = size
     table[rank, 1:] = torch.from_numpy(np.frombuffer(bytes.fromhex(sha), dtype=np.int64).copy())
-    rows = comm.all_reduce_world(table.to(device)).cpu().numpy()
+    rows = collectives.all_reduce_world(table.to(device)).cpu().numpy()
     return [(int(row[0]), row[1:].astype(np.int64).tobytes().hex()) for row in rows]
 
 

@@ -21,17 +21,19 @@ import math
 
 import torch
 
-from hetero_llm import comm, optim_shards
+from hetero_llm import collectives, optim_shards
+from hetero_llm.groups import Comms
 from hetero_llm.optim_shards import Slice, Unit
 from hetero_llm.plan import Plan
 from hetero_llm.schedule import Kind
+from hetero_llm.streams import NO_STREAMS, Streams
 
 
 class ShardedAdamW:
     """AdamW over this rank's slices; parameters stay whole (float32) on every holder."""
 
     def __init__(self, plan: Plan, rank: int, state, betas: tuple[float, float], eps: float, weight_decay: float,
-                 comms: comm.Comms, streams: comm.Streams = comm.NO_STREAMS):
+                 comms: Comms, streams: Streams = NO_STREAMS):
         self.state_of_rank = state  # train.RankState: params, coords, replicas, decay
         self.rank, self.comms, self.streams = rank, comms, streams
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
@@ -105,7 +107,8 @@ class ShardedAdamW:
                 left[name] -= 1
                 if not left[name]:
                     self.state_of_rank.params[name].grad = None
-            self._reductions.append((unit, comm.start_reduce_scatter(self.comms, packed, unit.group, self.streams)))
+            pending = collectives.start_reduce_scatter(self.comms, packed, unit.group, self.streams)
+            self._reductions.append((unit, pending))
 
     def finish_reduce(self) -> torch.Tensor:
         """Wait for the reduce-scatters; this rank's share of the squared global norm (float64, on the device)."""
@@ -157,8 +160,8 @@ class ShardedAdamW:
 
     def start_gather(self) -> None:
         """Start the all-gathers of the updated slices (right after ``step``)."""
-        self._gathers = [(unit, comm.start_all_gather(self.comms, self._packed(unit, "data", only=self.rank),
-                                                      unit.group, self.streams)) for unit, _ in self.units]
+        self._gathers = [(unit, collectives.start_all_gather(self.comms, self._packed(unit, "data", only=self.rank),
+                                                             unit.group, self.streams)) for unit, _ in self.units]
 
     def wait_gather(self) -> None:
         """Wait for the all-gathers and write the other holders' slices into this rank's parameters (the ``AG``
@@ -201,7 +204,7 @@ class ShardedAdamW:
                 chunk = [own[s].reshape(-1) for s in slices]
                 pad = unit.chunk - unit.elements(self.rank)
                 flat = torch.cat(chunk + ([chunk[0].new_zeros(pad)] if pad else []))
-                gathered = comm.start_all_gather(self.comms, flat, unit.group, self.streams).wait()[0]
+                gathered = collectives.start_all_gather(self.comms, flat, unit.group, self.streams).wait()[0]
                 self._unpack(unit, gathered, out[key], moments=True)
         return {n: {key: out[key][n] for key in out} for n in params}
 

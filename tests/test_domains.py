@@ -243,35 +243,35 @@ def test_dry_run_without_domains_has_no_domain_table():
     assert "  p2p_fwd[p0.s0->p0.s1]        ranks [0, 1]  via shm" in text.splitlines()
 
 
-# ------------------------------------------------------------------------------------ comm mechanics
+# ---------------------------------------------------------------------------------- groups mechanics
 
 
 def test_missing_interface_falls_back_to_the_default(monkeypatch):
-    torch = pytest.importorskip("torch")  # noqa: F841  (comm imports torch)
-    from hetero_llm import comm
+    torch = pytest.importorskip("torch")  # noqa: F841  (groups imports torch)
+    from hetero_llm import groups
 
     plan = compile_plan(layout.load(HOLMES))
     grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
-    assert not comm.has_interface("dom0")  # not on a plain host (the testbed's namespaces have it)
-    assert "GLOO_SOCKET_IFNAME" not in comm.group_env(plan, 0, grad)
-    assert comm.group_env(plan, 0, grad)["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
-    monkeypatch.setattr(comm, "has_interface", lambda name: True)
-    assert comm.group_env(plan, 0, grad)["GLOO_SOCKET_IFNAME"] == "dom0"
+    assert not groups.has_interface("dom0")  # not on a plain host (the testbed's namespaces have it)
+    assert "GLOO_SOCKET_IFNAME" not in groups.group_env(plan, 0, grad)
+    assert groups.group_env(plan, 0, grad)["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+    monkeypatch.setattr(groups, "has_interface", lambda name: True)
+    assert groups.group_env(plan, 0, grad)["GLOO_SOCKET_IFNAME"] == "dom0"
 
 
 def test_network_env_is_restored(monkeypatch):
     pytest.importorskip("torch")
-    from hetero_llm import comm
+    from hetero_llm import groups
 
     plan = compile_plan(layout.load(HOLMES))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
     monkeypatch.delenv("NCCL_IB_HCA", raising=False)
-    monkeypatch.setattr(comm, "has_interface", lambda name: True)
+    monkeypatch.setattr(groups, "has_interface", lambda name: True)
     grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
-    with comm._network_env(plan, 0, grad):
+    with groups._network_env(plan, 0, grad):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "dom0" and os.environ["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and "NCCL_IB_HCA" not in os.environ
-    with comm._network_env(plan, 1, grad):  # rank 1 is not in grad_sync[0,2]: nothing to set
+    with groups._network_env(plan, 1, grad):  # rank 1 is not in grad_sync[0,2]: nothing to set
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
 
 
@@ -296,12 +296,12 @@ def test_cupy_group_sums_a_torch_tensor_by_pointer():
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import comm
+    from hetero_llm import groups
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
     before = os.environ.get("NCCL_NET")
-    group = comm.make_cupy_group(store, "grad_sync[0]", (0,), 0, {"NCCL_NET": "Socket"})
+    group = groups.make_cupy_group(store, "grad_sync[0]", (0,), 0, {"NCCL_NET": "Socket"})
     assert os.environ.get("NCCL_NET") == before  # set only while NCCL created the communicator
     x = torch.arange(10, dtype=torch.float32, device="cuda")
     group.all_reduce(x)
@@ -318,7 +318,7 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
 
     import torch.distributed as dist
 
-    from hetero_llm import comm
+    from hetero_llm.groups import make_cupy_group
 
     made = []
 
@@ -339,7 +339,7 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
     groups = {}
 
     def member(rank):
-        groups[rank] = comm.make_cupy_group(store, "grad_sync[3,5]", (3, 5), rank, {"NCCL_NET": "IB"})
+        groups[rank] = make_cupy_group(store, "grad_sync[3,5]", (3, 5), rank, {"NCCL_NET": "IB"})
 
     threads = [threading.Thread(target=member, args=(r,)) for r in (5, 3)]  # the non-first member waits
     for t in threads:

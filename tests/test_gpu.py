@@ -3,7 +3,7 @@
 Two parts:
 
 1. CPU-runnable checks of the GPU code paths. The stream logic is checked against a fake
-   ``comm.Streams`` that logs every stream hand-over (which stream is current when a receive is
+   ``streams.Streams`` that logs every stream hand-over (which stream is current when a receive is
    posted, who waits for whom, which tensor is recorded on which stream); host staging (what gloo
    needs for CUDA tensors) is forced on CPU tensors, both with fake p2p calls and over real gloo.
 2. ``@pytest.mark.gpu`` tests, skipped without CUDA: the reference model on CUDA against CPU, and
@@ -25,8 +25,10 @@ import torch
 import torch.distributed as dist
 
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch
-from hetero_llm import comm
+from hetero_llm import collectives, p2p
+from hetero_llm.groups import Comms
 from hetero_llm.plan import Route
+from hetero_llm.streams import NO_STREAMS, Streams
 from test_precision import assert_bf16_close
 
 GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"
@@ -37,7 +39,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP)
 # 1. Stream hand-overs, against a fake Streams
 
 
-class FakeStreams(comm.Streams):
+class FakeStreams(Streams):
     """Streams named "compute", "p2p", "grads" that log what the real ones would do."""
 
     def __init__(self):
@@ -98,7 +100,7 @@ def _comms(**kw):
 def staging(monkeypatch):
     """Set whether p2p is staged through host (what gloo does for CUDA tensors) for CPU tensors."""
     def set_(on: bool):
-        monkeypatch.setattr(comm, "stages_through_host", lambda device: on)
+        monkeypatch.setattr(p2p, "stages_through_host", lambda device: on)
     return set_
 
 
@@ -119,8 +121,8 @@ def test_receive_is_posted_on_the_p2p_stream_and_handed_to_compute(monkeypatch, 
         works.append(FakeWork(streams, "irecv", on_wait=lambda: buf.copy_(payload)))
         return works[-1]
 
-    monkeypatch.setattr(comm.dist, "irecv", irecv)
-    pending = comm.recv_boundary(_comms(), Route(0, 1, 0, 1), (2, 3, 4), torch.float32, 0, 5, 0, streams)
+    monkeypatch.setattr(p2p.dist, "irecv", irecv)
+    pending = p2p.recv_boundary(_comms(), Route(0, 1, 0, 1), (2, 3, 4), torch.float32, 0, 5, 0, streams)
     assert streams.log == [("use", "p2p"), ("irecv", "p2p"), ("end", "p2p")]
     out = pending.wait(_comms())
     assert streams.log[3:] == [("irecv.wait", "compute"), ("hand_over", "compute")]
@@ -138,10 +140,10 @@ def test_staged_send_copies_once_on_the_p2p_stream_before_gloo_reads(monkeypatch
         sent.append(tensor)
         return FakeWork(streams, "isend")
 
-    monkeypatch.setattr(comm.dist, "isend", isend)
+    monkeypatch.setattr(p2p.dist, "isend", isend)
     comms = _comms()
     x = torch.arange(10, dtype=torch.bfloat16).view(2, 5)
-    comm.send_boundary(comms, x, [Route(0, 1, 0, 2), Route(0, 2, 1, 2)], 0, 3, 0, streams)
+    p2p.send_boundary(comms, x, [Route(0, 1, 0, 2), Route(0, 2, 1, 2)], 0, 3, 0, streams)
     # One host copy for both pieces, made after the producing compute, complete before the sends.
     assert streams.log == [("wait", "p2p", "compute"), ("use", "p2p"), ("end", "p2p"), ("synchronize", "p2p"),
                            ("isend", "compute", 1), ("isend", "compute", 2)]
@@ -163,8 +165,8 @@ def test_staged_receive_polls_through_the_watcher_and_copies_on_the_p2p_stream(m
         works.append(FakeWork(streams, "irecv", on_wait=lambda: buf.copy_(payload), gate=arrive))
         return works[-1]
 
-    monkeypatch.setattr(comm.dist, "irecv", irecv)
-    pending = comm.recv_boundary(_comms(), Route(0, 1, 0, 1), (3, 4), torch.bfloat16, 1, 2, 0, streams)
+    monkeypatch.setattr(p2p.dist, "irecv", irecv)
+    pending = p2p.recv_boundary(_comms(), Route(0, 1, 0, 1), (3, 4), torch.bfloat16, 1, 2, 0, streams)
     assert pending.device == torch.device("cpu") and pending.buffer.device.type == "cpu"
     pending.watch()
     time.sleep(0.05)
@@ -185,27 +187,27 @@ def test_nccl_p2p_goes_out_as_batches_on_the_boundary_group(monkeypatch, staging
     """NCCL path: every send and receive is a one-op batch_isend_irecv on the boundary's group (the group's
     own communicator, made under its network settings), never a lone isend/irecv (a lazy 2-rank one)."""
     staging(False)
-    monkeypatch.setattr(comm, "batched_p2p", lambda device: True)
+    monkeypatch.setattr(p2p, "batched_p2p", lambda device: True)
     batches = []
 
     def batch_isend_irecv(ops):
         batches.append([(op.op, op.peer, op.group, op.tag, op.tensor.numel()) for op in ops])
         return [FakeWork(FakeStreams(), "batch")]
 
-    monkeypatch.setattr(comm.dist, "batch_isend_irecv", batch_isend_irecv)
+    monkeypatch.setattr(p2p.dist, "batch_isend_irecv", batch_isend_irecv)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
         comms = _comms()
-        comm.send_boundary(comms, torch.arange(10.0), [Route(0, 0, 0, 2), Route(0, 0, 1, 2)], 0, 3, 0, FakeStreams(),
-                           group)
-        comm.recv_boundary(comms, Route(0, 0, 1, 2), (2, 5), torch.float32, 1, 3, 0, FakeStreams(), group)
+        p2p.send_boundary(comms, torch.arange(10.0), [Route(0, 0, 0, 2), Route(0, 0, 1, 2)], 0, 3, 0, FakeStreams(),
+                          group)
+        p2p.recv_boundary(comms, Route(0, 0, 1, 2), (2, 5), torch.float32, 1, 3, 0, FakeStreams(), group)
     finally:
         dist.destroy_process_group()
     real_isend, real_irecv = dist.isend, dist.irecv
     assert [[(op is real_isend, peer, g is group, tag, n) for op, peer, g, tag, n in b] for b in batches] == [
-        [(True, 0, True, comm._tag(0, 3, 0, 0), 5)], [(True, 0, True, comm._tag(0, 3, 0, 1), 5)],
-        [(False, 0, True, comm._tag(1, 3, 0, 1), 5)]]
+        [(True, 0, True, p2p._tag(0, 3, 0, 0), 5)], [(True, 0, True, p2p._tag(0, 3, 0, 1), 5)],
+        [(False, 0, True, p2p._tag(1, 3, 0, 1), 5)]]
 
 
 def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
@@ -217,9 +219,10 @@ def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
         calls.append(flat)
         return FakeWork(streams, "all_reduce", on_wait=lambda: flat.mul_(2))
 
-    monkeypatch.setattr(comm.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
     a, b = torch.ones(2, 3), torch.arange(4.0).view(2, 2)[:, 1:]  # the second is a strided view of a gradient
-    pending = comm.start_all_reduce_flat(_comms(groups={"grad_sync[0,1]": object()}), [a, b], "grad_sync[0,1]", streams)
+    comms = _comms(groups={"grad_sync[0,1]": object()})
+    pending = collectives.start_all_reduce_flat(comms, [a, b], "grad_sync[0,1]", streams)
     assert streams.log == [("wait", "grads", "compute"), ("use", "grads"), ("all_reduce", "grads", True),
                            ("end", "grads"), ("hand_over", "grads"), ("hand_over", "grads")]
     assert [t for t, _ in streams.recorded] == [a, b]  # the inputs may be dropped by the caller: recorded
@@ -230,7 +233,7 @@ def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
 
 
 def test_cpu_streams_are_no_ops():
-    s = comm.NO_STREAMS
+    s = NO_STREAMS
     assert not s.active and s.compute is None and s.p2p is None and s.grads is None
     t = torch.ones(3)
     with s.use(s.p2p):
@@ -244,19 +247,19 @@ def test_cpu_streams_are_no_ops():
 
 
 def _staging_worker(rank: int, port: int, results: str) -> None:
-    comm.stages_through_host = lambda device: True  # as gloo with CUDA tensors, here on CPU tensors
+    p2p.stages_through_host = lambda device: True  # as gloo with CUDA tensors, here on CPU tensors
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    comms = comm.Comms(rank, 2, torch.device("cpu"), {}, None, (rank,))
+    comms = Comms(rank, 2, torch.device("cpu"), {}, None, (rank,))
     shape = (2, 3, 5)
     x = torch.arange(30, dtype=torch.bfloat16).view(shape)
     out = {}
     if rank == 0:
-        comm.send_boundary(comms, x, [Route(0, 1, 0, 1)], 0, 0, 0)
-        back = comm.recv_boundary(comms, Route(1, 0, 0, 1), shape, torch.bfloat16, 1, 0, 0)
+        p2p.send_boundary(comms, x, [Route(0, 1, 0, 1)], 0, 0, 0)
+        back = p2p.recv_boundary(comms, Route(1, 0, 0, 1), shape, torch.bfloat16, 1, 0, 0)
         out["grad"] = back.wait(comms).float().tolist()
-        comm.wait_sends(comms)
+        p2p.wait_sends(comms)
     else:
-        fwd = comm.recv_boundary(comms, Route(0, 1, 0, 1), shape, torch.bfloat16, 0, 0, 0)
+        fwd = p2p.recv_boundary(comms, Route(0, 1, 0, 1), shape, torch.bfloat16, 0, 0, 0)
         fwd.watch()  # the dynamic schedule's polling
         deadline = time.monotonic() + 30
         while not fwd.arrived():
@@ -264,8 +267,8 @@ def _staging_worker(rank: int, port: int, results: str) -> None:
             time.sleep(0.001)
         got = fwd.wait(comms)
         out["activation"] = got.float().tolist()
-        comm.send_boundary(comms, -got, [Route(1, 0, 0, 1)], 1, 0, 0)
-        comm.wait_sends(comms)
+        p2p.send_boundary(comms, -got, [Route(1, 0, 0, 1)], 1, 0, 0)
+        p2p.wait_sends(comms)
     dist.barrier()
     dist.destroy_process_group()
     Path(results, f"rank{rank}.json").write_text(json.dumps(out))
@@ -365,15 +368,15 @@ def test_grad_sync_on_the_grads_stream_is_ordered_after_compute(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         device = torch.device("cuda", torch.cuda.current_device())
-        streams = comm.Streams(device)
-        comms = comm.Comms(0, 1, device, {"g": dist.new_group([0])}, None, (0,))
+        streams = Streams(device)
+        comms = Comms(0, 1, device, {"g": dist.new_group([0])}, None, (0,))
         big = torch.randn(4096, 4096, device=device)
         grads = [torch.zeros(1000, device=device), torch.zeros(10, 10, device=device)]
         for _ in range(20):
             big = big @ big / 64  # keeps the compute stream busy
         grads[0].fill_(1)  # queued behind the matmuls on the compute stream
         grads[1].fill_(3)
-        summed = comm.start_all_reduce_flat(comms, grads, "g", streams).wait()
+        summed = collectives.start_all_reduce_flat(comms, grads, "g", streams).wait()
         total = summed[0].sum() + summed[1].sum()  # on the compute stream, after wait()
         assert float(total) == 1000 + 300
     finally:

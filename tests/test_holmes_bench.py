@@ -4,7 +4,7 @@ over its transport's interface. Needs root and network namespaces (skipped other
 Counted in bytes each node sent: a NIC-aware layout (DP inside domains, the pipeline boundary across)
 sends its gradient sync over dom0 and only activations over xdom; a naive one (DP across domains, each
 pipeline inside one domain) sends the gradient sync over xdom and its activations over dom0. This is
-what the per-group GLOO_SOCKET_IFNAME binding in ``comm.init`` buys; without it every byte would take
+what the per-group GLOO_SOCKET_IFNAME binding in ``groups.init`` buys; without it every byte would take
 the default group's interface.
 """
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 import hetero_llm.model as model_mod
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, launch, write_layout
-from hetero_llm import comm
+from hetero_llm import collectives
 from hetero_llm import layout as layout_mod
 from hetero_llm.model import TP, Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
 from hetero_llm.params import all_params
@@ -195,7 +195,7 @@ def test_compiled_blocks_run_tp_collectives_eagerly(counted_compile):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
-        tp = TP(lambda x: comm._Enter.apply(x, group), lambda x: comm._Exit.apply(x, group))
+        tp = TP(lambda x: collectives._Enter.apply(x, group), lambda x: collectives._Exit.apply(x, group))
         logits, _, p = _step(MODEL, Compute())
         logits_c, _, p_c = _step(MODEL, Compute(compile=True, recompute=True), tp)
     finally:

@@ -88,12 +88,12 @@ def test_outside_capturing_the_store_computes_weight_gradients_at_once():
 
 def _one_stage_runner(split: bool):
     """The runtime's StageRunner for a one-stage pipeline (no neighbours: no process group needed)."""
-    from hetero_llm import comm
+    from hetero_llm.groups import Comms
     from hetero_llm.model import NO_TP
     from hetero_llm.plan import StagePlan
     from hetero_llm.runtime import Microbatch, StageRoutes, StageRunner
 
-    comms = comm.Comms(0, 1, torch.device("cpu"), {}, None, (0,))
+    comms = Comms(0, 1, torch.device("cpu"), {}, None, (0,))
     params = _params(LLAMA)
     runner = StageRunner(comms, params, StagePlan(0, 0, (0,), ((0, LLAMA.layers),), 1), LLAMA, NO_TP,
                          StageRoutes(None, (), None, ()), split_backward=split)
