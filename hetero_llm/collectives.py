@@ -112,12 +112,6 @@ def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name:
     return PendingReduce(work, flat, [t.shape for t in tensors], streams)
 
 
-def all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name: str,
-                    streams: Streams = NO_STREAMS) -> list[torch.Tensor]:
-    """Sum ``tensors`` among the group in one collective; returns the summed tensors."""
-    return start_all_reduce_flat(comms, tensors, group_name, streams).wait()
-
-
 def all_reduce_world(tensor: torch.Tensor) -> torch.Tensor:
     dist.all_reduce(tensor)
     return tensor

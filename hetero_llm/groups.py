@@ -31,7 +31,6 @@ from hetero_llm.rendezvous import rendezvous
 @attrs.define
 class Comms:
     rank: int
-    world_size: int
     device: torch.device
     groups: dict[str, dist.ProcessGroup]  # by plan group name
     tp_group: dist.ProcessGroup | None  # this rank's TP group (None when TP size is 1)
@@ -73,7 +72,7 @@ def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
     tp_group = groups.get(f"tp[{st.label}]")
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
-    return Comms(rank, plan.world_size, device, groups, tp_group, st.ranks, cupy=cupy_groups, shm=rings)
+    return Comms(rank, device, groups, tp_group, st.ranks, cupy=cupy_groups, shm=rings)
 
 
 def shutdown() -> None:

@@ -90,7 +90,7 @@ class Switcher:
             params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
             coords[info.name] = (dim, lo)
         st = plan.stage_of(rank)
-        bucket_comms = Comms(comms.rank, comms.world_size, comms.device, groups, groups.get(f"tp[{st.label}]"),
+        bucket_comms = Comms(comms.rank, comms.device, groups, groups.get(f"tp[{st.label}]"),
                              tuple(world_of[r] for r in st.ranks))
         routes = _world_routes(StageRoutes.of(plan, rank), world_of)
         runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,

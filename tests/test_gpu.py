@@ -249,7 +249,7 @@ def test_cpu_streams_are_no_ops():
 def _staging_worker(rank: int, port: int, results: str) -> None:
     p2p.stages_through_host = lambda device: True  # as gloo with CUDA tensors, here on CPU tensors
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    comms = Comms(rank, 2, torch.device("cpu"), {}, None, (rank,))
+    comms = Comms(rank, torch.device("cpu"), {}, None, (rank,))
     shape = (2, 3, 5)
     x = torch.arange(30, dtype=torch.bfloat16).view(shape)
     out = {}
@@ -369,7 +369,7 @@ def test_grad_sync_on_the_grads_stream_is_ordered_after_compute(tmp_path):
     try:
         device = torch.device("cuda", torch.cuda.current_device())
         streams = Streams(device)
-        comms = Comms(0, 1, device, {"g": dist.new_group([0])}, None, (0,))
+        comms = Comms(0, device, {"g": dist.new_group([0])}, None, (0,))
         big = torch.randn(4096, 4096, device=device)
         grads = [torch.zeros(1000, device=device), torch.zeros(10, 10, device=device)]
         for _ in range(20):

@@ -93,7 +93,7 @@ def _one_stage_runner(split: bool):
     from hetero_llm.plan import StagePlan
     from hetero_llm.runtime import Microbatch, StageRoutes, StageRunner
 
-    comms = Comms(0, 1, torch.device("cpu"), {}, None, (0,))
+    comms = Comms(0, torch.device("cpu"), {}, None, (0,))
     params = _params(LLAMA)
     runner = StageRunner(comms, params, StagePlan(0, 0, (0,), ((0, LLAMA.layers),), 1), LLAMA, NO_TP,
                          StageRoutes(None, (), None, ()), split_backward=split)
