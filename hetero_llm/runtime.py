@@ -28,11 +28,12 @@ from hetero_llm import collectives, p2p
 from hetero_llm.layout import ModelSpec
 from hetero_llm.docmask import DocumentMask
 from hetero_llm.groups import Comms
-from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, WeightGradStore, make_block_fn,
-                               stage_forward, token_loss_sum)
+from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, make_block_fn, stage_forward,
+                              token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Kind, peer
 from hetero_llm.streams import NO_STREAMS, Streams
+from hetero_llm.wgrad import WeightGradStore
 
 FWD, BWD = 0, 1
 

@@ -12,8 +12,9 @@ import torch
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.model import Compute, StageShape, WeightGradStore, init_full, make_block_fn, stage_forward, token_loss_sum
+from hetero_llm.model import Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
 from hetero_llm.params import all_params
+from hetero_llm.wgrad import WeightGradStore
 
 REFERENCE = LAYOUTS / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
