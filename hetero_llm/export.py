@@ -63,7 +63,7 @@ def load_tokenizer(data: DataSpec, where: str) -> tokens.ByteTokenizer | tokens.
 
 def export_checkpoint(directory: str, out_dir: str) -> Path:
     """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``."""
-    from hetero_llm.train import load_full_params
+    from hetero_llm.checkpoint_io import load_full_params
 
     s = saved(directory)
     hf.check_export(s.model, str(s.ckpt.path), WHERE)

@@ -118,7 +118,7 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
 def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, device):
     """Continue --prompt with the model a checkpoint holds (prints the prompt and its continuation)."""
     from hetero_llm import export
-    from hetero_llm.train import load_full_params
+    from hetero_llm.checkpoint_io import load_full_params
 
     try:
         s = export.saved(checkpoint_dir)

@@ -209,7 +209,7 @@ class ShardedAdamW:
         return {n: {key: out[key][n] for key in out} for n in params}
 
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
-        """Take this rank's slices of whole-shard moments (``moments[key][name]``, as ``train.restore`` gives them)."""
+        """Take this rank's slices of whole-shard moments (``moments[key][name]``, as ``checkpoint_io.restore`` gives them)."""
         self.steps = steps
         for key, mine in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
             for s, m in zip(self.slices, mine):

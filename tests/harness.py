@@ -68,7 +68,7 @@ def assert_one_error_line(result, expected: str) -> None:
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
-    from hetero_llm.train import load_full_params
+    from hetero_llm.checkpoint_io import load_full_params
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
            "--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}", *extra]

@@ -13,7 +13,7 @@ import torch
 from hetero_llm import checkpoint, layout as layout_mod
 from hetero_llm.errors import CheckpointError
 from hetero_llm.optim import AdamW
-from hetero_llm.train import _assemble, _optimizer_steps, _restore_optimizer
+from hetero_llm.checkpoint_io import _assemble, optimizer_steps, restore_optimizer
 from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 
 REFERENCE = LAYOUTS / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
@@ -131,11 +131,11 @@ def test_restored_adamw_continues_like_the_uninterrupted_one(kind):
     opt = _adamw(kind, first)
     steps(opt, first, grads[:2])
     saved = {key: {str(i): opt.state[p][key].clone() for i, p in enumerate(first)} for key in ("exp_avg", "exp_avg_sq")}
-    assert _optimizer_steps(opt) == 2
+    assert optimizer_steps(opt) == 2
     resumed = [p.detach().clone().requires_grad_() for p in first]
     opt = _adamw(kind, resumed)
-    _restore_optimizer(opt, {str(i): p for i, p in enumerate(resumed)}, saved, 2)
-    assert _optimizer_steps(opt) == 2
+    restore_optimizer(opt, {str(i): p for i, p in enumerate(resumed)}, saved, 2)
+    assert optimizer_steps(opt) == 2
     steps(opt, resumed, grads[2:])
     for p, q in zip(resumed, whole):
         assert torch.equal(p, q)
@@ -212,7 +212,7 @@ DAMAGED = "resume from another step folder (or start without --resume)"
 
 def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = REFERENCE) -> Path:
     """A complete save whose meta.json records its rank files (``contents``) and the shards the layout's plan
-    gives each rank, as train.save_checkpoint writes it."""
+    gives each rank, as checkpoint_io.save_checkpoint writes it."""
     from hetero_llm.plan import compile_plan
 
     lay = layout_mod.load(layout)
@@ -324,7 +324,7 @@ def test_a_save_without_records_resumes_with_a_warning(tmp_path):
 
 def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
     """Without records nothing is checked before the ranks start; the rank that reads the file names it."""
-    from hetero_llm.train import _load_rank_file
+    from hetero_llm.checkpoint_io import _load_rank_file
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))  # its rank0.pt is empty
     with pytest.raises(CheckpointError) as e:
@@ -334,7 +334,7 @@ def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
 
 
 def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
-    from hetero_llm.train import _load_rank_file
+    from hetero_llm.checkpoint_io import _load_rank_file
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
     wq = torch.zeros(48, 32)

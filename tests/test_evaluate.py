@@ -15,7 +15,7 @@ import torch
 
 from hetero_llm import evaluate, layout as layout_mod
 from hetero_llm.model import StageShape, stage_forward, token_loss_sum
-from hetero_llm.train import load_full_params
+from hetero_llm.checkpoint_io import load_full_params
 from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 
 COMMON = common_sections(LAYOUTS / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"

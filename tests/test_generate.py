@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from hetero_llm import export, generate, layout as layout_mod
 from hetero_llm.model import StageShape, stage_forward
-from hetero_llm.train import load_full_params
+from hetero_llm.checkpoint_io import load_full_params
 from harness import LAYOUTS, common_sections, launch, write_layout
 
 BASE = common_sections(LAYOUTS / "reference.toml").replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 1e-2")

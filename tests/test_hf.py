@@ -20,7 +20,7 @@ from click.testing import CliRunner  # noqa: E402
 from hetero_llm import export, hf, layout as layout_mod  # noqa: E402
 from hetero_llm.model import StageShape, init_full, stage_forward, token_loss_sum  # noqa: E402
 from hetero_llm.params import all_params, shard_range  # noqa: E402
-from hetero_llm.train import load_full_params  # noqa: E402
+from hetero_llm.checkpoint_io import load_full_params  # noqa: E402
 from harness import launch, assert_same_model, write_layout  # noqa: E402
 
 RTOL = 1e-5
