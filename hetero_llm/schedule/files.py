@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import csv
 import io
-import re
 from pathlib import Path
 
 from hetero_llm.errors import ScheduleError
@@ -44,12 +43,10 @@ def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int)
     reader = _read_csv_schedule if is_csv else _read_text_schedule
     schedule, where = reader(path, lines, num_stages)
 
-    def located(error: ScheduleError, note: str = "") -> ScheduleError:
-        first, _, rest = str(error).partition("\n")
-        stage, step = _locate(first)
-        line = where(stage, step) if stage is not None else None
+    def located(error: ScheduleError) -> ScheduleError:
+        line = where(error.stage, error.step) if error.stage is not None else None
         prefix = f"{path}: line {line}: " if line is not None else f"{path}: "
-        return ScheduleError(prefix + note + first + ("\n" + rest if rest else ""))
+        return ScheduleError(prefix + str(error), error.stage, error.step)
 
     try:
         validate(schedule, num_microbatches)
@@ -63,26 +60,6 @@ def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int)
     except ScheduleError as error:  # not expected: lowering keeps a valid order valid
         raise ScheduleError(f"{path}: after lowering: {error}") from None
     return lowered
-
-
-# Where a validator message points: "stage S ..." and, when it names one, the step.
-_STAGE_RE = re.compile(r"^(?:deadlock: )?stage (\d+)")
-_STEP_RES = (
-    re.compile(r"^stage \d+ step (\d+)"),
-    re.compile(r"^deadlock: stage \d+ waits at \S+ \(step (\d+)\)"),
-    re.compile(r"^stage \d+ runs \S+ twice \(steps \d+ and (\d+)\)"),
-)
-
-
-def _locate(message: str) -> tuple[int | None, int | None]:
-    stage = _STAGE_RE.match(message)
-    if stage is None:
-        return None, None
-    for pattern in _STEP_RES:
-        step = pattern.match(message)
-        if step:
-            return int(stage[1]), int(step[1])
-    return int(stage[1]), None
 
 
 def _parse_cell(path: Path, line: int, token: str, what: str) -> Action:

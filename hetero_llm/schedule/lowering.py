@@ -26,12 +26,12 @@ def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Sch
             if action.kind in COMM_KINDS:
                 raise ScheduleError(
                     f"lower: stage {stage} already has communication ({action}); "
-                    "lower takes a compute-only schedule"
+                    "lower takes a compute-only schedule", stage
                 )
             if action.chunk >= chunks:
                 raise ScheduleError(
                     f"lower: stage {stage}: {action} names chunk {action.chunk}, "
-                    f"but there are {chunks} chunks (0..{chunks - 1})"
+                    f"but there are {chunks} chunks (0..{chunks - 1})", stage
                 )
             same = (action.mb, action.chunk)
             first = first_virtual(stage, action.chunk)
