@@ -11,6 +11,7 @@ from hetero_llm.schedule.ir import Action, Schedule, is_lowered
 from hetero_llm.schedule.lowering import lower
 from hetero_llm.schedule.validator import validate
 
+
 def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int) -> Schedule:
     """Read a user-written schedule, lower it if it is compute-only, and validate it.
 

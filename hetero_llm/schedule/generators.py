@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from hetero_llm.schedule.ir import Action, Kind, Schedule
 
+
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
     if num_stages < 1 or num_microbatches < 1:
         raise ValueError(

@@ -10,6 +10,7 @@ from hetero_llm.schedule.generators import compute_schedule
 from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule, first_virtual, last_virtual,
                                     num_chunks)
 
+
 def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Schedule:
     """Add the communication to a compute-only schedule (linear, or interleaved with chunks).
 
