@@ -16,6 +16,7 @@ from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule import (
     COMM_KINDS,
     Action,
+    Direction,
     Kind,
     build,
     check_message_order,
@@ -87,6 +88,16 @@ def test_format_and_parse_actions() -> None:
     assert parse_actions("") == []
     with pytest.raises(ScheduleError, match=r"^action 2: bad action 'Q1'"):
         parse_actions("F0 B0 Q1")
+
+
+def test_one_direction_encoding() -> None:
+    """Communication kinds know their direction, and each direction its send and receive kinds."""
+    assert {kind: kind.direction for kind in COMM_KINDS} == {
+        Kind.SEND_F: Direction.FWD, Kind.RECV_F: Direction.FWD, Kind.SEND_B: Direction.BWD, Kind.RECV_B: Direction.BWD}
+    assert all(kind.direction is None for kind in Kind if kind not in COMM_KINDS)
+    for direction in Direction:
+        assert direction.send.direction is direction and direction.recv.direction is direction
+    assert [(int(d), d.label) for d in Direction] == [(0, "fwd"), (1, "bwd")]  # message tags, group names
 
 
 # --------------------------------------------------------------------------- generators

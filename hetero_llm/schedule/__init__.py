@@ -3,7 +3,8 @@
 A schedule is one list of actions per **stage** (every TP rank of a stage runs the same list),
 indexed by stage. The modules, in data-flow order:
 
-- ``ir``: ``Kind``, ``Action`` and its compact reversible string form (``F3``, ``SEND_B0.2``), the grid printer;
+- ``ir``: ``Kind``, ``Direction``, ``Action`` and its compact reversible string form (``F3``, ``SEND_B0.2``),
+  the grid printer;
 - ``generators``: ``gpipe``, ``one_f_one_b``, ``interleaved_1f1b``, ``zero_bubble_h1``, pure functions that
   emit compute-only schedules (``F``/``B``, or ``F``/``I``/``W``);
 - ``lowering``: ``lower`` adds the communication (``SEND_F``/``RECV_F``/``SEND_B``/``RECV_B``), ``build`` is
@@ -42,8 +43,8 @@ Pure standard library + attrs: no torch, so planning, dry runs and tests run any
 from hetero_llm.schedule.dependencies import peer, produces, requirements
 from hetero_llm.schedule.files import load_schedule_file
 from hetero_llm.schedule.generators import compute_schedule, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
-from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Event, Kind,
-                                    Schedule, format_actions, format_grid, num_chunks, parse_actions)
+from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction,
+                                    Event, Kind, Schedule, format_actions, format_grid, num_chunks, parse_actions)
 from hetero_llm.schedule.lowering import add_optimizer_actions, build, lower
 from hetero_llm.schedule.validator import check_message_order, simulate_order, validate
 
@@ -53,6 +54,7 @@ __all__ = [
     "COMPUTE_KINDS",
     "OPTIMIZER_KINDS",
     "Action",
+    "Direction",
     "Event",
     "Kind",
     "Schedule",

@@ -14,6 +14,7 @@ import attrs
 
 from hetero_llm.errors import ScheduleError
 
+
 class Kind(enum.Enum):
     """What an action does; the value is its prefix in the string form."""
 
@@ -28,6 +29,35 @@ class Kind(enum.Enum):
     RS = "RS"  # ZeRO-1: start reduce-scattering the stage's gradient blocks (non-blocking), after its last backward
     AG = "AG"  # ZeRO-1: wait for the all-gather of the parameters the last step updated, before the first forward
 
+    @property
+    def direction(self) -> Direction | None:
+        """The way a communication action's data goes (``SEND_F``/``RECV_F``: FWD); None for the others."""
+        return _DIRECTIONS.get(self)
+
+
+class Direction(enum.IntEnum):
+    """Which way data crosses a stage boundary: ``FWD`` carries activations to the next virtual stage, ``BWD``
+    their gradients back. The value is part of p2p message tags and shared-memory ring names."""
+
+    FWD = 0
+    BWD = 1
+
+    @property
+    def label(self) -> str:
+        """``"fwd"`` / ``"bwd"``: how p2p group names spell it (``plan.p2p_group_name``)."""
+        return self.name.lower()
+
+    @property
+    def send(self) -> Kind:
+        return Kind.SEND_F if self is Direction.FWD else Kind.SEND_B
+
+    @property
+    def recv(self) -> Kind:
+        return Kind.RECV_F if self is Direction.FWD else Kind.RECV_B
+
+
+_DIRECTIONS = {Kind.SEND_F: Direction.FWD, Kind.RECV_F: Direction.FWD,
+               Kind.SEND_B: Direction.BWD, Kind.RECV_B: Direction.BWD}
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})  # the actions that produce a microbatch's input gradient
