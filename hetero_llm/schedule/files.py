@@ -7,12 +7,12 @@ import io
 from pathlib import Path
 
 from hetero_llm.errors import ScheduleError
-from hetero_llm.schedule.ir import Action, Schedule, is_lowered
+from hetero_llm.schedule.ir import Action, ActionLists, is_lowered
 from hetero_llm.schedule.lowering import lower
 from hetero_llm.schedule.validator import validate
 
 
-def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int) -> Schedule:
+def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int) -> ActionLists:
     """Read a user-written schedule, lower it if it is compute-only, and validate it.
 
     Two formats; ``#`` starts a comment and blank lines are skipped in both:
@@ -100,7 +100,7 @@ def _read_csv_schedule(path: Path, lines: list[tuple[int, str]], num_stages: int
             f"{path}: line {header_line}: header {','.join(names)!r}, expected "
             f"{','.join(expected)!r} (one column per stage)"
         )
-    schedule: Schedule = [[] for _ in range(num_stages)]
+    schedule: ActionLists = [[] for _ in range(num_stages)]
     rows: list[list[int]] = [[] for _ in range(num_stages)]  # file line of each stage's step
     for number, content in lines[1:]:
         cells = [cell.strip() for cell in next(csv.reader(io.StringIO(content)))]

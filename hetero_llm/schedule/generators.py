@@ -6,7 +6,7 @@ Each returns one list per stage of ``F``/``B`` (or ``F``/``I``/``W``) actions, n
 
 from __future__ import annotations
 
-from hetero_llm.schedule.ir import Action, Kind, Schedule
+from hetero_llm.schedule.ir import Action, ActionLists, Kind
 
 
 def _check_counts(num_stages: int, num_microbatches: int) -> None:
@@ -17,7 +17,7 @@ def _check_counts(num_stages: int, num_microbatches: int) -> None:
         )
 
 
-def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
+def gpipe(num_stages: int, num_microbatches: int) -> ActionLists:
     """GPipe: every stage runs all forwards, then all backwards, both in microbatch order.
 
     Simple, but holds the activations of all microbatches at once.
@@ -28,7 +28,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     return [forwards + backwards for _ in range(num_stages)]
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, num_microbatches: int) -> ActionLists:
     """Non-interleaved 1F1B (PipeDream-flush), compute only.
 
     Stage s runs ``warmup = min(num_stages - s - 1, M)`` forwards, then alternates F then B
@@ -51,7 +51,7 @@ def _one_f_one_b_stage(warmup: int, num_microbatches: int) -> list[Action]:
     return actions
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Schedule:
+def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> ActionLists:
     """Interleaved 1F1B (Megatron-LM's virtual pipeline), compute only.
 
     Every stage holds ``chunks`` model chunks; chunk c of stage s is virtual stage
@@ -96,7 +96,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, chunks: int) -> Sch
     return schedule
 
 
-def zero_bubble_h1(num_stages: int, num_microbatches: int) -> Schedule:
+def zero_bubble_h1(num_stages: int, num_microbatches: int) -> ActionLists:
     """Zero-bubble ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024), compute only.
 
     The backward is split: ``I m`` (input gradient) is what the previous stage waits for, ``W m``
@@ -131,7 +131,7 @@ _GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1
 
 def compute_schedule(
     kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1
-) -> Schedule:
+) -> ActionLists:
     """Compute-only schedule of the named kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zbh1"``.
 
     ``chunks`` is the number of model chunks per stage; only ``"interleaved"`` takes more than 1.

@@ -111,7 +111,9 @@ class Action:
 Event = tuple[int, Action]
 """``(stage, action)``: "this action has run on this stage"; the unit of dependencies."""
 
-Schedule = list[list[Action]]
+ActionLists = list[list[Action]]
+"""One list of actions per stage, indexed by stage: a schedule as generators, lowering and files return it.
+(Not ``layout.Schedule``, the enum of schedule kinds a layout names.)"""
 
 
 def format_actions(actions: Iterable[Action]) -> str:

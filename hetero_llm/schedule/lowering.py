@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule.generators import compute_schedule
-from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, Action, Kind, Schedule, first_virtual, last_virtual,
+from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, Action, ActionLists, Kind, first_virtual, last_virtual,
                                     num_chunks)
 
 
-def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Schedule:
+def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> ActionLists:
     """Add the communication to a compute-only schedule (linear, or interleaved with chunks).
 
     Receives go right before the compute that needs them and sends right after the compute that
@@ -51,7 +51,7 @@ def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Sch
     return lowered
 
 
-def add_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> Schedule:
+def add_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> ActionLists:
     """ZeRO-1's actions on every stage: ``AG0`` right before its first forward (the parameter all-gather
     started after the last step's update must be done there, and only there), ``RS0`` at the end, after its
     last backward (its reduce-scatters then overlap the other stages' remaining work)."""
@@ -67,6 +67,6 @@ def add_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> Schedule:
     return out
 
 
-def build(kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1) -> Schedule:
+def build(kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1) -> ActionLists:
     """The runnable schedule: ``lower(compute_schedule(kind, num_stages, num_microbatches))``."""
     return lower(compute_schedule(kind, num_stages, num_microbatches, chunks=chunks), chunks)

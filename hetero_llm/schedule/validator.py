@@ -12,7 +12,7 @@ import attrs
 
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule.dependencies import peer, produces, requirements
-from hetero_llm.schedule.ir import (COMM_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, is_lowered, format_grid,
+from hetero_llm.schedule.ir import (COMM_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, format_grid, is_lowered,
                                     num_chunks)
 
 
