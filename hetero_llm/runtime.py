@@ -341,9 +341,8 @@ class StageRunner:
                         # Nothing is ready: sleep until a watcher sees an arrival instead of spinning, which
                         # would steal the core from other ranks (polling NCCL work: a short timeout).
                         arrival.wait(0.0005 if self.comms.device.type == "cuda" else 0.05)
-            if self.comms.tp_group is not None:  # collectives sends the kind as its string form ("F" or "B")
-                agreed = collectives.tp_agree(self.comms, None if choice is None else (choice[0].value, choice[1]))
-                choice = Kind(agreed[0]), agreed[1]
+            if self.comms.tp_group is not None:
+                choice = collectives.tp_agree(self.comms, choice)
             kind, m = choice
             if kind is Kind.F:
                 self.execute(Action(Kind.F, m))
