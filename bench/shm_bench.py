@@ -52,14 +52,16 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     import torch.distributed as dist
 
     from hetero_llm import shm
+    from hetero_llm.schedule import Direction
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
     biggest = max(SIZES)
-    specs = [shm.RingSpec(0, 1, shm.FWD, 2, biggest, "bench ping"), shm.RingSpec(1, 0, shm.BWD, 2, biggest, "bench pong")]
+    specs = [shm.RingSpec(0, 1, Direction.FWD, 2, biggest, "bench ping"),
+             shm.RingSpec(1, 0, Direction.BWD, 2, biggest, "bench pong")]
     rings = shm.open_rings(specs, rank, store, 120.0, True, f"rank {rank}")
-    ping, pong = (0, 1, shm.FWD), (1, 0, shm.BWD)
+    ping, pong = (0, 1, Direction.FWD), (1, 0, Direction.BWD)
     peer = 1 - rank
 
     def once(transport: str, x, y, tag: int) -> None:

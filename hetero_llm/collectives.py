@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hetero_llm.groups import Comms
 from hetero_llm.model import TP
+from hetero_llm.schedule import Kind
 from hetero_llm.streams import NO_STREAMS, Streams
 
 
@@ -22,13 +23,14 @@ def tp_index(comms: Comms) -> int:
     return comms.tp_ranks.index(comms.rank)
 
 
-def tp_agree(comms: Comms, choice: tuple[str, int] | None) -> tuple[str, int]:
-    """TP rank 0's choice of the next dynamic action, on every rank of the TP group."""
+def tp_agree(comms: Comms, choice: tuple[Kind, int] | None) -> tuple[Kind, int]:
+    """TP rank 0's choice of the next dynamic action (``Kind.F`` or ``Kind.B``, microbatch), on every rank of
+    the TP group; the others pass None."""
     t = torch.zeros(2, dtype=torch.int64, device=comms.device)
     if choice is not None:
-        t[0], t[1] = (0 if choice[0] == "F" else 1), choice[1]
+        t[0], t[1] = (0 if choice[0] is Kind.F else 1), choice[1]
     dist.broadcast(t, src=comms.tp_ranks[0], group=comms.tp_group)
-    return ("F" if int(t[0]) == 0 else "B"), int(t[1])
+    return (Kind.F if int(t[0]) == 0 else Kind.B), int(t[1])
 
 
 class _Enter(torch.autograd.Function):

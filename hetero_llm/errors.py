@@ -26,7 +26,17 @@ class CheckpointError(LayoutError):
 
 
 class ScheduleError(HeteroError):
-    """An invalid or deadlocking schedule; the message carries the schedule grid."""
+    """An invalid or deadlocking schedule; the message carries the schedule grid.
+
+    ``stage`` and ``step`` say where: the stage (index into the action lists) and the step (index into that
+    stage's list) the message is about, or None where it is about no one stage or step. A schedule file maps
+    them to its own line, so no one re-reads the message to find them.
+    """
+
+    def __init__(self, message: str, stage: int | None = None, step: int | None = None):
+        super().__init__(message)
+        self.stage = stage
+        self.step = step
 
 
 class RankFailure(HeteroError):

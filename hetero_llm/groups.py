@@ -37,7 +37,7 @@ class Comms:
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group, TP index order
     pending_sends: list = attrs.field(factory=list)
     cupy: dict = attrs.field(factory=dict)  # group name -> CupyGroup, for cluster.comm = 'cupy'
-    shm: dict = attrs.field(factory=dict)  # (src, dst, direction) -> this rank's end of a shared-memory ring
+    shm: dict = attrs.field(factory=dict)  # (src, dst, Direction) -> this rank's end of a shared-memory ring
 
 
 def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:

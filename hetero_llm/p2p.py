@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hetero_llm.groups import Comms
 from hetero_llm.plan import Route
+from hetero_llm.schedule import Direction
 from hetero_llm.streams import NO_STREAMS, Streams
 
 
@@ -57,7 +58,7 @@ def _p2p(op, tensor: torch.Tensor, peer: int, group, tag: int):
     return op(tensor, peer, group=group, tag=tag)
 
 
-def _tag(direction: int, mb: int, chunk: int, piece: int) -> int:
+def _tag(direction: Direction, mb: int, chunk: int, piece: int) -> int:
     return ((mb * 16 + chunk) * 2 + direction) * 64 + piece
 
 
@@ -65,7 +66,7 @@ def _piece_len(numel: int, pieces: int) -> int:
     return -(-numel // pieces)
 
 
-def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: int, mb: int, chunk: int,
+def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: Direction, mb: int, chunk: int,
                   streams: Streams = NO_STREAMS, group: dist.ProcessGroup | None = None) -> None:
     """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``) in ``group``
     (the boundary's p2p group; None: the default group). Ranks are global either way.
@@ -153,7 +154,7 @@ class PendingRecv:
 
 
 def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: torch.dtype,
-                  direction: int, mb: int, chunk: int, streams: Streams = NO_STREAMS,
+                  direction: Direction, mb: int, chunk: int, streams: Streams = NO_STREAMS,
                   group: dist.ProcessGroup | None = None) -> PendingRecv:
     """Post the receive of this rank's piece (non-blocking); ``wait()`` on the result to use it.
 
@@ -175,7 +176,7 @@ def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: tor
     return PendingRecv(work, buf, route, shape, streams=streams)
 
 
-def _irecv(comms: Comms, buf: torch.Tensor, src: int, group, tag: int, direction: int):
+def _irecv(comms: Comms, buf: torch.Tensor, src: int, group, tag: int, direction: Direction):
     """Post a receive on the shared-memory ring from ``src`` if there is one, else on the process group."""
     ring = comms.shm.get((src, comms.rank, direction))
     return ring.post(buf, tag) if ring is not None else _p2p(dist.irecv, buf, src, group, tag)

@@ -31,11 +31,10 @@ from hetero_llm.groups import Comms
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, make_block_fn, stage_forward,
                               token_loss_sum)
 from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
-from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Kind, peer
+from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
 from hetero_llm.streams import NO_STREAMS, Streams
 from hetero_llm.wgrad import WeightGradStore
 
-FWD, BWD = 0, 1
 
 
 @attrs.frozen
@@ -46,7 +45,7 @@ class StageRoutes:
     send_f: tuple[Route, ...]
     recv_b: Route | None
     send_b: tuple[Route, ...]
-    groups: dict = attrs.field(factory=dict)  # "recv_f" | "send_f" | "recv_b" | "send_b" -> plan group name
+    groups: dict = attrs.field(factory=dict)  # Kind.RECV_F | SEND_F | RECV_B | SEND_B -> plan group name
 
     @classmethod
     def of(cls, plan: Plan, rank: int) -> "StageRoutes":
@@ -58,10 +57,10 @@ class StageRoutes:
         send_f = tuple(r for r in plan.routes_f if r.src == rank)
         send_b = tuple(r for r in plan.routes_b if r.src == rank)
         groups = {}
-        for key, direction, route in (("recv_f", "fwd", recv_f), ("send_f", "fwd", send_f[0] if send_f else None),
-                                      ("recv_b", "bwd", recv_b), ("send_b", "bwd", send_b[0] if send_b else None)):
+        for kind, route in ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
+                            (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None)):
             if route is not None:
-                groups[key] = p2p_group_name(direction, plan.stage_of(route.src), plan.stage_of(route.dst))
+                groups[kind] = p2p_group_name(kind.direction.label, plan.stage_of(route.src), plan.stage_of(route.dst))
         return cls(recv_f, send_f, recv_b, send_b, groups)
 
 
@@ -70,6 +69,23 @@ class Microbatch:
     inputs: torch.Tensor  # (b, T) token ids
     targets: torch.Tensor  # (b, T)
     docs: DocumentMask | None = None  # the rows are packed documents (data.packing = 'documents')
+
+
+@attrs.define
+class StepState:
+    """What one step holds between actions; ``key`` is ``(microbatch, chunk)``."""
+
+    mbs: list[Microbatch]
+    tokens: int  # tokens of the global batch: the loss divides by them
+    loss: torch.Tensor  # this rank's summed token loss, float64 (stays 0 off the last stage)
+    dtype: torch.dtype  # boundary tensors travel in the compute dtype
+    inputs: dict = attrs.field(factory=dict)  # key -> the chunk's input (a leaf that takes the gradient)
+    outputs: dict = attrs.field(factory=dict)  # key -> the chunk's output (the scaled loss on the last), until backward
+    recvs: dict = attrs.field(factory=dict)  # (Direction, key) -> a posted receive, until the compute that needs it
+    grads_out: dict = attrs.field(factory=dict)  # key -> the input gradient SEND_B sends back
+
+
+_KINDS_BY_VALUE = {kind.value: kind for kind in Kind}
 
 
 @attrs.frozen
@@ -83,9 +99,9 @@ class Emulation:
     slowdown: float = 1.0
     jitter: float = 0.0
     seed: int = 0
-    # Emulated device: each compute action lasts this many seconds (by kind: "F", "B", "I", "W"); the real
+    # Emulated device: each compute action lasts this many seconds (by kind: F, B, I, W); the real
     # computation runs inside it and the rank sleeps the rest (HETERO_EMULATE_ACTION_S, "rank:F=s;B=s,...").
-    seconds: tuple[tuple[str, float], ...] = ()
+    seconds: tuple[tuple[Kind, float], ...] = ()
 
     @classmethod
     def from_env(cls, rank: int) -> "Emulation":
@@ -96,11 +112,12 @@ class Emulation:
                     return float(v)
             return default
 
-        seconds: tuple[tuple[str, float], ...] = ()
+        seconds: tuple[tuple[Kind, float], ...] = ()
         for item in filter(None, os.environ.get("HETERO_EMULATE_ACTION_S", "").split(",")):
             r, _, spec = item.partition(":")
             if r.strip() in (str(rank), "*"):
-                seconds = tuple((k.strip(), float(v)) for k, _, v in (x.partition("=") for x in spec.split(";")))
+                pairs = [(k.strip(), float(v)) for k, _, v in (x.partition("=") for x in spec.split(";"))]
+                seconds = tuple((_KINDS_BY_VALUE[k], s) for k, s in pairs if k in _KINDS_BY_VALUE)  # others never ran
         return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds)
 
     @property
@@ -125,7 +142,7 @@ class StageRunner:
     split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
     optimizer_hooks: dict = attrs.field(factory=dict)  # Kind.RS / Kind.AG -> what ZeRO-1 does there (zero1.py)
     _rng: random.Random = attrs.field(init=False)
-    _state: dict = attrs.field(init=False, factory=dict)
+    _state: StepState | None = attrs.field(init=False, default=None)  # of the step running
     _block_fn: object = attrs.field(init=False)
     _weight_grads: WeightGradStore | None = attrs.field(init=False, default=None)
     _linear: Linear = attrs.field(init=False, default=PLAIN_LINEAR)
@@ -149,12 +166,11 @@ class StageRunner:
             microbatches = [Microbatch(mb.inputs.pin_memory().to(device, non_blocking=True),
                                        mb.targets.pin_memory().to(device, non_blocking=True),
                                        mb.docs.to(device) if mb.docs is not None else None) for mb in microbatches]
-        self._state = dict(mbs=microbatches, tokens=global_tokens, inputs={}, outputs={}, recvs={}, grads_out={},
-                           loss=torch.zeros((), dtype=torch.float64, device=device),
-                           dtype=self.compute.dtype)  # boundary tensors travel in the compute dtype
+        self._state = StepState(microbatches, global_tokens, torch.zeros((), dtype=torch.float64, device=device),
+                                self.compute.dtype)
 
     def _shape(self, m: int) -> tuple[int, ...]:
-        b, t = self._state["mbs"][m].inputs.shape
+        b, t = self._state.mbs[m].inputs.shape
         return (b, t, self.model.hidden)
 
     def _peer_tag(self, a: Action) -> tuple[int, int]:
@@ -162,9 +178,9 @@ class StageRunner:
         _, match = peer(self.stage.stage, a, self.stage.num_stages, chunks=self.chunks)
         return match.mb, match.chunk
 
-    def _group(self, side: str):
-        """The process group of one side of this stage's boundaries (None: the default group)."""
-        name = self.routes.groups.get(side)
+    def _group(self, kind: Kind):
+        """The process group a communication action of this stage travels in (None: the default group)."""
+        name = self.routes.groups.get(kind)
         return self.comms.groups.get(name) if name is not None else None
 
     def _clock(self) -> float:
@@ -174,13 +190,12 @@ class StageRunner:
             torch.cuda.synchronize(self.comms.device)
         return time.perf_counter()
 
-    def _await(self, direction: int, a: Action) -> torch.Tensor:
+    def _await(self, direction: Direction, a: Action) -> torch.Tensor:
         """Wait for a received tensor; traced as its own event (the RECV's wait), not as compute."""
         t0 = self._clock()
-        x = self._state["recvs"].pop((direction, (a.mb, a.chunk))).wait(self.comms)
+        x = self._state.recvs.pop((direction, (a.mb, a.chunk))).wait(self.comms)
         if self.trace is not None:
-            kind = Kind.RECV_F if direction == FWD else Kind.RECV_B
-            self.trace.append((str(Action(kind, a.mb, a.chunk)), t0, self._clock()))
+            self.trace.append((str(Action(direction.recv, a.mb, a.chunk)), t0, self._clock()))
         return x
 
     def execute(self, a: Action) -> None:
@@ -189,16 +204,15 @@ class StageRunner:
         _, _, first, last = st.chunk_shape(a.chunk)
         received = None
         if a.kind is Kind.F and not first:
-            received = self._await(FWD, a)
+            received = self._await(Direction.FWD, a)
         elif a.kind in BACKWARD_KINDS and not last:
-            received = self._await(BWD, a)
+            received = self._await(Direction.BWD, a)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
-        if a.kind is Kind.RECV_F:
-            s["recvs"][(FWD, key)] = p2p.recv_boundary(self.comms, self.routes.recv_f, self._shape(a.mb), s["dtype"],
-                                                       FWD, a.mb, a.chunk, self.streams, self._group("recv_f"))
-        elif a.kind is Kind.RECV_B:
-            s["recvs"][(BWD, key)] = p2p.recv_boundary(self.comms, self.routes.recv_b, self._shape(a.mb), s["dtype"],
-                                                       BWD, a.mb, a.chunk, self.streams, self._group("recv_b"))
+        if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
+            d = a.kind.direction
+            route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
+            s.recvs[(d, key)] = p2p.recv_boundary(self.comms, route, self._shape(a.mb), s.dtype, d, a.mb, a.chunk,
+                                                  self.streams, self._group(a.kind))
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
@@ -208,14 +222,12 @@ class StageRunner:
                 self._backward(a, received)
         elif a.kind is Kind.W:
             self._weight_grads.flush(key)
-        elif a.kind is Kind.SEND_F:
+        elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
+            d = a.kind.direction
+            tensor, routes = ((s.outputs[key], self.routes.send_f) if d is Direction.FWD
+                              else (s.grads_out.pop(key), self.routes.send_b))
             mb, chunk = self._peer_tag(a)
-            p2p.send_boundary(self.comms, s["outputs"][key], list(self.routes.send_f), FWD, mb, chunk, self.streams,
-                              self._group("send_f"))
-        elif a.kind is Kind.SEND_B:
-            mb, chunk = self._peer_tag(a)
-            p2p.send_boundary(self.comms, s["grads_out"].pop(key), list(self.routes.send_b), BWD, mb, chunk,
-                              self.streams, self._group("send_b"))
+            p2p.send_boundary(self.comms, tensor, list(routes), d, mb, chunk, self.streams, self._group(a.kind))
         elif a.kind in OPTIMIZER_KINDS:  # RS: start the reduce-scatters; AG: wait for the parameter all-gathers
             hook = self.optimizer_hooks.get(a.kind)
             if hook is not None:
@@ -224,7 +236,7 @@ class StageRunner:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
-            lasts = dict(self.emulation.seconds).get(a.kind.value)
+            lasts = dict(self.emulation.seconds).get(a.kind)
             if lasts is not None:
                 time.sleep(max(0.0, lasts - spent))
             else:
@@ -236,37 +248,38 @@ class StageRunner:
         s = self._state
         key = (a.mb, a.chunk)
         lo, hi, first, last = self.stage.chunk_shape(a.chunk)
-        x = s["mbs"][a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
-        s["inputs"][key] = x
+        x = s.mbs[a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
+        s.inputs[key] = x
         out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp, self.compute,
-                            self._block_fn, self._linear, s["mbs"][a.mb].docs)
+                            self._block_fn, self._linear, s.mbs[a.mb].docs)
         if last:
-            loss = token_loss_sum(out, s["mbs"][a.mb].targets.to(self.comms.device))
-            s["loss"] += loss.detach().double()
-            out = loss / s["tokens"]  # mean over the GLOBAL batch: pipelines' gradients then sum
-        s["outputs"][key] = out
+            loss = token_loss_sum(out, s.mbs[a.mb].targets.to(self.comms.device))
+            s.loss += loss.detach().double()
+            out = loss / s.tokens  # mean over the GLOBAL batch: pipelines' gradients then sum
+        s.outputs[key] = out
 
     def _backward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state
         key = (a.mb, a.chunk)
         _, _, first, last = self.stage.chunk_shape(a.chunk)
-        out = s["outputs"].pop(key)
+        out = s.outputs.pop(key)
         if last:
             out.backward()
         else:
             torch.autograd.backward(out, received)
-        x = s["inputs"].pop(key)
+        x = s.inputs.pop(key)
         if not first:
-            s["grads_out"][key] = x.grad
+            s.grads_out[key] = x.grad
 
     def _finish(self) -> torch.Tensor:
         p2p.wait_sends(self.comms)
         s = self._state
         put_off = self._weight_grads.pending if self._weight_grads is not None else []
-        if s["recvs"] or s["outputs"] or s["inputs"] or s["grads_out"] or put_off:
-            raise RuntimeError(f"schedule left work undone: receives {sorted(s['recvs'])}, outputs {sorted(s['outputs'])}, "
+        if s.recvs or s.outputs or s.inputs or s.grads_out or put_off:
+            receives = sorted((int(direction), key) for direction, key in s.recvs)  # printed as before: 0 fwd, 1 bwd
+            raise RuntimeError(f"schedule left work undone: receives {receives}, outputs {sorted(s.outputs)}, "
                                f"weight gradients {sorted(put_off)}")
-        return s["loss"]
+        return s.loss
 
     # -- whole steps ----------------------------------------------------------------------------
 
@@ -287,8 +300,8 @@ class StageRunner:
             for a in actions:
                 if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.AG):
                     self.execute(a)
-        self._state["inputs"].clear()
-        self._state["outputs"].clear()
+        self._state.inputs.clear()
+        self._state.outputs.clear()
         return self._finish()
 
     def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
@@ -308,13 +321,13 @@ class StageRunner:
             nonlocal next_recv_f
             while not st.first and next_recv_f < min(M, next_f + window):
                 self.execute(Action(Kind.RECV_F, next_recv_f))
-                s["recvs"][(FWD, (next_recv_f, 0))].watch(arrival)
+                s.recvs[(Direction.FWD, (next_recv_f, 0))].watch(arrival)
                 next_recv_f += 1
 
-        def ready(kind: str, m: int) -> bool:
-            if kind == "F":
-                return st.first or s["recvs"][(FWD, (m, 0))].arrived()
-            return st.last or s["recvs"][(BWD, (m, 0))].arrived()
+        def ready(kind: Kind, m: int) -> bool:
+            if kind is Kind.F:
+                return st.first or s.recvs[(Direction.FWD, (m, 0))].arrived()
+            return st.last or s.recvs[(Direction.BWD, (m, 0))].arrived()
 
         while done < M:
             post_forward_receives()
@@ -322,9 +335,9 @@ class StageRunner:
             if leader:
                 while choice is None:
                     arrival.clear()  # cleared before the polls: an arrival after them wakes the wait below
-                    choice = next((("B", m) for m in in_flight if ready("B", m)), None)
-                    if choice is None and next_f < M and len(in_flight) < window and ready("F", next_f):
-                        choice = ("F", next_f)
+                    choice = next(((Kind.B, m) for m in in_flight if ready(Kind.B, m)), None)
+                    if choice is None and next_f < M and len(in_flight) < window and ready(Kind.F, next_f):
+                        choice = (Kind.F, next_f)
                     if choice is None:
                         # Nothing is ready: sleep until a watcher sees an arrival instead of spinning, which
                         # would steal the core from other ranks (polling NCCL work: a short timeout).
@@ -332,12 +345,12 @@ class StageRunner:
             if self.comms.tp_group is not None:
                 choice = collectives.tp_agree(self.comms, choice)
             kind, m = choice
-            if kind == "F":
+            if kind is Kind.F:
                 self.execute(Action(Kind.F, m))
                 if not st.last:
                     self.execute(Action(Kind.SEND_F, m))
                     self.execute(Action(Kind.RECV_B, m))  # post the gradient receive right away
-                    s["recvs"][(BWD, (m, 0))].watch(arrival)
+                    s.recvs[(Direction.BWD, (m, 0))].watch(arrival)
                 in_flight.append(m)
                 next_f += 1
             else:

@@ -52,8 +52,8 @@ import torch
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.layout import P2P, SHM, Precision
 from hetero_llm.plan import Plan, p2p_group_name
+from hetero_llm.schedule import Direction
 
-FWD, BWD = 0, 1  # the runtime's directions: activations, their gradients
 PREFIX = "hl-shm"
 # A reader spins this long before it sleeps. 0: on 2 shared cores a spinning reader delays the very writer
 # it waits for (bench/shm_bench.py: 4 B one-way ~20 us without spinning, ~70 us with 50 us, ~470 us with 500 us).
@@ -95,13 +95,13 @@ def mib(n: int) -> str:
 class RingSpec:
     src: int  # sending rank (the ring's only writer)
     dst: int  # receiving rank (its only reader; it creates the ring)
-    direction: int  # FWD or BWD
+    direction: Direction  # activations (FWD) or their gradients (BWD)
     slots: int  # messages one step sends on it
     slot_bytes: int  # one piece of the boundary tensor, rounded up to 64
     group: str  # the plan group this ring stands in for
 
     @property
-    def key(self) -> tuple[int, int, int]:
+    def key(self) -> tuple[int, int, Direction]:
         return self.src, self.dst, self.direction
 
     @property
@@ -115,10 +115,10 @@ def ring_specs(plan: Plan) -> list[RingSpec]:
     via = {g.name: g.transport for g in plan.groups}
     itemsize = 2 if lay.train.precision is Precision.BF16 else 4  # boundaries travel in the compute dtype
     out = []
-    for direction, routes in ((FWD, plan.routes_f), (BWD, plan.routes_b)):
+    for direction, routes in ((Direction.FWD, plan.routes_f), (Direction.BWD, plan.routes_b)):
         for r in routes:
             src, dst = plan.stage_of(r.src), plan.stage_of(r.dst)
-            group = p2p_group_name("fwd" if direction == FWD else "bwd", src, dst)
+            group = p2p_group_name(direction.label, src, dst)
             if via[group] != SHM or r.src == r.dst:
                 continue
             pipe = lay.pipelines[src.pipeline]

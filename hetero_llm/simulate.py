@@ -40,6 +40,7 @@ from hetero_llm.schedule import (
     simulate_order,
     validate,
 )
+from hetero_llm.schedule.ir import is_lowered
 
 __all__ = ["CostModel", "SimResult", "Timed", "simulate"]
 
@@ -269,7 +270,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     validate(schedule, num_microbatches)
     order = simulate_order(schedule)
     chunks = num_chunks(schedule)
-    lowered = any(a.kind not in COMPUTE_KINDS for actions in schedule for a in actions)
+    lowered = is_lowered(schedule)  # as the validator reads it: RS/AG alone are no communication
     if cost.weight is None and any(a.kind is Kind.W for actions in schedule for a in actions):
         raise ValueError("the schedule has W actions: give CostModel.weight (seconds per stage)")
 

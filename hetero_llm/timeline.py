@@ -14,7 +14,6 @@ matplotlib is imported only when a PNG is drawn (``pip install hetero_llm[plot]`
 from __future__ import annotations
 
 import json
-import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -24,6 +23,7 @@ import click
 from hetero_llm import outputs, trace as tracing
 from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import LayoutError, ScheduleError
+from hetero_llm.schedule import COMPUTE_KINDS, Action
 
 __all__ = ["COLORS", "plot_timeline", "main"]
 
@@ -40,8 +40,7 @@ COLORS = {
 }
 _NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "SEND": "send",
           "RECV": "recv (wait)", "RS": "reduce-scatter", "AG": "all-gather (wait)", "SWITCH": "switch"}
-_COMPUTE_CATEGORIES = ("F", "B", "I", "W")
-_ACTION_RE = re.compile(r"(?P<kind>[A-Z_]+?)(?P<mb>\d+)(?:\.(?P<chunk>\d+))?$")
+_COMPUTE_CATEGORIES = frozenset(kind.value for kind in COMPUTE_KINDS)  # F, B, I, W
 
 # Vertical layout of one row (y grows downwards): compute on top, then recv, then send strips.
 _COMPUTE = (-0.42, 0.58)  # (offset from the row's centre, height)
@@ -53,12 +52,11 @@ def _category(action: str) -> tuple[str, int | None, int]:
     """``"SEND_F3.1"`` -> ``("SEND", 3, 1)``; unknown strings get their own category."""
     if action.startswith("SWITCH>"):  # "SWITCH>b1": a hot switch into bucket 1's layout
         return "SWITCH", None, 0
-    match = _ACTION_RE.match(action)
-    if match is None:
+    try:
+        parsed = Action.parse(action)
+    except ScheduleError:
         return action, None, 0
-    kind = match["kind"]
-    category = kind.split("_")[0] if kind.startswith(("SEND", "RECV")) else kind
-    return category, int(match["mb"]), int(match["chunk"] or 0)
+    return parsed.kind.value.split("_")[0], parsed.mb, parsed.chunk  # SEND_F and SEND_B are both "SEND"
 
 
 def _shade(color: str, chunk: int, chunks: int) -> tuple[float, float, float]:

@@ -369,7 +369,8 @@ def test_planner_doc_lists_every_key():
 def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
     from hetero_llm.runtime import Emulation
     monkeypatch.setenv("HETERO_EMULATE_ACTION_S", "0:F=0.02;B=0.04,1:F=0.01;B=0.02;I=0.012;W=0.008")
-    assert dict(Emulation.from_env(1).seconds) == {"F": 0.01, "B": 0.02, "I": 0.012, "W": 0.008}
+    from hetero_llm.schedule import Kind
+    assert dict(Emulation.from_env(1).seconds) == {Kind.F: 0.01, Kind.B: 0.02, Kind.I: 0.012, Kind.W: 0.008}
     assert Emulation.from_env(0).active and not Emulation.from_env(2).active
 
 

@@ -16,6 +16,7 @@ from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule import (
     COMM_KINDS,
     Action,
+    Direction,
     Kind,
     build,
     check_message_order,
@@ -87,6 +88,16 @@ def test_format_and_parse_actions() -> None:
     assert parse_actions("") == []
     with pytest.raises(ScheduleError, match=r"^action 2: bad action 'Q1'"):
         parse_actions("F0 B0 Q1")
+
+
+def test_one_direction_encoding() -> None:
+    """Communication kinds know their direction, and each direction its send and receive kinds."""
+    assert {kind: kind.direction for kind in COMM_KINDS} == {
+        Kind.SEND_F: Direction.FWD, Kind.RECV_F: Direction.FWD, Kind.SEND_B: Direction.BWD, Kind.RECV_B: Direction.BWD}
+    assert all(kind.direction is None for kind in Kind if kind not in COMM_KINDS)
+    for direction in Direction:
+        assert direction.send.direction is direction and direction.recv.direction is direction
+    assert [(int(d), d.label) for d in Direction] == [(0, "fwd"), (1, "bwd")]  # message tags, group names
 
 
 # --------------------------------------------------------------------------- generators
@@ -299,6 +310,7 @@ def test_deadlock_is_reported_with_grid() -> None:
     # Both stuck stages are marked, at the step each waits at.
     assert message.splitlines()[2].endswith("RECV_F0 <-- ERROR HERE")
     assert "RECV_B0 <-- ERROR HERE" in message.splitlines()[3]
+    assert (info.value.stage, info.value.step) == (0, 1)  # located as data: the stage and step the line names
     with pytest.raises(ScheduleError, match="^deadlock: stage 0"):
         simulate_order(deadlocking())
 
@@ -332,6 +344,29 @@ def test_missing_backward_is_named() -> None:
         "stage 1 is missing B1 (every stage runs F and B (or I and W) exactly once per microbatch 0..2)"
     )
     assert "stage 0" in str(info.value).splitlines()[1]  # the grid follows
+    assert (info.value.stage, info.value.step) == (1, None)  # about the stage, no one step
+
+
+@pytest.mark.parametrize("stages, num_microbatches, location", [
+    (["F0 B0 F0", "F0 B0"], 1, (0, 2)),  # repeated action
+    (["F0 B0", "F0 B0 F1 B1"], 1, (1, 2)),  # microbatch out of range
+    (["F0 B0 B1 F1", "F0 B0 F1 B1"], 2, (0, 2)),  # needs a later action
+    (["F0 SEND_F0 RECV_B0 B0", "F0 B0 SEND_B0"], 1, (0, 1)),  # unmatched send
+    (["F0 I0 B0 W0", "F0 B0"], 1, (0, None)),  # both B and I/W: names no step
+    (["F0 I0", "F0 B0"], 1, (0, None)),  # I without W
+    (["F0 RECV_B0 SEND_F0 B0", "RECV_F0 F0 B0 SEND_B0"], 1, (0, 1)),  # deadlock
+    (["AG0 F0 B0 AG0", "F0 B0"], 1, (0, 3)),  # repeated optimizer action
+    (["F0 B0 AG0", "F0 B0"], 1, (0, 2)),  # AG after a forward
+])
+def test_validator_errors_carry_their_location(stages: list[str], num_microbatches: int, location) -> None:
+    """``stage``/``step`` are set where the error is found, and agree with the stage and step the message names."""
+    with pytest.raises(ScheduleError) as info:
+        validate([parse_actions(text) for text in stages], num_microbatches)
+    assert (info.value.stage, info.value.step) == location
+    first = str(info.value).splitlines()[0]
+    assert re.match(rf"(deadlock: )?stage {location[0]}\b", first), first
+    if location[1] is not None:
+        assert re.search(rf"\bsteps? (\d+ and )?{location[1]}\b", first), first
 
 
 @pytest.mark.parametrize(

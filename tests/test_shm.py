@@ -27,6 +27,7 @@ from hetero_llm import layout as layout_mod, shm
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import P2P, SHM
 from hetero_llm.plan import compile_plan
+from hetero_llm.schedule import Direction
 from harness import LAYOUTS, ROOT, assert_one_error_line, free_port, invoke_cli, launch
 
 QUICKSTART = LAYOUTS / "quickstart.toml"
@@ -63,7 +64,7 @@ def _pair(specs, timeout_s=5.0, required=True):
     return out
 
 
-SPEC = shm.RingSpec(0, 1, shm.FWD, slots=4, slot_bytes=64, group="p2p_fwd[test]")
+SPEC = shm.RingSpec(0, 1, Direction.FWD, slots=4, slot_bytes=64, group="p2p_fwd[test]")
 
 
 def test_messages_go_to_the_receive_with_their_tag_in_any_order(shm_dir):
@@ -85,7 +86,7 @@ def test_messages_go_to_the_receive_with_their_tag_in_any_order(shm_dir):
 
 
 def test_a_big_message_is_copied_out_while_it_is_written(shm_dir):
-    spec = shm.RingSpec(0, 1, shm.FWD, slots=2, slot_bytes=3 * shm.CHUNK + 64, group="big")
+    spec = shm.RingSpec(0, 1, Direction.FWD, slots=2, slot_bytes=3 * shm.CHUNK + 64, group="big")
     ends0, ends1 = _pair([spec])
     x, y = torch.randn((3 * shm.CHUNK + 64) // 4), torch.empty((3 * shm.CHUNK + 64) // 4)
     work = ends1[spec.key].post(y, 1)
@@ -207,7 +208,7 @@ def test_auto_uses_shm_inside_a_node_of_cpu_ranks_and_the_network_between_nodes(
 def test_ring_sizes_follow_the_boundary_tensor():
     specs = shm.ring_specs(_plan())  # 16 rows in 4 microbatches, seq 64, hidden 64, float32
     assert [(s.src, s.dst, s.direction, s.slots, s.slot_bytes) for s in specs] == [
-        (0, 1, shm.FWD, 4, 4 * 64 * 64 * 4), (1, 0, shm.BWD, 4, 4 * 64 * 64 * 4)]
+        (0, 1, Direction.FWD, 4, 4 * 64 * 64 * 4), (1, 0, Direction.BWD, 4, 4 * 64 * 64 * 4)]
     bf16 = shm.ring_specs(_plan("train.precision=bf16"))
     assert bf16[0].slot_bytes == 4 * 64 * 64 * 2
 

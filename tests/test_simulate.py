@@ -7,10 +7,11 @@ import math
 import subprocess
 import sys
 
+import attrs
 import pytest
 
 from hetero_llm.errors import ScheduleError
-from hetero_llm.schedule import Action, Kind, build, compute_schedule, parse_actions
+from hetero_llm.schedule import Action, Kind, add_optimizer_actions, build, compute_schedule, parse_actions
 from hetero_llm.simulate import CostModel, SimResult, simulate
 
 GRID = list(itertools.product(range(1, 6), range(1, 9)))  # (num_stages, num_microbatches)
@@ -48,6 +49,16 @@ def test_compute_only_and_lowered_agree(kind: str) -> None:
         compute = simulate(compute_schedule(kind, 4, 8, chunks=chunks), cost)
         assert compute.step_time == approx(lowered.step_time)
         assert compute.busy == lowered.busy
+
+
+def test_compute_only_with_optimizer_actions_agrees_with_lowered() -> None:
+    """RS/AG are no communication: a compute-only schedule carrying them is still read as compute-only (it
+    once counted as lowered, and simulate failed with a KeyError looking for RECV_F0)."""
+    cost = attrs.evolve(CostModel.uniform(3, 1.0, 2.0, latency=0.3), reduce_scatter=(0.5,) * 3, all_gather=(0.25,) * 3)
+    compute = simulate(add_optimizer_actions(compute_schedule("1f1b", 3, 4)), cost)
+    lowered = simulate(add_optimizer_actions(build("1f1b", 3, 4)), cost)
+    assert compute.step_time == approx(lowered.step_time)
+    assert compute.busy == lowered.busy
 
 
 @pytest.mark.parametrize("slow", range(4))
