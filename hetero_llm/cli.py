@@ -136,14 +136,14 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
 def _checked_source(lay: layout_mod.Layout):
     """The layout's data source, refused now if it cannot give one window of text or holds ids outside
     model.vocab (rather than in every rank)."""
-    from hetero_llm import data, tokenfiles
+    from hetero_llm import data, textcache, tokenfiles
 
     source = data.make_source(lay.data, lay.file)
     if lay.data.packing is layout_mod.Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
         from hetero_llm import documents
 
         documents.make_document_source(lay.data, lay.model.seq_len, lay.file)
-    elif isinstance(source, data.TokenFileSource):
+    elif isinstance(source, textcache.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
     tokenfiles.check_vocab(source, lay.model.vocab, lay.file)
     return source

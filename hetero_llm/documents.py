@@ -25,7 +25,8 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from hetero_llm.data import END_OF_DOCUMENT, GrammarSource, TokenFileSource, make_source
+from hetero_llm.data import GrammarSource, make_source
+from hetero_llm.textcache import END_OF_DOCUMENT, TokenFileSource
 from hetero_llm.errors import LayoutError
 
 # Target of a padding position: F.cross_entropy's default ignore_index, so the loss skips it.

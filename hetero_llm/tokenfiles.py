@@ -33,7 +33,7 @@ import numpy as np
 
 from hetero_llm import tokens
 from hetero_llm.cli import OneLineCommand
-from hetero_llm.data import CACHE_ENV, TokenFileSource, _jsonl_document
+from hetero_llm.textcache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -106,7 +106,7 @@ def documents(path: str, kind: str, field: str, file_for_errors: str) -> Iterato
     with open(path, "rb") as reader:
         for number, line in enumerate(reader, start=1):
             if line.strip():
-                yield _jsonl_document(line, number, path, field, file_for_errors).decode("utf-8")
+                yield jsonl_document(line, number, path, field, file_for_errors).decode("utf-8")
 
 
 def encode_documents(docs: Iterable[str], tok) -> Iterator[np.ndarray]:
@@ -179,7 +179,7 @@ def tokenize_file(source: str, out: str, kind: str, field: str, tokenizer: str, 
 
 def cache_paths(source: str) -> list[Path]:
     """Where the tokens of ``source`` may be cached, in order: the folder ``$HETERO_LLM_CACHE`` names when set;
-    else beside the source, then the user cache folder (as ``data.cache_path`` for byte tokens)."""
+    else beside the source, then the user cache folder (as ``textcache.cache_path`` for byte tokens)."""
     name = os.path.basename(source) + ".hf-tokens.bin"
     chosen = os.environ.get(CACHE_ENV)
     home = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero_llm"

@@ -10,14 +10,12 @@ import numpy as np
 import pytest
 
 from hetero_llm.data import (
-    END_OF_DOCUMENT,
     GrammarSource,
-    TokenFileSource,
-    cache_path,
     global_batch,
     make_source,
     pipeline_share,
 )
+from hetero_llm.textcache import END_OF_DOCUMENT, TokenFileSource, cache_path
 from hetero_llm.errors import LayoutError
 
 LAYOUT = "layout.toml"
