@@ -319,7 +319,7 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
     for name, reps in runs.items():
         switching = LAYOUTS[name]
         positions = activation_positions(cfg, switching)
-        row = {"layout": name, "tokens_s": B.median([x["tokens_s"] for x in reps]),
+        row = {"layout": name, "tp_comm": cfg.tp_comm, "tokens_s": B.median([x["tokens_s"] for x in reps]),
                "step_s": B.median([x["step_s"] for x in reps]),
                "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
                "activation_positions": positions,
@@ -391,7 +391,8 @@ def main(quick: bool, out_dir: Path) -> None:
                          f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
     payload = {"machine": info, "load_before": load_before, "load_after": load_after,
                "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
-                       "per_block_s": per_block}, "scenarios": payloads}
+                       "per_block_s": per_block}, "scenarios": payloads,
+               "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (tp_comm tells them apart)
     md, js = B.write_results(out_dir, NAME, markdown, payload)
     plot(payloads[0]["results"], out_dir / f"{NAME}.png")
     print(markdown)
