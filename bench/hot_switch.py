@@ -392,7 +392,7 @@ def main(quick: bool, out_dir: Path) -> None:
     payload = {"machine": info, "load_before": load_before, "load_after": load_after,
                "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
                        "per_block_s": per_block}, "scenarios": payloads,
-               "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (tp_comm tells them apart)
+               "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (see tp_comm)
     md, js = B.write_results(out_dir, NAME, markdown, payload)
     plot(payloads[0]["results"], out_dir / f"{NAME}.png")
     print(markdown)
