@@ -135,7 +135,8 @@ def free_port() -> int:
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without rendezvous or emulation variables, plus ``extra``."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "HETERO_EMULATE_SLOWDOWN", "HETERO_EMULATE_JITTER", "HETERO_EMULATE_ACTION_S")
+    drop = ("MASTER_ADDR", "MASTER_PORT", "HETERO_EMULATE_SLOWDOWN", "HETERO_EMULATE_JITTER", "HETERO_EMULATE_ACTION_S",
+            "HETERO_EMULATE_DEVICE")
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(extra or {})
     return env

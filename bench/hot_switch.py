@@ -1,28 +1,31 @@
-"""Hot switching (HotSPa) against the best static layout that fits, on a long-tailed corpus, two CPU ranks.
+"""Hot switching (HotSPa) against the best static layout that fits, on a long-tailed corpus, emulated devices.
 
-Two computing ranks (gloo, one node), so the 2-core machine runs them without contention between more
-ranks than cores. The corpus is the embedded grammar's documents with lognormal lengths (median
-``--median`` tokens, log-std ``--sigma``): most documents are short, a few run up to ``seq_len``.
-Every layout trains on packed documents with document masks (``data.packing = "documents"``), the
-same documents in every run.
+Emulated-device mode (``HETERO_EMULATE_DEVICE``, docs/hot_switching.md): every compute action of every
+rank lasts ``simulate.action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
+over every position, masked attention over the sum of squared document lengths, TP all-reduces over a
+modelled TP link); the real small computation runs inside it and the rank sleeps the rest. So the
+tokens/s compare layouts on the modelled device, not the load of this 2-core host. Switches and
+pipeline sends are NOT emulated: they are real gloo transfers, measured as they are.
 
-Memory cap: a layout must fit the longest rows (``seq_len`` positions) within a per-device cap on
-*modelled* activation memory (``activation_bytes``: the block activations kept for backward of the
-microbatches in flight, per device). The cap is set between what data parallelism needs (each device
-holds every layer of its rows) and what TP 2 and PP 2 need (half), so DP 2 does not fit the long
-documents and the static candidates are TP 2 and PP 2 (1F1B). Switching runs the short documents
-under DP 2 (a bucket) and the long ones under the home layout (TP 2 or PP 2), which fits the cap.
-The measured peak RSS of each run's largest process is reported beside it; on CPU it is dominated by
-the runtime itself (a few hundred MB of torch), so it shows whether anything grew beyond the model,
-not the activations to the MB.
+Corpus: the embedded grammar's documents with lognormal lengths (median ``median`` tokens, log-std
+``sigma``; about 84% of documents within 128 positions, 5-10% between 256 and 512). Two devices.
 
-Measured, interleaved in one run (static TP 2, static PP 2, switching over TP 2, switching over
-PP 2, then again): tokens/s (median step after warm-up, over the real targets of the step), the
-fraction of the step rank 0 spends in switches (its ``SWITCH`` trace actions, which include waiting
-for the other rank to finish its bucket), each switch's own time (from the last rank entering it to
-the last leaving it), and the time the planner's model predicts for it (``SwitchPlan.predict_seconds``)
-from gloo's point-to-point latency and bandwidth probed on this host (``benchlib.p2p_probe``) and a
-memory-copy bandwidth measured here.
+Memory cap (per device): the activations of ``cap_positions`` positions through every layer (modelled
+as 16 float32 tensors of ``hidden`` per position and layer, split by TP; the microbatches a device holds
+at once). A 512-position document alone needs 512 under data parallelism and 256 under TP 2, so the
+only static layout that fits is TP 2 with one row per microbatch (DP 2 and PP 2 with 1F1B both hold 512:
+PP's first stage keeps two microbatches of half the layers). Switching: documents of 1-``short``
+positions under DP 2 (one row of ``short`` per microbatch: ``short`` positions), the rest under TP 2 (one
+row of 512 per microbatch: 256), home TP 2. Each bucket's microbatch count is the most rows any step of
+the run needs (rows per microbatch fixed at 1; a step that needs fewer pads with empty rows, which cost
+their positions' compute like any row).
+
+TP link: chosen so that, at TP 2, a layer's two forward all-reduces cost ``tp_comm`` of its forward
+matmuls (the regime HotSPa targets: TP across a slow link for long sequences). Measured, interleaved in one
+run (static, switching, then again): tokens/s (over the real targets; median steps after warm-up),
+the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, waiting included), each
+switch's own time (last rank in to last rank out), and ``simulate.switch_seconds`` of the same switches
+with gloo latency and bandwidth probed on this host, a memory-copy bandwidth and a host cost per block.
 
     python bench/hot_switch.py
     python bench/hot_switch.py --quick
@@ -33,6 +36,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,20 +52,32 @@ FLOAT32 = 4
 @attrs.frozen
 class Config:
     layers: int = 4
-    hidden: int = 128
+    hidden: int = 64
     heads: int = 4
     seq_len: int = 512
     global_batch: int = 8
     steps: int = 6
     warmup: int = 2
-    short: int = 128  # the DP bucket's max_len
+    short: int = 256  # the DP bucket's max_len
     median: float = 48.0
     sigma: float = 1.2
     rounds: int = 2
+    gflops: float = 4.0  # the emulated device
+    tp_comm: float = 0.5  # TP 2: a layer's forward all-reduces / its forward matmuls
+    scenarios: tuple[float, ...] = (0.5, 2.0)  # the tp_comm values run, each a separate comparison
+    cap_positions: int = 256  # the memory cap, in positions through every layer per device
 
 
-QUICK = Config(layers=2, hidden=32, heads=4, seq_len=64, global_batch=4, steps=3, warmup=1, short=16, median=8.0,
-               rounds=1)
+QUICK = Config(layers=2, hidden=32, heads=4, seq_len=64, global_batch=4, steps=3, warmup=1, short=32, median=8.0,
+               rounds=1, gflops=4.0, cap_positions=32, scenarios=(0.5,))
+
+
+def device_spec(cfg: Config) -> str:
+    """HETERO_EMULATE_DEVICE's spec: the TP link from ``tp_comm`` (per position and layer at TP 2, the two
+    forward all-reduces move 2 * (1/2) * hidden * 4 bytes each; the forward matmuls are 24 hidden^2 / 2 FLOPs)."""
+    matmul_s = 24 * cfg.hidden ** 2 / 2 / (cfg.gflops * 1e9)
+    tp_bytes_s = 2 * cfg.hidden * FLOAT32 / (cfg.tp_comm * matmul_s)
+    return f"gflops={cfg.gflops:g};tp_gbps={tp_bytes_s * 8 / 1e9:.6g};tp_latency_us=0"
 
 
 def common(cfg: Config) -> str:
@@ -75,45 +91,56 @@ def common(cfg: Config) -> str:
         "", "[cluster]", "timeout_s = 120", "[[cluster.nodes]]", 'name = "node0"', 'devices = ["cpu", "cpu"]', ""])
 
 
-def home_toml(cfg: Config, kind: str) -> str:
-    """TP 2 (one stage over both devices) or PP 2 (two stages, 1F1B); 2 microbatches per device either way."""
-    half = cfg.layers // 2
-    if kind == "tp2":
-        return "\n".join(["[[pipelines]]", f"batch = {cfg.global_batch}", "microbatches = 2", "[[pipelines.stages]]",
-                          f"layers = {cfg.layers}", 'devices = ["node0:0", "node0:1"]', ""])
-    if kind == "pp2":
-        return "\n".join(["[[pipelines]]", f"batch = {cfg.global_batch}", "microbatches = 4",
-                          "[[pipelines.stages]]", f"layers = {half}", 'devices = ["node0:0"]',
-                          "[[pipelines.stages]]", f"layers = {cfg.layers - half}", 'devices = ["node0:1"]', ""])
-    raise ValueError(kind)
+def tp2(batch: int, microbatches: int, layers: int, prefix: str = "pipelines") -> list[str]:
+    return [f"[[{prefix}]]", f"batch = {batch}", f"microbatches = {microbatches}", f"[[{prefix}.stages]]",
+            f"layers = {layers}", 'devices = ["node0:0", "node0:1"]']
 
 
-def buckets_toml(cfg: Config) -> str:
-    """Short documents under DP 2 (a pipeline per device), the rest under the home layout."""
-    lines = ["[[buckets]]", f"max_len = {cfg.short}"]
-    for d in (0, 1):
-        lines += ["[[buckets.pipelines]]", "batch = 1", "microbatches = 1", "[[buckets.pipelines.stages]]",
-                  f"layers = {cfg.layers}", f'devices = ["node0:{d}"]']
-    return "\n".join(lines + ["", "[[buckets]]", f"max_len = {cfg.seq_len}", ""])
+def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
+    """(most rows of ``short`` any step's short documents fill, most rows of seq_len its long ones fill)."""
+    from hetero_llm import documents, layout as layout_mod
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "x.toml"
+        path.write_text(common(cfg) + "\n".join(tp2(cfg.global_batch, cfg.global_batch, cfg.layers)) + "\n")
+        lay = layout_mod.load(path)
+    source = documents.make_document_source(lay.data, cfg.seq_len, "x")
+    short = long_ = 1
+    for step in range(cfg.steps):
+        docs = documents.fill_documents(source, 0, step, cfg.global_batch, cfg.seq_len)
+        for group, width in (([d for d in docs if len(d) - 1 <= cfg.short], cfg.short),
+                             ([d for d in docs if len(d) - 1 > cfg.short], cfg.seq_len)):
+            if group:
+                rows = max(documents.first_fit_decreasing([len(d) for d in group], width)) + 1
+                if width == cfg.short:
+                    short = max(short, -(-rows // 2))  # per device of DP 2
+                else:
+                    long_ = max(long_, rows)
+    return short, long_
 
 
-LAYOUTS = {"static tp2": ("tp2", False), "static pp2": ("pp2", False),
-           "switching dp2/tp2": ("tp2", True), "switching dp2/pp2": ("pp2", True)}
+def layout_text(cfg: Config, switching: bool, rows: tuple[int, int]) -> str:
+    """Static: TP 2, one row of seq_len per microbatch. Switching: that as home; short documents under DP 2
+    (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch)."""
+    lines = tp2(cfg.global_batch, cfg.global_batch, cfg.layers)
+    if switching:
+        short, long_ = rows
+        lines += ["", "[[buckets]]", f"max_len = {cfg.short}"]
+        for d in (0, 1):
+            lines += ["[[buckets.pipelines]]", f"batch = {short}", f"microbatches = {short}",
+                      "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["node0:{d}"]']
+        lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
+    return common(cfg) + "\n".join(lines) + "\n"
 
 
-def activation_bytes(cfg: Config, kind: str) -> int:
-    """Modelled activations kept for backward per device on the longest rows: per block ~16 (rows x width x
-    hidden) float32 tensors (norms, q/k/v, attention output, MLP 4x), split by TP, times the layers a
-    device holds, times the rows in flight (1F1B: up to the stages' count of microbatches)."""
-    rows_per_mb = cfg.global_batch // (2 if kind in ("tp2", "dp2") else 4)
-    per_layer = 16 * rows_per_mb * cfg.seq_len * cfg.hidden * FLOAT32
-    if kind == "tp2":
-        return per_layer * cfg.layers // 2
-    if kind == "pp2":
-        return per_layer * (cfg.layers // 2) * 2  # 2 microbatches in flight on the first stage
-    if kind == "dp2":  # one pipeline per device: every layer of half the rows
-        return per_layer * cfg.layers
-    raise ValueError(kind)
+LAYOUTS = {"static tp2": False, "switching dp2/tp2": True}
+
+
+def activation_positions(cfg: Config, switching: bool) -> int:
+    """The most positions through every layer a device holds at once (one microbatch in flight: one stage)."""
+    if not switching:
+        return cfg.seq_len // 2
+    return max(cfg.short, cfg.seq_len // 2)
 
 
 def switch_times(trace: Path) -> tuple[list[float], list[float]]:
@@ -138,35 +165,6 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     return rank0, own
 
 
-def predicted_switch_seconds(layout: Path, trace: Path, latency: float, bandwidth: float, copy_bw: float,
-                             per_block: float) -> list[float]:
-    """The planner's predicted time of the switches each step of the trace made."""
-    from hetero_llm import layout as layout_mod
-    from hetero_llm import trace as tracing
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.switch import bucket_plans, step_switch
-
-    lay = layout_mod.load(layout)
-    home = compile_plan(lay)
-    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
-    events = tracing.read_rank_traces(trace)[0]["events"]
-    steps: list[float] = []
-    current, ran = "home", False
-    for e in events:
-        name = e["action"]
-        if not name.startswith("SWITCH"):
-            ran = ran or name[0] in "FBIW"
-            continue
-        target = name.split(">", 1)[1]
-        if target == "b0":
-            steps.append(0.0)
-            current, ran = "home", False
-        switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
-        steps[-1] += switch.predict_seconds(bandwidth, latency, copy_bw, per_block)
-        current = target
-    return steps
-
-
 def copy_costs() -> tuple[float, float]:
     """(bytes/s of copying a few MB, seconds of host work per block) on this host: what a local switch
     block costs, and what cutting any block out of a shard and writing it into another costs besides
@@ -187,7 +185,7 @@ def copy_costs() -> tuple[float, float]:
     return 4 * (1 << 20) / B.median(big), B.median(small)
 
 
-def launch_with_peak(layout: Path, workdir: Path, trace: Path | None) -> tuple[list[dict], int]:
+def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[str, str]) -> tuple[list[dict], int]:
     """``hetero-launch`` run inside a small wrapper process whose waited-for children are the launcher and its
     ranks, so the wrapper's children's peak RSS is this run's largest process (KiB)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -197,24 +195,94 @@ def launch_with_peak(layout: Path, workdir: Path, trace: Path | None) -> tuple[l
     wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
     proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, timeout=900,
-                          env=B.clean_env(), cwd=B.ROOT)
+                          env=B.clean_env(env), cwd=B.ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     return rows, int(proc.stdout.split()[-1])
 
 
-def run_one(cfg: Config, name: str, folder: Path) -> dict:
-    kind, switching = LAYOUTS[name]
+def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float,
+              device) -> tuple[list[float], list[float]]:
+    """Per step of the trace: ``simulate.switch_seconds`` of the switches the step made, and
+    ``simulate.simulate_buckets``' whole step (for switching layouts)."""
+    from hetero_llm import layout as layout_mod, simulate
+    from hetero_llm import trace as tracing
+    from hetero_llm.plan import compile_plan
+    from hetero_llm.switch import bucket_plans, step_switch
+
+    lay = layout_mod.load(layout)
+    home = compile_plan(lay)
+    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
+    events = tracing.read_rank_traces(trace)[0]["events"]
+    switches: list[float] = []
+    current, ran = "home", False
+    for e in events:
+        name = e["action"]
+        if not name.startswith("SWITCH"):
+            ran = ran or name[0] in "FBIW"
+            continue
+        target = name.split(">", 1)[1]
+        if target == "b0":
+            switches.append(0.0)
+            current, ran = "home", False
+        switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
+        switches[-1] += simulate.switch_seconds(switch, links, copy_bw, per_block)
+        current = target
+    steps = [simulate.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
+             for s in range(cfg.steps)]
+    return switches, steps
+
+
+def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:
+    """``simulate.simulate_buckets`` of the static layout as one bucket under the home layout (the same
+    documents, packed first-fit decreasing into the global batch's rows as the static run packs them)."""
+    from hetero_llm import layout as layout_mod, simulate
+
+    one = layout.with_name(layout.stem + "_one_bucket.toml")
+    one.write_text(layout.read_text() + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
+    lay = layout_mod.load(one)
+    return [simulate.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
+
+
+def what_if_exact_rows(cfg: Config, links: dict, device) -> tuple[float, float]:
+    """Simulator only: (switching, static) mean step seconds over the measured steps if each bucket ran exactly
+    the microbatches its rows need that step (a bucket's microbatch count is fixed in the layout, so the runs
+    pad to the most any step needs; this is what that padding costs)."""
+    from hetero_llm import documents, layout as layout_mod, simulate
+
+    switching = static = 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        base = Path(tmp) / "static.toml"
+        base.write_text(layout_text(cfg, False, (1, 1)) + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
+        lay = layout_mod.load(base)
+        source = documents.make_document_source(lay.data, cfg.seq_len, "x")
+        for step in range(cfg.warmup, cfg.steps):
+            docs = documents.fill_documents(source, 0, step, cfg.global_batch, cfg.seq_len)
+            short = [len(d) for d in docs if len(d) - 1 <= cfg.short]
+            long_ = [len(d) for d in docs if len(d) - 1 > cfg.short]
+            rows = (-(-(max(documents.first_fit_decreasing(short, cfg.short)) + 1) // 2) if short else 1,
+                    max(documents.first_fit_decreasing(long_, cfg.seq_len)) + 1 if long_ else 1)
+            exact = Path(tmp) / f"exact{step}.toml"
+            exact.write_text(layout_text(cfg, True, rows))
+            switching += simulate.simulate_buckets(layout_mod.load(exact), step, device, links).total
+            static += simulate.simulate_buckets(lay, step, device, links).total
+    n = cfg.steps - cfg.warmup
+    return switching / n, static / n
+
+
+def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str]) -> dict:
+    switching = LAYOUTS[name]
     folder.mkdir(parents=True, exist_ok=True)
     layout = folder / (name.replace(" ", "_").replace("/", "_") + ".toml")
-    layout.write_text(common(cfg) + home_toml(cfg, kind) + (buckets_toml(cfg) if switching else ""))
+    layout.write_text(layout_text(cfg, switching, rows))
     trace = folder / (layout.stem + "_trace")
-    rows, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None)
-    steps = B.steady(rows, cfg.warmup)
+    steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env)
+    steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
     out = {"layout": name, "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
-           "step_s": B.median(seconds), "peak_rss_mb": peak / 1024, "layout_file": str(layout), "trace": str(trace)}
+           "step_s": B.median(seconds), "peak_rss_mb": peak / 1024, "layout_file": str(layout), "trace": str(trace),
+           "step_seconds": [r["seconds"] for r in steps_out]}
     if switching:
         waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
         out["switch_s"] = B.median(own)
@@ -223,74 +291,110 @@ def run_one(cfg: Config, name: str, folder: Path) -> dict:
     return out
 
 
-@click.command()
-@click.option("--quick", is_flag=True, help="A tiny model and one round: checks the script end to end (seconds).")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick: bool, out_dir: Path) -> None:
-    import tempfile
+def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw: float, per_block: float):
+    """One comparison (static and switching, interleaved) on one emulated device."""
+    from hetero_llm import simulate
 
-    cfg = QUICK if quick else Config()
-    info, load_before = B.machine(), B.load_average()
-    B.say(f"probing gloo point-to-point and memory copies on this host")
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23)
-    copy_bw, per_block = copy_costs()
+    spec = device_spec(cfg)
+    device = simulate.EmulatedDevice.parse(spec)
+    env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
+    rows = bucket_rows_needed(cfg)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(cfg.rounds):
             order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
             for name in order:
                 B.say(f"round {r + 1}/{cfg.rounds}: {name}")
-                result = run_one(cfg, name, Path(tmp) / f"r{r}")
-                if LAYOUTS[name][1]:
-                    predicted = B.steady(predicted_switch_seconds(Path(result["layout_file"]), Path(result["trace"]),
-                                                                  latency, bandwidth, copy_bw, per_block),
-                                           cfg.warmup)
-                    result["predicted_switch_s"] = B.median(predicted)
+                result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env)
+                if LAYOUTS[name]:
+                    switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), links,
+                                                copy_bw, per_block, device)
+                    result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
+                    result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
+                else:
+                    result["predicted_step_s"] = B.median(B.steady(predicted_static(cfg, Path(result["layout_file"]),
+                                                                                   links, device), cfg.warmup))
                 runs[name].append(result)
-    load_after = B.load_average()
-    cap = (activation_bytes(cfg, "dp2") + activation_bytes(cfg, "tp2")) // 2
     results = []
     for name, reps in runs.items():
-        kind, switching = LAYOUTS[name]
-        row = {"layout": name, "tokens_s": B.median([x["tokens_s"] for x in reps]),
+        switching = LAYOUTS[name]
+        positions = activation_positions(cfg, switching)
+        row = {"layout": name, "tp_comm": cfg.tp_comm, "tokens_s": B.median([x["tokens_s"] for x in reps]),
                "step_s": B.median([x["step_s"] for x in reps]),
                "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
-               "longest_rows_activation_mb": activation_bytes(cfg, kind) / 2**20,
-               "fits_cap": activation_bytes(cfg, kind) <= cap}
+               "activation_positions": positions,
+               "activation_mb": 16 * cfg.hidden * FLOAT32 * positions * cfg.layers / 2**20,
+               "fits_cap": positions <= cfg.cap_positions}
+        row["predicted_step_s"] = B.median([x["predicted_step_s"] for x in reps])
         if switching:
             for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
                 row[key] = B.median([x[key] for x in reps])
             row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
         results.append(row)
-    static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]), key=lambda r: r["tokens_s"])
+    exact_switching, exact_static = what_if_exact_rows(cfg, links, device)
+    static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]),
+                 key=lambda r: r["tokens_s"])
     for r in results:
         r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     table = B.markdown_table(
-        ["layout", "tokens/s", "x best static", "switch % of step", "switch s with wait", "switch s", "predicted s",
-         "modelled act. MB", "fits cap", "peak RSS MB"],
-        [[r["layout"], r["tokens_s"], r["vs_best_static"], 100 * r.get("switch_fraction", float("nan")),
-          r.get("switch_waiting_s", float("nan")), r.get("switch_s", float("nan")),
-          r.get("predicted_switch_s", float("nan")), r["longest_rows_activation_mb"],
-          "yes" if r["fits_cap"] else "no", r["peak_rss_mb"]] for r in results])
+        ["layout", "tokens/s", "x best static", "step s", "predicted step s", "switch % of step",
+         "switch s with wait", "switch s", "predicted switch s", "act. positions (MB)", "fits cap", "peak RSS MB"],
+        [[r["layout"], r["tokens_s"], r["vs_best_static"], r["step_s"], r.get("predicted_step_s", float("nan")),
+          100 * r.get("switch_fraction", float("nan")), r.get("switch_waiting_s", float("nan")),
+          r.get("switch_s", float("nan")), r.get("predicted_switch_s", float("nan")),
+          f"{r['activation_positions']} ({r['activation_mb']:.1f})", "yes" if r["fits_cap"] else "no",
+          r["peak_rss_mb"]] for r in results])
     markdown = "\n".join([
-        f"# Hot switching vs the best static layout ({'quick' if quick else 'full'})", "",
-        f"`{B.command_line()}`", "",
+        f"## TP all-reduces = {cfg.tp_comm:g} x the forward matmuls", "",
         f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
         f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
-        f"{cfg.sigma:g}); buckets: 1-{cfg.short} positions under DP 2, the rest under the home layout. Two computing "
-        f"ranks (gloo, one node). Memory cap: {cap / 2**20:.1f} MB of modelled activations per device on the "
-        f"longest rows (DP 2 would need {activation_bytes(cfg, 'dp2') / 2**20:.1f} MB).", "",
+        f"{cfg.sigma:g}). Two emulated devices, HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
+        f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2 ({rows[0]} "
+        f"microbatches of 1 row per device), the rest under TP 2 ({rows[1]} microbatches of 1 row); static: TP 2, "
+        f"{cfg.global_batch} microbatches of 1 row. Memory cap: {cfg.cap_positions} positions through every layer per "
+        f"device (DP 2 or PP 2 would need {cfg.seq_len}).", "",
         table, "",
+        f"Simulator only, if each bucket ran exactly the microbatches its rows need in each step (not a run: a "
+        f"bucket's microbatch count is fixed in the layout): switching {exact_switching:.3f} s vs static "
+        f"{exact_static:.3f} s per step, {exact_static / exact_switching:.2f}x.", "",
         f"Best static layout that fits: {static['layout']}. gloo p2p probed here: latency {latency * 1e6:.0f} us, "
         f"bandwidth {bandwidth / 1e9:.2f} GB/s; local copies {copy_bw / 1e9:.2f} GB/s, host work per block "
         f"{per_block * 1e6:.0f} us.", "",
-        f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
-    payload = {"config": attrs.asdict(cfg), "machine": info, "load_before": load_before, "load_after": load_after,
+        ""])
+    payload = {"config": attrs.asdict(cfg), "device": spec, "bucket_microbatches": rows, "results": results,
+               "runs": runs, "what_if_exact_rows": {"switching_s": exact_switching, "static_s": exact_static}}
+    return markdown, payload, results
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="A tiny model and one round: checks the script end to end (seconds).")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
+def main(quick: bool, out_dir: Path) -> None:
+    cfg = QUICK if quick else Config()
+    info, load_before = B.machine(), B.load_average()
+    B.say("probing gloo point-to-point and memory copies on this host")
+    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23)
+    copy_bw, per_block = copy_costs()
+    links = {"local": (0.0, copy_bw), "node": (latency, bandwidth), "domain": (latency, bandwidth),
+             "cross_domain": (latency, bandwidth)}
+    sections, payloads = [], []
+    base = cfg
+    for tp_comm in base.scenarios:
+        cfg = attrs.evolve(base, tp_comm=tp_comm)
+        markdown, payload, results = scenario(cfg, links, latency, bandwidth, copy_bw, per_block)
+        sections.append(markdown)
+        payloads.append(payload)
+    load_after = B.load_average()
+    title = f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices)"
+    markdown = "\n".join([title, "",
+                         f"`{B.command_line()}`", "", *sections,
+                         f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
+    payload = {"machine": info, "load_before": load_before, "load_after": load_after,
                "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
-                       "per_block_s": per_block},
-               "cap_bytes": cap, "results": results, "runs": runs}
+                       "per_block_s": per_block}, "scenarios": payloads,
+               "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (see tp_comm)
     md, js = B.write_results(out_dir, NAME, markdown, payload)
-    plot(results, out_dir / f"{NAME}.png")
+    plot(payloads[0]["results"], out_dir / f"{NAME}.png")
     print(markdown)
     B.say(f"wrote {md}, {js}")
 
@@ -308,7 +412,7 @@ def plot(results: list[dict], path: Path) -> None:
         ax.text(i, r["tokens_s"] * 1.02, f"{r['vs_best_static']:.2f}x", ha="center", fontsize=8)
     ax.set_xticks(range(len(results)), [r["layout"].replace("switching ", "switch\n") for r in results], fontsize=8)
     ax.set_ylabel("tokens / s (median)")
-    ax.set_title("hot switching vs static layouts (2 CPU ranks)", fontsize=10)
+    ax.set_title("hot switching vs static layouts (2 emulated devices)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -90,14 +90,16 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet,
                                     tensorboard)
         if dry_run:
+            device = _emulated_device() if lay.buckets else None  # a bad one refused before anything is shown
             click.echo(describe(plan))
             click.echo(rendezvous.describe(plan))
             if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
                 click.echo("\n" + optim_shards.describe(plan))
             if lay.buckets:
-                from hetero_llm import switch
+                from hetero_llm import simulate, switch
 
                 click.echo("\n" + switch.describe_buckets(lay, plan))
+                click.echo(simulate.describe_bucket_step(lay, device))
             return
         if rank is not None:
             if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file
@@ -131,6 +133,25 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     except KeyboardInterrupt:
         click.echo("interrupted: stopped every rank", err=True)
         sys.exit(130)
+
+
+def _emulated_device():
+    """The modelled device of ``--dry-run``'s hot-switching prediction: ``HETERO_EMULATE_DEVICE``'s entry for
+    every rank (``*``) or rank 0; None when it has none."""
+    from hetero_llm.simulate import EmulatedDevice
+
+    spec = None
+    for item in filter(None, os.environ.get("HETERO_EMULATE_DEVICE", "").split(",")):
+        who, _, rest = item.partition(":")
+        if who.strip() in ("*", "0"):
+            spec = rest
+    if spec is None:
+        return None
+    try:
+        return EmulatedDevice.parse(spec)
+    except ValueError as e:
+        example = "'*:gflops=100;tp_gbps=200;tp_latency_us=5'"
+        raise LayoutError("HETERO_EMULATE_DEVICE", "", f"{e} (e.g. {example})") from None
 
 
 def _checked_source(lay: layout_mod.Layout):

@@ -48,6 +48,7 @@ class DocumentMask:
     positions: torch.Tensor  # (B, T) int64: position inside its document (0 at padding)
     groups: tuple[AttentionGroup, ...]
     shape: tuple[int, int]  # (B, T)
+    square_sum: int = 0  # sum of squared document lengths: what masked attention costs (emulated devices)
 
     @classmethod
     def from_spans(cls, spans: np.ndarray, positions: np.ndarray, device: torch.device | str = "cpu") -> DocumentMask:
@@ -66,12 +67,13 @@ class DocumentMask:
             groups.append(AttentionGroup(torch.as_tensor(gather, device=device),
                                          torch.as_tensor(np.flatnonzero(inside), device=device),
                                          torch.as_tensor(gather[inside], device=device)))
-        return cls(torch.as_tensor(positions, device=device), tuple(groups), (B, T))
+        square_sum = int((spans[:, 2].astype(np.int64) ** 2).sum()) if len(spans) else 0
+        return cls(torch.as_tensor(positions, device=device), tuple(groups), (B, T), square_sum)
 
     def to(self, device: torch.device) -> DocumentMask:
         groups = tuple(AttentionGroup(*(t.to(device, non_blocking=True) for t in (g.gather, g.real, g.dest)))
                        for g in self.groups)
-        return DocumentMask(self.positions.to(device, non_blocking=True), groups, self.shape)
+        return DocumentMask(self.positions.to(device, non_blocking=True), groups, self.shape, self.square_sum)
 
     def at_positions(self, table: torch.Tensor) -> torch.Tensor:
         """Rows of a per-position ``table`` (T, ...) for every token: (B, 1, T, ...), broadcasting over heads."""

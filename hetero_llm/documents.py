@@ -365,3 +365,22 @@ def pack(docs: list[np.ndarray], width: int, rows: int = 0) -> PackedRows:
     if rows and needed > rows:
         raise ValueError(f"{len(docs)} documents need {needed} rows of {width} positions, more than {rows}")
     return pack_placed(docs, rows_of, rows or needed, width)
+
+
+def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
+    """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
+    padded with empty rows to a multiple of the bucket's pipeline shares."""
+    bounds = [b.max_len for b in layout.buckets]
+    mine: list[list[np.ndarray]] = [[] for _ in bounds]
+    for d in docs:
+        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(d)
+    out = []
+    for i, group in enumerate(mine):
+        if not group:
+            out.append(None)
+            continue
+        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
+        rows_of = first_fit_decreasing([len(d) for d in group], bounds[i])
+        rows = -(-(max(rows_of) + 1) // unit) * unit
+        out.append(pack_placed(group, rows_of, rows, bounds[i]))
+    return out

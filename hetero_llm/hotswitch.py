@@ -19,11 +19,11 @@ from __future__ import annotations
 import time
 
 import attrs
-import numpy as np
 import torch
 
 from hetero_llm import collectives, documents, p2p
 from hetero_llm.docmask import DocumentMask
+from hetero_llm.documents import bucket_rows
 from hetero_llm.groups import Comms, layout_groups
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import Plan, compile_plan
@@ -204,25 +204,6 @@ def _apply(slot: Slot, t: Transfer, block: torch.Tensor) -> None:
 
 
 # -- data -----------------------------------------------------------------------------------------
-
-
-def bucket_rows(layout, docs: list[np.ndarray]) -> list[documents.PackedRows | None]:
-    """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
-    padded with empty rows to a multiple of the bucket's pipeline shares."""
-    bounds = [b.max_len for b in layout.buckets]
-    mine: list[list[np.ndarray]] = [[] for _ in bounds]
-    for d in docs:
-        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(d)
-    out = []
-    for i, group in enumerate(mine):
-        if not group:
-            out.append(None)
-            continue
-        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
-        rows_of = documents.first_fit_decreasing([len(d) for d in group], bounds[i])
-        rows = -(-(max(rows_of) + 1) // unit) * unit
-        out.append(documents.pack_placed(group, rows_of, rows, bounds[i]))
-    return out
 
 
 def _microbatches(slot: Slot, rows: documents.PackedRows) -> list[Microbatch]:

@@ -17,7 +17,10 @@ from hetero_llm.errors import LayoutError
 @click.option("--explain", is_flag=True, help="Print the top plans side by side and why the best wins.")
 @click.option("--top", type=int, default=3, show_default=True, help="Plans --explain and --json show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON instead of text.")
-def main(cluster_file, out, explain, top, as_json):
+@click.option("--buckets", default="", metavar="128,512",
+              help="Hot switching: also plan a layout per document-length bucket up to each bound "
+                   "(planner/buckets.py).")
+def main(cluster_file, out, explain, top, as_json, buckets):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.planner import plan_file
     from hetero_llm.planner import output
@@ -25,8 +28,14 @@ def main(cluster_file, out, explain, top, as_json):
     try:
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
+        bounds = None
+        if buckets:
+            from hetero_llm.planner import buckets as bucket_plans, load_cluster
+            bounds = bucket_plans.parse_bounds(buckets, load_cluster(cluster_file))  # bad bounds: before the search
         cluster, result = plan_file(cluster_file, top=top)
         output.write_layout(cluster, out, result.best, result.score, result.seed_score)
+        if bounds:
+            bucket_plans.add_buckets(cluster, out, result.best, bounds)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

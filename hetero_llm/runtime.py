@@ -102,6 +102,9 @@ class Emulation:
     # Emulated device: each compute action lasts this many seconds (by kind: F, B, I, W); the real
     # computation runs inside it and the rank sleeps the rest (HETERO_EMULATE_ACTION_S, "rank:F=s;B=s,...").
     seconds: tuple[tuple[Kind, float], ...] = ()
+    # Emulated device: each compute action lasts simulate.action_seconds of its microbatch (HETERO_EMULATE_DEVICE,
+    # "rank:gflops=..;tp_gbps=..;tp_latency_us=.."): durations that follow the rows, widths and documents.
+    device: object = None  # simulate.EmulatedDevice
 
     @classmethod
     def from_env(cls, rank: int) -> "Emulation":
@@ -118,11 +121,17 @@ class Emulation:
             if r.strip() in (str(rank), "*"):
                 pairs = [(k.strip(), float(v)) for k, _, v in (x.partition("=") for x in spec.split(";"))]
                 seconds = tuple((_KINDS_BY_VALUE[k], s) for k, s in pairs if k in _KINDS_BY_VALUE)  # others never ran
-        return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds)
+        device = None
+        for item in filter(None, os.environ.get("HETERO_EMULATE_DEVICE", "").split(",")):
+            r, _, spec = item.partition(":")
+            if r.strip() in (str(rank), "*"):
+                from hetero_llm.simulate import EmulatedDevice
+                device = EmulatedDevice.parse(spec)
+        return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds, device)
 
     @property
     def active(self) -> bool:
-        return self.slowdown != 1.0 or self.jitter > 0 or bool(self.seconds)
+        return self.slowdown != 1.0 or self.jitter > 0 or bool(self.seconds) or self.device is not None
 
 
 @attrs.define
@@ -236,13 +245,25 @@ class StageRunner:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
-            lasts = dict(self.emulation.seconds).get(a.kind)
+            lasts = dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else \
+                self._modelled_seconds(a)
             if lasts is not None:
                 time.sleep(max(0.0, lasts - spent))
             else:
                 time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
+
+    def _modelled_seconds(self, a: Action) -> float:
+        """An emulated device's duration of compute action ``a`` (``simulate.action_seconds``)."""
+        from hetero_llm.simulate import action_seconds
+
+        mb = self._state.mbs[a.mb]
+        rows, width = mb.inputs.shape
+        square = mb.docs.square_sum if mb.docs is not None else rows * width * width
+        lo, hi, _, head = self.stage.chunk_shape(a.chunk)
+        return action_seconds(self.model, a.kind.value, hi - lo, rows, width, square, self.stage.tp, head,
+                              self.emulation.device)
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state

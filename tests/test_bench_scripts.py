@@ -193,12 +193,17 @@ def test_zero1_memory_quick(tmp_path):
 def test_hot_switch_quick(tmp_path):
     _run("hot_switch.py", tmp_path)
     payload = _check_files(tmp_path, "hot_switch",
-                           ["layout", "tokens/s", "x best static", "switch % of step", "switch s with wait", "switch s",
-                            "predicted s", "modelled act. MB", "fits cap", "peak RSS MB"],
-                           ["layout", "tokens_s", "vs_best_static", "fits_cap", "peak_rss_mb"])
+                           ["layout", "tokens/s", "x best static", "step s", "predicted step s", "switch % of step",
+                            "switch s with wait", "switch s", "predicted switch s", "act. positions (MB)", "fits cap",
+                            "peak RSS MB"],
+                           ["layout", "tp_comm", "tokens_s", "vs_best_static", "fits_cap", "peak_rss_mb",
+                            "predicted_step_s"])
     rows = {r["layout"]: r for r in payload["results"]}
-    assert set(rows) == {"static tp2", "static pp2", "switching dp2/tp2", "switching dp2/pp2"}
-    for name in ("switching dp2/tp2", "switching dp2/pp2"):
-        assert 0 < rows[name]["switch_fraction"] < 1 and rows[name]["predicted_switch_s"] > 0
-        assert rows[name]["switch_s"] > 0 and rows[name]["switch_waiting_s"] > 0
+    assert set(rows) == {"static tp2", "switching dp2/tp2"}
+    name = "switching dp2/tp2"
+    assert 0 < rows[name]["switch_fraction"] < 1 and rows[name]["predicted_switch_s"] > 0
+    assert rows[name]["switch_s"] > 0 and rows[name]["switch_waiting_s"] > 0
+    assert all(r["fits_cap"] and r["predicted_step_s"] > 0 for r in payload["results"])
+    what_if = payload["scenarios"][0]["what_if_exact_rows"]
+    assert what_if["switching_s"] > 0 and what_if["static_s"] > 0
     assert max(r["vs_best_static"] for r in payload["results"] if r["layout"].startswith("static")) == 1.0
