@@ -27,7 +27,8 @@ from hetero_llm.documents import bucket_rows
 from hetero_llm.groups import Comms, layout_groups
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import Plan, compile_plan
-from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
+from hetero_llm.rankplan import StageRoutes
+from hetero_llm.runtime import Emulation, Microbatch, StageRunner
 from hetero_llm.schedule import Kind
 from hetero_llm.streams import Streams
 from hetero_llm.switch import SwitchPlan, Transfer, step_switch
@@ -89,10 +90,10 @@ class Switcher:
             shape[dim] = hi - lo
             params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
             coords[info.name] = (dim, lo)
-        st = plan.stage_of(rank)
-        bucket_comms = Comms(comms.rank, comms.device, groups, groups.get(f"tp[{st.label}]"),
+        st, rp = plan.stage_of(rank), plan.rank_plan(rank)
+        bucket_comms = Comms(comms.rank, comms.device, groups, groups.get(rp.tp_group.name) if rp.tp_group else None,
                              tuple(world_of[r] for r in st.ranks))
-        routes = _world_routes(StageRoutes.of(plan, rank), world_of)
+        routes = _world_routes(rp.routes, world_of)
         runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,
                              self.trace, Emulation.from_env(comms.rank), compute_of(plan, rank), streams,
                              split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))

@@ -24,105 +24,11 @@ import attrs
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
-                               Layout, Optimizer, Schedule)
-from hetero_llm.params import ParamInfo, shard_range, stage_params
-
-
-@attrs.frozen
-class StagePlan:
-    pipeline: int
-    stage: int
-    ranks: tuple[int, ...]  # the TP group, tp index = position
-    chunk_ranges: tuple[tuple[int, int], ...]  # [lo, hi) layers of each model chunk on this stage
-    num_stages: int  # stages of this pipeline
-
-    @property
-    def tp(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def label(self) -> str:
-        return f"p{self.pipeline}.s{self.stage}"
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.num_stages - 1
-
-    @property
-    def layer_lo(self) -> int:
-        return self.chunk_ranges[0][0]
-
-    @property
-    def layer_hi(self) -> int:
-        return self.chunk_ranges[-1][1]
-
-    def chunk_shape(self, chunk: int) -> tuple[int, int, bool, bool]:
-        """(layer_lo, layer_hi, holds the embedding, holds the head) of one model chunk."""
-        lo, hi = self.chunk_ranges[chunk]
-        last_chunk = len(self.chunk_ranges) - 1
-        return lo, hi, self.first and chunk == 0, self.last and chunk == last_chunk
-
-    def params(self, model) -> list[ParamInfo]:
-        out: list[ParamInfo] = []
-        for c in range(len(self.chunk_ranges)):
-            out += [info for info in stage_params(model, *self.chunk_shape(c)) if info not in out]  # tied embed.tok once
-        return out
-
-
-@attrs.frozen
-class RankInfo:
-    rank: int
-    pipeline: int
-    stage: int
-    tp_index: int
-    node: str
-    device_id: str  # "node0:1"
-    device: str  # "cpu" or "cuda:1"
-
-
-@attrs.frozen
-class Route:
-    """One piece of a stage-boundary tensor: piece ``piece`` of ``pieces`` goes ``src`` -> ``dst``.
-
-    A boundary tensor is replicated on the sending TP group; it crosses the boundary once, split in
-    as many pieces as the receiving group has ranks, each sent by a different sender where possible,
-    and is re-assembled by an all-gather inside the (fast, intra-stage) receiving group.
-    """
-
-    src: int
-    dst: int
-    piece: int
-    pieces: int
-
-
-@attrs.frozen
-class GradBucket:
-    """Blocks of gradients that one all-reduce sums among ``group``.
-
-    ``entries`` are (param name, dim, lo, hi) in the full tensor's coordinates.
-    """
-
-    group: tuple[int, ...]
-    entries: tuple[tuple[str, int, int, int], ...]
-
-    @property
-    def name(self) -> str:
-        return "grad_sync[" + ",".join(map(str, self.group)) + "]"
-
-
-@attrs.frozen
-class Group:
-    name: str  # "tp[p0.s1]", "grad_sync[0,3]", "world"
-    ranks: tuple[int, ...]
-    # Network settings the group is created with: its members' domain when they share one,
-    # CROSS_DOMAIN when they span domains, DEFAULT_TRANSPORT when the cluster declares no domains;
-    # SHM: a stage boundary inside one node whose tensors go through shared memory (hetero_llm/shm.py;
-    # the process group is still created, with the node's own settings, for the network fallback).
-    transport: str = DEFAULT_TRANSPORT
+                               Layout, Optimizer, Recompute, Schedule)
+from hetero_llm.params import ParamInfo, shard_range
+from hetero_llm.schedule import Direction, Kind
+from hetero_llm.rankplan import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
+                                 Network, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan, StageRoutes, TPKey)
 
 
 @attrs.frozen
@@ -135,6 +41,7 @@ class Plan:
     schedules: tuple[tuple[tuple[sched.Action, ...], ...], ...]  # [pipeline][stage] -> actions
     routes_f: tuple[Route, ...]
     routes_b: tuple[Route, ...]
+    rank_plans: tuple[RankPlan, ...] = ()  # what each rank does (``RankPlan``), by rank
 
     @property
     def world_size(self) -> int:
@@ -173,15 +80,19 @@ class Plan:
                                buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
 
-    def reporter(self) -> int:
-        """The rank that prints progress and writes metrics (rank 0: every rank knows the reduced loss)."""
-        return 0
+    def rank_plan(self, rank: int) -> RankPlan:
+        """What ``rank`` does: its share of this plan, with no way back to the layout."""
+        return self.rank_plans[rank]
 
     @property
     def world(self) -> Group:
         """The default group: every rank; it carries the rendezvous barrier and the logged-loss reduction."""
         ranks = tuple(r.rank for r in self.ranks)
-        return Group("world", ranks, transport_of(self.layout, [r.node for r in self.ranks]))
+        return Group(WORLD, ranks, transport_of(self.layout, [r.node for r in self.ranks]))
+
+    def route_group(self, direction: Direction, route: Route) -> P2PKey:
+        """The group a boundary piece travels in (FWD: an activation, BWD: its gradient)."""
+        return _p2p_key(direction, self.stage_of(route.src), self.stage_of(route.dst))
 
     def group_env(self, rank: int, group: Group) -> dict[str, str]:
         """Environment ``rank`` creates ``group`` under: GLOO_SOCKET_IFNAME and NCCL variables.
@@ -229,17 +140,99 @@ def compile_plan(layout: Layout) -> Plan:
     buckets = _grad_buckets(layout, stages)
     node_of = [r.node for r in ranks]
 
-    def group(name: str, members: tuple[int, ...]) -> Group:
-        return Group(name, members, transport_of(layout, [node_of[r] for r in members]))
+    def group(key: GroupKey, members: tuple[int, ...]) -> Group:
+        return Group(key, members, transport_of(layout, [node_of[r] for r in members]))
 
-    groups = [group(f"tp[{s.label}]", s.ranks) for s in stages if s.tp > 1]
+    # Every group key is made here (and in ``_p2p_key``): the runtime looks groups up by these keys.
+    groups = [group(_tp_key(s), s.ranks) for s in stages if s.tp > 1]
     for a, b in pairs:
         members = tuple(sorted(a.ranks + b.ranks))
         via = p2p_transport(layout, [ranks[r] for r in members])
-        groups += [Group(p2p_group_name("fwd", a, b), members, via), Group(p2p_group_name("bwd", b, a), members, via)]
-    groups += [group(b.name, b.group) for b in buckets]
-    return Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
+        groups += [Group(_p2p_key(Direction.FWD, a, b), members, via), Group(_p2p_key(Direction.BWD, b, a), members, via)]
+    groups += [group(GradSyncKey(b.group), b.group) for b in buckets]
+    plan = Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
                 tuple(routes_f), tuple(routes_b))
+    return attrs.evolve(plan, rank_plans=rank_plans(plan))
+
+
+def _tp_key(st: StagePlan) -> TPKey:
+    return TPKey(st.pipeline, st.stage)
+
+
+def _p2p_key(direction: Direction, src: StagePlan, dst: StagePlan) -> P2PKey:
+    """The group carrying ``direction`` (FWD: activations, BWD: their gradients) from ``src`` to ``dst``.
+
+    One group per boundary and direction, not one per boundary: NCCL matches sends to receives by
+    order on a communicator and runs them one after the other, so activations one way and gradients
+    the other way on one communicator can wait for each other (1F1B sends a forward while the peer
+    sends a gradient back); on separate communicators each stream keeps its own order.
+    """
+    return P2PKey(direction, (src.pipeline, src.stage), (dst.pipeline, dst.stage))
+
+
+def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
+    """Every rank's ``RankPlan``: its share of ``plan``, resolved now so that no rank re-derives it at run time."""
+    lay = plan.layout
+    tr = lay.train
+    world = plan.world
+    fingerprint = plan.fingerprint()
+    peers = tuple(r.device_id for r in plan.ranks)
+    group_keys = {g.key for g in plan.groups}
+    interfaces = _node_interfaces(plan)
+    out = []
+    for info in plan.ranks:
+        rank = info.rank
+        st = plan.stage_of(rank)
+        pipe = lay.pipelines[st.pipeline]
+        actions = plan.actions(rank)
+        spec = pipe.stages[st.stage]
+        recompute = spec.recompute if spec.recompute is not None else tr.recompute
+        compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
+        shards = tuple(Shard(p, lo, hi, st.tp if p.shard_dim is None else 1) for p, lo, hi in plan.params_of(rank))
+        offset, size = plan.batch_share(st.pipeline)
+        tp_key = _tp_key(st) if _tp_key(st) in group_keys else None
+        envs = tuple((g.key, tuple(sorted(plan.group_env(rank, g).items())))
+                     for g in (world,) + plan.groups if rank in g.ranks)
+        first_here = next(r.rank for r in plan.ranks if r.node == info.node) == rank
+        network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
+                          interfaces[info.node] if first_here else ())
+        out.append(RankPlan(
+            rank=rank, world_size=plan.world_size, file=lay.file, info=info, stage=st,
+            model=lay.model, train=tr, data=lay.data, actions=actions,
+            dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
+            split_backward=any(a.kind is sched.Kind.I for a in actions),
+            sharded_optimizer=tr.optimizer is Optimizer.ADAMW_ZERO1, compute=compute, shards=shards,
+            buckets=tuple(b for b in plan.buckets if rank in b.group), routes=_stage_routes(plan, rank),
+            tp_group=tp_key, world=world, groups=plan.groups, network=network,
+            batch=BatchShare(offset, size, pipe.microbatches), counts_loss=st.last and info.tp_index == 0,
+            reports=rank == 0, fingerprint=fingerprint, peers=peers))
+    return tuple(out)
+
+
+def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
+    """``rank``'s pieces of its stage boundaries and the groups they travel in."""
+    def received(routes: tuple[Route, ...]) -> Route | None:
+        return next((r for r in routes if r.dst == rank), None)
+
+    recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
+    send_f = tuple(r for r in plan.routes_f if r.src == rank)
+    send_b = tuple(r for r in plan.routes_b if r.src == rank)
+    sides = ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
+             (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None))
+    groups = tuple((kind, plan.route_group(kind.direction, route)) for kind, route in sides if route is not None)
+    return StageRoutes(recv_f, send_f, recv_b, send_b, groups)
+
+
+def _node_interfaces(plan: Plan) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
+    """Per node: the gloo interfaces its ranks create groups on, each with those groups' transports."""
+    wanted: dict[str, dict[str, set[str]]] = {}
+    for g in (plan.world,) + plan.groups:
+        for r in g.ranks:
+            name = plan.group_env(r, g).get("GLOO_SOCKET_IFNAME")
+            if name:
+                wanted.setdefault(plan.ranks[r].node, {}).setdefault(name, set()).add(g.transport)
+    return {n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
+            for n in plan.layout.cluster.nodes}
 
 
 def transport_of(layout: Layout, nodes: list[str]) -> str:
@@ -315,17 +308,6 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
     lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
     sched.validate(lowered, pipe.microbatches)
     return lowered
-
-
-def p2p_group_name(direction: str, src: StagePlan, dst: StagePlan) -> str:
-    """The group carrying ``direction`` ('fwd': activations, 'bwd': their gradients) from ``src`` to ``dst``.
-
-    One group per boundary and direction, not one per boundary: NCCL matches sends to receives by
-    order on a communicator and runs them one after the other, so activations one way and gradients
-    the other way on one communicator can wait for each other (1F1B sends a forward while the peer
-    sends a gradient back); on separate communicators each stream keeps its own order.
-    """
-    return f"p2p_{direction}[{src.label}->{dst.label}]"
 
 
 def _boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan, StagePlan]]:

@@ -30,38 +30,11 @@ from hetero_llm.docmask import DocumentMask
 from hetero_llm.groups import Comms
 from hetero_llm.model import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, make_block_fn, stage_forward,
                               token_loss_sum)
-from hetero_llm.plan import Plan, Route, StagePlan, p2p_group_name
+from hetero_llm.rankplan import StagePlan, StageRoutes
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
 from hetero_llm.streams import NO_STREAMS, Streams
 from hetero_llm.wgrad import WeightGradStore
 
-
-
-@attrs.frozen
-class StageRoutes:
-    """This rank's pieces of the stage boundaries, and the plan group each direction travels in."""
-
-    recv_f: Route | None
-    send_f: tuple[Route, ...]
-    recv_b: Route | None
-    send_b: tuple[Route, ...]
-    groups: dict = attrs.field(factory=dict)  # Kind.RECV_F | SEND_F | RECV_B | SEND_B -> plan group name
-
-    @classmethod
-    def of(cls, plan: Plan, rank: int) -> "StageRoutes":
-        def one(routes):
-            mine = [r for r in routes if r.dst == rank]
-            return mine[0] if mine else None
-
-        recv_f, recv_b = one(plan.routes_f), one(plan.routes_b)
-        send_f = tuple(r for r in plan.routes_f if r.src == rank)
-        send_b = tuple(r for r in plan.routes_b if r.src == rank)
-        groups = {}
-        for kind, route in ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
-                            (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None)):
-            if route is not None:
-                groups[kind] = p2p_group_name(kind.direction.label, plan.stage_of(route.src), plan.stage_of(route.dst))
-        return cls(recv_f, send_f, recv_b, send_b, groups)
 
 
 @attrs.define
@@ -189,8 +162,8 @@ class StageRunner:
 
     def _group(self, kind: Kind):
         """The process group a communication action of this stage travels in (None: the default group)."""
-        name = self.routes.groups.get(kind)
-        return self.comms.groups.get(name) if name is not None else None
+        key = self.routes.group(kind)
+        return self.comms.groups.get(key.name) if key is not None else None
 
     def _clock(self) -> float:
         """``perf_counter``; on CUDA, when tracing or emulating, once the device has done what was issued,

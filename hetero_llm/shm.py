@@ -51,7 +51,8 @@ import torch
 
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.layout import P2P, SHM, Precision
-from hetero_llm.plan import Plan, p2p_group_name
+from hetero_llm.plan import Plan
+from hetero_llm.rankplan import GroupKey
 from hetero_llm.schedule import Direction
 
 PREFIX = "hl-shm"
@@ -98,7 +99,7 @@ class RingSpec:
     direction: Direction  # activations (FWD) or their gradients (BWD)
     slots: int  # messages one step sends on it
     slot_bytes: int  # one piece of the boundary tensor, rounded up to 64
-    group: str  # the plan group this ring stands in for
+    group: GroupKey  # the plan group this ring stands in for
 
     @property
     def key(self) -> tuple[int, int, Direction]:
@@ -112,13 +113,13 @@ class RingSpec:
 def ring_specs(plan: Plan) -> list[RingSpec]:
     """Every ring of the plan's SHM boundary groups, in plan order."""
     lay = plan.layout
-    via = {g.name: g.transport for g in plan.groups}
+    via = {g.key: g.transport for g in plan.groups}
     itemsize = 2 if lay.train.precision is Precision.BF16 else 4  # boundaries travel in the compute dtype
     out = []
     for direction, routes in ((Direction.FWD, plan.routes_f), (Direction.BWD, plan.routes_b)):
         for r in routes:
-            src, dst = plan.stage_of(r.src), plan.stage_of(r.dst)
-            group = p2p_group_name(direction.label, src, dst)
+            src = plan.stage_of(r.src)
+            group = plan.route_group(direction, r)
             if via[group] != SHM or r.src == r.dst:
                 continue
             pipe = lay.pipelines[src.pipeline]

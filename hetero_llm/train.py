@@ -22,7 +22,7 @@ from hetero_llm.groups import Comms
 from hetero_llm.layout import Compile, Optimizer, Packing, Precision, Recompute, Schedule, TrainSpec
 from hetero_llm.model import Compute, init_shard
 from hetero_llm.plan import Plan
-from hetero_llm.runtime import Emulation, Microbatch, StageRoutes, StageRunner
+from hetero_llm.runtime import Emulation, Microbatch, StageRunner
 from hetero_llm.schedule import Kind
 from hetero_llm.streams import NO_STREAMS, Streams
 
@@ -207,7 +207,7 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
     lay = plan.layout
     tr, model = lay.train, lay.model
     device = comms.device
-    reporting = rank == plan.reporter()
+    reporting = plan.rank_plan(rank).reports
     restored = restore(plan, rank, resume) if resume else None
     if restored and reporting and not quiet:
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
@@ -221,7 +221,7 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
         restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
     st = plan.stage_of(rank)
     compute = stage_compute(plan, rank, device)
-    runner = StageRunner(comms, state.params, st, model, collectives.tp_ops(comms), StageRoutes.of(plan, rank), trace,
+    runner = StageRunner(comms, state.params, st, model, collectives.tp_ops(comms), plan.rank_plan(rank).routes, trace,
                          Emulation.from_env(rank), compute, streams,
                          split_backward=any(a.kind is Kind.I for a in plan.actions(rank)),
                          optimizer_hooks=optimizer.hooks() if sharded else {})

@@ -19,6 +19,8 @@ from hetero_llm import schedule as sched
 from hetero_llm.layout import SHM, Schedule, loads
 from hetero_llm.params import all_params
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan, describe
+from hetero_llm.rankplan import GradSyncKey, P2PKey, TPKey
+from hetero_llm.schedule import Direction
 
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
 
@@ -110,7 +112,9 @@ def test_rank_numbering_follows_pipelines_then_stages_then_devices():
     ]
     assert [plan.stage_of(r).label for r in range(5)] == ["p0.s0", "p0.s0", "p0.s1", "p1.s0", "p1.s0"]
     assert plan.batch_share(0) == (0, 4) and plan.batch_share(1) == (4, 2)
-    assert plan.reporter() == 0
+    # rank 0 reports; the last stage's TP rank 0 of each pipeline counts its loss
+    assert [plan.rank_plan(r).reports for r in range(5)] == [True, False, False, False, False]
+    assert [plan.rank_plan(r).counts_loss for r in range(5)] == [False, False, True, True, False]
 
 
 def test_actions_are_the_pipeline_schedule_of_the_stage():
@@ -304,8 +308,12 @@ def test_single_pipeline_tp1_has_no_buckets():
     plan = compile_plan(make([(4, 2, [(1, 1), (2, 1), (1, 1)])]))
     assert plan.buckets == ()
     # one node of CPU ranks: the boundaries go through shared memory (cluster.nodes[].p2p = 'auto')
-    assert plan.groups == (Group("p2p_fwd[p0.s0->p0.s1]", (0, 1), SHM), Group("p2p_bwd[p0.s1->p0.s0]", (0, 1), SHM),
-                           Group("p2p_fwd[p0.s1->p0.s2]", (1, 2), SHM), Group("p2p_bwd[p0.s2->p0.s1]", (1, 2), SHM))
+    assert plan.groups == (Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1), SHM),
+                           Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1), SHM),
+                           Group(P2PKey(Direction.FWD, (0, 1), (0, 2)), (1, 2), SHM),
+                           Group(P2PKey(Direction.BWD, (0, 2), (0, 1)), (1, 2), SHM))
+    assert [g.name for g in plan.groups] == ["p2p_fwd[p0.s0->p0.s1]", "p2p_bwd[p0.s1->p0.s0]",
+                                             "p2p_fwd[p0.s1->p0.s2]", "p2p_bwd[p0.s2->p0.s1]"]
     assert "  (none: a single pipeline holds every parameter once)" in describe(plan)
     one = compile_plan(make([(4, 2, [(4, 1)])]))
     assert one.groups == () and "  (none besides the world group)" in describe(one)
@@ -324,10 +332,12 @@ def test_groups_in_one_deterministic_order():
     assert len(set(names)) == len(names)
     # TP groups in stage order, the p2p groups of each boundary (activations, gradients), then one group
     # per bucket in sorted rank order
-    assert list(plan.groups[:2]) == [Group("tp[p0.s0]", (0, 1)), Group("tp[p1.s0]", (3, 4, 5))]
-    assert list(plan.groups[2:4]) == [Group("p2p_fwd[p0.s0->p0.s1]", (0, 1, 2), SHM),
-                                      Group("p2p_bwd[p0.s1->p0.s0]", (0, 1, 2), SHM)]
-    assert list(plan.groups[4:]) == [Group(b.name, b.group) for b in plan.buckets]
+    assert list(plan.groups[:2]) == [Group(TPKey(0, 0), (0, 1)), Group(TPKey(1, 0), (3, 4, 5))]
+    assert names[:2] == ["tp[p0.s0]", "tp[p1.s0]"]
+    assert list(plan.groups[2:4]) == [Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1, 2), SHM),
+                                      Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1, 2), SHM)]
+    assert list(plan.groups[4:]) == [Group(GradSyncKey(b.group), b.group) for b in plan.buckets]
+    assert names[4:] == ["grad_sync[" + ",".join(map(str, b.group)) + "]" for b in plan.buckets]
     assert [b.group for b in plan.buckets] == sorted(b.group for b in plan.buckets)
     assert all(isinstance(b, GradBucket) and len(b.group) > 1 for b in plan.buckets)
     _check_refinement(plan)
