@@ -36,7 +36,8 @@ class OneLineCommand(click.Command):
 @click.argument("layout_file", metavar="LAYOUT.toml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
-@click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules; start nothing.")
+@click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules (with --rank R: what "
+              "rank R does, its actions, routes, groups, shards and buckets); start nothing.")
 @click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
 @click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process (default under "
               "torchrun or srun: the rank they give it, from RANK or SLURM_PROCID).")
@@ -58,7 +59,7 @@ class OneLineCommand(click.Command):
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import envlaunch, launch, optim_shards, rendezvous
+    from hetero_llm import envlaunch, launch, optim_shards, rankplan, rendezvous
     from hetero_llm.plan import compile_plan, describe
 
     try:
@@ -89,6 +90,10 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet,
                                     tensorboard)
+        if dry_run and rank is not None:  # what this one rank will do (its RankPlan)
+            click.echo(rankplan.describe(plan.rank_plan(rank)))
+            click.echo("\n" + rendezvous.describe(plan))
+            return
         if dry_run:
             device = _emulated_device() if lay.buckets else None  # a bad one refused before anything is shown
             click.echo(describe(plan))
@@ -104,16 +109,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         if rank is not None:
             if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file
                 _checked_source(lay)
-            try:
-                launch.run_one_rank(plan, rank, options)
-            except (LayoutError, RankFailure, KeyboardInterrupt):
-                raise
-            except Exception as e:  # one line on the console; the launcher has the traceback file
-                if os.environ.get("HETERO_DEBUG"):
-                    raise
-                info = plan.ranks[rank]
-                raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
-                                  f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
+            launch.run_rank(plan, rank, options)
             return
         source = _checked_source(lay)  # tokenizes a text file once, before any rank starts
         if not quiet:
@@ -121,7 +117,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             if hasattr(source, "loss_floor"):
                 click.echo(f"data: embedded grammar, loss floor {source.loss_floor(lay.model.seq_len):.4f} nats/token "
                            f"(uniform guess: {math.log(source.vocab_size):.4f})")
-        launch.run_ranks(layout_file, plan, ranks, options)
+        launch.run_ranks(plan, ranks, options)
     except LayoutError as e:
         if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a bad save found by a rank: the launcher says
             click.echo(f"error: {e}", err=True)
@@ -131,7 +127,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        click.echo("interrupted: stopped every rank", err=True)
+        click.echo(launch.INTERRUPTED, err=True)
         sys.exit(130)
 
 

@@ -1,9 +1,10 @@
 """Start a node's ranks (or one rank), watch them, and take the job down when any rank fails.
 
-Each rank is its own OS process running what ``hetero-launch LAYOUT --rank R`` runs (the CLI's own
-``--rank`` path), so one launch and the per-process launches of nodes with uneven GPU counts are the
-same code path. The launcher imports torch once and forks the ranks from it, rather than starting a
-fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
+Each rank is its own OS process running what ``hetero-launch LAYOUT --rank R`` runs (``run_rank``, which
+the CLI's ``--rank`` path calls too), so one launch and the per-process launches of nodes with uneven GPU
+counts are the same code path. A forked rank runs from the plan the launcher compiled (fork hands it
+over); it does not load the layout again. The launcher imports torch once and forks the ranks from it,
+rather than starting a fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
 more ranks than cores pays many times over before any rank trains. The launcher runs no torch op
 before forking (no OpenMP or CUDA state to inherit). A rank names itself ``hl-rank<R>`` (``ps -o
 comm``). Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no
@@ -41,17 +42,6 @@ class RunOptions:
     trace: str | None = None
     quiet: bool = False
     tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
-
-    def argv(self) -> list[str]:
-        args = []
-        for o in self.overrides:
-            args += ["--set", o]
-        for flag, value in (("--metrics-jsonl", self.metrics_jsonl), ("--checkpoint", self.checkpoint),
-                            ("--checkpoint-every", self.checkpoint_every and str(self.checkpoint_every)),
-                            ("--resume", self.resume), ("--trace", self.trace), ("--tensorboard", self.tensorboard)):
-            if value:
-                args += [flag, value]
-        return args + (["--quiet"] if self.quiet else [])
 
 
 def local_addresses() -> set[str]:
@@ -144,7 +134,7 @@ def node_threads(ranks_here: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
 
 
-def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
+def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
     import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
 
@@ -153,7 +143,6 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
     errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
     threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
-    argv = [layout_path, *options.argv()]
     procs: dict[int, _Child] = {}
     stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
     try:
@@ -162,7 +151,7 @@ def run_ranks(layout_path: str, plan: Plan, ranks: list[int], options: RunOption
             sys.stderr.flush()  # else the child would print the parent's buffered output again
             pid = os.fork()
             if pid == 0:
-                _rank_child(argv, r, threads, errdir)  # never returns
+                _rank_child(plan, r, options, threads, errdir)  # never returns
             procs[r] = _Child(pid)
         while procs:
             failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
@@ -202,7 +191,7 @@ def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]
                           "stopped the other ranks")
 
 
-def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoReturn:
+def _rank_child(plan: Plan, rank: int, options: RunOptions, threads: int, errdir: Path) -> NoReturn:
     """In a forked child: become rank ``rank`` (what ``hetero-launch LAYOUT --rank R`` runs) and exit."""
     code = 1
     try:
@@ -213,15 +202,12 @@ def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoRet
         import torch
 
         torch.set_num_threads(threads)
-        from hetero_llm import cli
-
-        code = cli.main.main(args=[argv[0], "--rank", str(rank), *argv[1:]], prog_name="hetero-launch",
-                             standalone_mode=False) or 0
+        code = _exit_code(plan, rank, options)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         code = 130
-    except BaseException:  # not expected: the CLI reports a rank's errors itself
+    except BaseException:  # not expected (HETERO_DEBUG=1 lets a rank's error through with its traceback)
         traceback.print_exc()
     finally:
         try:
@@ -229,6 +215,21 @@ def _rank_child(argv: list[str], rank: int, threads: int, errdir: Path) -> NoRet
             sys.stderr.flush()
         finally:
             os._exit(code)  # never back into the launcher's frames, its finally blocks or atexit handlers
+
+
+def _exit_code(plan: Plan, rank: int, options: RunOptions) -> int:
+    """Run the rank; the code ``hetero-launch LAYOUT --rank R`` exits with under a launcher, which prints the
+    failure itself (the rank wrote it into the launcher's error folder)."""
+    try:
+        run_rank(plan, rank, options)
+    except LayoutError:  # e.g. a damaged save a rank finds
+        return 2
+    except RankFailure as e:
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{INTERRUPTED}\n")
+        return 130
+    return 0
 
 
 def _name_process(name: str) -> None:
@@ -280,6 +281,24 @@ def _terminate(procs: list[_Child], grace_s: float) -> None:
         if p.poll() is None:
             p.signal(signal.SIGKILL)
             os.waitpid(p.pid, 0)
+
+
+INTERRUPTED = "interrupted: stopped every rank"
+
+
+def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
+    """``run_one_rank``, an unexpected error made one ``RankFailure`` line naming the rank (HETERO_DEBUG=1: raised
+    as it is, with its traceback). What ``hetero-launch LAYOUT --rank R`` and every forked rank run."""
+    try:
+        run_one_rank(plan, rank, options)
+    except (LayoutError, RankFailure, KeyboardInterrupt):
+        raise
+    except Exception as e:  # one line on the console; the launcher has the traceback file
+        if os.environ.get("HETERO_DEBUG"):
+            raise
+        info = plan.ranks[rank]
+        raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
+                          f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
 
 
 def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:

@@ -178,35 +178,60 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     fingerprint = plan.fingerprint()
     peers = tuple(r.device_id for r in plan.ranks)
     group_keys = {g.key for g in plan.groups}
-    interfaces = _node_interfaces(plan)
+    env_of = _group_envs(plan)
+    interfaces = _node_interfaces(plan, env_of)
+    stage_of = {(s.pipeline, s.stage): s for s in plan.stages}
+    params = {s: s.params(lay.model) for s in plan.stages}
+    member_of: dict[int, list[Group]] = {r.rank: [world] for r in plan.ranks}
+    for g in plan.groups:
+        for r in g.ranks:
+            member_of[r].append(g)
+    buckets_of: dict[int, list[GradBucket]] = {r.rank: [] for r in plan.ranks}
+    for b in plan.buckets:
+        for r in b.group:
+            buckets_of[r].append(b)
+    first_on_node: dict[str, int] = {}
+    for r in plan.ranks:
+        first_on_node.setdefault(r.node, r.rank)
     out = []
     for info in plan.ranks:
         rank = info.rank
-        st = plan.stage_of(rank)
+        st = stage_of[(info.pipeline, info.stage)]
         pipe = lay.pipelines[st.pipeline]
-        actions = plan.actions(rank)
+        actions = plan.schedules[st.pipeline][st.stage]
         spec = pipe.stages[st.stage]
         recompute = spec.recompute if spec.recompute is not None else tr.recompute
         compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
-        shards = tuple(Shard(p, lo, hi, st.tp if p.shard_dim is None else 1) for p, lo, hi in plan.params_of(rank))
+        shards = tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
+                       for p in params[st])
         offset, size = plan.batch_share(st.pipeline)
-        tp_key = _tp_key(st) if _tp_key(st) in group_keys else None
-        envs = tuple((g.key, tuple(sorted(plan.group_env(rank, g).items())))
-                     for g in (world,) + plan.groups if rank in g.ranks)
-        first_here = next(r.rank for r in plan.ranks if r.node == info.node) == rank
+        envs = tuple((g.key, env_of(info, g)) for g in member_of[rank])
         network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
-                          interfaces[info.node] if first_here else ())
+                          interfaces[info.node] if first_on_node[info.node] == rank else ())
         out.append(RankPlan(
             rank=rank, world_size=plan.world_size, file=lay.file, info=info, stage=st,
             model=lay.model, train=tr, data=lay.data, actions=actions,
             dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
             split_backward=any(a.kind is sched.Kind.I for a in actions),
             sharded_optimizer=tr.optimizer is Optimizer.ADAMW_ZERO1, compute=compute, shards=shards,
-            buckets=tuple(b for b in plan.buckets if rank in b.group), routes=_stage_routes(plan, rank),
-            tp_group=tp_key, world=world, groups=plan.groups, network=network,
-            batch=BatchShare(offset, size, pipe.microbatches), counts_loss=st.last and info.tp_index == 0,
-            reports=rank == 0, fingerprint=fingerprint, peers=peers))
+            buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
+            tp_group=_tp_key(st) if _tp_key(st) in group_keys else None, world=world, groups=plan.groups,
+            network=network, batch=BatchShare(offset, size, pipe.microbatches),
+            counts_loss=st.last and info.tp_index == 0, reports=rank == 0, fingerprint=fingerprint, peers=peers))
     return tuple(out)
+
+
+def _group_envs(plan: Plan):
+    """``env_of(rank info, group)``: ``Plan.group_env`` as sorted pairs, computed once per (node, transport)."""
+    cache: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+
+    def env_of(info: RankInfo, group: Group) -> tuple[tuple[str, str], ...]:
+        key = (info.node, group.transport)
+        if key not in cache:
+            cache[key] = tuple(sorted(plan.group_env(info.rank, group).items()))
+        return cache[key]
+
+    return env_of
 
 
 def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
@@ -223,14 +248,15 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
     return StageRoutes(recv_f, send_f, recv_b, send_b, groups)
 
 
-def _node_interfaces(plan: Plan) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
+def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
     """Per node: the gloo interfaces its ranks create groups on, each with those groups' transports."""
     wanted: dict[str, dict[str, set[str]]] = {}
     for g in (plan.world,) + plan.groups:
         for r in g.ranks:
-            name = plan.group_env(r, g).get("GLOO_SOCKET_IFNAME")
+            info = plan.ranks[r]
+            name = dict(env_of(info, g)).get("GLOO_SOCKET_IFNAME")
             if name:
-                wanted.setdefault(plan.ranks[r].node, {}).setdefault(name, set()).add(g.transport)
+                wanted.setdefault(info.node, {}).setdefault(name, set()).add(g.transport)
     return {n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
             for n in plan.layout.cluster.nodes}
 

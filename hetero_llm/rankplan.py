@@ -333,7 +333,7 @@ def describe(rp: RankPlan) -> str:
              f"  tp          index {info.tp_index} of {st.tp}, ranks {list(st.ranks)}"
              + (f", group {rp.tp_group.name}" if rp.tp_group else ""),
              f"  batch share rows {b.offset}-{b.offset + b.size - 1} of {rp.train.global_batch}"
-             f" in {b.microbatches} microbatches",
+             f" in {b.microbatches} microbatch{'es' if b.microbatches > 1 else ''}",
              f"  compute     precision {c.precision.value}, recompute {'full' if c.recompute else 'none'}, "
              f"compile {'blocks' if c.compile else 'none'}",
              f"  schedule    {'dynamic (1F1B order as priorities)' if rp.dynamic else rp.train.schedule.value}"
@@ -348,7 +348,7 @@ def describe(rp: RankPlan) -> str:
              (Kind.RECV_B, [r.recv_b] if r.recv_b else []), (Kind.SEND_B, list(r.send_b))]
     for kind, routes in sides:
         for route in routes:
-            lines.append(f"  {kind.value.lower():<7} piece {route.piece}/{route.pieces}  rank {route.src} -> "
+            lines.append(f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
                          f"rank {route.dst}  in {r.group(kind).name}")
     if not any(routes for _, routes in sides):
         lines.append("  (none: a one-stage pipeline)")
@@ -360,7 +360,8 @@ def describe(rp: RankPlan) -> str:
                      + (f"  {settings}" if settings else ""))
     lines += ["", f"parameter shards ({len(rp.shards)}):"]
     for s in rp.shards:
-        where = "replicated" if s.info.shard_dim is None else f"dim {s.info.shard_dim} rows {s.lo}-{s.hi - 1}"
+        dim = s.info.shard_dim
+        where = "replicated" if dim is None else f"dim {dim}: {s.lo}-{s.hi - 1} of {s.info.shape[dim]}"
         lines.append(f"  {s.name:<28} {list(s.info.shape)}  {where}")
     lines += ["", "gradient sync buckets:"]
     for bucket in rp.buckets:

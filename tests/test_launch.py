@@ -251,3 +251,19 @@ def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in children if _alive(pid)], "ranks left running (the stopped one included)"
+
+
+def test_forked_ranks_run_from_the_launchers_plan(tmp_path):
+    """The launcher hands its compiled plan to the ranks it forks: they neither read the layout file again (here
+    it is gone before they start) nor go through the command line."""
+    path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
+    metrics = tmp_path / "metrics.jsonl"
+    code = ("import os, sys; from hetero_llm import launch, layout; from hetero_llm.plan import compile_plan; "
+            f"plan = compile_plan(layout.load({str(path)!r}, ['train.steps=2', 'cluster.port={free_port()}'])); "
+            f"os.remove({str(path)!r}); "
+            f"launch.run_ranks(plan, [0, 1], launch.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "
+            "print('hetero_llm.cli' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2]

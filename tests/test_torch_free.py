@@ -18,10 +18,10 @@ TORCH_FREE_MODULES = ["layout", "layout_fields", "layout_schema", "layout_toml",
                       "checkpoint", "cli", "errors", "params", "outputs", "trace", "timeline", "optim_shards", "switch",
                       "documents", "data", "textcache", "planner",
                       "planner.cluster", "planner.cost", "planner.pipesim", "planner.search", "planner.moves",
-                      "planner.exact", "planner.output", "plan_cli"]
+                      "planner.exact", "planner.output", "plan_cli", "rankplan", "launch"]
 TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
                     "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py",
-                    "test_cli_errors.py", "test_switch.py"]
+                    "test_cli_errors.py", "test_switch.py", "test_rankplan.py"]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 

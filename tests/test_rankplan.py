@@ -1,0 +1,217 @@
+"""Every rank's ``RankPlan``: checked against the whole plan for the shipped layouts, frozen, free of the
+layout, and printed exactly by ``hetero-launch L.toml --dry-run --rank R``. Torch-free."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from harness import LAYOUTS, invoke_cli
+from hetero_llm import layout as layout_mod
+from hetero_llm import rankplan
+from hetero_llm.layout import Layout
+from hetero_llm.plan import compile_plan
+from hetero_llm.rankplan import WORLD, P2PKey, RankPlan, TPKey
+from hetero_llm.schedule import Direction, Kind
+from test_plan import TP_MIX, make
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = sorted(p.name for p in LAYOUTS.glob("*.toml")) + ["planned/hexiscale_40gpu.toml",
+                                                              "planned/holmes_64gpu.toml"]
+
+
+@pytest.fixture(scope="module", params=SHIPPED)
+def plan(request):
+    return compile_plan(layout_mod.load(LAYOUTS / request.param))
+
+
+def test_there_is_a_rank_plan_per_rank_and_it_agrees_with_the_plan(plan):
+    assert len(plan.rank_plans) == plan.world_size
+    for rp in plan.rank_plans:
+        assert rp is plan.rank_plan(rp.rank)
+        assert rp.info == plan.ranks[rp.rank] and rp.stage == plan.stage_of(rp.rank)
+        assert rp.actions == plan.actions(rp.rank) and rp.world_size == plan.world_size
+        assert rp.params_of() == plan.params_of(rp.rank)
+        assert (rp.batch.offset, rp.batch.size) == plan.batch_share(rp.pipeline)
+        assert rp.groups == plan.groups and rp.world == plan.world
+        assert rp.buckets == tuple(b for b in plan.buckets if rp.rank in b.group)
+        assert rp.split_backward == any(a.kind.value == "I" for a in rp.actions)
+
+
+def test_every_group_a_rank_uses_is_one_it_belongs_to(plan):
+    keys = {g.key: g for g in plan.groups}
+    for rp in plan.rank_plans:
+        member = {g.key for g in rp.member_groups}
+        assert member == {WORLD} | {g.key for g in plan.groups if rp.rank in g.ranks}
+        used = [key for _, key in rp.routes.groups] + [b.key for b in rp.buckets]
+        if rp.tp_group is not None:
+            used.append(rp.tp_group)
+            assert keys[rp.tp_group].ranks == rp.stage.ranks
+        else:
+            assert rp.stage.tp == 1 and TPKey(rp.pipeline, rp.stage.stage) not in keys
+        assert set(used) <= member, (rp.rank, set(used) - member)
+        assert {key for key, _ in rp.network.envs} == member  # created under its settings: every group it is in
+        for kind, key in rp.routes.groups:  # a route travels in the group of its own boundary and direction
+            routes = getattr(rp.routes, kind.value.lower())
+            for route in routes if isinstance(routes, tuple) else (routes,):
+                assert isinstance(key, P2PKey) and key == plan.route_group(key.direction, route)
+                assert {route.src, route.dst} <= set(keys[key].ranks)
+
+
+def test_each_pipeline_counts_its_loss_once_and_one_rank_reports(plan):
+    counted = [rp.pipeline for rp in plan.rank_plans if rp.counts_loss]
+    assert sorted(counted) == list(range(len(plan.layout.pipelines)))
+    assert [rp.rank for rp in plan.rank_plans if rp.reports] == [0]
+    for rp in plan.rank_plans:
+        assert rp.counts_loss == (rp.stage.last and rp.tp_index == 0)
+
+
+def test_shards_of_a_parameter_cover_it_once_per_pipeline(plan):
+    model = plan.layout.model
+    for pi in range(len(plan.layout.pipelines)):
+        rows: dict[str, list[tuple[int, int]]] = {}
+        replicated: dict[str, int] = {}
+        sizes = {}
+        for rp in (rp for rp in plan.rank_plans if rp.pipeline == pi):
+            for s in rp.shards:
+                sizes[s.name] = s.info.shape[s.info.shard_dim or 0]
+                if s.info.shard_dim is None:
+                    assert (s.lo, s.hi, s.replicas) == (0, s.info.shape[0], rp.stage.tp)
+                    replicated[s.name] = replicated.get(s.name, 0) + 1 / s.replicas
+                else:
+                    assert s.replicas == 1
+                    rows.setdefault(s.name, []).append((s.lo, s.hi))
+        for name, ranges in rows.items():  # disjoint and gap-free: [0, n) exactly once
+            ranges.sort()
+            assert ranges[0][0] == 0 and ranges[-1][1] == sizes[name], name
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), name
+        tied = {"embed.tok"} if model.tie_embeddings else set()  # a tied head: first and last stage hold it
+        for name, copies in replicated.items():
+            assert copies == pytest.approx(2 if name in tied and len(plan.layout.pipelines[pi].stages) > 1 else 1)
+        assert set(rows) | set(replicated) == {p.name for st in plan.stages if st.pipeline == pi
+                                               for p in st.params(model)}
+
+
+def _fields(value, seen=None):
+    """Every value reachable through attrs fields, tuples and dicts."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return
+    seen.add(id(value))
+    yield value
+    if attrs.has(type(value)):
+        for f in attrs.fields(type(value)):
+            yield from _fields(getattr(value, f.name), seen)
+    elif isinstance(value, (tuple, list, frozenset, set)):
+        for v in value:
+            yield from _fields(v, seen)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _fields(k, seen)
+            yield from _fields(v, seen)
+
+
+def test_rank_plans_are_frozen_and_hold_no_layout(plan):
+    for rp in plan.rank_plans[:4]:
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            rp.rank = 7  # type: ignore[misc]
+        with pytest.raises(attrs.exceptions.FrozenInstanceError):
+            rp.routes.recv_f = None  # type: ignore[misc]
+        found = list(_fields(rp))
+        assert not any(isinstance(v, Layout) for v in found)
+        assert not any(isinstance(v, (list, dict, set)) for v in found)  # nothing mutable inside either
+        hash(rp.routes), hash(rp.network), hash(rp.shards)
+
+
+def test_group_keys_read_as_the_names_people_see():
+    plan = compile_plan(make(TP_MIX))  # ranks: p0 = 0 1 | 2 ; p1 = 3 4 5
+    assert [g.name for g in plan.groups][:4] == ["tp[p0.s0]", "tp[p1.s0]", "p2p_fwd[p0.s0->p0.s1]",
+                                                 "p2p_bwd[p0.s1->p0.s0]"]
+    rp = plan.rank_plan(2)
+    assert rp.routes.groups == ((Kind.RECV_F, P2PKey(Direction.FWD, (0, 0), (0, 1))),
+                                (Kind.SEND_B, P2PKey(Direction.BWD, (0, 1), (0, 0))))
+    assert plan.rank_plan(0).tp_group == TPKey(0, 0) and rp.tp_group is None
+
+
+# --------------------------------------------------------------------------- --dry-run --rank R
+
+RANK_2 = """\
+rank 2 of 6 (inline.toml)
+  device      n0:2 on node n0 (cpu)
+  stage       pipeline 0 stage 1 of 2, layers 1-1 (1 chunk)
+  tp          index 0 of 1, ranks [2]
+  batch share rows 0-3 of 6 in 2 microbatches
+  compute     precision fp32, recompute none, compile none
+  schedule    1f1b
+  loss        counted here (last stage, TP rank 0); reports nothing
+
+actions (8, in order):
+  RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 SEND_B1
+
+routes (stage-boundary pieces):
+  recv_f  piece 0 of 1  rank 0 -> rank 2  in p2p_fwd[p0.s0->p0.s1]
+  send_b  piece 0 of 2  rank 2 -> rank 0  in p2p_bwd[p0.s1->p0.s0]
+  send_b  piece 1 of 2  rank 2 -> rank 1  in p2p_bwd[p0.s1->p0.s0]
+
+groups this rank creates, in order (* = a member):
+  * world                        ranks [0, 1, 2, 3, 4, 5]  via default
+    tp[p0.s0]                    ranks [0, 1]  via default
+    tp[p1.s0]                    ranks [3, 4, 5]  via default
+  * p2p_fwd[p0.s0->p0.s1]        ranks [0, 1, 2]  via shm
+  * p2p_bwd[p0.s1->p0.s0]        ranks [0, 1, 2]  via shm
+"""
+
+
+def test_describe_says_what_one_rank_does():
+    plan = compile_plan(make(TP_MIX))
+    text = rankplan.describe(plan.rank_plan(2))
+    assert text.startswith(RANK_2)
+    rest = text[len(RANK_2):].splitlines()
+    buckets = [b for b in plan.buckets if 2 in b.group]
+    assert rest[:len(plan.groups) - 4] == [f"  {'*' if 2 in b.group else ' '} {b.name:<28} ranks {list(b.group)}"
+                                           f"  via default" for b in plan.buckets]
+    shards = rest.index("parameter shards (13):")
+    assert rest[shards + 1:shards + 4] == ["  layers.1.attn_norm.weight    [24]  replicated",
+                                           "  layers.1.attn_norm.bias      [24]  replicated",
+                                           "  layers.1.attn.wq             [24, 24]  dim 0: 0-23 of 24"]
+    assert rest[-len(buckets) - 1:] == ["gradient sync buckets:"] + [f"  {b.name:<28} {len(b.entries)} blocks"
+                                                                      for b in buckets]
+    tp = rankplan.describe(plan.rank_plan(4)).splitlines()
+    assert tp[3] == "  tp          index 1 of 3, ranks [3, 4, 5], group tp[p1.s0]"
+    assert "  layers.0.attn.wq             [24, 24]  dim 0: 8-15 of 24" in tp
+    assert "  batch share rows 4-5 of 6 in 1 microbatch" in tp
+    assert "  loss        not counted here; reports progress and metrics" in rankplan.describe(plan.rank_plan(0))
+
+
+def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
+    path = LAYOUTS / "hexiscale_two_pipelines.toml"
+    plan = compile_plan(layout_mod.load(path))
+    result = invoke_cli(path, "--dry-run", "--rank", "5")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(rankplan.describe(plan.rank_plan(5)) + "\n\nrendezvous: ")
+    assert len(result.output.splitlines()) == len(rankplan.describe(plan.rank_plan(5)).splitlines()) + 2
+    plain = invoke_cli(path, "--dry-run")
+    assert plain.exit_code == 0 and "rank  device      node      pipeline  stage  tp" in plain.output
+    assert "rank 5 of 8" not in plain.output
+    bad = invoke_cli(path, "--dry-run", "--rank", "8")
+    assert bad.exit_code == 2 and "--rank: rank 8 is not in this layout (ranks 0..7)" in bad.stderr
+
+
+def test_launch_does_not_import_the_cli():
+    """A forked rank runs from the launcher's plan, not through the click command (no import circle)."""
+    tree = ast.parse((ROOT / "hetero_llm" / "launch.py").read_text())
+    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "hetero_llm"
+                for alias in node.names}
+    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert "cli" not in imported and "hetero_llm.cli" not in imported
+    proc = subprocess.run([sys.executable, "-c", "import sys, hetero_llm.launch; print('hetero_llm.cli' in sys.modules)"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.stdout.strip() == "False", proc.stderr
