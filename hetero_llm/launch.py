@@ -325,7 +325,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
         comms = groups.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
-        events = tracing.RankTraceWriter(options.trace, plan, rank) if options.trace else None
+        events = tracing.RankTraceWriter(options.trace, plan.rank_plan(rank)) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
             with heartbeat.Heartbeat(plan, rank, give_up):

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # reading traces needs no plan (nor the layout it imports)
-    from hetero_llm.plan import Plan
+if TYPE_CHECKING:  # reading traces needs no plan
+    from hetero_llm.rankplan import RankPlan
 
 Row = list[tuple[str, float, float]]
 """One rank's or stage's ``(action string, start s, end s)`` records."""
@@ -29,13 +29,12 @@ Row = list[tuple[str, float, float]]
 _KIND_RE = re.compile(r"[A-Z_]+")
 
 
-def write_rank_trace(directory: str, plan: Plan, rank: int, events: list[tuple[str, float, float]]) -> None:
+def write_rank_trace(directory: str, rp: RankPlan, events: list[tuple[str, float, float]]) -> None:
     """Write ``rank{R}.json``: this rank's (action, start, end) records, atomically."""
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    info = plan.ranks[rank]
-    record = {"rank": rank, "pipeline": info.pipeline, "stage": info.stage, "device": info.device_id,
-              "events": [{"action": a, "start": s, "end": e} for a, s, e in events]}
+    rank = rp.rank
+    record = {**_header(rp), "events": [{"action": a, "start": s, "end": e} for a, s, e in events]}
     tmp = out / f"rank{rank}.json.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, out / f"rank{rank}.json")
@@ -48,19 +47,19 @@ FLUSH_EVENTS = 4096  # events a line holds at most
 class RankTraceWriter:
     """Streams one rank's ``(action, start, end)`` records into ``rank{R}.jsonl`` as the runtime ``append``s them."""
 
-    def __init__(self, directory: str, plan: Plan, rank: int):
+    def __init__(self, directory: str, rp: RankPlan):
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
         # An earlier run's files in this folder would read as ranks of this one.
+        rank = rp.rank
         stale = [out / f"rank{rank}.json"]
         if rank == 0:
             stale += [p for p in out.glob("rank*.json*") if _rank_of_file(p) is not None
-                      and _rank_of_file(p) >= plan.world_size]
+                      and _rank_of_file(p) >= rp.world_size]
         for path in stale:
             path.unlink(missing_ok=True)
-        info = plan.ranks[rank]
         self._fd: int | None = os.open(out / f"rank{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._write({"rank": rank, "pipeline": info.pipeline, "stage": info.stage, "device": info.device_id})
+        self._write(_header(rp))
         self._pending: list[tuple[str, float, float]] = []
 
     def append(self, record: tuple[str, float, float]) -> None:
@@ -81,6 +80,10 @@ class RankTraceWriter:
 
     def _write(self, line: dict) -> None:
         os.write(self._fd, (json.dumps(line) + "\n").encode())  # one write per line: no torn line but the last
+
+
+def _header(rp: RankPlan) -> dict:
+    return {"rank": rp.rank, "pipeline": rp.info.pipeline, "stage": rp.info.stage, "device": rp.info.device_id}
 
 
 def _rank_of_file(path: Path) -> int | None:

@@ -25,11 +25,11 @@ def assert_png(path: Path) -> None:
     assert len(data) > 1000
 
 
-def fake_plan(num_ranks: int) -> SimpleNamespace:
-    """What write_rank_trace reads of a plan: each rank's pipeline, stage and device."""
-    return SimpleNamespace(ranks=[
-        SimpleNamespace(pipeline=0, stage=rank, device_id=f"node0:{rank}") for rank in range(num_ranks)
-    ])
+def fake_rank_plans(num_ranks: int) -> list[SimpleNamespace]:
+    """What the trace writers read of a RankPlan: the rank, the world size, its pipeline, stage and device."""
+    return [SimpleNamespace(rank=rank, world_size=num_ranks,
+                            info=SimpleNamespace(pipeline=0, stage=rank, device_id=f"node0:{rank}"))
+            for rank in range(num_ranks)]
 
 
 @pytest.fixture
@@ -37,13 +37,13 @@ def trace_dir(tmp_path: Path) -> Path:
     """Three ranks, two steps of 1F1B, timed by the simulator and shifted like perf_counter times."""
     directory = tmp_path / "trace"
     result = simulate(build("1f1b", 3, 4), CostModel.uniform(3, 0.001, 0.002, latency=0.0002))
-    plan = fake_plan(3)
+    plans = fake_rank_plans(3)
     for rank, row in enumerate(result.rows()):
         events = []
         for step in range(2):
             offset = 1000.0 + step * (result.step_time + 0.005)
             events += [(action, offset + start, offset + end) for action, start, end in row]
-        tracing.write_rank_trace(str(directory), plan, rank, events)  # type: ignore[arg-type]
+        tracing.write_rank_trace(str(directory), plans[rank], events)  # type: ignore[arg-type]
     return directory
 
 
@@ -81,9 +81,9 @@ def test_streamed_trace_reads_like_a_whole_one(tmp_path: Path, trace_dir: Path, 
     monkeypatch.setattr(tracing, "FLUSH_S", 0.02)  # the fixture's steps are 0.05 s apart
     whole = tracing.read_rank_traces(trace_dir)
     streamed = tmp_path / "streamed"
-    plan = SimpleNamespace(world_size=3, ranks=fake_plan(3).ranks)
+    plans = fake_rank_plans(3)
     for record in whole:
-        writer = tracing.RankTraceWriter(str(streamed), plan, record["rank"])  # type: ignore[arg-type]
+        writer = tracing.RankTraceWriter(str(streamed), plans[record["rank"]])  # type: ignore[arg-type]
         for ev in record["events"]:
             writer.append((ev["action"], ev["start"], ev["end"]))
         writer.close()
@@ -102,9 +102,8 @@ def test_streamed_trace_reads_like_a_whole_one(tmp_path: Path, trace_dir: Path, 
 
 def test_trace_writer_removes_an_earlier_runs_files(tmp_path: Path, trace_dir: Path) -> None:
     """Rank 0 removes rank files past this run's world size; each rank its own old whole-run file."""
-    plan = SimpleNamespace(world_size=2, ranks=fake_plan(2).ranks)
-    for rank in range(2):
-        tracing.RankTraceWriter(str(trace_dir), plan, rank).close()  # type: ignore[arg-type]
+    for rp in fake_rank_plans(2):
+        tracing.RankTraceWriter(str(trace_dir), rp).close()  # type: ignore[arg-type]
     assert sorted(p.name for p in trace_dir.iterdir()) == ["rank0.jsonl", "rank1.jsonl"]
     (trace_dir / "rank1.json").write_text('{"rank": 1, "events": []}')
     with pytest.raises(ValueError, match="two trace files of rank 1"):
