@@ -48,7 +48,7 @@ def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
     the group's sockets to GLOO_SOCKET_IFNAME when the group is constructed, NCCL reads its variables
     when the communicator is created, which we force at once with a one-element all-reduce.
     """
-    store = rendezvous(plan, rank, agree)  # hetero_llm.rendezvous: where the store is, who serves it
+    store = rendezvous(plan.rank_plan(rank), agree)  # hetero_llm.rendezvous: where the store is, who serves it
     cluster = plan.layout.cluster
     backend = cluster.backend.value
     timeout = timedelta(seconds=max(cluster.timeout_s, 30))

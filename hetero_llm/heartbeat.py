@@ -21,7 +21,7 @@ import time
 from datetime import timedelta
 from typing import Callable
 
-from hetero_llm.plan import Plan
+from hetero_llm.rankplan import RankPlan
 from hetero_llm.rendezvous import endpoint
 
 INTERVAL_S = 1.0
@@ -37,19 +37,20 @@ class Heartbeat:
     other only reads the times the first one recorded, so it notices a store that stopped answering.
     """
 
-    def __init__(self, plan: Plan, rank: int, give_up: Callable[[str, float], None]):
+    def __init__(self, rp: RankPlan, give_up: Callable[[str, float], None]):
         import torch.distributed as dist
 
-        ep = endpoint(plan)
-        store = dist.TCPStore(ep.host, ep.port, plan.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S),
+        ep = endpoint(rp)
+        rank = rp.rank
+        store = dist.TCPStore(ep.host, ep.port, rp.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S),
                               wait_for_workers=False)  # its own connection: the main thread's store stays free
         self.store = dist.PrefixStore(f"{ep.prefix}heartbeat", store)
-        self.plan, self.rank, self.server, self.give_up = plan, rank, ep.server, give_up
-        self.limit_s = plan.layout.cluster.timeout_s
+        self.rp, self.rank, self.server, self.give_up = rp, rank, ep.server, give_up
+        self.limit_s = rp.meeting.timeout_s
         now = time.monotonic()
         self._lock = threading.Lock()
         self._answered = now  # when the store last answered
-        self._moved = [now] * plan.world_size  # when each rank's counter last changed (or it finished)
+        self._moved = [now] * rp.world_size  # when each rank's counter last changed (or it finished)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat, name="hl-heartbeat", daemon=True),
                          threading.Thread(target=self._watch, name="hl-watchdog", daemon=True)]
@@ -73,14 +74,14 @@ class Heartbeat:
                 # The store dies with this process: let the other ranks' heartbeats finish first, or one
                 # caught in an operation prints torch's connection-closed warning, C++ frames and all.
                 deadline = time.monotonic() + _LINGER_S
-                keys = [f"beat/{r}" for r in range(self.plan.world_size)]
+                keys = [f"beat/{r}" for r in range(self.rp.world_size)]
                 while time.monotonic() < deadline and min(int(v) for v in self.store.multi_get(keys)) < _DONE:
                     time.sleep(0.02)
         except Exception:  # the store's rank finished first: nobody is left to blame this one
             pass
 
     def _beat(self) -> None:
-        world = self.plan.world_size
+        world = self.rp.world_size
         keys = [f"beat/{r}" for r in range(world)]
         seen = [-1] * world
         created = False
@@ -113,10 +114,9 @@ class Heartbeat:
                 self._blame(stalled[-1][1], stalled[-1][0], "no heartbeat")
 
     def _blame(self, rank: int, seconds: float, why: str) -> None:
-        info = self.plan.ranks[rank]
         # The other ranks' watchdogs fire within an interval of this one: the rank serving the store
         # lingers so that they give up (and exit) while it still answers them.
-        self.give_up(f"rank {rank} ({info.device_id}) stopped responding: {why} for {seconds:.0f} s "
+        self.give_up(f"rank {rank} ({self.rp.peers[rank]}) stopped responding: {why} for {seconds:.0f} s "
                      f"(cluster.timeout_s {self.limit_s:g}; a stopped or hung process); rank {self.rank} gave up "
                      "waiting for it", _LINGER_S if self.rank == self.server else 0.0)
 

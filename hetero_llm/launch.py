@@ -328,7 +328,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         events = tracing.RankTraceWriter(options.trace, plan.rank_plan(rank)) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
-            with heartbeat.Heartbeat(plan, rank, give_up):
+            with heartbeat.Heartbeat(plan.rank_plan(rank), give_up):
                 train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
                       checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
                       quiet=options.quiet, tensorboard=options.tensorboard)

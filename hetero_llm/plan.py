@@ -26,9 +26,9 @@ from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
                                Layout, Optimizer, Recompute, Schedule)
 from hetero_llm.params import ParamInfo, shard_range
-from hetero_llm.schedule import Direction, Kind
 from hetero_llm.rankplan import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
-                                 Network, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan, StageRoutes, TPKey)
+                                 Meeting, Network, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan, StageRoutes, TPKey)
+from hetero_llm.schedule import Direction, Kind
 
 
 @attrs.frozen
@@ -79,6 +79,15 @@ class Plan:
                                pipelines=local(lay.pipelines),
                                buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
+
+    @property
+    def meeting(self) -> Meeting:
+        """Where the ranks meet (``rendezvous.endpoint``)."""
+        cluster = self.layout.cluster
+        master = cluster.master_node
+        server = next((r.rank for r in self.ranks if r.node == master.name), None)
+        return Meeting(master.host, cluster.port, master.name, bool(cluster.master), server, cluster.timeout_s,
+                       self.layout.file)
 
     def rank_plan(self, rank: int) -> RankPlan:
         """What ``rank`` does: its share of this plan, with no way back to the layout."""
@@ -175,7 +184,7 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     lay = plan.layout
     tr = lay.train
     world = plan.world
-    fingerprint = plan.fingerprint()
+    fingerprint, meeting = plan.fingerprint(), plan.meeting
     peers = tuple(r.device_id for r in plan.ranks)
     group_keys = {g.key for g in plan.groups}
     env_of = _group_envs(plan)
@@ -217,7 +226,8 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
             buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
             tp_group=_tp_key(st) if _tp_key(st) in group_keys else None, world=world, groups=plan.groups,
             network=network, batch=BatchShare(offset, size, pipe.microbatches),
-            counts_loss=st.last and info.tp_index == 0, reports=rank == 0, fingerprint=fingerprint, peers=peers))
+            counts_loss=st.last and info.tp_index == 0, reports=rank == 0, fingerprint=fingerprint, meeting=meeting,
+            peers=peers))
     return tuple(out)
 
 

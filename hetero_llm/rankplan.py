@@ -266,6 +266,20 @@ class Network:
 
 
 @attrs.frozen
+class Meeting:
+    """Where the ranks meet: the master node's host and ``cluster.port`` (``rendezvous.endpoint`` lets
+    MASTER_ADDR / MASTER_PORT override them) and the rank that serves the store there."""
+
+    host: str
+    port: int
+    master: str  # the master node's name
+    declared: bool  # named by cluster.master (else the first node is the master)
+    server: int | None  # the lowest rank on the master node; None: it runs no rank (refused when met)
+    timeout_s: float  # cluster.timeout_s: every wait of the rendezvous and the heartbeat is bounded by it
+    file: str  # the layout file, for messages
+
+
+@attrs.frozen
 class RankPlan:
     """Everything one rank needs to train (see the module doc). Frozen; holds no ``Layout``."""
 
@@ -293,6 +307,7 @@ class RankPlan:
     counts_loss: bool  # its summed loss is its pipeline's (last stage, TP rank 0): added into the logged loss
     reports: bool  # prints progress and writes metrics (every rank knows the reduced loss: rank 0 does it)
     fingerprint: str  # ``Plan.fingerprint``: what every rank checks at rendezvous
+    meeting: Meeting
     peers: tuple[str, ...]  # device id of every rank, for messages naming another rank
 
     @property

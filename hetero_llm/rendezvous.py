@@ -26,12 +26,15 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import attrs
 
 from hetero_llm.errors import LayoutError, RankFailure
-from hetero_llm.plan import Plan
+
+if TYPE_CHECKING:
+    from hetero_llm.plan import Plan
+    from hetero_llm.rankplan import Meeting, RankPlan
 
 _PROBE_S = 2.0  # longest single connect attempt while waiting for the server
 
@@ -52,32 +55,30 @@ class Endpoint:
         return 0 if self.server is None else self.server
 
 
-def server_rank(plan: Plan) -> int:
+def server_rank(plan: Plan | RankPlan) -> int:
     """The lowest rank on the master node: it serves the store at the master's host."""
-    cluster = plan.layout.cluster
-    master = cluster.master_node.name
-    on_master = [r.rank for r in plan.ranks if r.node == master]
-    if not on_master:
-        path = "cluster.master" if cluster.master else "cluster.nodes[0]"
-        raise LayoutError(plan.layout.file, path, f"the master node '{master}' runs no rank, so nothing would serve "
-                          "the rendezvous at its host; make a node with ranks the master (cluster.master)")
-    return on_master[0]
+    meeting: Meeting = plan.meeting
+    if meeting.server is None:
+        path = "cluster.master" if meeting.declared else "cluster.nodes[0]"
+        raise LayoutError(meeting.file, path, f"the master node '{meeting.master}' runs no rank, so nothing would "
+                          "serve the rendezvous at its host; make a node with ranks the master (cluster.master)")
+    return meeting.server
 
 
-def endpoint(plan: Plan, environ: Mapping[str, str] | None = None) -> Endpoint:
+def endpoint(plan: Plan | RankPlan, environ: Mapping[str, str] | None = None) -> Endpoint:
     """The rendezvous address, port and server of this run (checked: a bad MASTER_PORT is a LayoutError)."""
     env = os.environ if environ is None else environ
-    cluster = plan.layout.cluster
-    host = env.get("MASTER_ADDR") or cluster.master_node.host
+    meeting: Meeting = plan.meeting
+    host = env.get("MASTER_ADDR") or meeting.host
     text = env.get("MASTER_PORT") or ""
     if text:
         if not (text.strip().isdigit() and 1 <= int(text) <= 65535):
             raise LayoutError("environment", "MASTER_PORT", f"'{text}' is not a TCP port (1..65535); set one, or "
-                              f"unset it to use cluster.port ({cluster.port})")
+                              f"unset it to use cluster.port ({meeting.port})")
         port = int(text)
     else:
-        port = cluster.port
-    where = ("MASTER_ADDR" if env.get("MASTER_ADDR") else f"node {cluster.master_node.name}'s host") + \
+        port = meeting.port
+    where = ("MASTER_ADDR" if env.get("MASTER_ADDR") else f"node {meeting.master}'s host") + \
             (", MASTER_PORT" if text else ", cluster.port")
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store; attempts share it
         return Endpoint(host, port, None, f"attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", where)
@@ -95,7 +96,7 @@ def describe(plan: Plan) -> str:
     return f"rendezvous: {ep.host}:{ep.port} ({ep.where}), served by rank {ep.server} ({info.device_id})"
 
 
-def rendezvous(plan: Plan, rank: int, agree: str = ""):
+def rendezvous(rp: RankPlan, agree: str = ""):
     """Meet every other rank; return the store (a ``PrefixStore`` per torchrun attempt).
 
     Each rank arrives with the fingerprint of the plan it compiled plus ``agree`` (e.g. the save it resumes
@@ -103,15 +104,15 @@ def rendezvous(plan: Plan, rank: int, agree: str = ""):
     """
     import torch.distributed as dist
 
-    ep = endpoint(plan)
-    timeout = plan.layout.cluster.timeout_s
+    ep = endpoint(rp)
+    rank, timeout = rp.rank, rp.meeting.timeout_s
     start = time.monotonic()
     if rank == ep.server:
-        store = _serve(plan, ep, timeout)
+        store = _serve(rp, ep, timeout)
     else:
-        _wait_for_server(plan, ep, rank, start + timeout)
+        _wait_for_server(rp, ep, start + timeout)
         try:
-            store = dist.TCPStore(ep.host, ep.port, plan.world_size, False,
+            store = dist.TCPStore(ep.host, ep.port, rp.world_size, False,
                                   timeout=timedelta(seconds=max(1.0, start + timeout - time.monotonic())),
                                   wait_for_workers=False)
         except (RuntimeError, TimeoutError, ValueError) as e:
@@ -119,17 +120,17 @@ def rendezvous(plan: Plan, rank: int, agree: str = ""):
                               f"{_first_line(e)}") from None
     if ep.prefix:
         store = dist.PrefixStore(ep.prefix, store)
-    _check_arrivals(plan, ep, rank, store, f"{plan.fingerprint()}{'|' + agree if agree else ''}", timeout)
+    _check_arrivals(rp, ep, store, f"{rp.fingerprint}{'|' + agree if agree else ''}", timeout)
     return store
 
 
-def _serve(plan: Plan, ep: Endpoint, timeout: float):
+def _serve(rp: RankPlan, ep: Endpoint, timeout: float):
     """The server rank: listen on the master's address only, and serve the store from that socket."""
     import torch.distributed as dist
 
     sock = listen(ep.host, ep.port, f"rank {ep.server}")
     try:
-        store = dist.TCPStore(ep.host, ep.port, plan.world_size, True, timeout=timedelta(seconds=timeout),
+        store = dist.TCPStore(ep.host, ep.port, rp.world_size, True, timeout=timedelta(seconds=timeout),
                               wait_for_workers=False, master_listen_fd=sock.fileno())
     except (RuntimeError, TimeoutError, ValueError) as e:
         sock.close()
@@ -169,8 +170,9 @@ def listen(host: str, port: int, who: str) -> socket.socket:
     return sock
 
 
-def _wait_for_server(plan: Plan, ep: Endpoint, rank: int, deadline: float) -> None:
+def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
     """Connect plain sockets to the rendezvous until one is accepted, at most until ``deadline``."""
+    rank = rp.rank
     while True:
         try:
             socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
@@ -184,20 +186,20 @@ def _wait_for_server(plan: Plan, ep: Endpoint, rank: int, deadline: float) -> No
         except OSError as e:
             why = e.strerror or str(e) or type(e).__name__
         if time.monotonic() >= deadline:
-            timeout = plan.layout.cluster.timeout_s
+            timeout = rp.meeting.timeout_s
             if ep.server is None:
                 who = "torchrun's store"
             else:
-                info = plan.ranks[ep.server]
-                who = f"rank {ep.server} ({info.device_id}), which serves it,"
+                who = f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
             raise RankFailure(f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {timeout:g} s "
                               f"(last: {why}); is {who} started, and is the address right?")
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-def _check_arrivals(plan: Plan, ep: Endpoint, rank: int, store, token: str, timeout: float) -> None:
+def _check_arrivals(rp: RankPlan, ep: Endpoint, store, token: str, timeout: float) -> None:
+    rank = rp.rank
     store.set(f"arrived/{rank}", token)
-    world = plan.world_size
+    world = rp.world_size
     coordinator = ep.coordinator
     if rank == coordinator:
         deadline = time.monotonic() + timeout
@@ -207,13 +209,13 @@ def _check_arrivals(plan: Plan, ep: Endpoint, rank: int, store, token: str, time
             if missing:
                 time.sleep(0.05)
         if missing:
-            names = ", ".join(f"rank {r} ({plan.ranks[r].device_id})" for r in missing)
+            names = ", ".join(f"rank {r} ({rp.peers[r]})" for r in missing)
             _abort(store, "abort", world - len(missing) - 1)
             raise RankFailure(f"rendezvous timed out after {timeout:g} s: never arrived: {names}")
         tokens = {r: store.get(f"arrived/{r}").decode() for r in range(world)}
         differ = [r for r in range(world) if tokens[r] != token]
         if differ:
-            names = ", ".join(f"rank {r} ({plan.ranks[r].device_id}): {tokens[r]}" for r in differ)
+            names = ", ".join(f"rank {r} ({rp.peers[r]}): {tokens[r]}" for r in differ)
             _abort(store, "mismatch", world - 1)
             raise RankFailure(f"ranks compiled different plans: rank {rank}: {token}; {names} "
                               "(start every rank with the same layout, the same --set overrides and the same --resume)")

@@ -93,7 +93,7 @@ def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path,
     monkeypatch.setenv("MASTER_PORT", str(port))
     start = time.monotonic()
     with pytest.raises(RankFailure) as err:
-        rendezvous.rendezvous(plan, 1)
+        rendezvous.rendezvous(plan.rank_plan(1))
     took = time.monotonic() - start
     # 3.0 s when the machine is idle; the slack is for a loaded one (before: ~3.3 x the timeout, in C++ frames)
     assert 3.0 <= took < 5.0, f"gave up after {took:.1f} s for a 3 s timeout"
@@ -111,7 +111,7 @@ def test_an_unresolvable_host_is_one_line_at_once(tmp_path, monkeypatch, capfd):
     start = time.monotonic()
     with pytest.raises(RankFailure, match=r"^rank 1: the rendezvous host 'no-such-host.invalid' \(MASTER_ADDR, "
                                           r"cluster.port\) does not resolve \(.+\); fix it$"):
-        rendezvous.rendezvous(plan, 1)
+        rendezvous.rendezvous(plan.rank_plan(1))
     assert time.monotonic() - start < 10  # not the 30 s timeout
     assert capfd.readouterr().err == ""
 
