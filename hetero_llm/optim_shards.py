@@ -30,6 +30,7 @@ import attrs
 
 from hetero_llm.params import ParamInfo
 from hetero_llm.plan import Plan
+from hetero_llm.rankplan import GroupKey
 
 Slice = tuple[str, int, int, int]
 """(param name, dim, lo, hi): rows [lo, hi) along ``dim`` of the full tensor."""
@@ -39,7 +40,7 @@ Slice = tuple[str, int, int, int]
 class Unit:
     """Blocks whose AdamW state ``ranks`` split; plan group ``group`` carries their collectives."""
 
-    group: str
+    group: GroupKey
     ranks: tuple[int, ...]
     entries: tuple[Slice, ...]
     cuts: tuple[tuple[int, ...], ...]  # per entry: len(ranks) + 1 row boundaries, from its lo to its hi
@@ -92,7 +93,7 @@ def units(plan: Plan) -> tuple[Unit, ...]:
         sizes = tuple(_row_size(infos[name], dim) for name, dim, _, _ in entries)
         return Unit(group, ranks, entries, cuts, sizes, reduce)
 
-    out = [unit(b.name, b.group, b.entries, True) for b in plan.buckets]
+    out = [unit(b.key, b.group, b.entries, True) for b in plan.buckets]
     synced = {e[0] for b in plan.buckets for e in b.entries}
     for st in plan.stages:
         if st.tp == 1:
@@ -100,7 +101,7 @@ def units(plan: Plan) -> tuple[Unit, ...]:
         replicated = tuple((p.name, 0, 0, p.shape[0]) for p in st.params(plan.layout.model)
                            if p.shard_dim is None and p.name not in synced)
         if replicated:
-            out.append(unit(f"tp[{st.label}]", st.ranks, replicated, False))
+            out.append(unit(plan.tp_group(st), st.ranks, replicated, False))
     return tuple(out)
 
 

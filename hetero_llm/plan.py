@@ -27,7 +27,8 @@ from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_
                                Layout, Optimizer, Recompute, Schedule)
 from hetero_llm.params import ParamInfo, shard_range
 from hetero_llm.rankplan import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
-                                 Meeting, Network, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan, StageRoutes, TPKey)
+                                 Meeting, Network, OptimizerSlices, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan,
+                                 StageRoutes, TPKey)
 from hetero_llm.schedule import Direction, Kind
 
 
@@ -79,6 +80,10 @@ class Plan:
                                pipelines=local(lay.pipelines),
                                buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
+
+    def tp_group(self, stage: StagePlan) -> TPKey | None:
+        """The key of ``stage``'s TP group (None: TP size 1, no group)."""
+        return _tp_key(stage) if stage.tp > 1 else None
 
     @property
     def meeting(self) -> Meeting:
@@ -186,7 +191,6 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     world = plan.world
     fingerprint, meeting = plan.fingerprint(), plan.meeting
     peers = tuple(r.device_id for r in plan.ranks)
-    group_keys = {g.key for g in plan.groups}
     env_of = _group_envs(plan)
     interfaces = _node_interfaces(plan, env_of)
     stage_of = {(s.pipeline, s.stage): s for s in plan.stages}
@@ -202,9 +206,18 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     first_on_node: dict[str, int] = {}
     for r in plan.ranks:
         first_on_node.setdefault(r.node, r.rank)
+    sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
+    if sharded:
+        from hetero_llm import optim_shards  # it reads plans: imported here, not at the top
+
+        units = optim_shards.units(plan)
     out = []
     for info in plan.ranks:
         rank = info.rank
+        slices = None
+        if sharded:
+            mine, rest = optim_shards.owned(plan, rank, units)
+            slices = OptimizerSlices(tuple((u, tuple(sl)) for u, sl in mine), tuple(rest))
         st = stage_of[(info.pipeline, info.stage)]
         pipe = lay.pipelines[st.pipeline]
         actions = plan.schedules[st.pipeline][st.stage]
@@ -222,9 +235,9 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
             model=lay.model, train=tr, data=lay.data, actions=actions,
             dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
             split_backward=any(a.kind is sched.Kind.I for a in actions),
-            sharded_optimizer=tr.optimizer is Optimizer.ADAMW_ZERO1, compute=compute, shards=shards,
+            sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards,
             buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
-            tp_group=_tp_key(st) if _tp_key(st) in group_keys else None, world=world, groups=plan.groups,
+            tp_group=plan.tp_group(st), world=world, groups=plan.groups,
             network=network, batch=BatchShare(offset, size, pipe.microbatches),
             counts_loss=st.last and info.tp_index == 0, reports=rank == 0, fingerprint=fingerprint, meeting=meeting,
             peers=peers))

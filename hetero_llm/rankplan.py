@@ -17,7 +17,7 @@ A key's ``name`` is what people read (``tp[p0.s1]``, ``p2p_fwd[p0.s0->p0.s1]``, 
 
 from __future__ import annotations
 
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
 import attrs
 
@@ -25,6 +25,9 @@ from hetero_llm import schedule as sched
 from hetero_llm.layout import DEFAULT_TRANSPORT, Backend, CommLib, DataSpec, ModelSpec, Precision, TrainSpec
 from hetero_llm.params import ParamInfo, stage_params
 from hetero_llm.schedule import Direction, Kind
+
+if TYPE_CHECKING:
+    from hetero_llm.optim_shards import Slice, Unit
 
 # ------------------------------------------------------------------------------------------
 # Group keys
@@ -266,6 +269,15 @@ class Network:
 
 
 @attrs.frozen
+class OptimizerSlices:
+    """What this rank's AdamW updates under ZeRO-1 (``optim_shards.owned``): its slices of each unit it is in
+    (the unit's group carries their reduce-scatter and all-gather), and the rest of its shards, its alone."""
+
+    units: tuple[tuple[Unit, tuple[Slice, ...]], ...]
+    local: tuple[Slice, ...]
+
+
+@attrs.frozen
 class Meeting:
     """Where the ranks meet: the master node's host and ``cluster.port`` (``rendezvous.endpoint`` lets
     MASTER_ADDR / MASTER_PORT override them) and the rank that serves the store there."""
@@ -295,6 +307,7 @@ class RankPlan:
     dynamic: bool  # the runtime picks the order as inputs arrive (MegatronDPP); ``actions`` give the priorities
     split_backward: bool  # the actions split backwards (I then W): linear layers can put off weight gradients
     sharded_optimizer: bool  # train.optimizer = 'adamw_zero1'
+    optimizer_slices: OptimizerSlices | None  # with 'adamw_zero1': what this rank's AdamW updates
     compute: ComputeSettings
     shards: tuple[Shard, ...]
     buckets: tuple[GradBucket, ...]  # the gradient-sync buckets this rank is in, in plan order

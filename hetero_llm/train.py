@@ -215,7 +215,7 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
     state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
     streams = Streams(device)
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
-    optimizer = zero1.ShardedAdamW(plan, rank, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
+    optimizer = zero1.ShardedAdamW(plan.rank_plan(rank), state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
                                    streams) if sharded else _make_optimizer(state, tr)
     if restored:
         restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)

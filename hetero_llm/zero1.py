@@ -21,10 +21,10 @@ import math
 
 import torch
 
-from hetero_llm import collectives, optim_shards
+from hetero_llm import collectives
 from hetero_llm.groups import Comms
 from hetero_llm.optim_shards import Slice, Unit
-from hetero_llm.plan import Plan
+from hetero_llm.rankplan import RankPlan
 from hetero_llm.schedule import Kind
 from hetero_llm.streams import NO_STREAMS, Streams
 
@@ -32,22 +32,22 @@ from hetero_llm.streams import NO_STREAMS, Streams
 class ShardedAdamW:
     """AdamW over this rank's slices; parameters stay whole (float32) on every holder."""
 
-    def __init__(self, plan: Plan, rank: int, state, betas: tuple[float, float], eps: float, weight_decay: float,
+    def __init__(self, rp: RankPlan, state, betas: tuple[float, float], eps: float, weight_decay: float,
                  comms: Comms, streams: Streams = NO_STREAMS):
         self.state_of_rank = state  # train.RankState: params, coords, replicas, decay
-        self.rank, self.comms, self.streams = rank, comms, streams
+        self.rank, self.comms, self.streams = rp.rank, comms, streams
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
-        mine, rest = optim_shards.owned(plan, rank)
-        self.units: list[tuple[Unit, list[Slice]]] = mine
-        self.local: list[Slice] = rest
-        self.slices: list[Slice] = [s for _, sl in mine for s in sl] + rest
+        mine = rp.optimizer_slices  # this rank's slices, resolved by the plan (optim_shards.owned)
+        self.units: list[tuple[Unit, list[Slice]]] = [(u, list(sl)) for u, sl in mine.units]
+        self.local: list[Slice] = list(mine.local)
+        self.slices: list[Slice] = [s for _, sl in self.units for s in sl] + self.local
         self.exp_avg = [torch.zeros_like(self._view(s, "data")) for s in self.slices]
         self.exp_avg_sq = [torch.zeros_like(m) for m in self.exp_avg]
         # Parameters whose every row this rank holds is in a reduce-scattered block: once packed for the
         # reduce-scatter their whole gradient is dead (the summed slices come back), so it is freed at once.
-        kept = {s[0] for s in rest} | {e[0] for u, _ in mine if not u.reduce for e in u.entries}
-        self._freed_after_reduce = sorted({e[0] for u, _ in mine if u.reduce for e in u.entries} - kept)
+        kept = {s[0] for s in self.local} | {e[0] for u, _ in self.units if not u.reduce for e in u.entries}
+        self._freed_after_reduce = sorted({e[0] for u, _ in self.units if u.reduce for e in u.entries} - kept)
         self._reductions: list = []
         self._grads: list[torch.Tensor] = []
         self._gathers: list = []
@@ -107,7 +107,7 @@ class ShardedAdamW:
                 left[name] -= 1
                 if not left[name]:
                     self.state_of_rank.params[name].grad = None
-            pending = collectives.start_reduce_scatter(self.comms, packed, unit.group, self.streams)
+            pending = collectives.start_reduce_scatter(self.comms, packed, unit.group.name, self.streams)
             self._reductions.append((unit, pending))
 
     def finish_reduce(self) -> torch.Tensor:
@@ -161,7 +161,7 @@ class ShardedAdamW:
     def start_gather(self) -> None:
         """Start the all-gathers of the updated slices (right after ``step``)."""
         self._gathers = [(unit, collectives.start_all_gather(self.comms, self._packed(unit, "data", only=self.rank),
-                                                             unit.group, self.streams)) for unit, _ in self.units]
+                                                             unit.group.name, self.streams)) for unit, _ in self.units]
 
     def wait_gather(self) -> None:
         """Wait for the all-gathers and write the other holders' slices into this rank's parameters (the ``AG``
@@ -204,7 +204,7 @@ class ShardedAdamW:
                 chunk = [own[s].reshape(-1) for s in slices]
                 pad = unit.chunk - unit.elements(self.rank)
                 flat = torch.cat(chunk + ([chunk[0].new_zeros(pad)] if pad else []))
-                gathered = collectives.start_all_gather(self.comms, flat, unit.group, self.streams).wait()[0]
+                gathered = collectives.start_all_gather(self.comms, flat, unit.group.name, self.streams).wait()[0]
                 self._unpack(unit, gathered, out[key], moments=True)
         return {n: {key: out[key][n] for key in out} for n in params}
 
