@@ -54,7 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import benchlib
-from hetero_llm import data, groups
+from hetero_llm import data, groups, shm
 from hetero_llm import layout as layout_mod
 from hetero_llm import trace as tracing
 from hetero_llm.params import count_params
@@ -150,7 +150,7 @@ class World:
     def get(self, plan) -> Comms:
         if self.comms is None:
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(benchlib.free_port())
-            self.comms = groups.init(plan, 0, self.device)
+            self.comms = groups.init(plan.rank_plan(0), self.device, shm.rank_rings(plan, 0))
         return self.comms
 
 

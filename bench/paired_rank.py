@@ -43,7 +43,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import groups
+    from hetero_llm import groups, shm
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.train import train
@@ -51,7 +51,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))
-    comms = groups.init(plan, rank, torch.device("cpu"))
+    comms = groups.init(plan.rank_plan(rank), torch.device("cpu"), shm.rank_rings(plan, rank))
     other_comms = comms
     if versus == "torch":
         baseline = TorchPipeline(plan, rank, group=dist.new_group(list(range(plan.world_size))))

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hetero_llm.groups import Comms
 from hetero_llm.model import TP
+from hetero_llm.rankplan import GroupKey
 from hetero_llm.schedule import Kind
 from hetero_llm.streams import NO_STREAMS, Streams
 
@@ -93,7 +94,7 @@ class PendingReduce:
         return out
 
 
-def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name: str,
+def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group: GroupKey,
                           streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start summing ``tensors`` among the group in one collective; ``wait()`` gives the sums.
 
@@ -101,14 +102,14 @@ def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group_name:
     so far (the gradients are final there), and overlap what the compute stream does next.
     """
     streams.wait(streams.grads, streams.compute)
-    cupy_group = comms.cupy.get(group_name)
+    cupy_group = comms.cupy.get(group)
     with streams.use(streams.grads):
         flat = torch.cat([t.reshape(-1) for t in tensors])
         if cupy_group is not None:
             cupy_group.all_reduce(flat)  # on torch's current stream: the grads stream
             work = None
         else:
-            work = dist.all_reduce(flat, group=comms.groups[group_name], async_op=True)
+            work = dist.all_reduce(flat, group=comms.groups[group], async_op=True)
     for t in tensors:
         streams.hand_over(t, streams.grads)  # read on the grads stream; the caller may drop them now
     return PendingReduce(work, flat, [t.shape for t in tensors], streams)
@@ -146,12 +147,12 @@ class _Works:
             work.wait()
 
 
-def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str,
+def start_reduce_scatter(comms: Comms, flat: torch.Tensor, key: GroupKey,
                          streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
     ``wait()`` gives this rank's summed chunk (on gloo: a view into ``flat``). On CUDA it runs on the grads
     stream, after the backward."""
-    group = comms.groups[group_name]
+    group = comms.groups[key]
     members = dist.get_process_group_ranks(group)
     n = flat.numel() // len(members)
     streams.wait(streams.grads, streams.compute)
@@ -168,11 +169,11 @@ def start_reduce_scatter(comms: Comms, flat: torch.Tensor, group_name: str,
     return PendingReduce(work, out, [out.shape], streams)
 
 
-def start_all_gather(comms: Comms, chunk: torch.Tensor, group_name: str,
+def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey,
                      streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
     ``wait()`` gives it."""
-    group = comms.groups[group_name]
+    group = comms.groups[key]
     members = dist.get_process_group_ranks(group)
     streams.wait(streams.grads, streams.compute)
     with streams.use(streams.grads):

@@ -2,7 +2,7 @@
 
 ``init`` runs the rendezvous (``hetero_llm.rendezvous``), the default group, then every plan group in
 plan order, each under its transport's network settings (a domain's interface and NCCL variables,
-``Plan.group_env``), and, for ``cluster.comm = 'cupy'``, CuPy NCCL communicators for gradient sync.
+``RankPlan.network``), and, for ``cluster.comm = 'cupy'``, CuPy NCCL communicators for gradient sync.
 The result is a ``Comms`` record passed to whoever needs it: nothing here keeps module globals.
 Written device-agnostic: gloo on CPU, NCCL on CUDA, same calls. What travels over these groups:
 ``hetero_llm.p2p`` (stage boundaries) and ``hetero_llm.collectives`` (TP, gradient sync, ZeRO-1).
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from hetero_llm import shm
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import CommLib
-from hetero_llm.plan import Group, Plan
+from hetero_llm.rankplan import GradSyncKey, Group, GroupKey, RankPlan
 from hetero_llm.rendezvous import rendezvous
 
 
@@ -32,47 +32,45 @@ from hetero_llm.rendezvous import rendezvous
 class Comms:
     rank: int
     device: torch.device
-    groups: dict[str, dist.ProcessGroup]  # by plan group name
+    groups: dict[GroupKey, dist.ProcessGroup]  # by the plan's group key
     tp_group: dist.ProcessGroup | None  # this rank's TP group (None when TP size is 1)
     tp_ranks: tuple[int, ...]  # global ranks of this rank's TP group, TP index order
     pending_sends: list = attrs.field(factory=list)
-    cupy: dict = attrs.field(factory=dict)  # group name -> CupyGroup, for cluster.comm = 'cupy'
+    cupy: dict = attrs.field(factory=dict)  # group key -> CupyGroup, for cluster.comm = 'cupy'
     shm: dict = attrs.field(factory=dict)  # (src, dst, Direction) -> this rank's end of a shared-memory ring
 
 
-def init(plan: Plan, rank: int, device: torch.device, agree: str = "") -> Comms:
-    """Rendezvous, the default group, then every plan group in plan order (on every rank).
+def init(rp: RankPlan, device: torch.device, rings: shm.RankRings, agree: str = "") -> Comms:
+    """Rendezvous, the default group, then every plan group in plan order (on every rank), then this rank's
+    shared-memory ``rings``.
 
-    Each group is created under its transport's network settings (``Plan.group_env``: its domain's,
+    Each group is created under its transport's network settings (``RankPlan.network``: its domain's,
     or the cross-domain network's when it spans domains), which are restored right after: gloo binds
     the group's sockets to GLOO_SOCKET_IFNAME when the group is constructed, NCCL reads its variables
     when the communicator is created, which we force at once with a one-element all-reduce.
     """
-    store = rendezvous(plan.rank_plan(rank), agree)  # hetero_llm.rendezvous: where the store is, who serves it
-    cluster = plan.layout.cluster
-    backend = cluster.backend.value
-    timeout = timedelta(seconds=max(cluster.timeout_s, 30))
+    store = rendezvous(rp, agree)  # hetero_llm.rendezvous: where the store is, who serves it
+    backend = rp.network.backend.value
+    timeout = timedelta(seconds=max(rp.network.timeout_s, 30))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    world = plan.world
-    with _network_env(plan, rank, world):
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=plan.world_size,
-                                timeout=timeout, pg_options=_pg_options(plan, rank, world))
+    with _network_env(rp, rp.world):
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rp.rank, world_size=rp.world_size,
+                                timeout=timeout, pg_options=_pg_options(rp, rp.world))
         _connect(None, device, backend)
-    groups: dict[str, dist.ProcessGroup] = {}
-    for g in plan.groups:
-        with _network_env(plan, rank, g):
-            groups[g.name] = dist.new_group(list(g.ranks), timeout=timeout, pg_options=_pg_options(plan, rank, g))
-            if rank in g.ranks:
-                _connect(groups[g.name], device, backend)
-    cupy_groups = _cupy_groups(plan, rank, store, device) if cluster.comm is CommLib.CUPY else {}
-    rings = shm.connect(plan, rank, store, timeout.total_seconds())  # boundaries inside a node (their groups stay: fallback)
-    _warn_missing_interfaces(plan, rank)
-    st = plan.stage_of(rank)
-    tp_group = groups.get(f"tp[{st.label}]")
+    groups: dict[GroupKey, dist.ProcessGroup] = {}
+    for g in rp.groups:
+        with _network_env(rp, g):
+            groups[g.key] = dist.new_group(list(g.ranks), timeout=timeout, pg_options=_pg_options(rp, g))
+            if rp.rank in g.ranks:
+                _connect(groups[g.key], device, backend)
+    cupy_groups = _cupy_groups(rp, store, device) if rp.network.comm is CommLib.CUPY else {}
+    links = shm.connect(rings, store, timeout.total_seconds())  # boundaries inside a node (their groups stay: fallback)
+    _warn_missing_interfaces(rp)
+    tp_group = groups[rp.tp_group] if rp.tp_group is not None else None
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
-    return Comms(rank, device, groups, tp_group, st.ranks, cupy=cupy_groups, shm=rings)
+    return Comms(rp.rank, device, groups, tp_group, rp.stage.ranks, cupy=cupy_groups, shm=links)
 
 
 def shutdown() -> None:
@@ -92,9 +90,10 @@ def has_interface(name: str) -> bool:
         return False
 
 
-def group_env(plan: Plan, rank: int, group: Group) -> dict[str, str]:
-    """``Plan.group_env`` minus a gloo interface this host lacks (plain CPU runs: the default applies)."""
-    env = plan.group_env(rank, group)
+def group_env(rp: RankPlan, group: Group) -> dict[str, str]:
+    """The environment ``rp``'s rank creates ``group`` under (``RankPlan.network``; nothing for a group it is not
+    in), minus a gloo interface this host lacks (plain CPU runs: the default applies)."""
+    env = rp.network.env(group.key)
     if "GLOO_SOCKET_IFNAME" in env and not has_interface(env["GLOO_SOCKET_IFNAME"]):
         del env["GLOO_SOCKET_IFNAME"]
     return env
@@ -115,20 +114,20 @@ def environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
-def _network_env(plan: Plan, rank: int, group: Group):
+def _network_env(rp: RankPlan, group: Group):
     """The group's network variables, set while it is created (nothing for a rank outside it)."""
-    return environment(group_env(plan, rank, group) if rank in group.ranks else {})
+    return environment(group_env(rp, group) if rp.rank in group.ranks else {})
 
 
-def _pg_options(plan: Plan, rank: int, group: Group):
+def _pg_options(rp: RankPlan, group: Group):
     """NCCL: per-communicator options carrying the transport's net (``config.net_name``, where this
     torch and NCCL have it; the NCCL_NET variable set around creation covers older ones). Gloo: None,
     since torch's new_group ignores gloo options (it builds the device from GLOO_SOCKET_IFNAME)."""
-    if plan.layout.cluster.backend.value != "nccl" or rank not in group.ranks:
+    if rp.network.backend.value != "nccl" or rp.rank not in group.ranks:
         return None
     opts = dist.ProcessGroupNCCL.Options()
     opts.is_high_priority_stream = False
-    net = plan.group_env(rank, group).get("NCCL_NET")
+    net = rp.network.env(group.key).get("NCCL_NET")
     config = getattr(opts, "config", None)
     if net and config is not None and hasattr(config, "net_name"):
         config.net_name = net
@@ -145,21 +144,12 @@ def _connect(group, device: torch.device, backend: str) -> None:
     torch.cuda.synchronize(device)
 
 
-def _warn_missing_interfaces(plan: Plan, rank: int) -> None:
-    """One line per node (from its first rank) naming the layout's gloo interfaces this host lacks."""
-    node = plan.ranks[rank].node
-    local = [r.rank for r in plan.ranks if r.node == node]
-    if rank != local[0]:
-        return
-    wanted: dict[str, set[str]] = {}
-    for g in (plan.world,) + plan.groups:
-        for r in set(local) & set(g.ranks):
-            name = plan.group_env(r, g).get("GLOO_SOCKET_IFNAME")
-            if name:
-                wanted.setdefault(name, set()).add(g.transport)
-    missing = [f"{name} ({', '.join(sorted(t))})" for name, t in sorted(wanted.items()) if not has_interface(name)]
+def _warn_missing_interfaces(rp: RankPlan) -> None:
+    """One line per node (from its first rank, which holds the list) naming the layout's gloo interfaces this host
+    lacks."""
+    missing = [f"{name} ({', '.join(t)})" for name, t in rp.network.node_interfaces if not has_interface(name)]
     if missing:
-        sys.stderr.write(f"warning: {node}: no network interface {', '.join(missing)} on this host; those groups "
+        sys.stderr.write(f"warning: {rp.info.node}: no network interface {', '.join(missing)} on this host; those groups "
                          "use the default interface (expected on a plain CPU run; on a cluster, check gloo_ifname)\n")
         sys.stderr.flush()
 
@@ -211,14 +201,13 @@ def make_cupy_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: 
     return CupyGroup(comm, ranks)
 
 
-def _cupy_groups(plan: Plan, rank: int, store: dist.Store, device: torch.device) -> dict[str, CupyGroup]:
+def _cupy_groups(rp: RankPlan, store: dist.Store, device: torch.device) -> dict[GroupKey, CupyGroup]:
     """Every gradient-sync group this rank is in, in plan order (each init waits for all its members)."""
     out = {}
-    grad_sync = {b.name for b in plan.buckets}
     with _cupy().cuda.Device(device.index if device.index is not None else 0):
-        for g in plan.groups:
-            if g.name in grad_sync and rank in g.ranks:
-                out[g.name] = make_cupy_group(store, g.name, g.ranks, rank, group_env(plan, rank, g))
+        for g in rp.groups:
+            if isinstance(g.key, GradSyncKey) and rp.rank in g.ranks:
+                out[g.key] = make_cupy_group(store, g.name, g.ranks, rp.rank, group_env(rp, g))
     return out
 
 
@@ -226,16 +215,17 @@ def _cupy_groups(plan: Plan, rank: int, store: dist.Store, device: torch.device)
 # Hot switching: another layout's groups over the same processes (the exchange itself: hetero_llm.p2p).
 
 
-def layout_groups(plan: Plan, plan_rank: int | None, world_rank_of: dict[int, int]) -> dict[str, dist.ProcessGroup]:
-    """Every group of another layout's ``plan`` (a hot-switching bucket) over this job's processes: created on
-    every rank in plan order, members mapped to world ranks; ``plan_rank`` is this process's rank in
-    ``plan`` (None: it has none), whose network settings apply as in ``init``."""
-    timeout = timedelta(seconds=max(plan.layout.cluster.timeout_s, 30))
+def layout_groups(groups_in_order: tuple[Group, ...], rp: RankPlan | None, world_rank_of: dict[int, int],
+                  timeout_s: float) -> dict[GroupKey, dist.ProcessGroup]:
+    """Every group of another layout (a hot-switching bucket) over this job's processes: created on every rank
+    in that layout's order, members mapped to world ranks; ``rp`` is this process's RankPlan in that layout
+    (None: it has none), whose network settings apply as in ``init``."""
+    timeout = timedelta(seconds=max(timeout_s, 30))
     groups = {}
-    for g in plan.groups:
-        env = group_env(plan, plan_rank, g) if plan_rank is not None and plan_rank in g.ranks else {}
+    for g in groups_in_order:
+        env = group_env(rp, g) if rp is not None and rp.rank in g.ranks else {}
         with environment(env):
-            groups[g.name] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=timeout)
+            groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=timeout)
     dist.barrier()
     return groups
 

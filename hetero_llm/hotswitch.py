@@ -80,7 +80,8 @@ class Switcher:
         mine = [r.rank for r in plan.ranks if r.device_id == self.me]
         rank = mine[0] if mine else None
         world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
-        groups = layout_groups(plan, rank, world_of)  # every rank, every bucket, in order
+        rp = plan.rank_plan(rank) if rank is not None else None
+        groups = layout_groups(plan.groups, rp, world_of, plan.layout.cluster.timeout_s)  # every rank, in order
         if rank is None:
             return Slot(name, plan, None, {}, {}, None)
         params, coords = {}, {}
@@ -90,8 +91,8 @@ class Switcher:
             shape[dim] = hi - lo
             params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
             coords[info.name] = (dim, lo)
-        st, rp = plan.stage_of(rank), plan.rank_plan(rank)
-        bucket_comms = Comms(comms.rank, comms.device, groups, groups.get(rp.tp_group.name) if rp.tp_group else None,
+        st = plan.stage_of(rank)
+        bucket_comms = Comms(comms.rank, comms.device, groups, groups[rp.tp_group] if rp.tp_group else None,
                              tuple(world_of[r] for r in st.ranks))
         routes = _world_routes(rp.routes, world_of)
         runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,

@@ -324,7 +324,8 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
-        comms = groups.init(plan, rank, device, agree=Path(options.resume).name if options.resume else "")
+        comms = groups.init(plan.rank_plan(rank), device, shm.rank_rings(plan, rank),
+                            agree=Path(options.resume).name if options.resume else "")
         events = tracing.RankTraceWriter(options.trace, plan.rank_plan(rank)) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731

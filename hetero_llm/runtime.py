@@ -163,7 +163,7 @@ class StageRunner:
     def _group(self, kind: Kind):
         """The process group a communication action of this stage travels in (None: the default group)."""
         key = self.routes.group(kind)
-        return self.comms.groups.get(key.name) if key is not None else None
+        return self.comms.groups[key] if key is not None else None
 
     def _clock(self) -> float:
         """``perf_counter``; on CUDA, when tracing or emulating, once the device has done what was issued,

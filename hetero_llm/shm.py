@@ -495,16 +495,31 @@ def _open(path: str, spec: RingSpec) -> mmap.mmap:
 Link = Sender | Receiver
 
 
-def connect(plan: Plan, rank: int, store, timeout_s: float) -> dict[tuple[int, int, int], Link]:
-    """This rank's ends of the plan's shared-memory rings (``open_rings``), by (src, dst, direction)."""
-    specs = [s for s in ring_specs(plan) if rank in (s.src, s.dst)]
-    if not specs:
-        return {}
+@attrs.frozen
+class RankRings:
+    """The shared-memory rings one rank sends or receives on, and whether its node requires them."""
+
+    rank: int
+    specs: tuple[RingSpec, ...]
+    required: bool  # the node's p2p is 'shm' (else 'auto': a ring that cannot be made falls back to the network)
+    label: str  # "rank 3 (node0)", for messages
+    why_required: str  # "cluster.nodes[0].p2p = 'shm'"
+
+
+def rank_rings(plan: Plan, rank: int) -> RankRings:
+    """``rank``'s rings of the plan's shared-memory boundaries (pure: read before the rank starts)."""
+    specs = tuple(s for s in ring_specs(plan) if rank in (s.src, s.dst))
     node = plan.ranks[rank].node
     index = next(i for i, n in enumerate(plan.layout.cluster.nodes) if n.name == node)
     required = plan.layout.cluster.nodes[index].p2p is P2P.SHM
-    return open_rings(specs, rank, store, timeout_s, required, f"rank {rank} ({node})",
-                      f"cluster.nodes[{index}].p2p = 'shm'")
+    return RankRings(rank, specs, required, f"rank {rank} ({node})", f"cluster.nodes[{index}].p2p = 'shm'")
+
+
+def connect(rings: RankRings, store, timeout_s: float) -> dict[tuple[int, int, int], Link]:
+    """This rank's ends of its shared-memory rings (``open_rings``), by (src, dst, direction)."""
+    if not rings.specs:
+        return {}
+    return open_rings(list(rings.specs), rings.rank, store, timeout_s, rings.required, rings.label, rings.why_required)
 
 
 def open_rings(specs: list[RingSpec], rank: int, store, timeout_s: float, required: bool, label: str,

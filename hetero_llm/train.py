@@ -115,7 +115,7 @@ def sync_grads(plan: Plan, rank: int, state: RankState, comms: Comms,
         views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in bucket.entries]
         scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
                   for v, (name, *_rest) in zip(views, bucket.entries)]
-        pending.append((bucket, views, collectives.start_all_reduce_flat(comms, scaled, bucket.name, streams)))
+        pending.append((bucket, views, collectives.start_all_reduce_flat(comms, scaled, bucket.key, streams)))
     # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
     sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])
     for bucket, views, reduction in pending:

@@ -107,7 +107,7 @@ class ShardedAdamW:
                 left[name] -= 1
                 if not left[name]:
                     self.state_of_rank.params[name].grad = None
-            pending = collectives.start_reduce_scatter(self.comms, packed, unit.group.name, self.streams)
+            pending = collectives.start_reduce_scatter(self.comms, packed, unit.group, self.streams)
             self._reductions.append((unit, pending))
 
     def finish_reduce(self) -> torch.Tensor:
@@ -161,7 +161,7 @@ class ShardedAdamW:
     def start_gather(self) -> None:
         """Start the all-gathers of the updated slices (right after ``step``)."""
         self._gathers = [(unit, collectives.start_all_gather(self.comms, self._packed(unit, "data", only=self.rank),
-                                                             unit.group.name, self.streams)) for unit, _ in self.units]
+                                                             unit.group, self.streams)) for unit, _ in self.units]
 
     def wait_gather(self) -> None:
         """Wait for the all-gathers and write the other holders' slices into this rank's parameters (the ``AG``
@@ -204,7 +204,7 @@ class ShardedAdamW:
                 chunk = [own[s].reshape(-1) for s in slices]
                 pad = unit.chunk - unit.elements(self.rank)
                 flat = torch.cat(chunk + ([chunk[0].new_zeros(pad)] if pad else []))
-                gathered = collectives.start_all_gather(self.comms, flat, unit.group.name, self.streams).wait()[0]
+                gathered = collectives.start_all_gather(self.comms, flat, unit.group, self.streams).wait()[0]
                 self._unpack(unit, gathered, out[key], moments=True)
         return {n: {key: out[key][n] for key in out} for n in params}
 

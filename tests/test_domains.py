@@ -253,10 +253,12 @@ def test_missing_interface_falls_back_to_the_default(monkeypatch):
     plan = compile_plan(layout.load(HOLMES))
     grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
     assert not groups.has_interface("dom0")  # not on a plain host (the testbed's namespaces have it)
-    assert "GLOO_SOCKET_IFNAME" not in groups.group_env(plan, 0, grad)
-    assert groups.group_env(plan, 0, grad)["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
+    rp = plan.rank_plan(0)
+    assert "GLOO_SOCKET_IFNAME" not in groups.group_env(rp, grad)
+    assert groups.group_env(rp, grad)["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     monkeypatch.setattr(groups, "has_interface", lambda name: True)
-    assert groups.group_env(plan, 0, grad)["GLOO_SOCKET_IFNAME"] == "dom0"
+    assert groups.group_env(rp, grad)["GLOO_SOCKET_IFNAME"] == "dom0"
+    assert groups.group_env(rp, grad) == plan.group_env(0, grad)  # what the plan resolved for the rank
 
 
 def test_network_env_is_restored(monkeypatch):
@@ -268,10 +270,10 @@ def test_network_env_is_restored(monkeypatch):
     monkeypatch.delenv("NCCL_IB_HCA", raising=False)
     monkeypatch.setattr(groups, "has_interface", lambda name: True)
     grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
-    with groups._network_env(plan, 0, grad):
+    with groups._network_env(plan.rank_plan(0), grad):
         assert os.environ["GLOO_SOCKET_IFNAME"] == "dom0" and os.environ["NCCL_IB_HCA"] == "mlx5_0,mlx5_1"
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and "NCCL_IB_HCA" not in os.environ
-    with groups._network_env(plan, 1, grad):  # rank 1 is not in grad_sync[0,2]: nothing to set
+    with groups._network_env(plan.rank_plan(1), grad):  # rank 1 is not in grad_sync[0,2]: nothing to set
         assert os.environ["GLOO_SOCKET_IFNAME"] == "lo"
 
 

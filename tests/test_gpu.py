@@ -28,6 +28,7 @@ from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port
 from hetero_llm import collectives, p2p
 from hetero_llm.groups import Comms
 from hetero_llm.plan import Route
+from hetero_llm.rankplan import GradSyncKey
 from hetero_llm.streams import NO_STREAMS, Streams
 from test_precision import assert_bf16_close
 
@@ -221,8 +222,8 @@ def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
 
     monkeypatch.setattr(collectives.dist, "all_reduce", all_reduce)
     a, b = torch.ones(2, 3), torch.arange(4.0).view(2, 2)[:, 1:]  # the second is a strided view of a gradient
-    comms = _comms(groups={"grad_sync[0,1]": object()})
-    pending = collectives.start_all_reduce_flat(comms, [a, b], "grad_sync[0,1]", streams)
+    comms = _comms(groups={GradSyncKey((0, 1)): object()})
+    pending = collectives.start_all_reduce_flat(comms, [a, b], GradSyncKey((0, 1)), streams)
     assert streams.log == [("wait", "grads", "compute"), ("use", "grads"), ("all_reduce", "grads", True),
                            ("end", "grads"), ("hand_over", "grads"), ("hand_over", "grads")]
     assert [t for t, _ in streams.recorded] == [a, b]  # the inputs may be dropped by the caller: recorded
