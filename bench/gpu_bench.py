@@ -182,7 +182,7 @@ def run_ours(case: Case, mode: str, steps: int, device: torch.device, corpus: Pa
                        compile_mode="blocks" if mode == "compiled" else "none",
                        backend="nccl" if device.type == "cuda" else "gloo")
     plan = compile_plan(layout_mod.loads(text, file="<gpu_bench>"))
-    history = train(plan, 0, world.get(plan), quiet=True, keep_history=True)
+    history = train(plan.rank_plan(0), world.get(plan), quiet=True, keep_history=True)
     return Run("ours", mode, [m.seconds for m in history], history[-1].loss, _peak_gb(device))
 
 

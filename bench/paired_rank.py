@@ -67,7 +67,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
                 start = time.process_time()
                 if side == "ours":
                     events: list = []
-                    history = train(plan, rank, comms, trace=events, quiet=True, keep_history=True)
+                    history = train(plan.rank_plan(rank), comms, trace=events, quiet=True, keep_history=True)
                     result["ours"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["ours_events"].append(events)
                 elif versus == "torch":
@@ -75,7 +75,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
                     result["other"].append([baseline.step(k) for k in range(steps)])
                 else:
                     events = []
-                    history = train(other, rank, other_comms, trace=events, quiet=True, keep_history=True)
+                    history = train(other.rank_plan(rank), other_comms, trace=events, quiet=True, keep_history=True)
                     result["other"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["other_events"].append(events)
                 cpu[side].append(time.process_time() - start)

@@ -63,7 +63,7 @@ class TorchPipeline:
         self.group = group
         device = torch.device("cpu")
         st = self.st = plan.stage_of(rank)
-        self.initial = init_state(plan, rank, device)  # same names and values as hetero_llm's ranks start from
+        self.initial = init_state(plan.rank_plan(rank), device)  # same names and values as hetero_llm's ranks start from
         self.module = StageModule(self.initial.params, StageShape(st.layer_lo, st.layer_hi, st.first, st.last),
                                   self.model)
         stage = PipelineStage(self.module, st.stage, st.num_stages, device, group=group)

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
 
@@ -30,7 +30,7 @@ from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.params import all_params
 
 if TYPE_CHECKING:
-    from hetero_llm.plan import Plan
+    from hetero_llm.rankplan import RankPlan, Shard
 
 STEP_PREFIX = "step-"
 META = "meta.json"
@@ -131,16 +131,17 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, digest.hexdigest()
 
 
-def file_records(plan: Plan, digests: list[tuple[int, str]]) -> dict[str, RankFile]:
-    """Each rank file's record: ``digests[rank]`` (its size and sha256) and the shards the plan gives that rank."""
-    return {rank_file(Path(), r).name: RankFile(size, sha, {info.name: (info.shard_dim, lo, hi, info.shape)
-                                                           for info, lo, hi in plan.params_of(r)})
+def file_records(shards_by_rank: Sequence[Sequence[Shard]], digests: list[tuple[int, str]]) -> dict[str, RankFile]:
+    """Each rank file's record: ``digests[rank]`` (its size and sha256) and the shards the plan gives that rank
+    (``RankPlan.saved_shards``)."""
+    return {rank_file(Path(), r).name: RankFile(size, sha, {s.name: s.coords for s in shards_by_rank[r]})
             for r, (size, sha) in enumerate(digests)}
 
 
-def finish_save(folder: Path, step: int, world_size: int, layout: Layout,
+def finish_save(folder: Path, step: int, world_size: int, layout: Layout | RankPlan,
                 files: dict[str, RankFile] | None = None) -> None:
-    """Mark ``folder`` complete, then point ``latest`` at it (rank 0, once every rank's file is on disk)."""
+    """Mark ``folder`` complete, then point ``latest`` at it (rank 0, once every rank's file is on disk).
+    ``layout``: its file, model and data go into meta.json (a ``RankPlan`` carries them too)."""
     meta = {"step": step, "world_size": world_size, "layout": layout.file,
             "params": {p.name: list(p.shape) for p in all_params(layout.model)},
             "model": spec_dict(layout.model), "data": spec_dict(layout.data)}  # for hetero-export / hetero-generate
@@ -299,14 +300,14 @@ def _uncovered(name: str, full: tuple[int, ...], shards: list[Coords]) -> str | 
     return None if end >= full[dim] else f"{name} from row {end} of dim {dim}"
 
 
-def for_resume(path: str | os.PathLike, layout: Layout) -> Checkpoint:
-    """The complete save ``path`` names, checked to be one ``layout`` can resume."""
+def for_resume(path: str | os.PathLike, layout: Layout | RankPlan) -> Checkpoint:
+    """The complete save ``path`` names, checked to be one ``layout`` (or a rank's plan of it) can resume."""
     ckpt = find(path)
     check_fits(ckpt, layout)
     return ckpt
 
 
-def check_fits(ckpt: Checkpoint, layout: Layout) -> None:
+def check_fits(ckpt: Checkpoint, layout: Layout | RankPlan) -> None:
     """``layout`` can resume ``ckpt``: the same global parameter names and full shapes, and steps left to train."""
     want = {p.name: p.shape for p in all_params(layout.model)}
     missing = [n for n in want if n not in ckpt.shapes]

@@ -18,7 +18,7 @@ from hetero_llm import checkpoint, collectives, zero1
 from hetero_llm.checkpoint import Checkpoint
 from hetero_llm.errors import CheckpointError
 from hetero_llm.optim import AdamW
-from hetero_llm.plan import Plan
+from hetero_llm.rankplan import RankPlan
 
 if TYPE_CHECKING:
     from hetero_llm.train import RankState
@@ -50,9 +50,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAd
         optimizer.state[p] = entry
 
 
-def save_checkpoint(plan: Plan, rank: int, state: RankState,
+def save_checkpoint(rp: RankPlan, state: RankState,
                     optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int) -> None:
-    """Save ``rank``'s shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step)."""
+    """Save the rank's shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step);
+    rank 0 marks the save complete (meta.json) once every rank's file is on disk."""
+    rank = rp.rank
     folder = checkpoint.step_folder(root, step)
     if rank == 0:
         checkpoint.begin_save(folder)
@@ -71,9 +73,9 @@ def save_checkpoint(plan: Plan, rank: int, state: RankState,
     checkpoint.write_atomically(path, lambda f: torch.save(saved, f))
     # Also the barrier: every rank's file is on disk before meta.json marks the save complete.
     device = next(iter(state.params.values())).device
-    digests = _all_digests(plan.world_size, rank, checkpoint.file_digest(path), device)
+    digests = _all_digests(rp.world_size, rank, checkpoint.file_digest(path), device)
     if rank == 0:
-        checkpoint.finish_save(folder, step, plan.world_size, plan.layout, checkpoint.file_records(plan, digests))
+        checkpoint.finish_save(folder, step, rp.world_size, rp, checkpoint.file_records(rp.saved_shards, digests))
 
 
 def _all_digests(world_size: int, rank: int, digest: tuple[int, str], device: torch.device) -> list[tuple[int, str]]:
@@ -97,11 +99,11 @@ class Restored:
     shards: dict[str, dict[str, torch.Tensor]]  # "tensor" (the parameter) | "exp_avg" | "exp_avg_sq" -> name -> slice
 
 
-def restore(plan: Plan, rank: int, path: str) -> Restored:
-    """``rank``'s shards cut from the save ``path`` names (a step folder or a checkpoint root's newest), whatever
+def restore(rp: RankPlan, path: str) -> Restored:
+    """The rank's shards cut from the save ``path`` names (a step folder or a checkpoint root's newest), whatever
     layout saved it."""
-    ckpt = checkpoint.for_resume(path, plan.layout)
-    ranges = {info.name: (lo, hi) for info, lo, hi in plan.params_of(rank)}
+    ckpt = checkpoint.for_resume(path, rp)
+    ranges = {s.name: (s.lo, s.hi) for s in rp.shards}
     files = [_load_rank_file(ckpt, r) for r in range(ckpt.world_size)]
     steps = {f["optimizer_steps"] for f in files}
     if len(steps) != 1:

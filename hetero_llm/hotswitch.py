@@ -25,11 +25,10 @@ from hetero_llm import collectives, documents, p2p
 from hetero_llm.docmask import DocumentMask
 from hetero_llm.documents import bucket_rows
 from hetero_llm.groups import Comms, layout_groups
-from hetero_llm.layout import Schedule, bucket_layout
+from hetero_llm.layout import bucket_layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.rankplan import StageRoutes
 from hetero_llm.runtime import Emulation, Microbatch, StageRunner
-from hetero_llm.schedule import Kind
 from hetero_llm.streams import Streams
 from hetero_llm.switch import SwitchPlan, Transfer, step_switch
 
@@ -49,9 +48,7 @@ class Slot:
     @property
     def contributes_loss(self) -> bool:
         """Whether this rank's summed loss is the one counted (last stage, TP rank 0)."""
-        if self.rank is None:
-            return False
-        return self.plan.stage_of(self.rank).last and self.plan.ranks[self.rank].tp_index == 0
+        return self.rank is not None and self.plan.rank_plan(self.rank).counts_loss
 
 
 class Switcher:
@@ -66,7 +63,7 @@ class Switcher:
         self.me = home.ranks[rank].device_id
         self.world_rank = {r.device_id: r.rank for r in home.ranks}
         self.home = Slot("home", home, rank, params, {n: (c[0] or 0, c[1]) for n, c in coords.items()}, home_runner,
-                         _dynamic(home, rank))
+                         home.rank_plan(rank).dynamic)
         self.slots: list[Slot] = []
         for i, bucket in enumerate(lay.buckets):
             if not bucket.pipelines:
@@ -96,9 +93,9 @@ class Switcher:
                              tuple(world_of[r] for r in st.ranks))
         routes = _world_routes(rp.routes, world_of)
         runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,
-                             self.trace, Emulation.from_env(comms.rank), compute_of(plan, rank), streams,
-                             split_backward=any(a.kind is Kind.I for a in plan.actions(rank)))
-        return Slot(name, plan, rank, params, coords, runner, _dynamic(plan, rank))
+                             self.trace, Emulation.from_env(comms.rank), compute_of(rp), streams,
+                             split_backward=rp.split_backward)
+        return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -166,11 +163,6 @@ class Switcher:
                 p.grad = None  # moved: the target holds them now
         if self.trace is not None:
             self.trace.append((f"SWITCH>{target.name}", t0, time.perf_counter()))
-
-
-def _dynamic(plan: Plan, rank: int) -> bool:
-    pipe = plan.layout.pipelines[plan.ranks[rank].pipeline]
-    return plan.layout.train.schedule is Schedule.DYNAMIC and not pipe.schedule_file
 
 
 def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:

@@ -14,6 +14,7 @@ process behind.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
 import socket
@@ -324,15 +325,16 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
-        comms = groups.init(plan.rank_plan(rank), device, shm.rank_rings(plan, rank),
-                            agree=Path(options.resume).name if options.resume else "")
-        events = tracing.RankTraceWriter(options.trace, plan.rank_plan(rank)) if options.trace else None
+        rp = plan.rank_plan(rank)  # from here on the rank runs from its RankPlan
+        agree = Path(options.resume).name if options.resume else ""  # ranks resuming from different saves disagree
+        comms = groups.init(rp, device, shm.rank_rings(plan, rank), agree=agree)
+        events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
-            with heartbeat.Heartbeat(plan.rank_plan(rank), give_up):
-                train(plan, rank, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
+            with heartbeat.Heartbeat(rp, give_up):
+                train(rp, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
                       checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
-                      quiet=options.quiet, tensorboard=options.tensorboard)
+                      quiet=options.quiet, tensorboard=options.tensorboard, switcher=_switcher(plan, rank))
         finally:
             if events is not None:
                 events.close()
@@ -342,6 +344,15 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     except BaseException as e:
         _report_rank_error(rank, e)
         raise
+
+
+def _switcher(plan: Plan, rank: int):
+    """What makes ``rank``'s hot-switching ``Switcher`` (it compiles the plans of the layout's buckets), or None."""
+    if not plan.layout.buckets:
+        return None
+    from hetero_llm.hotswitch import Switcher
+
+    return functools.partial(Switcher, plan, rank)
 
 
 def _gave_up(rank: int):

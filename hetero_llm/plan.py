@@ -214,6 +214,12 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     out = []
     for info in plan.ranks:
         rank = info.rank
+        st = stage_of[(info.pipeline, info.stage)]
+        out.append(tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
+                         for p in params[st]))
+    shards_by_rank, out = tuple(out), []
+    for info in plan.ranks:
+        rank = info.rank
         slices = None
         if sharded:
             mine, rest = optim_shards.owned(plan, rank, units)
@@ -224,8 +230,7 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         spec = pipe.stages[st.stage]
         recompute = spec.recompute if spec.recompute is not None else tr.recompute
         compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
-        shards = tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
-                       for p in params[st])
+        shards = shards_by_rank[rank]
         offset, size = plan.batch_share(st.pipeline)
         envs = tuple((g.key, env_of(info, g)) for g in member_of[rank])
         network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
@@ -239,8 +244,8 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
             buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
             tp_group=plan.tp_group(st), world=world, groups=plan.groups,
             network=network, batch=BatchShare(offset, size, pipe.microbatches),
-            counts_loss=st.last and info.tp_index == 0, reports=rank == 0, fingerprint=fingerprint, meeting=meeting,
-            peers=peers))
+            counts_loss=st.last and info.tp_index == 0, hot_switching=bool(lay.buckets), reports=rank == 0,
+            fingerprint=fingerprint, meeting=meeting, peers=peers, saved_shards=shards_by_rank if rank == 0 else ()))
     return tuple(out)
 
 

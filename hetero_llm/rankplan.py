@@ -318,10 +318,13 @@ class RankPlan:
     network: Network
     batch: BatchShare
     counts_loss: bool  # its summed loss is its pipeline's (last stage, TP rank 0): added into the logged loss
+    hot_switching: bool  # the layout has [[buckets]]: each step runs every bucket under its own layout (hotswitch)
     reports: bool  # prints progress and writes metrics (every rank knows the reduced loss: rank 0 does it)
     fingerprint: str  # ``Plan.fingerprint``: what every rank checks at rendezvous
     meeting: Meeting
     peers: tuple[str, ...]  # device id of every rank, for messages naming another rank
+    # Every rank's shards, by rank, on the rank that writes a checkpoint's meta.json (rank 0); () on the others.
+    saved_shards: tuple[tuple[Shard, ...], ...] = ()
 
     @property
     def device(self) -> str:

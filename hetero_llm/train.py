@@ -1,4 +1,6 @@
-"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints, resuming."""
+"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints, resuming.
+
+Everything here takes the rank's ``RankPlan`` (what compiling the layout resolved for it), never the layout."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import attrs
 import numpy as np
@@ -19,11 +22,10 @@ from hetero_llm.errors import Diverged, RankFailure
 from hetero_llm.optim import AdamW
 from hetero_llm.docmask import DocumentMask
 from hetero_llm.groups import Comms
-from hetero_llm.layout import Compile, Optimizer, Packing, Precision, Recompute, Schedule, TrainSpec
+from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model import Compute, init_shard
-from hetero_llm.plan import Plan
+from hetero_llm.rankplan import RankPlan
 from hetero_llm.runtime import Emulation, Microbatch, StageRunner
-from hetero_llm.schedule import Kind
 from hetero_llm.streams import NO_STREAMS, Streams
 
 
@@ -60,23 +62,21 @@ class RankState:
     decay: dict[str, bool]
 
 
-def init_state(plan: Plan, rank: int, device: torch.device,
-               initial: dict[str, torch.Tensor] | None = None) -> RankState:
-    """``rank``'s shards: ``initial`` (restored from a checkpoint) where given, else read from model.init_from
+def init_state(rp: RankPlan, device: torch.device, initial: dict[str, torch.Tensor] | None = None) -> RankState:
+    """The rank's shards: ``initial`` (restored from a checkpoint) where given, else read from model.init_from
     when it is set, else initialized from the seed."""
-    model, seed = plan.layout.model, plan.layout.train.seed
-    tp = plan.stage_of(rank).tp
+    model, seed = rp.model, rp.train.seed
     if initial is None and model.init_from:  # a Hugging Face model: this rank reads only its slices
         from hetero_llm import hf
 
-        initial = hf.load_shards(model, plan.params_of(rank))
+        initial = hf.load_shards(model, rp.params_of())
     params, coords, replicas, decay = {}, {}, {}, {}
-    for info, lo, hi in plan.params_of(rank):
-        shard = initial[info.name] if initial is not None else init_shard(info, model, seed, lo, hi)
-        params[info.name] = shard.to(device).requires_grad_()
-        coords[info.name] = (info.shard_dim, lo, hi, info.shape)
-        replicas[info.name] = tp if info.shard_dim is None else 1
-        decay[info.name] = info.decay
+    for s in rp.shards:
+        shard = initial[s.name] if initial is not None else init_shard(s.info, model, seed, s.lo, s.hi)
+        params[s.name] = shard.to(device).requires_grad_()
+        coords[s.name] = s.coords
+        replicas[s.name] = s.replicas
+        decay[s.name] = s.info.decay
     return RankState(params, coords, replicas, decay)
 
 
@@ -98,8 +98,7 @@ def _sum_sq(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
     return total
 
 
-def sync_grads(plan: Plan, rank: int, state: RankState, comms: Comms,
-               streams: Streams = NO_STREAMS) -> torch.Tensor:
+def sync_grads(rp: RankPlan, state: RankState, comms: Comms, streams: Streams = NO_STREAMS) -> torch.Tensor:
     """Sum every gradient block among its holders; return this rank's share of the squared global norm
     (a float64 scalar on the device, so the step syncs the host once, for the logged totals).
 
@@ -109,9 +108,7 @@ def sync_grads(plan: Plan, rank: int, state: RankState, comms: Comms,
     another and the local part of the norm.
     """
     pending = []
-    for bucket in plan.buckets:
-        if rank not in bucket.group:
-            continue
+    for bucket in rp.buckets:  # the buckets this rank is in
         views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in bucket.entries]
         scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
                   for v, (name, *_rest) in zip(views, bucket.entries)]
@@ -137,31 +134,27 @@ def _make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer
     return AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps)
 
 
-def stage_compute(plan: Plan, rank: int, device: torch.device) -> Compute:
-    """How ``rank``'s stage computes: train.precision, its stage's recompute (else train.recompute), train.compile."""
-    tr = plan.layout.train
-    st = plan.stage_of(rank)
-    spec = plan.layout.pipelines[st.pipeline].stages[st.stage]
-    recompute = spec.recompute if spec.recompute is not None else tr.recompute
-    dtype = torch.bfloat16 if tr.precision is Precision.BF16 else torch.float32
+def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
+    """How the rank's stage computes (``RankPlan.compute``: train.precision, its stage's recompute, else
+    train.recompute, train.compile), checked against the device."""
+    settings = rp.compute
+    dtype = torch.bfloat16 if settings.precision is Precision.BF16 else torch.float32
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
         raise RankFailure(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} does not support "
                           "bfloat16 (use precision = 'fp32' on this GPU)")
-    return Compute(dtype, recompute=recompute is Recompute.FULL, compile=tr.compile is Compile.BLOCKS)
+    return Compute(dtype, recompute=settings.recompute, compile=settings.compile)
 
 
-def _microbatches(plan: Plan, rank: int, batch: np.ndarray) -> list[Microbatch]:
-    pipe = plan.ranks[rank].pipeline
-    offset, size = plan.batch_share(pipe)
-    pieces = data.pipeline_share(batch, offset, size, plan.layout.pipelines[pipe].microbatches)
+def _microbatches(rp: RankPlan, batch: np.ndarray) -> list[Microbatch]:
+    share = rp.batch
+    pieces = data.pipeline_share(batch, share.offset, share.size, share.microbatches)
     return [Microbatch(torch.from_numpy(p[:, :-1]), torch.from_numpy(p[:, 1:])) for p in pieces]
 
 
-def _packed_microbatches(plan: Plan, rank: int, batch: documents.PackedRows) -> list[Microbatch]:
-    """``rank``'s microbatches of packed documents, each with its document mask (built on the host)."""
-    pipe = plan.ranks[rank].pipeline
-    offset, size = plan.batch_share(pipe)
-    pieces = batch.share(offset, size, plan.layout.pipelines[pipe].microbatches)
+def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows) -> list[Microbatch]:
+    """The rank's microbatches of packed documents, each with its document mask (built on the host)."""
+    share = rp.batch
+    pieces = batch.share(share.offset, share.size, share.microbatches)
     return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
                        DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]
 
@@ -195,51 +188,49 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d {clock}" if s >= 86400 else clock
 
 
-def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = None,
+def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
           checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
           trace: list | None = None, quiet: bool = False, keep_history: bool = False,
-          tensorboard: str | None = None) -> list[StepMetrics]:
-    """Train ``rank`` to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps (0: at the
-    end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
+          tensorboard: str | None = None, switcher: Callable | None = None) -> list[StepMetrics]:
+    """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
+    (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
+    ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
     by a record per step (bench/soak.py)."""
-    lay = plan.layout
-    tr, model = lay.train, lay.model
+    tr, model, rank = rp.train, rp.model, rp.rank
     device = comms.device
-    reporting = plan.rank_plan(rank).reports
-    restored = restore(plan, rank, resume) if resume else None
+    reporting = rp.reports
+    restored = restore(rp, resume) if resume else None
     if restored and reporting and not quiet:
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
     first = restored.step if restored else 0
-    state = init_state(plan, rank, device, restored.shards["tensor"] if restored else None)
+    state = init_state(rp, device, restored.shards["tensor"] if restored else None)
     streams = Streams(device)
-    sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
-    optimizer = zero1.ShardedAdamW(plan.rank_plan(rank), state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
+    sharded = rp.sharded_optimizer
+    optimizer = zero1.ShardedAdamW(rp, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
                                    streams) if sharded else _make_optimizer(state, tr)
     if restored:
         restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
-    st = plan.stage_of(rank)
-    compute = stage_compute(plan, rank, device)
-    runner = StageRunner(comms, state.params, st, model, collectives.tp_ops(comms), plan.rank_plan(rank).routes, trace,
-                         Emulation.from_env(rank), compute, streams,
-                         split_backward=any(a.kind is Kind.I for a in plan.actions(rank)),
+    runner = StageRunner(comms, state.params, rp.stage, model, collectives.tp_ops(comms), rp.routes, trace,
+                         Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
                          optimizer_hooks=optimizer.hooks() if sharded else {})
-    dynamic = tr.schedule is Schedule.DYNAMIC and not lay.pipelines[st.pipeline].schedule_file
-    packed = lay.data.packing is Packing.DOCUMENTS
+    packed = rp.data.packing is Packing.DOCUMENTS
     if packed:  # held-out evaluation is refused with packing (layout.py)
-        source, valid = documents.make_document_source(lay.data, model.seq_len, lay.file), None
+        source, valid = documents.make_document_source(rp.data, model.seq_len, rp.file), None
     else:
-        source, valid = evaluate.sources(lay.data, lay.file)
+        source, valid = evaluate.sources(rp.data, rp.file)
     global_tokens = tr.global_batch * model.seq_len
-    contributes_loss = st.last and plan.ranks[rank].tp_index == 0
-    switcher = None
-    if lay.buckets:  # hot switching: every bucket of a step under its own layout (hotswitch.py)
-        from hetero_llm.hotswitch import Switcher
-
-        switcher = Switcher(plan, rank, comms, state.params, state.coords, runner,
-                            lambda p, r: stage_compute(p, r, device), trace, streams)
+    contributes_loss = rp.counts_loss
+    if rp.hot_switching:  # every bucket of a step under its own layout (hotswitch.py)
+        if switcher is None:
+            raise ValueError("a layout with [[buckets]] trains through hotswitch.Switcher: pass switcher=")
+        compute_of = lambda bucket_rp: stage_compute(bucket_rp, device)  # noqa: E731
+        switcher = switcher(comms, state.params, state.coords, runner, compute_of, trace, streams)
         contributes_loss = True  # the switcher returns only what this rank's loss counts for
+    else:
+        switcher = None
     metrics_file = _open_metrics(metrics_path, first) if reporting and metrics_path else None
     progress = Progress(tr.steps, first) if reporting and not quiet else None
     scalars = _summary_writer(tensorboard) if reporting and tensorboard else None
@@ -254,12 +245,13 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
             else:
                 if packed:  # the loss averages over the documents' targets, not over the rows' padding
                     rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
-                    global_tokens, mbs = rows.num_targets, _packed_microbatches(plan, rank, rows)
+                    global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
                 else:
                     batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
-                    mbs = _microbatches(plan, rank, batch)
-                loss_sum = runner.run_dynamic(mbs, global_tokens) if dynamic else runner.run(plan.actions(rank), mbs, global_tokens)
-            sq = optimizer.finish_reduce() if sharded else sync_grads(plan, rank, state, comms, streams)
+                    mbs = _microbatches(rp, batch)
+                loss_sum = runner.run_dynamic(mbs, global_tokens) if rp.dynamic else \
+                    runner.run(rp.actions, mbs, global_tokens)
+            sq = optimizer.finish_reduce() if sharded else sync_grads(rp, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
@@ -285,7 +277,7 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
             valid_loss = None
             if valid is not None and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
-                valid_loss = held_out_loss(plan, rank, runner, valid, contributes_loss)
+                valid_loss = held_out_loss(rp, runner, valid, contributes_loss)
             m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
             if keep_history:
                 history.append(m)
@@ -300,7 +292,7 @@ def train(plan: Plan, rank: int, comms: Comms, *, metrics_path: str | None = Non
             elif progress is not None:
                 progress.tokens += m.tokens
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
-                save_checkpoint(plan, rank, state, optimizer, checkpoint_dir, done)
+                save_checkpoint(rp, state, optimizer, checkpoint_dir, done)
                 last_save = checkpoint.step_folder(checkpoint_dir, done)
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
@@ -319,14 +311,14 @@ def _summary_writer(directory: str):
     return SummaryWriter(directory)
 
 
-def held_out_loss(plan: Plan, rank: int, runner: StageRunner, valid, contributes_loss: bool) -> float:
+def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:
     """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only."""
-    tr, model = plan.layout.train, plan.layout.model
+    tr, model = rp.train, rp.model
     tokens = tr.global_batch * model.seq_len
     total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
     for index in range(tr.eval_batches):
         batch = evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len)
-        loss_sum = runner.run_forward(plan.actions(rank), _microbatches(plan, rank, batch), tokens)
+        loss_sum = runner.run_forward(rp.actions, _microbatches(rp, batch), tokens)
         if contributes_loss:
             total += loss_sum
     collectives.all_reduce_world(total)

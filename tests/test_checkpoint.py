@@ -222,7 +222,7 @@ def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = 
     for r, data in enumerate(contents):
         checkpoint.rank_file(folder, r).write_bytes(data)
     digests = [checkpoint.file_digest(checkpoint.rank_file(folder, r)) for r in range(len(contents))]
-    checkpoint.finish_save(folder, step, plan.world_size, lay, checkpoint.file_records(plan, digests))
+    checkpoint.finish_save(folder, step, plan.world_size, lay, checkpoint.file_records(plan.rank_plan(0).saved_shards, digests))
     return folder
 
 

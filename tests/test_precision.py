@@ -215,10 +215,11 @@ def test_stage_compute_reads_the_layout():
                         'devices = ["node0:1"]')
     plan = compile_plan(layout_mod.loads(text))
     cpu = torch.device("cpu")
-    assert stage_compute(plan, 0, cpu) == Compute(torch.bfloat16, recompute=False, compile=True)  # stage says none
-    assert stage_compute(plan, 1, cpu) == Compute(torch.bfloat16, recompute=True, compile=True)  # train's default
+    stage_says_none, train_default = plan.rank_plan(0), plan.rank_plan(1)
+    assert stage_compute(stage_says_none, cpu) == Compute(torch.bfloat16, recompute=False, compile=True)
+    assert stage_compute(train_default, cpu) == Compute(torch.bfloat16, recompute=True, compile=True)
     default = compile_plan(layout_mod.load(REFERENCE))
-    assert stage_compute(default, 0, cpu) == Compute()
+    assert stage_compute(default.rank_plan(0), cpu) == Compute()
 
 
 # ------------------------------------------------------------------------------------------
