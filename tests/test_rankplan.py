@@ -215,3 +215,16 @@ def test_launch_does_not_import_the_cli():
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.stdout.strip() == "False", proc.stderr
+
+
+RUNTIME_SIDE = ["train", "runtime", "groups", "collectives", "p2p", "trace", "heartbeat", "zero1"]
+
+
+@pytest.mark.parametrize("module", RUNTIME_SIDE)
+def test_the_runtime_side_cannot_reach_the_layout(module):
+    """These modules take a RankPlan (or pieces of one): they import neither ``Plan`` nor ``Layout`` and read no
+    ``.layout`` of anything."""
+    tree = ast.parse((ROOT / "hetero_llm" / f"{module}.py").read_text())
+    names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
+    assert not names & {"Plan", "Layout", "compile_plan", "load", "loads"}, names
+    assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "layout"]
