@@ -11,6 +11,9 @@ Gradient sync across pipelines that shard a parameter differently (HexiScale, ge
 shards of one parameter are cut at every shard boundary of every holder (the common refinement),
 and each resulting block is summed among exactly the ranks holding it. Blocks with the same holder
 set share one bucket, i.e. one all-reduce.
+
+Each rank's share of the plan is resolved here too, into one frozen ``RankPlan`` per rank
+(``hetero_llm.rankplan``): what the runtime side runs from. Group keys are made here and only here.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
                                Layout, Optimizer, Recompute, Schedule)
 from hetero_llm.params import ParamInfo, shard_range
+# The plan's pieces live in rankplan (a RankPlan holds them too); they are imported from here as well.
 from hetero_llm.rankplan import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
                                  Meeting, Network, OptimizerSlices, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan,
                                  StageRoutes, TPKey)
@@ -211,13 +215,13 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         from hetero_llm import optim_shards  # it reads plans: imported here, not at the top
 
         units = optim_shards.units(plan)
-    out = []
-    for info in plan.ranks:
-        rank = info.rank
+    def shards(info: RankInfo) -> tuple[Shard, ...]:
         st = stage_of[(info.pipeline, info.stage)]
-        out.append(tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
-                         for p in params[st]))
-    shards_by_rank, out = tuple(out), []
+        return tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
+                     for p in params[st])
+
+    shards_by_rank = tuple(shards(info) for info in plan.ranks)
+    out = []
     for info in plan.ranks:
         rank = info.rank
         slices = None
@@ -230,7 +234,6 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         spec = pipe.stages[st.stage]
         recompute = spec.recompute if spec.recompute is not None else tr.recompute
         compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
-        shards = shards_by_rank[rank]
         offset, size = plan.batch_share(st.pipeline)
         envs = tuple((g.key, env_of(info, g)) for g in member_of[rank])
         network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
@@ -240,7 +243,7 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
             model=lay.model, train=tr, data=lay.data, actions=actions,
             dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
             split_backward=any(a.kind is sched.Kind.I for a in actions),
-            sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards,
+            sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards_by_rank[rank],
             buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
             tp_group=plan.tp_group(st), world=world, groups=plan.groups,
             network=network, batch=BatchShare(offset, size, pipe.microbatches),
