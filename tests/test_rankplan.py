@@ -17,7 +17,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm import rankplan
 from hetero_llm.layout import Layout
 from hetero_llm.plan import compile_plan
-from hetero_llm.rankplan import WORLD, P2PKey, RankPlan, TPKey
+from hetero_llm.rankplan import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 from test_plan import TP_MIX, make
 
@@ -217,7 +217,7 @@ def test_launch_does_not_import_the_cli():
     assert proc.stdout.strip() == "False", proc.stderr
 
 
-RUNTIME_SIDE = ["train", "runtime", "groups", "collectives", "p2p", "trace", "heartbeat", "zero1"]
+RUNTIME_SIDE = ["train", "runtime", "groups", "collectives", "p2p", "trace", "heartbeat", "zero1", "checkpoint_io"]
 
 
 @pytest.mark.parametrize("module", RUNTIME_SIDE)
