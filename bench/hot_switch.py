@@ -1,7 +1,7 @@
 """Hot switching (HotSPa) against the best static layout that fits, on a long-tailed corpus, emulated devices.
 
 Emulated-device mode (``HETERO_EMULATE_DEVICE``, docs/hot_switching.md): every compute action of every
-rank lasts ``simulate.action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
+rank lasts ``bucket_sim.action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
 over every position, masked attention over the sum of squared document lengths, TP all-reduces over a
 modelled TP link); the real small computation runs inside it and the rank sleeps the rest. So the
 tokens/s compare layouts on the modelled device, not the load of this 2-core host. Switches and
@@ -24,7 +24,7 @@ TP link: chosen so that, at TP 2, a layer's two forward all-reduces cost ``tp_co
 matmuls (the regime HotSPa targets: TP across a slow link for long sequences). Measured, interleaved in one
 run (static, switching, then again): tokens/s (over the real targets; median steps after warm-up),
 the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, waiting included), each
-switch's own time (last rank in to last rank out), and ``simulate.switch_seconds`` of the same switches
+switch's own time (last rank in to last rank out), and ``bucket_sim.switch_seconds`` of the same switches
 with gloo latency and bandwidth probed on this host, a memory-copy bandwidth and a host cost per block.
 
     python bench/hot_switch.py
@@ -204,9 +204,9 @@ def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[
 
 def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float,
               device) -> tuple[list[float], list[float]]:
-    """Per step of the trace: ``simulate.switch_seconds`` of the switches the step made, and
-    ``simulate.simulate_buckets``' whole step (for switching layouts)."""
-    from hetero_llm import layout as layout_mod, simulate
+    """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
+    ``bucket_sim.simulate_buckets``' whole step (for switching layouts)."""
+    from hetero_llm import bucket_sim, layout as layout_mod
     from hetero_llm import trace as tracing
     from hetero_llm.plan import compile_plan
     from hetero_llm.switch import bucket_plans, step_switch
@@ -227,29 +227,29 @@ def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: floa
             switches.append(0.0)
             current, ran = "home", False
         switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
-        switches[-1] += simulate.switch_seconds(switch, links, copy_bw, per_block)
+        switches[-1] += bucket_sim.switch_seconds(switch, links, copy_bw, per_block)
         current = target
-    steps = [simulate.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
+    steps = [bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
              for s in range(cfg.steps)]
     return switches, steps
 
 
 def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:
-    """``simulate.simulate_buckets`` of the static layout as one bucket under the home layout (the same
+    """``bucket_sim.simulate_buckets`` of the static layout as one bucket under the home layout (the same
     documents, packed first-fit decreasing into the global batch's rows as the static run packs them)."""
-    from hetero_llm import layout as layout_mod, simulate
+    from hetero_llm import bucket_sim, layout as layout_mod
 
     one = layout.with_name(layout.stem + "_one_bucket.toml")
     one.write_text(layout.read_text() + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
     lay = layout_mod.load(one)
-    return [simulate.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
+    return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 
 
 def what_if_exact_rows(cfg: Config, links: dict, device) -> tuple[float, float]:
     """Simulator only: (switching, static) mean step seconds over the measured steps if each bucket ran exactly
     the microbatches its rows need that step (a bucket's microbatch count is fixed in the layout, so the runs
     pad to the most any step needs; this is what that padding costs)."""
-    from hetero_llm import documents, layout as layout_mod, simulate
+    from hetero_llm import bucket_sim, documents, layout as layout_mod
 
     switching = static = 0.0
     with tempfile.TemporaryDirectory() as tmp:
@@ -265,8 +265,8 @@ def what_if_exact_rows(cfg: Config, links: dict, device) -> tuple[float, float]:
                     max(documents.first_fit_decreasing(long_, cfg.seq_len)) + 1 if long_ else 1)
             exact = Path(tmp) / f"exact{step}.toml"
             exact.write_text(layout_text(cfg, True, rows))
-            switching += simulate.simulate_buckets(layout_mod.load(exact), step, device, links).total
-            static += simulate.simulate_buckets(lay, step, device, links).total
+            switching += bucket_sim.simulate_buckets(layout_mod.load(exact), step, device, links).total
+            static += bucket_sim.simulate_buckets(lay, step, device, links).total
     n = cfg.steps - cfg.warmup
     return switching / n, static / n
 
@@ -293,10 +293,10 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
 
 def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw: float, per_block: float):
     """One comparison (static and switching, interleaved) on one emulated device."""
-    from hetero_llm import simulate
+    from hetero_llm import bucket_sim
 
     spec = device_spec(cfg)
-    device = simulate.EmulatedDevice.parse(spec)
+    device = bucket_sim.EmulatedDevice.parse(spec)
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
     rows = bucket_rows_needed(cfg)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}

@@ -101,10 +101,10 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
                 click.echo("\n" + optim_shards.describe(plan))
             if lay.buckets:
-                from hetero_llm import simulate, switch
+                from hetero_llm import bucket_sim, switch
 
                 click.echo("\n" + switch.describe_buckets(lay, plan))
-                click.echo(simulate.describe_bucket_step(lay, device))
+                click.echo(bucket_sim.describe_bucket_step(lay, device))
             return
         if rank is not None:
             if lay.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked the file
@@ -134,7 +134,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
 def _emulated_device():
     """The modelled device of ``--dry-run``'s hot-switching prediction: ``HETERO_EMULATE_DEVICE``'s entry for
     every rank (``*``) or rank 0; None when it has none."""
-    from hetero_llm.simulate import EmulatedDevice
+    from hetero_llm.bucket_sim import EmulatedDevice
 
     spec = None
     for item in filter(None, os.environ.get("HETERO_EMULATE_DEVICE", "").split(",")):

@@ -75,9 +75,9 @@ class Emulation:
     # Emulated device: each compute action lasts this many seconds (by kind: F, B, I, W); the real
     # computation runs inside it and the rank sleeps the rest (HETERO_EMULATE_ACTION_S, "rank:F=s;B=s,...").
     seconds: tuple[tuple[Kind, float], ...] = ()
-    # Emulated device: each compute action lasts simulate.action_seconds of its microbatch (HETERO_EMULATE_DEVICE,
+    # Emulated device: each compute action lasts bucket_sim.action_seconds of its microbatch (HETERO_EMULATE_DEVICE,
     # "rank:gflops=..;tp_gbps=..;tp_latency_us=.."): durations that follow the rows, widths and documents.
-    device: object = None  # simulate.EmulatedDevice
+    device: object = None  # bucket_sim.EmulatedDevice
 
     @classmethod
     def from_env(cls, rank: int) -> "Emulation":
@@ -98,7 +98,7 @@ class Emulation:
         for item in filter(None, os.environ.get("HETERO_EMULATE_DEVICE", "").split(",")):
             r, _, spec = item.partition(":")
             if r.strip() in (str(rank), "*"):
-                from hetero_llm.simulate import EmulatedDevice
+                from hetero_llm.bucket_sim import EmulatedDevice
                 device = EmulatedDevice.parse(spec)
         return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds, device)
 
@@ -228,8 +228,8 @@ class StageRunner:
             self.trace.append((str(a), t0, self._clock()))
 
     def _modelled_seconds(self, a: Action) -> float:
-        """An emulated device's duration of compute action ``a`` (``simulate.action_seconds``)."""
-        from hetero_llm.simulate import action_seconds
+        """An emulated device's duration of compute action ``a`` (``bucket_sim.action_seconds``)."""
+        from hetero_llm.bucket_sim import action_seconds
 
         mb = self._state.mbs[a.mb]
         rows, width = mb.inputs.shape

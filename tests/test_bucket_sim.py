@@ -1,6 +1,6 @@
-"""The simulator's hot-switching step (``simulate.simulate_buckets``), the emulated device's action costs
-(``simulate.action_seconds``, what ``HETERO_EMULATE_DEVICE`` makes compute actions last) and the switch
-cost over link kinds (``simulate.switch_seconds``). Torch-free, except the runtime's reading of the variable."""
+"""The simulator's hot-switching step (``bucket_sim.simulate_buckets``), the emulated device's action costs
+(``bucket_sim.action_seconds``, what ``HETERO_EMULATE_DEVICE`` makes compute actions last) and the switch
+cost over link kinds (``bucket_sim.switch_seconds``). Torch-free, except the runtime's reading of the variable."""
 
 from __future__ import annotations
 
@@ -11,45 +11,45 @@ import attrs
 import pytest
 
 from harness import assert_one_error_line, invoke_cli
-from hetero_llm import documents, layout as layout_mod, simulate
+from hetero_llm import bucket_sim, documents, layout as layout_mod
 from hetero_llm.plan import compile_plan
 from hetero_llm.switch import bucket_plans, step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ROOT / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
 TWO = Path(__file__).resolve().parent / "data" / "buckets_two.toml"  # DP 2 | home TP 2
-DEVICE = simulate.EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
+DEVICE = bucket_sim.EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
 LINKS = {"local": (0.0, 5e9), "node": (1e-4, 1e9), "domain": (5e-4, 1e8), "cross_domain": (1e-3, 1e7)}
 
 
 def test_emulated_device_specs_parse_and_bad_ones_name_the_key():
     assert (DEVICE.flops, DEVICE.tp_bandwidth, DEVICE.tp_latency) == pytest.approx((2e9, 1e9, 50e-6))
-    assert simulate.EmulatedDevice.parse("gflops=1").tp_bandwidth == math.inf
+    assert bucket_sim.EmulatedDevice.parse("gflops=1").tp_bandwidth == math.inf
     for spec, words in [("gflops=1;speed=2", "unknown key 'speed'"), ("gflops=x", "gflops = 'x' is not a number"),
                         ("tp_gbps=1", "gflops > 0 is required"), ("gflops=1;tp_gbps=0", "tp_gbps must be > 0"),
                         ("gflops=-1", "gflops must be >= 0")]:
         with pytest.raises(ValueError, match=words):
-            simulate.EmulatedDevice.parse(spec)
+            bucket_sim.EmulatedDevice.parse(spec)
 
 
 def test_action_seconds_follow_positions_documents_and_tp():
     model = layout_mod.load(THREE).model  # hidden 32, ffn 128, GELU, vocab 64
     h, f = model.hidden, model.ffn_width
     matmul = 8 * h * h + 2 * 2 * h * f  # per position and layer
-    one = simulate.action_seconds(model, "F", 2, 1, 64, 0, 1, False, DEVICE)
+    one = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 1, False, DEVICE)
     assert one == pytest.approx(2 * 64 * matmul / 2e9)
     # masked attention: 2 H per unit of the sum of squared document lengths, per layer
-    assert simulate.action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(
+    assert bucket_sim.action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(
         2 * 2 * h * 1000 / 2e9)
-    assert simulate.action_seconds(model, "F", 2, 3, 64, 0, 1, False, DEVICE) == pytest.approx(3 * one)
-    head = simulate.action_seconds(model, "F", 2, 1, 64, 0, 1, True, DEVICE) - one
+    assert bucket_sim.action_seconds(model, "F", 2, 3, 64, 0, 1, False, DEVICE) == pytest.approx(3 * one)
+    head = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 1, True, DEVICE) - one
     assert head == pytest.approx(2 * 64 * h * model.vocab / 2e9)
-    parts = {k: simulate.action_seconds(model, k, 2, 1, 64, 500, 1, True, DEVICE) for k in "FBIW"}
+    parts = {k: bucket_sim.action_seconds(model, k, 2, 1, 64, 500, 1, True, DEVICE) for k in "FBIW"}
     assert parts["B"] == pytest.approx(2 * parts["F"]) and parts["I"] + parts["W"] == pytest.approx(parts["B"])
     # TP 2: half the compute, plus two ring all-reduces per layer of the activations (2 (tp-1)/tp bytes/bw + latency)
-    tp2 = simulate.action_seconds(model, "F", 2, 1, 64, 0, 2, False, DEVICE)
+    tp2 = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 2, False, DEVICE)
     assert tp2 == pytest.approx(one / 2 + 2 * 2 * (64 * h * 4 / 1e9 + 50e-6))
-    assert simulate.action_seconds(model, "W", 2, 1, 64, 0, 2, False, DEVICE) == pytest.approx(
+    assert bucket_sim.action_seconds(model, "W", 2, 1, 64, 0, 2, False, DEVICE) == pytest.approx(
         2 * 64 * matmul / 2e9 / 2)  # no all-reduce in a weight gradient
 
 
@@ -59,8 +59,8 @@ def test_switch_seconds_with_one_link_kind_is_the_switch_planners_prediction():
     for source, target in [(home, b0), (b0, b1), (b1, home)]:
         sw = step_switch(home, source, target, params=target is not home, grads=source is not home)
         same = {k: (1e-4, 1e9) for k in LINKS}
-        assert simulate.switch_seconds(sw, same, 5e9, 3e-6) == pytest.approx(sw.predict_seconds(1e9, 1e-4, 5e9, 3e-6))
-        assert simulate.switch_seconds(sw, same) < simulate.switch_seconds(sw, same, 5e9)  # local copies cost
+        assert bucket_sim.switch_seconds(sw, same, 5e9, 3e-6) == pytest.approx(sw.predict_seconds(1e9, 1e-4, 5e9, 3e-6))
+        assert bucket_sim.switch_seconds(sw, same) < bucket_sim.switch_seconds(sw, same, 5e9)  # local copies cost
 
 
 def test_switch_seconds_price_each_link_kind_apart():
@@ -70,14 +70,14 @@ def test_switch_seconds_price_each_link_kind_apart():
     sw = step_switch(home, home, b0, params=True, grads=False)
     assert set(sw.link_of[k] for k in sw.messages()) == {"node"}  # one node in this layout
     slow_domain = {**LINKS, "domain": (1.0, 1.0)}
-    assert simulate.switch_seconds(sw, slow_domain) == simulate.switch_seconds(sw, LINKS)  # no domain traffic
+    assert bucket_sim.switch_seconds(sw, slow_domain) == bucket_sim.switch_seconds(sw, LINKS)  # no domain traffic
     slow_node = {**LINKS, "node": (1e-4, 1e6)}
-    assert simulate.switch_seconds(sw, slow_node) > 10 * simulate.switch_seconds(sw, LINKS)
+    assert bucket_sim.switch_seconds(sw, slow_node) > 10 * bucket_sim.switch_seconds(sw, LINKS)
 
 
 def test_a_bucketed_step_is_its_buckets_schedules_and_its_switches():
     lay = layout_mod.load(THREE)
-    result = simulate.simulate_buckets(lay, 0, DEVICE, LINKS)
+    result = bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS)
     assert len(result.buckets) == 3 and all(b is not None and b > 0 for b in result.buckets)
     # home -> b0 -> b1 -> bucket 2, which is the home layout: no switch after it
     assert [(a, b) for a, b, _ in result.switches] == [("home", "b0"), ("b0", "b1"), ("b1", "home")]
@@ -85,7 +85,7 @@ def test_a_bucketed_step_is_its_buckets_schedules_and_its_switches():
     assert result.total == pytest.approx(sum(result.buckets) + sum(s for _, _, s in result.switches))
     home, plans = compile_plan(lay), bucket_plans(lay)
     first = step_switch(home, home, plans[0], params=True, grads=False)
-    assert result.switches[0][2] == simulate.switch_seconds(first, LINKS)
+    assert result.switches[0][2] == bucket_sim.switch_seconds(first, LINKS)
 
 
 def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
@@ -99,16 +99,16 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
     expected = 0.0
     for piece in (rows.take(0, half), rows.take(half, rows.num_rows)):
         square = int((piece.spans[:, 2] ** 2).sum())
-        expected = max(expected, sum(simulate.action_seconds(lay.model, k, lay.model.layers, piece.num_rows,
+        expected = max(expected, sum(bucket_sim.action_seconds(lay.model, k, lay.model.layers, piece.num_rows,
                                                              lay.buckets[0].max_len, square, 1, True, DEVICE)
                                      for k in "FB"))
-    assert simulate.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
+    assert bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
 
 
 def test_home_sync_is_a_ring_all_reduce_across_home_pipelines():
     lay = layout_mod.load(THREE)
     two_home = attrs.evolve(lay, pipelines=lay.buckets[1].pipelines)  # TP 2 x DP 2 as the home layout
-    result = simulate.simulate_buckets(two_home, 0, DEVICE, LINKS)
+    result = bucket_sim.simulate_buckets(two_home, 0, DEVICE, LINKS)
     per_device = sum(info_size(i, lo, hi) for i, lo, hi in compile_plan(two_home).params_of(0)) * 4
     assert result.home_sync == pytest.approx(per_device / 1e9 + 2 * 1e-4)  # 2 (n-1)/n bytes/bw + 2 (n-1) latency
 
