@@ -59,8 +59,8 @@ class OneLineCommand(click.Command):
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import envlaunch, launch, optim_shards, rankplan, rendezvous
-    from hetero_llm.plan import compile_plan, describe
+    from hetero_llm import dryrun, envlaunch, launch, optim_shards, rendezvous
+    from hetero_llm.plan import compile_plan
 
     try:
         lay = layout_mod.load(layout_file, overrides)
@@ -91,12 +91,12 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         options = launch.RunOptions(tuple(overrides), metrics_jsonl, checkpoint, checkpoint_every, resume, trace, quiet,
                                     tensorboard)
         if dry_run and rank is not None:  # what this one rank will do (its RankPlan)
-            click.echo(rankplan.describe(plan.rank_plan(rank)))
+            click.echo(dryrun.describe_rank(plan.rank_plan(rank)))
             click.echo("\n" + rendezvous.describe(plan))
             return
         if dry_run:
             device = _emulated_device() if lay.buckets else None  # a bad one refused before anything is shown
-            click.echo(describe(plan))
+            click.echo(dryrun.describe(plan))
             click.echo(rendezvous.describe(plan))
             if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
                 click.echo("\n" + optim_shards.describe(plan))

@@ -18,7 +18,8 @@ from click.testing import CliRunner
 from hetero_llm import layout
 from hetero_llm.cli import main
 from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, CommLib, DomainKind, loads
-from hetero_llm.plan import compile_plan, describe
+from hetero_llm.dryrun import describe
+from hetero_llm.plan import compile_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLMES = ROOT / "layouts" / "holmes_two_domains.toml"

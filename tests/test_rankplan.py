@@ -14,7 +14,7 @@ import pytest
 
 from harness import LAYOUTS, invoke_cli
 from hetero_llm import layout as layout_mod
-from hetero_llm import rankplan
+from hetero_llm import dryrun
 from hetero_llm.layout import Layout
 from hetero_llm.plan import compile_plan
 from hetero_llm.rankplan import WORLD, P2PKey, TPKey
@@ -170,7 +170,7 @@ groups this rank creates, in order (* = a member):
 
 def test_describe_says_what_one_rank_does():
     plan = compile_plan(make(TP_MIX))
-    text = rankplan.describe(plan.rank_plan(2))
+    text = dryrun.describe_rank(plan.rank_plan(2))
     assert text.startswith(RANK_2)
     rest = text[len(RANK_2):].splitlines()
     buckets = [b for b in plan.buckets if 2 in b.group]
@@ -182,11 +182,11 @@ def test_describe_says_what_one_rank_does():
                                            "  layers.1.attn.wq             [24, 24]  dim 0: 0-23 of 24"]
     assert rest[-len(buckets) - 1:] == ["gradient sync buckets:"] + [f"  {b.name:<28} {len(b.entries)} blocks"
                                                                       for b in buckets]
-    tp = rankplan.describe(plan.rank_plan(4)).splitlines()
+    tp = dryrun.describe_rank(plan.rank_plan(4)).splitlines()
     assert tp[3] == "  tp          index 1 of 3, ranks [3, 4, 5], group tp[p1.s0]"
     assert "  layers.0.attn.wq             [24, 24]  dim 0: 8-15 of 24" in tp
     assert "  batch share rows 4-5 of 6 in 1 microbatch" in tp
-    assert "  loss        not counted here; reports progress and metrics" in rankplan.describe(plan.rank_plan(0))
+    assert "  loss        not counted here; reports progress and metrics" in dryrun.describe_rank(plan.rank_plan(0))
 
 
 def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
@@ -194,8 +194,8 @@ def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
     plan = compile_plan(layout_mod.load(path))
     result = invoke_cli(path, "--dry-run", "--rank", "5")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(rankplan.describe(plan.rank_plan(5)) + "\n\nrendezvous: ")
-    assert len(result.output.splitlines()) == len(rankplan.describe(plan.rank_plan(5)).splitlines()) + 2
+    assert result.output.startswith(dryrun.describe_rank(plan.rank_plan(5)) + "\n\nrendezvous: ")
+    assert len(result.output.splitlines()) == len(dryrun.describe_rank(plan.rank_plan(5)).splitlines()) + 2
     plain = invoke_cli(path, "--dry-run")
     assert plain.exit_code == 0 and "rank  device      node      pipeline  stage  tp" in plain.output
     assert "rank 5 of 8" not in plain.output

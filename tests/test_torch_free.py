@@ -13,7 +13,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parent
 
 TORCH_FREE_MODULES = ["layout", "layout_fields", "layout_schema", "layout_toml", "layout_rules", "cluster_file",
-                      "plan", "schedule", "schedule.ir", "schedule.generators", "schedule.lowering",
+                      "plan", "dryrun", "schedule", "schedule.ir", "schedule.generators", "schedule.lowering",
                       "schedule.dependencies", "schedule.validator", "schedule.files", "simulate", "place",
                       "checkpoint", "cli", "errors", "params", "outputs", "trace", "timeline", "optim_shards", "switch",
                       "documents", "data", "textcache", "bucket_sim", "planner",
