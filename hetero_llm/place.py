@@ -66,11 +66,6 @@ class PlacedPipeline:
     microbatches: int
     stages: tuple[PlacedStage, ...]
 
-    @property
-    def time_per_row(self) -> float:
-        """Relative compute time of one sequence through the slowest stage."""
-        return max(s.layers / s.unit.speed for s in self.stages)
-
 
 @attrs.frozen
 class Placement:
