@@ -35,11 +35,12 @@ import math
 
 import attrs
 
-from hetero_llm.layout import Mlp, Norm, Position, Precision
+from hetero_llm.layout import Mlp, Norm, Optimizer, Position, Precision
 from hetero_llm.planner.cluster import Cluster, DeviceKind
 from hetero_llm.planner import pipesim
 
-PARAM_STATE_BYTES = 16  # float32 weight + gradient + AdamW exp_avg + exp_avg_sq
+PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
+MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
 GRAD_BYTES = 4  # gradients are summed in float32
 
@@ -134,6 +135,10 @@ class CostModelPlanner:
         self.domain_bw = dict(cluster.network.domain_bw)
         self.domain_lat = dict(cluster.network.domain_latency)
         self.margin = cluster.limits.memory_margin
+        self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
+        # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
+        # declares memory_gb (optim_shards._weights); else by TP size alone
+        self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
 
@@ -220,10 +225,39 @@ class CostModelPlanner:
         step, busy = pipesim.simulate(acts, fwd, bwd, wgt if schedule == "zbh1" else None, lat, bw, nbytes)
         return step, 1.0 - sum(busy) / (n * step) if step else 0.0
 
+    def stage_full_params(self, layers: int, first: bool, last: bool) -> float:
+        """Parameters of the stage's layers (and embedding, head) before TP sharding."""
+        sharded, repl = self.layer_params(1)
+        return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+
+    def zero1_weights(self, group: Group) -> tuple[float, float]:
+        """(memory-weighted, unweighted) ZeRO-1 weight of one TP group: ``tp x memory_gb`` and ``tp``."""
+        return group.tp * self.node_memory.get(group.node, 0.0), float(group.tp)
+
+    def zero1_share(self, group: Group, others: tuple[float, float]) -> float:
+        """Upper bound of the fraction of a block's full moments one device of ``group`` keeps under ZeRO-1
+        when the other pipelines' holders weigh at least ``others`` (see ``zero1_weights``)."""
+        mem = self.node_memory.get(group.node, 0.0)
+        unit = 1.0 / (group.tp + others[1])
+        if mem <= 0:
+            return unit
+        return max(mem / (group.tp * mem + others[0]), unit)
+
+    def moment_elements(self, group: Group, layers: int, first: bool, last: bool,
+                        others: tuple[float, float] = (0.0, 0.0)) -> float:
+        """AdamW moment elements (each of two) on one device of the stage: all it holds with 'adamw'; with
+        'adamw_zero1' its share of every block, ``full x share`` (a bound when ``others`` is a bound)."""
+        if not self.zero1:
+            return self.stage_params(group.tp, layers, first, last)
+        return self.stage_full_params(layers, first, last) * self.zero1_share(group, others)
+
     def stage_memory(self, group: Group, layers: int, first: bool, last: bool, rows: int, recompute: bool,
-                     in_flight: int) -> float:
-        """Bytes on one device of the stage."""
-        params = self.stage_params(group.tp, layers, first, last) * PARAM_STATE_BYTES
+                     in_flight: int, others: tuple[float, float] = (0.0, 0.0), moments: float | None = None) -> float:
+        """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
+        (or ``moments`` gives the exact moment elements)."""
+        if moments is None:
+            moments = self.moment_elements(group, layers, first, last, others)
+        params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
         H, F, t = self.H, self.F, group.tp
         nf = 4 if self.model.mlp is Mlp.SWIGLU else 2
         full = (4 * H + (4 * H + nf * F) / t) * self.act_bytes  # per token per layer
@@ -299,11 +333,48 @@ class CostModelPlanner:
         latency = buckets * 2 * (P - 1) * lat
         return max(list(nic.values()) + list(intra.values()) + [0.0]) + latency
 
+    def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
+        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
+        slices them (up to whole rows): every span of layers between two stage boundaries of any pipeline
+        is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
+        of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's
+        holders are the first stages, the head's the last."""
+        if not self.zero1:
+            return tuple(tuple(self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
+                               for i, s in enumerate(p.stages)) for p in cand.pipelines)
+        spans = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
+        cuts = {0, self.L}
+        for pi, pipe in enumerate(cand.pipelines):
+            lo = 0
+            for si, s in enumerate(pipe.stages):
+                spans[pi].append((lo, lo + s.layers, si))
+                lo += s.layers
+                cuts.add(lo)
+        cuts = sorted(cuts)
+        out = [[0.0] * len(p.stages) for p in cand.pipelines]
+
+        def share(holders: list[tuple[int, int]], elements: float) -> None:
+            groups = [cand.pipelines[pi].stages[si].group for pi, si in holders]
+            mems = [self.node_memory.get(g.node, 0.0) for g in groups]
+            if not all(m > 0 for m in mems):
+                mems = [1.0] * len(groups)
+            total = sum(g.tp * m for g, m in zip(groups, mems))
+            for (pi, si), m in zip(holders, mems):
+                out[pi][si] += elements * m / total
+
+        layer = sum(self.layer_params(1))
+        for lo, hi in zip(cuts, cuts[1:]):
+            holders = [next((pi, si) for a, b, si in spans[pi] if a <= lo < b) for pi in range(len(cand.pipelines))]
+            share(holders, layer * (hi - lo))
+        share([(pi, 0) for pi in range(len(cand.pipelines))], self.embed_params())
+        share([(pi, len(p.stages) - 1) for pi, p in enumerate(cand.pipelines)], self.head_params())
+        return tuple(tuple(x) for x in out)
+
     def optimizer_time(self, cand: Candidate) -> float:
+        """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""
         worst = 0.0
-        for pipe in cand.pipelines:
-            for i, s in enumerate(pipe.stages):
-                n = self.stage_params(s.group.tp, s.layers, i == 0, i == len(pipe.stages) - 1)
+        for pipe, moments in zip(cand.pipelines, self.moments(cand)):
+            for s, n in zip(pipe.stages, moments):
                 worst = max(worst, n * OPTIMIZER_BYTES / (s.group.kind.mem_bw_gbs * 1e9))
         return worst
 
@@ -314,13 +385,13 @@ class CostModelPlanner:
 
     def memory(self, cand: Candidate) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
         mems, caps = [], []
-        for pipe in cand.pipelines:
+        for pipe, moments in zip(cand.pipelines, self.moments(cand)):
             n = len(pipe.stages)
             chunks = cand.chunks if cand.schedule == "interleaved" and n > 1 else 1
             kind = "1f1b" if n == 1 and cand.schedule == "interleaved" else cand.schedule
             peaks = self._peaks(kind, n, pipe.microbatches, chunks)
-            mems.append(tuple(self.stage_memory(s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i])
-                              for i, s in enumerate(pipe.stages)))
+            mems.append(tuple(self.stage_memory(s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i],
+                                                moments=moments[i]) for i, s in enumerate(pipe.stages)))
             caps.append(tuple(self.capacity(s.group) for s in pipe.stages))
         return tuple(mems), tuple(caps)
 

@@ -103,20 +103,22 @@ class Planner:
 
     # ---------------------------------------------------------------- exact layer split
     def stage_cost(self, g: Group, *args) -> tuple[float, bool]:
-        return self._stage_cost(self._rep.setdefault((g.kind.name, g.tp), g), *args)
+        return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), *args)
 
     def _stage_cost_raw(self, group: Group, layers: int, first: bool, last: bool, rows: int,
-                        in_flight: int) -> tuple[float, bool]:
-        """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none."""
+                        in_flight: int, others: tuple[float, float] = (0.0, 0.0)) -> tuple[float, bool]:
+        """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
+        ``others``: with ZeRO-1, a lower bound of the other pipelines' holders' weight (``zero1_others``)."""
         cap = self.cost.capacity(group)
         for rc in (False, True):
-            if self.cost.stage_memory(group, layers, first, last, rows, rc, in_flight) <= cap:
+            if self.cost.stage_memory(group, layers, first, last, rows, rc, in_flight, others) <= cap:
                 f, b, _, _ = self.cost.stage_times(group, layers, last, rows, rc)
                 return f + b, rc
         return INF, True
 
     def split_layers(self, groups: tuple[Group, ...], rows: int, schedule: str, chunks: int,
-                     microbatches: int) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
+                     microbatches: int, others: tuple[float, float] = (0.0, 0.0)
+                     ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
         k = len(groups)
         if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
@@ -124,14 +126,21 @@ class Planner:
         # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
         m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
         m = min(m, k * (chunks + 1))
-        key = (tuple((g.kind.name, g.tp) for g in groups), rows, schedule, chunks, m)
+        key = (self._stage_key(groups), rows, schedule, chunks, m, others)
         if key not in self._splits:
-            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m)
+            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m, others)
         return self._splits[key]
 
-    def _split_layers(self, groups, rows, schedule, chunks, m):
+    def _stage_key(self, groups) -> tuple:
+        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""
+        return tuple(self._rep_key(g) for g in groups)
+
+    def _rep_key(self, g: Group) -> tuple:
+        return (g.kind.name, g.tp) + ((self.cost.node_memory.get(g.node, 0.0),) if self.cost.zero1 else ())
+
+    def _split_layers(self, groups, rows, schedule, chunks, m, others):
         # stage costs depend on the kind and TP size only: one representative each keeps the cache small
-        groups = [self._rep.setdefault((g.kind.name, g.tp), g) for g in groups]
+        groups = [self._rep.setdefault(self._rep_key(g), g) for g in groups]
         k, unit = len(groups), chunks
         if self.L % unit or self.L // unit < k:
             return None
@@ -143,7 +152,7 @@ class Planner:
         for i, g in enumerate(groups):
             row = [INF]
             for u in range(1, top_units + 1):
-                c, _ = self._stage_cost(g, u * unit, i == 0, i == k - 1, rows, peaks[i])
+                c, _ = self._stage_cost(g, u * unit, i == 0, i == k - 1, rows, peaks[i], others)
                 row.append(c)
                 if c == INF:
                     row += [INF] * (top_units - u)  # more layers never fit where fewer did not
@@ -174,9 +183,19 @@ class Planner:
             return None
         t, split = best[n]
         split = tuple(u * unit for u in split)
-        flags = tuple(self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i])[1]
+        flags = tuple(self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
                       for i, (g, l) in enumerate(zip(groups, split)))
         return split, flags, t
+
+    def zero1_others(self, st: Structure) -> list[tuple[float, float]]:
+        """Per pipeline, with ZeRO-1: a lower bound of the weight of the other pipelines' holders of any
+        layer (each other pipeline holds it on one of its groups: at least its lightest), so the DP's
+        memory is an upper bound of what ``cost.moments`` gives the realized plan. (0, 0) otherwise."""
+        if not self.cost.zero1 or len(st.pipelines) == 1:
+            return [(0.0, 0.0)] * len(st.pipelines)
+        light = [tuple(min(self.cost.zero1_weights(g)[j] for g in p) for j in (0, 1)) for p in st.pipelines]
+        total = tuple(sum(x[j] for x in light) for j in (0, 1))
+        return [(total[0] - x[0], total[1] - x[1]) for x in light]
 
     # ---------------------------------------------------------------- batch shares
     def realize(self, st: Structure) -> Candidate | None:
@@ -192,16 +211,17 @@ class Planner:
         chunks = 2 if st.schedule == "interleaved" else 1
         total = self.G // st.rows
         splits = []
-        for groups in st.pipelines:
+        others = self.zero1_others(st)
+        for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
-            s = self.split_layers(groups, st.rows, st.schedule, chunks, total)
+            s = self.split_layers(groups, st.rows, st.schedule, chunks, total, other)
             if s is None:
                 return None
             splits.append(s)
         # per microbatch: sum of stage times (fill) and the slowest stage (steady state)
         fill = []
-        for groups, (layers, flags, slow) in zip(st.pipelines, splits):
-            fill.append(sum(self.stage_cost(g, l, i == 0, i == len(groups) - 1, st.rows, 1)[0]
+        for groups, (layers, flags, slow), other in zip(st.pipelines, splits, others):
+            fill.append(sum(self.stage_cost(g, l, i == 0, i == len(groups) - 1, st.rows, 1, other)[0]
                             for i, (g, l) in enumerate(zip(groups, layers))))
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
         counts = [0] * len(st.pipelines)
@@ -222,6 +242,8 @@ class Planner:
             heapq.heappush(heap, (t(i, counts[i] + unit[i]), i))
         if left:
             return None
+        if self.cost.zero1 and not all(counts):  # fewer holders: each keeps more ZeRO-1 state
+            return self._realize(attrs.evolve(st, pipelines=tuple(p for p, m in zip(st.pipelines, counts) if m)))
         pipes = []
         for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
             if m == 0:
@@ -234,7 +256,11 @@ class Planner:
         worst = 0.0
         for p in cand.pipelines:
             n = len(p.stages)
-            times = [self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)]
+            if not self.cost.zero1:
+                times = [self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)]
+            else:  # the stage's time as the split chose it (its ZeRO-1 memory depends on the other pipelines)
+                times = [sum(self.cost.stage_times(s.group, s.layers, i == n - 1, p.rows, s.recompute)[:2])
+                         for i, s in enumerate(p.stages)]
             worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
         return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
 
@@ -347,9 +373,22 @@ class Planner:
     def neighbours(self, st: Structure) -> list[Structure]:
         return moves.neighbours(self, st)
 
+    def schedules_for(self, st: Structure) -> list[str]:
+        """The structure's schedule first, then the other allowed ones."""
+        return [st.schedule] + [s for s in self.limits.schedules if s != st.schedule]
+
+    @staticmethod
+    def in_use(st: Structure, cand: Candidate | None) -> Structure:
+        """The structure without the pipelines its candidate gave no microbatch (their groups are idle, so
+        the moves that put idle groups to work see them, and merges pick among the working pipelines)."""
+        if cand is None or len(cand.pipelines) == len(st.pipelines):
+            return st
+        return attrs.evolve(st, pipelines=tuple(tuple(s.group for s in p.stages) for p in cand.pipelines))
+
     def improve(self, st: Structure) -> tuple[Structure, float]:
         cand = self.realize(st)
         score = self.evaluate(cand)
+        st = self.in_use(st, cand)
         best = score.step_time if score else INF
         improved = True
         while improved and not self.out_of_time():
@@ -357,13 +396,50 @@ class Planner:
             for nb in self.neighbours(st):
                 if self.out_of_time():
                     break
-                c = self.realize(nb)
-                if c is None or (c.key() not in self.scored and self.bound(c) >= best):
-                    continue
-                s = self.evaluate(c)
-                if s is not None and s.step_time < best * (1 - 1e-9):
-                    st, cand, score, best, improved = nb, c, s, s.step_time, True
+                # every allowed schedule of the moved structure: a move that only pays under another
+                # schedule (merging two pipelines into one interleaved one) is then one move, not two
+                top = None
+                for sched in self.schedules_for(nb):
+                    alt = nb if sched == nb.schedule else attrs.evolve(nb, schedule=sched)
+                    c = self.realize(alt)
+                    if c is None or (c.key() not in self.scored and self.bound(c) >= best):
+                        continue
+                    s = self.evaluate(c)
+                    if s is not None and s.step_time < best * (1 - 1e-9) and (top is None or s.step_time < top[1]):
+                        top = self.in_use(alt, c), s.step_time
+                if top is not None:
+                    st, best, improved = top[0], top[1], True
                     break
+        return st, best
+
+    def escape(self, st: Structure, best: float, width: int = 4) -> tuple[Structure, float]:
+        """Leave a local optimum: descend from each of the ``width`` best neighbours (each under its best
+        schedule); when one of those descents ends below ``best``, start again from there. Reaches plans
+        two or more moves away whose intermediate steps are all worse (split two TP groups, then put the
+        idle device to work, then reorder), within the same evaluation budget."""
+        tried: set[tuple] = set()
+        while not self.out_of_time():
+            scored = []
+            for nb in self.neighbours(st):
+                for sched in self.schedules_for(nb):
+                    alt = nb if sched == nb.schedule else attrs.evolve(nb, schedule=sched)
+                    if alt.key() in tried:
+                        continue
+                    sc = self.evaluate(self.realize(alt))
+                    if sc is not None and sc.feasible:
+                        scored.append((sc.step_time, len(scored), alt))
+            scored.sort(key=lambda x: (x[0], x[1]))
+            moved = False
+            for _, _, alt in scored[:width]:
+                if self.out_of_time():
+                    break
+                tried.add(alt.key())
+                end, t = self.improve(alt)
+                if t < best * (1 - 1e-9):
+                    st, best, moved = end, t, True
+                    break
+            if not moved:
+                break
         return st, best
 
     # ---------------------------------------------------------------- exact, for small clusters
@@ -400,10 +476,13 @@ class Planner:
                 if sc is not None:
                     starts.append((sc.step_time, len(starts), alt))
         starts.sort(key=lambda x: (x[0], x[1]))
+        found = []
         for _, _, st in starts[:8]:
             if self.out_of_time():
                 break
-            self.improve(st)
+            found.append(self.improve(st))
+        if found:
+            self.escape(*min(found, key=lambda sb: sb[1]))
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
         if not ranked or not ranked[0][1].feasible:
             raise infeasible_error(self.c, self.cost, self.closest())
