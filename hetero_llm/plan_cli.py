@@ -12,7 +12,7 @@ from hetero_llm.errors import LayoutError
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
+@click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
               help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).")
 @click.option("--explain", is_flag=True, help="Print the top plans side by side and why the best wins.")
 @click.option("--top", type=int, default=3, show_default=True, help="Plans --explain and --json show.")
@@ -20,19 +20,36 @@ from hetero_llm.errors import LayoutError
 @click.option("--buckets", default="", metavar="128,512",
               help="Hot switching: also plan a layout per document-length bucket up to each bound "
                    "(planner/buckets.py).")
-def main(cluster_file, out, explain, top, as_json, buckets):
+@click.option("--profile", "profile_out", type=click.Path(dir_okay=False),
+              help="Instead of planning: time one layer's and the head's forward and backward at the model's "
+                   "shapes on this machine's device and write (or add to) this profile file (needs torch).")
+@click.option("--kind", "profile_kind", default=None,
+              help="With --profile: the device kind the times are recorded under (default: the kind of the "
+                   "cluster's nodes on this device, when they have one).")
+@click.option("--device", "profile_device", default=None,
+              help="With --profile: the torch device to time on (default: cuda when torch sees one, else cpu).")
+@click.option("--profile-file", type=click.Path(dir_okay=False),
+              help="Read measured per-layer times from this profile (replaces [plan] profile).")
+def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile_kind, profile_device, profile_file):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.planner import plan_file
     from hetero_llm.planner import output
 
     try:
+        if profile_out is not None:
+            from hetero_llm.planner.profile import profile_command
+            click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device))
+            return
+        if out is None:
+            raise LayoutError(cluster_file, "-o", "missing: name the layout file to write (-o LAYOUT.toml), "
+                              "or measure with --profile FILE")
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
         bounds = None
         if buckets:
             from hetero_llm.planner import buckets as bucket_plans, load_cluster
             bounds = bucket_plans.parse_bounds(buckets, load_cluster(cluster_file))  # bad bounds: before the search
-        cluster, result = plan_file(cluster_file, top=top)
+        cluster, result = plan_file(cluster_file, top=top, profile_file=profile_file)
         output.write_layout(cluster, out, result.best, result.score, result.seed_score)
         if bounds:
             bucket_plans.add_buckets(cluster, out, result.best, bounds)

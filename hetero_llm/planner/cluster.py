@@ -25,12 +25,15 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
+from pathlib import Path
 
 import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import ClusterSpec, DataSpec, ModelSpec, Precision, TrainSpec
+from hetero_llm.planner import profile as profile_mod
+from hetero_llm.planner.profile import Profile
 
 
 def _doc(text: str, **kw):
@@ -83,6 +86,9 @@ class PlanLimits:
     time_budget_s: float = _doc("stop the local search after this many seconds; the plan found so far is "
                                 "returned (0 = no limit; the search is deterministic unless the budget is hit)",
                                 default=60.0)
+    profile: str = _doc("a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
+                        "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "
+                        "'' = none", default="")
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved")
@@ -119,6 +125,7 @@ class Cluster:
     nodes: tuple[Node, ...]
     network: Network
     limits: PlanLimits
+    profile: Profile | None = None  # measured per-layer times (plan.profile or --profile-file)
 
     @property
     def num_devices(self) -> int:
@@ -156,8 +163,9 @@ def strip_plan_tables(text: str) -> str:
     return "\n".join(out) + "\n"
 
 
-def load_cluster(path: str | os.PathLike) -> Cluster:
-    """Read and check a planner cluster file; every problem is a LayoutError naming the TOML path."""
+def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None = None) -> Cluster:
+    """Read and check a planner cluster file; every problem is a LayoutError naming the TOML path.
+    ``profile_file`` (``--profile-file``) replaces ``plan.profile``."""
     file = str(path)
     text, raw, sec = layout_mod.read_cluster_file(path, "the planner", extra=("plan",))
     model, train, cluster = sec["model"], sec["train"], sec["cluster"]
@@ -193,8 +201,14 @@ def load_cluster(path: str | os.PathLike) -> Cluster:
                                   f"[plan.nodes], e.g. {n.name} = \"a100-80g\"; kinds: {', '.join(sorted(kinds))})")
             kind = "cpu"
         nodes.append(Node(n.name, cluster.domain_of(n.name), len(n.devices), kinds[kind]))
+    profile = None
+    if profile_file is not None:
+        profile = profile_mod.read(profile_file, file, "--profile-file", model, train.precision)
+    elif limits.profile:
+        where = Path(file).parent / limits.profile
+        profile = profile_mod.read(where, file, "plan.profile", model, train.precision)
     return Cluster(file, strip_plan_tables(text), model, train, sec["data"], cluster, tuple(nodes),
-                   _network(cluster), limits)
+                   _network(cluster), limits, profile)
 
 
 def _check_limits(file: str, limits: PlanLimits) -> None:

@@ -45,7 +45,7 @@ OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes 
 GRAD_BYTES = 4  # gradients are summed in float32
 
 
-@attrs.frozen
+@attrs.frozen(cache_hash=True)  # a dict key in every memo of the search
 class Group:
     """A TP group: devices of one node."""
 
@@ -136,6 +136,7 @@ class CostModelPlanner:
         self.domain_lat = dict(cluster.network.domain_latency)
         self.margin = cluster.limits.memory_margin
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
+        self.profile = cluster.profile
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
@@ -180,14 +181,24 @@ class CostModelPlanner:
 
     def stage_times(self, group: Group, layers: int, last: bool, rows: int, recompute: bool) -> tuple[float, float, float, float]:
         """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
-        speed = group.flops
-        fwd = rows * layers * self.layer_forward_flops() / speed
-        wgt = rows * layers * self.layer_matmul_flops() / speed
-        if last:
-            head = rows * self.head_forward_flops() / speed
-            fwd += head
-            wgt += head
-        bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
+        measured = self.profile.get(group.kind.name) if self.profile else None
+        if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
+            scale = rows / group.tp
+            lf, lb = measured.layer_forward_s * scale, measured.layer_backward_s * scale
+            hf, hb = (measured.head_forward_s * scale, measured.head_backward_s * scale) if last else (0.0, 0.0)
+            fwd = layers * lf + hf
+            # the weight-gradient share of a backward, from the FLOP model (matmuls' weight gradients)
+            wgt = layers * lb * self.layer_matmul_flops() / (2 * self.layer_forward_flops()) + hb / 2
+            bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
+        else:
+            speed = group.flops
+            fwd = rows * layers * self.layer_forward_flops() / speed
+            wgt = rows * layers * self.layer_matmul_flops() / speed
+            if last:
+                head = rows * self.head_forward_flops() / speed
+                fwd += head
+                wgt += head
+            bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
         link = group.kind.link_gbps * 1e9 / 8
         one = self.allreduce(rows * self.S * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
@@ -211,6 +222,11 @@ class CostModelPlanner:
         return nbytes / seconds, lat
 
     def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+        if schedule != "gpipe" and microbatches > 3 * stages:
+            # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
+            # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
+            # schedules of hundreds of microbatches
+            microbatches = 3 * stages + (microbatches - 3 * stages) % stages
         return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
 
     def _simulate(self, schedule: str, chunks: int, microbatches: int, fwd: tuple, bwd: tuple, wgt: tuple,

@@ -26,6 +26,7 @@ import math
 import time
 
 import attrs
+import numpy as np
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster
@@ -74,6 +75,7 @@ class Planner:
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
         self.realized: dict[tuple, Candidate | None] = {}
         self._splits: dict[tuple, tuple | None] = {}
+        self._rows: dict[tuple, list[float]] = {}
         self._rep: dict[tuple[str, int], Group] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
         self.start = time.perf_counter()
@@ -138,6 +140,22 @@ class Planner:
     def _rep_key(self, g: Group) -> tuple:
         return (g.kind.name, g.tp) + ((self.cost.node_memory.get(g.node, 0.0),) if self.cost.zero1 else ())
 
+    def _cost_row(self, g: Group, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
+                  others: tuple[float, float]) -> list[float]:
+        """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
+        key = (g, unit, top_units, first, last, rows, in_flight, others)
+        row = self._rows.get(key)
+        if row is None:
+            row = [INF]
+            for u in range(1, top_units + 1):
+                c, _ = self._stage_cost(g, u * unit, first, last, rows, in_flight, others)
+                row.append(c)
+                if c == INF:
+                    row += [INF] * (top_units - u)  # more layers never fit where fewer did not
+                    break
+            self._rows[key] = row
+        return row
+
     def _split_layers(self, groups, rows, schedule, chunks, m, others):
         # stage costs depend on the kind and TP size only: one representative each keeps the cache small
         groups = [self._rep.setdefault(self._rep_key(g), g) for g in groups]
@@ -148,40 +166,29 @@ class Planner:
         n = self.L // unit
         # cost[i][u]: time of stage i holding u units (inf: does not fit); at most n - (k - 1) units
         top_units = n - k + 1
-        cost = []
-        for i, g in enumerate(groups):
-            row = [INF]
-            for u in range(1, top_units + 1):
-                c, _ = self._stage_cost(g, u * unit, i == 0, i == k - 1, rows, peaks[i], others)
-                row.append(c)
-                if c == INF:
-                    row += [INF] * (top_units - u)  # more layers never fit where fewer did not
-                    break
-            cost.append(row)
-        # best[r]: (slowest time, split) of stages i.. holding r units, built from the last stage back
-        best: dict[int, tuple[float, tuple[int, ...]]] = {u: (cost[k - 1][u], (u,)) for u in range(1, top_units + 1)
-                                                          if cost[k - 1][u] < INF}
+        cost = [self._cost_row(g, unit, top_units, i == 0, i == k - 1, rows, peaks[i], others)
+                for i, g in enumerate(groups)]
+        # best[r]: slowest stage time of stages i.. holding r units, built from the last stage back (numpy:
+        # for every r at once, the first u of the least max(cost[i][u], best[r - u]), as a loop over u would)
+        units = np.arange(1, top_units + 1)
+        best = np.full(n + 1, INF)
+        best[1:top_units + 1] = cost[k - 1][1:]
+        choice = []
         for i in range(k - 2, -1, -1):
-            nxt: dict[int, tuple[float, tuple[int, ...]]] = {}
-            row = cost[i]
-            for r in range(k - i, n + 1):
-                top = INF, ()
-                for u in range(1, min(top_units, r - (k - i - 1)) + 1):
-                    c = row[u]
-                    if c >= top[0]:
-                        continue
-                    tail = best.get(r - u)
-                    if tail is None:
-                        continue
-                    t = c if c > tail[0] else tail[0]
-                    if t < top[0]:
-                        top = t, (u,) + tail[1]
-                if top[1]:
-                    nxt[r] = top
-            best = nxt
-        if n not in best:
+            row = np.asarray(cost[i][1:])
+            tail_idx = np.arange(n + 1)[:, None] - units[None, :]  # [r, u-1] -> r - u
+            tail = np.where(tail_idx >= 1, best[np.clip(tail_idx, 0, n)], INF)
+            both = np.maximum(row[None, :], tail)
+            pick = np.argmin(both, axis=1)
+            best = both[np.arange(n + 1), pick]
+            choice.append(pick + 1)
+        if not best[n] < INF:
             return None
-        t, split = best[n]
+        t, split, r = float(best[n]), [], n
+        for pick in reversed(choice):
+            split.append(int(pick[r]))
+            r -= split[-1]
+        split.append(r)
         split = tuple(u * unit for u in split)
         flags = tuple(self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
                       for i, (g, l) in enumerate(zip(groups, split)))

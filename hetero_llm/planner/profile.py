@@ -1,0 +1,211 @@
+"""Measured per-layer compute times (``hetero-plan --profile``) that the cost model reads instead of peak FLOPS.
+
+A profile is a JSON file written by ``measure`` + ``write``: for each device kind it names, the seconds of
+one transformer layer's forward and backward and of the head's (final norm, output projection and the
+loss) for **one sequence** at the model's shapes and ``train.precision``, on one device, TP 1. Reading it
+(``read``) is torch-free; measuring imports torch.
+
+The cost model scales a measured time by the microbatch's rows and divides it by the TP size (ideal TP:
+the profile measures no TP split); a backward's weight-gradient part (ZB-H1's ``W``) is the measured
+backward times the FLOP model's share of it (the matmuls' weight gradients). Kinds the profile does not
+name keep the FLOP model at datasheet peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import attrs
+
+from hetero_llm.errors import LayoutError
+
+FORMAT = "hetero-plan profile 1"
+SHAPE_KEYS = ("hidden", "heads", "kv_heads", "ffn_width", "seq_len", "vocab", "mlp", "norm", "position", "bias")
+TIMES = ("layer_forward_s", "layer_backward_s", "head_forward_s", "head_backward_s")
+
+
+@attrs.frozen
+class KindTimes:
+    """Seconds for one sequence on one device of a kind."""
+
+    layer_forward_s: float
+    layer_backward_s: float
+    head_forward_s: float
+    head_backward_s: float
+
+
+@attrs.frozen
+class Profile:
+    file: str
+    kinds: tuple[tuple[str, KindTimes], ...]
+
+    def get(self, kind: str) -> KindTimes | None:
+        return dict(self.kinds).get(kind)
+
+
+def model_shape(model, precision) -> dict:
+    """What the measured times depend on: the layer's shapes and the compute precision."""
+    out = {}
+    for key in SHAPE_KEYS:
+        value = getattr(model, key, None)
+        out[key] = value.value if hasattr(value, "value") else value
+    out["precision"] = precision.value
+    return out
+
+
+def read(path: str | os.PathLike, cluster_file: str, where: str, model, precision) -> Profile:
+    """Load and check a profile; every problem is one LayoutError naming the cluster file and ``where``."""
+    fix = f"write one with: hetero-plan {cluster_file} --profile {path}"
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise LayoutError(cluster_file, where, f"cannot read profile '{path}': {e.strerror or e} ({fix})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise LayoutError(cluster_file, where, f"profile '{path}' is not JSON ({e}); {fix}") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("kinds"), dict):
+        raise LayoutError(cluster_file, where, f"profile '{path}' is not a hetero-plan profile (expected "
+                          f"format '{FORMAT}' and a 'kinds' table); {fix}")
+    want = model_shape(model, precision)
+    got = data.get("model", {})
+    for key, value in want.items():
+        if not isinstance(got, dict) or got.get(key) != value:
+            have = got.get(key) if isinstance(got, dict) else None
+            raise LayoutError(cluster_file, where, f"profile '{path}' was measured with {key} = {have!r}, the "
+                              f"cluster's model has {value!r}; measure again ({fix})")
+    kinds = []
+    for name, times in sorted(data["kinds"].items()):
+        if not isinstance(times, dict):
+            raise LayoutError(cluster_file, where, f"profile '{path}': kinds.{name} is not a table")
+        values = []
+        for key in TIMES:
+            v = times.get(key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise LayoutError(cluster_file, where, f"profile '{path}': kinds.{name}.{key} must be a number "
+                                  f"of seconds > 0, got {v!r}; {fix}")
+            values.append(float(v))
+        kinds.append((name, KindTimes(*values)))
+    return Profile(str(path), tuple(kinds))
+
+
+def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int = 3) -> tuple[KindTimes, dict]:
+    """Time one layer's and the head's forward and backward for one sequence on ``device`` (median of
+    ``repeats`` after ``warmup``), with the library's own block and head (``model.block``, ``model.head``)."""
+    import torch
+
+    from hetero_llm import model as model_mod
+    from hetero_llm.layout import Precision
+    from hetero_llm.params import layer_params
+
+    dev = torch.device(device)
+    dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    infos = layer_params(model, 0)
+    params = {info.name.split(".", 2)[2]: (torch.randn(info.shape, generator=gen) * 0.02).to(dev).requires_grad_()
+              for info in infos}
+    head_params = {"final_norm.weight": torch.ones(model.hidden, device=dev, requires_grad=True),
+                   "lm_head.weight": (torch.randn(model.vocab, model.hidden, generator=gen) * 0.02).to(dev).requires_grad_()}
+    if getattr(model, "norm", None) is not None and model.norm.value == "layernorm":
+        head_params["final_norm.bias"] = torch.zeros(model.hidden, device=dev, requires_grad=True)
+    x0 = torch.randn(1, model.seq_len, model.hidden, generator=gen).to(dev, dtype)
+    targets = torch.randint(0, model.vocab, (1, model.seq_len), generator=gen).to(dev)
+    head_model = attrs.evolve(model, tie_embeddings=False) if getattr(model, "tie_embeddings", False) else model
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def timed(fn) -> float:
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - t0
+
+    def layer_times() -> tuple[float, float]:
+        x = x0.detach().requires_grad_()
+        holder = {}
+        f = timed(lambda: holder.setdefault("y", model_mod.block(params, x, model)))
+        g = torch.ones_like(holder["y"])
+        b = timed(lambda: holder["y"].backward(g))
+        return f, b
+
+    def head_times() -> tuple[float, float]:
+        x = x0.detach().requires_grad_()
+        holder = {}
+        f = timed(lambda: holder.setdefault("loss", model_mod.token_loss_sum(model_mod.head(head_params, x, head_model),
+                                                                              targets)))
+        b = timed(lambda: holder["loss"].backward())
+        return f, b
+
+    out = []
+    for fn in (layer_times, head_times):
+        runs = [fn() for _ in range(warmup + repeats)][warmup:]
+        out += [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
+    info = {"device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats,
+            "rows": 1, "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    return KindTimes(*out), info
+
+
+def write(path: str | os.PathLike, model, precision, kind: str, times: KindTimes, info: dict,
+          previous: dict | None = None) -> None:
+    """Write (or add ``kind`` to) a profile file, atomically."""
+    data = previous if previous and previous.get("format") == FORMAT and previous.get("model") == model_shape(
+        model, precision) else {"format": FORMAT, "model": model_shape(model, precision), "kinds": {}}
+    data["kinds"][kind] = attrs.asdict(times) | {"info": info}
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n")
+    tmp.replace(path)
+
+
+def profile_command(cluster_file: str, out: str, kind: str | None, device: str | None) -> str:
+    """``hetero-plan CLUSTER --profile OUT``: measure on this machine and write; returns the summary line."""
+    from hetero_llm.planner.cluster import load_cluster
+    cluster = load_cluster(cluster_file)
+    if device is None or device.startswith("cuda"):
+        torch = _torch(cluster_file)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': torch sees no CUDA device")
+    dev_type = device.split(":")[0]
+    known = sorted({n.kind.name for n in cluster.nodes})
+    if kind is None:
+        on_device = sorted({n.kind.name for n, spec in zip(cluster.nodes, cluster.spec.nodes)
+                            if all(d.split(":")[0] == dev_type for d in spec.devices)})
+        if len(on_device) != 1:
+            raise LayoutError(cluster_file, "--kind", f"name the device kind to record the times under (nodes on "
+                              f"'{dev_type}' have kinds {on_device or 'none'}; the cluster's kinds: {', '.join(known)})")
+        kind = on_device[0]
+    elif kind not in known:
+        raise LayoutError(cluster_file, "--kind", f"no node of the cluster has kind {kind!r} (kinds: {', '.join(known)})")
+    previous = None
+    if Path(out).exists():
+        try:
+            previous = json.loads(Path(out).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LayoutError(cluster_file, "--profile", f"'{out}' exists and is not a profile ({e}); remove it or "
+                              "name another file") from None
+    _torch(cluster_file)
+    try:
+        times, info = measure(cluster.model, cluster.train.precision, device)
+    except RuntimeError as e:  # an unknown device string, a device torch cannot use
+        raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': {e}") from None
+    write(out, cluster.model, cluster.train.precision, kind, times, info, previous)
+    return (f"profiled kind '{kind}' on {info['device']} ({info['threads']} threads): layer forward "
+            f"{times.layer_forward_s * 1e3:.3g} ms, backward {times.layer_backward_s * 1e3:.3g} ms; head forward "
+            f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence; "
+            f"wrote {out} (use it: [plan] profile = \"{out}\" or --profile-file {out})")
+
+
+def _torch(cluster_file: str):
+    try:
+        import torch
+    except ImportError:
+        raise LayoutError(cluster_file, "--profile", "needs torch to measure (pip install torch); reading a "
+                          "profile does not") from None
+    return torch
