@@ -153,7 +153,7 @@ def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
         path.write_text(json.dumps({key: rows}, indent=1, default=str))
 
 
-def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuristic_on: int = 50) -> list[dict]:
+def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuristic_on: int = 200) -> list[dict]:
     rows = []
     for seed in seeds:
         cluster = load(small_cluster(seed))

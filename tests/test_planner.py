@@ -126,13 +126,16 @@ def test_memory_counts_parameter_state_and_activations_in_flight():
     c = load_cluster(SMALL)
     cost = CostModelPlanner(c)
     g = Group("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
-    base = cost.stage_memory(g, 2, False, False, 1, False, 0)
-    assert base == cost.stage_params(1, 2, False, False) * 16
-    one = cost.stage_memory(g, 2, False, False, 1, False, 1) - base
-    assert one == 2 * 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4  # layers x tokens x elements x fp32
-    assert cost.stage_memory(g, 2, False, False, 1, False, 3) - base == 3 * one
-    recompute = cost.stage_memory(g, 2, False, False, 1, True, 3) - base
-    assert recompute == 3 * 2 * 16 * 32 * 4 + 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4
+    params = cost.stage_params(1, 2, False, False)
+    # no activations: weight, gradient and moments (16 B) + the optimizer step's denominator (4 B) per parameter
+    assert cost.stage_memory(g, 2, False, False, 1, False, 0) == params * 20
+    one = 2 * 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4  # layers x tokens x elements x fp32
+    assert one < params * 4 < 3 * one  # one microbatch in flight needs less than the step's temporary, three more
+    assert cost.stage_memory(g, 2, False, False, 1, False, 1) == params * 20
+    assert cost.stage_memory(g, 2, False, False, 1, False, 3) == params * 16 + 3 * one
+    assert cost.stage_memory(g, 2, False, False, 1, False, 5) == params * 16 + 5 * one
+    recompute = 5 * 2 * 16 * 32 * 4 + 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4
+    assert cost.stage_memory(g, 2, False, False, 1, True, 5) == params * 16 + max(recompute, params * 4)
 
 
 # ------------------------------------------------------------------------------------ search rules

@@ -41,6 +41,7 @@ from hetero_llm.planner import pipesim
 
 PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
+STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
 GRAD_BYTES = 4  # gradients are summed in float32
 
@@ -140,6 +141,7 @@ class CostModelPlanner:
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
+        self._stage_params: dict[tuple, float] = {}
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
 
@@ -172,8 +174,13 @@ class CostModelPlanner:
         return self.V * self.H + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
 
     def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
-        sharded, repl = self.layer_params(tp)
-        return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+        key = (tp, layers, first, last)
+        n = self._stage_params.get(key)
+        if n is None:  # the search asks hundreds of thousands of times
+            sharded, repl = self.layer_params(tp)
+            n = layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+            self._stage_params[key] = n
+        return n
 
     # ---------------------------------------------------------------- time
     def allreduce(self, nbytes: float, members: int, bw: float) -> float:
@@ -284,7 +291,9 @@ class CostModelPlanner:
             act = in_flight * layers * tokens * full
         if last:
             act += tokens * self.V * (self.act_bytes + 4) * 2  # logits (compute dtype + float32 loss) and grad
-        return params + act
+        # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
+        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
+        return params + max(act, moments * STEP_TEMP_BYTES)
 
     def capacity(self, group: Group) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)

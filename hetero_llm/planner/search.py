@@ -76,6 +76,8 @@ class Planner:
         self.realized: dict[tuple, Candidate | None] = {}
         self._splits: dict[tuple, tuple | None] = {}
         self._rows: dict[tuple, list[float]] = {}
+        self._rep_keys: dict[Group, tuple] = {}
+        self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], Group] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
         self.start = time.perf_counter()
@@ -138,7 +140,11 @@ class Planner:
         return tuple(self._rep_key(g) for g in groups)
 
     def _rep_key(self, g: Group) -> tuple:
-        return (g.kind.name, g.tp) + ((self.cost.node_memory.get(g.node, 0.0),) if self.cost.zero1 else ())
+        key = self._rep_keys.get(g)
+        if key is None:
+            key = (g.kind.name, g.tp) + ((self.cost.node_memory.get(g.node, 0.0),) if self.cost.zero1 else ())
+            self._rep_keys[g] = key
+        return key
 
     def _cost_row(self, g: Group, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
                   others: tuple[float, float]) -> list[float]:
@@ -170,17 +176,20 @@ class Planner:
                 for i, g in enumerate(groups)]
         # best[r]: slowest stage time of stages i.. holding r units, built from the last stage back (numpy:
         # for every r at once, the first u of the least max(cost[i][u], best[r - u]), as a loop over u would)
-        units = np.arange(1, top_units + 1)
+        # tail[r, u - 1] = best[r - u] read from best padded with inf in front (r - u <= 0: nothing left)
+        index = self._tail_index.get((n, top_units))
+        if index is None:
+            index = self._tail_index[(n, top_units)] = (
+                np.arange(n + 1)[:, None] - np.arange(1, top_units + 1)[None, :] + top_units)
+        rows_at = np.arange(n + 1)
+        pad = np.full(top_units, INF)
         best = np.full(n + 1, INF)
         best[1:top_units + 1] = cost[k - 1][1:]
         choice = []
         for i in range(k - 2, -1, -1):
-            row = np.asarray(cost[i][1:])
-            tail_idx = np.arange(n + 1)[:, None] - units[None, :]  # [r, u-1] -> r - u
-            tail = np.where(tail_idx >= 1, best[np.clip(tail_idx, 0, n)], INF)
-            both = np.maximum(row[None, :], tail)
+            both = np.maximum(np.asarray(cost[i][1:])[None, :], np.concatenate((pad, best))[index])
             pick = np.argmin(both, axis=1)
-            best = both[np.arange(n + 1), pick]
+            best = both[rows_at, pick]
             choice.append(pick + 1)
         if not best[n] < INF:
             return None
@@ -349,11 +358,15 @@ class Planner:
     def sweep(self, keep: int) -> list[Structure]:
         """The ``keep`` best structures by the closed-form estimate."""
         found: list[tuple[float, int, Structure]] = []
-        lb_compute = self.cost.lower_bound()
         seen = set()
         kinds = sorted({n.kind.name for n in self.c.nodes})
+        work = self.cost.model_flops_per_step()
         for menu, drop in itertools.product(self.tp_menus(), [None] + (kinds if len(kinds) > 1 else [])):
             groups = [g for g in self.groups(menu) if g.kind.name != drop]  # or leave one kind idle
+            # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
+            lb_used = work / sum(g.flops for g in groups)
+            if len(found) >= keep and lb_used >= found[keep - 1][0]:
+                continue
             for P in self.pipeline_counts(len(groups)):
                 for balanced in (False, True):
                     pipes = self.deal(groups, P, balanced)
@@ -362,7 +375,7 @@ class Planner:
                         continue
                     seen.add(sig)
                     for rows in self.row_options(len(pipes)):
-                        if found and len(found) >= keep and lb_compute >= found[-1][0]:
+                        if len(found) >= keep and lb_used >= found[keep - 1][0]:
                             break
                         st = Structure(pipes, rows)
                         cand = self.realize(st)
@@ -382,6 +395,9 @@ class Planner:
 
     def schedules_for(self, st: Structure) -> list[str]:
         """The structure's schedule first, then the other allowed ones."""
+        import os
+        if os.environ.get("I11_ONE_SCHED"):
+            return [st.schedule]
         return [st.schedule] + [s for s in self.limits.schedules if s != st.schedule]
 
     @staticmethod
