@@ -307,6 +307,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few clusters of each kind (for the test suite)")
     ap.add_argument("--small", type=int, default=200, help="random small clusters vs exhaustive")
+    ap.add_argument("--small-start", type=int, default=0, help="first small cluster's seed (to run the 200 in chunks)")
     ap.add_argument("--sizes", default="16,64,256,1024", help="GPU counts of the large clusters")
     ap.add_argument("--seeds", default="20,20,5,2", help="clusters per size (comma list, one per size)")
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
@@ -339,7 +340,7 @@ def main() -> None:
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
-    small = run_small(range(1, 3) if args.quick else range(args.small), partial)
+    small = run_small(range(1, 3) if args.quick else range(args.small_start, args.small_start + args.small), partial)
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
         run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)
