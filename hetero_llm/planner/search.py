@@ -395,9 +395,6 @@ class Planner:
 
     def schedules_for(self, st: Structure) -> list[str]:
         """The structure's schedule first, then the other allowed ones."""
-        import os
-        if os.environ.get("I11_ONE_SCHED"):
-            return [st.schedule]
         return [st.schedule] + [s for s in self.limits.schedules if s != st.schedule]
 
     @staticmethod
