@@ -153,12 +153,16 @@ def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
         path.write_text(json.dumps({key: rows}, indent=1, default=str))
 
 
-def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuristic_on: int = 200) -> list[dict]:
+def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuristic_on: int = 200,
+              optima: dict[int, dict] | None = None) -> list[dict]:
     rows = []
     for seed in seeds:
         cluster = load(small_cluster(seed))
         t0 = time.perf_counter()
-        opt, visited = exhaustive(cluster)
+        if optima and seed in optima:  # an earlier run's enumeration (same generator and cost model)
+            opt, visited = optima[seed]["optimum"], optima[seed]["structures"]
+        else:
+            opt, visited = exhaustive(cluster)
         t1 = time.perf_counter()
         # The planner enumerates these spaces itself: it is run (and checked equal to the optimum) on the
         # first `verify` clusters only, to save time; the search without enumeration runs on every one.
@@ -308,6 +312,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few clusters of each kind (for the test suite)")
     ap.add_argument("--small", type=int, default=200, help="random small clusters vs exhaustive")
     ap.add_argument("--small-start", type=int, default=0, help="first small cluster's seed (to run the 200 in chunks)")
+    ap.add_argument("--optima", default="", help="comma list of earlier plan_bench JSON results: take the small "
+                    "clusters' exhaustive optima from them instead of enumerating again (same cost model only)")
     ap.add_argument("--sizes", default="16,64,256,1024", help="GPU counts of the large clusters")
     ap.add_argument("--seeds", default="20,20,5,2", help="clusters per size (comma list, one per size)")
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
@@ -340,7 +346,9 @@ def main() -> None:
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
-    small = run_small(range(1, 3) if args.quick else range(args.small_start, args.small_start + args.small), partial)
+    optima = {r["seed"]: r for f in args.optima.split(",") if f for r in json.loads(Path(f).read_text())["small"]}
+    small = run_small(range(1, 3) if args.quick else range(args.small_start, args.small_start + args.small), partial,
+                      optima=optima)
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
         run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)

@@ -393,10 +393,6 @@ class Planner:
     def neighbours(self, st: Structure) -> list[Structure]:
         return moves.neighbours(self, st)
 
-    def schedules_for(self, st: Structure) -> list[str]:
-        """The structure's schedule first, then the other allowed ones."""
-        return [st.schedule] + [s for s in self.limits.schedules if s != st.schedule]
-
     @staticmethod
     def in_use(st: Structure, cand: Candidate | None) -> Structure:
         """The structure without the pipelines its candidate gave no microbatch (their groups are idle, so
@@ -416,38 +412,29 @@ class Planner:
             for nb in self.neighbours(st):
                 if self.out_of_time():
                     break
-                # every allowed schedule of the moved structure: a move that only pays under another
-                # schedule (merging two pipelines into one interleaved one) is then one move, not two
-                top = None
-                for sched in self.schedules_for(nb):
-                    alt = nb if sched == nb.schedule else attrs.evolve(nb, schedule=sched)
-                    c = self.realize(alt)
-                    if c is None or (c.key() not in self.scored and self.bound(c) >= best):
-                        continue
-                    s = self.evaluate(c)
-                    if s is not None and s.step_time < best * (1 - 1e-9) and (top is None or s.step_time < top[1]):
-                        top = self.in_use(alt, c), s.step_time
-                if top is not None:
-                    st, best, improved = top[0], top[1], True
+                c = self.realize(nb)
+                if c is None or (c.key() not in self.scored and self.bound(c) >= best):
+                    continue
+                s = self.evaluate(c)
+                if s is not None and s.step_time < best * (1 - 1e-9):
+                    st, best, improved = self.in_use(nb, c), s.step_time, True
                     break
         return st, best
 
     def escape(self, st: Structure, best: float, width: int = 4) -> tuple[Structure, float]:
-        """Leave a local optimum: descend from each of the ``width`` best neighbours (each under its best
-        schedule); when one of those descents ends below ``best``, start again from there. Reaches plans
-        two or more moves away whose intermediate steps are all worse (split two TP groups, then put the
-        idle device to work, then reorder), within the same evaluation budget."""
+        """Leave a local optimum: descend from each of the ``width`` best neighbours; when one of those
+        descents ends below ``best``, start again from there. Reaches plans two or more moves away whose
+        intermediate steps are all worse (merge two pipelines, then change the schedule; split two TP groups,
+        then put the idle device to work, then reorder), within the same evaluation budget."""
         tried: set[tuple] = set()
         while not self.out_of_time():
             scored = []
             for nb in self.neighbours(st):
-                for sched in self.schedules_for(nb):
-                    alt = nb if sched == nb.schedule else attrs.evolve(nb, schedule=sched)
-                    if alt.key() in tried:
-                        continue
-                    sc = self.evaluate(self.realize(alt))
-                    if sc is not None and sc.feasible:
-                        scored.append((sc.step_time, len(scored), alt))
+                if nb.key() in tried:
+                    continue
+                sc = self.evaluate(self.realize(nb))
+                if sc is not None and sc.feasible:
+                    scored.append((sc.step_time, len(scored), nb))
             scored.sort(key=lambda x: (x[0], x[1]))
             moved = False
             for _, _, alt in scored[:width]:
