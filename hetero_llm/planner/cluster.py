@@ -83,8 +83,9 @@ class PlanLimits:
     schedules: tuple[str, ...] = _doc("schedules to choose from: '1f1b', 'zbh1', 'interleaved'",
                                       default=("1f1b", "zbh1", "interleaved"))
     memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
-    time_budget_s: float = _doc("stop the local search after this many seconds; the plan found so far is "
-                                "returned (0 = no limit; the search is deterministic unless the budget is hit)",
+    time_budget_s: float = _doc("the whole search's time limit in seconds (the local search stops at 98% of "
+                                "it); the plan found so far is returned (0 = no limit; the search is deterministic "
+                                "unless the budget is hit)",
                                 default=60.0)
     profile: str = _doc("a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
                         "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "

@@ -299,7 +299,10 @@ class Planner:
         return self.scored[key][1]
 
     def out_of_time(self) -> bool:
-        return (self.budget > 0 and time.perf_counter() - self.start > self.budget) or len(self.scored) >= self.max_evals
+        # 2% of the budget is left for what follows the search (ranking, the last evaluation in flight), so
+        # that the whole run stays within plan.time_budget_s
+        return (self.budget > 0 and time.perf_counter() - self.start > 0.98 * self.budget) or \
+            len(self.scored) >= self.max_evals
 
     # ---------------------------------------------------------------- structures
     def deal(self, groups: list[Group], P: int, balanced: bool) -> tuple[tuple[Group, ...], ...]:
