@@ -287,7 +287,11 @@ def plot(small: list[dict], large: list[dict], path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    panels = [k for k, rows in (("small", small), ("large", large)) if rows]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
+    axes = dict(zip(panels, axes[0]))
+    axes[0] = axes.get("small")
+    axes[1] = axes.get("large")
     if small:
         axes[0].hist([r["ratio"] for r in small], bins=30)
         axes[0].set_xlabel("planner step time / exhaustive optimum")
