@@ -288,25 +288,25 @@ def plot(small: list[dict], large: list[dict], path: Path) -> None:
     except ImportError:
         return
     panels = [k for k, rows in (("small", small), ("large", large)) if rows]
+    if not panels:
+        return
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
-    axes = dict(zip(panels, axes[0]))
-    axes[0] = axes.get("small")
-    axes[1] = axes.get("large")
+    ax_small, ax_large = (dict(zip(panels, axes[0])).get(k) for k in ("small", "large"))
     if small:
-        axes[0].hist([r["ratio"] for r in small], bins=30)
-        axes[0].set_xlabel("planner step time / exhaustive optimum")
-        axes[0].set_ylabel("clusters")
-        axes[0].set_title(f"{len(small)} small clusters")
+        ax_small.hist([r["ratio"] for r in small], bins=30)
+        ax_small.set_xlabel("planner step time / exhaustive optimum")
+        ax_small.set_ylabel("clusters")
+        ax_small.set_title(f"{len(small)} small clusters")
     if large:
         sizes = sorted({r["gpus"] for r in large})
         for key, label in (("hexiscale", "HexiScale"), ("metis", "Metis-style"), ("place", "hetero-place")):
             ys = [geomean([r[key] / r["ours"] for r in large if r["gpus"] == n]) for n in sizes]
-            axes[1].plot(sizes, ys, marker="o", label=label)
-        axes[1].axhline(1.0, color="gray", lw=0.8)
-        axes[1].set_xscale("log", base=2)
-        axes[1].set_xlabel("GPUs")
-        axes[1].set_ylabel("baseline step time / ours (geomean)")
-        axes[1].legend()
+            ax_large.plot(sizes, ys, marker="o", label=label)
+        ax_large.axhline(1.0, color="gray", lw=0.8)
+        ax_large.set_xscale("log", base=2)
+        ax_large.set_xlabel("GPUs")
+        ax_large.set_ylabel("baseline step time / ours (geomean)")
+        ax_large.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
