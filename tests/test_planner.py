@@ -585,3 +585,17 @@ def test_search_without_enumeration_reaches_the_optimum_several_moves_away(seed,
     c = plan_bench.load(plan_bench._draw_small(draw))  # = plan_bench.small_cluster(seed), without its redraw check
     result = Planner(c, exact_limit=0).run(place_seeds(c))
     assert result.score.step_time == pytest.approx(optimum, rel=1e-9)
+
+
+def test_profile_applies_only_at_its_shapes(tmp_path):
+    """hetero-plan --buckets plans other sequence lengths: a profile measured at the cluster's seq_len is not
+    used there (the FLOP model is)."""
+    import attrs
+    base = load_cluster(SMALL)
+    c = load_cluster(SMALL, write_profile(tmp_path / "p.json", base, {"cpu2x": (1e-3, 2e-3, 1e-4, 2e-4)}))
+    fast = Group("fast0", "fast", ("fast0:0",), c.node("fast0").kind)
+    assert CostModelPlanner(c).stage_times(fast, 2, False, 1, False)[0] == pytest.approx(2e-3)
+    shorter = attrs.evolve(c, model=attrs.evolve(c.model, seq_len=8))
+    flop = attrs.evolve(base, model=attrs.evolve(base.model, seq_len=8))
+    assert CostModelPlanner(shorter).stage_times(fast, 2, False, 1, False) == \
+        CostModelPlanner(flop).stage_times(fast, 2, False, 1, False)

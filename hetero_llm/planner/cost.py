@@ -137,7 +137,10 @@ class CostModelPlanner:
         self.domain_lat = dict(cluster.network.domain_latency)
         self.margin = cluster.limits.memory_margin
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
-        self.profile = cluster.profile
+        # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
+        # sequence lengths: those use the FLOP model)
+        profile = cluster.profile
+        self.profile = profile if profile is not None and profile.fits(m, cluster.train.precision) else None
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}

@@ -43,6 +43,11 @@ class KindTimes:
 class Profile:
     file: str
     kinds: tuple[tuple[str, KindTimes], ...]
+    shape: tuple[tuple[str, object], ...] = ()  # model_shape() it was measured for
+
+    def fits(self, model, precision) -> bool:
+        """Measured for this model's shapes (a bucket plan at another seq_len is not)."""
+        return dict(self.shape) == model_shape(model, precision)
 
     def get(self, kind: str) -> KindTimes | None:
         return dict(self.kinds).get(kind)
@@ -89,7 +94,7 @@ def read(path: str | os.PathLike, cluster_file: str, where: str, model, precisio
                                   f"of seconds > 0, got {v!r}; {fix}")
             values.append(float(v))
         kinds.append((name, KindTimes(*values)))
-    return Profile(str(path), tuple(kinds))
+    return Profile(str(path), tuple(kinds), tuple(sorted(want.items())))
 
 
 def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int = 3) -> tuple[KindTimes, dict]:
