@@ -76,7 +76,8 @@ class Planner:
         self.realized: dict[tuple, Candidate | None] = {}
         self._splits: dict[tuple, tuple | None] = {}
         self._rows: dict[tuple, list[float]] = {}
-        self._rep_keys: dict[Group, tuple] = {}
+        self._sync_opt: dict[tuple, float] = {}
+        self._busy_memo: dict[tuple, float] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], Group] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
@@ -140,11 +141,10 @@ class Planner:
         return tuple(self._rep_key(g) for g in groups)
 
     def _rep_key(self, g: Group) -> tuple:
-        key = self._rep_keys.get(g)
-        if key is None:
-            key = (g.kind.name, g.tp) + ((self.cost.node_memory.get(g.node, 0.0),) if self.cost.zero1 else ())
-            self._rep_keys[g] = key
-        return key
+        # built afresh: cheaper than a dict lookup keyed by the Group (attrs equality on every hit)
+        if self.cost.zero1:
+            return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0))
+        return (g.kind.name, len(g.devices))
 
     def _cost_row(self, g: Group, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
                   others: tuple[float, float]) -> list[float]:
@@ -236,8 +236,10 @@ class Planner:
             splits.append(s)
         # per microbatch: sum of stage times (fill) and the slowest stage (steady state)
         fill = []
+        rep, rep_key, stage_cost = self._rep, self._rep_key, self._stage_cost  # stage_cost, unrolled
         for groups, (layers, flags, slow), other in zip(st.pipelines, splits, others):
-            fill.append(sum(self.stage_cost(g, l, i == 0, i == len(groups) - 1, st.rows, 1, other)[0]
+            n = len(groups)
+            fill.append(sum(stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, st.rows, 1, other)[0]
                             for i, (g, l) in enumerate(zip(groups, layers))))
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
         counts = [0] * len(st.pipelines)
@@ -278,16 +280,37 @@ class Planner:
                 times = [sum(self.cost.stage_times(s.group, s.layers, i == n - 1, p.rows, s.recompute)[:2])
                          for i, s in enumerate(p.stages)]
             worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
-        return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+        return worst + self.sync_and_optimizer(cand)
 
-    def bound(self, cand: Candidate) -> float:
-        """A lower bound of the simulated step: the busiest stage's compute, gradient sync, optimizer."""
+    def bound(self, cand: Candidate, cutoff: float = INF) -> float:
+        """A lower bound of the simulated step: the busiest stage's compute, gradient sync, optimizer. When
+        the compute alone reaches ``cutoff``, that (a lower bound too, at least ``cutoff``) is returned."""
         worst = 0.0
         for p in cand.pipelines:
+            n = len(p.stages)
             for i, s in enumerate(p.stages):
-                f, b, _, _ = self.cost.stage_times(s.group, s.layers, i == len(p.stages) - 1, p.rows, s.recompute)
-                worst = max(worst, p.microbatches * (f + b))
-        return worst + self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+                worst = max(worst, p.microbatches * self._busy(s.group, s.layers, i == n - 1, p.rows, s.recompute))
+        if worst >= cutoff:  # sync and optimizer only add (both >= 0)
+            return worst
+        return worst + self.sync_and_optimizer(cand)
+
+    def _busy(self, g: Group, layers: int, last: bool, rows: int, recompute: bool) -> float:
+        """Forward + backward seconds of one microbatch (``cost.stage_times``), memoised by kind and TP size."""
+        key = (self._rep_key(g), layers, last, rows, recompute)
+        t = self._busy_memo.get(key)
+        if t is None:
+            f, b, _, _ = self.cost.stage_times(g, layers, last, rows, recompute)
+            t = self._busy_memo[key] = f + b
+        return t
+
+    def sync_and_optimizer(self, cand: Candidate) -> float:
+        """Gradient sync + optimizer seconds (memoised: both depend on the stages' groups and layers only,
+        and a group is named by its devices inside one cluster)."""
+        key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
+        t = self._sync_opt.get(key)
+        if t is None:
+            t = self._sync_opt[key] = self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+        return t
 
     # ---------------------------------------------------------------- scoring
     def evaluate(self, cand: Candidate | None) -> Score | None:
@@ -416,7 +439,7 @@ class Planner:
                 if self.out_of_time():
                     break
                 c = self.realize(nb)
-                if c is None or (c.key() not in self.scored and self.bound(c) >= best):
+                if c is None or (c.key() not in self.scored and self.bound(c, best) >= best):
                     continue
                 s = self.evaluate(c)
                 if s is not None and s.step_time < best * (1 - 1e-9):
@@ -462,7 +485,7 @@ class Planner:
         best = min((s.step_time for _, s in self.scored.values()), default=INF)
         for st in structures:
             cand = self.realize(st)
-            if cand is None or self.bound(cand) >= best:
+            if cand is None or self.bound(cand, best) >= best:
                 continue
             best = min(best, self.evaluate(cand).step_time)
 
