@@ -337,11 +337,14 @@ class Planner:
             by_domain.setdefault(g.domain, []).append(g)
         for d in sorted(by_domain, key=lambda d: self.domain_order.get(d, 0)):
             gs = by_domain[d]
-            if balanced:
+            if balanced:  # each group to the least loaded pipeline, min (load, index): a heap of exactly that
+                least = [(load[i], i) for i in range(P)]
+                heapq.heapify(least)
                 for g in sorted(gs, key=lambda g: (-g.flops, self.node_order[g.node], g.devices)):
-                    i = min(range(P), key=lambda i: (load[i], i))
+                    _, i = heapq.heappop(least)
                     pipes[i].append(g)
                     load[i] += g.flops
+                    heapq.heappush(least, (load[i], i))
             else:
                 base, extra = divmod(len(gs), P)
                 lo = 0
