@@ -25,6 +25,7 @@ GPU; gloo's p2p goes through host memory): two pipeline stages, and one stage of
 run twice through ``hetero-launch``: once for throughput, once with ``--trace`` for the step-time
 breakdown per rank (forward, backward, sends, receives incl. waiting, and the rest: gradient sync,
 optimizer, data). Tracing synchronizes the device after every action, so its times are device times.
+``--tiny`` runs each once, traced, and takes the throughput from that run.
 
     python bench/gpu_bench.py                          # on a GPU machine: all of the above
     python bench/gpu_bench.py --models 124m --seqs 1024 --modes eager
@@ -291,16 +292,19 @@ def step_breakdown(trace_dir: Path, warmup: int) -> list[dict]:
 
 
 def run_multi_rank(name: str, case: Case, device: str, steps: int, warmup: int, corpus: Path, workdir: Path, *,
-                   stages: int = 1, tp: int = 1, microbatches: int = 1) -> tuple[dict, list[dict]]:
-    """``stages`` stages of one rank each, or one stage of TP size ``tp``; every rank on ``device``."""
+                   stages: int = 1, tp: int = 1, microbatches: int = 1,
+                   timed_untraced: bool = True) -> tuple[dict, list[dict]]:
+    """``stages`` stages of one rank each, or one stage of TP size ``tp``; every rank on ``device``.
+    The step time comes from a run of its own unless ``timed_untraced`` is off (``--tiny``: the traced run's)."""
     path = workdir / f"{name.split(',')[0].replace(' ', '_')}.toml"
     devices = [device] * (stages if stages > 1 else tp)
     path.write_text(layout_toml(case, devices=devices, steps=steps, corpus=corpus, backend="gloo", stages=stages,
                                 microbatches=microbatches))
-    rows = benchlib.run_layout(path, workdir / f"{path.stem}_run", timeout=1800)
-    seconds = benchlib.median(benchlib.steady([r["seconds"] for r in rows], warmup))
     traced = workdir / f"{path.stem}_trace"
-    benchlib.run_layout(path, workdir / f"{path.stem}_traced", trace=traced, timeout=1800)
+    rows = benchlib.run_layout(path, workdir / f"{path.stem}_run", timeout=1800) if timed_untraced else None
+    traced_rows = benchlib.run_layout(path, workdir / f"{path.stem}_traced", trace=traced, timeout=1800)
+    rows = rows or traced_rows
+    seconds = benchlib.median(benchlib.steady([r["seconds"] for r in rows], warmup))
     summary = {"layout": name, "model": case.size.name, "seq": case.seq, "batch": case.batch, "ranks": len(devices),
                "step_s": seconds, "tokens_per_s": case.tokens / seconds, "final_loss": rows[-1]["loss"]}
     return summary, [{"layout": name, **b} for b in step_breakdown(traced, warmup)]
@@ -329,7 +333,8 @@ def single_row(case: Case, run: Run, warmup: int, peak: float | None) -> dict:
             "final_loss": run.final_loss, "step_seconds": run.seconds}
 
 
-def report(info: dict, single: list[dict], multi: list[dict], breakdown: list[dict], config: dict) -> str:
+def report(info: dict, single: list[dict], multi: list[dict], breakdown: list[dict], config: dict,
+           from_trace: bool = False) -> str:
     lines = ["# GPU benchmark: hetero_llm vs plain PyTorch (bf16, one device)", "",
              f"`{benchlib.command_line()}`", "",
              f"Device: {info['name']}" + (f" ({info['memory_gb']:.0f} GiB, CUDA {info['cuda']})" if "cuda" in info else "")
@@ -349,6 +354,8 @@ def report(info: dict, single: list[dict], multi: list[dict], breakdown: list[di
     lines += [benchlib.markdown_table(headers, rows), ""]
     if multi:
         lines += ["## Several ranks on the one device (backend gloo, p2p staged through host memory)", "",
+                  *(["Step times from the traced runs below (`--tiny`: one run per layout).", ""]
+                    if from_trace else []),
                   benchlib.markdown_table(["layout", "model", "seq", "batch", "ranks", "step ms", "tokens/s"],
                                           [[m["layout"], m["model"], m["seq"], m["batch"], m["ranks"], m["step_s"] * 1e3,
                                             f"{m['tokens_per_s']:,.0f}"] for m in multi]), "",
@@ -427,13 +434,14 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
             dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
             for name, kw in (("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),
                              ("1 stage, TP 2", {"tp": 2})):
-                summary, parts = run_multi_rank(name, case, dev_name, steps, warmup, corpus, workdir, **kw)
+                summary, parts = run_multi_rank(name, case, dev_name, steps, warmup, corpus, workdir,
+                                               timed_untraced=not tiny, **kw)
                 multi.append(summary)
                 breakdown += parts
                 benchlib.say(f"{name}: {summary['step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s")
     finally:  # the corpus and the runs' folders: results go to --out
         shutil.rmtree(workdir, ignore_errors=True)
-    markdown = report(info, single, multi, breakdown, config)
+    markdown = report(info, single, multi, breakdown, config, from_trace=tiny)
     payload = {"device": info, "torch": torch.__version__, "config": config, "single_stage": single,
                "multi_rank": multi, "breakdown": breakdown, "machine": benchlib.machine()}
     md, js = benchlib.write_results(Path(out), "gpu_bench_tiny" if tiny else "gpu_bench", markdown, payload)
