@@ -415,15 +415,17 @@ def _p2p_rank(rank: int, port: int, sizes: list[int], reps: int, out: str) -> No
     dist.destroy_process_group()
 
 
-def p2p_probe(reps: int = 50, big: int = 1 << 20) -> tuple[float, float]:
+def p2p_probe(reps: int = 50, big: int = 1 << 20, *, fork: bool = False) -> tuple[float, float]:
     """(latency s, bandwidth bytes/s) of one gloo send between two processes here, from ping-pongs of
     a 1-element and a ``big``-element float32 tensor (median one-way times; 4 MB by default, so
-    the bandwidth term is well above the timing noise of a busy host)."""
+    the bandwidth term is well above the timing noise of a busy host). ``fork``: the two processes are
+    forks of this one rather than fresh interpreters (no second torch import: the ``--quick`` runs)."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "p2p.json"))
-        mp.start_processes(_p2p_rank, args=(free_port(), [1, big], reps, out), nprocs=2, start_method="spawn")
+        mp.start_processes(_p2p_rank, args=(free_port(), [1, big], reps, out), nprocs=2,
+                           start_method="fork" if fork else "spawn")
         times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
     latency = times[1]
     extra = max(times[big] - latency, 1e-9)

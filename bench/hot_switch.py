@@ -373,7 +373,7 @@ def main(quick: bool, out_dir: Path) -> None:
     cfg = QUICK if quick else Config()
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo point-to-point and memory copies on this host")
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23)
+    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23, fork=quick)
     copy_bw, per_block = copy_costs()
     links = {"local": (0.0, copy_bw), "node": (latency, bandwidth), "domain": (latency, bandwidth),
              "cross_domain": (latency, bandwidth)}

@@ -162,7 +162,7 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
     mb_rows = cfg.global_batch // microbatches
     act_numel = mb_rows * cfg.seq_len * cfg.hidden
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 16 if quick else 1 << 20)
+    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 16 if quick else 1 << 20, fork=quick)
     B.say(f"gloo p2p here: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s "
           f"(activation {4 * act_numel / 1e3:.0f} kB: {(latency + 4 * act_numel / bandwidth) * 1e6:.0f} us)")
     out_dir.mkdir(parents=True, exist_ok=True)

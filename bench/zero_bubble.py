@@ -105,7 +105,7 @@ def main(stage_counts, microbatches, rounds, round_steps, reps, steps, skip, lay
     info, before = B.machine(), B.load_average()
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
     act_bytes = 4 * (cfg.global_batch // microbatches) * cfg.seq_len * cfg.hidden
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 16 if quick else 1 << 20)
+    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 16 if quick else 1 << 20, fork=quick)
     out_dir.mkdir(parents=True, exist_ok=True)
     results, pngs = [], []
     with tempfile.TemporaryDirectory(prefix="bench_zb_") as tmp:
