@@ -9,19 +9,16 @@ would delete the live report folder of a job that another suite (or a user) runs
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
-import pytest
 
 _SUITE_TMP = Path(tempfile.mkdtemp(prefix="hl-suite-"))
 os.environ["TMPDIR"] = str(_SUITE_TMP)
 tempfile.tempdir = None  # recomputed from $TMPDIR on next use
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _remove_the_suites_tmp():
-    yield
-    shutil.rmtree(_SUITE_TMP, ignore_errors=True)
+# At interpreter exit rather than in a session fixture: a run that only collects (--collect-only), or that
+# stops at a collection error, never runs session fixtures.
+atexit.register(shutil.rmtree, _SUITE_TMP, True)
