@@ -94,6 +94,11 @@ mem_bw_gbs = 10
 """
 
 
+def cluster_text(steps: int, speed: float = 1.0) -> str:
+    """The emulated cluster file; ``speed`` multiplies both device kinds' FLOPS (``--quick``: 4)."""
+    return CLUSTER.format(steps=steps, fast_tflops=0.000025 * speed, slow_tflops=0.0000125 * speed)
+
+
 def emulation_env(cluster, cand) -> str:
     """HETERO_EMULATE_ACTION_S for a candidate: per rank, its stage's modelled action durations."""
     from hetero_llm.planner.cost import CostModelPlanner
@@ -126,8 +131,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        (tmp / "cluster.toml").write_text(CLUSTER.format(steps=args.steps, fast_tflops=0.000025 * speed,
-                                                          slow_tflops=0.0000125 * speed))
+        (tmp / "cluster.toml").write_text(cluster_text(args.steps, speed))
         cluster = load_cluster(tmp / "cluster.toml")
         # the pick and lower-ranked plans spread over the ranking (neighbours in it differ by noise only)
         ranked = plan_cluster(cluster, top=6 * args.plans).ranked

@@ -66,6 +66,14 @@ def assert_one_error_line(result, expected: str) -> None:
     assert result.exit_code == 2
 
 
+def sigint_as_in_a_terminal() -> None:
+    """``preexec_fn`` for a process a test sends Ctrl-C (SIGINT): give it SIGINT's default disposition.
+    A suite started in the background by a non-interactive shell (``pytest &``) inherits SIGINT ignored, and
+    so would every process it starts; Python then never raises KeyboardInterrupt, as with any program."""
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
     from hetero_llm.checkpoint_io import load_full_params

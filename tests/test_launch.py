@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import LAYOUTS, common_sections, free_port, launch, write_layout
+from harness import LAYOUTS, common_sections, free_port, launch, sigint_as_in_a_terminal, write_layout
 
 pytestmark = pytest.mark.multiprocess
 
@@ -55,7 +55,8 @@ def _start(layout: Path, tmp_path: Path, *extra: str, env: dict | None = None) -
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
            "--set", f"cluster.port={free_port()}", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env), metrics
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=sigint_as_in_a_terminal), metrics
 
 
 def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:

@@ -236,7 +236,7 @@ def test_every_ranked_plan_is_a_valid_layout(tmp_path):
     import sys
     sys.path.insert(0, str(LAYOUTS.parent / "bench"))
     import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
-    (tmp_path / "emulated.toml").write_text(plan_vs_measured.CLUSTER.format(steps=1))
+    (tmp_path / "emulated.toml").write_text(plan_vs_measured.cluster_text(steps=1))
     for path in (SMALL, tmp_path / "emulated.toml"):
         c = load_cluster(path)
         result = plan_cluster(c, top=20)

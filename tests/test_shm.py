@@ -28,7 +28,7 @@ from hetero_llm.errors import RankFailure
 from hetero_llm.layout import P2P, SHM
 from hetero_llm.plan import compile_plan
 from hetero_llm.schedule import Direction
-from harness import LAYOUTS, ROOT, assert_one_error_line, free_port, invoke_cli, launch
+from harness import LAYOUTS, ROOT, assert_one_error_line, free_port, invoke_cli, launch, sigint_as_in_a_terminal
 
 QUICKSTART = LAYOUTS / "quickstart.toml"
 pytestmark = pytest.mark.skipif(shm.unsupported() is not None, reason="the shm transport needs Linux on x86-64")
@@ -283,7 +283,7 @@ def _start(path: Path, tmp_path: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(path), "--quiet", "--metrics-jsonl",
                              str(metrics), "--set", f"cluster.port={free_port()}", "--set", "train.steps=400"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
 
 
 def _wait_for_a_step(proc: subprocess.Popen, tmp_path: Path) -> None:
