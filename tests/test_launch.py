@@ -106,7 +106,11 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     children = _children_of(proc.pid)
     assert sorted(_rank_of(pid) for pid in children) == [0, 1, 2]  # one forked child per rank, each named
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=30)
+    try:
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:  # it did not stop: do not leave a 100000-step job running (its ranks die with it)
+            proc.kill()
     assert proc.returncode == 130, err
     deadline = time.monotonic() + 5
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
