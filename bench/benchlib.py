@@ -175,14 +175,30 @@ def launch_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = N
     return Launch([json.loads(line) for line in metrics.read_text().splitlines()], cpu, wall)
 
 
+def rank_script_args(parser, child) -> object | None:
+    """Parse a benchmark script's arguments, adding ``--child OUT``: the mode ``start_ranks`` re-enters the
+    script in (``python SCRIPT --child OUT -- LAYOUT ... --rank R``), which runs ``child(OUT, argv after --)``
+    and returns None; otherwise the parsed arguments."""
+    import argparse
+
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args, rest = parser.parse_known_args()
+    if args.child:
+        child(args.child, rest[rest.index("--") + 1:])  # start_ranks appends --rank R
+        return None
+    return args
+
+
 def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str] | None = None,
                 timeout: float = 900) -> None:
     """One ``python SCRIPT ARGS --rank R`` process per rank, to completion; raise on the first failure.
 
-    Each gets the threads ``hetero-launch`` gives a local rank (``cpu_count // ranks``, at least 1)
-    unless ``OMP_NUM_THREADS`` is set.
+    Each gets the threads ``hetero-launch`` gives a local rank (``launch.node_threads``) unless
+    ``OMP_NUM_THREADS`` is set.
     """
-    extra = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // world)))}
+    from hetero_llm.launch import node_threads
+
+    extra = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(node_threads(world)))}
     full_env = clean_env({**extra, **(env or {})})
     procs, logs = [], []
     try:

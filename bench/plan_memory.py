@@ -105,10 +105,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and one step (checks the script)")
     parser.add_argument("--out-dir", type=Path, default=benchlib.RESULTS)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
-    if args.child:
-        child(args.child, rest[rest.index("--") + 1:])  # start_ranks appends --rank R
+    args = benchlib.rank_script_args(parser, child)
+    if args is None:  # this process was one rank (--child)
         return
     hidden, ffn, layers, seq, batch, steps = (64, 160, 4, 32, 4, 1) if args.quick else (512, 1376, 4, 128, 8, 2)
     load_before = benchlib.load_average()
@@ -125,7 +123,7 @@ def main() -> None:
             for rec, pred in zip(run(lpath, Path(tmp) / schedule), want):
                 added = rec["peak_rss"] - rec["rss_after"]
                 results.append({"schedule": schedule, "rank": rec["rank"], "predicted_mib": pred / MIB,
-                                "measured_mib": added / MIB, "error": pred / added - 1,
+                                "measured_mib": added / MIB, "error": pred / max(added, 1) - 1,  # max: --quick's tiny peak can read 0
                                 "rss_before_mib": rec["rss_before"] / MIB, "peak_rss_mib": rec["peak_rss"] / MIB,
                                 "after_mib": (rec["rss_after"] - rec["rss_before"]) / MIB,
                                 "added_mib": (rec["peak_rss"] - rec["rss_before"]) / MIB})

@@ -134,10 +134,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny model and one step (checks the script)")
     parser.add_argument("--out-dir", type=Path, default=benchlib.RESULTS)
-    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args, rest = parser.parse_known_args()
-    if args.child:
-        child(args.child, rest[rest.index("--") + 1:])  # start_ranks appends --rank R
+    args = benchlib.rank_script_args(parser, child)
+    if args is None:  # this process was one rank (--child)
         return
     hidden, layers, steps = (64, 4, 1) if args.quick else (512, 4, 3)
     load_before = benchlib.load_average()
