@@ -557,7 +557,7 @@ def test_profile_flag_errors(tmp_path):
 def test_profile_measures_this_machine_and_the_plan_reads_it(tmp_path):
     """hetero-plan --profile times the library's block and head (torch) and adds kinds to one file, which
     the planner then reads."""
-    pytest.importorskip("torch", reason="measuring a profile runs the model (reading one does not)")
+    pytest.importorskip("torch", reason="measuring a profile runs the model (reading one does not); runs wherever torch is installed, as in CI")
     out = tmp_path / "p.json"
     for kind in ("cpu", "cpu2x"):
         res = run_plan(SMALL, "--profile", out, "--kind", kind, "--device", "cpu")
