@@ -171,6 +171,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
     from hetero_llm import documents
+    from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switch import bucket_plans, step_switch
 
@@ -190,14 +191,11 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
         if plan.layout.pipelines != current.layout.pipelines:
             sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
             switches.append((current_name, name, switch_seconds(sw, links, copy_bandwidth, block_overhead)))
-        lay = plan.layout
-        scale = rows.num_rows // sum(p.batch for p in lay.pipelines)
-        slowest, offset = 0.0, 0
-        for j, pipe in enumerate(lay.pipelines):
-            pieces = rows.share(offset, pipe.batch * scale, pipe.microbatches)
-            offset += pipe.batch * scale
-            slowest = max(slowest, _pipeline_seconds(plan, j, pieces, device, links))
-        times.append(slowest)
+        elastic = layout.buckets[i].elastic
+        rounds, split = documents.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
+        runs = compile_plan(elastic_layout(plan.layout, rounds)) if elastic and rounds > 1 else plan
+        times.append(max(_pipeline_seconds(runs, j, rows.share(*share), device, links)
+                         for j, share in enumerate(split)))
         current, current_name, accumulated = plan, name, True
     if current.layout.pipelines != home.layout.pipelines:
         sw = step_switch(home, current, home, params=False, grads=accumulated)

@@ -384,3 +384,20 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
         rows = -(-(max(rows_of) + 1) // unit) * unit
         out.append(pack_placed(group, rows_of, rows, bounds[i]))
     return out
+
+
+def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tuple[int, int, int]]]:
+    """How a bucket's ``num_rows`` rows (a multiple of its pipelines' ``batch`` sum: ``bucket_rows``) go to its
+    pipelines: (rounds, [(first row, rows, microbatches)] per pipeline). Each pipeline takes ``batch x rounds``
+    rows, ``rounds = num_rows / sum(batch)``; a fixed bucket splits them into its ``microbatches``, an elastic
+    one into ``microbatches x rounds`` of ``batch / microbatches`` rows each (``layout.elastic_layout``)."""
+    unit = sum(p.batch for p in pipelines)
+    if num_rows % unit:
+        raise ValueError(f"{num_rows} rows are not a multiple of the pipelines' batch shares ({unit})")
+    rounds = num_rows // unit
+    out, offset = [], 0
+    for p in pipelines:
+        size = p.batch * rounds
+        out.append((offset, size, p.microbatches * rounds if elastic else p.microbatches))
+        offset += size
+    return rounds, out

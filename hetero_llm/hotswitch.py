@@ -25,7 +25,7 @@ from hetero_llm import collectives, documents, p2p
 from hetero_llm.docmask import DocumentMask
 from hetero_llm.documents import bucket_rows
 from hetero_llm.groups import Comms, layout_groups
-from hetero_llm.layout import bucket_layout
+from hetero_llm.layout import bucket_layout, elastic_layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.rankplan import StageRoutes
 from hetero_llm.runtime import Emulation, Microbatch, StageRunner
@@ -72,6 +72,7 @@ class Switcher:
             plan = compile_plan(bucket_layout(lay, i))
             self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams))
         self._plans: dict[tuple, SwitchPlan] = {}
+        self._elastic: dict[tuple[int, int], Plan] = {}  # (bucket, rounds) -> its plan for that many microbatches
 
     def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams) -> Slot:
         mine = [r.rank for r in plan.ranks if r.device_id == self.me]
@@ -107,21 +108,35 @@ class Switcher:
         global_tokens = sum(len(d) - 1 for d in docs)
         loss = torch.zeros((), dtype=torch.float64, device=self.device)
         current, accumulated = self.home, False
-        for slot, rows in zip(self.slots, bucket_rows(lay, docs)):
+        for index, (slot, rows) in enumerate(zip(self.slots, bucket_rows(lay, docs))):
             if rows is None:
                 continue  # no documents: no switch either
             if slot is not current:
                 self._switch(current, slot, accumulated)
             if slot.runner is not None:
-                mbs = _microbatches(slot, rows)
+                mbs, plan = self._work(index, slot, rows)
                 run = slot.runner.run_dynamic(mbs, global_tokens) if slot.dynamic else \
-                    slot.runner.run(slot.plan.actions(slot.rank), mbs, global_tokens)
+                    slot.runner.run(plan.actions(slot.rank), mbs, global_tokens)
                 if slot.contributes_loss:
                     loss += run
             current, accumulated = slot, True
         if current is not self.home:
             self._switch(current, self.home, accumulated)
         return loss, global_tokens
+
+    def _work(self, index: int, slot: Slot, rows: documents.PackedRows) -> tuple[list[Microbatch], Plan]:
+        """This rank's microbatches of bucket ``index`` in this step, and the plan whose schedule runs them: the
+        slot's, or for an elastic bucket one compiled for this step's microbatch count (once per count)."""
+        elastic = self.layout.buckets[index].elastic
+        rounds, split = documents.bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
+        offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
+        mbs = [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
+                          DocumentMask.from_spans(p.spans, p.positions)) for p in rows.share(offset, size, count)]
+        if not elastic or rounds == 1:
+            return mbs, slot.plan
+        if (index, rounds) not in self._elastic:
+            self._elastic[index, rounds] = compile_plan(elastic_layout(bucket_layout(self.layout, index), rounds))
+        return mbs, self._elastic[index, rounds]
 
     # -- switches --------------------------------------------------------------------------------
 
@@ -195,18 +210,3 @@ def _apply(slot: Slot, t: Transfer, block: torch.Tensor) -> None:
         p.grad.narrow(dim, t.lo - lo, t.hi - t.lo).add_(block)
     else:
         p.detach().narrow(dim, t.lo - lo, t.hi - t.lo).copy_(block)
-
-
-# -- data -----------------------------------------------------------------------------------------
-
-
-def _microbatches(slot: Slot, rows: documents.PackedRows) -> list[Microbatch]:
-    """This rank's microbatches of a bucket: its pipeline's share of the rows, in proportion to ``batch``."""
-    lay = slot.plan.layout
-    pipe = slot.plan.ranks[slot.rank].pipeline
-    scale = rows.num_rows // sum(p.batch for p in lay.pipelines)
-    offset = sum(p.batch for p in lay.pipelines[:pipe]) * scale
-    spec = lay.pipelines[pipe]
-    pieces = rows.share(offset, spec.batch * scale, spec.microbatches)
-    return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
-                       DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]

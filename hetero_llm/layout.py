@@ -30,14 +30,15 @@ from hetero_llm.layout_schema import (CROSS_DOMAIN, DEFAULT_TRANSPORT, MIN_TIMEO
                                       Backend, BucketSpec, ClusterSpec, CommLib, Compile, CrossDomainSpec,
                                       DataKind, DataSpec, DomainKind, DomainSpec, Layout, Mlp, ModelSpec, NodeSpec,
                                       Norm, Optimizer, Packing, PipelineSpec, Position, Precision, Recompute,
-                                      Schedule, StageSpec, TokenDtype, TrainSpec, bucket_layout)
+                                      Schedule, StageSpec, TokenDtype, TrainSpec, bucket_layout,
+                                      elastic_layout)
 
 __all__ = [
     "CROSS_DOMAIN", "DEFAULT_TRANSPORT", "MIN_TIMEOUT_S", "NCCL_VARIABLES", "P2P", "SHM", "SPLIT_BACKWARD_NO_COMPILE",
     "Backend", "BucketSpec", "ClusterSpec", "CommLib", "Compile", "CrossDomainSpec", "DataKind", "DataSpec",
     "DomainKind", "DomainSpec", "Layout", "LayoutError", "Mlp", "ModelSpec", "NodeSpec", "Norm", "Optimizer",
     "Packing", "PipelineSpec", "Position", "Precision", "Recompute", "Schedule", "StageSpec", "TokenDtype",
-    "TrainSpec", "build", "bucket_layout", "from_dict", "load", "loads", "model_from_dict", "read_cluster_file",
+    "TrainSpec", "build", "bucket_layout", "elastic_layout", "from_dict", "load", "loads", "model_from_dict", "read_cluster_file",
     "schema_markdown", "spec_dict", "validate", "validate_cluster",
 ]
 

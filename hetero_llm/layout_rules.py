@@ -345,6 +345,12 @@ def _validate_buckets(layout: Layout) -> None:
                     if dev not in home:
                         raise LayoutError(f, where, f"device '{dev}' is not in the home layout ([[pipelines]]); "
                                           "every bucket runs on the home layout's devices")
+        fixed = [i for i, p in enumerate(b.pipelines or layout.pipelines) if p.schedule_file]
+        if b.elastic and fixed:
+            where = f"{at}.pipelines[{fixed[0]}]" if b.pipelines else f"pipelines[{fixed[0]}]"
+            raise LayoutError(f, f"{at}.elastic", f"an elastic bucket runs a different number of microbatches each step, "
+                              f"and {where}.schedule_file orders a fixed number (set elastic = false, or drop the "
+                              "schedule file)")
         try:
             validate(bucket_layout(layout, bi))
         except LayoutError as e:

@@ -417,6 +417,10 @@ class BucketSpec:
        "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
        "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
        "proportion); none: the bucket runs under the home layout", default=())
+    elastic: bool = key(
+       "true: each step runs as many microbatches as its documents need, each of the rows batch / microbatches "
+       "fixes (HotSPa's way: a microbatch's memory stays fixed, no empty microbatches); false: the microbatch "
+       "count is fixed and a step's rows are spread over them", default=False)
 
 
 @attrs.frozen
@@ -442,3 +446,15 @@ def bucket_layout(layout: Layout, index: int) -> Layout:
     chunks = b.chunks or (t.chunks if schedule is t.schedule else 1)
     train = attrs.evolve(t, schedule=schedule, chunks=chunks, global_batch=sum(p.batch for p in pipelines))
     return attrs.evolve(layout, train=train, pipelines=pipelines, buckets=())
+
+
+def elastic_layout(layout: Layout, rounds: int) -> Layout:
+    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` times its
+    pipelines' batch shares: every pipeline's batch and microbatches times ``rounds``, so its microbatches keep
+    their rows and the schedule runs ``rounds`` times as many of them."""
+    if rounds == 1:
+        return layout
+    pipelines = tuple(attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds)
+                      for p in layout.pipelines)
+    return attrs.evolve(layout, pipelines=pipelines, train=attrs.evolve(layout.train,
+                        global_batch=layout.train.global_batch * rounds))

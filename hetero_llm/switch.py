@@ -272,7 +272,8 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
         shape = " | ".join("[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines)
         where = "home layout" if not b.pipelines else f"{plan.world_size} ranks"
         lines.append(f"  bucket {i}: documents of {low + 1}-{b.max_len} positions, rows of {b.max_len}, {where}, "
-                     f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}")
+                     f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}"
+                     + (", elastic (as many microbatches as a step's rows need)" if b.elastic else ""))
         low = b.max_len
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]

@@ -18,6 +18,7 @@ from hetero_llm.switch import bucket_plans, step_switch
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ROOT / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
 TWO = Path(__file__).resolve().parent / "data" / "buckets_two.toml"  # DP 2 | home TP 2
+TP23 = Path(__file__).resolve().parent / "data" / "buckets_tp23.toml"  # elastic buckets over 3 devices
 DEVICE = bucket_sim.EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
 LINKS = {"local": (0.0, 5e9), "node": (1e-4, 1e9), "domain": (5e-4, 1e8), "cross_domain": (1e-3, 1e7)}
 
@@ -103,6 +104,28 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
                                                              lay.buckets[0].max_len, square, 1, True, DEVICE)
                                      for k in "FB"))
     assert bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
+
+
+def test_an_elastic_bucket_splits_its_rows_into_more_microbatches_of_fixed_rows():
+    """``documents.bucket_split``: 12 rows over shares 2 + 1 (4 rounds): fixed, each pipeline keeps its microbatch
+    count and their rows grow; elastic, their rows stay batch / microbatches and the count grows."""
+    pipes = [attrs.evolve(p, batch=b, microbatches=m) for p, (b, m) in zip(layout_mod.load(TP23).buckets[0].pipelines,
+                                                                            [(2, 2), (1, 1)])]
+    assert documents.bucket_split(pipes, 12, elastic=False) == (4, [(0, 8, 2), (8, 4, 1)])
+    assert documents.bucket_split(pipes, 12, elastic=True) == (4, [(0, 8, 8), (8, 4, 4)])
+    with pytest.raises(ValueError, match="not a multiple of the pipelines' batch shares"):
+        documents.bucket_split(pipes, 10, elastic=True)
+
+
+def test_an_elastic_two_stage_bucket_is_predicted_with_the_steps_microbatch_count():
+    """TP23's bucket 2 (interleaved, 2 stages of 2 chunks) needs 2 rounds of its share in step 1: elastic, it runs
+    4 microbatches of one row, whose smaller bubble the simulator sees ((4 + 1/2) rows' time against
+    (2 + 1/2) x 2 for 2 microbatches of two, when compute dominates)."""
+    elastic = layout_mod.load(TP23)
+    fixed = layout_mod.load(TP23, [f"buckets.{i}.elastic=false" for i in range(3)])
+    assert [b.elastic for b in elastic.buckets] == [True] * 3
+    e, f = (bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[2] for lay in (elastic, fixed))
+    assert e < 0.95 * f
 
 
 def test_home_sync_is_a_ring_all_reduce_across_home_pipelines():

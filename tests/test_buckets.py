@@ -127,6 +127,23 @@ def test_tp2_tp3_asymmetric_and_every_schedule_kind_train_the_one_process_model(
     assert {k.value for k in kinds} == {"zbh1", "dynamic", "interleaved", "1f1b"}  # gpipe: the other test
     assert switches(tmp_path / "trace", 2) == \
         ["SWITCH>b0", "SWITCH>b1", "SWITCH>b2", "SWITCH>home"] * 2  # node0:2 idles in b2 but still switches
+    # elastic buckets: rank 0 (bucket 0's first stage of its 2-row pipeline; bucket 1's first stage) runs as many
+    # microbatches as each step's rows need: 2 then 3 rounds of its 2, then 4 then 2 rounds of bucket 1's 2
+    assert forwards_per_bucket(tmp_path / "trace", 0) == [{"b0": 4, "b1": 8, "b2": 4}, {"b0": 6, "b1": 4, "b2": 4}]
+
+
+def forwards_per_bucket(trace: Path, rank: int) -> list[dict[str, int]]:
+    """Per step, the forward actions ``rank`` ran in each bucket (those after its ``SWITCH>bI``)."""
+    steps, where = [], None
+    for e in tracing.read_rank_traces(trace)[rank]["events"]:
+        name = e["action"]
+        if name == "SWITCH>b0":
+            steps.append({})
+        if name.startswith("SWITCH>"):
+            where = name.removeprefix("SWITCH>")
+        elif name[:1] == "F" and name[1:2].isdigit() and where != "home" and ".1" not in name:
+            steps[-1][where] = steps[-1].get(where, 0) + 1
+    return steps
 
 
 @pytest.mark.multiprocess
