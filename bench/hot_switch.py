@@ -16,9 +16,10 @@ at once). A 512-position document alone needs 512 under data parallelism and 256
 only static layout that fits is TP 2 with one row per microbatch (DP 2 and PP 2 with 1F1B both hold 512:
 PP's first stage keeps two microbatches of half the layers). Switching: documents of 1-``short``
 positions under DP 2 (one row of ``short`` per microbatch: ``short`` positions), the rest under TP 2 (one
-row of 512 per microbatch: 256), home TP 2. Each bucket's microbatch count is the most rows any step of
-the run needs (rows per microbatch fixed at 1; a step that needs fewer pads with empty rows, which cost
-their positions' compute like any row).
+row of 512 per microbatch: 256), home TP 2. Two ways: **elastic** buckets (``elastic = true``: each step
+runs as many one-row microbatches as its documents need, HotSPa's way) and **fixed** ones (each bucket's
+microbatch count is the most rows any step of the run needs, so a step that needs fewer pads with empty
+rows, which cost their positions' compute like any row).
 
 TP link: chosen so that, at TP 2, a layer's two forward all-reduces cost ``tp_comm`` of its forward
 matmuls (the regime HotSPa targets: TP across a slow link for long sequences). Measured, interleaved in one
@@ -119,25 +120,29 @@ def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     return short, long_
 
 
-def layout_text(cfg: Config, switching: bool, rows: tuple[int, int]) -> str:
-    """Static: TP 2, one row of seq_len per microbatch. Switching: that as home; short documents under DP 2
-    (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch)."""
+def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
+    """``static``: TP 2, one row of seq_len per microbatch. ``elastic`` / ``fixed``: that as home; short documents
+    under DP 2 (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch); elastic buckets
+    run the microbatches each step needs, fixed ones the most any step needs (``rows``: (short per device, long))."""
     lines = tp2(cfg.global_batch, cfg.global_batch, cfg.layers)
-    if switching:
-        short, long_ = rows
-        lines += ["", "[[buckets]]", f"max_len = {cfg.short}"]
+    if mode != "static":
+        short, long_ = rows if mode == "fixed" else (1, 1)
+        elastic = [f"elastic = {str(mode == 'elastic').lower()}"]
+        lines += ["", "[[buckets]]", f"max_len = {cfg.short}", *elastic]
         for d in (0, 1):
             lines += ["[[buckets.pipelines]]", f"batch = {short}", f"microbatches = {short}",
                       "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["node0:{d}"]']
-        lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
+        lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *elastic,
+                  *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
     return common(cfg) + "\n".join(lines) + "\n"
 
 
-LAYOUTS = {"static tp2": False, "switching dp2/tp2": True}
+LAYOUTS = {"static tp2": "static", "switching dp2/tp2, elastic": "elastic", "switching dp2/tp2, fixed": "fixed"}
 
 
 def activation_positions(cfg: Config, switching: bool) -> int:
-    """The most positions through every layer a device holds at once (one microbatch in flight: one stage)."""
+    """The most positions through every layer a device holds at once (one microbatch in flight: one stage; one
+    row per microbatch in every layout, elastic or not)."""
     if not switching:
         return cfg.seq_len // 2
     return max(cfg.short, cfg.seq_len // 2)
@@ -245,37 +250,11 @@ def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[flo
     return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 
 
-def what_if_exact_rows(cfg: Config, links: dict, device) -> tuple[float, float]:
-    """Simulator only: (switching, static) mean step seconds over the measured steps if each bucket ran exactly
-    the microbatches its rows need that step (a bucket's microbatch count is fixed in the layout, so the runs
-    pad to the most any step needs; this is what that padding costs)."""
-    from hetero_llm import bucket_sim, documents, layout as layout_mod
-
-    switching = static = 0.0
-    with tempfile.TemporaryDirectory() as tmp:
-        base = Path(tmp) / "static.toml"
-        base.write_text(layout_text(cfg, False, (1, 1)) + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
-        lay = layout_mod.load(base)
-        source = documents.make_document_source(lay.data, cfg.seq_len, "x")
-        for step in range(cfg.warmup, cfg.steps):
-            docs = documents.fill_documents(source, 0, step, cfg.global_batch, cfg.seq_len)
-            short = [len(d) for d in docs if len(d) - 1 <= cfg.short]
-            long_ = [len(d) for d in docs if len(d) - 1 > cfg.short]
-            rows = (-(-(max(documents.first_fit_decreasing(short, cfg.short)) + 1) // 2) if short else 1,
-                    max(documents.first_fit_decreasing(long_, cfg.seq_len)) + 1 if long_ else 1)
-            exact = Path(tmp) / f"exact{step}.toml"
-            exact.write_text(layout_text(cfg, True, rows))
-            switching += bucket_sim.simulate_buckets(layout_mod.load(exact), step, device, links).total
-            static += bucket_sim.simulate_buckets(lay, step, device, links).total
-    n = cfg.steps - cfg.warmup
-    return switching / n, static / n
-
-
 def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str]) -> dict:
-    switching = LAYOUTS[name]
+    switching = LAYOUTS[name] != "static"
     folder.mkdir(parents=True, exist_ok=True)
-    layout = folder / (name.replace(" ", "_").replace("/", "_") + ".toml")
-    layout.write_text(layout_text(cfg, switching, rows))
+    layout = folder / (name.replace(",", "").replace(" ", "_").replace("/", "_") + ".toml")
+    layout.write_text(layout_text(cfg, LAYOUTS[name], rows))
     trace = folder / (layout.stem + "_trace")
     steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env)
     steps = B.steady(steps_out, cfg.warmup)
@@ -306,7 +285,7 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
             for name in order:
                 B.say(f"round {r + 1}/{cfg.rounds}: {name}")
                 result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env)
-                if LAYOUTS[name]:
+                if LAYOUTS[name] != "static":
                     switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), links,
                                                 copy_bw, per_block, device)
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
@@ -317,7 +296,7 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
                 runs[name].append(result)
     results = []
     for name, reps in runs.items():
-        switching = LAYOUTS[name]
+        switching = LAYOUTS[name] != "static"
         positions = activation_positions(cfg, switching)
         row = {"layout": name, "tp_comm": cfg.tp_comm, "tokens_s": B.median([x["tokens_s"] for x in reps]),
                "step_s": B.median([x["step_s"] for x in reps]),
@@ -331,7 +310,6 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
                 row[key] = B.median([x[key] for x in reps])
             row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
         results.append(row)
-    exact_switching, exact_static = what_if_exact_rows(cfg, links, device)
     static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]),
                  key=lambda r: r["tokens_s"])
     for r in results:
@@ -349,20 +327,17 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
         f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
         f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
         f"{cfg.sigma:g}). Two emulated devices, HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
-        f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2 ({rows[0]} "
-        f"microbatches of 1 row per device), the rest under TP 2 ({rows[1]} microbatches of 1 row); static: TP 2, "
-        f"{cfg.global_batch} microbatches of 1 row. Memory cap: {cfg.cap_positions} positions through every layer per "
+        f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
+        f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
+        f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: {cfg.cap_positions} positions through every layer per "
         f"device (DP 2 or PP 2 would need {cfg.seq_len}).", "",
         table, "",
-        f"Simulator only, if each bucket ran exactly the microbatches its rows need in each step (not a run: a "
-        f"bucket's microbatch count is fixed in the layout): switching {exact_switching:.3f} s vs static "
-        f"{exact_static:.3f} s per step, {exact_static / exact_switching:.2f}x.", "",
         f"Best static layout that fits: {static['layout']}. gloo p2p probed here: latency {latency * 1e6:.0f} us, "
         f"bandwidth {bandwidth / 1e9:.2f} GB/s; local copies {copy_bw / 1e9:.2f} GB/s, host work per block "
         f"{per_block * 1e6:.0f} us.", "",
         ""])
-    payload = {"config": attrs.asdict(cfg), "device": spec, "bucket_microbatches": rows, "results": results,
-               "runs": runs, "what_if_exact_rows": {"switching_s": exact_switching, "static_s": exact_static}}
+    payload = {"config": attrs.asdict(cfg), "device": spec, "fixed_bucket_microbatches": rows, "results": results,
+               "runs": runs}
     return markdown, payload, results
 
 
