@@ -17,9 +17,10 @@ only static layout that fits is TP 2 with one row per microbatch (DP 2 and PP 2 
 PP's first stage keeps two microbatches of half the layers). Switching: documents of 1-``short``
 positions under DP 2 (one row of ``short`` per microbatch: ``short`` positions), the rest under TP 2 (one
 row of 512 per microbatch: 256), home TP 2. Two ways: **elastic** buckets (``elastic = true``: each step
-runs as many one-row microbatches as its documents need, HotSPa's way) and **fixed** ones (each bucket's
-microbatch count is the most rows any step of the run needs, so a step that needs fewer pads with empty
-rows, which cost their positions' compute like any row).
+runs as many one-row microbatches as its documents need, HotSPa's way), the same with the long bucket's
+rows **topped up** with short documents (``top_up = true``: positions that are computed anyway), and
+**fixed** ones (each bucket's microbatch count is the most rows any step of the run needs, so a step that
+needs fewer pads with empty rows, which cost their positions' compute like any row).
 
 TP link: chosen so that, at TP 2, a layer's two forward all-reduces cost ``tp_comm`` of its forward
 matmuls (the regime HotSPa targets: TP across a slow link for long sequences). Measured, interleaved in one
@@ -121,23 +122,25 @@ def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
 
 
 def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
-    """``static``: TP 2, one row of seq_len per microbatch. ``elastic`` / ``fixed``: that as home; short documents
-    under DP 2 (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch); elastic buckets
-    run the microbatches each step needs, fixed ones the most any step needs (``rows``: (short per device, long))."""
+    """``static``: TP 2, one row of seq_len per microbatch. ``top-up`` / ``elastic`` / ``fixed``: that as home; short
+    documents under DP 2 (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch); elastic
+    buckets run the microbatches each step needs, fixed ones the most any step needs (``rows``: (short per device,
+    long)); ``top-up``: elastic, the long bucket's rows also take short documents into their free positions."""
     lines = tp2(cfg.global_batch, cfg.global_batch, cfg.layers)
     if mode != "static":
         short, long_ = rows if mode == "fixed" else (1, 1)
-        elastic = [f"elastic = {str(mode == 'elastic').lower()}"]
+        elastic = [f"elastic = {str(mode != 'fixed').lower()}"]
         lines += ["", "[[buckets]]", f"max_len = {cfg.short}", *elastic]
         for d in (0, 1):
             lines += ["[[buckets.pipelines]]", f"batch = {short}", f"microbatches = {short}",
                       "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["node0:{d}"]']
         lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *elastic,
-                  *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
+                  *(["top_up = true"] if mode == "top-up" else []), *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
     return common(cfg) + "\n".join(lines) + "\n"
 
 
-LAYOUTS = {"static tp2": "static", "switching dp2/tp2, elastic": "elastic", "switching dp2/tp2, fixed": "fixed"}
+LAYOUTS = {"static tp2": "static", "switching dp2/tp2, elastic, top-up": "top-up",
+           "switching dp2/tp2, elastic": "elastic", "switching dp2/tp2, fixed": "fixed"}
 
 
 def activation_positions(cfg: Config, switching: bool) -> int:

@@ -170,7 +170,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
-    from hetero_llm import documents
+    from hetero_llm import bucketing, documents
     from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switch import bucket_plans, step_switch
@@ -183,7 +183,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
     times: list[float | None] = []
     switches: list[tuple[str, str, float]] = []
     current, current_name, accumulated = home, "home", False
-    for i, (plan, rows) in enumerate(zip(plans, documents.bucket_rows(layout, docs))):
+    for i, (plan, rows) in enumerate(zip(plans, bucketing.bucket_rows(layout, docs))):
         if rows is None:
             times.append(None)
             continue
@@ -192,7 +192,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
             sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
             switches.append((current_name, name, switch_seconds(sw, links, copy_bandwidth, block_overhead)))
         elastic = layout.buckets[i].elastic
-        rounds, split = documents.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
+        rounds, split = bucketing.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
         runs = compile_plan(elastic_layout(plan.layout, rounds)) if elastic and rounds > 1 else plan
         times.append(max(_pipeline_seconds(runs, j, rows.share(*share), device, links)
                          for j, share in enumerate(split)))

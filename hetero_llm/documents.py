@@ -365,39 +365,3 @@ def pack(docs: list[np.ndarray], width: int, rows: int = 0) -> PackedRows:
     if rows and needed > rows:
         raise ValueError(f"{len(docs)} documents need {needed} rows of {width} positions, more than {rows}")
     return pack_placed(docs, rows_of, rows or needed, width)
-
-
-def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
-    """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
-    padded with empty rows to a multiple of the bucket's pipeline shares."""
-    bounds = [b.max_len for b in layout.buckets]
-    mine: list[list[np.ndarray]] = [[] for _ in bounds]
-    for d in docs:
-        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(d)
-    out = []
-    for i, group in enumerate(mine):
-        if not group:
-            out.append(None)
-            continue
-        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
-        rows_of = first_fit_decreasing([len(d) for d in group], bounds[i])
-        rows = -(-(max(rows_of) + 1) // unit) * unit
-        out.append(pack_placed(group, rows_of, rows, bounds[i]))
-    return out
-
-
-def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tuple[int, int, int]]]:
-    """How a bucket's ``num_rows`` rows (a multiple of its pipelines' ``batch`` sum: ``bucket_rows``) go to its
-    pipelines: (rounds, [(first row, rows, microbatches)] per pipeline). Each pipeline takes ``batch x rounds``
-    rows, ``rounds = num_rows / sum(batch)``; a fixed bucket splits them into its ``microbatches``, an elastic
-    one into ``microbatches x rounds`` of ``batch / microbatches`` rows each (``layout.elastic_layout``)."""
-    unit = sum(p.batch for p in pipelines)
-    if num_rows % unit:
-        raise ValueError(f"{num_rows} rows are not a multiple of the pipelines' batch shares ({unit})")
-    rounds = num_rows // unit
-    out, offset = [], 0
-    for p in pipelines:
-        size = p.batch * rounds
-        out.append((offset, size, p.microbatches * rounds if elastic else p.microbatches))
-        offset += size
-    return rounds, out

@@ -2,7 +2,7 @@
 
 A step takes the documents ``documents.fill_documents`` draws (the ones a static layout with packing
 trains on), sorts them into the layout's buckets by length and packs each bucket into rows of its
-``max_len``. Then, shortest bucket first, every bucket with documents runs under its layout (a
+``max_len`` (``bucketing.bucket_rows``: top-up included; an elastic bucket's microbatch count follows its rows). Then, shortest bucket first, every bucket with documents runs under its layout (a
 *slot*: the bucket's plan, this rank's shards in it, its stage runner), the switch planner's
 transfers moving state between slots: parameters always from the home layout (nothing has changed
 them since its last optimizer step), accumulated gradients from the slot that ran before. After the
@@ -23,7 +23,7 @@ import torch
 
 from hetero_llm import collectives, documents, p2p
 from hetero_llm.docmask import DocumentMask
-from hetero_llm.documents import bucket_rows
+from hetero_llm.bucketing import bucket_rows, bucket_split
 from hetero_llm.groups import Comms, layout_groups
 from hetero_llm.layout import bucket_layout, elastic_layout
 from hetero_llm.plan import Plan, compile_plan
@@ -128,7 +128,7 @@ class Switcher:
         """This rank's microbatches of bucket ``index`` in this step, and the plan whose schedule runs them: the
         slot's, or for an elastic bucket one compiled for this step's microbatch count (once per count)."""
         elastic = self.layout.buckets[index].elastic
-        rounds, split = documents.bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
+        rounds, split = bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
         offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
         mbs = [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
                           DocumentMask.from_spans(p.spans, p.positions)) for p in rows.share(offset, size, count)]

@@ -345,6 +345,9 @@ def _validate_buckets(layout: Layout) -> None:
                     if dev not in home:
                         raise LayoutError(f, where, f"device '{dev}' is not in the home layout ([[pipelines]]); "
                                           "every bucket runs on the home layout's devices")
+        if b.top_up and bi == 0:
+            raise LayoutError(f, f"{at}.top_up", "the shortest bucket has no shorter documents to take (set top_up "
+                              "on a longer bucket)")
         fixed = [i for i, p in enumerate(b.pipelines or layout.pipelines) if p.schedule_file]
         if b.elastic and fixed:
             where = f"{at}.pipelines[{fixed[0]}]" if b.pipelines else f"pipelines[{fixed[0]}]"

@@ -421,6 +421,10 @@ class BucketSpec:
        "true: each step runs as many microbatches as its documents need, each of the rows batch / microbatches "
        "fixes (HotSPa's way: a microbatch's memory stays fixed, no empty microbatches); false: the microbatch "
        "count is fixed and a step's rows are spread over them", default=False)
+    top_up: bool = key(
+       "true: the free positions of this bucket's rows (padding, computed anyway) take shorter buckets' documents, "
+       "longest first, without adding rows; they then leave their own bucket (longer buckets top up first)",
+       default=False)
 
 
 @attrs.frozen

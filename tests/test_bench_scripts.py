@@ -199,8 +199,9 @@ def test_hot_switch_quick(tmp_path):
                            ["layout", "tp_comm", "tokens_s", "vs_best_static", "fits_cap", "peak_rss_mb",
                             "predicted_step_s"])
     rows = {r["layout"]: r for r in payload["results"]}
-    assert set(rows) == {"static tp2", "switching dp2/tp2, elastic", "switching dp2/tp2, fixed"}
-    for name in ("switching dp2/tp2, elastic", "switching dp2/tp2, fixed"):
+    switching = ("switching dp2/tp2, elastic, top-up", "switching dp2/tp2, elastic", "switching dp2/tp2, fixed")
+    assert set(rows) == {"static tp2", *switching}
+    for name in switching:
         assert 0 < rows[name]["switch_fraction"] < 1 and rows[name]["predicted_switch_s"] > 0
         assert rows[name]["switch_s"] > 0 and rows[name]["switch_waiting_s"] > 0
     assert all(r["fits_cap"] and r["predicted_step_s"] > 0 for r in payload["results"])
@@ -208,4 +209,6 @@ def test_hot_switch_quick(tmp_path):
     fixed = payload["scenarios"][0]["fixed_bucket_microbatches"]
     assert fixed[0] > 1 and fixed[1] > 1
     assert rows["switching dp2/tp2, elastic"]["predicted_step_s"] < rows["switching dp2/tp2, fixed"]["predicted_step_s"]
+    # topping the long rows up with short documents computes fewer positions
+    assert rows[switching[0]]["predicted_step_s"] < rows["switching dp2/tp2, elastic"]["predicted_step_s"]
     assert max(r["vs_best_static"] for r in payload["results"] if r["layout"].startswith("static")) == 1.0

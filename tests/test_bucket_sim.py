@@ -11,7 +11,7 @@ import attrs
 import pytest
 
 from harness import assert_one_error_line, invoke_cli
-from hetero_llm import bucket_sim, documents, layout as layout_mod
+from hetero_llm import bucket_sim, bucketing, documents, layout as layout_mod
 from hetero_llm.plan import compile_plan
 from hetero_llm.switch import bucket_plans, step_switch
 
@@ -95,7 +95,7 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
     lay = layout_mod.load(TWO)
     source = documents.make_document_source(lay.data, lay.model.seq_len, lay.file)
     docs = documents.fill_documents(source, lay.train.seed, 0, lay.train.global_batch, lay.model.seq_len)
-    rows = documents.bucket_rows(lay, docs)[0]
+    rows = bucketing.bucket_rows(lay, docs)[0]
     half = rows.num_rows // 2
     expected = 0.0
     for piece in (rows.take(0, half), rows.take(half, rows.num_rows)):
@@ -107,14 +107,35 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
 
 
 def test_an_elastic_bucket_splits_its_rows_into_more_microbatches_of_fixed_rows():
-    """``documents.bucket_split``: 12 rows over shares 2 + 1 (4 rounds): fixed, each pipeline keeps its microbatch
+    """``bucketing.bucket_split``: 12 rows over shares 2 + 1 (4 rounds): fixed, each pipeline keeps its microbatch
     count and their rows grow; elastic, their rows stay batch / microbatches and the count grows."""
     pipes = [attrs.evolve(p, batch=b, microbatches=m) for p, (b, m) in zip(layout_mod.load(TP23).buckets[0].pipelines,
                                                                             [(2, 2), (1, 1)])]
-    assert documents.bucket_split(pipes, 12, elastic=False) == (4, [(0, 8, 2), (8, 4, 1)])
-    assert documents.bucket_split(pipes, 12, elastic=True) == (4, [(0, 8, 8), (8, 4, 4)])
+    assert bucketing.bucket_split(pipes, 12, elastic=False) == (4, [(0, 8, 2), (8, 4, 1)])
+    assert bucketing.bucket_split(pipes, 12, elastic=True) == (4, [(0, 8, 8), (8, 4, 4)])
     with pytest.raises(ValueError, match="not a multiple of the pipelines' batch shares"):
-        documents.bucket_split(pipes, 10, elastic=True)
+        bucketing.bucket_split(pipes, 10, elastic=True)
+
+
+def test_top_up_fills_a_longer_buckets_free_positions_with_the_longest_shorter_documents_that_fit():
+    """TWO: bucket 0 takes documents of up to 12 positions (rows of 12), bucket 1 up to 32 (rows of 32). The long
+    documents (31 and 20 positions) leave 1 and 12 positions free: with top_up, bucket 1 takes the 10-position
+    document (into the 12) and the 1-position one (the other row), no new row; the 8 and 5 stay in bucket 0,
+    packed anew into 2 rows (3 without top-up)."""
+    import numpy as np
+
+    docs = [np.arange(n + 1) % 7 for n in (8, 31, 1, 10, 20, 5)]  # positions, in step order
+    spans = lambda rows: sorted(int(n) for n in rows.spans[:, 2])  # noqa: E731
+    plain = bucketing.bucket_rows(layout_mod.load(TWO), docs)
+    assert spans(plain[0]) == [1, 5, 8, 10] and spans(plain[1]) == [20, 31] and plain[0].num_rows == 4
+    topped = bucketing.bucket_rows(layout_mod.load(TWO, ["buckets.1.top_up=true"]), docs)
+    assert spans(topped[1]) == [1, 10, 20, 31] and spans(topped[0]) == [5, 8]
+    assert topped[1].num_rows == plain[1].num_rows and topped[0].num_rows == 2
+    rows = {r: sorted(int(n) for rr, _, n in topped[1].spans if rr == r) for r in range(2)}
+    assert rows == {0: [1, 31], 1: [10, 20]}
+    for rows in topped:  # every position a document's: its own tokens, positions restarting at 0
+        for r, start, n in rows.spans:
+            assert list(rows.positions[r, start:start + n]) == list(range(n))
 
 
 def test_an_elastic_two_stage_bucket_is_predicted_with_the_steps_microbatch_count():

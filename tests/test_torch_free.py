@@ -16,7 +16,7 @@ TORCH_FREE_MODULES = ["layout", "layout_fields", "layout_schema", "layout_toml",
                       "plan", "dryrun", "schedule", "schedule.ir", "schedule.generators", "schedule.lowering",
                       "schedule.dependencies", "schedule.validator", "schedule.files", "simulate", "place",
                       "checkpoint", "cli", "errors", "params", "outputs", "trace", "timeline", "optim_shards", "switch",
-                      "documents", "data", "textcache", "bucket_sim", "planner",
+                      "documents", "bucketing", "data", "textcache", "bucket_sim", "planner",
                       "planner.cluster", "planner.cost", "planner.pipesim", "planner.search", "planner.moves",
                       "planner.exact", "planner.output", "plan_cli", "rankplan", "launch"]
 TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
