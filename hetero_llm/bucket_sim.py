@@ -107,8 +107,9 @@ def switch_seconds(plan, links: dict[str, tuple[float, float]], copy_bandwidth: 
     """Seconds of one batched switch (``switch.SwitchPlan``): every device at once, each paying, per
     device-pair message it sends or receives, the latency of that pair's link (``links``: link kind ->
     (latency s, bytes/s), kinds as ``switch.LINKS``), the larger of its sent and received bytes over each
-    link kind (a device's sends and receives overlap), its local copies over ``copy_bandwidth`` and
-    ``block_overhead`` per transfer it takes part in. The slowest device is the switch's time."""
+    link kind (a device's sends and receives overlap), one pass over each block it copies (local), packs
+    (sender) or unpacks (receiver) at ``copy_bandwidth``, and ``block_overhead`` per transfer it takes part in.
+    The slowest device is the switch's time."""
     per_device: dict[str, float] = {}
     sent: dict[tuple[str, str], int] = {}
     received: dict[tuple[str, str], int] = {}
@@ -124,10 +125,8 @@ def switch_seconds(plan, links: dict[str, tuple[float, float]], copy_bandwidth: 
         busiest = max(sent.get((device, kind), 0), received.get((device, kind), 0))
         per_device[device] = per_device.get(device, 0.0) + busiest / links[kind][1]
     for t in plan.transfers:
-        if t.local:
-            per_device[t.src] = per_device.get(t.src, 0.0) + t.nbytes / copy_bandwidth
-        for device in {t.src, t.dst}:
-            per_device[device] = per_device.get(device, 0.0) + block_overhead
+        for device in {t.src, t.dst}:  # local: one copy; network: packed by the sender, unpacked by the receiver
+            per_device[device] = per_device.get(device, 0.0) + t.nbytes / copy_bandwidth + block_overhead
     return max(per_device.values(), default=0.0)
 
 

@@ -153,19 +153,21 @@ class Switcher:
         if grads:
             for p in target.params.values():
                 p.grad = torch.zeros_like(p)
-        sends: dict[int, list[torch.Tensor]] = {}
+        sends: dict[int, list[tuple[Transfer, Slot]]] = {}
         receives: dict[int, list[Transfer]] = {}
         with torch.no_grad():
             for t, origin in moves:
-                if t.src == self.me:
-                    block = _block(origin, t)
-                    if t.dst == self.me:
-                        _apply(target, t, block)
-                    else:
-                        sends.setdefault(self.world_rank[t.dst], []).append(block.reshape(-1))
+                if t.src == self.me and t.dst == self.me:
+                    _apply(target, t, _block(origin, t))  # a local block: one pass, source view to target
+                elif t.src == self.me:
+                    sends.setdefault(self.world_rank[t.dst], []).append((t, origin))
                 elif t.dst == self.me:
                     receives.setdefault(self.world_rank[t.src], []).append(t)
-            send_flat = {peer: torch.cat(blocks) for peer, blocks in sends.items()}
+            send_flat = {}
+            for peer, items in sends.items():  # each block written once, straight into the peer's flat message
+                send_flat[peer] = flat = torch.empty(sum(t.nbytes // 4 for t, _ in items), device=self.device)
+                for (t, origin), piece in zip(items, flat.split([t.nbytes // 4 for t, _ in items])):
+                    piece.view(_block_shape(origin, t)).copy_(_block(origin, t))
             recv_flat = {peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device)
                          for peer, ts in receives.items()}
             p2p.exchange(send_flat, recv_flat)
@@ -189,11 +191,11 @@ def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:
 
 
 def _block(slot: Slot, t: Transfer) -> torch.Tensor:
-    """The block ``t`` moves, out of ``slot``'s parameter (or its accumulated gradient)."""
+    """The block ``t`` moves, a view of ``slot``'s parameter (or of its accumulated gradient)."""
     dim, lo = slot.coords[t.name]
     p = slot.params[t.name]
     whole = p.detach() if not t.accumulate else (p.grad if p.grad is not None else torch.zeros_like(p))
-    return whole.narrow(dim, t.lo - lo, t.hi - t.lo).contiguous()
+    return whole.narrow(dim, t.lo - lo, t.hi - t.lo)
 
 
 def _block_shape(slot: Slot, t: Transfer) -> tuple[int, ...]:

@@ -111,9 +111,11 @@ class SwitchPlan:
                         block_overhead: float = 0.0) -> float:
         """The switch's modelled time: the busiest device's, each device paying ``latency`` per message it
         sends or receives plus its larger direction's bytes over ``bandwidth`` (bytes/s; sends and receives
-        overlap), plus its local copies over ``copy_bandwidth`` (0: free), plus ``block_overhead`` seconds
-        per transfer it takes part in (cutting a block out and writing it in: host work that does not
-        shrink with the bytes). Every device switches at once."""
+        overlap), plus one pass over every block it copies, packs or unpacks at ``copy_bandwidth`` (0: free;
+        a local block is copied once, a network block written into its flat message by the sender and out
+        of it by the receiver), plus ``block_overhead`` seconds per transfer it takes part in (cutting a
+        block out and writing it in: host work that does not shrink with the bytes). Every device switches
+        at once."""
         per_device: dict[str, float] = defaultdict(float)
         for (src, dst), _ in self.messages().items():
             per_device[src] += latency
@@ -121,8 +123,9 @@ class SwitchPlan:
         for device, (sent, received) in self.bytes_by_device().items():
             per_device[device] += max(sent, received) / bandwidth
         for t in self.transfers:
-            if t.local and copy_bandwidth:
-                per_device[t.src] += t.nbytes / copy_bandwidth
+            if copy_bandwidth:
+                for device in {t.src, t.dst}:
+                    per_device[device] += t.nbytes / copy_bandwidth
             for device in {t.src, t.dst}:
                 per_device[device] += block_overhead
         return max(per_device.values(), default=0.0)

@@ -247,6 +247,8 @@ def test_predicted_time_is_the_busiest_device_latency_and_bytes():
     messages_of_receiver = sum(1 for _, dst in switch.messages() if dst == "n1:0")
     want = messages_of_receiver * 1e-3 + model_bytes / 1e9
     assert switch.predict_seconds(1e9, 1e-3) == pytest.approx(want)
+    # with a copy bandwidth, a receiver also unpacks every byte it receives out of its flat messages, once
+    assert switch.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(want + model_bytes / 1e10)
     same = plan_switch(source, source)  # local copies only: free, unless copies have a bandwidth
     assert same.predict_seconds(1e9, 1e-3) == 0.0
     assert same.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
