@@ -51,6 +51,29 @@ def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tm
     shorter = Planner(_at(c, 128)).evaluate(_home(c))
     assert proposed[0].plan is not None
     assert proposed[0].score.step_time * buckets.MIN_GAIN <= shorter.step_time
+    # written elastic (1F1B, every pipeline with at least as many microbatches as stages), its shares cut by
+    # their microbatches' common divisor: same rows per microbatch and proportions; the home bucket tops up
+    plan, unit = proposed[0].plan, buckets.elastic_unit(proposed[0].plan)
+    assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up and unit > 1
+    assert [(p.batch, p.microbatches) for p in lay.buckets[0].pipelines] == \
+        [(p.batch // unit, p.microbatches // unit) for p in plan.pipelines]
+
+
+def test_elastic_only_where_a_stage_holds_no_more_than_planned():
+    """1F1B and ZB-H1 hold at most the stage count of microbatches per stage: elastic once every pipeline was
+    planned with that many; GPipe (every microbatch) and interleaved never."""
+    from hetero_llm.planner.cost import Candidate, PipelineChoice, StageChoice
+
+    stage = StageChoice(group=None, layers=4)  # the group plays no part in the rule
+    two = PipelineChoice(batch=8, microbatches=4, stages=(stage, stage))
+    one = PipelineChoice(batch=6, microbatches=6, stages=(stage,))
+    cand = Candidate(pipelines=(two, one), schedule="1f1b")
+    assert buckets.elastic_unit(cand) == 2  # gcd(4, 6): shares 4 + 3 rows, 2 + 3 microbatches
+    assert buckets.elastic_unit(Candidate(pipelines=(two, one), schedule="zbh1")) == 2
+    assert buckets.elastic_unit(Candidate(pipelines=(two, one), schedule="gpipe")) is None
+    assert buckets.elastic_unit(Candidate(pipelines=(two, one), schedule="interleaved", chunks=2)) is None
+    short = PipelineChoice(batch=1, microbatches=1, stages=(stage, stage))  # 1 microbatch, 2 stages
+    assert buckets.elastic_unit(Candidate(pipelines=(short, one), schedule="1f1b")) is None
 
 
 def _home(c):

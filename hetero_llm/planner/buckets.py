@@ -11,6 +11,8 @@ the home layout instead. Torch-free, like the planner.
 
 from __future__ import annotations
 
+import math
+
 import os
 from pathlib import Path
 
@@ -86,19 +88,36 @@ def propose(cluster: Cluster, bounds: tuple[int, ...], home: Candidate) -> list[
     return out + [Bucket(bounds[-1], None, None, "the longest documents: the home layout")]
 
 
+def elastic_unit(plan: Candidate) -> int | None:
+    """The factor an elastic bucket divides the plan's pipeline batches and microbatches by (their microbatches'
+    greatest common divisor), or None where an elastic bucket could hold more activations than the plan was
+    checked for: only 1F1B and ZB-H1 bound what a stage holds by the stage count whatever the microbatches,
+    and only once every pipeline has at least as many microbatches as stages (as planned)."""
+    if plan.schedule not in ("1f1b", "zbh1") or any(p.microbatches < len(p.stages) for p in plan.pipelines):
+        return None
+    return math.gcd(*(p.microbatches for p in plan.pipelines))
+
+
 def buckets_toml(buckets: list[Bucket], default_recompute: bool) -> str:
-    """``[[buckets]]`` tables, shortest first (a bucket's pipeline ``batch`` is its share of the bucket's rows)."""
+    """``[[buckets]]`` tables, shortest first (a bucket's pipeline ``batch`` is its share of the bucket's rows).
+    Every bucket but the shortest tops up its rows with shorter documents; a planned bucket is elastic where
+    ``elastic_unit`` allows, its shares cut to the smallest that keep the plan's proportions and rows per
+    microbatch (a step then pads to a multiple of that, not of the global batch)."""
     lines = ["# ---- hot switching: a layout per document-length bucket (hetero-plan --buckets) ----"]
-    for b in buckets:
+    for i, b in enumerate(buckets):
+        top_up = ["top_up = true"] if i else []
         if b.plan is None:
-            lines += [f"[[buckets]]                    # {b.why_home}", f"max_len = {b.max_len}", ""]
+            lines += [f"[[buckets]]                    # {b.why_home}", f"max_len = {b.max_len}", *top_up, ""]
             continue
         vs = f" (home layout: {b.why_home} s)" if b.why_home else ""
+        unit = elastic_unit(b.plan)
         lines += [f"[[buckets]]                    # planned for rows of {b.max_len}: predicted step "
                   f"{b.score.step_time:.4g} s on full rows{vs}",
-                  f"max_len = {b.max_len}", f'schedule = "{b.plan.schedule}"', f"chunks = {b.plan.chunks}"]
+                  f"max_len = {b.max_len}", f'schedule = "{b.plan.schedule}"', f"chunks = {b.plan.chunks}",
+                  f"elastic = {'true' if unit else 'false'}", *top_up]
         for pipe in b.plan.pipelines:
-            lines += ["[[buckets.pipelines]]", f"batch = {pipe.batch}", f"microbatches = {pipe.microbatches}"]
+            lines += ["[[buckets.pipelines]]", f"batch = {pipe.batch // (unit or 1)}",
+                      f"microbatches = {pipe.microbatches // (unit or 1)}"]
             for st in pipe.stages:
                 devs = ", ".join(f'"{d}"' for d in st.group.devices)
                 lines += ["[[buckets.pipelines.stages]]", f"layers = {st.layers}", f"devices = [{devs}]"]
