@@ -27,7 +27,9 @@ matmuls (the regime HotSPa targets: TP across a slow link for long sequences). M
 run (static, switching, then again): tokens/s (over the real targets; median steps after warm-up),
 the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, waiting included), each
 switch's own time (last rank in to last rank out), and ``bucket_sim.switch_seconds`` of the same switches
-with gloo latency and bandwidth probed on this host, a memory-copy bandwidth and a host cost per block.
+with gloo's latency and bandwidth as a switch sees them (``benchlib.exchange_probe``: two processes idle
+for 10 ms, then one exchange both ways, timed last in to last out; probed before every switching run), a
+memory-copy bandwidth and a host cost per block.
 
     python bench/hot_switch.py
     python bench/hot_switch.py --quick
@@ -273,8 +275,10 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
     return out
 
 
-def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw: float, per_block: float):
-    """One comparison (static and switching, interleaved) on one emulated device."""
+def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
+    """One comparison (static and switching, interleaved) on one emulated device. Before each switching run,
+    ``benchlib.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
+    that were idle, one exchange both ways); that run's predictions use them."""
     from hetero_llm import bucket_sim
 
     spec = device_spec(cfg)
@@ -287,9 +291,13 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
             order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
             for name in order:
                 B.say(f"round {r + 1}/{cfg.rounds}: {name}")
+                if LAYOUTS[name] != "static":  # the link as a switch sees it, probed just before the run
+                    latency, bandwidth = B.exchange_probe(reps=5 if cfg is QUICK else 20, big=1 << 17)
+                    run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
                 result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env)
                 if LAYOUTS[name] != "static":
-                    switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), links,
+                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
+                    switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), run_links,
                                                 copy_bw, per_block, device)
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
@@ -313,6 +321,8 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
                 row[key] = B.median([x[key] for x in reps])
             row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
         results.append(row)
+    probes = {k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
+              for k in ("latency_s", "bandwidth_bytes_s")}
     static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]),
                  key=lambda r: r["tokens_s"])
     for r in results:
@@ -335,12 +345,15 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
         f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: {cfg.cap_positions} positions through every layer per "
         f"device (DP 2 or PP 2 would need {cfg.seq_len}).", "",
         table, "",
-        f"Best static layout that fits: {static['layout']}. gloo p2p probed here: latency {latency * 1e6:.0f} us, "
-        f"bandwidth {bandwidth / 1e9:.2f} GB/s; local copies {copy_bw / 1e9:.2f} GB/s, host work per block "
-        f"{per_block * 1e6:.0f} us.", "",
+        f"Best static layout that fits: {static['layout']}. gloo exchanges probed before each switching run: latency "
+        f"per message {', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
+        f"{', '.join(f'{x / 1e9:.2f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
+        f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us. Predicted / measured switch "
+        f"time: " + ", ".join(f"{r['layout']} {r['predicted_switch_s'] / r['switch_s']:.2f}" for r in results
+                              if "switch_s" in r) + ".", "",
         ""])
     payload = {"config": attrs.asdict(cfg), "device": spec, "fixed_bucket_microbatches": rows, "results": results,
-               "runs": runs}
+               "runs": runs, "probes": probes}
     return markdown, payload, results
 
 
@@ -350,16 +363,16 @@ def scenario(cfg: Config, links: dict, latency: float, bandwidth: float, copy_bw
 def main(quick: bool, out_dir: Path) -> None:
     cfg = QUICK if quick else Config()
     info, load_before = B.machine(), B.load_average()
-    B.say("probing gloo point-to-point and memory copies on this host")
-    latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 20 if quick else 1 << 23, fork=quick)
+    B.say("probing gloo exchanges and memory copies on this host")
+    latency, bandwidth = B.exchange_probe(reps=5 if quick else 20, big=1 << 17)
     copy_bw, per_block = copy_costs()
     links = {"local": (0.0, copy_bw), "node": (latency, bandwidth), "domain": (latency, bandwidth),
-             "cross_domain": (latency, bandwidth)}
+             "cross_domain": (latency, bandwidth)}  # the static runs' pipeline sends; switching runs probe again
     sections, payloads = [], []
     base = cfg
     for tp_comm in base.scenarios:
         cfg = attrs.evolve(base, tp_comm=tp_comm)
-        markdown, payload, results = scenario(cfg, links, latency, bandwidth, copy_bw, per_block)
+        markdown, payload, results = scenario(cfg, links, copy_bw, per_block)
         sections.append(markdown)
         payloads.append(payload)
     load_after = B.load_average()
