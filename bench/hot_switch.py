@@ -342,7 +342,8 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
         f"{cfg.sigma:g}). Two emulated devices, HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
         f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
         f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
-        f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: {cfg.cap_positions} positions through every layer per "
+        f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: "
+        f"{cfg.cap_positions} positions through every layer per "
         f"device (DP 2 or PP 2 would need {cfg.seq_len}).", "",
         table, "",
         f"Best static layout that fits: {static['layout']}. gloo exchanges probed before each switching run: latency "

@@ -2,7 +2,8 @@
 
 A step takes the documents ``documents.fill_documents`` draws (the ones a static layout with packing
 trains on), sorts them into the layout's buckets by length and packs each bucket into rows of its
-``max_len`` (``bucketing.bucket_rows``: top-up included; an elastic bucket's microbatch count follows its rows). Then, shortest bucket first, every bucket with documents runs under its layout (a
+``max_len`` (``bucketing.bucket_rows``, top-up included; an elastic bucket's microbatch count follows its
+rows). Then, shortest bucket first, every bucket with documents runs under its layout (a
 *slot*: the bucket's plan, this rank's shards in it, its stage runner), the switch planner's
 transfers moving state between slots: parameters always from the home layout (nothing has changed
 them since its last optimizer step), accumulated gradients from the slot that ran before. After the
