@@ -439,29 +439,28 @@ def _exchange_rank(rank: int, port: int, sizes: list[int], reps: int, idle_s: fl
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    spans = {}
-    for n in sizes:
-        send, receive = torch.zeros(n), torch.empty(n)
-        spans[n] = []
-        for i in range(reps + 3):
+    buffers = {n: (torch.zeros(n), torch.empty(n)) for n in sizes}
+    spans: dict[int, list] = {n: [] for n in sizes}
+    for i in range(reps + 2):
+        for n in sizes:  # the sizes alternate, so each pair of exchanges sees the same conditions
             dist.barrier()
             time.sleep(idle_s)
             t0 = time.perf_counter()
-            p2p.exchange({1 - rank: send}, {1 - rank: receive})
-            if i >= 3:
+            p2p.exchange({1 - rank: buffers[n][0]}, {1 - rank: buffers[n][1]})
+            if i >= 2:
                 spans[n].append((t0, time.perf_counter()))
     Path(f"{out}.{rank}").write_text(json.dumps(spans))
     dist.destroy_process_group()
 
 
-def exchange_probe(reps: int = 30, big: int = 1 << 18, idle_s: float = 0.01) -> tuple[float, float]:
+def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> tuple[float, float]:
     """(latency s per message, bandwidth bytes/s) as a hot switch sees gloo here: two forked processes, each
     idle for ``idle_s`` (as a rank is between compute and a switch: asleep under emulated devices), then one
-    ``p2p.exchange`` both ways of a 1-element and a ``big``-element float32 tensor, timed from the moment the
-    later process enters to the moment the later one leaves (the processes share one monotonic clock), medians.
-    The switch model charges each device a latency per message it sends and one per message it receives, so
-    the latency is half the small exchange's time; the bandwidth is the big one's extra bytes over its extra
-    time."""
+    ``p2p.exchange`` both ways of a 1-element or a ``big``-element float32 tensor (alternating), each timed from
+    the moment the later process enters to the moment the later one leaves (the processes share one monotonic
+    clock). The switch model charges each device a latency per message it sends and one per message it
+    receives, so the latency is half the small exchanges' median; the bandwidth is the extra bytes of a big
+    exchange over the median of its extra time against the small one just before it."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -469,9 +468,9 @@ def exchange_probe(reps: int = 30, big: int = 1 << 18, idle_s: float = 0.01) -> 
         mp.start_processes(_exchange_rank, args=(free_port(), [1, big], reps, idle_s, out), nprocs=2,
                            start_method="fork")
         ranks = [{int(k): v for k, v in json.loads(Path(f"{out}.{r}").read_text()).items()} for r in (0, 1)]
-    own = {n: statistics.median(max(a[1], b[1]) - max(a[0], b[0]) for a, b in zip(ranks[0][n], ranks[1][n]))
-           for n in (1, big)}
-    return own[1] / 2, 4 * (big - 1) / max(own[big] - own[1], 1e-9)
+    own = {n: [max(a[1], b[1]) - max(a[0], b[0]) for a, b in zip(ranks[0][n], ranks[1][n])] for n in (1, big)}
+    extra = statistics.median(b - s for s, b in zip(own[1], own[big]))
+    return statistics.median(own[1]) / 2, 4 * (big - 1) / max(extra, 1e-6)
 
 
 def p2p_probe(reps: int = 50, big: int = 1 << 20, *, fork: bool = False) -> tuple[float, float]:
