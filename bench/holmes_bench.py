@@ -90,15 +90,16 @@ def sent_bytes(tb: T.Testbed, node: str) -> dict[str, int]:
 
 
 def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: int, warmup: int,
-               port: int = 29600, timeout_s: float = 600) -> RunResult:
-    """Train ``layout_path`` for ``steps`` steps, one ``hetero-launch --node`` per emulated node."""
+               port: int = 29600, timeout_s: float = 600, env: dict[str, str] | None = None) -> RunResult:
+    """Train ``layout_path`` for ``steps`` steps, one ``hetero-launch --node`` per emulated node (``env``: more
+    variables for every node, e.g. the runtime's emulation)."""
     lay = layout_mod.load(layout_path)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     master = lay.cluster.master_node.name
-    env = {"MASTER_ADDR": tb.address(master, "xdom"), "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "xdom",
-           "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {**(env or {}), "MASTER_ADDR": tb.address(master, "xdom"), "MASTER_PORT": str(port),
+           "GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     nodes = [n.name for n in lay.cluster.nodes]
     before = {n: sent_bytes(tb, n) for n in nodes}
     procs, logs = {}, {}

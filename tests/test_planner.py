@@ -122,6 +122,37 @@ def test_gradient_sync_is_zero_for_one_pipeline_and_crosses_domains_when_holders
     assert cost.grad_sync_time(cross) >= full / (5e9 / 8)  # every byte over the 5 Gbit/s cross-domain link
 
 
+def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
+    """[plan] action_overhead_us adds to every compute action (1F1B: F and B per microbatch; ZB-H1: F, I and W;
+    interleaved: per chunk), p2p_latency_us to every stage-boundary hop and gradient-ring step."""
+    base = load_cluster(SMALL)
+    path = small_cluster(tmp_path, edit=lambda t: t.replace("[plan]\n", "[plan]\naction_overhead_us = 1000\n"
+                                                             "p2p_latency_us = 300\n", 1))
+    c = load_cluster(path)
+    assert (c.limits.action_overhead_us, c.limits.p2p_latency_us) == (1000, 300)
+    plain, cost = CostModelPlanner(base), CostModelPlanner(c)
+    kind_f, kind_s = c.node("fast0").kind, c.node("slow0").kind
+    a = Group("fast0", "fast", ("fast0:0",), kind_f)
+    b = Group("fast0", "fast", ("fast0:1",), kind_f)
+    s0 = Group("slow0", "slow", ("slow0:0",), kind_s)
+    for schedule, actions in (("1f1b", 2), ("zbh1", 3)):  # one stage: every action is on the critical path
+        one = Candidate((PipelineChoice(8, 4, (StageChoice(a, 8),)),), schedule)
+        assert cost.score(one).step_time - plain.score(one).step_time == pytest.approx(4 * actions * 1e-3)
+    # two stages: the added time is that of a simulation with every action and hop longer by the constants
+    for schedule, chunks in (("1f1b", 1), ("interleaved", 2)):
+        two = Candidate((PipelineChoice(8, 4, (StageChoice(a, 4), StageChoice(s0, 4))),), schedule, chunks)
+        times = [plain.stage_times(g, 4, last, 2, False) for g, last in ((a, False), (s0, True))]
+        bw, lat = plain.boundary(a, s0, 2)
+        acts = pipesim.actions(schedule, 2, 4, chunks)
+        lats = (lat + 3e-4,) * (2 if schedule == "interleaved" else 1)
+        want, _ = pipesim.simulate(acts, [t[0] + chunks * 1e-3 for t in times], [t[1] + chunks * 1e-3 for t in times],
+                                   None, lats, (bw,) * len(lats), 2 * 16 * 32 * 4)
+        assert cost.score(two).pipeline_times[0] == pytest.approx(want)
+        assert cost.score(two).pipeline_times[0] > plain.score(two).pipeline_times[0]
+    dp = Candidate((PipelineChoice(4, 2, (StageChoice(a, 8),)), PipelineChoice(4, 2, (StageChoice(b, 8),))))
+    assert cost.grad_sync_time(dp) - plain.grad_sync_time(dp) == pytest.approx(2 * (2 - 1) * 3e-4)  # one bucket
+
+
 def test_memory_counts_parameter_state_and_activations_in_flight():
     c = load_cluster(SMALL)
     cost = CostModelPlanner(c)
@@ -245,6 +276,17 @@ def test_every_ranked_plan_is_a_valid_layout(tmp_path):
             layout_mod.loads(layout_text(c, cand, score, None), base_dir=path.parent)
 
 
+def test_plan_vs_measured_spreads_its_plans_over_the_ranking():
+    """bench/plan_vs_measured.py runs the pick, then each plan at least min_gap slower than the last chosen."""
+    import sys
+    sys.path.insert(0, str(LAYOUTS.parent / "bench"))
+    import plan_vs_measured
+    ranking = [1.0, 1.01, 1.02, 1.05, 1.06, 1.09, 1.2]
+    assert plan_vs_measured.spread_over_ranking(ranking, 10, 0.03) == [0, 3, 5, 6]
+    assert plan_vs_measured.spread_over_ranking(ranking, 2, 0.03) == [0, 3]
+    assert plan_vs_measured.spread_over_ranking(ranking, 10, 0.0) == list(range(7))
+
+
 def test_cli_writes_json_and_explains(tmp_path):
     out = tmp_path / "plan.toml"
     res = run_plan(SMALL, "-o", out, "--json", "--top", "2")
@@ -267,6 +309,10 @@ BAD = [
     (SCHEDULES, "schedules = []\n", "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved)"),
     ("[plan]\n", "[plan]\nmemory_margin = 1.5\n", "plan.memory_margin: must be in [0, 1), got 1.5"),
     ("[plan]\n", "[plan]\ntime_budget_s = -2\n", "plan.time_budget_s: must be >= 0 (0 = no limit), got -2"),
+    ("[plan]\n", "[plan]\naction_overhead_us = -5\n", "plan.action_overhead_us: must be a number of microseconds "
+     ">= 0 (0 = none), got -5"),
+    ("[plan]\n", "[plan]\np2p_latency_us = -0.5\n", "plan.p2p_latency_us: must be a number of microseconds >= 0 "
+     "(0 = none), got -0.5"),
     ("max_tp = 2\n", "max_tpp = 2\n", "plan.max_tpp: unknown key 'max_tpp' (did you mean 'max_tp'?)"),
     ("[plan.nodes]\n", '[plan.nodes]\nslow0 = "h100"\n', "plan.nodes.slow0: unknown device kind 'h100' (known: a100-40g, a100-80g, "
      "a6000, cpu, cpu2x, h100-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])"),

@@ -8,6 +8,8 @@ A planner cluster file is a layout without ``[[pipelines]]`` (what ``hetero-plac
     schedules = ["1f1b", "zbh1", "interleaved"]
     memory_margin = 0.1             # fraction of each device's memory kept free
     time_budget_s = 60              # stop searching after this long (a plan is always returned)
+    action_overhead_us = 0          # measured: the runtime's own time per compute action (0 on GPUs' scale)
+    p2p_latency_us = 0              # measured: the communication library's latency per message
     [plan.nodes]                    # device kind of each node; keys are node names or globs
     "ib*" = "a100-80g"
     roce0 = "rtx4090"
@@ -90,6 +92,14 @@ class PlanLimits:
     profile: str = _doc("a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
                         "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "
                         "'' = none", default="")
+    action_overhead_us: float = _doc("the runtime's own time per compute action (F, B, I, W) in microseconds: the "
+                                     "interpreter and posting the microbatch's sends and receives, added to every "
+                                     "compute action of every stage; measure it (bench/plan_vs_measured.py does: "
+                                     "docs/benchmarks.md); 0 = none (next to GPU compute it is small)", default=0.0)
+    p2p_latency_us: float = _doc("the communication library's own latency per message in microseconds, on top of "
+                                 "the links' latency_us: added to every stage-boundary transfer and every step of "
+                                 "a gradient all-reduce ring; measure it (a gloo ping-pong: benchlib.p2p_probe); "
+                                 "0 = none", default=0.0)
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved")
@@ -225,6 +235,10 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
         raise LayoutError(file, "plan.memory_margin", f"must be in [0, 1), got {limits.memory_margin:g}")
     if limits.time_budget_s < 0:
         raise LayoutError(file, "plan.time_budget_s", f"must be >= 0 (0 = no limit), got {limits.time_budget_s:g}")
+    for key in ("action_overhead_us", "p2p_latency_us"):
+        value = getattr(limits, key)
+        if value < 0:  # (the key reader already refuses nan and inf)
+            raise LayoutError(file, f"plan.{key}", f"must be a number of microseconds >= 0 (0 = none), got {value:g}")
 
 
 def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind]:

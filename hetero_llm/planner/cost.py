@@ -26,6 +26,13 @@ links; nothing is scaled by a fitted factor. Per transformer layer and sequence 
 
 Step time = the slowest pipeline's simulated step (``simulate.simulate`` on the schedule's actions)
 + gradient sync + optimizer step: the runtime syncs after the last backward and steps after the sync.
+
+Two measured constants of the software, 0 unless the cluster file gives them (``[plan]``): the runtime's
+own time per compute action (``action_overhead_us``: added to every F, B, I and W of every stage, so a
+schedule with more actions per microbatch, interleaving's chunks or ZB-H1's split backward, pays more)
+and the communication library's latency per message (``p2p_latency_us``: added to every link's latency,
+for stage boundaries and each step of a gradient all-reduce ring). Both are what a benchmark measured on
+its machine (bench/plan_vs_measured.py), not fitted to the plans it compares.
 """
 
 from __future__ import annotations
@@ -136,6 +143,8 @@ class CostModelPlanner:
         self.domain_bw = dict(cluster.network.domain_bw)
         self.domain_lat = dict(cluster.network.domain_latency)
         self.margin = cluster.limits.memory_margin
+        self.action_overhead = cluster.limits.action_overhead_us * 1e-6
+        self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
         # sequence lengths: those use the FLOP model)
@@ -217,10 +226,10 @@ class CostModelPlanner:
     def link(self, a: Group, b: Group) -> tuple[float, float]:
         """(bytes/s, latency s) of the path between two groups."""
         if a.node == b.node:
-            return min(a.kind.link_gbps, b.kind.link_gbps) * 1e9 / 8, 0.0
+            return min(a.kind.link_gbps, b.kind.link_gbps) * 1e9 / 8, self.p2p_latency
         if a.domain == b.domain:
-            return self.domain_bw[a.domain], self.domain_lat[a.domain]
-        return self.cluster.network.cross_bw, self.cluster.network.cross_latency
+            return self.domain_bw[a.domain], self.domain_lat[a.domain] + self.p2p_latency
+        return self.cluster.network.cross_bw, self.cluster.network.cross_latency + self.p2p_latency
 
     def boundary(self, a: Group, b: Group, rows: int) -> tuple[float, float]:
         """(effective bytes/s, latency) of one activation crossing a -> b (with the receivers' all-gather)."""
@@ -308,8 +317,13 @@ class CostModelPlanner:
         times = [self.stage_times(s.group, s.layers, i == len(st) - 1, rows, s.recompute) for i, s in enumerate(st)]
         links = [self.boundary(a.group, b.group, rows) for a, b in zip(st, st[1:])]
         nbytes = rows * self.S * self.H * self.act_bytes
-        step, bubble = self._sim(schedule, chunks, pipe.microbatches, tuple(t[0] for t in times),
-                                 tuple(t[1] for t in times), tuple(t[2] for t in times),
+        # the runtime's time per compute action: a microbatch's forward is `c` actions (chunks), its backward
+        # `c` B (or `c` I and `c` W under ZB-H1)
+        c = chunks if schedule == "interleaved" and len(st) > 1 else 1
+        fo = wo = c * self.action_overhead
+        bo = fo * (2 if schedule == "zbh1" else 1)
+        step, bubble = self._sim(schedule, chunks, pipe.microbatches, tuple(t[0] + fo for t in times),
+                                 tuple(t[1] + bo for t in times), tuple(t[2] + wo for t in times),
                                  tuple(x[1] for x in links), tuple(x[0] for x in links), nbytes)
         busiest = max(range(len(st)), key=lambda i: times[i][0] + times[i][1])
         return step, bubble, times[busiest][3] * pipe.microbatches
@@ -356,7 +370,7 @@ class CostModelPlanner:
                 else:
                     bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cluster.network.cross_bw
                     nic[g.node] = nic.get(g.node, 0.0) + nbytes * t / bw
-        lat = self.cluster.network.cross_latency if cross else max(self.domain_lat.values())
+        lat = (self.cluster.network.cross_latency if cross else max(self.domain_lat.values())) + self.p2p_latency
         buckets = len({tuple(id(g) for g in groups) for groups in owner})
         latency = buckets * 2 * (P - 1) * lat
         return max(list(nic.values()) + list(intra.values()) + [0.0]) + latency
