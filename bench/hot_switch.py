@@ -29,7 +29,8 @@ the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, wa
 switch's own time (last rank in to last rank out), and ``bucket_sim.switch_seconds`` of the same switches
 with gloo's latency and bandwidth as a switch sees them (``benchlib.exchange_probe``: two processes idle
 for 10 ms, then one exchange both ways, timed last in to last out; probed before every switching run), a
-memory-copy bandwidth and a host cost per block.
+memory-copy bandwidth and a host cost per block (the switch's own block code over the bench's real switches,
+each round after 0.1 s asleep, as a rank reaches a switch).
 
     python bench/hot_switch.py
     python bench/hot_switch.py --quick
@@ -175,24 +176,55 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     return rank0, own
 
 
-def copy_costs() -> tuple[float, float]:
-    """(bytes/s of copying a few MB, seconds of host work per block) on this host: what a local switch
-    block costs, and what cutting any block out of a shard and writing it into another costs besides
-    its bytes (two narrows, a contiguous copy, an add: the switch's per-transfer work on a tiny block)."""
+def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float, float]:
+    """(bytes/s of copying a few MB, seconds of host work per block) on this host. The second is the switch's
+    own per-transfer code (``hotswitch._block`` and ``_apply``: narrow the source, copy or add into the target)
+    run in this process over device node0:0's transfers of the bench's real switches (home -> b0 -> b1) on
+    full-size parameters, each round after ``idle_s`` asleep: a rank reaches a switch after its compute,
+    asleep under emulated devices, and cold it takes 1.5-2.5x what the same loop takes hot (measured)."""
     import torch
 
+    from hetero_llm import hotswitch, layout as layout_mod
+    from hetero_llm.plan import compile_plan
+    from hetero_llm.switch import bucket_plans, step_switch
+
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    big, small = [], []
+    big = []
     for _ in range(30):
         t0 = time.perf_counter()
         dst.copy_(src)
         big.append(time.perf_counter() - t0)
-    for _ in range(200):
-        t0 = time.perf_counter()
-        block = src.narrow(0, 64, 32).contiguous()
-        dst.narrow(0, 128, 32).add_(block)
-        small.append(time.perf_counter() - t0)
-    return 4 * (1 << 20) / B.median(big), B.median(small)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "switching.toml"
+        path.write_text(layout_text(cfg, "top-up", (1, 1)))
+        lay = layout_mod.load(path)
+    home = compile_plan(lay)
+    slots = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay))}}
+
+    def slot(name, plan):  # every parameter whole, so any transfer's block is in it
+        infos = {i.name: i for r in plan.ranks for i, _, _ in plan.params_of(r.rank)}
+        params = {n: torch.zeros(i.shape) for n, i in infos.items()}
+        for p in params.values():
+            p.grad = torch.zeros_like(p)
+        return hotswitch.Slot(name, plan, None, params, {n: (i.shard_dim or 0, 0) for n, i in infos.items()}, None)
+
+    full = {name: slot(name, plan) for name, plan in slots.items()}
+    seconds, count = 0.0, 0
+    for a, b, grads in (("home", "b0", False), ("b0", "b1", True)):
+        sw = step_switch(home, slots[a], slots[b], params=True, grads=grads)
+        moves = [(t, full["home"]) for t in sw.params] + [(t, full[a]) for t in sw.grads]
+        mine = [(t, origin) for t, origin in moves if "node0:0" in (t.src, t.dst)]
+        rounds = []
+        for _ in range(reps):
+            time.sleep(idle_s)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for t, origin in mine:
+                    hotswitch._apply(full[b], t, hotswitch._block(origin, t))
+            rounds.append(time.perf_counter() - t0)
+        seconds += B.median(rounds)
+        count += len(mine)
+    return 4 * (1 << 20) / B.median(big), seconds / count
 
 
 def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[str, str]) -> tuple[list[dict], int]:
@@ -292,7 +324,7 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
             for name in order:
                 B.say(f"round {r + 1}/{cfg.rounds}: {name}")
                 if LAYOUTS[name] != "static":  # the link as a switch sees it, probed just before the run
-                    latency, bandwidth = B.exchange_probe(reps=5 if cfg is QUICK else 20, big=1 << 17)
+                    latency, bandwidth = B.exchange_probe(reps=5 if cfg is QUICK else 40, big=1 << 17)
                     run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
                 result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env)
                 if LAYOUTS[name] != "static":
@@ -365,8 +397,8 @@ def main(quick: bool, out_dir: Path) -> None:
     cfg = QUICK if quick else Config()
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo exchanges and memory copies on this host")
-    latency, bandwidth = B.exchange_probe(reps=5 if quick else 20, big=1 << 17)
-    copy_bw, per_block = copy_costs()
+    latency, bandwidth = B.exchange_probe(reps=5 if quick else 40, big=1 << 17)
+    copy_bw, per_block = copy_costs(cfg, reps=3 if quick else 15)
     links = {"local": (0.0, copy_bw), "node": (latency, bandwidth), "domain": (latency, bandwidth),
              "cross_domain": (latency, bandwidth)}  # the static runs' pipeline sends; switching runs probe again
     sections, payloads = [], []
