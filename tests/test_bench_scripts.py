@@ -208,7 +208,26 @@ def test_hot_switch_quick(tmp_path):
     # the fixed buckets pad every step to the most microbatches any step needs; elastic ones run what it needs
     fixed = payload["scenarios"][0]["fixed_bucket_microbatches"]
     assert fixed[0] > 1 and fixed[1] > 1
-    assert rows["switching dp2/tp2, elastic"]["predicted_step_s"] < rows["switching dp2/tp2, fixed"]["predicted_step_s"]
-    # topping the long rows up with short documents computes fewer positions
-    assert rows[switching[0]]["predicted_step_s"] < rows["switching dp2/tp2, elastic"]["predicted_step_s"]
     assert max(r["vs_best_static"] for r in payload["results"] if r["layout"].startswith("static")) == 1.0
+
+
+def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path):
+    """The bench's three switching layouts on its full-size config, simulated on the same device and links (the
+    bench's own predictions use a link probed before each run, so they differ by that noise): elastic buckets
+    run no empty microbatches, and top-up also fills the long rows' padding with short documents."""
+    from hetero_llm import bucket_sim, layout as layout_mod
+
+    hot = _load("hot_switch")
+    cfg = hot.Config()
+    device = bucket_sim.EmulatedDevice.parse(hot.device_spec(cfg))
+    links = {"local": (0.0, 50e9), "node": (2e-4, 1.5e9), "domain": (2e-4, 1.5e9), "cross_domain": (2e-4, 1.5e9)}
+    rows = hot.bucket_rows_needed(cfg)
+    steps = {}
+    for mode in ("top-up", "elastic", "fixed"):
+        path = tmp_path / f"{mode}.toml"
+        path.write_text(hot.layout_text(cfg, mode, rows))
+        lay = layout_mod.load(path)
+        steps[mode] = sum(bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=50e9,
+                                                      block_overhead=1e-5).total for s in range(cfg.warmup, cfg.steps))
+    assert rows[0] > 1 and rows[1] > 1  # fixed buckets pad to the most microbatches any step needs
+    assert steps["top-up"] < 0.95 * steps["elastic"] < 0.95 * 0.95 * steps["fixed"]
