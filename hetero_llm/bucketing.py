@@ -49,11 +49,9 @@ def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[in
     free = [bounds[i]] * (max(rows_of[i]) + 1)
     for k, r in zip(mine[i], rows_of[i]):
         free[r] -= len(docs[k]) - 1
-    shorter = sorted(((j, pos) for j in range(i) for pos in range(len(mine[j]))),
-                     key=lambda jp: (-len(docs[mine[jp[0]][jp[1]]]), mine[jp[0]][jp[1]]))
-    moved: set[tuple[int, int]] = set()
-    for j, pos in shorter:
-        k = mine[j][pos]
+    shorter = sorted((k for j in range(i) for k in mine[j]), key=lambda k: (-len(docs[k]), k))
+    moved: set[int] = set()
+    for k in shorter:
         need = len(docs[k]) - 1
         row = next((r for r, f in enumerate(free) if f >= need), None)
         if row is None:
@@ -61,10 +59,9 @@ def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[in
         free[row] -= need
         mine[i].append(k)
         rows_of[i].append(row)
-        moved.add((j, pos))
+        moved.add(k)
     for j in range(i):
-        keep = [pos for pos in range(len(mine[j])) if (j, pos) not in moved]
-        mine[j] = [mine[j][pos] for pos in keep]
+        mine[j] = [k for k in mine[j] if k not in moved]
         rows_of[j] = first_fit_decreasing([len(docs[k]) for k in mine[j]], bounds[j]) if mine[j] else []
 
 

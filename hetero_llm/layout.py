@@ -38,8 +38,8 @@ __all__ = [
     "Backend", "BucketSpec", "ClusterSpec", "CommLib", "Compile", "CrossDomainSpec", "DataKind", "DataSpec",
     "DomainKind", "DomainSpec", "Layout", "LayoutError", "Mlp", "ModelSpec", "NodeSpec", "Norm", "Optimizer",
     "Packing", "PipelineSpec", "Position", "Precision", "Recompute", "Schedule", "StageSpec", "TokenDtype",
-    "TrainSpec", "build", "bucket_layout", "elastic_layout", "from_dict", "load", "loads", "model_from_dict", "read_cluster_file",
-    "schema_markdown", "spec_dict", "validate", "validate_cluster",
+    "TrainSpec", "build", "bucket_layout", "elastic_layout", "from_dict", "load", "loads", "model_from_dict",
+    "read_cluster_file", "schema_markdown", "spec_dict", "validate", "validate_cluster",
 ]
 
 build = layout_toml.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
