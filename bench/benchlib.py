@@ -431,14 +431,15 @@ def _p2p_rank(rank: int, port: int, sizes: list[int], reps: int, out: str) -> No
     dist.destroy_process_group()
 
 
-def _exchange_rank(rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str) -> None:
+def _exchange_rank(rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str,
+                   addr: str = "127.0.0.1") -> None:
     import torch
     import torch.distributed as dist
 
     from hetero_llm import p2p
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
     buffers = {n: (torch.zeros(n), torch.empty(n)) for n in sizes}
     spans: dict[int, list] = {n: [] for n in sizes}
     for i in range(reps + 2):
@@ -467,7 +468,13 @@ def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> 
         out = str(Path(tmp, "exchange"))
         mp.start_processes(_exchange_rank, args=(free_port(), [1, big], reps, idle_s, out), nprocs=2,
                            start_method="fork")
-        ranks = [{int(k): v for k, v in json.loads(Path(f"{out}.{r}").read_text()).items()} for r in (0, 1)]
+        return exchange_result(out, big)
+
+
+def exchange_result(out: str, big: int) -> tuple[float, float]:
+    """``exchange_probe``'s (latency, bandwidth) from the two ``_exchange_rank`` files ``{out}.0`` and ``{out}.1``
+    (the ranks may have run anywhere on this host: ``hot_switch.py`` runs them on testbed nodes)."""
+    ranks = [{int(k): v for k, v in json.loads(Path(f"{out}.{r}").read_text()).items()} for r in (0, 1)]
     own = {n: [max(a[1], b[1]) - max(a[0], b[0]) for a, b in zip(ranks[0][n], ranks[1][n])] for n in (1, big)}
     extra = statistics.median(b - s for s, b in zip(own[1], own[big]))
     return statistics.median(own[1]) / 2, 4 * (big - 1) / max(extra, 1e-6)

@@ -32,13 +32,23 @@ for 10 ms, then one exchange both ways, timed last in to last out; probed before
 memory-copy bandwidth and a host cost per block (the switch's own block code over the bench's real switches,
 each round after 0.1 s asleep, as a rank reaches a switch).
 
-    python bench/hot_switch.py
+Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
+devices are two emulated nodes (``bench/testbed.py``) of one domain, every link shaped to the TP link's rate with
+no added delay, so switches, TP all-reduces and the probes cross the link the model charges for (a cluster's
+switch crosses its network; on this host's loopback a switch of ~1 MB takes ~1 ms, as long as the scheduling
+noise of two busy cores). Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two
+devices (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
+
+    sudo python bench/hot_switch.py
+    python bench/hot_switch.py --network loopback
     python bench/hot_switch.py --quick
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -71,18 +81,40 @@ class Config:
     tp_comm: float = 0.5  # TP 2: a layer's forward all-reduces / its forward matmuls
     scenarios: tuple[float, ...] = (0.5, 2.0)  # the tp_comm values run, each a separate comparison
     cap_positions: int = 256  # the memory cap, in positions through every layer per device
+    probe_reps: int = 40  # exchanges of each size per link probe
+    network: str = "loopback"  # "testbed": the two devices on two emulated nodes joined by a link at the TP link's rate
+
+    @property
+    def devices(self) -> tuple[str, str]:
+        return ("node0:0", "node1:0") if self.network == "testbed" else ("node0:0", "node0:1")
+
+    @property
+    def tp_gbps(self) -> float:
+        """The TP link (Gbit/s) for ``tp_comm``: per position and layer at TP 2, the two forward all-reduces move
+        2 * (1/2) * hidden * 4 bytes each; the forward matmuls are 24 hidden^2 / 2 FLOPs."""
+        matmul_s = 24 * self.hidden ** 2 / 2 / (self.gflops * 1e9)
+        return 2 * self.hidden * FLOAT32 / (self.tp_comm * matmul_s) * 8 / 1e9
 
 
 QUICK = Config(layers=2, hidden=32, heads=4, seq_len=64, global_batch=4, steps=3, warmup=1, short=32, median=8.0,
-               rounds=1, gflops=4.0, cap_positions=32, scenarios=(0.5,))
+               rounds=1, gflops=4.0, cap_positions=32, scenarios=(0.5,), probe_reps=5)
 
 
 def device_spec(cfg: Config) -> str:
-    """HETERO_EMULATE_DEVICE's spec: the TP link from ``tp_comm`` (per position and layer at TP 2, the two
-    forward all-reduces move 2 * (1/2) * hidden * 4 bytes each; the forward matmuls are 24 hidden^2 / 2 FLOPs)."""
-    matmul_s = 24 * cfg.hidden ** 2 / 2 / (cfg.gflops * 1e9)
-    tp_bytes_s = 2 * cfg.hidden * FLOAT32 / (cfg.tp_comm * matmul_s)
-    return f"gflops={cfg.gflops:g};tp_gbps={tp_bytes_s * 8 / 1e9:.6g};tp_latency_us=0"
+    """HETERO_EMULATE_DEVICE's spec: the device's speed and the TP link from ``tp_comm``."""
+    return f"gflops={cfg.gflops:g};tp_gbps={cfg.tp_gbps:.6g};tp_latency_us=0"
+
+
+def cluster_text(cfg: Config) -> str:
+    """Loopback: one node of two CPU devices. Testbed: two nodes of one device in one domain whose fabric, and the
+    cross-domain one (the default group's: switches), run at the TP link's rate with no added delay."""
+    if cfg.network != "testbed":
+        return "\n".join(["[[cluster.nodes]]", 'name = "node0"', 'devices = ["cpu", "cpu"]', ""])
+    link = [f"bandwidth_gbps = {cfg.tp_gbps:.6g}", "latency_us = 0"]
+    return "\n".join(["[[cluster.domains]]", 'name = "d0"', 'kind = "ethernet"', *link, 'gloo_ifname = "dom0"',
+                      "[cluster.cross_domain]", *link, 'gloo_ifname = "xdom"',
+                      *(line for n in (0, 1) for line in ("[[cluster.nodes]]", f'name = "node{n}"', 'devices = ["cpu"]',
+                                                         'domain = "d0"')), ""])
 
 
 def common(cfg: Config) -> str:
@@ -93,12 +125,12 @@ def common(cfg: Config) -> str:
         "warmup_steps = 1", "log_every = 1",
         "", "[data]", 'kind = "grammar"', 'packing = "documents"', f"doc_len_median = {cfg.median}",
         f"doc_len_sigma = {cfg.sigma}",
-        "", "[cluster]", "timeout_s = 120", "[[cluster.nodes]]", 'name = "node0"', 'devices = ["cpu", "cpu"]', ""])
+        "", "[cluster]", "timeout_s = 120", cluster_text(cfg)])
 
 
-def tp2(batch: int, microbatches: int, layers: int, prefix: str = "pipelines") -> list[str]:
+def tp2(cfg: Config, batch: int, microbatches: int, prefix: str = "pipelines") -> list[str]:
     return [f"[[{prefix}]]", f"batch = {batch}", f"microbatches = {microbatches}", f"[[{prefix}.stages]]",
-            f"layers = {layers}", 'devices = ["node0:0", "node0:1"]']
+            f"layers = {cfg.layers}", f"devices = {json.dumps(list(cfg.devices))}"]
 
 
 def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
@@ -107,7 +139,7 @@ def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "x.toml"
-        path.write_text(common(cfg) + "\n".join(tp2(cfg.global_batch, cfg.global_batch, cfg.layers)) + "\n")
+        path.write_text(common(cfg) + "\n".join(tp2(cfg, cfg.global_batch, cfg.global_batch)) + "\n")
         lay = layout_mod.load(path)
     source = documents.make_document_source(lay.data, cfg.seq_len, "x")
     short = long_ = 1
@@ -129,16 +161,16 @@ def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
     documents under DP 2 (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch); elastic
     buckets run the microbatches each step needs, fixed ones the most any step needs (``rows``: (short per device,
     long)); ``top-up``: elastic, the long bucket's rows also take short documents into their free positions."""
-    lines = tp2(cfg.global_batch, cfg.global_batch, cfg.layers)
+    lines = tp2(cfg, cfg.global_batch, cfg.global_batch)
     if mode != "static":
         short, long_ = rows if mode == "fixed" else (1, 1)
         elastic = [f"elastic = {str(mode != 'fixed').lower()}"]
         lines += ["", "[[buckets]]", f"max_len = {cfg.short}", *elastic]
-        for d in (0, 1):
+        for d in cfg.devices:
             lines += ["[[buckets.pipelines]]", f"batch = {short}", f"microbatches = {short}",
-                      "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["node0:{d}"]']
+                      "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["{d}"]']
         lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *elastic,
-                  *(["top_up = true"] if mode == "top-up" else []), *tp2(long_, long_, cfg.layers, "buckets.pipelines")]
+                  *(["top_up = true"] if mode == "top-up" else []), *tp2(cfg, long_, long_, "buckets.pipelines")]
     return common(cfg) + "\n".join(lines) + "\n"
 
 
@@ -213,7 +245,7 @@ def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float,
     for a, b, grads in (("home", "b0", False), ("b0", "b1", True)):
         sw = step_switch(home, slots[a], slots[b], params=True, grads=grads)
         moves = [(t, full["home"]) for t in sw.params] + [(t, full[a]) for t in sw.grads]
-        mine = [(t, origin) for t, origin in moves if "node0:0" in (t.src, t.dst)]
+        mine = [(t, origin) for t, origin in moves if cfg.devices[0] in (t.src, t.dst)]
         rounds = []
         for _ in range(reps):
             time.sleep(idle_s)
@@ -227,21 +259,84 @@ def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float,
     return 4 * (1 << 20) / B.median(big), seconds / count
 
 
-def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[str, str]) -> tuple[list[dict], int]:
+_PEAK_WRAPPER = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
+
+
+def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[str, str],
+                     tb=None) -> tuple[list[dict], int]:
     """``hetero-launch`` run inside a small wrapper process whose waited-for children are the launcher and its
-    ranks, so the wrapper's children's peak RSS is this run's largest process (KiB)."""
+    ranks, so the wrapper's children's peak RSS is this run's largest process (KiB). ``tb`` (a testbed): one
+    ``hetero-launch --node`` per emulated node, each in its node's namespace, rendezvous on the cross-domain
+    fabric (the default group's, which switches use)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
-           "--set", f"cluster.port={B.free_port()}", *(["--trace", str(trace)] if trace else [])]
-    wrapper = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
-    proc = subprocess.run([sys.executable, "-c", wrapper, *cmd], capture_output=True, text=True, timeout=900,
-                          env=B.clean_env(env), cwd=B.ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+           *(["--trace", str(trace)] if trace else [])]
+    if tb is None:
+        cmd += ["--set", f"cluster.port={B.free_port()}"]
+        proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *cmd], capture_output=True, text=True,
+                              timeout=900, env=B.clean_env(env), cwd=B.ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        peak = int(proc.stdout.split()[-1])
+    else:
+        peak = _launch_testbed(tb, cmd, workdir, env)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return rows, int(proc.stdout.split()[-1])
+    return rows, peak
+
+
+def _launch_testbed(tb, cmd: list[str], workdir: Path, env: dict[str, str], timeout_s: float = 900) -> int:
+    env = {**env, "MASTER_ADDR": tb.address("node0", "xdom"), "MASTER_PORT": str(B.free_port()), "GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1"}
+    procs, logs = {}, {}
+    try:
+        for node in ("node0", "node1"):
+            logs[node] = workdir / f"{node}.log"
+            with open(logs[node], "w") as log:
+                procs[node] = tb.run(node, [sys.executable, "-c", _PEAK_WRAPPER, *cmd, "--node", node], env=env,
+                                     stdout=log, stderr=subprocess.STDOUT, cwd=B.ROOT)
+        deadline = time.monotonic() + timeout_s
+        while any(p.poll() is None for p in procs.values()):
+            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    bad = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
+    if bad:
+        output = "\n".join(f"--- {n}\n{path.read_text()}" for n, path in logs.items())
+        raise RuntimeError(f"{' '.join(cmd)} failed on the testbed ({bad}):\n{output}")
+    return max(int(path.read_text().split()[-1]) for path in logs.values())
+
+
+def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tuple[float, float]:
+    """``benchlib.exchange_probe`` between the testbed's two nodes, over their domain's fabric (where the world
+    group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp, "exchange"))
+        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import benchlib; "
+                f"benchlib._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
+                f"{tb.address('node0', 'domain')!r})")
+        procs = [tb.run(f"node{r}", [sys.executable, "-c", code, str(r)],
+                        env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+        for proc in procs:
+            if proc.wait(timeout=600) != 0:
+                raise RuntimeError(f"the exchange probe on the testbed failed ({proc.returncode})")
+        return B.exchange_result(out, big)
+
+
+def testbed(cfg: Config):
+    """Two emulated nodes of one domain; both fabrics at the TP link's rate (``cfg.tp_gbps``), no added delay."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import testbed as T  # bench/testbed.py
+
+    fabric = T.FabricSpec(f"{cfg.tp_gbps * 1000:.6g}mbit", "0us")
+    spec = T.TestbedSpec((T.EmulatedDomain("d0", fabric),), (T.EmulatedNode("node0", "d0"),
+                                                             T.EmulatedNode("node1", "d0")), fabric)
+    return T.Testbed(spec, delay=T.DelayMode.NONE)
 
 
 def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float,
@@ -287,13 +382,13 @@ def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[flo
     return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 
 
-def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str]) -> dict:
+def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str], tb=None) -> dict:
     switching = LAYOUTS[name] != "static"
     folder.mkdir(parents=True, exist_ok=True)
     layout = folder / (name.replace(",", "").replace(" ", "_").replace("/", "_") + ".toml")
     layout.write_text(layout_text(cfg, LAYOUTS[name], rows))
     trace = folder / (layout.stem + "_trace")
-    steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env)
+    steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env, tb)
     steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
     out = {"layout": name, "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
@@ -307,6 +402,13 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
     return out
 
 
+def network_line(cfg: Config) -> str:
+    if cfg.network == "testbed":
+        return (f"on two testbed nodes joined by {cfg.tp_gbps * 1000:.0f} Mbit/s links, the TP link's rate, no added "
+                f"delay: switches, TP all-reduces and the probes cross them")
+    return "one node; switches and TP all-reduces over loopback"
+
+
 def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     """One comparison (static and switching, interleaved) on one emulated device. Before each switching run,
     ``benchlib.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
@@ -318,15 +420,25 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
     rows = bucket_rows_needed(cfg)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
+
+        def probe() -> tuple[float, float]:  # the link as a switch sees it
+            if tb:
+                return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17)
+            return B.exchange_probe(reps=cfg.probe_reps, big=1 << 17)
+
+        if tb:  # the static runs' links (pipeline sends): the testbed's, not loopback's
+            link = probe()
+            links = {**links, "node": link, "domain": link, "cross_domain": link}
         for r in range(cfg.rounds):
             order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
             for name in order:
                 B.say(f"round {r + 1}/{cfg.rounds}: {name}")
-                if LAYOUTS[name] != "static":  # the link as a switch sees it, probed just before the run
-                    latency, bandwidth = B.exchange_probe(reps=5 if cfg is QUICK else 40, big=1 << 17)
+                if LAYOUTS[name] != "static":  # probed just before the run
+                    latency, bandwidth = probe()
                     run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
-                result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env)
+                result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env, tb)
                 if LAYOUTS[name] != "static":
                     result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
                     switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), run_links,
@@ -371,7 +483,7 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
         f"## TP all-reduces = {cfg.tp_comm:g} x the forward matmuls", "",
         f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
         f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
-        f"{cfg.sigma:g}). Two emulated devices, HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
+        f"{cfg.sigma:g}). Two emulated devices ({network_line(cfg)}), HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
         f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
         f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
         f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: "
@@ -392,9 +504,18 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
 
 @click.command()
 @click.option("--quick", is_flag=True, help="A tiny model and one round: checks the script end to end (seconds).")
+@click.option("--network", type=click.Choice(["auto", "testbed", "loopback"]), default="auto", show_default=True,
+              help="testbed: the two devices on two emulated nodes (network namespaces, needs root) joined by a link "
+                   "shaped to the TP link's rate; loopback: one node. auto: the testbed where it can be built, except "
+                   "with --quick.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick: bool, out_dir: Path) -> None:
-    cfg = QUICK if quick else Config()
+def main(quick: bool, network: str, out_dir: Path) -> None:
+    if network == "auto":
+        network = "testbed" if not quick and _testbed_available() else "loopback"
+    elif network == "testbed" and not _testbed_available():
+        sys.exit("hot_switch: --network testbed needs root and network namespaces (bench/testbed.py check)")
+    cfg = attrs.evolve(QUICK if quick else Config(), network=network)
+    name = NAME + ("_testbed" if network == "testbed" else "")
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo exchanges and memory copies on this host")
     latency, bandwidth = B.exchange_probe(reps=5 if quick else 40, big=1 << 17)
@@ -409,7 +530,8 @@ def main(quick: bool, out_dir: Path) -> None:
         sections.append(markdown)
         payloads.append(payload)
     load_after = B.load_average()
-    title = f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices)"
+    title = (f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
+             f"{'two testbed nodes' if network == 'testbed' else 'loopback'})")
     markdown = "\n".join([title, "",
                          f"`{B.command_line()}`", "", *sections,
                          f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
@@ -417,10 +539,17 @@ def main(quick: bool, out_dir: Path) -> None:
                "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
                        "per_block_s": per_block}, "scenarios": payloads,
                "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (see tp_comm)
-    md, js = B.write_results(out_dir, NAME, markdown, payload)
-    plot(payloads[0]["results"], out_dir / f"{NAME}.png")
+    md, js = B.write_results(out_dir, name, markdown, payload)
+    plot(payloads[0]["results"], out_dir / f"{name}.png")
     print(markdown)
     B.say(f"wrote {md}, {js}")
+
+
+def _testbed_available() -> bool:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import testbed as T  # bench/testbed.py
+
+    return os.geteuid() == 0 and T.available()[0]
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -82,11 +82,13 @@ class Fabric(str, enum.Enum):
 
 
 class DelayMode(str, enum.Enum):
-    """How a fabric's delay is made: 'auto' picks 'netem' where the kernel has it, else 'relay'."""
+    """How a fabric's delay is made: 'auto' picks 'netem' where the kernel has it, else 'relay'; 'none' adds
+    no delay (the host stack's own latency only; refused when a fabric declares a delay)."""
 
     AUTO = "auto"
     NETEM = "netem"
     RELAY = "relay"
+    NONE = "none"
 
 
 @attrs.frozen
@@ -486,6 +488,10 @@ class Testbed:
             raise TestbedError(
                 "testbed: delay 'netem' asked for, but this kernel has no sch_netem (use 'relay' or 'auto')"
             )
+        fabrics = [*(d.fabric for d in self.spec.domains), self.spec.cross]
+        if mode is DelayMode.NONE and any(f.delay_s > 0 for f in fabrics):
+            raise TestbedError("testbed: delay 'none' asked for, but a fabric declares a delay (set it to '0ms', or "
+                               "use 'auto')")
         clash = [n for n in list_namespaces(f"{PREFIX}{self.run_id}") if n in self.namespaces()]
         if clash:
             raise TestbedError(f"testbed: run id {self.run_id!r} is in use ({', '.join(clash)}); pick another")

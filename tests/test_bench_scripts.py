@@ -231,3 +231,35 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
                                                       block_overhead=1e-5).total for s in range(cfg.warmup, cfg.steps))
     assert rows[0] > 1 and rows[1] > 1  # fixed buckets pad to the most microbatches any step needs
     assert steps["top-up"] < 0.95 * steps["elastic"] < 0.95 * 0.95 * steps["fixed"]
+
+
+def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domain(tmp_path):
+    """``--network testbed``: two one-device nodes of one domain whose fabric (and the cross-domain one) run at the
+    TP link's rate; the switching layout's buckets use both nodes and the simulator sees the same switches as on one
+    node (the bytes moved do not depend on where the devices are)."""
+    import attrs
+
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+    from hetero_llm.switch import bucket_plans, step_switch
+
+    hot = _load("hot_switch")
+    bytes_moved = {}
+    for network in ("testbed", "loopback"):
+        cfg = attrs.evolve(hot.Config(), network=network, tp_comm=2.0)
+        path = tmp_path / f"{network}.toml"
+        path.write_text(hot.layout_text(cfg, "top-up", (1, 1)))
+        lay = layout_mod.load(path)
+        if network == "testbed":
+            assert [(n.name, n.domain, len(n.devices)) for n in lay.cluster.nodes] == [("node0", "d0", 1),
+                                                                                    ("node1", "d0", 1)]
+            (domain,) = lay.cluster.domains
+            assert domain.bandwidth_gbps == lay.cluster.cross_domain.bandwidth_gbps == pytest.approx(cfg.tp_gbps, 1e-5)
+            assert f"tp_gbps={cfg.tp_gbps:.6g}" in hot.device_spec(cfg)
+            assert {d for b in lay.buckets for p in b.pipelines for s in p.stages for d in s.devices} == \
+                {"node0:0", "node1:0"}
+        home = compile_plan(lay)
+        b0, b1 = bucket_plans(lay)
+        bytes_moved[network] = [sum(t.nbytes for t in step_switch(home, a, b, params=True, grads=g).transfers
+                                    if t.src != t.dst) for a, b, g in ((home, b0, False), (b0, b1, True))]
+    assert bytes_moved["testbed"] == bytes_moved["loopback"] and min(bytes_moved["testbed"]) > 0

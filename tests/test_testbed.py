@@ -207,6 +207,20 @@ def test_processes_see_their_interfaces_addresses_and_node(netns_ok) -> None:
 
 
 @pytest.mark.netns
+def test_delay_none_shapes_rate_without_a_relay_and_refuses_a_declared_delay(netns_ok) -> None:
+    fabric = testbed.FabricSpec("100mbit", "0us")
+    spec = testbed.TestbedSpec([testbed.EmulatedDomain("d0", fabric)],
+                               [testbed.EmulatedNode("a", "d0"), testbed.EmulatedNode("b", "d0")], fabric)
+    with testbed.Testbed(spec, delay="none") as tb:
+        assert tb.delay_mode is testbed.DelayMode.NONE and tb._procs == []  # no relay process
+        path = testbed.measure(tb, "a", "b", "domain", seconds=0.5, rounds=10)
+        assert 0.3 * fabric.bits_per_s <= path.bits_per_s <= 1.2 * fabric.bits_per_s, path
+    with pytest.raises(testbed.TestbedError, match="delay 'none' asked for, but a fabric declares a delay"):
+        with testbed.Testbed(_cluster(), delay="none"):
+            pass
+
+
+@pytest.mark.netns
 def test_exit_kills_processes_and_removes_namespaces_and_links(netns_ok) -> None:
     with testbed.Testbed(_cluster()) as tb:
         assert len(testbed.list_namespaces(f"hl_{tb.run_id}")) == 5  # four nodes and the switch
