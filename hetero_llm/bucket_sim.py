@@ -169,7 +169,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
-    from hetero_llm import bucketing, documents
+    from hetero_llm import bucketing, documents, evaluate
     from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switch import bucket_plans, step_switch
@@ -177,7 +177,7 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
     home = compile_plan(layout)
     plans = bucket_plans(layout)
     if source is None:
-        source = documents.make_document_source(layout.data, layout.model.seq_len, layout.file)
+        source = evaluate.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
     docs = documents.fill_documents(source, layout.train.seed, step, layout.train.global_batch, layout.model.seq_len)
     times: list[float | None] = []
     switches: list[tuple[str, str, float]] = []

@@ -157,9 +157,9 @@ def _checked_source(lay: layout_mod.Layout):
 
     source = data.make_source(lay.data, lay.file)
     if lay.data.packing is layout_mod.Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
-        from hetero_llm import documents
+        from hetero_llm import evaluate
 
-        documents.make_document_source(lay.data, lay.model.seq_len, lay.file)
+        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)  # and the held-out ones
     elif isinstance(source, textcache.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
     tokenfiles.check_vocab(source, lay.model.vocab, lay.file)

@@ -150,6 +150,15 @@ class FileDocuments:
     def num_documents(self) -> int:
         return len(self.starts)
 
+    def split(self, fraction: float) -> tuple[FileDocuments, FileDocuments]:
+        """(the documents before, the last ``fraction`` of the documents in file order): training's and
+        held-out ones (``data.valid_fraction``); each keeps at least one."""
+        if self.num_documents < 2:
+            raise ValueError(f"'{self.path}' has {self.num_documents} document: nothing to hold out")
+        cut = min(max(int(round(self.num_documents * (1 - fraction))), 1), self.num_documents - 1)
+        return (FileDocuments(self.tokens, self.starts[:cut], self.lengths[:cut], self.path),
+                FileDocuments(self.tokens, self.starts[cut:], self.lengths[cut:], self.path))
+
     def candidates(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         ids = rng.integers(0, self.num_documents, size=n)
         return ids, self.lengths[ids]
@@ -239,16 +248,20 @@ def fill_rows(source: DocumentSource, seed: int, step: int, rows: int, width: in
     """One step's documents packed into ``rows`` rows of ``width`` positions: a pure function of (seed,
     step, rows, width). Candidates are placed first-fit in the order drawn until ``_MISSES`` in a row fit
     nowhere, so a static layout's global batch (rows) stays the same whatever the documents."""
-    return pack_placed(*_fill(source, seed, step, rows, width), rows, width)
+    return fill_rows_from(source, _step_rng(seed, step), rows, width)
+
+
+def fill_rows_from(source: DocumentSource, rng: np.random.Generator, rows: int, width: int) -> PackedRows:
+    """``fill_rows`` with candidates drawn from ``rng`` (held-out rows draw from a stream of their own)."""
+    return pack_placed(*_fill(source, rng, rows, width), rows, width)
 
 
 def fill_documents(source: DocumentSource, seed: int, step: int, rows: int, width: int) -> list[np.ndarray]:
     """The documents ``fill_rows`` packs, for a layout that packs them otherwise (hot switching's buckets)."""
-    return _fill(source, seed, step, rows, width)[0]
+    return _fill(source, _step_rng(seed, step), rows, width)[0]
 
 
-def _fill(source: DocumentSource, seed: int, step: int, rows: int, width: int) -> tuple[list[np.ndarray], list[int]]:
-    rng = _step_rng(seed, step)
+def _fill(source: DocumentSource, rng: np.random.Generator, rows: int, width: int) -> tuple[list[np.ndarray], list[int]]:
     free = np.full(rows, width, dtype=np.int64)
     ids, lengths, placed, misses = [], [], [], 0
     while misses < _MISSES and free.max() >= 1:

@@ -200,12 +200,6 @@ def _validate_eval(layout: Layout) -> None:
     if d.valid_path and not Path(d.valid_path).is_file():
         raise LayoutError(f, "data.valid_path", f"file '{d.valid_path}' does not exist (give a held-out file of the "
                           f"same kind as data.path)")
-    if t.eval_every and d.packing is Packing.DOCUMENTS:
-        raise LayoutError(f, "train.eval_every", "is not supported with data.packing = 'documents' yet (set "
-                          "eval_every = 0, or packing = 'none')")
-    if t.eval_every and layout.buckets:
-        raise LayoutError(f, "train.eval_every", "is not supported with [[buckets]] (hot switching) yet (set "
-                          "eval_every = 0)")
     if t.eval_every and d.kind is not DataKind.GRAMMAR and not (d.valid_path or d.valid_fraction):
         raise LayoutError(f, "train.eval_every", "needs held-out data (set data.valid_path, or data.valid_fraction "
                           "= 0.05 to hold out the end of data.path)")

@@ -224,7 +224,9 @@ class TrainSpec:
        "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
        "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)", default=Optimizer.ADAMW)
     log_every: int = key("print progress every N steps", default=1, check=at_least(1))
-    eval_every: int = key("compute the held-out loss every N steps and after the last; 0 = never", default=0,
+    eval_every: int = key("compute the held-out loss every N steps and after the last; 0 = never (with packing: "
+                          "over held-out documents packed as training's; with [[buckets]]: under the home layout)",
+                          default=0,
                           check=at_least(0))
     eval_batches: int = key("held-out batches of global_batch sequences per evaluation: the same ones every "
                             "time, whatever the layout", default=4, check=at_least(1))
@@ -252,8 +254,9 @@ class DataSpec:
                          "layout file; every document ends with its end-of-document token", default="bytes")
     valid_path: str = key("held-out file of the same kind (and tokenizer) for train.eval_every, relative to the "
                           "layout file; '' = none", default="")
-    valid_fraction: float = key("hold out this last fraction of data.path's tokens instead of a valid_path "
-                                "(training never samples them); 0 = none", default=0.0,
+    valid_fraction: float = key("hold out this last fraction of data.path's tokens (with packing = "
+                                "'documents': of its documents) instead of a valid_path (training never samples "
+                                "them); 0 = none", default=0.0,
                                 check=Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v:g} (e.g. 0.05)"))
     token_dtype: TokenDtype = key("'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file "
                                   "says its own)", default=TokenDtype.UINT16)

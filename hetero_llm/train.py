@@ -217,12 +217,12 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
                          Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
                          optimizer_hooks=optimizer.hooks() if sharded else {})
     packed = rp.data.packing is Packing.DOCUMENTS
-    if packed:  # held-out evaluation is refused with packing (layout.py)
-        source, valid = documents.make_document_source(rp.data, model.seq_len, rp.file), None
+    if packed:
+        source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
     else:
         source, valid = evaluate.sources(rp.data, rp.file)
     global_tokens = tr.global_batch * model.seq_len
-    contributes_loss = rp.counts_loss
+    contributes_loss = home_counts_loss = rp.counts_loss  # held-out batches run under the home layout
     if rp.hot_switching:  # every bucket of a step under its own layout (hotswitch.py)
         if switcher is None:
             raise ValueError("a layout with [[buckets]] trains through hotswitch.Switcher: pass switcher=")
@@ -277,7 +277,7 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
             valid_loss = None
             if valid is not None and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
-                valid_loss = held_out_loss(rp, runner, valid, contributes_loss)
+                valid_loss = held_out_loss(rp, runner, valid, home_counts_loss)
             m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
             if keep_history:
                 history.append(m)
@@ -312,17 +312,24 @@ def _summary_writer(directory: str):
 
 
 def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:
-    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only."""
+    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only
+    (packed documents: over their targets, padding excluded)."""
     tr, model = rp.train, rp.model
-    tokens = tr.global_batch * model.seq_len
     total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
+    targets = 0
     for index in range(tr.eval_batches):
-        batch = evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len)
-        loss_sum = runner.run_forward(rp.actions, _microbatches(rp, batch), tokens)
+        if rp.data.packing is Packing.DOCUMENTS:
+            rows = evaluate.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
+            tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
+        else:
+            tokens = tr.global_batch * model.seq_len
+            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len))
+        loss_sum = runner.run_forward(rp.actions, mbs, tokens)
+        targets += tokens
         if contributes_loss:
             total += loss_sum
     collectives.all_reduce_world(total)
-    return float(total) / (tokens * tr.eval_batches)
+    return float(total) / targets
 
 
 def _open_metrics(path: str, first_step: int) -> int:

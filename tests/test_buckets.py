@@ -4,11 +4,13 @@ Bad input is in tests/bad_layouts/bucket*.toml. Here: what each bucket compiles 
 shows, and layout invariance: a switching run trains the same model as one process on the same
 documents (float32, 1e-5 per step), for 3 buckets over DP 4 / TP 2 x DP 2 / PP 2 x TP 2 (1f1b, gpipe),
 for 3 buckets over TP 3 (home) / asymmetric zbh1 / PP 2 with TP 2 then 1, dynamic / interleaved with an
-idle device (TP 2 <-> TP 3), with empty buckets skipped, and across a resume in the middle of a run.
+idle device (TP 2 <-> TP 3), with empty buckets skipped, and across a resume in the middle of a run; held-out
+loss under the home layout equals one process's.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import attrs
@@ -164,9 +166,16 @@ def test_buckets_can_be_overridden_from_the_command_line():
 
 @pytest.mark.multiprocess
 def test_two_buckets_dp2_and_home_tp2_train_the_one_process_model(tmp_path):
+    """... and evaluate as it does: held-out documents packed into the home layout's rows, after every step."""
     two = DATA / "buckets_two.toml"
-    ref = launch(one_process(two, tmp_path / "ref"), tmp_path / "ref")
-    assert_same_model(launch(two, tmp_path / "run"), ref)
+    evaluating = ("--set", "train.eval_every=1", "--set", "train.eval_batches=2")
+    ref = launch(one_process(two, tmp_path / "ref"), tmp_path / "ref", *evaluating)
+    assert_same_model(launch(two, tmp_path / "run", *evaluating), ref)
+    valid = {k: [json.loads(line)["valid_loss"] for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+             for k in ("ref", "run")}
+    assert len(valid["ref"]) == 2 and valid["ref"][1] != valid["ref"][0]  # two evaluations, of two models
+    for a, b in zip(valid["run"], valid["ref"]):
+        assert abs(a - b) <= 1e-5 * b, valid
 
 
 def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_path):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm.data import GrammarSource, make_source
 from hetero_llm.docmask import DocumentMask, ladder_length
-from hetero_llm import layout as layout_mod
+from hetero_llm import evaluate, layout as layout_mod
 from hetero_llm.documents import (IGNORE, make_document_source, FileDocuments, GrammarDocuments, fill_rows, first_fit_decreasing, pack,
                                   pack_placed, step_documents)
 from hetero_llm.errors import LayoutError
@@ -242,10 +242,32 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
     assert 'packing = "documents"' in PACKED
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
-    ref = launch(write_layout(tmp_path / "ref" / "ref.toml", PACKED, [(12, 3, [(6, 1)])]), tmp_path / "ref")
+    evaluating = ("--set", "train.eval_every=2", "--set", "train.eval_batches=2")  # after steps 2 and 3
+    ref = launch(write_layout(tmp_path / "ref" / "ref.toml", PACKED, [(12, 3, [(6, 1)])]), tmp_path / "ref", *evaluating)
     run = launch(write_layout(tmp_path / "run" / "run.toml", PACKED, [(8, 4, [(2, 1), (4, 2)]), (4, 2, [(6, 1)])]),
-                 tmp_path / "run")
+                 tmp_path / "run", *evaluating)
     assert_same_model(run, ref)
+    # Held-out loss over packed held-out documents: the same under both layouts ...
+    valid = {k: [json.loads(line).get("valid_loss") for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+             for k in ("ref", "run")}
+    assert valid["ref"][0] is None and None not in valid["ref"][1:]
+    for a, b in zip(valid["run"], valid["ref"]):
+        assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
+    # ... and, at the end, the final model's mean loss over those documents' targets, each document run alone
+    lay = layout_mod.load(tmp_path / "ref" / "ref.toml")
+    _, held_out = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    total, targets = 0.0, 0
+    with torch.no_grad():
+        for index in range(2):
+            rows = evaluate.held_out_rows(held_out, lay.train.seed, index, 12, 16)
+            assert rows.num_targets > 0
+            for r, start, n in rows.spans.tolist():
+                doc = np.concatenate([rows.inputs[r, start:start + n], rows.targets[r, start + n - 1:start + n]])
+                logits = stage_forward(ref.params, torch.from_numpy(doc[None, :-1]),
+                                       StageShape(0, lay.model.layers, True, True), lay.model)
+                total += float(F.cross_entropy(logits[0], torch.from_numpy(doc[1:]), reduction="sum"))
+                targets += n
+    assert abs(total / targets - valid["ref"][-1]) <= 1e-5 * valid["ref"][-1]
     # The loss averages over the documents' targets, which leave some of the 12 x 16 positions as padding.
     lay = layout_mod.load(tmp_path / "run" / "run.toml")
     source = make_document_source(lay.data, lay.model.seq_len, lay.file)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hetero_llm import evaluate, layout as layout_mod
+from hetero_llm.errors import LayoutError
 from hetero_llm.model import StageShape, stage_forward, token_loss_sum
 from hetero_llm.checkpoint_io import load_full_params
 from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
@@ -103,6 +104,46 @@ def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
     n = 95 * 20
     assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
     assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))
+
+
+def _packed(tmp_path, data: str):
+    text = (COMMON.replace("vocab = 64", "vocab = 256").replace('kind = "grammar"', data + '\npacking = "documents"')
+            + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
+              '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    return layout_mod.loads(text, base_dir=tmp_path)
+
+
+def test_held_out_documents_are_packed_on_a_stream_of_their_own_and_never_trained(tmp_path):
+    from hetero_llm import documents
+
+    docs = [f"d{i} " + "x" * (i % 7) for i in range(40)]  # shorter than seq_len: one piece each
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    lay = _packed(tmp_path, 'kind = "jsonl"\npath = "d.jsonl"\nvalid_fraction = 0.25')
+    train, valid = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    assert (train.num_documents, valid.num_documents) == (30, 10)  # the last quarter of the documents, in file order
+    assert train.starts.max() < valid.starts.min()
+
+    def texts(rows):
+        return {bytes(rows.inputs[r, s:s + n].astype(np.uint8)) for r, s, n in rows.spans.tolist()}
+
+    held = evaluate.held_out_rows(valid, 7, 0, 12, 16)
+    assert held.num_targets > 0
+    assert np.array_equal(held.inputs, evaluate.held_out_rows(valid, 7, 0, 12, 16).inputs)  # a pure function
+    assert not np.array_equal(held.inputs, evaluate.held_out_rows(valid, 7, 1, 12, 16).inputs)
+    trained = set().union(*(texts(documents.fill_rows(train, 7, step, 12, 16)) for step in range(20)))
+    assert texts(held) and not texts(held) & trained  # no held-out document is ever a training one
+    # the grammar: held-out rows are other samples than every training step's
+    lay = _packed(tmp_path, 'kind = "grammar"')
+    train, valid = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    held = evaluate.held_out_rows(valid, 7, 0, 12, 16)
+    assert not any(np.array_equal(held.inputs, documents.fill_rows(train, 7, step, 12, 16).inputs) for step in range(5))
+
+
+def test_valid_fraction_of_a_one_document_file_is_one_line(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "only one"}) + "\n")
+    lay = _packed(tmp_path, 'kind = "jsonl"\npath = "d.jsonl"\nvalid_fraction = 0.1')
+    with pytest.raises(LayoutError, match=r"data.valid_fraction: .*has 1 document: nothing to hold out \(give a file"):
+        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
 
 
 def test_tensorboard_flag_without_tensorboard_is_one_line(tmp_path, monkeypatch):
