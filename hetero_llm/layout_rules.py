@@ -17,7 +17,7 @@ from typing import Any
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout_fields import first_problem
 from hetero_llm.layout_schema import (Backend, ClusterSpec, CommLib, Compile, DataKind, DomainKind, Layout,
-                                      Optimizer, P2P, Packing, Position, Schedule, bucket_layout)
+                                      P2P, Packing, Position, Schedule, bucket_layout)
 
 # A split backward defers weight gradients from inside autograd's backward; a compiled block would
 # trace that backward once, with or without the deferral, whatever the action asks for.
@@ -312,9 +312,6 @@ def _validate_buckets(layout: Layout) -> None:
         return
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
-    if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
-        raise LayoutError(f, "train.optimizer", "'adamw_zero1' cannot run with [[buckets]] (its reduce-scatter starts "
-                          "inside the home layout's backward, which a switching step may not run; use 'adamw')")
     home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
     cuda = sorted(d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu")
     if cuda:  # the switch exchange is plain gloo send/recv of device tensors: CPU only until it is built for NCCL

@@ -215,7 +215,9 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
         restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
     runner = StageRunner(comms, state.params, rp.stage, model, collectives.tp_ops(comms), rp.routes, trace,
                          Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
-                         optimizer_hooks=optimizer.hooks() if sharded else {})
+                         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
+                         # the home layout's backward: a later bucket may still add to the gradients
+                         optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {})
     packed = rp.data.packing is Packing.DOCUMENTS
     if packed:
         source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
@@ -266,6 +268,8 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             if sharded:
                 optimizer.step(lr, coef)  # clips and updates this rank's slices only
                 optimizer.start_gather()  # waited for at the stage's next AG action (before its first forward)
+                if switcher is not None:  # the next step's first switch reads the home parameters whole
+                    optimizer.wait_gather()
             else:
                 if coef < 1.0:
                     torch._foreach_mul_([p.grad for p in state.params.values()], coef)

@@ -178,6 +178,27 @@ def test_two_buckets_dp2_and_home_tp2_train_the_one_process_model(tmp_path):
         assert abs(a - b) <= 1e-5 * b, valid
 
 
+@pytest.mark.multiprocess
+def test_zero1_at_home_reduces_after_the_last_switch_and_trains_the_one_process_model(tmp_path):
+    """ZeRO-1 over the home layout's DP 2, whose own bucket runs first: the TP 2 and PP 2 buckets after it add
+    to the gradients, so the reduce-scatter runs after the switch back home (an RS inside home's backward would
+    miss them). Also across a resume from the middle of the run."""
+    zero1 = DATA / "buckets_zero1.toml"
+    lay = layout_mod.load(zero1)
+    source = make_document_source(lay.data, lay.model.seq_len, lay.file)
+    for step in range(lay.train.steps):  # every step: home's bucket first, then both others
+        rows = bucket_rows(lay, fill_documents(source, lay.train.seed, step, 4, lay.model.seq_len))
+        assert all(r is not None for r in rows)
+    assert compile_plan(lay).ranks[0].rank is not None and lay.train.optimizer.value == "adamw_zero1"
+    ref = launch(one_process(zero1, tmp_path / "ref"), tmp_path / "ref")
+    first = launch(zero1, tmp_path / "a", "--checkpoint-every", "2", "--trace", str(tmp_path / "trace"))
+    assert_same_model(first, ref)
+    assert switches(tmp_path / "trace", 0) == ["SWITCH>b1", "SWITCH>b2", "SWITCH>home"] * 3
+    rest = launch(zero1, tmp_path / "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000002"))
+    both = attrs.evolve(rest, losses=first.losses[:2] + rest.losses, grad_norms=first.grad_norms[:2] + rest.grad_norms)
+    assert_same_model(both, ref)
+
+
 def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_path):
     """The plan fingerprint every rank checks at rendezvous covers the buckets, schedule files by name."""
     # bucket 0's first pipeline (one stage, one microbatch) runs a hand-written order
