@@ -196,7 +196,7 @@ def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str
     Each gets the threads ``hetero-launch`` gives a local rank (``launch.node_threads``) unless
     ``OMP_NUM_THREADS`` is set.
     """
-    from hetero_llm.launch import node_threads
+    from hetero_llm.launch.node import node_threads
 
     extra = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(node_threads(world)))}
     full_env = clean_env({**extra, **(env or {})})
@@ -341,14 +341,14 @@ def command_line() -> str:
 
 
 def _split_steps(row: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
-    from hetero_llm import trace as tracing
+    from hetero_llm.predict import trace as tracing
 
     return tracing.split_steps(row)
 
 
 def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:
     """``[step][rank] -> (action, start s, end s)`` for the steps every rank recorded completely."""
-    from hetero_llm import trace as tracing
+    from hetero_llm.predict import trace as tracing
 
     _, rows = tracing.rank_rows(tracing.read_rank_traces(directory))
     per_rank = [_split_steps(row) for row in rows]
@@ -436,7 +436,7 @@ def _exchange_rank(rank: int, port: int, sizes: list[int], reps: int, idle_s: fl
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import p2p
+    from hetero_llm.comm import p2p
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)

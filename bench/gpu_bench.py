@@ -4,7 +4,7 @@ Single-stage training of a GPT-style model (LayerNorm, learned positions, GELU, 
 vocabulary 50304) at ~124M (12 layers, hidden 768, 12 heads) and ~1.3B (24 layers, hidden 2048,
 16 heads) parameters, at sequence lengths 1024 and 2048, in the same process on the same GPU:
 
-- **ours**: ``hetero_llm.train.train`` on a one-rank layout with ``train.precision = "bf16"``
+- **ours**: ``hetero_llm.train.loop.train`` on a one-rank layout with ``train.precision = "bf16"``
   (bf16 compute from float32 master weights, fused AdamW), eager or ``train.compile = "blocks"``;
 - **plain**: an ``nn.Module`` of the same architecture and math (fused QKV linear, SDPA), AdamW
   fused, ``torch.autocast(bfloat16)``, global-norm clipping, eager or ``torch.compile(model)``.
@@ -55,13 +55,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import benchlib
-from hetero_llm import data, groups, shm
+from hetero_llm.data import batches as data
+from hetero_llm.comm import groups
+from hetero_llm.comm import shm
 from hetero_llm import layout as layout_mod
-from hetero_llm import trace as tracing
-from hetero_llm.params import count_params
-from hetero_llm.groups import Comms
+from hetero_llm.predict import trace as tracing
+from hetero_llm.model.params import count_params
+from hetero_llm.comm.groups import Comms
 from hetero_llm.plan import compile_plan
-from hetero_llm.train import train
+from hetero_llm.train.loop import train
 
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT does
 

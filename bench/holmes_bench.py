@@ -37,7 +37,7 @@ import testbed as T  # noqa: E402  (bench/testbed.py, beside this file)
 
 from hetero_llm import layout as layout_mod  # noqa: E402
 from hetero_llm.layout import Layout  # noqa: E402
-from hetero_llm.place import PlaceOptions, place_file  # noqa: E402
+from hetero_llm.planner.place import PlaceOptions, place_file  # noqa: E402
 
 INTERFACES = ("dom0", "xdom")
 

@@ -1,7 +1,7 @@
 """Hot switching (HotSPa) against the best static layout that fits, on a long-tailed corpus, emulated devices.
 
 Emulated-device mode (``HETERO_EMULATE_DEVICE``, docs/hot_switching.md): every compute action of every
-rank lasts ``bucket_sim.action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
+rank lasts ``action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
 over every position, masked attention over the sum of squared document lengths, TP all-reduces over a
 modelled TP link); the real small computation runs inside it and the rank sleeps the rest. So the
 tokens/s compare layouts on the modelled device, not the load of this 2-core host. Switches and
@@ -135,7 +135,8 @@ def tp2(cfg: Config, batch: int, microbatches: int, prefix: str = "pipelines") -
 
 def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     """(most rows of ``short`` any step's short documents fill, most rows of seq_len its long ones fill)."""
-    from hetero_llm import documents, layout as layout_mod
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.data import documents
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "x.toml"
@@ -190,7 +191,7 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     """Per step (a step begins at its switch into bucket 0): the seconds rank 0 spent in SWITCH actions,
     waiting for the other rank included, and the switches' own time: for each switch, from the moment the
     last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
-    from hetero_llm import trace as tracing
+    from hetero_llm.predict import trace as tracing
 
     switches = [[e for e in record["events"] if e["action"].startswith("SWITCH")]
                 for record in tracing.read_rank_traces(trace)]
@@ -216,9 +217,10 @@ def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float,
     asleep under emulated devices, and cold it takes 1.5-2.5x what the same loop takes hot (measured)."""
     import torch
 
-    from hetero_llm import hotswitch, layout as layout_mod
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.switching import switcher as hotswitch
     from hetero_llm.plan import compile_plan
-    from hetero_llm.switch import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
     big = []
@@ -343,10 +345,11 @@ def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: floa
               device) -> tuple[list[float], list[float]]:
     """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
     ``bucket_sim.simulate_buckets``' whole step (for switching layouts)."""
-    from hetero_llm import bucket_sim, layout as layout_mod
-    from hetero_llm import trace as tracing
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.switching import predict as bucket_sim
+    from hetero_llm.predict import trace as tracing
     from hetero_llm.plan import compile_plan
-    from hetero_llm.switch import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     lay = layout_mod.load(layout)
     home = compile_plan(lay)
@@ -374,7 +377,8 @@ def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: floa
 def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:
     """``bucket_sim.simulate_buckets`` of the static layout as one bucket under the home layout (the same
     documents, packed first-fit decreasing into the global batch's rows as the static run packs them)."""
-    from hetero_llm import bucket_sim, layout as layout_mod
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.switching import predict as bucket_sim
 
     one = layout.with_name(layout.stem + "_one_bucket.toml")
     one.write_text(layout.read_text() + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
@@ -413,10 +417,11 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     """One comparison (static and switching, interleaved) on one emulated device. Before each switching run,
     ``benchlib.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
     that were idle, one exchange both ways); that run's predictions use them."""
-    from hetero_llm import bucket_sim
+    from hetero_llm.predict.device import EmulatedDevice
+    from hetero_llm.switching import predict as bucket_sim
 
     spec = device_spec(cfg)
-    device = bucket_sim.EmulatedDevice.parse(spec)
+    device = EmulatedDevice.parse(spec)
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
     rows = bucket_rows_needed(cfg)
     runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}

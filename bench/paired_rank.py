@@ -2,7 +2,7 @@
 in the same processes.
 
 On a busy shared machine the load changes within seconds, so separate runs of the two sides see
-different machines. Here every rank process holds both: ``hetero_llm.train.train`` (the library's
+different machines. Here every rank process holds both: ``hetero_llm.train.loop.train`` (the library's
 own loop, runtime and communicators) and ``torch_pp_rank.TorchPipeline`` (on its own gloo group), and
 runs them in alternating rounds of a few steps (ours, torch, torch, ours, ...), each round from
 the initial parameters, so both sides train the same steps and their losses can be compared too.
@@ -43,10 +43,11 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import groups, shm
+    from hetero_llm.comm import groups
+    from hetero_llm.comm import shm
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
-    from hetero_llm.train import train
+    from hetero_llm.train.loop import train
     from torch_pp_rank import TorchPipeline
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]

@@ -77,7 +77,9 @@ def child(out: str, argv: list[str]) -> None:
 
     import torch
 
-    from hetero_llm import cli, runtime, train  # noqa: F401  (imported before the baseline is read)
+    from hetero_llm.cli import launch as cli
+    from hetero_llm.runtime import interpreter as runtime
+    from hetero_llm.train import loop as train  # noqa: F401  (imported before the baseline is read)
 
     rank = int(argv[argv.index("--rank") + 1])
     x = torch.randn(64, 64, requires_grad=True)  # torch's thread pool and kernels: loaded before the baseline

@@ -22,7 +22,8 @@ def main() -> None:
     after = int(sys.argv[sys.argv.index("--after") + 1]) if "--after" in sys.argv[:cut] else 2
     launch_args = sys.argv[cut + 1:]
 
-    from hetero_llm import cli, runtime
+    from hetero_llm.cli import launch as cli
+    from hetero_llm.runtime import interpreter as runtime
 
     profiler = cProfile.Profile()
     calls = [0]

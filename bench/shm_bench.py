@@ -1,4 +1,4 @@
-"""Shared-memory stage boundaries (hetero_llm/shm.py) against gloo over TCP loopback, on this host.
+"""Shared-memory stage boundaries (hetero_llm/comm/shm.py) against gloo over TCP loopback, on this host.
 
 Three measurements, each A/B pair interleaved in one run (``benchlib``'s rules):
 
@@ -51,7 +51,7 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import shm
+    from hetero_llm.comm import shm
     from hetero_llm.schedule import Direction
 
     torch.set_num_threads(1)

@@ -150,8 +150,8 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     """Simulated vs measured step time and bubble, per layout and schedule."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
-    from hetero_llm.simulate import CostModel, simulate
-    from hetero_llm.timeline import plot_timeline
+    from hetero_llm.predict.simulate import CostModel, simulate
+    from hetero_llm.predict.timeline import plot_timeline
 
     cfg = B.ModelConfig(layers=layers, hidden=hidden, seq_len=seq_len, global_batch=batch, steps=steps)
     cases = CASES

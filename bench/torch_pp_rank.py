@@ -1,9 +1,9 @@
 """One rank of the ``torch.distributed.pipelining`` baseline that ``vs_torch_pipelining.py`` starts.
 
 It trains the model of a hetero_llm layout file (one pipeline, TP size 1 per stage) with PyTorch's
-own pipelining: ``PipelineStage`` around an ``nn.Module`` whose forward is ``hetero_llm.model``'s
+own pipelining: ``PipelineStage`` around an ``nn.Module`` whose forward is ``hetero_llm.model.forward``'s
 ``stage_forward`` over the same parameters (same names, same initialization), ``ScheduleGPipe`` or
-``Schedule1F1B``, gloo. The step around the schedule is the one ``hetero_llm.train`` runs: the same
+``Schedule1F1B``, gloo. The step around the schedule is the one ``hetero_llm.train.loop`` runs: the same
 global batch (``data.global_batch``), loss divided by the global token count, global-norm clipping
 with one all-reduce, AdamW with the same groups and learning-rate schedule. So the two sides differ
 only in the pipeline runtime.
@@ -24,11 +24,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from hetero_llm import data
+from hetero_llm.data import batches as data
 from hetero_llm import layout as layout_mod
-from hetero_llm.model import StageShape, stage_forward, token_loss_sum
+from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 from hetero_llm.plan import compile_plan
-from hetero_llm.train import init_state, lr_at
+from hetero_llm.runtime.state import init_state
+from hetero_llm.train.loop import lr_at
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -103,7 +104,7 @@ class TorchPipeline:
                                            eps=tr.eps)
 
     def step(self, step: int) -> dict:
-        """One training step, as ``hetero_llm.train`` runs it; returns its metrics row."""
+        """One training step, as ``hetero_llm.train.loop`` runs it; returns its metrics row."""
         tr, st = self.train, self.st
         t0 = time.perf_counter()
         batch = torch.from_numpy(data.global_batch(self.source, tr.seed, step, tr.global_batch, self.model.seq_len))

@@ -1,6 +1,6 @@
 """Throughput of hetero_llm's pipeline runtime against ``torch.distributed.pipelining`` (CPU, gloo).
 
-Both sides train the same tiny GPT (``hetero_llm.model``'s functions and initialization), split into
+Both sides train the same tiny GPT (``hetero_llm.model.forward``'s functions and initialization), split into
 the same stages, one process per stage, with the same global batch, microbatches, AdamW, clipping
 and learning-rate schedule; ``torch_pp_rank.py`` is the baseline. The per-step losses of the two
 sides are compared too: they must agree (same math), or the comparison means nothing.
@@ -10,7 +10,7 @@ Two measurements, both interleaved so that background load hits both sides alike
 1. separate runs: ``hetero-launch`` against one ``torch_pp_rank.py`` process per stage, whole runs
    alternating (ours, torch, torch, ours, ...); ratio = median over repetitions of the paired ratios;
 2. paired rounds (``paired_rank.py``): each rank process holds both sides and runs them in
-   alternating rounds of a few steps, ours through ``hetero_llm.train.train`` (the loop
+   alternating rounds of a few steps, ours through ``hetero_llm.train.loop.train`` (the loop
    ``hetero-launch`` runs); ratio = median over rounds. On a busy machine the load changes within
    seconds, so this is the more precise of the two.
 
@@ -72,7 +72,7 @@ def measure_torch(rows: list[dict], tokens: int, skip: int) -> Run:
 
 
 def rank0_events(trace: Path) -> list[tuple[str, float, float]]:
-    from hetero_llm import trace as tracing
+    from hetero_llm.predict import trace as tracing
 
     return tracing.rank_rows(tracing.read_rank_traces(trace))[1][0]
 

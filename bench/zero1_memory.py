@@ -6,7 +6,7 @@ For each layout, the same training runs twice (``train.optimizer = 'adamw'``, th
 fresh Python process per rank (``benchlib.start_ranks``, gloo on CPU). Each rank reports:
 
 - the bytes of AdamW moments it keeps, read from its optimizer's tensors, next to what the formula of
-  ``hetero_llm.optim_shards.state_elements`` predicts (``8 x`` elements: two float32 moments);
+  ``hetero_llm.plan.zero1_slices.state_elements`` predicts (``8 x`` elements: two float32 moments);
 - its peak resident memory (``VmHWM``) and its resident memory after imports, before training (``VmRSS``):
   the difference is what training added (parameters, gradients, moments, activations, buffers).
 
@@ -63,13 +63,16 @@ def status_bytes(key: str) -> int:
 
 def child(out: str, argv: list[str]) -> None:
     """One rank: run ``hetero-launch ARGV`` and write what it kept to ``out``/rank{R}.json."""
-    from hetero_llm import cli, optim_shards, train, zero1
+    from hetero_llm.cli import launch as cli
+    from hetero_llm.plan import zero1_slices as optim_shards
+    from hetero_llm.runtime import zero1
+    from hetero_llm.runtime.adamw import AdamW
     from hetero_llm import layout as layout_mod
     from hetero_llm.layout import Optimizer
     from hetero_llm.plan import compile_plan
 
     made = []  # the optimizer this rank builds (ours on CPU: plain AdamW or ZeRO-1)
-    for cls in (zero1.ShardedAdamW, train.AdamW):
+    for cls in (zero1.ShardedAdamW, AdamW):
         def init(self, *args, _original=cls.__init__, **kwargs):
             _original(self, *args, **kwargs)
             made.append(self)

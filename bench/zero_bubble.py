@@ -3,7 +3,7 @@
 One pipeline of 2 and of 4 even stages on CPU (gloo, one process per stage). Per layout:
 
 1. paired rounds (``paired_rank.py --versus zbh1``): the same rank processes run
-   ``hetero_llm.train.train`` with 1F1B and with ZB-H1 in alternating rounds of a few steps, so
+   ``hetero_llm.train.loop.train`` with 1F1B and with ZB-H1 in alternating rounds of a few steps, so
    load that changes within seconds hits both alike; ratio = median over rounds; each rank's process
    CPU time per round is counted too (the split backward's extra cost shows there);
 2. separate ``hetero-launch --trace`` runs, interleaved, from which the bubble fraction, the
@@ -65,7 +65,7 @@ def analyse(trace: Path, rows: list[dict], tokens: int, skip: int) -> Traced:
 
 def predict(plan_schedule, traced: Traced, latency: float, bandwidth: float, activation_bytes: float):
     """``simulate`` one pipeline schedule with the measured per-stage compute times."""
-    from hetero_llm.simulate import CostModel, simulate
+    from hetero_llm.predict.simulate import CostModel, simulate
 
     t = traced.times
     split = "I" in t
@@ -95,7 +95,7 @@ def main(stage_counts, microbatches, rounds, round_steps, reps, steps, skip, lay
     """tokens/s of ZB-H1 vs 1F1B (paired), bubbles, and the simulator's predicted speedup."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
-    from hetero_llm.timeline import plot_timeline
+    from hetero_llm.predict.timeline import plot_timeline
 
     cfg = B.ModelConfig(layers=layers, hidden=hidden, seq_len=seq_len, global_batch=batch, steps=steps)
     counts = [int(n) for n in stage_counts.split(",")]

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING
 import attrs
 from click.testing import CliRunner
 
-from hetero_llm import checkpoint
-from hetero_llm.cli import main
+from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.cli.launch import main
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +76,7 @@ def sigint_as_in_a_terminal() -> None:
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
-    from hetero_llm.checkpoint_io import load_full_params
+    from hetero_llm.checkpoint.shards import load_full_params
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
     cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
            "--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}", *extra]

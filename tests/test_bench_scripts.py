@@ -215,11 +215,13 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
     """The bench's three switching layouts on its full-size config, simulated on the same device and links (the
     bench's own predictions use a link probed before each run, so they differ by that noise): elastic buckets
     run no empty microbatches, and top-up also fills the long rows' padding with short documents."""
-    from hetero_llm import bucket_sim, layout as layout_mod
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.predict.device import EmulatedDevice
+    from hetero_llm.switching import predict as bucket_sim
 
     hot = _load("hot_switch")
     cfg = hot.Config()
-    device = bucket_sim.EmulatedDevice.parse(hot.device_spec(cfg))
+    device = EmulatedDevice.parse(hot.device_spec(cfg))
     links = {"local": (0.0, 50e9), "node": (2e-4, 1.5e9), "domain": (2e-4, 1.5e9), "cross_domain": (2e-4, 1.5e9)}
     rows = hot.bucket_rows_needed(cfg)
     steps = {}
@@ -241,7 +243,7 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
 
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
-    from hetero_llm.switch import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     hot = _load("hot_switch")
     bytes_moved = {}

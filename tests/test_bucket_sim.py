@@ -1,5 +1,5 @@
 """The simulator's hot-switching step (``bucket_sim.simulate_buckets``), the emulated device's action costs
-(``bucket_sim.action_seconds``, what ``HETERO_EMULATE_DEVICE`` makes compute actions last) and the switch
+(``action_seconds``, what ``HETERO_EMULATE_DEVICE`` makes compute actions last) and the switch
 cost over link kinds (``bucket_sim.switch_seconds``). Torch-free, except the runtime's reading of the variable."""
 
 from __future__ import annotations
@@ -11,46 +11,50 @@ import attrs
 import pytest
 
 from harness import assert_one_error_line, invoke_cli
-from hetero_llm import bucket_sim, bucketing, documents, layout as layout_mod
+from hetero_llm.predict.device import EmulatedDevice, action_seconds
+from hetero_llm import layout as layout_mod
+from hetero_llm.switching import predict as bucket_sim
+from hetero_llm.switching import bucketing
+from hetero_llm.data import documents
 from hetero_llm.plan import compile_plan
-from hetero_llm.switch import bucket_plans, step_switch
+from hetero_llm.switching.transfers import bucket_plans, step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ROOT / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
 TWO = Path(__file__).resolve().parent / "data" / "buckets_two.toml"  # DP 2 | home TP 2
 TP23 = Path(__file__).resolve().parent / "data" / "buckets_tp23.toml"  # elastic buckets over 3 devices
-DEVICE = bucket_sim.EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
+DEVICE = EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
 LINKS = {"local": (0.0, 5e9), "node": (1e-4, 1e9), "domain": (5e-4, 1e8), "cross_domain": (1e-3, 1e7)}
 
 
 def test_emulated_device_specs_parse_and_bad_ones_name_the_key():
     assert (DEVICE.flops, DEVICE.tp_bandwidth, DEVICE.tp_latency) == pytest.approx((2e9, 1e9, 50e-6))
-    assert bucket_sim.EmulatedDevice.parse("gflops=1").tp_bandwidth == math.inf
+    assert EmulatedDevice.parse("gflops=1").tp_bandwidth == math.inf
     for spec, words in [("gflops=1;speed=2", "unknown key 'speed'"), ("gflops=x", "gflops = 'x' is not a number"),
                         ("tp_gbps=1", "gflops > 0 is required"), ("gflops=1;tp_gbps=0", "tp_gbps must be > 0"),
                         ("gflops=-1", "gflops must be >= 0")]:
         with pytest.raises(ValueError, match=words):
-            bucket_sim.EmulatedDevice.parse(spec)
+            EmulatedDevice.parse(spec)
 
 
 def test_action_seconds_follow_positions_documents_and_tp():
     model = layout_mod.load(THREE).model  # hidden 32, ffn 128, GELU, vocab 64
     h, f = model.hidden, model.ffn_width
     matmul = 8 * h * h + 2 * 2 * h * f  # per position and layer
-    one = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 1, False, DEVICE)
+    one = action_seconds(model, "F", 2, 1, 64, 0, 1, False, DEVICE)
     assert one == pytest.approx(2 * 64 * matmul / 2e9)
     # masked attention: 2 H per unit of the sum of squared document lengths, per layer
-    assert bucket_sim.action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(
+    assert action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(
         2 * 2 * h * 1000 / 2e9)
-    assert bucket_sim.action_seconds(model, "F", 2, 3, 64, 0, 1, False, DEVICE) == pytest.approx(3 * one)
-    head = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 1, True, DEVICE) - one
+    assert action_seconds(model, "F", 2, 3, 64, 0, 1, False, DEVICE) == pytest.approx(3 * one)
+    head = action_seconds(model, "F", 2, 1, 64, 0, 1, True, DEVICE) - one
     assert head == pytest.approx(2 * 64 * h * model.vocab / 2e9)
-    parts = {k: bucket_sim.action_seconds(model, k, 2, 1, 64, 500, 1, True, DEVICE) for k in "FBIW"}
+    parts = {k: action_seconds(model, k, 2, 1, 64, 500, 1, True, DEVICE) for k in "FBIW"}
     assert parts["B"] == pytest.approx(2 * parts["F"]) and parts["I"] + parts["W"] == pytest.approx(parts["B"])
     # TP 2: half the compute, plus two ring all-reduces per layer of the activations (2 (tp-1)/tp bytes/bw + latency)
-    tp2 = bucket_sim.action_seconds(model, "F", 2, 1, 64, 0, 2, False, DEVICE)
+    tp2 = action_seconds(model, "F", 2, 1, 64, 0, 2, False, DEVICE)
     assert tp2 == pytest.approx(one / 2 + 2 * 2 * (64 * h * 4 / 1e9 + 50e-6))
-    assert bucket_sim.action_seconds(model, "W", 2, 1, 64, 0, 2, False, DEVICE) == pytest.approx(
+    assert action_seconds(model, "W", 2, 1, 64, 0, 2, False, DEVICE) == pytest.approx(
         2 * 64 * matmul / 2e9 / 2)  # no all-reduce in a weight gradient
 
 
@@ -100,7 +104,7 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
     expected = 0.0
     for piece in (rows.take(0, half), rows.take(half, rows.num_rows)):
         square = int((piece.spans[:, 2] ** 2).sum())
-        expected = max(expected, sum(bucket_sim.action_seconds(lay.model, k, lay.model.layers, piece.num_rows,
+        expected = max(expected, sum(action_seconds(lay.model, k, lay.model.layers, piece.num_rows,
                                                              lay.buckets[0].max_len, square, 1, True, DEVICE)
                                      for k in "FB"))
     assert bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
@@ -178,7 +182,7 @@ def test_dry_run_shows_the_simulated_step_and_refuses_a_bad_device(monkeypatch):
 
 def test_the_runtime_reads_an_emulated_device_per_rank(monkeypatch):
     pytest.importorskip("torch", reason="the runtime needs torch; runs wherever torch is installed, as in CI")
-    from hetero_llm.runtime import Emulation
+    from hetero_llm.runtime.emulation import Emulation
 
     monkeypatch.setenv("HETERO_EMULATE_DEVICE", "1:gflops=3,*:gflops=2;tp_gbps=8;tp_latency_us=50")
     assert Emulation.from_env(0).device == DEVICE

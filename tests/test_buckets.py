@@ -18,12 +18,12 @@ import pytest
 
 from harness import assert_same_model, invoke_cli, launch
 from hetero_llm import layout as layout_mod
-from hetero_llm import trace as tracing
-from hetero_llm.bucketing import bucket_rows
-from hetero_llm.documents import fill_documents, make_document_source
+from hetero_llm.predict import trace as tracing
+from hetero_llm.switching.bucketing import bucket_rows
+from hetero_llm.data.documents import fill_documents, make_document_source
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import compile_plan
-from hetero_llm.switch import bucket_plans
+from hetero_llm.switching.transfers import bucket_plans
 
 DATA = Path(__file__).resolve().parent / "data"
 THREE = Path(__file__).resolve().parents[1] / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2

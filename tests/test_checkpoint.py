@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hetero_llm import checkpoint, layout as layout_mod
+from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.errors import CheckpointError
-from hetero_llm.optim import AdamW
-from hetero_llm.checkpoint_io import _assemble, optimizer_steps, restore_optimizer
+from hetero_llm.runtime.adamw import AdamW
+from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
 from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 
 REFERENCE = LAYOUTS / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
@@ -324,7 +325,7 @@ def test_a_save_without_records_resumes_with_a_warning(tmp_path):
 
 def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
     """Without records nothing is checked before the ranks start; the rank that reads the file names it."""
-    from hetero_llm.checkpoint_io import _load_rank_file
+    from hetero_llm.checkpoint.shards import _load_rank_file
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))  # its rank0.pt is empty
     with pytest.raises(CheckpointError) as e:
@@ -334,7 +335,7 @@ def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
 
 
 def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
-    from hetero_llm.checkpoint_io import _load_rank_file
+    from hetero_llm.checkpoint.shards import _load_rank_file
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
     wq = torch.zeros(48, 32)

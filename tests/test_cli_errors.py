@@ -15,8 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from hetero_llm import layout as layout_mod, outputs, textcache
-from hetero_llm.checkpoint import FIX
+from hetero_llm import layout as layout_mod
+from hetero_llm.launch import preflight as outputs
+from hetero_llm.data import text_cache as textcache
+from hetero_llm.checkpoint.folders import FIX
 from hetero_llm.errors import LayoutError
 from harness import assert_one_error_line, invoke_cli as invoke
 
@@ -263,7 +265,7 @@ def test_a_rank_started_on_its_own_checks_the_data_first(tmp_path):
 def test_place_never_writes_over_its_cluster_file(tmp_path):
     from click.testing import CliRunner
 
-    from hetero_llm.cli import place_main
+    from hetero_llm.cli.place import main as place_main
 
     cluster = tmp_path / "cluster.toml"
     shutil.copy(REPO / "layouts" / "clusters" / "two_domains.toml", cluster)

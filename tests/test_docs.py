@@ -8,7 +8,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from hetero_llm import layout
-from hetero_llm.cli import main
+from hetero_llm.cli.launch import main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,15 +15,16 @@ import torch
 import torch.nn.functional as F
 
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
-from hetero_llm.data import GrammarSource, make_source
-from hetero_llm.docmask import DocumentMask, ladder_length
-from hetero_llm import evaluate, layout as layout_mod
-from hetero_llm.documents import (IGNORE, make_document_source, FileDocuments, GrammarDocuments, fill_rows, first_fit_decreasing, pack,
+from hetero_llm.data.batches import GrammarSource, make_source
+from hetero_llm.model.document_mask import DocumentMask, ladder_length
+from hetero_llm import layout as layout_mod
+from hetero_llm.data import held_out as evaluate
+from hetero_llm.data.documents import (IGNORE, make_document_source, FileDocuments, GrammarDocuments, fill_rows, first_fit_decreasing, pack,
                                   pack_placed, step_documents)
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
-from hetero_llm.model import StageShape, init_full, stage_forward
-from hetero_llm.params import all_params
+from hetero_llm.model.forward import StageShape, init_full, stage_forward
+from hetero_llm.model.params import all_params
 
 LAYOUT = "layout.toml"
 

@@ -16,9 +16,9 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout
-from hetero_llm.cli import main
+from hetero_llm.cli.launch import main
 from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, CommLib, DomainKind, loads
-from hetero_llm.dryrun import describe
+from hetero_llm.plan.describe import describe
 from hetero_llm.plan import compile_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_dry_run_without_domains_has_no_domain_table():
 
 def test_missing_interface_falls_back_to_the_default(monkeypatch):
     pytest.importorskip("torch", reason="groups imports torch; runs wherever the test extras are installed (CI)")
-    from hetero_llm import groups
+    from hetero_llm.comm import groups
 
     plan = compile_plan(layout.load(HOLMES))
     grad = next(g for g in plan.groups if g.name == "grad_sync[0,2]")
@@ -264,7 +264,7 @@ def test_missing_interface_falls_back_to_the_default(monkeypatch):
 
 def test_network_env_is_restored(monkeypatch):
     pytest.importorskip("torch")
-    from hetero_llm import groups
+    from hetero_llm.comm import groups
 
     plan = compile_plan(layout.load(HOLMES))
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
@@ -299,7 +299,7 @@ def test_cupy_group_sums_a_torch_tensor_by_pointer():
     import torch
     import torch.distributed as dist
 
-    from hetero_llm import groups
+    from hetero_llm.comm import groups
 
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
@@ -321,7 +321,7 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
 
     import torch.distributed as dist
 
-    from hetero_llm.groups import make_cupy_group
+    from hetero_llm.comm.groups import make_cupy_group
 
     made = []
 

@@ -1,4 +1,4 @@
-"""Ranks started by torchrun or srun (hetero_llm/envlaunch.py), and ``--resume auto`` with torchrun's restarts.
+"""Ranks started by torchrun or srun (hetero_llm/launch/external.py), and ``--resume auto`` with torchrun's restarts.
 
 torchrun and srun start one process per rank and say which in the environment; each process runs that
 rank. The world size and each rank's host are checked against the layout; ``--rank``/``--node`` win.
@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
-from hetero_llm import envlaunch, layout as layout_mod
+from hetero_llm import layout as layout_mod
+from hetero_llm.launch import external as envlaunch
 
 COMMON = common_sections(LAYOUTS / "reference.toml")
 TWO_STAGES = [(12, 3, [(3, 1), (3, 1)])]  # node n0: ranks 0 and 1

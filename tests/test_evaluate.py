@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from hetero_llm import evaluate, layout as layout_mod
+from hetero_llm import layout as layout_mod
+from hetero_llm.data import held_out as evaluate
 from hetero_llm.errors import LayoutError
-from hetero_llm.model import StageShape, stage_forward, token_loss_sum
-from hetero_llm.checkpoint_io import load_full_params
+from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
+from hetero_llm.checkpoint.shards import load_full_params
 from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 
 COMMON = common_sections(LAYOUTS / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
@@ -86,7 +87,7 @@ def test_held_out_batches_differ_from_training_batches():
     lay = layout_mod.loads(COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
                            'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
     train, valid = evaluate.sources(lay.data, lay.file)
-    from hetero_llm import data
+    from hetero_llm.data import batches as data
 
     held = evaluate.batch(valid, 7, 0, 12, 16)
     assert np.array_equal(held, evaluate.batch(valid, 7, 0, 12, 16))
@@ -114,7 +115,7 @@ def _packed(tmp_path, data: str):
 
 
 def test_held_out_documents_are_packed_on_a_stream_of_their_own_and_never_trained(tmp_path):
-    from hetero_llm import documents
+    from hetero_llm.data import documents
 
     docs = [f"d{i} " + "x" * (i % 7) for i in range(40)]  # shorter than seq_len: one piece each
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))

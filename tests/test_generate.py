@@ -7,9 +7,12 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hetero_llm import export, generate, layout as layout_mod
-from hetero_llm.model import StageShape, stage_forward
-from hetero_llm.checkpoint_io import load_full_params
+from hetero_llm.cli.generate import main as generate_main
+from hetero_llm import layout as layout_mod
+from hetero_llm.interop import export
+from hetero_llm.interop import generate
+from hetero_llm.model.forward import StageShape, stage_forward
+from hetero_llm.checkpoint.shards import load_full_params
 from harness import LAYOUTS, common_sections, launch, write_layout
 
 BASE = common_sections(LAYOUTS / "reference.toml").replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 1e-2")
@@ -66,7 +69,7 @@ def test_sampling_is_seeded_and_respects_top_k(trained):
 def test_cli_prints_prompt_and_continuation_and_refuses_bad_prompts(trained):
     """The grammar's tokens are ids: the prompt and the output are ids separated by spaces."""
     step = export.saved(str(trained)).ckpt.path
-    result = CliRunner().invoke(generate.main, [str(trained), "--prompt", "5 17 3", "--max-new-tokens", "5",
+    result = CliRunner().invoke(generate_main, [str(trained), "--prompt", "5 17 3", "--max-new-tokens", "5",
                                                 "--temperature", "0"])
     assert result.exit_code == 0, result.output
     out = [int(t) for t in result.output.split()]
@@ -78,5 +81,5 @@ def test_cli_prints_prompt_and_continuation_and_refuses_bad_prompts(trained):
          "text: give ids separated by spaces, e.g. --prompt '3 17 5'"),
         (["--prompt", "1 64"], "--prompt: token 64 is outside the model's vocabulary of 64 (model.vocab)"),
     ]:
-        result = CliRunner().invoke(generate.main, [str(trained), *args])
+        result = CliRunner().invoke(generate_main, [str(trained), *args])
         assert (result.exit_code, result.output) == (2, f"error: {step}: {message}\n")

@@ -25,11 +25,12 @@ import torch
 import torch.distributed as dist
 
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch
-from hetero_llm import collectives, p2p
-from hetero_llm.groups import Comms
+from hetero_llm.comm import collectives
+from hetero_llm.comm import p2p
+from hetero_llm.comm.groups import Comms
 from hetero_llm.plan import Route
-from hetero_llm.rankplan import GradSyncKey
-from hetero_llm.streams import NO_STREAMS, Streams
+from hetero_llm.plan.rank import GradSyncKey
+from hetero_llm.comm.streams import NO_STREAMS, Streams
 from test_precision import assert_bf16_close
 
 GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"

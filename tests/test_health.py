@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from hetero_llm import layout as layout_mod, launch
+from hetero_llm import layout as layout_mod
+from hetero_llm.launch import node as launch
 from hetero_llm.errors import Diverged, RankFailure
 from hetero_llm.plan import compile_plan
-from hetero_llm.train import duration
+from hetero_llm.train.metrics import duration
 from harness import LAYOUTS
 
 

@@ -17,10 +17,13 @@ transformers = pytest.importorskip("transformers", reason="the 'test' extra inst
 
 from click.testing import CliRunner  # noqa: E402
 
-from hetero_llm import export, hf, layout as layout_mod  # noqa: E402
-from hetero_llm.model import StageShape, init_full, stage_forward, token_loss_sum  # noqa: E402
-from hetero_llm.params import all_params, shard_range  # noqa: E402
-from hetero_llm.checkpoint_io import load_full_params  # noqa: E402
+from hetero_llm.cli.export import main as export_main
+from hetero_llm import layout as layout_mod
+from hetero_llm.interop import export
+from hetero_llm.interop import hf  # noqa: E402
+from hetero_llm.model.forward import StageShape, init_full, stage_forward, token_loss_sum  # noqa: E402
+from hetero_llm.model.params import all_params, shard_range  # noqa: E402
+from hetero_llm.checkpoint.shards import load_full_params  # noqa: E402
 from harness import launch, assert_same_model, write_layout  # noqa: E402
 
 RTOL = 1e-5
@@ -130,7 +133,7 @@ def test_export_refuses_a_model_transformers_has_no_class_for(tmp_path):
     model["norm"] = "layernorm"  # layernorm + rope + swiglu: neither Llama nor GPT-2
     (step / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1, "layout": "x.toml", "params": {},
                                                 "model": model}))
-    result = CliRunner().invoke(export.main, [str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")])
+    result = CliRunner().invoke(export_main, [str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert result.output == (f"error: {step}: CHECKPOINT_DIR: [model] norm 'layernorm', position 'rope', mlp 'swiglu' "
                              "matches neither Llama (norm 'rmsnorm', position 'rope', mlp 'swiglu') nor GPT-2 (norm "
@@ -140,7 +143,7 @@ def test_export_refuses_a_model_transformers_has_no_class_for(tmp_path):
 
 
 def test_export_of_a_folder_that_is_no_checkpoint(tmp_path):
-    result = CliRunner().invoke(export.main, [str(tmp_path), "--hf", str(tmp_path / "out")])
+    result = CliRunner().invoke(export_main, [str(tmp_path), "--hf", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {tmp_path}: CHECKPOINT_DIR: no complete checkpoint here")
 
@@ -172,7 +175,7 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
     for label, pipes in (("one", [(12, 3, [(LAYERS, 1)])]), ("many", pipelines)):
         (tmp_path / label).mkdir()
         runs[label] = launch(write_layout(tmp_path / label / "layout.toml", common, pipes), tmp_path / label)
-        result = CliRunner().invoke(export.main, [str(tmp_path / label / "ckpt"), "--hf", str(tmp_path / f"{label}-hf")])
+        result = CliRunner().invoke(export_main, [str(tmp_path / label / "ckpt"), "--hf", str(tmp_path / f"{label}-hf")])
         assert result.exit_code == 0, result.output
     if name.startswith("gpt2"):
         # Without RoPE a key bias adds q.b to every score of a query alike, and softmax ignores that: its
@@ -193,7 +196,7 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
 
 
 @pytest.mark.parametrize("command,args,expected", [
-    (export.main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
+    (export_main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
     ("generate", ["ckpt"], "Missing option '--prompt' (see hetero-generate --help)"),
     ("tokenfiles", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
 ])

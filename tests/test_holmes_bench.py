@@ -26,7 +26,7 @@ for name in ("testbed", "holmes_bench"):
 testbed, holmes_bench = sys.modules["testbed"], sys.modules["holmes_bench"]
 
 from hetero_llm import layout  # noqa: E402
-from hetero_llm.place import PlaceOptions, place_file  # noqa: E402
+from hetero_llm.planner.place import PlaceOptions, place_file  # noqa: E402
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 
@@ -76,7 +76,7 @@ def test_gradient_sync_takes_the_domain_fabric_only_when_dp_stays_in_domains(lay
 
 
 def _all_params(lay):
-    from hetero_llm.params import all_params
+    from hetero_llm.model.params import all_params
 
     return all_params(lay.model)
 

@@ -166,7 +166,7 @@ def test_rank_started_with_a_different_layout_is_named(tmp_path):
 def test_trace_of_a_killed_job_is_readable(tmp_path):
     """--trace streams every rank's events as it runs: a job killed without warning leaves a trace the
     timeline reads (every line but a torn last one)."""
-    from hetero_llm import trace as tracing
+    from hetero_llm.predict import trace as tracing
 
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
     trace = tmp_path / "trace"

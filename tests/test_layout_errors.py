@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from hetero_llm import layout
+from hetero_llm.launch import preflight
 from hetero_llm.errors import LayoutError
 from harness import assert_one_error_line, invoke_cli as invoke
 
@@ -46,7 +47,7 @@ def test_bad_layout_file(path: Path):
 def test_bad_layout_raises_located_error(path: Path):
     """The library raises a LayoutError whose parts are what the CLI prints."""
     with pytest.raises(LayoutError) as info:
-        layout.load(path)
+        preflight.load_layout(path)
     assert str(info.value) == expected_line(path)
     assert info.value.file == str(path)
 
@@ -190,7 +191,9 @@ def test_every_field_rule_runs(monkeypatch):
     that validation never asks about would be dead without a word."""
     import attrs
 
-    from hetero_llm import layout_fields, layout_rules, layout_schema
+    from hetero_llm.layout import fields as layout_fields
+    from hetero_llm.layout import rules as layout_rules
+    from hetero_llm.layout import schema as layout_schema
 
     asked = set()
 

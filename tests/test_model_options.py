@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.params import all_params
+from hetero_llm.model.params import all_params
 from harness import LAYOUTS, RunResult, assert_same_model, common_sections, launch, write_layout
 
 BASE = common_sections(LAYOUTS / "reference.toml")  # 6 layers, hidden 32, 4 heads, rope/rmsnorm/swiglu

@@ -2,7 +2,7 @@
 
 import torch
 
-from hetero_llm.optim import AdamW
+from hetero_llm.runtime.adamw import AdamW
 
 
 def test_matches_torch_adamw_over_steps_with_lr_changes():

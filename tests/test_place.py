@@ -1,4 +1,4 @@
-"""NIC-aware placement (hetero_llm/place.py) against its written rules, on several clusters, and one
+"""NIC-aware placement (hetero_llm/planner/place.py) against its written rules, on several clusters, and one
 placed layout trained against the single-process reference (layout invariance).
 
 Rules: TP inside a node; every stage's DP group (the same layers in every pipeline) inside one domain;
@@ -14,10 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout
-from hetero_llm.cli import place_main
+from hetero_llm.cli.place import main as place_main
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import CROSS_DOMAIN
-from hetero_llm.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
+from hetero_llm.planner.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
 from hetero_llm.plan import compile_plan
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch
@@ -130,8 +130,8 @@ def test_memory_caps_a_stage(tmp_path):
     model = layout.loads(cluster_text([("a0", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)]) +
                          '[[pipelines]]\nbatch = 8\nmicrobatches = 1\n[[pipelines.stages]]\nlayers = 2\n'
                          'devices = ["a0:0"]\n[[pipelines.stages]]\nlayers = 2\ndevices = ["b0:0"]\n').model
-    from hetero_llm.params import embedding_params, layer_params
-    from hetero_llm.place import BYTES_PER_PARAM, _device_params
+    from hetero_llm.model.params import embedding_params, layer_params
+    from hetero_llm.planner.place import BYTES_PER_PARAM, _device_params
 
     need = (_device_params(model, embedding_params(model), 1) + 2.5 * _device_params(model, layer_params(model, 0), 1))
     gb = need * BYTES_PER_PARAM / 1e9

@@ -17,10 +17,10 @@ import pytest
 
 from hetero_llm import schedule as sched
 from hetero_llm.layout import SHM, Schedule, loads
-from hetero_llm.params import all_params
-from hetero_llm.dryrun import describe
+from hetero_llm.model.params import all_params
+from hetero_llm.plan.describe import describe
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan
-from hetero_llm.rankplan import GradSyncKey, P2PKey, TPKey
+from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
 from hetero_llm.schedule import Direction
 
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"

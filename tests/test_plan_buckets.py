@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.plan_cli import main as plan_main
+from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.planner import buckets, load_cluster
 from hetero_llm.planner.search import Planner
 

@@ -14,14 +14,14 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout as layout_mod, schedule as sched
-from hetero_llm.params import layer_params, stage_params
-from hetero_llm.plan_cli import main as plan_main
+from hetero_llm.model.params import layer_params, stage_params
+from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.planner import pipesim, plan_cluster
 from hetero_llm.planner.cluster import load_cluster, strip_plan_tables
 from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner, Structure
-from hetero_llm.simulate import CostModel, simulate
+from hetero_llm.predict.simulate import CostModel, simulate
 
 from harness import LAYOUTS, assert_same_model, launch
 
@@ -416,7 +416,7 @@ def test_planner_doc_lists_every_key():
 
 
 def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
-    from hetero_llm.runtime import Emulation
+    from hetero_llm.runtime.emulation import Emulation
     monkeypatch.setenv("HETERO_EMULATE_ACTION_S", "0:F=0.02;B=0.04,1:F=0.01;B=0.02;I=0.012;W=0.008")
     from hetero_llm.schedule import Kind
     assert dict(Emulation.from_env(1).seconds) == {Kind.F: 0.01, Kind.B: 0.02, Kind.I: 0.012, Kind.W: 0.008}
@@ -455,7 +455,7 @@ def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
     """The planner's ZeRO-1 state per device is what optim_shards gives the written layout's ranks (up to
     whole rows), for every plan it ranks: TP 2 beside TP 1, uneven boundaries, memory_gb weights declared
     on every node, on some (then unweighted) or none."""
-    from hetero_llm import optim_shards
+    from hetero_llm.plan import zero1_slices as optim_shards
     from hetero_llm.plan import compile_plan
     path = zero1_cluster(tmp_path, memory)
     c = load_cluster(path)

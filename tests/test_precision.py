@@ -25,14 +25,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import hetero_llm.model as model_mod
+import hetero_llm.model.forward as model_mod
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, launch, write_layout
-from hetero_llm import collectives
+from hetero_llm.comm import collectives
 from hetero_llm import layout as layout_mod
-from hetero_llm.model import TP, Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
-from hetero_llm.params import all_params
+from hetero_llm.model.forward import TP, Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
+from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
-from hetero_llm.train import stage_compute
+from hetero_llm.train.loop import stage_compute
 
 BF16_LOSS_RTOL = 1e-2
 BF16_GRAD_NORM_RTOL = 5e-2

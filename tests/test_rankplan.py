@@ -14,10 +14,10 @@ import pytest
 
 from harness import LAYOUTS, invoke_cli
 from hetero_llm import layout as layout_mod
-from hetero_llm import dryrun
+from hetero_llm.plan import describe as dryrun
 from hetero_llm.layout import Layout
 from hetero_llm.plan import compile_plan
-from hetero_llm.rankplan import WORLD, P2PKey, TPKey
+from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 from test_plan import TP_MIX, make
 
@@ -211,7 +211,7 @@ def test_launch_does_not_import_the_cli():
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert "cli" not in imported and "hetero_llm.cli" not in imported
-    proc = subprocess.run([sys.executable, "-c", "import sys, hetero_llm.launch; print('hetero_llm.cli' in sys.modules)"],
+    proc = subprocess.run([sys.executable, "-c", "import sys, hetero_llm.launch.node; print('hetero_llm.cli' in sys.modules)"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.stdout.strip() == "False", proc.stderr

@@ -1,4 +1,4 @@
-"""The rendezvous (hetero_llm/rendezvous.py): served where the ranks look for it, bound to the master's
+"""The rendezvous (hetero_llm/comm/rendezvous.py): served where the ranks look for it, bound to the master's
 address, every wait bounded by ``cluster.timeout_s`` and every failure one line.
 
 The multi-host proof (a distinct address per node, rank 0 on a node that is not the master) runs on the
@@ -17,7 +17,8 @@ import torch.distributed  # noqa: F401  (imported here, so the timed rendezvous 
 
 from harness import (LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, rank0_off_master_layout,
                      write_layout)
-from hetero_llm import layout as layout_mod, rendezvous
+from hetero_llm import layout as layout_mod
+from hetero_llm.comm import rendezvous
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.plan import compile_plan
 

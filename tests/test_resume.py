@@ -16,8 +16,8 @@ import attrs
 import pytest
 import torch
 
-from hetero_llm import checkpoint
-from hetero_llm.checkpoint_io import load_full_params
+from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint.shards import load_full_params
 from harness import (LAYOUTS, RunResult, assert_one_error_line, assert_same_model, common_sections, free_port,
                      invoke_cli, launch, write_layout)
 

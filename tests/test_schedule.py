@@ -687,7 +687,7 @@ def test_out_of_order_receive_is_named_with_both_ends_marked() -> None:
 def test_nccl_layout_refuses_a_schedule_file_received_out_of_order(tmp_path: Path) -> None:
     from click.testing import CliRunner
 
-    from hetero_llm.cli import main
+    from hetero_llm.cli.launch import main
 
     (tmp_path / "order.txt").write_text("F0 F1 B0 B1\nF1 F0 B0 B1\n")
     layout = tmp_path / "layout.toml"

@@ -1,4 +1,4 @@
-"""The shared-memory transport (hetero_llm/shm.py): rings, matching, waiting, errors, cleanup, launches.
+"""The shared-memory transport (hetero_llm/comm/shm.py): rings, matching, waiting, errors, cleanup, launches.
 
 Rings are tested in one process with two threads as the two ranks (a ``HashStore`` as rendezvous, a
 temporary folder as /dev/shm); the transport as a user meets it through real ``hetero-launch`` runs.
@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hetero_llm import layout as layout_mod, shm
+from hetero_llm import layout as layout_mod
+from hetero_llm.comm import shm
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import P2P, SHM
 from hetero_llm.plan import compile_plan

@@ -12,7 +12,7 @@ import pytest
 
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule import Action, Kind, add_optimizer_actions, build, compute_schedule, parse_actions
-from hetero_llm.simulate import CostModel, SimResult, simulate
+from hetero_llm.predict.simulate import CostModel, SimResult, simulate
 
 GRID = list(itertools.product(range(1, 6), range(1, 9)))  # (num_stages, num_microbatches)
 TIMES = [(1.0, 2.0), (1.0, 1.0), (0.003, 0.005)]  # (t_f, t_b) in seconds
@@ -259,7 +259,7 @@ def test_stage_count_must_match() -> None:
 
 def test_schedule_and_simulator_import_no_torch_or_numpy() -> None:
     code = (
-        "import sys, hetero_llm.schedule, hetero_llm.simulate, hetero_llm.trace; "
+        "import sys, hetero_llm.schedule, hetero_llm.predict.simulate, hetero_llm.predict.trace; "
         "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.params import all_params
+from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
-from hetero_llm.switch import holders, plan_switch
+from hetero_llm.switching.transfers import holders, plan_switch
 
 MODEL = """[model]
 layers = 4

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from hetero_llm import trace as tracing
+from hetero_llm.predict import trace as tracing
 from hetero_llm.schedule import build
-from hetero_llm.simulate import CostModel, simulate
-from hetero_llm.timeline import main, plot_timeline
+from hetero_llm.predict.simulate import CostModel, simulate
+from hetero_llm.cli.timeline import main
+from hetero_llm.predict.timeline import plot_timeline
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -224,7 +225,7 @@ def test_cli_as_a_subprocess(tmp_path: Path) -> None:
 
 
 def test_hot_switches_have_their_own_colour() -> None:
-    from hetero_llm.timeline import COLORS, _category
+    from hetero_llm.predict.timeline import COLORS, _category
 
     assert _category("SWITCH>b1") == ("SWITCH", None, 0) and _category("SWITCH>home")[0] == "SWITCH"
     assert COLORS["SWITCH"] not in {c for k, c in COLORS.items() if k != "SWITCH"}

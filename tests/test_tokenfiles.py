@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from hetero_llm import data, layout as layout_mod, tokenfiles, tokens
+from hetero_llm.cli.tokenize import main as tokenize_main
+from hetero_llm import layout as layout_mod
+from hetero_llm.data import batches as data
+from hetero_llm.data import token_files as tokenfiles
+from hetero_llm.data import tokenizers as tokens
 from hetero_llm.errors import LayoutError
 from harness import assert_one_error_line, invoke_cli
 
@@ -39,7 +43,7 @@ def write_jsonl(path: Path) -> Path:
 
 
 def tokenize(*args):
-    return CliRunner().invoke(tokenfiles.main, [str(a) for a in args])
+    return CliRunner().invoke(tokenize_main, [str(a) for a in args])
 
 
 def test_hetero_tokenize_bytes_bin_is_nanogpt_layout(tmp_path):

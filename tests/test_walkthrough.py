@@ -25,8 +25,8 @@ from test_tokenfiles import make_tokenizer, write_jsonl  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 # console script -> module (checked against pyproject.toml below), so the test needs no reinstall
-SCRIPTS = {"hetero-launch": "hetero_llm.cli", "hetero-generate": "hetero_llm.generate",
-           "hetero-export": "hetero_llm.export", "hetero-tokenize": "hetero_llm.tokenfiles"}
+SCRIPTS = {"hetero-launch": "hetero_llm.cli", "hetero-generate": "hetero_llm.interop.generate",
+           "hetero-export": "hetero_llm.interop.export", "hetero-tokenize": "hetero_llm.data.token_files"}
 FEW_STEPS = ["--set", "train.steps=4", "--set", "train.eval_every=2", "--set", "train.log_every=1"]
 
 
@@ -98,7 +98,7 @@ def test_with_a_tokenizer_and_a_token_file(workdir, monkeypatch):
     assert run(f"hetero-generate {ckpt} --prompt 'the cat' --max-new-tokens 5", workdir, monkeypatch).startswith("the cat")
     run(f"hetero-export {ckpt} --hf hf-out", workdir, monkeypatch)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "hf-out")
-    from hetero_llm import tokens
+    from hetero_llm.data import tokenizers as tokens
 
     ours = tokens.load(str(workdir / "tokenizer.json"))
     assert tok("the dog sat")["input_ids"] == ours.encode("the dog sat")

@@ -15,12 +15,13 @@ import pytest
 
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm import optim_shards, schedule as sched
+from hetero_llm import schedule as sched
+from hetero_llm.plan import zero1_slices as optim_shards
 from hetero_llm.errors import ScheduleError
-from hetero_llm.params import all_params
+from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
-from hetero_llm.simulate import CostModel, simulate
-from hetero_llm.trace import rank_rows, read_rank_traces
+from hetero_llm.predict.simulate import CostModel, simulate
+from hetero_llm.predict.trace import rank_rows, read_rank_traces
 
 REFERENCE = LAYOUTS / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12

@@ -12,9 +12,9 @@ import torch
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.model import Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
-from hetero_llm.params import all_params
-from hetero_llm.wgrad import WeightGradStore
+from hetero_llm.model.forward import Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
+from hetero_llm.model.params import all_params
+from hetero_llm.runtime.wgrad import WeightGradStore
 
 REFERENCE = LAYOUTS / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
@@ -89,10 +89,10 @@ def test_outside_capturing_the_store_computes_weight_gradients_at_once():
 
 def _one_stage_runner(split: bool):
     """The runtime's StageRunner for a one-stage pipeline (no neighbours: no process group needed)."""
-    from hetero_llm.groups import Comms
-    from hetero_llm.model import NO_TP
+    from hetero_llm.comm.groups import Comms
+    from hetero_llm.model.forward import NO_TP
     from hetero_llm.plan import StagePlan
-    from hetero_llm.runtime import Microbatch, StageRoutes, StageRunner
+    from hetero_llm.runtime.interpreter import Microbatch, StageRoutes, StageRunner
 
     comms = Comms(0, torch.device("cpu"), {}, None, (0,))
     params = _params(LLAMA)
@@ -166,7 +166,7 @@ def test_schedule_file_mixing_split_and_full_backwards(reference, tmp_path):
 def test_schedule_file_with_split_backwards_refuses_compile(tmp_path):
     from click.testing import CliRunner
 
-    from hetero_llm.cli import main
+    from hetero_llm.cli.launch import main
 
     (tmp_path / "order.txt").write_text("F0 I0 W0\n")
     path = write_layout(tmp_path / "layout.toml", COMMON.replace("[train]", '[train]\ncompile = "blocks"'),

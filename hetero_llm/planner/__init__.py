@@ -24,7 +24,7 @@ def place_seeds(cluster: Cluster) -> list[Candidate]:
     Placement reads ``speed`` and ``memory_gb`` from the nodes: they are set from the device kinds,
     as a user of hetero-place on this cluster would set them.
     """
-    from hetero_llm import place
+    from hetero_llm.planner import place
     from hetero_llm.planner.output import from_placement
 
     fastest = max(n.kind.tflops for n in cluster.nodes)

@@ -9,19 +9,14 @@ idle are not enumerated (the sweep and the local search reach them). ``search.Pl
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
-
 from hetero_llm.planner.cost import Group
-
-if TYPE_CHECKING:
-    from hetero_llm.planner.search import Planner
+from hetero_llm.planner.structure import SearchSpace, Structure
 
 
-def all_structures(planner: Planner, limit: int) -> list | None:
+def all_structures(planner: SearchSpace, limit: int) -> list | None:
     """Every structure of the space, or None when there are more than ``limit``: every TP grouping of
     every node, every partition of the groups into pipelines and every stage order, as multisets
     (TP groups of one node and size are interchangeable), every microbatch size and schedule."""
-    from hetero_llm.planner.search import Structure  # search imports this module
     per_node = [_cuts(n.devices, planner.tp_sizes(n.devices)) for n in planner.c.nodes]
     out = []
     for choice in itertools.product(*per_node):

@@ -8,17 +8,13 @@ with the same stage kinds are changed together or one alone.
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING
-
 import attrs
 
 from hetero_llm.planner.cost import Group
-
-if TYPE_CHECKING:
-    from hetero_llm.planner.search import Planner, Structure
+from hetero_llm.planner.structure import SearchSpace, Structure
 
 
-def neighbours(planner: Planner, st: Structure) -> list[Structure]:
+def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     """Structures one move away, deduplicated: moves of interchangeable TP groups (same node, kind and
     size) are made once, and pipelines with the same stage kinds are changed together or one alone."""
     pipes = [list(p) for p in st.pipelines]
@@ -123,7 +119,7 @@ def neighbours(planner: Planner, st: Structure) -> list[Structure]:
             make(pipes, schedule=sch)
     return out
 
-def idle_groups(planner: Planner, st: Structure) -> list[Group]:
+def idle_groups(planner: SearchSpace, st: Structure) -> list[Group]:
     """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""
     used = {d for p in st.pipelines for g in p for d in g.devices}
     out = []

@@ -13,7 +13,7 @@ from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Recompute, Schedule
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import Candidate, Score
-from hetero_llm.place import Placement
+from hetero_llm.planner.place import Placement
 
 
 def from_placement(cluster: Cluster, placement: Placement) -> Candidate:

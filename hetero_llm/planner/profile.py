@@ -102,9 +102,9 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
     ``repeats`` after ``warmup``), with the library's own block and head (``model.block``, ``model.head``)."""
     import torch
 
-    from hetero_llm import model as model_mod
+    from hetero_llm.model import forward as model_mod
     from hetero_llm.layout import Precision
-    from hetero_llm.params import layer_params
+    from hetero_llm.model.params import layer_params
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
@@ -166,51 +166,3 @@ def write(path: str | os.PathLike, model, precision, kind: str, times: KindTimes
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n")
     tmp.replace(path)
-
-
-def profile_command(cluster_file: str, out: str, kind: str | None, device: str | None) -> str:
-    """``hetero-plan CLUSTER --profile OUT``: measure on this machine and write; returns the summary line."""
-    from hetero_llm.planner.cluster import load_cluster
-    cluster = load_cluster(cluster_file)
-    if device is None or device.startswith("cuda"):
-        torch = _torch(cluster_file)
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': torch sees no CUDA device")
-    dev_type = device.split(":")[0]
-    known = sorted({n.kind.name for n in cluster.nodes})
-    if kind is None:
-        on_device = sorted({n.kind.name for n, spec in zip(cluster.nodes, cluster.spec.nodes)
-                            if all(d.split(":")[0] == dev_type for d in spec.devices)})
-        if len(on_device) != 1:
-            raise LayoutError(cluster_file, "--kind", f"name the device kind to record the times under (nodes on "
-                              f"'{dev_type}' have kinds {on_device or 'none'}; the cluster's kinds: {', '.join(known)})")
-        kind = on_device[0]
-    elif kind not in known:
-        raise LayoutError(cluster_file, "--kind", f"no node of the cluster has kind {kind!r} (kinds: {', '.join(known)})")
-    previous = None
-    if Path(out).exists():
-        try:
-            previous = json.loads(Path(out).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LayoutError(cluster_file, "--profile", f"'{out}' exists and is not a profile ({e}); remove it or "
-                              "name another file") from None
-    _torch(cluster_file)
-    try:
-        times, info = measure(cluster.model, cluster.train.precision, device)
-    except RuntimeError as e:  # an unknown device string, a device torch cannot use
-        raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': {e}") from None
-    write(out, cluster.model, cluster.train.precision, kind, times, info, previous)
-    return (f"profiled kind '{kind}' on {info['device']} ({info['threads']} threads): layer forward "
-            f"{times.layer_forward_s * 1e3:.3g} ms, backward {times.layer_backward_s * 1e3:.3g} ms; head forward "
-            f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence; "
-            f"wrote {out} (use it: [plan] profile = \"{out}\" or --profile-file {out})")
-
-
-def _torch(cluster_file: str):
-    try:
-        import torch
-    except ImportError:
-        raise LayoutError(cluster_file, "--profile", "needs torch to measure (pip install torch); reading a "
-                          "profile does not") from None
-    return torch

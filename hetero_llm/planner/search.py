@@ -31,29 +31,10 @@ import numpy as np
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner import exact, moves
+from hetero_llm.planner.structure import Result, Structure
 from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, Score, StageChoice
 
 INF = math.inf
-
-
-@attrs.frozen
-class Structure:
-    pipelines: tuple[tuple[Group, ...], ...]  # ordered stages (TP groups) of each pipeline
-    rows: int  # sequences per microbatch
-    schedule: str = "1f1b"
-
-    def key(self) -> tuple:
-        return (self.rows, self.schedule, tuple(tuple(g.devices for g in p) for p in self.pipelines))
-
-
-@attrs.frozen
-class Result:
-    best: Candidate
-    score: Score
-    ranked: tuple[tuple[Candidate, Score], ...]  # the best distinct candidates, best first
-    evaluated: int
-    seconds: float
-    seed_score: Score | None  # hetero-place's plan, when it applies
 
 
 class Planner:

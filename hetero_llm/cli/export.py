@@ -1,0 +1,26 @@
+"""``hetero-export``: a checkpoint as a Hugging Face model (interop/export.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.errors import LayoutError
+from hetero_llm.interop.export import export_checkpoint
+
+
+@click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
+@click.option("--hf", "out", required=True, type=click.Path(file_okay=False), metavar="OUT_DIR",
+              help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or "
+                   "GPT2LMHeadModel).")
+def main(checkpoint_dir, out):
+    """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
+    try:
+        path = export_checkpoint(checkpoint_dir, out)
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"wrote {path}: load it with transformers.AutoModelForCausalLM.from_pretrained('{path}')")

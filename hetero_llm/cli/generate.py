@@ -1,0 +1,62 @@
+"""``hetero-generate``: sample a continuation from a checkpoint (interop/generate.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.errors import LayoutError
+from hetero_llm.interop.generate import generate
+from hetero_llm.layout import DataKind
+
+
+@click.command("hetero-generate", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
+@click.option("--prompt", required=True, help="Text the model continues.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=1.0, show_default=True,
+              help="Softmax temperature; 0 = greedy (the likeliest token each time).")
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Sample among the K likeliest tokens only (0: all).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampling.")
+@click.option("--device", default="cpu", show_default=True, help="Where to run: 'cpu' or 'cuda:N'.")
+def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, device):
+    """Continue --prompt with the model a checkpoint holds (prints the prompt and its continuation)."""
+    from hetero_llm.interop import export
+    from hetero_llm.checkpoint.shards import load_full_params
+
+    try:
+        s = export.saved(checkpoint_dir)
+        tok = export.load_tokenizer(s.data, str(s.ckpt.path))
+        grammar = s.data.kind is DataKind.GRAMMAR  # its tokens are ids, not text
+        ids = _ids(prompt, str(s.ckpt.path)) if grammar else tok.encode(prompt)
+        if not ids:
+            raise LayoutError(str(s.ckpt.path), "--prompt", "is empty (give some text to continue)")
+        if max(ids) >= s.model.vocab or min(ids) < 0:
+            raise LayoutError(str(s.ckpt.path), "--prompt", f"token {max(ids)} is outside the model's vocabulary of "
+                              f"{s.model.vocab} (model.vocab)")
+        room = s.model.seq_len - len(ids)
+        if max_new_tokens > room:
+            raise LayoutError(str(s.ckpt.path), "--max-new-tokens", f"{max_new_tokens} tokens after a prompt of "
+                              f"{len(ids)} exceed model.seq_len {s.model.seq_len}, the positions the model was trained "
+                              f"on (use at most {max(room, 0)}, or a shorter prompt)")
+        params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path)).items()}
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    if grammar:
+        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed)
+        click.echo(" ".join(map(str, ids + new)))
+        return
+    new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed, tok.eos_id)
+    click.echo(tok.decode(ids + [t for t in new if t != tok.eos_id]))  # the EOS ends the text, unprinted
+
+
+def _ids(prompt: str, where: str) -> list[int]:
+    try:
+        return [int(t) for t in prompt.split()]
+    except ValueError:
+        raise LayoutError(where, "--prompt", "the model was trained on the embedded grammar, whose tokens are ids, "
+                          "not text: give ids separated by spaces, e.g. --prompt '3 17 5'") from None

@@ -1,0 +1,190 @@
+"""Collectives: Megatron's TP operators and agreement, gradient-sync all-reduce, ZeRO-1's reduce-scatter
+and all-gather, world reductions. Each runs over a group ``hetero_llm.comm.groups`` created; gradient sync
+and ZeRO-1 run on the grads stream (``hetero_llm.comm.streams``) so they overlap compute.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from hetero_llm.comm.groups import Comms
+from hetero_llm.model.forward import TP
+from hetero_llm.plan.rank import GroupKey
+from hetero_llm.schedule import Kind
+from hetero_llm.comm.streams import NO_STREAMS, Streams
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor parallel operators (Megatron f / g), and TP rank 0's choice shared with its group.
+
+
+def tp_index(comms: Comms) -> int:
+    return comms.tp_ranks.index(comms.rank)
+
+
+def tp_agree(comms: Comms, choice: tuple[Kind, int] | None) -> tuple[Kind, int]:
+    """TP rank 0's choice of the next dynamic action (``Kind.F`` or ``Kind.B``, microbatch), on every rank of
+    the TP group; the others pass None."""
+    t = torch.zeros(2, dtype=torch.int64, device=comms.device)
+    if choice is not None:
+        t[0], t[1] = (0 if choice[0] is Kind.F else 1), choice[1]
+    dist.broadcast(t, src=comms.tp_ranks[0], group=comms.tp_group)
+    return (Kind.F if int(t[0]) == 0 else Kind.B), int(t[1])
+
+
+class _Enter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _Exit(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def tp_ops(comms: Comms) -> TP:
+    from hetero_llm.model.forward import NO_TP
+
+    if comms.tp_group is None:
+        return NO_TP
+    group = comms.tp_group
+    return TP(lambda x: _Enter.apply(x, group), lambda x: _Exit.apply(x, group))
+
+
+# ------------------------------------------------------------------------------------------
+# Reductions
+
+
+@attrs.define
+class PendingReduce:
+    work: object | None  # None for CuPy: its all-reduce is ordered on the grads stream, nothing to wait on
+    flat: torch.Tensor
+    shapes: list[torch.Size]
+    streams: Streams
+
+    def wait(self) -> list[torch.Tensor]:
+        """The summed tensors, ready for the compute stream (views into one flat buffer)."""
+        s = self.streams
+        if self.work is not None:
+            self.work.wait()  # NCCL / gloo on CUDA: the current stream waits; gloo on CPU: blocks
+        s.wait(s.compute, s.grads)
+        s.hand_over(self.flat, s.compute)
+        out, offset = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(self.flat[offset:offset + n].view(shape))
+            offset += n
+        return out
+
+
+def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group: GroupKey,
+                          streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start summing ``tensors`` among the group in one collective; ``wait()`` gives the sums.
+
+    On CUDA the packing and the all-reduce run on the grads stream, after the compute stream's work
+    so far (the gradients are final there), and overlap what the compute stream does next.
+    """
+    streams.wait(streams.grads, streams.compute)
+    cupy_group = comms.cupy.get(group)
+    with streams.use(streams.grads):
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        if cupy_group is not None:
+            cupy_group.all_reduce(flat)  # on torch's current stream: the grads stream
+            work = None
+        else:
+            work = dist.all_reduce(flat, group=comms.groups[group], async_op=True)
+    for t in tensors:
+        streams.hand_over(t, streams.grads)  # read on the grads stream; the caller may drop them now
+    return PendingReduce(work, flat, [t.shape for t in tensors], streams)
+
+
+def all_reduce_world(tensor: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def barrier() -> None:
+    dist.barrier()
+
+
+# ------------------------------------------------------------------------------------------
+# ZeRO-1 (hetero_llm/runtime/zero1.py): reduce-scatter of gradient blocks, all-gather of updated parameters.
+# torch 2.13 renamed the *_tensor collectives *_single; both take (output, input) of equal chunks.
+# Gloo copies a whole reduce-scatter's input and all-gather's output inside (50 MB in: +73 MB and +192 MB of
+# peak memory, measured on CPU), which would cancel what ZeRO-1 saves; its reduce and broadcast work in place
+# (+5 MB, +1 MB). So on gloo a reduce-scatter is one reduce per member (chunk j summed onto member j) and an
+# all-gather one broadcast per member, about the same bytes sent per rank; NCCL runs the collectives themselves.
+
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+@attrs.frozen
+class _Works:
+    """Several started collectives, waited for as one."""
+
+    works: tuple
+
+    def wait(self) -> None:
+        for work in self.works:
+            work.wait()
+
+
+def start_reduce_scatter(comms: Comms, flat: torch.Tensor, key: GroupKey,
+                         streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
+    ``wait()`` gives this rank's summed chunk (on gloo: a view into ``flat``). On CUDA it runs on the grads
+    stream, after the backward."""
+    group = comms.groups[key]
+    members = dist.get_process_group_ranks(group)
+    n = flat.numel() // len(members)
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        if dist.get_backend(group) == "gloo":
+            pieces = flat.view(len(members), n)
+            work = _Works(tuple(dist.reduce(pieces[j], dst=r, group=group, async_op=True)
+                                for j, r in enumerate(members)))
+            out = pieces[members.index(comms.rank)]
+        else:
+            out = flat.new_empty(n)
+            work = _reduce_scatter(out, flat, group=group, async_op=True)
+    streams.hand_over(flat, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)
+
+
+def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey,
+                     streams: Streams = NO_STREAMS) -> PendingReduce:
+    """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
+    ``wait()`` gives it."""
+    group = comms.groups[key]
+    members = dist.get_process_group_ranks(group)
+    streams.wait(streams.grads, streams.compute)
+    with streams.use(streams.grads):
+        out = chunk.new_empty(chunk.numel() * len(members))
+        if dist.get_backend(group) == "gloo":
+            pieces = out.view(len(members), chunk.numel())
+            pieces[members.index(comms.rank)].copy_(chunk)
+            work = _Works(tuple(dist.broadcast(pieces[j], src=r, group=group, async_op=True)
+                                for j, r in enumerate(members)))
+        else:
+            work = _all_gather(out, chunk, group=group, async_op=True)
+    streams.hand_over(chunk, streams.grads)
+    return PendingReduce(work, out, [out.shape], streams)
+

@@ -1,0 +1,96 @@
+"""Processes that another launcher started: torchrun (``torch.distributed.run``) or SLURM's ``srun``.
+
+Both start one process per rank and tell it which one in the environment: torchrun sets ``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``; ``srun`` sets ``SLURM_PROCID`` and
+``SLURM_NTASKS`` (inside a job step, ``SLURM_STEP_ID``). ``hetero-launch LAYOUT`` started that way runs
+exactly that rank in its own process, as ``--rank R`` would, after checking that the launcher started
+as many processes as the layout has ranks and that this machine is the host of the rank's node.
+An explicit ``--rank`` or ``--node`` wins over the environment, and a one-task ``srun`` step (an
+interactive shell inside an allocation) is not taken for a launcher of ranks.
+
+Also here: ``--resume auto``, which makes one command line right for the first start and for every
+restart (torchrun ``--max-restarts``, a requeued SLURM job): resume from the newest complete save in the
+``--checkpoint`` folder when there is one, else start fresh. Torch-free.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+from typing import Mapping
+
+import attrs
+
+from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.errors import LayoutError
+from hetero_llm.launch.node import is_local_host
+from hetero_llm.plan import Plan
+
+AUTO = "auto"
+
+
+@attrs.frozen
+class Assigned:
+    """The rank an outside launcher gave this process."""
+
+    rank: int
+    world_size: int
+    launcher: str  # "torchrun" or "srun", for messages
+    rank_var: str  # the variables it came from: "RANK", "SLURM_PROCID"
+    world_var: str
+
+
+_SOURCES = (  # (launcher, rank variable, world size variable, variables that must also be set)
+    ("torchrun", "RANK", "WORLD_SIZE", ()),
+    ("srun", "SLURM_PROCID", "SLURM_NTASKS", ("SLURM_STEP_ID",)),  # in a job step, not the batch script itself
+)
+
+
+def assigned(environ: Mapping[str, str]) -> Assigned | None:
+    """The rank the environment gives this process (torchrun first, then srun), or None."""
+    for launcher, rank_var, world_var, also in _SOURCES:
+        if rank_var in environ and world_var in environ and all(v in environ for v in also):
+            values = []
+            for var in (rank_var, world_var):
+                text = environ[var]
+                if not text.strip().isdigit():
+                    raise LayoutError("environment", var, f"'{text}' is not a number ({launcher} sets it; unset it, "
+                                      "or pass --rank R / --node NAME to choose what to start)")
+                values.append(int(text))
+            if launcher == "srun" and values[1] == 1:
+                return None  # a one-task step (an interactive shell in an allocation): start the node's ranks as usual
+            return Assigned(values[0], values[1], launcher, rank_var, world_var)
+    return None
+
+
+def check(plan: Plan, given: Assigned) -> None:
+    """The launcher's world size is the layout's, and this machine is the host of the rank's node."""
+    lay = plan.layout
+    if given.world_size != plan.world_size:
+        raise LayoutError(lay.file, "pipelines", f"{given.launcher} started {given.world_size} processes "
+                          f"({given.world_var}={given.world_size}) but the layout has {plan.world_size} ranks; start "
+                          f"{plan.world_size} (--dry-run lists them by node)")
+    if not 0 <= given.rank < plan.world_size:
+        raise LayoutError(lay.file, "pipelines", f"{given.launcher} gave this process rank {given.rank} "
+                          f"({given.rank_var}), not one of the layout's ranks 0..{plan.world_size - 1}")
+    info = plan.ranks[given.rank]
+    names = [n.name for n in lay.cluster.nodes]
+    node = lay.cluster.node(info.node)
+    if not is_local_host(node.host):
+        raise LayoutError(lay.file, f"cluster.nodes[{names.index(node.name)}].host", f"{given.launcher} started rank "
+                          f"{given.rank} ({given.rank_var}) on {socket.gethostname()}, but the layout puts it "
+                          f"({info.device_id}) on node {node.name}, host '{node.host}', which is not this machine; "
+                          f"give each node its machine's host, and start ranks so that each machine gets its nodes' "
+                          f"ranks (--dry-run lists them)")
+
+
+def resume_auto(checkpoint_dir: str | None, lay) -> str | None:
+    """``--resume auto``: the newest complete save in ``--checkpoint DIR``, or None (start fresh)."""
+    if not checkpoint_dir:
+        raise LayoutError(lay.file, "--resume", "auto needs --checkpoint DIR (the folder it resumes from and "
+                          "saves into)")
+    root = Path(checkpoint_dir)
+    saves = root.glob(f"{checkpoint.STEP_PREFIX}*/{checkpoint.META}") if root.is_dir() else ()
+    if not any(saves):  # no complete save yet (none, or only interrupted ones): a fresh start
+        return None
+    return str(checkpoint.find(root).path)  # a damaged newest save is refused, never silently trained over

@@ -1,0 +1,375 @@
+"""Start a node's ranks (or one rank), watch them, and take the job down when any rank fails.
+
+Each rank is its own OS process running what ``hetero-launch LAYOUT --rank R`` runs (``run_rank``, which
+the CLI's ``--rank`` path calls too), so one launch and the per-process launches of nodes with uneven GPU
+counts are the same code path. A forked rank runs from the plan the launcher compiled (fork hands it
+over); it does not load the layout again. The launcher imports torch once and forks the ranks from it,
+rather than starting a fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
+more ranks than cores pays many times over before any rank trains. The launcher runs no torch op
+before forking (no OpenMP or CUDA state to inherit). A rank names itself ``hl-rank<R>`` (``ps -o
+comm``). Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no
+process behind.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import NoReturn
+
+import attrs
+
+from hetero_llm.errors import Diverged, HeteroError, LayoutError, RankFailure
+from hetero_llm.plan import Plan
+
+
+@attrs.frozen
+class RunOptions:
+    """Per-run options that are not part of the layout (CLI flags)."""
+
+    overrides: tuple[str, ...] = ()
+    metrics_jsonl: str | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int = 0  # save every N steps as well as at the end; 0: at the end only
+    resume: str | None = None  # the step folder to resume from (the CLI resolves a checkpoint root to one)
+    trace: str | None = None
+    quiet: bool = False
+    tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
+
+
+def local_addresses() -> set[str]:
+    names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
+    try:
+        names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except OSError:
+        pass
+    return names
+
+
+def is_local_host(host: str) -> bool:
+    """Whether ``host`` names this machine: a name of it, or an address a socket can bind here (which
+    also tells apart the hosts of network namespaces that share one hostname, as on the testbed)."""
+    if host in local_addresses():
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return False
+    for family, kind, proto, _, addr in infos:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.bind((addr[0], 0, *addr[2:]))
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def local_ranks(plan: Plan, node: str | None) -> list[int]:
+    lay = plan.layout
+    if node is not None:
+        names = [n.name for n in lay.cluster.nodes]
+        if node not in names:
+            raise LayoutError(lay.file, "--node", f"'{node}' is not a node of [cluster] (nodes: {', '.join(names)})")
+        nodes = {node}
+    else:
+        nodes = {n.name for n in lay.cluster.nodes if is_local_host(n.host)}
+        if not nodes:
+            raise LayoutError(lay.file, "cluster.nodes", "no node's host is an address of this machine "
+                              "(pass --node NAME or --rank R to choose what to start here)")
+    return [r.rank for r in plan.ranks if r.node in nodes]
+
+
+def check_rank(plan: Plan, rank: int) -> None:
+    if not 0 <= rank < plan.world_size:
+        raise LayoutError(plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})")
+
+
+def _die_with_parent() -> None:  # runs in the forked child
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@attrs.define
+class _Child:
+    """One forked rank process: its pid and, once reaped, its exit code (negative: killed by that signal)."""
+
+    pid: int
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def stopped(self) -> bool:
+        """Stopped by a signal (state T; not 't', a debugger's tracing stop)."""
+        try:
+            return Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+        except (OSError, IndexError):
+            return False
+
+    def signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def node_threads(ranks_here: int) -> int:
+    """CPU threads per rank when ``ranks_here`` ranks share this host's cores (OMP_NUM_THREADS overrides)."""
+    return max(1, (os.cpu_count() or 1) // max(1, ranks_here))
+
+
+def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float = 3.0) -> None:
+    """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
+    import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
+
+    from hetero_llm.comm import shm
+
+    shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
+    errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
+    threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
+    procs: dict[int, _Child] = {}
+    stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
+    try:
+        for r in ranks:
+            sys.stdout.flush()
+            sys.stderr.flush()  # else the child would print the parent's buffered output again
+            pid = os.fork()
+            if pid == 0:
+                _rank_child(plan, r, options, threads, errdir)  # never returns
+            procs[r] = _Child(pid)
+        while procs:
+            failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
+            for r in [r for r, p in procs.items() if p.returncode == 0]:
+                del procs[r]
+            if failed:
+                # A dead rank makes its peers fail with connection errors moments later: give them a
+                # moment to report, then blame the root cause rather than the first rank polled.
+                time.sleep(0.3)
+                failed.update({r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0})
+                raise _failure(plan, failed, errdir)
+            _check_stopped(plan, procs, stopped_since)
+            time.sleep(0.05)
+    finally:
+        _terminate(list(procs.values()), grace_s)
+        if errdir.is_dir() and not any(errdir.iterdir()):  # kept only when it holds a failure report (named)
+            errdir.rmdir()
+
+
+def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]) -> None:
+    """A rank whose process stays stopped (SIGSTOP) for twice ``cluster.timeout_s`` fails the job, naming it.
+    Its peers give up on it after ``cluster.timeout_s`` (heartbeat.py), but nothing else would ever end the
+    launch of the node it runs on; twice, so that the peers (on other nodes too) name it first, rather than
+    see their connections to it reset when this launcher kills it."""
+    now = time.monotonic()
+    for r, p in procs.items():
+        if p.stopped():
+            since.setdefault(r, now)
+        else:
+            since.pop(r, None)
+    limit = plan.layout.cluster.timeout_s
+    late = sorted(r for r, t in since.items() if now - t > 2 * limit)
+    if late:
+        info = plan.ranks[late[0]]
+        raise RankFailure(f"rank {late[0]} ({info.device_id}) stopped responding: its process has been stopped "
+                          f"(SIGSTOP) for {now - since[late[0]]:.0f} s (twice cluster.timeout_s {limit:g}); "
+                          "stopped the other ranks")
+
+
+def _rank_child(plan: Plan, rank: int, options: RunOptions, threads: int, errdir: Path) -> NoReturn:
+    """In a forked child: become rank ``rank`` (what ``hetero-launch LAYOUT --rank R`` runs) and exit."""
+    code = 1
+    try:
+        _die_with_parent()
+        _name_process(f"hl-rank{rank}")
+        # The OpenMP runtime read OMP_NUM_THREADS when the launcher imported torch: set the count directly.
+        os.environ.update(OMP_NUM_THREADS=str(threads), HETERO_ERROR_DIR=str(errdir), PYTHONUNBUFFERED="1")
+        import torch
+
+        torch.set_num_threads(threads)
+        code = _exit_code(plan, rank, options)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        code = 130
+    except BaseException:  # not expected (HETERO_DEBUG=1 lets a rank's error through with its traceback)
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)  # never back into the launcher's frames, its finally blocks or atexit handlers
+
+
+def _exit_code(plan: Plan, rank: int, options: RunOptions) -> int:
+    """Run the rank; the code ``hetero-launch LAYOUT --rank R`` exits with under a launcher, which prints the
+    failure itself (the rank wrote it into the launcher's error folder)."""
+    try:
+        run_rank(plan, rank, options)
+    except LayoutError:  # e.g. a damaged save a rank finds
+        return 2
+    except RankFailure as e:
+        return e.exit_code
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{INTERRUPTED}\n")
+        return 130
+    return 0
+
+
+def _name_process(name: str) -> None:
+    """The name ``ps -o comm`` and ``top`` show (15 bytes at most)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except OSError:
+        pass
+
+
+_SECONDARY = ("connection", "closed by peer", "broken pipe", "timed out", "gloo", "nccl", "rendezvous aborted")
+
+
+def _cause(rank: int, code: int, errdir: Path) -> str:
+    err = errdir / f"rank{rank}.err"
+    if err.exists() and err.read_text().strip():
+        return err.read_text().strip().splitlines()[0]
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
+
+
+def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
+    causes = {r: _cause(r, code, errdir) for r, code in failed.items()}
+    # Root cause first: a signal or an error of the rank's own before another rank's connection errors.
+    order = sorted(causes, key=lambda r: (any(w in causes[r].lower() for w in _SECONDARY), r))
+    first = order[0]
+    if failed[first] == Diverged.exit_code:  # every rank stopped at the same step: no rank to blame
+        return Diverged(causes[first])
+    if " stopped responding: " in causes[first]:  # the peers' heartbeats named the rank they all waited for
+        others = f"; {len(order) - 1} other rank(s) gave up too" if len(order) > 1 else ""
+        return RankFailure(f"{causes[first]}{others}; stopped the other ranks")
+    info = plan.ranks[first]
+    tb = errdir / f"rank{first}.traceback"
+    more = f" (traceback: {tb})" if tb.exists() else ""
+    others = f"; {len(order) - 1} other rank(s) failed after it" if len(order) > 1 else ""
+    return RankFailure(f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
+                       f"{causes[first]}{more}{others}; stopped the other ranks")
+
+
+def _terminate(procs: list[_Child], grace_s: float) -> None:
+    for p in procs:
+        p.signal(signal.SIGTERM)
+        p.signal(signal.SIGCONT)  # a stopped rank (SIGSTOP, Ctrl-Z) takes its SIGTERM only once continued
+    deadline = time.monotonic() + grace_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for p in procs:
+        if p.poll() is None:
+            p.signal(signal.SIGKILL)
+            os.waitpid(p.pid, 0)
+
+
+INTERRUPTED = "interrupted: stopped every rank"
+
+
+def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
+    """``run_one_rank``, an unexpected error made one ``RankFailure`` line naming the rank (HETERO_DEBUG=1: raised
+    as it is, with its traceback). What ``hetero-launch LAYOUT --rank R`` and every forked rank run."""
+    try:
+        run_one_rank(plan, rank, options)
+    except (LayoutError, RankFailure, KeyboardInterrupt):
+        raise
+    except Exception as e:  # one line on the console; the launcher has the traceback file
+        if os.environ.get("HETERO_DEBUG"):
+            raise
+        info = plan.ranks[rank]
+        raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
+                          f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
+
+
+def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
+    """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
+    import torch  # torch-free until here: --dry-run and planning never import it
+
+    from hetero_llm.comm import groups
+    from hetero_llm.comm import heartbeat
+    from hetero_llm.comm import shm
+    from hetero_llm.predict import trace as tracing
+    from hetero_llm.train.loop import train
+
+    check_rank(plan, rank)
+    info = plan.ranks[rank]
+    if not os.environ.get("HETERO_ERROR_DIR"):  # started by hand, not forked by run_ranks (which checked)
+        shm.check_space(plan, [rank])
+        if not os.environ.get("OMP_NUM_THREADS"):
+            # As run_ranks does for the ranks it starts: this node's ranks share its cores. (Besides not
+            # oversubscribing the host, this keeps the arithmetic that of a one-command launch: CPU kernels
+            # may sum in another order with another thread count, which changes a run's last bits.)
+            torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == info.node])))
+    # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
+    # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    try:
+        device = torch.device(info.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
+        rp = plan.rank_plan(rank)  # from here on the rank runs from its RankPlan
+        agree = Path(options.resume).name if options.resume else ""  # ranks resuming from different saves disagree
+        comms = groups.init(rp, device, shm.rank_rings(plan, rank), agree=agree)
+        events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
+        try:
+            give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
+            with heartbeat.Heartbeat(rp, give_up):
+                train(rp, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
+                      checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
+                      quiet=options.quiet, tensorboard=options.tensorboard, switcher=_switcher(plan, rank))
+        finally:
+            if events is not None:
+                events.close()
+            groups.shutdown()
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        _report_rank_error(rank, e)
+        raise
+
+
+def _switcher(plan: Plan, rank: int):
+    """What makes ``rank``'s hot-switching ``Switcher`` (it compiles the plans of the layout's buckets), or None."""
+    if not plan.layout.buckets:
+        return None
+    from hetero_llm.switching.switcher import Switcher
+
+    return functools.partial(Switcher, plan, rank)
+
+
+def _gave_up(rank: int):
+    """How the heartbeat thread reports that this rank gives up on a stopped peer (then it exits)."""
+    def report(cause: str) -> None:
+        _report_rank_error(rank, RankFailure(cause))
+        if not os.environ.get("HETERO_ERROR_DIR"):  # no launcher to print it
+            sys.stderr.write(f"error: {cause}\n")
+    return report
+
+
+def _report_rank_error(rank: int, e: BaseException) -> None:
+    errdir = os.environ.get("HETERO_ERROR_DIR")
+    cause = f"{type(e).__name__}: {e}".splitlines()[0] if not isinstance(e, HeteroError) else str(e).splitlines()[0]
+    if errdir:
+        Path(errdir, f"rank{rank}.err").write_text(cause + "\n")
+        Path(errdir, f"rank{rank}.traceback").write_text(traceback.format_exc())

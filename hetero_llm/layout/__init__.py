@@ -1,0 +1,93 @@
+"""Layouts: the TOML a user writes, loaded once into frozen attrs classes and validated.
+
+The front of four modules, in data-flow order:
+
+- ``layout_schema``: the classes and enums; every key declared once with its type, default, meaning
+  and single-field rules (``layout_fields`` says how a key is declared).
+- ``layout_toml``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
+  conversion key by key (unknown keys are errors with a did-you-mean, because a silently ignored
+  typo such as ``train.stpes`` is the classic way a TOML config lies to its user).
+- ``layout_rules``: validation, the rules between keys and the order all rules run in.
+- ``cluster_file``: a layout without pipelines, read by hetero-place and hetero-plan.
+
+Importers use this module (``from hetero_llm import layout``); it re-exports the schema's names.
+Imports no torch: ``--dry-run``, planning and most tests run anywhere.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout.cluster_file import read_cluster_file
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout.rules import SPLIT_BACKWARD_NO_COMPILE, validate, validate_cluster
+from hetero_llm.layout.schema import (CROSS_DOMAIN, DEFAULT_TRANSPORT, MIN_TIMEOUT_S, NCCL_VARIABLES, P2P, SHM,
+                                      Backend, BucketSpec, ClusterSpec, CommLib, Compile, CrossDomainSpec,
+                                      DataKind, DataSpec, DomainKind, DomainSpec, Layout, Mlp, ModelSpec, NodeSpec,
+                                      Norm, Optimizer, Packing, PipelineSpec, Position, Precision, Recompute,
+                                      Schedule, StageSpec, TokenDtype, TrainSpec, bucket_layout,
+                                      elastic_layout)
+
+__all__ = [
+    "CROSS_DOMAIN", "DEFAULT_TRANSPORT", "MIN_TIMEOUT_S", "NCCL_VARIABLES", "P2P", "SHM", "SPLIT_BACKWARD_NO_COMPILE",
+    "Backend", "BucketSpec", "ClusterSpec", "CommLib", "Compile", "CrossDomainSpec", "DataKind", "DataSpec",
+    "DomainKind", "DomainSpec", "Layout", "LayoutError", "Mlp", "ModelSpec", "NodeSpec", "Norm", "Optimizer",
+    "Packing", "PipelineSpec", "Position", "Precision", "Recompute", "Schedule", "StageSpec", "TokenDtype",
+    "TrainSpec", "build", "bucket_layout", "elastic_layout", "from_dict", "load", "loads", "model_from_dict",
+    "read_cluster_file", "schema_markdown", "spec_dict", "validate", "validate_cluster",
+]
+
+build = layout_toml.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
+_build = build  # the name hetero_llm.planner.cluster calls
+
+
+def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Layout:
+    """Read, override (``--set a.b=v``), type-check and validate a layout file."""
+    raw = layout_toml.read(path)
+    for item in overrides:
+        layout_toml.apply_override(raw, item, str(path))
+    return from_dict(raw, str(path), base_dir=Path(path).parent)
+
+
+def loads(text: str, file: str = "<string>", base_dir: str | os.PathLike = ".") -> Layout:
+    """Load a layout from TOML text (tests, generated layouts)."""
+    return from_dict(layout_toml.parse(text, file), file, base_dir=Path(base_dir))
+
+
+def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
+    """A validated layout from its TOML dict; relative paths in it are taken from ``base_dir``."""
+    layout = layout_toml.to_layout(raw, file, base_dir)
+    validate(layout)
+    return layout
+
+
+def spec_dict(spec: Any) -> dict[str, Any]:
+    """A flat spec (``ModelSpec``, ``DataSpec``) as the TOML table it loads from: enums as their values."""
+    return {f.name: getattr(getattr(spec, f.name), "value", getattr(spec, f.name)) for f in attrs.fields(type(spec))}
+
+
+def model_from_dict(table: dict, file: str) -> ModelSpec:
+    """A ``ModelSpec`` from a ``spec_dict`` table (a checkpoint's meta.json), type-checked like [model]."""
+    return build(ModelSpec, table, "model", file)
+
+
+def schema_markdown() -> str:
+    """Every layout key with its default and meaning, for docs/layout.md."""
+    rows = []
+    for section, cls in [("model", ModelSpec), ("train", TrainSpec), ("data", DataSpec), ("cluster", ClusterSpec),
+                         ("cluster.nodes[]", NodeSpec), ("cluster.domains[]", DomainSpec),
+                         ("cluster.cross_domain", CrossDomainSpec),
+                         ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec),
+                         ("buckets[]", BucketSpec)]:
+        for fl in attrs.fields(cls):
+            default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
+            kind = layout_toml.shape(cls, fl)[0]
+            if kind in ("table", "nccl"):
+                default = "{}" if kind == "nccl" else "(table)"
+            rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
+    return "| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n"

@@ -1,0 +1,467 @@
+"""The layout schema: the TOML keys a user writes, as frozen attrs classes and enums.
+
+Each key is declared once, here: its type, default, meaning (``doc``) and its single-field rules
+(``check``; see ``layout_fields``). Turning TOML into these classes is ``layout_toml``'s job, rules
+between keys are ``layout_rules``'; ``hetero_llm.layout`` puts them together. Imports no torch.
+
+Longer than the ~400 lines a module aims at because every key's documentation is here, beside it:
+the classes themselves are plain declarations.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+
+import attrs
+
+from hetero_llm.layout.fields import IFNAME, NAME, Check, at_least, each, host_address, key, nccl_net, no_repeated_gpu
+
+class Schedule(str, enum.Enum):
+    """Pipeline schedule kind (``train.schedule``)."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"  # interleaved 1F1B: train.chunks model chunks per rank
+    DYNAMIC = "dynamic"  # MegatronDPP: run the highest-priority action whose input has arrived
+    ZBH1 = "zbh1"  # zero-bubble ZB-H1: backward split into input (I) and weight (W) gradients
+
+
+class Norm(str, enum.Enum):
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+
+
+class Position(str, enum.Enum):
+    LEARNED = "learned"
+    ROPE = "rope"
+
+
+class Mlp(str, enum.Enum):
+    GELU = "gelu"
+    SWIGLU = "swiglu"
+
+
+class DataKind(str, enum.Enum):
+    GRAMMAR = "grammar"
+    TEXT = "text"
+    JSONL = "jsonl"
+    TOKENS = "tokens"  # a pre-tokenized .bin/.npy file (hetero-tokenize, nanoGPT)
+
+
+class TokenDtype(str, enum.Enum):
+    """Width of the ids in a .bin token file (``data.token_dtype``)."""
+
+    UINT16 = "uint16"  # nanoGPT's; vocabularies up to 65536
+    UINT32 = "uint32"
+
+
+class Packing(str, enum.Enum):
+    """How a step's tokens form rows (``data.packing``)."""
+
+    NONE = "none"  # random windows of seq_len + 1 tokens, crossing document boundaries
+    DOCUMENTS = "documents"  # whole documents packed into rows, attention masked to each document
+
+
+class Backend(str, enum.Enum):
+    GLOO = "gloo"
+    NCCL = "nccl"
+
+
+class DomainKind(str, enum.Enum):
+    """What a network domain's NICs are (``cluster.domains[].kind``)."""
+
+    IB = "ib"  # InfiniBand verbs
+    ROCE = "roce"  # RDMA over Converged Ethernet (verbs too: NCCL's IB transport, with a GID index)
+    ETHERNET = "ethernet"  # TCP only: NCCL's Socket transport
+    OTHER = "other"  # anything else (a vendor net plugin, ...): no consistency checks
+
+
+class CommLib(str, enum.Enum):
+    """Who owns the gradient-sync communicators (``cluster.comm``)."""
+
+    TORCH = "torch"  # torch.distributed process groups (gloo or NCCL)
+    CUPY = "cupy"  # cupy.cuda.nccl communicators, one per gradient-sync group, on CUDA tensors
+
+
+class P2P(str, enum.Enum):
+    """How a node's stage boundaries between its own ranks travel (``cluster.nodes[].p2p``)."""
+
+    AUTO = "auto"  # shared memory when both sides of the boundary are CPU ranks of this node, else the network
+    SHM = "shm"  # shared memory (hetero_llm/comm/shm.py) for every boundary inside this node; needs backend gloo
+    NETWORK = "network"  # the boundary's process group (gloo over TCP, or NCCL), like a boundary between nodes
+
+
+# Transport names a plan group can carry besides a domain name (so no domain may be called any of them).
+DEFAULT_TRANSPORT = "default"  # no [[cluster.domains]]: the process's own network settings
+CROSS_DOMAIN = "cross_domain"  # a group whose members are in more than one domain
+SHM = "shm"  # a stage-boundary group inside one node that moves its tensors through shared memory
+
+# NCCL variables a domain may set: the network-selection ones Holmes-style domains need, plus common
+# tuning knobs. Anything else named NCCL_* is more likely a typo than a wish (did-you-mean).
+NCCL_VARIABLES = (
+    "NCCL_NET", "NCCL_NET_PLUGIN", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_ROCE_VERSION_NUM",
+    "NCCL_IB_TC", "NCCL_IB_SL", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_PCI_RELAXED_ORDERING", "NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_DISABLE", "NCCL_IB_MERGE_NICS",
+    "NCCL_NET_GDR_LEVEL", "NCCL_NET_GDR_READ", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY",
+    "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_CROSS_NIC", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "NCCL_DEBUG",
+    "NCCL_DEBUG_SUBSYS", "NCCL_TOPO_FILE",
+)
+
+MIN_TIMEOUT_S = 1.0  # below this, ranks started together time out before they can meet
+
+# Single-field rules used by more than one key, or too long to read inline.
+BETA = Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v} (AdamW's usual values: 0.9, 0.95)")
+OPTIONAL_MEASURE = Check(  # a bandwidth or latency that 0 leaves unset
+    lambda v: v >= 0, "must be >= 0 (0 = not given), got {v:g}")
+NODE_HAS_DEVICES = Check(bool, 'a node needs at least one device (e.g. devices = ["cpu"])')
+LOCAL_DEVICE = Check(lambda v: re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", v) is not None,
+                     "unknown device '{v}' (use 'cpu' or 'cuda:N')")
+NOT_A_TRANSPORT = Check(lambda v: v not in (DEFAULT_TRANSPORT, CROSS_DOMAIN, SHM),
+                        "'{v}' is reserved (it names a group's transport; pick another name)")
+MEETING_TIME = Check(lambda v: v >= MIN_TIMEOUT_S, f"must be at least {MIN_TIMEOUT_S:g} s (the time ranks have to "
+                     "meet; the default is 60), got {v:g}")
+
+
+class Precision(str, enum.Enum):
+    """Compute precision (``train.precision``); parameters and AdamW state are float32 either way."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+class Recompute(str, enum.Enum):
+    """Activation recomputation (``train.recompute``, ``pipelines.stages.recompute``)."""
+
+    NONE = "none"
+    FULL = "full"  # keep only each block's input; recompute the block in backward
+
+
+class Optimizer(str, enum.Enum):
+    """``train.optimizer``: where AdamW's state lives."""
+
+    ADAMW = "adamw"  # every rank keeps the moments of every parameter shard it holds
+    ADAMW_ZERO1 = "adamw_zero1"  # each gradient-sync block's holders split its moments (docs/zero1.md)
+
+
+class Compile(str, enum.Enum):
+    """``torch.compile`` regions (``train.compile``)."""
+
+    NONE = "none"
+    BLOCKS = "blocks"  # each transformer block (one compiled graph, reused by every block)
+
+
+@attrs.frozen
+class ModelSpec:
+    """``[model]``: a GPT/Llama-style decoder-only transformer."""
+
+    layers: int = key("number of transformer blocks", check=at_least(1))
+    hidden: int = key("model width (channels)", check=at_least(1))
+    heads: int = key("attention heads; TP sizes must divide it", check=at_least(1))
+    vocab: int = key("vocabulary size; >= the data's vocabulary (grammar: grammar_vocab; text: 256)",
+                     check=at_least(1))
+    seq_len: int = key("tokens per training sequence", check=at_least(1))
+    ffn: int = key("MLP inner width; 0 means 4 * hidden", default=0, check=at_least(0))
+    norm: Norm = key("'layernorm' (GPT) or 'rmsnorm' (Llama)", default=Norm.LAYERNORM)
+    position: Position = key("'learned' absolute embeddings (GPT) or 'rope' (Llama)", default=Position.LEARNED)
+    mlp: Mlp = key("'gelu' (GPT) or 'swiglu' (Llama)", default=Mlp.GELU)
+    init_std: float = key("std of the normal init of weight matrices", default=0.02, check=at_least(0))
+    norm_eps: float = key("epsilon of every layernorm/rmsnorm (GPT-2: 1e-5; Llama: 1e-5 or 1e-6)", default=1e-5,
+                          check=Check(lambda v: v > 0, "must be > 0, got {v:g} (GPT-2 and Llama use 1e-5)"))
+    rope_theta: float = key("RoPE base: position p rotates pair j by p / rope_theta^(2j / head size) "
+                            "(Llama 2: 10000; Llama 3: 500000)", default=10000.0,
+                            check=Check(lambda v: v > 0, "must be > 0, got {v:g} (Llama 2 uses 10000)"))
+    kv_heads: int = key("key/value heads (grouped-query attention: each serves heads / kv_heads query heads); "
+                        "0 means heads (plain multi-head attention); TP sizes must divide it", default=0,
+                        check=Check(lambda v: v >= 0, "must be >= 0 (0 = heads), got {v}"))
+    tie_embeddings: bool = key("the output head reuses the token embedding (GPT-2); with pipelines the first "
+                               "and last stage each hold it and sum its gradient", default=False)
+    bias: bool = key("biases on the attention and MLP projections (GPT-2); norms keep theirs either way",
+                     default=False)
+    init_from: str = key("a local Hugging Face model directory (config.json + model.safetensors, Llama or "
+                         "GPT-2) to start from instead of the seeded init; relative to the layout file; "
+                         "its config must match this [model]", default="")
+
+    @property
+    def ffn_width(self) -> int:
+        return self.ffn or 4 * self.hidden
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_heads_n(self) -> int:
+        """Key/value heads: ``kv_heads``, or ``heads`` when it is 0."""
+        return self.kv_heads or self.heads
+
+
+@attrs.frozen
+class TrainSpec:
+    """``[train]``: the optimization, identical for every layout of one model."""
+
+    steps: int = key("optimizer steps", check=at_least(1))
+    global_batch: int = key("sequences per step, summed over pipelines", check=at_least(1))
+    seed: int = key("seed of initialization and data order", default=0, check=at_least(0))
+    schedule: Schedule = key("'gpipe', '1f1b', 'interleaved' (with chunks), 'dynamic' (run what is ready), or "
+                             "'zbh1' (zero-bubble: each backward split into input and weight gradients, the "
+                             "weight gradients filling 1F1B's bubbles; keeps up to stages microbatches in "
+                             "flight on every stage)", default=Schedule.ONE_F_ONE_B)
+    chunks: int = key("model chunks (virtual stages) per rank for 'interleaved'; 1 otherwise", default=1,
+                      check=at_least(1))
+    lr: float = key("peak learning rate (after warmup)", default=1e-3, check=at_least(0))
+    min_lr: float = key("learning rate at the end of the cosine decay", default=1e-4, check=at_least(0))
+    warmup_steps: int = key("linear warmup steps from 0 to lr", default=0, check=at_least(0))
+    weight_decay: float = key("AdamW decoupled weight decay (matrices only)", default=0.0, check=at_least(0))
+    beta1: float = key("AdamW beta1", default=0.9, check=BETA)
+    beta2: float = key("AdamW beta2", default=0.95, check=BETA)
+    eps: float = key("AdamW epsilon", default=1e-8, check=at_least(0))
+    grad_clip: float = key("clip the global gradient norm to this; 0 disables", default=1.0,
+                           check=Check(lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}"))
+    optimizer: Optimizer = key(
+       "'adamw' (every rank keeps AdamW moments for all it holds) or 'adamw_zero1' (ZeRO-1: the holders of each "
+       "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
+       "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)", default=Optimizer.ADAMW)
+    log_every: int = key("print progress every N steps", default=1, check=at_least(1))
+    eval_every: int = key("compute the held-out loss every N steps and after the last; 0 = never (with packing: "
+                          "over held-out documents packed as training's; with [[buckets]]: under the home layout)",
+                          default=0,
+                          check=at_least(0))
+    eval_batches: int = key("held-out batches of global_batch sequences per evaluation: the same ones every "
+                            "time, whatever the layout", default=4, check=at_least(1))
+    precision: Precision = key(
+       "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
+       "and accumulated gradients stay float32; activations and their gradients cross stage boundaries "
+       "in bf16, halving p2p traffic; the loss is float32). Layouts then agree to the bf16 tolerance "
+       "(per-step loss within 1e-2 relative), not float32's 1e-5", default=Precision.FP32)
+    recompute: Recompute = key("'none' or 'full': recompute each transformer block's activations in backward "
+                               "(keeps only block inputs: less memory, about one more forward of compute); "
+                               "the default for stages that do not set their own", default=Recompute.NONE)
+    compile: Compile = key("'none' or 'blocks': torch.compile each transformer block's apply (the first steps "
+                           "are slower while it compiles; on CPU it needs a C++ compiler)", default=Compile.NONE)
+
+
+@attrs.frozen
+class DataSpec:
+    """``[data]``: where the tokens come from."""
+
+    kind: DataKind = key("'grammar' (embedded, known loss floor), 'text', 'jsonl' or 'tokens' (a pre-tokenized "
+                         ".bin or .npy file, memory-mapped)", default=DataKind.GRAMMAR)
+    path: str = key("text/jsonl/token file, relative to the layout file; '' for grammar", default="")
+    field: str = key("JSONL key holding the text", default="text")
+    tokenizer: str = key("'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
+                         "layout file; every document ends with its end-of-document token", default="bytes")
+    valid_path: str = key("held-out file of the same kind (and tokenizer) for train.eval_every, relative to the "
+                          "layout file; '' = none", default="")
+    valid_fraction: float = key("hold out this last fraction of data.path's tokens (with packing = "
+                                "'documents': of its documents) instead of a valid_path (training never samples "
+                                "them); 0 = none", default=0.0,
+                                check=Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v:g} (e.g. 0.05)"))
+    token_dtype: TokenDtype = key("'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file "
+                                  "says its own)", default=TokenDtype.UINT16)
+    grammar_seed: int = key("seed of the grammar itself (not of the data order)", default=1234, check=at_least(0))
+    grammar_vocab: int = key("tokens the grammar uses", default=64, check=at_least(2))
+    branching: int = key("possible successors of each grammar context", default=4, check=at_least(1))
+    packing: Packing = key("'none': each row is a window of seq_len + 1 tokens cut anywhere in the data; "
+                           "'documents': whole documents (at most seq_len + 1 tokens; longer ones are cut) "
+                           "packed into the global_batch rows of seq_len, attention kept inside each document "
+                           "and positions restarting in each, the loss averaged over real targets "
+                           "(see docs/hot_switching.md)", default=Packing.NONE)
+    separator: str = key("with packing = 'documents' and kind = 'text': the string between documents; '' "
+                         "makes the whole file one document (cut to seq_len + 1 tokens)", default="\n\n")
+    doc_len_median: float = key("with packing = 'documents' and kind = 'grammar': median document length in "
+                                "tokens (lengths are lognormal, clipped to [2, seq_len + 1])", default=32.0,
+                                check=Check(lambda v: v >= 2, "must be >= 2 tokens (a document needs a token "
+                                                              "to predict from and one to predict), got {v}"))
+    doc_len_sigma: float = key("with packing = 'documents' and kind = 'grammar': standard deviation of the log "
+                               "of document lengths (larger: a longer tail)", default=1.0,
+                               check=Check(lambda v: v >= 0, "must be >= 0 (0: every document has the median "
+                                                             "length), got {v}"))
+
+
+@attrs.frozen
+class NodeSpec:
+    """``[[cluster.nodes]]``: one host."""
+
+    name: str = key("node name used in device ids ('node0' -> 'node0:1')", check=NAME)
+    host: str = key("address other nodes reach this host at: a host name or IP address, no port "
+                   "(that is cluster.port)", default="127.0.0.1", check=host_address)
+    devices: tuple[str, ...] = key("local devices in index order: 'cpu' or 'cuda:N'", default=("cpu",),
+                                   check=(NODE_HAS_DEVICES, each(LOCAL_DEVICE), no_repeated_gpu))
+    domain: str = key("name of the [[cluster.domains]] entry this node's NICs are in; '' when the cluster "
+                      "declares no domains", default="")
+    speed: float = key("relative compute speed of each of this node's devices (1.0 = reference); placement "
+                       "gives faster stages more layers", default=1.0,
+                       check=Check(lambda v: v > 0, "must be > 0 (1.0 = reference speed), got {v:g}"))
+    memory_gb: float = key("memory per device in GB for placement's layer cap; 0 = no cap", default=0.0,
+                           check=Check(lambda v: v >= 0, "must be >= 0 (0 = no cap), got {v:g}"))
+    p2p: P2P = key("stage boundaries between this node's own ranks: 'auto' (shared memory between CPU ranks, "
+                   "the network otherwise; the network too if /dev/shm is missing or too small, with a warning), "
+                   "'shm' (shared memory, an error if /dev/shm cannot hold the ring buffers; backend gloo only) "
+                   "or 'network' (the boundary's process group, as between nodes)", default=P2P.AUTO)
+
+
+@attrs.frozen
+class DomainSpec:
+    """``[[cluster.domains]]``: one network domain, i.e. a NIC kind and the fabric joining its nodes."""
+
+    name: str = key("domain name that nodes refer to ('ib0'); letters, digits, '-' or '_'",
+                    check=(NAME, NOT_A_TRANSPORT))
+    kind: DomainKind = key("'ib', 'roce', 'ethernet' or 'other'")
+    bandwidth_gbps: float = key("bandwidth of one NIC inside the domain, Gbit/s",
+                                check=Check(lambda v: v > 0, "must be > 0, got {v:g}"))
+    latency_us: float = key("one-way latency between two nodes of the domain, microseconds",
+                            check=Check(lambda v: v >= 0, "must be >= 0, got {v:g}"))
+    gloo_ifname: str = key("network interface gloo binds this domain's groups to, e.g. 'ib0' (IPoIB) or "
+                           "'eth1'; '' = the process default (GLOO_SOCKET_IFNAME or the hostname's address)",
+                           default="", check=IFNAME)
+    nccl: tuple[tuple[str, str], ...] = key("NCCL variables for this domain's communicators, as a table: "
+                                            "[cluster.domains.nccl] NCCL_IB_HCA = 'mlx5_0'", default=(),
+                                            check=nccl_net)
+
+    @property
+    def nccl_env(self) -> dict[str, str]:
+        return dict(self.nccl)
+
+
+@attrs.frozen
+class CrossDomainSpec:
+    """``[cluster.cross_domain]``: the network between domains, used by every group spanning domains."""
+
+    bandwidth_gbps: float = key("bandwidth of one node's cross-domain NIC, Gbit/s; 0 = not given", default=0.0,
+                                check=OPTIONAL_MEASURE)
+    latency_us: float = key("one-way latency between domains, microseconds; 0 = not given", default=0.0,
+                            check=OPTIONAL_MEASURE)
+    gloo_ifname: str = key("network interface gloo binds cross-domain groups to; '' = the process default",
+                           default="", check=IFNAME)
+    nccl: tuple[tuple[str, str], ...] = key("NCCL variables for cross-domain communicators, e.g. "
+                                            "{ NCCL_NET = 'Socket', NCCL_SOCKET_IFNAME = 'eth0' }", default=(),
+                                            check=nccl_net)
+
+    @property
+    def nccl_env(self) -> dict[str, str]:
+        return dict(self.nccl)
+
+
+@attrs.frozen
+class ClusterSpec:
+    """``[cluster]``: the hosts and how ranks meet."""
+
+    nodes: tuple[NodeSpec, ...] = key("the hosts")
+    master: str = key("node whose host serves rendezvous; '' means the first node", default="")
+    port: int = key("rendezvous TCP port (MASTER_PORT overrides)", default=29511,
+                    check=Check(lambda v: 1 <= v <= 65535, "must be a TCP port 1..65535, got {v}"))
+    backend: Backend = key("'gloo' (CPU, default) or 'nccl' (CUDA)", default=Backend.GLOO)
+    timeout_s: float = key("seconds to wait for every rank to arrive; at least 1", default=60.0,
+                           check=(Check(lambda v: v > 0, "must be > 0, got {v}"), MEETING_TIME))
+    domains: tuple[DomainSpec, ...] = key("network domains; none declared means one implicit domain whose "
+                                          "groups all use the process's own network settings", default=())
+    cross_domain: CrossDomainSpec = key("the network between domains (a table)", default=CrossDomainSpec())
+    comm: CommLib = key("'torch' (process groups for everything) or 'cupy' (CuPy NCCL communicators for "
+                        "gradient sync; needs CUDA devices and cupy)", default=CommLib.TORCH)
+
+    def node(self, name: str) -> NodeSpec:
+        return next(n for n in self.nodes if n.name == name)
+
+    @property
+    def master_node(self) -> NodeSpec:
+        return self.node(self.master) if self.master else self.nodes[0]
+
+    def domain_of(self, node: str) -> str:
+        """The domain a node is in; DEFAULT_TRANSPORT when the cluster declares no domains."""
+        return self.node(node).domain if self.domains else DEFAULT_TRANSPORT
+
+    def transport(self, name: str) -> DomainSpec | CrossDomainSpec | None:
+        """Settings of a plan group's transport: a domain, the cross-domain network, or None (defaults)."""
+        if name == CROSS_DOMAIN:
+            return self.cross_domain
+        return next((d for d in self.domains if d.name == name), None)
+
+
+@attrs.frozen
+class StageSpec:
+    """``[[pipelines.stages]]``: contiguous layers on one TP group."""
+
+    layers: int = key("number of transformer blocks in this stage", check=at_least(1))
+    devices: tuple[str, ...] = key("device ids 'node:index'; their count is the stage's TP size",
+                                   check=Check(bool, "a stage needs at least one device (list device ids, "
+                                                     'e.g. ["node0:0"])'))
+    recompute: Recompute | None = key("'none' or 'full' for this stage (e.g. 'full' on a GPU short of memory); "
+                                      "unset: train.recompute", default=None)
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+
+@attrs.frozen
+class PipelineSpec:
+    """``[[pipelines]]``: one data-parallel replica of the whole model."""
+
+    batch: int = key("sequences of each global batch this pipeline trains on", check=at_least(1))
+    microbatches: int = key("microbatches the batch is split into; must divide batch", check=at_least(1))
+    stages: tuple[StageSpec, ...] = key("ordered stages; their layers sum to model.layers")
+    schedule_file: str = key("a file of action strings (one line, or CSV column, per stage) to run instead of "
+                             "train.schedule; relative to the layout file; '' for none", default="")
+
+
+@attrs.frozen
+class BucketSpec:
+    """``[[buckets]]``: the documents up to a length, trained under their own layout (hot switching)."""
+
+    max_len: int = key("longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
+                       "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
+                       "longest and the last one's max_len is model.seq_len", check=at_least(1))
+    schedule: Schedule | None = key("this bucket's pipeline schedule; unset: train.schedule", default=None)
+    chunks: int = key("model chunks per rank when this bucket's schedule is 'interleaved'; 0: train.chunks",
+                      default=0, check=at_least(0))
+    pipelines: tuple[PipelineSpec, ...] = key(
+       "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
+       "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
+       "proportion); none: the bucket runs under the home layout", default=())
+    elastic: bool = key(
+       "true: each step runs as many microbatches as its documents need, each of the rows batch / microbatches "
+       "fixes (HotSPa's way: a microbatch's memory stays fixed, no empty microbatches); false: the microbatch "
+       "count is fixed and a step's rows are spread over them", default=False)
+    top_up: bool = key(
+       "true: the free positions of this bucket's rows (padding, computed anyway) take shorter buckets' documents, "
+       "longest first, without adding rows; they then leave their own bucket (longer buckets top up first)",
+       default=False)
+
+
+@attrs.frozen
+class Layout:
+    """A whole layout file, typed; paths in it are resolved against the file's folder."""
+
+    file: str  # the file it was loaded from: every error names it
+    model: ModelSpec
+    train: TrainSpec
+    data: DataSpec
+    cluster: ClusterSpec
+    pipelines: tuple[PipelineSpec, ...]  # the home layout: it holds the optimizer state and takes the step
+    buckets: tuple[BucketSpec, ...] = ()  # hot switching: each bucket of document lengths under its own layout
+
+
+def bucket_layout(layout: Layout, index: int) -> Layout:
+    """Bucket ``index``'s own layout: its pipelines (the home ones if it has none), schedule and chunks, and a
+    global batch that is the sum of its pipelines' shares. The model is the same (its rows are ``max_len`` wide,
+    a matter of the data, not of the parameters)."""
+    b, t = layout.buckets[index], layout.train
+    pipelines = b.pipelines or layout.pipelines
+    schedule = b.schedule or t.schedule
+    chunks = b.chunks or (t.chunks if schedule is t.schedule else 1)
+    train = attrs.evolve(t, schedule=schedule, chunks=chunks, global_batch=sum(p.batch for p in pipelines))
+    return attrs.evolve(layout, train=train, pipelines=pipelines, buckets=())
+
+
+def elastic_layout(layout: Layout, rounds: int) -> Layout:
+    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` times its
+    pipelines' batch shares: every pipeline's batch and microbatches times ``rounds``, so its microbatches keep
+    their rows and the schedule runs ``rounds`` times as many of them."""
+    if rounds == 1:
+        return layout
+    pipelines = tuple(attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds)
+                      for p in layout.pipelines)
+    return attrs.evolve(layout, pipelines=pipelines, train=attrs.evolve(layout.train,
+                        global_batch=layout.train.global_batch * rounds))

@@ -1,0 +1,408 @@
+"""Compile a layout into what every rank does: pure data, no torch.
+
+Rank numbering: pipelines in order, their stages in order, each stage's devices in order.
+Every communicator is listed once in ``Plan.groups`` in one deterministic order, and every rank
+creates all of them in that order (lazily created groups deadlock): the TP group of every stage, two
+point-to-point groups per stage boundary (one per direction of data), and one group per gradient-sync
+bucket. Each gets its members' network domain as transport (Holmes): a boundary inside a domain uses
+that domain's fabric, only a boundary between domains the cross-domain network.
+
+Gradient sync across pipelines that shard a parameter differently (HexiScale, generalized): the
+shards of one parameter are cut at every shard boundary of every holder (the common refinement),
+and each resulting block is summed among exactly the ranks holding it. Blocks with the same holder
+set share one bucket, i.e. one all-reduce.
+
+Each rank's share of the plan is resolved here too, into one frozen ``RankPlan`` per rank
+(``hetero_llm.plan.rank``): what the runtime side runs from. Group keys are made here and only here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+
+import attrs
+
+from hetero_llm import schedule as sched
+from hetero_llm.errors import LayoutError, ScheduleError
+from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
+                               Layout, Optimizer, Recompute, Schedule)
+from hetero_llm.model.params import ParamInfo, shard_range
+from hetero_llm.plan import zero1_slices
+# The plan's pieces live in plan/rank.py (a RankPlan holds them too); they are imported from here as well.
+from hetero_llm.plan.rank import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
+                                 Meeting, Network, OptimizerSlices, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan,
+                                 StageRoutes, TPKey)
+from hetero_llm.schedule import Direction, Kind
+
+
+@attrs.frozen
+class Plan:
+    layout: Layout
+    ranks: tuple[RankInfo, ...]
+    stages: tuple[StagePlan, ...]
+    groups: tuple[Group, ...]  # creation order
+    buckets: tuple[GradBucket, ...]
+    schedules: tuple[tuple[tuple[sched.Action, ...], ...], ...]  # [pipeline][stage] -> actions
+    routes_f: tuple[Route, ...]
+    routes_b: tuple[Route, ...]
+    rank_plans: tuple[RankPlan, ...] = ()  # what each rank does (``RankPlan``), by rank
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def stage_of(self, rank: int) -> StagePlan:
+        r = self.ranks[rank]
+        return next(s for s in self.stages if s.pipeline == r.pipeline and s.stage == r.stage)
+
+    def actions(self, rank: int) -> tuple[sched.Action, ...]:
+        r = self.ranks[rank]
+        return self.schedules[r.pipeline][r.stage]
+
+    def params_of(self, rank: int) -> list[tuple[ParamInfo, int, int]]:
+        """(info, lo, hi) of every parameter shard ``rank`` holds, along info.shard_dim (or dim 0)."""
+        st = self.stage_of(rank)
+        tp_index = self.ranks[rank].tp_index
+        return [(p, *shard_range(p, st.tp, tp_index)) for p in st.params(self.layout.model)]
+
+    def batch_share(self, pipeline: int) -> tuple[int, int]:
+        """(offset, size) of a pipeline's contiguous rows of the global batch."""
+        offset = sum(p.batch for p in self.layout.pipelines[:pipeline])
+        return offset, self.layout.pipelines[pipeline].batch
+
+    def fingerprint(self) -> str:
+        """A short hash of what every rank must agree on (the layout's content, not its file path)."""
+        lay = self.layout
+        def local(pipes):  # schedule files by name: every node has its own path to them
+            return tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file)) for p in pipes)
+
+        base = os.path.basename  # paths are resolved per host: compare file names
+        data = attrs.evolve(lay.data, path=base(lay.data.path), valid_path=base(lay.data.valid_path),
+                            tokenizer=base(lay.data.tokenizer))
+        content = attrs.evolve(lay, file="", data=data, model=attrs.evolve(lay.model, init_from=base(lay.model.init_from)),
+                               pipelines=local(lay.pipelines),
+                               buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
+        return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
+
+    def tp_group(self, stage: StagePlan) -> TPKey | None:
+        """The key of ``stage``'s TP group (None: TP size 1, no group)."""
+        return _tp_key(stage) if stage.tp > 1 else None
+
+    @property
+    def meeting(self) -> Meeting:
+        """Where the ranks meet (``rendezvous.endpoint``)."""
+        cluster = self.layout.cluster
+        master = cluster.master_node
+        server = next((r.rank for r in self.ranks if r.node == master.name), None)
+        return Meeting(master.host, cluster.port, master.name, bool(cluster.master), server, cluster.timeout_s,
+                       self.layout.file)
+
+    def rank_plan(self, rank: int) -> RankPlan:
+        """What ``rank`` does: its share of this plan, with no way back to the layout."""
+        return self.rank_plans[rank]
+
+    @property
+    def world(self) -> Group:
+        """The default group: every rank; it carries the rendezvous barrier and the logged-loss reduction."""
+        ranks = tuple(r.rank for r in self.ranks)
+        return Group(WORLD, ranks, transport_of(self.layout, [r.node for r in self.ranks]))
+
+    def route_group(self, direction: Direction, route: Route) -> P2PKey:
+        """The group a boundary piece travels in (FWD: an activation, BWD: its gradient)."""
+        return _p2p_key(direction, self.stage_of(route.src), self.stage_of(route.dst))
+
+    def group_env(self, rank: int, group: Group) -> dict[str, str]:
+        """Environment ``rank`` creates ``group`` under: GLOO_SOCKET_IFNAME and NCCL variables.
+
+        NCCL initializes each of its nets (IB, Socket) once per process and keeps the device list it
+        found then, so the rank's own domain's variables are the base of every group it creates and the
+        group's transport overrides them: the first group (the world, often cross-domain) then also
+        initializes IB with this domain's NCCL_IB_HCA. NCCL_NET is read per communicator.
+        """
+        cluster = self.layout.cluster
+        own = cluster.transport(cluster.domain_of(self.ranks[rank].node))
+        spec = own if group.transport == SHM else cluster.transport(group.transport)
+        env = dict(own.nccl_env) if own is not None else {}
+        if spec is not None:
+            env.update(spec.nccl_env)
+            if spec.gloo_ifname:
+                env["GLOO_SOCKET_IFNAME"] = spec.gloo_ifname
+        return env
+
+
+def compile_plan(layout: Layout) -> Plan:
+    ranks: list[RankInfo] = []
+    stages: list[StagePlan] = []
+    schedules = []
+    nodes = {n.name: n for n in layout.cluster.nodes}
+    chunks = layout.train.chunks
+    for pi, pipe in enumerate(layout.pipelines):
+        n = len(pipe.stages)
+        ranges = _chunk_ranges([st.layers for st in pipe.stages], chunks)
+        for si, st in enumerate(pipe.stages):
+            members = []
+            for ti, dev in enumerate(st.devices):
+                node, _, idx = dev.partition(":")
+                rank = len(ranks)
+                ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
+                members.append(rank)
+            stages.append(StagePlan(pi, si, tuple(members), ranges[si], n))
+        actions = pipeline_schedule(layout, pi)
+        if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
+            actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
+        schedules.append(tuple(tuple(a) for a in actions))
+
+    pairs = _boundary_pairs(stages, wrap=chunks > 1)
+    routes_f, routes_b = _boundary_routes(pairs)
+    buckets = _grad_buckets(layout, stages)
+    node_of = [r.node for r in ranks]
+
+    def group(key: GroupKey, members: tuple[int, ...]) -> Group:
+        return Group(key, members, transport_of(layout, [node_of[r] for r in members]))
+
+    # Every group key is made here (and in ``_p2p_key``): the runtime looks groups up by these keys.
+    groups = [group(_tp_key(s), s.ranks) for s in stages if s.tp > 1]
+    for a, b in pairs:
+        members = tuple(sorted(a.ranks + b.ranks))
+        via = p2p_transport(layout, [ranks[r] for r in members])
+        groups += [Group(_p2p_key(Direction.FWD, a, b), members, via), Group(_p2p_key(Direction.BWD, b, a), members, via)]
+    groups += [group(GradSyncKey(b.group), b.group) for b in buckets]
+    plan = Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
+                tuple(routes_f), tuple(routes_b))
+    return attrs.evolve(plan, rank_plans=rank_plans(plan))
+
+
+def _tp_key(st: StagePlan) -> TPKey:
+    return TPKey(st.pipeline, st.stage)
+
+
+def _p2p_key(direction: Direction, src: StagePlan, dst: StagePlan) -> P2PKey:
+    """The group carrying ``direction`` (FWD: activations, BWD: their gradients) from ``src`` to ``dst``.
+
+    One group per boundary and direction, not one per boundary: NCCL matches sends to receives by
+    order on a communicator and runs them one after the other, so activations one way and gradients
+    the other way on one communicator can wait for each other (1F1B sends a forward while the peer
+    sends a gradient back); on separate communicators each stream keeps its own order.
+    """
+    return P2PKey(direction, (src.pipeline, src.stage), (dst.pipeline, dst.stage))
+
+
+def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
+    """Every rank's ``RankPlan``: its share of ``plan``, resolved now so that no rank re-derives it at run time."""
+    lay = plan.layout
+    tr = lay.train
+    world = plan.world
+    fingerprint, meeting = plan.fingerprint(), plan.meeting
+    peers = tuple(r.device_id for r in plan.ranks)
+    env_of = _group_envs(plan)
+    interfaces = _node_interfaces(plan, env_of)
+    stage_of = {(s.pipeline, s.stage): s for s in plan.stages}
+    params = {s: s.params(lay.model) for s in plan.stages}
+    member_of: dict[int, list[Group]] = {r.rank: [world] for r in plan.ranks}
+    for g in plan.groups:
+        for r in g.ranks:
+            member_of[r].append(g)
+    buckets_of: dict[int, list[GradBucket]] = {r.rank: [] for r in plan.ranks}
+    for b in plan.buckets:
+        for r in b.group:
+            buckets_of[r].append(b)
+    first_on_node: dict[str, int] = {}
+    for r in plan.ranks:
+        first_on_node.setdefault(r.node, r.rank)
+    sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
+    if sharded:
+        units = zero1_slices.units(plan)
+    def shards(info: RankInfo) -> tuple[Shard, ...]:
+        st = stage_of[(info.pipeline, info.stage)]
+        return tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
+                     for p in params[st])
+
+    shards_by_rank = tuple(shards(info) for info in plan.ranks)
+    out = []
+    for info in plan.ranks:
+        rank = info.rank
+        slices = None
+        if sharded:
+            mine, rest = zero1_slices.owned(plan, rank, units)
+            slices = OptimizerSlices(tuple((u, tuple(sl)) for u, sl in mine), tuple(rest))
+        st = stage_of[(info.pipeline, info.stage)]
+        pipe = lay.pipelines[st.pipeline]
+        actions = plan.schedules[st.pipeline][st.stage]
+        spec = pipe.stages[st.stage]
+        recompute = spec.recompute if spec.recompute is not None else tr.recompute
+        compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
+        offset, size = plan.batch_share(st.pipeline)
+        envs = tuple((g.key, env_of(info, g)) for g in member_of[rank])
+        network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
+                          interfaces[info.node] if first_on_node[info.node] == rank else ())
+        out.append(RankPlan(
+            rank=rank, world_size=plan.world_size, file=lay.file, info=info, stage=st,
+            model=lay.model, train=tr, data=lay.data, actions=actions,
+            dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
+            split_backward=any(a.kind is sched.Kind.I for a in actions),
+            sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards_by_rank[rank],
+            buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
+            tp_group=plan.tp_group(st), world=world, groups=plan.groups,
+            network=network, batch=BatchShare(offset, size, pipe.microbatches),
+            counts_loss=st.last and info.tp_index == 0, hot_switching=bool(lay.buckets), reports=rank == 0,
+            fingerprint=fingerprint, meeting=meeting, peers=peers, saved_shards=shards_by_rank if rank == 0 else ()))
+    return tuple(out)
+
+
+def _group_envs(plan: Plan):
+    """``env_of(rank info, group)``: ``Plan.group_env`` as sorted pairs, computed once per (node, transport)."""
+    cache: dict[tuple[str, str], tuple[tuple[str, str], ...]] = {}
+
+    def env_of(info: RankInfo, group: Group) -> tuple[tuple[str, str], ...]:
+        key = (info.node, group.transport)
+        if key not in cache:
+            cache[key] = tuple(sorted(plan.group_env(info.rank, group).items()))
+        return cache[key]
+
+    return env_of
+
+
+def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
+    """``rank``'s pieces of its stage boundaries and the groups they travel in."""
+    def received(routes: tuple[Route, ...]) -> Route | None:
+        return next((r for r in routes if r.dst == rank), None)
+
+    recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
+    send_f = tuple(r for r in plan.routes_f if r.src == rank)
+    send_b = tuple(r for r in plan.routes_b if r.src == rank)
+    sides = ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
+             (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None))
+    groups = tuple((kind, plan.route_group(kind.direction, route)) for kind, route in sides if route is not None)
+    return StageRoutes(recv_f, send_f, recv_b, send_b, groups)
+
+
+def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:
+    """Per node: the gloo interfaces its ranks create groups on, each with those groups' transports."""
+    wanted: dict[str, dict[str, set[str]]] = {}
+    for g in (plan.world,) + plan.groups:
+        for r in g.ranks:
+            info = plan.ranks[r]
+            name = dict(env_of(info, g)).get("GLOO_SOCKET_IFNAME")
+            if name:
+                wanted.setdefault(info.node, {}).setdefault(name, set()).add(g.transport)
+    return {n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
+            for n in plan.layout.cluster.nodes}
+
+
+def transport_of(layout: Layout, nodes: list[str]) -> str:
+    """A group's transport: its members' domain if they share one, else the cross-domain network (Holmes)."""
+    cluster = layout.cluster
+    if not cluster.domains:
+        return DEFAULT_TRANSPORT
+    domains = {cluster.domain_of(n) for n in nodes}
+    return domains.pop() if len(domains) == 1 else CROSS_DOMAIN
+
+
+def p2p_transport(layout: Layout, members: list[RankInfo]) -> str:
+    """A stage boundary's transport: SHM when its ranks share one node whose ``p2p`` allows it ('shm'; 'auto'
+    when they are all CPU ranks), else the network transport of their nodes (``transport_of``)."""
+    nodes = {r.node for r in members}
+    if len(nodes) == 1 and layout.cluster.backend is Backend.GLOO:
+        p2p = layout.cluster.node(nodes.pop()).p2p
+        if p2p is P2P.SHM or (p2p is P2P.AUTO and all(r.device == "cpu" for r in members)):
+            return SHM
+    return transport_of(layout, [r.node for r in members])
+
+
+def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int, int], ...]]:
+    """Layer ranges per (stage, chunk): virtual stage v = chunk * stages + stage takes the next
+    layers_s / chunks layers, so chunk c of every stage comes before chunk c + 1 of any stage."""
+    out: list[list[tuple[int, int]]] = [[] for _ in stage_layers]
+    lo = 0
+    for c in range(chunks):
+        for s, layers in enumerate(stage_layers):
+            if layers % chunks:  # the validator refuses this; a silent floor would drop layers from the model
+                raise ValueError(f"stage {s}: {layers} layers do not split into {chunks} chunks")
+            width = layers // chunks
+            out[s].append((lo, lo + width))
+            lo += width
+    return [tuple(r) for r in out]
+
+
+def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
+    """The lowered, validated action lists of pipeline ``pi`` (one per stage).
+
+    'dynamic' pipelines list the 1F1B order here: it is what ``--dry-run`` shows and what the
+    runtime falls back to for priorities; the runtime picks the actual order as inputs arrive.
+    """
+    pipe, train = layout.pipelines[pi], layout.train
+    n = len(pipe.stages)
+    if pipe.schedule_file:
+        try:
+            loaded = sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
+        except ScheduleError as e:
+            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
+        used = sched.num_chunks(loaded)
+        if used != train.chunks:
+            c = train.chunks
+            if used > c:
+                fix = ("write chunk 0 only" if c == 1 else f"write chunks 0..{c - 1} only") + \
+                      f", or set schedule = 'interleaved' and train.chunks = {used}"
+            else:
+                fix = f"give every stage F and B actions of chunks 0..{c - 1}, e.g. F0.{c - 1} B0.{c - 1}, or " + \
+                      ("set train.chunks = 1 and schedule = '1f1b'" if used == 1 else f"set train.chunks = {used}")
+            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
+                              f"{os.path.basename(pipe.schedule_file)}: uses {used} model chunk{'s' if used > 1 else ''} "
+                              f"per stage but train.chunks is {train.chunks} ({fix})")
+        if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
+            raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
+        if layout.cluster.backend is Backend.NCCL:  # generated schedules keep the order by construction
+            try:
+                sched.check_message_order(loaded)
+            except ScheduleError as e:
+                raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
+                                  f"{os.path.basename(pipe.schedule_file)}: {str(e).splitlines()[0]}") from None
+        return loaded
+    kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
+    lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
+    sched.validate(lowered, pipe.microbatches)
+    return lowered
+
+
+def _boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan, StagePlan]]:
+    """(sender, receiver) of activations: consecutive stages of each pipeline, plus last -> first when
+    model chunks wrap around (interleaved schedules)."""
+    pairs = [(a, b) for a, b in zip(stages, stages[1:]) if a.pipeline == b.pipeline]
+    if wrap:
+        pairs += [(s, next(f for f in stages if f.pipeline == s.pipeline and f.first)) for s in stages if s.last]
+    return pairs
+
+
+def _boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Route], list[Route]]:
+    fwd, bwd = [], []
+    for a, b in pairs:
+        senders, receivers = a.ranks, b.ranks
+        fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
+        bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
+    return fwd, bwd
+
+
+def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
+    # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
+    holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
+    infos: dict[str, ParamInfo] = {}
+    stage_of: dict[int, str] = {}
+    for st in stages:
+        for info in st.params(layout.model):
+            infos[info.name] = info
+            for ti, rank in enumerate(st.ranks):
+                holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
+                stage_of[rank] = st.label
+    by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
+    for name, held in holders.items():
+        dim = infos[name].shard_dim or 0
+        cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
+        for lo, hi in zip(cuts, cuts[1:]):
+            group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
+            # Holders inside one TP group already have identical gradients (replicated tensors see
+            # replicated activations and all-reduced input gradients): nothing to sum.
+            if len({stage_of[r] for r in group}) > 1:
+                by_group[group].append((name, dim, lo, hi))
+    return [GradBucket(g, tuple(e)) for g, e in sorted(by_group.items())]

@@ -1,0 +1,139 @@
+"""Which slice of every parameter block each rank updates under ZeRO-1 (``train.optimizer = 'adamw_zero1'``).
+
+Torch-free: the optimizer (``zero1``), the memory formula (``state_elements``), the simulator's costs and
+the docs all read the same slices from here.
+
+A **unit** is a set of blocks with the same holders, whose AdamW state those holders split:
+
+- every gradient-sync bucket of the plan (a finest common block held by ranks of several stages): the
+  holders reduce-scatter its gradient (``reduce``), each updates its slice, then they all-gather it;
+- the TP-replicated parameters of a stage (norms, embeddings, the head) that no other stage holds: their
+  gradients are already identical on the stage's TP ranks, so each takes its slice without a reduction,
+  and the TP group all-gathers the updated slices.
+
+Everything else a rank holds (a shard of a sharded tensor that no other pipeline holds) has one holder:
+it keeps its whole state, as with plain AdamW.
+
+Slices are cut along the block's shard dim in whole rows (columns for a row-parallel weight), so every
+slice is a rectangular ``(name, dim, lo, hi)`` range in the full tensor's coordinates, like a shard.
+A holder's share of a block is proportional to ``tp x memory_gb``: ``tp``, the TP size of its stage for a
+sharded tensor (1 for a replicated one), makes every holder of a tensor keep the same state, since a rank
+of a TP-4 stage holds a quarter of the tensor and so sits in a quarter as many blocks as a TP-1 rank;
+``memory_gb`` (its node's, when every holder's node declares one) then gives a bigger device more.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from hetero_llm.layout import Layout
+
+from hetero_llm.model.params import ParamInfo
+from hetero_llm.plan.rank import GradBucket, GroupKey, RankInfo, Slice, StagePlan, Unit
+
+
+class Plan(Protocol):
+    """What the slices read of a compiled plan (``plan.Plan``, which compiles them: so not imported here)."""
+
+    layout: Layout
+    ranks: tuple[RankInfo, ...]
+    stages: tuple[StagePlan, ...]
+    buckets: tuple[GradBucket, ...]
+
+    @property
+    def world_size(self) -> int: ...
+
+    def stage_of(self, rank: int) -> StagePlan: ...
+
+    def tp_group(self, stage: StagePlan) -> GroupKey | None: ...
+
+    def params_of(self, rank: int) -> list[tuple[ParamInfo, int, int]]: ...
+
+
+
+def _row_size(info: ParamInfo, dim: int) -> int:
+    return math.prod(n for d, n in enumerate(info.shape) if d != dim)
+
+
+def _cut(lo: int, hi: int, weights: list[float]) -> tuple[int, ...]:
+    """Row boundaries giving each holder a share of [lo, hi) proportional to its weight."""
+    total, acc, out = sum(weights), 0.0, [lo]
+    for w in weights[:-1]:
+        acc += w
+        out.append(lo + round((hi - lo) * acc / total))
+    return tuple(out + [hi])
+
+
+def _weights(plan: Plan, ranks: tuple[int, ...], info: ParamInfo) -> list[float]:
+    memory = {n.name: n.memory_gb for n in plan.layout.cluster.nodes}
+    mem = [memory[plan.ranks[r].node] for r in ranks]
+    if not all(m > 0 for m in mem):
+        mem = [1.0] * len(ranks)
+    tp = [plan.stage_of(r).tp if info.shard_dim is not None else 1 for r in ranks]
+    return [m * t for m, t in zip(mem, tp)]
+
+
+def units(plan: Plan) -> tuple[Unit, ...]:
+    """Every unit of the plan, in plan order (every rank computes the same tuple)."""
+    infos = {p.name: p for st in plan.stages for p in st.params(plan.layout.model)}
+
+    def unit(group: GroupKey, ranks: tuple[int, ...], entries: tuple[Slice, ...], reduce: bool) -> Unit:
+        cuts = tuple(_cut(lo, hi, _weights(plan, ranks, infos[name])) for name, _, lo, hi in entries)
+        sizes = tuple(_row_size(infos[name], dim) for name, dim, _, _ in entries)
+        return Unit(group, ranks, entries, cuts, sizes, reduce)
+
+    out = [unit(b.key, b.group, b.entries, True) for b in plan.buckets]
+    synced = {e[0] for b in plan.buckets for e in b.entries}
+    for st in plan.stages:
+        if st.tp == 1:
+            continue
+        replicated = tuple((p.name, 0, 0, p.shape[0]) for p in st.params(plan.layout.model)
+                           if p.shard_dim is None and p.name not in synced)
+        if replicated:
+            out.append(unit(plan.tp_group(st), st.ranks, replicated, False))
+    return tuple(out)
+
+
+def owned(plan: Plan, rank: int,
+          all_units: tuple[Unit, ...] | None = None) -> tuple[list[tuple[Unit, list[Slice]]], list[Slice]]:
+    """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone)."""
+    all_units = units(plan) if all_units is None else all_units
+    mine = [(u, u.slices(rank)) for u in all_units if rank in u.ranks]
+    covered: dict[str, list[tuple[int, int]]] = {}
+    for u, _ in mine:
+        for name, _, lo, hi in u.entries:
+            covered.setdefault(name, []).append((lo, hi))
+    rest = []
+    for info, lo, hi in plan.params_of(rank):
+        dim = info.shard_dim or 0
+        at = lo
+        for a, b in sorted(covered.get(info.name, [])):
+            if a > at:
+                rest.append((info.name, dim, at, a))
+            at = max(at, b)
+        if at < hi:
+            rest.append((info.name, dim, at, hi))
+    return mine, rest
+
+
+def state_elements(plan: Plan, rank: int, zero1: bool) -> int:
+    """Elements per AdamW moment that ``rank`` keeps: its whole shards with 'adamw', its slices with ZeRO-1.
+
+    Bytes of optimizer state = 2 moments x 4 bytes x this (float32 exp_avg and exp_avg_sq).
+    """
+    infos = {p.name: p for p in plan.stage_of(rank).params(plan.layout.model)}
+    if not zero1:
+        return sum(_row_size(info, info.shard_dim or 0) * (hi - lo) for info, lo, hi in plan.params_of(rank))
+    mine, rest = owned(plan, rank)
+    return sum(u.elements(rank) for u, _ in mine) + sum(_row_size(infos[n], d) * (hi - lo) for n, d, lo, hi in rest)
+
+
+def describe(plan: Plan) -> str:
+    """The ``--dry-run`` table of AdamW state per rank, plain and ZeRO-1 (two float32 moments per element)."""
+    lines = ["optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1'):",
+             "rank  adamw MiB  adamw_zero1 MiB  factor"]
+    for rank in range(plan.world_size):
+        plain, zero = (8 * state_elements(plan, rank, z) / 2 ** 20 for z in (False, True))
+        lines.append(f"{rank:<5} {plain:<10.3f} {zero:<16.3f} {plain / zero if zero else float('inf'):.2f}")
+    return "\n".join(lines)

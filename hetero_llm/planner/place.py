@@ -1,0 +1,279 @@
+"""NIC-aware placement (Holmes): from a cluster and a model, write a layout's ``[[pipelines]]``. Torch-free.
+
+The rules, in the order they are applied:
+
+1. **TP stays inside a node.** Each node offers ``devices // tp`` TP groups of consecutive devices.
+2. **DP stays inside a domain.** Every pipeline puts the same layers in the same domain, so the
+   gradient sync of a layer (among its holders in every pipeline) never leaves that domain. A domain
+   with fewer TP groups than pipelines cannot hold a stage of every pipeline; it is left out (a note
+   says so) rather than let one stage's DP group span domains.
+3. **Pipeline boundaries fall on cross-domain links.** A pipeline visits the domains in the order the
+   cluster declares them, each once: it crosses domains ``domains - 1`` times, and its other stage
+   boundaries stay inside a domain (inside a node where the node has several TP groups).
+4. **Layers follow speed.** Domain *d* holds the same layers in every pipeline, as many as minimize
+   the slowest domain's time (layers / mean speed of a pipeline's TP groups there); inside a domain,
+   each pipeline splits them over its stages the same way, by the nodes' ``speed``. A node's
+   ``memory_gb`` caps a stage's layers: 16 bytes per parameter (weights, gradients, AdamW moments) per
+   device, counting the embedding and head on the first and last stages; activations are not counted.
+5. **Batch follows throughput.** A pipeline's rows are proportional to 1 / its slowest stage's time.
+
+``hetero-place CLUSTER.toml -o LAYOUT.toml`` reads a file with ``[model]``, ``[train]``, ``[data]``
+and ``[cluster]`` (no ``[[pipelines]]``), and writes it back with the placed pipelines appended.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import attrs
+
+from hetero_llm import layout as layout_mod
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout import DEFAULT_TRANSPORT, ClusterSpec, DataSpec, ModelSpec, Schedule, TrainSpec
+from hetero_llm.model.params import embedding_params, head_params, layer_params
+
+BYTES_PER_PARAM = 16  # float32 weight + gradient + AdamW's two moments
+
+
+@attrs.frozen
+class PlaceOptions:
+    pipelines: int = 0  # 0: as many as the smallest usable domain has TP groups
+    tp: int = 1  # devices per stage, all inside one node
+    microbatches: int = 0  # per pipeline; 0: 2 x its stages (a divisor of its batch)
+
+
+@attrs.frozen
+class Unit:
+    """One TP group: ``tp`` consecutive devices of one node."""
+
+    node: str
+    domain: str
+    devices: tuple[str, ...]
+    speed: float
+    memory_gb: float
+
+
+@attrs.frozen
+class PlacedStage:
+    unit: Unit
+    layers: int
+
+
+@attrs.frozen
+class PlacedPipeline:
+    batch: int
+    microbatches: int
+    stages: tuple[PlacedStage, ...]
+
+
+@attrs.frozen
+class Placement:
+    pipelines: tuple[PlacedPipeline, ...]
+    domains: tuple[str, ...]  # the domains a pipeline visits, in stage order
+    domain_layers: tuple[int, ...]  # layers each of those domains holds (in every pipeline)
+    tp: int
+    notes: tuple[str, ...]
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, options: PlaceOptions) -> Placement:
+    tp, notes = options.tp, []
+    if tp < 1:
+        raise LayoutError(file, "--tp", f"must be >= 1, got {tp}")
+    if model.heads % tp or model.ffn_width % tp:
+        raise LayoutError(file, "--tp", f"TP size {tp} does not divide heads ({model.heads}) and the MLP width "
+                          f"({model.ffn_width}) (pick a common divisor)")
+    by_domain: dict[str, list[Unit]] = {}
+    order = [d.name for d in cluster.domains] or [DEFAULT_TRANSPORT]
+    for node in cluster.nodes:
+        domain = cluster.domain_of(node.name)
+        groups = len(node.devices) // tp
+        if len(node.devices) % tp:
+            notes.append(f"{node.name}: {len(node.devices) % tp} of its {len(node.devices)} devices left unused "
+                         f"(TP {tp} groups stay inside a node)")
+        for g in range(groups):
+            devices = tuple(f"{node.name}:{i}" for i in range(g * tp, (g + 1) * tp))
+            by_domain.setdefault(domain, []).append(Unit(node.name, domain, devices, node.speed, node.memory_gb))
+    if not by_domain:
+        most = max(len(n.devices) for n in cluster.nodes)
+        raise LayoutError(file, "--tp", f"no node has {tp} devices (the most is {most}; TP stays inside a node)")
+    sizes = {d: len(by_domain.get(d, [])) for d in order}
+    pipelines = options.pipelines or min(n for n in sizes.values() if n)
+    if pipelines < 1:
+        raise LayoutError(file, "--pipelines", f"must be >= 1, got {pipelines}")
+    domains = [d for d in order if sizes[d] >= pipelines]
+    if not domains:
+        best = max(order, key=lambda d: sizes[d])
+        raise LayoutError(file, "--pipelines", f"no domain has {pipelines} TP groups of {tp} device(s) "
+                          f"(the most is {sizes[best]}, in {best}): use --pipelines {sizes[best]} or fewer")
+    for d in order:
+        if d not in domains and sizes[d]:
+            notes.append(f"domain {d} left out: its {sizes[d]} TP group(s) cannot hold a stage of each of the "
+                         f"{pipelines} pipelines without a DP group spanning domains")
+    if train.global_batch < pipelines:
+        raise LayoutError(file, "--pipelines", f"{pipelines} pipelines need train.global_batch >= {pipelines} "
+                          f"(it is {train.global_batch})")
+    unit_layers = train.chunks if train.schedule is Schedule.INTERLEAVED else 1
+    if model.layers < len(domains) * unit_layers:
+        raise LayoutError(file, "model.layers", f"{model.layers} layers cannot give a stage to each of the "
+                          f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)")
+
+    # Rule 2/3: pipeline p takes a contiguous block of each domain's TP groups (boundaries inside nodes).
+    share: dict[tuple[int, str], list[Unit]] = {}
+    for d in domains:
+        units = by_domain[d]
+        base, extra = divmod(len(units), pipelines)
+        lo = 0
+        for p in range(pipelines):
+            n = base + (p < extra)
+            share[(p, d)] = units[lo:lo + n]
+            lo += n
+
+    # Rule 4: layers per domain (the same in every pipeline), then per stage.
+    layer_sz, embed_sz, head_sz = _device_params(model, layer_params(model, 0), tp), \
+        _device_params(model, embedding_params(model), tp), _device_params(model, head_params(model), tp)
+
+    def cap(unit: Unit, first: bool, last: bool) -> int:
+        if unit.memory_gb <= 0:
+            return model.layers
+        room = unit.memory_gb * 1e9 / BYTES_PER_PARAM - (embed_sz if first else 0) - (head_sz if last else 0)
+        return max(0, int(room // layer_sz))
+
+    def caps(p: int, di: int) -> list[int]:
+        units = share[(p, domains[di])]
+        return [cap(u, di == 0 and i == 0, di == len(domains) - 1 and i == len(units) - 1) for i, u in enumerate(units)]
+
+    weights = [sum(sum(u.speed for u in share[(p, d)]) for p in range(pipelines)) / pipelines for d in domains]
+    domain_caps = [min(sum(caps(p, di)) for p in range(pipelines)) for di in range(len(domains))]
+    domain_layers = _split(model.layers, weights, domain_caps, unit_layers)
+    if domain_layers is None:
+        raise LayoutError(file, "cluster.nodes", f"the {model.layers} layers do not fit in memory_gb: the domains "
+                          f"hold at most {sum(domain_caps)} (raise memory_gb, use --tp {tp * 2}, or fewer pipelines)")
+    placed = []
+    for p in range(pipelines):
+        stages = []
+        for di, d in enumerate(domains):
+            units = share[(p, d)]
+            split = _split(domain_layers[di], [u.speed for u in units], caps(p, di), unit_layers)
+            assert split is not None  # domain_caps bound every pipeline's capacity here
+            if 0 in split:
+                notes.append(f"pipeline {p}: {split.count(0)} TP group(s) in {d} left idle ({domain_layers[di]} "
+                             f"layers for {len(units)} groups)")
+            stages += [PlacedStage(u, n) for u, n in zip(units, split) if n]
+        placed.append(stages)
+
+    # Rule 5: rows by throughput; microbatches a divisor of the rows.
+    rates = [1.0 / max(s.layers / s.unit.speed for s in st) for st in placed]
+    batches = _split(train.global_batch, rates, [train.global_batch] * pipelines, 1)
+    out = []
+    for stages, batch in zip(placed, batches):
+        n = len(stages)
+        target = options.microbatches or 2 * n
+        step = n if train.schedule is Schedule.INTERLEAVED else 1
+        fits = [m for m in range(step, batch + 1, step) if batch % m == 0 and m <= max(target, step)]
+        if not fits:
+            raise LayoutError(file, "--microbatches", f"a pipeline of {n} stages and {batch} rows has no microbatch "
+                              f"count dividing {batch}" + (f" that is a multiple of {n} ('interleaved')" if step > 1 else ""))
+        out.append(PlacedPipeline(batch, fits[-1], tuple(stages)))
+    return Placement(tuple(out), tuple(domains), tuple(domain_layers), tp, tuple(notes))
+
+
+def _device_params(model: ModelSpec, infos, tp: int) -> float:
+    total = 0.0
+    for info in infos:
+        n = 1
+        for s in info.shape:
+            n *= s
+        total += n / tp if info.shard_dim is not None else n
+    return total
+
+
+def _split(total: int, weights: list[float], caps: list[int], unit: int = 1) -> list[int] | None:
+    """``total`` into parts that are multiples of ``unit``, each <= its cap, minimizing max(part / weight).
+
+    Greedy from one unit each: the next unit goes where it raises part / weight least (optimal for a
+    min-max of linear costs). With fewer units than parts, the heaviest parts get one each and the
+    rest 0. None when the caps cannot hold ``total``.
+    """
+    n, k = total // unit, len(weights)
+    room = [c // unit for c in caps]
+    if sum(room) < n:
+        return None
+    parts = [0] * k
+    for i in sorted(range(k), key=lambda i: -weights[i])[:n]:
+        if room[i] > 0:
+            parts[i] = 1
+    for _ in range(n - sum(parts)):
+        i = min((i for i in range(k) if parts[i] < room[i]), key=lambda i: ((parts[i] + 1) / weights[i], i))
+        parts[i] += 1
+    return [p * unit for p in parts]
+
+
+# --------------------------------------------------------------------------------------------
+# TOML in and out
+
+
+def pipelines_toml(placement: Placement) -> str:
+    lines = []
+    for p, pipe in enumerate(placement.pipelines):
+        lines += ["[[pipelines]]", f"batch = {pipe.batch}", f"microbatches = {pipe.microbatches}"]
+        for s in pipe.stages:
+            devs = ", ".join(f'"{d}"' for d in s.unit.devices)
+            lines += ["[[pipelines.stages]]", f"layers = {s.layers}",
+                      f"devices = [{devs}]  # {s.unit.node}, domain {s.unit.domain}, speed {s.unit.speed:g}"]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report(placement: Placement) -> str:
+    pl = placement
+    crossings = len(pl.domains) - 1
+    lines = [f"placement: {len(pl.pipelines)} pipeline(s), TP {pl.tp}; stages visit domains "
+             f"{' -> '.join(pl.domains)} ({crossings} cross-domain boundary per pipeline)", "",
+             f"{'pipeline':<9} {'stage':<6} {'devices':<22} {'node':<10} {'domain':<10} {'speed':>5} {'layers':>7}  rows/mb"]
+    for p, pipe in enumerate(pl.pipelines):
+        lo = 0
+        for s, st in enumerate(pipe.stages):
+            rows = f"{pipe.batch}/{pipe.microbatches}" if s == 0 else ""
+            lines.append(f"{p:<9} {s:<6} {','.join(st.unit.devices):<22} {st.unit.node:<10} {st.unit.domain:<10} "
+                         f"{st.unit.speed:>5g} {lo:>3}-{lo + st.layers - 1:<3}  {rows}")
+            lo += st.layers
+    lines += ["", "gradient sync stays inside a domain (the same layers in every pipeline):"]
+    lo = 0
+    for d, n in zip(pl.domains, pl.domain_layers):
+        holders = [",".join(s.unit.devices) for pipe in pl.pipelines for s in pipe.stages if s.unit.domain == d]
+        lines.append(f"  layers {lo}-{lo + n - 1} in {d}: {' '.join(holders)}")
+        lo += n
+    if pl.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in pl.notes]
+    return "\n".join(lines)
+
+
+def read_cluster_file(path: str | os.PathLike) -> tuple[str, ModelSpec, TrainSpec, DataSpec, ClusterSpec]:
+    """The text and sections of a layout file without ``[[pipelines]]``, checked like a layout's."""
+    text, _, sec = layout_mod.read_cluster_file(path, "placement")
+    return text, sec["model"], sec["train"], sec["data"], sec["cluster"]
+
+
+def place_file(cluster_path: str | os.PathLike, out_path: str | os.PathLike, options: PlaceOptions) -> Placement:
+    """Place, check the result as a layout, and write it (the cluster file's text plus the pipelines)."""
+    text, model, train, data, cluster = read_cluster_file(cluster_path)
+    placement = place(str(cluster_path), model, train, cluster, options)
+    src, out = Path(cluster_path), Path(out_path)
+    if data.path and not Path(data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
+        raise LayoutError(str(cluster_path), "data.path", f"'{data.path}' is relative to the cluster file: write "
+                          "the placed layout next to it, or make data.path absolute")
+    summary = (f"{len(placement.pipelines)} pipeline(s), TP {placement.tp}, domains {' -> '.join(placement.domains)}")
+    lines = text.splitlines()
+    while lines and lines[0].startswith("#"):  # the cluster file's own preamble describes that file
+        lines.pop(0)
+    layout_text = (f"# Placed by hetero-place from {src.name}: {summary}.\n# Re-place rather than edit the pipelines.\n"
+                   + "\n".join(lines).rstrip("\n") + f"\n\n# ---- placed pipelines: {summary} ----\n"
+                   + pipelines_toml(placement))
+    layout_mod.loads(layout_text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(layout_text)
+    return placement

@@ -1,0 +1,43 @@
+"""What the search moves over: a *structure* (which TP groups form which pipeline, rows per microbatch,
+schedule), the search's result, and the few facts of the search the move and enumeration modules read
+(``SearchSpace``). Torch-free."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import Candidate, Group, Score
+
+
+class SearchSpace(Protocol):
+    """What ``moves`` and ``exact`` need of the search (``search.Planner`` is one)."""
+
+    c: Cluster
+
+    @property
+    def limits(self): ...  # the cluster's [plan] limits (schedules, max_tp, ...)
+
+    def tp_sizes(self, devices: int) -> list[int]: ...
+
+
+@attrs.frozen
+class Structure:
+    pipelines: tuple[tuple[Group, ...], ...]  # ordered stages (TP groups) of each pipeline
+    rows: int  # sequences per microbatch
+    schedule: str = "1f1b"
+
+    def key(self) -> tuple:
+        return (self.rows, self.schedule, tuple(tuple(g.devices for g in p) for p in self.pipelines))
+
+
+@attrs.frozen
+class Result:
+    best: Candidate
+    score: Score
+    ranked: tuple[tuple[Candidate, Score], ...]  # the best distinct candidates, best first
+    evaluated: int
+    seconds: float
+    seed_score: Score | None  # hetero-place's plan, when it applies

@@ -1,0 +1,82 @@
+"""How a step's documents go to hot switching's buckets (docs/hot_switching.md). Torch-free.
+
+``bucket_rows`` sorts the documents into the layout's buckets by length and packs each into rows of its
+``max_len`` (first-fit decreasing, as HotSPa packs a bucket), a ``top_up`` bucket first filling its rows'
+free positions with shorter buckets' documents; ``bucket_split`` gives each of a bucket's pipelines its
+rows and microbatches, fixed or elastic.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from hetero_llm.data.documents import PackedRows, first_fit_decreasing, pack_placed
+
+__all__ = ["bucket_rows", "bucket_split"]
+
+
+def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
+    """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
+    padded with empty rows to a multiple of the bucket's pipeline shares.
+
+    A bucket with ``top_up`` then fills the free positions of its rows (padding, computed anyway) with shorter
+    buckets' documents: longest first (ties in step order), each into the first row with room, without new
+    rows; those documents leave their own bucket. Longer buckets top up first."""
+    bounds = [b.max_len for b in layout.buckets]
+    mine: list[list[int]] = [[] for _ in bounds]  # indices into docs
+    for k, d in enumerate(docs):
+        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(k)
+    rows_of: list[list[int]] = [first_fit_decreasing([len(docs[k]) for k in group], bounds[i]) if group else []
+                                for i, group in enumerate(mine)]
+    for i in reversed(range(len(bounds))):
+        if layout.buckets[i].top_up and mine[i]:
+            _top_up(docs, mine, rows_of, i, bounds)
+    out = []
+    for i, group in enumerate(mine):
+        if not group:
+            out.append(None)
+            continue
+        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
+        rows = -(-(max(rows_of[i]) + 1) // unit) * unit
+        out.append(pack_placed([docs[k] for k in group], rows_of[i], rows, bounds[i]))
+    return out
+
+
+def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[int]], i: int,
+            bounds: list[int]) -> None:
+    """Move shorter buckets' documents into the free positions of bucket ``i``'s rows (``bucket_rows``); what is
+    left of each shorter bucket is packed anew (its rows may now be fewer)."""
+    free = [bounds[i]] * (max(rows_of[i]) + 1)
+    for k, r in zip(mine[i], rows_of[i]):
+        free[r] -= len(docs[k]) - 1
+    shorter = sorted((k for j in range(i) for k in mine[j]), key=lambda k: (-len(docs[k]), k))
+    moved: set[int] = set()
+    for k in shorter:
+        need = len(docs[k]) - 1
+        row = next((r for r, f in enumerate(free) if f >= need), None)
+        if row is None:
+            continue
+        free[row] -= need
+        mine[i].append(k)
+        rows_of[i].append(row)
+        moved.add(k)
+    for j in range(i):
+        mine[j] = [k for k in mine[j] if k not in moved]
+        rows_of[j] = first_fit_decreasing([len(docs[k]) for k in mine[j]], bounds[j]) if mine[j] else []
+
+
+def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tuple[int, int, int]]]:
+    """How a bucket's ``num_rows`` rows (a multiple of its pipelines' ``batch`` sum: ``bucket_rows``) go to its
+    pipelines: (rounds, [(first row, rows, microbatches)] per pipeline). Each pipeline takes ``batch x rounds``
+    rows, ``rounds = num_rows / sum(batch)``; a fixed bucket splits them into its ``microbatches``, an elastic
+    one into ``microbatches x rounds`` of ``batch / microbatches`` rows each (``layout.elastic_layout``)."""
+    unit = sum(p.batch for p in pipelines)
+    if num_rows % unit:
+        raise ValueError(f"{num_rows} rows are not a multiple of the pipelines' batch shares ({unit})")
+    rounds = num_rows // unit
+    out, offset = [], 0
+    for p in pipelines:
+        size = p.batch * rounds
+        out.append((offset, size, p.microbatches * rounds if elastic else p.microbatches))
+        offset += size
+    return rounds, out

@@ -1,0 +1,218 @@
+"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints, resuming.
+
+Everything here takes the rank's ``RankPlan`` (what compiling the layout resolved for it), never the layout.
+What a step reports goes to train/metrics.py; the rank's state and gradient sync live in runtime/."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Callable
+
+import numpy as np
+import torch
+
+from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint.shards import restore, restore_optimizer, save_checkpoint
+from hetero_llm.comm import collectives
+from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.streams import Streams
+from hetero_llm.data import batches as data
+from hetero_llm.data import documents
+from hetero_llm.data import held_out as evaluate
+from hetero_llm.errors import Diverged, RankFailure
+from hetero_llm.interop import hf
+from hetero_llm.layout import Packing, Precision, TrainSpec
+from hetero_llm.model.document_mask import DocumentMask
+from hetero_llm.model.forward import Compute
+from hetero_llm.plan.rank import RankPlan
+from hetero_llm.runtime import zero1
+from hetero_llm.runtime.emulation import Emulation
+from hetero_llm.runtime.grad_sync import sync_grads
+from hetero_llm.runtime.interpreter import Microbatch, StageRunner
+from hetero_llm.runtime.state import init_state, make_optimizer
+from hetero_llm.train.metrics import Progress, StepMetrics, append_line, open_metrics, summary_writer
+
+
+def lr_at(train: TrainSpec, step: int) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at the last step."""
+    if step < train.warmup_steps:
+        return train.lr * (step + 1) / train.warmup_steps
+    span = max(1, train.steps - train.warmup_steps - 1)
+    progress = min(1.0, (step - train.warmup_steps) / span)
+    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
+    """How the rank's stage computes (``RankPlan.compute``: train.precision, its stage's recompute, else
+    train.recompute, train.compile), checked against the device."""
+    settings = rp.compute
+    dtype = torch.bfloat16 if settings.precision is Precision.BF16 else torch.float32
+    if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise RankFailure(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} does not support "
+                          "bfloat16 (use precision = 'fp32' on this GPU)")
+    return Compute(dtype, recompute=settings.recompute, compile=settings.compile)
+
+
+def _microbatches(rp: RankPlan, batch: np.ndarray) -> list[Microbatch]:
+    share = rp.batch
+    pieces = data.pipeline_share(batch, share.offset, share.size, share.microbatches)
+    return [Microbatch(torch.from_numpy(p[:, :-1]), torch.from_numpy(p[:, 1:])) for p in pieces]
+
+
+def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows) -> list[Microbatch]:
+    """The rank's microbatches of packed documents, each with its document mask (built on the host)."""
+    share = rp.batch
+    pieces = batch.share(share.offset, share.size, share.microbatches)
+    return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
+                       DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]
+
+
+def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
+          checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
+          trace: list | None = None, quiet: bool = False, keep_history: bool = False,
+          tensorboard: str | None = None, switcher: Callable | None = None) -> list[StepMetrics]:
+    """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
+    (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
+    ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
+
+    Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
+    by a record per step (bench/soak.py)."""
+    tr, model, rank = rp.train, rp.model, rp.rank
+    device = comms.device
+    reporting = rp.reports
+    restored = restore(rp, resume) if resume else None
+    if restored and reporting and not quiet:
+        print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
+    first = restored.step if restored else 0
+    if restored:
+        initial = restored.shards["tensor"]
+    elif model.init_from:  # a Hugging Face model: this rank reads only its slices
+        initial = hf.load_shards(model, rp.params_of())
+    else:
+        initial = None
+    state = init_state(rp, device, initial)
+    streams = Streams(device)
+    sharded = rp.sharded_optimizer
+    optimizer = zero1.ShardedAdamW(rp, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
+                                   streams) if sharded else make_optimizer(state, tr)
+    if restored:
+        restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
+    runner = StageRunner(comms, state.params, rp.stage, model, collectives.tp_ops(comms), rp.routes, trace,
+                         Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
+                         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
+                         # the home layout's backward: a later bucket may still add to the gradients
+                         optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {})
+    packed = rp.data.packing is Packing.DOCUMENTS
+    if packed:
+        source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
+    else:
+        source, valid = evaluate.sources(rp.data, rp.file)
+    global_tokens = tr.global_batch * model.seq_len
+    contributes_loss = home_counts_loss = rp.counts_loss  # held-out batches run under the home layout
+    if rp.hot_switching:  # every bucket of a step under its own layout (hotswitch.py)
+        if switcher is None:
+            raise ValueError("a layout with [[buckets]] trains through hotswitch.Switcher: pass switcher=")
+        compute_of = lambda bucket_rp: stage_compute(bucket_rp, device)  # noqa: E731
+        switcher = switcher(comms, state.params, state.coords, runner, compute_of, trace, streams)
+        contributes_loss = True  # the switcher returns only what this rank's loss counts for
+    else:
+        switcher = None
+    metrics_file = open_metrics(metrics_path, first) if reporting and metrics_path else None
+    progress = Progress(tr.steps, first) if reporting and not quiet else None
+    scalars = summary_writer(tensorboard) if reporting and tensorboard else None
+    history = []
+    last_save = restored.path if restored else None
+    try:
+        for step in range(first, tr.steps):
+            t0 = time.perf_counter()
+            lr = lr_at(tr, step)
+            if switcher is not None:
+                loss_sum, global_tokens = switcher.step(step, source)
+            else:
+                if packed:  # the loss averages over the documents' targets, not over the rows' padding
+                    rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
+                    global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
+                else:
+                    batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
+                    mbs = _microbatches(rp, batch)
+                loss_sum = runner.run_dynamic(mbs, global_tokens) if rp.dynamic else \
+                    runner.run(rp.actions, mbs, global_tokens)
+            sq = optimizer.finish_reduce() if sharded else sync_grads(rp, state, comms, streams)
+            totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
+            collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
+            loss_total, sq_total = totals.tolist()  # the step's one host sync
+            loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
+            if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
+                raise Diverged(f"training diverged at step {step + 1} (counting from 1, as the console and "
+                               f"--metrics-jsonl do): "
+                               f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
+                               f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
+                               f"(lower train.lr, or raise train.warmup_steps)")
+            coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6)) if tr.grad_clip > 0 else 1.0
+            if sharded:
+                optimizer.step(lr, coef)  # clips and updates this rank's slices only
+                optimizer.start_gather()  # waited for at the stage's next AG action (before its first forward)
+                if switcher is not None:  # the next step's first switch reads the home parameters whole
+                    optimizer.wait_gather()
+            else:
+                if coef < 1.0:
+                    torch._foreach_mul_([p.grad for p in state.params.values()], coef)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            done = step + 1
+            seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
+            valid_loss = None
+            if valid is not None and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
+                valid_loss = held_out_loss(rp, runner, valid, home_counts_loss)
+            m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
+            if keep_history:
+                history.append(m)
+            if metrics_file is not None:
+                append_line(metrics_file, m.json())
+            if scalars is not None:
+                for tag in ("loss", "valid_loss", "lr", "grad_norm"):
+                    if getattr(m, tag) is not None:
+                        scalars.add_scalar(f"train/{tag}", getattr(m, tag), m.step)
+            if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
+                progress.update(m)
+            elif progress is not None:
+                progress.tokens += m.tokens
+            if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
+                save_checkpoint(rp, state, optimizer, checkpoint_dir, done)
+                last_save = checkpoint.step_folder(checkpoint_dir, done)
+        if sharded:
+            optimizer.wait_gather()  # the parameters are whole again when training returns
+    finally:
+        if metrics_file is not None:
+            os.close(metrics_file)
+        if scalars is not None:
+            scalars.close()
+    return history
+
+
+def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:
+    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only
+    (packed documents: over their targets, padding excluded)."""
+    tr, model = rp.train, rp.model
+    total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
+    targets = 0
+    for index in range(tr.eval_batches):
+        if rp.data.packing is Packing.DOCUMENTS:
+            rows = evaluate.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
+            tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
+        else:
+            tokens = tr.global_batch * model.seq_len
+            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len))
+        loss_sum = runner.run_forward(rp.actions, mbs, tokens)
+        targets += tokens
+        if contributes_loss:
+            total += loss_sum
+    collectives.all_reduce_world(total)
+    return float(total) / targets
+
+

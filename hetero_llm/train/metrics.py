@@ -1,0 +1,80 @@
+"""What a training run reports: one record per step, to the console, a JSONL file and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import attrs
+
+
+@attrs.frozen
+class StepMetrics:
+    step: int  # optimizer steps taken, counting this one (1 for the first step), as the console and checkpoints count
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    seconds: float
+    valid_loss: float | None = None  # the held-out loss after this step, on steps that evaluate (train.eval_every)
+
+    def json(self) -> str:
+        return json.dumps({k: v for k, v in attrs.asdict(self).items() if v is not None})
+
+
+@attrs.define
+class Progress:
+    """Console progress on the reporting rank: step, loss, tokens/s, ETA."""
+
+    total: int
+    first: int = 0  # the step this run starts at (a resumed run's ETA counts only its own steps)
+    out: object = sys.stdout
+    started: float = attrs.field(factory=time.perf_counter)
+    tokens: int = 0
+
+    def update(self, m: StepMetrics) -> None:
+        self.tokens += m.tokens
+        elapsed = time.perf_counter() - self.started
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        eta = elapsed / (m.step - self.first) * (self.total - m.step)
+        valid = f" | valid {m.valid_loss:.4f}" if m.valid_loss is not None else ""
+        print(f"step {m.step:>5}/{self.total} | loss {m.loss:.4f}{valid} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
+              f"| {rate / 1e3:.1f}k tok/s | ETA {duration(eta)}", file=self.out, flush=True)
+
+
+def duration(seconds: float) -> str:
+    """``01:02:03`` under a day, ``3d 01:02:03`` beyond; ``>9999d`` past that (an absurd train.steps, or inf)."""
+    if not seconds < 10_000 * 86400:
+        return ">9999d"
+    s = int(seconds)
+    clock = f"{s // 3600 % 24:02d}:{s // 60 % 60:02d}:{s % 60:02d}"
+    return f"{s // 86400}d {clock}" if s >= 86400 else clock
+
+
+def summary_writer(directory: str):
+    """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(directory)
+
+
+def open_metrics(path: str, first_step: int) -> int:
+    """Open the metrics file for writing. A resumed run keeps the records of the steps before it and drops
+    later ones: a run that crashed after its last save trained those steps, and they are trained again."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    kept = []
+    if first_step and p.exists():
+        kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] <= first_step]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if kept:
+        os.write(fd, ("\n".join(kept) + "\n").encode())
+    return fd
+
+
+def append_line(fd: int, line: str) -> None:
+    # One write() per whole line: a crash never leaves a half-written record behind a complete one.
+    os.write(fd, (line + "\n").encode())
