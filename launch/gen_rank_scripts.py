@@ -13,7 +13,7 @@ Unlike HexiScale's ``batch_run_scripts.sh`` (which runs ``pkill python`` first),
 kills a process it did not start: the stop script signals only its own pidfile's PIDs, and only
 while each PID still has the start time it had when started (so a recycled PID is left alone).
 
-    python launch/gen_rank_scripts.py layouts/hexiscale_two_pipelines.toml --out run/ [--node node1] [--set k=v]
+    python launch/gen_rank_scripts.py layouts/papers/hexiscale_two_pipelines.toml --out run/ [--node node1] [--set k=v]
 """
 
 from __future__ import annotations

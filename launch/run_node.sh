@@ -2,7 +2,7 @@
 # Start one node's ranks of a layout: the same command on every node, only NODE differs.
 #
 #   launch/run_node.sh LAYOUT.toml NODE [hetero-launch args...]
-#   MASTER_ADDR=10.0.0.1 MASTER_PORT=29600 launch/run_node.sh layouts/two_pipelines.toml node1 --quiet
+#   MASTER_ADDR=10.0.0.1 MASTER_PORT=29600 launch/run_node.sh layouts/examples/two_pipelines.toml node1 --quiet
 #
 # Environment (all optional):
 #   MASTER_ADDR, MASTER_PORT   rendezvous address; default: the layout's master node host and cluster.port

@@ -20,7 +20,7 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.switching.transfers import bucket_plans, step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
-THREE = ROOT / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
+THREE = ROOT / "layouts" / "examples" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
 TWO = Path(__file__).resolve().parent / "data" / "buckets_two.toml"  # DP 2 | home TP 2
 TP23 = Path(__file__).resolve().parent / "data" / "buckets_tp23.toml"  # elastic buckets over 3 devices
 DEVICE = EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")

@@ -26,7 +26,7 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.switching.transfers import bucket_plans
 
 DATA = Path(__file__).resolve().parent / "data"
-THREE = Path(__file__).resolve().parents[1] / "layouts" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
+THREE = Path(__file__).resolve().parents[1] / "layouts" / "examples" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
 TP23 = DATA / "buckets_tp23.toml"  # home TP 3 | asymmetric zbh1 | PP 2 dynamic | interleaved, 3 devices
 
 

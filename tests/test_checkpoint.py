@@ -17,7 +17,7 @@ from hetero_llm.runtime.adamw import AdamW
 from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
 from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 
-REFERENCE = LAYOUTS / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
+REFERENCE = LAYOUTS / "reference" / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
 FOLDER = Path("ckpt/step-000002")
 
 
@@ -263,12 +263,12 @@ def test_a_damaged_rank_file_is_refused_before_any_rank_starts(damage, problem, 
 def test_rank_files_swapped_between_ranks_are_refused(tmp_path):
     """Two files of one save, each intact but under the other's name (say, copied from another layout's save)."""
     contents = [f"rank {r}".encode() for r in range(6)]  # three_pipelines.toml has 6 ranks
-    folder = _save_recorded(tmp_path, 2, contents, LAYOUTS / "three_pipelines.toml")
+    folder = _save_recorded(tmp_path, 2, contents, LAYOUTS / "examples" / "three_pipelines.toml")
     one, two = folder / "rank1.pt", folder / "rank2.pt"
     a, b = one.read_bytes(), two.read_bytes()
     one.write_bytes(b)
     two.write_bytes(a)
-    result = invoke_cli(LAYOUTS / "three_pipelines.toml", "--set", "train.steps=4", "--resume", folder, "--dry-run")
+    result = invoke_cli(LAYOUTS / "examples" / "three_pipelines.toml", "--set", "train.steps=4", "--resume", folder, "--dry-run")
     assert_one_error_line(result, f"{one}: --resume: its sha256 is not the one meta.json recorded when it was saved "
                                   f"(the file changed since: damaged, edited, or copied from another save); {DAMAGED}")
 

@@ -233,7 +233,7 @@ def test_document_attention_equals_a_block_diagonal_mask():
 
 # ---------------------------------------------------------------------------------------------- layouts
 
-PACKED = common_sections(LAYOUTS / "reference.toml").replace(
+PACKED = common_sections(LAYOUTS / "reference" / "reference.toml").replace(
     'kind = "grammar"', 'kind = "grammar"\npacking = "documents"\ndoc_len_median = 8.0\ndoc_len_sigma = 0.5')
 
 
@@ -279,7 +279,7 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
 
 def test_cli_names_a_file_without_documents_before_any_rank_starts(tmp_path):
     (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    text = (LAYOUTS / "reference.toml").read_text().replace(
+    text = (LAYOUTS / "reference" / "reference.toml").read_text().replace(
         'kind = "grammar"', 'kind = "jsonl"\npath = "short.jsonl"\npacking = "documents"').replace("vocab = 64", "vocab = 256")
     path = tmp_path / "layout.toml"
     path.write_text(text)

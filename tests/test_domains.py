@@ -22,7 +22,7 @@ from hetero_llm.plan.describe import describe
 from hetero_llm.plan import compile_plan
 
 ROOT = Path(__file__).resolve().parents[1]
-HOLMES = ROOT / "layouts" / "holmes_two_domains.toml"
+HOLMES = ROOT / "layouts" / "planned" / "holmes_two_domains.toml"
 
 MODEL = """
 [model]
@@ -93,7 +93,7 @@ def test_domains_load_into_typed_specs():
 
 
 def test_layouts_without_domains_are_one_implicit_domain():
-    lay = layout.load(ROOT / "layouts" / "two_pipelines.toml")
+    lay = layout.load(ROOT / "layouts" / "examples" / "two_pipelines.toml")
     assert lay.cluster.domains == () and lay.cluster.domain_of("node0") == DEFAULT_TRANSPORT
     assert set(transports(lay).values()) == {DEFAULT_TRANSPORT, SHM}  # stage boundaries inside a node: shm
     plan = compile_plan(lay)
@@ -238,7 +238,7 @@ def test_dry_run_prints_domains_and_each_groups_transport():
 
 
 def test_dry_run_without_domains_has_no_domain_table():
-    text = describe(compile_plan(layout.load(ROOT / "layouts" / "two_pipelines.toml")))
+    text = describe(compile_plan(layout.load(ROOT / "layouts" / "examples" / "two_pipelines.toml")))
     assert "network domains" not in text  # only the shared-memory boundaries say how they travel
     assert all(line.endswith("  via shm") for line in text.splitlines() if " via " in line)
     assert "  p2p_fwd[p0.s0->p0.s1]        ranks [0, 1]  via shm" in text.splitlines()

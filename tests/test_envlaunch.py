@@ -22,7 +22,7 @@ from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, 
 from hetero_llm import layout as layout_mod
 from hetero_llm.launch import external as envlaunch
 
-COMMON = common_sections(LAYOUTS / "reference.toml")
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
 TWO_STAGES = [(12, 3, [(3, 1), (3, 1)])]  # node n0: ranks 0 and 1
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
                  "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")

@@ -20,7 +20,7 @@ from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 from hetero_llm.checkpoint.shards import load_full_params
 from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 
-COMMON = common_sections(LAYOUTS / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
                                                              "eval_batches = 2")
 
 

@@ -15,7 +15,7 @@ from hetero_llm.model.forward import StageShape, stage_forward
 from hetero_llm.checkpoint.shards import load_full_params
 from harness import LAYOUTS, common_sections, launch, write_layout
 
-BASE = common_sections(LAYOUTS / "reference.toml").replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 1e-2")
+BASE = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 1e-2")
 MODELS = {
     "llama-gqa-tied": BASE.replace('position = "rope"', 'position = "rope"\nkv_heads = 2\ntie_embeddings = true'),
     "gpt2": (BASE.replace('mlp = "swiglu"', 'mlp = "gelu"').replace('norm = "rmsnorm"', 'norm = "layernorm"')

@@ -290,7 +290,7 @@ def test_host_staging_over_real_gloo(tmp_path):
 # 2. On CUDA (GPU machines): layout invariance, several ranks on one GPU
 
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
 ON_CUDA = ("--set", 'cluster.nodes[0].devices=["cuda:0"]')
 

@@ -24,7 +24,7 @@ def test_eta_shows_days_and_is_bounded(seconds, shown):
 
 
 def _plan():
-    return compile_plan(layout_mod.load(LAYOUTS / "two_pipelines.toml"))
+    return compile_plan(layout_mod.load(LAYOUTS / "examples" / "two_pipelines.toml"))
 
 
 def test_a_diverged_run_is_reported_as_such_not_as_a_rank_failure(tmp_path):

@@ -12,11 +12,11 @@ import attrs
 import pytest
 
 from hetero_llm import layout as layout_mod
-from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
+from harness import LAYOUTS, RUNNABLE_LAYOUTS, assert_same_model, common_sections, launch, write_layout
 
 pytestmark = pytest.mark.multiprocess
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
 
 # Tensor-parallel sizes 2 and 3 side by side need heads and MLP width divisible by both.
@@ -116,7 +116,7 @@ def test_tp_sizes_2_and_3_in_different_pipelines(reference_tp23, tmp_path):
 
 def _single_process_references() -> dict[Path, layout_mod.Layout]:
     refs = {}
-    for p in sorted(LAYOUTS.glob("*.toml")):
+    for p in RUNNABLE_LAYOUTS:
         lay = layout_mod.load(p)
         if len(lay.pipelines) == 1 and len(lay.pipelines[0].stages) == 1 and lay.pipelines[0].stages[0].tp == 1:
             refs[p] = lay
@@ -131,7 +131,7 @@ def _same_model(a: layout_mod.Layout, b: layout_mod.Layout) -> bool:
 
 
 # The walkthrough layouts train for minutes on real text: tests/test_walkthrough.py runs own_text a few steps.
-EXAMPLES = [p for p in sorted(LAYOUTS.glob("*.toml"))
+EXAMPLES = [p for p in RUNNABLE_LAYOUTS
             if p.name not in ("quickstart.toml", "own_text.toml") and p not in _single_process_references()]
 
 

@@ -17,7 +17,7 @@ from harness import LAYOUTS, common_sections, free_port, launch, sigint_as_in_a_
 
 pytestmark = pytest.mark.multiprocess
 
-COMMON = common_sections(LAYOUTS / "reference.toml")
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
 THREE_STAGES = [(12, 3, [(2, 1), (2, 1), (2, 1)])]
 
 
@@ -227,7 +227,7 @@ def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
     leftovers = [ckpt / "step-000002" / "rank0.pt.tmp", ckpt / "latest.tmp"]
     for path in leftovers:
         path.write_bytes(b"half written")
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(LAYOUTS / "reference.toml"), "--quiet", "--checkpoint", str(ckpt),
+    cmd = [sys.executable, "-m", "hetero_llm.cli", str(LAYOUTS / "reference" / "reference.toml"), "--quiet", "--checkpoint", str(ckpt),
            "--set", f"cluster.port={free_port()}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr

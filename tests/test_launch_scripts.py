@@ -54,7 +54,7 @@ def _clean_env(**extra: str) -> dict[str, str]:
 def uneven_layout(tmp_path: Path) -> Path:
     """One pipeline with TP sizes 1, 2, 1 on node0 (3 devices) and node1 (1 device); reference model."""
     path = tmp_path / "uneven.toml"
-    model_train_data = (ROOT / "layouts" / "reference.toml").read_text().split("[cluster]")[0]
+    model_train_data = (ROOT / "layouts" / "reference" / "reference.toml").read_text().split("[cluster]")[0]
     path.write_text(model_train_data + """[cluster]
 [[cluster.nodes]]
 name = "node0"
@@ -251,8 +251,8 @@ def test_stop_escalates_to_sigkill(uneven_layout, tmp_path):
 # run_node.sh
 
 
-@pytest.mark.parametrize("args", [[], ["layouts/reference.toml"], ["layouts/reference.toml", ""],
-                                  ["layouts/reference.toml", "--quiet"], ["no/such.toml", "node0"]])
+@pytest.mark.parametrize("args", [[], ["layouts/reference/reference.toml"], ["layouts/reference/reference.toml", ""],
+                                  ["layouts/reference/reference.toml", "--quiet"], ["no/such.toml", "node0"]])
 def test_run_node_usage_errors_exit_2(args):
     proc = subprocess.run([str(RUN_NODE), *args], capture_output=True, text=True, cwd=ROOT, env=_clean_env())
     assert proc.returncode == 2
@@ -260,7 +260,7 @@ def test_run_node_usage_errors_exit_2(args):
 
 
 def test_run_node_rejects_a_bad_master_port():
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference.toml", "node0"], capture_output=True, text=True,
+    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node0"], capture_output=True, text=True,
                           cwd=ROOT, env=_clean_env(MASTER_PORT="http"))
     assert proc.returncode == 2 and "MASTER_PORT must be a TCP port" in proc.stderr
 
@@ -270,17 +270,17 @@ def test_run_node_sets_the_environment_and_passes_arguments(tmp_path):
     fake.write_text('#!/usr/bin/env bash\necho "args: $*"\n'
                     'echo "env: $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $TORCH_NCCL_ASYNC_ERROR_HANDLING"\n')
     fake.chmod(0o755)
-    proc = subprocess.run([str(RUN_NODE), "layouts/two_pipelines.toml", "node0", "--quiet"], capture_output=True,
+    proc = subprocess.run([str(RUN_NODE), "layouts/examples/two_pipelines.toml", "node0", "--quiet"], capture_output=True,
                           text=True, cwd=ROOT, env=_clean_env(HETERO_LAUNCH=str(fake), MASTER_ADDR="10.9.9.9",
                                                               MASTER_PORT="29600"))
     assert proc.returncode == 0, proc.stderr
-    assert "args: layouts/two_pipelines.toml --node node0 --quiet" in proc.stdout
+    assert "args: layouts/examples/two_pipelines.toml --node node0 --quiet" in proc.stdout
     threads = max(1, len(os.sched_getaffinity(0)) // 3)  # node0 has 3 ranks; nproc counts the same cores
     assert f"env: 10.9.9.9 29600 {threads} 1" in proc.stdout
 
 
 def test_run_node_unknown_node_is_hetero_launchs_error():
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference.toml", "node9", "--quiet"], capture_output=True,
+    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node9", "--quiet"], capture_output=True,
                           text=True, cwd=ROOT, env=_clean_env())
     assert proc.returncode == 2
     assert "--node: 'node9' is not a node of [cluster] (nodes: node0)" in proc.stderr
@@ -289,7 +289,7 @@ def test_run_node_unknown_node_is_hetero_launchs_error():
 @pytest.mark.multiprocess
 def test_run_node_trains_a_real_layout():
     """The one real run here: the reference layout's single rank, one step."""
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference.toml", "node0", "--set", "train.steps=1",
+    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node0", "--set", "train.steps=1",
                            "--set", f"cluster.port={free_port()}", "--quiet"],
                           capture_output=True, text=True, cwd=ROOT, env=_clean_env(), timeout=240)
     assert proc.returncode == 0, proc.stderr
@@ -381,7 +381,7 @@ def test_hexiscale_layouts_match_their_flags(name):
     assert [[s.layers for s in p.stages] for p in lay.pipelines] == layer_partitions
     assert [p.batch for p in lay.pipelines] == global_bsz_size
     assert [p.microbatches for p in lay.pipelines] == chunks
-    ref = layout_mod.load(ROOT / "layouts" / "hexiscale_reference.toml")
+    ref = layout_mod.load(ROOT / "layouts" / "reference" / "hexiscale.toml")
     assert (lay.model, lay.data, lay.train) == (ref.model, ref.data, ref.train)
     assert [p.stages[0].tp for p in ref.pipelines] == [1] and len(ref.pipelines[0].stages) == 1
 

@@ -16,12 +16,12 @@ import pytest
 from hetero_llm import layout
 from hetero_llm.launch import preflight
 from hetero_llm.errors import LayoutError
-from harness import assert_one_error_line, invoke_cli as invoke
+from harness import RUNNABLE_LAYOUTS, assert_one_error_line, invoke_cli as invoke
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
 BAD = sorted((TESTS / "bad_layouts").glob("*.toml"))
-GOOD = sorted((REPO / "layouts").glob("*.toml"))
+GOOD = RUNNABLE_LAYOUTS
 QUICKSTART = REPO / "layouts" / "quickstart.toml"
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
 

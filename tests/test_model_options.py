@@ -12,7 +12,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.model.params import all_params
 from harness import LAYOUTS, RunResult, assert_same_model, common_sections, launch, write_layout
 
-BASE = common_sections(LAYOUTS / "reference.toml")  # 6 layers, hidden 32, 4 heads, rope/rmsnorm/swiglu
+BASE = common_sections(LAYOUTS / "reference" / "reference.toml")  # 6 layers, hidden 32, 4 heads, rope/rmsnorm/swiglu
 LLAMA = BASE.replace('position = "rope"', 'position = "rope"\nkv_heads = 2\ntie_embeddings = true\n'
                      'rope_theta = 500000.0\nnorm_eps = 1e-6')
 GPT2 = (BASE.replace('mlp = "swiglu"', 'mlp = "gelu"').replace('norm = "rmsnorm"', 'norm = "layernorm"')

@@ -182,15 +182,15 @@ def test_bad_options(tmp_path, options, where, message):
 
 def test_a_layout_with_pipelines_is_not_a_cluster_file():
     with pytest.raises(LayoutError) as info:
-        read_cluster_file(LAYOUTS / "holmes_two_domains.toml")
+        read_cluster_file(LAYOUTS / "planned" / "holmes_two_domains.toml")
     assert info.value.path == "pipelines"
 
 
 def test_example_layout_is_the_placement_of_its_cluster_file():
     text, model, train, _, cluster = read_cluster_file(LAYOUTS / "clusters" / "two_domains.toml")
     p = place("two_domains.toml", model, train, cluster, PlaceOptions())
-    assert (LAYOUTS / "holmes_two_domains.toml").read_text().endswith(pipelines_toml(p))
-    check_rules(layout.load(LAYOUTS / "holmes_two_domains.toml"))
+    assert (LAYOUTS / "planned" / "holmes_two_domains.toml").read_text().endswith(pipelines_toml(p))
+    check_rules(layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml"))
 
 
 def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
@@ -199,7 +199,7 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
     assert result.exit_code == 0, result.output
     assert "stages visit domains ib0 -> roce0 (1 cross-domain boundary per pipeline)" in result.output
     assert "  layers 0-2 in ib0: node0:0 node1:0" in result.output
-    assert layout.load(out).pipelines == layout.load(LAYOUTS / "holmes_two_domains.toml").pipelines
+    assert layout.load(out).pipelines == layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml").pipelines
     bad = CliRunner().invoke(place_main, [str(LAYOUTS / "clusters" / "two_domains.toml"), "-o", str(out), "--tp", "3"])
     assert bad.exit_code == 2 and bad.output.startswith("error: ") and "--tp: TP size 3" in bad.output
 
@@ -210,7 +210,7 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
 @pytest.mark.multiprocess
 def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
     """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
-    common = common_sections(LAYOUTS / "reference.toml")
+    common = common_sections(LAYOUTS / "reference" / "reference.toml")
     cluster = "\n".join(["[cluster]", domain("fast"), domain("slow", "roce"),
                          '[cluster.cross_domain]\ngloo_ifname = "xdom"',
                          '[[cluster.nodes]]\nname = "f0"\ndevices = ["cpu", "cpu"]\nspeed = 2.0\ndomain = "fast"',
@@ -221,7 +221,7 @@ def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
     lay = layout.load(tmp_path / "placed.toml")
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]
     check_rules(lay)
-    ref = launch(LAYOUTS / "reference.toml", tmp_path / "ref")
+    ref = launch(LAYOUTS / "reference" / "reference.toml", tmp_path / "ref")
     run = launch(tmp_path / "placed.toml", tmp_path / "run")
     assert_same_model(run, ref)
     # no dom0/xdom on this host: each node says once that its groups use the default interface

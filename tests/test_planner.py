@@ -347,7 +347,7 @@ def test_bad_flags_and_files(tmp_path):
     res = run_plan(tmp_path / "none.toml", "-o", tmp_path / "o.toml")
     assert res.stderr == f"error: {tmp_path / 'none.toml'}: no such file (pass a TOML file with [model], [train] and " \
                          "[cluster])\n"
-    lay = LAYOUTS / "hexiscale_reference.toml"
+    lay = LAYOUTS / "reference" / "hexiscale.toml"
     res = run_plan(lay, "-o", tmp_path / "o.toml")
     assert res.stderr == f"error: {lay}: pipelines: the file already has [[pipelines]] (the planner writes them: " \
                          "start from a copy without them)\n"
@@ -368,11 +368,11 @@ def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
 
 
 def test_example_layout_is_the_plan_of_its_cluster_file():
-    """layouts/planned_small_cpu.toml is what hetero-plan writes for layouts/clusters/small_cpu.toml (and
-    tests/test_invariance.py trains it against layouts/hexiscale_reference.toml, as every example)."""
+    """layouts/planned/small_cpu.toml is what hetero-plan writes for layouts/clusters/small_cpu.toml (and
+    tests/test_invariance.py trains it against layouts/reference/hexiscale.toml, as every example)."""
     c = load_cluster(SMALL)
     result = plan_cluster(c)
-    written = (LAYOUTS / "planned_small_cpu.toml").read_text()
+    written = (LAYOUTS / "planned" / "small_cpu.toml").read_text()
     assert written == layout_text(c, result.best, result.score, result.seed_score)
 
 
@@ -384,7 +384,7 @@ def test_a_lower_ranked_plan_trains_the_reference_model_too(tmp_path):
     cand, score = next(cs for cs in result.ranked if len(cs[0].pipelines) > 1 and cs[0].schedule != result.best.schedule)
     path = tmp_path / "planned.toml"
     path.write_text(layout_text(c, cand, score, None))
-    assert_same_model(launch(path, tmp_path / "run"), launch(LAYOUTS / "hexiscale_reference.toml", tmp_path / "ref"))
+    assert_same_model(launch(path, tmp_path / "run"), launch(LAYOUTS / "reference" / "hexiscale.toml", tmp_path / "ref"))
 
 
 # ------------------------------------------------------------------------------------ benchmark and docs

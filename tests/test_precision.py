@@ -14,7 +14,7 @@ and layouts in bf16 agree with it (and with one another) only this far:
   ``BF16_TENSOR_RTOL`` (1e-1) in each tensor (Adam's first steps are ~lr * sign(g): elements whose
   gradient is near 0 turn bf16 rounding into lr-sized differences, as float32 rounding does at 1e-5).
 
-Measured on layouts/reference.toml (4 steps, CPU): loss 2.5e-5, gradient norm 7e-4, parameters
+Measured on layouts/reference/reference.toml (4 steps, CPU): loss 2.5e-5, gradient norm 7e-4, parameters
 1.6e-3 (worst tensor 2.1e-2), for one process and for 3-stage TP [1, 2, 1] and 2-pipeline dynamic
 layouts alike. A layout bug (a block never synced) moves a tensor by far more than 1e-1.
 """
@@ -39,7 +39,7 @@ BF16_GRAD_NORM_RTOL = 5e-2
 BF16_PARAM_RTOL = 1e-2
 BF16_TENSOR_RTOL = 1e-1
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
 MODEL = layout_mod.load(REFERENCE).model
 GPT = layout_mod.ModelSpec(layers=3, hidden=32, heads=4, vocab=64, seq_len=16)  # layernorm, learned, gelu

@@ -12,7 +12,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from harness import LAYOUTS, invoke_cli
+from harness import LAYOUT_FILES, LAYOUTS, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.plan import describe as dryrun
 from hetero_llm.layout import Layout
@@ -22,8 +22,7 @@ from hetero_llm.schedule import Direction, Kind
 from test_plan import TP_MIX, make
 
 ROOT = Path(__file__).resolve().parents[1]
-SHIPPED = sorted(p.name for p in LAYOUTS.glob("*.toml")) + ["planned/hexiscale_40gpu.toml",
-                                                              "planned/holmes_64gpu.toml"]
+SHIPPED = [p.relative_to(LAYOUTS).as_posix() for p in LAYOUT_FILES if p.name != "mixed_1024gpu.toml"]
 
 
 @pytest.fixture(scope="module", params=SHIPPED)
@@ -190,7 +189,7 @@ def test_describe_says_what_one_rank_does():
 
 
 def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
-    path = LAYOUTS / "hexiscale_two_pipelines.toml"
+    path = LAYOUTS / "papers" / "hexiscale_two_pipelines.toml"
     plan = compile_plan(layout_mod.load(path))
     result = invoke_cli(path, "--dry-run", "--rank", "5")
     assert result.exit_code == 0, result.output

@@ -22,7 +22,7 @@ from hetero_llm.comm import rendezvous
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.plan import compile_plan
 
-COMMON = common_sections(LAYOUTS / "reference.toml")
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
 TWO_PIPELINES = [(6, 2, [(3, 1), (3, 1)]), (6, 2, [(6, 1)])]  # n0: ranks 0, 1; n1: rank 2
 
 

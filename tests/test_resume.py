@@ -23,7 +23,7 @@ from harness import (LAYOUTS, RunResult, assert_one_error_line, assert_same_mode
 
 pytestmark = pytest.mark.multiprocess
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
 STEPS = ("--set", "train.steps=4")  # the learning rate schedule depends on train.steps: same in every run
 

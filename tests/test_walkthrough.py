@@ -70,7 +70,7 @@ def run(line: str, cwd: Path, monkeypatch) -> str:
 def workdir(tmp_path):
     """A copy of the README and the layout, so caches and runs land here, not in the repository."""
     (tmp_path / "layouts").mkdir()
-    shutil.copy(ROOT / "layouts" / "own_text.toml", tmp_path / "layouts")
+    shutil.copy(ROOT / "layouts" / "examples" / "own_text.toml", tmp_path / "layouts")
     shutil.copy(ROOT / "README.md", tmp_path)
     return tmp_path
 

@@ -23,7 +23,7 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.predict.simulate import CostModel, simulate
 from hetero_llm.predict.trace import rank_rows, read_rank_traces
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
 COMMON_TP23 = (COMMON.replace("hidden = 32", "hidden = 48").replace("heads = 4", "heads = 6")
                .replace('mlp = "swiglu"', 'mlp = "swiglu"\nffn = 96'))

@@ -16,7 +16,7 @@ from hetero_llm.model.forward import Compute, StageShape, init_full, make_block_
 from hetero_llm.model.params import all_params
 from hetero_llm.runtime.wgrad import WeightGradStore
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
 LLAMA = layout_mod.load(REFERENCE).model
 GPT = layout_mod.ModelSpec(layers=3, hidden=32, heads=4, vocab=64, seq_len=16)  # layernorm, learned, gelu
