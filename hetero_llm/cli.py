@@ -112,6 +112,10 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launch.run_rank(plan, rank, options)
             return
         source = _checked_source(lay)  # tokenizes a text file once, before any rank starts
+        if lay.model.init_from and not resume:  # its weights are read once here: a NaN is named before any rank starts
+            from hetero_llm import hf
+
+            hf.check_weights(lay)
         if not quiet:
             click.echo(f"hetero-launch: starting {len(ranks)} of {plan.world_size} ranks here: {ranks}")
             if hasattr(source, "loss_floor"):
