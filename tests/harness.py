@@ -196,3 +196,76 @@ layers = 3
 devices = ["node0:0"]
 """)
     return path
+
+
+# ------------------------------------------------------------------------------------------
+# Hugging Face models and tokenizers built here (never downloaded); torch and transformers load on use.
+
+TINY_HF = {  # the transformers config of a tiny model of each kind, and the [model] lines that describe it
+    "llama": (dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                   max_position_embeddings=16, rms_norm_eps=1e-6),
+              'layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nnorm = "rmsnorm"\nposition = "rope"\n'
+              'mlp = "swiglu"\nffn = 48\nnorm_eps = 1e-6\n'),
+    "gpt2": (dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16),
+             "layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nbias = true\ntie_embeddings = true\n"),
+}
+
+
+def tiny_hf_model(kind: str, folder: Path | None, seed: int = 0, **overrides):
+    """A tiny transformers ``kind`` ('llama' or 'gpt2') model, ``TINY_HF``'s config updated with ``overrides``,
+    with every parameter (norms and biases too) moved away from its init; saved in ``folder`` when given."""
+    import torch
+    import transformers
+
+    kwargs = {**TINY_HF[kind][0], **overrides}
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    else:
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**kwargs))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    model.eval()
+    if folder is not None:
+        model.save_pretrained(folder)
+    return model
+
+
+def hf_layout_text(model_lines: str, init_from: Path | str) -> str:
+    """A one-process layout whose [model] is ``model_lines`` (with ``layers = 2``) started from ``init_from``."""
+    return (f'[model]\n{model_lines}init_from = "{init_from}"\n[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n'
+            '[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\nmicrobatches = 1\n[[pipelines.stages]]\n'
+            'layers = 2\ndevices = ["n:0"]\n')
+
+
+def full_model_logits(params: dict, model, ids):
+    """Our one-process logits of ``ids`` under ``params`` (full tensors by global name)."""
+    from hetero_llm.model.forward import StageShape, stage_forward
+
+    return stage_forward(params, ids, StageShape(0, model.layers, True, True), model)
+
+
+def full_shards(model) -> list:
+    """Every parameter whole, as ``Plan.params_of`` lists a one-process rank's shards."""
+    from hetero_llm.model.params import all_params, shard_range
+
+    return [(info, *shard_range(info, 1, 0)) for info in all_params(model)]
+
+
+def relative_error(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def make_bpe_tokenizer(path: Path, texts: list[str], special: tuple[str, ...] = ("<|endoftext|>",)) -> Path:
+    """A tiny byte-level BPE tokenizer.json trained here on ``texts``, with the ``special`` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(special),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts * 5, trainer)
+    tok.save(str(path))
+    return path

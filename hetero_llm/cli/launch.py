@@ -98,6 +98,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launcher.run_rank(plan, rank, options)
             return
         source = preflight.checked_source(lay)  # tokenizes a text file once, before any rank starts
+        preflight.check_init_weights(lay, resume)
         if not quiet:
             click.echo(f"hetero-launch: starting {len(ranks)} of {plan.world_size} ranks here: {ranks}")
             if hasattr(source, "loss_floor"):

@@ -187,7 +187,8 @@ def cache_paths(source: str) -> list[Path]:
 def _recipe(source: str, kind: str, field: str, tokenizer: str) -> str:
     stat = os.stat(source)
     tok_digest = hashlib.sha256(Path(tokenizer).read_bytes()).hexdigest()
-    return f"{tok_digest}|{kind}|{field if kind == 'jsonl' else ''}|{stat.st_size}|{stat.st_mtime_ns}"
+    # "special-as-text": a cache from when special-token text in a document became the special token is stale
+    return f"{tok_digest}|special-as-text|{kind}|{field if kind == 'jsonl' else ''}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
 def tokenized_source(path: str, kind: str, field: str, tokenizer: str, file_for_errors: str) -> TokenArraySource:

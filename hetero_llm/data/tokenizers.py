@@ -2,7 +2,8 @@
 
 ``data.tokenizer`` names one. Every document ends with the tokenizer's end-of-document token (``eos_id``):
 byte 0 for bytes (NUL does not occur in text), the tokenizer's own EOS token (``</s>``, ``<|endoftext|>``,
-...) for a ``tokenizer.json``. Torch-free; the ``tokenizers`` library is imported only for a tokenizer.json.
+...) for a ``tokenizer.json``, appended by its id: special-token text inside a document is encoded as
+plain text. Torch-free; the ``tokenizers`` library is imported only for a tokenizer.json.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class HFTokenizer:
 
     def __init__(self, path: str, tok):
         self.name = path
+        # Text is text: a document that spells a special token ("<|endoftext|>" in a text about tokenizers) is
+        # encoded as those characters, never as the special token. The one EOS between documents is appended
+        # by its id (tokenfiles.encode_documents); tokenizers would otherwise match added tokens in the text.
+        tok.encode_special_tokens = True
         self._tok = tok
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         vocab = self._tok.get_vocab(with_added_tokens=True)

@@ -19,6 +19,7 @@ Torch-free at import (``check_config`` runs in layout validation); torch and saf
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -125,6 +126,57 @@ def _toml(value: Any) -> str:
     return f"'{value}'" if isinstance(value, str) else f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# config.json fields that change the math and that [model] has no key for: ``_unsupported`` refuses every value
+# but those our model computes exactly. A field it does not look at either has its [model] key (``_expected``)
+# or leaves the logits alone: dropout (ours has none: eval logits are the same, and training
+# goes on without it), pretraining_tp (in transformers < 5 only splits the same matmuls), use_cache,
+# initializer_range, token ids, max_position_embeddings (default RoPE computes any position), GPT-2's
+# reorder_and_upcast_attn (the same math in float32), add_cross_attention (unused without encoder states)
+# and summary_* (GPT2DoubleHeadsModel only). tests/test_hf_fields.py sweeps every field of both configs.
+SILU = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate")  # 0.5x(1 + tanh(..))
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+
+
+def _unsupported(cfg: dict) -> tuple[str, Any, str] | None:
+    """The first config.json field whose value our model cannot compute: (field, value, what is supported)."""
+    if cfg.get("quantization_config") is not None:
+        method = (cfg["quantization_config"] or {}).get("quant_method", "?") if isinstance(
+            cfg["quantization_config"], dict) else "?"
+        return ("quantization_config.quant_method", method, "only unquantized float weights: save the model "
+                "dequantized")
+    if cfg["model_type"] == LLAMA:
+        hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
+        act = cfg.get("hidden_act", "silu")
+        if act not in SILU:
+            return "hidden_act", act, "only 'silu': [model] mlp 'swiglu' gates with silu"
+        head_dim = cfg.get("head_dim")
+        if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
+                and head_dim != hidden // heads:
+            return ("head_dim", head_dim, f"only hidden_size / num_attention_heads = {hidden // heads}: "
+                    "[model] has no head size of its own")
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = cfg.get(key)
+            if isinstance(rope, dict):
+                for type_key in ("rope_type", "type"):
+                    if rope.get(type_key, "default") != "default":
+                        return f"{key}.{type_key}", rope[type_key], "only the default RoPE: no scaling"
+            elif rope is not None:
+                return key, rope, "only the default RoPE: no scaling"
+        if cfg.get("attention_bias", False) != cfg.get("mlp_bias", False):
+            return ("attention_bias", cfg.get("attention_bias", False), f"only equal to mlp_bias "
+                    f"({_toml(cfg.get('mlp_bias', False))}): model.bias puts biases on every projection or none")
+        return None
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in GELU_TANH:
+        return "activation_function", act, "only 'gelu_new' or 'gelu_pytorch_tanh': [model] mlp 'gelu' is GELU's tanh form"
+    if not cfg.get("scale_attn_weights", True):
+        return "scale_attn_weights", False, "only true: scores divided by sqrt(head size)"
+    if cfg.get("scale_attn_by_inverse_layer_idx", False):
+        return "scale_attn_by_inverse_layer_idx", True, "only false: every layer's scores scaled alike"
+    return None
+
+
 def check_config(layout: Layout) -> None:
     """``model.init_from`` is a Hugging Face Llama/GPT-2 directory whose config is this [model]."""
     f, model = layout.file, layout.model
@@ -145,11 +197,11 @@ def check_config(layout: Layout) -> None:
     if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
         raise LayoutError(f, "model.init_from", f"'{folder}' has no {WEIGHTS} (save the model with safetensors: "
                           "model.save_pretrained(dir, safe_serialization=True))")
-    if cfg["model_type"] == LLAMA:
-        rope = (cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}).get("rope_type", "default")
-        if rope != "default":
-            raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: rope_type '{rope}' is not supported "
-                              "(only the default RoPE: no scaling)")
+    refused = _unsupported(cfg)
+    if refused:
+        field, value, supported = refused
+        raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: {field} {_toml(value)} is not supported "
+                          f"({supported})")
     if cfg["model_type"] == GPT2 and cfg.get("n_positions", 0) < model.seq_len:
         raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: n_positions {cfg.get('n_positions')} is shorter "
                           f"than model.seq_len {model.seq_len} (set model.seq_len <= {cfg.get('n_positions')})")
@@ -159,6 +211,7 @@ def check_config(layout: Layout) -> None:
             raise LayoutError(f, "model.init_from", f"{folder / CONFIG} is a {cfg['model_type']} model with {key} "
                               f"{_toml(theirs)} but model.{ours_key} is {_toml(ours)} "
                               f"(set model.{ours_key} = {_toml(theirs)})")
+    _check_shapes(layout, cfg)
 
 
 # ------------------------------------------------------------------------------------------
@@ -297,6 +350,95 @@ def _gpt2_key(key: str, available: dict[str, Path]) -> str:
     return key
 
 
+def _header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (8 bytes of length, then {key: {dtype, shape, data_offsets}})."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        if size > 1 << 28:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("its header is no JSON object")
+    return header
+
+
+def hf_shapes(model: ModelSpec, cfg: dict) -> dict[str, tuple[int, ...]]:
+    """HF key -> the shape the file must give it for ``model`` (its config ``cfg``): ours, transposed for
+    GPT-2's Conv1D, c_attn three times as wide, GPT-2's position embedding n_positions long."""
+    shapes = {info.name: info.shape for info in all_params(attrs.evolve(model, bias=True))}
+    out: dict[str, tuple[int, ...]] = {}
+    for name, src in sources(model).items():
+        shape = tuple(shapes[name])[::-1] if src.transpose else tuple(shapes[name])
+        if ".c_attn." in src.key:
+            shape = (*shape[:-1], 3 * model.hidden)
+        if name == "embed.pos":
+            shape = (cfg.get("n_positions"), model.hidden)
+        out[src.key] = shape
+    return out
+
+
+def _check_shapes(layout: Layout, cfg: dict) -> None:
+    """Every tensor ``layout.model`` reads is in the safetensors file(s), a float, of the shape config.json and
+    [model] give it (the files' headers only: no weight is read)."""
+    f, model = layout.file, layout.model
+    folder = Path(model.init_from)
+    fix = "save the model again with save_pretrained"
+    try:
+        if (folder / WEIGHTS_INDEX).is_file():
+            where = {key: folder / name for key, name in json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].items()}
+        else:
+            where = dict.fromkeys(_header(folder / WEIGHTS), folder / WEIGHTS)
+        headers = {path: _header(path) for path in set(where.values())}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        bad = folder / (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS)
+        raise LayoutError(f, "model.init_from", f"{bad} is not a safetensors model ({type(e).__name__}: {e}) "
+                          f"({fix})") from None
+    for key, shape in hf_shapes(model, cfg).items():
+        key = _gpt2_key(key, where)
+        if key not in where or key not in headers[where[key]]:
+            raise LayoutError(f, "model.init_from", f"{folder / WEIGHTS}: no tensor '{key}', which config.json's "
+                              f"{cfg['model_type']} model has ({fix})")
+        entry = headers[where[key]][key]
+        got = tuple(entry.get("shape", ()))
+        if entry.get("dtype") not in FLOAT_DTYPES:
+            raise LayoutError(f, "model.init_from", f"{where[key]}: tensor '{key}' is {entry.get('dtype')}, not a float "
+                              f"({', '.join(FLOAT_DTYPES)}) (give unquantized weights)")
+        if got != shape:
+            raise LayoutError(f, "model.init_from", f"{where[key]}: tensor '{key}' has shape {list(got)} but "
+                              f"config.json gives it {list(shape)} (the weights are not those of config.json: {fix})")
+
+
+def check_weights(layout: Layout, values_per_read: int = 1 << 22) -> None:
+    """Every weight ``layout.model`` reads from ``init_from`` is finite: read once, a few million values at a
+    time (the launcher calls it before any rank starts, as it verifies a checkpoint it resumes)."""
+    from safetensors import safe_open
+
+    folder = Path(layout.model.init_from)
+    files = _weight_files(folder)
+    keys = [_gpt2_key(key, files) for key in hf_shapes(layout.model, json.loads((folder / CONFIG).read_text()))]
+    for path in dict.fromkeys(files[key] for key in keys):
+        with safe_open(path, framework="pt") as f:
+            for key in (k for k in keys if files[k] == path):
+                view = f.get_slice(key)
+                shape = view.get_shape()
+                rows = max(1, values_per_read // max(1, math.prod(shape[1:])))
+                for lo in range(0, shape[0], rows):
+                    _check_finite(view[lo:lo + rows], key, path, layout.file)
+
+
+def _check_finite(t, key: str, path: Path, file: str | None = None) -> None:
+    """A one-line error naming the tensor ``key`` when ``t`` (a part of it) holds NaN or infinite values;
+    located at ``file``'s model.init_from (the layout), else at the weights file ``path``."""
+    import torch
+
+    if not bool(torch.isfinite(t).all()):
+        nan, inf = bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
+        what = "NaN and infinite values" if nan and inf else "NaN values" if nan else "infinite values"
+        where = f"{path}: tensor '{key}'" if file else f"tensor '{key}'"
+        raise LayoutError(file or str(path), "model.init_from", f"{where} holds {what} (start from a model whose "
+                          "weights are all finite)")
+
+
 def load_shards(model: ModelSpec, shards: list[tuple[Any, int, int]]) -> dict[str, Any]:
     """The float32 tensors of ``shards`` ((ParamInfo, lo, hi) as ``Plan.params_of`` lists them) read from
     ``model.init_from``: only the rows or columns each shard covers are read from disk."""
@@ -318,6 +460,7 @@ def load_shards(model: ModelSpec, shards: list[tuple[Any, int, int]]) -> dict[st
             if path not in handles:
                 handles[path] = safe_open(path, framework="pt").__enter__()
             out[info.name] = _read(handles[path].get_slice(key), info, lo, hi, src).float().contiguous()
+            _check_finite(out[info.name], key, path)
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)

@@ -141,6 +141,15 @@ def check_init_from(lay: Layout) -> None:
         hf.check_config(lay)
 
 
+def check_init_weights(lay: Layout, resume: str | None) -> None:
+    """``model.init_from``'s weights read once, before any rank starts: a tensor holding NaN or infinite values
+    is named here (a resumed run takes its parameters from the checkpoint instead)."""
+    if lay.model.init_from and not resume:
+        from hetero_llm.interop import hf
+
+        hf.check_weights(lay)
+
+
 def checked_source(lay: Layout):
     """The layout's data source, refused now if it cannot give one window of text or holds ids outside
     model.vocab (rather than in every rank)."""
