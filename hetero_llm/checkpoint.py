@@ -79,10 +79,11 @@ def rank_file(folder: Path, rank: int) -> Path:
 
 
 def write_atomically(path: Path, write: Callable[[object], None]) -> None:
-    """Write ``path`` by ``write(binary file)`` into ``path.tmp``, fsync it, rename it over ``path``."""
+    """Write ``path`` by ``write(binary file)`` into ``path.tmp``, fsync it, rename it over ``path``. Neither is
+    followed if it is a symbolic link (the rename replaces a link at ``path`` rather than writing its target)."""
     tmp = path.with_name(path.name + TMP)
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -107,6 +108,10 @@ def begin_save(folder: Path) -> None:
     Saving again into a step folder (a resumed run passing a step it saved before) must not leave the
     old meta.json vouching for a mix of old and new rank files should this save be interrupted.
     """
+    if folder.is_symlink():  # the CLI refused one before the run: one made since is not written through either
+        raise CheckpointError(str(folder), "--checkpoint", f"is a symbolic link to '{os.readlink(folder)}' in the "
+                              "folder --checkpoint writes into (writes never follow one: remove the link, or give "
+                              "another folder)")
     folder.mkdir(parents=True, exist_ok=True)
     remove_leftovers(folder.parent)
     if (folder / META).exists():

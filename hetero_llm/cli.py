@@ -78,7 +78,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launch.check_rank(plan, rank)
         elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
             ranks = launch.local_ranks(plan, node)
-        outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
+        outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume, tensorboard)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_mod.for_resume(resume, lay)
             if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified

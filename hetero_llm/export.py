@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import click
 
-from hetero_llm import checkpoint, hf, tokens
+from hetero_llm import checkpoint, hf, outputs, tokens
 from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import CheckpointError, LayoutError
 from hetero_llm.layout import DataSpec, ModelSpec, build, model_from_dict
@@ -31,12 +31,34 @@ class Saved:
     data: DataSpec
 
 
+def reader_error(e: LayoutError) -> LayoutError:
+    """An error ``--resume`` would give about this save (checkpoint.py, checkpoint_io.py: the same checks and words),
+    located at CHECKPOINT_DIR and without its advice to resume otherwise; any other error as it is."""
+    if not isinstance(e, CheckpointError) or e.path != "--resume":
+        return e
+    message = e.message.replace(checkpoint.DAMAGED, "pass another step folder")
+    message = message.replace(", or start without --resume", "").replace("resuming without", "reading it without")
+    return CheckpointError(e.file, WHERE, message)
+
+
+def verify(s: Saved) -> str | None:
+    """``checkpoint.verify``, as ``--resume`` runs it before any rank starts: every rank file's size and sha256
+    against meta.json's records. Raises the error resume gives (``reader_error``); returns its warning for a save
+    without records."""
+    try:
+        warning = checkpoint.verify(s.ckpt)
+    except CheckpointError as e:
+        raise reader_error(e) from None
+    return None if warning is None else f"{s.ckpt.path}: {WHERE}: {checkpoint.UNVERIFIED}".replace(
+        "resuming without", "reading it without")
+
+
 def saved(directory: str) -> Saved:
     """The complete save ``directory`` names (a step folder or a checkpoint root) and its [model] and [data]."""
     try:
         ckpt = checkpoint.find(directory)
     except CheckpointError as e:
-        raise CheckpointError(e.file, WHERE, e.message.replace(", or start without --resume", "")) from None
+        raise reader_error(e) from None
     meta = json.loads((ckpt.path / checkpoint.META).read_text())
     if "model" not in meta:
         raise CheckpointError(str(ckpt.path), WHERE, f"{checkpoint.META} records no [model] (saved by an older "
@@ -61,14 +83,25 @@ def load_tokenizer(data: DataSpec, where: str) -> tokens.ByteTokenizer | tokens.
         raise LayoutError(where, "data.tokenizer", str(e)) from None
 
 
-def export_checkpoint(directory: str, out_dir: str) -> Path:
-    """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``."""
+def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None) -> Path:
+    """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``. The save
+    is verified as ``--resume`` verifies it (``warn`` gets the warning of a save without records)."""
     from hetero_llm.checkpoint_io import load_full_params
 
     s = saved(directory)
     hf.check_export(s.model, str(s.ckpt.path), WHERE)
     tok = load_tokenizer(s.data, str(s.ckpt.path))
-    params = load_full_params(str(s.ckpt.path))
+    inputs = [(WHERE, directory), ("the save", str(s.ckpt.path))]
+    if s.data.tokenizer != tokens.BYTES:
+        inputs.append(("data.tokenizer", s.data.tokenizer))
+    outputs.check_output_folder("--hf", out_dir, inputs)  # never into the checkpoint, nor over the tokenizer
+    warning = verify(s)
+    if warning:
+        warn(warning)
+    try:
+        params = load_full_params(str(s.ckpt.path))
+    except CheckpointError as e:
+        raise reader_error(e) from None
     return hf.export(params, s.model, out_dir, eos_token_id=tok.eos_id, extra_files=tokenizer_files(tok))
 
 
@@ -80,7 +113,7 @@ def export_checkpoint(directory: str, out_dir: str) -> Path:
 def main(checkpoint_dir, out):
     """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
     try:
-        path = export_checkpoint(checkpoint_dir, out)
+        path = export_checkpoint(checkpoint_dir, out, warn=lambda line: click.echo(f"warning: {line}", err=True))
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

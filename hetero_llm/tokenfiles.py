@@ -31,7 +31,7 @@ from typing import Iterable, Iterator
 import click
 import numpy as np
 
-from hetero_llm import tokens
+from hetero_llm import outputs, tokens
 from hetero_llm.cli import OneLineCommand
 from hetero_llm.textcache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
@@ -254,6 +254,8 @@ def main(source, out, tokenizer, kind, field):
             raise LayoutError(source, "INPUT", "no such file (give a .txt or .jsonl file)")
         if not out.endswith((".bin", ".npy")):
             raise LayoutError(out, "--out", "must end in .bin or .npy")
+        inputs = [("the input file", source)] + ([("--tokenizer", tokenizer)] if tokenizer != tokens.BYTES else [])
+        outputs.check_output_file("--out", out, inputs)
         try:
             tokens.load(tokenizer)
         except ValueError as e:
