@@ -201,3 +201,100 @@ def test_files_made_during_a_run_never_follow_a_link(tmp_path):
     assert str(e.value) == (f"{step}: --checkpoint: is a symbolic link to '{target.parent}' in the folder "
                             f"--checkpoint writes into {NO_LINKS}")
     assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and not saved.exists()
+
+
+# ------------------------------------------------------------------------------------ hetero-plan, hetero-tokenize
+
+
+def _os_refusal(folder: str) -> str:
+    """The OS's own words for creating a file in ``folder`` (the reference for an unwritable place)."""
+    import tempfile
+
+    try:
+        os.close(tempfile.mkstemp(dir=folder)[0])
+    except OSError as e:
+        return e.strerror
+    raise AssertionError(f"{folder} is writable here")
+
+
+def _planner_cluster(tmp_path: Path) -> Path:
+    """layouts/clusters/small_cpu.toml reading a text corpus and a plan.profile, beside it in ``tmp_path``."""
+    from hetero_llm.planner import load_cluster, profile as prof
+
+    (tmp_path / "corpus.txt").write_text("hello world " * 20)
+    text = (LAYOUTS / "clusters" / "small_cpu.toml").read_text().replace('kind = "grammar"',
+                                                                          'kind = "text"\npath = "corpus.txt"')
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    cluster = load_cluster(path)
+    for name in ("prof.json", "other.json"):
+        shape = prof.model_shape(cluster.model, cluster.train.precision)
+        (tmp_path / name).write_text(json.dumps({"format": prof.FORMAT, "model": shape, "kinds": {
+            "cpu2x": dict(zip(prof.TIMES, (1e-3, 2e-3, 1e-4, 2e-4)))}}))
+    path.write_text(text.replace("[plan]\n", '[plan]\nprofile = "prof.json"\n'))
+    return path
+
+
+def _plan(*args):
+    from hetero_llm.plan_cli import main
+
+    return CliRunner().invoke(main, [str(a) for a in args])
+
+
+def test_plan_never_writes_over_what_it_reads(tmp_path):
+    cluster = _planner_cluster(tmp_path)
+    before = _snapshot(tmp_path)
+    other = tmp_path / "other.json"
+    cases = [("-o", cluster, "--out", "the cluster file", []), ("-o", tmp_path / "corpus.txt", "--out", "data.path", []),
+             ("-o", tmp_path / "prof.json", "--out", "plan.profile", []),
+             ("-o", other, "--out", "--profile-file", ["--profile-file", other]),
+             ("--profile", cluster, "--profile", "the cluster file", []),
+             ("--profile", tmp_path / "corpus.txt", "--profile", "data.path", [])]
+    for option, path, flag, what, extra in cases:
+        result = _plan(cluster, option, path, *extra)
+        assert (result.exit_code, result.output) == (2, f"error: {path}: {flag}: would overwrite {what} '{path}', an "
+                                                        "input of this run (give another path)\n")
+    assert _snapshot(tmp_path) == before
+
+
+def test_plan_and_tokenize_refuse_an_unwritable_output_in_one_line(tmp_path):
+    why = _os_refusal("/proc")
+    result = _plan(_planner_cluster(tmp_path), "-o", "/proc/x.toml")
+    assert (result.exit_code, result.output) == (2, f"error: /proc/x.toml: --out: cannot write in '/proc': {why} "
+                                                    "(give a writable path)\n")
+    from hetero_llm import tokenfiles
+
+    (tmp_path / "doc.txt").write_text("some text")
+    result = CliRunner().invoke(tokenfiles.main, [str(tmp_path / "doc.txt"), "-o", "/proc/x.bin"])
+    assert (result.exit_code, result.output) == (2, f"error: /proc/x.bin: --out: cannot write in '/proc': {why} "
+                                                    "(give a writable path)\n")
+
+
+def test_plan_and_tokenize_never_write_through_a_link(tmp_path):
+    from hetero_llm import tokenfiles
+
+    cluster = _planner_cluster(tmp_path)
+    target = _elsewhere(tmp_path)
+    layout, tokens_out = tmp_path / "planned.toml", tmp_path / "tokens.bin"
+    layout.symlink_to(target)
+    tokens_out.symlink_to(target)
+    result = _plan(cluster, "-o", layout)
+    assert (result.exit_code, result.output) == (2, f"error: {layout}: --out: is a symbolic link to '{target}' "
+                                                    "(writes never follow one: give the path it points to, or remove "
+                                                    "the link)\n")
+    result = CliRunner().invoke(tokenfiles.main, [str(tmp_path / "corpus.txt"), "-o", str(tokens_out)])
+    assert (result.exit_code, result.output) == (2, f"error: {tokens_out}: --out: is a symbolic link to '{target}' "
+                                                    "(writes never follow one: give the path it points to, or remove "
+                                                    "the link)\n")
+    assert target.read_text() == "not yours"
+
+
+def test_tokenize_never_writes_over_its_input(tmp_path):
+    from hetero_llm import tokenfiles
+
+    source = tmp_path / "shard.bin"  # text, named like the token file it would become
+    source.write_text("some text to tokenize")
+    result = CliRunner().invoke(tokenfiles.main, [str(source), "-o", str(source)])
+    assert (result.exit_code, result.output) == (2, f"error: {source}: --out: would overwrite the input file "
+                                                    f"'{source}', an input of this run (give another path)\n")
+    assert source.read_text() == "some text to tokenize" and os.listdir(tmp_path) == ["shard.bin"]
