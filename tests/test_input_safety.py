@@ -298,3 +298,123 @@ def test_tokenize_never_writes_over_its_input(tmp_path):
     assert (result.exit_code, result.output) == (2, f"error: {source}: --out: would overwrite the input file "
                                                     f"'{source}', an input of this run (give another path)\n")
     assert source.read_text() == "some text to tokenize" and os.listdir(tmp_path) == ["shard.bin"]
+
+
+# ------------------------------------------------------------------------------------ hetero-export, hetero-generate
+
+
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory) -> Path:
+    """A real save of layouts/reference.toml after 2 of its 3 steps (hetero-launch --checkpoint)."""
+    from harness import launch
+
+    workdir = tmp_path_factory.mktemp("saved")
+    launch(REFERENCE, workdir, "--set", "train.steps=2")
+    return workdir / "ckpt"
+
+
+@pytest.fixture
+def ckpt(saved_run, tmp_path) -> Path:
+    """A copy of the save to damage."""
+    return Path(shutil.copytree(saved_run, tmp_path / "ckpt", symlinks=True))
+
+
+def _export(*args):
+    from hetero_llm import export
+
+    return CliRunner().invoke(export.main, [str(a) for a in args])
+
+
+def _generate(*args):
+    from hetero_llm import generate
+
+    return CliRunner().invoke(generate.main, [str(a) for a in args])
+
+
+def _rerecord(folder: Path) -> None:
+    """Record rank0.pt's current size and sha256 in meta.json, as if it had been saved so."""
+    meta = json.loads((folder / checkpoint.META).read_text())
+    size, sha = checkpoint.file_digest(folder / "rank0.pt")
+    meta["files"]["rank0.pt"].update(bytes=size, sha256=sha)
+    (folder / checkpoint.META).write_text(json.dumps(meta))
+
+
+def _flip_a_bit(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:-4])
+
+
+def _nan_in_a_tensor(path: Path) -> None:
+    import torch
+
+    saved = torch.load(path, weights_only=True)
+    saved["shards"]["layers.0.attn.wq"]["tensor"][0, 0] = float("nan")
+    torch.save(saved, path)
+    _rerecord(path.parent)  # its checksum matches: only the values give it away
+
+
+def _resume_error(ckpt: Path) -> str:
+    """What ``hetero-launch --resume`` says of the save: the CLI's line before any rank starts, or (a save whose
+    records match) the resumed rank's own refusal."""
+    from hetero_llm import checkpoint_io
+    from hetero_llm.plan import compile_plan
+
+    result = invoke(REFERENCE, "--dry-run", "--resume", ckpt)
+    if result.exit_code:
+        assert result.exit_code == 2 and result.stderr.startswith("error: "), result.stderr
+        return result.stderr[len("error: "):].rstrip("\n")
+    with pytest.raises(CheckpointError) as e:
+        checkpoint_io.restore(compile_plan(layout_mod.load(REFERENCE)).rank_plan(0), str(ckpt))
+    return str(e.value)
+
+
+@pytest.mark.parametrize("damage", [_flip_a_bit, _truncate, _nan_in_a_tensor], ids=["bit flip", "truncated", "NaN"])
+def test_export_and_generate_refuse_a_damaged_save_as_resume_does(damage, ckpt, tmp_path):
+    damage(ckpt / "step-000002" / "rank0.pt")
+    resume = _resume_error(ckpt)
+    assert ": --resume: " in resume and resume.endswith(checkpoint.DAMAGED)
+    # the same line, located at the command's argument, its fix naming what these commands can do instead
+    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(checkpoint.DAMAGED, "pass another step folder")
+    for result in (_export(ckpt, "--hf", tmp_path / "hf"), _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2")):
+        assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_intact_save_still_exports_and_generates(ckpt, tmp_path):
+    assert _export(ckpt, "--hf", tmp_path / "hf").exit_code == 0
+    assert sorted(os.listdir(tmp_path / "hf")) == [hf.CONFIG, hf.WEIGHTS]
+    result = _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2", "--temperature", "0")
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("argument,out", [("ckpt", "ckpt"), ("ckpt", "ckpt/hf"), ("ckpt", "ckpt/step-000002"),
+                                          ("ckpt/step-000002", "ckpt/step-000002/hf")])
+def test_export_never_writes_into_the_checkpoint_it_reads(argument, out, ckpt, tmp_path):
+    before = _snapshot(ckpt)
+    result = _export(tmp_path / argument, "--hf", tmp_path / out)
+    assert (result.exit_code, result.output) == (2, f"error: {tmp_path / out}: --hf: would write into CHECKPOINT_DIR "
+                                                    f"'{tmp_path / argument}', an input of this run (give another "
+                                                    "path)\n")
+    assert _snapshot(ckpt) == before
+
+
+def test_export_never_writes_through_a_link(ckpt, tmp_path):
+    target = _elsewhere(tmp_path)
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / hf.CONFIG).symlink_to(target)
+    result = _export(ckpt, "--hf", out)
+    assert (result.exit_code, result.output) == (2, f"error: {out / hf.CONFIG}: --hf: is a symbolic link to "
+                                                    f"'{target}' in the folder --hf writes into {NO_LINKS}\n")
+    linked = tmp_path / "linked_hf"
+    linked.symlink_to(target.parent)
+    result = _export(ckpt, "--hf", linked)
+    assert (result.exit_code, result.output) == (2, f"error: {linked}: --hf: is a symbolic link to '{target.parent}' "
+                                                    "(writes never follow one: give the path it points to, or remove "
+                                                    "the link)\n")
+    assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and os.listdir(out) == [hf.CONFIG]
