@@ -22,6 +22,7 @@ import click
 
 from hetero_llm import outputs, trace as tracing
 from hetero_llm.cli import OneLineCommand
+from hetero_llm.checkpoint import write_atomically
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.schedule import COMPUTE_KINDS, Action
 
@@ -144,7 +145,8 @@ def plot_timeline(
             ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color=color)
     path = Path(path_png)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    # through a temporary file renamed over it: never a half-written image; the format is the name's
+    write_atomically(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".") or None))
     return path
 
 
@@ -218,7 +220,8 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
                 default_title += ", last step" if step == -1 else f", step {step}"
         if chrome:
             Path(chrome).parent.mkdir(parents=True, exist_ok=True)
-            Path(chrome).write_text(json.dumps(tracing.chrome_events(labels, chrome_rows, process=process)))
+            events = json.dumps(tracing.chrome_events(labels, chrome_rows, process=process))
+            write_atomically(Path(chrome), lambda f: f.write(events.encode()))
             click.echo(f"wrote {chrome} ({sum(len(r) for r in chrome_rows)} events, {len(labels)} rows)")
         if out:
             plot_timeline(rows, out, title if title is not None else default_title, labels=labels)
