@@ -6,6 +6,7 @@ import importlib.util
 import math
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -179,7 +180,9 @@ def place_main(cluster_file, out, pipelines, tp, microbatches):
     from hetero_llm import place
 
     try:
-        outputs.check_output_file("--out", out, [("the cluster file", cluster_file)])
+        _, model, _, data, _ = place.read_cluster_file(cluster_file)
+        outputs.check_output_file("--out", out, [("the cluster file", cluster_file),  # nor the files it names
+                                                 *outputs.spec_inputs(model, data, Path(cluster_file).parent)])
         placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)

@@ -418,3 +418,19 @@ def test_export_never_writes_through_a_link(ckpt, tmp_path):
                                                     "(writes never follow one: give the path it points to, or remove "
                                                     "the link)\n")
     assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and os.listdir(out) == [hf.CONFIG]
+
+
+def test_place_never_writes_over_the_files_its_cluster_names(tmp_path):
+    from hetero_llm.cli import place_main
+
+    (tmp_path / "corpus.txt").write_text("hello world " * 20)
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text((LAYOUTS / "clusters" / "two_domains.toml").read_text().replace(
+        'kind = "grammar"', 'kind = "text"\npath = "corpus.txt"'))
+    assert 'path = "corpus.txt"' in cluster.read_text()
+    before = _snapshot(tmp_path)
+    corpus = tmp_path / "corpus.txt"
+    result = CliRunner().invoke(place_main, [str(cluster), "-o", str(corpus)])
+    assert (result.exit_code, result.output) == (2, f"error: {corpus}: --out: would overwrite data.path '{corpus}', "
+                                                    "an input of this run (give another path)\n")
+    assert _snapshot(tmp_path) == before
