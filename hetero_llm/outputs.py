@@ -1,9 +1,13 @@
 """A run's output paths, checked before any rank starts: writable, and never one of the run's inputs.
 
 A run writes ``--metrics-jsonl FILE`` (the reporting rank, every step), ``--checkpoint DIR`` (every rank,
-at each save) and ``--trace DIR`` (every rank, every step). Found unwritable only at the first save, or
-pointing at the layout the run was started from, they would cost the run or destroy its input; so the CLI
-checks them here, before it forks a rank (``hetero-place -o`` and the timeline's files: ``check_output_file``).
+at each save), ``--trace DIR`` (every rank, every step) and ``--tensorboard DIR``. Found unwritable only at the
+first save, or pointing at the layout the run was started from, they would cost the run or destroy its input; so
+the CLI checks them here, before it forks a rank. Every other command's outputs go through the same checks:
+``check_output_file`` (hetero-place -o, hetero-plan -o / --profile, hetero-tokenize -o, the timeline's files) and
+``check_output_folder`` (hetero-export --hf). An output is refused when it would write over any file the command
+reads (or into a folder it reads, such as model.init_from), when it or a file it writes in its folder is a
+symbolic link (writes never follow a link the program did not make), or when it cannot be written.
 Torch-free; the only side effect is a probe file created and removed in each output's nearest existing folder.
 """
 
@@ -94,14 +98,12 @@ def layout_inputs(layout: Layout) -> list[tuple[str, str]]:
     return found
 
 
-_inputs = layout_inputs  # its name before it listed every input
-
-
 def spec_inputs(model, data, base: str | os.PathLike = "") -> list[tuple[str, str]]:
     """The paths a [model] and [data] read (data.path, valid_path, tokenizer; model.init_from, a folder), taken
     relative to ``base`` (a layout's are already resolved; a cluster file's are relative to its folder)."""
     paths = [("data.path", data.path), ("data.valid_path", data.valid_path),
-             ("data.tokenizer", data.tokenizer if data.tokenizer != "bytes" else ""), ("model.init_from", model.init_from)]
+             ("data.tokenizer", data.tokenizer if data.tokenizer != "bytes" else ""),
+             ("model.init_from", model.init_from)]
     return [(key, str(Path(base) / path)) for key, path in paths if path]
 
 
@@ -171,7 +173,8 @@ def _check_links(flag: str, path: str, folder: bool) -> None:
 def _written_name(flag: str, name: str) -> bool:
     """Whether the output folder of ``flag`` writes an entry ``name`` directly in it."""
     if flag == "--checkpoint":
-        return name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + ".tmp") or STEP_FOLDER.fullmatch(name) is not None
+        return (name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + checkpoint_mod.TMP)
+                or STEP_FOLDER.fullmatch(name) is not None)
     return FOLDER_FILES[flag].fullmatch(name) is not None
 
 

@@ -13,8 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from hetero_llm import checkpoint, hf, layout as layout_mod, outputs
-from hetero_llm.errors import CheckpointError, LayoutError
-from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli as invoke
+from hetero_llm.errors import CheckpointError
+from harness import LAYOUTS, assert_one_error_line, invoke_cli as invoke
 
 REFERENCE = LAYOUTS / "reference.toml"
 QUICKSTART = LAYOUTS / "quickstart.toml"
@@ -245,7 +245,8 @@ def test_plan_never_writes_over_what_it_reads(tmp_path):
     cluster = _planner_cluster(tmp_path)
     before = _snapshot(tmp_path)
     other = tmp_path / "other.json"
-    cases = [("-o", cluster, "--out", "the cluster file", []), ("-o", tmp_path / "corpus.txt", "--out", "data.path", []),
+    cases = [("-o", cluster, "--out", "the cluster file", []),
+             ("-o", tmp_path / "corpus.txt", "--out", "data.path", []),
              ("-o", tmp_path / "prof.json", "--out", "plan.profile", []),
              ("-o", other, "--out", "--profile-file", ["--profile-file", other]),
              ("--profile", cluster, "--profile", "the cluster file", []),
@@ -379,8 +380,10 @@ def test_export_and_generate_refuse_a_damaged_save_as_resume_does(damage, ckpt, 
     resume = _resume_error(ckpt)
     assert ": --resume: " in resume and resume.endswith(checkpoint.DAMAGED)
     # the same line, located at the command's argument, its fix naming what these commands can do instead
-    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(checkpoint.DAMAGED, "pass another step folder")
-    for result in (_export(ckpt, "--hf", tmp_path / "hf"), _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2")):
+    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(checkpoint.DAMAGED,
+                                                                           "pass another step folder")
+    for result in (_export(ckpt, "--hf", tmp_path / "hf"),
+                   _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2")):
         assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
     assert not (tmp_path / "hf").exists()
 
