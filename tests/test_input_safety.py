@@ -437,3 +437,18 @@ def test_place_never_writes_over_the_files_its_cluster_names(tmp_path):
     assert (result.exit_code, result.output) == (2, f"error: {corpus}: --out: would overwrite data.path '{corpus}', "
                                                     "an input of this run (give another path)\n")
     assert _snapshot(tmp_path) == before
+
+
+def test_export_folder_never_overwrites_the_tokenizer_it_copies(tmp_path):
+    """A save trained with data.tokenizer = .../tokenizer.json, exported into that file's folder: hf.export would
+    write its own tokenizer.json over it."""
+    from hetero_llm.errors import LayoutError
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text("{}")
+    with pytest.raises(LayoutError) as e:
+        outputs.check_output_folder("--hf", str(tmp_path), [("data.tokenizer", str(tok))])
+    assert str(e.value) == (f"{tmp_path}: --hf: would overwrite data.tokenizer '{tok}', an input of this run (give "
+                            "another path)")
+    outputs.check_output_folder("--hf", str(tmp_path / "hf"), [("data.tokenizer", str(tok))])  # beside it: fine
+    assert os.listdir(tmp_path) == ["tokenizer.json"]
