@@ -84,6 +84,10 @@ def begin_save(folder: Path) -> None:
     Saving again into a step folder (a resumed run passing a step it saved before) must not leave the
     old meta.json vouching for a mix of old and new rank files should this save be interrupted.
     """
+    if folder.is_symlink():  # the CLI refused one before the run: one made since is not written through either
+        raise CheckpointError(str(folder), "--checkpoint", f"is a symbolic link to '{os.readlink(folder)}' in the "
+                              "folder --checkpoint writes into (writes never follow one: remove the link, or give "
+                              "another folder)")
     folder.mkdir(parents=True, exist_ok=True)
     remove_leftovers(folder.parent)
     if (folder / META).exists():

@@ -113,12 +113,18 @@ def restore(rp: RankPlan, path: str) -> Restored:
         raise CheckpointError(str(ckpt.path), "--resume", f"rank files disagree on the optimizer step "
                               f"({sorted(steps)}): the save is damaged; resume from another step folder")
     shards = _assemble(files, ranges, ("tensor", *MOMENTS), ckpt.path)
+    _check_finite(shards, ckpt.path)
+    return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
+
+
+def _check_finite(shards: dict[str, dict[str, torch.Tensor]], folder: Path) -> None:
+    """Refuse a save holding NaN or infinite values: a save of a diverged run, or damage meta.json's checksums
+    could not catch (a save without them, or a file written with its NaN and its checksum recorded)."""
     bad = next((f"{key} of {name}" for key, by_name in shards.items() for name, t in by_name.items()
                 if not torch.isfinite(t).all()), None)
-    if bad:  # a save of a diverged run, or damage meta.json's checksums could not catch (a save without them)
-        raise CheckpointError(str(ckpt.path), "--resume", f"the {bad} holds NaN or infinite values; "
+    if bad:
+        raise CheckpointError(str(folder), "--resume", f"the {bad} holds NaN or infinite values; "
                               f"{checkpoint.DAMAGED}")
-    return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
 
 
 def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
@@ -180,7 +186,10 @@ def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], 
 
 
 def load_full_params(directory: str) -> dict[str, torch.Tensor]:
-    """Full (one-process) parameters from any layout's save: a step folder, or a checkpoint root's newest."""
+    """Full (one-process) parameters from any layout's save: a step folder, or a checkpoint root's newest; read
+    and refused (damaged shards, NaN) as a resumed rank reads its own."""
     ckpt = checkpoint.find(directory)
     files = (_load_rank_file(ckpt, r) for r in range(ckpt.world_size))
-    return _assemble(files, dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)["tensor"]
+    shards = _assemble(files, dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)
+    _check_finite(shards, ckpt.path)
+    return shards["tensor"]

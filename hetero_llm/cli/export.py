@@ -8,7 +8,8 @@ import click
 
 from hetero_llm.cli.common import OneLineCommand
 from hetero_llm.errors import LayoutError
-from hetero_llm.interop.export import export_checkpoint
+from hetero_llm.interop import export
+from hetero_llm.launch import preflight
 
 
 @click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -19,7 +20,10 @@ from hetero_llm.interop.export import export_checkpoint
 def main(checkpoint_dir, out):
     """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
     try:
-        path = export_checkpoint(checkpoint_dir, out)
+        s = export.saved(checkpoint_dir)
+        # never into the checkpoint, nor over the tokenizer
+        preflight.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
+        path = export.export_checkpoint(checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -42,9 +42,12 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
             raise LayoutError(str(s.ckpt.path), "--max-new-tokens", f"{max_new_tokens} tokens after a prompt of "
                               f"{len(ids)} exceed model.seq_len {s.model.seq_len}, the positions the model was trained "
                               f"on (use at most {max(room, 0)}, or a shorter prompt)")
+        warning = export.verify(s)  # as --resume verifies a save, with the same words
+        if warning:
+            click.echo(f"warning: {warning}", err=True)
         params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path)).items()}
     except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {export.reader_error(e)}", err=True)
         sys.exit(2)
     if grammar:
         new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed)

@@ -34,11 +34,14 @@ from hetero_llm.planner.profile import measure, write
               help="Read measured per-layer times from this profile (replaces [plan] profile).")
 def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile_kind, profile_device, profile_file):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
-    from hetero_llm.planner import plan_file
-    from hetero_llm.planner import output
+    from hetero_llm.launch import preflight
+    from hetero_llm.planner import load_cluster, output, plan_cluster
 
     try:
         if profile_out is not None:
+            # what the cluster file reads is never written over (plan.profile is what --profile adds to)
+            inputs = preflight.cluster_inputs(load_cluster(cluster_file), plan_profile=False)
+            preflight.check_output_file("--profile", profile_out, inputs)
             click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device))
             return
         if out is None:
@@ -46,11 +49,13 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
                               "or measure with --profile FILE")
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
+        cluster = load_cluster(cluster_file, profile_file)
+        preflight.check_output_file("--out", out, preflight.cluster_inputs(cluster, profile_file))  # before the search
         bounds = None
         if buckets:
-            from hetero_llm.planner import buckets as bucket_plans, load_cluster
-            bounds = bucket_plans.parse_bounds(buckets, load_cluster(cluster_file))  # bad bounds: before the search
-        cluster, result = plan_file(cluster_file, top=top, profile_file=profile_file)
+            from hetero_llm.planner import buckets as bucket_plans
+            bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
+        result = plan_cluster(cluster, top)
         output.write_layout(cluster, out, result.best, result.score, result.seed_score)
         if bounds:
             bucket_plans.add_buckets(cluster, out, result.best, bounds)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from hetero_llm._fs import write_atomically
 from hetero_llm.cli.common import OneLineCommand
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.launch import preflight as outputs
@@ -63,7 +64,8 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
                 default_title += ", last step" if step == -1 else f", step {step}"
         if chrome:
             Path(chrome).parent.mkdir(parents=True, exist_ok=True)
-            Path(chrome).write_text(json.dumps(tracing.chrome_events(labels, chrome_rows, process=process)))
+            events = json.dumps(tracing.chrome_events(labels, chrome_rows, process=process))
+            write_atomically(Path(chrome), lambda f: f.write(events.encode()))
             click.echo(f"wrote {chrome} ({sum(len(r) for r in chrome_rows)} events, {len(labels)} rows)")
         if out:
             plot_timeline(rows, out, title if title is not None else default_title, labels=labels)

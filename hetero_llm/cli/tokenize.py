@@ -11,6 +11,7 @@ from hetero_llm.cli.common import OneLineCommand
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
+from hetero_llm.launch import preflight
 
 
 def _progress_bar():
@@ -39,6 +40,8 @@ def main(source, out, tokenizer, kind, field):
             raise LayoutError(source, "INPUT", "no such file (give a .txt or .jsonl file)")
         if not out.endswith((".bin", ".npy")):
             raise LayoutError(out, "--out", "must end in .bin or .npy")
+        inputs = [("the input file", source)] + ([("--tokenizer", tokenizer)] if tokenizer != tokens.BYTES else [])
+        preflight.check_output_file("--out", out, inputs)
         try:
             tokens.load(tokenizer)
         except ValueError as e:

@@ -30,12 +30,34 @@ class Saved:
     data: DataSpec
 
 
+def reader_error(e: LayoutError) -> LayoutError:
+    """An error ``--resume`` would give about this save (checkpoint.py, checkpoint_io.py: the same checks and words),
+    located at CHECKPOINT_DIR and without its advice to resume otherwise; any other error as it is."""
+    if not isinstance(e, CheckpointError) or e.path != "--resume":
+        return e
+    message = e.message.replace(checkpoint.DAMAGED, "pass another step folder")
+    message = message.replace(", or start without --resume", "").replace("resuming without", "reading it without")
+    return CheckpointError(e.file, WHERE, message)
+
+
+def verify(s: Saved) -> str | None:
+    """``checkpoint.verify``, as ``--resume`` runs it before any rank starts: every rank file's size and sha256
+    against meta.json's records. Raises the error resume gives (``reader_error``); returns its warning for a save
+    without records."""
+    try:
+        warning = checkpoint.verify(s.ckpt)
+    except CheckpointError as e:
+        raise reader_error(e) from None
+    return None if warning is None else f"{s.ckpt.path}: {WHERE}: {checkpoint.UNVERIFIED}".replace(
+        "resuming without", "reading it without")
+
+
 def saved(directory: str) -> Saved:
     """The complete save ``directory`` names (a step folder or a checkpoint root) and its [model] and [data]."""
     try:
         ckpt = checkpoint.find(directory)
     except CheckpointError as e:
-        raise CheckpointError(e.file, WHERE, e.message.replace(", or start without --resume", "")) from None
+        raise reader_error(e) from None
     meta = json.loads((ckpt.path / checkpoint.META).read_text())
     if "model" not in meta:
         raise CheckpointError(str(ckpt.path), WHERE, f"{checkpoint.META} records no [model] (saved by an older "
@@ -60,12 +82,28 @@ def load_tokenizer(data: DataSpec, where: str) -> tokens.ByteTokenizer | tokens.
         raise LayoutError(where, "data.tokenizer", str(e)) from None
 
 
-def export_checkpoint(directory: str, out_dir: str) -> Path:
-    """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``."""
+def input_paths(s: Saved, directory: str) -> list[tuple[str, str]]:
+    """What an export reads (``hetero-export`` never writes into them): the checkpoint, the save, the tokenizer."""
+    inputs = [(WHERE, directory), ("the save", str(s.ckpt.path))]
+    if s.data.tokenizer != tokens.BYTES:
+        inputs.append(("data.tokenizer", s.data.tokenizer))
+    return inputs
+
+
+def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None, s: Saved | None = None) -> Path:
+    """Write the model ``directory`` holds (its save ``s``, when already read) into ``out_dir`` as a Hugging Face
+    model; return ``out_dir``. The save is verified as ``--resume`` verifies it (``warn`` gets the warning of a
+    save without records)."""
     from hetero_llm.checkpoint.shards import load_full_params
 
-    s = saved(directory)
+    s = s or saved(directory)
     hf.check_export(s.model, str(s.ckpt.path), WHERE)
     tok = load_tokenizer(s.data, str(s.ckpt.path))
-    params = load_full_params(str(s.ckpt.path))
+    warning = verify(s)
+    if warning:
+        warn(warning)
+    try:
+        params = load_full_params(str(s.ckpt.path))
+    except CheckpointError as e:
+        raise reader_error(e) from None
     return hf.export(params, s.model, out_dir, eos_token_id=tok.eos_id, extra_files=tokenizer_files(tok))

@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm import layout as layout_mod
+from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Recompute
 from hetero_llm.planner.cluster import Cluster
@@ -135,7 +136,5 @@ def add_buckets(cluster: Cluster, out_path: str | os.PathLike, home: Candidate,
     out = Path(out_path)
     text = out.read_text().rstrip("\n") + "\n\n" + buckets_toml(buckets, cluster.train.recompute is Recompute.FULL)
     layout_mod.loads(text, file=str(out_path), base_dir=Path(cluster.file).parent)  # must be a valid layout
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
+    write_atomically(out, lambda f: f.write(text.encode()))
     return buckets

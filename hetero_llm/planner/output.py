@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm import layout as layout_mod
+from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Recompute, Schedule
 from hetero_llm.planner.cluster import Cluster
@@ -111,9 +112,7 @@ def write_layout(cluster: Cluster, out_path: str | os.PathLike, cand: Candidate,
     text = layout_text(cluster, cand, score, seed)
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, out)
+    write_atomically(out, lambda f: f.write(text.encode()))
     return text
 
 

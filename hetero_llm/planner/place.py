@@ -29,6 +29,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm import layout as layout_mod
+from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DEFAULT_TRANSPORT, ClusterSpec, DataSpec, ModelSpec, Schedule, TrainSpec
 from hetero_llm.model.params import embedding_params, head_params, layer_params
@@ -275,5 +276,5 @@ def place_file(cluster_path: str | os.PathLike, out_path: str | os.PathLike, opt
                    + pipelines_toml(placement))
     layout_mod.loads(layout_text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(layout_text)
+    write_atomically(out, lambda f: f.write(layout_text.encode()))
     return placement

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import attrs
 
+from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 
 FORMAT = "hetero-plan profile 1"
@@ -162,7 +163,4 @@ def write(path: str | os.PathLike, model, precision, kind: str, times: KindTimes
     data = previous if previous and previous.get("format") == FORMAT and previous.get("model") == model_shape(
         model, precision) else {"format": FORMAT, "model": model_shape(model, precision), "kinds": {}}
     data["kinds"][kind] = attrs.asdict(times) | {"info": info}
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
+    write_atomically(Path(path), lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+from hetero_llm._fs import write_atomically
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule import COMPUTE_KINDS, Action
 
@@ -139,7 +140,8 @@ def plot_timeline(
             ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color=color)
     path = Path(path_png)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    # through a temporary file renamed over it: never a half-written image; the format is the name's
+    write_atomically(path, lambda f: fig.savefig(f, format=path.suffix.lstrip(".") or None))
     return path
 
 

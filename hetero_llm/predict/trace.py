@@ -58,7 +58,8 @@ class RankTraceWriter:
                       and _rank_of_file(p) >= rp.world_size]
         for path in stale:
             path.unlink(missing_ok=True)
-        self._fd: int | None = os.open(out / f"rank{rank}.jsonl", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd: int | None = os.open(out / f"rank{rank}.jsonl",  # never through a link planted there
+                                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
         self._write(_header(rp))
         self._pending: list[tuple[str, float, float]] = []
 

@@ -69,7 +69,7 @@ def open_metrics(path: str, first_step: int) -> int:
     kept = []
     if first_step and p.exists():
         kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] <= first_step]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
     if kept:
         os.write(fd, ("\n".join(kept) + "\n").encode())
     return fd
