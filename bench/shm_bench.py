@@ -51,7 +51,7 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from hetero_llm.comm import shm
+    from hetero_llm.comm import shm, shm_ring
     from hetero_llm.schedule import Direction
 
     torch.set_num_threads(1)
@@ -102,12 +102,12 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
 
     # Waiting: rank 1 sends after ~100 ms; rank 0 measures its CPU time while it waits. Then one-way times.
     variants = [("gloo", None)] + [(f"shm, spin {us} us", us) for us in SPINS_US]
-    default_spin = shm.SPIN_S
+    default_spin = shm_ring.SPIN_S
     for r in range(rounds):
         for name, spin_us in (variants if r % 2 == 0 else variants[::-1]):
             transport = "gloo" if spin_us is None else "shm"
             if spin_us is not None:
-                shm.SPIN_S = spin_us * 1e-6
+                shm_ring.SPIN_S = spin_us * 1e-6
             row = result["waiting"].setdefault(name, {"cpu_ms_per_100ms": [], "one_way_4B": [], "one_way_1MiB": []})
             x, y = torch.ones(4, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)
             dist.barrier()
@@ -121,7 +121,7 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
                 once(transport, x, y, 99)
             row["one_way_4B"].append(one_way(transport, 4, _reps(4, quick)))
             row["one_way_1MiB"].append(one_way(transport, 1 << 20, _reps(1 << 20, quick)))
-    shm.SPIN_S = default_spin
+    shm_ring.SPIN_S = default_spin
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.barrier()

@@ -20,7 +20,7 @@ from hetero_llm.launch import preflight as outputs  # the output-path guard
 from hetero_llm.errors import CheckpointError
 from harness import LAYOUTS, assert_one_error_line, invoke_cli as invoke
 
-REFERENCE = LAYOUTS / "reference.toml"
+REFERENCE = LAYOUTS / "reference" / "reference.toml"
 QUICKSTART = LAYOUTS / "quickstart.toml"
 NO_LINKS = "(writes never follow one: remove the link, or give another folder)"
 
@@ -103,7 +103,7 @@ def test_no_output_writes_into_the_init_from_folder(flag, where, tmp_path):
 
 def test_a_bucket_schedule_file_is_an_input(tmp_path):
     (tmp_path / "bucket_order.txt").write_text("F0 F1 B0 B1\n")
-    text = (LAYOUTS / "hot_switch.toml").read_text()
+    text = (LAYOUTS / "examples" / "hot_switch.toml").read_text()
     text = text.replace('schedule = "gpipe"\n[[buckets.pipelines]]\nbatch = 2\nmicrobatches = 2\n',
                         'schedule = "gpipe"\n[[buckets.pipelines]]\nbatch = 2\nmicrobatches = 2\n'
                         'schedule_file = "bucket_order.txt"\n', 1)
@@ -310,7 +310,7 @@ def test_tokenize_never_writes_over_its_input(tmp_path):
 
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory) -> Path:
-    """A real save of layouts/reference.toml after 2 of its 3 steps (hetero-launch --checkpoint)."""
+    """A real save of layouts/reference/reference.toml after 2 of its 3 steps (hetero-launch --checkpoint)."""
     from harness import launch
 
     workdir = tmp_path_factory.mktemp("saved")

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.comm import shm
+from hetero_llm.comm import shm, shm_ring
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import P2P, SHM
 from hetero_llm.plan import compile_plan
@@ -87,9 +87,9 @@ def test_messages_go_to_the_receive_with_their_tag_in_any_order(shm_dir):
 
 
 def test_a_big_message_is_copied_out_while_it_is_written(shm_dir):
-    spec = shm.RingSpec(0, 1, Direction.FWD, slots=2, slot_bytes=3 * shm.CHUNK + 64, group="big")
+    spec = shm.RingSpec(0, 1, Direction.FWD, slots=2, slot_bytes=3 * shm_ring.CHUNK + 64, group="big")
     ends0, ends1 = _pair([spec])
-    x, y = torch.randn((3 * shm.CHUNK + 64) // 4), torch.empty((3 * shm.CHUNK + 64) // 4)
+    x, y = torch.randn((3 * shm_ring.CHUNK + 64) // 4), torch.empty((3 * shm_ring.CHUNK + 64) // 4)
     work = ends1[spec.key].post(y, 1)
     waiter = threading.Thread(target=work.wait)
     waiter.start()
@@ -98,14 +98,14 @@ def test_a_big_message_is_copied_out_while_it_is_written(shm_dir):
     assert torch.equal(x, y)
     # the next message written by hand, half of it published: the receive takes that half, and waits for the rest
     ring, nbytes, z, neg = ends0[spec.key].ring, x.numel() * 4, torch.empty_like(x), -x
-    shm._MSG.pack_into(ring.mm, ring.offsets[1], 1, 2, nbytes)
-    ctypes.memmove(ring.payloads[1], neg.data_ptr(), shm.CHUNK)
-    ring.published.value += shm.CHUNK
+    shm_ring._MSG.pack_into(ring.mm, ring.offsets[1], 1, 2, nbytes)
+    ctypes.memmove(ring.payloads[1], neg.data_ptr(), shm_ring.CHUNK)
+    ring.published.value += shm_ring.CHUNK
     work = ends1[spec.key].post(z, 2)
-    assert not work.is_completed() and work.copied == shm.CHUNK
-    assert torch.equal(z[:shm.CHUNK // 4], neg[:shm.CHUNK // 4])
-    ctypes.memmove(ring.payloads[1] + shm.CHUNK, neg.data_ptr() + shm.CHUNK, nbytes - shm.CHUNK)
-    ring.published.value += nbytes - shm.CHUNK
+    assert not work.is_completed() and work.copied == shm_ring.CHUNK
+    assert torch.equal(z[:shm_ring.CHUNK // 4], neg[:shm_ring.CHUNK // 4])
+    ctypes.memmove(ring.payloads[1] + shm_ring.CHUNK, neg.data_ptr() + shm_ring.CHUNK, nbytes - shm_ring.CHUNK)
+    ring.published.value += nbytes - shm_ring.CHUNK
     ring.head.value = 2
     work.wait()
     assert torch.equal(z, neg)
@@ -123,7 +123,7 @@ def test_sequence_numbers_catch_a_corrupt_ring(shm_dir):
     ends0, ends1 = _pair([SPEC])
     ends0[SPEC.key].send(torch.ones(4), 5)
     ring = ends1[SPEC.key].ring
-    shm._MSG.pack_into(ring.mm, ring.offsets[0], 7, 5, 16)  # the slot claims to hold message 7
+    shm_ring._MSG.pack_into(ring.mm, ring.offsets[0], 7, 5, 16)  # the slot claims to hold message 7
     with pytest.raises(RankFailure, match="out of sequence: message 7 in the slot of message 0"):
         ends1[SPEC.key].post(torch.empty(4), 5).wait()
 

@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import functools
 import heapq
-import itertools
 import math
 import time
 
 import attrs
 import numpy as np
 
-from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner import exact, moves
+from hetero_llm.planner import exact, moves, sweep
 from hetero_llm.planner.structure import Result, Structure
 from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, Score, StageChoice
 
@@ -308,97 +306,6 @@ class Planner:
         return (self.budget > 0 and time.perf_counter() - self.start > 0.98 * self.budget) or \
             len(self.scored) >= self.max_evals
 
-    # ---------------------------------------------------------------- structures
-    def deal(self, groups: list[Group], P: int, balanced: bool) -> tuple[tuple[Group, ...], ...]:
-        """TP groups into P pipelines, domain by domain: contiguous runs, or speed-balanced (LPT)."""
-        pipes: list[list[Group]] = [[] for _ in range(P)]
-        load = [0.0] * P
-        by_domain: dict[str, list[Group]] = {}
-        for g in groups:
-            by_domain.setdefault(g.domain, []).append(g)
-        for d in sorted(by_domain, key=lambda d: self.domain_order.get(d, 0)):
-            gs = by_domain[d]
-            if balanced:  # each group to the least loaded pipeline, min (load, index): a heap of exactly that
-                least = [(load[i], i) for i in range(P)]
-                heapq.heapify(least)
-                for g in sorted(gs, key=lambda g: (-g.flops, self.node_order[g.node], g.devices)):
-                    _, i = heapq.heappop(least)
-                    pipes[i].append(g)
-                    load[i] += g.flops
-                    heapq.heappush(least, (load[i], i))
-            else:
-                base, extra = divmod(len(gs), P)
-                lo = 0
-                # the pipelines with the least compute so far get the extra groups
-                for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
-                    n = base + (rank < extra)
-                    pipes[i] += gs[lo:lo + n]
-                    load[i] += sum(g.flops for g in gs[lo:lo + n])
-                    lo += n
-        return tuple(self.order(p) for p in pipes if p)
-
-    def pipeline_counts(self, n_groups: int) -> list[int]:
-        top = min(n_groups, self.G)
-        if top <= 12:
-            return list(range(1, top + 1))
-        out, p = set(range(1, 9)), 8.0
-        while p < top:
-            p *= 1.25
-            out.add(min(top, int(round(p))))
-        out.add(top)
-        return sorted(out)
-
-    def row_options(self, P: int) -> list[int]:
-        divisors = [d for d in range(1, self.G // P + 1) if self.G % d == 0]
-        small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
-        return sorted(set(small + divisors[-1:]))
-
-    def tp_menus(self) -> list[dict[str, int]]:
-        kinds: dict[str, int] = {}
-        for n in self.c.nodes:
-            kinds[n.kind.name] = max(kinds.get(n.kind.name, 0), n.devices)
-        options = {k: self.tp_sizes(d) for k, d in kinds.items()}
-        names = sorted(options)
-        combos = list(itertools.product(*(options[k] for k in names)))
-        if len(combos) > 64:  # many kinds: the same TP size everywhere (capped per node), plus each kind alone
-            sizes = sorted({t for k in names for t in options[k]})
-            combos = [tuple(max(s for s in options[k] if s <= t) for k in names) for t in sizes]
-        return [dict(zip(names, c)) for c in combos]
-
-    def sweep(self, keep: int) -> list[Structure]:
-        """The ``keep`` best structures by the closed-form estimate."""
-        found: list[tuple[float, int, Structure]] = []
-        seen = set()
-        kinds = sorted({n.kind.name for n in self.c.nodes})
-        work = self.cost.model_flops_per_step()
-        for menu, drop in itertools.product(self.tp_menus(), [None] + (kinds if len(kinds) > 1 else [])):
-            groups = [g for g in self.groups(menu) if g.kind.name != drop]  # or leave one kind idle
-            # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
-            lb_used = work / sum(g.flops for g in groups)
-            if len(found) >= keep and lb_used >= found[keep - 1][0]:
-                continue
-            for P in self.pipeline_counts(len(groups)):
-                for balanced in (False, True):
-                    pipes = self.deal(groups, P, balanced)
-                    sig = tuple(tuple(g.devices for g in p) for p in pipes)
-                    if sig in seen:
-                        continue
-                    seen.add(sig)
-                    for rows in self.row_options(len(pipes)):
-                        if len(found) >= keep and lb_used >= found[keep - 1][0]:
-                            break
-                        st = Structure(pipes, rows)
-                        cand = self.realize(st)
-                        if cand is None:
-                            continue
-                        est = self.estimate(cand)
-                        found.append((est, len(found), st))
-                        found.sort(key=lambda x: (x[0], x[1]))
-                        del found[keep * 4:]
-                if time.perf_counter() - self.start > self.budget * 0.4 > 0:
-                    break
-        return [st for _, _, st in found[:keep]]
-
     # ---------------------------------------------------------------- local search
     def neighbours(self, st: Structure) -> list[Structure]:
         return moves.neighbours(self, st)
@@ -478,7 +385,7 @@ class Planner:
         small = self.all_structures(self.exact_limit) if self.c.num_devices <= 8 and self.exact_limit else None
         if small is not None:
             self.exact(small)
-        structures = self.sweep(keep=8)
+        structures = sweep.sweep(self, keep=8)
         seed_score = None
         for s in seeds:
             sc = self.evaluate(s)
@@ -502,7 +409,7 @@ class Planner:
             self.escape(*min(found, key=lambda sb: sb[1]))
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
         if not ranked or not ranked[0][1].feasible:
-            raise infeasible_error(self.c, self.cost, self.closest())
+            raise sweep.infeasible_error(self.c, self.cost, self.closest())
         best, score = ranked[0]
         distinct, shapes = [], set()
         for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
@@ -532,17 +439,3 @@ class Planner:
             mems, caps = self.cost.memory(cand)
             return max(m / c for ms, cs in zip(mems, caps) for m, c in zip(ms, cs))
         return min(pool, key=over)
-
-
-def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) -> LayoutError:
-    """Nothing fits: name the stage of the closest candidate that is furthest over, and by how much."""
-    score = cost.score(cand)
-    p, s, over = score.worst_memory()
-    stage = cand.pipelines[p].stages[s]
-    need = score.memory[p][s] / 1e9
-    have = score.capacity[p][s] / 1e9
-    return LayoutError(cluster.file, "cluster", f"nothing fits in memory: the closest plan's pipeline {p} stage {s} "
-                       f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
-                       f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
-                       f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
-

@@ -9,18 +9,32 @@ from typing import Protocol
 import attrs
 
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, Group, Score
+from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, Score
 
 
 class SearchSpace(Protocol):
-    """What ``moves`` and ``exact`` need of the search (``search.Planner`` is one)."""
+    """What ``moves``, ``exact`` and ``sweep`` need of the search (``search.Planner`` is one)."""
 
     c: Cluster
+    cost: CostModelPlanner
+    G: int  # the global batch
+    domain_order: dict[str, int]
+    node_order: dict[str, int]
+    start: float
+    budget: float
 
     @property
     def limits(self): ...  # the cluster's [plan] limits (schedules, max_tp, ...)
 
     def tp_sizes(self, devices: int) -> list[int]: ...
+
+    def groups(self, tp_by_kind: dict[str, int]) -> list[Group]: ...
+
+    def order(self, groups) -> tuple[Group, ...]: ...
+
+    def realize(self, st: Structure) -> Candidate | None: ...
+
+    def estimate(self, cand: Candidate) -> float: ...
 
 
 @attrs.frozen

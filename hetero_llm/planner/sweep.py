@@ -1,0 +1,121 @@
+"""The sweep: the structures the search starts from (TP sizes per device kind, pipeline counts, two ways of
+dealing TP groups to pipelines, microbatch rows), pruned by the compute lower bound and ranked by a
+closed-form 1F1B estimate; and the error for a cluster where nothing fits. Torch-free."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+
+from hetero_llm.errors import LayoutError
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group
+from hetero_llm.planner.structure import SearchSpace, Structure
+
+INF = math.inf
+
+
+def deal(planner: SearchSpace, groups: list[Group], P: int, balanced: bool) -> tuple[tuple[Group, ...], ...]:
+    """TP groups into P pipelines, domain by domain: contiguous runs, or speed-balanced (LPT)."""
+    pipes: list[list[Group]] = [[] for _ in range(P)]
+    load = [0.0] * P
+    by_domain: dict[str, list[Group]] = {}
+    for g in groups:
+        by_domain.setdefault(g.domain, []).append(g)
+    for d in sorted(by_domain, key=lambda d: planner.domain_order.get(d, 0)):
+        gs = by_domain[d]
+        if balanced:  # each group to the least loaded pipeline, min (load, index): a heap of exactly that
+            least = [(load[i], i) for i in range(P)]
+            heapq.heapify(least)
+            for g in sorted(gs, key=lambda g: (-g.flops, planner.node_order[g.node], g.devices)):
+                _, i = heapq.heappop(least)
+                pipes[i].append(g)
+                load[i] += g.flops
+                heapq.heappush(least, (load[i], i))
+        else:
+            base, extra = divmod(len(gs), P)
+            lo = 0
+            # the pipelines with the least compute so far get the extra groups
+            for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
+                n = base + (rank < extra)
+                pipes[i] += gs[lo:lo + n]
+                load[i] += sum(g.flops for g in gs[lo:lo + n])
+                lo += n
+    return tuple(planner.order(p) for p in pipes if p)
+
+def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
+    top = min(n_groups, planner.G)
+    if top <= 12:
+        return list(range(1, top + 1))
+    out, p = set(range(1, 9)), 8.0
+    while p < top:
+        p *= 1.25
+        out.add(min(top, int(round(p))))
+    out.add(top)
+    return sorted(out)
+
+def row_options(planner: SearchSpace, P: int) -> list[int]:
+    divisors = [d for d in range(1, planner.G // P + 1) if planner.G % d == 0]
+    small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
+    return sorted(set(small + divisors[-1:]))
+
+def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
+    kinds: dict[str, int] = {}
+    for n in planner.c.nodes:
+        kinds[n.kind.name] = max(kinds.get(n.kind.name, 0), n.devices)
+    options = {k: planner.tp_sizes(d) for k, d in kinds.items()}
+    names = sorted(options)
+    combos = list(itertools.product(*(options[k] for k in names)))
+    if len(combos) > 64:  # many kinds: the same TP size everywhere (capped per node), plus each kind alone
+        sizes = sorted({t for k in names for t in options[k]})
+        combos = [tuple(max(s for s in options[k] if s <= t) for k in names) for t in sizes]
+    return [dict(zip(names, c)) for c in combos]
+
+def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
+    """The ``keep`` best structures by the closed-form estimate."""
+    found: list[tuple[float, int, Structure]] = []
+    seen = set()
+    kinds = sorted({n.kind.name for n in planner.c.nodes})
+    work = planner.cost.model_flops_per_step()
+    for menu, drop in itertools.product(tp_menus(planner), [None] + (kinds if len(kinds) > 1 else [])):
+        groups = [g for g in planner.groups(menu) if g.kind.name != drop]  # or leave one kind idle
+        # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
+        lb_used = work / sum(g.flops for g in groups)
+        if len(found) >= keep and lb_used >= found[keep - 1][0]:
+            continue
+        for P in pipeline_counts(planner, len(groups)):
+            for balanced in (False, True):
+                pipes = deal(planner, groups, P, balanced)
+                sig = tuple(tuple(g.devices for g in p) for p in pipes)
+                if sig in seen:
+                    continue
+                seen.add(sig)
+                for rows in row_options(planner, len(pipes)):
+                    if len(found) >= keep and lb_used >= found[keep - 1][0]:
+                        break
+                    st = Structure(pipes, rows)
+                    cand = planner.realize(st)
+                    if cand is None:
+                        continue
+                    est = planner.estimate(cand)
+                    found.append((est, len(found), st))
+                    found.sort(key=lambda x: (x[0], x[1]))
+                    del found[keep * 4:]
+            if time.perf_counter() - planner.start > planner.budget * 0.4 > 0:
+                break
+    return [st for _, _, st in found[:keep]]
+
+
+def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) -> LayoutError:
+    """Nothing fits: name the stage of the closest candidate that is furthest over, and by how much."""
+    score = cost.score(cand)
+    p, s, over = score.worst_memory()
+    stage = cand.pipelines[p].stages[s]
+    need = score.memory[p][s] / 1e9
+    have = score.capacity[p][s] / 1e9
+    return LayoutError(cluster.file, "cluster", f"nothing fits in memory: the closest plan's pipeline {p} stage {s} "
+                       f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
+                       f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
+                       f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
