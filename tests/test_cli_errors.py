@@ -243,7 +243,7 @@ def test_text_data_in_a_read_only_folder_caches_in_the_user_cache(tmp_path):
     data_dir, cache = tmp_path / "data", tmp_path / "xdg"
     data_dir.mkdir()
     (data_dir / "corpus.txt").write_text("hello " * 10)
-    code = ("import json, sys; from hetero_llm import textcache; "
+    code = ("import json, sys; from hetero_llm.data import text_cache as textcache; "
             "s = textcache.TokenFileSource.from_file(sys.argv[1], 'text'); "
             "print(json.dumps([s.num_tokens, textcache.cache_path(sys.argv[1])]))")
     env = {"XDG_CACHE_HOME": str(cache), textcache.CACHE_ENV: ""}

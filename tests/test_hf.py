@@ -198,12 +198,12 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
 @pytest.mark.parametrize("command,args,expected", [
     (export_main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
     ("generate", ["ckpt"], "Missing option '--prompt' (see hetero-generate --help)"),
-    ("tokenfiles", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
+    ("tokenize", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
 ])
 def test_usage_errors_are_one_line(command, args, expected):
     import importlib
 
-    main = command if callable(command) else importlib.import_module(f"hetero_llm.{command}").main
+    main = command if callable(command) else importlib.import_module(f"hetero_llm.cli.{command}").main
     result = CliRunner().invoke(main, args)
     assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
 

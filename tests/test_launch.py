@@ -263,7 +263,8 @@ def test_forked_ranks_run_from_the_launchers_plan(tmp_path):
     it is gone before they start) nor go through the command line."""
     path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
     metrics = tmp_path / "metrics.jsonl"
-    code = ("import os, sys; from hetero_llm import launch, layout; from hetero_llm.plan import compile_plan; "
+    code = ("import os, sys; from hetero_llm import layout; from hetero_llm.launch import node as launch; "
+            "from hetero_llm.plan import compile_plan; "
             f"plan = compile_plan(layout.load({str(path)!r}, ['train.steps=2', 'cluster.port={free_port()}'])); "
             f"os.remove({str(path)!r}); "
             f"launch.run_ranks(plan, [0, 1], launch.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "

@@ -141,7 +141,7 @@ def test_rank_waiting_for_a_missing_master_prints_one_line(tmp_path):
 
 def test_endpoint_is_torch_free_and_checked_before_anything_starts(tmp_path):
     _, path = _plan(tmp_path)
-    code = ("import sys; from hetero_llm import layout, rendezvous; from hetero_llm.plan import compile_plan; "
+    code = ("import sys; from hetero_llm import layout; from hetero_llm.comm import rendezvous; from hetero_llm.plan import compile_plan; "
             f"rendezvous.endpoint(compile_plan(layout.load({str(path)!r}))); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

@@ -25,8 +25,8 @@ from test_tokenfiles import make_tokenizer, write_jsonl  # noqa: E402
 pytestmark = pytest.mark.multiprocess
 
 # console script -> module (checked against pyproject.toml below), so the test needs no reinstall
-SCRIPTS = {"hetero-launch": "hetero_llm.cli", "hetero-generate": "hetero_llm.interop.generate",
-           "hetero-export": "hetero_llm.interop.export", "hetero-tokenize": "hetero_llm.data.token_files"}
+SCRIPTS = {"hetero-launch": "hetero_llm.cli.launch", "hetero-generate": "hetero_llm.cli.generate",
+           "hetero-export": "hetero_llm.cli.export", "hetero-tokenize": "hetero_llm.cli.tokenize"}
 FEW_STEPS = ["--set", "train.steps=4", "--set", "train.eval_every=2", "--set", "train.log_every=1"]
 
 

@@ -64,7 +64,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launcher.check_rank(plan, rank)
         elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
             ranks = launcher.local_ranks(plan, node)
-        preflight.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
+        preflight.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume, tensorboard)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_folders.for_resume(resume, lay)
             if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified

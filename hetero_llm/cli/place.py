@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 
@@ -24,7 +25,9 @@ def main(cluster_file, out, pipelines, tp, microbatches):
     from hetero_llm.planner import place
 
     try:
-        outputs.check_output_file("--out", out, [("the cluster file", cluster_file)])
+        _, model, _, data, _ = place.read_cluster_file(cluster_file)
+        outputs.check_output_file("--out", out, [("the cluster file", cluster_file),  # nor the files it names
+                                                 *outputs.spec_inputs(model, data, Path(cluster_file).parent)])
         placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
