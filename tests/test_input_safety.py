@@ -44,10 +44,15 @@ def _refused_before_start(layout: Path, args: list, message: str) -> None:
 
 
 def _hf_folder(folder: Path, model) -> Path:
-    """A model.init_from folder the layout's validation accepts (config.json of ``model``; weights unread)."""
+    """A model.init_from folder the checks before a run accept: config.json of ``model``, and a weights file whose
+    header gives every tensor its shape (zeros: finite)."""
+    import torch
+    from safetensors.torch import save_file
+
     folder.mkdir()
-    (folder / hf.CONFIG).write_text(json.dumps(hf.hf_config(model)))
-    (folder / hf.WEIGHTS).write_bytes(b"weights")
+    cfg = hf.hf_config(model)
+    (folder / hf.CONFIG).write_text(json.dumps(cfg))
+    save_file({key: torch.zeros(shape) for key, shape in hf.hf_shapes(model, cfg).items()}, str(folder / hf.WEIGHTS))
     return folder
 
 
