@@ -82,7 +82,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_mod.for_resume(resume, lay)
             if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified
-                warning = checkpoint_mod.verify(ckpt)
+                warning = checkpoint_mod.verify(ckpt, progress=not quiet)
                 if warning:
                     click.echo(f"warning: {warning}", err=True)
             resume = str(ckpt.path)

@@ -61,14 +61,15 @@ def load_tokenizer(data: DataSpec, where: str) -> tokens.ByteTokenizer | tokens.
         raise LayoutError(where, "data.tokenizer", str(e)) from None
 
 
-def export_checkpoint(directory: str, out_dir: str) -> Path:
-    """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``."""
+def export_checkpoint(directory: str, out_dir: str, progress: bool = False) -> Path:
+    """Write the model ``directory`` holds into ``out_dir`` as a Hugging Face model; return ``out_dir``.
+    ``progress``: show the reading of the checkpoint on a terminal (``progress.Bar``)."""
     from hetero_llm.checkpoint_io import load_full_params
 
     s = saved(directory)
     hf.check_export(s.model, str(s.ckpt.path), WHERE)
     tok = load_tokenizer(s.data, str(s.ckpt.path))
-    params = load_full_params(str(s.ckpt.path))
+    params = load_full_params(str(s.ckpt.path), progress)
     return hf.export(params, s.model, out_dir, eos_token_id=tok.eos_id, extra_files=tokenizer_files(tok))
 
 
@@ -80,7 +81,7 @@ def export_checkpoint(directory: str, out_dir: str) -> Path:
 def main(checkpoint_dir, out):
     """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
     try:
-        path = export_checkpoint(checkpoint_dir, out)
+        path = export_checkpoint(checkpoint_dir, out, progress=True)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

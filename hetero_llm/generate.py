@@ -10,6 +10,7 @@ math is ``model.block``'s (same norms, projections, RoPE pairs, grouped-query he
 from __future__ import annotations
 
 import sys
+from typing import Callable
 
 import click
 import torch
@@ -19,6 +20,7 @@ from hetero_llm.cli import OneLineCommand
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DataKind, Mlp, ModelSpec, Position
 from hetero_llm.model import Params, _apply_rope, _bias, _norm, _projections, block_params, head, rope_tables
+from hetero_llm.progress import Bar
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T
@@ -81,9 +83,10 @@ def forward(params: Params, model: ModelSpec, ids: torch.Tensor, cache: KVCache)
 
 @torch.no_grad()
 def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
     """New tokens after ``prompt``: greedy when ``temperature`` is 0, else sampled from softmax(logits / T)
-    over the ``top_k`` likeliest (0: all); stops after ``eos_id``."""
+    over the ``top_k`` likeliest (0: all); stops after ``eos_id``. ``on_token(1)`` after each new token."""
     gen = torch.Generator().manual_seed(seed)
     device = params["embed.tok"].device
     cache = KVCache(model.layers)
@@ -99,6 +102,8 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             token = int(torch.multinomial(scaled.softmax(-1).cpu(), 1, generator=gen))
         out.append(token)
+        if on_token is not None:
+            on_token(1)
         if token == eos_id or len(out) == max_new_tokens:
             break
         logits = forward(params, model, torch.tensor([[token]], device=device), cache)[0, -1]
@@ -135,15 +140,16 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
             raise LayoutError(str(s.ckpt.path), "--max-new-tokens", f"{max_new_tokens} tokens after a prompt of "
                               f"{len(ids)} exceed model.seq_len {s.model.seq_len}, the positions the model was trained "
                               f"on (use at most {max(room, 0)}, or a shorter prompt)")
-        params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path)).items()}
+        params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path), progress=True).items()}
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    with Bar("generating", max_new_tokens, "tok") as bar:  # on a terminal only (stderr)
+        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed,
+                       None if grammar else tok.eos_id, bar.update)
     if grammar:
-        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed)
         click.echo(" ".join(map(str, ids + new)))
         return
-    new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed, tok.eos_id)
     click.echo(tok.decode(ids + [t for t in new if t != tok.eos_id]))  # the EOS ends the text, unprinted
 
 

@@ -26,7 +26,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import click
 import numpy as np
@@ -35,6 +35,7 @@ from hetero_llm import tokens
 from hetero_llm.cli import OneLineCommand
 from hetero_llm.textcache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
+from hetero_llm.progress import Bar, amount, clock
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 BATCH_DOCS = 256  # documents encoded per tokenizers batch call
@@ -98,13 +99,18 @@ def check_vocab(source, vocab: int, file_for_errors: str) -> None:
 # Writing token files
 
 
-def documents(path: str, kind: str, field: str, file_for_errors: str) -> Iterator[str]:
-    """The documents of a text file (the whole file) or a JSONL file (each line's ``field``)."""
+def documents(path: str, kind: str, field: str, file_for_errors: str,
+              read: Callable[[int], None] | None = None) -> Iterator[str]:
+    """The documents of a text file (the whole file) or a JSONL file (each line's ``field``); ``read(bytes)``
+    with the bytes of the file each document came from, as it is read."""
+    read = read or (lambda n: None)
     if kind == "text":
+        read(os.path.getsize(path))
         yield Path(path).read_text(encoding="utf-8", errors="replace")
         return
     with open(path, "rb") as reader:
         for number, line in enumerate(reader, start=1):
+            read(len(line))
             if line.strip():
                 yield jsonl_document(line, number, path, field, file_for_errors).decode("utf-8")
 
@@ -165,11 +171,13 @@ def _raw_to_npy(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 24) ->
 
 
 def tokenize_file(source: str, out: str, kind: str, field: str, tokenizer: str, file_for_errors: str,
-                  progress=None) -> tuple[int, str]:
-    """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype)."""
+                  progress=None, read: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype). ``progress(tokens)``
+    after each batch written; ``read(bytes)`` as the source is read (``documents``)."""
     tok = tokens.load(tokenizer)
     dtype = dtype_for(tok.vocab_size)
-    count = write_tokens(out, encode_documents(documents(source, kind, field, file_for_errors), tok), dtype, progress)
+    docs = documents(source, kind, field, file_for_errors, read)
+    count = write_tokens(out, encode_documents(docs, tok), dtype, progress)
     return count, dtype
 
 
@@ -228,13 +236,30 @@ def _cached(cache: Path, saved: dict, file_for_errors: str) -> TokenArraySource:
 # hetero-tokenize
 
 
-def _progress_bar():
-    try:
-        from tqdm import tqdm
-    except ImportError:  # no bar without tqdm (the 'hf' extra installs it)
-        return None, lambda: None
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokens", file=sys.stderr, disable=not sys.stderr.isatty())
-    return bar.update, bar.close
+class _TokenizeProgress:
+    """hetero-tokenize's bar: the bytes of the input tokenized so far of its size, with an ETA, and the tokens
+    written (redrawn as each batch of documents is written: the bytes read run ahead of them by at most a batch);
+    then one summary line on stderr, terminal or not."""
+
+    def __init__(self, source: str):
+        self.bar = Bar(f"tokenizing {source}", os.path.getsize(source), "B")
+        self.read_ahead = 0  # bytes read whose documents are not written yet
+        self.tokens = 0
+
+    def read(self, n: int) -> None:
+        self.read_ahead += n
+
+    def written(self, n: int) -> None:
+        self.tokens += n
+        self.bar.update(self.read_ahead, note=amount(self.tokens, "tokens"))
+        self.read_ahead = 0
+
+    def close(self, done: bool) -> None:
+        bar = self.bar
+        bar.done += self.read_ahead
+        summary = (f"tokenized {amount(bar.done, 'B')} into {self.tokens} tokens in {clock(bar.elapsed)} "
+                   f"({amount(self.tokens / max(bar.elapsed, 1e-9), 'tokens')}/s)") if done else None
+        bar.close(summary)
 
 
 @click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -258,11 +283,12 @@ def main(source, out, tokenizer, kind, field):
             tokens.load(tokenizer)
         except ValueError as e:
             raise LayoutError(tokenizer, "--tokenizer", str(e)) from None
-        update, close = _progress_bar()
+        progress, done = _TokenizeProgress(source), False
         try:
-            count, dtype = tokenize_file(source, out, kind, field, tokenizer, source, update)
+            count, dtype = tokenize_file(source, out, kind, field, tokenizer, source, progress.written, progress.read)
+            done = True
         finally:
-            close()
+            progress.close(done)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -202,7 +202,7 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
     tr, model, rank = rp.train, rp.model, rp.rank
     device = comms.device
     reporting = rp.reports
-    restored = restore(rp, resume) if resume else None
+    restored = restore(rp, resume, progress=reporting and not quiet) if resume else None
     if restored and reporting and not quiet:
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
     first = restored.step if restored else 0
@@ -296,8 +296,10 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             elif progress is not None:
                 progress.tokens += m.tokens
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
-                save_checkpoint(rp, state, optimizer, checkpoint_dir, done)
+                save_checkpoint(rp, state, optimizer, checkpoint_dir, done, progress=reporting and not quiet)
                 last_save = checkpoint.step_folder(checkpoint_dir, done)
+                if reporting and not quiet:  # rank 0: the save is complete (its meta.json written) when it returns
+                    print(f"saved {last_save} (step {done} of {tr.steps})", flush=True)
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:
