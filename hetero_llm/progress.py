@@ -113,7 +113,7 @@ class Bar:
             text = "..." + text[len(text) - columns + 4:]
         self.stream.write("\r" + text.ljust(self._width))
         self.stream.flush()
-        self._width = len(text)
+        self._width = max(self._width, len(text))  # what is on the line now, padding included
 
     def close(self, summary: str | None = None) -> None:
         if self.enabled and self._width:
