@@ -55,7 +55,8 @@ class OneLineCommand(click.Command):
               help="Record every action's start and end per rank into this directory.")
 @click.option("--quiet", is_flag=True, help="No per-step progress lines.")
 @click.option("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Also write loss, valid_loss, lr and grad_norm as TensorBoard scalars into DIR (needs tensorboard).")
+              help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
+                   "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).")
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""

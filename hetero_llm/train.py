@@ -288,9 +288,8 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             if metrics_file is not None:
                 _append_line(metrics_file, m.json())
             if scalars is not None:
-                for tag in ("loss", "valid_loss", "lr", "grad_norm"):
-                    if getattr(m, tag) is not None:
-                        scalars.add_scalar(f"train/{tag}", getattr(m, tag), m.step)
+                for tag, value in tensorboard_scalars(m).items():
+                    scalars.add_scalar(f"train/{tag}", value, m.step)
             if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
                 progress.update(m)
             elif progress is not None:
@@ -308,6 +307,14 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
         if scalars is not None:
             scalars.close()
     return history
+
+
+def tensorboard_scalars(m: StepMetrics) -> dict[str, float]:
+    """What ``--tensorboard`` writes of a step (as ``train/<name>`` at step ``m.step``): every number of its
+    ``--metrics-jsonl`` record but the step, and the throughput, tokens_per_second (tokens / seconds)."""
+    values = {k: v for k, v in json.loads(m.json()).items() if k != "step"}
+    values["tokens_per_second"] = m.tokens / m.seconds if m.seconds > 0 else 0.0
+    return values
 
 
 def _summary_writer(directory: str):
