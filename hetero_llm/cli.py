@@ -53,7 +53,7 @@ class OneLineCommand(click.Command):
                    "'auto': the --checkpoint DIR's newest complete save if it has one, else start fresh.")
 @click.option("--trace", default=None, metavar="DIR",
               help="Record every action's start and end per rank into this directory.")
-@click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+@click.option("--quiet", is_flag=True, help="No per-step progress lines, no line per save, no progress bars.")
 @click.option("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
               help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
                    "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).")
