@@ -68,10 +68,11 @@ def run(line: str, cwd: Path, monkeypatch) -> str:
 
 @pytest.fixture
 def workdir(tmp_path):
-    """A copy of the README and the layout, so caches and runs land here, not in the repository."""
+    """A copy of the layout and its text, so caches and runs land here, not in the repository."""
     (tmp_path / "layouts").mkdir()
+    (tmp_path / "docs" / "samples").mkdir(parents=True)
     shutil.copy(ROOT / "layouts" / "own_text.toml", tmp_path / "layouts")
-    shutil.copy(ROOT / "README.md", tmp_path)
+    shutil.copy(ROOT / "docs" / "samples" / "own_text_data.txt", tmp_path / "docs" / "samples")
     return tmp_path
 
 
