@@ -96,7 +96,7 @@ class _Counted:
 
     def write(self, data) -> int:
         n = self.file.write(data)
-        self.written(len(memoryview(data)) if n is None else n)
+        self.written(memoryview(data).nbytes if n is None else n)
         return n
 
     def flush(self) -> None:
