@@ -78,7 +78,7 @@ class Bar:
 
     def update(self, n: float = 0, note: str | None = None) -> None:
         """Advance by ``n``; ``note`` replaces the text shown after the rate. Redraws at most every INTERVAL
-        seconds, and always when the work reaches its total."""
+        seconds (the first time INTERVAL after the start), and always when the work reaches its total."""
         self.done += n
         if note is not None:
             self.note = note
@@ -86,7 +86,8 @@ class Bar:
             return
         now = time.monotonic()
         finished = self.total is not None and self.done >= self.total
-        if self._drawn_at is not None and now - self._drawn_at < INTERVAL and not finished:
+        last = self.started if self._drawn_at is None else self._drawn_at  # no rate (nor ETA) from a first instant
+        if now - last < INTERVAL and not finished:
             return
         self._drawn_at = now
         self._show(self.line())

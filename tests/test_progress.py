@@ -74,8 +74,8 @@ def test_bar_redraws_one_line_on_a_terminal_and_erases_it():
     out = Terminal()
     bar = progress.Bar("copying", 4000, "B", stream=out)
     for _ in range(4):
-        bar.update(1000)
         time.sleep(progress.INTERVAL)  # every update redraws
+        bar.update(1000)
     bar.close("copied")
     text = out.getvalue()
     assert "\n" not in text[:-1] and text.endswith("\rcopied\n")
@@ -102,7 +102,7 @@ def test_a_long_bar_is_cut_to_the_terminal_width(monkeypatch):
     monkeypatch.setattr(progress, "_columns", lambda stream: 40)
     out = Terminal()
     bar = progress.Bar("verifying /a/very/long/path/to/a/checkpoint/step-000040", 10, stream=out)
-    bar.update(5)
+    bar.update(10)  # done: drawn at once
     (line,) = BAR.findall(out.getvalue())
     assert len(line) == 39 and line.startswith("...")
 
