@@ -68,10 +68,12 @@ def run(line: str, cwd: Path, monkeypatch) -> str:
 
 @pytest.fixture
 def workdir(tmp_path):
-    """A copy of the README and the layout, so caches and runs land here, not in the repository."""
+    """A copy of the layout and its text, so caches and runs land here, not in the repository."""
     (tmp_path / "layouts").mkdir()
-    shutil.copy(ROOT / "layouts" / "examples" / "own_text.toml", tmp_path / "layouts")
-    shutil.copy(ROOT / "README.md", tmp_path)
+    (tmp_path / "layouts" / "examples").mkdir()
+    (tmp_path / "docs" / "samples").mkdir(parents=True)
+    shutil.copy(ROOT / "layouts" / "examples" / "own_text.toml", tmp_path / "layouts" / "examples")
+    shutil.copy(ROOT / "docs" / "samples" / "own_text_data.txt", tmp_path / "docs" / "samples")
     return tmp_path
 
 

@@ -21,7 +21,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import attrs
 
@@ -29,6 +29,7 @@ from hetero_llm._fs import TMP, fsync_dir, write_atomically
 from hetero_llm.errors import CheckpointError
 from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.model.params import all_params
+from hetero_llm.progress import Bar
 
 if TYPE_CHECKING:
     from hetero_llm.plan.rank import RankPlan, Shard
@@ -102,13 +103,15 @@ def remove_leftovers(root: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def file_digest(path: Path) -> tuple[int, str]:
-    """(size in bytes, sha256 hex digest) of the file at ``path``."""
+def file_digest(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """(size in bytes, sha256 hex digest) of the file at ``path``; ``progress(bytes)`` after each chunk read."""
     digest, size = hashlib.sha256(), 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):
             digest.update(chunk)
             size += len(chunk)
+            if progress is not None:
+                progress(len(chunk))
     return size, digest.hexdigest()
 
 
@@ -215,12 +218,13 @@ UNVERIFIED = (f"{META} records no sizes or checksums of its rank files (a save b
               "resuming without verifying them")
 
 
-def verify(ckpt: Checkpoint) -> str | None:
+def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
     """Check every rank file against what meta.json recorded when it was saved: its size, its sha256, and that
     its shards are slices of the model's tensors that together cover each of them. Raises CheckpointError
     naming the first bad file; returns a warning for a save from before the records (resumed unchecked).
 
-    Reads every byte of the save (sha256 runs at about 1-2 GB/s): the CLI calls it once, before any rank starts.
+    Reads every byte of the save (sha256 runs at about 1-2 GB/s): the CLI calls it once, before any rank starts,
+    showing its progress on a terminal (``progress``; ``progress.Bar``).
     """
     if ckpt.files is None:
         return f"{ckpt.path}: --resume: {UNVERIFIED}"
@@ -229,20 +233,25 @@ def verify(ckpt: Checkpoint) -> str | None:
     if unknown:
         raise CheckpointError(str(ckpt.path), "--resume", f"{META} records the rank files {sorted(ckpt.files)} "
                               f"but its world_size is {ckpt.world_size}: the save is damaged; {DAMAGED}")
-    for name in names:
-        path, record = ckpt.path / name, ckpt.files[name]
-        size = path.stat().st_size
-        if size != record.size:
-            raise CheckpointError(str(path), "--resume", f"{size} bytes, but {record.size} were saved (truncated "
-                                  f"or replaced since); {DAMAGED}")
-        if file_digest(path)[1] != record.sha256:
-            raise CheckpointError(str(path), "--resume", f"its sha256 is not the one {META} recorded when it was "
-                                  f"saved (the file changed since: damaged, edited, or copied from another save); "
-                                  f"{DAMAGED}")
-        for param, coords in record.shards.items():
-            problem = shard_problem(param, coords, ckpt.shapes)
-            if problem:
-                raise CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {DAMAGED}")
+    total = sum(f.size for f in ckpt.files.values())
+    bar = Bar(f"verifying {ckpt.path}", total, "B", enabled=None if progress else False)
+    try:
+        for name in names:
+            path, record = ckpt.path / name, ckpt.files[name]
+            size = path.stat().st_size
+            if size != record.size:
+                raise CheckpointError(str(path), "--resume", f"{size} bytes, but {record.size} were saved (truncated "
+                                      f"or replaced since); {DAMAGED}")
+            if file_digest(path, bar.update)[1] != record.sha256:
+                raise CheckpointError(str(path), "--resume", f"its sha256 is not the one {META} recorded when it was "
+                                      f"saved (the file changed since: damaged, edited, or copied from another save); "
+                                      f"{DAMAGED}")
+            for param, coords in record.shards.items():
+                problem = shard_problem(param, coords, ckpt.shapes)
+                if problem:
+                    raise CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {DAMAGED}")
+    finally:
+        bar.close()  # before any error line
     for param, full in ckpt.shapes.items():
         gap = _uncovered(param, full, [f.shards[param] for f in ckpt.files.values() if param in f.shards])
         if gap:

@@ -8,7 +8,7 @@ checks (torch-free): ``hetero_llm.checkpoint.folders``.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, BinaryIO, Callable, Iterable, Iterator
 
 import attrs
 import numpy as np
@@ -20,8 +20,9 @@ from hetero_llm.runtime import zero1
 from hetero_llm.checkpoint.folders import Checkpoint
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import CheckpointError
-from hetero_llm.runtime.adamw import AdamW
 from hetero_llm.plan.rank import RankPlan
+from hetero_llm.progress import Bar
+from hetero_llm.runtime.adamw import AdamW
 
 if TYPE_CHECKING:
     from hetero_llm.runtime.state import RankState
@@ -54,9 +55,11 @@ def restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAd
 
 
 def save_checkpoint(rp: RankPlan, state: RankState,
-                    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int) -> None:
+                    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int,
+                    progress: bool = False) -> None:
     """Save the rank's shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step);
-    rank 0 marks the save complete (meta.json) once every rank's file is on disk."""
+    rank 0 marks the save complete (meta.json) once every rank's file is on disk. ``progress``: show the writing
+    and checksumming of this rank's file on a terminal (``progress.Bar``; the reporting rank's)."""
     rank = rp.rank
     folder = checkpoint.step_folder(root, step)
     if rank == 0:
@@ -73,12 +76,34 @@ def save_checkpoint(rp: RankPlan, state: RankState,
                         **{key: moments[key].detach().cpu() for key in MOMENTS}}
     saved = {"rank": rank, "step": step, "optimizer_steps": optimizer_steps(optimizer), "shards": shards}
     path = checkpoint.rank_file(folder, rank)
-    write_atomically(path, lambda f: torch.save(saved, f))
+    payload = sum(t.nbytes for shard in shards.values() for key, t in shard.items() if key != "coords")
+    bar = Bar(f"saving {folder}", 2 * payload, "B", enabled=None if progress else False)  # written, then read back
+    try:
+        write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update)))
+        digest = checkpoint.file_digest(path, bar.update)
+    finally:
+        bar.close()
     # Also the barrier: every rank's file is on disk before meta.json marks the save complete.
     device = next(iter(state.params.values())).device
-    digests = _all_digests(rp.world_size, rank, checkpoint.file_digest(path), device)
+    digests = _all_digests(rp.world_size, rank, digest, device)
     if rank == 0:
         checkpoint.finish_save(folder, step, rp.world_size, rp, checkpoint.file_records(rp.saved_shards, digests))
+
+
+@attrs.define
+class _Counted:
+    """A binary file that reports the bytes written through it (``torch.save`` writes only through ``write``)."""
+
+    file: BinaryIO
+    written: Callable[[int], None]
+
+    def write(self, data) -> int:
+        n = self.file.write(data)
+        self.written(memoryview(data).nbytes if n is None else n)
+        return n
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def _all_digests(world_size: int, rank: int, digest: tuple[int, str], device: torch.device) -> list[tuple[int, str]]:
@@ -102,9 +127,9 @@ class Restored:
     shards: dict[str, dict[str, torch.Tensor]]  # "tensor" (the parameter) | "exp_avg" | "exp_avg_sq" -> name -> slice
 
 
-def restore(rp: RankPlan, path: str) -> Restored:
+def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
     """The rank's shards cut from the save ``path`` names (a step folder or a checkpoint root's newest), whatever
-    layout saved it."""
+    layout saved it. ``progress``: show the rank files read on a terminal (the reporting rank's)."""
     ckpt = checkpoint.for_resume(path, rp)
     ranges = {s.name: (s.lo, s.hi) for s in rp.shards}
     files = [_load_rank_file(ckpt, r) for r in range(ckpt.world_size)]
@@ -112,7 +137,8 @@ def restore(rp: RankPlan, path: str) -> Restored:
     if len(steps) != 1:
         raise CheckpointError(str(ckpt.path), "--resume", f"rank files disagree on the optimizer step "
                               f"({sorted(steps)}): the save is damaged; resume from another step folder")
-    shards = _assemble(files, ranges, ("tensor", *MOMENTS), ckpt.path)
+    with _loading(ckpt, progress) as bar:
+        shards = _assemble(_read_through(files, ckpt, bar), ranges, ("tensor", *MOMENTS), ckpt.path)
     _check_finite(shards, ckpt.path)
     return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
 
@@ -185,11 +211,25 @@ def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], 
     return out
 
 
-def load_full_params(directory: str) -> dict[str, torch.Tensor]:
+def load_full_params(directory: str, progress: bool = False) -> dict[str, torch.Tensor]:
     """Full (one-process) parameters from any layout's save: a step folder, or a checkpoint root's newest; read
-    and refused (damaged shards, NaN) as a resumed rank reads its own."""
+    and refused (damaged shards, NaN) as a resumed rank reads its own. ``progress``: show the rank files read on a
+    terminal."""
     ckpt = checkpoint.find(directory)
     files = (_load_rank_file(ckpt, r) for r in range(ckpt.world_size))
-    shards = _assemble(files, dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)
+    with _loading(ckpt, progress) as bar:
+        shards = _assemble(_read_through(files, ckpt, bar), dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)
     _check_finite(shards, ckpt.path)
     return shards["tensor"]
+
+
+def _loading(ckpt: Checkpoint, progress: bool) -> Bar:
+    total = sum(ckpt.rank_file(r).stat().st_size for r in range(ckpt.world_size))
+    return Bar(f"loading {ckpt.path}", total, "B", enabled=None if progress else False)
+
+
+def _read_through(files: Iterable[dict], ckpt: Checkpoint, bar: Bar) -> Iterator[dict]:
+    """``files`` (rank 0's first), each counted on ``bar`` (by its size on disk) once its slices are copied out."""
+    for rank, saved in enumerate(files):
+        yield saved
+        bar.update(ckpt.rank_file(rank).stat().st_size)

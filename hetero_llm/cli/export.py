@@ -23,8 +23,13 @@ def main(checkpoint_dir, out):
         s = export.saved(checkpoint_dir)
         # never into the checkpoint, nor over the tokenizer
         preflight.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
-        path = export.export_checkpoint(checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s)
+        path = export.export_checkpoint(checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s,
+                                          progress=True)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     click.echo(f"wrote {path}: load it with transformers.AutoModelForCausalLM.from_pretrained('{path}')")
+
+
+if __name__ == "__main__":
+    main()

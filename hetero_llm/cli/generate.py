@@ -10,6 +10,7 @@ from hetero_llm.cli.common import OneLineCommand
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop.generate import generate
 from hetero_llm.layout import DataKind
+from hetero_llm.progress import Bar
 
 
 @click.command("hetero-generate", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,15 +46,16 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
         warning = export.verify(s)  # as --resume verifies a save, with the same words
         if warning:
             click.echo(f"warning: {warning}", err=True)
-        params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path)).items()}
+        params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path), progress=True).items()}
     except LayoutError as e:
         click.echo(f"error: {export.reader_error(e)}", err=True)
         sys.exit(2)
+    with Bar("generating", max_new_tokens, "tok") as bar:  # on a terminal only (stderr)
+        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed,
+                       None if grammar else tok.eos_id, bar.update)
     if grammar:
-        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed)
         click.echo(" ".join(map(str, ids + new)))
         return
-    new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed, tok.eos_id)
     click.echo(tok.decode(ids + [t for t in new if t != tok.eos_id]))  # the EOS ends the text, unprinted
 
 
@@ -63,3 +65,7 @@ def _ids(prompt: str, where: str) -> list[int]:
     except ValueError:
         raise LayoutError(where, "--prompt", "the model was trained on the embedded grammar, whose tokens are ids, "
                           "not text: give ids separated by spaces, e.g. --prompt '3 17 5'") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -37,9 +37,10 @@ from hetero_llm.launch import preflight
                    "'auto': the --checkpoint DIR's newest complete save if it has one, else start fresh.")
 @click.option("--trace", default=None, metavar="DIR",
               help="Record every action's start and end per rank into this directory.")
-@click.option("--quiet", is_flag=True, help="No per-step progress lines.")
+@click.option("--quiet", is_flag=True, help="No per-step progress lines, no line per save, no progress bars.")
 @click.option("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Also write loss, valid_loss, lr and grad_norm as TensorBoard scalars into DIR (needs tensorboard).")
+              help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
+                   "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).")
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
@@ -68,7 +69,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_folders.for_resume(resume, lay)
             if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified
-                warning = checkpoint_folders.verify(ckpt)
+                warning = checkpoint_folders.verify(ckpt, progress=not quiet)
                 if warning:
                     click.echo(f"warning: {warning}", err=True)
             resume = str(ckpt.path)

@@ -34,3 +34,7 @@ def main(cluster_file, out, pipelines, tp, microbatches):
         sys.exit(2)
     click.echo(place.report(placement))
     click.echo(f"\nwrote {out} (check it with: hetero-launch {out} --dry-run)")
+
+
+if __name__ == "__main__":
+    main()

@@ -122,3 +122,7 @@ def _torch(cluster_file: str):
         raise LayoutError(cluster_file, "--profile", "needs torch to measure (pip install torch); reading a "
                           "profile does not") from None
     return torch
+
+
+if __name__ == "__main__":
+    main()

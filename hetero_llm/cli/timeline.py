@@ -80,3 +80,7 @@ def _pick_step(steps: list, step: int, label: str) -> list:
         return steps[step]
     except IndexError:
         raise ValueError(f"{label}: no step {step} (the trace has {len(steps)} steps)") from None
+
+
+if __name__ == "__main__":
+    main()

@@ -12,15 +12,33 @@ from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight
+from hetero_llm.progress import Bar, amount, clock
 
 
-def _progress_bar():
-    try:
-        from tqdm import tqdm
-    except ImportError:  # no bar without tqdm (the 'hf' extra installs it)
-        return None, lambda: None
-    bar = tqdm(unit="tok", unit_scale=True, desc="tokens", file=sys.stderr, disable=not sys.stderr.isatty())
-    return bar.update, bar.close
+class _TokenizeProgress:
+    """hetero-tokenize's bar: the bytes of the input tokenized so far of its size, with an ETA, and the tokens
+    written (redrawn as each batch of documents is written: the bytes read run ahead of them by at most a batch);
+    then one summary line on stderr, terminal or not."""
+
+    def __init__(self, source: str):
+        self.bar = Bar(f"tokenizing {source}", os.path.getsize(source), "B")
+        self.read_ahead = 0  # bytes read whose documents are not written yet
+        self.tokens = 0
+
+    def read(self, n: int) -> None:
+        self.read_ahead += n
+
+    def written(self, n: int) -> None:
+        self.tokens += n
+        self.bar.update(self.read_ahead, note=amount(self.tokens, "tokens"))
+        self.read_ahead = 0
+
+    def close(self, done: bool) -> None:
+        bar = self.bar
+        bar.done += self.read_ahead
+        summary = (f"tokenized {amount(bar.done, 'B')} into {self.tokens} tokens in {clock(bar.elapsed)} "
+                   f"({amount(self.tokens / max(bar.elapsed, 1e-9), 'tokens')}/s)") if done else None
+        bar.close(summary)
 
 
 @click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -46,14 +64,19 @@ def main(source, out, tokenizer, kind, field):
             tokens.load(tokenizer)
         except ValueError as e:
             raise LayoutError(tokenizer, "--tokenizer", str(e)) from None
-        update, close = _progress_bar()
+        progress, done = _TokenizeProgress(source), False
         try:
-            count, dtype = tokenize_file(source, out, kind, field, tokenizer, source, update)
+            count, dtype = tokenize_file(source, out, kind, field, tokenizer, source, progress.written, progress.read)
+            done = True
         finally:
-            close()
+            progress.close(done)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     dtype_line = "" if dtype == "uint16" or out.endswith(".npy") else f", token_dtype = '{dtype}'"
     click.echo(f"wrote {count} tokens ({dtype}) to {out}: train on it with [data] kind = 'tokens', "
                f"path = '{out}'{dtype_line}")
+
+
+if __name__ == "__main__":
+    main()

@@ -25,13 +25,14 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.text_cache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
+
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 BATCH_DOCS = 256  # documents encoded per tokenizers batch call
@@ -95,13 +96,18 @@ def check_vocab(source, vocab: int, file_for_errors: str) -> None:
 # Writing token files
 
 
-def documents(path: str, kind: str, field: str, file_for_errors: str) -> Iterator[str]:
-    """The documents of a text file (the whole file) or a JSONL file (each line's ``field``)."""
+def documents(path: str, kind: str, field: str, file_for_errors: str,
+              read: Callable[[int], None] | None = None) -> Iterator[str]:
+    """The documents of a text file (the whole file) or a JSONL file (each line's ``field``); ``read(bytes)``
+    with the bytes of the file each document came from, as it is read."""
+    read = read or (lambda n: None)
     if kind == "text":
+        read(os.path.getsize(path))
         yield Path(path).read_text(encoding="utf-8", errors="replace")
         return
     with open(path, "rb") as reader:
         for number, line in enumerate(reader, start=1):
+            read(len(line))
             if line.strip():
                 yield jsonl_document(line, number, path, field, file_for_errors).decode("utf-8")
 
@@ -162,11 +168,13 @@ def _raw_to_npy(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 24) ->
 
 
 def tokenize_file(source: str, out: str, kind: str, field: str, tokenizer: str, file_for_errors: str,
-                  progress=None) -> tuple[int, str]:
-    """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype)."""
+                  progress=None, read: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype). ``progress(tokens)``
+    after each batch written; ``read(bytes)`` as the source is read (``documents``)."""
     tok = tokens.load(tokenizer)
     dtype = dtype_for(tok.vocab_size)
-    count = write_tokens(out, encode_documents(documents(source, kind, field, file_for_errors), tok), dtype, progress)
+    docs = documents(source, kind, field, file_for_errors, read)
+    count = write_tokens(out, encode_documents(docs, tok), dtype, progress)
     return count, dtype
 
 

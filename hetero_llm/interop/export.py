@@ -90,10 +90,11 @@ def input_paths(s: Saved, directory: str) -> list[tuple[str, str]]:
     return inputs
 
 
-def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None, s: Saved | None = None) -> Path:
+def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None, s: Saved | None = None,
+                      progress: bool = False) -> Path:
     """Write the model ``directory`` holds (its save ``s``, when already read) into ``out_dir`` as a Hugging Face
     model; return ``out_dir``. The save is verified as ``--resume`` verifies it (``warn`` gets the warning of a
-    save without records)."""
+    save without records). ``progress``: show the reading of the checkpoint on a terminal (``progress.Bar``)."""
     from hetero_llm.checkpoint.shards import load_full_params
 
     s = s or saved(directory)
@@ -103,7 +104,7 @@ def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None, s: S
     if warning:
         warn(warning)
     try:
-        params = load_full_params(str(s.ckpt.path))
+        params = load_full_params(str(s.ckpt.path), progress)
     except CheckpointError as e:
         raise reader_error(e) from None
     return hf.export(params, s.model, out_dir, eos_token_id=tok.eos_id, extra_files=tokenizer_files(tok))

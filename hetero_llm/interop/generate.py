@@ -9,12 +9,14 @@ math is ``model.block``'s (same norms, projections, RoPE pairs, grouped-query he
 
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from hetero_llm.layout import Mlp, ModelSpec, Position
 from hetero_llm.model.forward import Params, _apply_rope, _bias, _norm, _projections, block_params, head, rope_tables
+
 
 def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x @ w.T
@@ -77,9 +79,10 @@ def forward(params: Params, model: ModelSpec, ids: torch.Tensor, cache: KVCache)
 
 @torch.no_grad()
 def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None) -> list[int]:
+             top_k: int = 0, seed: int = 0, eos_id: int | None = None,
+             on_token: Callable[[int], None] | None = None) -> list[int]:
     """New tokens after ``prompt``: greedy when ``temperature`` is 0, else sampled from softmax(logits / T)
-    over the ``top_k`` likeliest (0: all); stops after ``eos_id``."""
+    over the ``top_k`` likeliest (0: all); stops after ``eos_id``. ``on_token(1)`` after each new token."""
     gen = torch.Generator().manual_seed(seed)
     device = params["embed.tok"].device
     cache = KVCache(model.layers)
@@ -95,6 +98,8 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             token = int(torch.multinomial(scaled.softmax(-1).cpu(), 1, generator=gen))
         out.append(token)
+        if on_token is not None:
+            on_token(1)
         if token == eos_id or len(out) == max_new_tokens:
             break
         logits = forward(params, model, torch.tensor([[token]], device=device), cache)[0, -1]

@@ -32,7 +32,7 @@ from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.grad_sync import sync_grads
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
 from hetero_llm.runtime.state import init_state, make_optimizer
-from hetero_llm.train.metrics import Progress, StepMetrics, append_line, open_metrics, summary_writer
+from hetero_llm.train.metrics import Progress, StepMetrics, append_line, open_metrics, summary_writer, tensorboard_scalars
 
 
 def lr_at(train: TrainSpec, step: int) -> float:
@@ -83,7 +83,7 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
     tr, model, rank = rp.train, rp.model, rp.rank
     device = comms.device
     reporting = rp.reports
-    restored = restore(rp, resume) if resume else None
+    restored = restore(rp, resume, progress=reporting and not quiet) if resume else None
     if restored and reporting and not quiet:
         print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
     first = restored.step if restored else 0
@@ -175,16 +175,17 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             if metrics_file is not None:
                 append_line(metrics_file, m.json())
             if scalars is not None:
-                for tag in ("loss", "valid_loss", "lr", "grad_norm"):
-                    if getattr(m, tag) is not None:
-                        scalars.add_scalar(f"train/{tag}", getattr(m, tag), m.step)
+                for tag, value in tensorboard_scalars(m).items():
+                    scalars.add_scalar(f"train/{tag}", value, m.step)
             if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
                 progress.update(m)
             elif progress is not None:
                 progress.tokens += m.tokens
             if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
-                save_checkpoint(rp, state, optimizer, checkpoint_dir, done)
+                save_checkpoint(rp, state, optimizer, checkpoint_dir, done, progress=reporting and not quiet)
                 last_save = checkpoint.step_folder(checkpoint_dir, done)
+                if reporting and not quiet:  # rank 0: the save is complete (its meta.json written) when it returns
+                    print(f"saved {last_save} (step {done} of {tr.steps})", flush=True)
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:

@@ -54,6 +54,21 @@ def duration(seconds: float) -> str:
     return f"{s // 86400}d {clock}" if s >= 86400 else clock
 
 
+def tensorboard_scalars(m: StepMetrics) -> dict[str, float]:
+    """What ``--tensorboard`` writes of a step (as ``train/<name>`` at step ``m.step``): every number of its
+    ``--metrics-jsonl`` record but the step, and the throughput, tokens_per_second (tokens / seconds)."""
+    values = {k: v for k, v in json.loads(m.json()).items() if k != "step"}
+    values["tokens_per_second"] = m.tokens / m.seconds if m.seconds > 0 else 0.0
+    return values
+
+
+def _summary_writer(directory: str):
+    """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(directory)
+
+
 def summary_writer(directory: str):
     """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
     from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,98 @@
+"""The README's sample outputs cannot go stale: the losses it quotes are the ones the runs print.
+
+- The quickstart block (400 steps, about a minute) is checked against ``docs/samples/quickstart.txt``, the
+  run's output as ``docs/samples/make.py`` recorded it (``make.py --check`` reruns it against the record);
+  its loss floor is computed here.
+- The own-text run (``layouts/examples/own_text.toml``, 300 steps on ``docs/samples/own_text_data.txt``, a frozen copy of
+  the README) is run here, in the multiprocess tier (about a minute on 2 cores). It trained on the README
+  itself once: then every edit of the README moved the losses the README quotes (by up to 0.2 nat for one new
+  line, 0.07 for two digits replaced), so no quoted number could stay true.
+
+Throughput and ETA depend on the machine and are never compared; a failure says the line to put in the README.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness import ROOT, free_port
+from hetero_llm import layout as layout_mod
+from hetero_llm.data import batches as data
+
+README = ROOT / "README.md"
+spec = importlib.util.spec_from_file_location("samples_make", ROOT / "docs" / "samples" / "make.py")
+make = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(make)
+
+
+def quickstart_block() -> list[str]:
+    """The console lines the README's quickstart section shows (without its '...' elisions)."""
+    section = README.read_text().split("## Fresh machine", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"What you should see.*?\n```\n(.*?)\n```", section, flags=re.S).group(1)
+    return [line for line in block.splitlines() if line.strip() != "..."]
+
+
+def test_readme_quickstart_block_quotes_the_recorded_run():
+    recorded = make.QUICKSTART.read_text().splitlines()
+    shown = {make.deterministic(line) for line in recorded}
+    position = -1
+    for line in quickstart_block():
+        if make.deterministic(line) not in shown:
+            key = line.split("|", 1)[0] if line.startswith("step ") else line.split(":", 1)[0]
+            actual = next((r for r in recorded if r.startswith(key)), "(no such line)")
+            pytest.fail(f"README.md's quickstart block shows\n  {line}\nbut the quickstart prints "
+                        f"({make.QUICKSTART.relative_to(ROOT)})\n  {actual}\nput that line in the README (its tok/s and "
+                        f"ETA may stay as they are: they depend on the machine)")
+        index = [make.deterministic(r) for r in recorded].index(make.deterministic(line))
+        assert index > position, f"README.md's quickstart block shows {line!r} out of order"
+        position = index
+    assert quickstart_block()[0] == recorded[0]  # the command's own first line, as the README runs it
+
+
+def test_recorded_quickstart_has_the_grammars_loss_floor():
+    """quickstart.txt's floor line is what the code computes for the layout now (a cheap staleness check of the
+    record: the floor depends on the grammar and seq_len only)."""
+    lay = layout_mod.load(ROOT / "layouts" / "quickstart.toml")
+    source = data.make_source(lay.data, lay.file)
+    floor = source.loss_floor(lay.model.seq_len)
+    line = next(r for r in make.QUICKSTART.read_text().splitlines() if r.startswith("data: "))
+    assert f"loss floor {floor:.4f} nats/token" in line, (line, floor)
+    assert f"uniform guess: {math.log(source.vocab_size):.4f}" in line, line
+    # the prose: "within 0.1 nat of the floor 0.926"
+    assert f"the floor {floor:.3f}" in README.read_text()
+    last = [r for r in make.QUICKSTART.read_text().splitlines() if r.startswith("step ")][-1]
+    assert float(re.search(r"\| loss (\d+\.\d+)", last).group(1)) - floor < 0.1, last
+
+
+@pytest.mark.multiprocess
+def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
+    """``hetero-launch layouts/examples/own_text.toml`` run as the README says (on a copy of its text, so the token cache
+    lands here), its last line's losses compared with the ones the README quotes, at the README's 2 decimals."""
+    (tmp_path / "layouts").mkdir()
+    (tmp_path / "docs" / "samples").mkdir(parents=True)
+    shutil.copy(ROOT / "layouts" / "own_text.toml", tmp_path / "layouts")
+    shutil.copy(ROOT / "docs" / "samples" / "own_text_data.txt", tmp_path / "docs" / "samples")
+    steps = layout_mod.load(ROOT / "layouts" / "own_text.toml").train.steps
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", "layouts/examples/own_text.toml", "--set",
+                           f"cluster.port={free_port()}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    last = next(line for line in proc.stdout.splitlines() if line.startswith(f"step {steps:>5}/{steps} |"))
+    loss, valid = re.match(r"step +\d+/\d+ \| loss (\d+\.\d+) \| valid (\d+\.\d+) \|", last).groups()
+    want = f"`step {steps}/{steps} | loss {float(loss):.2f} | valid {float(valid):.2f} | ...`"
+    quoted = re.search(r"`step \d+/\d+ \| loss [\d.]+ \| valid [\d.]+ \| \.\.\.`", README.read_text())
+    assert quoted is not None, "README.md no longer quotes the own-text run's last line"
+    assert quoted.group(0) == want, (
+        f"README.md quotes {quoted.group(0)} for layouts/examples/own_text.toml, but it prints\n  {last}\nput {want} in "
+        f"the README")
