@@ -32,7 +32,26 @@ class OneLineCommand(click.Command):
             raise _UsageLine(f"{e.format_message().rstrip('.')} (see {command} --help)") from None
 
 
+def version_option(command: str):
+    """``--version``: print ``<command> <version>``, the version from the package's metadata (hetero_llm.__version__)."""
+    import hetero_llm
+
+    return click.version_option(hetero_llm.__version__, "--version", prog_name=command, message="%(prog)s %(version)s",
+                                help="Print the command's name and hetero_llm's version, and exit.")
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan and inf (which compare False with every bound, so pass it)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
 @click.command("hetero-launch", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-launch")
 @click.argument("layout_file", metavar="LAYOUT.toml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
@@ -167,6 +186,7 @@ def _checked_source(lay: layout_mod.Layout):
 
 
 @click.command("hetero-place", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-place")
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
               help="Write the placed layout here (the cluster file plus [[pipelines]]).")

@@ -15,7 +15,7 @@ import attrs
 import click
 
 from hetero_llm import checkpoint, hf, tokens
-from hetero_llm.cli import OneLineCommand
+from hetero_llm.cli import OneLineCommand, version_option
 from hetero_llm.errors import CheckpointError, LayoutError
 from hetero_llm.layout import DataSpec, ModelSpec, build, model_from_dict
 
@@ -73,6 +73,7 @@ def export_checkpoint(directory: str, out_dir: str) -> Path:
 
 
 @click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-export")
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--hf", "out", required=True, type=click.Path(file_okay=False), metavar="OUT_DIR",
               help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or "

@@ -7,10 +7,12 @@ import sys
 
 import click
 
+from hetero_llm.cli import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-plan", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-plan")
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
               help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).")

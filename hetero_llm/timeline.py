@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 from hetero_llm import outputs, trace as tracing
-from hetero_llm.cli import OneLineCommand
+from hetero_llm.cli import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.schedule import COMPUTE_KINDS, Action
 
@@ -171,7 +171,8 @@ def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, ba
     return [f"stage {s}" for s in range(stages)], result.rows(), title, result.summary()
 
 
-@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("python -m hetero_llm.timeline", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("python -m hetero_llm.timeline")
 @click.argument("trace_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the timeline PNG here.")
 @click.option("--chrome", type=click.Path(dir_okay=False), default=None,

@@ -32,7 +32,7 @@ import click
 import numpy as np
 
 from hetero_llm import tokens
-from hetero_llm.cli import OneLineCommand
+from hetero_llm.cli import OneLineCommand, version_option
 from hetero_llm.textcache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
 
@@ -238,6 +238,7 @@ def _progress_bar():
 
 
 @click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-tokenize")
 @click.argument("source", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
               help="Token file to write: .bin (raw, as nanoGPT) or .npy.")
