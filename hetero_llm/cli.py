@@ -84,6 +84,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     try:
         lay = layout_mod.load(layout_file, overrides)
         plan = compile_plan(lay)
+        envlaunch.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_*, MASTER_ADDR: one line
         rendezvous.endpoint(plan)  # a bad MASTER_PORT, or a master node without ranks: one line, before anything starts
         if rank is None and node is None and (given := envlaunch.assigned(os.environ)) is not None:
             envlaunch.check(plan, given)  # started by torchrun or srun: run the rank it gave this process
@@ -164,9 +165,9 @@ def _emulated_device():
         return None
     try:
         return EmulatedDevice.parse(spec)
-    except ValueError as e:
+    except ValueError as e:  # envlaunch.check_environment refused it already; kept for callers of its own
         example = "'*:gflops=100;tp_gbps=200;tp_latency_us=5'"
-        raise LayoutError("HETERO_EMULATE_DEVICE", "", f"{e} (e.g. {example})") from None
+        raise LayoutError("environment", "HETERO_EMULATE_DEVICE", f"{e} (e.g. {example})") from None
 
 
 def _checked_source(lay: layout_mod.Layout):
