@@ -78,7 +78,7 @@ class FiniteFloatRange(click.FloatRange):
 def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
-    from hetero_llm import dryrun, envlaunch, launch, optim_shards, rendezvous
+    from hetero_llm import dryrun, envlaunch, launch, optim_shards, params, rendezvous
     from hetero_llm.plan import compile_plan
 
     try:
@@ -98,6 +98,9 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launch.check_rank(plan, rank)
         elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
             ranks = launch.local_ranks(plan, node)
+        here = [rank] if rank is not None else ranks if node is not None or not dry_run else _ranks_here(plan)
+        params.check_memory(plan, here, device_memory=(lambda device: None) if dry_run else None)  # absurd sizes: one
+        # line, not a MemoryError in every rank (a dry run imports no torch, so it cannot ask a GPU's memory)
         outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_mod.for_resume(resume, lay)
@@ -149,6 +152,16 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     except KeyboardInterrupt:
         click.echo(launch.INTERRUPTED, err=True)
         sys.exit(130)
+
+
+def _ranks_here(plan) -> list[int]:
+    """The ranks of the nodes whose host is this machine (none: a dry run elsewhere)."""
+    from hetero_llm import launch
+
+    try:
+        return launch.local_ranks(plan, None)
+    except LayoutError:
+        return []
 
 
 def _emulated_device():
