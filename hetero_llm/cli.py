@@ -40,6 +40,12 @@ def version_option(command: str):
                                 help="Print the command's name and hetero_llm's version, and exit.")
 
 
+class WholeRange(click.IntRange):
+    """``click.IntRange`` whose error for a word says "is not a valid integer", as ``type=int`` does."""
+
+    name = "integer"
+
+
 class FiniteFloatRange(click.FloatRange):
     """``click.FloatRange`` that also refuses nan and inf (which compare False with every bound, so pass it)."""
 

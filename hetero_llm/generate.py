@@ -16,7 +16,7 @@ import click
 import torch
 import torch.nn.functional as F
 
-from hetero_llm.cli import FiniteFloatRange, OneLineCommand, version_option
+from hetero_llm.cli import FiniteFloatRange, OneLineCommand, WholeRange, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DataKind, Mlp, ModelSpec, Position
 from hetero_llm.model import Params, _apply_rope, _bias, _norm, _projections, block_params, head, rope_tables
@@ -134,14 +134,14 @@ class _Device(click.ParamType):
 @version_option("hetero-generate")
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--prompt", required=True, help="Text the model continues.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=None, show_default="64, or what fits",
+@click.option("--max-new-tokens", type=WholeRange(min=1), default=None, show_default="64, or what fits",
               help="Tokens to generate at most (fewer after an EOS); the prompt and them must fit in model.seq_len. "
                    "Default: 64, or as many as fit after the prompt.")
 @click.option("--temperature", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
               help="Softmax temperature; 0 = greedy (the likeliest token each time).")
-@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True,
+@click.option("--top-k", type=WholeRange(min=0), default=0, show_default=True,
               help="Sample among the K likeliest tokens only (0: all; at most model.vocab).")
-@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+@click.option("--seed", type=WholeRange(0, MAX_SEED), default=0, show_default=True,
               help="Seed of the sampling (0 to 2**64 - 1).")
 @click.option("--device", type=_Device(), default="cpu", show_default=True, help="Where to run: 'cpu' or 'cuda:N'.")
 def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, device):

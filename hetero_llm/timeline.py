@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 
 from hetero_llm import outputs, trace as tracing
-from hetero_llm.cli import FiniteFloatRange, OneLineCommand, version_option
+from hetero_llm.cli import FiniteFloatRange, OneLineCommand, WholeRange, version_option
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.schedule import COMPUTE_KINDS, Action
 
@@ -181,11 +181,11 @@ def _simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, ba
               help="Plot only this step of a measured trace (0-based; -1: the last). Default: all.")
 @click.option("--title", default=None, help="Title of the PNG.")
 @click.option("--simulate", "simulate_", is_flag=True, help="Simulate a schedule instead of reading a trace.")
-@click.option("--stages", type=click.IntRange(min=1), default=4, show_default=True, help="Simulated pipeline stages.")
-@click.option("--microbatches", type=click.IntRange(min=1), default=8, show_default=True, help="Simulated microbatches.")
+@click.option("--stages", type=WholeRange(min=1), default=4, show_default=True, help="Simulated pipeline stages.")
+@click.option("--microbatches", type=WholeRange(min=1), default=8, show_default=True, help="Simulated microbatches.")
 @click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zbh1"]), default="1f1b",
               show_default=True, help="Simulated schedule.")
-@click.option("--chunks", type=click.IntRange(min=1), default=None, help="Model chunks per stage for --schedule interleaved [2].")
+@click.option("--chunks", type=WholeRange(min=1), default=None, help="Model chunks per stage for --schedule interleaved [2].")
 @click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
               help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).")
 @click.option("--forward-ms", type=FiniteFloatRange(min=0), default=1.0, show_default=True, help="Simulated F time per stage.")
