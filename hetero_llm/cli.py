@@ -105,8 +105,7 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
             ranks = launch.local_ranks(plan, node)
         here = [rank] if rank is not None else ranks if node is not None or not dry_run else _ranks_here(plan)
-        params.check_memory(plan, here, device_memory=(lambda device: None) if dry_run else None)  # absurd sizes: one
-        # line, not a MemoryError in every rank (a dry run imports no torch, so it cannot ask a GPU's memory)
+        params.check_memory(plan, here)  # absurd sizes: one line, not a MemoryError in every rank
         outputs.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_mod.for_resume(resume, lay)

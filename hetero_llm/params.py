@@ -13,6 +13,7 @@ contiguous row range of each (a fused QKV shard would be three disjoint ranges).
 from __future__ import annotations
 
 import os
+import subprocess
 from typing import TYPE_CHECKING
 
 import attrs
@@ -186,7 +187,7 @@ def host_memory_bytes() -> int:
 def check_memory(plan: Plan, ranks: list[int], ram: int | None = None, device_memory=None) -> None:
     """Before ``ranks`` start here: refuse a layout whose estimated memory (``MEMORY_RULE``) exceeds this host's RAM
     (``ranks`` together) or a GPU's memory (``device_memory(device)``: its bytes, or None when unknown; by default
-    torch's answer when it has the device), naming the key that drives most of it and the largest value that fits."""
+    nvidia-smi's answer), naming the key that fits with the smallest change and the largest value of it that fits."""
     if not ranks:
         return
     ram = host_memory_bytes() if ram is None else ram
@@ -246,14 +247,19 @@ def _gib(n: int) -> str:
 
 
 def _gpu_memory(device: str) -> int | None:
-    """Bytes of a CUDA device's memory, or None where torch or the device is not there to ask."""
+    """Bytes of memory of CUDA device ``device`` ('cuda:N', N counted as CUDA_VISIBLE_DEVICES lists them), from
+    nvidia-smi: asking torch would initialize CUDA in the launcher, which its forked ranks cannot inherit. None
+    where nvidia-smi or the device is not there to ask."""
+    index = int(device.partition(":")[2] or 0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index >= len(ids) or not ids[index].isdigit():  # GPU UUIDs or MIG names: not asked
+            return None
+        index = int(ids[index])
     try:
-        import torch
-    except ImportError:
+        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None  # MiB
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
-    if not torch.cuda.is_available():
-        return None
-    index = torch.device(device).index or 0
-    if index >= torch.cuda.device_count():
-        return None
-    return torch.cuda.get_device_properties(index).total_memory

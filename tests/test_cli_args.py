@@ -302,3 +302,24 @@ def test_a_global_batch_that_cannot_be_allocated_is_one_line_before_start():
     assert f"of RAM on this host for rank(s) 0, 1, more than its {params.host_memory_bytes() / 2**30:.1f} GiB" \
         in proc.stderr
     assert params.MEMORY_RULE in proc.stderr
+
+
+def test_gpu_memory_comes_from_nvidia_smi_without_torch(tmp_path, monkeypatch):
+    """Asked of nvidia-smi (torch would initialize CUDA in the launcher, which forked ranks cannot inherit), by the
+    physical index CUDA_VISIBLE_DEVICES maps cuda:N to; unknown (not checked) without nvidia-smi."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text('#!/bin/sh\ncase "$1" in --id=3) echo 81559 ;; --id=0) echo 40960 ;; *) exit 6 ;; esac\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert params._gpu_memory("cuda:0") == 40960 * 2**20
+    assert params._gpu_memory("cuda:1") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")
+    assert params._gpu_memory("cuda:0") == 81559 * 2**20
+    assert params._gpu_memory("cuda") == 81559 * 2**20
+    assert params._gpu_memory("cuda:2") is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1e")
+    assert params._gpu_memory("cuda:0") is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert params._gpu_memory("cuda:0") is None
