@@ -42,7 +42,8 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
     """Every environment variable ``hetero-launch`` reads, checked before anything starts: a bad one is one
     ``LayoutError`` naming it, its value and what it expects (``environment: VAR: 'value' is not ...``).
     RANK / WORLD_SIZE / SLURM_* are checked by ``assigned`` when they are used, MASTER_PORT by
-    ``rendezvous.endpoint``; the variables of emulated devices against the layout's ``world_size`` ranks."""
+    ``rendezvous.endpoint``; the variables of emulated devices against the layout's ``world_size`` ranks.
+    (LOCAL_RANK is not read: a rank's device is the layout's.)"""
     from hetero_llm.layout_fields import host_address
 
     def refuse(var: str, expected: str) -> None:
@@ -57,10 +58,16 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
     error_dir = environ.get("HETERO_ERROR_DIR", "")
     if error_dir and not os.path.isdir(error_dir):
         refuse("HETERO_ERROR_DIR", "an existing folder (hetero-launch sets it for the ranks it starts; unset it)")
-    for var, what in (("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"), ("HETERO_LLM_CACHE", "token caches")):
+    for var, what in (("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"), ("HETERO_LLM_CACHE", "token caches"),
+                      ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks")):
         value = environ.get(var)
         if value is not None and (not os.path.isabs(value) or os.path.isfile(value)):
             refuse(var, f"the absolute path of a folder (for {what}; give one, or unset it)")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") not in ("True", "False"):
+        refuse("TORCHELASTIC_USE_AGENT_STORE", "True or False (torchrun sets it; unset it outside torchrun)")
+    restarts = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not restarts.strip().isdigit():
+        refuse("TORCHELASTIC_RESTART_COUNT", "a number of restarts (torchrun sets it; unset it outside torchrun)")
     address = environ.get("MASTER_ADDR", "")
     if address and host_address(address) is not None:
         refuse("MASTER_ADDR", "a host name or an IP address (e.g. 10.0.0.1, without a port: that is MASTER_PORT; "

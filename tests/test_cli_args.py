@@ -194,6 +194,11 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
      "one, or unset it)"),
     ("HETERO_LLM_CACHE", str(QUICKSTART), f"'{QUICKSTART}' is not the absolute path of a folder (for token caches; "
      "give one, or unset it)"),
+    ("XDG_CACHE_HOME", "cache", "'cache' is not the absolute path of a folder (for user caches, e.g. ~/.cache, as "
+     "the XDG spec asks; give one, or unset it)"),
+    ("TORCHELASTIC_USE_AGENT_STORE", "yes", "'yes' is not True or False (torchrun sets it; unset it outside torchrun)"),
+    ("TORCHELASTIC_RESTART_COUNT", "-1", "'-1' is not a number of restarts (torchrun sets it; unset it outside "
+     "torchrun)"),
     ("MASTER_ADDR", "10.0.0.1:29500", "'10.0.0.1:29500' is not a host name or an IP address (e.g. 10.0.0.1, without "
      "a port: that is MASTER_PORT; or unset it to meet at the master node's host)"),
     ("HETERO_EMULATE_SLOWDOWN", "*:fast", f"'*:fast': 'fast' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or "
