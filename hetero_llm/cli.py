@@ -33,7 +33,7 @@ class OneLineCommand(click.Command):
 
 
 def version_option(command: str):
-    """``--version``: print ``<command> <version>``, the version from the package's metadata (hetero_llm.__version__)."""
+    """``--version``: print ``<command> <version>``, the package metadata's version (hetero_llm.__version__)."""
     import hetero_llm
 
     return click.version_option(hetero_llm.__version__, "--version", prog_name=command, message="%(prog)s %(version)s",

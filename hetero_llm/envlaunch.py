@@ -61,7 +61,8 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
     for var, what in (("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"), ("HETERO_LLM_CACHE", "token caches"),
                       ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks")):
         value = environ.get(var)
-        if value is not None and (not os.path.isabs(value) or os.path.isfile(value)):
+        given = value or (value is not None and var == "HETERO_SHM_DIR")  # empty: the default, but not for shm
+        if given and (not os.path.isabs(value) or os.path.isfile(value)):
             refuse(var, f"the absolute path of a folder (for {what}; give one, or unset it)")
     if environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") not in ("True", "False"):
         refuse("TORCHELASTIC_USE_AGENT_STORE", "True or False (torchrun sets it; unset it outside torchrun)")
@@ -77,8 +78,8 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
             who, sep, spec = item.partition(":")
             problem = _emulation_problem(var, who.strip(), sep, spec, world_size)
             if problem:
-                raise LayoutError(ENVIRONMENT, var, f"'{environ[var]}': {problem} (write RANK:VALUE entries separated by "
-                                  f"commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})")
+                raise LayoutError(ENVIRONMENT, var, f"'{environ[var]}': {problem} (write RANK:VALUE entries "
+                                  f"separated by commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})")
 
 
 def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int) -> str | None:

@@ -161,8 +161,8 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
                               f"{s.model.vocab} (model.vocab)")
         room = s.model.seq_len - len(ids)
         if room < 1:
-            raise LayoutError(str(s.ckpt.path), "--prompt", f"{len(ids)} tokens leave no room for new ones in model.seq_len "
-                              f"{s.model.seq_len}, the positions the model was trained on (give at most "
+            raise LayoutError(str(s.ckpt.path), "--prompt", f"{len(ids)} tokens leave no room for new ones in "
+                              f"model.seq_len {s.model.seq_len}, the positions the model was trained on (give at most "
                               f"{s.model.seq_len - 1} tokens)")
         if max_new_tokens is None:  # the default: as many as fit, up to 64
             max_new_tokens = min(DEFAULT_NEW_TOKENS, room)

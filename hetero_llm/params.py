@@ -124,8 +124,9 @@ def count_params(model: ModelSpec) -> int:
 
 
 MEMORY_RULE = ("estimate: 8 B per token id of the step's batch on every rank, 16 B per parameter of a rank for "
-               "weights, gradients and AdamW moments (ZeRO-1: their share), and one microbatch's activations at 4 B per position, layer and "
-               "hidden unit plus its logits; the key named is the one that fits with the smallest change")
+               "weights, gradients and AdamW moments (ZeRO-1: their share), and one microbatch's activations at 4 B "
+               "per position, layer and hidden unit plus its logits; the key named is the one that fits with the "
+               "smallest change")
 # The key that drives each part of the estimate: named when no one key can be made small enough alone
 MEMORY_KEYS = {"tokens": "train.global_batch", "activations": "train.global_batch", "blocks": "model.hidden",
                "embeddings": "model.vocab", "logits": "model.vocab"}
@@ -195,7 +196,8 @@ def check_memory(plan: Plan, ranks: list[int], ram: int | None = None, device_me
     for device in sorted({plan.ranks[r].device for r in ranks} - {"cpu"}):
         capacity = (device_memory or _gpu_memory)(device)
         if capacity:
-            groups.append(([r for r in ranks if plan.ranks[r].device == device], False, capacity, f"memory on {device}"))
+            mine = [r for r in ranks if plan.ranks[r].device == device]
+            groups.append((mine, False, capacity, f"memory on {device}"))
     for which, on_host, capacity, where in groups:
         parts = _placed_parts(plan, which, on_host)
         need = sum(parts.values())
@@ -258,8 +260,8 @@ def _gpu_memory(device: str) -> int | None:
             return None
         index = int(ids[index])
     try:
-        out = subprocess.run(["nvidia-smi", f"--id={index}", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
+        query = ["nvidia-smi", f"--id={index}", "--query-gpu=memory.total", "--format=csv,noheader,nounits"]
+        out = subprocess.run(query, capture_output=True, text=True, timeout=30)
         return int(out.stdout.split()[0]) * 2**20 if out.returncode == 0 else None  # MiB
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None

@@ -192,6 +192,8 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
      "(hetero-launch sets it for the ranks it starts; unset it)"),
     ("HETERO_SHM_DIR", "shm", "'shm' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give "
      "one, or unset it)"),
+    ("HETERO_SHM_DIR", "", "'' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give "
+     "one, or unset it)"),
     ("HETERO_LLM_CACHE", str(QUICKSTART), f"'{QUICKSTART}' is not the absolute path of a folder (for token caches; "
      "give one, or unset it)"),
     ("XDG_CACHE_HOME", "cache", "'cache' is not the absolute path of a folder (for user caches, e.g. ~/.cache, as "
@@ -205,7 +207,8 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
      "'1:2,*:1')"),
     ("HETERO_EMULATE_SLOWDOWN", "*:0.5", f"'*:0.5': '0.5' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or "
      "'1:2,*:1')"),
-    ("HETERO_EMULATE_JITTER", "5:0.1", f"'5:0.1': '5' is not '*' or one of the layout's ranks 0..1 {EMULATION}'*:0.6')"),
+    ("HETERO_EMULATE_JITTER", "5:0.1", f"'5:0.1': '5' is not '*' or one of the layout's ranks 0..1 {EMULATION}"
+     "'*:0.6')"),
     ("HETERO_EMULATE_JITTER", "0.1", f"'0.1': '0.1' has no ':' {EMULATION}'*:0.6')"),
     ("HETERO_EMULATE_ACTION_S", "*:F=1;X=2", f"'*:F=1;X=2': 'X' is not a compute action (F, B, I or W) {EMULATION}"
      "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008')"),
@@ -222,6 +225,7 @@ def test_bad_environment_variable_is_one_line(monkeypatch, var, value, message):
 def test_good_environment_variables_pass(monkeypatch, tmp_path):
     for var, value in [("OMP_NUM_THREADS", "2"), ("HETERO_DEBUG", "0"), ("HETERO_SHM_DIR", str(tmp_path)),
                        ("HETERO_LLM_CACHE", str(tmp_path / "cache")), ("MASTER_ADDR", "127.0.0.1"),
+                       ("XDG_CACHE_HOME", ""),
                        ("HETERO_EMULATE_SLOWDOWN", "*:1.5,1:2"), ("HETERO_EMULATE_JITTER", "0:0.3"),
                        ("HETERO_EMULATE_ACTION_S", "*:F=0.02;B=0.04")]:
         monkeypatch.setenv(var, value)
