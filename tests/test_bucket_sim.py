@@ -176,8 +176,9 @@ def test_dry_run_shows_the_simulated_step_and_refuses_a_bad_device(monkeypatch):
         assert line in out
     monkeypatch.setenv("HETERO_EMULATE_DEVICE", "*:gflops=2;speed=3")
     assert_one_error_line(invoke_cli(THREE, "--dry-run"),
-                          "HETERO_EMULATE_DEVICE: emulated device: unknown key 'speed' (known: gflops, tp_gbps, "
-                          "tp_latency_us) (e.g. '*:gflops=100;tp_gbps=200;tp_latency_us=5')")
+                          "environment: HETERO_EMULATE_DEVICE: '*:gflops=2;speed=3': emulated device: unknown key "
+                          "'speed' (known: gflops, tp_gbps, tp_latency_us) (write RANK:VALUE entries separated by "
+                          "commas, RANK a rank or '*', e.g. '*:gflops=100;tp_gbps=200;tp_latency_us=5')")
 
 
 def test_the_runtime_reads_an_emulated_device_per_rank(monkeypatch):

@@ -201,7 +201,7 @@ def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
          "error: order.txt/x.png: --out: '{cwd}/order.txt' is a file, so no folder can be made under it "
          "(give another path)\n"),
         (["--simulate", "--stages", "two", "--out", "x.png"], 2,
-         "error: Invalid value for '--stages': 'two' is not a valid integer (see main --help)\n"),
+         "error: Invalid value for '--stages': 'two' is not a valid integer (see python -m hetero_llm.timeline --help)\n"),
     ],
 )
 def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str) -> None:

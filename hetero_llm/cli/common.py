@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import click
 
 
@@ -22,3 +24,27 @@ class OneLineCommand(click.Command):
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx is not None else info_name
             raise _UsageLine(f"{e.format_message().rstrip('.')} (see {command} --help)") from None
+
+
+def version_option(command: str):
+    """``--version``: print ``<command> <version>``, the package metadata's version (hetero_llm.__version__)."""
+    import hetero_llm
+
+    return click.version_option(hetero_llm.__version__, "--version", prog_name=command, message="%(prog)s %(version)s",
+                                help="Print the command's name and hetero_llm's version, and exit.")
+
+
+class WholeRange(click.IntRange):
+    """``click.IntRange`` whose error for a word says "is not a valid integer", as ``type=int`` does."""
+
+    name = "integer"
+
+
+class FiniteFloatRange(click.FloatRange):
+    """``click.FloatRange`` that also refuses nan and inf (which compare False with every bound, so pass it)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv

@@ -6,13 +6,14 @@ import sys
 
 import click
 
-from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop import export
 from hetero_llm.launch import preflight
 
 
 @click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-export")
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--hf", "out", required=True, type=click.Path(file_okay=False), metavar="OUT_DIR",
               help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or "

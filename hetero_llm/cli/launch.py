@@ -11,12 +11,13 @@ import click
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders as checkpoint_folders
-from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.launch import preflight
 
 
 @click.command("hetero-launch", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-launch")
 @click.argument("layout_file", metavar="LAYOUT.toml")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
@@ -45,13 +46,14 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
          quiet, tensorboard):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.comm import rendezvous
-    from hetero_llm.launch import external, node as launcher
+    from hetero_llm.launch import external, memory, node as launcher
     from hetero_llm.plan import compile_plan, describe, zero1_slices
     from hetero_llm.runtime import emulation
 
     try:
         lay = preflight.load_layout(layout_file, overrides)
         plan = compile_plan(lay)
+        external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_*, MASTER_ADDR: one line
         rendezvous.endpoint(plan)  # a bad MASTER_PORT, or a master node without ranks: one line, before anything starts
         if rank is None and node is None and (given := external.assigned(os.environ)) is not None:
             external.check(plan, given)  # started by torchrun or srun: run the rank it gave this process
@@ -65,6 +67,8 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
             launcher.check_rank(plan, rank)
         elif node is not None or not dry_run:  # a dry run on a machine that is no node of the cluster is fine
             ranks = launcher.local_ranks(plan, node)
+        here = [rank] if rank is not None else ranks if node is not None or not dry_run else _ranks_here(plan)
+        memory.check_memory(plan, here)  # absurd sizes: one line, not a MemoryError in every rank
         preflight.check_run_paths(lay, metrics_jsonl, checkpoint, trace, resume, tensorboard)
         if resume:  # checked here, before any rank starts; every rank then reads the same step folder
             ckpt = checkpoint_folders.for_resume(resume, lay)
@@ -117,6 +121,16 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
     except KeyboardInterrupt:
         click.echo(launcher.INTERRUPTED, err=True)
         sys.exit(130)
+
+
+def _ranks_here(plan) -> list[int]:
+    """The ranks of the nodes whose host is this machine (none: a dry run elsewhere)."""
+    from hetero_llm.launch import node as launcher
+
+    try:
+        return launcher.local_ranks(plan, None)
+    except LayoutError:
+        return []
 
 
 if __name__ == "__main__":

@@ -7,12 +7,13 @@ from pathlib import Path
 
 import click
 
-from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight as outputs
 
 
 @click.command("hetero-place", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-place")
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out", required=True, type=click.Path(dir_okay=False),
               help="Write the placed layout here (the cluster file plus [[pipelines]]).")

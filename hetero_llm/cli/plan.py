@@ -8,11 +8,13 @@ from pathlib import Path
 
 import click
 
+from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.profile import measure, write
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("hetero-plan", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-plan")
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
               help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).")

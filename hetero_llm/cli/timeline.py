@@ -10,14 +10,15 @@ from pathlib import Path
 import click
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, version_option
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.launch import preflight as outputs
 from hetero_llm.predict import trace as tracing
 from hetero_llm.predict.timeline import plot_timeline, simulated
 
 
-@click.command(cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("python -m hetero_llm.timeline", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("python -m hetero_llm.timeline")
 @click.argument("trace_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the timeline PNG here.")
 @click.option("--chrome", type=click.Path(dir_okay=False), default=None,
@@ -26,18 +27,18 @@ from hetero_llm.predict.timeline import plot_timeline, simulated
               help="Plot only this step of a measured trace (0-based; -1: the last). Default: all.")
 @click.option("--title", default=None, help="Title of the PNG.")
 @click.option("--simulate", "simulate_", is_flag=True, help="Simulate a schedule instead of reading a trace.")
-@click.option("--stages", type=int, default=4, show_default=True, help="Simulated pipeline stages.")
-@click.option("--microbatches", type=int, default=8, show_default=True, help="Simulated microbatches.")
+@click.option("--stages", type=WholeRange(min=1), default=4, show_default=True, help="Simulated pipeline stages.")
+@click.option("--microbatches", type=WholeRange(min=1), default=8, show_default=True, help="Simulated microbatches.")
 @click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zbh1"]), default="1f1b",
               show_default=True, help="Simulated schedule.")
-@click.option("--chunks", type=int, default=None, help="Model chunks per stage for --schedule interleaved [2].")
+@click.option("--chunks", type=WholeRange(min=1), default=None, help="Model chunks per stage for --schedule interleaved [2].")
 @click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
               help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).")
-@click.option("--forward-ms", type=float, default=1.0, show_default=True, help="Simulated F time per stage.")
-@click.option("--backward-ms", type=float, default=2.0, show_default=True, help="Simulated B time per stage.")
-@click.option("--weight-ms", type=float, default=None,
+@click.option("--forward-ms", type=FiniteFloatRange(min=0), default=1.0, show_default=True, help="Simulated F time per stage.")
+@click.option("--backward-ms", type=FiniteFloatRange(min=0), default=2.0, show_default=True, help="Simulated B time per stage.")
+@click.option("--weight-ms", type=FiniteFloatRange(min=0), default=None,
               help="W part of --backward-ms where a schedule splits backwards into I and W [half of it].")
-@click.option("--latency-ms", type=float, default=0.0, show_default=True, help="Simulated p2p latency per link.")
+@click.option("--latency-ms", type=FiniteFloatRange(min=0), default=0.0, show_default=True, help="Simulated p2p latency per link.")
 def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, kind, chunks, schedule_file,
          forward_ms, backward_ms, weight_ms, latency_ms):
     """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""

@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from hetero_llm.cli.common import OneLineCommand
+from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
@@ -42,6 +42,7 @@ class _TokenizeProgress:
 
 
 @click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@version_option("hetero-tokenize")
 @click.argument("source", metavar="INPUT", type=click.Path(dir_okay=False))
 @click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
               help="Token file to write: .bin (raw, as nanoGPT) or .npy.")

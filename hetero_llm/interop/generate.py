@@ -89,10 +89,10 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
     logits = forward(params, model, torch.tensor([prompt], device=device), cache)[0, -1]
     out: list[int] = []
     for _ in range(max_new_tokens):
-        if temperature == 0:
-            token = int(logits.argmax())
+        scaled = logits.float() / temperature if temperature else logits
+        if temperature == 0 or not torch.isfinite(scaled).all():  # greedy (or a temperature so small that the
+            token = int(logits.argmax())                          # logits overflow: its limit, greedy too)
         else:
-            scaled = logits.float() / temperature
             if top_k:
                 kth = scaled.topk(min(top_k, scaled.numel())).values[-1]
                 scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -15,6 +15,8 @@ restart (torchrun ``--max-restarts``, a requeued SLURM job): resume from the new
 
 from __future__ import annotations
 
+import math
+import os
 import socket
 from pathlib import Path
 from typing import Mapping
@@ -27,6 +29,95 @@ from hetero_llm.launch.node import is_local_host
 from hetero_llm.plan import Plan
 
 AUTO = "auto"
+ENVIRONMENT = "environment"  # the 'file' of an error about an environment variable
+EMULATION_EXAMPLES = {  # the variables of emulated devices (runtime.Emulation), "RANK:VALUE,...", RANK a rank or '*'
+    "HETERO_EMULATE_SLOWDOWN": "'*:1.5' or '1:2,*:1'",
+    "HETERO_EMULATE_JITTER": "'*:0.6'",
+    "HETERO_EMULATE_ACTION_S": "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008'",
+    "HETERO_EMULATE_DEVICE": "'*:gflops=100;tp_gbps=200;tp_latency_us=5'",
+}
+
+
+def check_environment(environ: Mapping[str, str], world_size: int) -> None:
+    """Every environment variable ``hetero-launch`` reads, checked before anything starts: a bad one is one
+    ``LayoutError`` naming it, its value and what it expects (``environment: VAR: 'value' is not ...``).
+    RANK / WORLD_SIZE / SLURM_* are checked by ``assigned`` when they are used, MASTER_PORT by
+    ``rendezvous.endpoint``; the variables of emulated devices against the layout's ``world_size`` ranks.
+    (LOCAL_RANK is not read: a rank's device is the layout's.)"""
+    from hetero_llm.layout.fields import host_address
+
+    def refuse(var: str, expected: str) -> None:
+        raise LayoutError(ENVIRONMENT, var, f"'{environ[var]}' is not {expected}")
+
+    threads = environ.get("OMP_NUM_THREADS", "")
+    if threads and not (threads.strip().isdigit() and int(threads) >= 1):
+        refuse("OMP_NUM_THREADS", "a whole number of CPU threads >= 1 (e.g. 4; unset it to share this host's "
+               "cores among its ranks)")
+    if environ.get("HETERO_DEBUG", "") not in ("", "0", "1"):
+        refuse("HETERO_DEBUG", "0 or 1 (1: a rank's unexpected error is raised with its traceback)")
+    error_dir = environ.get("HETERO_ERROR_DIR", "")
+    if error_dir and not os.path.isdir(error_dir):
+        refuse("HETERO_ERROR_DIR", "an existing folder (hetero-launch sets it for the ranks it starts; unset it)")
+    for var, what in (("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"), ("HETERO_LLM_CACHE", "token caches"),
+                      ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks")):
+        value = environ.get(var)
+        given = value or (value is not None and var == "HETERO_SHM_DIR")  # empty: the default, but not for shm
+        if given and (not os.path.isabs(value) or os.path.isfile(value)):
+            refuse(var, f"the absolute path of a folder (for {what}; give one, or unset it)")
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") not in ("True", "False"):
+        refuse("TORCHELASTIC_USE_AGENT_STORE", "True or False (torchrun sets it; unset it outside torchrun)")
+    restarts = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if not restarts.strip().isdigit():
+        refuse("TORCHELASTIC_RESTART_COUNT", "a number of restarts (torchrun sets it; unset it outside torchrun)")
+    address = environ.get("MASTER_ADDR", "")
+    if address and host_address(address) is not None:
+        refuse("MASTER_ADDR", "a host name or an IP address (e.g. 10.0.0.1, without a port: that is MASTER_PORT; "
+               "or unset it to meet at the master node's host)")
+    for var in EMULATION_EXAMPLES:
+        for item in filter(None, environ.get(var, "").split(",")):
+            who, sep, spec = item.partition(":")
+            problem = _emulation_problem(var, who.strip(), sep, spec, world_size)
+            if problem:
+                raise LayoutError(ENVIRONMENT, var, f"'{environ[var]}': {problem} (write RANK:VALUE entries "
+                                  f"separated by commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})")
+
+
+def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int) -> str | None:
+    """What is wrong with one ``RANK:VALUE`` entry of an emulation variable, or None."""
+    if not sep:
+        return f"'{who}' has no ':'"
+    if who != "*" and not (who.isdigit() and int(who) < world_size):
+        return f"'{who}' is not '*' or one of the layout's ranks 0..{world_size - 1}"
+    if var == "HETERO_EMULATE_DEVICE":
+        from hetero_llm.predict.device import EmulatedDevice
+
+        try:
+            EmulatedDevice.parse(spec)
+        except ValueError as e:
+            return str(e)
+        return None
+    if var == "HETERO_EMULATE_ACTION_S":
+        pairs = [(k.strip(), v) for k, _, v in (x.partition("=") for x in spec.split(";"))]
+        for kind, value in pairs:
+            if kind not in ("F", "B", "I", "W"):
+                return f"'{kind}' is not a compute action (F, B, I or W)"
+            if _number(value) is None or _number(value) < 0:
+                return f"{kind} = '{value}' is not a number of seconds >= 0"
+        return None
+    least = 1 if var == "HETERO_EMULATE_SLOWDOWN" else 0
+    if _number(spec) is None or _number(spec) < least:
+        what = "a slowdown factor >= 1" if least else "a jitter >= 0 (a fraction of the compute time)"
+        return f"'{spec}' is not {what}"
+    return None
+
+
+def _number(text: str) -> float | None:
+    """A finite float, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 @attrs.frozen

@@ -295,7 +295,7 @@ def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     except (LayoutError, RankFailure, KeyboardInterrupt):
         raise
     except Exception as e:  # one line on the console; the launcher has the traceback file
-        if os.environ.get("HETERO_DEBUG"):
+        if os.environ.get("HETERO_DEBUG", "0") not in ("", "0"):
             raise
         info = plan.ranks[rank]
         raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "

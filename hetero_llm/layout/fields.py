@@ -54,6 +54,11 @@ def at_least(minimum: int) -> Check:
     return Check(lambda v: v >= minimum, f"must be >= {minimum}, got {{v}}")
 
 
+def at_most(maximum: int, why: str) -> Check:
+    """``must be <= N`` of counts whose larger values cannot work, with the reason."""
+    return Check(lambda v: v <= maximum, f"must be <= {maximum}, got {{v}} ({why})")
+
+
 def each(rule: Rule) -> Rule:
     """``rule`` on every entry of an array, the failing entry named by its index."""
     def check(values: tuple) -> Problem:

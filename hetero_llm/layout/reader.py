@@ -163,7 +163,7 @@ def build(cls: type, table: Any, path: str, file: str) -> Any:
         elif kind == "enum":
             kwargs[f.name] = _enum(value, nested, where, file)
         else:
-            kwargs[f.name] = _value(value, kind, where, file)
+            kwargs[f.name] = _value(value, kind, where, file, f.metadata.get("checks", ()))
     return cls(**kwargs)
 
 
@@ -209,8 +209,9 @@ def _enum(value: Any, enum_cls: type[enum.Enum], where: str, file: str) -> enum.
     return enum_cls(value)
 
 
-def _value(value: Any, annotation: str, where: str, file: str) -> Any:
-    """One scalar or array of strings, checked against its annotation."""
+def _value(value: Any, annotation: str, where: str, file: str, checks: tuple = ()) -> Any:
+    """One scalar or array of strings, checked against its annotation (an integer written as a float: against the
+    key's own ``checks`` too, so that the fix offered is a value the key takes)."""
     if annotation in ("int", "float"):
         wanted = "an integer" if annotation == "int" else "a number"
         ok = (int,) if annotation == "int" else (int, float)
@@ -224,7 +225,8 @@ def _value(value: Any, annotation: str, where: str, file: str) -> Any:
                 if isinstance(unquoted, ok) and not isinstance(unquoted, bool):
                     fix = " (remove the quotes)"
             elif annotation == "int" and isinstance(value, float) and value.is_integer():
-                fix = f" (write {int(value)})"
+                problem = next((p for p in (rule(value) for rule in checks) if isinstance(p, str)), None)
+                fix = f", and {problem}" if problem else f" (write {int(value)})"
             raise LayoutError(file, where, f"expected {wanted}, got {type_name(value)}{fix}")
         if annotation == "float" and not math.isfinite(value):
             raise LayoutError(file, where, f"expected a finite number, got {value!r}")

@@ -178,6 +178,10 @@ def _validate_packing(layout: Layout) -> None:
     if d.packing is not Packing.DOCUMENTS:
         return
     _own(f, d, "data", "doc_len_median", "doc_len_sigma")
+    if d.kind is DataKind.TOKENS:  # documents are found by separators in text or JSONL lines (documents.py)
+        raise LayoutError(f, "data.packing", "'documents' finds whole documents in data.kind 'grammar', 'text' or "
+                          "'jsonl', not in a 'tokens' file (pack the text or JSONL file it was tokenized from, or set "
+                          "data.packing = 'none')")
     if layout.train.compile is Compile.BLOCKS:
         raise LayoutError(f, "train.compile", "'blocks' cannot compile packed documents (their attention groups "
                           "change shape every microbatch; set compile = 'none', or data.packing = 'none')")
@@ -346,6 +350,9 @@ def _validate_buckets(layout: Layout) -> None:
             validate(bucket_layout(layout, bi))
         except LayoutError as e:
             path = e.path
+            empty = [i for i, p in enumerate(b.pipelines) if p.batch < 1]
+            if path == "train.global_batch" and empty:  # the bucket's batches sum to 0: name its own pipeline's key
+                path = f"pipelines[{empty[0]}].batch"
             if path.startswith("pipelines"):
                 path = f"{at}.{path}"
             elif path in ("train.schedule", "train.chunks"):

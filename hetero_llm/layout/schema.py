@@ -15,7 +15,12 @@ import re
 
 import attrs
 
-from hetero_llm.layout.fields import IFNAME, NAME, Check, at_least, each, host_address, key, nccl_net, no_repeated_gpu
+from hetero_llm.layout.fields import (IFNAME, NAME, Check, at_least, at_most, each, host_address, key, nccl_net,
+                                      no_repeated_gpu)
+
+MAX_STEPS = 10**9  # train.steps and warmup_steps: more cannot finish
+STEPS_WHY = "a run of more steps cannot finish: 10^9 steps take 11.6 days even at 1 ms a step"
+
 
 class Schedule(str, enum.Enum):
     """Pipeline schedule kind (``train.schedule``)."""
@@ -201,7 +206,7 @@ class ModelSpec:
 class TrainSpec:
     """``[train]``: the optimization, identical for every layout of one model."""
 
-    steps: int = key("optimizer steps", check=at_least(1))
+    steps: int = key("optimizer steps (at most 10^9)", check=(at_least(1), at_most(MAX_STEPS, STEPS_WHY)))
     global_batch: int = key("sequences per step, summed over pipelines", check=at_least(1))
     seed: int = key("seed of initialization and data order", default=0, check=at_least(0))
     schedule: Schedule = key("'gpipe', '1f1b', 'interleaved' (with chunks), 'dynamic' (run what is ready), or "
@@ -212,7 +217,8 @@ class TrainSpec:
                       check=at_least(1))
     lr: float = key("peak learning rate (after warmup)", default=1e-3, check=at_least(0))
     min_lr: float = key("learning rate at the end of the cosine decay", default=1e-4, check=at_least(0))
-    warmup_steps: int = key("linear warmup steps from 0 to lr", default=0, check=at_least(0))
+    warmup_steps: int = key("linear warmup steps from 0 to lr", default=0,
+                            check=(at_least(0), at_most(MAX_STEPS, STEPS_WHY)))
     weight_decay: float = key("AdamW decoupled weight decay (matrices only)", default=0.0, check=at_least(0))
     beta1: float = key("AdamW beta1", default=0.9, check=BETA)
     beta2: float = key("AdamW beta2", default=0.95, check=BETA)

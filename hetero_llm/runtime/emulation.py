@@ -40,7 +40,7 @@ def dry_run_device() -> EmulatedDevice | None:
         return EmulatedDevice.parse(spec)
     except ValueError as e:
         example = "'*:gflops=100;tp_gbps=200;tp_latency_us=5'"
-        raise LayoutError(DEVICE_ENV, "", f"{e} (e.g. {example})") from None
+        raise LayoutError("environment", DEVICE_ENV, f"{e} (e.g. {example})") from None
 
 
 _KINDS_BY_VALUE = {kind.value: kind for kind in Kind}
