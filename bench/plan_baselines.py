@@ -1,7 +1,7 @@
 """Baseline planners for bench/plan_bench.py, each returning candidates our cost model scores.
 
-- ``hexiscale``: a re-implementation of HexiScale's planner (Relaxed-System-Lab/FlashFlex,
-  ``experimental/``; summarized in ../shared/REFERENCE.md), written from that description: METIS
+- ``hexiscale``: a re-implementation of HexiScale's planner as its public code (Relaxed-System-Lab/FlashFlex,
+  ``experimental/``) does it: METIS
   (pymetis) splits the GPUs into pipelines on a complete graph (vertex weight TFLOPS, edge weight
   1e10 / bandwidth), then each pipeline into K = 1 + Binomial(2, 0.2) stages (edge weight bandwidth);
   stages are ordered by its greedy top-3 path search (taking the *minimum*-weight path across starts,

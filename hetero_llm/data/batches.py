@@ -16,7 +16,7 @@ Two kinds of source, both with the same small interface (``vocab_size``, ``sampl
 
 ``global_batch`` makes the tokens of one step a pure function of (seed, step), identical on every
 process, and ``pipeline_share`` cuts out one pipeline's rows and its microbatches. This is what keeps
-the data side of training layout-invariant (see DESIGN.md).
+the data side of training layout-invariant (see docs/design.md).
 
 Imports numpy and the standard library only, so data can be inspected and tested without torch.
 """

@@ -1,0 +1,146 @@
+"""The tree keeps its architecture (docs/architecture.md): packages by layer, imports one way, no circle.
+
+Every import counts, wherever it stands: at the top of a module, inside a function (a lazy import is still
+a dependency) and under ``if TYPE_CHECKING:`` (a type-only import still ties two modules together). Torch-free.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hetero_llm"
+
+# Lowest first: a module may import its own layer and the layers before it, never a later one.
+LAYERS = [
+    ("hetero_llm", "hetero_llm.errors", "hetero_llm._fs", "hetero_llm.progress"),  # no hetero_llm imports
+    ("hetero_llm.data",),  # text, tokens, documents, the global batch: numpy only
+    ("hetero_llm.layout",),  # the user's TOML as frozen records, every rule checked
+    ("hetero_llm.schedule",),  # actions, generators, the validator
+    ("hetero_llm.model",),  # parameter names and shapes; the math
+    ("hetero_llm.plan",),  # a layout compiled: every rank's plan
+    ("hetero_llm.predict",),  # simulator, modelled devices, traces, timelines
+    ("hetero_llm.planner",),  # hetero-plan, hetero-place
+    ("hetero_llm.comm",),  # rendezvous, groups, p2p, shared memory, collectives
+    ("hetero_llm.runtime",),  # one rank's interpreter, state, optimizers, emulation
+    ("hetero_llm.checkpoint",),  # save folders and shard files
+    ("hetero_llm.interop",),  # Hugging Face in and out, generation
+    ("hetero_llm.switching",),  # hot switching
+    ("hetero_llm.train",),  # the step loop and what it reports
+    ("hetero_llm.launch",),  # checks before a run, starting and watching ranks
+    ("hetero_llm.cli", "hetero_llm.timeline"),  # command lines: nothing imports them
+]
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The hetero_llm modules ``name`` imports anywhere in its file (a name imported from a package that is a
+    module of it counts as that module)."""
+    tree = ast.parse(path.read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+EDGES = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _layer(module: str) -> int:
+    for index, names in enumerate(LAYERS):
+        if any(module == n or module.startswith(n + ".") and n != "hetero_llm" for n in names):
+            return index
+    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: place it (and in docs/architecture.md)")
+
+
+def _cycles() -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in EDGES[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(EDGES):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_scan_sees_every_kind_of_import():
+    """Top-level, function-local and TYPE_CHECKING imports are all edges (the scan must see what it checks)."""
+    assert "hetero_llm.comm.streams" in EDGES["hetero_llm.train.loop"]  # top level
+    assert "hetero_llm.interop.hf" in EDGES["hetero_llm.launch.preflight"]  # inside a function
+    assert "hetero_llm.plan.rank" in EDGES["hetero_llm.checkpoint.folders"]  # under TYPE_CHECKING
+
+
+def test_no_import_cycle():
+    assert _cycles() == []
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_imports_run_down_the_layers(module):
+    mine = _layer(module)
+    upward = sorted(t for t in EDGES[module] if _layer(t) > mine)
+    assert upward == [], f"{module} (layer {mine}) imports later layers: {upward}"
+
+
+def test_nothing_below_the_command_line_imports_it():
+    cli_layer = _layer("hetero_llm.cli")
+    users = sorted(m for m, targets in EDGES.items() if _layer(m) < cli_layer
+                   and any(t == "hetero_llm.cli" or t.startswith("hetero_llm.cli.") for t in targets))
+    assert users == []
+
+
+def test_no_module_is_over_500_lines():
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
