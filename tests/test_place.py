@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
@@ -17,7 +18,7 @@ from hetero_llm import layout
 from hetero_llm.cli.place import main as place_main
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import CROSS_DOMAIN
-from hetero_llm.planner.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
+from hetero_llm.planner.place import PlaceOptions, pipeline_specs, place, place_file
 from hetero_llm.plan import compile_plan
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch
@@ -182,15 +183,21 @@ def test_bad_options(tmp_path, options, where, message):
 
 def test_a_layout_with_pipelines_is_not_a_cluster_file():
     with pytest.raises(LayoutError) as info:
-        read_cluster_file(LAYOUTS / "planned" / "holmes_two_domains.toml")
+        layout.read_cluster_file(LAYOUTS / "planned" / "holmes_two_domains.toml", "placement")
     assert info.value.path == "pipelines"
 
 
-def test_example_layout_is_the_placement_of_its_cluster_file():
-    text, model, train, _, cluster = read_cluster_file(LAYOUTS / "clusters" / "two_domains.toml")
-    p = place("two_domains.toml", model, train, cluster, PlaceOptions())
-    assert (LAYOUTS / "planned" / "holmes_two_domains.toml").read_text().endswith(pipelines_toml(p))
-    check_rules(layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml"))
+def test_example_layout_is_the_placement_of_its_cluster_file(tmp_path):
+    src = LAYOUTS / "clusters" / "two_domains.toml"
+    _, _, sec = layout.read_cluster_file(src, "placement")
+    p = place("two_domains.toml", sec["model"], sec["train"], sec["cluster"], PlaceOptions())
+    committed = layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml")
+    assert committed.pipelines == pipeline_specs(p)
+    check_rules(committed)
+    out = tmp_path / "placed.toml"  # the whole written layout, not only its pipelines, is the committed one
+    place_file(src, out, PlaceOptions())
+    assert layout.load(out) == attrs.evolve(committed, file=str(out))
+    assert out.read_text().startswith("# Placed by hetero-place from two_domains.toml: 2 pipeline(s), TP 1, ")
 
 
 def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):

@@ -51,9 +51,8 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
             from hetero_llm.planner import buckets as bucket_plans, load_cluster
             bounds = bucket_plans.parse_bounds(buckets, load_cluster(cluster_file))  # bad bounds: before the search
         cluster, result = plan_file(cluster_file, top=top, profile_file=profile_file)
-        output.write_layout(cluster, out, result.best, result.score, result.seed_score)
-        if bounds:
-            bucket_plans.add_buckets(cluster, out, result.best, bounds)
+        planned = bucket_plans.propose(cluster, bounds, result.best) if bounds else ()
+        output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
