@@ -153,23 +153,31 @@ def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[t
 
     Every pipeline gets its own node, its stages' devices in order. ``schedule`` replaces train.schedule.
     """
-    model, train, data = _sections(common, path)
+    model, train, data = sections(common, path)
     if schedule:
         train = attrs.evolve(train, schedule=layout.Schedule(schedule))
-    nodes, pipes = [], []
-    for pi, (batch, mbs, stages) in enumerate(pipelines):
-        nodes.append(layout.NodeSpec(name=f"n{pi}", devices=("cpu",) * sum(tp for _, tp in stages)))
-        specs, d = [], 0
-        for layers, tp in stages:
-            specs.append(layout.StageSpec(layers=layers, devices=tuple(f"n{pi}:{d + i}" for i in range(tp))))
-            d += tp
-        pipes.append(layout.PipelineSpec(batch=batch, microbatches=mbs, stages=tuple(specs)))
-    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data,
-                              cluster=layout.ClusterSpec(nodes=tuple(nodes)), pipelines=tuple(pipes)), path)
+    cluster, pipes = own_nodes(pipelines)
+    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster, pipelines=pipes),
+                path)
     return path
 
 
-def _sections(common: str, path: Path) -> tuple[layout.ModelSpec, layout.TrainSpec, layout.DataSpec]:
+def own_nodes(pipelines: list[tuple[int, int, list[tuple[int, int]]]], device: str = "cpu", name: str = "n"
+              ) -> tuple[layout.ClusterSpec, tuple[layout.PipelineSpec, ...]]:
+    """The [cluster] and [[pipelines]] of pipelines [(batch, microbatches, [(layers, tp)])], each pipeline on a
+    node of its own (``n0``, ``n1``, ...) of ``device`` devices, its stages' devices in order."""
+    nodes, pipes = [], []
+    for pi, (batch, mbs, stages) in enumerate(pipelines):
+        nodes.append(layout.NodeSpec(name=f"{name}{pi}", devices=(device,) * sum(tp for _, tp in stages)))
+        specs, d = [], 0
+        for layers, tp in stages:
+            specs.append(layout.StageSpec(layers=layers, devices=tuple(f"{name}{pi}:{d + i}" for i in range(tp))))
+            d += tp
+        pipes.append(layout.PipelineSpec(batch=batch, microbatches=mbs, stages=tuple(specs)))
+    return layout.ClusterSpec(nodes=tuple(nodes)), tuple(pipes)
+
+
+def sections(common: str, path: Path | str = "<common>") -> tuple[layout.ModelSpec, layout.TrainSpec, layout.DataSpec]:
     """The [model], [train] and [data] tables of TOML text, typed as the loader types them (paths as written)."""
     raw = layout_toml.parse(common, str(path))
     assert set(raw) <= {"model", "train", "data"}, f"common sections hold more than [model]/[train]/[data]: {set(raw)}"
@@ -185,7 +193,7 @@ def common_sections(layout: Path) -> str:
 def rank0_off_master_layout(path: Path, hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"), timeout_s: float = 60) -> Path:
     """The reference model on two nodes, node0 the master: stage 0 (rank 0) on node1, stage 1 (rank 1) on node0,
     so the rendezvous is served by rank 1, not rank 0."""
-    model, train, data = _sections(common_sections(LAYOUTS / "reference" / "reference.toml"), path)
+    model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"), path)
     cluster = layout.ClusterSpec(nodes=(layout.NodeSpec(name="node0", host=hosts[0]),
                                         layout.NodeSpec(name="node1", host=hosts[1])), timeout_s=float(timeout_s))
     stages = (layout.StageSpec(layers=3, devices=("node1:0",)), layout.StageSpec(layers=3, devices=("node0:0",)))
