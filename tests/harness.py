@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 import attrs
 from click.testing import CliRunner
 
+from hetero_llm import layout
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.cli.launch import main
+from hetero_llm.layout import reader as layout_toml
 
 if TYPE_CHECKING:
     import torch
@@ -149,21 +151,38 @@ def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[t
                  schedule: str | None = None) -> Path:
     """A layout from ``common`` ([model]/[train]/[data]) and pipelines [(batch, microbatches, [(layers, tp)])].
 
-    Every pipeline gets its own node, its stages' devices in order.
+    Every pipeline gets its own node, its stages' devices in order. ``schedule`` replaces train.schedule.
     """
-    lines = [common.replace('schedule = "1f1b"', f'schedule = "{schedule}"') if schedule else common, "[cluster]"]
-    for pi, (_, _, stages) in enumerate(pipelines):
-        n = sum(tp for _, tp in stages)
-        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {json.dumps(['cpu'] * n)}"]
-    for pi, (batch, mbs, stages) in enumerate(pipelines):
-        lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {mbs}"]
-        d = 0
-        for layers, tp in stages:
-            devs = [f"n{pi}:{d + i}" for i in range(tp)]
-            d += tp
-            lines += ["[[pipelines.stages]]", f"layers = {layers}", f"devices = {json.dumps(devs)}"]
-    path.write_text("\n".join(lines) + "\n")
+    model, train, data = sections(common, path)
+    if schedule:
+        train = attrs.evolve(train, schedule=layout.Schedule(schedule))
+    cluster, pipes = own_nodes(pipelines)
+    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster, pipelines=pipes),
+                path)
     return path
+
+
+def own_nodes(pipelines: list[tuple[int, int, list[tuple[int, int]]]], device: str = "cpu", name: str = "n"
+              ) -> tuple[layout.ClusterSpec, tuple[layout.PipelineSpec, ...]]:
+    """The [cluster] and [[pipelines]] of pipelines [(batch, microbatches, [(layers, tp)])], each pipeline on a
+    node of its own (``n0``, ``n1``, ...) of ``device`` devices, its stages' devices in order."""
+    nodes, pipes = [], []
+    for pi, (batch, mbs, stages) in enumerate(pipelines):
+        nodes.append(layout.NodeSpec(name=f"{name}{pi}", devices=(device,) * sum(tp for _, tp in stages)))
+        specs, d = [], 0
+        for layers, tp in stages:
+            specs.append(layout.StageSpec(layers=layers, devices=tuple(f"{name}{pi}:{d + i}" for i in range(tp))))
+            d += tp
+        pipes.append(layout.PipelineSpec(batch=batch, microbatches=mbs, stages=tuple(specs)))
+    return layout.ClusterSpec(nodes=tuple(nodes)), tuple(pipes)
+
+
+def sections(common: str, path: Path | str = "<common>") -> tuple[layout.ModelSpec, layout.TrainSpec, layout.DataSpec]:
+    """The [model], [train] and [data] tables of TOML text, typed as the loader types them (paths as written)."""
+    raw = layout_toml.parse(common, str(path))
+    assert set(raw) <= {"model", "train", "data"}, f"common sections hold more than [model]/[train]/[data]: {set(raw)}"
+    return tuple(layout.build(cls, raw.get(name, {}), name, str(path))  # type: ignore[return-value]
+                 for name, cls in (("model", layout.ModelSpec), ("train", layout.TrainSpec), ("data", layout.DataSpec)))
 
 
 def common_sections(layout: Path) -> str:
@@ -174,27 +193,12 @@ def common_sections(layout: Path) -> str:
 def rank0_off_master_layout(path: Path, hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"), timeout_s: float = 60) -> Path:
     """The reference model on two nodes, node0 the master: stage 0 (rank 0) on node1, stage 1 (rank 1) on node0,
     so the rendezvous is served by rank 1, not rank 0."""
-    path.write_text(common_sections(LAYOUTS / "reference" / "reference.toml") + f"""[cluster]
-timeout_s = {timeout_s}
-[[cluster.nodes]]
-name = "node0"
-host = "{hosts[0]}"
-devices = ["cpu"]
-[[cluster.nodes]]
-name = "node1"
-host = "{hosts[1]}"
-devices = ["cpu"]
-
-[[pipelines]]
-batch = 12
-microbatches = 3
-[[pipelines.stages]]
-layers = 3
-devices = ["node1:0"]
-[[pipelines.stages]]
-layers = 3
-devices = ["node0:0"]
-""")
+    model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"), path)
+    cluster = layout.ClusterSpec(nodes=(layout.NodeSpec(name="node0", host=hosts[0]),
+                                        layout.NodeSpec(name="node1", host=hosts[1])), timeout_s=float(timeout_s))
+    stages = (layout.StageSpec(layers=3, devices=("node1:0",)), layout.StageSpec(layers=3, devices=("node0:0",)))
+    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster,
+                              pipelines=(layout.PipelineSpec(batch=12, microbatches=3, stages=stages),)), path)
     return path
 
 

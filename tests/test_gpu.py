@@ -20,12 +20,15 @@ import time
 import types
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 import torch.distributed as dist
 
-from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch
+from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch, sections
 from hetero_llm.comm import collectives
+from hetero_llm.layout import (Backend, ClusterSpec, Layout, NodeSpec, PipelineSpec, Schedule, StageSpec,
+                               dump)
 from hetero_llm.comm import p2p
 from hetero_llm.comm.groups import Comms
 from hetero_llm.plan import Route
@@ -297,17 +300,17 @@ ON_CUDA = ("--set", 'cluster.nodes[0].devices=["cuda:0"]')
 
 def one_gpu_layout(path: Path, stages: list[tuple[int, int]], microbatches: int, schedule: str = "1f1b") -> Path:
     """One pipeline over ``stages`` [(layers, tp)], every rank on cuda:0 (one node per rank), gloo."""
-    common = COMMON.replace('schedule = "1f1b"', f'schedule = "{schedule}"')
+    model, train, data = sections(COMMON, path)
     ranks = sum(tp for _, tp in stages)
-    lines = [common, "[cluster]", 'backend = "gloo"']
-    for r in range(ranks):
-        lines += ["[[cluster.nodes]]", f'name = "g{r}"', 'devices = ["cuda:0"]']
-    lines += ["[[pipelines]]", "batch = 12", f"microbatches = {microbatches}"]
-    r = 0
+    cluster = ClusterSpec(nodes=tuple(NodeSpec(name=f"g{r}", devices=("cuda:0",)) for r in range(ranks)),
+                          backend=Backend.GLOO)
+    specs, r = [], 0
     for layers, tp in stages:
-        lines += ["[[pipelines.stages]]", f"layers = {layers}", f"devices = {json.dumps([f'g{r + i}:0' for i in range(tp)])}"]
+        specs.append(StageSpec(layers=layers, devices=tuple(f"g{r + i}:0" for i in range(tp))))
         r += tp
-    path.write_text("\n".join(lines) + "\n")
+    dump(Layout(file=str(path), model=model, train=attrs.evolve(train, schedule=Schedule(schedule)), data=data,
+                cluster=cluster, pipelines=(PipelineSpec(batch=12, microbatches=microbatches, stages=tuple(specs)),)),
+         path)
     return path
 
 

@@ -10,50 +10,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
 from hetero_llm import layout
 from hetero_llm.cli.place import main as place_main
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import CROSS_DOMAIN
-from hetero_llm.planner.place import PlaceOptions, pipelines_toml, place, place_file, read_cluster_file
+from hetero_llm.layout import (CROSS_DOMAIN, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, ModelSpec,
+                               NodeSpec, Schedule, TrainSpec)
+from hetero_llm.planner.place import PlaceOptions, pipeline_specs, place, place_file
 from hetero_llm.plan import compile_plan
 
-from harness import LAYOUTS, assert_same_model, common_sections, launch
+from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
 
-MODEL = """[model]
-layers = {layers}
-hidden = 32
-heads = 4
-vocab = 64
-seq_len = 8
-[train]
-steps = 1
-global_batch = {batch}
-schedule = "{schedule}"
-chunks = {chunks}
-[data]
-kind = "grammar"
-"""
-
-
-def domain(name: str, kind: str = "ib") -> str:
-    return (f'[[cluster.domains]]\nname = "{name}"\nkind = "{kind}"\nbandwidth_gbps = 100\nlatency_us = 2\n'
-            'gloo_ifname = "dom0"\n')
+def domain(name: str, kind: str = "ib") -> DomainSpec:
+    return DomainSpec(name=name, kind=DomainKind(kind), bandwidth_gbps=100.0, latency_us=2.0, gloo_ifname="dom0")
 
 
 def cluster_text(nodes: list[tuple[str, str, int, float, float]], domains=("A", "B"), *, layers=4, batch=8,
                  schedule="1f1b", chunks=1) -> str:
     """``nodes``: (name, domain, devices, speed, memory_gb)."""
-    lines = [MODEL.format(layers=layers, batch=batch, schedule=schedule, chunks=chunks), "[cluster]"]
-    lines += [domain(d) for d in domains]
-    lines.append('[cluster.cross_domain]\ngloo_ifname = "xdom"\n')
-    for name, dom, n, speed, mem in nodes:
-        devs = ", ".join(['"cpu"'] * n)
-        lines += ["[[cluster.nodes]]", f'name = "{name}"', f"devices = [{devs}]", f"speed = {speed}",
-                  f"memory_gb = {mem}"] + ([f'domain = "{dom}"'] if domains else [])
-    return "\n".join(lines) + "\n"
+    model = ModelSpec(layers=layers, hidden=32, heads=4, vocab=64, seq_len=8)
+    train = TrainSpec(steps=1, global_batch=batch, schedule=Schedule(schedule), chunks=chunks)
+    cluster = ClusterSpec(nodes=tuple(NodeSpec(name=name, devices=("cpu",) * n, speed=float(speed),
+                                               memory_gb=float(mem), domain=dom if domains else "")
+                                      for name, dom, n, speed, mem in nodes),
+                          domains=tuple(domain(d) for d in domains), cross_domain=CrossDomainSpec(gloo_ifname="xdom"))
+    return layout.dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster})
 
 
 def placed(tmp_path: Path, text: str, **options):
@@ -182,15 +166,21 @@ def test_bad_options(tmp_path, options, where, message):
 
 def test_a_layout_with_pipelines_is_not_a_cluster_file():
     with pytest.raises(LayoutError) as info:
-        read_cluster_file(LAYOUTS / "planned" / "holmes_two_domains.toml")
+        layout.read_cluster_file(LAYOUTS / "planned" / "holmes_two_domains.toml", "placement")
     assert info.value.path == "pipelines"
 
 
-def test_example_layout_is_the_placement_of_its_cluster_file():
-    text, model, train, _, cluster = read_cluster_file(LAYOUTS / "clusters" / "two_domains.toml")
-    p = place("two_domains.toml", model, train, cluster, PlaceOptions())
-    assert (LAYOUTS / "planned" / "holmes_two_domains.toml").read_text().endswith(pipelines_toml(p))
-    check_rules(layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml"))
+def test_example_layout_is_the_placement_of_its_cluster_file(tmp_path):
+    src = LAYOUTS / "clusters" / "two_domains.toml"
+    _, _, sec = layout.read_cluster_file(src, "placement")
+    p = place("two_domains.toml", sec["model"], sec["train"], sec["cluster"], PlaceOptions())
+    committed = layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml")
+    assert committed.pipelines == pipeline_specs(p)
+    check_rules(committed)
+    out = tmp_path / "placed.toml"  # the whole written layout, not only its pipelines, is the committed one
+    place_file(src, out, PlaceOptions())
+    assert layout.load(out) == attrs.evolve(committed, file=str(out))
+    assert out.read_text().startswith("# Placed by hetero-place from two_domains.toml: 2 pipeline(s), TP 1, ")
 
 
 def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
@@ -210,13 +200,12 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
 @pytest.mark.multiprocess
 def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
     """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
-    common = common_sections(LAYOUTS / "reference" / "reference.toml")
-    cluster = "\n".join(["[cluster]", domain("fast"), domain("slow", "roce"),
-                         '[cluster.cross_domain]\ngloo_ifname = "xdom"',
-                         '[[cluster.nodes]]\nname = "f0"\ndevices = ["cpu", "cpu"]\nspeed = 2.0\ndomain = "fast"',
-                         '[[cluster.nodes]]\nname = "s0"\ndomain = "slow"',
-                         '[[cluster.nodes]]\nname = "s1"\ndomain = "slow"']) + "\n"
-    (tmp_path / "cluster.toml").write_text(common + cluster)
+    model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"))
+    cluster = ClusterSpec(nodes=(NodeSpec(name="f0", devices=("cpu", "cpu"), speed=2.0, domain="fast"),
+                                 NodeSpec(name="s0", domain="slow"), NodeSpec(name="s1", domain="slow")),
+                          domains=(domain("fast"), domain("slow", "roce")), cross_domain=CrossDomainSpec(gloo_ifname="xdom"))
+    (tmp_path / "cluster.toml").write_text(layout.dumps_cluster({"model": model, "train": train, "data": data,
+                                                                 "cluster": cluster}))
     place_file(tmp_path / "cluster.toml", tmp_path / "placed.toml", PlaceOptions())
     lay = layout.load(tmp_path / "placed.toml")
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]

@@ -16,12 +16,14 @@ import attrs
 import pytest
 
 from hetero_llm import schedule as sched
-from hetero_llm.layout import SHM, Schedule, loads
+from hetero_llm.layout import SHM, DataSpec, Layout, Mlp, ModelSpec, Norm, Position, Schedule, TrainSpec, dumps, loads
 from hetero_llm.model.params import all_params
 from hetero_llm.plan.describe import describe
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan
 from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
 from hetero_llm.schedule import Direction
+
+from harness import own_nodes
 
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
 
@@ -32,25 +34,13 @@ def make(pipes, *, hidden=24, heads=6, ffn=0, norm="layernorm", mlp="gelu", posi
 
     ``pipes``: one ``(batch, microbatches, [(layers, tp), ...])`` per pipeline.
     """
-    layers = sum(n for n, _ in pipes[0][2])
-    lines = [
-        "[model]", f"layers = {layers}", f"hidden = {hidden}", f"heads = {heads}", f"vocab = {vocab}",
-        "seq_len = 8", f"ffn = {ffn}", f'norm = "{norm}"', f'mlp = "{mlp}"', f'position = "{position}"',
-        "[train]", "steps = 1", f"global_batch = {sum(p[0] for p in pipes)}", f'schedule = "{schedule}"',
-        "[data]", 'kind = "grammar"', "grammar_vocab = 16",
-        "[cluster]",
-    ]
-    for pi, (_, _, stages) in enumerate(pipes):
-        devices = ", ".join(['"cpu"'] * sum(tp for _, tp in stages))
-        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = [{devices}]"]
-    for pi, (batch, microbatches, stages) in enumerate(pipes):
-        lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {microbatches}"]
-        used = 0
-        for n, tp in stages:
-            devices = ", ".join(f'"n{pi}:{used + t}"' for t in range(tp))
-            lines += ["[[pipelines.stages]]", f"layers = {n}", f"devices = [{devices}]"]
-            used += tp
-    return loads("\n".join(lines) + "\n", file="inline.toml")
+    model = ModelSpec(layers=sum(n for n, _ in pipes[0][2]), hidden=hidden, heads=heads, vocab=vocab, seq_len=8,
+                      ffn=ffn, norm=Norm(norm), mlp=Mlp(mlp), position=Position(position))
+    train = TrainSpec(steps=1, global_batch=sum(p[0] for p in pipes), schedule=Schedule(schedule))
+    cluster, pipelines = own_nodes(pipes)
+    made = Layout(file="inline.toml", model=model, train=train, data=DataSpec(grammar_vocab=16), cluster=cluster,
+                  pipelines=pipelines)
+    return loads(dumps(made), file="inline.toml")  # checked as the loader checks a file
 
 
 # ------------------------------------------------------------------------------------ ranks

@@ -12,12 +12,15 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+import attrs
 import pytest
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import load
+from hetero_llm.layout import DataSpec, Layout, ModelSpec, Schedule, TrainSpec, dump, load
 from hetero_llm.plan import compile_plan
+
+from harness import own_nodes
 
 LAYERS = 6
 MICROBATCHES = 6  # divisible by every depth below, so generated interleaved schedules exist
@@ -25,20 +28,16 @@ MICROBATCHES = 6  # divisible by every depth below, so generated interleaved sch
 
 def write(tmp: Path, schedule: str, chunks: int, pipes: list[tuple[list[int], str | None]]) -> Path:
     """A layout of 6 layers: ``pipes`` = [(stage layers, schedule file text or None)], one node each."""
-    lines = ["[model]", f"layers = {LAYERS}", "hidden = 16", "heads = 2", "vocab = 32", "seq_len = 8",
-             "[train]", "steps = 1", f"global_batch = {6 * len(pipes)}", f'schedule = "{schedule}"',
-             f"chunks = {chunks}", "[data]", 'kind = "grammar"', "grammar_vocab = 16", "[cluster]"]
-    for pi, (stages, _) in enumerate(pipes):
-        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {['cpu'] * len(stages)}".replace("'", '"')]
-    for pi, (stages, text) in enumerate(pipes):
-        lines += ["[[pipelines]]", "batch = 6", f"microbatches = {MICROBATCHES}"]
+    cluster, pipelines = own_nodes([(6, MICROBATCHES, [(layers, 1) for layers in stages]) for stages, _ in pipes])
+    for pi, (_, text) in enumerate(pipes):
         if text is not None:
             (tmp / f"order{pi}.txt").write_text(text)
-            lines.append(f'schedule_file = "order{pi}.txt"')
-        for si, layers in enumerate(stages):
-            lines += ["[[pipelines.stages]]", f"layers = {layers}", f'devices = ["n{pi}:{si}"]']
+    pipelines = tuple(attrs.evolve(p, schedule_file=f"order{pi}.txt") if text is not None else p
+                      for pi, (p, (_, text)) in enumerate(zip(pipelines, pipes)))
     path = tmp / "layout.toml"
-    path.write_text("\n".join(lines) + "\n")
+    dump(Layout(file=str(path), model=ModelSpec(layers=LAYERS, hidden=16, heads=2, vocab=32, seq_len=8),
+                train=TrainSpec(steps=1, global_batch=6 * len(pipes), schedule=Schedule(schedule), chunks=chunks),
+                data=DataSpec(grammar_vocab=16), cluster=cluster, pipelines=pipelines), path)
     return path
 
 

@@ -9,7 +9,6 @@ same domain next, the least-loaded among equals.
 
 from __future__ import annotations
 
-import json
 
 import numpy as np
 import pytest
@@ -18,6 +17,8 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.switching.transfers import holders, plan_switch
+
+from harness import sections
 
 MODEL = """[model]
 layers = 4
@@ -35,19 +36,18 @@ global_batch = 12
 def make_plan(pipelines: list[tuple[int, list[tuple[int, list[str]]]]], nodes: dict[str, int],
               domains: dict[str, str] | None = None):
     """A plan over ``nodes`` (name -> devices) with pipelines [(batch, [(layers, devices)])]."""
-    lines = [MODEL, "[cluster]"]
-    for kind in sorted(set((domains or {}).values())):
-        lines += ["[[cluster.domains]]", f'name = "{kind}"', 'kind = "ethernet"', "bandwidth_gbps = 10",
-                  "latency_us = 50"]
-    for name, n in nodes.items():
-        lines += ["[[cluster.nodes]]", f'name = "{name}"', f"devices = {json.dumps(['cpu'] * n)}"]
-        if domains:
-            lines.append(f'domain = "{domains[name]}"')
-    for batch, stages in pipelines:
-        lines += ["[[pipelines]]", f"batch = {batch}", "microbatches = 1"]
-        for layers, devices in stages:
-            lines += ["[[pipelines.stages]]", f"layers = {layers}", f"devices = {json.dumps(devices)}"]
-    return compile_plan(layout_mod.loads("\n".join(lines)))
+    model, train, data = sections(MODEL)
+    kinds = sorted(set((domains or {}).values()))
+    cluster = layout_mod.ClusterSpec(
+        nodes=tuple(layout_mod.NodeSpec(name=name, devices=("cpu",) * n, domain=(domains or {}).get(name, ""))
+                    for name, n in nodes.items()),
+        domains=tuple(layout_mod.DomainSpec(name=kind, kind=layout_mod.DomainKind.ETHERNET, bandwidth_gbps=10.0,
+                                            latency_us=50.0) for kind in kinds))
+    pipes = tuple(layout_mod.PipelineSpec(batch=batch, microbatches=1, stages=tuple(
+        layout_mod.StageSpec(layers=layers, devices=tuple(devices)) for layers, devices in stages))
+        for batch, stages in pipelines)
+    made = layout_mod.Layout(file="<string>", model=model, train=train, data=data, cluster=cluster, pipelines=pipes)
+    return compile_plan(layout_mod.loads(layout_mod.dumps(made)))
 
 
 FOUR = {"n0": 2, "n1": 2}

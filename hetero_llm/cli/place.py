@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from hetero_llm import layout
 from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight as outputs
@@ -26,9 +27,10 @@ def main(cluster_file, out, pipelines, tp, microbatches):
     from hetero_llm.planner import place
 
     try:
-        _, model, _, data, _ = place.read_cluster_file(cluster_file)
+        sections = layout.read_cluster_file(cluster_file, "placement")[2]
         outputs.check_output_file("--out", out, [("the cluster file", cluster_file),  # nor the files it names
-                                                 *outputs.spec_inputs(model, data, Path(cluster_file).parent)])
+                                                 *outputs.spec_inputs(sections["model"], sections["data"],
+                                                                     Path(cluster_file).parent)])
         placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)

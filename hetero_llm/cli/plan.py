@@ -58,9 +58,8 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
             from hetero_llm.planner import buckets as bucket_plans
             bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
         result = plan_cluster(cluster, top)
-        output.write_layout(cluster, out, result.best, result.score, result.seed_score)
-        if bounds:
-            bucket_plans.add_buckets(cluster, out, result.best, bounds)
+        planned = bucket_plans.propose(cluster, bounds, result.best) if bounds else ()
+        output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -9,6 +9,8 @@ The front of four modules, in data-flow order:
   typo such as ``train.stpes`` is the classic way a TOML config lies to its user).
 - ``layout_rules``: validation, the rules between keys and the order all rules run in.
 - ``cluster_file``: a layout without pipelines, read by hetero-place and hetero-plan.
+- ``writer``: the loader's inverse, ``dumps`` / ``dump`` (and ``dumps_cluster``): every TOML file the
+  package writes is written by it.
 
 Importers use this module (``from hetero_llm import layout``); it re-exports the schema's names.
 Imports no torch: ``--dry-run``, planning and most tests run anywhere.
@@ -32,14 +34,15 @@ from hetero_llm.layout.schema import (CROSS_DOMAIN, DEFAULT_TRANSPORT, MIN_TIMEO
                                       Norm, Optimizer, Packing, PipelineSpec, Position, Precision, Recompute,
                                       Schedule, StageSpec, TokenDtype, TrainSpec, bucket_layout,
                                       elastic_layout)
+from hetero_llm.layout.writer import dump, dumps, dumps_cluster
 
 __all__ = [
     "CROSS_DOMAIN", "DEFAULT_TRANSPORT", "MIN_TIMEOUT_S", "NCCL_VARIABLES", "P2P", "SHM", "SPLIT_BACKWARD_NO_COMPILE",
     "Backend", "BucketSpec", "ClusterSpec", "CommLib", "Compile", "CrossDomainSpec", "DataKind", "DataSpec",
     "DomainKind", "DomainSpec", "Layout", "LayoutError", "Mlp", "ModelSpec", "NodeSpec", "Norm", "Optimizer",
     "Packing", "PipelineSpec", "Position", "Precision", "Recompute", "Schedule", "StageSpec", "TokenDtype",
-    "TrainSpec", "build", "bucket_layout", "elastic_layout", "from_dict", "load", "loads", "model_from_dict",
-    "read_cluster_file", "schema_markdown", "spec_dict", "validate", "validate_cluster",
+    "TrainSpec", "build", "bucket_layout", "dump", "dumps", "dumps_cluster", "elastic_layout", "from_dict", "load",
+    "loads", "model_from_dict", "read_cluster_file", "schema_markdown", "spec_dict", "validate", "validate_cluster",
 ]
 
 build = layout_toml.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)

@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -80,28 +80,33 @@ def to_layout(raw: dict, file: str, base_dir: Path) -> Layout:
     if not isinstance(pipes, list) or not pipes:
         raise LayoutError(file, "pipelines", "expected one or more [[pipelines]] tables")
     pipelines = tuple(build(PipelineSpec, t, f"pipelines[{i}]", file) for i, t in enumerate(pipes))
-    pipelines = _resolve_schedule_files(pipelines, base_dir)
     buckets = raw.get("buckets", [])
     if not isinstance(buckets, list) or not buckets and "buckets" in raw:
         raise LayoutError(file, "buckets", "expected one or more [[buckets]] tables")
     buckets = tuple(build(BucketSpec, t, f"buckets[{i}]", file) for i, t in enumerate(buckets))
-    buckets = tuple(attrs.evolve(b, pipelines=_resolve_schedule_files(b.pipelines, base_dir)) for b in buckets)
-    if sections["model"].init_from:
-        sections["model"] = attrs.evolve(sections["model"], init_from=str(base_dir / sections["model"].init_from))
-    data = sections["data"]
+    layout = Layout(file=file, model=sections["model"], train=sections["train"], data=sections["data"],
+                    cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
+    return map_paths(layout, lambda p: str(base_dir / p))
+
+
+def map_paths(layout: Layout, fn: Callable[[str], str]) -> Layout:
+    """``layout`` with ``fn`` applied to every file path in it (the keys read relative to the layout file:
+    model.init_from, data.path, data.tokenizer unless 'bytes', data.valid_path, every schedule_file), the
+    ones left unset ('') untouched. The loader resolves them with it, the writer makes them relative again."""
+    def pipes(pipelines: tuple[PipelineSpec, ...]) -> tuple[PipelineSpec, ...]:
+        return tuple(attrs.evolve(p, schedule_file=fn(p.schedule_file)) if p.schedule_file else p for p in pipelines)
+
+    model, data = layout.model, layout.data
+    if model.init_from:
+        model = attrs.evolve(model, init_from=fn(model.init_from))
     if data.path:
-        data = attrs.evolve(data, path=str((base_dir / data.path)))
+        data = attrs.evolve(data, path=fn(data.path))
     if data.tokenizer != "bytes":
-        data = attrs.evolve(data, tokenizer=str(base_dir / data.tokenizer))
+        data = attrs.evolve(data, tokenizer=fn(data.tokenizer))
     if data.valid_path:
-        data = attrs.evolve(data, valid_path=str(base_dir / data.valid_path))
-    return Layout(file=file, model=sections["model"], train=sections["train"], data=data,
-                  cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
-
-
-def _resolve_schedule_files(pipelines: tuple[PipelineSpec, ...], base_dir: Path) -> tuple[PipelineSpec, ...]:
-    return tuple(attrs.evolve(p, schedule_file=str(base_dir / p.schedule_file)) if p.schedule_file else p
-                 for p in pipelines)
+        data = attrs.evolve(data, valid_path=fn(data.valid_path))
+    return attrs.evolve(layout, model=model, data=data, pipelines=pipes(layout.pipelines),
+                        buckets=tuple(attrs.evolve(b, pipelines=pipes(b.pipelines)) for b in layout.buckets))
 
 
 def check_keys(table: dict, allowed: list[str], path: str, file: str, what: str = "key") -> None:

@@ -13,15 +13,9 @@ from __future__ import annotations
 
 import math
 
-import os
-from pathlib import Path
-
 import attrs
 
-from hetero_llm import layout as layout_mod
-from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import Recompute
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import Candidate, Score
 
@@ -97,44 +91,3 @@ def elastic_unit(plan: Candidate) -> int | None:
     if plan.schedule not in ("1f1b", "zbh1") or any(p.microbatches < len(p.stages) for p in plan.pipelines):
         return None
     return math.gcd(*(p.microbatches for p in plan.pipelines))
-
-
-def buckets_toml(buckets: list[Bucket], default_recompute: bool) -> str:
-    """``[[buckets]]`` tables, shortest first (a bucket's pipeline ``batch`` is its share of the bucket's rows).
-    Every bucket but the shortest tops up its rows with shorter documents; a planned bucket is elastic where
-    ``elastic_unit`` allows, its shares cut to the smallest that keep the plan's proportions and rows per
-    microbatch (a step then pads to a multiple of that, not of the global batch)."""
-    lines = ["# ---- hot switching: a layout per document-length bucket (hetero-plan --buckets) ----"]
-    for i, b in enumerate(buckets):
-        top_up = ["top_up = true"] if i else []
-        if b.plan is None:
-            lines += [f"[[buckets]]                    # {b.why_home}", f"max_len = {b.max_len}", *top_up, ""]
-            continue
-        vs = f" (home layout: {b.why_home} s)" if b.why_home else ""
-        unit = elastic_unit(b.plan)
-        lines += [f"[[buckets]]                    # planned for rows of {b.max_len}: predicted step "
-                  f"{b.score.step_time:.4g} s on full rows{vs}",
-                  f"max_len = {b.max_len}", f'schedule = "{b.plan.schedule}"', f"chunks = {b.plan.chunks}",
-                  f"elastic = {'true' if unit else 'false'}", *top_up]
-        for pipe in b.plan.pipelines:
-            lines += ["[[buckets.pipelines]]", f"batch = {pipe.batch // (unit or 1)}",
-                      f"microbatches = {pipe.microbatches // (unit or 1)}"]
-            for st in pipe.stages:
-                devs = ", ".join(f'"{d}"' for d in st.group.devices)
-                lines += ["[[buckets.pipelines.stages]]", f"layers = {st.layers}", f"devices = [{devs}]"]
-                if st.recompute != default_recompute:
-                    lines.append(f'recompute = "{"full" if st.recompute else "none"}"')
-        lines.append("")
-    return "\n".join(lines)
-
-
-def add_buckets(cluster: Cluster, out_path: str | os.PathLike, home: Candidate,
-                bounds: tuple[int, ...]) -> list[Bucket]:
-    """Append the proposed ``[[buckets]]`` to the layout ``hetero-plan`` wrote at ``out_path``, check the
-    result loads as a layout, and write it atomically."""
-    buckets = propose(cluster, bounds, home)
-    out = Path(out_path)
-    text = out.read_text().rstrip("\n") + "\n\n" + buckets_toml(buckets, cluster.train.recompute is Recompute.FULL)
-    layout_mod.loads(text, file=str(out_path), base_dir=Path(cluster.file).parent)  # must be a valid layout
-    write_atomically(out, lambda f: f.write(text.encode()))
-    return buckets

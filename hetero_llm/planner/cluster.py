@@ -1,7 +1,8 @@
 """What the planner knows about a cluster: device kinds, nodes, links and ``[plan]`` limits. Torch-free.
 
 A planner cluster file is a layout without ``[[pipelines]]`` (what ``hetero-place`` reads) plus a
-``[plan]`` section that only the planner reads and that the written layout leaves out:
+``[plan]`` section that only the planner reads and that the written layout leaves out (hetero_llm.planner.output
+writes the layout from these sections with hetero_llm.layout.dumps):
 
     [plan]
     max_tp = 8                      # largest TP size to try (0: a node's device count)
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 from pathlib import Path
 
 import attrs
@@ -128,7 +128,6 @@ class Cluster:
     """Everything the planner reads from a cluster file."""
 
     file: str
-    text: str  # the file without [plan]: what the written layout starts from
     model: ModelSpec
     train: TrainSpec
     data: DataSpec
@@ -158,27 +157,11 @@ def _network(c: ClusterSpec) -> Network:
     return Network(bw, lat, cross_bw, cross_lat)
 
 
-_HEADER = re.compile(r"\s*\[\[?\s*([A-Za-z0-9_\-\".]+)\s*\]\]?\s*(#.*)?")
-
-
-def strip_plan_tables(text: str) -> str:
-    """The file's text without its ``[plan]`` and ``[plan.*]`` tables (the layout loader knows none of them)."""
-    out, skipping = [], False
-    for line in text.splitlines():
-        m = _HEADER.fullmatch(line)
-        if m:
-            head = m.group(1).replace('"', "")
-            skipping = head == "plan" or head.startswith("plan.")
-        if not skipping:
-            out.append(line)
-    return "\n".join(out) + "\n"
-
-
 def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None = None) -> Cluster:
     """Read and check a planner cluster file; every problem is a LayoutError naming the TOML path.
     ``profile_file`` (``--profile-file``) replaces ``plan.profile``."""
     file = str(path)
-    text, raw, sec = layout_mod.read_cluster_file(path, "the planner", extra=("plan",))
+    _, raw, sec = layout_mod.read_cluster_file(path, "the planner", extra=("plan",))
     model, train, cluster = sec["model"], sec["train"], sec["cluster"]
     if train.global_batch < 1:
         raise LayoutError(file, "train.global_batch", f"must be >= 1, got {train.global_batch}")
@@ -218,7 +201,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     elif limits.profile:
         where = Path(file).parent / limits.profile
         profile = profile_mod.read(where, file, "plan.profile", model, train.precision)
-    return Cluster(file, strip_plan_tables(text), model, train, sec["data"], cluster, tuple(nodes),
+    return Cluster(file, model, train, sec["data"], cluster, tuple(nodes),
                    _network(cluster), limits, profile)
 
 

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
+from typing import Sequence
 
 import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import Recompute, Schedule
+from hetero_llm.layout import BucketSpec, Layout, PipelineSpec, Recompute, Schedule, StageSpec
+from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, Score
+from hetero_llm.planner.cost import Candidate, PipelineChoice, Score
 from hetero_llm.planner.place import Placement
 
 
@@ -31,20 +32,62 @@ def from_placement(cluster: Cluster, placement: Placement) -> Candidate:
     return Candidate(tuple(pipes), schedule, t.chunks if schedule == "interleaved" else 1)
 
 
-def pipelines_toml(cluster: Cluster, cand: Candidate, score: Score) -> str:
+def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] = ()) -> Layout:
+    """The layout of a plan: the cluster file's sections (its [plan] left out), the plan's schedule, its
+    pipelines, and a ``[[buckets]]`` table per bucket when hot switching was planned (``bucket_specs``)."""
     default_rc = cluster.train.recompute is Recompute.FULL
-    lines = []
+    train = attrs.evolve(cluster.train, schedule=Schedule(cand.schedule), chunks=cand.chunks)
+    return Layout(file=cluster.file, model=cluster.model, train=train, data=cluster.data, cluster=cluster.spec,
+                  pipelines=pipeline_specs(cand.pipelines, default_rc), buckets=bucket_specs(buckets, default_rc))
+
+
+def pipeline_specs(pipelines: Sequence[PipelineChoice], default_recompute: bool, unit: int = 1
+                   ) -> tuple[PipelineSpec, ...]:
+    """A plan's pipelines as ``[[pipelines]]`` (batch and microbatches divided by ``unit``); a stage's recompute
+    is written where it differs from train.recompute."""
+    def recompute(on: bool) -> Recompute | None:
+        return None if on == default_recompute else Recompute.FULL if on else Recompute.NONE
+
+    return tuple(PipelineSpec(batch=p.batch // unit, microbatches=p.microbatches // unit,
+                              stages=tuple(StageSpec(layers=st.layers, devices=tuple(st.group.devices),
+                                                     recompute=recompute(st.recompute)) for st in p.stages))
+                 for p in pipelines)
+
+
+def bucket_specs(buckets: Sequence[Bucket], default_recompute: bool) -> tuple[BucketSpec, ...]:
+    """``[[buckets]]`` tables, shortest first (a bucket's pipeline ``batch`` is its share of the bucket's rows).
+    Every bucket but the shortest tops up its rows with shorter documents; a planned bucket is elastic where
+    ``elastic_unit`` allows, its shares cut to the smallest that keep the plan's proportions and rows per
+    microbatch (a step then pads to a multiple of that, not of the global batch)."""
+    out = []
+    for i, b in enumerate(buckets):
+        if b.plan is None:
+            out.append(BucketSpec(max_len=b.max_len, top_up=i > 0))
+            continue
+        unit = elastic_unit(b.plan)
+        out.append(BucketSpec(max_len=b.max_len, schedule=Schedule(b.plan.schedule), chunks=b.plan.chunks,
+                              pipelines=pipeline_specs(b.plan.pipelines, default_recompute, unit or 1),
+                              elastic=unit is not None, top_up=i > 0))
+    return tuple(out)
+
+
+def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> dict[str, str]:
+    """What the written layout says beside its keys: each stage's device kind, domain and predicted memory;
+    why each bucket has its layout."""
+    out = {"train.schedule": "chosen by hetero-plan", "pipelines[0]": f"planned pipelines: {summary(cand)}"}
     for p, pipe in enumerate(cand.pipelines):
-        lines += ["[[pipelines]]", f"batch = {pipe.batch}", f"microbatches = {pipe.microbatches}"]
         for s, st in enumerate(pipe.stages):
-            devs = ", ".join(f'"{d}"' for d in st.group.devices)
-            gb = score.memory[p][s] / 1e9
-            lines += ["[[pipelines.stages]]", f"layers = {st.layers}",
-                      f"devices = [{devs}]  # {st.group.kind.name}, domain {st.group.domain}, {gb:.3g} GB per device"]
-            if st.recompute != default_rc:
-                lines.append(f'recompute = "{"full" if st.recompute else "none"}"')
-        lines.append("")
-    return "\n".join(lines)
+            out[f"pipelines[{p}].stages[{s}].devices"] = (f"{st.group.kind.name}, domain {st.group.domain}, "
+                                                          f"{score.memory[p][s] / 1e9:.3g} GB per device")
+    for i, b in enumerate(buckets):
+        if b.plan is None:
+            why = b.why_home
+        else:
+            vs = f" (home layout: {b.why_home} s)" if b.why_home else ""
+            why = f"planned for rows of {b.max_len}: predicted step {b.score.step_time:.4g} s on full rows{vs}"
+        out[f"buckets[{i}]"] = ("hot switching, a layout per document-length bucket (hetero-plan --buckets): "
+                                if i == 0 else "") + why
+    return out
 
 
 def header(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None) -> str:
@@ -74,45 +117,23 @@ def summary(cand: Candidate) -> str:
     return f"{len(cand.pipelines)} pipeline{'s' if len(cand.pipelines) > 1 else ''} ({shapes}), {sched}"
 
 
-_HEADER = re.compile(r"\s*\[\[?\s*([A-Za-z0-9_\-\".]+)\s*\]\]?\s*(#.*)?")
-
-
-def set_train_schedule(text: str, schedule: str, chunks: int) -> str:
-    """The [train] table with its schedule and chunks replaced (the layout runs one schedule everywhere)."""
-    out, section, done = [], None, False
-    for line in text.splitlines():
-        m = _HEADER.fullmatch(line)
-        if m:
-            section = m.group(1)
-        if section == "train" and re.match(r"\s*(schedule|chunks)\s*=", line):
-            continue
-        out.append(line)
-        if m and section == "train" and not done:
-            out += [f'schedule = "{schedule}"  # chosen by hetero-plan', f"chunks = {chunks}"]
-            done = True
-    return "\n".join(out) + "\n"
-
-
-def layout_text(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None) -> str:
-    lines = cluster.text.splitlines()
-    while lines and lines[0].startswith("#"):  # the cluster file's preamble describes that file
-        lines.pop(0)
-    body = set_train_schedule("\n".join(lines), cand.schedule, cand.chunks)
-    return (header(cluster, cand, score, seed) + body.rstrip("\n") + f"\n\n# ---- planned pipelines: {summary(cand)} ----\n"
-            + pipelines_toml(cluster, cand, score))
+def layout_text(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None,
+                buckets: Sequence[Bucket] = ()) -> str:
+    return layout_mod.dumps(planned_layout(cluster, cand, buckets), header=header(cluster, cand, score, seed),
+                            comments=comments(cand, score, buckets))
 
 
 def write_layout(cluster: Cluster, out_path: str | os.PathLike, cand: Candidate, score: Score,
-                 seed: Score | None) -> str:
+                 seed: Score | None, buckets: Sequence[Bucket] = ()) -> str:
     """Check the layout loads, then write it atomically."""
     src, out = Path(cluster.file), Path(out_path)
     if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
         raise LayoutError(cluster.file, "data.path", f"'{cluster.data.path}' is relative to the cluster file: write "
                           "the layout next to it, or make data.path absolute")
-    text = layout_text(cluster, cand, score, seed)
+    text = layout_text(cluster, cand, score, seed, buckets)
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(out, lambda f: f.write(text.encode()))
+    write_atomically(out, lambda f: f.write(text.encode("utf-8")))
     return text
 
 

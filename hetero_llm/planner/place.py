@@ -18,7 +18,8 @@ The rules, in the order they are applied:
 5. **Batch follows throughput.** A pipeline's rows are proportional to 1 / its slowest stage's time.
 
 ``hetero-place CLUSTER.toml -o LAYOUT.toml`` reads a file with ``[model]``, ``[train]``, ``[data]``
-and ``[cluster]`` (no ``[[pipelines]]``), and writes it back with the placed pipelines appended.
+and ``[cluster]`` (no ``[[pipelines]]``), and writes those sections back (``layout.dumps``) with the placed
+pipelines.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import attrs
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import DEFAULT_TRANSPORT, ClusterSpec, DataSpec, ModelSpec, Schedule, TrainSpec
+from hetero_llm.layout import (DEFAULT_TRANSPORT, ClusterSpec, Layout, ModelSpec, PipelineSpec, Schedule, StageSpec,
+                               TrainSpec)
 from hetero_llm.model.params import embedding_params, head_params, layer_params
 
 BYTES_PER_PARAM = 16  # float32 weight + gradient + AdamW's two moments
@@ -217,16 +219,17 @@ def _split(total: int, weights: list[float], caps: list[int], unit: int = 1) -> 
 # TOML in and out
 
 
-def pipelines_toml(placement: Placement) -> str:
-    lines = []
-    for p, pipe in enumerate(placement.pipelines):
-        lines += ["[[pipelines]]", f"batch = {pipe.batch}", f"microbatches = {pipe.microbatches}"]
-        for s in pipe.stages:
-            devs = ", ".join(f'"{d}"' for d in s.unit.devices)
-            lines += ["[[pipelines.stages]]", f"layers = {s.layers}",
-                      f"devices = [{devs}]  # {s.unit.node}, domain {s.unit.domain}, speed {s.unit.speed:g}"]
-        lines.append("")
-    return "\n".join(lines)
+def pipeline_specs(placement: Placement) -> tuple[PipelineSpec, ...]:
+    """The placement as the layout's ``[[pipelines]]``."""
+    return tuple(PipelineSpec(batch=p.batch, microbatches=p.microbatches,
+                              stages=tuple(StageSpec(layers=s.layers, devices=s.unit.devices) for s in p.stages))
+                 for p in placement.pipelines)
+
+
+def comments(placement: Placement) -> dict[str, str]:
+    """Each stage's node, domain and speed, beside its devices in the written layout."""
+    return {f"pipelines[{p}].stages[{s}].devices": f"{st.unit.node}, domain {st.unit.domain}, speed {st.unit.speed:g}"
+            for p, pipe in enumerate(placement.pipelines) for s, st in enumerate(pipe.stages)}
 
 
 def report(placement: Placement) -> str:
@@ -253,28 +256,22 @@ def report(placement: Placement) -> str:
     return "\n".join(lines)
 
 
-def read_cluster_file(path: str | os.PathLike) -> tuple[str, ModelSpec, TrainSpec, DataSpec, ClusterSpec]:
-    """The text and sections of a layout file without ``[[pipelines]]``, checked like a layout's."""
-    text, _, sec = layout_mod.read_cluster_file(path, "placement")
-    return text, sec["model"], sec["train"], sec["data"], sec["cluster"]
-
-
 def place_file(cluster_path: str | os.PathLike, out_path: str | os.PathLike, options: PlaceOptions) -> Placement:
-    """Place, check the result as a layout, and write it (the cluster file's text plus the pipelines)."""
-    text, model, train, data, cluster = read_cluster_file(cluster_path)
-    placement = place(str(cluster_path), model, train, cluster, options)
+    """Place, check the result as a layout, and write it atomically (the cluster file's sections plus the pipelines)."""
+    _, _, sec = layout_mod.read_cluster_file(cluster_path, "placement")
+    placement = place(str(cluster_path), sec["model"], sec["train"], sec["cluster"], options)
     src, out = Path(cluster_path), Path(out_path)
+    data = sec["data"]
     if data.path and not Path(data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
         raise LayoutError(str(cluster_path), "data.path", f"'{data.path}' is relative to the cluster file: write "
                           "the placed layout next to it, or make data.path absolute")
-    summary = (f"{len(placement.pipelines)} pipeline(s), TP {placement.tp}, domains {' -> '.join(placement.domains)}")
-    lines = text.splitlines()
-    while lines and lines[0].startswith("#"):  # the cluster file's own preamble describes that file
-        lines.pop(0)
-    layout_text = (f"# Placed by hetero-place from {src.name}: {summary}.\n# Re-place rather than edit the pipelines.\n"
-                   + "\n".join(lines).rstrip("\n") + f"\n\n# ---- placed pipelines: {summary} ----\n"
-                   + pipelines_toml(placement))
-    layout_mod.loads(layout_text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
+    summary = f"{len(placement.pipelines)} pipeline(s), TP {placement.tp}, domains {' -> '.join(placement.domains)}"
+    placed = Layout(file=str(out_path), model=sec["model"], train=sec["train"], data=data, cluster=sec["cluster"],
+                    pipelines=pipeline_specs(placement))
+    text = layout_mod.dumps(placed, header=f"Placed by hetero-place from {src.name}: {summary}.\n"
+                            "Re-place rather than edit the pipelines.",
+                            comments={"pipelines[0]": f"placed pipelines: {summary}", **comments(placement)})
+    layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomically(out, lambda f: f.write(layout_text.encode()))
+    write_atomically(out, lambda f: f.write(text.encode("utf-8")))
     return placement
