@@ -7,38 +7,13 @@ memory of a candidate), ``search`` (the exact splits, the sweep and the local se
 
 from __future__ import annotations
 
-import itertools
 import os
 
-import attrs
-
-from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster, load_cluster
-from hetero_llm.planner.cost import Candidate
 from hetero_llm.planner.search import Planner, Result
+from hetero_llm.planner.seeds import place_seeds
 
-
-def place_seeds(cluster: Cluster) -> list[Candidate]:
-    """hetero-place's plans for this cluster (every TP size and a few pipeline counts it accepts), as the search's seeds.
-
-    Placement reads ``speed`` and ``memory_gb`` from the nodes: they are set from the device kinds,
-    as a user of hetero-place on this cluster would set them.
-    """
-    from hetero_llm.planner import place
-    from hetero_llm.planner.output import from_placement
-
-    fastest = max(n.kind.tflops for n in cluster.nodes)
-    nodes = tuple(attrs.evolve(spec, speed=node.kind.tflops / fastest, memory_gb=node.kind.memory_gb)
-                  for spec, node in zip(cluster.spec.nodes, cluster.nodes))
-    spec = attrs.evolve(cluster.spec, nodes=nodes)
-    seeds = []
-    for tp, pipelines in itertools.product((1, 2, 4, 8), (0, 1, 2, 4, 8, 16)):
-        try:
-            placement = place.place(cluster.file, cluster.model, cluster.train, spec, place.PlaceOptions(pipelines, tp))
-        except (LayoutError, AssertionError):
-            continue
-        seeds.append(from_placement(cluster, placement))
-    return seeds
+__all__ = ["load_cluster", "place_seeds", "plan_cluster", "plan_file"]
 
 
 def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None) -> Result:

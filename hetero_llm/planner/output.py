@@ -15,21 +15,6 @@ from hetero_llm.layout import BucketSpec, Layout, PipelineSpec, Recompute, Sched
 from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import Candidate, PipelineChoice, Score
-from hetero_llm.planner.place import Placement
-
-
-def from_placement(cluster: Cluster, placement: Placement) -> Candidate:
-    """hetero-place's plan as a candidate (the search's seed)."""
-    from hetero_llm.planner.cost import Group, PipelineChoice, StageChoice
-
-    pipes = []
-    for p in placement.pipelines:
-        stages = tuple(StageChoice(Group(s.unit.node, s.unit.domain, s.unit.devices, cluster.node(s.unit.node).kind),
-                                   s.layers, cluster.train.recompute is Recompute.FULL) for s in p.stages)
-        pipes.append(PipelineChoice(p.batch, p.microbatches, stages))
-    t = cluster.train
-    schedule = t.schedule.value if t.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZBH1, Schedule.INTERLEAVED) else "1f1b"
-    return Candidate(tuple(pipes), schedule, t.chunks if schedule == "interleaved" else 1)
 
 
 def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] = ()) -> Layout:

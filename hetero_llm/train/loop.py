@@ -1,20 +1,19 @@
-"""One rank's training loop: schedule, gradient sync, global-norm clipping, AdamW, metrics, checkpoints, resuming.
+"""One rank's training loop: each step runs the schedule, syncs gradients, clips to the global norm and steps
+the optimizer.
 
 Everything here takes the rank's ``RankPlan`` (what compiling the layout resolved for it), never the layout.
-What a step reports goes to train/metrics.py; the rank's state and gradient sync live in runtime/."""
+What a step reports goes through train/metrics.py, saving and resuming through train/checkpointing.py; the
+rank's state and gradient sync live in runtime/."""
 
 from __future__ import annotations
 
 import math
-import os
 import time
 from typing import Callable
 
 import numpy as np
 import torch
 
-from hetero_llm.checkpoint import folders as checkpoint
-from hetero_llm.checkpoint.shards import restore, restore_optimizer, save_checkpoint
 from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
 from hetero_llm.comm.streams import Streams
@@ -22,7 +21,6 @@ from hetero_llm.data import batches as data
 from hetero_llm.data import documents
 from hetero_llm.data import held_out as evaluate
 from hetero_llm.errors import Diverged, RankFailure
-from hetero_llm.interop import hf
 from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.forward import Compute
@@ -31,8 +29,9 @@ from hetero_llm.runtime import zero1
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.grad_sync import sync_grads
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
-from hetero_llm.runtime.state import init_state, make_optimizer
-from hetero_llm.train.metrics import Progress, StepMetrics, append_line, open_metrics, summary_writer, tensorboard_scalars
+from hetero_llm.runtime.state import make_optimizer
+from hetero_llm.train.checkpointing import Saver, restore_moments, starting_state
+from hetero_llm.train.metrics import Reporter, StepMetrics
 
 
 def lr_at(train: TrainSpec, step: int) -> float:
@@ -82,24 +81,14 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
     by a record per step (bench/soak.py)."""
     tr, model, rank = rp.train, rp.model, rp.rank
     device = comms.device
-    reporting = rp.reports
-    restored = restore(rp, resume, progress=reporting and not quiet) if resume else None
-    if restored and reporting and not quiet:
-        print(f"resuming from {restored.path} (step {restored.step} of {tr.steps})", flush=True)
+    console = rp.reports and not quiet
+    state, restored = starting_state(rp, device, resume, progress=console)
     first = restored.step if restored else 0
-    if restored:
-        initial = restored.shards["tensor"]
-    elif model.init_from:  # a Hugging Face model: this rank reads only its slices
-        initial = hf.load_shards(model, rp.params_of())
-    else:
-        initial = None
-    state = init_state(rp, device, initial)
     streams = Streams(device)
     sharded = rp.sharded_optimizer
     optimizer = zero1.ShardedAdamW(rp, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
                                    streams) if sharded else make_optimizer(state, tr)
-    if restored:
-        restore_optimizer(optimizer, state.params, restored.shards, restored.optimizer_steps)
+    restore_moments(optimizer, state, restored)
     runner = StageRunner(comms, state.params, rp.stage, model, collectives.tp_ops(comms), rp.routes, trace,
                          Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
                          # a switching step reduce-scatters after its last switch (finish_reduce), not inside
@@ -112,19 +101,19 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
         source, valid = evaluate.sources(rp.data, rp.file)
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = home_counts_loss = rp.counts_loss  # held-out batches run under the home layout
-    if rp.hot_switching:  # every bucket of a step under its own layout (hotswitch.py)
+    if rp.hot_switching:  # every bucket of a step under its own layout (switching/switcher.py)
         if switcher is None:
-            raise ValueError("a layout with [[buckets]] trains through hotswitch.Switcher: pass switcher=")
+            raise ValueError("a layout with [[buckets]] trains through switching.switcher.Switcher: pass switcher=")
         compute_of = lambda bucket_rp: stage_compute(bucket_rp, device)  # noqa: E731
         switcher = switcher(comms, state.params, state.coords, runner, compute_of, trace, streams)
         contributes_loss = True  # the switcher returns only what this rank's loss counts for
     else:
         switcher = None
-    metrics_file = open_metrics(metrics_path, first) if reporting and metrics_path else None
-    progress = Progress(tr.steps, first) if reporting and not quiet else None
-    scalars = summary_writer(tensorboard) if reporting and tensorboard else None
+    reporter = Reporter.open(rp.reports, quiet, tr.steps, first, tr.log_every, metrics_path, tensorboard)
+    if restored:
+        reporter.say(f"resuming from {restored.path} (step {restored.step} of {tr.steps})")
+    saver = Saver(rp, checkpoint_dir, checkpoint_every, progress=console, last=restored.path if restored else None)
     history = []
-    last_save = restored.path if restored else None
     try:
         for step in range(first, tr.steps):
             t0 = time.perf_counter()
@@ -149,21 +138,9 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
                 raise Diverged(f"training diverged at step {step + 1} (counting from 1, as the console and "
                                f"--metrics-jsonl do): "
                                f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
-                               f"step, {f'the last save is {last_save}' if last_save else 'nothing was saved'} "
+                               f"step, {f'the last save is {saver.last}' if saver.last else 'nothing was saved'} "
                                f"(lower train.lr, or raise train.warmup_steps)")
-            coef = min(1.0, tr.grad_clip / (grad_norm + 1e-6)) if tr.grad_clip > 0 else 1.0
-            if sharded:
-                optimizer.step(lr, coef)  # clips and updates this rank's slices only
-                optimizer.start_gather()  # waited for at the stage's next AG action (before its first forward)
-                if switcher is not None:  # the next step's first switch reads the home parameters whole
-                    optimizer.wait_gather()
-            else:
-                if coef < 1.0:
-                    torch._foreach_mul_([p.grad for p in state.params.values()], coef)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            _update(optimizer, state, sharded, lr, grad_norm, tr.grad_clip, wait=switcher is not None)
             done = step + 1
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
             valid_loss = None
@@ -172,28 +149,33 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
             m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
             if keep_history:
                 history.append(m)
-            if metrics_file is not None:
-                append_line(metrics_file, m.json())
-            if scalars is not None:
-                for tag, value in tensorboard_scalars(m).items():
-                    scalars.add_scalar(f"train/{tag}", value, m.step)
-            if progress is not None and (done % tr.log_every == 0 or done in (first + 1, tr.steps) or valid_loss is not None):
-                progress.update(m)
-            elif progress is not None:
-                progress.tokens += m.tokens
-            if checkpoint_dir and (done == tr.steps or (checkpoint_every and done % checkpoint_every == 0)):
-                save_checkpoint(rp, state, optimizer, checkpoint_dir, done, progress=reporting and not quiet)
-                last_save = checkpoint.step_folder(checkpoint_dir, done)
-                if reporting and not quiet:  # rank 0: the save is complete (its meta.json written) when it returns
-                    print(f"saved {last_save} (step {done} of {tr.steps})", flush=True)
+            reporter.record(m)
+            if saver.due(done):
+                folder = saver.save(state, optimizer, done)
+                reporter.say(f"saved {folder} (step {done} of {tr.steps})")  # complete (meta.json) once returned
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:
-        if metrics_file is not None:
-            os.close(metrics_file)
-        if scalars is not None:
-            scalars.close()
+        reporter.close()
     return history
+
+
+def _update(optimizer, state, sharded: bool, lr: float, grad_norm: float, grad_clip: float, wait: bool) -> None:
+    """Clip to the global norm and step the optimizer (ZeRO-1: this rank's slices, then the all-gather starts;
+    ``wait``: a switching step's next switch reads the home parameters whole, so wait for it now)."""
+    coef = min(1.0, grad_clip / (grad_norm + 1e-6)) if grad_clip > 0 else 1.0
+    if sharded:
+        optimizer.step(lr, coef)  # clips and updates this rank's slices only
+        optimizer.start_gather()  # waited for at the stage's next AG action (before its first forward)
+        if wait:
+            optimizer.wait_gather()
+    else:
+        if coef < 1.0:
+            torch._foreach_mul_([p.grad for p in state.params.values()], coef)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:

@@ -1,4 +1,5 @@
-"""What a training run reports: one record per step, to the console, a JSONL file and TensorBoard."""
+"""What a training run reports, on its reporting rank: one record per step (``StepMetrics``) to the console,
+a JSONL file and TensorBoard (``Reporter``), and a line when it resumes and when it saves."""
 
 from __future__ import annotations
 
@@ -62,13 +63,6 @@ def tensorboard_scalars(m: StepMetrics) -> dict[str, float]:
     return values
 
 
-def _summary_writer(directory: str):
-    """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(directory)
-
-
 def summary_writer(directory: str):
     """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
     from torch.utils.tensorboard import SummaryWriter
@@ -93,3 +87,53 @@ def open_metrics(path: str, first_step: int) -> int:
 def append_line(fd: int, line: str) -> None:
     # One write() per whole line: a crash never leaves a half-written record behind a complete one.
     os.write(fd, (line + "\n").encode())
+
+
+@attrs.define
+class Reporter:
+    """Every sink of a run's records on the reporting rank (the others report nothing): the console
+    (``Progress`` every ``log_every`` steps, the first and last, and every held-out loss; a line per resume
+    and per save), ``--metrics-jsonl`` (a line per step) and ``--tensorboard`` (every number of the line)."""
+
+    total: int  # train.steps
+    first: int  # the step this run starts at
+    log_every: int
+    progress: Progress | None = None
+    metrics_file: int | None = None
+    scalars: object = None  # a TensorBoard SummaryWriter
+
+    @classmethod
+    def open(cls, reporting: bool, quiet: bool, total: int, first: int, log_every: int, metrics_path: str | None,
+             tensorboard: str | None) -> Reporter:
+        return cls(total, first, log_every,
+                   Progress(total, first) if reporting and not quiet else None,
+                   open_metrics(metrics_path, first) if reporting and metrics_path else None,
+                   summary_writer(tensorboard) if reporting and tensorboard else None)
+
+    @property
+    def console(self) -> bool:
+        return self.progress is not None
+
+    def record(self, m: StepMetrics) -> None:
+        if self.metrics_file is not None:
+            append_line(self.metrics_file, m.json())
+        if self.scalars is not None:
+            for tag, value in tensorboard_scalars(m).items():
+                self.scalars.add_scalar(f"train/{tag}", value, m.step)
+        if self.progress is None:
+            return
+        if m.step % self.log_every == 0 or m.step in (self.first + 1, self.total) or m.valid_loss is not None:
+            self.progress.update(m)
+        else:
+            self.progress.tokens += m.tokens
+
+    def say(self, line: str) -> None:
+        """A line on the console (resumed from, saved to), unless quiet or not the reporting rank."""
+        if self.console:
+            print(line, flush=True)
+
+    def close(self) -> None:
+        if self.metrics_file is not None:
+            os.close(self.metrics_file)
+        if self.scalars is not None:
+            self.scalars.close()
