@@ -33,15 +33,15 @@ memory-copy bandwidth and a host cost per block (the switch's own block code ove
 each round after 0.1 s asleep, as a rank reaches a switch).
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
-devices are two emulated nodes (``bench/testbed.py``) of one domain, every link shaped to the TP link's rate with
+devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with
 no added delay, so switches, TP all-reduces and the probes cross the link the model charges for (a cluster's
 switch crosses its network; on this host's loopback a switch of ~1 MB takes ~1 ms, as long as the scheduling
 noise of two busy cores). Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two
 devices (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
 
-    sudo python bench/hot_switch.py
-    python bench/hot_switch.py --network loopback
-    python bench/hot_switch.py --quick
+    sudo python -m bench.hot_switch
+    python -m bench.hot_switch --network loopback
+    python -m bench.hot_switch --quick
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from pathlib import Path
 import attrs
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
 NAME = "hot_switch"
 FLOAT32 = 4
@@ -319,11 +319,11 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tup
     group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
-        code = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import benchlib; "
+        code = (f"import sys; from bench import benchlib; "
                 f"benchlib._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
                 f"{tb.address('node0', 'domain')!r})")
         procs = [tb.run(f"node{r}", [sys.executable, "-c", code, str(r)],
-                        env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"}) for r in (0, 1)]
+                        env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"}, cwd=B.ROOT) for r in (0, 1)]
         for proc in procs:
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"the exchange probe on the testbed failed ({proc.returncode})")
@@ -332,8 +332,7 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tup
 
 def testbed(cfg: Config):
     """Two emulated nodes of one domain; both fabrics at the TP link's rate (``cfg.tp_gbps``), no added delay."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import testbed as T  # bench/testbed.py
+    from bench import testbed as T
 
     fabric = T.FabricSpec(f"{cfg.tp_gbps * 1000:.6g}mbit", "0us")
     spec = T.TestbedSpec((T.EmulatedDomain("d0", fabric),), (T.EmulatedNode("node0", "d0"),
@@ -518,7 +517,7 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
     if network == "auto":
         network = "testbed" if not quick and _testbed_available() else "loopback"
     elif network == "testbed" and not _testbed_available():
-        sys.exit("hot_switch: --network testbed needs root and network namespaces (bench/testbed.py check)")
+        sys.exit("hot_switch: --network testbed needs root and network namespaces (python -m bench.testbed check)")
     cfg = attrs.evolve(QUICK if quick else Config(), network=network)
     name = NAME + ("_testbed" if network == "testbed" else "")
     info, load_before = B.machine(), B.load_average()
@@ -551,8 +550,7 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
 
 
 def _testbed_available() -> bool:
-    sys.path.insert(0, str(Path(__file__).parent))
-    import testbed as T  # bench/testbed.py
+    from bench import testbed as T
 
     return os.geteuid() == 0 and T.available()[0]
 
