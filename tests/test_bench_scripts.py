@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import benchlib
-from bench import hot_switch as hot
+from bench import hot_switch_config as hot
 
 ROOT = Path(__file__).resolve().parents[1]
 
