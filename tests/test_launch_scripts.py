@@ -6,7 +6,6 @@ stop scripts are exercised with stand-in processes (``sleep``), which is what th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,21 +20,12 @@ from click.testing import CliRunner
 
 from harness import rank0_off_master_layout
 from hetero_llm import layout as layout_mod
+from launch import gen_rank_scripts as gen
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 RUN_NODE = LAUNCH / "run_node.sh"
 SBATCH = LAUNCH / "slurm_example.sbatch"
-
-
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_rank_scripts", LAUNCH / "gen_rank_scripts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
 
 
 def free_port() -> int:
