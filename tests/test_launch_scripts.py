@@ -365,7 +365,7 @@ HEXISCALE = {
 
 @pytest.mark.parametrize("name", sorted(HEXISCALE))
 def test_hexiscale_layouts_match_their_flags(name):
-    lay = layout_mod.load(ROOT / "layouts" / f"{name}.toml")
+    lay = layout_mod.load(ROOT / "layouts" / "papers" / f"{name}.toml")
     hetero_configs, layer_partitions, global_bsz_size, chunks = HEXISCALE[name]
     assert [[s.tp for s in p.stages] for p in lay.pipelines] == hetero_configs
     assert [[s.layers for s in p.stages] for p in lay.pipelines] == layer_partitions
@@ -378,7 +378,7 @@ def test_hexiscale_layouts_match_their_flags(name):
 
 def test_hexiscale_layouts_use_uneven_nodes():
     for name in ("hexiscale_two_pipelines", "hexiscale_three_pipelines"):
-        lay = layout_mod.load(ROOT / "layouts" / f"{name}.toml")
+        lay = layout_mod.load(ROOT / "layouts" / "papers" / f"{name}.toml")
         assert len({len(n.devices) for n in lay.cluster.nodes}) > 1, name
 
 
