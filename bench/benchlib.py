@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files.
 
-Scripts in this folder import it as ``from bench import benchlib`` (they run from the repository root
-as ``python -m bench.NAME``, which puts the root first on ``sys.path``). Nothing here is part of the library: it drives ``hetero-launch`` as a user
+Scripts in this folder import it as ``from bench import benchlib`` (they run as ``python -m bench.NAME``
+from the repository root). Nothing here is part of the library: it drives ``hetero-launch`` as a user
 would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``, ``--trace``).
 
 Measurement rules every script follows (the machine is small and shared):
@@ -191,8 +191,8 @@ def rank_script_args(parser, child) -> object | None:
 
 def start_ranks(module: str, args: list[str], world: int, *, env: dict[str, str] | None = None,
                 timeout: float = 900) -> None:
-    """One ``python -m MODULE ARGS --rank R`` process per rank (``MODULE``: e.g. ``bench.paired_rank``; started
-    in the repository root), to completion; raise on the first failure.
+    """One ``python -m MODULE ARGS --rank R`` process per rank (in the repository root), to completion; raise on
+    the first failure.
 
     Each gets the threads ``hetero-launch`` gives a local rank (``launch.node_threads``) unless
     ``OMP_NUM_THREADS`` is set.
@@ -328,16 +328,11 @@ def write_results(out_dir: Path, name: str, markdown: str, payload: dict) -> tup
 
 
 def command_line() -> str:
-    """How this script was started, for the results file: ``python -m bench.NAME ARGS`` for a module."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    if spec is not None and spec.name:
-        return " ".join(["python", "-m", spec.name.removesuffix(".__main__"), *sys.argv[1:]])
-    script = Path(sys.argv[0])
-    try:
-        script = script.resolve().relative_to(ROOT)
-    except ValueError:
-        pass
-    return " ".join(["python", str(script), *sys.argv[1:]])
+    """How this script was started, for the results file: ``python -m bench.NAME ARGS``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # set by python -m
+    if spec is None or not spec.name:
+        return " ".join(["python", *sys.argv])
+    return " ".join(["python", "-m", spec.name, *sys.argv[1:]])
 
 
 # ------------------------------------------------------------------------------------------
