@@ -13,7 +13,7 @@ BF16_TENSOR_RTOL = 1e-1
 
 
 def assert_bf16_close(run, ref) -> None:
-    """``run`` (bf16) trains ``ref``'s model (float32) within the bf16 tolerance (tests/test_precision.py's docstring)."""
+    """``run`` (bf16) trains ``ref``'s model (float32) within the bf16 tolerance (test_precision's docstring)."""
     assert len(run.losses) == len(ref.losses)
     for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
         assert abs(a - b) <= BF16_LOSS_RTOL * abs(b), f"step {step}: loss {a!r} vs float32 {b!r}"
