@@ -1,7 +1,7 @@
 """Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files.
 
-Scripts in this folder import it as ``import benchlib`` (Python puts a script's own folder first
-on ``sys.path``). Nothing here is part of the library: it drives ``hetero-launch`` as a user
+Scripts in this folder import it as ``from bench import benchlib`` (they run as ``python -m bench.NAME``
+from the repository root). Nothing here is part of the library: it drives ``hetero-launch`` as a user
 would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``, ``--trace``).
 
 Measurement rules every script follows (the machine is small and shared):
@@ -177,8 +177,8 @@ def launch_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = N
 
 def rank_script_args(parser, child) -> object | None:
     """Parse a benchmark script's arguments, adding ``--child OUT``: the mode ``start_ranks`` re-enters the
-    script in (``python SCRIPT --child OUT -- LAYOUT ... --rank R``), which runs ``child(OUT, argv after --)``
-    and returns None; otherwise the parsed arguments."""
+    script in (``python -m bench.NAME --child OUT -- LAYOUT ... --rank R``), which runs ``child(OUT, argv after
+    --)`` and returns None; otherwise the parsed arguments."""
     import argparse
 
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -189,9 +189,10 @@ def rank_script_args(parser, child) -> object | None:
     return args
 
 
-def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str] | None = None,
+def start_ranks(module: str, args: list[str], world: int, *, env: dict[str, str] | None = None,
                 timeout: float = 900) -> None:
-    """One ``python SCRIPT ARGS --rank R`` process per rank, to completion; raise on the first failure.
+    """One ``python -m MODULE ARGS --rank R`` process per rank (in the repository root), to completion; raise on
+    the first failure.
 
     Each gets the threads ``hetero-launch`` gives a local rank (``launch.node_threads``) unless
     ``OMP_NUM_THREADS`` is set.
@@ -203,7 +204,7 @@ def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str
     procs, logs = [], []
     try:
         for rank in range(world):
-            cmd = [sys.executable, str(script), *args, "--rank", str(rank)]
+            cmd = [sys.executable, "-m", module, *args, "--rank", str(rank)]
             logs.append(tempfile.TemporaryFile("w+"))  # a pipe nobody reads could fill and stall the rank
             procs.append(subprocess.Popen(cmd, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
                                           cwd=ROOT))
@@ -225,7 +226,7 @@ def start_ranks(script: Path, args: list[str], world: int, *, env: dict[str, str
         log.close()
     if bad:
         rank, code = bad[0]
-        raise RuntimeError(f"{Path(script).name} rank {rank} failed ({code}):\n{outputs[rank]}")
+        raise RuntimeError(f"{module} rank {rank} failed ({code}):\n{outputs[rank]}")
 
 
 def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int, *, versus: str = "torch",
@@ -234,7 +235,7 @@ def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int,
     ``train.schedule``) in alternating rounds inside the same rank processes; rank 0's results."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "paired.json"
-    start_ranks(ROOT / "bench" / "paired_rank.py",
+    start_ranks("bench.paired_rank",
                 [str(layout), "--port", str(free_port()), "--rounds", str(rounds), "--steps", str(steps),
                  "--out", str(out), "--versus", versus], world, env=env)
     return json.loads(out.read_text())
@@ -327,13 +328,11 @@ def write_results(out_dir: Path, name: str, markdown: str, payload: dict) -> tup
 
 
 def command_line() -> str:
-    """How this script was started, for the results file."""
-    script = Path(sys.argv[0])
-    try:
-        script = script.resolve().relative_to(ROOT)
-    except ValueError:
-        pass
-    return " ".join(["python", str(script), *sys.argv[1:]])
+    """How this script was started, for the results file: ``python -m bench.NAME ARGS``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)  # set by python -m
+    if spec is None or not spec.name:
+        return " ".join(["python", *sys.argv])
+    return " ".join(["python", "-m", spec.name, *sys.argv[1:]])
 
 
 # ------------------------------------------------------------------------------------------

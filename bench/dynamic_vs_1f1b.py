@@ -20,8 +20,8 @@ policy itself can gain when compute times are drawn like the emulation draws the
 lower bound for any order and to variants the runtime does not have (forward first, more
 microbatches in flight).
 
-    python bench/dynamic_vs_1f1b.py
-    python bench/dynamic_vs_1f1b.py --quick
+    python -m bench.dynamic_vs_1f1b
+    python -m bench.dynamic_vs_1f1b --quick
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import attrs
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")

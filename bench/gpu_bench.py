@@ -27,9 +27,9 @@ breakdown per rank (forward, backward, sends, receives incl. waiting, and the re
 optimizer, data). Tracing synchronizes the device after every action, so its times are device times.
 ``--tiny`` runs each once, traced, and takes the throughput from that run.
 
-    python bench/gpu_bench.py                          # on a GPU machine: all of the above
-    python bench/gpu_bench.py --models 124m --seqs 1024 --modes eager
-    python bench/gpu_bench.py --tiny --device cpu      # smoke test: tiny model on CPU, minutes
+    python -m bench.gpu_bench                          # on a GPU machine: all of the above
+    python -m bench.gpu_bench --models 124m --seqs 1024 --modes eager
+    python -m bench.gpu_bench --tiny --device cpu      # smoke test: tiny model on CPU, minutes
 
 Results: ``bench/results/gpu_bench.md`` (tables) and ``.json`` (every number); ``--tiny`` writes
 ``gpu_bench_tiny.*``.
@@ -54,7 +54,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import benchlib
+from bench import benchlib
 from hetero_llm.data import batches as data
 from hetero_llm.comm import groups
 from hetero_llm.comm import shm

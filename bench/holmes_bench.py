@@ -13,8 +13,8 @@ The testbed is built from the layout itself (``testbed_spec``): one emulated dom
 runtime's compute emulation for its ranks (HETERO_EMULATE_SLOWDOWN = fastest speed / its speed: each
 compute action is stretched by sleeping), since two cores cannot be cut into slower CPUs.
 
-    sudo python bench/holmes_bench.py                      # the benchmark: 3 layouts, interleaved reps
-    sudo python bench/holmes_bench.py --run LAYOUT.toml    # one layout on its testbed, print tokens/s
+    sudo python -m bench.holmes_bench                      # the benchmark: 3 layouts, interleaved reps
+    sudo python -m bench.holmes_bench --run LAYOUT.toml    # one layout on its testbed, print tokens/s
 """
 
 from __future__ import annotations
@@ -32,12 +32,10 @@ from pathlib import Path
 import attrs
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import testbed as T  # noqa: E402  (bench/testbed.py, beside this file)
-
-from hetero_llm import layout as layout_mod  # noqa: E402
-from hetero_llm.layout import Layout  # noqa: E402
-from hetero_llm.planner.place import PlaceOptions, place_file  # noqa: E402
+from bench import testbed as T
+from hetero_llm import layout as layout_mod
+from hetero_llm.layout import Layout
+from hetero_llm.planner.place import PlaceOptions, place_file
 
 INTERFACES = ("dom0", "xdom")
 
@@ -120,7 +118,7 @@ def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: 
     finally:
         for n, p in procs.items():
             if p.poll() is None:
-                T._killpg(p, 15)
+                T.netns._killpg(p, 15)
                 p.wait()
         for f in logs.values():
             f.close()

@@ -10,8 +10,8 @@ Each rank also counts its process CPU time per round (``time.process_time``: eve
 included), which the load of other programs does not change: the same math at a higher CPU cost
 is runtime overhead.
 
-    python bench/paired_rank.py LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
-    python bench/paired_rank.py LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
+    python -m bench.paired_rank LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
+    python -m bench.paired_rank LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
 
 With ``--versus SCHEDULE`` both sides are hetero_llm's loop, the layout's schedule against SCHEDULE
 (the results name the two sides "ours" and "other"). With ``--versus network`` both run the layout
@@ -48,7 +48,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.train.loop import train
-    from torch_pp_rank import TorchPipeline
+    from bench.torch_pp_rank import TorchPipeline
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))

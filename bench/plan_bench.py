@@ -1,7 +1,7 @@
 """hetero-plan against an exhaustive enumerator, against baselines, and its search time.
 
-    python bench/plan_bench.py            # 200 small clusters, 16/64/256/1024 GPUs (several minutes)
-    python bench/plan_bench.py --quick    # a few of each (the test suite runs this)
+    python -m bench.plan_bench            # 200 small clusters, 16/64/256/1024 GPUs (several minutes)
+    python -m bench.plan_bench --quick    # a few of each (the test suite runs this)
 
 Every plan is scored by the same cost model and simulator (``hetero_llm.planner.cost``); nothing
 here runs a model. Results: bench/results/plan_bench.{json,md,png} (or --out-dir).
@@ -32,15 +32,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import plan_baselines
+from hetero_llm.planner import place_seeds, plan_cluster
+from hetero_llm.planner.cluster import load_cluster
+from hetero_llm.planner.search import Planner
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import plan_baselines  # noqa: E402  (this folder)
-
-from hetero_llm.planner import place_seeds, plan_cluster  # noqa: E402
-from hetero_llm.planner.cluster import load_cluster  # noqa: E402
-from hetero_llm.planner.search import Planner  # noqa: E402
 
 KINDS_SMALL = ["a100-40g", "a6000", "rtx4090", "rtx3090", "rtx3080ti"]
 KINDS_LARGE = ["h100-sxm", "a100-80g", "a100-40g", "a6000", "rtx4090", "rtx3090"]

@@ -1,7 +1,7 @@
 """The planner's memory model against measured peaks: one pipeline of 2 stages (2 computing ranks, gloo on
 CPU) under 1F1B, GPipe, interleaved 1F1B and ZB-H1.
 
-    python bench/plan_memory.py [--quick] [--out-dir bench/results]
+    python -m bench.plan_memory [--quick] [--out-dir bench/results]
 
 For each schedule the same training runs (one fresh Python process per rank, ``benchlib.start_ranks``);
 each rank reports its resident memory before training (``VmRSS`` after imports) and its peak
@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-import benchlib
+from bench import benchlib
 
-ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zbh1", 1)]
 MIB = 2 ** 20
 # glibc serves allocations above a threshold with mmap and returns them to the OS when freed; by default
@@ -56,7 +54,6 @@ def layout_toml(cluster: str, schedule: str, chunks: int, layers: int, batch: in
 
 def predicted(cluster_path: Path, schedule: str, chunks: int, layers: int, batch: int) -> list[float]:
     """The planner's bytes per device of the two stages."""
-    sys.path.insert(0, str(ROOT))
     from hetero_llm.planner.cluster import load_cluster
     from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
 
@@ -73,7 +70,7 @@ def predicted(cluster_path: Path, schedule: str, chunks: int, layers: int, batch
 
 def child(out: str, argv: list[str]) -> None:
     """One rank: run ``hetero-launch ARGV`` and write its resident memory before and at the peak."""
-    from zero1_memory import status_bytes  # this folder
+    from bench.zero1_memory import status_bytes
 
     import torch
 
@@ -94,7 +91,7 @@ def run(layout: Path, out: Path) -> list[dict]:
     out.mkdir()
     for attempt in range(3):  # a free port can be taken by another program before rank 0 listens on it
         try:
-            benchlib.start_ranks(Path(__file__), ["--child", str(out), "--", str(layout), "--quiet", "--set",
+            benchlib.start_ranks("bench.plan_memory", ["--child", str(out), "--", str(layout), "--quiet", "--set",
                                                   f"cluster.port={benchlib.free_port()}"], 2, env=MALLOC_ENV)
             break
         except RuntimeError as e:
@@ -155,5 +152,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

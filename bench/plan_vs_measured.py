@@ -1,11 +1,11 @@
 """The planner's predicted step times against runs with emulated device speeds on the emulated network.
 
-    sudo python bench/plan_vs_measured.py             # 10 ranked plans of a 4-slot, 2-domain cluster on the testbed
-    python bench/plan_vs_measured.py --loopback       # the same plans over loopback (fast links declared)
-    python bench/plan_vs_measured.py --quick          # 2 plans, 2 steps, loopback, devices 4x faster (the test suite)
+    sudo python -m bench.plan_vs_measured             # 10 ranked plans of a 4-slot, 2-domain cluster on the testbed
+    python -m bench.plan_vs_measured --loopback       # the same plans over loopback (fast links declared)
+    python -m bench.plan_vs_measured --quick          # 2 plans, 2 steps, loopback, devices 4x faster (the test suite)
 
 **Network.** By default every node of the cluster file runs in its own network namespace of the testbed
-(``bench/testbed.py``, through ``holmes_bench.run_layout``): each domain's fabric and the cross-domain
+(``bench/testbed/``, through ``holmes_bench.run_layout``): each domain's fabric and the cross-domain
 fabric have the bandwidth and latency the cluster file declares (``tc`` shaping), and the cluster
 puts its two fast devices in one domain and the two slow ones in another behind a slow link, so
 plans that cross it often (data parallelism across the domains, several boundaries across) pay for
@@ -49,15 +49,12 @@ from pathlib import Path
 
 from scipy.stats import kendalltau
 
+from bench import benchlib
+from hetero_llm.planner import plan_cluster
+from hetero_llm.planner.cluster import load_cluster
+from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-import benchlib  # noqa: E402  (this folder)
-
-from hetero_llm.planner import plan_cluster  # noqa: E402
-from hetero_llm.planner.cluster import load_cluster  # noqa: E402
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice  # noqa: E402
 from hetero_llm.planner.output import layout_text  # noqa: E402
 
 # Links: the testbed's (a slow cross-domain link between the fast node and the slow ones), or, over
@@ -243,7 +240,7 @@ def main() -> None:
         args.loopback, args.no_constants = True, True
     testbed = not args.loopback
     if testbed:
-        import testbed as T  # bench/testbed.py
+        from bench import testbed as T
         ok, why = T.available()
         if not ok:
             sys.exit(f"plan_vs_measured: the testbed needs root and network namespaces ({why}); or run --loopback")
@@ -278,7 +275,7 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             tb = None
             if testbed:
-                import holmes_bench
+                from bench import holmes_bench
                 from hetero_llm import layout as layout_mod
                 tb = stack.enter_context(T.Testbed(holmes_bench.testbed_spec(layout_mod.load(paths[picks[0]]))))
             for rep in range(args.reps):

@@ -12,8 +12,8 @@ Three measurements, each A/B pair interleaved in one run (``benchlib``'s rules):
    boundary in shared memory vs over gloo, in paired rounds inside the same rank processes
    (``paired_rank.py --versus network``), 1F1B and the dynamic schedule (whose receives are polled).
 
-    python bench/shm_bench.py
-    python bench/shm_bench.py --quick
+    python -m bench.shm_bench
+    python -m bench.shm_bench --quick
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
 NAME = "shm_bench"
 SIZES = (4, 64 << 10, 1 << 20, 16 << 20)
@@ -212,7 +212,7 @@ def main(rank, port, out, rounds, round_steps, quick, out_dir):
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="bench_shm_") as tmp:
         got_p2p = Path(tmp, "p2p.json")
-        B.start_ranks(Path(__file__), ["--port", str(B.free_port()), "--rounds", str(rounds), "--out", str(got_p2p)]
+        B.start_ranks("bench.shm_bench", ["--port", str(B.free_port()), "--rounds", str(rounds), "--out", str(got_p2p)]
                       + (["--quick"] if quick else []), 2, env={"OMP_NUM_THREADS": "1"})
         got = json.loads(got_p2p.read_text())
         p2p, waiting = summarize_p2p(got), summarize_waiting(got)

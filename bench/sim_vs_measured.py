@@ -15,8 +15,8 @@ The measured pipeline time is the span of a step's actions over all ranks (first
 to last action's end): the part the simulator models. The full step time from ``--metrics-jsonl``
 (which adds gradient sync, clipping and AdamW) is listed beside it.
 
-    python bench/sim_vs_measured.py
-    python bench/sim_vs_measured.py --quick
+    python -m bench.sim_vs_measured
+    python -m bench.sim_vs_measured --quick
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 import attrs
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
 NAME = "sim_vs_measured"
 

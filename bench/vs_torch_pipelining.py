@@ -14,8 +14,8 @@ Two measurements, both interleaved so that background load hits both sides alike
    ``hetero-launch`` runs); ratio = median over rounds. On a busy machine the load changes within
    seconds, so this is the more precise of the two.
 
-    python bench/vs_torch_pipelining.py                 # 2 and 4 stages x 1f1b, gpipe
-    python bench/vs_torch_pipelining.py --quick         # smoke run
+    python -m bench.vs_torch_pipelining                 # 2 and 4 stages x 1f1b, gpipe
+    python -m bench.vs_torch_pipelining --quick         # smoke run
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from pathlib import Path
 import attrs
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
-HERE = Path(__file__).resolve().parent
 NAME = "vs_torch_pipelining"
 
 
@@ -41,7 +40,7 @@ def run_torch(layout: Path, workdir: Path, world: int) -> list[dict]:
     """The baseline as separate processes; rank 0's metrics rows."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    B.start_ranks(HERE / "torch_pp_rank.py", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)],
+    B.start_ranks("bench.torch_pp_rank", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)],
                   world)
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 

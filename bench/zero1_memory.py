@@ -1,6 +1,6 @@
 """ZeRO-1 memory: optimizer-state bytes and peak process memory per rank, with and without ZeRO-1.
 
-    python bench/zero1_memory.py [--quick] [--out-dir bench/results]
+    python -m bench.zero1_memory [--quick] [--out-dir bench/results]
 
 For each layout, the same training runs twice (``train.optimizer = 'adamw'``, then ``'adamw_zero1'``), one
 fresh Python process per rank (``benchlib.start_ranks``, gloo on CPU). Each rank reports:
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-import benchlib
+from bench import benchlib
 
 # (name, pipelines [(batch, microbatches, [(layers, tp), ...])])
 LAYOUTS = [
@@ -104,7 +103,7 @@ def run(pipelines, optimizer: str, hidden: int, layers: int, steps: int, work: P
     world = sum(t for _, _, stages in pipelines for _, t in stages)
     for attempt in range(3):  # a free port can be taken by another program before rank 0 listens on it
         try:
-            benchlib.start_ranks(Path(__file__), ["--child", str(out), "--", str(layout), "--quiet", "--set",
+            benchlib.start_ranks("bench.zero1_memory", ["--child", str(out), "--", str(layout), "--quiet", "--set",
                                                   f"cluster.port={benchlib.free_port()}"], world)
             break
         except RuntimeError as e:
@@ -187,5 +186,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

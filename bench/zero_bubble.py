@@ -11,8 +11,8 @@ One pipeline of 2 and of 4 even stages on CPU (gloo, one process per stage). Per
 3. ``simulate`` of both schedules with those measured times and the measured gloo p2p cost: the
    speedup the cost model predicts for the same layout, beside the measured one.
 
-    python bench/zero_bubble.py
-    python bench/zero_bubble.py --quick
+    python -m bench.zero_bubble
+    python -m bench.zero_bubble --quick
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import attrs
 import click
 
-import benchlib as B
+from bench import benchlib as B
 
 NAME = "zero_bubble"
 SCHEDULES = ("1f1b", "zbh1")

@@ -7,7 +7,6 @@ small and shared). The helpers the scripts share are checked on recorded rows, w
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,23 +14,16 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from bench import benchlib
+from bench import hot_switch_config as hot
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-benchlib = _load("benchlib")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, out: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=300, env=benchlib.clean_env())
+    """``python -m bench.SCRIPT --quick --out-dir OUT`` from the repository root, as a user starts it."""
+    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", "--quick", "--out-dir", str(out)],
+                          capture_output=True, text=True, timeout=300, env=benchlib.clean_env(), cwd=ROOT)
     assert proc.returncode == 0, f"{script} --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -60,7 +52,7 @@ def _check_files(out: Path, name: str, columns: list[str], fields: list[str],
 
 @pytest.mark.multiprocess
 def test_vs_torch_pipelining_quick(tmp_path):
-    proc = _run("vs_torch_pipelining.py", tmp_path)
+    proc = _run("vs_torch_pipelining", tmp_path)
     assert "rep 1/1" in proc.stdout  # progress lines while it runs
     payload = _check_files(tmp_path, "vs_torch_pipelining",
                            ["stages", "schedule", "ours tokens/s", "torch tokens/s", "ratio ours/torch", "ratio range",
@@ -75,7 +67,7 @@ def test_vs_torch_pipelining_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_dynamic_vs_1f1b_quick(tmp_path):
-    _run("dynamic_vs_1f1b.py", tmp_path)
+    _run("dynamic_vs_1f1b", tmp_path)
     payload = _check_files(tmp_path, "dynamic_vs_1f1b",
                            ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
                             "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
@@ -92,7 +84,7 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_shm_bench_quick(tmp_path):
-    _run("shm_bench.py", tmp_path)
+    _run("shm_bench", tmp_path)
     payload = _check_files(tmp_path, "shm_bench",
                            ["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
                            ["bytes", "gloo_us", "shm_us", "ratio", "gloo_MBps", "shm_MBps"],
@@ -105,7 +97,7 @@ def test_shm_bench_quick(tmp_path):
 
 
 def test_sim_vs_measured_quick(tmp_path):
-    _run("sim_vs_measured.py", tmp_path)
+    _run("sim_vs_measured", tmp_path)
     payload = _check_files(tmp_path, "sim_vs_measured",
                            ["layout", "schedule", "measured ms", "predicted ms", "error %", "bubble measured",
                             "bubble predicted", "full step ms", "F ms per stage", "B ms per stage"],
@@ -116,7 +108,7 @@ def test_sim_vs_measured_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_zero_bubble_quick(tmp_path):
-    _run("zero_bubble.py", tmp_path)
+    _run("zero_bubble", tmp_path)
     payload = _check_files(tmp_path, "zero_bubble",
                            ["stages", "1f1b tokens/s", "zbh1 tokens/s", "ratio zbh1/1f1b", "ratio range", "rounds",
                             "separate runs ratio", "simulated ratio", "bubble 1f1b", "bubble zbh1",
@@ -132,7 +124,7 @@ def test_zero_bubble_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_launch_time_quick(tmp_path):
-    _run("launch_time.py", tmp_path)
+    _run("launch_time", tmp_path)
     md = (tmp_path / "launch_time.md").read_text()
     assert ["source tree", "wall s per launch", "median s"] in _headers(md)
     assert "load average" in md and "torch" in md
@@ -166,7 +158,7 @@ def test_markdown_table():
 
 @pytest.mark.multiprocess
 def test_soak_quick(tmp_path):
-    _run("soak.py", tmp_path)
+    _run("soak", tmp_path)
     md = (tmp_path / "soak.md").read_text()
     assert ["rank", "RSS at step 100 MiB", "at step 400 MiB", "growth", "bytes per step", "target < 1%"] in _headers(md)
     result = json.loads((tmp_path / "soak.json").read_text())
@@ -177,7 +169,7 @@ def test_soak_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_zero1_memory_quick(tmp_path):
-    _run("zero1_memory.py", tmp_path)
+    _run("zero1_memory", tmp_path)
     payload = _check_files(tmp_path, "zero1_memory",
                            ["layout", "rank", "state adamw MiB", "state zero1 MiB", "formula MiB", "factor",
                             "peak RSS adamw MiB", "peak RSS zero1 MiB", "added adamw MiB", "added zero1 MiB", "saved MiB",
@@ -191,7 +183,7 @@ def test_zero1_memory_quick(tmp_path):
     assert factors[("tp 2 beside tp 1", 2)] > 2.9  # the TP-1 rank keeps about a third of its state
 
 def test_hot_switch_quick(tmp_path):
-    _run("hot_switch.py", tmp_path)
+    _run("hot_switch", tmp_path)
     payload = _check_files(tmp_path, "hot_switch",
                            ["layout", "tokens/s", "x best static", "step s", "predicted step s", "switch % of step",
                             "switch s with wait", "switch s", "predicted switch s", "act. positions (MB)", "fits cap",
@@ -219,7 +211,6 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
     from hetero_llm.predict.device import EmulatedDevice
     from hetero_llm.switching import predict as bucket_sim
 
-    hot = _load("hot_switch")
     cfg = hot.Config()
     device = EmulatedDevice.parse(hot.device_spec(cfg))
     links = {"local": (0.0, 50e9), "node": (2e-4, 1.5e9), "domain": (2e-4, 1.5e9), "cross_domain": (2e-4, 1.5e9)}
@@ -245,7 +236,6 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching.transfers import bucket_plans, step_switch
 
-    hot = _load("hot_switch")
     bytes_moved = {}
     for network in ("testbed", "loopback"):
         cfg = attrs.evolve(hot.Config(), network=network, tp_comm=2.0)

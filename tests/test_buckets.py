@@ -220,7 +220,7 @@ def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_pat
 def test_the_bucket_layouts_hetero_plan_proposes_train_the_one_process_model(tmp_path):
     """``hetero-plan --buckets`` writes layouts the validator accepts (tests/test_plan_buckets.py); the one it
     writes when memory binds the long rows (a bucket of its own for rows <= 128) also trains the same model."""
-    from test_plan_buckets import cluster, run_plan
+    from helpers_plan import cluster, run_plan
 
     planned = tmp_path / "planned.toml"
     result = run_plan(cluster(tmp_path, memory_gb=0.005), "-o", planned, "--buckets", "128")

@@ -34,7 +34,7 @@ from hetero_llm.comm.groups import Comms
 from hetero_llm.plan import Route
 from hetero_llm.plan.rank import GradSyncKey
 from hetero_llm.comm.streams import NO_STREAMS, Streams
-from test_precision import assert_bf16_close
+from helpers_precision import assert_bf16_close
 
 GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP)

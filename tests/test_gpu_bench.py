@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_tiny_cpu_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_bench.py"), "--tiny", "--device", "cpu",
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_bench", "--tiny", "--device", "cpu",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "gpu_bench_tiny.json").read_text())

@@ -10,23 +10,11 @@ the default group's interface.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-for name in ("testbed", "holmes_bench"):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-testbed, holmes_bench = sys.modules["testbed"], sys.modules["holmes_bench"]
-
-from hetero_llm import layout  # noqa: E402
-from hetero_llm.planner.place import PlaceOptions, place_file  # noqa: E402
+from bench import holmes_bench, testbed
+from hetero_llm import layout
+from hetero_llm.planner.place import PlaceOptions, place_file
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 

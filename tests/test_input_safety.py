@@ -60,7 +60,7 @@ def _layout_reading_everything(tmp_path: Path) -> Path:
     """A layout that reads a text corpus, a held-out file, a tokenizer.json, an init_from folder and a schedule
     file, all in ``tmp_path``."""
     pytest.importorskip("tokenizers", reason="the 'test' extra installs tokenizers")
-    from test_tokenfiles import make_tokenizer
+    from helpers_text import make_tokenizer
 
     make_tokenizer(tmp_path / "tok.json")
     (tmp_path / "corpus.txt").write_text("the cat sat on the mat. " * 40)

@@ -6,7 +6,6 @@ stop scripts are exercised with stand-in processes (``sleep``), which is what th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -21,21 +20,12 @@ from click.testing import CliRunner
 
 from harness import rank0_off_master_layout
 from hetero_llm import layout as layout_mod
+from launch import gen_rank_scripts as gen
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "launch"
 RUN_NODE = LAUNCH / "run_node.sh"
 SBATCH = LAUNCH / "slurm_example.sbatch"
-
-
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("gen_rank_scripts", LAUNCH / "gen_rank_scripts.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gen = _load_generator()
 
 
 def free_port() -> int:
@@ -375,7 +365,7 @@ HEXISCALE = {
 
 @pytest.mark.parametrize("name", sorted(HEXISCALE))
 def test_hexiscale_layouts_match_their_flags(name):
-    lay = layout_mod.load(ROOT / "layouts" / f"{name}.toml")
+    lay = layout_mod.load(ROOT / "layouts" / "papers" / f"{name}.toml")
     hetero_configs, layer_partitions, global_bsz_size, chunks = HEXISCALE[name]
     assert [[s.tp for s in p.stages] for p in lay.pipelines] == hetero_configs
     assert [[s.layers for s in p.stages] for p in lay.pipelines] == layer_partitions
@@ -388,7 +378,7 @@ def test_hexiscale_layouts_match_their_flags(name):
 
 def test_hexiscale_layouts_use_uneven_nodes():
     for name in ("hexiscale_two_pipelines", "hexiscale_three_pipelines"):
-        lay = layout_mod.load(ROOT / "layouts" / f"{name}.toml")
+        lay = layout_mod.load(ROOT / "layouts" / "papers" / f"{name}.toml")
         assert len({len(n.devices) for n in lay.cluster.nodes}) > 1, name
 
 

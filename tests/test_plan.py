@@ -22,25 +22,11 @@ from hetero_llm.plan.describe import describe
 from hetero_llm.plan import GradBucket, Group, Route, compile_plan
 from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
 from hetero_llm.schedule import Direction
+from helpers_plan import TP_MIX, make
 
 from harness import own_nodes
 
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
-
-
-def make(pipes, *, hidden=24, heads=6, ffn=0, norm="layernorm", mlp="gelu", position="learned",
-         schedule="1f1b", vocab=32):
-    """A layout with one node per pipeline (``n0``, ``n1``, ...) whose devices its stages use in order.
-
-    ``pipes``: one ``(batch, microbatches, [(layers, tp), ...])`` per pipeline.
-    """
-    model = ModelSpec(layers=sum(n for n, _ in pipes[0][2]), hidden=hidden, heads=heads, vocab=vocab, seq_len=8,
-                      ffn=ffn, norm=Norm(norm), mlp=Mlp(mlp), position=Position(position))
-    train = TrainSpec(steps=1, global_batch=sum(p[0] for p in pipes), schedule=Schedule(schedule))
-    cluster, pipelines = own_nodes(pipes)
-    made = Layout(file="inline.toml", model=model, train=train, data=DataSpec(grammar_vocab=16), cluster=cluster,
-                  pipelines=pipelines)
-    return loads(dumps(made), file="inline.toml")  # checked as the loader checks a file
 
 
 # ------------------------------------------------------------------------------------ ranks
@@ -313,9 +299,6 @@ def test_single_pipeline_tp1_has_no_buckets():
 # ------------------------------------------------------------------------------------ groups, describe
 
 
-TP_MIX = [(4, 2, [(1, 2), (1, 1)]), (2, 1, [(2, 3)])]  # ranks: p0 = 0 1 | 2 ; p1 = 3 4 5
-
-
 def test_groups_in_one_deterministic_order():
     plan = compile_plan(make(TP_MIX))
     assert plan == compile_plan(make(TP_MIX))  # compile twice (from a fresh load) -> identical
@@ -344,13 +327,14 @@ def test_interleaved_wrap_gets_its_own_p2p_groups():
 
 def test_groups_do_not_depend_on_the_hash_seed():
     """Another process with another string-hash seed creates the same groups, buckets and routes."""
-    code = ("import sys; sys.path.insert(0, 'tests'); from test_plan import make, TP_MIX; "
+    code = ("from helpers_plan import make, TP_MIX; "
             "from hetero_llm.plan import compile_plan; p = compile_plan(make(TP_MIX)); "
             "print(repr((p.groups, p.buckets, p.routes_f, p.routes_b)))")
     here = compile_plan(make(TP_MIX))
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONHASHSEED": "12345"})
+    tests = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)  # helpers_plan; the root is cwd
+    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tests), capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr((here.groups, here.buckets, here.routes_f, here.routes_b))
 

@@ -2,35 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
-from pathlib import Path
-
 import pytest
-from click.testing import CliRunner
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.planner import buckets, load_cluster
 from hetero_llm.planner.search import Planner
-
-SMALL = Path(__file__).resolve().parents[1] / "layouts" / "clusters" / "small_cpu.toml"
-
-
-def run_plan(*args):
-    runner = CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters \
-        else CliRunner()
-    return runner.invoke(plan_main, [str(a) for a in args])
-
-
-def cluster(tmp_path: Path, seq_len: int = 1024, memory_gb: float = 8, packing: bool = True) -> Path:
-    """small_cpu.toml with packed documents, longer rows and (optionally) little memory on the fast node."""
-    text = SMALL.read_text().replace("seq_len = 16", f"seq_len = {seq_len}")
-    text = text.replace("memory_gb = 8", f"memory_gb = {memory_gb}")
-    if packing:
-        text = text.replace('kind = "grammar"', 'kind = "grammar"\npacking = "documents"')
-    path = tmp_path / "cluster.toml"
-    path.write_text(text)
-    return path
+from helpers_plan import cluster, run_plan
 
 
 def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tmp_path):

@@ -263,9 +263,7 @@ def test_written_layout_drops_plan_tables_and_sets_the_schedule(tmp_path):
 
 def test_every_ranked_plan_is_a_valid_layout(tmp_path):
     """Not only the pick: every plan the planner ranks loads as a layout (interleaving needs 2 stages, ...)."""
-    import sys
-    sys.path.insert(0, str(LAYOUTS.parent / "bench"))
-    import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
+    from bench import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
     (tmp_path / "emulated.toml").write_text(plan_vs_measured.cluster_text(steps=1))
     for path in (SMALL, tmp_path / "emulated.toml"):
         c = load_cluster(path)
@@ -277,9 +275,7 @@ def test_every_ranked_plan_is_a_valid_layout(tmp_path):
 
 def test_plan_vs_measured_spreads_its_plans_over_the_ranking():
     """bench/plan_vs_measured.py runs the pick, then each plan at least min_gap slower than the last chosen."""
-    import sys
-    sys.path.insert(0, str(LAYOUTS.parent / "bench"))
-    import plan_vs_measured
+    from bench import plan_vs_measured
     ranking = [1.0, 1.01, 1.02, 1.05, 1.06, 1.09, 1.2]
     assert plan_vs_measured.spread_over_ranking(ranking, 10, 0.03) == [0, 3, 5, 6]
     assert plan_vs_measured.spread_over_ranking(ranking, 2, 0.03) == [0, 3]
@@ -394,8 +390,8 @@ def test_plan_bench_quick(tmp_path):
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "plan_bench.py"), "--quick", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "bench.plan_bench", "--quick", "--out-dir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "plan_bench.json").read_text())
     assert len(data["small"]) == 2 and len(data["large"]) == 1
@@ -428,8 +424,8 @@ def test_plan_vs_measured_quick(tmp_path):
     import subprocess
     import sys
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, str(root / "bench" / "plan_vs_measured.py"), "--quick", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "bench.plan_vs_measured", "--quick", "--out-dir",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "plan_vs_measured.json").read_text())
     assert len(data["rows"]) == 2
@@ -623,9 +619,7 @@ def test_search_without_enumeration_reaches_the_optimum_several_moves_away(seed,
     """Two of plan_bench's small clusters whose exhaustive optimum (bench/plan_bench.py's enumerator) the local
     search once missed: seed 9 (1.28x: the batch split left a pipeline empty, and merging two pipelines pays
     only under the interleaved schedule) and seed 92 (1.057x: three moves, each worse alone)."""
-    import sys
-    sys.path.insert(0, str(LAYOUTS.parent / "bench"))
-    import plan_bench
+    from bench import plan_bench
     from hetero_llm.planner import place_seeds
     c = plan_bench.load(plan_bench._draw_small(draw))  # = plan_bench.small_cluster(seed), without its redraw check
     result = Planner(c, exact_limit=0).run(place_seeds(c))

@@ -33,35 +33,12 @@ from hetero_llm.model.forward import TP, Compute, StageShape, init_full, make_bl
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.loop import stage_compute
-
-BF16_LOSS_RTOL = 1e-2
-BF16_GRAD_NORM_RTOL = 5e-2
-BF16_PARAM_RTOL = 1e-2
-BF16_TENSOR_RTOL = 1e-1
+from helpers_precision import BF16_LOSS_RTOL, BF16_TENSOR_RTOL, assert_bf16_close
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
 MODEL = layout_mod.load(REFERENCE).model
 GPT = layout_mod.ModelSpec(layers=3, hidden=32, heads=4, vocab=64, seq_len=16)  # layernorm, learned, gelu
-
-
-def assert_bf16_close(run, ref) -> None:
-    """``run`` (bf16) trains ``ref``'s model (float32) within the bf16 tolerance (module doc)."""
-    assert len(run.losses) == len(ref.losses)
-    for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
-        assert abs(a - b) <= BF16_LOSS_RTOL * abs(b), f"step {step}: loss {a!r} vs float32 {b!r}"
-    for step, (a, b) in enumerate(zip(run.grad_norms, ref.grad_norms)):
-        assert abs(a - b) <= BF16_GRAD_NORM_RTOL * abs(b), f"step {step}: grad norm {a!r} vs float32 {b!r}"
-    assert set(run.params) == set(ref.params)
-    diff = ref_sq = 0.0
-    for name, want in ref.params.items():
-        got = run.params[name]
-        assert got.dtype == torch.float32, f"{name}: master weights must stay float32, got {got.dtype}"
-        err = float((got - want).norm() / want.norm())
-        assert err <= BF16_TENSOR_RTOL, f"{name}: relative error {err:.2e} > {BF16_TENSOR_RTOL:.0e}"
-        diff += float((got - want).double().pow(2).sum())
-        ref_sq += float(want.double().pow(2).sum())
-    assert (diff / ref_sq) ** 0.5 <= BF16_PARAM_RTOL
 
 
 # ------------------------------------------------------------------------------------------

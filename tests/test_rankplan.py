@@ -13,13 +13,13 @@ import attrs
 import pytest
 
 from harness import LAYOUT_FILES, LAYOUTS, invoke_cli
+from helpers_plan import TP_MIX, make
 from hetero_llm import layout as layout_mod
 from hetero_llm.plan import describe as dryrun
 from hetero_llm.layout import Layout
 from hetero_llm.plan import compile_plan
 from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
-from test_plan import TP_MIX, make
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = [p.relative_to(LAYOUTS).as_posix() for p in LAYOUT_FILES if p.name != "mixed_1024gpu.toml"]

@@ -1,4 +1,4 @@
-"""The emulated network testbed (bench/testbed.py) against its configured bandwidth and delay.
+"""The emulated network testbed (bench/testbed/) against its configured bandwidth and delay.
 
 Description checks run anywhere; the rest build namespaces (marked ``netns``): a 2-domain x 2-node
 cluster, TCP within and across domains, RTT against the configured delay, throughput across against
@@ -7,7 +7,6 @@ the configured rate, and teardown on every exit path.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -18,11 +17,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "testbed.py"
-_spec = importlib.util.spec_from_file_location("testbed", BENCH)
-testbed = importlib.util.module_from_spec(_spec)
-sys.modules["testbed"] = testbed
-_spec.loader.exec_module(testbed)
+from bench import testbed
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CROSS_RATE, CROSS_DELAY = "50mbit", "5ms"  # one-way; a round trip crosses four shaped link ends: >= 10 ms
 
@@ -243,10 +240,11 @@ def test_teardown_happens_when_the_body_raises(netns_ok) -> None:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_teardown_happens_on_a_signal(netns_ok, sig) -> None:
     proc = subprocess.Popen(
-        [sys.executable, str(BENCH), "up", "--domains", "1", "--nodes-per-domain", "2"],
+        [sys.executable, "-m", "bench.testbed", "up", "--domains", "1", "--nodes-per-domain", "2"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        cwd=ROOT,
     )
     first = proc.stdout.readline()  # "testbed <run id>: delay by ..."
     assert first.startswith("testbed "), first + proc.stderr.read()

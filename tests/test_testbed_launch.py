@@ -1,4 +1,4 @@
-"""Multi-host launches on the emulated testbed (bench/testbed.py): every node is a network namespace with
+"""Multi-host launches on the emulated testbed (bench/testbed/): every node is a network namespace with
 its own address, as separate machines would be. Needs root and network namespaces (skipped otherwise).
 
 The layout puts rank 0 on node1 while node0 is the master: the ranks look for the rendezvous at node0's
@@ -8,7 +8,6 @@ ranks by its address) and per rank, it trains what one local launch of the same 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -20,14 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from bench import testbed
 from harness import free_port, launch, rank0_off_master_layout
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
-if "testbed" not in sys.modules:
-    _spec = importlib.util.spec_from_file_location("testbed", BENCH / "testbed.py")
-    sys.modules["testbed"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["testbed"])
-testbed = sys.modules["testbed"]
 
 pytestmark = [pytest.mark.netns, pytest.mark.multiprocess]
 

@@ -18,29 +18,9 @@ from hetero_llm.data import token_files as tokenfiles
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.errors import LayoutError
 from harness import assert_one_error_line, invoke_cli
+from helpers_text import DOCS, make_tokenizer, write_jsonl
 
 pytest.importorskip("tokenizers", reason="the 'test' extra installs tokenizers")
-
-DOCS = ["the cat sat on the mat", "a dog ran after the cat", "héllo wörld"]
-
-
-def make_tokenizer(path: Path) -> Path:
-    """A tiny byte-level BPE tokenizer trained here (never downloaded), with an <|endoftext|> token."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(DOCS * 5, trainer)
-    tok.save(str(path))
-    return path
-
-
-def write_jsonl(path: Path) -> Path:
-    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
-    return path
 
 
 def tokenize(*args):

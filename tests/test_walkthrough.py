@@ -20,7 +20,7 @@ from click.testing import CliRunner
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
 from harness import ROOT, free_port  # noqa: E402
-from test_tokenfiles import make_tokenizer, write_jsonl  # noqa: E402
+from helpers_text import make_tokenizer, write_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 

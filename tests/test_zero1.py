@@ -229,7 +229,7 @@ def test_checkpoint_moves_between_zero1_and_plain_adamw_and_layouts(zero1_first,
 
 @multiprocess
 def test_zero1_in_bf16_stays_within_the_bf16_tolerance(reference, tmp_path):
-    from test_precision import assert_bf16_close
+    from helpers_precision import assert_bf16_close
 
     path = write_layout(tmp_path / "layout.toml", COMMON, [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])])
     assert_bf16_close(launch(path, tmp_path, *CLIP, *ZERO1, *STEPS, "--set", "train.precision=bf16"), reference)
