@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.launch import preflight as outputs
+from hetero_llm.launch import outputs
 from hetero_llm.data import text_cache as textcache
 from hetero_llm.checkpoint.folders import FIX
 from hetero_llm.errors import LayoutError

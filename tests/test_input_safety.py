@@ -16,7 +16,7 @@ from hetero_llm._fs import write_atomically
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.interop import hf
-from hetero_llm.launch import preflight as outputs  # the output-path guard
+from hetero_llm.launch import outputs
 from hetero_llm.errors import CheckpointError
 from harness import LAYOUTS, assert_one_error_line, invoke_cli as invoke
 

@@ -19,7 +19,7 @@ TORCH_FREE_MODULES = ["errors", "_fs", "layout", "layout.fields", "layout.schema
                       "data.text_cache", "data.token_files", "data.tokenizers", "predict.simulate", "predict.trace",
                       "predict.timeline", "predict.device", "switching.transfers", "switching.bucketing",
                       "switching.predict", "runtime.emulation", "checkpoint.folders", "launch.node", "launch.external",
-                      "launch.preflight", "planner", "planner.cluster", "planner.cost", "planner.pipesim",
+                      "launch.preflight", "launch.outputs", "launch.memory", "planner", "planner.cluster", "planner.cost", "planner.pipesim",
                       "planner.search", "planner.moves", "planner.exact", "planner.output", "planner.place",
                       "planner.structure", "cli.common", "cli.launch", "cli.plan", "cli.place", "cli.timeline",
                       "cli.tokenize"]

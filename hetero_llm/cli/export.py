@@ -9,7 +9,7 @@ import click
 from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop import export
-from hetero_llm.launch import preflight
+from hetero_llm.launch import outputs
 
 
 @click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -23,7 +23,7 @@ def main(checkpoint_dir, out):
     try:
         s = export.saved(checkpoint_dir)
         # never into the checkpoint, nor over the tokenizer
-        preflight.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
+        outputs.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
         path = export.export_checkpoint(checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s,
                                           progress=True)
     except LayoutError as e:

@@ -10,7 +10,7 @@ import click
 from hetero_llm import layout
 from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
-from hetero_llm.launch import preflight as outputs
+from hetero_llm.launch import outputs
 
 
 @click.command("hetero-place", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})

@@ -36,14 +36,14 @@ from hetero_llm.planner.profile import measure, write
               help="Read measured per-layer times from this profile (replaces [plan] profile).")
 def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile_kind, profile_device, profile_file):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
-    from hetero_llm.launch import preflight
+    from hetero_llm.launch import outputs
     from hetero_llm.planner import load_cluster, output, plan_cluster
 
     try:
         if profile_out is not None:
             # what the cluster file reads is never written over (plan.profile is what --profile adds to)
-            inputs = preflight.cluster_inputs(load_cluster(cluster_file), plan_profile=False)
-            preflight.check_output_file("--profile", profile_out, inputs)
+            inputs = outputs.cluster_inputs(load_cluster(cluster_file), plan_profile=False)
+            outputs.check_output_file("--profile", profile_out, inputs)
             click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device))
             return
         if out is None:
@@ -52,7 +52,7 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
         cluster = load_cluster(cluster_file, profile_file)
-        preflight.check_output_file("--out", out, preflight.cluster_inputs(cluster, profile_file))  # before the search
+        outputs.check_output_file("--out", out, outputs.cluster_inputs(cluster, profile_file))  # before the search
         bounds = None
         if buckets:
             from hetero_llm.planner import buckets as bucket_plans

@@ -12,7 +12,7 @@ import click
 from hetero_llm._fs import write_atomically
 from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, version_option
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.launch import preflight as outputs
+from hetero_llm.launch import outputs
 from hetero_llm.predict import trace as tracing
 from hetero_llm.predict.timeline import plot_timeline, simulated
 

@@ -11,7 +11,7 @@ from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
-from hetero_llm.launch import preflight
+from hetero_llm.launch import outputs
 from hetero_llm.progress import Bar, amount, clock
 
 
@@ -60,7 +60,7 @@ def main(source, out, tokenizer, kind, field):
         if not out.endswith((".bin", ".npy")):
             raise LayoutError(out, "--out", "must end in .bin or .npy")
         inputs = [("the input file", source)] + ([("--tokenizer", tokenizer)] if tokenizer != tokens.BYTES else [])
-        preflight.check_output_file("--out", out, inputs)
+        outputs.check_output_file("--out", out, inputs)
         try:
             tokens.load(tokenizer)
         except ValueError as e:

@@ -1,204 +1,116 @@
-"""A run's output paths, checked before any rank starts: writable, and never one of the run's inputs.
+"""Every check a run makes before any rank starts, so that a bad input is one line, not a failure in every rank.
 
-A run writes ``--metrics-jsonl FILE`` (the reporting rank, every step), ``--checkpoint DIR`` (every rank,
-at each save), ``--trace DIR`` (every rank, every step) and ``--tensorboard DIR``. Found unwritable only at the
-first save, or pointing at the layout the run was started from, they would cost the run or destroy its input; so
-the CLI checks them here, before it forks a rank. Every other command's outputs go through the same checks:
-``check_output_file`` (hetero-place -o, hetero-plan -o / --profile, hetero-tokenize -o, the timeline's files) and
-``check_output_folder`` (hetero-export --hf). An output is refused when it would write over any file the command
-reads (or into a folder it reads, such as model.init_from), when it or a file it writes in its folder is a
-symbolic link (writes never follow a link the program did not make), or when it cannot be written.
-Torch-free; the only side effect is a probe file created and removed in each output's nearest existing folder.
+``prepare`` runs them in order for ``hetero-launch``'s arguments (the command line only parses): the layout
+and the files it names (``load_layout``), the compiled plan, the environment, the rendezvous endpoint, the
+rank this process runs under torchrun or srun, the ranks this host starts, their memory, the output paths
+(launch/outputs.py), the save to resume from, TensorBoard. ``check_data`` then reads the data (a text file is
+tokenized once, here, not in every rank) and ``model.init_from``'s weights. ``--dry-run`` refuses what the
+real run would refuse, before it prints anything. Torch-free.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import re
-import tempfile
-from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
-from hetero_llm.checkpoint import folders as checkpoint_mod
-from hetero_llm.errors import CheckpointError, LayoutError
+import attrs
+
 from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint import folders as checkpoint_folders
+from hetero_llm.comm import rendezvous
+from hetero_llm.errors import LayoutError
+from hetero_llm.launch import external, memory, outputs
+from hetero_llm.launch import node as launcher
 from hetero_llm.layout import Layout, Packing
-
-STEP_FOLDER = re.compile(re.escape(checkpoint_mod.STEP_PREFIX) + r"\d+")
-TRACE_FILE = re.compile(r"rank\d+\.jsonl?(\.tmp)?")  # the rank files trace.py writes (and wrote before streaming)
-SAVE_FILE = re.compile(r"(rank\d+\.pt|meta\.json)(\.tmp)?")  # the files of a step folder (checkpoint.py)
-# The files an output folder's flag writes directly in it (--checkpoint: see _writes); what a link there would redirect.
-FOLDER_FILES = {"--trace": TRACE_FILE,
-                "--tensorboard": re.compile(r"events\.out\.tfevents\..*"),  # SummaryWriter's event files
-                "--hf": re.compile(r"(config\.json|model\.safetensors|tokenizer(_config)?\.json)(\.tmp)?")}  # hf.export
+from hetero_llm.plan import Plan, compile_plan
 
 
-def check_run_paths(layout: Layout, metrics: str | None, checkpoint: str | None, trace: str | None,
-                    resume: str | None, tensorboard: str | None = None) -> None:
-    """Raise a located ``LayoutError`` for the first output that cannot be written, would overwrite an input
-    (any file or folder the layout reads: ``layout_inputs``) or would write through a symbolic link."""
-    if resume and Path(resume).exists() and not Path(resume).is_dir():
-        raise CheckpointError(resume, "--resume", f"is a file, not a folder ({checkpoint_mod.FIX})")
-    outputs = [(flag, path, folder) for flag, path, folder in (("--metrics-jsonl", metrics, False),
-                                                               ("--checkpoint", checkpoint, True),
-                                                               ("--trace", trace, True),
-                                                               ("--tensorboard", tensorboard, True)) if path]
-    for flag, path, folder in outputs:
-        _check_kind(flag, path, folder)
-    inputs = layout_inputs(layout)
-    for flag, path, _ in outputs:
-        _check_inputs(flag, path, inputs)
-    if metrics and resume and (_writes("--checkpoint", resume, metrics) or  # a file of a save under a root
-                               _inside(metrics, resume) and STEP_FOLDER.fullmatch(Path(resume).resolve().name)):
-        raise LayoutError(metrics, "--metrics-jsonl", f"is a file of the --resume checkpoint '{resume}' (an input "
-                          "of this run; give another path)")
-    for flag, path, _ in outputs:
-        if flag != "--metrics-jsonl" and metrics and _writes(flag, path, metrics):
-            raise LayoutError(metrics, "--metrics-jsonl", f"is a file that {flag} {path} writes (give another path)")
-    for flag, path, folder in outputs:
-        _check_links(flag, path, folder)
-        _check_writable(flag, path, folder)
+@attrs.frozen
+class Request:
+    """What ``hetero-launch`` was asked (its arguments, as parsed)."""
+
+    layout_file: str
+    overrides: tuple[str, ...] = ()
+    dry_run: bool = False
+    node: str | None = None
+    rank: int | None = None
+    metrics_jsonl: str | None = None
+    checkpoint: str | None = None
+    checkpoint_every: int = 0
+    resume: str | None = None
+    trace: str | None = None
+    quiet: bool = False
+    tensorboard: str | None = None
 
 
-def check_output_file(flag: str, path: str, inputs: list[tuple[str, str]]) -> None:
-    """One output file on its own (``hetero-place -o``, ``hetero-plan -o`` / ``--profile``, ``hetero-tokenize -o``):
-    a file path, none of ``inputs`` (what, path; a folder: nothing inside it), not a symbolic link, writable."""
-    _check_kind(flag, path, folder=False)
-    _check_inputs(flag, path, inputs)
-    _check_links(flag, path, folder=False)
-    _check_writable(flag, path, folder=False)
+@attrs.frozen
+class Prepared:
+    """A run that passed every check: its layout and plan, this process's rank (``--rank``, torchrun, srun) or
+    the ranks it starts (none for a dry run on a machine that is no node), and the options the ranks get."""
+
+    layout: Layout
+    plan: Plan
+    rank: int | None
+    ranks: list[int] | None
+    options: launcher.RunOptions
 
 
-def check_output_folder(flag: str, path: str, inputs: list[tuple[str, str]]) -> None:
-    """One output folder on its own (``hetero-export --hf``): a folder path, not one of ``inputs`` nor inside an
-    input folder, no file it writes (``FOLDER_FILES[flag]``) an input or a symbolic link, writable."""
-    _check_kind(flag, path, folder=True)
-    _check_inputs(flag, path, inputs)
-    _check_links(flag, path, folder=True)
-    _check_writable(flag, path, folder=True)
+def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
+    """Every check before a rank starts, in the order their messages take precedence; ``warn`` gets warnings
+    (a save without checksums). Raises a located ``LayoutError`` for the first problem."""
+    lay = load_layout(req.layout_file, req.overrides)
+    plan = compile_plan(lay)
+    external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_*, MASTER_ADDR: one line
+    rendezvous.endpoint(plan)  # a bad MASTER_PORT, or a master node without ranks: one line, before anything starts
+    rank, resume = req.rank, req.resume
+    if rank is None and req.node is None and (given := external.assigned(os.environ)) is not None:
+        external.check(plan, given)  # started by torchrun or srun: run the rank it gave this process
+        rank = given.rank
+    if resume == external.AUTO:
+        resume = external.resume_auto(req.checkpoint, lay)  # the newest complete save, or None: start fresh
+    if req.checkpoint_every and not req.checkpoint:
+        raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
+    ranks = None
+    if rank is not None:
+        launcher.check_rank(plan, rank)
+    elif req.node is not None or not req.dry_run:  # a dry run on a machine that is no node of the cluster is fine
+        ranks = launcher.local_ranks(plan, req.node)
+    here = [rank] if rank is not None else ranks if ranks is not None else _ranks_here(plan)
+    memory.check_memory(plan, here)  # absurd sizes: one line, not a MemoryError in every rank
+    outputs.check_run_paths(lay, req.metrics_jsonl, req.checkpoint, req.trace, resume, req.tensorboard)
+    if resume:  # checked here, before any rank starts; every rank then reads the same step folder
+        ckpt = checkpoint_folders.for_resume(resume, lay)
+        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified
+            warning = checkpoint_folders.verify(ckpt, progress=not req.quiet)
+            if warning:
+                warn(warning)
+        resume = str(ckpt.path)
+    if req.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
+    options = launcher.RunOptions(tuple(req.overrides), req.metrics_jsonl, req.checkpoint, req.checkpoint_every,
+                                  resume, req.trace, req.quiet, req.tensorboard)
+    return Prepared(lay, plan, rank, ranks, options)
 
 
-def _check_inputs(flag: str, path: str, inputs: list[tuple[str, str]]) -> None:
-    for what, source in inputs:
-        if _writes(flag, path, source):
-            raise _overwrites(flag, path, what, source)
+def check_data(p: Prepared):
+    """The data and ``init_from``'s weights, read once before the ranks start (a rank started on its own, with
+    no launcher, reads its data file here too); returns the data source (its loss floor is printed)."""
+    if p.rank is not None:
+        if p.layout.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked it
+            return checked_source(p.layout)
+        return None
+    source = checked_source(p.layout)  # tokenizes a text file once, before any rank starts
+    check_init_weights(p.layout, p.options.resume)
+    return source
 
 
-def _overwrites(flag: str, path: str, what: str, source: str) -> LayoutError:
-    verb = "write into" if os.path.isdir(source) else "overwrite"
-    return LayoutError(path, flag, f"would {verb} {what} '{source}', an input of this run (give another path)")
-
-
-def layout_inputs(layout: Layout) -> list[tuple[str, str]]:
-    """Every file and folder a run of ``layout`` reads, as (its key, its path): the layout file, [data]'s files,
-    model.init_from and every schedule file (of [[pipelines]] and of each bucket's)."""
-    found = [("the layout file", layout.file), *spec_inputs(layout.model, layout.data)]
-    found += [(f"pipelines[{i}].schedule_file", p.schedule_file) for i, p in enumerate(layout.pipelines)
-              if p.schedule_file]
-    found += [(f"buckets[{b}].pipelines[{i}].schedule_file", p.schedule_file)
-              for b, bucket in enumerate(layout.buckets) for i, p in enumerate(bucket.pipelines) if p.schedule_file]
-    return found
-
-
-def spec_inputs(model, data, base: str | os.PathLike = "") -> list[tuple[str, str]]:
-    """The paths a [model] and [data] read (data.path, valid_path, tokenizer; model.init_from, a folder), taken
-    relative to ``base`` (a layout's are already resolved; a cluster file's are relative to its folder)."""
-    paths = [("data.path", data.path), ("data.valid_path", data.valid_path),
-             ("data.tokenizer", data.tokenizer if data.tokenizer != "bytes" else ""),
-             ("model.init_from", model.init_from)]
-    return [(key, str(Path(base) / path)) for key, path in paths if path]
-
-
-def cluster_inputs(cluster, profile_file: str | None = None, plan_profile: bool = True) -> list[tuple[str, str]]:
-    """What ``hetero-plan`` reads of a planner cluster (``planner.cluster.Cluster``): the cluster file, the paths of
-    its [model] and [data], its plan.profile (unless ``plan_profile`` is False: ``--profile`` adds to it) and
-    ``--profile-file``."""
-    base = Path(cluster.file).parent
-    found = [("the cluster file", cluster.file), *spec_inputs(cluster.model, cluster.data, base)]
-    if plan_profile and cluster.limits.profile:
-        found.append(("plan.profile", str(base / cluster.limits.profile)))
-    if profile_file:
-        found.append(("--profile-file", profile_file))
-    return found
-
-
-def _same(a: str | Path, b: str | Path) -> bool:
-    return os.path.realpath(a) == os.path.realpath(b)
-
-
-def _inside(path: str, folder: str) -> bool:
-    real, root = os.path.realpath(path), os.path.realpath(folder)
-    return real.startswith(root.rstrip(os.sep) + os.sep)
-
-
-def _writes(flag: str, output: str, path: str) -> bool:
-    """Whether the output ``flag`` names would write the file ``path``, or write anything into the folder ``path``."""
-    if os.path.isdir(path) and (_same(output, path) or _inside(output, path)):
-        return True  # into an input folder (model.init_from, a checkpoint read), or a folder inside it
-    if flag not in ("--checkpoint", *FOLDER_FILES):  # a file
-        return _same(output, path)
-    real, root = Path(os.path.realpath(path)), os.path.realpath(output)
-    if str(real.parent) == root:  # DIR/rank0.jsonl; --checkpoint: DIR/latest, DIR/step-NNNNNN/...
-        return _written_name(flag, real.name)
-    if flag in FOLDER_FILES:
-        return False
-    return _inside(str(real), root) and STEP_FOLDER.fullmatch(real.relative_to(root).parts[0]) is not None
-
-
-def _check_kind(flag: str, path: str, folder: bool) -> None:
-    p = Path(path)
-    if folder and p.exists() and not p.is_dir():
-        raise LayoutError(path, flag, "is a file, not a folder (give a folder to write into)")
-    if not folder and p.is_dir():
-        example = f", e.g. {p / 'metrics.jsonl'}" if flag == "--metrics-jsonl" else ""
-        raise LayoutError(path, flag, f"is a folder, not a file (give a file path{example})")
-
-
-def _check_links(flag: str, path: str, folder: bool) -> None:
-    """Writes never follow a symbolic link they did not make: not the output itself, nor any file it writes in
-    its folder (a planted DIR/rank0.jsonl, a step folder DIR/step-000005 or DIR/latest that is a link)."""
-    if os.path.islink(path):
-        raise LayoutError(path, flag, f"is a symbolic link to '{os.readlink(path)}' (writes never follow one: give "
-                          "the path it points to, or remove the link)")
-    if not folder or not os.path.isdir(path):
-        return
-    written = [entry for entry in sorted(Path(path).iterdir()) if _written_name(flag, entry.name)]
-    if flag == "--checkpoint":  # and the files of its step folders
-        written += [file for entry in written if STEP_FOLDER.fullmatch(entry.name) and not entry.is_symlink()
-                    and entry.is_dir() for file in sorted(entry.iterdir()) if SAVE_FILE.fullmatch(file.name)]
-    for entry in written:
-        if entry.is_symlink():
-            raise LayoutError(str(entry), flag, f"is a symbolic link to '{os.readlink(entry)}' in the folder {flag} "
-                              "writes into (writes never follow one: remove the link, or give another folder)")
-
-
-def _written_name(flag: str, name: str) -> bool:
-    """Whether the output folder of ``flag`` writes an entry ``name`` directly in it."""
-    if flag == "--checkpoint":
-        return (name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + checkpoint_mod.TMP)
-                or STEP_FOLDER.fullmatch(name) is not None)
-    return FOLDER_FILES[flag].fullmatch(name) is not None
-
-
-def _check_writable(flag: str, path: str, folder: bool) -> None:
-    p = Path(path).absolute()
-    if not folder and p.exists():
-        try:
-            os.close(os.open(p, os.O_WRONLY | os.O_APPEND))  # appends nothing: the file is kept as it is
-        except OSError as e:
-            raise LayoutError(path, flag, f"cannot write it: {e.strerror} (give a writable path)") from None
-        return
-    existing = p if folder and p.is_dir() else p.parent
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise LayoutError(path, flag, f"'{existing}' is a file, so no folder can be made under it (give another path)")
+def _ranks_here(plan: Plan) -> list[int]:
+    """The ranks of the nodes whose host is this machine (none: a dry run elsewhere)."""
     try:
-        fd, probe = tempfile.mkstemp(dir=existing, prefix=".hetero_llm_probe_")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        raise LayoutError(path, flag, f"cannot write in '{existing}': {e.strerror} (give a writable path)") from None
+        return launcher.local_ranks(plan, None)
+    except LayoutError:
+        return []
 
 
 def load_layout(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Layout:
