@@ -20,6 +20,7 @@ from click.testing import CliRunner
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli import export, generate, place, timeline, tokenize
+from hetero_llm.interop import export as interop_export
 from hetero_llm.cli import launch as cli
 from hetero_llm.cli import plan as plan_cli
 from hetero_llm.data import batches as data
@@ -56,7 +57,7 @@ def test_every_command_prints_its_name_and_the_package_version(command, name):
 
 
 def test_version_in_a_real_process():
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.interop.generate", "--version"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli.generate", "--version"], capture_output=True,
                           text=True, timeout=120)
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == f"hetero-generate {importlib.metadata.version('hetero_llm')}\n"
@@ -135,7 +136,7 @@ def test_plan_usage_error_is_one_line(tmp_path):
 def trained(tmp_path_factory):
     """A one-step checkpoint of the reference model (seq_len 16: below the default 64 new tokens)."""
     d = tmp_path_factory.mktemp("generate")
-    common = common_sections(LAYOUTS / "reference.toml").replace("steps = 3", "steps = 1")
+    common = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 1")
     launch(write_layout(d / "layout.toml", common, [(12, 3, [(6, 1)])]), d)
     return d / "ckpt"
 
@@ -146,7 +147,7 @@ def _generate(trained, *args):
 
 def test_default_max_new_tokens_is_what_fits(trained):
     """With seq_len < 67 the default 64 is clamped: the same text as asking for exactly what fits."""
-    seq_len = export.saved(str(trained)).model.seq_len
+    seq_len = interop_export.saved(str(trained)).model.seq_len
     assert seq_len < 64 + 3
     default = _generate(trained, "--prompt", "1 2 3")
     assert default.exit_code == 0, default.stderr
@@ -157,7 +158,7 @@ def test_default_max_new_tokens_is_what_fits(trained):
 
 
 def test_generate_refuses_what_does_not_fit_the_model(trained):
-    s = export.saved(str(trained))
+    s = interop_export.saved(str(trained))
     where, seq_len, vocab = s.ckpt.path, s.model.seq_len, s.model.vocab
     assert_one_error_line(_generate(trained, "--prompt", "1 2 3", "--max-new-tokens", seq_len),
                           f"{where}: --max-new-tokens: {seq_len} tokens after a prompt of 3 exceed model.seq_len "
