@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 TMP = ".tmp"  # suffix of a file being written; a leftover one is garbage
 
 
-def write_atomically(path: Path, write: Callable[[object], None]) -> None:
-    """Write ``path`` by ``write(binary file)`` into ``path.tmp``, fsync it, rename it over ``path``. Neither is
-    followed if it is a symbolic link (the rename replaces a link at ``path`` rather than writing its target)."""
+def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` by ``write(binary file)`` (what it returns, e.g. a byte count, is ignored) into ``path.tmp``,
+    fsync it, rename it over ``path``. Neither is followed if it is a symbolic link (the rename replaces a link at
+    ``path`` rather than writing its target)."""
     tmp = path.with_name(path.name + TMP)
     try:
         with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "wb") as f:

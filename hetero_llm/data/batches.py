@@ -108,7 +108,8 @@ class GrammarSource:
         target_state = (middle * vocab + self.successors).ravel()
         pairs = np.full((vocab, vocab), 1.0 / vocab**2)
         for _ in range(100_000):
-            updated = np.bincount(target_state, (pairs[:, :, None] * mass).ravel(), vocab * vocab)
+            # float64 (weighted counts), not the stubs' intp of an unweighted bincount
+            updated: np.ndarray = np.bincount(target_state, (pairs[:, :, None] * mass).ravel(), vocab * vocab)
             updated = updated.reshape(vocab, vocab)
             # Uniform component: state (b, c) receives UNIFORM_MIX / V of all mass currently at (., b).
             updated += (UNIFORM_MIX / vocab) * pairs.sum(axis=0)[:, None]
@@ -165,6 +166,7 @@ class GrammarSource:
         pick = rng.random((steps, n))
         context = tokens[0] * vocab + tokens[1] if length >= 2 else None
         for t in range(2, length):
+            assert context is not None  # set above: length >= 2 here
             slot = context * self.branching
             for column in self._cdf_columns:
                 slot += pick[t - 2] >= column.take(context)

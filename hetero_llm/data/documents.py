@@ -206,6 +206,7 @@ def make_document_source(spec, seq_len: int, file_for_errors: str) -> DocumentSo
     """The document source a layout's ``DataSpec`` describes; documents hold at most seq_len + 1 tokens."""
     if spec.kind.value == "grammar":
         grammar = make_source(spec, file_for_errors)  # with its checks of the grammar keys
+        assert isinstance(grammar, GrammarSource)  # data.kind 'grammar' makes one
         return GrammarDocuments(grammar, spec.doc_len_median, spec.doc_len_sigma, seq_len + 1)
     return FileDocuments.from_file(spec.path, spec.kind.value, spec.field, spec.separator, seq_len + 1,
                                    file_for_errors)
@@ -231,7 +232,9 @@ def step_documents(source: DocumentSource, seed: int, step: int, *, documents: i
     if documents:
         ids, lengths = source.candidates(rng, documents)
         return source.documents(rng, ids, lengths)
-    taken_ids, taken_lengths, used = [], [], 0
+    taken_ids: list[int] = []
+    taken_lengths: list[int] = []
+    used = 0
     while True:
         ids, lengths = source.candidates(rng, _DRAW)
         for i, n in zip(ids.tolist(), lengths.tolist()):

@@ -39,6 +39,7 @@ def sources(spec, file_for_errors: str):
     if spec.valid_path:
         return train, data.make_source(attrs.evolve(spec, path=spec.valid_path, valid_path=""), file_for_errors)
     if spec.valid_fraction:
+        assert isinstance(train, data.TokenFileSource)  # a file's tokens: the grammar returned above
         cut = int(len(train.tokens) * (1 - spec.valid_fraction))
         head, tail = copy.copy(train), copy.copy(train)
         head.tokens, tail.tokens = train.tokens[:cut], train.tokens[cut:]
@@ -62,6 +63,7 @@ def document_sources(spec, seq_len: int, file_for_errors: str):
         return train, documents.make_document_source(attrs.evolve(spec, path=spec.valid_path, valid_path=""), seq_len,
                                                      file_for_errors)
     if spec.valid_fraction:
+        assert isinstance(train, documents.FileDocuments)  # a file's documents: the grammar returned above
         try:
             return train.split(spec.valid_fraction)
         except ValueError as e:

@@ -34,7 +34,7 @@ from hetero_llm.data.text_cache import CACHE_ENV, TokenFileSource, jsonl_documen
 from hetero_llm.errors import LayoutError
 
 
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 BATCH_DOCS = 256  # documents encoded per tokenizers batch call
 
 

@@ -126,6 +126,7 @@ def shape(cls: type, f: attrs.Attribute) -> tuple[str, Any]:
     """How field ``f`` of ``cls`` is written in TOML, from its annotation (a string under PEP 563):
     ``("array", C)`` an array of C tables, ``("table", C)`` one C table, ``("nccl", None)`` a table of
     NCCL variables, ``("enum", E)``, or ``(annotation, None)`` for a plain value."""
+    assert isinstance(f.type, str), f"{cls.__name__}.{f.name}: the schema modules use PEP 563 annotations"
     annotation = f.type.removesuffix(" | None")  # optional keys: TOML has no null, so a value is given
     if annotation == "tuple[tuple[str, str], ...]":
         return "nccl", None
@@ -144,7 +145,7 @@ def build(cls: type, table: Any, path: str, file: str) -> Any:
         raise LayoutError(file, path, f"expected a table, got {type_name(table)}")
     fields = attrs.fields(cls)
     check_keys(table, [f.name for f in fields], path, file)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for f in fields:
         where = f"{path}.{f.name}"
         if f.name not in table:

@@ -142,13 +142,13 @@ def compile_plan(layout: Layout) -> Plan:
         n = len(pipe.stages)
         ranges = _chunk_ranges([st.layers for st in pipe.stages], chunks)
         for si, st in enumerate(pipe.stages):
-            members = []
+            stage_ranks: list[int] = []
             for ti, dev in enumerate(st.devices):
                 node, _, idx = dev.partition(":")
                 rank = len(ranks)
                 ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
-                members.append(rank)
-            stages.append(StagePlan(pi, si, tuple(members), ranges[si], n))
+                stage_ranks.append(rank)
+            stages.append(StagePlan(pi, si, tuple(stage_ranks), ranges[si], n))
         actions = pipeline_schedule(layout, pi)
         if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
             actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
@@ -209,8 +209,8 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         for r in b.group:
             buckets_of[r].append(b)
     first_on_node: dict[str, int] = {}
-    for r in plan.ranks:
-        first_on_node.setdefault(r.node, r.rank)
+    for info in plan.ranks:
+        first_on_node.setdefault(info.node, info.rank)
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
     if sharded:
         units = zero1_slices.units(plan)
@@ -274,8 +274,12 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
     send_b = tuple(r for r in plan.routes_b if r.src == rank)
     sides = ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
              (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None))
-    groups = tuple((kind, plan.route_group(kind.direction, route)) for kind, route in sides if route is not None)
-    return StageRoutes(recv_f, send_f, recv_b, send_b, groups)
+    groups = []
+    for kind, route in sides:
+        if route is not None:
+            assert kind.direction is not None  # a send or a receive has one
+            groups.append((kind, plan.route_group(kind.direction, route)))
+    return StageRoutes(recv_f, send_f, recv_b, send_b, tuple(groups))
 
 
 def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:

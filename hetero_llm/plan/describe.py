@@ -93,8 +93,10 @@ def describe_rank(rp: RankPlan) -> str:
              (Kind.RECV_B, [r.recv_b] if r.recv_b else []), (Kind.SEND_B, list(r.send_b))]
     for kind, routes in sides:
         for route in routes:
+            key = r.group(kind)
+            assert key is not None  # a side with a route has its group
             lines.append(f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
-                         f"rank {route.dst}  in {r.group(kind).name}")
+                         f"rank {route.dst}  in {key.name}")
     if not any(routes for _, routes in sides):
         lines.append("  (none: a one-stage pipeline)")
     lines += ["", "groups this rank creates, in order (* = a member):"]

@@ -36,10 +36,17 @@ from hetero_llm.plan.rank import GradBucket, GroupKey, RankInfo, Slice, StagePla
 class Plan(Protocol):
     """What the slices read of a compiled plan (``plan.Plan``, which compiles them: so not imported here)."""
 
-    layout: Layout
-    ranks: tuple[RankInfo, ...]
-    stages: tuple[StagePlan, ...]
-    buckets: tuple[GradBucket, ...]
+    @property  # read-only members: the compiled plan is frozen
+    def layout(self) -> Layout: ...
+
+    @property
+    def ranks(self) -> tuple[RankInfo, ...]: ...
+
+    @property
+    def stages(self) -> tuple[StagePlan, ...]: ...
+
+    @property
+    def buckets(self) -> tuple[GradBucket, ...]: ...
 
     @property
     def world_size(self) -> int: ...
@@ -91,7 +98,9 @@ def units(plan: Plan) -> tuple[Unit, ...]:
         replicated = tuple((p.name, 0, 0, p.shape[0]) for p in st.params(plan.layout.model)
                            if p.shard_dim is None and p.name not in synced)
         if replicated:
-            out.append(unit(plan.tp_group(st), st.ranks, replicated, False))
+            key = plan.tp_group(st)
+            assert key is not None  # a TP group: tp > 1 here
+            out.append(unit(key, st.ranks, replicated, False))
     return tuple(out)
 
 

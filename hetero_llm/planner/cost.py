@@ -334,14 +334,14 @@ class CostModelPlanner:
         if P == 1:
             return 0.0
         # layers [lo, hi) between two consecutive stage boundaries of any pipeline have the same holders
-        cuts = {0, self.L}
+        boundaries = {0, self.L}
         for pipe in cand.pipelines:
             lo = 0
             for s in pipe.stages:
                 lo += s.layers
-                cuts.add(lo)
-        cuts = sorted(cuts)
-        owner = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
+                boundaries.add(lo)
+        cuts = sorted(boundaries)
+        owner: list[list[Group]] = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
         for pipe in cand.pipelines:
             seg, hi = 0, 0
             for s in pipe.stages:
@@ -384,15 +384,15 @@ class CostModelPlanner:
         if not self.zero1:
             return tuple(tuple(self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
                                for i, s in enumerate(p.stages)) for p in cand.pipelines)
-        spans = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
-        cuts = {0, self.L}
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
+        boundaries = {0, self.L}
         for pi, pipe in enumerate(cand.pipelines):
             lo = 0
             for si, s in enumerate(pipe.stages):
                 spans[pi].append((lo, lo + s.layers, si))
                 lo += s.layers
-                cuts.add(lo)
-        cuts = sorted(cuts)
+                boundaries.add(lo)
+        cuts = sorted(boundaries)
         out = [[0.0] * len(p.stages) for p in cand.pipelines]
 
         def share(holders: list[tuple[int, int]], elements: float) -> None:

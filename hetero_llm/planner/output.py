@@ -69,6 +69,7 @@ def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> d
             why = b.why_home
         else:
             vs = f" (home layout: {b.why_home} s)" if b.why_home else ""
+            assert b.score is not None  # a planned bucket is scored
             why = f"planned for rows of {b.max_len}: predicted step {b.score.step_time:.4g} s on full rows{vs}"
         out[f"buckets[{i}]"] = ("hot switching, a layout per document-length bucket (hetero-plan --buckets): "
                                 if i == 0 else "") + why

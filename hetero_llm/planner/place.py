@@ -171,6 +171,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     # Rule 5: rows by throughput; microbatches a divisor of the rows.
     rates = [1.0 / max(s.layers / s.unit.speed for s in st) for st in placed]
     batches = _split(train.global_batch, rates, [train.global_batch] * pipelines, 1)
+    assert batches is not None  # every cap holds the whole batch
     out = []
     for stages, batch in zip(placed, batches):
         n = len(stages)

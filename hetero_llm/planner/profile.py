@@ -19,6 +19,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -58,7 +59,7 @@ def model_shape(model, precision) -> dict:
     """What the measured times depend on: the layer's shapes and the compute precision."""
     out = {}
     for key in SHAPE_KEYS:
-        value = getattr(model, key, None)
+        value: Any = getattr(model, key, None)
         out[key] = value.value if hasattr(value, "value") else value
     out["precision"] = precision.value
     return out
@@ -134,7 +135,7 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
 
     def layer_times() -> tuple[float, float]:
         x = x0.detach().requires_grad_()
-        holder = {}
+        holder: dict[str, Any] = {}
         f = timed(lambda: holder.setdefault("y", model_mod.block(params, x, model)))
         g = torch.ones_like(holder["y"])
         b = timed(lambda: holder["y"].backward(g))
@@ -142,7 +143,7 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
 
     def head_times() -> tuple[float, float]:
         x = x0.detach().requires_grad_()
-        holder = {}
+        holder: dict[str, Any] = {}
         f = timed(lambda: holder.setdefault("loss", model_mod.token_loss_sum(model_mod.head(head_params, x, head_model),
                                                                               targets)))
         b = timed(lambda: holder["loss"].backward())
@@ -160,6 +161,7 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
 def write(path: str | os.PathLike, model, precision, kind: str, times: KindTimes, info: dict,
           previous: dict | None = None) -> None:
     """Write (or add ``kind`` to) a profile file, atomically."""
+    data: dict[str, Any]
     data = previous if previous and previous.get("format") == FORMAT and previous.get("model") == model_shape(
         model, precision) else {"format": FORMAT, "model": model_shape(model, precision), "kinds": {}}
     data["kinds"][kind] = attrs.asdict(times) | {"info": info}

@@ -23,6 +23,8 @@ import functools
 import heapq
 import math
 import time
+from collections.abc import Sequence
+from typing import overload
 
 import attrs
 import numpy as np
@@ -292,6 +294,10 @@ class Planner:
         return t
 
     # ---------------------------------------------------------------- scoring
+    @overload
+    def evaluate(self, cand: Candidate) -> Score: ...
+    @overload
+    def evaluate(self, cand: None) -> None: ...
     def evaluate(self, cand: Candidate | None) -> Score | None:
         if cand is None:
             return None
@@ -345,7 +351,7 @@ class Planner:
         then put the idle device to work, then reorder), within the same evaluation budget."""
         tried: set[tuple] = set()
         while not self.out_of_time():
-            scored = []
+            scored: list[tuple[float, int, Structure]] = []
             for nb in self.neighbours(st):
                 if nb.key() in tried:
                     continue
@@ -381,18 +387,18 @@ class Planner:
             best = min(best, self.evaluate(cand).step_time)
 
     # ---------------------------------------------------------------- driver
-    def run(self, seeds: list[Candidate] = (), top: int = 5) -> Result:
+    def run(self, seeds: Sequence[Candidate] = (), top: int = 5) -> Result:
         small = self.all_structures(self.exact_limit) if self.c.num_devices <= 8 and self.exact_limit else None
         if small is not None:
             self.exact(small)
         structures = sweep.sweep(self, keep=8)
         seed_score = None
         for s in seeds:
-            sc = self.evaluate(s)
-            seed_score = sc if seed_score is None or sc.step_time < seed_score.step_time else seed_score
+            seed_sc = self.evaluate(s)
+            seed_score = seed_sc if seed_score is None or seed_sc.step_time < seed_score.step_time else seed_score
             structures.append(Structure(tuple(tuple(x.group for x in p.stages) for p in s.pipelines),
                                         max(1, s.pipelines[0].rows)))
-        starts = []
+        starts: list[tuple[float, int, Structure]] = []
         for st in structures:
             for sched in self.limits.schedules:
                 alt = attrs.evolve(st, schedule=sched)
@@ -411,7 +417,8 @@ class Planner:
         if not ranked or not ranked[0][1].feasible:
             raise sweep.infeasible_error(self.c, self.cost, self.closest())
         best, score = ranked[0]
-        distinct, shapes = [], set()
+        distinct: list[tuple[Candidate, Score]] = []
+        shapes: set[tuple] = set()
         for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
             shape = (cand.schedule, tuple(sorted((p.batch, p.microbatches, tuple(
                 (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages))

@@ -79,7 +79,7 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     seen = set()
     kinds = sorted({n.kind.name for n in planner.c.nodes})
     work = planner.cost.model_flops_per_step()
-    for menu, drop in itertools.product(tp_menus(planner), [None] + (kinds if len(kinds) > 1 else [])):
+    for menu, drop in itertools.product(tp_menus(planner), [None, *(kinds if len(kinds) > 1 else [])]):
         groups = [g for g in planner.groups(menu) if g.kind.name != drop]  # or leave one kind idle
         # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
         lb_used = work / sum(g.flops for g in groups)

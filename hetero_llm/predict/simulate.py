@@ -280,7 +280,8 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
             return cost.forward[stage] / chunks
         if action.kind is Kind.B:
             return cost.backward[stage] / chunks
-        weight = cost.weight[stage]  # type: ignore[index]  (checked above: the schedule splits backwards)
+        assert cost.weight is not None  # checked above: the schedule splits backwards
+        weight = cost.weight[stage]
         return (cost.backward[stage] - weight if action.kind is Kind.I else weight) / chunks
 
     def duration(stage: int, action: Action) -> float:

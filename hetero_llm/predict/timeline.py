@@ -135,9 +135,9 @@ def plot_timeline(
     px_per_ms = axes_px / (span_ms * 1.01)
     fontsize = 7 if len(rows) > 8 else 8
     char_px = 0.62 * fontsize * fig.dpi / 72
-    for x, y, width, text, color in texts:
+    for x, y_mid, width, text, color in texts:
         if width * px_per_ms >= char_px * len(text) + 3:
-            ax.text(x, y, text, ha="center", va="center", fontsize=fontsize, color=color)
+            ax.text(x, y_mid, text, ha="center", va="center", fontsize=fontsize, color=color)
     path = Path(path_png)
     path.parent.mkdir(parents=True, exist_ok=True)
     # through a temporary file renamed over it: never a half-written image; the format is the name's

@@ -54,8 +54,8 @@ class RankTraceWriter:
         rank = rp.rank
         stale = [out / f"rank{rank}.json"]
         if rank == 0:
-            stale += [p for p in out.glob("rank*.json*") if _rank_of_file(p) is not None
-                      and _rank_of_file(p) >= rp.world_size]
+            stale += [p for p in out.glob("rank*.json*") if (r := _rank_of_file(p)) is not None
+                      and r >= rp.world_size]
         for path in stale:
             path.unlink(missing_ok=True)
         self._fd: int | None = os.open(out / f"rank{rank}.jsonl",  # never through a link planted there
@@ -80,6 +80,7 @@ class RankTraceWriter:
             self._fd = None
 
     def _write(self, line: dict) -> None:
+        assert self._fd is not None  # written only while open
         os.write(self._fd, (json.dumps(line) + "\n").encode())  # one write per line: no torn line but the last
 
 

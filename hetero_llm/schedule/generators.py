@@ -6,6 +6,8 @@ Each returns one list per stage of ``F``/``B`` (or ``F``/``I``/``W``) actions, n
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from hetero_llm.schedule.ir import Action, ActionLists, Kind
 
 
@@ -126,7 +128,10 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> ActionLists:
     return schedule
 
 
-_GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1}
+# interleaved_1f1b also takes chunks (compute_schedule calls it with them), hence ``...``
+_GENERATORS: dict[str, Callable[..., ActionLists]] = {
+    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1
+}
 
 
 def compute_schedule(
