@@ -27,7 +27,7 @@ import attrs
 import pymetis
 
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
 
 TP_MENU = {1: [[1]], 2: [[2], [1, 1]], 3: [[2, 1], [1, 1, 1]], 4: [[4], [2, 2], [2, 1, 1]], 5: [[4, 1], [2, 2, 1]],
            6: [[4, 2], [2, 2, 2]], 7: [[4, 2, 1], [2, 2, 2, 1]], 8: [[8], [4, 4], [4, 2, 2]]}
@@ -251,7 +251,7 @@ class HexiScale:
         return None if best is None else best[1]
 
 
-def to_candidate(cluster: Cluster, cost: CostModelPlanner, plan, g: list[Gpu]) -> Candidate | None:
+def to_candidate(cluster: Cluster, cost: PlannerCostModel, plan, g: list[Gpu]) -> Candidate | None:
     """A HexiScale plan as our candidate: equal batch shares, one sequence per microbatch, 1F1B (better on
     memory than its default GPipe); stages that do not fit recompute, as its alpha = 96 variant does."""
     G = cluster.train.global_batch
@@ -263,7 +263,7 @@ def to_candidate(cluster: Cluster, cost: CostModelPlanner, plan, g: list[Gpu]) -
         for s, l in zip(stages, layers):
             gp = g[s[0]]
             node = cluster.node(gp.node)
-            st.append(StageChoice(Group(gp.node, gp.domain, tuple(f"{g[d].node}:{g[d].index}" for d in s), node.kind), l))
+            st.append(StageChoice(TPGroup(gp.node, gp.domain, tuple(f"{g[d].node}:{g[d].index}" for d in s), node.kind), l))
         pipes.append(PipelineChoice(batch, batch, tuple(st)))
     cand = Candidate(tuple(pipes), "1f1b", 1)
     if not cost.score(cand).feasible:
@@ -272,13 +272,13 @@ def to_candidate(cluster: Cluster, cost: CostModelPlanner, plan, g: list[Gpu]) -
     return cand
 
 
-def hexiscale(cluster: Cluster, cost: CostModelPlanner, seed: int) -> Candidate | None:
+def hexiscale(cluster: Cluster, cost: PlannerCostModel, seed: int) -> Candidate | None:
     hs = HexiScale(cluster, seed)
     plan = hs.run()
     return None if plan is None else to_candidate(cluster, cost, plan, hs.g)
 
 
-def metis_style(cluster: Cluster, cost: CostModelPlanner, planner) -> tuple[Candidate, object] | None:
+def metis_style(cluster: Cluster, cost: PlannerCostModel, planner) -> tuple[Candidate, object] | None:
     """Same stages in every replica; layers by the slowest group of each stage row; best by our cost model."""
     best = None
     G, L = cluster.train.global_batch, cluster.model.layers

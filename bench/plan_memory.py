@@ -9,7 +9,7 @@ each rank reports its resident memory before training (``VmRSS`` after imports) 
 held at its peak and released (parameters, gradients, AdamW moments, activations in flight); what stays
 resident after training (the data set, lazily loaded libraries, gloo's buffers: 17-50 MiB here) is not
 training state and is not counted (``peak - before`` is reported beside it). glibc's mmap threshold is
-fixed (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the resident set. **Predicted** = the planner's ``CostModelPlanner.memory``
+fixed (``MALLOC_MMAP_THRESHOLD_``) so freed tensors leave the resident set. **Predicted** = the planner's ``PlannerCostModel.memory``
 for the same candidate (stages, layers, microbatches, schedule): the bytes it checks against a device's
 memory. Two computing ranks at most, so nothing here contends for more than the machine's 2 cores; a
 memory measurement, not a timing.
@@ -55,12 +55,12 @@ def layout_toml(cluster: str, schedule: str, chunks: int, layers: int, batch: in
 def predicted(cluster_path: Path, schedule: str, chunks: int, layers: int, batch: int) -> list[float]:
     """The planner's bytes per device of the two stages."""
     from hetero_llm.planner.cluster import load_cluster
-    from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+    from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
 
     c = load_cluster(cluster_path)
-    cost = CostModelPlanner(c)
+    cost = PlannerCostModel(c)
     kind = c.node("n0").kind
-    groups = [Group("n0", c.nodes[0].domain, (f"n0:{i}",), kind) for i in range(2)]
+    groups = [TPGroup("n0", c.nodes[0].domain, (f"n0:{i}",), kind) for i in range(2)]
     half = layers // 2
     cand = Candidate((PipelineChoice(batch, batch, (StageChoice(groups[0], half), StageChoice(groups[1], layers - half))),),
                      schedule, chunks)
@@ -138,7 +138,7 @@ def main() -> None:
         f"{batch} microbatches of 1 sequence, {steps} steps; 1 pipeline of 2 stages, 2 ranks, gloo on CPU)",
         f"`{benchlib.command_line()}`", benchlib.machine_line(benchlib.machine()),
         benchlib.load_line(load_before, load_after), benchlib.markdown_table(headers, rows),
-        f"{within} of {len(results)} ranks within 15%. predicted: `CostModelPlanner.memory` (parameters, gradients "
+        f"{within} of {len(results)} ranks within 15%. predicted: `PlannerCostModel.memory` (parameters, gradients "
         "and AdamW moments in float32, plus the larger of the activations of the schedule's peak microbatches in "
         "flight with the last stage's logits, and the optimizer step's denominator); measured: peak resident memory "
         "(VmHWM) minus the resident memory after training has returned (its parameters, gradients, moments and "

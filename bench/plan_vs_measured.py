@@ -52,7 +52,7 @@ from scipy.stats import kendalltau
 from bench import benchlib
 from hetero_llm.planner import plan_cluster
 from hetero_llm.planner.cluster import load_cluster
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
 
 ROOT = Path(__file__).resolve().parents[1]
 from hetero_llm.planner.output import layout_text  # noqa: E402
@@ -141,7 +141,7 @@ def cluster_text(steps: int, speed: float = 1.0, *, testbed: bool = False, actio
 def emulation_env(cluster, cand) -> str:
     """HETERO_EMULATE_ACTION_S for a candidate: per rank, its stage's modelled action durations (the device's
     compute and TP time; the measured per-action overhead is the runtime's, so it is not emulated)."""
-    cost = CostModelPlanner(cluster)
+    cost = PlannerCostModel(cluster)
     items, rank = [], 0
     for p in cand.pipelines:
         for i, s in enumerate(p.stages):
@@ -170,8 +170,8 @@ def critical_actions(cluster, cand: Candidate) -> float:
     """Compute actions on the critical path of ``cand``'s step: d(predicted step) / d(per-action overhead)."""
     import attrs
     probe = 1e-3
-    plain = CostModelPlanner(attrs.evolve(cluster, limits=attrs.evolve(cluster.limits, action_overhead_us=0.0)))
-    more = CostModelPlanner(attrs.evolve(cluster, limits=attrs.evolve(cluster.limits, action_overhead_us=probe * 1e6)))
+    plain = PlannerCostModel(attrs.evolve(cluster, limits=attrs.evolve(cluster.limits, action_overhead_us=0.0)))
+    more = PlannerCostModel(attrs.evolve(cluster, limits=attrs.evolve(cluster.limits, action_overhead_us=probe * 1e6)))
     return (more.score(cand).step_time - plain.score(cand).step_time) / probe
 
 
@@ -179,7 +179,7 @@ def two_stage(cluster, microbatches: int) -> Candidate:
     """One 1F1B pipeline over the two devices of node f0 (TP 1), half the layers each."""
     node = cluster.node("f0")
     half = cluster.model.layers // 2
-    stages = tuple(StageChoice(Group(node.name, node.domain, (f"{node.name}:{i}",), node.kind), n)
+    stages = tuple(StageChoice(TPGroup(node.name, node.domain, (f"{node.name}:{i}",), node.kind), n)
                    for i, n in enumerate((half, cluster.model.layers - half)))
     return Candidate((PipelineChoice(cluster.train.global_batch, microbatches, stages),), "1f1b")
 
@@ -190,7 +190,7 @@ def measure_constants(tmp: Path, steps: int, warmup: int, reps: int, speed: floa
     benchlib.say(f"gloo ping-pong: {latency * 1e6:.0f} us one way, {bandwidth / 1e9:.2f} GB/s")
     (tmp / "calib.toml").write_text(cluster_text(steps, speed))
     cluster = load_cluster(tmp / "calib.toml")
-    cost = CostModelPlanner(cluster)
+    cost = PlannerCostModel(cluster)
     runs = {}
     for rep in range(reps):
         for m in (2, 8):
@@ -260,7 +260,7 @@ def main() -> None:
                                                        p2p_us=constants["p2p_latency_us"]))
         (tmp / "plain.toml").write_text(cluster_text(args.steps, speed, testbed=testbed))
         cluster = load_cluster(tmp / "cluster.toml")
-        plain = CostModelPlanner(load_cluster(tmp / "plain.toml"))  # the model without the measured constants
+        plain = PlannerCostModel(load_cluster(tmp / "plain.toml"))  # the model without the measured constants
         ranked = plan_cluster(cluster, top=args.top).ranked
         picks = spread_over_ranking([s.step_time for _, s in ranked], args.plans, args.min_gap)
         chosen = [(i, ranked[i]) for i in picks]

@@ -72,7 +72,7 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
     # the logged loss is the final model's mean loss over exactly held-out batches 0 and 1
     lay = layout_mod.load(one)
     params = load_full_params(str(tmp_path / "one" / "ckpt"))
-    train, valid = evaluate.sources(lay.data, lay.file)
+    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
     total = 0.0
     with torch.no_grad():
         for index in range(2):
@@ -86,7 +86,7 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
 def test_held_out_batches_differ_from_training_batches():
     lay = layout_mod.loads(COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
                            'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
-    train, valid = evaluate.sources(lay.data, lay.file)
+    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
     from hetero_llm.data import batches as data
 
     held = evaluate.batch(valid, 7, 0, 12, 16)
@@ -101,7 +101,7 @@ def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
             + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
               '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
     lay = layout_mod.loads(text, base_dir=tmp_path)
-    train, valid = evaluate.sources(lay.data, lay.file)
+    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
     n = 95 * 20
     assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
     assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))

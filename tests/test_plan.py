@@ -19,7 +19,7 @@ from hetero_llm import schedule as sched
 from hetero_llm.layout import SHM, DataSpec, Layout, Mlp, ModelSpec, Norm, Position, Schedule, TrainSpec, dumps, loads
 from hetero_llm.model.params import all_params
 from hetero_llm.plan.describe import describe
-from hetero_llm.plan import GradBucket, Group, Route, compile_plan
+from hetero_llm.plan import SyncBlocks, Group, Route, compile_plan
 from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
 from hetero_llm.schedule import Direction
 from helpers_plan import TP_MIX, make
@@ -185,7 +185,7 @@ def test_routes_stay_inside_pipelines():
 
 
 def _by_group(plan) -> dict[tuple[int, ...], set[tuple[str, int, int, int]]]:
-    return {b.group: set(b.entries) for b in plan.buckets}
+    return {b.group: set(b.entries) for b in plan.sync_blocks}
 
 
 def _check_refinement(plan):
@@ -198,7 +198,7 @@ def _check_refinement(plan):
             held.setdefault(info.name, []).append((r.rank, lo, hi))
             dims[info.name] = info.shard_dim or 0
     tiles = {}
-    for b in plan.buckets:
+    for b in plan.sync_blocks:
         for name, dim, lo, hi in b.entries:
             assert dim == dims[name] and lo < hi
             holders = tuple(sorted(r for r, a, z in held[name] if a <= lo and hi <= z))
@@ -237,7 +237,7 @@ def test_grad_buckets_two_partitions():
         (1, 2): whole(_names(1)),
         (1, 3): whole(_names(2, 3, head=True)),
     }
-    assert [b.group for b in plan.buckets] == [(0, 2), (1, 2), (1, 3)]
+    assert [b.group for b in plan.sync_blocks] == [(0, 2), (1, 2), (1, 3)]
     _check_refinement(plan)
 
 
@@ -283,7 +283,7 @@ def test_grad_buckets_tp2_vs_tp3_common_refinement():
 
 def test_single_pipeline_tp1_has_no_buckets():
     plan = compile_plan(make([(4, 2, [(1, 1), (2, 1), (1, 1)])]))
-    assert plan.buckets == ()
+    assert plan.sync_blocks == ()
     # one node of CPU ranks: the boundaries go through shared memory (cluster.nodes[].p2p = 'auto')
     assert plan.groups == (Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1), SHM),
                            Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1), SHM),
@@ -310,10 +310,10 @@ def test_groups_in_one_deterministic_order():
     assert names[:2] == ["tp[p0.s0]", "tp[p1.s0]"]
     assert list(plan.groups[2:4]) == [Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1, 2), SHM),
                                       Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1, 2), SHM)]
-    assert list(plan.groups[4:]) == [Group(GradSyncKey(b.group), b.group) for b in plan.buckets]
-    assert names[4:] == ["grad_sync[" + ",".join(map(str, b.group)) + "]" for b in plan.buckets]
-    assert [b.group for b in plan.buckets] == sorted(b.group for b in plan.buckets)
-    assert all(isinstance(b, GradBucket) and len(b.group) > 1 for b in plan.buckets)
+    assert list(plan.groups[4:]) == [Group(GradSyncKey(b.group), b.group) for b in plan.sync_blocks]
+    assert names[4:] == ["grad_sync[" + ",".join(map(str, b.group)) + "]" for b in plan.sync_blocks]
+    assert [b.group for b in plan.sync_blocks] == sorted(b.group for b in plan.sync_blocks)
+    assert all(isinstance(b, SyncBlocks) and len(b.group) > 1 for b in plan.sync_blocks)
     _check_refinement(plan)
 
 
@@ -326,17 +326,17 @@ def test_interleaved_wrap_gets_its_own_p2p_groups():
 
 
 def test_groups_do_not_depend_on_the_hash_seed():
-    """Another process with another string-hash seed creates the same groups, buckets and routes."""
+    """Another process with another string-hash seed creates the same groups, sync block groups and routes."""
     code = ("from helpers_plan import make, TP_MIX; "
             "from hetero_llm.plan import compile_plan; p = compile_plan(make(TP_MIX)); "
-            "print(repr((p.groups, p.buckets, p.routes_f, p.routes_b)))")
+            "print(repr((p.groups, p.sync_blocks, p.routes_f, p.routes_b)))")
     here = compile_plan(make(TP_MIX))
     tests = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)  # helpers_plan; the root is cwd
     out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tests), capture_output=True, text=True,
                          timeout=60, env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": path})
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == repr((here.groups, here.buckets, here.routes_f, here.routes_b))
+    assert out.stdout.strip() == repr((here.groups, here.sync_blocks, here.routes_f, here.routes_b))
 
 
 def test_describe_has_rank_table_groups_and_schedule_grids():

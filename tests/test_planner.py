@@ -18,7 +18,7 @@ from hetero_llm.model.params import layer_params, stage_params
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.planner import pipesim, plan_cluster
 from hetero_llm.planner.cluster import load_cluster
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner, Structure
 from hetero_llm.predict.simulate import CostModel, simulate
@@ -80,7 +80,7 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
 
 def test_parameter_counts_match_the_models_parameters():
     c = load_cluster(SMALL)
-    cost = CostModelPlanner(c)
+    cost = PlannerCostModel(c)
     for tp in (1, 2):
         for first, last in itertools.product((False, True), repeat=2):
             infos = stage_params(c.model, 2, 5, first, last)
@@ -91,10 +91,10 @@ def test_parameter_counts_match_the_models_parameters():
 
 def test_flops_and_tp_all_reduce_arithmetic():
     c = load_cluster(SMALL)
-    cost = CostModelPlanner(c)
+    cost = PlannerCostModel(c)
     H, F, S, V = 32, 128, 16, 64  # the reference model: swiglu, ffn = 4 * hidden
     assert cost.layer_forward_flops() == S * (8 * H * H + 2 * 3 * H * F) + 2 * S * S * H
-    g = Group("fast0", "fast", ("fast0:0", "fast0:1"), c.node("fast0").kind)
+    g = TPGroup("fast0", "fast", ("fast0:0", "fast0:1"), c.node("fast0").kind)
     f, b, w, tp = cost.stage_times(g, 2, True, 4, False)
     speed = 2 * 0.01e12
     compute = 4 * (2 * cost.layer_forward_flops() + 2 * S * H * V) / speed
@@ -108,11 +108,11 @@ def test_flops_and_tp_all_reduce_arithmetic():
 
 def test_gradient_sync_is_zero_for_one_pipeline_and_crosses_domains_when_holders_do():
     c = load_cluster(SMALL)
-    cost = CostModelPlanner(c)
+    cost = PlannerCostModel(c)
     kind_f, kind_s = c.node("fast0").kind, c.node("slow0").kind
-    a = Group("fast0", "fast", ("fast0:0",), kind_f)
-    b = Group("fast0", "fast", ("fast0:1",), kind_f)
-    s0 = Group("slow0", "slow", ("slow0:0",), kind_s)
+    a = TPGroup("fast0", "fast", ("fast0:0",), kind_f)
+    b = TPGroup("fast0", "fast", ("fast0:1",), kind_f)
+    s0 = TPGroup("slow0", "slow", ("slow0:0",), kind_s)
     one = Candidate((PipelineChoice(8, 2, (StageChoice(a, 8),)),))
     assert cost.grad_sync_time(one) == 0
     same_node = Candidate((PipelineChoice(4, 2, (StageChoice(a, 8),)), PipelineChoice(4, 2, (StageChoice(b, 8),))))
@@ -130,11 +130,11 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
                                                              "p2p_latency_us = 300\n", 1))
     c = load_cluster(path)
     assert (c.limits.action_overhead_us, c.limits.p2p_latency_us) == (1000, 300)
-    plain, cost = CostModelPlanner(base), CostModelPlanner(c)
+    plain, cost = PlannerCostModel(base), PlannerCostModel(c)
     kind_f, kind_s = c.node("fast0").kind, c.node("slow0").kind
-    a = Group("fast0", "fast", ("fast0:0",), kind_f)
-    b = Group("fast0", "fast", ("fast0:1",), kind_f)
-    s0 = Group("slow0", "slow", ("slow0:0",), kind_s)
+    a = TPGroup("fast0", "fast", ("fast0:0",), kind_f)
+    b = TPGroup("fast0", "fast", ("fast0:1",), kind_f)
+    s0 = TPGroup("slow0", "slow", ("slow0:0",), kind_s)
     for schedule, actions in (("1f1b", 2), ("zbh1", 3)):  # one stage: every action is on the critical path
         one = Candidate((PipelineChoice(8, 4, (StageChoice(a, 8),)),), schedule)
         assert cost.score(one).step_time - plain.score(one).step_time == pytest.approx(4 * actions * 1e-3)
@@ -155,8 +155,8 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
 
 def test_memory_counts_parameter_state_and_activations_in_flight():
     c = load_cluster(SMALL)
-    cost = CostModelPlanner(c)
-    g = Group("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
+    cost = PlannerCostModel(c)
+    g = TPGroup("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
     params = cost.stage_params(1, 2, False, False)
     # no activations: weight, gradient and moments (16 B) + the optimizer step's denominator (4 B) per parameter
     assert cost.stage_memory(g, 2, False, False, 1, False, 0) == params * 20
@@ -454,8 +454,8 @@ def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
     from hetero_llm.plan import compile_plan
     path = zero1_cluster(tmp_path, memory)
     c = load_cluster(path)
-    cost = CostModelPlanner(c)
-    plain = CostModelPlanner(load_cluster(SMALL))
+    cost = PlannerCostModel(c)
+    plain = PlannerCostModel(load_cluster(SMALL))
     result = plan_cluster(c, top=12)
     multi = 0
     for cand, _ in result.ranked:
@@ -497,7 +497,7 @@ def test_zero1_lets_a_plan_fit_that_plain_adamw_cannot(tmp_path):
 def test_peaks_in_flight_past_three_times_the_stages_repeat():
     """The memory model reads peaks of a shorter schedule past 3 x stages microbatches (same count modulo the
     stages): checked here against the generated schedules themselves."""
-    cost = CostModelPlanner(load_cluster(SMALL))
+    cost = PlannerCostModel(load_cluster(SMALL))
     for kind, chunks in [("1f1b", 1), ("zbh1", 1), ("interleaved", 2)]:
         for stages in range(2 if kind == "interleaved" else 1, 6):
             for mbs in range(3 * stages + 1, 3 * stages + 2 * stages + 2):
@@ -525,9 +525,9 @@ def test_profile_times_replace_peak_flops_for_the_kinds_it_names(tmp_path):
     write_profile(tmp_path / "prof.json", base, {"cpu2x": (1e-3, 2.5e-3, 4e-4, 6e-4)})
     path = small_cluster(tmp_path, plan="", edit=lambda t: t.replace("[plan]\n", '[plan]\nprofile = "prof.json"\n'))
     c = load_cluster(path)
-    cost, flop = CostModelPlanner(c), CostModelPlanner(base)
-    fast = Group("fast0", "fast", ("fast0:0", "fast0:1"), c.node("fast0").kind)
-    slow = Group("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
+    cost, flop = PlannerCostModel(c), PlannerCostModel(base)
+    fast = TPGroup("fast0", "fast", ("fast0:0", "fast0:1"), c.node("fast0").kind)
+    slow = TPGroup("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
     f, b, w, _ = cost.stage_times(fast, 3, True, 4, False)
     tp_f, tp_b = flop.stage_times(fast, 3, True, 4, False)[3] / 2, flop.stage_times(fast, 3, True, 4, False)[3] / 2
     assert f - tp_f == pytest.approx(4 / 2 * (3 * 1e-3 + 4e-4))
@@ -632,9 +632,9 @@ def test_profile_applies_only_at_its_shapes(tmp_path):
     import attrs
     base = load_cluster(SMALL)
     c = load_cluster(SMALL, write_profile(tmp_path / "p.json", base, {"cpu2x": (1e-3, 2e-3, 1e-4, 2e-4)}))
-    fast = Group("fast0", "fast", ("fast0:0",), c.node("fast0").kind)
-    assert CostModelPlanner(c).stage_times(fast, 2, False, 1, False)[0] == pytest.approx(2e-3)
+    fast = TPGroup("fast0", "fast", ("fast0:0",), c.node("fast0").kind)
+    assert PlannerCostModel(c).stage_times(fast, 2, False, 1, False)[0] == pytest.approx(2e-3)
     shorter = attrs.evolve(c, model=attrs.evolve(c.model, seq_len=8))
     flop = attrs.evolve(base, model=attrs.evolve(base.model, seq_len=8))
-    assert CostModelPlanner(shorter).stage_times(fast, 2, False, 1, False) == \
-        CostModelPlanner(flop).stage_times(fast, 2, False, 1, False)
+    assert PlannerCostModel(shorter).stage_times(fast, 2, False, 1, False) == \
+        PlannerCostModel(flop).stage_times(fast, 2, False, 1, False)

@@ -39,7 +39,7 @@ def test_there_is_a_rank_plan_per_rank_and_it_agrees_with_the_plan(plan):
         assert rp.params_of() == plan.params_of(rp.rank)
         assert (rp.batch.offset, rp.batch.size) == plan.batch_share(rp.pipeline)
         assert rp.groups == plan.groups and rp.world == plan.world
-        assert rp.buckets == tuple(b for b in plan.buckets if rp.rank in b.group)
+        assert rp.sync_blocks == tuple(b for b in plan.sync_blocks if rp.rank in b.group)
         assert rp.split_backward == any(a.kind.value == "I" for a in rp.actions)
 
 
@@ -48,7 +48,7 @@ def test_every_group_a_rank_uses_is_one_it_belongs_to(plan):
     for rp in plan.rank_plans:
         member = {g.key for g in rp.member_groups}
         assert member == {WORLD} | {g.key for g in plan.groups if rp.rank in g.ranks}
-        used = [key for _, key in rp.routes.groups] + [b.key for b in rp.buckets]
+        used = [key for _, key in rp.routes.groups] + [b.key for b in rp.sync_blocks]
         if rp.tp_group is not None:
             used.append(rp.tp_group)
             assert keys[rp.tp_group].ranks == rp.stage.ranks
@@ -172,9 +172,9 @@ def test_describe_says_what_one_rank_does():
     text = dryrun.describe_rank(plan.rank_plan(2))
     assert text.startswith(RANK_2)
     rest = text[len(RANK_2):].splitlines()
-    buckets = [b for b in plan.buckets if 2 in b.group]
+    buckets = [b for b in plan.sync_blocks if 2 in b.group]
     assert rest[:len(plan.groups) - 4] == [f"  {'*' if 2 in b.group else ' '} {b.name:<28} ranks {list(b.group)}"
-                                           f"  via default" for b in plan.buckets]
+                                           f"  via default" for b in plan.sync_blocks]
     shards = rest.index("parameter shards (13):")
     assert rest[shards + 1:shards + 4] == ["  layers.1.attn_norm.weight    [24]  replicated",
                                            "  layers.1.attn_norm.bias      [24]  replicated",

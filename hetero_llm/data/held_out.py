@@ -30,7 +30,7 @@ from hetero_llm.errors import LayoutError
 _EVAL_STREAM = 0xE7A1
 
 
-def sources(spec, file_for_errors: str):
+def train_and_held_out(spec, file_for_errors: str):
     """(training source, held-out source or None) of a layout's [data]."""
     train = data.make_source(spec, file_for_errors)
     kind = getattr(spec.kind, "value", spec.kind)

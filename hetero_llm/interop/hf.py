@@ -229,7 +229,7 @@ class Source:
     rope_heads: int = 0  # > 0: this many heads whose rows go from HF's half-split order to our pair order
 
 
-def sources(model: ModelSpec) -> dict[str, Source]:
+def weight_sources(model: ModelSpec) -> dict[str, Source]:
     """Our global parameter name -> its ``Source`` (names absent from the HF file are absent here)."""
     kind = kind_of(model)
     out: dict[str, Source] = {}
@@ -306,7 +306,7 @@ def export(params: dict, model: ModelSpec, out_dir: str | os.PathLike, eos_token
 
     shapes = {info.name: info.shape for info in all_params(attrs.evolve(model, bias=True))}
     tensors: dict[str, torch.Tensor] = {}
-    for name, src in sources(model).items():
+    for name, src in weight_sources(model).items():
         t = params[name].detach().float().cpu() if name in params else torch.zeros(shapes[name])  # GPT-2 biases
         if src.rope_heads:
             t = _to_hf_order(t, src.rope_heads)
@@ -367,7 +367,7 @@ def hf_shapes(model: ModelSpec, cfg: dict) -> dict[str, tuple[int, ...]]:
     GPT-2's Conv1D, c_attn three times as wide, GPT-2's position embedding n_positions long."""
     shapes = {info.name: info.shape for info in all_params(attrs.evolve(model, bias=True))}
     out: dict[str, tuple[int, ...]] = {}
-    for name, src in sources(model).items():
+    for name, src in weight_sources(model).items():
         shape = tuple(shapes[name])[::-1] if src.transpose else tuple(shapes[name])
         if ".c_attn." in src.key:
             shape = (*shape[:-1], 3 * model.hidden)
@@ -446,7 +446,7 @@ def load_shards(model: ModelSpec, shards: list[tuple[Any, int, int]]) -> dict[st
 
     folder = Path(model.init_from)
     files = _weight_files(folder)
-    src_of = sources(model)
+    src_of = weight_sources(model)
     out: dict[str, Any] = {}
     handles: dict[Path, Any] = {}
     try:

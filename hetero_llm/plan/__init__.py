@@ -31,7 +31,7 @@ from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_
 from hetero_llm.model.params import ParamInfo, shard_range
 from hetero_llm.plan import zero1_slices
 # The plan's pieces live in plan/rank.py (a RankPlan holds them too); they are imported from here as well.
-from hetero_llm.plan.rank import (WORLD, BatchShare, ComputeSettings, GradBucket, GradSyncKey, Group, GroupKey,  # noqa: F401
+from hetero_llm.plan.rank import (WORLD, BatchShare, ComputeSettings, SyncBlocks, GradSyncKey, Group, GroupKey,  # noqa: F401
                                  Meeting, Network, OptimizerSlices, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan,
                                  StageRoutes, TPKey)
 from hetero_llm.schedule import Direction, Kind
@@ -43,7 +43,7 @@ class Plan:
     ranks: tuple[RankInfo, ...]
     stages: tuple[StagePlan, ...]
     groups: tuple[Group, ...]  # creation order
-    buckets: tuple[GradBucket, ...]
+    sync_blocks: tuple[SyncBlocks, ...]
     schedules: tuple[tuple[tuple[sched.Action, ...], ...], ...]  # [pipeline][stage] -> actions
     routes_f: tuple[Route, ...]
     routes_b: tuple[Route, ...]
@@ -156,7 +156,7 @@ def compile_plan(layout: Layout) -> Plan:
 
     pairs = _boundary_pairs(stages, wrap=chunks > 1)
     routes_f, routes_b = _boundary_routes(pairs)
-    buckets = _grad_buckets(layout, stages)
+    sync_blocks = _sync_blocks(layout, stages)
     node_of = [r.node for r in ranks]
 
     def group(key: GroupKey, members: tuple[int, ...]) -> Group:
@@ -168,8 +168,8 @@ def compile_plan(layout: Layout) -> Plan:
         members = tuple(sorted(a.ranks + b.ranks))
         via = p2p_transport(layout, [ranks[r] for r in members])
         groups += [Group(_p2p_key(Direction.FWD, a, b), members, via), Group(_p2p_key(Direction.BWD, b, a), members, via)]
-    groups += [group(GradSyncKey(b.group), b.group) for b in buckets]
-    plan = Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(buckets), tuple(schedules),
+    groups += [group(GradSyncKey(b.group), b.group) for b in sync_blocks]
+    plan = Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(sync_blocks), tuple(schedules),
                 tuple(routes_f), tuple(routes_b))
     return attrs.evolve(plan, rank_plans=rank_plans(plan))
 
@@ -204,10 +204,10 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     for g in plan.groups:
         for r in g.ranks:
             member_of[r].append(g)
-    buckets_of: dict[int, list[GradBucket]] = {r.rank: [] for r in plan.ranks}
-    for b in plan.buckets:
+    sync_blocks_of: dict[int, list[SyncBlocks]] = {r.rank: [] for r in plan.ranks}
+    for b in plan.sync_blocks:
         for r in b.group:
-            buckets_of[r].append(b)
+            sync_blocks_of[r].append(b)
     first_on_node: dict[str, int] = {}
     for info in plan.ranks:
         first_on_node.setdefault(info.node, info.rank)
@@ -243,7 +243,7 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
             dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
             split_backward=any(a.kind is sched.Kind.I for a in actions),
             sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards_by_rank[rank],
-            buckets=tuple(buckets_of[rank]), routes=_stage_routes(plan, rank),
+            sync_blocks=tuple(sync_blocks_of[rank]), routes=_stage_routes(plan, rank),
             tp_group=plan.tp_group(st), world=world, groups=plan.groups,
             network=network, batch=BatchShare(offset, size, pipe.microbatches),
             counts_loss=st.last and info.tp_index == 0, hot_switching=bool(lay.buckets), reports=rank == 0,
@@ -388,7 +388,7 @@ def _boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Rou
     return fwd, bwd
 
 
-def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
+def _sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:
     # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
     holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     infos: dict[str, ParamInfo] = {}
@@ -409,4 +409,4 @@ def _grad_buckets(layout: Layout, stages: list[StagePlan]) -> list[GradBucket]:
             # replicated activations and all-reduced input gradients): nothing to sum.
             if len({stage_of[r] for r in group}) > 1:
                 by_group[group].append((name, dim, lo, hi))
-    return [GradBucket(g, tuple(e)) for g, e in sorted(by_group.items())]
+    return [SyncBlocks(g, tuple(e)) for g, e in sorted(by_group.items())]

@@ -37,10 +37,10 @@ def describe(plan: Plan) -> str:
     if not plan.groups:
         lines.append("  (none besides the world group)")
     lines += ["", "gradient sync buckets (blocks summed among exactly their holders):"]
-    for b in plan.buckets:
+    for b in plan.sync_blocks:
         layers = sorted({e[0].split(".")[1] if e[0].startswith("layers.") else e[0].split(".")[0] for e in b.entries})
         lines.append(f"  {b.name:<28} {len(b.entries)} blocks ({', '.join(layers)})")
-    if not plan.buckets:
+    if not plan.sync_blocks:
         lines.append("  (none: a single pipeline holds every parameter once)")
     for pi, pipe_sched in enumerate(plan.schedules):
         lines += ["", f"pipeline {pi} schedule:", sched.format_grid([list(a) for a in pipe_sched])]
@@ -111,8 +111,8 @@ def describe_rank(rp: RankPlan) -> str:
         where = "replicated" if dim is None else f"dim {dim}: {s.lo}-{s.hi - 1} of {s.info.shape[dim]}"
         lines.append(f"  {s.name:<28} {list(s.info.shape)}  {where}")
     lines += ["", "gradient sync buckets:"]
-    for bucket in rp.buckets:
+    for bucket in rp.sync_blocks:
         lines.append(f"  {bucket.name:<28} {len(bucket.entries)} blocks")
-    if not rp.buckets:
+    if not rp.sync_blocks:
         lines.append("  (none: no other pipeline holds a shard of this rank's)")
     return "\n".join(lines)

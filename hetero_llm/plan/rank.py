@@ -3,7 +3,7 @@
 A ``Plan`` is the whole job (every rank, every group, the layout it came from); a ``RankPlan`` is one
 rank's share of it, resolved once at compile time: its stage and model-chunk shapes, its action list
 and how to run it (dynamic or not, split backward or not), its compute settings (the stage's recompute,
-else the train's), its parameter shards, the gradient-sync buckets it is in, its pieces of the stage
+else the train's), its parameter shards, the sync block groups (gradient sync) it is in, its pieces of the stage
 boundaries with the groups they travel in, every group it creates with the network settings it creates
 them under, its rows of the global batch and whether its loss is the one its pipeline counts.
 The runtime side (train, runtime, comm, checkpoint writing, trace) takes a ``RankPlan`` and holds no
@@ -159,7 +159,7 @@ class Route:
 
 
 @attrs.frozen
-class GradBucket:
+class SyncBlocks:
     """Blocks of gradients that one all-reduce sums among ``group``.
 
     ``entries`` are (param name, dim, lo, hi) in the full tensor's coordinates.
@@ -270,7 +270,7 @@ Slice = tuple[str, int, int, int]
 
 
 @attrs.frozen
-class Unit:
+class ZeroUnit:
     """Blocks whose AdamW state ``ranks`` split; plan group ``group`` carries their collectives."""
 
     group: GroupKey
@@ -300,7 +300,7 @@ class OptimizerSlices:
     """What this rank's AdamW updates under ZeRO-1 (``optim_shards.owned``): its slices of each unit it is in
     (the unit's group carries their reduce-scatter and all-gather), and the rest of its shards, its alone."""
 
-    units: tuple[tuple[Unit, tuple[Slice, ...]], ...]
+    units: tuple[tuple[ZeroUnit, tuple[Slice, ...]], ...]
     local: tuple[Slice, ...]
 
 
@@ -337,7 +337,7 @@ class RankPlan:
     optimizer_slices: OptimizerSlices | None  # with 'adamw_zero1': what this rank's AdamW updates
     compute: ComputeSettings
     shards: tuple[Shard, ...]
-    buckets: tuple[GradBucket, ...]  # the gradient-sync buckets this rank is in, in plan order
+    sync_blocks: tuple[SyncBlocks, ...]  # the sync block groups this rank is in, in plan order
     routes: StageRoutes
     tp_group: TPKey | None  # this rank's TP group (None when its stage has TP size 1)
     world: Group

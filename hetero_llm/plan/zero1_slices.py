@@ -30,7 +30,7 @@ from typing import Protocol
 from hetero_llm.layout import Layout
 
 from hetero_llm.model.params import ParamInfo
-from hetero_llm.plan.rank import GradBucket, GroupKey, RankInfo, Slice, StagePlan, Unit
+from hetero_llm.plan.rank import SyncBlocks, GroupKey, RankInfo, Slice, StagePlan, ZeroUnit
 
 
 class Plan(Protocol):
@@ -46,7 +46,7 @@ class Plan(Protocol):
     def stages(self) -> tuple[StagePlan, ...]: ...
 
     @property
-    def buckets(self) -> tuple[GradBucket, ...]: ...
+    def sync_blocks(self) -> tuple[SyncBlocks, ...]: ...
 
     @property
     def world_size(self) -> int: ...
@@ -81,17 +81,17 @@ def _weights(plan: Plan, ranks: tuple[int, ...], info: ParamInfo) -> list[float]
     return [m * t for m, t in zip(mem, tp)]
 
 
-def units(plan: Plan) -> tuple[Unit, ...]:
+def units(plan: Plan) -> tuple[ZeroUnit, ...]:
     """Every unit of the plan, in plan order (every rank computes the same tuple)."""
     infos = {p.name: p for st in plan.stages for p in st.params(plan.layout.model)}
 
-    def unit(group: GroupKey, ranks: tuple[int, ...], entries: tuple[Slice, ...], reduce: bool) -> Unit:
+    def unit(group: GroupKey, ranks: tuple[int, ...], entries: tuple[Slice, ...], reduce: bool) -> ZeroUnit:
         cuts = tuple(_cut(lo, hi, _weights(plan, ranks, infos[name])) for name, _, lo, hi in entries)
         sizes = tuple(_row_size(infos[name], dim) for name, dim, _, _ in entries)
-        return Unit(group, ranks, entries, cuts, sizes, reduce)
+        return ZeroUnit(group, ranks, entries, cuts, sizes, reduce)
 
-    out = [unit(b.key, b.group, b.entries, True) for b in plan.buckets]
-    synced = {e[0] for b in plan.buckets for e in b.entries}
+    out = [unit(b.key, b.group, b.entries, True) for b in plan.sync_blocks]
+    synced = {e[0] for b in plan.sync_blocks for e in b.entries}
     for st in plan.stages:
         if st.tp == 1:
             continue
@@ -105,7 +105,7 @@ def units(plan: Plan) -> tuple[Unit, ...]:
 
 
 def owned(plan: Plan, rank: int,
-          all_units: tuple[Unit, ...] | None = None) -> tuple[list[tuple[Unit, list[Slice]]], list[Slice]]:
+          all_units: tuple[ZeroUnit, ...] | None = None) -> tuple[list[tuple[ZeroUnit, list[Slice]]], list[Slice]]:
     """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone)."""
     all_units = units(plan) if all_units is None else all_units
     mine = [(u, u.slices(rank)) for u in all_units if rank in u.ranks]

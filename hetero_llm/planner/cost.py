@@ -54,7 +54,7 @@ GRAD_BYTES = 4  # gradients are summed in float32
 
 
 @attrs.frozen(cache_hash=True)  # a dict key in every memo of the search
-class Group:
+class TPGroup:
     """A TP group: devices of one node."""
 
     node: str
@@ -73,7 +73,7 @@ class Group:
 
 @attrs.frozen
 class StageChoice:
-    group: Group
+    group: TPGroup
     layers: int
     recompute: bool = False
 
@@ -130,7 +130,7 @@ class Score:
                     for s, (m, c) in enumerate(zip(ms, cs))), key=lambda x: x[2])
 
 
-class CostModelPlanner:
+class PlannerCostModel:
     """Costs of stages, pipelines and whole candidates on one cluster (memoised: the search asks often)."""
 
     def __init__(self, cluster: Cluster):
@@ -198,7 +198,7 @@ class CostModelPlanner:
     def allreduce(self, nbytes: float, members: int, bw: float) -> float:
         return 2 * (members - 1) / members * nbytes / bw if members > 1 else 0.0
 
-    def stage_times(self, group: Group, layers: int, last: bool, rows: int, recompute: bool) -> tuple[float, float, float, float]:
+    def stage_times(self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool) -> tuple[float, float, float, float]:
         """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
         measured = self.profile.get(group.kind.name) if self.profile else None
         if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
@@ -223,7 +223,7 @@ class CostModelPlanner:
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
 
-    def link(self, a: Group, b: Group) -> tuple[float, float]:
+    def link(self, a: TPGroup, b: TPGroup) -> tuple[float, float]:
         """(bytes/s, latency s) of the path between two groups."""
         if a.node == b.node:
             return min(a.kind.link_gbps, b.kind.link_gbps) * 1e9 / 8, self.p2p_latency
@@ -231,7 +231,7 @@ class CostModelPlanner:
             return self.domain_bw[a.domain], self.domain_lat[a.domain] + self.p2p_latency
         return self.cluster.network.cross_bw, self.cluster.network.cross_latency + self.p2p_latency
 
-    def boundary(self, a: Group, b: Group, rows: int) -> tuple[float, float]:
+    def boundary(self, a: TPGroup, b: TPGroup, rows: int) -> tuple[float, float]:
         """(effective bytes/s, latency) of one activation crossing a -> b (with the receivers' all-gather)."""
         nbytes = rows * self.S * self.H * self.act_bytes
         bw, lat = self.link(a, b)
@@ -265,11 +265,11 @@ class CostModelPlanner:
         sharded, repl = self.layer_params(1)
         return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
 
-    def zero1_weights(self, group: Group) -> tuple[float, float]:
+    def zero1_weights(self, group: TPGroup) -> tuple[float, float]:
         """(memory-weighted, unweighted) ZeRO-1 weight of one TP group: ``tp x memory_gb`` and ``tp``."""
         return group.tp * self.node_memory.get(group.node, 0.0), float(group.tp)
 
-    def zero1_share(self, group: Group, others: tuple[float, float]) -> float:
+    def zero1_share(self, group: TPGroup, others: tuple[float, float]) -> float:
         """Upper bound of the fraction of a block's full moments one device of ``group`` keeps under ZeRO-1
         when the other pipelines' holders weigh at least ``others`` (see ``zero1_weights``)."""
         mem = self.node_memory.get(group.node, 0.0)
@@ -278,7 +278,7 @@ class CostModelPlanner:
             return unit
         return max(mem / (group.tp * mem + others[0]), unit)
 
-    def moment_elements(self, group: Group, layers: int, first: bool, last: bool,
+    def moment_elements(self, group: TPGroup, layers: int, first: bool, last: bool,
                         others: tuple[float, float] = (0.0, 0.0)) -> float:
         """AdamW moment elements (each of two) on one device of the stage: all it holds with 'adamw'; with
         'adamw_zero1' its share of every block, ``full x share`` (a bound when ``others`` is a bound)."""
@@ -286,7 +286,7 @@ class CostModelPlanner:
             return self.stage_params(group.tp, layers, first, last)
         return self.stage_full_params(layers, first, last) * self.zero1_share(group, others)
 
-    def stage_memory(self, group: Group, layers: int, first: bool, last: bool, rows: int, recompute: bool,
+    def stage_memory(self, group: TPGroup, layers: int, first: bool, last: bool, rows: int, recompute: bool,
                      in_flight: int, others: tuple[float, float] = (0.0, 0.0), moments: float | None = None) -> float:
         """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
         (or ``moments`` gives the exact moment elements)."""
@@ -307,7 +307,7 @@ class CostModelPlanner:
         # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
         return params + max(act, moments * STEP_TEMP_BYTES)
 
-    def capacity(self, group: Group) -> float:
+    def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
 
     # ---------------------------------------------------------------- whole candidates
@@ -341,7 +341,7 @@ class CostModelPlanner:
                 lo += s.layers
                 boundaries.add(lo)
         cuts = sorted(boundaries)
-        owner: list[list[Group]] = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
+        owner: list[list[TPGroup]] = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
         for pipe in cand.pipelines:
             seg, hi = 0, 0
             for s in pipe.stages:

@@ -9,7 +9,7 @@ idle are not enumerated (the sweep and the local search reach them). ``search.Pl
 from __future__ import annotations
 
 import itertools
-from hetero_llm.planner.cost import Group
+from hetero_llm.planner.cost import TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
@@ -20,12 +20,12 @@ def all_structures(planner: SearchSpace, limit: int) -> list | None:
     per_node = [_cuts(n.devices, planner.tp_sizes(n.devices)) for n in planner.c.nodes]
     out = []
     for choice in itertools.product(*per_node):
-        pools: dict[tuple[str, int], list[Group]] = {}
+        pools: dict[tuple[str, int], list[TPGroup]] = {}
         for node, cut in zip(planner.c.nodes, choice):
             idx = 0
             for t in cut:
                 pools.setdefault((node.name, t), []).append(
-                    Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
+                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
                 idx += t
         names = sorted(pools)
         labels = sorted(i for i, k in enumerate(names) for _ in pools[k])

@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import attrs
 
-from hetero_llm.planner.cost import Group
+from hetero_llm.planner.cost import TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
@@ -22,17 +22,17 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     out: list[Structure] = []
     seen: set[tuple] = set()
 
-    def make(new: list[list[Group]], rows: int = st.rows, schedule: str = st.schedule) -> None:
+    def make(new: list[list[TPGroup]], rows: int = st.rows, schedule: str = st.schedule) -> None:
         new_st = type(st)(tuple(tuple(p) for p in new if p), rows, schedule)
         k = new_st.key()
         if k not in seen:
             seen.add(k)
             out.append(new_st)
 
-    def kind(g: Group) -> tuple:
+    def kind(g: TPGroup) -> tuple:
         return (g.node, g.tp)
 
-    def signature(p: list[Group]) -> tuple:
+    def signature(p: list[TPGroup]) -> tuple:
         return tuple((g.kind.name, g.tp, g.domain) for g in p)
 
     # one representative pipeline per signature (the slowest first), and all pipelines sharing it
@@ -119,7 +119,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             make(pipes, schedule=sch)
     return out
 
-def idle_groups(planner: SearchSpace, st: Structure) -> list[Group]:
+def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
     """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""
     used = {d for p in st.pipelines for g in p for d in g.devices}
     out = []
@@ -127,5 +127,5 @@ def idle_groups(planner: SearchSpace, st: Structure) -> list[Group]:
         free = [i for i in range(node.devices) if f"{node.name}:{i}" not in used]
         if free:
             t = max(planner.tp_sizes(len(free)))
-            out.append(Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
+            out.append(TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
     return out

@@ -47,7 +47,7 @@ class PlaceOptions:
 
 
 @attrs.frozen
-class Unit:
+class PlaceGroup:
     """One TP group: ``tp`` consecutive devices of one node."""
 
     node: str
@@ -59,7 +59,7 @@ class Unit:
 
 @attrs.frozen
 class PlacedStage:
-    unit: Unit
+    unit: PlaceGroup
     layers: int
 
 
@@ -89,7 +89,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     if model.heads % tp or model.ffn_width % tp:
         raise LayoutError(file, "--tp", f"TP size {tp} does not divide heads ({model.heads}) and the MLP width "
                           f"({model.ffn_width}) (pick a common divisor)")
-    by_domain: dict[str, list[Unit]] = {}
+    by_domain: dict[str, list[PlaceGroup]] = {}
     order = [d.name for d in cluster.domains] or [DEFAULT_TRANSPORT]
     for node in cluster.nodes:
         domain = cluster.domain_of(node.name)
@@ -99,7 +99,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
                          f"(TP {tp} groups stay inside a node)")
         for g in range(groups):
             devices = tuple(f"{node.name}:{i}" for i in range(g * tp, (g + 1) * tp))
-            by_domain.setdefault(domain, []).append(Unit(node.name, domain, devices, node.speed, node.memory_gb))
+            by_domain.setdefault(domain, []).append(PlaceGroup(node.name, domain, devices, node.speed, node.memory_gb))
     if not by_domain:
         most = max(len(n.devices) for n in cluster.nodes)
         raise LayoutError(file, "--tp", f"no node has {tp} devices (the most is {most}; TP stays inside a node)")
@@ -125,7 +125,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
                           f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)")
 
     # Rule 2/3: pipeline p takes a contiguous block of each domain's TP groups (boundaries inside nodes).
-    share: dict[tuple[int, str], list[Unit]] = {}
+    share: dict[tuple[int, str], list[PlaceGroup]] = {}
     for d in domains:
         units = by_domain[d]
         base, extra = divmod(len(units), pipelines)
@@ -139,7 +139,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     layer_sz, embed_sz, head_sz = _device_params(model, layer_params(model, 0), tp), \
         _device_params(model, embedding_params(model), tp), _device_params(model, head_params(model), tp)
 
-    def cap(unit: Unit, first: bool, last: bool) -> int:
+    def cap(unit: PlaceGroup, first: bool, last: bool) -> int:
         if unit.memory_gb <= 0:
             return model.layers
         room = unit.memory_gb * 1e9 / BYTES_PER_PARAM - (embed_sz if first else 0) - (head_sz if last else 0)

@@ -32,7 +32,7 @@ import numpy as np
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner import exact, moves, sweep
 from hetero_llm.planner.structure import Result, Structure
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, PipelineChoice, Score, StageChoice
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, Score, StageChoice
 
 INF = math.inf
 
@@ -41,7 +41,7 @@ class Planner:
     def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int | None = None,
                  exact_limit: int = 20_000):
         self.c = cluster
-        self.cost = CostModelPlanner(cluster)
+        self.cost = PlannerCostModel(cluster)
         self.model = cluster.model
         self.G = cluster.train.global_batch
         self.L = cluster.model.layers
@@ -60,7 +60,7 @@ class Planner:
         self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
-        self._rep: dict[tuple[str, int], Group] = {}
+        self._rep: dict[tuple[str, int], TPGroup] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
         self.start = time.perf_counter()
 
@@ -70,28 +70,28 @@ class Planner:
         return [t for t in range(1, min(cap, devices) + 1)
                 if self.model.heads % t == 0 and self.model.ffn_width % t == 0]
 
-    def groups(self, tp_by_kind: dict[str, int]) -> list[Group]:
+    def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
         out = []
         for node in self.c.nodes:
             want = tp_by_kind.get(node.kind.name, 1)
             left, idx = node.devices, 0
             while left:
                 t = max(s for s in self.tp_sizes(left) if s <= want)
-                out.append(Group(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)),
+                out.append(TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)),
                                  node.kind))
                 idx, left = idx + t, left - t
         return out
 
-    def order(self, groups) -> tuple[Group, ...]:
+    def order(self, groups) -> tuple[TPGroup, ...]:
         """Stage order inside a pipeline: by domain as declared, then node, then device."""
         return tuple(sorted(groups, key=lambda g: (self.domain_order.get(g.domain, 0), self.node_order[g.node],
                                                    g.devices)))
 
     # ---------------------------------------------------------------- exact layer split
-    def stage_cost(self, g: Group, *args) -> tuple[float, bool]:
+    def stage_cost(self, g: TPGroup, *args) -> tuple[float, bool]:
         return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), *args)
 
-    def _stage_cost_raw(self, group: Group, layers: int, first: bool, last: bool, rows: int,
+    def _stage_cost_raw(self, group: TPGroup, layers: int, first: bool, last: bool, rows: int,
                         in_flight: int, others: tuple[float, float] = (0.0, 0.0)) -> tuple[float, bool]:
         """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
         ``others``: with ZeRO-1, a lower bound of the other pipelines' holders' weight (``zero1_others``)."""
@@ -102,7 +102,7 @@ class Planner:
                 return f + b, rc
         return INF, True
 
-    def split_layers(self, groups: tuple[Group, ...], rows: int, schedule: str, chunks: int,
+    def split_layers(self, groups: tuple[TPGroup, ...], rows: int, schedule: str, chunks: int,
                      microbatches: int, others: tuple[float, float] = (0.0, 0.0)
                      ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
@@ -121,13 +121,13 @@ class Planner:
         """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""
         return tuple(self._rep_key(g) for g in groups)
 
-    def _rep_key(self, g: Group) -> tuple:
-        # built afresh: cheaper than a dict lookup keyed by the Group (attrs equality on every hit)
+    def _rep_key(self, g: TPGroup) -> tuple:
+        # built afresh: cheaper than a dict lookup keyed by the TPGroup (attrs equality on every hit)
         if self.cost.zero1:
             return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0))
         return (g.kind.name, len(g.devices))
 
-    def _cost_row(self, g: Group, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
+    def _cost_row(self, g: TPGroup, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
                   others: tuple[float, float]) -> list[float]:
         """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
         key = (g, unit, top_units, first, last, rows, in_flight, others)
@@ -275,7 +275,7 @@ class Planner:
             return worst
         return worst + self.sync_and_optimizer(cand)
 
-    def _busy(self, g: Group, layers: int, last: bool, rows: int, recompute: bool) -> float:
+    def _busy(self, g: TPGroup, layers: int, last: bool, rows: int, recompute: bool) -> float:
         """Forward + backward seconds of one microbatch (``cost.stage_times``), memoised by kind and TP size."""
         key = (self._rep_key(g), layers, last, rows, recompute)
         t = self._busy_memo.get(key)

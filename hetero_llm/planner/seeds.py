@@ -10,7 +10,7 @@ from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Recompute, Schedule
 from hetero_llm.planner import place
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, Group, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, TPGroup, PipelineChoice, StageChoice
 from hetero_llm.planner.place import Placement
 
 
@@ -38,7 +38,7 @@ def from_placement(cluster: Cluster, placement: Placement) -> Candidate:
     """hetero-place's plan as a candidate (the search's seed)."""
     pipes = []
     for p in placement.pipelines:
-        stages = tuple(StageChoice(Group(s.unit.node, s.unit.domain, s.unit.devices, cluster.node(s.unit.node).kind),
+        stages = tuple(StageChoice(TPGroup(s.unit.node, s.unit.domain, s.unit.devices, cluster.node(s.unit.node).kind),
                                    s.layers, cluster.train.recompute is Recompute.FULL) for s in p.stages)
         pipes.append(PipelineChoice(p.batch, p.microbatches, stages))
     t = cluster.train

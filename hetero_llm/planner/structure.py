@@ -9,14 +9,14 @@ from typing import Protocol
 import attrs
 
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group, Score
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, Score
 
 
 class SearchSpace(Protocol):
     """What ``moves``, ``exact`` and ``sweep`` need of the search (``search.Planner`` is one)."""
 
     c: Cluster
-    cost: CostModelPlanner
+    cost: PlannerCostModel
     G: int  # the global batch
     domain_order: dict[str, int]
     node_order: dict[str, int]
@@ -28,9 +28,9 @@ class SearchSpace(Protocol):
 
     def tp_sizes(self, devices: int) -> list[int]: ...
 
-    def groups(self, tp_by_kind: dict[str, int]) -> list[Group]: ...
+    def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]: ...
 
-    def order(self, groups) -> tuple[Group, ...]: ...
+    def order(self, groups) -> tuple[TPGroup, ...]: ...
 
     def realize(self, st: Structure) -> Candidate | None: ...
 
@@ -39,7 +39,7 @@ class SearchSpace(Protocol):
 
 @attrs.frozen
 class Structure:
-    pipelines: tuple[tuple[Group, ...], ...]  # ordered stages (TP groups) of each pipeline
+    pipelines: tuple[tuple[TPGroup, ...], ...]  # ordered stages (TP groups) of each pipeline
     rows: int  # sequences per microbatch
     schedule: str = "1f1b"
 

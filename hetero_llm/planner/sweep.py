@@ -11,17 +11,17 @@ import time
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, CostModelPlanner, Group
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 INF = math.inf
 
 
-def deal(planner: SearchSpace, groups: list[Group], P: int, balanced: bool) -> tuple[tuple[Group, ...], ...]:
+def deal(planner: SearchSpace, groups: list[TPGroup], P: int, balanced: bool) -> tuple[tuple[TPGroup, ...], ...]:
     """TP groups into P pipelines, domain by domain: contiguous runs, or speed-balanced (LPT)."""
-    pipes: list[list[Group]] = [[] for _ in range(P)]
+    pipes: list[list[TPGroup]] = [[] for _ in range(P)]
     load = [0.0] * P
-    by_domain: dict[str, list[Group]] = {}
+    by_domain: dict[str, list[TPGroup]] = {}
     for g in groups:
         by_domain.setdefault(g.domain, []).append(g)
     for d in sorted(by_domain, key=lambda d: planner.domain_order.get(d, 0)):
@@ -108,7 +108,7 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     return [st for _, _, st in found[:keep]]
 
 
-def infeasible_error(cluster: Cluster, cost: CostModelPlanner, cand: Candidate) -> LayoutError:
+def infeasible_error(cluster: Cluster, cost: PlannerCostModel, cand: Candidate) -> LayoutError:
     """Nothing fits: name the stage of the closest candidate that is furthest over, and by how much."""
     score = cost.score(cand)
     p, s, over = score.worst_memory()

@@ -36,21 +36,21 @@ def sync_grads(rp: RankPlan, state: RankState, comms: Comms, streams: Streams = 
 
     A TP-replicated shard is scaled by 1/replicas first, so the sum counts each pipeline once. The norm
     counts every block once: each holder contributes 1/len(group) of the (identical) summed block.
-    Every bucket's all-reduce is started first (on CUDA: on the grads stream), so they overlap one
+    Every group's all-reduce is started first (on CUDA: on the grads stream), so they overlap one
     another and the local part of the norm.
     """
     pending = []
-    for bucket in rp.buckets:  # the buckets this rank is in
-        views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in bucket.entries]
+    for blocks in rp.sync_blocks:  # the sync block groups this rank is in
+        views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in blocks.entries]
         scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
-                  for v, (name, *_rest) in zip(views, bucket.entries)]
-        pending.append((bucket, views, collectives.start_all_reduce_flat(comms, scaled, bucket.key, streams)))
+                  for v, (name, *_rest) in zip(views, blocks.entries)]
+        pending.append((blocks, views, collectives.start_all_reduce_flat(comms, scaled, blocks.key, streams)))
     # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
     sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])
-    for bucket, views, reduction in pending:
+    for blocks, views, reduction in pending:
         summed = reduction.wait()
-        share = 1.0 / len(bucket.group)
-        sq = sq - _sum_sq(views, [1.0 / state.replicas[name] for name, *_rest in bucket.entries])
+        share = 1.0 / len(blocks.group)
+        sq = sq - _sum_sq(views, [1.0 / state.replicas[name] for name, *_rest in blocks.entries])
         sq = sq + _sum_sq(summed, [share] * len(summed))
         torch._foreach_copy_(views, summed)
     return sq

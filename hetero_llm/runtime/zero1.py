@@ -23,7 +23,7 @@ import torch
 
 from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
-from hetero_llm.plan.zero1_slices import Slice, Unit
+from hetero_llm.plan.zero1_slices import Slice, ZeroUnit
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.schedule import Kind
 from hetero_llm.comm.streams import NO_STREAMS, Streams
@@ -39,7 +39,7 @@ class ShardedAdamW:
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
         mine = rp.optimizer_slices  # this rank's slices, resolved by the plan (optim_shards.owned)
-        self.units: list[tuple[Unit, list[Slice]]] = [(u, list(sl)) for u, sl in mine.units]
+        self.units: list[tuple[ZeroUnit, list[Slice]]] = [(u, list(sl)) for u, sl in mine.units]
         self.local: list[Slice] = list(mine.local)
         self.slices: list[Slice] = [s for _, sl in self.units for s in sl] + self.local
         self.exp_avg = [torch.zeros_like(self._view(s, "data")) for s in self.slices]
@@ -73,7 +73,7 @@ class ShardedAdamW:
 
     # -- the step ---------------------------------------------------------------------------------
 
-    def _packed(self, unit: Unit, what: str, only: int | None = None) -> torch.Tensor:
+    def _packed(self, unit: ZeroUnit, what: str, only: int | None = None) -> torch.Tensor:
         """The unit's blocks (``grad``: scaled for TP replicas) flattened holder by holder, each holder's part
         padded to ``unit.chunk``; ``only``: just that holder's part."""
         parts = []
@@ -170,7 +170,7 @@ class ShardedAdamW:
         for unit, pending in gathers:
             self._unpack(unit, pending.wait()[0], self.state_of_rank.params)
 
-    def _unpack(self, unit: Unit, flat: torch.Tensor, into: dict[str, torch.Tensor], moments: bool = False) -> None:
+    def _unpack(self, unit: ZeroUnit, flat: torch.Tensor, into: dict[str, torch.Tensor], moments: bool = False) -> None:
         for j, r in enumerate(unit.ranks):
             if r == self.rank and not moments:
                 continue

@@ -98,7 +98,7 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
     if packed:
         source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
     else:
-        source, valid = evaluate.sources(rp.data, rp.file)
+        source, valid = evaluate.train_and_held_out(rp.data, rp.file)
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = home_counts_loss = rp.counts_loss  # held-out batches run under the home layout
     if rp.hot_switching:  # every bucket of a step under its own layout (switching/switcher.py)
