@@ -109,22 +109,23 @@ class ModelConfig:
 def layout_toml(cfg: ModelConfig, stage_layers: Sequence[int], microbatches: int, schedule: str,
                 *, chunks: int = 1) -> str:
     """One pipeline, one stage per CPU process, GPT-style model (LayerNorm, learned positions, GELU)."""
+    from hetero_llm import layout
+
     if sum(stage_layers) != cfg.layers:
         raise ValueError(f"stage layers {list(stage_layers)} do not sum to {cfg.layers}")
-    lines = [
-        "[model]", f"layers = {cfg.layers}", f"hidden = {cfg.hidden}", f"heads = {cfg.heads}",
-        f"vocab = {cfg.vocab}", f"seq_len = {cfg.seq_len}",
-        "", "[train]", f"steps = {cfg.steps}", f"global_batch = {cfg.global_batch}", f"seed = {cfg.seed}",
-        f'schedule = "{schedule}"', *([f"chunks = {chunks}"] if schedule == "interleaved" else []),
-        "lr = 1e-3", "min_lr = 1e-4", "warmup_steps = 2", "weight_decay = 0.1", "log_every = 1",
-        "", "[data]", 'kind = "grammar"',
-        "", "[cluster]", "timeout_s = 120", "[[cluster.nodes]]", 'name = "node0"',
-        f"devices = {json.dumps(['cpu'] * len(stage_layers))}",
-        "", "[[pipelines]]", f"batch = {cfg.global_batch}", f"microbatches = {microbatches}",
-    ]
-    for index, layers in enumerate(stage_layers):
-        lines += ["[[pipelines.stages]]", f"layers = {layers}", f'devices = ["node0:{index}"]']
-    return "\n".join(lines) + "\n"
+    sched = layout.Schedule(schedule)
+    model = layout.ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
+                             seq_len=cfg.seq_len)
+    train = layout.TrainSpec(steps=cfg.steps, global_batch=cfg.global_batch, seed=cfg.seed, schedule=sched,
+                             chunks=chunks if sched is layout.Schedule.INTERLEAVED else 1, lr=1e-3, min_lr=1e-4,
+                             warmup_steps=2, weight_decay=0.1, log_every=1)
+    cluster = layout.ClusterSpec(nodes=(layout.NodeSpec(name="node0", devices=("cpu",) * len(stage_layers)),),
+                                 timeout_s=120.0)
+    stages = tuple(layout.StageSpec(layers=n, devices=(f"node0:{i}",)) for i, n in enumerate(stage_layers))
+    pipeline = layout.PipelineSpec(batch=cfg.global_batch, microbatches=microbatches, stages=stages)
+    return layout.dumps(layout.Layout(file="<bench>", model=model, train=train,
+                                      data=layout.DataSpec(kind=layout.DataKind.GRAMMAR), cluster=cluster,
+                                      pipelines=(pipeline,)))
 
 
 def free_port() -> int:

@@ -38,7 +38,6 @@ Results: ``bench/results/gpu_bench.md`` (tables) and ``.json`` (every number); `
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import shutil
@@ -124,23 +123,20 @@ def layout_toml(case: Case, *, devices: list[str], steps: int, corpus: Path, com
                 backend: str = "gloo", stages: int = 1, microbatches: int = 1) -> str:
     """One pipeline; ``stages`` stages of one rank each, or one stage over all ``devices`` (TP)."""
     s = case.size
-    lines = ["[model]", f"layers = {s.layers}", f"hidden = {s.hidden}", f"heads = {s.heads}", f"vocab = {s.vocab}",
-             f"seq_len = {case.seq}",
-             "", "[train]", f"steps = {steps}", f"global_batch = {case.batch}", "seed = 0", 'precision = "bf16"',
-             f'compile = "{compile_mode}"', "lr = 3e-4", "min_lr = 3e-5", "warmup_steps = 2", "weight_decay = 0.1",
-             "grad_clip = 1.0", "log_every = 1",
-             "", "[data]", 'kind = "text"', f"path = {json.dumps(str(corpus))}",
-             "", "[cluster]", f'backend = "{backend}"', "timeout_s = 300"]
-    for i, dev in enumerate(devices):  # one node per rank: several ranks may share one GPU (gloo)
-        lines += ["[[cluster.nodes]]", f'name = "r{i}"', f"devices = [{json.dumps(dev)}]"]
-    lines += ["", "[[pipelines]]", f"batch = {case.batch}", f"microbatches = {microbatches}"]
+    train = layout_mod.TrainSpec(steps=steps, global_batch=case.batch, seed=0, precision=layout_mod.Precision.BF16,
+                                 compile=layout_mod.Compile(compile_mode), lr=3e-4, min_lr=3e-5, warmup_steps=2,
+                                 weight_decay=0.1, grad_clip=1.0, log_every=1)
+    data = layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus))
+    # one node per rank: several ranks may share one GPU (gloo)
+    nodes = tuple(layout_mod.NodeSpec(name=f"r{i}", devices=(dev,)) for i, dev in enumerate(devices))
+    cluster = layout_mod.ClusterSpec(nodes=nodes, backend=layout_mod.Backend(backend), timeout_s=300.0)
     if stages > 1:
-        for i in range(stages):
-            lines += ["[[pipelines.stages]]", f"layers = {s.layers // stages}", f'devices = ["r{i}:0"]']
+        specs = tuple(layout_mod.StageSpec(layers=s.layers // stages, devices=(f"r{i}:0",)) for i in range(stages))
     else:
-        lines += ["[[pipelines.stages]]", f"layers = {s.layers}",
-                  f"devices = {json.dumps([f'r{i}:0' for i in range(len(devices))])}"]
-    return "\n".join(lines) + "\n"
+        specs = (layout_mod.StageSpec(layers=s.layers, devices=tuple(f"r{i}:0" for i in range(len(devices)))),)
+    pipeline = layout_mod.PipelineSpec(batch=case.batch, microbatches=microbatches, stages=specs)
+    return layout_mod.dumps(layout_mod.Layout(file="<gpu_bench>", model=case.model_spec(), train=train, data=data,
+                                              cluster=cluster, pipelines=(pipeline,)))
 
 
 @attrs.define

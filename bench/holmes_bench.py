@@ -34,7 +34,8 @@ import click
 
 from bench import testbed as T
 from hetero_llm import layout as layout_mod
-from hetero_llm.layout import Layout
+from hetero_llm.layout import (ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Layout, ModelSpec,
+                               NodeSpec, PipelineSpec, Schedule, StageSpec, TrainSpec)
 from hetero_llm.planner.place import PlaceOptions, place_file
 
 INTERFACES = ("dom0", "xdom")
@@ -140,56 +141,36 @@ def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: 
 
 def cluster_file(*, hidden: int, layers: int, heads: int, seq_len: int, batch: int, steps: int,
                  domain_gbps: float, domain_us: float, cross_gbps: float, cross_us: float) -> str:
-    nodes = "\n".join(f'[[cluster.nodes]]\nname = "node{i}"\ndomain = "{"ib" if i < 2 else "roce"}"' for i in range(4))
-    return f"""# Benchmark cluster: two domains of two emulated nodes (one CPU device each), fast inside, slow across.
-[model]
-layers = {layers}
-hidden = {hidden}
-heads = {heads}
-vocab = 256
-seq_len = {seq_len}
-
-[train]
-steps = {steps}
-global_batch = {batch}
-seed = 1
-schedule = "1f1b"
-log_every = 1
-
-[data]
-kind = "grammar"
-
-[cluster]
-timeout_s = 120
-[[cluster.domains]]
-name = "ib"
-kind = "ib"
-bandwidth_gbps = {domain_gbps}
-latency_us = {domain_us}
-gloo_ifname = "dom0"
-[[cluster.domains]]
-name = "roce"
-kind = "roce"
-bandwidth_gbps = {domain_gbps}
-latency_us = {domain_us}
-gloo_ifname = "dom0"
-[cluster.cross_domain]
-bandwidth_gbps = {cross_gbps}
-latency_us = {cross_us}
-gloo_ifname = "xdom"
-
-{nodes}
-"""
+    """The benchmark's cluster file (the input of hetero-place): two domains of two nodes each."""
+    model = ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=256, seq_len=seq_len)
+    train = TrainSpec(steps=steps, global_batch=batch, seed=1, schedule=Schedule.ONE_F_ONE_B, log_every=1)
+    domains = tuple(DomainSpec(name=name, kind=DomainKind(name), bandwidth_gbps=float(domain_gbps),
+                               latency_us=float(domain_us), gloo_ifname="dom0") for name in ("ib", "roce"))
+    cross = CrossDomainSpec(bandwidth_gbps=float(cross_gbps), latency_us=float(cross_us), gloo_ifname="xdom")
+    nodes = tuple(NodeSpec(name=f"node{i}", domain="ib" if i < 2 else "roce") for i in range(4))
+    cluster = ClusterSpec(nodes=nodes, timeout_s=120.0, domains=domains, cross_domain=cross)
+    return layout_mod.dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster},
+                                    header="Benchmark cluster: two domains of two emulated nodes (one CPU device "
+                                           "each), fast inside, slow across.")
 
 
-def naive_pipelines(layers: int, batch: int, microbatches: int) -> str:
+def naive_pipelines(layers: int, batch: int, microbatches: int) -> tuple[PipelineSpec, ...]:
     """One pipeline per domain: stage boundaries inside a domain, every DP group across."""
     out = []
-    for p, (first, second) in enumerate([("node0", "node1"), ("node2", "node3")]):
-        out += ["[[pipelines]]", f"batch = {batch // 2}", f"microbatches = {microbatches}"]
-        for node, n in ((first, layers // 2), (second, layers - layers // 2)):
-            out += ["[[pipelines.stages]]", f"layers = {n}", f'devices = ["{node}:0"]']
-    return "\n".join(out) + "\n"
+    for first, second in (("node0", "node1"), ("node2", "node3")):
+        stages = tuple(StageSpec(layers=n, devices=(f"{node}:0",))
+                       for node, n in ((first, layers // 2), (second, layers - layers // 2)))
+        out.append(PipelineSpec(batch=batch // 2, microbatches=microbatches, stages=stages))
+    return tuple(out)
+
+
+def naive_layout(cluster: Path, out: Path, microbatches: int) -> Path:
+    """The layout of the cluster file ``cluster`` with ``naive_pipelines``, written to ``out`` (in the same
+    folder: paths are written as the cluster file has them)."""
+    _, _, sections = layout_mod.read_cluster_file(cluster, "the naive layout")
+    pipelines = naive_pipelines(sections["model"].layers, sections["train"].global_batch, microbatches)
+    layout_mod.dump(Layout(file=str(out), pipelines=pipelines, **sections), out)
+    return out
 
 
 def median(xs) -> float:
@@ -234,8 +215,7 @@ def main(run_one, reps, steps, warmup, hidden, layers, heads, seq_len, batch, do
     aware = work / "a_nic_aware.toml"
     placement = place_file(src, aware, PlaceOptions())
     mbs = placement.pipelines[0].microbatches
-    naive = work / "b_naive.toml"
-    naive.write_text(src.read_text() + "\n" + naive_pipelines(layers, batch, mbs))
+    naive = naive_layout(src, work / "b_naive.toml", mbs)
     lay = layout_mod.load(aware)
     configs = {"a": ("NIC-aware (DP in domains)", aware, False), "b": ("naive (DP across domains)", naive, False),
                "c": ("NIC-aware, every link fast", aware, True)}

@@ -260,7 +260,9 @@ def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[flo
     from hetero_llm.switching import predict as bucket_sim
 
     one = layout.with_name(layout.stem + "_one_bucket.toml")
-    one.write_text(layout.read_text() + f"\n[[buckets]]\nmax_len = {cfg.seq_len}\n")
+    static = layout_mod.load(layout)
+    layout_mod.dump(attrs.evolve(static, buckets=(layout_mod.BucketSpec(max_len=cfg.seq_len),)), one,
+                    relative_to=one.parent)
     lay = layout_mod.load(one)
     return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 

@@ -6,11 +6,11 @@ measurement here: ``hot_switch`` runs and measures these layouts.
 
 from __future__ import annotations
 
-import json
-import tempfile
-from pathlib import Path
-
 import attrs
+
+from hetero_llm import layout as layout_mod
+from hetero_llm.layout import (BucketSpec, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Layout,
+                               ModelSpec, NodeSpec, Packing, PipelineSpec, StageSpec, TrainSpec)
 
 FLOAT32 = 4
 
@@ -56,43 +56,37 @@ def device_spec(cfg: Config) -> str:
     return f"gflops={cfg.gflops:g};tp_gbps={cfg.tp_gbps:.6g};tp_latency_us=0"
 
 
-def cluster_text(cfg: Config) -> str:
+def cluster(cfg: Config) -> ClusterSpec:
     """Loopback: one node of two CPU devices. Testbed: two nodes of one device in one domain whose fabric, and the
     cross-domain one (the default group's: switches), run at the TP link's rate with no added delay."""
     if cfg.network != "testbed":
-        return "\n".join(["[[cluster.nodes]]", 'name = "node0"', 'devices = ["cpu", "cpu"]', ""])
-    link = [f"bandwidth_gbps = {cfg.tp_gbps:.6g}", "latency_us = 0"]
-    return "\n".join(["[[cluster.domains]]", 'name = "d0"', 'kind = "ethernet"', *link, 'gloo_ifname = "dom0"',
-                      "[cluster.cross_domain]", *link, 'gloo_ifname = "xdom"',
-                      *(line for n in (0, 1) for line in ("[[cluster.nodes]]", f'name = "node{n}"', 'devices = ["cpu"]',
-                                                         'domain = "d0"')), ""])
+        return ClusterSpec(nodes=(NodeSpec(name="node0", devices=("cpu", "cpu")),), timeout_s=120.0)
+    gbps = float(f"{cfg.tp_gbps:.6g}")  # as device_spec gives it
+    domain = DomainSpec(name="d0", kind=DomainKind.ETHERNET, bandwidth_gbps=gbps, latency_us=0.0, gloo_ifname="dom0")
+    nodes = tuple(NodeSpec(name=f"node{n}", devices=("cpu",), domain="d0") for n in (0, 1))
+    return ClusterSpec(nodes=nodes, timeout_s=120.0, domains=(domain,),
+                       cross_domain=CrossDomainSpec(bandwidth_gbps=gbps, latency_us=0.0, gloo_ifname="xdom"))
 
 
-def common(cfg: Config) -> str:
-    return "\n".join([
-        "[model]", f"layers = {cfg.layers}", f"hidden = {cfg.hidden}", f"heads = {cfg.heads}", "vocab = 64",
-        f"seq_len = {cfg.seq_len}",
-        "", "[train]", f"steps = {cfg.steps}", f"global_batch = {cfg.global_batch}", "seed = 0", "lr = 1e-3",
-        "warmup_steps = 1", "log_every = 1",
-        "", "[data]", 'kind = "grammar"', 'packing = "documents"', f"doc_len_median = {cfg.median}",
-        f"doc_len_sigma = {cfg.sigma}",
-        "", "[cluster]", "timeout_s = 120", cluster_text(cfg)])
+def common(cfg: Config, pipelines: tuple[PipelineSpec, ...], buckets: tuple[BucketSpec, ...] = ()) -> Layout:
+    """The scenario's model, training, documents and cluster, with these pipelines and buckets."""
+    model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=64, seq_len=cfg.seq_len)
+    train = TrainSpec(steps=cfg.steps, global_batch=cfg.global_batch, seed=0, lr=1e-3, warmup_steps=1, log_every=1)
+    data = DataSpec(packing=Packing.DOCUMENTS, doc_len_median=float(cfg.median), doc_len_sigma=float(cfg.sigma))
+    return Layout(file="<hot_switch>", model=model, train=train, data=data, cluster=cluster(cfg), pipelines=pipelines,
+                  buckets=buckets)
 
 
-def tp2(cfg: Config, batch: int, microbatches: int, prefix: str = "pipelines") -> list[str]:
-    return [f"[[{prefix}]]", f"batch = {batch}", f"microbatches = {microbatches}", f"[[{prefix}.stages]]",
-            f"layers = {cfg.layers}", f"devices = {json.dumps(list(cfg.devices))}"]
+def tp2(cfg: Config, batch: int, microbatches: int) -> PipelineSpec:
+    return PipelineSpec(batch=batch, microbatches=microbatches,
+                        stages=(StageSpec(layers=cfg.layers, devices=cfg.devices),))
 
 
 def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     """(most rows of ``short`` any step's short documents fill, most rows of seq_len its long ones fill)."""
-    from hetero_llm import layout as layout_mod
     from hetero_llm.data import documents
 
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "x.toml"
-        path.write_text(common(cfg) + "\n".join(tp2(cfg, cfg.global_batch, cfg.global_batch)) + "\n")
-        lay = layout_mod.load(path)
+    lay = layout_mod.loads(layout_mod.dumps(common(cfg, (tp2(cfg, cfg.global_batch, cfg.global_batch),))), "x.toml")
     source = documents.make_document_source(lay.data, cfg.seq_len, "x")
     short = long_ = 1
     for step in range(cfg.steps):
@@ -108,22 +102,26 @@ def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     return short, long_
 
 
-def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
+def switch_layout(cfg: Config, mode: str, rows: tuple[int, int]) -> Layout:
     """``static``: TP 2, one row of seq_len per microbatch. ``top-up`` / ``elastic`` / ``fixed``: that as home; short
     documents under DP 2 (one row of ``short`` per microbatch), the rest under TP 2 (one row per microbatch); elastic
     buckets run the microbatches each step needs, fixed ones the most any step needs (``rows``: (short per device,
     long)); ``top-up``: elastic, the long bucket's rows also take short documents into their free positions."""
-    lines = tp2(cfg, cfg.global_batch, cfg.global_batch)
-    if mode != "static":
-        short, long_ = rows if mode == "fixed" else (1, 1)
-        elastic = [f"elastic = {str(mode != 'fixed').lower()}"]
-        lines += ["", "[[buckets]]", f"max_len = {cfg.short}", *elastic]
-        for d in cfg.devices:
-            lines += ["[[buckets.pipelines]]", f"batch = {short}", f"microbatches = {short}",
-                      "[[buckets.pipelines.stages]]", f"layers = {cfg.layers}", f'devices = ["{d}"]']
-        lines += ["", "[[buckets]]", f"max_len = {cfg.seq_len}", *elastic,
-                  *(["top_up = true"] if mode == "top-up" else []), *tp2(cfg, long_, long_, "buckets.pipelines")]
-    return common(cfg) + "\n".join(lines) + "\n"
+    home = (tp2(cfg, cfg.global_batch, cfg.global_batch),)
+    if mode == "static":
+        return common(cfg, home)
+    short, long_ = rows if mode == "fixed" else (1, 1)
+    elastic = mode != "fixed"
+    dp2 = tuple(PipelineSpec(batch=short, microbatches=short, stages=(StageSpec(layers=cfg.layers, devices=(d,)),))
+                for d in cfg.devices)
+    return common(cfg, home, (BucketSpec(max_len=cfg.short, elastic=elastic, pipelines=dp2),
+                              BucketSpec(max_len=cfg.seq_len, elastic=elastic, top_up=mode == "top-up",
+                                         pipelines=(tp2(cfg, long_, long_),))))
+
+
+def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
+    """``switch_layout``'s TOML text."""
+    return layout_mod.dumps(switch_layout(cfg, mode, rows))
 
 
 LAYOUTS = {"static tp2": "static", "switching dp2/tp2, elastic, top-up": "top-up",

@@ -20,40 +20,27 @@ from pathlib import Path
 import click
 
 from bench import benchlib as B
+from hetero_llm import layout as L
 
-LAYOUT = """
-[model]
-layers = 6
-hidden = 32
-heads = 4
-vocab = 64
-seq_len = 16
-norm = "rmsnorm"
-position = "rope"
-mlp = "swiglu"
-[train]
-steps = 3
-global_batch = 12
-seed = 7
-schedule = "gpipe"
-[cluster]
-[[cluster.nodes]]
-name = "n0"
-devices = [%s]
-""" % ", ".join(['"cpu"'] * 12)
 # (batch, microbatches, [(layers, TP size)]): 4 + 4 + 4 ranks
 PIPELINES = [(6, 3, [(6, 4)]), (4, 2, [(3, 2), (3, 2)]), (2, 2, [(1, 1), (2, 1), (2, 1), (1, 1)])]
 
 
-def layout_text() -> str:
-    lines, device = [LAYOUT], 0
+def launch_layout(file: str) -> L.Layout:
+    """The reference model (Llama-style, 6 layers), PIPELINES' stages on one node's CPU devices in order."""
+    model = L.ModelSpec(layers=6, hidden=32, heads=4, vocab=64, seq_len=16, norm=L.Norm.RMSNORM,
+                        position=L.Position.ROPE, mlp=L.Mlp.SWIGLU)
+    train = L.TrainSpec(steps=3, global_batch=12, seed=7, schedule=L.Schedule.GPIPE)
+    pipelines, device = [], 0
     for batch, microbatches, stages in PIPELINES:
-        lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {microbatches}"]
+        specs = []
         for layers, tp in stages:
-            devices = ", ".join(f'"n0:{device + i}"' for i in range(tp))
+            specs.append(L.StageSpec(layers=layers, devices=tuple(f"n0:{device + i}" for i in range(tp))))
             device += tp
-            lines += ["[[pipelines.stages]]", f"layers = {layers}", f"devices = [{devices}]"]
-    return "\n".join(lines) + "\n"
+        pipelines.append(L.PipelineSpec(batch=batch, microbatches=microbatches, stages=tuple(specs)))
+    cluster = L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu",) * device),))
+    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(), cluster=cluster,
+                    pipelines=tuple(pipelines))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -68,7 +55,7 @@ def main(trees, reps, quick, out_dir):
     reps = 1 if quick else reps
     tmp = tempfile.TemporaryDirectory(prefix="bench_launch_")
     layout = Path(tmp.name, "layout.toml")
-    layout.write_text(layout_text())
+    L.dump(launch_layout(str(layout)), layout)
     sources = [str(B.ROOT), *trees]
     times: dict[str, list[float]] = {s: [] for s in sources}
     before = B.load_average()

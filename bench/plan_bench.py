@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 from bench import plan_baselines
+from hetero_llm.layout import (Backend, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Mlp, ModelSpec,
+                               NodeSpec, Norm, Position, Precision, TrainSpec, dumps_cluster)
 from hetero_llm.planner import place_seeds, plan_cluster
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.search import Planner
@@ -42,44 +44,25 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS_SMALL = ["a100-40g", "a6000", "rtx4090", "rtx3090", "rtx3080ti"]
 KINDS_LARGE = ["h100-sxm", "a100-80g", "a100-40g", "a6000", "rtx4090", "rtx3090"]
 
-SMALL_MODEL = """[model]
-layers = 8
-hidden = 2048
-heads = 16
-ffn = 5504
-vocab = 32000
-seq_len = 2048
-norm = "rmsnorm"
-position = "rope"
-mlp = "swiglu"
-"""
-LLAMA7B = """[model]
-layers = 32
-hidden = 4096
-heads = 32
-ffn = 11008
-vocab = 32000
-seq_len = 4096
-norm = "rmsnorm"
-position = "rope"
-mlp = "swiglu"
-"""
+SMALL_MODEL = ModelSpec(layers=8, hidden=2048, heads=16, ffn=5504, vocab=32000, seq_len=2048, norm=Norm.RMSNORM,
+                        position=Position.ROPE, mlp=Mlp.SWIGLU)
+LLAMA7B = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, seq_len=4096, norm=Norm.RMSNORM,
+                    position=Position.ROPE, mlp=Mlp.SWIGLU)
 
 
-def cluster_toml(model: str, batch: int, nodes: list[tuple[int, str, int]], domains: list[tuple[float, float]],
+def cluster_toml(model: ModelSpec, batch: int, nodes: list[tuple[int, str, int]], domains: list[tuple[float, float]],
                  cross: tuple[float, float], budget: float) -> str:
     """nodes: (devices, kind, domain index); domains: (Gbit/s, us)."""
-    lines = [model, f"[train]\nsteps = 1\nglobal_batch = {batch}\nprecision = \"bf16\"\n", "[data]\nkind = \"grammar\"\n",
-             "[cluster]\nbackend = \"nccl\""]
-    for i, (bw, lat) in enumerate(domains):
-        lines.append(f'[[cluster.domains]]\nname = "d{i}"\nkind = "ib"\nbandwidth_gbps = {bw}\nlatency_us = {lat}')
-    lines.append(f"[cluster.cross_domain]\nbandwidth_gbps = {cross[0]}\nlatency_us = {cross[1]}")
-    for i, (n, kind, d) in enumerate(nodes):
-        devs = ", ".join(f'"cuda:{j}"' for j in range(n))
-        lines.append(f'[[cluster.nodes]]\nname = "n{i}"\ndevices = [{devs}]\ndomain = "d{d}"')
-    lines.append(f"[plan]\ntime_budget_s = {budget}\n[plan.nodes]")
-    lines += [f'n{i} = "{kind}"' for i, (_, kind, _) in enumerate(nodes)]
-    return "\n".join(lines) + "\n"
+    train = TrainSpec(steps=1, global_batch=batch, precision=Precision.BF16)
+    cluster = ClusterSpec(
+        nodes=tuple(NodeSpec(name=f"n{i}", devices=tuple(f"cuda:{j}" for j in range(n)), domain=f"d{d}")
+                    for i, (n, _, d) in enumerate(nodes)),
+        backend=Backend.NCCL,
+        domains=tuple(DomainSpec(name=f"d{i}", kind=DomainKind.IB, bandwidth_gbps=float(bw), latency_us=float(lat))
+                      for i, (bw, lat) in enumerate(domains)),
+        cross_domain=CrossDomainSpec(bandwidth_gbps=float(cross[0]), latency_us=float(cross[1])))
+    plan = {"time_budget_s": budget, "nodes": {f"n{i}": kind for i, (_, kind, _) in enumerate(nodes)}}
+    return dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster}, {"plan": plan})
 
 
 EXHAUSTIVE_LIMIT = 60_000  # structures; a cluster whose space is larger is redrawn (the enumerator takes ~0.5 ms each)

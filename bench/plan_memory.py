@@ -23,8 +23,12 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
+
+import attrs
 
 from bench import benchlib
+from hetero_llm import layout as L
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zbh1", 1)]
 MIB = 2 ** 20
@@ -34,22 +38,23 @@ MIB = 2 ** 20
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def cluster_toml(hidden: int, ffn: int, layers: int, seq: int, batch: int, steps: int) -> str:
-    return "\n".join([
-        "[model]", f"layers = {layers}", f"hidden = {hidden}", "heads = 8", f"ffn = {ffn}", "vocab = 256",
-        f"seq_len = {seq}", 'norm = "rmsnorm"', 'position = "rope"', 'mlp = "swiglu"', "",
-        "[train]", f"steps = {steps}", f"global_batch = {batch}", "log_every = 1", "",
-        "[data]", 'kind = "grammar"', "", "[cluster]", "timeout_s = 300",
-        "[[cluster.nodes]]", 'name = "n0"', 'devices = ["cpu", "cpu"]', ""])
+def cluster_sections(hidden: int, ffn: int, layers: int, seq: int, batch: int, steps: int) -> dict[str, Any]:
+    """The cluster file's sections: a Llama-style model, one node of two CPU devices."""
+    model = L.ModelSpec(layers=layers, hidden=hidden, heads=8, ffn=ffn, vocab=256, seq_len=seq, norm=L.Norm.RMSNORM,
+                        position=L.Position.ROPE, mlp=L.Mlp.SWIGLU)
+    cluster = L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu", "cpu")),), timeout_s=300.0)
+    return {"model": model, "train": L.TrainSpec(steps=steps, global_batch=batch, log_every=1), "data": L.DataSpec(),
+            "cluster": cluster}
 
 
-def layout_toml(cluster: str, schedule: str, chunks: int, layers: int, batch: int) -> str:
-    text = cluster.replace("[train]\n", f'[train]\nschedule = "{schedule}"\nchunks = {chunks}\n')
+def schedule_layout(sections: dict[str, Any], file: str, schedule: str, chunks: int, layers: int, batch: int
+                    ) -> L.Layout:
+    """The cluster under ``schedule``: one pipeline of two stages, one microbatch per sequence."""
+    train = attrs.evolve(sections["train"], schedule=L.Schedule(schedule), chunks=chunks)
     half = layers // 2
-    return text + "\n".join([
-        "[[pipelines]]", f"batch = {batch}", f"microbatches = {batch}",
-        "[[pipelines.stages]]", f"layers = {half}", 'devices = ["n0:0"]',
-        "[[pipelines.stages]]", f"layers = {layers - half}", 'devices = ["n0:1"]', ""])
+    stages = (L.StageSpec(layers=half, devices=("n0:0",)), L.StageSpec(layers=layers - half, devices=("n0:1",)))
+    return L.Layout(file=file, **{**sections, "train": train},
+                    pipelines=(L.PipelineSpec(batch=batch, microbatches=batch, stages=stages),))
 
 
 def predicted(cluster_path: Path, schedule: str, chunks: int, layers: int, batch: int) -> list[float]:
@@ -111,13 +116,13 @@ def main() -> None:
     load_before = benchlib.load_average()
     results = []
     with tempfile.TemporaryDirectory(prefix="hl_planmem_") as tmp:
-        cluster = cluster_toml(hidden, ffn, layers, seq, batch, steps)
+        cluster = cluster_sections(hidden, ffn, layers, seq, batch, steps)
         cpath = Path(tmp) / "cluster.toml"
-        cpath.write_text(cluster)
+        cpath.write_text(L.dumps_cluster(cluster))
         for schedule, chunks in SCHEDULES:
             benchlib.say(f"{schedule}: hidden {hidden}, {layers} layers, seq {seq}, {batch} microbatches, {steps} steps")
             lpath = Path(tmp) / f"{schedule}.toml"
-            lpath.write_text(layout_toml(cluster, schedule, chunks, layers, batch))
+            L.dump(schedule_layout(cluster, str(lpath), schedule, chunks, layers, batch), lpath)
             want = predicted(cpath, schedule, chunks, layers, batch)
             for rec, pred in zip(run(lpath, Path(tmp) / schedule), want):
                 added = rec["peak_rss"] - rec["rss_after"]

@@ -50,6 +50,7 @@ from pathlib import Path
 from scipy.stats import kendalltau
 
 from bench import benchlib
+from hetero_llm import layout as L
 from hetero_llm.planner import plan_cluster
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
@@ -62,80 +63,30 @@ from hetero_llm.planner.output import layout_text  # noqa: E402
 TESTBED_LINKS = {"domain_gbps": 1, "domain_us": 100, "cross_gbps": 0.05, "cross_us": 2000}
 LOOPBACK_LINKS = {"domain_gbps": 10, "domain_us": 20, "cross_gbps": 10, "cross_us": 20}
 
-CLUSTER = """[model]
-layers = 8
-hidden = 64
-heads = 4
-vocab = 64
-seq_len = 16
-norm = "rmsnorm"
-position = "rope"
-mlp = "swiglu"
-
-[train]
-steps = {steps}
-global_batch = 8
-seed = 11
-lr = 3e-3
-log_every = 1
-
-[data]
-kind = "grammar"
-
-[cluster]
-timeout_s = 120
-[[cluster.domains]]
-name = "fast"
-kind = "ethernet"
-bandwidth_gbps = {domain_gbps:g}
-latency_us = {domain_us:g}{dom_if}
-[[cluster.domains]]
-name = "slow"
-kind = "ethernet"
-bandwidth_gbps = {domain_gbps:g}
-latency_us = {domain_us:g}{dom_if}
-[cluster.cross_domain]
-bandwidth_gbps = {cross_gbps:g}
-latency_us = {cross_us:g}{cross_if}
-[[cluster.nodes]]
-name = "f0"
-devices = ["cpu", "cpu"]
-domain = "fast"
-[[cluster.nodes]]
-name = "s0"
-domain = "slow"
-[[cluster.nodes]]
-name = "s1"
-domain = "slow"
-
-[plan]
-max_tp = 2
-action_overhead_us = {action_us:g}
-p2p_latency_us = {p2p_us:g}
-[plan.nodes]
-f0 = "emu-fast"
-"s*" = "emu-slow"
-[plan.kinds.emu-fast]   # about 20 ms of forward per layer and sequence (--quick: 5 ms)
-tflops = {fast_tflops:g}
-memory_gb = 8
-link_gbps = 10
-mem_bw_gbs = 10
-[plan.kinds.emu-slow]   # half as fast
-tflops = {slow_tflops:g}
-memory_gb = 8
-link_gbps = 10
-mem_bw_gbs = 10
-"""
-
 
 def cluster_text(steps: int, speed: float = 1.0, *, testbed: bool = False, action_us: float = 0.0,
                  p2p_us: float = 0.0) -> str:
     """The emulated cluster file; ``speed`` multiplies both device kinds' FLOPS (``--quick``: 4); ``testbed``:
     the testbed's slow cross-domain link and its interfaces (else fast links, loopback)."""
     links = TESTBED_LINKS if testbed else LOOPBACK_LINKS
-    return CLUSTER.format(steps=steps, fast_tflops=0.0001 * speed, slow_tflops=0.00005 * speed, action_us=action_us,
-                          p2p_us=p2p_us, dom_if='\ngloo_ifname = "dom0"' if testbed else "",
-                          cross_if='\ngloo_ifname = "xdom"' if testbed else "", **links)
+    model = L.ModelSpec(layers=8, hidden=64, heads=4, vocab=64, seq_len=16, norm=L.Norm.RMSNORM,
+                        position=L.Position.ROPE, mlp=L.Mlp.SWIGLU)
+    train = L.TrainSpec(steps=steps, global_batch=8, seed=11, lr=3e-3, log_every=1)
+    domains = tuple(L.DomainSpec(name=name, kind=L.DomainKind.ETHERNET, bandwidth_gbps=float(links["domain_gbps"]),
+                                 latency_us=float(links["domain_us"]), gloo_ifname="dom0" if testbed else "")
+                    for name in ("fast", "slow"))
+    cross = L.CrossDomainSpec(bandwidth_gbps=float(links["cross_gbps"]), latency_us=float(links["cross_us"]),
+                              gloo_ifname="xdom" if testbed else "")
+    nodes = (L.NodeSpec(name="f0", devices=("cpu", "cpu"), domain="fast"), L.NodeSpec(name="s0", domain="slow"),
+             L.NodeSpec(name="s1", domain="slow"))
+    cluster = L.ClusterSpec(nodes=nodes, timeout_s=120.0, domains=domains, cross_domain=cross)
+    kind = {"memory_gb": 8, "link_gbps": 10, "mem_bw_gbs": 10}
+    plan = {"max_tp": 2, "action_overhead_us": action_us, "p2p_latency_us": p2p_us,
+            "nodes": {"f0": "emu-fast", "s*": "emu-slow"},
+            "kinds": {"emu-fast": {"tflops": 0.0001 * speed, **kind}, "emu-slow": {"tflops": 0.00005 * speed, **kind}}}
+    return L.dumps_cluster({"model": model, "train": train, "data": L.DataSpec(), "cluster": cluster}, {"plan": plan},
+                           comments={"plan.kinds.emu-fast": "about 20 ms of forward per layer and sequence "
+                                                            "(--quick: 5 ms)", "plan.kinds.emu-slow": "half as fast"})
 
 
 def emulation_env(cluster, cand) -> str:

@@ -23,36 +23,19 @@ from pathlib import Path
 import click
 
 from bench import benchlib as B
+from hetero_llm import layout as L
 
-LAYOUT = """
-[model]
-layers = 2
-hidden = 32
-heads = 4
-vocab = 64
-seq_len = 16
-[train]
-steps = {steps}
-global_batch = 4
-seed = 7
-schedule = "1f1b"
-log_every = 1000
-[data]
-kind = "grammar"
-[cluster]
-[[cluster.nodes]]
-name = "n0"
-devices = ["cpu", "cpu"]
-[[pipelines]]
-batch = 4
-microbatches = 2
-[[pipelines.stages]]
-layers = 1
-devices = ["n0:0"]
-[[pipelines.stages]]
-layers = 1
-devices = ["n0:1"]
-"""
+
+def soak_layout(file: str, steps: int) -> L.Layout:
+    """A tiny model in two stages of one layer, one CPU rank each, trained ``steps`` steps."""
+    model = L.ModelSpec(layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
+    train = L.TrainSpec(steps=steps, global_batch=4, seed=7, schedule=L.Schedule.ONE_F_ONE_B, log_every=1000)
+    stages = (L.StageSpec(layers=1, devices=("n0:0",)), L.StageSpec(layers=1, devices=("n0:1",)))
+    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(),
+                    cluster=L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu", "cpu")),)),
+                    pipelines=(L.PipelineSpec(batch=4, microbatches=2, stages=stages),))
+
+
 MARGIN = 50  # steps trained after the last sample, so it is taken from running ranks
 
 
@@ -105,7 +88,7 @@ class StepCounter:
 def soak(workdir: Path, steps: int, samples: list[int]) -> dict[int, dict[int, int]]:
     """Run the layout for ``steps`` (+ MARGIN) steps; {sample step: {rank: RSS KiB}}."""
     layout = workdir / "soak.toml"
-    layout.write_text(LAYOUT.format(steps=steps + MARGIN))
+    L.dump(soak_layout(str(layout), steps + MARGIN), layout)
     metrics = workdir / "metrics.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl",
                              str(metrics), "--set", f"cluster.port={B.free_port()}"], env=B.clean_env(),

@@ -22,6 +22,7 @@ import tempfile
 from pathlib import Path
 
 from bench import benchlib
+from hetero_llm import layout as L
 
 # (name, pipelines [(batch, microbatches, [(layers, tp), ...])])
 LAYOUTS = [
@@ -31,21 +32,21 @@ LAYOUTS = [
 OPTIMIZERS = ("adamw", "adamw_zero1")
 
 
-def layout_toml(pipelines, hidden: int, layers: int, steps: int, optimizer: str) -> str:
-    lines = ["[model]", f"layers = {layers}", f"hidden = {hidden}", "heads = 8", "vocab = 256", "seq_len = 32",
-             "", "[train]", f"steps = {steps}", "global_batch = 8", f'optimizer = "{optimizer}"', "",
-             "[data]", 'kind = "grammar"', "", "[cluster]", "timeout_s = 120"]
-    for pi, (_, _, stages) in enumerate(pipelines):
-        devices = ["cpu"] * sum(t for _, t in stages)
-        lines += ["[[cluster.nodes]]", f'name = "n{pi}"', f"devices = {json.dumps(devices)}"]
+def optimizer_layout(file: str, pipelines, hidden: int, layers: int, steps: int, optimizer: str) -> L.Layout:
+    """``pipelines`` [(batch, microbatches, [(layers, tp), ...])], each on a node of its own (``n0``, ``n1``, ...)
+    whose CPU devices its stages use in order, trained with ``optimizer``."""
+    model = L.ModelSpec(layers=layers, hidden=hidden, heads=8, vocab=256, seq_len=32)
+    train = L.TrainSpec(steps=steps, global_batch=8, optimizer=L.Optimizer(optimizer))
+    nodes, pipes = [], []
     for pi, (batch, mbs, stages) in enumerate(pipelines):
-        lines += ["[[pipelines]]", f"batch = {batch}", f"microbatches = {mbs}"]
-        d = 0
+        nodes.append(L.NodeSpec(name=f"n{pi}", devices=("cpu",) * sum(t for _, t in stages)))
+        specs, d = [], 0
         for n, tp in stages:
-            devices = [f"n{pi}:{d + i}" for i in range(tp)]
-            lines += ["[[pipelines.stages]]", f"layers = {n}", f"devices = {json.dumps(devices)}"]
+            specs.append(L.StageSpec(layers=n, devices=tuple(f"n{pi}:{d + i}" for i in range(tp))))
             d += tp
-    return "\n".join(lines) + "\n"
+        pipes.append(L.PipelineSpec(batch=batch, microbatches=mbs, stages=tuple(specs)))
+    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(),
+                    cluster=L.ClusterSpec(nodes=tuple(nodes), timeout_s=120.0), pipelines=tuple(pipes))
 
 
 def _kib(line: str) -> int:
@@ -97,7 +98,7 @@ def child(out: str, argv: list[str]) -> None:
 
 def run(pipelines, optimizer: str, hidden: int, layers: int, steps: int, work: Path) -> list[dict]:
     layout = work / f"{optimizer}.toml"
-    layout.write_text(layout_toml(pipelines, hidden, layers, steps, optimizer))
+    L.dump(optimizer_layout(str(layout), pipelines, hidden, layers, steps, optimizer), layout)
     out = work / optimizer
     out.mkdir()
     world = sum(t for _, _, stages in pipelines for _, t in stages)

@@ -255,3 +255,57 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
         bytes_moved[network] = [sum(t.nbytes for t in step_switch(home, a, b, params=True, grads=g).transfers
                                     if t.src != t.dst) for a, b, g in ((home, b0, False), (b0, b1, True))]
     assert bytes_moved["testbed"] == bytes_moved["loopback"] and min(bytes_moved["testbed"]) > 0
+
+
+def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
+    """Every layout and cluster file the benches write, built as schema objects, is one the loader accepts (it
+    checks them as it checks a user's file) and reloads to those objects; the GPU bench's CUDA and NCCL layouts
+    and the full-size configurations too, which no CPU test run writes."""
+    import attrs
+
+    from bench import gpu_bench, holmes_bench, launch_time, plan_bench, plan_memory, plan_vs_measured, soak, zero1_memory
+    from hetero_llm import layout
+    from hetero_llm.planner.cluster import load_cluster
+
+    def reloads(made: layout.Layout) -> None:
+        path = tmp_path / "made.toml"
+        layout.dump(made, path)
+        assert layout.load(path) == attrs.evolve(made, file=str(path))
+
+    reloads(launch_time.launch_layout("x.toml"))
+    reloads(soak.soak_layout("x.toml", 10_050))
+    for _, pipelines in zero1_memory.LAYOUTS:
+        for optimizer in zero1_memory.OPTIMIZERS:
+            reloads(zero1_memory.optimizer_layout("x.toml", pipelines, 512, 4, 3, optimizer))
+    sections = plan_memory.cluster_sections(512, 1376, 4, 128, 8, 2)
+    for schedule, chunks in plan_memory.SCHEDULES:
+        reloads(plan_memory.schedule_layout(sections, "x.toml", schedule, chunks, 4, 8))
+    for cfg in (hot.Config(), hot.QUICK, attrs.evolve(hot.Config(), network="testbed")):
+        for mode in hot.LAYOUTS.values():
+            reloads(hot.switch_layout(cfg, mode, (2, 3)))
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(bytes(range(256)) * 16)
+    texts = [benchlib.layout_toml(benchlib.ModelConfig(), [4, 4], 4, "interleaved", chunks=2),
+             benchlib.layout_toml(benchlib.ModelConfig(), [8], 1, "zbh1")]
+    case = gpu_bench.Case(gpu_bench.SIZES["124m"], 1024, 16)
+    for devices, kw in ((["cuda:0"], {"backend": "nccl", "compile_mode": "blocks"}),
+                        (["cuda:0"] * 2, {"stages": 2, "microbatches": 4}), (["cuda:0"] * 2, {})):
+        texts.append(gpu_bench.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
+    for text in texts:
+        (tmp_path / "text.toml").write_text(text)
+        layout.load(tmp_path / "text.toml")
+
+    holmes = tmp_path / "holmes.toml"
+    holmes.write_text(holmes_bench.cluster_file(hidden=512, layers=4, heads=8, seq_len=32, batch=4, steps=8,
+                                                domain_gbps=1.0, domain_us=100.0, cross_gbps=0.1, cross_us=1000.0))
+    _, _, holmes_sections = layout.read_cluster_file(holmes, "the test")
+    naive = layout.load(holmes_bench.naive_layout(holmes, tmp_path / "naive.toml", 2))
+    assert attrs.evolve(naive, pipelines=()) == layout.Layout(file=naive.file, pipelines=(), **holmes_sections)
+    domain = {n.name: n.domain for n in naive.cluster.nodes}  # one pipeline per domain
+    assert [{domain[d.split(":")[0]] for s in p.stages for d in s.devices} for p in naive.pipelines] == [{"ib"}, {"roce"}]
+    for text in (plan_bench.large_cluster(1024, 0, 30.0), plan_bench._draw_small(901), layout.dumps_cluster(sections),
+                 plan_vs_measured.cluster_text(6, testbed=True, action_us=812.5, p2p_us=61.25)):
+        path = tmp_path / "cluster.toml"
+        path.write_text(text)
+        load_cluster(path)

@@ -29,7 +29,7 @@ def layouts(tmp_path_factory):
     src.write_text(holmes_bench.cluster_file(hidden=128, layers=2, heads=4, seq_len=16, batch=4, steps=2,
                                              domain_gbps=1.0, domain_us=50, cross_gbps=0.2, cross_us=500))
     place_file(src, d / "aware.toml", PlaceOptions())
-    (d / "naive.toml").write_text(src.read_text() + "\n" + holmes_bench.naive_pipelines(2, 4, 2))
+    holmes_bench.naive_layout(src, d / "naive.toml", 2)
     return d / "aware.toml", d / "naive.toml"
 
 
