@@ -58,30 +58,46 @@ def machine() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": model, "cores": os.cpu_count(), "python": platform.python_version(), "torch": version("torch"),
-            "platform": platform.platform(), "git": git_state()}
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": version("torch"),
+        "platform": platform.platform(),
+        "git": git_state(),
+    }
 
 
 def git_state() -> str:
     """The commit the library was measured at, ``+dirty`` when the working tree had changes."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT,
-                              timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "hetero_llm"],
-                               capture_output=True, text=True, cwd=ROOT, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "hetero_llm"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("+dirty" if dirty else "")
 
 
 def machine_line(info: dict) -> str:
-    return (f"{info['cores']}-core CPU ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
-            f"hetero_llm at {info.get('git', 'unknown')}")
+    return (
+        f"{info['cores']}-core CPU ({info['cpu']}), Python {info['python']}, torch {info['torch']}, "
+        f"hetero_llm at {info.get('git', 'unknown')}"
+    )
 
 
 def load_line(before: Sequence[float], after: Sequence[float]) -> str:
-    return (f"load average (1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
-            f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after")
+    return (
+        f"load average (1/5/15 min) {before[0]:.2f}/{before[1]:.2f}/{before[2]:.2f} before, "
+        f"{after[0]:.2f}/{after[1]:.2f}/{after[2]:.2f} after"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,26 +122,45 @@ class ModelConfig:
         return self.global_batch * self.seq_len
 
 
-def layout_toml(cfg: ModelConfig, stage_layers: Sequence[int], microbatches: int, schedule: str,
-                *, chunks: int = 1) -> str:
+def layout_toml(
+    cfg: ModelConfig, stage_layers: Sequence[int], microbatches: int, schedule: str, *, chunks: int = 1
+) -> str:
     """One pipeline, one stage per CPU process, GPT-style model (LayerNorm, learned positions, GELU)."""
     from hetero_llm import layout
 
     if sum(stage_layers) != cfg.layers:
         raise ValueError(f"stage layers {list(stage_layers)} do not sum to {cfg.layers}")
     sched = layout.Schedule(schedule)
-    model = layout.ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab,
-                             seq_len=cfg.seq_len)
-    train = layout.TrainSpec(steps=cfg.steps, global_batch=cfg.global_batch, seed=cfg.seed, schedule=sched,
-                             chunks=chunks if sched is layout.Schedule.INTERLEAVED else 1, lr=1e-3, min_lr=1e-4,
-                             warmup_steps=2, weight_decay=0.1, log_every=1)
-    cluster = layout.ClusterSpec(nodes=(layout.NodeSpec(name="node0", devices=("cpu",) * len(stage_layers)),),
-                                 timeout_s=120.0)
+    model = layout.ModelSpec(
+        layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, seq_len=cfg.seq_len
+    )
+    train = layout.TrainSpec(
+        steps=cfg.steps,
+        global_batch=cfg.global_batch,
+        seed=cfg.seed,
+        schedule=sched,
+        chunks=chunks if sched is layout.Schedule.INTERLEAVED else 1,
+        lr=1e-3,
+        min_lr=1e-4,
+        warmup_steps=2,
+        weight_decay=0.1,
+        log_every=1,
+    )
+    cluster = layout.ClusterSpec(
+        nodes=(layout.NodeSpec(name="node0", devices=("cpu",) * len(stage_layers)),), timeout_s=120.0
+    )
     stages = tuple(layout.StageSpec(layers=n, devices=(f"node0:{i}",)) for i, n in enumerate(stage_layers))
     pipeline = layout.PipelineSpec(batch=cfg.global_batch, microbatches=microbatches, stages=stages)
-    return layout.dumps(layout.Layout(file="<bench>", model=model, train=train,
-                                      data=layout.DataSpec(kind=layout.DataKind.GRAMMAR), cluster=cluster,
-                                      pipelines=(pipeline,)))
+    return layout.dumps(
+        layout.Layout(
+            file="<bench>",
+            model=model,
+            train=train,
+            data=layout.DataSpec(kind=layout.DataKind.GRAMMAR),
+            cluster=cluster,
+            pipelines=(pipeline,),
+        )
+    )
 
 
 def free_port() -> int:
@@ -136,8 +171,14 @@ def free_port() -> int:
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without rendezvous or emulation variables, plus ``extra``."""
-    drop = ("MASTER_ADDR", "MASTER_PORT", "HETERO_EMULATE_SLOWDOWN", "HETERO_EMULATE_JITTER", "HETERO_EMULATE_ACTION_S",
-            "HETERO_EMULATE_DEVICE")
+    drop = (
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "HETERO_EMULATE_SLOWDOWN",
+        "HETERO_EMULATE_JITTER",
+        "HETERO_EMULATE_ACTION_S",
+        "HETERO_EMULATE_DEVICE",
+    )
     env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(extra or {})
     return env
@@ -152,19 +193,30 @@ class Launch:
     wall_s: float
 
 
-def run_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None,
-               timeout: float = 600) -> list[dict]:
+def run_layout(
+    layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None, timeout: float = 600
+) -> list[dict]:
     """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion; the per-step metrics rows."""
     return launch_layout(layout, workdir, env=env, trace=trace, timeout=timeout).rows
 
 
-def launch_layout(layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None,
-                  timeout: float = 600) -> Launch:
+def launch_layout(
+    layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None, timeout: float = 600
+) -> Launch:
     """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion, with its CPU and wall time."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
-           "--set", f"cluster.port={free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(layout),
+        "--quiet",
+        "--metrics-jsonl",
+        str(metrics),
+        "--set",
+        f"cluster.port={free_port()}",
+    ]
     if trace is not None:
         cmd += ["--trace", str(trace)]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
@@ -185,13 +237,14 @@ def rank_script_args(parser, child) -> object | None:
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.child:
-        child(args.child, rest[rest.index("--") + 1:])  # start_ranks appends --rank R
+        child(args.child, rest[rest.index("--") + 1 :])  # start_ranks appends --rank R
         return None
     return args
 
 
-def start_ranks(module: str, args: list[str], world: int, *, env: dict[str, str] | None = None,
-                timeout: float = 900) -> None:
+def start_ranks(
+    module: str, args: list[str], world: int, *, env: dict[str, str] | None = None, timeout: float = 900
+) -> None:
     """One ``python -m MODULE ARGS --rank R`` process per rank (in the repository root), to completion; raise on
     the first failure.
 
@@ -207,8 +260,9 @@ def start_ranks(module: str, args: list[str], world: int, *, env: dict[str, str]
         for rank in range(world):
             cmd = [sys.executable, "-m", module, *args, "--rank", str(rank)]
             logs.append(tempfile.TemporaryFile("w+"))  # a pipe nobody reads could fill and stall the rank
-            procs.append(subprocess.Popen(cmd, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True,
-                                          cwd=ROOT))
+            procs.append(
+                subprocess.Popen(cmd, env=full_env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            )
         deadline = time.monotonic() + timeout
         while any(p.poll() is None for p in procs):
             if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
@@ -230,15 +284,38 @@ def start_ranks(module: str, args: list[str], world: int, *, env: dict[str, str]
         raise RuntimeError(f"{module} rank {rank} failed ({code}):\n{outputs[rank]}")
 
 
-def run_paired(layout: Path, workdir: Path, world: int, rounds: int, steps: int, *, versus: str = "torch",
-               env: dict[str, str] | None = None) -> dict:
+def run_paired(
+    layout: Path,
+    workdir: Path,
+    world: int,
+    rounds: int,
+    steps: int,
+    *,
+    versus: str = "torch",
+    env: dict[str, str] | None = None,
+) -> dict:
     """``paired_rank.py``: the layout's own side and ``versus`` (torch's pipelining, or another
     ``train.schedule``) in alternating rounds inside the same rank processes; rank 0's results."""
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "paired.json"
-    start_ranks("bench.paired_rank",
-                [str(layout), "--port", str(free_port()), "--rounds", str(rounds), "--steps", str(steps),
-                 "--out", str(out), "--versus", versus], world, env=env)
+    start_ranks(
+        "bench.paired_rank",
+        [
+            str(layout),
+            "--port",
+            str(free_port()),
+            "--rounds",
+            str(rounds),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            "--versus",
+            versus,
+        ],
+        world,
+        env=env,
+    )
     return json.loads(out.read_text())
 
 
@@ -263,12 +340,15 @@ def tokens_per_second(step_seconds: Sequence[float], tokens_per_step: int, skip:
 def paired_rates(got: dict, tokens_per_step: int, steps: int) -> tuple[list[float], list[float], dict[str, float]]:
     """``run_paired``'s result: tokens/s of "ours" and of "other" in each round (the first step is warm-up),
     and each side's CPU seconds per step, every rank together (median over rounds)."""
+
     def rate(rows):
         return tokens_per_second([r["seconds"] for r in rows], tokens_per_step, 1)
 
     ours, other = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
-    cpu = {side: median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(len(ours))])
-           for side in ("ours", "other")}
+    cpu = {
+        side: median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(len(ours))])
+        for side in ("ours", "other")
+    }
     return ours, other, cpu
 
 
@@ -292,8 +372,14 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
     return "\n".join(lines)
 
 
-def plot_pair_bars(results: list[dict], sides: tuple[tuple[str, str], ...], label, path: Path, title: str,
-                   note=lambda r: f"{r['ratio']:.2f}x") -> None:
+def plot_pair_bars(
+    results: list[dict],
+    sides: tuple[tuple[str, str], ...],
+    label,
+    path: Path,
+    title: str,
+    note=lambda r: f"{r['ratio']:.2f}x",
+) -> None:
     """Bars of ``r[f"{side}_tokens_s"]`` for each (side, colour), one group per result row, ``note(r)`` above."""
     import matplotlib
 
@@ -304,8 +390,13 @@ def plot_pair_bars(results: list[dict], sides: tuple[tuple[str, str], ...], labe
     w = 0.8 / len(sides)
     x = range(len(results))
     for j, (side, color) in enumerate(sides):
-        ax.bar([i + (j - (len(sides) - 1) / 2) * w for i in x], [r[f"{side}_tokens_s"] for r in results], w,
-               label=side, color=color)
+        ax.bar(
+            [i + (j - (len(sides) - 1) / 2) * w for i in x],
+            [r[f"{side}_tokens_s"] for r in results],
+            w,
+            label=side,
+            color=color,
+        )
     top = max(r[f"{side}_tokens_s"] for r in results for side, _ in sides)
     for i, r in enumerate(results):
         ax.text(i, top * 1.03, note(r), ha="center", fontsize=8)
@@ -356,7 +447,9 @@ def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:
     return [[per_rank[rank][k] for rank in range(len(rows))] for k in range(steps)]
 
 
-def compute_intervals(step: list[list[tuple[str, float, float]]], chunks: int = 1) -> list[list[tuple[str, float, float]]]:
+def compute_intervals(
+    step: list[list[tuple[str, float, float]]], chunks: int = 1
+) -> list[list[tuple[str, float, float]]]:
     """Per rank (= stage: one pipeline, TP 1) the compute records (``F``, ``B``, ``I``, ``W``) with the wait
     for input cut off.
 
@@ -431,8 +524,9 @@ def _p2p_rank(rank: int, port: int, sizes: list[int], reps: int, out: str) -> No
     dist.destroy_process_group()
 
 
-def _exchange_rank(rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str,
-                   addr: str = "127.0.0.1") -> None:
+def _exchange_rank(
+    rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str, addr: str = "127.0.0.1"
+) -> None:
     import torch
     import torch.distributed as dist
 
@@ -466,8 +560,9 @@ def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
-        mp.start_processes(_exchange_rank, args=(free_port(), [1, big], reps, idle_s, out), nprocs=2,
-                           start_method="fork")
+        mp.start_processes(
+            _exchange_rank, args=(free_port(), [1, big], reps, idle_s, out), nprocs=2, start_method="fork"
+        )
         return exchange_result(out, big)
 
 
@@ -489,8 +584,9 @@ def p2p_probe(reps: int = 50, big: int = 1 << 20, *, fork: bool = False) -> tupl
 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "p2p.json"))
-        mp.start_processes(_p2p_rank, args=(free_port(), [1, big], reps, out), nprocs=2,
-                           start_method="fork" if fork else "spawn")
+        mp.start_processes(
+            _p2p_rank, args=(free_port(), [1, big], reps, out), nprocs=2, start_method="fork" if fork else "spawn"
+        )
         times = {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
     latency = times[1]
     extra = max(times[big] - latency, 1e-9)

@@ -71,8 +71,16 @@ WHAT_IF_POLICIES = RUNTIME_POLICIES + (
 )
 
 
-def model_policies(forward: list[float], backward: list[float], microbatches: int, multiplier, latency: float,
-                   steps: int = 200, seed: int = 0, policies=RUNTIME_POLICIES) -> dict[str, float]:
+def model_policies(
+    forward: list[float],
+    backward: list[float],
+    microbatches: int,
+    multiplier,
+    latency: float,
+    steps: int = 200,
+    seed: int = 0,
+    policies=RUNTIME_POLICIES,
+) -> dict[str, float]:
     """Mean step time of each policy when each compute's time is drawn, plus ``"bound"``.
 
     ``multiplier(stage, rng)`` scales one compute's time (the emulation: ``slowdown + U(0, jitter)``);
@@ -90,11 +98,14 @@ def model_policies(forward: list[float], backward: list[float], microbatches: in
         draw = {(s, k, m): multiplier(s, rng) for s in range(S) for k in "FB" for m in range(M)}
 
         def cost(s, k, m):
-            return (forward if k == "F" else backward)[s] * draw[(s, k, m)]
+            return (forward if k == "F" else backward)[s] * draw[(s, k, m)]  # noqa: B023 (used in this iteration)
 
-        totals["bound"] += max(sum(cost(s, k, m) for k in "FB" for m in range(M))
-                               + sum(cost(u, "F", 0) + latency for u in range(s))
-                               + sum(cost(u, "B", M - 1) + latency for u in range(s)) for s in range(S))
+        totals["bound"] += max(
+            sum(cost(s, k, m) for k in "FB" for m in range(M))
+            + sum(cost(u, "F", 0) + latency for u in range(s))
+            + sum(cost(u, "B", M - 1) + latency for u in range(s))
+            for s in range(S)
+        )
         for policy in policies:
             totals[policy.name] += _model_step(S, M, cost, latency, policy, fixed)
     return {k: v / steps for k, v in totals.items()}
@@ -157,9 +168,18 @@ def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
     fixed, dynamic, cpu = B.paired_rates(got, tokens, steps)
     ratios = [d / f for f, d in zip(fixed, dynamic)]
     rounds = len(ratios)
-    return {"scenario": scenario, "1f1b_tokens_s": B.median(fixed), "dynamic_tokens_s": B.median(dynamic),
-            "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
-            "1f1b_cpu_step_s": cpu["ours"], "dynamic_cpu_step_s": cpu["other"], "ratios": ratios}
+    return {
+        "scenario": scenario,
+        "1f1b_tokens_s": B.median(fixed),
+        "dynamic_tokens_s": B.median(dynamic),
+        "ratio": B.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": rounds,
+        "1f1b_cpu_step_s": cpu["ours"],
+        "dynamic_cpu_step_s": cpu["other"],
+        "ratios": ratios,
+    }
 
 
 @attrs.frozen
@@ -183,10 +203,15 @@ def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> Run
         for s, row in enumerate(B.compute_intervals(step)):
             for a, start, end in row:
                 (fwd if a.startswith("F") else bwd)[s].append(end - start)
-    return RunResult(B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
-                     B.median([B.bubble_fraction(step) for step in steps]),
-                     [B.median(v) for v in fwd], [B.median(v) for v in bwd], trace, launch.cpu_s,
-                     B.median([sum(e - s for row in B.compute_intervals(step) for _, s, e in row) for step in steps]))
+    return RunResult(
+        B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
+        B.median([B.bubble_fraction(step) for step in steps]),
+        [B.median(v) for v in fwd],
+        [B.median(v) for v in bwd],
+        trace,
+        launch.cpu_s,
+        B.median([sum(e - s for row in B.compute_intervals(step) for _, s, e in row) for step in steps]),
+    )
 
 
 def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
@@ -216,8 +241,25 @@ def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
 @click.option("--round-steps", default=4, show_default=True, help="Steps per paired round (the first is warm-up).")
 @click.option("--quick", is_flag=True, help="Smoke run: 2 stages, tiny model, 1 repetition, 3 steps.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch, slow_rank, slowdown, jitter,
-         scenarios, rounds, round_steps, quick, out_dir):
+def main(
+    stages,
+    microbatches,
+    reps,
+    steps,
+    skip,
+    layers,
+    hidden,
+    seq_len,
+    batch,
+    slow_rank,
+    slowdown,
+    jitter,
+    scenarios,
+    rounds,
+    round_steps,
+    quick,
+    out_dir,
+):
     """tokens/s of dynamic vs 1F1B, with a slow jittery stage and with even stages."""
     cfg = B.ModelConfig(layers=layers, hidden=hidden, seq_len=seq_len, global_batch=batch, steps=steps)
     if quick:
@@ -237,30 +279,39 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
             layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
         paired_rounds = []
         for n in names if rounds else []:
-            got = B.run_paired(layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps,
-                               versus="dynamic", env=envs[n])
+            got = B.run_paired(
+                layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps, versus="dynamic", env=envs[n]
+            )
             paired_rounds.append(summarize_paired(n, got, cfg.tokens_per_step, round_steps))
             p = paired_rounds[-1]
-            B.say(f"paired {n:6}: 1f1b {p['1f1b_tokens_s']:.0f}, dynamic {p['dynamic_tokens_s']:.0f} tokens/s, ratio "
-                  f"{p['ratio']:.3f} ({p['ratio_min']:.2f}-{p['ratio_max']:.2f}) over {rounds} rounds; CPU s/step "
-                  f"{p['1f1b_cpu_step_s']:.3f} vs {p['dynamic_cpu_step_s']:.3f} (load {B.load_average()[0]:.2f})")
+            B.say(
+                f"paired {n:6}: 1f1b {p['1f1b_tokens_s']:.0f}, dynamic {p['dynamic_tokens_s']:.0f} tokens/s, ratio "
+                f"{p['ratio']:.3f} ({p['ratio_min']:.2f}-{p['ratio_max']:.2f}) over {rounds} rounds; CPU s/step "
+                f"{p['1f1b_cpu_step_s']:.3f} vs {p['dynamic_cpu_step_s']:.3f} (load {B.load_average()[0]:.2f})"
+            )
         for rep in range(reps):
             for n in names:
-                for k in (SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]):
+                for k in SCHEDULES if rep % 2 == 0 else SCHEDULES[::-1]:
                     work = Path(tmp, f"{n}_{k}_r{rep}")
                     launch = B.launch_layout(layouts[k], work, env=envs[n], trace=work / "trace")
                     r = analyse(work / "trace", launch, cfg, skip)
                     measured[(n, k)].append(r)
-                    B.say(f"rep {rep + 1}/{reps} {n:6} {k:7}: {r.tokens_s:8.0f} tokens/s, bubble {r.bubble:.1%}, CPU {r.cpu_s:.1f} s "
-                          f"(load {B.load_average()[0]:.2f})")
+                    B.say(
+                        f"rep {rep + 1}/{reps} {n:6} {k:7}: {r.tokens_s:8.0f} tokens/s, bubble {r.bubble:.1%}, CPU {r.cpu_s:.1f} s "
+                        f"(load {B.load_average()[0]:.2f})"
+                    )
         # timelines of one steady step of the last repetition
         pngs = {}
         for n in names:
             for k in SCHEDULES:
                 png = out_dir / f"{NAME}_{n}_{k}.png"
                 last = measured[(n, k)][-1]
-                draw_timeline(last.trace, min(skip + 1, len(B.trace_steps(last.trace)) - 1), png,
-                              f"{k}, {n} ({stages} stages, {microbatches} microbatches): one step")
+                draw_timeline(
+                    last.trace,
+                    min(skip + 1, len(B.trace_steps(last.trace)) - 1),
+                    png,
+                    f"{k}, {n} ({stages} stages, {microbatches} microbatches): one step",
+                )
                 pngs[(n, k)] = png.name
     after = B.load_average()
     results = []
@@ -268,8 +319,10 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
         a, d = measured[(n, "1f1b")], measured[(n, "dynamic")]
         paired = [y.tokens_s / x.tokens_s for x, y in zip(a, d)]
         # the same comparison in the Monte-Carlo model, fed with this scenario's measured 1F1B compute times
-        fwd, bwd = [B.median([r.forward[s] for r in a]) for s in range(stages)], \
-                   [B.median([r.backward[s] for r in a]) for s in range(stages)]
+        fwd, bwd = (
+            [B.median([r.forward[s] for r in a]) for s in range(stages)],
+            [B.median([r.backward[s] for r in a]) for s in range(stages)],
+        )
         if n == "jitter":  # measured times include the emulation; take it out, the model draws it again
             mean = [(slowdown if s == slow_rank else 1.0) + jitter / 2 for s in range(stages)]
             fwd, bwd = [f / m for f, m in zip(fwd, mean)], [b / m for b, m in zip(bwd, mean)]
@@ -277,71 +330,188 @@ def main(stages, microbatches, reps, steps, skip, layers, hidden, seq_len, batch
             def multiplier(s, rng):
                 return (slowdown if s == slow_rank else 1.0) + rng.uniform(0, jitter)
         else:
+
             def multiplier(s, rng):
                 return 1.0
-        model = model_policies(fwd, bwd, microbatches, multiplier, latency=1e-4, steps=100 if not quick else 5,
-                               policies=WHAT_IF_POLICIES)
-        results.append({"scenario": n, "1f1b_tokens_s": B.median([r.tokens_s for r in a]),
-                        "dynamic_tokens_s": B.median([r.tokens_s for r in d]), "ratio": B.median(paired),
-                        "ratio_min": min(paired), "ratio_max": max(paired),
-                        "1f1b_bubble": B.median([r.bubble for r in a]), "dynamic_bubble": B.median([r.bubble for r in d]),
-                        "1f1b_cpu_s": B.median([r.cpu_s for r in a]), "dynamic_cpu_s": B.median([r.cpu_s for r in d]),
-                        "1f1b_compute_s": B.median([r.compute_s for r in a]),
-                        "dynamic_compute_s": B.median([r.compute_s for r in d]),
-                        "model_ratio": model["1f1b"] / model["dynamic"], "model_step_s": model,
-                        "stage_forward_s": fwd, "stage_backward_s": bwd,
-                        "1f1b_runs": [r.tokens_s for r in a], "dynamic_runs": [r.tokens_s for r in d],
-                        "timelines": {k: pngs[(n, k)] for k in SCHEDULES}})
-    headers = ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
-               "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
-               "CPU s dynamic", "model ratio"]
-    table = B.markdown_table(headers, [[r["scenario"], f"{r['1f1b_tokens_s']:.0f}", f"{r['dynamic_tokens_s']:.0f}",
-                                        f"{r['ratio']:.3f}", f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
-                                        f"{r['1f1b_bubble']:.1%}", f"{r['dynamic_bubble']:.1%}",
-                                        f"{1e3 * r['1f1b_compute_s']:.0f}", f"{1e3 * r['dynamic_compute_s']:.0f}",
-                                        f"{r['1f1b_cpu_s']:.1f}", f"{r['dynamic_cpu_s']:.1f}",
-                                        f"{r['model_ratio']:.3f}"] for r in results])
+
+        model = model_policies(
+            fwd, bwd, microbatches, multiplier, latency=1e-4, steps=100 if not quick else 5, policies=WHAT_IF_POLICIES
+        )
+        results.append(
+            {
+                "scenario": n,
+                "1f1b_tokens_s": B.median([r.tokens_s for r in a]),
+                "dynamic_tokens_s": B.median([r.tokens_s for r in d]),
+                "ratio": B.median(paired),
+                "ratio_min": min(paired),
+                "ratio_max": max(paired),
+                "1f1b_bubble": B.median([r.bubble for r in a]),
+                "dynamic_bubble": B.median([r.bubble for r in d]),
+                "1f1b_cpu_s": B.median([r.cpu_s for r in a]),
+                "dynamic_cpu_s": B.median([r.cpu_s for r in d]),
+                "1f1b_compute_s": B.median([r.compute_s for r in a]),
+                "dynamic_compute_s": B.median([r.compute_s for r in d]),
+                "model_ratio": model["1f1b"] / model["dynamic"],
+                "model_step_s": model,
+                "stage_forward_s": fwd,
+                "stage_backward_s": bwd,
+                "1f1b_runs": [r.tokens_s for r in a],
+                "dynamic_runs": [r.tokens_s for r in d],
+                "timelines": {k: pngs[(n, k)] for k in SCHEDULES},
+            }
+        )
+    headers = [
+        "scenario",
+        "1f1b tokens/s",
+        "dynamic tokens/s",
+        "ratio dynamic/1f1b",
+        "ratio range",
+        "bubble 1f1b",
+        "bubble dynamic",
+        "compute ms 1f1b",
+        "compute ms dynamic",
+        "CPU s 1f1b",
+        "CPU s dynamic",
+        "model ratio",
+    ]
+    table = B.markdown_table(
+        headers,
+        [
+            [
+                r["scenario"],
+                f"{r['1f1b_tokens_s']:.0f}",
+                f"{r['dynamic_tokens_s']:.0f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                f"{r['1f1b_bubble']:.1%}",
+                f"{r['dynamic_bubble']:.1%}",
+                f"{1e3 * r['1f1b_compute_s']:.0f}",
+                f"{1e3 * r['dynamic_compute_s']:.0f}",
+                f"{r['1f1b_cpu_s']:.1f}",
+                f"{r['dynamic_cpu_s']:.1f}",
+                f"{r['model_ratio']:.3f}",
+            ]
+            for r in results
+        ],
+    )
     policy_names = [p.name for p in WHAT_IF_POLICIES] + ["bound"]
-    what_if = B.markdown_table(["scenario", *policy_names],
-                               [[r["scenario"], *(f"{r['model_step_s']['1f1b'] / r['model_step_s'][p]:.3f}x"
-                                                  for p in policy_names)] for r in results])
-    setup = (f"layout: 1 pipeline, {stages} stages x {split} layers, {microbatches} microbatches, global batch "
-             f"{cfg.global_batch}, GPT {cfg.layers} layers hidden {cfg.hidden} seq {cfg.seq_len}; {cfg.steps} steps, "
-             f"medians over steps {skip + 1}..; {reps} interleaved repetitions. jitter scenario: "
-             f"HETERO_EMULATE_SLOWDOWN={envs['jitter']['HETERO_EMULATE_SLOWDOWN']} "
-             f"HETERO_EMULATE_JITTER={envs['jitter']['HETERO_EMULATE_JITTER']}")
+    what_if = B.markdown_table(
+        ["scenario", *policy_names],
+        [
+            [r["scenario"], *(f"{r['model_step_s']['1f1b'] / r['model_step_s'][p]:.3f}x" for p in policy_names)]
+            for r in results
+        ],
+    )
+    setup = (
+        f"layout: 1 pipeline, {stages} stages x {split} layers, {microbatches} microbatches, global batch "
+        f"{cfg.global_batch}, GPT {cfg.layers} layers hidden {cfg.hidden} seq {cfg.seq_len}; {cfg.steps} steps, "
+        f"medians over steps {skip + 1}..; {reps} interleaved repetitions. jitter scenario: "
+        f"HETERO_EMULATE_SLOWDOWN={envs['jitter']['HETERO_EMULATE_SLOWDOWN']} "
+        f"HETERO_EMULATE_JITTER={envs['jitter']['HETERO_EMULATE_JITTER']}"
+    )
     paired_table = B.markdown_table(
-        ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range", "rounds",
-         "1f1b CPU s/step", "dynamic CPU s/step", "dynamic / 1f1b CPU"],
-        [[p["scenario"], f"{p['1f1b_tokens_s']:.0f}", f"{p['dynamic_tokens_s']:.0f}", f"{p['ratio']:.3f}",
-          f"{p['ratio_min']:.2f}-{p['ratio_max']:.2f}", p["rounds"], f"{p['1f1b_cpu_step_s']:.3f}",
-          f"{p['dynamic_cpu_step_s']:.3f}", f"{p['dynamic_cpu_step_s'] / p['1f1b_cpu_step_s']:.3f}"]
-         for p in paired_rounds])
-    paired_part = [f"## Paired rounds ({rounds} rounds of {round_steps} steps per schedule in the same rank processes, "
-                   "alternating; first step of a round left out)", "", paired_table, "",
-                   "CPU s/step: every rank's process CPU time (all threads) per step, median over rounds.", "",
-                   f"## Separate runs ({reps} runs per schedule and scenario)", ""] if paired_rounds else []
-    md = "\n".join([f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
-                    B.load_line(before, after), "", setup, "", *paired_part, table, "",
-                    "bubble: idle fraction of all stages over the step (from --trace); compute ms: forwards and "
-                    "backwards of one step, every rank together (the same math on both sides: more means the ranks "
-                    "got less of the cores); CPU s: user + system CPU "
-                    "seconds of a whole run, every rank (startup included; the same for both schedules); "
-                    "model ratio: the same comparison in a Monte-Carlo model of both policies with the measured "
-                    "per-stage times (stages never share a core there).", ""]
-                   + ["## What the policy can gain (Monte-Carlo model, speedup over 1F1B)", "", what_if, "",
-                      "Same draws of compute times for every policy; 'bound': no order of any policy can beat the busiest "
-                      "stage's work plus the least pipeline fill and drain. '+2 in flight' holds 2 more microbatches' "
-                      "activations than 1F1B.", ""]
-                   + [f"![{n} {k}]({pngs[(n, k)]})" for n in names for k in SCHEDULES])
-    payload = {"name": NAME, "command": B.command_line(), "machine": info, "load_before": before,
-               "load_after": after, "config": {**attrs.asdict(cfg), "stages": stages, "stage_layers": split,
-                                               "microbatches": microbatches, "reps": reps, "skip": skip,
-                                               "emulation": envs["jitter"]},
-               "results": results, "paired": paired_rounds}
+        [
+            "scenario",
+            "1f1b tokens/s",
+            "dynamic tokens/s",
+            "ratio dynamic/1f1b",
+            "ratio range",
+            "rounds",
+            "1f1b CPU s/step",
+            "dynamic CPU s/step",
+            "dynamic / 1f1b CPU",
+        ],
+        [
+            [
+                p["scenario"],
+                f"{p['1f1b_tokens_s']:.0f}",
+                f"{p['dynamic_tokens_s']:.0f}",
+                f"{p['ratio']:.3f}",
+                f"{p['ratio_min']:.2f}-{p['ratio_max']:.2f}",
+                p["rounds"],
+                f"{p['1f1b_cpu_step_s']:.3f}",
+                f"{p['dynamic_cpu_step_s']:.3f}",
+                f"{p['dynamic_cpu_step_s'] / p['1f1b_cpu_step_s']:.3f}",
+            ]
+            for p in paired_rounds
+        ],
+    )
+    paired_part = (
+        [
+            f"## Paired rounds ({rounds} rounds of {round_steps} steps per schedule in the same rank processes, "
+            "alternating; first step of a round left out)",
+            "",
+            paired_table,
+            "",
+            "CPU s/step: every rank's process CPU time (all threads) per step, median over rounds.",
+            "",
+            f"## Separate runs ({reps} runs per schedule and scenario)",
+            "",
+        ]
+        if paired_rounds
+        else []
+    )
+    md = "\n".join(
+        [
+            f"# {NAME}",
+            "",
+            f"command: `{B.command_line()}`",
+            "",
+            f"machine: {B.machine_line(info)}",
+            "",
+            B.load_line(before, after),
+            "",
+            setup,
+            "",
+            *paired_part,
+            table,
+            "",
+            "bubble: idle fraction of all stages over the step (from --trace); compute ms: forwards and "
+            "backwards of one step, every rank together (the same math on both sides: more means the ranks "
+            "got less of the cores); CPU s: user + system CPU "
+            "seconds of a whole run, every rank (startup included; the same for both schedules); "
+            "model ratio: the same comparison in a Monte-Carlo model of both policies with the measured "
+            "per-stage times (stages never share a core there).",
+            "",
+        ]
+        + [
+            "## What the policy can gain (Monte-Carlo model, speedup over 1F1B)",
+            "",
+            what_if,
+            "",
+            "Same draws of compute times for every policy; 'bound': no order of any policy can beat the busiest "
+            "stage's work plus the least pipeline fill and drain. '+2 in flight' holds 2 more microbatches' "
+            "activations than 1F1B.",
+            "",
+        ]
+        + [f"![{n} {k}]({pngs[(n, k)]})" for n in names for k in SCHEDULES]
+    )
+    payload = {
+        "name": NAME,
+        "command": B.command_line(),
+        "machine": info,
+        "load_before": before,
+        "load_after": after,
+        "config": {
+            **attrs.asdict(cfg),
+            "stages": stages,
+            "stage_layers": split,
+            "microbatches": microbatches,
+            "reps": reps,
+            "skip": skip,
+            "emulation": envs["jitter"],
+        },
+        "results": results,
+        "paired": paired_rounds,
+    }
     md_path, _ = B.write_results(out_dir, NAME, md, payload)
-    B.plot_pair_bars(results, (("1f1b", "#9c9c9c"), ("dynamic", "#4e79a7")), lambda r: r["scenario"],
-                     out_dir / f"{NAME}.png", f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)")
+    B.plot_pair_bars(
+        results,
+        (("1f1b", "#9c9c9c"), ("dynamic", "#4e79a7")),
+        lambda r: r["scenario"],
+        out_dir / f"{NAME}.png",
+        f"dynamic vs 1F1B, {stages} stages ({info['cores']}-core CPU)",
+    )
     print()
     if paired_rounds:
         print(paired_table)

@@ -54,14 +54,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from bench import benchlib
-from hetero_llm.data import batches as data
-from hetero_llm.comm import groups
-from hetero_llm.comm import shm
 from hetero_llm import layout as layout_mod
-from hetero_llm.predict import trace as tracing
-from hetero_llm.model.params import count_params
+from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
+from hetero_llm.data import batches as data
+from hetero_llm.model.params import count_params
 from hetero_llm.plan import compile_plan
+from hetero_llm.predict import trace as tracing
 from hetero_llm.train.loop import train
 
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 64, as nanoGPT does
@@ -119,13 +118,32 @@ class Case:
 # Layouts (ours)
 
 
-def layout_toml(case: Case, *, devices: list[str], steps: int, corpus: Path, compile_mode: str = "none",
-                backend: str = "gloo", stages: int = 1, microbatches: int = 1) -> str:
+def layout_toml(
+    case: Case,
+    *,
+    devices: list[str],
+    steps: int,
+    corpus: Path,
+    compile_mode: str = "none",
+    backend: str = "gloo",
+    stages: int = 1,
+    microbatches: int = 1,
+) -> str:
     """One pipeline; ``stages`` stages of one rank each, or one stage over all ``devices`` (TP)."""
     s = case.size
-    train = layout_mod.TrainSpec(steps=steps, global_batch=case.batch, seed=0, precision=layout_mod.Precision.BF16,
-                                 compile=layout_mod.Compile(compile_mode), lr=3e-4, min_lr=3e-5, warmup_steps=2,
-                                 weight_decay=0.1, grad_clip=1.0, log_every=1)
+    train = layout_mod.TrainSpec(
+        steps=steps,
+        global_batch=case.batch,
+        seed=0,
+        precision=layout_mod.Precision.BF16,
+        compile=layout_mod.Compile(compile_mode),
+        lr=3e-4,
+        min_lr=3e-5,
+        warmup_steps=2,
+        weight_decay=0.1,
+        grad_clip=1.0,
+        log_every=1,
+    )
     data = layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus))
     # one node per rank: several ranks may share one GPU (gloo)
     nodes = tuple(layout_mod.NodeSpec(name=f"r{i}", devices=(dev,)) for i, dev in enumerate(devices))
@@ -135,8 +153,11 @@ def layout_toml(case: Case, *, devices: list[str], steps: int, corpus: Path, com
     else:
         specs = (layout_mod.StageSpec(layers=s.layers, devices=tuple(f"r{i}:0" for i in range(len(devices)))),)
     pipeline = layout_mod.PipelineSpec(batch=case.batch, microbatches=microbatches, stages=specs)
-    return layout_mod.dumps(layout_mod.Layout(file="<gpu_bench>", model=case.model_spec(), train=train, data=data,
-                                              cluster=cluster, pipelines=(pipeline,)))
+    return layout_mod.dumps(
+        layout_mod.Layout(
+            file="<gpu_bench>", model=case.model_spec(), train=train, data=data, cluster=cluster, pipelines=(pipeline,)
+        )
+    )
 
 
 @attrs.define
@@ -177,9 +198,14 @@ def _peak_gb(device: torch.device) -> float:
 
 def run_ours(case: Case, mode: str, steps: int, device: torch.device, corpus: Path, world: World) -> Run:
     _reset(device)
-    text = layout_toml(case, devices=[str(device)], steps=steps, corpus=corpus,
-                       compile_mode="blocks" if mode == "compiled" else "none",
-                       backend="nccl" if device.type == "cuda" else "gloo")
+    text = layout_toml(
+        case,
+        devices=[str(device)],
+        steps=steps,
+        corpus=corpus,
+        compile_mode="blocks" if mode == "compiled" else "none",
+        backend="nccl" if device.type == "cuda" else "gloo",
+    )
     plan = compile_plan(layout_mod.loads(text, file="<gpu_bench>"))
     history = train(plan.rank_plan(0), world.get(plan), quiet=True, keep_history=True)
     return Run("ours", mode, [m.seconds for m in history], history[-1].loss, _peak_gb(device))
@@ -237,8 +263,13 @@ def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: P
     decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.tok.weight and p is not model.pos.weight]
     other = [p for p in model.parameters() if all(p is not d for d in decay)]
     cuda = device.type == "cuda"
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95), eps=1e-8, fused=cuda or None)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": other, "weight_decay": 0.0}],
+        lr=3e-4,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        fused=cuda or None,
+    )
     forward = torch.compile(model) if mode == "compiled" else model
     seconds, loss_value = [], float("nan")
     for step in range(steps):
@@ -289,22 +320,44 @@ def step_breakdown(trace_dir: Path, warmup: int) -> list[dict]:
     return out
 
 
-def run_multi_rank(name: str, case: Case, device: str, steps: int, warmup: int, corpus: Path, workdir: Path, *,
-                   stages: int = 1, tp: int = 1, microbatches: int = 1,
-                   timed_untraced: bool = True) -> tuple[dict, list[dict]]:
+def run_multi_rank(
+    name: str,
+    case: Case,
+    device: str,
+    steps: int,
+    warmup: int,
+    corpus: Path,
+    workdir: Path,
+    *,
+    stages: int = 1,
+    tp: int = 1,
+    microbatches: int = 1,
+    timed_untraced: bool = True,
+) -> tuple[dict, list[dict]]:
     """``stages`` stages of one rank each, or one stage of TP size ``tp``; every rank on ``device``.
     The step time comes from a run of its own unless ``timed_untraced`` is off (``--tiny``: the traced run's)."""
     path = workdir / f"{name.split(',')[0].replace(' ', '_')}.toml"
     devices = [device] * (stages if stages > 1 else tp)
-    path.write_text(layout_toml(case, devices=devices, steps=steps, corpus=corpus, backend="gloo", stages=stages,
-                                microbatches=microbatches))
+    path.write_text(
+        layout_toml(
+            case, devices=devices, steps=steps, corpus=corpus, backend="gloo", stages=stages, microbatches=microbatches
+        )
+    )
     traced = workdir / f"{path.stem}_trace"
     rows = benchlib.run_layout(path, workdir / f"{path.stem}_run", timeout=1800) if timed_untraced else None
     traced_rows = benchlib.run_layout(path, workdir / f"{path.stem}_traced", trace=traced, timeout=1800)
     rows = rows or traced_rows
     seconds = benchlib.median(benchlib.steady([r["seconds"] for r in rows], warmup))
-    summary = {"layout": name, "model": case.size.name, "seq": case.seq, "batch": case.batch, "ranks": len(devices),
-               "step_s": seconds, "tokens_per_s": case.tokens / seconds, "final_loss": rows[-1]["loss"]}
+    summary = {
+        "layout": name,
+        "model": case.size.name,
+        "seq": case.seq,
+        "batch": case.batch,
+        "ranks": len(devices),
+        "step_s": seconds,
+        "tokens_per_s": case.tokens / seconds,
+        "final_loss": rows[-1]["loss"],
+    }
     return summary, [{"layout": name, **b} for b in step_breakdown(traced, warmup)]
 
 
@@ -318,50 +371,113 @@ def gpu_info(device: torch.device, peak_override: float | None) -> dict:
     name = torch.cuda.get_device_name(device)
     peak = peak_override or next((p for key, p in PEAK_BF16_TFLOPS if key in name), None)
     props = torch.cuda.get_device_properties(device)
-    return {"name": name, "memory_gb": props.total_memory / 2**30, "peak_bf16_tflops": peak,
-            "cuda": torch.version.cuda, "capability": f"{props.major}.{props.minor}"}
+    return {
+        "name": name,
+        "memory_gb": props.total_memory / 2**30,
+        "peak_bf16_tflops": peak,
+        "cuda": torch.version.cuda,
+        "capability": f"{props.major}.{props.minor}",
+    }
 
 
 def single_row(case: Case, run: Run, warmup: int, peak: float | None) -> dict:
     step = benchlib.median(benchlib.steady(run.seconds, warmup))
     tps = case.tokens / step
     mfu = tps * case.flops_per_token() / (peak * 1e12) if peak else float("nan")
-    return {"model": case.size.name, "params": case.params, "seq": case.seq, "batch": case.batch, "mode": run.mode,
-            "impl": run.impl, "step_s": step, "tokens_per_s": tps, "mfu": mfu, "peak_gb": run.peak_gb,
-            "final_loss": run.final_loss, "step_seconds": run.seconds}
+    return {
+        "model": case.size.name,
+        "params": case.params,
+        "seq": case.seq,
+        "batch": case.batch,
+        "mode": run.mode,
+        "impl": run.impl,
+        "step_s": step,
+        "tokens_per_s": tps,
+        "mfu": mfu,
+        "peak_gb": run.peak_gb,
+        "final_loss": run.final_loss,
+        "step_seconds": run.seconds,
+    }
 
 
-def report(info: dict, single: list[dict], multi: list[dict], breakdown: list[dict], config: dict,
-           from_trace: bool = False) -> str:
-    lines = ["# GPU benchmark: hetero_llm vs plain PyTorch (bf16, one device)", "",
-             f"`{benchlib.command_line()}`", "",
-             f"Device: {info['name']}" + (f" ({info['memory_gb']:.0f} GiB, CUDA {info['cuda']})" if "cuda" in info else "")
-             + f"; peak used for MFU: {info['peak_bf16_tflops'] or 'n/a'} TFLOP/s dense bf16; "
-             f"torch {torch.__version__}; {config['steps']} steps, median after {config['warmup']} warm-up steps.", "",
-             "## Single stage", ""]
+def report(
+    info: dict, single: list[dict], multi: list[dict], breakdown: list[dict], config: dict, from_trace: bool = False
+) -> str:
+    lines = [
+        "# GPU benchmark: hetero_llm vs plain PyTorch (bf16, one device)",
+        "",
+        f"`{benchlib.command_line()}`",
+        "",
+        f"Device: {info['name']}"
+        + (f" ({info['memory_gb']:.0f} GiB, CUDA {info['cuda']})" if "cuda" in info else "")
+        + f"; peak used for MFU: {info['peak_bf16_tflops'] or 'n/a'} TFLOP/s dense bf16; "
+        f"torch {torch.__version__}; {config['steps']} steps, median after {config['warmup']} warm-up steps.",
+        "",
+        "## Single stage",
+        "",
+    ]
     headers = ["model", "seq", "batch", "mode", "impl", "step ms", "tokens/s", "MFU", "peak GiB", "ours/plain"]
     rows = []
     for r in single:
         ratio = ""
         if r["impl"] == "ours":
-            plain = next((p for p in single if p["impl"] == "plain" and
-                          (p["model"], p["seq"], p["mode"]) == (r["model"], r["seq"], r["mode"])), None)
+            plain = next(
+                (
+                    p
+                    for p in single
+                    if p["impl"] == "plain" and (p["model"], p["seq"], p["mode"]) == (r["model"], r["seq"], r["mode"])
+                ),
+                None,
+            )
             ratio = f"{r['tokens_per_s'] / plain['tokens_per_s']:.3f}" if plain else ""
-        rows.append([r["model"], r["seq"], r["batch"], r["mode"], r["impl"], r["step_s"] * 1e3, f"{r['tokens_per_s']:,.0f}",
-                     "n/a" if r["mfu"] != r["mfu"] else f"{100 * r['mfu']:.1f}%", r["peak_gb"], ratio])
+        rows.append(
+            [
+                r["model"],
+                r["seq"],
+                r["batch"],
+                r["mode"],
+                r["impl"],
+                r["step_s"] * 1e3,
+                f"{r['tokens_per_s']:,.0f}",
+                "n/a" if r["mfu"] != r["mfu"] else f"{100 * r['mfu']:.1f}%",
+                r["peak_gb"],
+                ratio,
+            ]
+        )
     lines += [benchlib.markdown_table(headers, rows), ""]
     if multi:
-        lines += ["## Several ranks on the one device (backend gloo, p2p staged through host memory)", "",
-                  *(["Step times from the traced runs below (`--tiny`: one run per layout).", ""]
-                    if from_trace else []),
-                  benchlib.markdown_table(["layout", "model", "seq", "batch", "ranks", "step ms", "tokens/s"],
-                                          [[m["layout"], m["model"], m["seq"], m["batch"], m["ranks"], m["step_s"] * 1e3,
-                                            f"{m['tokens_per_s']:,.0f}"] for m in multi]), "",
-                  "Step-time breakdown from `--trace` (ms per steady step; RECV includes waiting for the peer; "
-                  "other = gradient sync, optimizer, data; tracing synchronizes after every action):", "",
-                  benchlib.markdown_table(["layout", "rank", "step", "F", "B", "SEND", "RECV", "other"],
-                                          [[b["layout"], b["rank"]] + [b[k] * 1e3 for k in
-                                           ("step", "F", "B", "SEND", "RECV", "other")] for b in breakdown]), ""]
+        lines += [
+            "## Several ranks on the one device (backend gloo, p2p staged through host memory)",
+            "",
+            *(["Step times from the traced runs below (`--tiny`: one run per layout).", ""] if from_trace else []),
+            benchlib.markdown_table(
+                ["layout", "model", "seq", "batch", "ranks", "step ms", "tokens/s"],
+                [
+                    [
+                        m["layout"],
+                        m["model"],
+                        m["seq"],
+                        m["batch"],
+                        m["ranks"],
+                        m["step_s"] * 1e3,
+                        f"{m['tokens_per_s']:,.0f}",
+                    ]
+                    for m in multi
+                ],
+            ),
+            "",
+            "Step-time breakdown from `--trace` (ms per steady step; RECV includes waiting for the peer; "
+            "other = gradient sync, optimizer, data; tracing synchronizes after every action):",
+            "",
+            benchlib.markdown_table(
+                ["layout", "rank", "step", "F", "B", "SEND", "RECV", "other"],
+                [
+                    [b["layout"], b["rank"]] + [b[k] * 1e3 for k in ("step", "F", "B", "SEND", "RECV", "other")]
+                    for b in breakdown
+                ],
+            ),
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -371,15 +487,21 @@ def _csv(kind):
 
 @click.command()
 @click.option("--device", default="cuda", show_default=True, help="cuda (or cuda:N) or cpu.")
-@click.option("--tiny", is_flag=True, help="Tiny model, short sequences, few steps: a smoke test (e.g. with --device cpu).")
+@click.option(
+    "--tiny", is_flag=True, help="Tiny model, short sequences, few steps: a smoke test (e.g. with --device cpu)."
+)
 @click.option("--models", callback=_csv(str), default=None, help="Comma list of: 124m, 1.3b, tiny.")
 @click.option("--seqs", callback=_csv(int), default=None, help="Comma list of sequence lengths.")
 @click.option("--modes", callback=_csv(str), default=None, help="Comma list of: eager, compiled.")
 @click.option("--tokens-per-step", type=int, default=None, help="Tokens per step (batch = tokens / seq).")
 @click.option("--steps", type=int, default=None)
 @click.option("--warmup", type=int, default=None, help="Steps left out of the medians (compilation happens here).")
-@click.option("--multi-rank/--no-multi-rank", default=True, show_default=True,
-              help="Also the 2-stage and TP-2 layouts on the one device.")
+@click.option(
+    "--multi-rank/--no-multi-rank",
+    default=True,
+    show_default=True,
+    help="Also the 2-stage and TP-2 layouts on the one device.",
+)
 @click.option("--peak-tflops", type=float, default=None, help="Dense bf16 peak of this GPU, if not in the table.")
 @click.option("--out", type=click.Path(file_okay=False), default=str(benchlib.RESULTS), show_default=True)
 def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, multi_rank, peak_tflops, out):
@@ -407,8 +529,15 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
     try:
         corpus = workdir / "corpus.txt"
         corpus.write_bytes(os.urandom(32 << 20 if not tiny else 1 << 20))  # bytes: the text source's tokens
-        config = {"models": models, "seqs": seqs, "modes": modes, "tokens_per_step": tokens_per_step, "steps": steps,
-                  "warmup": warmup, "device": str(dev)}
+        config = {
+            "models": models,
+            "seqs": seqs,
+            "modes": modes,
+            "tokens_per_step": tokens_per_step,
+            "steps": steps,
+            "warmup": warmup,
+            "device": str(dev),
+        }
         benchlib.say(f"{info['name']}: {config}")
 
         single, world = [], World(dev)
@@ -419,29 +548,44 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
                 case = Case(SIZES[name], seq, max(1, tokens_per_step // seq))
                 for mode in modes:
                     for runner in (run_ours, run_plain):  # same GPU, same process, one after the other
-                        run = runner(case, mode, steps, dev, corpus, world) if runner is run_ours else \
-                            runner(case, mode, steps, dev, corpus)
+                        run = (
+                            runner(case, mode, steps, dev, corpus, world)
+                            if runner is run_ours
+                            else runner(case, mode, steps, dev, corpus)
+                        )
                         row = single_row(case, run, warmup, info["peak_bf16_tflops"])
                         single.append(row)
-                        benchlib.say(f"{name} seq {seq} {mode} {run.impl}: {row['step_s'] * 1e3:.1f} ms/step, "
-                                     f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB")
+                        benchlib.say(
+                            f"{name} seq {seq} {mode} {run.impl}: {row['step_s'] * 1e3:.1f} ms/step, "
+                            f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB"
+                        )
         multi, breakdown = [], []
         if multi_rank:
             groups.shutdown()  # the children make their own process groups; this one is done
             case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
             dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
-            for name, kw in (("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),
-                             ("1 stage, TP 2", {"tp": 2})):
-                summary, parts = run_multi_rank(name, case, dev_name, steps, warmup, corpus, workdir,
-                                               timed_untraced=not tiny, **kw)
+            for name, kw in (
+                ("2 stages, 1f1b, 4 microbatches", {"stages": 2, "microbatches": 4}),
+                ("1 stage, TP 2", {"tp": 2}),
+            ):
+                summary, parts = run_multi_rank(
+                    name, case, dev_name, steps, warmup, corpus, workdir, timed_untraced=not tiny, **kw
+                )
                 multi.append(summary)
                 breakdown += parts
                 benchlib.say(f"{name}: {summary['step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s")
     finally:  # the corpus and the runs' folders: results go to --out
         shutil.rmtree(workdir, ignore_errors=True)
     markdown = report(info, single, multi, breakdown, config, from_trace=tiny)
-    payload = {"device": info, "torch": torch.__version__, "config": config, "single_stage": single,
-               "multi_rank": multi, "breakdown": breakdown, "machine": benchlib.machine()}
+    payload = {
+        "device": info,
+        "torch": torch.__version__,
+        "config": config,
+        "single_stage": single,
+        "multi_rank": multi,
+        "breakdown": breakdown,
+        "machine": benchlib.machine(),
+    }
     md, js = benchlib.write_results(Path(out), "gpu_bench_tiny" if tiny else "gpu_bench", markdown, payload)
     print(markdown)
     benchlib.say(f"wrote {md} and {js}")

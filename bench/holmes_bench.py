@@ -34,8 +34,20 @@ import click
 
 from bench import testbed as T
 from hetero_llm import layout as layout_mod
-from hetero_llm.layout import (ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Layout, ModelSpec,
-                               NodeSpec, PipelineSpec, Schedule, StageSpec, TrainSpec)
+from hetero_llm.layout import (
+    ClusterSpec,
+    CrossDomainSpec,
+    DataSpec,
+    DomainKind,
+    DomainSpec,
+    Layout,
+    ModelSpec,
+    NodeSpec,
+    PipelineSpec,
+    Schedule,
+    StageSpec,
+    TrainSpec,
+)
 from hetero_llm.planner.place import PlaceOptions, place_file
 
 INTERFACES = ("dom0", "xdom")
@@ -83,13 +95,23 @@ class RunResult:
 
 
 def sent_bytes(tb: T.Testbed, node: str) -> dict[str, int]:
-    out = subprocess.run(["ip", "-n", tb.namespace(node), "-s", "-j", "link", "show"], capture_output=True,
-                         text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "-n", tb.namespace(node), "-s", "-j", "link", "show"], capture_output=True, text=True, check=True
+    ).stdout
     return {link["ifname"]: link["stats64"]["tx"]["bytes"] for link in json.loads(out) if link["ifname"] in INTERFACES}
 
 
-def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: int, warmup: int,
-               port: int = 29600, timeout_s: float = 600, env: dict[str, str] | None = None) -> RunResult:
+def run_layout(
+    tb: T.Testbed,
+    layout_path: str | Path,
+    workdir: Path,
+    *,
+    steps: int,
+    warmup: int,
+    port: int = 29600,
+    timeout_s: float = 600,
+    env: dict[str, str] | None = None,
+) -> RunResult:
     """Train ``layout_path`` for ``steps`` steps, one ``hetero-launch --node`` per emulated node (``env``: more
     variables for every node, e.g. the runtime's emulation)."""
     lay = layout_mod.load(layout_path)
@@ -97,16 +119,33 @@ def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: 
     metrics = workdir / "metrics.jsonl"
     metrics.unlink(missing_ok=True)
     master = lay.cluster.master_node.name
-    env = {**(env or {}), "MASTER_ADDR": tb.address(master, "xdom"), "MASTER_PORT": str(port),
-           "GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env = {
+        **(env or {}),
+        "MASTER_ADDR": tb.address(master, "xdom"),
+        "MASTER_PORT": str(port),
+        "GLOO_SOCKET_IFNAME": "xdom",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    }
     nodes = [n.name for n in lay.cluster.nodes]
     before = {n: sent_bytes(tb, n) for n in nodes}
     procs, logs = {}, {}
     try:
         for n in nodes:
             logs[n] = open(workdir / f"{n}.log", "w")
-            argv = [sys.executable, "-m", "hetero_llm.cli", str(layout_path), "--node", n, "--quiet",
-                    "--metrics-jsonl", str(metrics), "--set", f"train.steps={steps}"]
+            argv = [
+                sys.executable,
+                "-m",
+                "hetero_llm.cli",
+                str(layout_path),
+                "--node",
+                n,
+                "--quiet",
+                "--metrics-jsonl",
+                str(metrics),
+                "--set",
+                f"train.steps={steps}",
+            ]
             fastest, speed = max(m.speed for m in lay.cluster.nodes), lay.cluster.node(n).speed
             slow = {"HETERO_EMULATE_SLOWDOWN": f"*:{fastest / speed:g}"} if speed != fastest else {}
             procs[n] = tb.run(n, argv, env={**env, **slow}, stdout=logs[n], stderr=subprocess.STDOUT)
@@ -117,7 +156,7 @@ def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: 
                 break
             time.sleep(0.1)
     finally:
-        for n, p in procs.items():
+        for p in procs.values():
             if p.poll() is None:
                 T.netns._killpg(p, 15)
                 p.wait()
@@ -131,35 +170,61 @@ def run_layout(tb: T.Testbed, layout_path: str | Path, workdir: Path, *, steps: 
     after = {n: sent_bytes(tb, n) for n in nodes}
     measured = rows[warmup:]
     sent = {i: sum(after[n][i] - before[n][i] for n in nodes) / 1e6 / steps for i in INTERFACES}
-    return RunResult(sum(r["tokens"] for r in measured) / sum(r["seconds"] for r in measured),
-                     tuple(r["seconds"] for r in rows), sent, output)
+    return RunResult(
+        sum(r["tokens"] for r in measured) / sum(r["seconds"] for r in measured),
+        tuple(r["seconds"] for r in rows),
+        sent,
+        output,
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # The benchmark: (a) NIC-aware, (b) naive (DP across domains), (c) (a) with every link fast
 
 
-def cluster_file(*, hidden: int, layers: int, heads: int, seq_len: int, batch: int, steps: int,
-                 domain_gbps: float, domain_us: float, cross_gbps: float, cross_us: float) -> str:
+def cluster_file(
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    seq_len: int,
+    batch: int,
+    steps: int,
+    domain_gbps: float,
+    domain_us: float,
+    cross_gbps: float,
+    cross_us: float,
+) -> str:
     """The benchmark's cluster file (the input of hetero-place): two domains of two nodes each."""
     model = ModelSpec(layers=layers, hidden=hidden, heads=heads, vocab=256, seq_len=seq_len)
     train = TrainSpec(steps=steps, global_batch=batch, seed=1, schedule=Schedule.ONE_F_ONE_B, log_every=1)
-    domains = tuple(DomainSpec(name=name, kind=DomainKind(name), bandwidth_gbps=float(domain_gbps),
-                               latency_us=float(domain_us), gloo_ifname="dom0") for name in ("ib", "roce"))
+    domains = tuple(
+        DomainSpec(
+            name=name,
+            kind=DomainKind(name),
+            bandwidth_gbps=float(domain_gbps),
+            latency_us=float(domain_us),
+            gloo_ifname="dom0",
+        )
+        for name in ("ib", "roce")
+    )
     cross = CrossDomainSpec(bandwidth_gbps=float(cross_gbps), latency_us=float(cross_us), gloo_ifname="xdom")
     nodes = tuple(NodeSpec(name=f"node{i}", domain="ib" if i < 2 else "roce") for i in range(4))
     cluster = ClusterSpec(nodes=nodes, timeout_s=120.0, domains=domains, cross_domain=cross)
-    return layout_mod.dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster},
-                                    header="Benchmark cluster: two domains of two emulated nodes (one CPU device "
-                                           "each), fast inside, slow across.")
+    return layout_mod.dumps_cluster(
+        {"model": model, "train": train, "data": DataSpec(), "cluster": cluster},
+        header="Benchmark cluster: two domains of two emulated nodes (one CPU device each), fast inside, slow across.",
+    )
 
 
 def naive_pipelines(layers: int, batch: int, microbatches: int) -> tuple[PipelineSpec, ...]:
     """One pipeline per domain: stage boundaries inside a domain, every DP group across."""
     out = []
     for first, second in (("node0", "node1"), ("node2", "node3")):
-        stages = tuple(StageSpec(layers=n, devices=(f"{node}:0",))
-                       for node, n in ((first, layers // 2), (second, layers - layers // 2)))
+        stages = tuple(
+            StageSpec(layers=n, devices=(f"{node}:0",))
+            for node, n in ((first, layers // 2), (second, layers - layers // 2))
+        )
         out.append(PipelineSpec(batch=batch // 2, microbatches=microbatches, stages=stages))
     return tuple(out)
 
@@ -178,8 +243,13 @@ def median(xs) -> float:
 
 
 @click.command()
-@click.option("--run", "run_one", type=click.Path(dir_okay=False, exists=True), default=None,
-              help="Just run this layout on a testbed built from it and print its tokens/s.")
+@click.option(
+    "--run",
+    "run_one",
+    type=click.Path(dir_okay=False, exists=True),
+    default=None,
+    help="Just run this layout on a testbed built from it and print its tokens/s.",
+)
 @click.option("--reps", default=3, show_default=True, help="Repetitions of each layout, interleaved a, b, c, a, ...")
 @click.option("--steps", default=8, show_default=True)
 @click.option("--warmup", default=3, show_default=True, help="Steps left out of tokens/s.")
@@ -193,8 +263,22 @@ def median(xs) -> float:
 @click.option("--cross-gbps", default=0.1, show_default=True)
 @click.option("--cross-us", default=1000.0, show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default=None, help="Keep layouts, logs and results.json here.")
-def main(run_one, reps, steps, warmup, hidden, layers, heads, seq_len, batch, domain_gbps, domain_us,
-         cross_gbps, cross_us, out):
+def main(
+    run_one,
+    reps,
+    steps,
+    warmup,
+    hidden,
+    layers,
+    heads,
+    seq_len,
+    batch,
+    domain_gbps,
+    domain_us,
+    cross_gbps,
+    cross_us,
+    out,
+):
     """Holmes on the testbed: (a) NIC-aware layout, (b) naive layout, (c) (a) with every link fast."""
     ok, why = T.available()
     if not ok:
@@ -205,20 +289,37 @@ def main(run_one, reps, steps, warmup, hidden, layers, heads, seq_len, batch, do
         lay = layout_mod.load(run_one)
         with T.Testbed(testbed_spec(lay)) as tb:
             r = run_layout(tb, run_one, work / "run", steps=steps, warmup=warmup)
-        print(f"{run_one}: {r.tokens_per_s:.1f} tokens/s; MB sent per step: "
-              + ", ".join(f"{k} {v:.2f}" for k, v in r.sent_mb.items()))
+        print(
+            f"{run_one}: {r.tokens_per_s:.1f} tokens/s; MB sent per step: "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r.sent_mb.items())
+        )
         return
 
     src = work / "cluster.toml"
-    src.write_text(cluster_file(hidden=hidden, layers=layers, heads=heads, seq_len=seq_len, batch=batch, steps=steps,
-                                domain_gbps=domain_gbps, domain_us=domain_us, cross_gbps=cross_gbps, cross_us=cross_us))
+    src.write_text(
+        cluster_file(
+            hidden=hidden,
+            layers=layers,
+            heads=heads,
+            seq_len=seq_len,
+            batch=batch,
+            steps=steps,
+            domain_gbps=domain_gbps,
+            domain_us=domain_us,
+            cross_gbps=cross_gbps,
+            cross_us=cross_us,
+        )
+    )
     aware = work / "a_nic_aware.toml"
     placement = place_file(src, aware, PlaceOptions())
     mbs = placement.pipelines[0].microbatches
     naive = naive_layout(src, work / "b_naive.toml", mbs)
     lay = layout_mod.load(aware)
-    configs = {"a": ("NIC-aware (DP in domains)", aware, False), "b": ("naive (DP across domains)", naive, False),
-               "c": ("NIC-aware, every link fast", aware, True)}
+    configs = {
+        "a": ("NIC-aware (DP in domains)", aware, False),
+        "b": ("naive (DP across domains)", naive, False),
+        "c": ("NIC-aware, every link fast", aware, True),
+    }
     results: dict[str, list[RunResult]] = {k: [] for k in configs}
     load_before = os.getloadavg()
     print(f"work dir {work}; load average {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}", flush=True)
@@ -227,29 +328,63 @@ def main(run_one, reps, steps, warmup, hidden, layers, heads, seq_len, batch, do
         fast = stack.enter_context(T.Testbed(testbed_spec(lay, cross_like_domains=True)))
         for rep in range(reps):
             for key, (name, path, all_fast) in configs.items():
-                r = run_layout(fast if all_fast else slow, path, work / f"{key}{rep}", steps=steps, warmup=warmup,
-                               port=29600 + rep * 10 + ord(key) - ord("a"))
+                r = run_layout(
+                    fast if all_fast else slow,
+                    path,
+                    work / f"{key}{rep}",
+                    steps=steps,
+                    warmup=warmup,
+                    port=29600 + rep * 10 + ord(key) - ord("a"),
+                )
                 results[key].append(r)
-                print(f"rep {rep} {key} {name:<28} {r.tokens_per_s:8.1f} tokens/s  step {median(r.step_s[warmup:]):.3f} s  "
-                      f"MB/step dom0 {r.sent_mb['dom0']:7.2f}  xdom {r.sent_mb['xdom']:7.2f}", flush=True)
+                print(
+                    f"rep {rep} {key} {name:<28} {r.tokens_per_s:8.1f} tokens/s  step {median(r.step_s[warmup:]):.3f} s  "
+                    f"MB/step dom0 {r.sent_mb['dom0']:7.2f}  xdom {r.sent_mb['xdom']:7.2f}",
+                    flush=True,
+                )
     load_after = os.getloadavg()
     med = {k: median(r.tokens_per_s for r in rs) for k, rs in results.items()}
-    table = ["| layout | tokens/s (median) | each repetition | MB sent per step on dom0 / xdom |",
-             "| --- | ---: | --- | --- |"]
+    table = [
+        "| layout | tokens/s (median) | each repetition | MB sent per step on dom0 / xdom |",
+        "| --- | ---: | --- | --- |",
+    ]
     for key, (name, _, _) in configs.items():
         reps_txt = ", ".join(f"{r.tokens_per_s:.0f}" for r in results[key])
         mb = results[key][-1].sent_mb
         table.append(f"| ({key}) {name} | {med[key]:.0f} | {reps_txt} | {mb['dom0']:.1f} / {mb['xdom']:.1f} |")
-    summary = (f"a/b = {med['a'] / med['b']:.2f}, a/c = {med['a'] / med['c']:.2f}; load average "
-               f"{load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    summary = (
+        f"a/b = {med['a'] / med['b']:.2f}, a/c = {med['a'] / med['c']:.2f}; load average "
+        f"{load_before[0]:.2f} before, {load_after[0]:.2f} after"
+    )
     print("\n" + "\n".join(table) + "\n\n" + summary)
-    (work / "results.json").write_text(json.dumps({
-        "medians_tokens_per_s": med, "ratios": {"a/b": med["a"] / med["b"], "a/c": med["a"] / med["c"]},
-        "runs": {k: [attrs.asdict(r, filter=lambda a, v: a.name != "stderr") for r in rs] for k, rs in results.items()},
-        "load": [load_before, load_after],
-        "settings": dict(reps=reps, steps=steps, warmup=warmup, hidden=hidden, layers=layers, heads=heads,
-                         seq_len=seq_len, batch=batch, domain_gbps=domain_gbps, domain_us=domain_us,
-                         cross_gbps=cross_gbps, cross_us=cross_us)}, indent=1))
+    (work / "results.json").write_text(
+        json.dumps(
+            {
+                "medians_tokens_per_s": med,
+                "ratios": {"a/b": med["a"] / med["b"], "a/c": med["a"] / med["c"]},
+                "runs": {
+                    k: [attrs.asdict(r, filter=lambda a, v: a.name != "stderr") for r in rs]
+                    for k, rs in results.items()
+                },
+                "load": [load_before, load_after],
+                "settings": dict(
+                    reps=reps,
+                    steps=steps,
+                    warmup=warmup,
+                    hidden=hidden,
+                    layers=layers,
+                    heads=heads,
+                    seq_len=seq_len,
+                    batch=batch,
+                    domain_gbps=domain_gbps,
+                    domain_us=domain_us,
+                    cross_gbps=cross_gbps,
+                    cross_us=cross_us,
+                ),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,16 @@ import attrs
 import click
 
 from bench import benchlib as B
-from bench.hot_switch_config import (FLOAT32, LAYOUTS, QUICK, Config, activation_positions, bucket_rows_needed,
-                                     device_spec, layout_text)
+from bench.hot_switch_config import (
+    FLOAT32,
+    LAYOUTS,
+    QUICK,
+    Config,
+    activation_positions,
+    bucket_rows_needed,
+    device_spec,
+    layout_text,
+)
 
 NAME = "hot_switch"
 
@@ -73,8 +81,9 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
     from hetero_llm.predict import trace as tracing
 
-    switches = [[e for e in record["events"] if e["action"].startswith("SWITCH")]
-                for record in tracing.read_rank_traces(trace)]
+    switches = [
+        [e for e in record["events"] if e["action"].startswith("SWITCH")] for record in tracing.read_rank_traces(trace)
+    ]
     if len({tuple(e["action"] for e in row) for row in switches}) != 1:
         raise RuntimeError(f"ranks of {trace} made different switches")
     rank0: list[float] = []
@@ -98,8 +107,8 @@ def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float,
     import torch
 
     from hetero_llm import layout as layout_mod
-    from hetero_llm.switching import switcher as hotswitch
     from hetero_llm.plan import compile_plan
+    from hetero_llm.switching import switcher as hotswitch
     from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
@@ -141,24 +150,41 @@ def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float,
     return 4 * (1 << 20) / B.median(big), seconds / count
 
 
-_PEAK_WRAPPER = ("import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)")
+_PEAK_WRAPPER = (
+    "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
+    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
+)
 
 
-def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[str, str],
-                     tb=None) -> tuple[list[dict], int]:
+def launch_with_peak(
+    layout: Path, workdir: Path, trace: Path | None, env: dict[str, str], tb=None
+) -> tuple[list[dict], int]:
     """``hetero-launch`` run inside a small wrapper process whose waited-for children are the launcher and its
     ranks, so the wrapper's children's peak RSS is this run's largest process (KiB). ``tb`` (a testbed): one
     ``hetero-launch --node`` per emulated node, each in its node's namespace, rendezvous on the cross-domain
     fabric (the default group's, which switches use)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
-           *(["--trace", str(trace)] if trace else [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(layout),
+        "--quiet",
+        "--metrics-jsonl",
+        str(metrics),
+        *(["--trace", str(trace)] if trace else []),
+    ]
     if tb is None:
         cmd += ["--set", f"cluster.port={B.free_port()}"]
-        proc = subprocess.run([sys.executable, "-c", _PEAK_WRAPPER, *cmd], capture_output=True, text=True,
-                              timeout=900, env=B.clean_env(env), cwd=B.ROOT)
+        proc = subprocess.run(
+            [sys.executable, "-c", _PEAK_WRAPPER, *cmd],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            env=B.clean_env(env),
+            cwd=B.ROOT,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
         peak = int(proc.stdout.split()[-1])
@@ -169,14 +195,26 @@ def launch_with_peak(layout: Path, workdir: Path, trace: Path | None, env: dict[
 
 
 def _launch_testbed(tb, cmd: list[str], workdir: Path, env: dict[str, str], timeout_s: float = 900) -> int:
-    env = {**env, "MASTER_ADDR": tb.address("node0", "xdom"), "MASTER_PORT": str(B.free_port()), "GLOO_SOCKET_IFNAME": "xdom", "OMP_NUM_THREADS": "1"}
+    env = {
+        **env,
+        "MASTER_ADDR": tb.address("node0", "xdom"),
+        "MASTER_PORT": str(B.free_port()),
+        "GLOO_SOCKET_IFNAME": "xdom",
+        "OMP_NUM_THREADS": "1",
+    }
     procs, logs = {}, {}
     try:
         for node in ("node0", "node1"):
             logs[node] = workdir / f"{node}.log"
             with open(logs[node], "w") as log:
-                procs[node] = tb.run(node, [sys.executable, "-c", _PEAK_WRAPPER, *cmd, "--node", node], env=env,
-                                     stdout=log, stderr=subprocess.STDOUT, cwd=B.ROOT)
+                procs[node] = tb.run(
+                    node,
+                    [sys.executable, "-c", _PEAK_WRAPPER, *cmd, "--node", node],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=B.ROOT,
+                )
         deadline = time.monotonic() + timeout_s
         while any(p.poll() is None for p in procs.values()):
             if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
@@ -199,11 +237,20 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tup
     group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
-        code = (f"import sys; from bench import benchlib; "
-                f"benchlib._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
-                f"{tb.address('node0', 'domain')!r})")
-        procs = [tb.run(f"node{r}", [sys.executable, "-c", code, str(r)],
-                        env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"}, cwd=B.ROOT) for r in (0, 1)]
+        code = (
+            f"import sys; from bench import benchlib; "
+            f"benchlib._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
+            f"{tb.address('node0', 'domain')!r})"
+        )
+        procs = [
+            tb.run(
+                f"node{r}",
+                [sys.executable, "-c", code, str(r)],
+                env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"},
+                cwd=B.ROOT,
+            )
+            for r in (0, 1)
+        ]
         for proc in procs:
             if proc.wait(timeout=600) != 0:
                 raise RuntimeError(f"the exchange probe on the testbed failed ({proc.returncode})")
@@ -215,19 +262,21 @@ def testbed(cfg: Config):
     from bench import testbed as T
 
     fabric = T.FabricSpec(f"{cfg.tp_gbps * 1000:.6g}mbit", "0us")
-    spec = T.TestbedSpec((T.EmulatedDomain("d0", fabric),), (T.EmulatedNode("node0", "d0"),
-                                                             T.EmulatedNode("node1", "d0")), fabric)
+    spec = T.TestbedSpec(
+        (T.EmulatedDomain("d0", fabric),), (T.EmulatedNode("node0", "d0"), T.EmulatedNode("node1", "d0")), fabric
+    )
     return T.Testbed(spec, delay=T.DelayMode.NONE)
 
 
-def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float,
-              device) -> tuple[list[float], list[float]]:
+def predicted(
+    cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float, device
+) -> tuple[list[float], list[float]]:
     """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
     ``bucket_sim.simulate_buckets``' whole step (for switching layouts)."""
     from hetero_llm import layout as layout_mod
-    from hetero_llm.switching import predict as bucket_sim
-    from hetero_llm.predict import trace as tracing
     from hetero_llm.plan import compile_plan
+    from hetero_llm.predict import trace as tracing
+    from hetero_llm.switching import predict as bucket_sim
     from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     lay = layout_mod.load(layout)
@@ -248,8 +297,10 @@ def predicted(cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: floa
         switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
         switches[-1] += bucket_sim.switch_seconds(switch, links, copy_bw, per_block)
         current = target
-    steps = [bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
-             for s in range(cfg.steps)]
+    steps = [
+        bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
+        for s in range(cfg.steps)
+    ]
     return switches, steps
 
 
@@ -261,8 +312,9 @@ def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[flo
 
     one = layout.with_name(layout.stem + "_one_bucket.toml")
     static = layout_mod.load(layout)
-    layout_mod.dump(attrs.evolve(static, buckets=(layout_mod.BucketSpec(max_len=cfg.seq_len),)), one,
-                    relative_to=one.parent)
+    layout_mod.dump(
+        attrs.evolve(static, buckets=(layout_mod.BucketSpec(max_len=cfg.seq_len),)), one, relative_to=one.parent
+    )
     lay = layout_mod.load(one)
     return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 
@@ -276,9 +328,15 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
     steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env, tb)
     steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
-    out = {"layout": name, "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
-           "step_s": B.median(seconds), "peak_rss_mb": peak / 1024, "layout_file": str(layout), "trace": str(trace),
-           "step_seconds": [r["seconds"] for r in steps_out]}
+    out = {
+        "layout": name,
+        "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
+        "step_s": B.median(seconds),
+        "peak_rss_mb": peak / 1024,
+        "layout_file": str(layout),
+        "trace": str(trace),
+        "step_seconds": [r["seconds"] for r in steps_out],
+    }
     if switching:
         waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
         out["switch_s"] = B.median(own)
@@ -289,8 +347,10 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
 
 def network_line(cfg: Config) -> str:
     if cfg.network == "testbed":
-        return (f"on two testbed nodes joined by {cfg.tp_gbps * 1000:.0f} Mbit/s links, the TP link's rate, no added "
-                f"delay: switches, TP all-reduces and the probes cross them")
+        return (
+            f"on two testbed nodes joined by {cfg.tp_gbps * 1000:.0f} Mbit/s links, the TP link's rate, no added "
+            f"delay: switches, TP all-reduces and the probes cross them"
+        )
     return "one node; switches and TP all-reduces over loopback"
 
 
@@ -299,7 +359,6 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     ``benchlib.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
     that were idle, one exchange both ways); that run's predictions use them."""
     from hetero_llm.predict.device import EmulatedDevice
-    from hetero_llm.switching import predict as bucket_sim
 
     spec = device_spec(cfg)
     device = EmulatedDevice.parse(spec)
@@ -327,73 +386,128 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
                 result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env, tb)
                 if LAYOUTS[name] != "static":
                     result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
-                    switches, steps = predicted(cfg, Path(result["layout_file"]), Path(result["trace"]), run_links,
-                                                copy_bw, per_block, device)
+                    switches, steps = predicted(
+                        cfg, Path(result["layout_file"]), Path(result["trace"]), run_links, copy_bw, per_block, device
+                    )
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
                 else:
-                    result["predicted_step_s"] = B.median(B.steady(predicted_static(cfg, Path(result["layout_file"]),
-                                                                                   links, device), cfg.warmup))
+                    result["predicted_step_s"] = B.median(
+                        B.steady(predicted_static(cfg, Path(result["layout_file"]), links, device), cfg.warmup)
+                    )
                 runs[name].append(result)
     results = []
     for name, reps in runs.items():
         switching = LAYOUTS[name] != "static"
         positions = activation_positions(cfg, switching)
-        row = {"layout": name, "tp_comm": cfg.tp_comm, "tokens_s": B.median([x["tokens_s"] for x in reps]),
-               "step_s": B.median([x["step_s"] for x in reps]),
-               "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
-               "activation_positions": positions,
-               "activation_mb": 16 * cfg.hidden * FLOAT32 * positions * cfg.layers / 2**20,
-               "fits_cap": positions <= cfg.cap_positions}
+        row = {
+            "layout": name,
+            "tp_comm": cfg.tp_comm,
+            "tokens_s": B.median([x["tokens_s"] for x in reps]),
+            "step_s": B.median([x["step_s"] for x in reps]),
+            "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
+            "activation_positions": positions,
+            "activation_mb": 16 * cfg.hidden * FLOAT32 * positions * cfg.layers / 2**20,
+            "fits_cap": positions <= cfg.cap_positions,
+        }
         row["predicted_step_s"] = B.median([x["predicted_step_s"] for x in reps])
         if switching:
             for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
                 row[key] = B.median([x[key] for x in reps])
             row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
         results.append(row)
-    probes = {k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
-              for k in ("latency_s", "bandwidth_bytes_s")}
-    static = max((r for r in results if r["layout"].startswith("static") and r["fits_cap"]),
-                 key=lambda r: r["tokens_s"])
+    probes = {
+        k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
+        for k in ("latency_s", "bandwidth_bytes_s")
+    }
+    static = max(
+        (r for r in results if r["layout"].startswith("static") and r["fits_cap"]), key=lambda r: r["tokens_s"]
+    )
     for r in results:
         r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     table = B.markdown_table(
-        ["layout", "tokens/s", "x best static", "step s", "predicted step s", "switch % of step",
-         "switch s with wait", "switch s", "predicted switch s", "act. positions (MB)", "fits cap", "peak RSS MB"],
-        [[r["layout"], r["tokens_s"], r["vs_best_static"], r["step_s"], r.get("predicted_step_s", float("nan")),
-          100 * r.get("switch_fraction", float("nan")), r.get("switch_waiting_s", float("nan")),
-          r.get("switch_s", float("nan")), r.get("predicted_switch_s", float("nan")),
-          f"{r['activation_positions']} ({r['activation_mb']:.1f})", "yes" if r["fits_cap"] else "no",
-          r["peak_rss_mb"]] for r in results])
-    markdown = "\n".join([
-        f"## TP all-reduces = {cfg.tp_comm:g} x the forward matmuls", "",
-        f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
-        f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
-        f"{cfg.sigma:g}). Two emulated devices ({network_line(cfg)}), HETERO_EMULATE_DEVICE=\"*:{spec}\" (TP 2 all-reduces = "
-        f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
-        f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
-        f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: "
-        f"{cfg.cap_positions} positions through every layer per "
-        f"device (DP 2 or PP 2 would need {cfg.seq_len}).", "",
-        table, "",
-        f"Best static layout that fits: {static['layout']}. gloo exchanges probed before each switching run: latency "
-        f"per message {', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
-        f"{', '.join(f'{x / 1e9:.2f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
-        f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us. Predicted / measured switch "
-        f"time: " + ", ".join(f"{r['layout']} {r['predicted_switch_s'] / r['switch_s']:.2f}" for r in results
-                              if "switch_s" in r) + ".", "",
-        ""])
-    payload = {"config": attrs.asdict(cfg), "device": spec, "fixed_bucket_microbatches": rows, "results": results,
-               "runs": runs, "probes": probes}
+        [
+            "layout",
+            "tokens/s",
+            "x best static",
+            "step s",
+            "predicted step s",
+            "switch % of step",
+            "switch s with wait",
+            "switch s",
+            "predicted switch s",
+            "act. positions (MB)",
+            "fits cap",
+            "peak RSS MB",
+        ],
+        [
+            [
+                r["layout"],
+                r["tokens_s"],
+                r["vs_best_static"],
+                r["step_s"],
+                r.get("predicted_step_s", float("nan")),
+                100 * r.get("switch_fraction", float("nan")),
+                r.get("switch_waiting_s", float("nan")),
+                r.get("switch_s", float("nan")),
+                r.get("predicted_switch_s", float("nan")),
+                f"{r['activation_positions']} ({r['activation_mb']:.1f})",
+                "yes" if r["fits_cap"] else "no",
+                r["peak_rss_mb"],
+            ]
+            for r in results
+        ],
+    )
+    markdown = "\n".join(
+        [
+            f"## TP all-reduces = {cfg.tp_comm:g} x the forward matmuls",
+            "",
+            f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
+            f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
+            f'{cfg.sigma:g}). Two emulated devices ({network_line(cfg)}), HETERO_EMULATE_DEVICE="*:{spec}" (TP 2 all-reduces = '
+            f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
+            f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
+            f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: "
+            f"{cfg.cap_positions} positions through every layer per "
+            f"device (DP 2 or PP 2 would need {cfg.seq_len}).",
+            "",
+            table,
+            "",
+            f"Best static layout that fits: {static['layout']}. gloo exchanges probed before each switching run: latency "
+            f"per message {', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
+            f"{', '.join(f'{x / 1e9:.2f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
+            f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us. Predicted / measured switch "
+            f"time: "
+            + ", ".join(
+                f"{r['layout']} {r['predicted_switch_s'] / r['switch_s']:.2f}" for r in results if "switch_s" in r
+            )
+            + ".",
+            "",
+            "",
+        ]
+    )
+    payload = {
+        "config": attrs.asdict(cfg),
+        "device": spec,
+        "fixed_bucket_microbatches": rows,
+        "results": results,
+        "runs": runs,
+        "probes": probes,
+    }
     return markdown, payload, results
 
 
 @click.command()
 @click.option("--quick", is_flag=True, help="A tiny model and one round: checks the script end to end (seconds).")
-@click.option("--network", type=click.Choice(["auto", "testbed", "loopback"]), default="auto", show_default=True,
-              help="testbed: the two devices on two emulated nodes (network namespaces, needs root) joined by a link "
-                   "shaped to the TP link's rate; loopback: one node. auto: the testbed where it can be built, except "
-                   "with --quick.")
+@click.option(
+    "--network",
+    type=click.Choice(["auto", "testbed", "loopback"]),
+    default="auto",
+    show_default=True,
+    help="testbed: the two devices on two emulated nodes (network namespaces, needs root) joined by a link "
+    "shaped to the TP link's rate; loopback: one node. auto: the testbed where it can be built, except "
+    "with --quick.",
+)
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
 def main(quick: bool, network: str, out_dir: Path) -> None:
     if network == "auto":
@@ -406,8 +520,12 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
     B.say("probing gloo exchanges and memory copies on this host")
     latency, bandwidth = B.exchange_probe(reps=5 if quick else 40, big=1 << 17)
     copy_bw, per_block = copy_costs(cfg, reps=3 if quick else 15)
-    links = {"local": (0.0, copy_bw), "node": (latency, bandwidth), "domain": (latency, bandwidth),
-             "cross_domain": (latency, bandwidth)}  # the static runs' pipeline sends; switching runs probe again
+    links = {
+        "local": (0.0, copy_bw),
+        "node": (latency, bandwidth),
+        "domain": (latency, bandwidth),
+        "cross_domain": (latency, bandwidth),
+    }  # the static runs' pipeline sends; switching runs probe again
     sections, payloads = [], []
     base = cfg
     for tp_comm in base.scenarios:
@@ -416,15 +534,34 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
         sections.append(markdown)
         payloads.append(payload)
     load_after = B.load_average()
-    title = (f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
-             f"{'two testbed nodes' if network == 'testbed' else 'loopback'})")
-    markdown = "\n".join([title, "",
-                         f"`{B.command_line()}`", "", *sections,
-                         f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.", ""])
-    payload = {"machine": info, "load_before": load_before, "load_after": load_after,
-               "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "copy_bytes_s": copy_bw,
-                       "per_block_s": per_block}, "scenarios": payloads,
-               "results": [r for p in payloads for r in p["results"]]}  # every scenario's rows (see tp_comm)
+    title = (
+        f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
+        f"{'two testbed nodes' if network == 'testbed' else 'loopback'})"
+    )
+    markdown = "\n".join(
+        [
+            title,
+            "",
+            f"`{B.command_line()}`",
+            "",
+            *sections,
+            f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.",
+            "",
+        ]
+    )
+    payload = {
+        "machine": info,
+        "load_before": load_before,
+        "load_after": load_after,
+        "p2p": {
+            "latency_s": latency,
+            "bandwidth_bytes_s": bandwidth,
+            "copy_bytes_s": copy_bw,
+            "per_block_s": per_block,
+        },
+        "scenarios": payloads,
+        "results": [r for p in payloads for r in p["results"]],
+    }  # every scenario's rows (see tp_comm)
     md, js = B.write_results(out_dir, name, markdown, payload)
     plot(payloads[0]["results"], out_dir / f"{name}.png")
     print(markdown)

@@ -9,8 +9,21 @@ from __future__ import annotations
 import attrs
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.layout import (BucketSpec, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Layout,
-                               ModelSpec, NodeSpec, Packing, PipelineSpec, StageSpec, TrainSpec)
+from hetero_llm.layout import (
+    BucketSpec,
+    ClusterSpec,
+    CrossDomainSpec,
+    DataSpec,
+    DomainKind,
+    DomainSpec,
+    Layout,
+    ModelSpec,
+    NodeSpec,
+    Packing,
+    PipelineSpec,
+    StageSpec,
+    TrainSpec,
+)
 
 FLOAT32 = 4
 
@@ -43,12 +56,26 @@ class Config:
     def tp_gbps(self) -> float:
         """The TP link (Gbit/s) for ``tp_comm``: per position and layer at TP 2, the two forward all-reduces move
         2 * (1/2) * hidden * 4 bytes each; the forward matmuls are 24 hidden^2 / 2 FLOPs."""
-        matmul_s = 24 * self.hidden ** 2 / 2 / (self.gflops * 1e9)
+        matmul_s = 24 * self.hidden**2 / 2 / (self.gflops * 1e9)
         return 2 * self.hidden * FLOAT32 / (self.tp_comm * matmul_s) * 8 / 1e9
 
 
-QUICK = Config(layers=2, hidden=32, heads=4, seq_len=64, global_batch=4, steps=3, warmup=1, short=32, median=8.0,
-               rounds=1, gflops=4.0, cap_positions=32, scenarios=(0.5,), probe_reps=5)
+QUICK = Config(
+    layers=2,
+    hidden=32,
+    heads=4,
+    seq_len=64,
+    global_batch=4,
+    steps=3,
+    warmup=1,
+    short=32,
+    median=8.0,
+    rounds=1,
+    gflops=4.0,
+    cap_positions=32,
+    scenarios=(0.5,),
+    probe_reps=5,
+)
 
 
 def device_spec(cfg: Config) -> str:
@@ -64,8 +91,12 @@ def cluster(cfg: Config) -> ClusterSpec:
     gbps = float(f"{cfg.tp_gbps:.6g}")  # as device_spec gives it
     domain = DomainSpec(name="d0", kind=DomainKind.ETHERNET, bandwidth_gbps=gbps, latency_us=0.0, gloo_ifname="dom0")
     nodes = tuple(NodeSpec(name=f"node{n}", devices=("cpu",), domain="d0") for n in (0, 1))
-    return ClusterSpec(nodes=nodes, timeout_s=120.0, domains=(domain,),
-                       cross_domain=CrossDomainSpec(bandwidth_gbps=gbps, latency_us=0.0, gloo_ifname="xdom"))
+    return ClusterSpec(
+        nodes=nodes,
+        timeout_s=120.0,
+        domains=(domain,),
+        cross_domain=CrossDomainSpec(bandwidth_gbps=gbps, latency_us=0.0, gloo_ifname="xdom"),
+    )
 
 
 def common(cfg: Config, pipelines: tuple[PipelineSpec, ...], buckets: tuple[BucketSpec, ...] = ()) -> Layout:
@@ -73,13 +104,21 @@ def common(cfg: Config, pipelines: tuple[PipelineSpec, ...], buckets: tuple[Buck
     model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=64, seq_len=cfg.seq_len)
     train = TrainSpec(steps=cfg.steps, global_batch=cfg.global_batch, seed=0, lr=1e-3, warmup_steps=1, log_every=1)
     data = DataSpec(packing=Packing.DOCUMENTS, doc_len_median=float(cfg.median), doc_len_sigma=float(cfg.sigma))
-    return Layout(file="<hot_switch>", model=model, train=train, data=data, cluster=cluster(cfg), pipelines=pipelines,
-                  buckets=buckets)
+    return Layout(
+        file="<hot_switch>",
+        model=model,
+        train=train,
+        data=data,
+        cluster=cluster(cfg),
+        pipelines=pipelines,
+        buckets=buckets,
+    )
 
 
 def tp2(cfg: Config, batch: int, microbatches: int) -> PipelineSpec:
-    return PipelineSpec(batch=batch, microbatches=microbatches,
-                        stages=(StageSpec(layers=cfg.layers, devices=cfg.devices),))
+    return PipelineSpec(
+        batch=batch, microbatches=microbatches, stages=(StageSpec(layers=cfg.layers, devices=cfg.devices),)
+    )
 
 
 def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
@@ -91,8 +130,10 @@ def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     short = long_ = 1
     for step in range(cfg.steps):
         docs = documents.fill_documents(source, 0, step, cfg.global_batch, cfg.seq_len)
-        for group, width in (([d for d in docs if len(d) - 1 <= cfg.short], cfg.short),
-                             ([d for d in docs if len(d) - 1 > cfg.short], cfg.seq_len)):
+        for group, width in (
+            ([d for d in docs if len(d) - 1 <= cfg.short], cfg.short),
+            ([d for d in docs if len(d) - 1 > cfg.short], cfg.seq_len),
+        ):
             if group:
                 rows = max(documents.first_fit_decreasing([len(d) for d in group], width)) + 1
                 if width == cfg.short:
@@ -112,11 +153,20 @@ def switch_layout(cfg: Config, mode: str, rows: tuple[int, int]) -> Layout:
         return common(cfg, home)
     short, long_ = rows if mode == "fixed" else (1, 1)
     elastic = mode != "fixed"
-    dp2 = tuple(PipelineSpec(batch=short, microbatches=short, stages=(StageSpec(layers=cfg.layers, devices=(d,)),))
-                for d in cfg.devices)
-    return common(cfg, home, (BucketSpec(max_len=cfg.short, elastic=elastic, pipelines=dp2),
-                              BucketSpec(max_len=cfg.seq_len, elastic=elastic, top_up=mode == "top-up",
-                                         pipelines=(tp2(cfg, long_, long_),))))
+    dp2 = tuple(
+        PipelineSpec(batch=short, microbatches=short, stages=(StageSpec(layers=cfg.layers, devices=(d,)),))
+        for d in cfg.devices
+    )
+    return common(
+        cfg,
+        home,
+        (
+            BucketSpec(max_len=cfg.short, elastic=elastic, pipelines=dp2),
+            BucketSpec(
+                max_len=cfg.seq_len, elastic=elastic, top_up=mode == "top-up", pipelines=(tp2(cfg, long_, long_),)
+            ),
+        ),
+    )
 
 
 def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
@@ -124,8 +174,12 @@ def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
     return layout_mod.dumps(switch_layout(cfg, mode, rows))
 
 
-LAYOUTS = {"static tp2": "static", "switching dp2/tp2, elastic, top-up": "top-up",
-           "switching dp2/tp2, elastic": "elastic", "switching dp2/tp2, fixed": "fixed"}
+LAYOUTS = {
+    "static tp2": "static",
+    "switching dp2/tp2, elastic, top-up": "top-up",
+    "switching dp2/tp2, elastic": "elastic",
+    "switching dp2/tp2, fixed": "fixed",
+}
 
 
 def activation_positions(cfg: Config, switching: bool) -> int:

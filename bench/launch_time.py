@@ -28,8 +28,16 @@ PIPELINES = [(6, 3, [(6, 4)]), (4, 2, [(3, 2), (3, 2)]), (2, 2, [(1, 1), (2, 1),
 
 def launch_layout(file: str) -> L.Layout:
     """The reference model (Llama-style, 6 layers), PIPELINES' stages on one node's CPU devices in order."""
-    model = L.ModelSpec(layers=6, hidden=32, heads=4, vocab=64, seq_len=16, norm=L.Norm.RMSNORM,
-                        position=L.Position.ROPE, mlp=L.Mlp.SWIGLU)
+    model = L.ModelSpec(
+        layers=6,
+        hidden=32,
+        heads=4,
+        vocab=64,
+        seq_len=16,
+        norm=L.Norm.RMSNORM,
+        position=L.Position.ROPE,
+        mlp=L.Mlp.SWIGLU,
+    )
     train = L.TrainSpec(steps=3, global_batch=12, seed=7, schedule=L.Schedule.GPIPE)
     pipelines, device = [], 0
     for batch, microbatches, stages in PIPELINES:
@@ -39,17 +47,22 @@ def launch_layout(file: str) -> L.Layout:
             device += tp
         pipelines.append(L.PipelineSpec(batch=batch, microbatches=microbatches, stages=tuple(specs)))
     cluster = L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu",) * device),))
-    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(), cluster=cluster,
-                    pipelines=tuple(pipelines))
+    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(), cluster=cluster, pipelines=tuple(pipelines))
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
-@click.option("--tree", "trees", multiple=True, type=click.Path(file_okay=False, exists=True),
-              help="Another source tree to time the same launch from (repeatable).")
+@click.option(
+    "--tree",
+    "trees",
+    multiple=True,
+    type=click.Path(file_okay=False, exists=True),
+    help="Another source tree to time the same launch from (repeatable).",
+)
 @click.option("--reps", default=4, show_default=True)
 @click.option("--quick", is_flag=True, help="One repetition.")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Also write launch_time.md there.")
+@click.option(
+    "--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None, help="Also write launch_time.md there."
+)
 def main(trees, reps, quick, out_dir):
     """Median wall seconds of the same 12-rank hetero-launch from each source tree."""
     reps = 1 if quick else reps
@@ -62,8 +75,20 @@ def main(trees, reps, quick, out_dir):
     for rep in range(reps):
         for src in sources if rep % 2 == 0 else sources[::-1]:
             t0 = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--set",
-                            f"cluster.port={B.free_port()}"], check=True, cwd=src, env=B.clean_env())
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "hetero_llm.cli",
+                    str(layout),
+                    "--quiet",
+                    "--set",
+                    f"cluster.port={B.free_port()}",
+                ],
+                check=True,
+                cwd=src,
+                env=B.clean_env(),
+            )
             times[src].append(time.perf_counter() - t0)
             B.say(f"rep {rep + 1}/{reps} {src}: {times[src][-1]:.1f} s (load {B.load_average()[0]:.2f})")
     rows = [[src, " / ".join(f"{t:.1f}" for t in ts), f"{statistics.median(ts):.1f}"] for src, ts in times.items()]
@@ -71,8 +96,19 @@ def main(trees, reps, quick, out_dir):
     print(table)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        md = "\n".join(["# launch_time", "", f"command: `{B.command_line()}`", "",
-                        f"machine: {B.machine_line(B.machine())}", "", B.load_line(before, B.load_average()), "", table])
+        md = "\n".join(
+            [
+                "# launch_time",
+                "",
+                f"command: `{B.command_line()}`",
+                "",
+                f"machine: {B.machine_line(B.machine())}",
+                "",
+                B.load_line(before, B.load_average()),
+                "",
+                table,
+            ]
+        )
         (out_dir / "launch_time.md").write_text(md + "\n")
     tmp.cleanup()
 

@@ -34,21 +34,24 @@ import click
 @click.option("--rounds", default=6, show_default=True, help="Rounds per side, alternating.")
 @click.option("--steps", default=4, show_default=True, help="Training steps per round.")
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Rank 0 writes the step rows here.")
-@click.option("--versus", default="torch", show_default=True,
-              help="The other side: 'torch' (torch.distributed.pipelining), 'network' (the layout with its "
-                   "shared-memory boundaries over their process groups), or a train.schedule value to run "
-                   "hetero_llm's loop with instead of the layout's (e.g. 'dynamic').")
+@click.option(
+    "--versus",
+    default="torch",
+    show_default=True,
+    help="The other side: 'torch' (torch.distributed.pipelining), 'network' (the layout with its "
+    "shared-memory boundaries over their process groups), or a train.schedule value to run "
+    "hetero_llm's loop with instead of the layout's (e.g. 'dynamic').",
+)
 def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: str | None, versus: str) -> None:
     import attrs
     import torch
     import torch.distributed as dist
 
-    from hetero_llm.comm import groups
-    from hetero_llm.comm import shm
+    from bench.torch_pp_rank import TorchPipeline
     from hetero_llm import layout as layout_mod
+    from hetero_llm.comm import groups, shm
     from hetero_llm.plan import compile_plan
     from hetero_llm.train.loop import train
-    from bench.torch_pp_rank import TorchPipeline
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))
@@ -64,7 +67,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     cpu = {"ours": [], "other": []}  # this process's CPU seconds per round (every thread: gloo's too)
     try:
         for round_ in range(rounds):
-            for side in (("ours", "other") if round_ % 2 == 0 else ("other", "ours")):
+            for side in ("ours", "other") if round_ % 2 == 0 else ("other", "ours"):
                 start = time.process_time()
                 if side == "ours":
                     events: list = []

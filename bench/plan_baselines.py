@@ -27,10 +27,18 @@ import attrs
 import pymetis
 
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
 
-TP_MENU = {1: [[1]], 2: [[2], [1, 1]], 3: [[2, 1], [1, 1, 1]], 4: [[4], [2, 2], [2, 1, 1]], 5: [[4, 1], [2, 2, 1]],
-           6: [[4, 2], [2, 2, 2]], 7: [[4, 2, 1], [2, 2, 2, 1]], 8: [[8], [4, 4], [4, 2, 2]]}
+TP_MENU = {
+    1: [[1]],
+    2: [[2], [1, 1]],
+    3: [[2, 1], [1, 1, 1]],
+    4: [[4], [2, 2], [2, 1, 1]],
+    5: [[4, 1], [2, 2, 1]],
+    6: [[4, 2], [2, 2, 2]],
+    7: [[4, 2, 1], [2, 2, 2, 1]],
+    8: [[8], [4, 4], [4, 2, 2]],
+}
 
 
 @attrs.frozen
@@ -68,8 +76,9 @@ def _metis(members: list[int], parts: int, vw, ew) -> list[list[int]]:
                 eweights.append(max(1, int(ew(a, b))))
         xadj.append(len(adjncy))
     opts = pymetis.Options(contig=True, seed=0)
-    _, labels = pymetis.part_graph(parts, xadj=xadj, adjncy=adjncy, vweights=[max(1, int(vw(a))) for a in members],
-                                   eweights=eweights, options=opts)
+    _, labels = pymetis.part_graph(
+        parts, xadj=xadj, adjncy=adjncy, vweights=[max(1, int(vw(a))) for a in members], eweights=eweights, options=opts
+    )
     out = [[m for m, lab in zip(members, labels) if lab == p] for p in range(parts)]
     return [p for p in out if p]
 
@@ -96,7 +105,7 @@ class HexiScale:
         H, S, V, L = self.H, self.S, self.V, self.L
         tp = len(devs)
         tflops = min(self.g[d].kind.tflops for d in devs)
-        comp = 72 * S * H * H * (1 + S / (6 * H) + V / (16 * L * H)) / (tflops * 2 ** 40 * tp)
+        comp = 72 * S * H * H * (1 + S / (6 * H) + V / (16 * L * H)) / (tflops * 2**40 * tp)
         tpc = 0.0
         if tp > 1:
             tpc = 8 * max(sum(S * H * self.B / (tp * self.bw_of(i, j)) for j in devs if j != i) for i in devs)
@@ -110,8 +119,10 @@ class HexiScale:
 
     def pipeline_cost(self, stages: list[list[int]], layers: list[int], n_mb: int) -> float:
         k = len(stages)
-        costs = [self.stage_cost(s, l) + (self.pp_cost(s, stages[i + 1]) if i + 1 < k else 0.0)
-                 for i, (s, l) in enumerate(zip(stages, layers))]
+        costs = [
+            self.stage_cost(s, l) + (self.pp_cost(s, stages[i + 1]) if i + 1 < k else 0.0)
+            for i, (s, l) in enumerate(zip(stages, layers))
+        ]
         return sum(max(costs[s] for s in range(k) if 0 <= col - s < n_mb) for col in range(n_mb + k - 1))
 
     def dp_cost(self, plan: list[tuple[list[list[int]], list[int]]]) -> float:
@@ -128,8 +139,10 @@ class HexiScale:
                 continue
             min_tp = min(len(s) for s in sets)
             firsts = [s[0] for s in sets]
-            total += 2 * max(sum(12 * self.H ** 2 * self.B / (min_tp * len(sets) * self.bw_of(i, j))
-                                 for j in firsts if j != i) for i in firsts)
+            total += 2 * max(
+                sum(12 * self.H**2 * self.B / (min_tp * len(sets) * self.bw_of(i, j)) for j in firsts if j != i)
+                for i in firsts
+            )
         return total
 
     def memory_ok(self, devs: list[int], layers: int, first: bool, last: bool) -> bool:
@@ -142,8 +155,12 @@ class HexiScale:
     # ---------------------------------------------------------------- the phases
     def phase1(self, P: int) -> list[list[int]]:
         # their edge weight 1e10 / bandwidth, scaled to 1e4 / (GB/s) so METIS's 32-bit sums cannot overflow
-        return _metis(list(range(len(self.g))), P, lambda a: self.g[a].kind.tflops * 10,
-                      lambda a, b: 1e4 / (self.bw_of(a, b) / 1e9))
+        return _metis(
+            list(range(len(self.g))),
+            P,
+            lambda a: self.g[a].kind.tflops * 10,
+            lambda a, b: 1e4 / (self.bw_of(a, b) / 1e9),
+        )
 
     def phase2(self, pipe: list[int]) -> list[list[int]]:
         k = 1 + sum(self.rng.random() < 0.2 for _ in range(2))
@@ -153,8 +170,10 @@ class HexiScale:
         k = len(stages)
         if k <= 1:
             return stages
-        w = [[sum(self.bw_of(a, b) for a in stages[i] for b in stages[j]) if i != j else 0.0 for j in range(k)]
-             for i in range(k)]
+        w = [
+            [sum(self.bw_of(a, b) for a in stages[i] for b in stages[j]) if i != j else 0.0 for j in range(k)]
+            for i in range(k)
+        ]
         best_per_start = []
         for start in range(k):
             best = (-1.0, [start])
@@ -168,6 +187,7 @@ class HexiScale:
                 cands = sorted((j for j in range(k) if j not in path), key=lambda j: -w[path[-1]][j])[:kway]
                 for j in cands:
                     walk(path + [j], weight + w[path[-1]][j])
+
             walk([start], 0.0)
             best_per_start.append(best)
         weight, path = sorted(best_per_start, key=lambda x: x[0])[0]  # their argsort(cum_weight)[0]: the minimum
@@ -187,7 +207,7 @@ class HexiScale:
                     for option in TP_MENU[len(chunk)]:
                         subs, lo = [], 0
                         for t in option:
-                            subs.append(chunk[lo:lo + t])
+                            subs.append(chunk[lo : lo + t])
                             lo += t
                         share = max(1, self.L // max(1, len(stages) * len(option)))
                         cost = self.pipeline_cost(subs, [share] * len(subs), n_mb)
@@ -242,8 +262,11 @@ class HexiScale:
             P = min(max(P, lo), hi, self.c.train.global_batch)
             plan = self.build(P)
             if plan is not None:
-                oom = any(not self.memory_ok(s, l, i == 0, i == len(st) - 1)
-                          for st, ls in plan for i, (s, l) in enumerate(zip(st, ls)))
+                oom = any(
+                    not self.memory_ok(s, l, i == 0, i == len(st) - 1)
+                    for st, ls in plan
+                    for i, (s, l) in enumerate(zip(st, ls))
+                )
                 t = self.total_time(plan) if not oom else math.inf
                 if best is None or t < best[0]:
                     best = (t, plan)
@@ -263,12 +286,18 @@ def to_candidate(cluster: Cluster, cost: PlannerCostModel, plan, g: list[Gpu]) -
         for s, l in zip(stages, layers):
             gp = g[s[0]]
             node = cluster.node(gp.node)
-            st.append(StageChoice(TPGroup(gp.node, gp.domain, tuple(f"{g[d].node}:{g[d].index}" for d in s), node.kind), l))
+            st.append(
+                StageChoice(TPGroup(gp.node, gp.domain, tuple(f"{g[d].node}:{g[d].index}" for d in s), node.kind), l)
+            )
         pipes.append(PipelineChoice(batch, batch, tuple(st)))
     cand = Candidate(tuple(pipes), "1f1b", 1)
     if not cost.score(cand).feasible:
-        cand = attrs.evolve(cand, pipelines=tuple(attrs.evolve(p, stages=tuple(attrs.evolve(s, recompute=True)
-                                                                              for s in p.stages)) for p in pipes))
+        cand = attrs.evolve(
+            cand,
+            pipelines=tuple(
+                attrs.evolve(p, stages=tuple(attrs.evolve(s, recompute=True) for s in p.stages)) for p in pipes
+            ),
+        )
     return cand
 
 
@@ -290,7 +319,7 @@ def metis_style(cluster: Cluster, cost: PlannerCostModel, planner) -> tuple[Cand
             S = len(groups) // P
             if S > L:
                 continue
-            rows = [groups[s * P:(s + 1) * P] for s in range(S)]
+            rows = [groups[s * P : (s + 1) * P] for s in range(S)]
             speed = [min(g.flops for g in row) for row in rows]
             raw = [L * v / sum(speed) for v in speed]
             layers = [max(1, int(x)) for x in raw]
@@ -307,8 +336,10 @@ def metis_style(cluster: Cluster, cost: PlannerCostModel, planner) -> tuple[Cand
                 if any(b % mb_rows for b in shares):
                     continue
                 for rc in (False, True):
-                    pipes = tuple(PipelineChoice(b, b // mb_rows, tuple(StageChoice(rows[s][p], layers[s], rc)
-                                                                       for s in range(S))) for p, b in enumerate(shares))
+                    pipes = tuple(
+                        PipelineChoice(b, b // mb_rows, tuple(StageChoice(rows[s][p], layers[s], rc) for s in range(S)))
+                        for p, b in enumerate(shares)
+                    )
                     cand = Candidate(pipes, "1f1b", 1)
                     sc = cost.score(cand)
                     if sc.feasible:

@@ -33,8 +33,22 @@ import time
 from pathlib import Path
 
 from bench import plan_baselines
-from hetero_llm.layout import (Backend, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, Mlp, ModelSpec,
-                               NodeSpec, Norm, Position, Precision, TrainSpec, dumps_cluster)
+from hetero_llm.layout import (
+    Backend,
+    ClusterSpec,
+    CrossDomainSpec,
+    DataSpec,
+    DomainKind,
+    DomainSpec,
+    Mlp,
+    ModelSpec,
+    NodeSpec,
+    Norm,
+    Position,
+    Precision,
+    TrainSpec,
+    dumps_cluster,
+)
 from hetero_llm.planner import place_seeds, plan_cluster
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.search import Planner
@@ -44,23 +58,52 @@ ROOT = Path(__file__).resolve().parents[1]
 KINDS_SMALL = ["a100-40g", "a6000", "rtx4090", "rtx3090", "rtx3080ti"]
 KINDS_LARGE = ["h100-sxm", "a100-80g", "a100-40g", "a6000", "rtx4090", "rtx3090"]
 
-SMALL_MODEL = ModelSpec(layers=8, hidden=2048, heads=16, ffn=5504, vocab=32000, seq_len=2048, norm=Norm.RMSNORM,
-                        position=Position.ROPE, mlp=Mlp.SWIGLU)
-LLAMA7B = ModelSpec(layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, seq_len=4096, norm=Norm.RMSNORM,
-                    position=Position.ROPE, mlp=Mlp.SWIGLU)
+SMALL_MODEL = ModelSpec(
+    layers=8,
+    hidden=2048,
+    heads=16,
+    ffn=5504,
+    vocab=32000,
+    seq_len=2048,
+    norm=Norm.RMSNORM,
+    position=Position.ROPE,
+    mlp=Mlp.SWIGLU,
+)
+LLAMA7B = ModelSpec(
+    layers=32,
+    hidden=4096,
+    heads=32,
+    ffn=11008,
+    vocab=32000,
+    seq_len=4096,
+    norm=Norm.RMSNORM,
+    position=Position.ROPE,
+    mlp=Mlp.SWIGLU,
+)
 
 
-def cluster_toml(model: ModelSpec, batch: int, nodes: list[tuple[int, str, int]], domains: list[tuple[float, float]],
-                 cross: tuple[float, float], budget: float) -> str:
+def cluster_toml(
+    model: ModelSpec,
+    batch: int,
+    nodes: list[tuple[int, str, int]],
+    domains: list[tuple[float, float]],
+    cross: tuple[float, float],
+    budget: float,
+) -> str:
     """nodes: (devices, kind, domain index); domains: (Gbit/s, us)."""
     train = TrainSpec(steps=1, global_batch=batch, precision=Precision.BF16)
     cluster = ClusterSpec(
-        nodes=tuple(NodeSpec(name=f"n{i}", devices=tuple(f"cuda:{j}" for j in range(n)), domain=f"d{d}")
-                    for i, (n, _, d) in enumerate(nodes)),
+        nodes=tuple(
+            NodeSpec(name=f"n{i}", devices=tuple(f"cuda:{j}" for j in range(n)), domain=f"d{d}")
+            for i, (n, _, d) in enumerate(nodes)
+        ),
         backend=Backend.NCCL,
-        domains=tuple(DomainSpec(name=f"d{i}", kind=DomainKind.IB, bandwidth_gbps=float(bw), latency_us=float(lat))
-                      for i, (bw, lat) in enumerate(domains)),
-        cross_domain=CrossDomainSpec(bandwidth_gbps=float(cross[0]), latency_us=float(cross[1])))
+        domains=tuple(
+            DomainSpec(name=f"d{i}", kind=DomainKind.IB, bandwidth_gbps=float(bw), latency_us=float(lat))
+            for i, (bw, lat) in enumerate(domains)
+        ),
+        cross_domain=CrossDomainSpec(bandwidth_gbps=float(cross[0]), latency_us=float(cross[1])),
+    )
     plan = {"time_budget_s": budget, "nodes": {f"n{i}": kind for i, (_, kind, _) in enumerate(nodes)}}
     return dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster}, {"plan": plan})
 
@@ -90,8 +133,10 @@ def _draw_small(seed: int) -> str | None:
         sizes[-1] += last
     if len(sizes) < 2:  # one node would be one kind
         return None
-    nodes = [(s, kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds), rng.randrange(n_dom) if i >= n_dom else i)
-             for i, s in enumerate(sizes)]
+    nodes = [
+        (s, kinds[i % len(kinds)] if i < len(kinds) else rng.choice(kinds), rng.randrange(n_dom) if i >= n_dom else i)
+        for i, s in enumerate(sizes)
+    ]
     domains = [(rng.choice([25, 100, 200]), rng.choice([2, 5, 10])) for _ in range(n_dom)]
     return cluster_toml(SMALL_MODEL, 8, nodes, domains, (rng.choice([10, 25]), 20), 0)
 
@@ -118,8 +163,8 @@ def load(text: str):
 
 def exhaustive(cluster) -> tuple[float, int]:
     """The optimum over every structure (``Planner.all_structures`` without a limit), and how many."""
-    pl = Planner(cluster, budget_s=0, max_evals=10 ** 12)
-    structures = pl.all_structures(10 ** 9)
+    pl = Planner(cluster, budget_s=0, max_evals=10**12)
+    structures = pl.all_structures(10**9)
     pl.exact(structures)
     return min(s.step_time for _, s in pl.scored.values()), len(structures)
 
@@ -133,8 +178,13 @@ def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
         path.write_text(json.dumps({key: rows}, indent=1, default=str))
 
 
-def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuristic_on: int = 200,
-              optima: dict[int, dict] | None = None) -> list[dict]:
+def run_small(
+    seeds: range,
+    partial: Path | None = None,
+    verify: int = 20,
+    heuristic_on: int = 200,
+    optima: dict[int, dict] | None = None,
+) -> list[dict]:
     rows = []
     for seed in seeds:
         cluster = load(small_cluster(seed))
@@ -150,26 +200,47 @@ def run_small(seeds: range, partial: Path | None = None, verify: int = 20, heuri
         planner = plan_cluster(cluster).score.step_time if seed < verify or not enumerates else None
         t2 = time.perf_counter()
         # the search without enumeration, on the first `heuristic_on` clusters (it is the slow part)
-        heuristic = Planner(cluster, exact_limit=0).run(place_seeds(cluster)).score.step_time \
-            if seed < heuristic_on else None
+        heuristic = (
+            Planner(cluster, exact_limit=0).run(place_seeds(cluster)).score.step_time if seed < heuristic_on else None
+        )
         t3 = time.perf_counter()
         # not run: it enumerated this space, so its plan is at most the optimum (<= 1; counted as 1)
         ratio = (planner if planner is not None else min(opt, heuristic if heuristic is not None else opt)) / opt
-        rows.append({"heuristic_ratio": heuristic / opt if heuristic is not None else None,
-                     "planner_run": planner is not None, "heuristic_s": t3 - t2, "seed": seed, "devices": cluster.num_devices, "kinds": len({x.kind.name for x in cluster.nodes}),
-                     "domains": len(cluster.spec.domains), "optimum": opt,
-                     "ratio": ratio, "structures": visited, "exhaustive_s": t1 - t0,
-                     "planner_s": t2 - t1})
-        print(f"small {seed}: {cluster.num_devices} devices, planner/optimum {rows[-1]['ratio']:.4f}"
-              f"{'' if planner is not None else ' (not run: enumerates)'} "
-              f"(without enumeration {rows[-1]['heuristic_ratio'] or math.nan:.4f}) "
-              f"({visited} structures in {t1 - t0:.1f} s, planner {t2 - t1:.2f} s)", flush=True)
+        rows.append(
+            {
+                "heuristic_ratio": heuristic / opt if heuristic is not None else None,
+                "planner_run": planner is not None,
+                "heuristic_s": t3 - t2,
+                "seed": seed,
+                "devices": cluster.num_devices,
+                "kinds": len({x.kind.name for x in cluster.nodes}),
+                "domains": len(cluster.spec.domains),
+                "optimum": opt,
+                "ratio": ratio,
+                "structures": visited,
+                "exhaustive_s": t1 - t0,
+                "planner_s": t2 - t1,
+            }
+        )
+        print(
+            f"small {seed}: {cluster.num_devices} devices, planner/optimum {rows[-1]['ratio']:.4f}"
+            f"{'' if planner is not None else ' (not run: enumerates)'} "
+            f"(without enumeration {rows[-1]['heuristic_ratio'] or math.nan:.4f}) "
+            f"({visited} structures in {t1 - t0:.1f} s, planner {t2 - t1:.2f} s)",
+            flush=True,
+        )
         checkpoint(partial, "small", rows)
     return rows
 
 
-def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float, partial: Path | None = None,
-              rows: list[dict] | None = None) -> list[dict]:
+def run_large(
+    sizes: list[int],
+    seeds: int,
+    hexi_seeds: int,
+    budget: float,
+    partial: Path | None = None,
+    rows: list[dict] | None = None,
+) -> list[dict]:
     rows = [] if rows is None else rows
     for n_gpus in sizes:
         for seed in range(seeds):
@@ -188,14 +259,29 @@ def run_large(sizes: list[int], seeds: int, hexi_seeds: int, budget: float, part
             seeds_ = [pl.cost.score(c) for c in place_seeds(cluster)]
             place = min((s.step_time for s in seeds_), default=math.inf)
             mem_ok = all(m <= c for ms, cs in zip(ours.memory, ours.capacity) for m, c in zip(ms, cs))
-            rows.append({"gpus": n_gpus, "seed": seed, "ours": ours.step_time, "mfu": ours.mfu, "search_s": search_s,
-                         "evaluated": res.evaluated, "hexiscale": hexi_med, "hexiscale_seeds": hexi,
-                         "hexiscale_feasible": sum(math.isfinite(h) for h in hexi),
-                         "metis": metis[1].step_time if metis else math.inf, "place": place, "memory_ok": mem_ok})
+            rows.append(
+                {
+                    "gpus": n_gpus,
+                    "seed": seed,
+                    "ours": ours.step_time,
+                    "mfu": ours.mfu,
+                    "search_s": search_s,
+                    "evaluated": res.evaluated,
+                    "hexiscale": hexi_med,
+                    "hexiscale_seeds": hexi,
+                    "hexiscale_feasible": sum(math.isfinite(h) for h in hexi),
+                    "metis": metis[1].step_time if metis else math.inf,
+                    "place": place,
+                    "memory_ok": mem_ok,
+                }
+            )
             r = rows[-1]
-            print(f"{n_gpus} GPUs seed {seed}: ours {r['ours']:.3f} s (MFU {r['mfu']:.1%}, {search_s:.1f} s search), "
-                  f"HexiScale {hexi_med:.3f} ({r['hexiscale_feasible']}/{hexi_seeds} fit), Metis-style {r['metis']:.3f}, "
-                  f"hetero-place {place:.3f}", flush=True)
+            print(
+                f"{n_gpus} GPUs seed {seed}: ours {r['ours']:.3f} s (MFU {r['mfu']:.1%}, {search_s:.1f} s search), "
+                f"HexiScale {hexi_med:.3f} ({r['hexiscale_feasible']}/{hexi_seeds} fit), Metis-style {r['metis']:.3f}, "
+                f"hetero-place {place:.3f}",
+                flush=True,
+            )
             checkpoint(partial, "large", rows)
     return rows
 
@@ -208,10 +294,19 @@ def run_timing(sizes: list[int], seeds: int, budget: float) -> list[dict]:
             cluster = load(large_cluster(n_gpus, seed, budget))
             t0 = time.perf_counter()
             res = plan_cluster(cluster)
-            rows.append({"gpus": n_gpus, "seed": seed, "search_s": time.perf_counter() - t0, "evaluated": res.evaluated,
-                         "ours": res.score.step_time})
-            print(f"timing {n_gpus} GPUs seed {seed}: {rows[-1]['search_s']:.2f} s, {res.evaluated} plans simulated",
-                  flush=True)
+            rows.append(
+                {
+                    "gpus": n_gpus,
+                    "seed": seed,
+                    "search_s": time.perf_counter() - t0,
+                    "evaluated": res.evaluated,
+                    "ours": res.score.step_time,
+                }
+            )
+            print(
+                f"timing {n_gpus} GPUs seed {seed}: {rows[-1]['search_s']:.2f} s, {res.evaluated} plans simulated",
+                flush=True,
+            )
     return rows
 
 
@@ -226,24 +321,32 @@ def summarize(small: list[dict], large: list[dict]) -> str:
         ratios = [r["ratio"] for r in small]
         hs = [r["heuristic_ratio"] for r in small if r["heuristic_ratio"] is not None] or [math.nan]
         within1 = sum(r <= 1.01 for r in ratios) / len(ratios)
-        lines += ["## vs exhaustive", "",
-                  f"{len(small)} clusters: planner within 1% of the optimum on {within1:.1%}, worst "
-                  f"{max(ratios):.4f}x, median {statistics.median(ratios):.4f}x; more than 5% worse on "
-                  f"{sum(r > 1.05 for r in ratios)}; better than the enumerated optimum on {sum(r < 0.9999 for r in ratios)} "
-                  f"(plans that leave a device idle, which the enumeration does not visit, or a hetero-place seed's "
-                  f"own split); "
-                  f"median structures enumerated {statistics.median(r['structures'] for r in small):.0f}, "
-                  f"planner run on {sum(r['planner_run'] for r in small)} of them (on the rest it enumerates the same "
-                  f"space exactly, so its plan is at most the optimum: counted as equal)", "",
-                  f"The planner enumerates these small spaces exactly (at most 20000 structures). With that turned "
-                  f"off (sweep + local search only), on the first {len(hs)} clusters: within 1% on "
-                  f"{sum(r <= 1.01 for r in hs) / len(hs):.1%}, worst {max(hs):.4f}x, median "
-                  f"{statistics.median(hs):.4f}x.", ""]
+        lines += [
+            "## vs exhaustive",
+            "",
+            f"{len(small)} clusters: planner within 1% of the optimum on {within1:.1%}, worst "
+            f"{max(ratios):.4f}x, median {statistics.median(ratios):.4f}x; more than 5% worse on "
+            f"{sum(r > 1.05 for r in ratios)}; better than the enumerated optimum on {sum(r < 0.9999 for r in ratios)} "
+            f"(plans that leave a device idle, which the enumeration does not visit, or a hetero-place seed's "
+            f"own split); "
+            f"median structures enumerated {statistics.median(r['structures'] for r in small):.0f}, "
+            f"planner run on {sum(r['planner_run'] for r in small)} of them (on the rest it enumerates the same "
+            f"space exactly, so its plan is at most the optimum: counted as equal)",
+            "",
+            f"The planner enumerates these small spaces exactly (at most 20000 structures). With that turned "
+            f"off (sweep + local search only), on the first {len(hs)} clusters: within 1% on "
+            f"{sum(r <= 1.01 for r in hs) / len(hs):.1%}, worst {max(hs):.4f}x, median "
+            f"{statistics.median(hs):.4f}x.",
+            "",
+        ]
     if large:
-        lines += ["## vs baselines and search time", "",
-                  "| GPUs | clusters | speedup vs HexiScale (geomean) | vs Metis-style | vs hetero-place (geomean, min) "
-                  "| HexiScale plans that fit | search s (median, max) | MFU (median) | memory ok |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [
+            "## vs baselines and search time",
+            "",
+            "| GPUs | clusters | speedup vs HexiScale (geomean) | vs Metis-style | vs hetero-place (geomean, min) "
+            "| HexiScale plans that fit | search s (median, max) | MFU (median) | memory ok |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
         for n in sorted({r["gpus"] for r in large}):
             rs = [r for r in large if r["gpus"] == n]
             hx = geomean([r["hexiscale"] / r["ours"] for r in rs])
@@ -252,10 +355,12 @@ def summarize(small: list[dict], large: list[dict]) -> str:
             pcf = [x for x in pc if math.isfinite(x)]
             fit = sum(r["hexiscale_feasible"] for r in rs), sum(len(r["hexiscale_seeds"]) for r in rs)
             st = [r["search_s"] for r in rs]
-            lines.append(f"| {n} | {len(rs)} | {hx:.3f}x | {mt:.3f}x | {geomean(pc):.3f}x, min "
-                         f"{min(pcf) if pcf else math.nan:.3f}x ({len(pc) - len(pcf)} with no fitting place plan) | "
-                         f"{fit[0]}/{fit[1]} | {statistics.median(st):.1f}, {max(st):.1f} | "
-                         f"{statistics.median(r['mfu'] for r in rs):.1%} | {all(r['memory_ok'] for r in rs)} |")
+            lines.append(
+                f"| {n} | {len(rs)} | {hx:.3f}x | {mt:.3f}x | {geomean(pc):.3f}x, min "
+                f"{min(pcf) if pcf else math.nan:.3f}x ({len(pc) - len(pcf)} with no fitting place plan) | "
+                f"{fit[0]}/{fit[1]} | {statistics.median(st):.1f}, {max(st):.1f} | "
+                f"{statistics.median(r['mfu'] for r in rs):.1%} | {all(r['memory_ok'] for r in rs)} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -263,6 +368,7 @@ def summarize(small: list[dict], large: list[dict]) -> str:
 def plot(small: list[dict], large: list[dict], path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -296,15 +402,24 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a few clusters of each kind (for the test suite)")
     ap.add_argument("--small", type=int, default=200, help="random small clusters vs exhaustive")
     ap.add_argument("--small-start", type=int, default=0, help="first small cluster's seed (to run the 200 in chunks)")
-    ap.add_argument("--optima", default="", help="comma list of earlier plan_bench JSON results: take the small "
-                    "clusters' exhaustive optima from them instead of enumerating again (same cost model only)")
+    ap.add_argument(
+        "--optima",
+        default="",
+        help="comma list of earlier plan_bench JSON results: take the small "
+        "clusters' exhaustive optima from them instead of enumerating again (same cost model only)",
+    )
     ap.add_argument("--sizes", default="16,64,256,1024", help="GPU counts of the large clusters")
     ap.add_argument("--seeds", default="20,20,5,2", help="clusters per size (comma list, one per size)")
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
     ap.add_argument("--budget", type=float, default=60.0, help="planner time budget (plan.time_budget_s)")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
-    ap.add_argument("--timing", type=int, default=0, metavar="N",
-                    help="only time the search on N clusters per size (run alone: flock -x)")
+    ap.add_argument(
+        "--timing",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only time the search on N clusters per size (run alone: flock -x)",
+    )
     ap.add_argument("--tag", default="", help="suffix of the result files (plan_bench_TAG.*), for split runs")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",") if x]
@@ -319,28 +434,43 @@ def main() -> None:
     if args.timing:
         load0 = os.getloadavg()
         rows = run_timing(sizes, args.timing, args.budget)
-        lines = ["| GPUs | clusters | search s (median) | max | plans simulated (median) |", "| --- | --- | --- | --- | --- |"]
+        lines = [
+            "| GPUs | clusters | search s (median) | max | plans simulated (median) |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for n in sizes:
             rs = [r for r in rows if r["gpus"] == n]
-            lines.append(f"| {n} | {len(rs)} | {statistics.median(r['search_s'] for r in rs):.2f} | "
-                         f"{max(r['search_s'] for r in rs):.2f} | {statistics.median(r['evaluated'] for r in rs):.0f} |")
-        (out / f"{name}.json").write_text(json.dumps({"timing": rows, "command": " ".join(sys.argv),
-                                                      "load_before": load0, "load_after": os.getloadavg()}, indent=1))
+            lines.append(
+                f"| {n} | {len(rs)} | {statistics.median(r['search_s'] for r in rs):.2f} | "
+                f"{max(r['search_s'] for r in rs):.2f} | {statistics.median(r['evaluated'] for r in rs):.0f} |"
+            )
+        (out / f"{name}.json").write_text(
+            json.dumps(
+                {"timing": rows, "command": " ".join(sys.argv), "load_before": load0, "load_after": os.getloadavg()},
+                indent=1,
+            )
+        )
         lines.append(f"\nload average before {load0[0]:.2f}, after {os.getloadavg()[0]:.2f}")
         (out / f"{name}.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
         return
     optima = {r["seed"]: r for f in args.optima.split(",") if f for r in json.loads(Path(f).read_text())["small"]}
-    small = run_small(range(1, 3) if args.quick else range(args.small_start, args.small_start + args.small), partial,
-                      optima=optima)
+    small = run_small(
+        range(1, 3) if args.quick else range(args.small_start, args.small_start + args.small), partial, optima=optima
+    )
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
         run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)
     partial.unlink(missing_ok=True)
     text = summarize(small, large)
     print(text)
-    (out / f"{name}.json").write_text(json.dumps({"small": small, "large": large, "seconds": time.time() - t0,
-                                                     "command": " ".join(sys.argv)}, indent=1, default=str))
+    (out / f"{name}.json").write_text(
+        json.dumps(
+            {"small": small, "large": large, "seconds": time.time() - t0, "command": " ".join(sys.argv)},
+            indent=1,
+            default=str,
+        )
+    )
     (out / f"{name}.md").write_text(text)
     plot(small, large, out / f"{name}.png")
 

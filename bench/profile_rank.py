@@ -20,7 +20,7 @@ def main() -> None:
     cut = sys.argv.index("--")
     out = sys.argv[1]
     after = int(sys.argv[sys.argv.index("--after") + 1]) if "--after" in sys.argv[:cut] else 2
-    launch_args = sys.argv[cut + 1:]
+    launch_args = sys.argv[cut + 1 :]
 
     from hetero_llm.cli import launch as cli
     from hetero_llm.runtime import interpreter as runtime
@@ -34,6 +34,7 @@ def main() -> None:
                 profiler.enable()
             calls[0] += 1
             return step_method(self, *args, **kwargs)
+
         return wrapper
 
     runtime.StageRunner.run = switch_on_at(runtime.StageRunner.run)

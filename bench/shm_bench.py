@@ -58,8 +58,10 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=2)
     biggest = max(SIZES)
-    specs = [shm.RingSpec(0, 1, Direction.FWD, 2, biggest, "bench ping"),
-             shm.RingSpec(1, 0, Direction.BWD, 2, biggest, "bench pong")]
+    specs = [
+        shm.RingSpec(0, 1, Direction.FWD, 2, biggest, "bench ping"),
+        shm.RingSpec(1, 0, Direction.BWD, 2, biggest, "bench pong"),
+    ]
     rings = shm.open_rings(specs, rank, store, 120.0, True, f"rank {rank}")
     ping, pong = (0, 1, Direction.FWD), (1, 0, Direction.BWD)
     peer = 1 - rank
@@ -96,7 +98,7 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     for n in SIZES:
         per = {"gloo": [], "shm": []}
         for r in range(rounds):
-            for transport in (("gloo", "shm") if r % 2 == 0 else ("shm", "gloo")):
+            for transport in ("gloo", "shm") if r % 2 == 0 else ("shm", "gloo"):
                 per[transport].append(one_way(transport, n, _reps(n, quick)))
         result["p2p"][n] = per
 
@@ -104,7 +106,7 @@ def p2p_rank(rank: int, port: int, rounds: int, quick: bool, out: str) -> None:
     variants = [("gloo", None)] + [(f"shm, spin {us} us", us) for us in SPINS_US]
     default_spin = shm_ring.SPIN_S
     for r in range(rounds):
-        for name, spin_us in (variants if r % 2 == 0 else variants[::-1]):
+        for name, spin_us in variants if r % 2 == 0 else variants[::-1]:
             transport = "gloo" if spin_us is None else "shm"
             if spin_us is not None:
                 shm_ring.SPIN_S = spin_us * 1e-6
@@ -138,16 +140,33 @@ def summarize_p2p(got: dict) -> list[dict]:
         per = got["p2p"][str(n)]
         gloo, shm = B.median(per["gloo"]), B.median(per["shm"])
         ratios = [g / s for g, s in zip(per["gloo"], per["shm"])]
-        rows.append({"bytes": n, "size": size_label(n), "gloo_us": gloo * 1e6, "shm_us": shm * 1e6,
-                     "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
-                     "gloo_MBps": n / gloo / 1e6, "shm_MBps": n / shm / 1e6, "rounds": len(ratios)})
+        rows.append(
+            {
+                "bytes": n,
+                "size": size_label(n),
+                "gloo_us": gloo * 1e6,
+                "shm_us": shm * 1e6,
+                "ratio": B.median(ratios),
+                "ratio_min": min(ratios),
+                "ratio_max": max(ratios),
+                "gloo_MBps": n / gloo / 1e6,
+                "shm_MBps": n / shm / 1e6,
+                "rounds": len(ratios),
+            }
+        )
     return rows
 
 
 def summarize_waiting(got: dict) -> list[dict]:
-    return [{"waiter": name, "cpu_ms_per_100ms": B.median(v["cpu_ms_per_100ms"]),
-             "one_way_4B_us": B.median(v["one_way_4B"]) * 1e6, "one_way_1MiB_us": B.median(v["one_way_1MiB"]) * 1e6}
-            for name, v in got["waiting"].items()]
+    return [
+        {
+            "waiter": name,
+            "cpu_ms_per_100ms": B.median(v["cpu_ms_per_100ms"]),
+            "one_way_4B_us": B.median(v["one_way_4B"]) * 1e6,
+            "one_way_1MiB_us": B.median(v["one_way_1MiB"]) * 1e6,
+        }
+        for name, v in got["waiting"].items()
+    ]
 
 
 def summarize_training(name: str, schedule: str, got: dict, tokens: int, steps: int) -> dict:
@@ -155,9 +174,19 @@ def summarize_training(name: str, schedule: str, got: dict, tokens: int, steps: 
     ratios = [s / g for s, g in zip(shm, gloo)]
     rounds = len(ratios)
     same = all(abs(a["loss"] - b["loss"]) == 0 for ra, rb in zip(got["ours"], got["other"]) for a, b in zip(ra, rb))
-    return {"model": name, "schedule": schedule, "shm_tokens_s": B.median(shm), "gloo_tokens_s": B.median(gloo),
-            "ratio": B.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios), "rounds": rounds,
-            "shm_cpu_step_s": cpu["ours"], "gloo_cpu_step_s": cpu["other"], "same_losses": same}
+    return {
+        "model": name,
+        "schedule": schedule,
+        "shm_tokens_s": B.median(shm),
+        "gloo_tokens_s": B.median(gloo),
+        "ratio": B.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "rounds": rounds,
+        "shm_cpu_step_s": cpu["ours"],
+        "gloo_cpu_step_s": cpu["other"],
+        "same_losses": same,
+    }
 
 
 def plot(p2p: list[dict], path: Path) -> None:
@@ -196,7 +225,9 @@ TRAIN_MODELS = {  # (ModelConfig, microbatches): a 2-stage pipeline, one CPU ran
 @click.option("--port", type=int, default=0, hidden=True)
 @click.option("--out", default="", hidden=True)
 @click.option("--rounds", default=6, show_default=True, help="Paired rounds of every A/B comparison.")
-@click.option("--round-steps", default=5, show_default=True, help="Training steps per paired round (the first is warm-up).")
+@click.option(
+    "--round-steps", default=5, show_default=True, help="Training steps per paired round (the first is warm-up)."
+)
 @click.option("--quick", is_flag=True, help="Smoke run: 2 rounds, few repetitions, a tiny training model.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
 def main(rank, port, out, rounds, round_steps, quick, out_dir):
@@ -206,60 +237,135 @@ def main(rank, port, out, rounds, round_steps, quick, out_dir):
     if rank is not None:
         p2p_rank(rank, port, rounds, quick, out)
         return
-    models = TRAIN_MODELS if not quick else {
-        "tiny (2 layers, hidden 32)": (B.ModelConfig(layers=2, hidden=32, vocab=64, seq_len=16, global_batch=4), 2)}
+    models = (
+        TRAIN_MODELS
+        if not quick
+        else {
+            "tiny (2 layers, hidden 32)": (B.ModelConfig(layers=2, hidden=32, vocab=64, seq_len=16, global_batch=4), 2)
+        }
+    )
     info, before = B.machine(), B.load_average()
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
     with tempfile.TemporaryDirectory(prefix="bench_shm_") as tmp:
         got_p2p = Path(tmp, "p2p.json")
-        B.start_ranks("bench.shm_bench", ["--port", str(B.free_port()), "--rounds", str(rounds), "--out", str(got_p2p)]
-                      + (["--quick"] if quick else []), 2, env={"OMP_NUM_THREADS": "1"})
+        B.start_ranks(
+            "bench.shm_bench",
+            ["--port", str(B.free_port()), "--rounds", str(rounds), "--out", str(got_p2p)]
+            + (["--quick"] if quick else []),
+            2,
+            env={"OMP_NUM_THREADS": "1"},
+        )
         got = json.loads(got_p2p.read_text())
         p2p, waiting = summarize_p2p(got), summarize_waiting(got)
         for r in p2p:
-            B.say(f"p2p {r['size']:>7}: gloo {r['gloo_us']:9.1f} us, shm {r['shm_us']:9.1f} us, {r['ratio']:.2f}x "
-                  f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})")
+            B.say(
+                f"p2p {r['size']:>7}: gloo {r['gloo_us']:9.1f} us, shm {r['shm_us']:9.1f} us, {r['ratio']:.2f}x "
+                f"({r['ratio_min']:.2f}-{r['ratio_max']:.2f})"
+            )
         for r in waiting:
-            B.say(f"waiting {r['waiter']:18}: {r['cpu_ms_per_100ms']:.2f} ms CPU per 100 ms; one-way 4 B "
-                  f"{r['one_way_4B_us']:.1f} us, 1 MiB {r['one_way_1MiB_us']:.1f} us")
+            B.say(
+                f"waiting {r['waiter']:18}: {r['cpu_ms_per_100ms']:.2f} ms CPU per 100 ms; one-way 4 B "
+                f"{r['one_way_4B_us']:.1f} us, 1 MiB {r['one_way_1MiB_us']:.1f} us"
+            )
         training = []
         for name, (cfg, microbatches) in models.items():
             for schedule in ("1f1b", "dynamic"):
                 layout = Path(tmp, "layout.toml")
                 half = cfg.layers // 2
                 layout.write_text(B.layout_toml(cfg, [half, cfg.layers - half], microbatches, schedule))
-                paired = B.run_paired(layout, Path(tmp, f"paired_{len(training)}"), 2, rounds, round_steps,
-                                      versus="network")
+                paired = B.run_paired(
+                    layout, Path(tmp, f"paired_{len(training)}"), 2, rounds, round_steps, versus="network"
+                )
                 training.append(summarize_training(name, schedule, paired, cfg.tokens_per_step, round_steps))
                 t = training[-1]
-                B.say(f"train {name} {schedule}: shm {t['shm_tokens_s']:.0f}, gloo {t['gloo_tokens_s']:.0f} tokens/s, "
-                      f"{t['ratio']:.3f}x ({t['ratio_min']:.2f}-{t['ratio_max']:.2f}); CPU s/step "
-                      f"{t['shm_cpu_step_s']:.3f} vs {t['gloo_cpu_step_s']:.3f} (load {B.load_average()[0]:.2f})")
+                B.say(
+                    f"train {name} {schedule}: shm {t['shm_tokens_s']:.0f}, gloo {t['gloo_tokens_s']:.0f} tokens/s, "
+                    f"{t['ratio']:.3f}x ({t['ratio_min']:.2f}-{t['ratio_max']:.2f}); CPU s/step "
+                    f"{t['shm_cpu_step_s']:.3f} vs {t['gloo_cpu_step_s']:.3f} (load {B.load_average()[0]:.2f})"
+                )
     after = B.load_average()
     one_mib = next(r for r in p2p if r["bytes"] == 1 << 20)
     verdict = "met" if one_mib["ratio"] >= 3 else "MISSED"
-    md = "\n".join([
-        f"# {NAME}", "", f"`{B.command_line()}`", "", B.machine_line(info) + "; " + B.load_line(before, after), "",
-        f"## One-way time, paired rounds ({rounds} per size; target >= 3x lower at 1 MiB: {verdict}, "
-        f"{one_mib['ratio']:.2f}x)", "",
-        B.markdown_table(["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
-                         [[r["size"], r["gloo_us"], r["shm_us"], f"{r['ratio']:.2f}x",
-                           f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", r["gloo_MBps"], r["shm_MBps"]] for r in p2p]),
-        "", "## What waiting costs the waiting rank (a message ~100 ms late)", "",
-        B.markdown_table(["waiter", "CPU ms per 100 ms waited", "one-way 4 B, us", "one-way 1 MiB, us"],
-                         [[r["waiter"], r["cpu_ms_per_100ms"], r["one_way_4B_us"], r["one_way_1MiB_us"]]
-                          for r in waiting]),
-        "", f"## Training, 2 stages (2 computing ranks), paired rounds ({rounds} x {round_steps} steps)", "",
-        B.markdown_table(["model", "schedule", "shm tokens/s", "gloo tokens/s", "shm/gloo", "range",
-                          "CPU s/step shm", "CPU s/step gloo", "same losses"],
-                         [[t["model"], t["schedule"], t["shm_tokens_s"], t["gloo_tokens_s"], f"{t['ratio']:.3f}",
-                           f"{t['ratio_min']:.2f}-{t['ratio_max']:.2f}", t["shm_cpu_step_s"], t["gloo_cpu_step_s"],
-                           str(t["same_losses"])] for t in training]),
-    ])
+    md = "\n".join(
+        [
+            f"# {NAME}",
+            "",
+            f"`{B.command_line()}`",
+            "",
+            B.machine_line(info) + "; " + B.load_line(before, after),
+            "",
+            f"## One-way time, paired rounds ({rounds} per size; target >= 3x lower at 1 MiB: {verdict}, "
+            f"{one_mib['ratio']:.2f}x)",
+            "",
+            B.markdown_table(
+                ["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
+                [
+                    [
+                        r["size"],
+                        r["gloo_us"],
+                        r["shm_us"],
+                        f"{r['ratio']:.2f}x",
+                        f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                        r["gloo_MBps"],
+                        r["shm_MBps"],
+                    ]
+                    for r in p2p
+                ],
+            ),
+            "",
+            "## What waiting costs the waiting rank (a message ~100 ms late)",
+            "",
+            B.markdown_table(
+                ["waiter", "CPU ms per 100 ms waited", "one-way 4 B, us", "one-way 1 MiB, us"],
+                [[r["waiter"], r["cpu_ms_per_100ms"], r["one_way_4B_us"], r["one_way_1MiB_us"]] for r in waiting],
+            ),
+            "",
+            f"## Training, 2 stages (2 computing ranks), paired rounds ({rounds} x {round_steps} steps)",
+            "",
+            B.markdown_table(
+                [
+                    "model",
+                    "schedule",
+                    "shm tokens/s",
+                    "gloo tokens/s",
+                    "shm/gloo",
+                    "range",
+                    "CPU s/step shm",
+                    "CPU s/step gloo",
+                    "same losses",
+                ],
+                [
+                    [
+                        t["model"],
+                        t["schedule"],
+                        t["shm_tokens_s"],
+                        t["gloo_tokens_s"],
+                        f"{t['ratio']:.3f}",
+                        f"{t['ratio_min']:.2f}-{t['ratio_max']:.2f}",
+                        t["shm_cpu_step_s"],
+                        t["gloo_cpu_step_s"],
+                        str(t["same_losses"]),
+                    ]
+                    for t in training
+                ],
+            ),
+        ]
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(p2p, out_dir / f"{NAME}.png")
-    md_path, _ = B.write_results(out_dir, NAME, md, {"machine": info, "load_before": before, "load_after": after,
-                                                     "results": p2p, "waiting": waiting, "training": training})
+    md_path, _ = B.write_results(
+        out_dir,
+        NAME,
+        md,
+        {
+            "machine": info,
+            "load_before": before,
+            "load_after": after,
+            "results": p2p,
+            "waiting": waiting,
+            "training": training,
+        },
+    )
     B.say(f"wrote {md_path}")
 
 

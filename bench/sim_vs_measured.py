@@ -72,8 +72,10 @@ def stage_times(steps, num_stages: int, chunks: int, average=B.median) -> dict[s
                 chunk = int(action.split(".")[1]) if "." in action else 0
                 samples.setdefault((action[0], stage, chunk), []).append(end - start)
     kinds = sorted({kind for kind, _, _ in samples})
-    return {kind: [sum(average(samples.get((kind, s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
-            for kind in kinds}
+    return {
+        kind: [sum(average(samples.get((kind, s, c), [0.0])) for c in range(chunks)) for s in range(num_stages)]
+        for kind in kinds
+    }
 
 
 def backward_and_weight(times: dict[str, list[float]]) -> tuple[list[float], list[float] | None]:
@@ -163,8 +165,10 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     mb_rows = cfg.global_batch // microbatches
     act_numel = mb_rows * cfg.seq_len * cfg.hidden
     latency, bandwidth = B.p2p_probe(reps=10 if quick else 50, big=1 << 16 if quick else 1 << 20, fork=quick)
-    B.say(f"gloo p2p here: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s "
-          f"(activation {4 * act_numel / 1e3:.0f} kB: {(latency + 4 * act_numel / bandwidth) * 1e6:.0f} us)")
+    B.say(
+        f"gloo p2p here: latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s "
+        f"(activation {4 * act_numel / 1e3:.0f} kB: {(latency + 4 * act_numel / bandwidth) * 1e6:.0f} us)"
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
     with tempfile.TemporaryDirectory(prefix="bench_sim_") as tmp:
@@ -181,9 +185,18 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             plan = compile_plan(layout_mod.load(path))
 
             def predict(forward, backward, weight, overhead=None):
-                return simulate(plan.schedules[0], CostModel(forward=forward, backward=backward, latency=[latency] * links,
-                                                             bandwidth=[bandwidth] * links, activation_bytes=4 * act_numel,
-                                                             weight=weight, overhead=overhead))
+                return simulate(
+                    plan.schedules[0],  # noqa: B023 (predict is called in this iteration)
+                    CostModel(
+                        forward=forward,
+                        backward=backward,
+                        latency=[latency] * links,  # noqa: B023
+                        bandwidth=[bandwidth] * links,  # noqa: B023
+                        activation_bytes=4 * act_numel,
+                        weight=weight,
+                        overhead=overhead,
+                    ),
+                )
 
             sim = predict(fwd, bwd, weight)
             # what the median misses: the mean of skewed compute times, then the per-action runtime cost
@@ -195,60 +208,147 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             measured = B.median([B.step_span(s) for s in traced])
             step_s = B.median(B.steady([r["seconds"] for r in rows], skip))
             bubble = B.median([B.bubble_fraction(s, case.chunks) for s in traced])
-            r = {"layout": case.label, "stages": S, "stage_layers": list(case.stage_layers), "schedule": case.schedule,
-                 "chunks": case.chunks, "measured_ms": measured * 1e3, "predicted_ms": sim.step_time * 1e3,
-                 "error_pct": 100 * (sim.step_time - measured) / measured, "measured_bubble": bubble,
-                 "predicted_bubble": sim.mean_bubble, "step_ms": step_s * 1e3,
-                 "predicted_mean_ms": sim_mean.step_time * 1e3,
-                 "error_mean_pct": 100 * (sim_mean.step_time - measured) / measured,
-                 "predicted_overhead_ms": sim_over.step_time * 1e3,
-                 "error_overhead_pct": 100 * (sim_over.step_time - measured) / measured,
-                 "action_overhead_ms": [o * 1e3 for o in overhead],
-                 "stage_forward_ms": [f * 1e3 for f in fwd], "stage_backward_ms": [b * 1e3 for b in bwd],
-                 "stage_weight_ms": [w * 1e3 for w in weight] if weight is not None else None}
+            r = {
+                "layout": case.label,
+                "stages": S,
+                "stage_layers": list(case.stage_layers),
+                "schedule": case.schedule,
+                "chunks": case.chunks,
+                "measured_ms": measured * 1e3,
+                "predicted_ms": sim.step_time * 1e3,
+                "error_pct": 100 * (sim.step_time - measured) / measured,
+                "measured_bubble": bubble,
+                "predicted_bubble": sim.mean_bubble,
+                "step_ms": step_s * 1e3,
+                "predicted_mean_ms": sim_mean.step_time * 1e3,
+                "error_mean_pct": 100 * (sim_mean.step_time - measured) / measured,
+                "predicted_overhead_ms": sim_over.step_time * 1e3,
+                "error_overhead_pct": 100 * (sim_over.step_time - measured) / measured,
+                "action_overhead_ms": [o * 1e3 for o in overhead],
+                "stage_forward_ms": [f * 1e3 for f in fwd],
+                "stage_backward_ms": [b * 1e3 for b in bwd],
+                "stage_weight_ms": [w * 1e3 for w in weight] if weight is not None else None,
+            }
             results.append(r)
-            B.say(f"[{index + 1}/{len(cases)}] {case.label} {case.schedule}: measured {r['measured_ms']:.1f} ms, "
-                  f"predicted {r['predicted_ms']:.1f} ms ({r['error_pct']:+.1f}%), bubble {bubble:.1%} vs "
-                  f"{sim.mean_bubble:.1%} (load {B.load_average()[0]:.2f})")
+            B.say(
+                f"[{index + 1}/{len(cases)}] {case.label} {case.schedule}: measured {r['measured_ms']:.1f} ms, "
+                f"predicted {r['predicted_ms']:.1f} ms ({r['error_pct']:+.1f}%), bubble {bubble:.1%} vs "
+                f"{sim.mean_bubble:.1%} (load {B.load_average()[0]:.2f})"
+            )
             if index == len(cases) - 1 or case == Case((1, 2, 3, 2), "1f1b"):
                 step = traced[min(1, len(traced) - 1)]
-                plot_timeline(step, out_dir / f"{NAME}_{case.slug}_measured.png",
-                              f"measured: {case.label}, {case.schedule}")
-                plot_timeline(sim.rows(), out_dir / f"{NAME}_{case.slug}_simulated.png",
-                              f"simulated: {case.label}, {case.schedule}")
+                plot_timeline(
+                    step, out_dir / f"{NAME}_{case.slug}_measured.png", f"measured: {case.label}, {case.schedule}"
+                )
+                plot_timeline(
+                    sim.rows(),
+                    out_dir / f"{NAME}_{case.slug}_simulated.png",
+                    f"simulated: {case.label}, {case.schedule}",
+                )
                 r["timelines"] = [f"{NAME}_{case.slug}_measured.png", f"{NAME}_{case.slug}_simulated.png"]
     after = B.load_average()
-    headers = ["layout", "schedule", "measured ms", "predicted ms", "error %", "bubble measured",
-               "bubble predicted", "full step ms", "F ms per stage", "B ms per stage"]
-    table = B.markdown_table(headers, [[r["layout"], r["schedule"], f"{r['measured_ms']:.1f}", f"{r['predicted_ms']:.1f}",
-                                        f"{r['error_pct']:+.1f}", f"{r['measured_bubble']:.1%}",
-                                        f"{r['predicted_bubble']:.1%}", f"{r['step_ms']:.1f}",
-                                        " / ".join(f"{x:.1f}" for x in r["stage_forward_ms"]),
-                                        " / ".join(f"{x:.1f}" for x in r["stage_backward_ms"])] for r in results])
+    headers = [
+        "layout",
+        "schedule",
+        "measured ms",
+        "predicted ms",
+        "error %",
+        "bubble measured",
+        "bubble predicted",
+        "full step ms",
+        "F ms per stage",
+        "B ms per stage",
+    ]
+    table = B.markdown_table(
+        headers,
+        [
+            [
+                r["layout"],
+                r["schedule"],
+                f"{r['measured_ms']:.1f}",
+                f"{r['predicted_ms']:.1f}",
+                f"{r['error_pct']:+.1f}",
+                f"{r['measured_bubble']:.1%}",
+                f"{r['predicted_bubble']:.1%}",
+                f"{r['step_ms']:.1f}",
+                " / ".join(f"{x:.1f}" for x in r["stage_forward_ms"]),
+                " / ".join(f"{x:.1f}" for x in r["stage_backward_ms"]),
+            ]
+            for r in results
+        ],
+    )
     errors = [abs(r["error_pct"]) for r in results]
     summary = f"mean |error| {sum(errors) / len(errors):.1f}%, max |error| {max(errors):.1f}%"
     decomposition = B.markdown_table(
-        ["layout", "schedule", "measured ms", "error: median F/B", "error: mean F/B", "error: mean F/B + runtime",
-         "runtime ms per action (per stage)"],
-        [[r["layout"], r["schedule"], f"{r['measured_ms']:.1f}", f"{r['error_pct']:+.1f}%", f"{r['error_mean_pct']:+.1f}%",
-          f"{r['error_overhead_pct']:+.1f}%", " / ".join(f"{x:.2f}" for x in r["action_overhead_ms"])] for r in results])
-    setup = (f"model: GPT {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
-             f"{microbatches} microbatches; {cfg.steps} steps, medians over steps {skip + 1}..; gloo p2p "
-             f"latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s, activation "
-             f"{4 * act_numel / 1e3:.0f} kB")
+        [
+            "layout",
+            "schedule",
+            "measured ms",
+            "error: median F/B",
+            "error: mean F/B",
+            "error: mean F/B + runtime",
+            "runtime ms per action (per stage)",
+        ],
+        [
+            [
+                r["layout"],
+                r["schedule"],
+                f"{r['measured_ms']:.1f}",
+                f"{r['error_pct']:+.1f}%",
+                f"{r['error_mean_pct']:+.1f}%",
+                f"{r['error_overhead_pct']:+.1f}%",
+                " / ".join(f"{x:.2f}" for x in r["action_overhead_ms"]),
+            ]
+            for r in results
+        ],
+    )
+    setup = (
+        f"model: GPT {cfg.layers} layers, hidden {cfg.hidden}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
+        f"{microbatches} microbatches; {cfg.steps} steps, medians over steps {skip + 1}..; gloo p2p "
+        f"latency {latency * 1e6:.0f} us, bandwidth {bandwidth / 1e9:.2f} GB/s, activation "
+        f"{4 * act_numel / 1e3:.0f} kB"
+    )
     timelines = [png for r in results for png in r.get("timelines", [])]
-    md = "\n".join([f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
-                    B.load_line(before, after), "", setup, "", table, "", summary, "",
-                    "Where the error comes from: the same simulation fed with the mean instead of the median F/B time "
-                    "(compute times on a shared host are skewed: a few slow ones), and then with each action's "
-                    "runtime cost added (posting sends and receives and the interpreter between actions, per compute "
-                    "action, from the trace):", "", decomposition, "",
-                    "measured ms: span of one step's actions over all ranks (median); predicted: simulate() with the "
-                    "measured per-stage F/B times and the p2p estimate; full step: --metrics-jsonl seconds (adds "
-                    "gradient sync, clipping, AdamW); B ms for zbh1: its I + W.", ""] + [f"![{png}]({png})" for png in timelines])
-    payload = {"name": NAME, "command": B.command_line(), "machine": info, "load_before": before, "load_after": after,
-               "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "activation_bytes": 4 * act_numel},
-               "config": {**attrs.asdict(cfg), "microbatches": microbatches, "skip": skip}, "results": results}
+    md = "\n".join(
+        [
+            f"# {NAME}",
+            "",
+            f"command: `{B.command_line()}`",
+            "",
+            f"machine: {B.machine_line(info)}",
+            "",
+            B.load_line(before, after),
+            "",
+            setup,
+            "",
+            table,
+            "",
+            summary,
+            "",
+            "Where the error comes from: the same simulation fed with the mean instead of the median F/B time "
+            "(compute times on a shared host are skewed: a few slow ones), and then with each action's "
+            "runtime cost added (posting sends and receives and the interpreter between actions, per compute "
+            "action, from the trace):",
+            "",
+            decomposition,
+            "",
+            "measured ms: span of one step's actions over all ranks (median); predicted: simulate() with the "
+            "measured per-stage F/B times and the p2p estimate; full step: --metrics-jsonl seconds (adds "
+            "gradient sync, clipping, AdamW); B ms for zbh1: its I + W.",
+            "",
+        ]
+        + [f"![{png}]({png})" for png in timelines]
+    )
+    payload = {
+        "name": NAME,
+        "command": B.command_line(),
+        "machine": info,
+        "load_before": before,
+        "load_after": after,
+        "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "activation_bytes": 4 * act_numel},
+        "config": {**attrs.asdict(cfg), "microbatches": microbatches, "skip": skip},
+        "results": results,
+    }
     md_path, _ = B.write_results(out_dir, NAME, md, payload)
     plot_errors(results, out_dir / f"{NAME}.png", f"simulator vs measured ({info['cores']}-core CPU, gloo)")
     print()

@@ -13,7 +13,6 @@ The run trains ``--steps`` plus a few more steps, so the last sample is taken wh
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -31,9 +30,14 @@ def soak_layout(file: str, steps: int) -> L.Layout:
     model = L.ModelSpec(layers=2, hidden=32, heads=4, vocab=64, seq_len=16)
     train = L.TrainSpec(steps=steps, global_batch=4, seed=7, schedule=L.Schedule.ONE_F_ONE_B, log_every=1000)
     stages = (L.StageSpec(layers=1, devices=("n0:0",)), L.StageSpec(layers=1, devices=("n0:1",)))
-    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(),
-                    cluster=L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu", "cpu")),)),
-                    pipelines=(L.PipelineSpec(batch=4, microbatches=2, stages=stages),))
+    return L.Layout(
+        file=file,
+        model=model,
+        train=train,
+        data=L.DataSpec(),
+        cluster=L.ClusterSpec(nodes=(L.NodeSpec(name="n0", devices=("cpu", "cpu")),)),
+        pipelines=(L.PipelineSpec(batch=4, microbatches=2, stages=stages),),
+    )
 
 
 MARGIN = 50  # steps trained after the last sample, so it is taken from running ranks
@@ -90,9 +94,23 @@ def soak(workdir: Path, steps: int, samples: list[int]) -> dict[int, dict[int, i
     layout = workdir / "soak.toml"
     L.dump(soak_layout(str(layout), steps + MARGIN), layout)
     metrics = workdir / "metrics.jsonl"
-    proc = subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl",
-                             str(metrics), "--set", f"cluster.port={B.free_port()}"], env=B.clean_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            str(layout),
+            "--quiet",
+            "--metrics-jsonl",
+            str(metrics),
+            "--set",
+            f"cluster.port={B.free_port()}",
+        ],
+        env=B.clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     counter, taken, pending = StepCounter(metrics), {}, list(samples)
     try:
         while pending and proc.poll() is None:
@@ -117,8 +135,12 @@ def soak(workdir: Path, steps: int, samples: list[int]) -> dict[int, dict[int, i
 @click.option("--from-step", default=1000, show_default=True, help="Growth is measured from this step.")
 @click.option("--every", default=1000, show_default=True, help="Sample every this many steps.")
 @click.option("--quick", is_flag=True, help="400 steps, from step 100 (checks the script, not the target).")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Also write soak.md and soak.json there.")
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=None,
+    help="Also write soak.md and soak.json there.",
+)
 def main(steps, from_step, every, quick, out_dir):
     """Resident memory per rank over a long 2-rank run, and its growth from --from-step to --steps."""
     if quick:
@@ -136,16 +158,46 @@ def main(steps, from_step, every, quick, out_dir):
     table = B.markdown_table(["step", *(f"rank {r} RSS MiB" for r in ranks)], rows)
     summary = B.markdown_table(
         ["rank", f"RSS at step {from_step} MiB", f"at step {steps} MiB", "growth", "bytes per step", "target < 1%"],
-        [[r, f"{taken[from_step][r] / 1024:.1f}", f"{taken[steps][r] / 1024:.1f}", f"{growth[r] * 100:+.2f}%",
-          f"{per_step[r]:.0f}", "met" if growth[r] < 0.01 else "MISSED"] for r in ranks])
+        [
+            [
+                r,
+                f"{taken[from_step][r] / 1024:.1f}",
+                f"{taken[steps][r] / 1024:.1f}",
+                f"{growth[r] * 100:+.2f}%",
+                f"{per_step[r]:.0f}",
+                "met" if growth[r] < 0.01 else "MISSED",
+            ]
+            for r in ranks
+        ],
+    )
     print(table + "\n\n" + summary)
     if out_dir is not None:
-        md = "\n".join(["# soak", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(B.machine())}",
-                        "", B.load_line(before, B.load_average()), "", f"{steps + MARGIN} steps in {wall:.0f} s, "
-                        "2 computing ranks (2 stages, 1 layer each, hidden 32)", "", summary, "", table])
-        payload = {"steps": steps, "from_step": from_step, "wall_s": wall, "machine": B.machine(),
-                   "rss_kib": {str(s): {str(r): v for r, v in taken[s].items()} for s in sorted(taken)},
-                   "growth": {str(r): g for r, g in growth.items()}, "bytes_per_step": {str(r): v for r, v in per_step.items()}}
+        md = "\n".join(
+            [
+                "# soak",
+                "",
+                f"command: `{B.command_line()}`",
+                "",
+                f"machine: {B.machine_line(B.machine())}",
+                "",
+                B.load_line(before, B.load_average()),
+                "",
+                f"{steps + MARGIN} steps in {wall:.0f} s, 2 computing ranks (2 stages, 1 layer each, hidden 32)",
+                "",
+                summary,
+                "",
+                table,
+            ]
+        )
+        payload = {
+            "steps": steps,
+            "from_step": from_step,
+            "wall_s": wall,
+            "machine": B.machine(),
+            "rss_kib": {str(s): {str(r): v for r, v in taken[s].items()} for s in sorted(taken)},
+            "growth": {str(r): g for r, g in growth.items()},
+            "bytes_per_step": {str(r): v for r, v in per_step.items()},
+        }
         B.write_results(out_dir, "soak", md + "\n", payload)
 
 

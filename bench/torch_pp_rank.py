@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-from hetero_llm.data import batches as data
 from hetero_llm import layout as layout_mod
+from hetero_llm.data import batches as data
 from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 from hetero_llm.plan import compile_plan
 from hetero_llm.runtime.state import init_state
@@ -60,13 +60,18 @@ class TorchPipeline:
         self.train, self.model = lay.train, lay.model
         kind = "1f1b" if self.train.schedule.value == "dynamic" else self.train.schedule.value
         if kind not in SCHEDULES:
-            raise click.UsageError(f"train.schedule '{kind}' has no torch baseline (choose from {', '.join(SCHEDULES)})")
+            raise click.UsageError(
+                f"train.schedule '{kind}' has no torch baseline (choose from {', '.join(SCHEDULES)})"
+            )
         self.group = group
         device = torch.device("cpu")
         st = self.st = plan.stage_of(rank)
-        self.initial = init_state(plan.rank_plan(rank), device)  # same names and values as hetero_llm's ranks start from
-        self.module = StageModule(self.initial.params, StageShape(st.layer_lo, st.layer_hi, st.first, st.last),
-                                  self.model)
+        self.initial = init_state(
+            plan.rank_plan(rank), device
+        )  # same names and values as hetero_llm's ranks start from
+        self.module = StageModule(
+            self.initial.params, StageShape(st.layer_lo, st.layer_hi, st.first, st.last), self.model
+        )
         stage = PipelineStage(self.module, st.stage, st.num_stages, device, group=group)
         self.global_tokens = global_tokens = self.train.global_batch * self.model.seq_len
 
@@ -88,6 +93,7 @@ class TorchPipeline:
                 return fn(*args, **kwargs)
             finally:
                 self.compute += time.perf_counter() - t0
+
         return wrapper
 
     def reset(self) -> None:
@@ -98,10 +104,13 @@ class TorchPipeline:
                 p.copy_(state.params[name])
                 p.grad = None
         names = sorted(self.params)
-        groups = [{"params": [self.params[n] for n in names if state.decay[n]], "weight_decay": tr.weight_decay},
-                  {"params": [self.params[n] for n in names if not state.decay[n]], "weight_decay": 0.0}]
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=tr.lr, betas=(tr.beta1, tr.beta2),
-                                           eps=tr.eps)
+        groups = [
+            {"params": [self.params[n] for n in names if state.decay[n]], "weight_decay": tr.weight_decay},
+            {"params": [self.params[n] for n in names if not state.decay[n]], "weight_decay": 0.0},
+        ]
+        self.optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps
+        )
 
     def step(self, step: int) -> dict:
         """One training step, as ``hetero_llm.train.loop`` runs it; returns its metrics row."""
@@ -131,9 +140,16 @@ class TorchPipeline:
             group["lr"] = lr
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.global_tokens,
-                "seconds": time.perf_counter() - t0, "schedule_seconds": schedule_seconds,
-                "compute_seconds": self.compute}
+        return {
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": self.global_tokens,
+            "seconds": time.perf_counter() - t0,
+            "schedule_seconds": schedule_seconds,
+            "compute_seconds": self.compute,
+        }
 
 
 @click.command()
@@ -141,14 +157,24 @@ class TorchPipeline:
 @click.option("--rank", type=int, required=True)
 @click.option("--port", type=int, required=True)
 @click.option("--metrics-jsonl", type=click.Path(dir_okay=False), default=None)
-@click.option("--profile", type=click.Path(dir_okay=False), default=None,
-              help="cProfile this rank from step --profile-after on; write the stats here.")
+@click.option(
+    "--profile",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="cProfile this rank from step --profile-after on; write the stats here.",
+)
 @click.option("--profile-after", default=2, show_default=True)
-def main(layout_file: str, rank: int, port: int, metrics_jsonl: str | None, profile: str | None,
-         profile_after: int) -> None:
+def main(
+    layout_file: str, rank: int, port: int, metrics_jsonl: str | None, profile: str | None, profile_after: int
+) -> None:
     plan = compile_plan(layout_mod.load(layout_file))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=plan.world_size,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=plan.world_size,
+        timeout=timedelta(seconds=120),
+    )
     pipeline = TorchPipeline(plan, rank)
     rows = []
     profiler = cProfile.Profile() if profile else None

@@ -40,8 +40,9 @@ def run_torch(layout: Path, workdir: Path, world: int) -> list[dict]:
     """The baseline as separate processes; rank 0's metrics rows."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    B.start_ranks("bench.torch_pp_rank", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)],
-                  world)
+    B.start_ranks(
+        "bench.torch_pp_rank", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)], world
+    )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
@@ -58,16 +59,25 @@ def measure_ours(seconds: list[float], events: list[tuple[str, float, float]], t
     """From metrics seconds and rank 0's trace records (``(action, start, end)``)."""
     seconds = B.steady(seconds, skip)
     rank0 = B.steady(B._split_steps([tuple(e) for e in events]), skip)
-    return Run(tokens / B.median(seconds), tokens / min(seconds), 1e3 * B.median(seconds),
-               1e3 * B.median([row[-1][2] - row[0][1] for row in rank0]),
-               1e3 * B.median([sum(e - s for a, s, e in row if a[0] in "FB") for row in rank0]))
+    return Run(
+        tokens / B.median(seconds),
+        tokens / min(seconds),
+        1e3 * B.median(seconds),
+        1e3 * B.median([row[-1][2] - row[0][1] for row in rank0]),
+        1e3 * B.median([sum(e - s for a, s, e in row if a[0] in "FB") for row in rank0]),
+    )
 
 
 def measure_torch(rows: list[dict], tokens: int, skip: int) -> Run:
     rows = B.steady(rows, skip)
     seconds = [r["seconds"] for r in rows]
-    return Run(tokens / B.median(seconds), tokens / min(seconds), 1e3 * B.median(seconds),
-               1e3 * B.median([r["schedule_seconds"] for r in rows]), 1e3 * B.median([r["compute_seconds"] for r in rows]))
+    return Run(
+        tokens / B.median(seconds),
+        tokens / min(seconds),
+        1e3 * B.median(seconds),
+        1e3 * B.median([r["schedule_seconds"] for r in rows]),
+        1e3 * B.median([r["compute_seconds"] for r in rows]),
+    )
 
 
 def rank0_events(trace: Path) -> list[tuple[str, float, float]]:
@@ -83,11 +93,18 @@ def max_loss_difference(ours: list[dict], theirs: list[dict]) -> float:
 def summarize(n: int, k: int, pairs: list[tuple[Run, Run]], loss_diff: float) -> dict:
     ours, theirs = [a for a, _ in pairs], [b for _, b in pairs]
     ratios = [a.tokens_s / b.tokens_s for a, b in pairs]
-    row = {"stages": n, "schedule": k, "ours_tokens_s": B.median([x.tokens_s for x in ours]),
-           "torch_tokens_s": B.median([x.tokens_s for x in theirs]), "ratio": B.median(ratios),
-           "ratio_min": min(ratios), "ratio_max": max(ratios),
-           "ratio_best_step": B.median([a.tokens_s_best / b.tokens_s_best for a, b in pairs]),
-           "max_rel_loss_diff": loss_diff, "pairs": len(pairs)}
+    row = {
+        "stages": n,
+        "schedule": k,
+        "ours_tokens_s": B.median([x.tokens_s for x in ours]),
+        "torch_tokens_s": B.median([x.tokens_s for x in theirs]),
+        "ratio": B.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "ratio_best_step": B.median([a.tokens_s_best / b.tokens_s_best for a, b in pairs]),
+        "max_rel_loss_diff": loss_diff,
+        "pairs": len(pairs),
+    }
     for side, runs in (("ours", ours), ("torch", theirs)):
         for field in ("step_ms", "schedule_ms", "compute_ms"):
             row[f"{side}_{field}"] = B.median([getattr(x, field) for x in runs])
@@ -97,27 +114,77 @@ def summarize(n: int, k: int, pairs: list[tuple[Run, Run]], loss_diff: float) ->
 
 def ratio_table(results: list[dict]) -> str:
     return B.markdown_table(
-        ["stages", "schedule", "ours tokens/s", "torch tokens/s", "ratio ours/torch", "ratio range",
-         "ratio (fastest steps)", "pairs", "max rel. loss diff"],
-        [[r["stages"], r["schedule"], f"{r['ours_tokens_s']:.0f}", f"{r['torch_tokens_s']:.0f}", f"{r['ratio']:.3f}",
-          f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}", f"{r['ratio_best_step']:.3f}", r["pairs"],
-          f"{r['max_rel_loss_diff']:.1e}"] for r in results])
+        [
+            "stages",
+            "schedule",
+            "ours tokens/s",
+            "torch tokens/s",
+            "ratio ours/torch",
+            "ratio range",
+            "ratio (fastest steps)",
+            "pairs",
+            "max rel. loss diff",
+        ],
+        [
+            [
+                r["stages"],
+                r["schedule"],
+                f"{r['ours_tokens_s']:.0f}",
+                f"{r['torch_tokens_s']:.0f}",
+                f"{r['ratio']:.3f}",
+                f"{r['ratio_min']:.2f}-{r['ratio_max']:.2f}",
+                f"{r['ratio_best_step']:.3f}",
+                r["pairs"],
+                f"{r['max_rel_loss_diff']:.1e}",
+            ]
+            for r in results
+        ],
+    )
 
 
 def cpu_table(results: list[dict]) -> str:
     return B.markdown_table(
         ["stages", "schedule", "ours CPU s/step", "torch CPU s/step", "ours / torch"],
-        [[r["stages"], r["schedule"], f"{r['ours_cpu_step_s']:.3f}", f"{r['torch_cpu_step_s']:.3f}",
-          f"{r['ours_cpu_step_s'] / r['torch_cpu_step_s']:.3f}"] for r in results])
+        [
+            [
+                r["stages"],
+                r["schedule"],
+                f"{r['ours_cpu_step_s']:.3f}",
+                f"{r['torch_cpu_step_s']:.3f}",
+                f"{r['ours_cpu_step_s'] / r['torch_cpu_step_s']:.3f}",
+            ]
+            for r in results
+        ],
+    )
 
 
 def breakdown_table(results: list[dict]) -> str:
     return B.markdown_table(
-        ["stages", "schedule", "side", "step ms", "schedule ms (rank 0)", "compute ms (rank 0)",
-         "waits + runtime ms (rank 0)", "outside schedule ms"],
-        [[r["stages"], r["schedule"], side, f"{r[f'{side}_step_ms']:.1f}", f"{r[f'{side}_schedule_ms']:.1f}",
-          f"{r[f'{side}_compute_ms']:.1f}", f"{r[f'{side}_schedule_ms'] - r[f'{side}_compute_ms']:.1f}",
-          f"{r[f'{side}_step_ms'] - r[f'{side}_schedule_ms']:.1f}"] for r in results for side in ("ours", "torch")])
+        [
+            "stages",
+            "schedule",
+            "side",
+            "step ms",
+            "schedule ms (rank 0)",
+            "compute ms (rank 0)",
+            "waits + runtime ms (rank 0)",
+            "outside schedule ms",
+        ],
+        [
+            [
+                r["stages"],
+                r["schedule"],
+                side,
+                f"{r[f'{side}_step_ms']:.1f}",
+                f"{r[f'{side}_schedule_ms']:.1f}",
+                f"{r[f'{side}_compute_ms']:.1f}",
+                f"{r[f'{side}_schedule_ms'] - r[f'{side}_compute_ms']:.1f}",
+                f"{r[f'{side}_step_ms'] - r[f'{side}_schedule_ms']:.1f}",
+            ]
+            for r in results
+            for side in ("ours", "torch")
+        ],
+    )
 
 
 def plot(separate: list[dict], paired: list[dict], path: Path, title: str) -> None:
@@ -137,15 +204,22 @@ def plot(separate: list[dict], paired: list[dict], path: Path, title: str) -> No
     left.set_ylabel("tokens / s (median)")
     left.set_title("paired rounds" if paired else "separate runs", fontsize=9)
     left.legend(fontsize=7, loc="lower right")
-    for j, (results, name, color) in enumerate(((separate, "separate runs", "#f28e2b"),
-                                                (paired, "paired rounds", "#4e79a7"))):
+    for j, (results, name, color) in enumerate(
+        ((separate, "separate runs", "#f28e2b"), (paired, "paired rounds", "#4e79a7"))
+    ):
         if not results:
             continue
         xs = [i + (j - 0.5) * w for i in range(len(results))]
         right.bar(xs, [r["ratio"] for r in results], w, label=name, color=color)
-        right.errorbar(xs, [r["ratio"] for r in results],
-                       yerr=[[r["ratio"] - r["ratio_min"] for r in results], [r["ratio_max"] - r["ratio"] for r in results]],
-                       fmt="none", ecolor="black", capsize=3, lw=0.8)
+        right.errorbar(
+            xs,
+            [r["ratio"] for r in results],
+            yerr=[[r["ratio"] - r["ratio_min"] for r in results], [r["ratio_max"] - r["ratio"] for r in results]],
+            fmt="none",
+            ecolor="black",
+            capsize=3,
+            lw=0.8,
+        )
     right.axhline(1.0, color="black", lw=0.8)
     right.axhline(1.1, color="black", lw=0.8, ls="--")
     right.set_xticks(x, labels)
@@ -171,10 +245,29 @@ def plot(separate: list[dict], paired: list[dict], path: Path, title: str) -> No
 @click.option("--batch", default=16, show_default=True, help="Global batch (sequences per step).")
 @click.option("--microbatches", default=8, show_default=True)
 @click.option("--quick", is_flag=True, help="Smoke run: 2 stages, 1f1b, tiny model, 1 repetition, 2 rounds.")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True,
-              help="Where the .md, .json and .png results go.")
-def main(stages, schedules, reps, steps, skip, rounds, round_steps, layers, hidden, seq_len, batch, microbatches,
-         quick, out_dir):
+@click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=B.RESULTS,
+    show_default=True,
+    help="Where the .md, .json and .png results go.",
+)
+def main(
+    stages,
+    schedules,
+    reps,
+    steps,
+    skip,
+    rounds,
+    round_steps,
+    layers,
+    hidden,
+    seq_len,
+    batch,
+    microbatches,
+    quick,
+    out_dir,
+):
     """hetero_llm vs torch.distributed.pipelining: tokens/s per (stages, schedule), ratio ours/torch."""
     stage_counts = [int(s) for s in stages.split(",")]
     kinds = [s.strip() for s in schedules.split(",")]
@@ -198,66 +291,122 @@ def main(stages, schedules, reps, steps, skip, rounds, round_steps, layers, hidd
         if rounds:
             for n, k in configs:
                 got = B.run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
-                pairs = [(measure_ours([m["seconds"] for m in o], ev, tokens, 1), measure_torch(t, tokens, 1))
-                         for o, ev, t in zip(got["ours"], got["ours_events"], got["other"])]
+                pairs = [
+                    (measure_ours([m["seconds"] for m in o], ev, tokens, 1), measure_torch(t, tokens, 1))
+                    for o, ev, t in zip(got["ours"], got["ours_events"], got["other"])
+                ]
                 diff = max(max_loss_difference(o, t) for o, t in zip(got["ours"], got["other"]))
                 paired_results.append(summarize(n, k, pairs, diff))
                 r = paired_results[-1]
                 for side in ("ours", "torch"):  # CPU seconds per step, all ranks together, median over rounds
                     key = "ours" if side == "ours" else "other"
-                    per_round = [sum(rank_cpu[key][i] for rank_cpu in got["cpu"]) / round_steps
-                                 for i in range(rounds)]
+                    per_round = [sum(rank_cpu[key][i] for rank_cpu in got["cpu"]) / round_steps for i in range(rounds)]
                     r[f"{side}_cpu_step_s"] = B.median(per_round)
-                B.say(f"paired {n} stages {k:5}: ours {r['ours_tokens_s']:.0f}, torch {r['torch_tokens_s']:.0f} tokens/s, "
-                      f"ratio {r['ratio']:.3f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) over {rounds} rounds "
-                      f"(load {B.load_average()[0]:.2f})")
+                B.say(
+                    f"paired {n} stages {k:5}: ours {r['ours_tokens_s']:.0f}, torch {r['torch_tokens_s']:.0f} tokens/s, "
+                    f"ratio {r['ratio']:.3f} ({r['ratio_min']:.2f}-{r['ratio_max']:.2f}) over {rounds} rounds "
+                    f"(load {B.load_average()[0]:.2f})"
+                )
         for rep in range(reps):
             for n, k in configs:
                 rows, measured = {}, {}
-                for side in (("ours", "torch") if rep % 2 == 0 else ("torch", "ours")):
+                for side in ("ours", "torch") if rep % 2 == 0 else ("torch", "ours"):
                     work = Path(tmp, f"{side}_s{n}_{k}_r{rep}")
                     if side == "ours":
                         rows[side] = B.run_layout(layouts[(n, k)], work, trace=work / "trace")
-                        run = measure_ours([r["seconds"] for r in rows[side]], rank0_events(work / "trace"), tokens, skip)
+                        run = measure_ours(
+                            [r["seconds"] for r in rows[side]], rank0_events(work / "trace"), tokens, skip
+                        )
                     else:
                         rows[side] = run_torch(layouts[(n, k)], work, n)
                         run = measure_torch(rows[side], tokens, skip)
                     measured[side] = run
-                    B.say(f"rep {rep + 1}/{reps} {n} stages {k:5} {side:5}: {run.tokens_s:8.0f} tokens/s "
-                          f"(step {run.step_ms:.0f} ms: schedule {run.schedule_ms:.0f}, compute {run.compute_ms:.0f}) "
-                          f"(load {B.load_average()[0]:.2f})")
+                    B.say(
+                        f"rep {rep + 1}/{reps} {n} stages {k:5} {side:5}: {run.tokens_s:8.0f} tokens/s "
+                        f"(step {run.step_ms:.0f} ms: schedule {run.schedule_ms:.0f}, compute {run.compute_ms:.0f}) "
+                        f"(load {B.load_average()[0]:.2f})"
+                    )
                 separate_pairs[(n, k)].append((measured["ours"], measured["torch"]))
                 loss_diff[(n, k)] = max(loss_diff[(n, k)], max_loss_difference(rows["ours"], rows["torch"]))
         if reps:
             separate_results = [summarize(n, k, separate_pairs[(n, k)], loss_diff[(n, k)]) for n, k in configs]
     after = B.load_average()
-    setup = (f"model: GPT (LayerNorm, learned positions, GELU), {cfg.layers} layers, hidden {cfg.hidden}, "
-             f"{cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
-             f"{microbatches} microbatches; stages of equal layers, one process per stage; AdamW, clipping 1.0")
-    parts = [f"# {NAME}", "", f"command: `{B.command_line()}`", "", f"machine: {B.machine_line(info)}", "",
-             B.load_line(before, after), "", setup, ""]
+    setup = (
+        f"model: GPT (LayerNorm, learned positions, GELU), {cfg.layers} layers, hidden {cfg.hidden}, "
+        f"{cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
+        f"{microbatches} microbatches; stages of equal layers, one process per stage; AdamW, clipping 1.0"
+    )
+    parts = [
+        f"# {NAME}",
+        "",
+        f"command: `{B.command_line()}`",
+        "",
+        f"machine: {B.machine_line(info)}",
+        "",
+        B.load_line(before, after),
+        "",
+        setup,
+        "",
+    ]
     if paired_results:
-        parts += [f"## Paired rounds ({rounds} rounds of {round_steps} steps per side, first step of a round left out)",
-                  "", ratio_table(paired_results), "", breakdown_table(paired_results), "",
-                  "CPU seconds per step, every rank's process together (user + system, all threads; a round's "
-                  "setup included), median over rounds: the same math, so a difference is runtime overhead, and "
-                  "the load of other programs does not change it:", "", cpu_table(paired_results), ""]
+        parts += [
+            f"## Paired rounds ({rounds} rounds of {round_steps} steps per side, first step of a round left out)",
+            "",
+            ratio_table(paired_results),
+            "",
+            breakdown_table(paired_results),
+            "",
+            "CPU seconds per step, every rank's process together (user + system, all threads; a round's "
+            "setup included), median over rounds: the same math, so a difference is runtime overhead, and "
+            "the load of other programs does not change it:",
+            "",
+            cpu_table(paired_results),
+            "",
+        ]
     if separate_results:
-        parts += [f"## Separate runs ({reps} runs of {cfg.steps} steps per side, first {skip} steps left out)", "",
-                  ratio_table(separate_results), "", breakdown_table(separate_results), ""]
-    parts += ["ratio: median over pairs of (ours / torch) tokens/s; ratio (fastest steps): the same from each "
-              "round's or run's fastest step (less sensitive to background load). Breakdown (medians; rank 0 = first "
-              "stage): schedule = the pipeline part of a step, compute = its forwards and backwards (torch: "
-              "forward_one_chunk / backward_one_chunk; the loss is outside its forward), outside = gradient norm, "
-              "clipping, AdamW and data.", "", f"![{NAME}]({NAME}.png)", ""]
-    payload = {"name": NAME, "command": B.command_line(), "machine": info, "load_before": before,
-               "load_after": after, "results": paired_results or separate_results, "paired": paired_results,
-               "separate": separate_results,
-               "config": {**attrs.asdict(cfg), "microbatches": microbatches, "reps": reps, "skip": skip,
-                          "rounds": rounds, "round_steps": round_steps}}
+        parts += [
+            f"## Separate runs ({reps} runs of {cfg.steps} steps per side, first {skip} steps left out)",
+            "",
+            ratio_table(separate_results),
+            "",
+            breakdown_table(separate_results),
+            "",
+        ]
+    parts += [
+        "ratio: median over pairs of (ours / torch) tokens/s; ratio (fastest steps): the same from each "
+        "round's or run's fastest step (less sensitive to background load). Breakdown (medians; rank 0 = first "
+        "stage): schedule = the pipeline part of a step, compute = its forwards and backwards (torch: "
+        "forward_one_chunk / backward_one_chunk; the loss is outside its forward), outside = gradient norm, "
+        "clipping, AdamW and data.",
+        "",
+        f"![{NAME}]({NAME}.png)",
+        "",
+    ]
+    payload = {
+        "name": NAME,
+        "command": B.command_line(),
+        "machine": info,
+        "load_before": before,
+        "load_after": after,
+        "results": paired_results or separate_results,
+        "paired": paired_results,
+        "separate": separate_results,
+        "config": {
+            **attrs.asdict(cfg),
+            "microbatches": microbatches,
+            "reps": reps,
+            "skip": skip,
+            "rounds": rounds,
+            "round_steps": round_steps,
+        },
+    }
     md_path, _ = B.write_results(out_dir, NAME, "\n".join(parts), payload)
-    plot(separate_results, paired_results, out_dir / f"{NAME}.png",
-         f"hetero_llm vs torch.distributed.pipelining ({info['cores']}-core CPU, gloo)")
+    plot(
+        separate_results,
+        paired_results,
+        out_dir / f"{NAME}.png",
+        f"hetero_llm vs torch.distributed.pipelining ({info['cores']}-core CPU, gloo)",
+    )
     print()
     print("\n".join(parts[9:-3]))
     B.say(f"wrote {md_path}, {md_path.with_suffix('.json')}, {md_path.with_suffix('.png')}")

@@ -45,8 +45,14 @@ def optimizer_layout(file: str, pipelines, hidden: int, layers: int, steps: int,
             specs.append(L.StageSpec(layers=n, devices=tuple(f"n{pi}:{d + i}" for i in range(tp))))
             d += tp
         pipes.append(L.PipelineSpec(batch=batch, microbatches=mbs, stages=tuple(specs)))
-    return L.Layout(file=file, model=model, train=train, data=L.DataSpec(),
-                    cluster=L.ClusterSpec(nodes=tuple(nodes), timeout_s=120.0), pipelines=tuple(pipes))
+    return L.Layout(
+        file=file,
+        model=model,
+        train=train,
+        data=L.DataSpec(),
+        cluster=L.ClusterSpec(nodes=tuple(nodes), timeout_s=120.0),
+        pipelines=tuple(pipes),
+    )
 
 
 def _kib(line: str) -> int:
@@ -63,16 +69,17 @@ def status_bytes(key: str) -> int:
 
 def child(out: str, argv: list[str]) -> None:
     """One rank: run ``hetero-launch ARGV`` and write what it kept to ``out``/rank{R}.json."""
+    from hetero_llm import layout as layout_mod
     from hetero_llm.cli import launch as cli
+    from hetero_llm.layout import Optimizer
+    from hetero_llm.plan import compile_plan
     from hetero_llm.plan import zero1_slices as optim_shards
     from hetero_llm.runtime import zero1
     from hetero_llm.runtime.adamw import AdamW
-    from hetero_llm import layout as layout_mod
-    from hetero_llm.layout import Optimizer
-    from hetero_llm.plan import compile_plan
 
     made = []  # the optimizer this rank builds (ours on CPU: plain AdamW or ZeRO-1)
     for cls in (zero1.ShardedAdamW, AdamW):
+
         def init(self, *args, _original=cls.__init__, **kwargs):
             _original(self, *args, **kwargs)
             made.append(self)
@@ -91,8 +98,14 @@ def child(out: str, argv: list[str]) -> None:
     lay = layout_mod.load(argv[0], [a for i, a in enumerate(argv) if i and argv[i - 1] == "--set"])
     plan, rank = compile_plan(lay), int(argv[argv.index("--rank") + 1])
     zero = lay.train.optimizer is Optimizer.ADAMW_ZERO1
-    record = {"rank": rank, "state_bytes": state, "formula_bytes": 8 * optim_shards.state_elements(plan, rank, zero),
-              "rss_before": rss_before, "peak_rss": peak, "rss_after": rss_after}
+    record = {
+        "rank": rank,
+        "state_bytes": state,
+        "formula_bytes": 8 * optim_shards.state_elements(plan, rank, zero),
+        "rss_before": rss_before,
+        "peak_rss": peak,
+        "rss_after": rss_after,
+    }
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(record))
 
 
@@ -104,8 +117,11 @@ def run(pipelines, optimizer: str, hidden: int, layers: int, steps: int, work: P
     world = sum(t for _, _, stages in pipelines for _, t in stages)
     for attempt in range(3):  # a free port can be taken by another program before rank 0 listens on it
         try:
-            benchlib.start_ranks("bench.zero1_memory", ["--child", str(out), "--", str(layout), "--quiet", "--set",
-                                                  f"cluster.port={benchlib.free_port()}"], world)
+            benchlib.start_ranks(
+                "bench.zero1_memory",
+                ["--child", str(out), "--", str(layout), "--quiet", "--set", f"cluster.port={benchlib.free_port()}"],
+                world,
+            )
             break
         except RuntimeError as e:
             if "address already in use" not in str(e) or attempt == 2:
@@ -150,37 +166,80 @@ def main() -> None:
             work.mkdir()
             by = {opt: run(pipelines, opt, hidden, layers, steps, work) for opt in OPTIMIZERS}
             for plain, zero in zip(by["adamw"], by["adamw_zero1"]):
-                mib = 2 ** 20
-                results.append({
-                    "layout": name, "rank": plain["rank"],
-                    "adamw_state_mib": plain["state_bytes"] / mib, "zero1_state_mib": zero["state_bytes"] / mib,
-                    "zero1_formula_mib": zero["formula_bytes"] / mib,
-                    "state_factor": plain["state_bytes"] / zero["state_bytes"],
-                    "adamw_peak_mib": plain["peak_rss"] / mib, "zero1_peak_mib": zero["peak_rss"] / mib,
-                    "adamw_added_mib": (plain["peak_rss"] - plain["rss_before"]) / mib,
-                    "zero1_added_mib": (zero["peak_rss"] - zero["rss_before"]) / mib,
-                    "adamw_end_mib": plain["rss_after"] / mib, "zero1_end_mib": zero["rss_after"] / mib,
-                })
+                mib = 2**20
+                results.append(
+                    {
+                        "layout": name,
+                        "rank": plain["rank"],
+                        "adamw_state_mib": plain["state_bytes"] / mib,
+                        "zero1_state_mib": zero["state_bytes"] / mib,
+                        "zero1_formula_mib": zero["formula_bytes"] / mib,
+                        "state_factor": plain["state_bytes"] / zero["state_bytes"],
+                        "adamw_peak_mib": plain["peak_rss"] / mib,
+                        "zero1_peak_mib": zero["peak_rss"] / mib,
+                        "adamw_added_mib": (plain["peak_rss"] - plain["rss_before"]) / mib,
+                        "zero1_added_mib": (zero["peak_rss"] - zero["rss_before"]) / mib,
+                        "adamw_end_mib": plain["rss_after"] / mib,
+                        "zero1_end_mib": zero["rss_after"] / mib,
+                    }
+                )
     load_after = benchlib.load_average()
-    headers = ["layout", "rank", "state adamw MiB", "state zero1 MiB", "formula MiB", "factor",
-               "peak RSS adamw MiB", "peak RSS zero1 MiB", "added adamw MiB", "added zero1 MiB", "saved MiB",
-               "end RSS adamw MiB", "end RSS zero1 MiB"]
-    rows = [[r["layout"], r["rank"], benchlib.fmt(r["adamw_state_mib"]), benchlib.fmt(r["zero1_state_mib"]),
-             benchlib.fmt(r["zero1_formula_mib"]), f"{r['state_factor']:.2f}", f"{r['adamw_peak_mib']:.0f}",
-             f"{r['zero1_peak_mib']:.0f}", f"{r['adamw_added_mib']:.0f}", f"{r['zero1_added_mib']:.0f}",
-             f"{r['adamw_added_mib'] - r['zero1_added_mib']:.0f}", f"{r['adamw_end_mib']:.0f}",
-             f"{r['zero1_end_mib']:.0f}"] for r in results]
+    headers = [
+        "layout",
+        "rank",
+        "state adamw MiB",
+        "state zero1 MiB",
+        "formula MiB",
+        "factor",
+        "peak RSS adamw MiB",
+        "peak RSS zero1 MiB",
+        "added adamw MiB",
+        "added zero1 MiB",
+        "saved MiB",
+        "end RSS adamw MiB",
+        "end RSS zero1 MiB",
+    ]
+    rows = [
+        [
+            r["layout"],
+            r["rank"],
+            benchlib.fmt(r["adamw_state_mib"]),
+            benchlib.fmt(r["zero1_state_mib"]),
+            benchlib.fmt(r["zero1_formula_mib"]),
+            f"{r['state_factor']:.2f}",
+            f"{r['adamw_peak_mib']:.0f}",
+            f"{r['zero1_peak_mib']:.0f}",
+            f"{r['adamw_added_mib']:.0f}",
+            f"{r['zero1_added_mib']:.0f}",
+            f"{r['adamw_added_mib'] - r['zero1_added_mib']:.0f}",
+            f"{r['adamw_end_mib']:.0f}",
+            f"{r['zero1_end_mib']:.0f}",
+        ]
+        for r in results
+    ]
     info = benchlib.machine()
-    md = "\n\n".join([
-        f"# ZeRO-1 memory per rank (hidden {hidden}, {layers} layers, {steps} steps, gloo on CPU)",
-        f"`{benchlib.command_line()}`", benchlib.machine_line(info), benchlib.load_line(load_before, load_after),
-        benchlib.markdown_table(headers, rows),
-        "state: bytes of AdamW moments the rank's optimizer keeps (formula: `8 x optim_shards.state_elements`); "
-        "added: peak resident memory (VmHWM) minus the resident memory before training (after imports); "
-        "end RSS: resident memory when training has returned (parameters and moments live, gradients freed).",
-    ])
-    payload = {"command": benchlib.command_line(), "machine": info, "load_before": load_before,
-               "load_after": load_after, "hidden": hidden, "layers": layers, "steps": steps, "results": results}
+    md = "\n\n".join(
+        [
+            f"# ZeRO-1 memory per rank (hidden {hidden}, {layers} layers, {steps} steps, gloo on CPU)",
+            f"`{benchlib.command_line()}`",
+            benchlib.machine_line(info),
+            benchlib.load_line(load_before, load_after),
+            benchlib.markdown_table(headers, rows),
+            "state: bytes of AdamW moments the rank's optimizer keeps (formula: `8 x optim_shards.state_elements`); "
+            "added: peak resident memory (VmHWM) minus the resident memory before training (after imports); "
+            "end RSS: resident memory when training has returned (parameters and moments live, gradients freed).",
+        ]
+    )
+    payload = {
+        "command": benchlib.command_line(),
+        "machine": info,
+        "load_before": load_before,
+        "load_after": load_after,
+        "hidden": hidden,
+        "layers": layers,
+        "steps": steps,
+        "results": results,
+    }
     benchlib.write_results(args.out_dir, "zero1_memory", md, payload)
     plot(results, args.out_dir / "zero1_memory.png")
     print(md)

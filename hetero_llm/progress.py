@@ -61,8 +61,15 @@ class Bar:
     of its own whether or not the stream is a terminal. Usable as a context manager (closes without a summary).
     """
 
-    def __init__(self, desc: str, total: float | None = None, unit: str = "", *, stream: TextIO | None = None,
-                 enabled: bool | None = None):
+    def __init__(
+        self,
+        desc: str,
+        total: float | None = None,
+        unit: str = "",
+        *,
+        stream: TextIO | None = None,
+        enabled: bool | None = None,
+    ):
         self.desc, self.total, self.unit = desc, total, unit
         self.stream = sys.stderr if stream is None else stream
         self.enabled = is_terminal(self.stream) if enabled is None else enabled
@@ -98,8 +105,9 @@ class Bar:
         parts = [f"{self.desc}:"]
         if self.total:
             shown = min(self.done, self.total)
-            parts.append(f"{100 * shown / self.total:3.0f}% {amount(shown, self.unit)} of "
-                         f"{amount(self.total, self.unit)}")
+            parts.append(
+                f"{100 * shown / self.total:3.0f}% {amount(shown, self.unit)} of {amount(self.total, self.unit)}"
+            )
         else:
             parts.append(amount(self.done, self.unit))
         text = " ".join(parts) + f" | {amount(rate, self.unit)}/s"
@@ -111,7 +119,7 @@ class Bar:
     def _show(self, text: str) -> None:
         columns = _columns(self.stream)
         if columns and len(text) >= columns:  # a wrapped line would not return under \r: cut its start (a path)
-            text = "..." + text[len(text) - columns + 4:]
+            text = "..." + text[len(text) - columns + 4 :]
         self.stream.write("\r" + text.ljust(self._width))
         self.stream.flush()
         self._width = max(self._width, len(text))  # what is on the line now, padding included

@@ -46,8 +46,15 @@ def rank_script_name(rank: int, node: str) -> str:
     return f"rank{rank}_{node}.sh"
 
 
-def rank_script(plan: Plan, rank: int, layout_ref: str, launcher: list[str], launch_args: list[str],
-                master_addr: str, master_port: int) -> Script:
+def rank_script(
+    plan: Plan,
+    rank: int,
+    layout_ref: str,
+    launcher: list[str],
+    launch_args: list[str],
+    master_addr: str,
+    master_port: int,
+) -> Script:
     """``hetero-launch LAYOUT --rank R`` with the rendezvous exported; env values set at run time win."""
     info = plan.ranks[rank]
     st = plan.stage_of(rank)
@@ -102,7 +109,7 @@ def start_script(node: str, ranks: list[int]) -> Script:
     names = " ".join(rank_script_name(r, node) for r in ranks)
     text = f"""#!/usr/bin/env bash
 {GENERATED}
-# Start rank(s) {' '.join(map(str, ranks))} of node {node} in the background; PIDs go to {node}.pids,
+# Start rank(s) {" ".join(map(str, ranks))} of node {node} in the background; PIDs go to {node}.pids,
 # output to logs/rank{{R}}_{node}.log. Stop them with stop_{node}.sh.
 set -euo pipefail
 here=$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)
@@ -129,7 +136,7 @@ for script in {names}; do
     echo "$pid $rank $(starttime "$pid")" >>"$pidfile"
     pids+=("$pid")
 done
-echo "start_{node}.sh: started rank(s) {' '.join(map(str, ranks))} of node {node} (pids ${{pids[*]}}); logs in $logs/"
+echo "start_{node}.sh: started rank(s) {" ".join(map(str, ranks))} of node {node} (pids ${{pids[*]}}); logs in $logs/"
 """
     return Script(f"start_{node}.sh", text)
 
@@ -187,8 +194,15 @@ rm -f "$pidfile"
     return Script(f"stop_{node}.sh", text)
 
 
-def build_scripts(plan: Plan, layout_ref: str, nodes: list[str], launcher: list[str], launch_args: list[str],
-                  master_addr: str, master_port: int) -> list[Script]:
+def build_scripts(
+    plan: Plan,
+    layout_ref: str,
+    nodes: list[str],
+    launcher: list[str],
+    launch_args: list[str],
+    master_addr: str,
+    master_port: int,
+) -> list[Script]:
     scripts = []
     for node in nodes:
         ranks = [r.rank for r in plan.ranks if r.node == node]
@@ -215,20 +229,47 @@ def write_atomic(path: Path, text: str, mode: int = 0o755) -> None:
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("layout_file", metavar="LAYOUT.toml", type=click.Path(dir_okay=False))
 @click.argument("launch_args", nargs=-1, type=click.UNPROCESSED, metavar="[-- HETERO-LAUNCH ARGS]")
-@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
-              help="Directory to write the scripts into (created if missing).")
-@click.option("--node", "nodes", multiple=True, metavar="NAME",
-              help="Write scripts for this node only (repeatable; default: every node with ranks).")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Layout override, checked now and passed to every rank (repeatable).")
-@click.option("--master-addr", default=None,
-              help="Rendezvous host baked into the scripts (default: $MASTER_ADDR, else the layout's master host).")
-@click.option("--master-port", type=click.IntRange(1, 65535), default=None,
-              help="Rendezvous port baked into the scripts (default: $MASTER_PORT, else cluster.port).")
-@click.option("--launcher", default="hetero-launch", show_default=True,
-              help="Command that runs one rank, e.g. 'python -m hetero_llm.cli'.")
-@click.option("--layout-path", default=None,
-              help="Path of the layout as the nodes see it (default: its absolute path here).")
+@click.option(
+    "--out",
+    "out_dir",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Directory to write the scripts into (created if missing).",
+)
+@click.option(
+    "--node",
+    "nodes",
+    multiple=True,
+    metavar="NAME",
+    help="Write scripts for this node only (repeatable; default: every node with ranks).",
+)
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Layout override, checked now and passed to every rank (repeatable).",
+)
+@click.option(
+    "--master-addr",
+    default=None,
+    help="Rendezvous host baked into the scripts (default: $MASTER_ADDR, else the layout's master host).",
+)
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Rendezvous port baked into the scripts (default: $MASTER_PORT, else cluster.port).",
+)
+@click.option(
+    "--launcher",
+    default="hetero-launch",
+    show_default=True,
+    help="Command that runs one rank, e.g. 'python -m hetero_llm.cli'.",
+)
+@click.option(
+    "--layout-path", default=None, help="Path of the layout as the nodes see it (default: its absolute path here)."
+)
 @click.option("--dry-run", is_flag=True, help="Print what would be written; write nothing.")
 def main(layout_file, launch_args, out_dir, nodes, overrides, master_addr, master_port, launcher, layout_path, dry_run):
     """Write per-rank start scripts, and start/stop scripts per node, for LAYOUT.toml.
@@ -241,7 +282,9 @@ def main(layout_file, launch_args, out_dir, nodes, overrides, master_addr, maste
         known = [n.name for n in lay.cluster.nodes]
         for name in nodes:
             if name not in known:
-                raise LayoutError(layout_file, "--node", f"'{name}' is not a node of [cluster] (nodes: {', '.join(known)})")
+                raise LayoutError(
+                    layout_file, "--node", f"'{name}' is not a node of [cluster] (nodes: {', '.join(known)})"
+                )
         port = master_port or os.environ.get("MASTER_PORT") or lay.cluster.port
         if not str(port).isdigit() or not 1 <= int(port) <= 65535:
             raise LayoutError(layout_file, "MASTER_PORT", f"must be a TCP port 1..65535, got '{port}'")
@@ -250,8 +293,15 @@ def main(layout_file, launch_args, out_dir, nodes, overrides, master_addr, maste
         sys.exit(2)
     addr = master_addr or os.environ.get("MASTER_ADDR") or lay.cluster.master_node.host
     args = [a for o in overrides for a in ("--set", o)] + list(launch_args)
-    scripts = build_scripts(plan, layout_path or str(Path(layout_file).resolve()), list(nodes) or known,
-                            shlex.split(launcher), args, addr, int(port))
+    scripts = build_scripts(
+        plan,
+        layout_path or str(Path(layout_file).resolve()),
+        list(nodes) or known,
+        shlex.split(launcher),
+        args,
+        addr,
+        int(port),
+    )
     out = Path(out_dir)
     if dry_run:
         for s in scripts:
@@ -265,8 +315,10 @@ def main(layout_file, launch_args, out_dir, nodes, overrides, master_addr, maste
     for node in list(nodes) or known:
         ranks = [r.rank for r in plan.ranks if r.node == node]
         if ranks:
-            click.echo(f"  on {node}: {out / f'start_{node}.sh'}  (rank(s) {', '.join(map(str, ranks))}); "
-                       f"stop: {out / f'stop_{node}.sh'}")
+            click.echo(
+                f"  on {node}: {out / f'start_{node}.sh'}  (rank(s) {', '.join(map(str, ranks))}); "
+                f"stop: {out / f'stop_{node}.sh'}"
+            )
 
 
 if __name__ == "__main__":

@@ -78,22 +78,42 @@ def sigint_as_in_a_terminal() -> None:
     A suite started in the background by a non-interactive shell (``pytest &``) inherits SIGINT ignored, and
     so would every process it starts; Python then never raises KeyboardInterrupt, as with any program."""
     import signal
+
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
     from hetero_llm.checkpoint.shards import load_full_params
+
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
-           "--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(layout),
+        "--quiet",
+        "--metrics-jsonl",
+        str(metrics),
+        "--checkpoint",
+        str(ckpt),
+        "--set",
+        f"cluster.port={free_port()}",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert_copies_agree(ckpt)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(ckpt)),
-                     proc.stdout, proc.stderr, workdir)
+    return RunResult(
+        [r["loss"] for r in rows],
+        [r["grad_norm"] for r in rows],
+        load_full_params(str(ckpt)),
+        proc.stdout,
+        proc.stderr,
+        workdir,
+    )
 
 
 def assert_copies_agree(ckpt: Path) -> None:
@@ -103,6 +123,7 @@ def assert_copies_agree(ckpt: Path) -> None:
     difference means a block was not synced (or replicas drifted). ``ckpt``: the newest save of a root.
     """
     import torch
+
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
     saved = checkpoint.find(ckpt)
     for path in (saved.rank_file(r) for r in range(saved.world_size)):
@@ -129,6 +150,7 @@ def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> Non
     4e-6 in single tensors (docs/invariance.md).
     """
     import torch
+
     assert len(run.losses) == len(ref.losses)
     for step, (a, b) in enumerate(zip(run.losses, ref.losses)):
         assert abs(a - b) <= rtol * abs(b), f"step {step}: loss {a!r} vs reference {b!r}"
@@ -147,8 +169,9 @@ def assert_same_model(run: RunResult, ref: RunResult, rtol: float = RTOL) -> Non
     assert total <= rtol, f"parameters: relative error {total:.2e} > {rtol:.0e}"
 
 
-def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[tuple[int, int]]]],
-                 schedule: str | None = None) -> Path:
+def write_layout(
+    path: Path, common: str, pipelines: list[tuple[int, int, list[tuple[int, int]]]], schedule: str | None = None
+) -> Path:
     """A layout from ``common`` ([model]/[train]/[data]) and pipelines [(batch, microbatches, [(layers, tp)])].
 
     Every pipeline gets its own node, its stages' devices in order. ``schedule`` replaces train.schedule.
@@ -157,13 +180,15 @@ def write_layout(path: Path, common: str, pipelines: list[tuple[int, int, list[t
     if schedule:
         train = attrs.evolve(train, schedule=layout.Schedule(schedule))
     cluster, pipes = own_nodes(pipelines)
-    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster, pipelines=pipes),
-                path)
+    layout.dump(
+        layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster, pipelines=pipes), path
+    )
     return path
 
 
-def own_nodes(pipelines: list[tuple[int, int, list[tuple[int, int]]]], device: str = "cpu", name: str = "n"
-              ) -> tuple[layout.ClusterSpec, tuple[layout.PipelineSpec, ...]]:
+def own_nodes(
+    pipelines: list[tuple[int, int, list[tuple[int, int]]]], device: str = "cpu", name: str = "n"
+) -> tuple[layout.ClusterSpec, tuple[layout.PipelineSpec, ...]]:
     """The [cluster] and [[pipelines]] of pipelines [(batch, microbatches, [(layers, tp)])], each pipeline on a
     node of its own (``n0``, ``n1``, ...) of ``device`` devices, its stages' devices in order."""
     nodes, pipes = [], []
@@ -181,8 +206,10 @@ def sections(common: str, path: Path | str = "<common>") -> tuple[layout.ModelSp
     """The [model], [train] and [data] tables of TOML text, typed as the loader types them (paths as written)."""
     raw = layout_toml.parse(common, str(path))
     assert set(raw) <= {"model", "train", "data"}, f"common sections hold more than [model]/[train]/[data]: {set(raw)}"
-    return tuple(layout.build(cls, raw.get(name, {}), name, str(path))  # type: ignore[return-value]
-                 for name, cls in (("model", layout.ModelSpec), ("train", layout.TrainSpec), ("data", layout.DataSpec)))
+    return tuple(
+        layout.build(cls, raw.get(name, {}), name, str(path))  # type: ignore[return-value]
+        for name, cls in (("model", layout.ModelSpec), ("train", layout.TrainSpec), ("data", layout.DataSpec))
+    )
 
 
 def common_sections(layout: Path) -> str:
@@ -190,15 +217,28 @@ def common_sections(layout: Path) -> str:
     return layout.read_text().split("[cluster]")[0]
 
 
-def rank0_off_master_layout(path: Path, hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"), timeout_s: float = 60) -> Path:
+def rank0_off_master_layout(
+    path: Path, hosts: tuple[str, str] = ("127.0.0.1", "127.0.0.1"), timeout_s: float = 60
+) -> Path:
     """The reference model on two nodes, node0 the master: stage 0 (rank 0) on node1, stage 1 (rank 1) on node0,
     so the rendezvous is served by rank 1, not rank 0."""
     model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"), path)
-    cluster = layout.ClusterSpec(nodes=(layout.NodeSpec(name="node0", host=hosts[0]),
-                                        layout.NodeSpec(name="node1", host=hosts[1])), timeout_s=float(timeout_s))
+    cluster = layout.ClusterSpec(
+        nodes=(layout.NodeSpec(name="node0", host=hosts[0]), layout.NodeSpec(name="node1", host=hosts[1])),
+        timeout_s=float(timeout_s),
+    )
     stages = (layout.StageSpec(layers=3, devices=("node1:0",)), layout.StageSpec(layers=3, devices=("node0:0",)))
-    layout.dump(layout.Layout(file=str(path), model=model, train=train, data=data, cluster=cluster,
-                              pipelines=(layout.PipelineSpec(batch=12, microbatches=3, stages=stages),)), path)
+    layout.dump(
+        layout.Layout(
+            file=str(path),
+            model=model,
+            train=train,
+            data=data,
+            cluster=cluster,
+            pipelines=(layout.PipelineSpec(batch=12, microbatches=3, stages=stages),),
+        ),
+        path,
+    )
     return path
 
 
@@ -206,12 +246,23 @@ def rank0_off_master_layout(path: Path, hosts: tuple[str, str] = ("127.0.0.1", "
 # Hugging Face models and tokenizers built here (never downloaded); torch and transformers load on use.
 
 TINY_HF = {  # the transformers config of a tiny model of each kind, and the [model] lines that describe it
-    "llama": (dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                   max_position_embeddings=16, rms_norm_eps=1e-6),
-              'layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nnorm = "rmsnorm"\nposition = "rope"\n'
-              'mlp = "swiglu"\nffn = 48\nnorm_eps = 1e-6\n'),
-    "gpt2": (dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16),
-             "layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nbias = true\ntie_embeddings = true\n"),
+    "llama": (
+        dict(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=16,
+            rms_norm_eps=1e-6,
+        ),
+        'layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nnorm = "rmsnorm"\nposition = "rope"\n'
+        'mlp = "swiglu"\nffn = 48\nnorm_eps = 1e-6\n',
+    ),
+    "gpt2": (
+        dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16),
+        "layers = 2\nhidden = 32\nheads = 4\nvocab = 64\nseq_len = 16\nbias = true\ntie_embeddings = true\n",
+    ),
 }
 
 
@@ -238,9 +289,11 @@ def tiny_hf_model(kind: str, folder: Path | None, seed: int = 0, **overrides):
 
 def hf_layout_text(model_lines: str, init_from: Path | str) -> str:
     """A one-process layout whose [model] is ``model_lines`` (with ``layers = 2``) started from ``init_from``."""
-    return (f'[model]\n{model_lines}init_from = "{init_from}"\n[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n'
-            '[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\nmicrobatches = 1\n[[pipelines.stages]]\n'
-            'layers = 2\ndevices = ["n:0"]\n')
+    return (
+        f'[model]\n{model_lines}init_from = "{init_from}"\n[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n'
+        '[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\nmicrobatches = 1\n[[pipelines.stages]]\n'
+        'layers = 2\ndevices = ["n:0"]\n'
+    )
 
 
 def full_model_logits(params: dict, model, ids):
@@ -268,8 +321,9 @@ def make_bpe_tokenizer(path: Path, texts: list[str], special: tuple[str, ...] = 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=list(special),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=list(special), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts * 5, trainer)
     tok.save(str(path))
     return path

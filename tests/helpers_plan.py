@@ -13,26 +13,41 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from harness import own_nodes
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.layout import DataSpec, Layout, Mlp, ModelSpec, Norm, Position, Schedule, TrainSpec, dumps, loads
-
-from harness import own_nodes
 
 SMALL = Path(__file__).resolve().parents[1] / "layouts" / "clusters" / "small_cpu.toml"
 
 
-def make(pipes, *, hidden=24, heads=6, ffn=0, norm="layernorm", mlp="gelu", position="learned",
-         schedule="1f1b", vocab=32):
+def make(
+    pipes, *, hidden=24, heads=6, ffn=0, norm="layernorm", mlp="gelu", position="learned", schedule="1f1b", vocab=32
+):
     """A layout with one node per pipeline (``n0``, ``n1``, ...) whose devices its stages use in order.
 
     ``pipes``: one ``(batch, microbatches, [(layers, tp), ...])`` per pipeline.
     """
-    model = ModelSpec(layers=sum(n for n, _ in pipes[0][2]), hidden=hidden, heads=heads, vocab=vocab, seq_len=8,
-                      ffn=ffn, norm=Norm(norm), mlp=Mlp(mlp), position=Position(position))
+    model = ModelSpec(
+        layers=sum(n for n, _ in pipes[0][2]),
+        hidden=hidden,
+        heads=heads,
+        vocab=vocab,
+        seq_len=8,
+        ffn=ffn,
+        norm=Norm(norm),
+        mlp=Mlp(mlp),
+        position=Position(position),
+    )
     train = TrainSpec(steps=1, global_batch=sum(p[0] for p in pipes), schedule=Schedule(schedule))
     cluster, pipelines = own_nodes(pipes)
-    made = Layout(file="inline.toml", model=model, train=train, data=DataSpec(grammar_vocab=16), cluster=cluster,
-                  pipelines=pipelines)
+    made = Layout(
+        file="inline.toml",
+        model=model,
+        train=train,
+        data=DataSpec(grammar_vocab=16),
+        cluster=cluster,
+        pipelines=pipelines,
+    )
     return loads(dumps(made), file="inline.toml")  # checked as the loader checks a file
 
 
@@ -40,8 +55,9 @@ TP_MIX = [(4, 2, [(1, 2), (1, 1)]), (2, 1, [(2, 3)])]  # ranks: p0 = 0 1 | 2 ; p
 
 
 def run_plan(*args):
-    runner = CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters \
-        else CliRunner()
+    runner = (
+        CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else CliRunner()
+    )
     return runner.invoke(plan_main, [str(a) for a in args])
 
 

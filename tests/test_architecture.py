@@ -59,7 +59,7 @@ def _imports(name: str, path: Path) -> set[str]:
             base = node.module or ""
             if node.level:
                 package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
-                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
         else:
             continue
@@ -78,7 +78,9 @@ def _layer(module: str) -> int:
     for index, names in enumerate(LAYERS):
         if any(module == n or module.startswith(n + ".") and n != "hetero_llm" for n in names):
             return index
-    raise AssertionError(f"{module} is in no layer of tests/test_architecture.py: place it (and in docs/architecture.md)")
+    raise AssertionError(
+        f"{module} is in no layer of tests/test_architecture.py: place it (and in docs/architecture.md)"
+    )
 
 
 def _cycles() -> list[list[str]]:
@@ -136,8 +138,11 @@ def test_imports_run_down_the_layers(module):
 
 def test_nothing_below_the_command_line_imports_it():
     cli_layer = _layer("hetero_llm.cli")
-    users = sorted(m for m, targets in EDGES.items() if _layer(m) < cli_layer
-                   and any(t == "hetero_llm.cli" or t.startswith("hetero_llm.cli.") for t in targets))
+    users = sorted(
+        m
+        for m, targets in EDGES.items()
+        if _layer(m) < cli_layer and any(t == "hetero_llm.cli" or t.startswith("hetero_llm.cli.") for t in targets)
+    )
     assert users == []
 
 

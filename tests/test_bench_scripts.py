@@ -22,8 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _run(script: str, out: Path) -> subprocess.CompletedProcess:
     """``python -m bench.SCRIPT --quick --out-dir OUT`` from the repository root, as a user starts it."""
-    proc = subprocess.run([sys.executable, "-m", f"bench.{script}", "--quick", "--out-dir", str(out)],
-                          capture_output=True, text=True, timeout=300, env=benchlib.clean_env(), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"bench.{script}", "--quick", "--out-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=benchlib.clean_env(),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, f"{script} --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     return proc
 
@@ -31,12 +37,16 @@ def _run(script: str, out: Path) -> subprocess.CompletedProcess:
 def _headers(markdown: str) -> list[list[str]]:
     """Column names of every markdown table in ``markdown``, in order."""
     lines = markdown.splitlines()
-    return [[cell.strip() for cell in line.strip("|").split("|")]
-            for prev, line in zip([""] + lines, lines) if line.startswith("| ") and not prev.startswith("|")]
+    return [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for prev, line in zip([""] + lines, lines)
+        if line.startswith("| ") and not prev.startswith("|")
+    ]
 
 
-def _check_files(out: Path, name: str, columns: list[str], fields: list[str],
-                 more_tables: tuple[list[str], ...] = ()) -> dict:
+def _check_files(
+    out: Path, name: str, columns: list[str], fields: list[str], more_tables: tuple[list[str], ...] = ()
+) -> dict:
     md = (out / f"{name}.md").read_text()
     headers = _headers(md)
     for table in (columns, *more_tables):
@@ -54,11 +64,33 @@ def _check_files(out: Path, name: str, columns: list[str], fields: list[str],
 def test_vs_torch_pipelining_quick(tmp_path):
     proc = _run("vs_torch_pipelining", tmp_path)
     assert "rep 1/1" in proc.stdout  # progress lines while it runs
-    payload = _check_files(tmp_path, "vs_torch_pipelining",
-                           ["stages", "schedule", "ours tokens/s", "torch tokens/s", "ratio ours/torch", "ratio range",
-                            "ratio (fastest steps)", "pairs", "max rel. loss diff"],
-                           ["stages", "schedule", "ours_tokens_s", "torch_tokens_s", "ratio", "max_rel_loss_diff",
-                            "ours_step_ms", "torch_step_ms", "ours_compute_ms", "torch_compute_ms"])
+    payload = _check_files(
+        tmp_path,
+        "vs_torch_pipelining",
+        [
+            "stages",
+            "schedule",
+            "ours tokens/s",
+            "torch tokens/s",
+            "ratio ours/torch",
+            "ratio range",
+            "ratio (fastest steps)",
+            "pairs",
+            "max rel. loss diff",
+        ],
+        [
+            "stages",
+            "schedule",
+            "ours_tokens_s",
+            "torch_tokens_s",
+            "ratio",
+            "max_rel_loss_diff",
+            "ours_step_ms",
+            "torch_step_ms",
+            "ours_compute_ms",
+            "torch_compute_ms",
+        ],
+    )
     assert payload["paired"] and payload["separate"]  # both measurements ran
     assert {"ours_cpu_step_s", "torch_cpu_step_s"} <= set(payload["paired"][0])
     # same model, same data, same optimizer: both sides must log the same losses (float32 rounding)
@@ -68,14 +100,38 @@ def test_vs_torch_pipelining_quick(tmp_path):
 @pytest.mark.multiprocess
 def test_dynamic_vs_1f1b_quick(tmp_path):
     _run("dynamic_vs_1f1b", tmp_path)
-    payload = _check_files(tmp_path, "dynamic_vs_1f1b",
-                           ["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b", "ratio range",
-                            "bubble 1f1b", "bubble dynamic", "compute ms 1f1b", "compute ms dynamic", "CPU s 1f1b",
-                            "CPU s dynamic", "model ratio"],
-                           ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"],
-                           more_tables=(["scenario", "1f1b tokens/s", "dynamic tokens/s", "ratio dynamic/1f1b",
-                                         "ratio range", "rounds", "1f1b CPU s/step", "dynamic CPU s/step",
-                                         "dynamic / 1f1b CPU"],))
+    payload = _check_files(
+        tmp_path,
+        "dynamic_vs_1f1b",
+        [
+            "scenario",
+            "1f1b tokens/s",
+            "dynamic tokens/s",
+            "ratio dynamic/1f1b",
+            "ratio range",
+            "bubble 1f1b",
+            "bubble dynamic",
+            "compute ms 1f1b",
+            "compute ms dynamic",
+            "CPU s 1f1b",
+            "CPU s dynamic",
+            "model ratio",
+        ],
+        ["scenario", "1f1b_tokens_s", "dynamic_tokens_s", "ratio", "model_ratio", "timelines"],
+        more_tables=(
+            [
+                "scenario",
+                "1f1b tokens/s",
+                "dynamic tokens/s",
+                "ratio dynamic/1f1b",
+                "ratio range",
+                "rounds",
+                "1f1b CPU s/step",
+                "dynamic CPU s/step",
+                "dynamic / 1f1b CPU",
+            ],
+        ),
+    )
     for row in payload["results"]:
         for png in row["timelines"].values():
             assert (tmp_path / png).stat().st_size > 0
@@ -85,36 +141,82 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
 @pytest.mark.multiprocess
 def test_shm_bench_quick(tmp_path):
     _run("shm_bench", tmp_path)
-    payload = _check_files(tmp_path, "shm_bench",
-                           ["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
-                           ["bytes", "gloo_us", "shm_us", "ratio", "gloo_MBps", "shm_MBps"],
-                           more_tables=(["waiter", "CPU ms per 100 ms waited", "one-way 4 B, us", "one-way 1 MiB, us"],
-                                        ["model", "schedule", "shm tokens/s", "gloo tokens/s", "shm/gloo", "range",
-                                         "CPU s/step shm", "CPU s/step gloo", "same losses"]))
+    payload = _check_files(
+        tmp_path,
+        "shm_bench",
+        ["size", "gloo us", "shm us", "gloo/shm", "range", "gloo MB/s", "shm MB/s"],
+        ["bytes", "gloo_us", "shm_us", "ratio", "gloo_MBps", "shm_MBps"],
+        more_tables=(
+            ["waiter", "CPU ms per 100 ms waited", "one-way 4 B, us", "one-way 1 MiB, us"],
+            [
+                "model",
+                "schedule",
+                "shm tokens/s",
+                "gloo tokens/s",
+                "shm/gloo",
+                "range",
+                "CPU s/step shm",
+                "CPU s/step gloo",
+                "same losses",
+            ],
+        ),
+    )
     assert [r["bytes"] for r in payload["results"]] == [4, 64 << 10, 1 << 20, 16 << 20]
-    assert [w["waiter"] for w in payload["waiting"]] == ["gloo", "shm, spin 0 us", "shm, spin 50 us", "shm, spin 500 us"]
+    assert [w["waiter"] for w in payload["waiting"]] == [
+        "gloo",
+        "shm, spin 0 us",
+        "shm, spin 50 us",
+        "shm, spin 500 us",
+    ]
     assert {(t["schedule"], t["same_losses"]) for t in payload["training"]} == {("1f1b", True), ("dynamic", True)}
 
 
 def test_sim_vs_measured_quick(tmp_path):
     _run("sim_vs_measured", tmp_path)
-    payload = _check_files(tmp_path, "sim_vs_measured",
-                           ["layout", "schedule", "measured ms", "predicted ms", "error %", "bubble measured",
-                            "bubble predicted", "full step ms", "F ms per stage", "B ms per stage"],
-                           ["layout", "schedule", "measured_ms", "predicted_ms", "error_pct", "measured_bubble",
-                            "predicted_bubble"])
+    payload = _check_files(
+        tmp_path,
+        "sim_vs_measured",
+        [
+            "layout",
+            "schedule",
+            "measured ms",
+            "predicted ms",
+            "error %",
+            "bubble measured",
+            "bubble predicted",
+            "full step ms",
+            "F ms per stage",
+            "B ms per stage",
+        ],
+        ["layout", "schedule", "measured_ms", "predicted_ms", "error_pct", "measured_bubble", "predicted_bubble"],
+    )
     assert payload["p2p"]["latency_s"] > 0 and payload["p2p"]["bandwidth_bytes_s"] > 0
 
 
 @pytest.mark.multiprocess
 def test_zero_bubble_quick(tmp_path):
     _run("zero_bubble", tmp_path)
-    payload = _check_files(tmp_path, "zero_bubble",
-                           ["stages", "1f1b tokens/s", "zbh1 tokens/s", "ratio zbh1/1f1b", "ratio range", "rounds",
-                            "separate runs ratio", "simulated ratio", "bubble 1f1b", "bubble zbh1",
-                            "bubble simulated 1f1b / zbh1", "CPU s/step 1f1b / zbh1", "(I + W) / B"],
-                           ["stages", "1f1b_tokens_s", "zbh1_tokens_s", "ratio", "predicted_ratio", "times_ms"],
-                           more_tables=(["stages", "1f1b F ms", "1f1b B ms", "zbh1 F ms", "zbh1 I ms", "zbh1 W ms"],))
+    payload = _check_files(
+        tmp_path,
+        "zero_bubble",
+        [
+            "stages",
+            "1f1b tokens/s",
+            "zbh1 tokens/s",
+            "ratio zbh1/1f1b",
+            "ratio range",
+            "rounds",
+            "separate runs ratio",
+            "simulated ratio",
+            "bubble 1f1b",
+            "bubble zbh1",
+            "bubble simulated 1f1b / zbh1",
+            "CPU s/step 1f1b / zbh1",
+            "(I + W) / B",
+        ],
+        ["stages", "1f1b_tokens_s", "zbh1_tokens_s", "ratio", "predicted_ratio", "times_ms"],
+        more_tables=(["stages", "1f1b F ms", "1f1b B ms", "zbh1 F ms", "zbh1 I ms", "zbh1 W ms"],),
+    )
     for row in payload["results"]:
         assert set(row["times_ms"]["zbh1"]) == {"F", "I", "W"} and set(row["times_ms"]["1f1b"]) == {"F", "B"}
         assert row["max_rel_loss_diff"] < 1e-4  # the same model trained both ways
@@ -135,8 +237,15 @@ def test_launch_time_quick(tmp_path):
 
 def test_trace_steps_split_where_the_first_compute_recurs():
     """A receive is recorded twice (posted, waited for); steps still split at the first compute action."""
-    one = [("RECV_F0", 0, 1), ("RECV_F0", 1, 2), ("F0", 2, 3), ("RECV_B0", 3, 3), ("RECV_B0", 3, 4), ("B0", 4, 5),
-           ("SEND_B0", 5, 5)]
+    one = [
+        ("RECV_F0", 0, 1),
+        ("RECV_F0", 1, 2),
+        ("F0", 2, 3),
+        ("RECV_B0", 3, 3),
+        ("RECV_B0", 3, 4),
+        ("B0", 4, 5),
+        ("SEND_B0", 5, 5),
+    ]
     row = one + [(a, s + 10, e + 10) for a, s, e in one]
     steps = benchlib._split_steps(row)
     assert [[a for a, _, _ in step] for step in steps] == [[a for a, _, _ in one]] * 2
@@ -145,9 +254,14 @@ def test_trace_steps_split_where_the_first_compute_recurs():
 
 def test_compute_intervals_and_bubble():
     # stage 0: F0 [0, 1], B0 [3, 5]; stage 1 receives at 1, F0 [1, 2], B0 [2, 3]
-    step = [[("F0", 0.0, 1.0), ("SEND_F0", 1.0, 1.0), ("RECV_B0", 1.0, 3.0), ("B0", 3.0, 5.0)],
-            [("RECV_F0", 0.0, 0.0), ("RECV_F0", 0.0, 1.0), ("F0", 1.0, 2.0), ("B0", 2.0, 3.0), ("SEND_B0", 3.0, 3.0)]]
-    assert benchlib.compute_intervals(step) == [[("F0", 0.0, 1.0), ("B0", 3.0, 5.0)], [("F0", 1.0, 2.0), ("B0", 2.0, 3.0)]]
+    step = [
+        [("F0", 0.0, 1.0), ("SEND_F0", 1.0, 1.0), ("RECV_B0", 1.0, 3.0), ("B0", 3.0, 5.0)],
+        [("RECV_F0", 0.0, 0.0), ("RECV_F0", 0.0, 1.0), ("F0", 1.0, 2.0), ("B0", 2.0, 3.0), ("SEND_B0", 3.0, 3.0)],
+    ]
+    assert benchlib.compute_intervals(step) == [
+        [("F0", 0.0, 1.0), ("B0", 3.0, 5.0)],
+        [("F0", 1.0, 2.0), ("B0", 2.0, 3.0)],
+    ]
     assert benchlib.step_span(step) == 5.0
     assert benchlib.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
 
@@ -163,33 +277,72 @@ def test_soak_quick(tmp_path):
     assert ["rank", "RSS at step 100 MiB", "at step 400 MiB", "growth", "bytes per step", "target < 1%"] in _headers(md)
     result = json.loads((tmp_path / "soak.json").read_text())
     assert sorted(result["rss_kib"]) == sorted(str(s) for s in range(100, 401, 100))
-    assert all(sorted(row) == ["0", "1"] and all(v > 10_000 for v in row.values()) for row in result["rss_kib"].values())
+    assert all(
+        sorted(row) == ["0", "1"] and all(v > 10_000 for v in row.values()) for row in result["rss_kib"].values()
+    )
     assert sorted(result["growth"]) == ["0", "1"]
 
 
 @pytest.mark.multiprocess
 def test_zero1_memory_quick(tmp_path):
     _run("zero1_memory", tmp_path)
-    payload = _check_files(tmp_path, "zero1_memory",
-                           ["layout", "rank", "state adamw MiB", "state zero1 MiB", "formula MiB", "factor",
-                            "peak RSS adamw MiB", "peak RSS zero1 MiB", "added adamw MiB", "added zero1 MiB", "saved MiB",
-                            "end RSS adamw MiB", "end RSS zero1 MiB"],
-                           ["layout", "rank", "adamw_state_mib", "zero1_state_mib", "zero1_formula_mib", "state_factor",
-                            "adamw_peak_mib", "zero1_peak_mib"])
+    payload = _check_files(
+        tmp_path,
+        "zero1_memory",
+        [
+            "layout",
+            "rank",
+            "state adamw MiB",
+            "state zero1 MiB",
+            "formula MiB",
+            "factor",
+            "peak RSS adamw MiB",
+            "peak RSS zero1 MiB",
+            "added adamw MiB",
+            "added zero1 MiB",
+            "saved MiB",
+            "end RSS adamw MiB",
+            "end RSS zero1 MiB",
+        ],
+        [
+            "layout",
+            "rank",
+            "adamw_state_mib",
+            "zero1_state_mib",
+            "zero1_formula_mib",
+            "state_factor",
+            "adamw_peak_mib",
+            "zero1_peak_mib",
+        ],
+    )
     for row in payload["results"]:  # the moments the ranks really kept are what the formula says
         assert row["zero1_state_mib"] == pytest.approx(row["zero1_formula_mib"], rel=1e-9)
     factors = {(r["layout"], r["rank"]): r["state_factor"] for r in payload["results"]}
     assert factors[("2 pipelines, tp 1 and tp 1", 0)] == pytest.approx(2.0, rel=1e-3)
     assert factors[("tp 2 beside tp 1", 2)] > 2.9  # the TP-1 rank keeps about a third of its state
 
+
 def test_hot_switch_quick(tmp_path):
     _run("hot_switch", tmp_path)
-    payload = _check_files(tmp_path, "hot_switch",
-                           ["layout", "tokens/s", "x best static", "step s", "predicted step s", "switch % of step",
-                            "switch s with wait", "switch s", "predicted switch s", "act. positions (MB)", "fits cap",
-                            "peak RSS MB"],
-                           ["layout", "tp_comm", "tokens_s", "vs_best_static", "fits_cap", "peak_rss_mb",
-                            "predicted_step_s"])
+    payload = _check_files(
+        tmp_path,
+        "hot_switch",
+        [
+            "layout",
+            "tokens/s",
+            "x best static",
+            "step s",
+            "predicted step s",
+            "switch % of step",
+            "switch s with wait",
+            "switch s",
+            "predicted switch s",
+            "act. positions (MB)",
+            "fits cap",
+            "peak RSS MB",
+        ],
+        ["layout", "tp_comm", "tokens_s", "vs_best_static", "fits_cap", "peak_rss_mb", "predicted_step_s"],
+    )
     rows = {r["layout"]: r for r in payload["results"]}
     switching = ("switching dp2/tp2, elastic, top-up", "switching dp2/tp2, elastic", "switching dp2/tp2, fixed")
     assert set(rows) == {"static tp2", *switching}
@@ -220,8 +373,10 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
         path = tmp_path / f"{mode}.toml"
         path.write_text(hot.layout_text(cfg, mode, rows))
         lay = layout_mod.load(path)
-        steps[mode] = sum(bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=50e9,
-                                                      block_overhead=1e-5).total for s in range(cfg.warmup, cfg.steps))
+        steps[mode] = sum(
+            bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=50e9, block_overhead=1e-5).total
+            for s in range(cfg.warmup, cfg.steps)
+        )
     assert rows[0] > 1 and rows[1] > 1  # fixed buckets pad to the most microbatches any step needs
     assert steps["top-up"] < 0.95 * steps["elastic"] < 0.95 * 0.95 * steps["fixed"]
 
@@ -243,17 +398,23 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
         path.write_text(hot.layout_text(cfg, "top-up", (1, 1)))
         lay = layout_mod.load(path)
         if network == "testbed":
-            assert [(n.name, n.domain, len(n.devices)) for n in lay.cluster.nodes] == [("node0", "d0", 1),
-                                                                                    ("node1", "d0", 1)]
+            assert [(n.name, n.domain, len(n.devices)) for n in lay.cluster.nodes] == [
+                ("node0", "d0", 1),
+                ("node1", "d0", 1),
+            ]
             (domain,) = lay.cluster.domains
             assert domain.bandwidth_gbps == lay.cluster.cross_domain.bandwidth_gbps == pytest.approx(cfg.tp_gbps, 1e-5)
             assert f"tp_gbps={cfg.tp_gbps:.6g}" in hot.device_spec(cfg)
-            assert {d for b in lay.buckets for p in b.pipelines for s in p.stages for d in s.devices} == \
-                {"node0:0", "node1:0"}
+            assert {d for b in lay.buckets for p in b.pipelines for s in p.stages for d in s.devices} == {
+                "node0:0",
+                "node1:0",
+            }
         home = compile_plan(lay)
         b0, b1 = bucket_plans(lay)
-        bytes_moved[network] = [sum(t.nbytes for t in step_switch(home, a, b, params=True, grads=g).transfers
-                                    if t.src != t.dst) for a, b, g in ((home, b0, False), (b0, b1, True))]
+        bytes_moved[network] = [
+            sum(t.nbytes for t in step_switch(home, a, b, params=True, grads=g).transfers if t.src != t.dst)
+            for a, b, g in ((home, b0, False), (b0, b1, True))
+        ]
     assert bytes_moved["testbed"] == bytes_moved["loopback"] and min(bytes_moved["testbed"]) > 0
 
 
@@ -263,7 +424,16 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
     and the full-size configurations too, which no CPU test run writes."""
     import attrs
 
-    from bench import gpu_bench, holmes_bench, launch_time, plan_bench, plan_memory, plan_vs_measured, soak, zero1_memory
+    from bench import (
+        gpu_bench,
+        holmes_bench,
+        launch_time,
+        plan_bench,
+        plan_memory,
+        plan_vs_measured,
+        soak,
+        zero1_memory,
+    )
     from hetero_llm import layout
     from hetero_llm.planner.cluster import load_cluster
 
@@ -286,26 +456,50 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_bytes(bytes(range(256)) * 16)
-    texts = [benchlib.layout_toml(benchlib.ModelConfig(), [4, 4], 4, "interleaved", chunks=2),
-             benchlib.layout_toml(benchlib.ModelConfig(), [8], 1, "zbh1")]
+    texts = [
+        benchlib.layout_toml(benchlib.ModelConfig(), [4, 4], 4, "interleaved", chunks=2),
+        benchlib.layout_toml(benchlib.ModelConfig(), [8], 1, "zbh1"),
+    ]
     case = gpu_bench.Case(gpu_bench.SIZES["124m"], 1024, 16)
-    for devices, kw in ((["cuda:0"], {"backend": "nccl", "compile_mode": "blocks"}),
-                        (["cuda:0"] * 2, {"stages": 2, "microbatches": 4}), (["cuda:0"] * 2, {})):
+    for devices, kw in (
+        (["cuda:0"], {"backend": "nccl", "compile_mode": "blocks"}),
+        (["cuda:0"] * 2, {"stages": 2, "microbatches": 4}),
+        (["cuda:0"] * 2, {}),
+    ):
         texts.append(gpu_bench.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
     for text in texts:
         (tmp_path / "text.toml").write_text(text)
         layout.load(tmp_path / "text.toml")
 
     holmes = tmp_path / "holmes.toml"
-    holmes.write_text(holmes_bench.cluster_file(hidden=512, layers=4, heads=8, seq_len=32, batch=4, steps=8,
-                                                domain_gbps=1.0, domain_us=100.0, cross_gbps=0.1, cross_us=1000.0))
+    holmes.write_text(
+        holmes_bench.cluster_file(
+            hidden=512,
+            layers=4,
+            heads=8,
+            seq_len=32,
+            batch=4,
+            steps=8,
+            domain_gbps=1.0,
+            domain_us=100.0,
+            cross_gbps=0.1,
+            cross_us=1000.0,
+        )
+    )
     _, _, holmes_sections = layout.read_cluster_file(holmes, "the test")
     naive = layout.load(holmes_bench.naive_layout(holmes, tmp_path / "naive.toml", 2))
     assert attrs.evolve(naive, pipelines=()) == layout.Layout(file=naive.file, pipelines=(), **holmes_sections)
     domain = {n.name: n.domain for n in naive.cluster.nodes}  # one pipeline per domain
-    assert [{domain[d.split(":")[0]] for s in p.stages for d in s.devices} for p in naive.pipelines] == [{"ib"}, {"roce"}]
-    for text in (plan_bench.large_cluster(1024, 0, 30.0), plan_bench._draw_small(901), layout.dumps_cluster(sections),
-                 plan_vs_measured.cluster_text(6, testbed=True, action_us=812.5, p2p_us=61.25)):
+    assert [{domain[d.split(":")[0]] for s in p.stages for d in s.devices} for p in naive.pipelines] == [
+        {"ib"},
+        {"roce"},
+    ]
+    for text in (
+        plan_bench.large_cluster(1024, 0, 30.0),
+        plan_bench._draw_small(901),
+        layout.dumps_cluster(sections),
+        plan_vs_measured.cluster_text(6, testbed=True, action_us=812.5, p2p_us=61.25),
+    ):
         path = tmp_path / "cluster.toml"
         path.write_text(text)
         load_cluster(path)

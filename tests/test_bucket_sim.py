@@ -11,12 +11,12 @@ import attrs
 import pytest
 
 from harness import assert_one_error_line, invoke_cli
-from hetero_llm.predict.device import EmulatedDevice, action_seconds
 from hetero_llm import layout as layout_mod
-from hetero_llm.switching import predict as bucket_sim
-from hetero_llm.switching import bucketing
 from hetero_llm.data import documents
 from hetero_llm.plan import compile_plan
+from hetero_llm.predict.device import EmulatedDevice, action_seconds
+from hetero_llm.switching import bucketing
+from hetero_llm.switching import predict as bucket_sim
 from hetero_llm.switching.transfers import bucket_plans, step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,9 +30,13 @@ LINKS = {"local": (0.0, 5e9), "node": (1e-4, 1e9), "domain": (5e-4, 1e8), "cross
 def test_emulated_device_specs_parse_and_bad_ones_name_the_key():
     assert (DEVICE.flops, DEVICE.tp_bandwidth, DEVICE.tp_latency) == pytest.approx((2e9, 1e9, 50e-6))
     assert EmulatedDevice.parse("gflops=1").tp_bandwidth == math.inf
-    for spec, words in [("gflops=1;speed=2", "unknown key 'speed'"), ("gflops=x", "gflops = 'x' is not a number"),
-                        ("tp_gbps=1", "gflops > 0 is required"), ("gflops=1;tp_gbps=0", "tp_gbps must be > 0"),
-                        ("gflops=-1", "gflops must be >= 0")]:
+    for spec, words in [
+        ("gflops=1;speed=2", "unknown key 'speed'"),
+        ("gflops=x", "gflops = 'x' is not a number"),
+        ("tp_gbps=1", "gflops > 0 is required"),
+        ("gflops=1;tp_gbps=0", "tp_gbps must be > 0"),
+        ("gflops=-1", "gflops must be >= 0"),
+    ]:
         with pytest.raises(ValueError, match=words):
             EmulatedDevice.parse(spec)
 
@@ -44,8 +48,7 @@ def test_action_seconds_follow_positions_documents_and_tp():
     one = action_seconds(model, "F", 2, 1, 64, 0, 1, False, DEVICE)
     assert one == pytest.approx(2 * 64 * matmul / 2e9)
     # masked attention: 2 H per unit of the sum of squared document lengths, per layer
-    assert action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(
-        2 * 2 * h * 1000 / 2e9)
+    assert action_seconds(model, "F", 2, 1, 64, 1000, 1, False, DEVICE) - one == pytest.approx(2 * 2 * h * 1000 / 2e9)
     assert action_seconds(model, "F", 2, 3, 64, 0, 1, False, DEVICE) == pytest.approx(3 * one)
     head = action_seconds(model, "F", 2, 1, 64, 0, 1, True, DEVICE) - one
     assert head == pytest.approx(2 * 64 * h * model.vocab / 2e9)
@@ -55,7 +58,8 @@ def test_action_seconds_follow_positions_documents_and_tp():
     tp2 = action_seconds(model, "F", 2, 1, 64, 0, 2, False, DEVICE)
     assert tp2 == pytest.approx(one / 2 + 2 * 2 * (64 * h * 4 / 1e9 + 50e-6))
     assert action_seconds(model, "W", 2, 1, 64, 0, 2, False, DEVICE) == pytest.approx(
-        2 * 64 * matmul / 2e9 / 2)  # no all-reduce in a weight gradient
+        2 * 64 * matmul / 2e9 / 2
+    )  # no all-reduce in a weight gradient
 
 
 def test_switch_seconds_with_one_link_kind_is_the_switch_planners_prediction():
@@ -104,17 +108,25 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
     expected = 0.0
     for piece in (rows.take(0, half), rows.take(half, rows.num_rows)):
         square = int((piece.spans[:, 2] ** 2).sum())
-        expected = max(expected, sum(action_seconds(lay.model, k, lay.model.layers, piece.num_rows,
-                                                             lay.buckets[0].max_len, square, 1, True, DEVICE)
-                                     for k in "FB"))
+        expected = max(
+            expected,
+            sum(
+                action_seconds(
+                    lay.model, k, lay.model.layers, piece.num_rows, lay.buckets[0].max_len, square, 1, True, DEVICE
+                )
+                for k in "FB"
+            ),
+        )
     assert bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
 
 
 def test_an_elastic_bucket_splits_its_rows_into_more_microbatches_of_fixed_rows():
     """``bucketing.bucket_split``: 12 rows over shares 2 + 1 (4 rounds): fixed, each pipeline keeps its microbatch
     count and their rows grow; elastic, their rows stay batch / microbatches and the count grows."""
-    pipes = [attrs.evolve(p, batch=b, microbatches=m) for p, (b, m) in zip(layout_mod.load(TP23).buckets[0].pipelines,
-                                                                            [(2, 2), (1, 1)])]
+    pipes = [
+        attrs.evolve(p, batch=b, microbatches=m)
+        for p, (b, m) in zip(layout_mod.load(TP23).buckets[0].pipelines, [(2, 2), (1, 1)])
+    ]
     assert bucketing.bucket_split(pipes, 12, elastic=False) == (4, [(0, 8, 2), (8, 4, 1)])
     assert bucketing.bucket_split(pipes, 12, elastic=True) == (4, [(0, 8, 8), (8, 4, 4)])
     with pytest.raises(ValueError, match="not a multiple of the pipelines' batch shares"):
@@ -139,7 +151,7 @@ def test_top_up_fills_a_longer_buckets_free_positions_with_the_longest_shorter_d
     assert rows == {0: [1, 31], 1: [10, 20]}
     for rows in topped:  # every position a document's: its own tokens, positions restarting at 0
         for r, start, n in rows.spans:
-            assert list(rows.positions[r, start:start + n]) == list(range(n))
+            assert list(rows.positions[r, start : start + n]) == list(range(n))
 
 
 def test_an_elastic_two_stage_bucket_is_predicted_with_the_steps_microbatch_count():
@@ -175,10 +187,12 @@ def test_dry_run_shows_the_simulated_step_and_refuses_a_bad_device(monkeypatch):
     for line in ("  bucket 0: ", "  switch home -> b0: ", "  switch b1 -> home: ", "  home gradient sync: "):
         assert line in out
     monkeypatch.setenv("HETERO_EMULATE_DEVICE", "*:gflops=2;speed=3")
-    assert_one_error_line(invoke_cli(THREE, "--dry-run"),
-                          "environment: HETERO_EMULATE_DEVICE: '*:gflops=2;speed=3': emulated device: unknown key "
-                          "'speed' (known: gflops, tp_gbps, tp_latency_us) (write RANK:VALUE entries separated by "
-                          "commas, RANK a rank or '*', e.g. '*:gflops=100;tp_gbps=200;tp_latency_us=5')")
+    assert_one_error_line(
+        invoke_cli(THREE, "--dry-run"),
+        "environment: HETERO_EMULATE_DEVICE: '*:gflops=2;speed=3': emulated device: unknown key "
+        "'speed' (known: gflops, tp_gbps, tp_latency_us) (write RANK:VALUE entries separated by "
+        "commas, RANK a rank or '*', e.g. '*:gflops=100;tp_gbps=200;tp_latency_us=5')",
+    )
 
 
 def test_the_runtime_reads_an_emulated_device_per_rank(monkeypatch):

@@ -18,15 +18,17 @@ import pytest
 
 from harness import assert_same_model, invoke_cli, launch
 from hetero_llm import layout as layout_mod
-from hetero_llm.predict import trace as tracing
-from hetero_llm.switching.bucketing import bucket_rows
 from hetero_llm.data.documents import fill_documents, make_document_source
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import compile_plan
+from hetero_llm.predict import trace as tracing
+from hetero_llm.switching.bucketing import bucket_rows
 from hetero_llm.switching.transfers import bucket_plans
 
 DATA = Path(__file__).resolve().parent / "data"
-THREE = Path(__file__).resolve().parents[1] / "layouts" / "examples" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
+THREE = (
+    Path(__file__).resolve().parents[1] / "layouts" / "examples" / "hot_switch.toml"
+)  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
 TP23 = DATA / "buckets_tp23.toml"  # home TP 3 | asymmetric zbh1 | PP 2 dynamic | interleaved, 3 devices
 
 
@@ -34,9 +36,11 @@ def one_process(layout: Path, folder: Path) -> Path:
     """The single-process layout of the same [model], [train] and [data], without buckets."""
     lay = layout_mod.load(layout)
     head = layout.read_text().split("[cluster]")[0]
-    text = head + ("[cluster]\n[[cluster.nodes]]\nname = \"node0\"\ndevices = [\"cpu\"]\n[[pipelines]]\n"
-                   f"batch = {lay.train.global_batch}\nmicrobatches = 2\n[[pipelines.stages]]\n"
-                   f"layers = {lay.model.layers}\ndevices = [\"node0:0\"]\n")
+    text = head + (
+        '[cluster]\n[[cluster.nodes]]\nname = "node0"\ndevices = ["cpu"]\n[[pipelines]]\n'
+        f"batch = {lay.train.global_batch}\nmicrobatches = 2\n[[pipelines.stages]]\n"
+        f'layers = {lay.model.layers}\ndevices = ["node0:0"]\n'
+    )
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "one_process.toml"
     path.write_text(text)
@@ -128,8 +132,9 @@ def test_tp2_tp3_asymmetric_and_every_schedule_kind_train_the_one_process_model(
     assert_same_model(run, ref)
     kinds = {layout_mod.load(TP23).buckets[i].schedule for i in range(3)} | {layout_mod.load(TP23).train.schedule}
     assert {k.value for k in kinds} == {"zbh1", "dynamic", "interleaved", "1f1b"}  # gpipe: the other test
-    assert switches(tmp_path / "trace", 2) == \
-        ["SWITCH>b0", "SWITCH>b1", "SWITCH>b2", "SWITCH>home"] * 2  # node0:2 idles in b2 but still switches
+    assert (
+        switches(tmp_path / "trace", 2) == ["SWITCH>b0", "SWITCH>b1", "SWITCH>b2", "SWITCH>home"] * 2
+    )  # node0:2 idles in b2 but still switches
     # elastic buckets (1 and 2 topped up with shorter documents): rank 0 runs as many microbatches as each step's
     # rows need: 1 then 2 rounds of its 2 in bucket 0, 3 then 1 of bucket 1's 2, 2 and 2 of bucket 2's 2
     assert forwards_per_bucket(tmp_path / "trace", 0) == [{"b0": 2, "b1": 6, "b2": 4}, {"b0": 4, "b1": 2, "b2": 4}]
@@ -171,8 +176,10 @@ def test_two_buckets_dp2_and_home_tp2_train_the_one_process_model(tmp_path):
     evaluating = ("--set", "train.eval_every=1", "--set", "train.eval_batches=2")
     ref = launch(one_process(two, tmp_path / "ref"), tmp_path / "ref", *evaluating)
     assert_same_model(launch(two, tmp_path / "run", *evaluating), ref)
-    valid = {k: [json.loads(line)["valid_loss"] for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-             for k in ("ref", "run")}
+    valid = {
+        k: [json.loads(line)["valid_loss"] for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("ref", "run")
+    }
     assert len(valid["ref"]) == 2 and valid["ref"][1] != valid["ref"][0]  # two evaluations, of two models
     for a, b in zip(valid["run"], valid["ref"]):
         assert abs(a - b) <= 1e-5 * b, valid

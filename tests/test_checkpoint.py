@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
 from hetero_llm.errors import CheckpointError
 from hetero_llm.runtime.adamw import AdamW
-from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
-from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
 FOLDER = Path("ckpt/step-000002")
@@ -85,8 +85,10 @@ def test_slices_cut_across_shard_boundaries():
     """Shards saved by TP 2 (rows [0, 3), [3, 6)) give a TP-3 rank rows [2, 4): parts of both."""
     gen = torch.Generator().manual_seed(0)
     w, wo, norm = torch.randn(6, 4, generator=gen), torch.randn(4, 6, generator=gen), torch.randn(6, generator=gen)
-    files = [{"shards": {"w": _shard(w, 0, 0, 3), "wo": _shard(wo, 1, 0, 3), "norm": _shard(norm, None, 0, 6)}},
-             {"shards": {"w": _shard(w, 0, 3, 6), "wo": _shard(wo, 1, 3, 6), "norm": _shard(norm, None, 0, 6)}}]
+    files = [
+        {"shards": {"w": _shard(w, 0, 0, 3), "wo": _shard(wo, 1, 0, 3), "norm": _shard(norm, None, 0, 6)}},
+        {"shards": {"w": _shard(w, 0, 3, 6), "wo": _shard(wo, 1, 3, 6), "norm": _shard(norm, None, 0, 6)}},
+    ]
     got = _assemble(files, {"w": (2, 4), "wo": (4, 6), "norm": (0, 6)}, ("tensor",), FOLDER)["tensor"]
     assert torch.equal(got["w"], w[2:4])
     assert torch.equal(got["wo"], wo[:, 4:6])
@@ -99,8 +101,9 @@ def test_rows_in_no_rank_file_are_an_error():
     files = [{"shards": {"w": _shard(torch.randn(6, 4), 0, 0, 3)}}]
     with pytest.raises(CheckpointError) as e:
         _assemble(files, {"w": (2, 4)}, ("tensor",), FOLDER)
-    assert str(e.value) == (f"{FOLDER}: --resume: w: part of it is in no rank file (the save is damaged); "
-                            "resume from another step folder")
+    assert str(e.value) == (
+        f"{FOLDER}: --resume: w: part of it is in no rank file (the save is damaged); resume from another step folder"
+    )
 
 
 # ------------------------------------------------------------------------------------ AdamW state
@@ -145,63 +148,88 @@ def test_restored_adamw_continues_like_the_uninterrupted_one(kind):
 # ------------------------------------------------------------------------------------ bad --resume
 
 
-FIX = ("pass the --checkpoint DIR of an earlier run or one of its step-NNNNNN folders, "
-       "or start without --resume")
+FIX = "pass the --checkpoint DIR of an earlier run or one of its step-NNNNNN folders, or start without --resume"
 
 
 def test_resume_from_a_missing_folder(tmp_path):
-    assert_one_error_line(invoke_cli(REFERENCE, "--resume", tmp_path / "nope"),
-                          f"{tmp_path / 'nope'}: --resume: no such folder ({FIX})")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--resume", tmp_path / "nope"), f"{tmp_path / 'nope'}: --resume: no such folder ({FIX})"
+    )
 
 
 def test_resume_from_a_folder_without_a_complete_save(tmp_path):
     _save(tmp_path, 2, layout_mod.load(REFERENCE), complete=False)
-    assert_one_error_line(invoke_cli(REFERENCE, "--resume", tmp_path),
-                          f"{tmp_path}: --resume: no complete checkpoint here (no step-NNNNNN folder with a "
-                          f"meta.json; a save interrupted before writing it does not count): {FIX}")
-    assert_one_error_line(invoke_cli(REFERENCE, "--resume", tmp_path / "step-000002"),
-                          f"{tmp_path / 'step-000002'}: --resume: an incomplete save (no meta.json: it was "
-                          "interrupted); pass its parent folder to resume from the newest complete save")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--resume", tmp_path),
+        f"{tmp_path}: --resume: no complete checkpoint here (no step-NNNNNN folder with a "
+        f"meta.json; a save interrupted before writing it does not count): {FIX}",
+    )
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--resume", tmp_path / "step-000002"),
+        f"{tmp_path / 'step-000002'}: --resume: an incomplete save (no meta.json: it was "
+        "interrupted); pass its parent folder to resume from the newest complete save",
+    )
 
 
 def test_resume_with_a_rank_file_missing(tmp_path):
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE), world_size=3)
     (folder / "rank1.pt").unlink()
-    assert_one_error_line(invoke_cli(REFERENCE, "--resume", tmp_path),
-                          f"{folder}: --resume: rank1.pt is missing (the layout that saved it had 3 ranks); {FIX}")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--resume", tmp_path),
+        f"{folder}: --resume: rank1.pt is missing (the layout that saved it had 3 ranks); {FIX}",
+    )
 
 
-@pytest.mark.parametrize("overrides,difference", [
-    (["model.hidden=48"], "embed.tok is [64, 48] in the layout's model but [64, 32] in the checkpoint"),
-    (["model.layers=7", "pipelines.0.stages.0.layers=7"],
-     "the checkpoint lacks layers.6.attn_norm.weight, layers.6.attn.wq and 7 more"),
-    (["model.layers=5", "pipelines.0.stages.0.layers=5"],
-     "the layout's model lacks layers.5.attn_norm.weight, layers.5.attn.wq and 7 more"),
-], ids=["other hidden size", "more layers", "fewer layers"])
+@pytest.mark.parametrize(
+    "overrides,difference",
+    [
+        (["model.hidden=48"], "embed.tok is [64, 48] in the layout's model but [64, 32] in the checkpoint"),
+        (
+            ["model.layers=7", "pipelines.0.stages.0.layers=7"],
+            "the checkpoint lacks layers.6.attn_norm.weight, layers.6.attn.wq and 7 more",
+        ),
+        (
+            ["model.layers=5", "pipelines.0.stages.0.layers=5"],
+            "the layout's model lacks layers.5.attn_norm.weight, layers.5.attn.wq and 7 more",
+        ),
+    ],
+    ids=["other hidden size", "more layers", "fewer layers"],
+)
 def test_resume_a_checkpoint_of_another_model(overrides, difference, tmp_path):
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
     sets = [a for o in overrides for a in ("--set", o)]
-    assert_one_error_line(invoke_cli(REFERENCE, *sets, "--resume", tmp_path),
-                          f"{folder}: --resume: a checkpoint of a different model than {REFERENCE}'s: {difference} "
-                          "(resume with the [model] it was trained with, or start without --resume)")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, *sets, "--resume", tmp_path),
+        f"{folder}: --resume: a checkpoint of a different model than {REFERENCE}'s: {difference} "
+        "(resume with the [model] it was trained with, or start without --resume)",
+    )
 
 
 def test_resume_with_nothing_left_to_train(tmp_path):
     folder = _save(tmp_path, 3, layout_mod.load(REFERENCE))
-    assert_one_error_line(invoke_cli(REFERENCE, "--resume", tmp_path),
-                          f"{folder}: --resume: the checkpoint is at step 3 and train.steps is 3: nothing left to "
-                          "train (raise it, e.g. --set train.steps=6)")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--resume", tmp_path),
+        f"{folder}: --resume: the checkpoint is at step 3 and train.steps is 3: nothing left to "
+        "train (raise it, e.g. --set train.steps=6)",
+    )
 
 
 def test_checkpoint_every_needs_a_folder():
-    assert_one_error_line(invoke_cli(REFERENCE, "--checkpoint-every", "2"),
-                          f"{REFERENCE}: --checkpoint-every: needs --checkpoint DIR (the folder to save into)")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--checkpoint-every", "2"),
+        f"{REFERENCE}: --checkpoint-every: needs --checkpoint DIR (the folder to save into)",
+    )
 
 
 def test_bad_resume_in_a_real_process(tmp_path):
     """Once outside CliRunner: one line on stderr, exit code 2, no traceback, no rank started."""
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), "--resume", str(tmp_path / "nope")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), "--resume", str(tmp_path / "nope")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr == f"error: {tmp_path / 'nope'}: --resume: no such folder ({FIX})\n"
 
@@ -223,7 +251,9 @@ def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = 
     for r, data in enumerate(contents):
         checkpoint.rank_file(folder, r).write_bytes(data)
     digests = [checkpoint.file_digest(checkpoint.rank_file(folder, r)) for r in range(len(contents))]
-    checkpoint.finish_save(folder, step, plan.world_size, lay, checkpoint.file_records(plan.rank_plan(0).saved_shards, digests))
+    checkpoint.finish_save(
+        folder, step, plan.world_size, lay, checkpoint.file_records(plan.rank_plan(0).saved_shards, digests)
+    )
     return folder
 
 
@@ -244,20 +274,27 @@ def test_meta_records_size_sha256_and_shards_of_every_rank_file(tmp_path):
     assert checkpoint.verify(found) is None
 
 
-@pytest.mark.parametrize("damage,problem", [
-    (lambda data: data[:5] + bytes([data[5] ^ 1]) + data[6:],  # one bit flipped
-     "its sha256 is not the one meta.json recorded when it was saved (the file changed since: damaged, edited, "
-     "or copied from another save)"),
-    (lambda data: data[:-4], "12 bytes, but 16 were saved (truncated or replaced since)"),
-    (lambda data: b"", "0 bytes, but 16 were saved (truncated or replaced since)"),
-    (lambda data: b"another model's rank file", "25 bytes, but 16 were saved (truncated or replaced since)"),
-], ids=["bit flip", "truncated", "zero bytes", "another save's file"])
+@pytest.mark.parametrize(
+    "damage,problem",
+    [
+        (
+            lambda data: data[:5] + bytes([data[5] ^ 1]) + data[6:],  # one bit flipped
+            "its sha256 is not the one meta.json recorded when it was saved (the file changed since: damaged, edited, "
+            "or copied from another save)",
+        ),
+        (lambda data: data[:-4], "12 bytes, but 16 were saved (truncated or replaced since)"),
+        (lambda data: b"", "0 bytes, but 16 were saved (truncated or replaced since)"),
+        (lambda data: b"another model's rank file", "25 bytes, but 16 were saved (truncated or replaced since)"),
+    ],
+    ids=["bit flip", "truncated", "zero bytes", "another save's file"],
+)
 def test_a_damaged_rank_file_is_refused_before_any_rank_starts(damage, problem, tmp_path):
     folder = _save_recorded(tmp_path, 2, [b"0123456789abcdef"])
     path = folder / "rank0.pt"
     path.write_bytes(damage(path.read_bytes()))
-    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
-                          f"{path}: --resume: {problem}; {DAMAGED}")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path), f"{path}: --resume: {problem}; {DAMAGED}"
+    )
 
 
 def test_rank_files_swapped_between_ranks_are_refused(tmp_path):
@@ -268,9 +305,14 @@ def test_rank_files_swapped_between_ranks_are_refused(tmp_path):
     a, b = one.read_bytes(), two.read_bytes()
     one.write_bytes(b)
     two.write_bytes(a)
-    result = invoke_cli(LAYOUTS / "examples" / "three_pipelines.toml", "--set", "train.steps=4", "--resume", folder, "--dry-run")
-    assert_one_error_line(result, f"{one}: --resume: its sha256 is not the one meta.json recorded when it was saved "
-                                  f"(the file changed since: damaged, edited, or copied from another save); {DAMAGED}")
+    result = invoke_cli(
+        LAYOUTS / "examples" / "three_pipelines.toml", "--set", "train.steps=4", "--resume", folder, "--dry-run"
+    )
+    assert_one_error_line(
+        result,
+        f"{one}: --resume: its sha256 is not the one meta.json recorded when it was saved "
+        f"(the file changed since: damaged, edited, or copied from another save); {DAMAGED}",
+    )
 
 
 def test_shards_that_miss_part_of_a_tensor_are_refused(tmp_path):
@@ -281,15 +323,18 @@ def test_shards_that_miss_part_of_a_tensor_are_refused(tmp_path):
     meta = json.loads((folder / "meta.json").read_text())
     meta["files"]["rank0.pt"]["shards"]["layers.0.mlp.w1"]["range"] = [0, 64]
     (folder / "meta.json").write_text(json.dumps(meta))
-    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
-                          f"{folder}: --resume: layers.0.mlp.w1 from row 64 of dim 0 is in no rank file: the save is "
-                          f"incomplete; {DAMAGED}")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
+        f"{folder}: --resume: layers.0.mlp.w1 from row 64 of dim 0 is in no rank file: the save is "
+        f"incomplete; {DAMAGED}",
+    )
     del meta["files"]["rank0.pt"]["shards"]["layers.0.mlp.w1"]
     meta["files"]["rank0.pt"]["shards"]["layers.9.mlp.w1"] = {"dim": 0, "range": [0, 64], "shape": [64, 32]}
     (folder / "meta.json").write_text(json.dumps(meta))
-    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
-                          f"{folder}: --resume: meta.json is not a hetero_llm checkpoint's (KeyError: "
-                          f"'layers.9.mlp.w1'); {FIX}")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path),
+        f"{folder}: --resume: meta.json is not a hetero_llm checkpoint's (KeyError: 'layers.9.mlp.w1'); {FIX}",
+    )
 
 
 @pytest.mark.parametrize("text", ["../elsewhere/step-000002", "/tmp/step-000002", "step-000002/..", "meta.json"])
@@ -298,10 +343,12 @@ def test_latest_never_leads_outside_the_checkpoint_folder(text, tmp_path):
     _save_recorded(root, 2, [b"x"])
     _save_recorded(tmp_path / "elsewhere", 2, [b"y"])
     (root / "latest").write_text(text + "\n")
-    assert_one_error_line(invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", root),
-                          f"{root / 'latest'}: --resume: names {text!r}, not a step-NNNNNN folder of {root} (write "
-                          "the name of one of its step folders into it, or delete it to resume from the "
-                          "highest-numbered complete one)")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", root),
+        f"{root / 'latest'}: --resume: names {text!r}, not a step-NNNNNN folder of {root} (write "
+        "the name of one of its step folders into it, or delete it to resume from the "
+        "highest-numbered complete one)",
+    )
 
 
 def test_latest_through_a_symlink_out_of_the_folder_is_refused(tmp_path):
@@ -319,8 +366,10 @@ def test_a_save_without_records_resumes_with_a_warning(tmp_path):
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
     result = invoke_cli(REFERENCE, "--set", "train.steps=4", "--resume", tmp_path, "--dry-run")
     assert result.exit_code == 0, result.stderr
-    assert result.stderr == (f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank "
-                             "files (a save by an earlier hetero_llm): resuming without verifying them\n")
+    assert result.stderr == (
+        f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank "
+        "files (a save by an earlier hetero_llm): resuming without verifying them\n"
+    )
 
 
 def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
@@ -339,12 +388,20 @@ def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))
     wq = torch.zeros(48, 32)
-    torch.save({"shards": {"layers.0.attn.wq": {"tensor": wq, "exp_avg": wq, "exp_avg_sq": wq,
-                                                "coords": (0, 0, 48, (48, 32))}}}, folder / "rank0.pt")
+    torch.save(
+        {
+            "shards": {
+                "layers.0.attn.wq": {"tensor": wq, "exp_avg": wq, "exp_avg_sq": wq, "coords": (0, 0, 48, (48, 32))}
+            }
+        },
+        folder / "rank0.pt",
+    )
     with pytest.raises(CheckpointError) as e:
         _load_rank_file(checkpoint.find(tmp_path), 0)
-    assert str(e.value) == (f"{folder / 'rank0.pt'}: --resume: its shard of layers.0.attn.wq ([32, 32]) is rows "
-                            f"[0, 48) of dim 0, outside the tensor: the save is damaged; {DAMAGED}")
+    assert str(e.value) == (
+        f"{folder / 'rank0.pt'}: --resume: its shard of layers.0.attn.wq ([32, 32]) is rows "
+        f"[0, 48) of dim 0, outside the tensor: the save is damaged; {DAMAGED}"
+    )
 
 
 # ------------------------------------------------------------------------------------ leftovers of killed saves

@@ -18,22 +18,29 @@ import click
 import pytest
 from click.testing import CliRunner
 
+from harness import LAYOUTS, assert_one_error_line, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli import export, generate, place, timeline, tokenize
-from hetero_llm.interop import export as interop_export
 from hetero_llm.cli import launch as cli
 from hetero_llm.cli import plan as plan_cli
 from hetero_llm.data import batches as data
-from hetero_llm.launch import memory as params
 from hetero_llm.errors import LayoutError
+from hetero_llm.interop import export as interop_export
+from hetero_llm.launch import memory as params
+from hetero_llm.model.params import count_params
 from hetero_llm.plan import compile_plan
-from harness import LAYOUTS, assert_one_error_line, common_sections, invoke_cli, launch, write_layout
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = LAYOUTS / "quickstart.toml"
-COMMANDS = [(cli.main, "hetero-launch"), (place.main, "hetero-place"), (plan_cli.main, "hetero-plan"),
-            (export.main, "hetero-export"), (tokenize.main, "hetero-tokenize"), (generate.main, "hetero-generate"),
-            (timeline.main, "python -m hetero_llm.timeline")]
+COMMANDS = [
+    (cli.main, "hetero-launch"),
+    (place.main, "hetero-place"),
+    (plan_cli.main, "hetero-plan"),
+    (export.main, "hetero-export"),
+    (tokenize.main, "hetero-tokenize"),
+    (generate.main, "hetero-generate"),
+    (timeline.main, "python -m hetero_llm.timeline"),
+]
 NAMES = [name for _, name in COMMANDS]
 
 
@@ -57,8 +64,9 @@ def test_every_command_prints_its_name_and_the_package_version(command, name):
 
 
 def test_version_in_a_real_process():
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli.generate", "--version"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.cli.generate", "--version"], capture_output=True, text=True, timeout=120
+    )
     assert (proc.returncode, proc.stderr) == (0, "")
     assert proc.stdout == f"hetero-generate {importlib.metadata.version('hetero_llm')}\n"
 
@@ -77,21 +85,48 @@ def test_every_option_has_help(command, name):
 GENERATE_HELP = "(see hetero-generate --help)"
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--temperature", "nan"], f"Invalid value for '--temperature': 'nan' is not a finite number {GENERATE_HELP}"),
-    (["--temperature", "inf"], f"Invalid value for '--temperature': 'inf' is not a finite number {GENERATE_HELP}"),
-    (["--temperature", "-0.5"], f"Invalid value for '--temperature': -0.5 is not in the range x>=0 {GENERATE_HELP}"),
-    (["--seed", str(2**70)], f"Invalid value for '--seed': {2**70} is not in the range 0<=x<={2**64 - 1} "
-     f"{GENERATE_HELP}"),
-    (["--seed", "-1"], f"Invalid value for '--seed': -1 is not in the range 0<=x<={2**64 - 1} {GENERATE_HELP}"),
-    (["--device", "tpu"], "Invalid value for '--device': 'tpu' is not a device this command runs on (give 'cpu' or "
-     f"'cuda:N') {GENERATE_HELP}"),
-    (["--device", "cuda:x"], "Invalid value for '--device': 'cuda:x' is not a device this command runs on (give "
-     f"'cpu' or 'cuda:N') {GENERATE_HELP}"),
-    (["--top-k", "-1"], f"Invalid value for '--top-k': -1 is not in the range x>=0 {GENERATE_HELP}"),
-    (["--max-new-tokens", "0"], f"Invalid value for '--max-new-tokens': 0 is not in the range x>=1 {GENERATE_HELP}"),
-], ids=["temperature-nan", "temperature-inf", "temperature-negative", "seed-2**70", "seed-negative", "device-tpu",
-        "device-malformed", "top-k-negative", "max-new-tokens-zero"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--temperature", "nan"], f"Invalid value for '--temperature': 'nan' is not a finite number {GENERATE_HELP}"),
+        (["--temperature", "inf"], f"Invalid value for '--temperature': 'inf' is not a finite number {GENERATE_HELP}"),
+        (
+            ["--temperature", "-0.5"],
+            f"Invalid value for '--temperature': -0.5 is not in the range x>=0 {GENERATE_HELP}",
+        ),
+        (
+            ["--seed", str(2**70)],
+            f"Invalid value for '--seed': {2**70} is not in the range 0<=x<={2**64 - 1} {GENERATE_HELP}",
+        ),
+        (["--seed", "-1"], f"Invalid value for '--seed': -1 is not in the range 0<=x<={2**64 - 1} {GENERATE_HELP}"),
+        (
+            ["--device", "tpu"],
+            "Invalid value for '--device': 'tpu' is not a device this command runs on (give 'cpu' or "
+            f"'cuda:N') {GENERATE_HELP}",
+        ),
+        (
+            ["--device", "cuda:x"],
+            "Invalid value for '--device': 'cuda:x' is not a device this command runs on (give "
+            f"'cpu' or 'cuda:N') {GENERATE_HELP}",
+        ),
+        (["--top-k", "-1"], f"Invalid value for '--top-k': -1 is not in the range x>=0 {GENERATE_HELP}"),
+        (
+            ["--max-new-tokens", "0"],
+            f"Invalid value for '--max-new-tokens': 0 is not in the range x>=1 {GENERATE_HELP}",
+        ),
+    ],
+    ids=[
+        "temperature-nan",
+        "temperature-inf",
+        "temperature-negative",
+        "seed-2**70",
+        "seed-negative",
+        "device-tpu",
+        "device-malformed",
+        "top-k-negative",
+        "max-new-tokens-zero",
+    ],
+)
 def test_generate_flags_are_checked_before_anything_loads(tmp_path, args, message):
     """The checkpoint does not exist: a flag's error comes first, without loading anything."""
     assert_one_error_line(invoke(generate.main, tmp_path / "none", "--prompt", "1 2", *args), message)
@@ -102,22 +137,30 @@ def test_generate_on_cuda_without_cuda(tmp_path):
 
     if torch.cuda.is_available():
         count = torch.cuda.device_count()
-        assert_one_error_line(invoke(generate.main, tmp_path, "--prompt", "1", "--device", f"cuda:{count}"),
-                              f"Invalid value for '--device': 'cuda:{count}' is not one of this machine's {count} "
-                              f"GPU(s) (use cuda:0 to cuda:{count - 1}) {GENERATE_HELP}")
+        assert_one_error_line(
+            invoke(generate.main, tmp_path, "--prompt", "1", "--device", f"cuda:{count}"),
+            f"Invalid value for '--device': 'cuda:{count}' is not one of this machine's {count} "
+            f"GPU(s) (use cuda:0 to cuda:{count - 1}) {GENERATE_HELP}",
+        )
         return
     for device in ("cuda", "cuda:0"):
-        assert_one_error_line(invoke(generate.main, tmp_path, "--prompt", "1", "--device", device),
-                              f"Invalid value for '--device': '{device}' needs CUDA, which this machine does not "
-                              f"have (use --device cpu) {GENERATE_HELP}")
+        assert_one_error_line(
+            invoke(generate.main, tmp_path, "--prompt", "1", "--device", device),
+            f"Invalid value for '--device': '{device}' needs CUDA, which this machine does not "
+            f"have (use --device cpu) {GENERATE_HELP}",
+        )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--simulate", "--stages", "0"], "Invalid value for '--stages': 0 is not in the range x>=1"),
-    (["--simulate", "--forward-ms", "nan"], "Invalid value for '--forward-ms': 'nan' is not a finite number"),
-    (["--simulate", "--latency-ms", "inf"], "Invalid value for '--latency-ms': 'inf' is not a finite number"),
-    (["--simulate", "--chunks", "0"], "Invalid value for '--chunks': 0 is not in the range x>=1"),
-], ids=["stages-0", "forward-nan", "latency-inf", "chunks-0"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--simulate", "--stages", "0"], "Invalid value for '--stages': 0 is not in the range x>=1"),
+        (["--simulate", "--forward-ms", "nan"], "Invalid value for '--forward-ms': 'nan' is not a finite number"),
+        (["--simulate", "--latency-ms", "inf"], "Invalid value for '--latency-ms': 'inf' is not a finite number"),
+        (["--simulate", "--chunks", "0"], "Invalid value for '--chunks': 0 is not in the range x>=1"),
+    ],
+    ids=["stages-0", "forward-nan", "latency-inf", "chunks-0"],
+)
 def test_timeline_flags(tmp_path, args, message):
     result = invoke(timeline.main, *args, "--chrome", tmp_path / "t.json")
     assert_one_error_line(result, f"{message} (see python -m hetero_llm.timeline --help)")
@@ -125,8 +168,10 @@ def test_timeline_flags(tmp_path, args, message):
 
 
 def test_plan_usage_error_is_one_line(tmp_path):
-    assert_one_error_line(invoke(plan_cli.main, tmp_path / "c.toml", "--top", "many"),
-                          "Invalid value for '--top': 'many' is not a valid integer (see hetero-plan --help)")
+    assert_one_error_line(
+        invoke(plan_cli.main, tmp_path / "c.toml", "--top", "many"),
+        "Invalid value for '--top': 'many' is not a valid integer (see hetero-plan --help)",
+    )
 
 
 # ------------------------------------------------------------------------------------ hetero-generate, a model
@@ -160,19 +205,27 @@ def test_default_max_new_tokens_is_what_fits(trained):
 def test_generate_refuses_what_does_not_fit_the_model(trained):
     s = interop_export.saved(str(trained))
     where, seq_len, vocab = s.ckpt.path, s.model.seq_len, s.model.vocab
-    assert_one_error_line(_generate(trained, "--prompt", "1 2 3", "--max-new-tokens", seq_len),
-                          f"{where}: --max-new-tokens: {seq_len} tokens after a prompt of 3 exceed model.seq_len "
-                          f"{seq_len}, the positions the model was trained on (use at most {seq_len - 3}, or a "
-                          "shorter prompt)")
-    assert_one_error_line(_generate(trained, "--prompt", " ".join(["1"] * seq_len)),
-                          f"{where}: --prompt: {seq_len} tokens leave no room for new ones in model.seq_len {seq_len}, "
-                          f"the positions the model was trained on (give at most {seq_len - 1} tokens)")
-    assert_one_error_line(_generate(trained, "--prompt", "1 2", "--top-k", vocab + 1),
-                          f"{where}: --top-k: {vocab + 1} is more than the model's {vocab} tokens (model.vocab; use "
-                          f"at most {vocab}, or 0 for all)")
-    assert_one_error_line(_generate(trained, "--prompt", "1 2", "--top-k", 2**70),
-                          f"{where}: --top-k: {2**70} is more than the model's {vocab} tokens (model.vocab; use "
-                          f"at most {vocab}, or 0 for all)")
+    assert_one_error_line(
+        _generate(trained, "--prompt", "1 2 3", "--max-new-tokens", seq_len),
+        f"{where}: --max-new-tokens: {seq_len} tokens after a prompt of 3 exceed model.seq_len "
+        f"{seq_len}, the positions the model was trained on (use at most {seq_len - 3}, or a "
+        "shorter prompt)",
+    )
+    assert_one_error_line(
+        _generate(trained, "--prompt", " ".join(["1"] * seq_len)),
+        f"{where}: --prompt: {seq_len} tokens leave no room for new ones in model.seq_len {seq_len}, "
+        f"the positions the model was trained on (give at most {seq_len - 1} tokens)",
+    )
+    assert_one_error_line(
+        _generate(trained, "--prompt", "1 2", "--top-k", vocab + 1),
+        f"{where}: --top-k: {vocab + 1} is more than the model's {vocab} tokens (model.vocab; use "
+        f"at most {vocab}, or 0 for all)",
+    )
+    assert_one_error_line(
+        _generate(trained, "--prompt", "1 2", "--top-k", 2**70),
+        f"{where}: --top-k: {2**70} is more than the model's {vocab} tokens (model.vocab; use "
+        f"at most {vocab}, or 0 for all)",
+    )
 
 
 def test_a_vanishing_temperature_is_greedy(trained):
@@ -188,52 +241,119 @@ def test_a_vanishing_temperature_is_greedy(trained):
 EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', e.g. "
 
 
-@pytest.mark.parametrize("var, value, message", [
-    ("OMP_NUM_THREADS", "lots", "'lots' is not a whole number of CPU threads >= 1 (e.g. 4; unset it to share this "
-     "host's cores among its ranks)"),
-    ("OMP_NUM_THREADS", "0", "'0' is not a whole number of CPU threads >= 1 (e.g. 4; unset it to share this host's "
-     "cores among its ranks)"),
-    ("HETERO_DEBUG", "yes", "'yes' is not 0 or 1 (1: a rank's unexpected error is raised with its traceback)"),
-    ("HETERO_ERROR_DIR", "/nonexistent-hetero-errors", "'/nonexistent-hetero-errors' is not an existing folder "
-     "(hetero-launch sets it for the ranks it starts; unset it)"),
-    ("HETERO_SHM_DIR", "shm", "'shm' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give "
-     "one, or unset it)"),
-    ("HETERO_SHM_DIR", "", "'' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give "
-     "one, or unset it)"),
-    ("HETERO_LLM_CACHE", str(QUICKSTART), f"'{QUICKSTART}' is not the absolute path of a folder (for token caches; "
-     "give one, or unset it)"),
-    ("XDG_CACHE_HOME", "cache", "'cache' is not the absolute path of a folder (for user caches, e.g. ~/.cache, as "
-     "the XDG spec asks; give one, or unset it)"),
-    ("TORCHELASTIC_USE_AGENT_STORE", "yes", "'yes' is not True or False (torchrun sets it; unset it outside torchrun)"),
-    ("TORCHELASTIC_RESTART_COUNT", "-1", "'-1' is not a number of restarts (torchrun sets it; unset it outside "
-     "torchrun)"),
-    ("MASTER_ADDR", "10.0.0.1:29500", "'10.0.0.1:29500' is not a host name or an IP address (e.g. 10.0.0.1, without "
-     "a port: that is MASTER_PORT; or unset it to meet at the master node's host)"),
-    ("HETERO_EMULATE_SLOWDOWN", "*:fast", f"'*:fast': 'fast' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or "
-     "'1:2,*:1')"),
-    ("HETERO_EMULATE_SLOWDOWN", "*:0.5", f"'*:0.5': '0.5' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or "
-     "'1:2,*:1')"),
-    ("HETERO_EMULATE_JITTER", "5:0.1", f"'5:0.1': '5' is not '*' or one of the layout's ranks 0..1 {EMULATION}"
-     "'*:0.6')"),
-    ("HETERO_EMULATE_JITTER", "0.1", f"'0.1': '0.1' has no ':' {EMULATION}'*:0.6')"),
-    ("HETERO_EMULATE_ACTION_S", "*:F=1;X=2", f"'*:F=1;X=2': 'X' is not a compute action (F, B, I or W) {EMULATION}"
-     "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008')"),
-    ("HETERO_EMULATE_ACTION_S", "0:F=nan", f"'0:F=nan': F = 'nan' is not a number of seconds >= 0 {EMULATION}"
-     "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008')"),
-    ("HETERO_EMULATE_DEVICE", "*:gflops=-1", f"'*:gflops=-1': emulated device: gflops must be >= 0, got -1 "
-     f"{EMULATION}'*:gflops=100;tp_gbps=200;tp_latency_us=5')"),
-], ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None)
+@pytest.mark.parametrize(
+    "var, value, message",
+    [
+        (
+            "OMP_NUM_THREADS",
+            "lots",
+            "'lots' is not a whole number of CPU threads >= 1 (e.g. 4; unset it to share this "
+            "host's cores among its ranks)",
+        ),
+        (
+            "OMP_NUM_THREADS",
+            "0",
+            "'0' is not a whole number of CPU threads >= 1 (e.g. 4; unset it to share this host's "
+            "cores among its ranks)",
+        ),
+        ("HETERO_DEBUG", "yes", "'yes' is not 0 or 1 (1: a rank's unexpected error is raised with its traceback)"),
+        (
+            "HETERO_ERROR_DIR",
+            "/nonexistent-hetero-errors",
+            "'/nonexistent-hetero-errors' is not an existing folder "
+            "(hetero-launch sets it for the ranks it starts; unset it)",
+        ),
+        (
+            "HETERO_SHM_DIR",
+            "shm",
+            "'shm' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give one, or unset it)",
+        ),
+        (
+            "HETERO_SHM_DIR",
+            "",
+            "'' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give one, or unset it)",
+        ),
+        (
+            "HETERO_LLM_CACHE",
+            str(QUICKSTART),
+            f"'{QUICKSTART}' is not the absolute path of a folder (for token caches; give one, or unset it)",
+        ),
+        (
+            "XDG_CACHE_HOME",
+            "cache",
+            "'cache' is not the absolute path of a folder (for user caches, e.g. ~/.cache, as "
+            "the XDG spec asks; give one, or unset it)",
+        ),
+        (
+            "TORCHELASTIC_USE_AGENT_STORE",
+            "yes",
+            "'yes' is not True or False (torchrun sets it; unset it outside torchrun)",
+        ),
+        (
+            "TORCHELASTIC_RESTART_COUNT",
+            "-1",
+            "'-1' is not a number of restarts (torchrun sets it; unset it outside torchrun)",
+        ),
+        (
+            "MASTER_ADDR",
+            "10.0.0.1:29500",
+            "'10.0.0.1:29500' is not a host name or an IP address (e.g. 10.0.0.1, without "
+            "a port: that is MASTER_PORT; or unset it to meet at the master node's host)",
+        ),
+        (
+            "HETERO_EMULATE_SLOWDOWN",
+            "*:fast",
+            f"'*:fast': 'fast' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or '1:2,*:1')",
+        ),
+        (
+            "HETERO_EMULATE_SLOWDOWN",
+            "*:0.5",
+            f"'*:0.5': '0.5' is not a slowdown factor >= 1 {EMULATION}'*:1.5' or '1:2,*:1')",
+        ),
+        (
+            "HETERO_EMULATE_JITTER",
+            "5:0.1",
+            f"'5:0.1': '5' is not '*' or one of the layout's ranks 0..1 {EMULATION}'*:0.6')",
+        ),
+        ("HETERO_EMULATE_JITTER", "0.1", f"'0.1': '0.1' has no ':' {EMULATION}'*:0.6')"),
+        (
+            "HETERO_EMULATE_ACTION_S",
+            "*:F=1;X=2",
+            f"'*:F=1;X=2': 'X' is not a compute action (F, B, I or W) {EMULATION}"
+            "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008')",
+        ),
+        (
+            "HETERO_EMULATE_ACTION_S",
+            "0:F=nan",
+            f"'0:F=nan': F = 'nan' is not a number of seconds >= 0 {EMULATION}"
+            "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008')",
+        ),
+        (
+            "HETERO_EMULATE_DEVICE",
+            "*:gflops=-1",
+            f"'*:gflops=-1': emulated device: gflops must be >= 0, got -1 "
+            f"{EMULATION}'*:gflops=100;tp_gbps=200;tp_latency_us=5')",
+        ),
+    ],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 30 else None,
+)
 def test_bad_environment_variable_is_one_line(monkeypatch, var, value, message):
     monkeypatch.setenv(var, value)
     assert_one_error_line(invoke_cli(QUICKSTART, "--dry-run"), f"environment: {var}: {message}")
 
 
 def test_good_environment_variables_pass(monkeypatch, tmp_path):
-    for var, value in [("OMP_NUM_THREADS", "2"), ("HETERO_DEBUG", "0"), ("HETERO_SHM_DIR", str(tmp_path)),
-                       ("HETERO_LLM_CACHE", str(tmp_path / "cache")), ("MASTER_ADDR", "127.0.0.1"),
-                       ("XDG_CACHE_HOME", ""),
-                       ("HETERO_EMULATE_SLOWDOWN", "*:1.5,1:2"), ("HETERO_EMULATE_JITTER", "0:0.3"),
-                       ("HETERO_EMULATE_ACTION_S", "*:F=0.02;B=0.04")]:
+    for var, value in [
+        ("OMP_NUM_THREADS", "2"),
+        ("HETERO_DEBUG", "0"),
+        ("HETERO_SHM_DIR", str(tmp_path)),
+        ("HETERO_LLM_CACHE", str(tmp_path / "cache")),
+        ("MASTER_ADDR", "127.0.0.1"),
+        ("XDG_CACHE_HOME", ""),
+        ("HETERO_EMULATE_SLOWDOWN", "*:1.5,1:2"),
+        ("HETERO_EMULATE_JITTER", "0:0.3"),
+        ("HETERO_EMULATE_ACTION_S", "*:F=0.02;B=0.04"),
+    ]:
         monkeypatch.setenv(var, value)
     result = invoke_cli(QUICKSTART, "--dry-run")
     assert result.exit_code == 0, result.stderr
@@ -242,21 +362,30 @@ def test_good_environment_variables_pass(monkeypatch, tmp_path):
 def test_omp_num_threads_in_a_real_launch():
     """Was a ValueError traceback from the launcher; now one line before any rank starts."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(QUICKSTART), "--set", "train.steps=1"],
-                          capture_output=True, text=True, timeout=120, env={**env, "OMP_NUM_THREADS": "lots"})
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.cli", str(QUICKSTART), "--set", "train.steps=1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "OMP_NUM_THREADS": "lots"},
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == ("error: environment: OMP_NUM_THREADS: 'lots' is not a whole number of CPU threads >= 1 "
-                           "(e.g. 4; unset it to share this host's cores among its ranks)\n")
+    assert proc.stderr == (
+        "error: environment: OMP_NUM_THREADS: 'lots' is not a whole number of CPU threads >= 1 "
+        "(e.g. 4; unset it to share this host's cores among its ranks)\n"
+    )
 
 
 # ------------------------------------------------------------------------------------ absurd sizes
 
 
 def test_steps_written_as_a_huge_float_names_the_bound():
-    assert_one_error_line(invoke_cli(QUICKSTART, "--dry-run", "--set", "train.steps=1e23"),
-                          f"{QUICKSTART}: train.steps: expected an integer, got a float (1e+23), and must be <= "
-                          "1000000000, got 1e+23 (a run of more steps cannot finish: 10^9 steps take 11.6 days even "
-                          "at 1 ms a step)")
+    assert_one_error_line(
+        invoke_cli(QUICKSTART, "--dry-run", "--set", "train.steps=1e23"),
+        f"{QUICKSTART}: train.steps: expected an integer, got a float (1e+23), and must be <= "
+        "1000000000, got 1e+23 (a run of more steps cannot finish: 10^9 steps take 11.6 days even "
+        "at 1 ms a step)",
+    )
 
 
 def _plan(*overrides: str):
@@ -276,9 +405,11 @@ def test_token_estimate_is_the_batch_every_rank_draws():
 def test_parameter_estimate_counts_every_parameter_once_per_holder():
     """16 bytes (weight, gradient, two AdamW moments) per parameter: over the ranks, the model's count."""
     plan = _plan()
-    total = sum(params.memory_parts(plan, r)["blocks"] + params.memory_parts(plan, r)["embeddings"]
-                for r in range(plan.world_size))
-    assert total == 16 * params.count_params(plan.layout.model)
+    total = sum(
+        params.memory_parts(plan, r)["blocks"] + params.memory_parts(plan, r)["embeddings"]
+        for r in range(plan.world_size)
+    )
+    assert total == 16 * count_params(plan.layout.model)
 
 
 def test_the_named_bound_is_the_largest_value_that_fits():
@@ -298,8 +429,9 @@ def test_a_gpu_is_checked_against_its_own_memory():
     plan = _plan("cluster.nodes[0].devices=['cuda:0','cuda:1']")
     parts = [params.memory_parts(plan, r) for r in range(2)]
     on_gpu0 = sum(parts[0].values()) - parts[0]["tokens"]
-    params.check_memory(plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 if d == "cuda:0"
-                        else 2**40)
+    params.check_memory(
+        plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 if d == "cuda:0" else 2**40
+    )
     with pytest.raises(LayoutError) as info:
         params.check_memory(plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 - 1)
     assert "of memory on cuda:0 for rank(s) 0," in info.value.message
@@ -308,14 +440,29 @@ def test_a_gpu_is_checked_against_its_own_memory():
 def test_a_global_batch_that_cannot_be_allocated_is_one_line_before_start():
     """Was 'MemoryError: Unable to allocate 507 GiB' in every rank, after /dev/shm warnings."""
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(QUICKSTART), "--set",
-                           "train.global_batch=1000000000", "--set", "pipelines[0].batch=1000000000"],
-                          capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            str(QUICKSTART),
+            "--set",
+            "train.global_batch=1000000000",
+            "--set",
+            "pipelines[0].batch=1000000000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: {QUICKSTART}: train.global_batch: 1000000000 needs an estimated ")
-    assert f"of RAM on this host for rank(s) 0, 1, more than its {params.host_memory_bytes() / 2**30:.1f} GiB" \
+    assert (
+        f"of RAM on this host for rank(s) 0, 1, more than its {params.host_memory_bytes() / 2**30:.1f} GiB"
         in proc.stderr
+    )
     assert params.MEMORY_RULE in proc.stderr
 
 

@@ -15,12 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from harness import assert_one_error_line
+from harness import invoke_cli as invoke
 from hetero_llm import layout as layout_mod
-from hetero_llm.launch import outputs
-from hetero_llm.data import text_cache as textcache
 from hetero_llm.checkpoint.folders import FIX
+from hetero_llm.data import text_cache as textcache
 from hetero_llm.errors import LayoutError
-from harness import assert_one_error_line, invoke_cli as invoke
+from hetero_llm.launch import outputs
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "layouts" / "quickstart.toml"
@@ -30,12 +31,16 @@ HELP = "(see hetero-launch --help)"
 # ------------------------------------------------------------------------------------ flags
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rank", "one"], f"Invalid value for '--rank': 'one' is not a valid integer {HELP}"),
-    (["--dry-runn"], f"No such option '--dry-runn'. Did you mean '--dry-run'? {HELP}"),
-    (["--checkpoint-every", "-1"], f"Invalid value for '--checkpoint-every': -1 is not in the range x>=0 {HELP}"),
-    (["--set"], f"Option '--set' requires an argument {HELP}"),
-], ids=["rank-not-a-number", "unknown-flag", "checkpoint-every-negative", "set-without-value"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rank", "one"], f"Invalid value for '--rank': 'one' is not a valid integer {HELP}"),
+        (["--dry-runn"], f"No such option '--dry-runn'. Did you mean '--dry-run'? {HELP}"),
+        (["--checkpoint-every", "-1"], f"Invalid value for '--checkpoint-every': -1 is not in the range x>=0 {HELP}"),
+        (["--set"], f"Option '--set' requires an argument {HELP}"),
+    ],
+    ids=["rank-not-a-number", "unknown-flag", "checkpoint-every-negative", "set-without-value"],
+)
 def test_usage_error_is_one_line(args, message):
     assert_one_error_line(invoke(QUICKSTART, "--dry-run", *args), message)
 
@@ -51,17 +56,26 @@ def test_help_still_prints_usage():
 
 
 def test_usage_error_in_a_real_process():
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(QUICKSTART), "--dry-rn"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.cli", str(QUICKSTART), "--dry-rn"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == ("error: No such option '--dry-rn'. Did you mean '--dry-run'? "
-                           "(see python -m hetero_llm.cli --help)\n")
+    assert proc.stderr == (
+        "error: No such option '--dry-rn'. Did you mean '--dry-run'? (see python -m hetero_llm.cli --help)\n"
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--rank", "2"], "--rank: rank 2 is not in this layout (ranks 0..1)"),
-    (["--node", "node9"], "--node: 'node9' is not a node of [cluster] (nodes: node0)"),
-], ids=["rank", "node"])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--rank", "2"], "--rank: rank 2 is not in this layout (ranks 0..1)"),
+        (["--node", "node9"], "--node: 'node9' is not a node of [cluster] (nodes: node0)"),
+    ],
+    ids=["rank", "node"],
+)
 def test_dry_run_checks_node_and_rank_like_the_run(args, message):
     for extra in (["--dry-run"], []):
         assert_one_error_line(invoke(QUICKSTART, *extra, *args), f"{QUICKSTART}: {message}")
@@ -83,13 +97,19 @@ def test_output_flags_given_the_wrong_kind_of_path(tmp_path):
         (["--resume", a_file], f"{a_file}: --resume: is a file, not a folder ({FIX})"),
         (["--checkpoint", a_file], f"{a_file}: --checkpoint: is a file, not a folder (give a folder to write into)"),
         (["--trace", a_file], f"{a_file}: --trace: is a file, not a folder (give a folder to write into)"),
-        (["--metrics-jsonl", tmp_path],
-         f"{tmp_path}: --metrics-jsonl: is a folder, not a file (give a file path, e.g. {tmp_path / 'metrics.jsonl'})"),
-        (["--checkpoint", a_file / "ckpt"],
-         f"{a_file / 'ckpt'}: --checkpoint: '{a_file}' is a file, so no folder can be made under it (give another path)"),
-        (["--metrics-jsonl", a_file / "runs" / "m.jsonl"],
-         f"{a_file / 'runs' / 'm.jsonl'}: --metrics-jsonl: '{a_file}' is a file, so no folder can be made under it "
-         "(give another path)"),
+        (
+            ["--metrics-jsonl", tmp_path],
+            f"{tmp_path}: --metrics-jsonl: is a folder, not a file (give a file path, e.g. {tmp_path / 'metrics.jsonl'})",
+        ),
+        (
+            ["--checkpoint", a_file / "ckpt"],
+            f"{a_file / 'ckpt'}: --checkpoint: '{a_file}' is a file, so no folder can be made under it (give another path)",
+        ),
+        (
+            ["--metrics-jsonl", a_file / "runs" / "m.jsonl"],
+            f"{a_file / 'runs' / 'm.jsonl'}: --metrics-jsonl: '{a_file}' is a file, so no folder can be made under it "
+            "(give another path)",
+        ),
     ]
     for args, message in cases:
         for dry in (["--dry-run"], []):
@@ -104,7 +124,9 @@ def _layout_with_inputs(tmp_path: Path) -> Path:
     text = QUICKSTART.read_text().replace('kind = "grammar"', 'kind = "text"\npath = "corpus.txt"')
     text = text.replace("vocab = 64", "vocab = 256").replace("seq_len = 64", "seq_len = 16")
     text = text.replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n')
-    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every")))
+    text = "\n".join(
+        line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every"))
+    )
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     return path
@@ -115,13 +137,21 @@ def test_an_output_never_overwrites_an_input(tmp_path):
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     corpus, order = tmp_path / "corpus.txt", tmp_path / "order.txt"
     cases = [
-        (["--metrics-jsonl", layout], f"{layout}: --metrics-jsonl: would overwrite the layout file '{layout}', an "
-                                      "input of this run (give another path)"),
-        (["--metrics-jsonl", corpus], f"{corpus}: --metrics-jsonl: would overwrite data.path '{corpus}', an input of "
-                                      "this run (give another path)"),
-        (["--metrics-jsonl", f"{tmp_path}/sub/../order.txt"],
-         f"{tmp_path}/sub/../order.txt: --metrics-jsonl: would overwrite pipelines[0].schedule_file '{order}', an input "
-         "of this run (give another path)"),
+        (
+            ["--metrics-jsonl", layout],
+            f"{layout}: --metrics-jsonl: would overwrite the layout file '{layout}', an "
+            "input of this run (give another path)",
+        ),
+        (
+            ["--metrics-jsonl", corpus],
+            f"{corpus}: --metrics-jsonl: would overwrite data.path '{corpus}', an input of "
+            "this run (give another path)",
+        ),
+        (
+            ["--metrics-jsonl", f"{tmp_path}/sub/../order.txt"],
+            f"{tmp_path}/sub/../order.txt: --metrics-jsonl: would overwrite pipelines[0].schedule_file '{order}', an input "
+            "of this run (give another path)",
+        ),
     ]
     for args, message in cases:
         for dry in (["--dry-run"], []):
@@ -132,10 +162,14 @@ def test_an_output_never_overwrites_an_input(tmp_path):
 def test_metrics_inside_a_checkpoint_is_refused_where_a_save_writes(tmp_path):
     ckpt = tmp_path / "ckpt"
     latest, meta = ckpt / "latest", ckpt / "step-000010" / "meta.json"
-    assert_one_error_line(invoke(QUICKSTART, "--dry-run", "--checkpoint", ckpt, "--metrics-jsonl", latest),
-                          f"{latest}: --metrics-jsonl: is a file that --checkpoint {ckpt} writes (give another path)")
-    assert_one_error_line(invoke(QUICKSTART, "--dry-run", "--checkpoint", ckpt, "--metrics-jsonl", meta),
-                          f"{meta}: --metrics-jsonl: is a file that --checkpoint {ckpt} writes (give another path)")
+    assert_one_error_line(
+        invoke(QUICKSTART, "--dry-run", "--checkpoint", ckpt, "--metrics-jsonl", latest),
+        f"{latest}: --metrics-jsonl: is a file that --checkpoint {ckpt} writes (give another path)",
+    )
+    assert_one_error_line(
+        invoke(QUICKSTART, "--dry-run", "--checkpoint", ckpt, "--metrics-jsonl", meta),
+        f"{meta}: --metrics-jsonl: is a file that --checkpoint {ckpt} writes (give another path)",
+    )
     result = invoke(QUICKSTART, "--dry-run", "--checkpoint", ckpt, "--metrics-jsonl", ckpt / "metrics.jsonl")
     assert result.exit_code == 0, result.stderr  # beside the saves is fine
 
@@ -145,9 +179,11 @@ def test_metrics_in_a_file_of_the_resumed_save_is_refused(tmp_path):
     step = root / "step-000002"
     step.mkdir(parents=True)
     for resume, metrics in ((step, step / "rank0.pt"), (root, step / "meta.json"), (root, root / "latest")):
-        assert_one_error_line(invoke(QUICKSTART, "--dry-run", "--resume", resume, "--metrics-jsonl", metrics),
-                              f"{metrics}: --metrics-jsonl: is a file of the --resume checkpoint '{resume}' (an "
-                              "input of this run; give another path)")
+        assert_one_error_line(
+            invoke(QUICKSTART, "--dry-run", "--resume", resume, "--metrics-jsonl", metrics),
+            f"{metrics}: --metrics-jsonl: is a file of the --resume checkpoint '{resume}' (an "
+            "input of this run; give another path)",
+        )
     # beside the saves of the root it resumes from and saves into: fine (checked before --resume itself)
     lay = layout_mod.load(QUICKSTART)
     outputs.check_run_paths(lay, str(root / "metrics.jsonl"), str(root), str(root / "trace"), str(root))
@@ -156,21 +192,29 @@ def test_metrics_in_a_file_of_the_resumed_save_is_refused(tmp_path):
 def test_trace_folder_holding_an_input_named_like_a_trace_file(tmp_path):
     layout = tmp_path / "rank0.jsonl"
     shutil.copy(QUICKSTART, layout)
-    assert_one_error_line(invoke(layout, "--dry-run", "--trace", tmp_path),
-                          f"{tmp_path}: --trace: would overwrite the layout file '{layout}', an input of this run "
-                          "(give another path)")
+    assert_one_error_line(
+        invoke(layout, "--dry-run", "--trace", tmp_path),
+        f"{tmp_path}: --trace: would overwrite the layout file '{layout}', an input of this run (give another path)",
+    )
 
 
-needs_mount = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
-                                 reason="bind-mounts a read-only folder in a private mount namespace: needs root and "
-                                        "unshare (runs as root in CI and on the dev VM)")
+needs_mount = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="bind-mounts a read-only folder in a private mount namespace: needs root and "
+    "unshare (runs as root in CI and on the dev VM)",
+)
 
 
 def _in_read_only_folder(folder: Path, command: str, env: dict | None = None) -> subprocess.CompletedProcess:
     """Run ``command`` with ``folder`` bind-mounted read-only over itself, in a mount namespace of its own."""
     script = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && {command}"
-    return subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        ["unshare", "-m", "sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @needs_mount
@@ -181,8 +225,9 @@ def test_outputs_on_a_read_only_mount_are_refused_before_anything_runs(tmp_path)
     for flag, path in (("--checkpoint", ro / "ckpt"), ("--trace", ro / "trace"), ("--metrics-jsonl", ro / "m.jsonl")):
         proc = _in_read_only_folder(ro, f"{cli} --quiet {flag} {path}")
         assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
-        assert proc.stderr == (f"error: {path}: {flag}: cannot write in '{ro}': Read-only file system "
-                               "(give a writable path)\n")
+        assert proc.stderr == (
+            f"error: {path}: {flag}: cannot write in '{ro}': Read-only file system (give a writable path)\n"
+        )
     assert os.listdir(ro) == []
 
 
@@ -194,7 +239,9 @@ def _text_layout(tmp_path: Path, kind: str, contents: str) -> Path:
     (tmp_path / name).write_text(contents)
     text = QUICKSTART.read_text().replace('kind = "grammar"', f'kind = "{kind}"\npath = "{name}"')
     text = text.replace("vocab = 64", "vocab = 256").replace("seq_len = 64", "seq_len = 16")
-    text = "\n".join(line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every")))
+    text = "\n".join(
+        line for line in text.splitlines() if not line.startswith(("grammar_vocab", "branching", "eval_every"))
+    )
     path = tmp_path / "run.toml"
     path.write_text(text + "\n")
     return path
@@ -203,24 +250,33 @@ def _text_layout(tmp_path: Path, kind: str, contents: str) -> Path:
 def test_jsonl_of_empty_documents_is_refused_before_forking(tmp_path):
     layout = _text_layout(tmp_path, "jsonl", '{"text": ""}\n' * 40)
     corpus = tmp_path / "corpus.jsonl"
-    assert_one_error_line(invoke(layout, "--quiet"), f"{layout}: data.path: file '{corpus}' holds no text: its 40 "
-                          "tokens all end empty documents (give documents with text)")
+    assert_one_error_line(
+        invoke(layout, "--quiet"),
+        f"{layout}: data.path: file '{corpus}' holds no text: its 40 "
+        "tokens all end empty documents (give documents with text)",
+    )
 
 
 def test_jsonl_shorter_than_a_window_is_refused_before_forking(tmp_path):
     layout = _text_layout(tmp_path, "jsonl", '{"text": "hi"}\n{"text": "there"}\n')
     corpus = tmp_path / "corpus.jsonl"
-    assert_one_error_line(invoke(layout, "--quiet"), f"{layout}: data.path: file '{corpus}' has 9 tokens, fewer than "
-                          "one window of 17 tokens (seq_len + 1); give a longer file or a smaller seq_len")
+    assert_one_error_line(
+        invoke(layout, "--quiet"),
+        f"{layout}: data.path: file '{corpus}' has 9 tokens, fewer than "
+        "one window of 17 tokens (seq_len + 1); give a longer file or a smaller seq_len",
+    )
 
 
 def test_binary_schedule_file(tmp_path):
     layout = _layout_with_inputs(tmp_path)
     order = tmp_path / "order.txt"
     order.write_bytes(b"F0 F1\n\xff\xfe\x00binary")
-    assert_one_error_line(invoke(layout, "--dry-run"), f"{layout}: pipelines[0].schedule_file: {order}: line 2 is not "
-                          "UTF-8 text (a schedule file is text: action strings such as F0 B0, one line or CSV column "
-                          "per stage)")
+    assert_one_error_line(
+        invoke(layout, "--dry-run"),
+        f"{layout}: pipelines[0].schedule_file: {order}: line 2 is not "
+        "UTF-8 text (a schedule file is text: action strings such as F0 B0, one line or CSV column "
+        "per stage)",
+    )
 
 
 def test_token_cache_goes_where_HETERO_LLM_CACHE_says(tmp_path, monkeypatch):
@@ -234,8 +290,10 @@ def test_token_cache_goes_where_HETERO_LLM_CACHE_says(tmp_path, monkeypatch):
     monkeypatch.setenv(textcache.CACHE_ENV, str(source / "cache"))  # a folder under a file: cannot be made
     with pytest.raises(LayoutError) as info:
         textcache.TokenFileSource.from_file(str(source), "text", file_for_errors="run.toml")
-    assert str(info.value) == (f"run.toml: data.path: cannot write the token cache of '{source}' in '{source / 'cache'}'"
-                               f": Not a directory (set {textcache.CACHE_ENV} to a writable folder)")
+    assert str(info.value) == (
+        f"run.toml: data.path: cannot write the token cache of '{source}' in '{source / 'cache'}'"
+        f": Not a directory (set {textcache.CACHE_ENV} to a writable folder)"
+    )
 
 
 @needs_mount
@@ -243,11 +301,13 @@ def test_text_data_in_a_read_only_folder_caches_in_the_user_cache(tmp_path):
     data_dir, cache = tmp_path / "data", tmp_path / "xdg"
     data_dir.mkdir()
     (data_dir / "corpus.txt").write_text("hello " * 10)
-    code = ("import json, sys; from hetero_llm.data import text_cache as textcache; "
-            "s = textcache.TokenFileSource.from_file(sys.argv[1], 'text'); "
-            "print(json.dumps([s.num_tokens, textcache.cache_path(sys.argv[1])]))")
+    code = (
+        "import json, sys; from hetero_llm.data import text_cache as textcache; "
+        "s = textcache.TokenFileSource.from_file(sys.argv[1], 'text'); "
+        "print(json.dumps([s.num_tokens, textcache.cache_path(sys.argv[1])]))"
+    )
     env = {"XDG_CACHE_HOME": str(cache), textcache.CACHE_ENV: ""}
-    proc = _in_read_only_folder(data_dir, f"{sys.executable} -c \"{code}\" {data_dir / 'corpus.txt'}", env)
+    proc = _in_read_only_folder(data_dir, f'{sys.executable} -c "{code}" {data_dir / "corpus.txt"}', env)
     assert proc.returncode == 0, proc.stderr
     count, where = json.loads(proc.stdout)
     assert count == 60
@@ -258,8 +318,11 @@ def test_text_data_in_a_read_only_folder_caches_in_the_user_cache(tmp_path):
 def test_a_rank_started_on_its_own_checks_the_data_first(tmp_path):
     layout = _text_layout(tmp_path, "jsonl", '{"text": ""}\n' * 40)
     corpus = tmp_path / "corpus.jsonl"
-    assert_one_error_line(invoke(layout, "--rank", "1", "--quiet"), f"{layout}: data.path: file '{corpus}' holds no "
-                          "text: its 40 tokens all end empty documents (give documents with text)")
+    assert_one_error_line(
+        invoke(layout, "--rank", "1", "--quiet"),
+        f"{layout}: data.path: file '{corpus}' holds no "
+        "text: its 40 tokens all end empty documents (give documents with text)",
+    )
 
 
 def test_place_never_writes_over_its_cluster_file(tmp_path):
@@ -271,12 +334,20 @@ def test_place_never_writes_over_its_cluster_file(tmp_path):
     shutil.copy(REPO / "layouts" / "clusters" / "two_domains.toml", cluster)
     before = cluster.read_bytes()
     result = CliRunner().invoke(place_main, [str(cluster), "-o", str(cluster)])
-    assert (result.exit_code, result.output) == (2, f"error: {cluster}: --out: would overwrite the cluster file "
-                                                    f"'{cluster}', an input of this run (give another path)\n")
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {cluster}: --out: would overwrite the cluster file "
+        f"'{cluster}', an input of this run (give another path)\n",
+    )
     assert cluster.read_bytes() == before
     result = CliRunner().invoke(place_main, [str(cluster), "-o", str(cluster / "placed.toml")])
-    assert (result.exit_code, result.output) == (2, f"error: {cluster / 'placed.toml'}: --out: '{cluster}' is a file, "
-                                                    "so no folder can be made under it (give another path)\n")
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {cluster / 'placed.toml'}: --out: '{cluster}' is a file, "
+        "so no folder can be made under it (give another path)\n",
+    )
     result = CliRunner().invoke(place_main, [str(cluster), "--out"])
-    assert (result.exit_code, result.output) == (2, "error: Option '--out' requires an argument "
-                                                    "(see hetero-place --help)\n")
+    assert (result.exit_code, result.output) == (
+        2,
+        "error: Option '--out' requires an argument (see hetero-place --help)\n",
+    )

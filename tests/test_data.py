@@ -9,12 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hetero_llm.data.batches import (
-    GrammarSource,
-    global_batch,
-    make_source,
-    pipeline_share,
-)
+from hetero_llm.data.batches import GrammarSource, global_batch, make_source, pipeline_share
 from hetero_llm.data.text_cache import END_OF_DOCUMENT, TokenFileSource, cache_path
 from hetero_llm.errors import LayoutError
 
@@ -193,7 +188,9 @@ def test_missing_file_names_the_file(tmp_path):
 
 def test_unknown_kind_lists_the_kinds():
     message = raises_layout_error(lambda: make_source(data_spec(kind="csv"), LAYOUT), "data.kind")
-    assert message == "layout.toml: data.kind: unknown kind 'csv' (expected one of 'grammar', 'text', 'jsonl', 'tokens')"
+    assert (
+        message == "layout.toml: data.kind: unknown kind 'csv' (expected one of 'grammar', 'text', 'jsonl', 'tokens')"
+    )
 
 
 def test_bad_jsonl_line_names_the_line_and_writes_no_cache(tmp_path):

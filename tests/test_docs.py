@@ -36,8 +36,9 @@ def test_readme_layout_is_valid(tmp_path):
 
 
 def test_layout_doc_lists_every_key():
-    assert layout.schema_markdown() in (ROOT / "docs" / "layout.md").read_text(), \
+    assert layout.schema_markdown() in (ROOT / "docs" / "layout.md").read_text(), (
         "docs/layout.md is stale: regenerate its table with python -c 'from hetero_llm.layout import schema_markdown; print(schema_markdown())'"
+    )
 
 
 def test_readme_command_line_names_every_flag():

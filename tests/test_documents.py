@@ -15,14 +15,23 @@ import torch
 import torch.nn.functional as F
 
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
-from hetero_llm.data.batches import GrammarSource, make_source
-from hetero_llm.model.document_mask import DocumentMask, ladder_length
 from hetero_llm import layout as layout_mod
 from hetero_llm.data import held_out as evaluate
-from hetero_llm.data.documents import (IGNORE, make_document_source, FileDocuments, GrammarDocuments, fill_rows, first_fit_decreasing, pack,
-                                  pack_placed, step_documents)
+from hetero_llm.data.batches import GrammarSource, make_source
+from hetero_llm.data.documents import (
+    IGNORE,
+    FileDocuments,
+    GrammarDocuments,
+    fill_rows,
+    first_fit_decreasing,
+    make_document_source,
+    pack,
+    pack_placed,
+    step_documents,
+)
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
+from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
+from hetero_llm.model.document_mask import DocumentMask, ladder_length
 from hetero_llm.model.forward import StageShape, init_full, stage_forward
 from hetero_llm.model.params import all_params
 
@@ -94,8 +103,10 @@ def test_file_without_documents_names_the_file(tmp_path):
     path.write_text(json.dumps({"text": "a"}) + "\n")
     with pytest.raises(LayoutError) as info:
         FileDocuments.from_file(str(path), "jsonl", "text", "\n\n", max_tokens=16, file_for_errors=LAYOUT)
-    assert str(info.value) == (f"{LAYOUT}: data.path: file '{path}' has no document of 2 or more tokens "
-                               "(give a file with text between its separators)")
+    assert str(info.value) == (
+        f"{LAYOUT}: data.path: file '{path}' has no document of 2 or more tokens "
+        "(give a file with text between its separators)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- a step's documents
@@ -126,9 +137,9 @@ def test_fill_rows_packs_whole_documents_into_fixed_rows(docs_source):
     real = rows.targets != IGNORE
     assert rows.num_targets == real.sum() > 0.9 * rows.targets.size  # the rows are nearly full
     for r, start, n in rows.spans.tolist():
-        assert np.array_equal(rows.positions[r, start:start + n], np.arange(n))
+        assert np.array_equal(rows.positions[r, start : start + n], np.arange(n))
         # inputs and targets are one document shifted by one
-        assert np.array_equal(rows.inputs[r, start + 1:start + n], rows.targets[r, start:start + n - 1])
+        assert np.array_equal(rows.inputs[r, start + 1 : start + n], rows.targets[r, start : start + n - 1])
 
 
 def test_first_fit_decreasing_and_row_limits():
@@ -156,8 +167,9 @@ def test_ladder_lengths():
 
 MODELS = {
     "gpt": ModelSpec(layers=2, hidden=32, heads=4, vocab=32, seq_len=40),
-    "llama": ModelSpec(layers=2, hidden=32, heads=4, vocab=32, seq_len=40, norm=Norm.RMSNORM,
-                       position=Position.ROPE, mlp=Mlp.SWIGLU),
+    "llama": ModelSpec(
+        layers=2, hidden=32, heads=4, vocab=32, seq_len=40, norm=Norm.RMSNORM, position=Position.ROPE, mlp=Mlp.SWIGLU
+    ),
 }
 
 
@@ -172,7 +184,7 @@ def _token_losses(model: ModelSpec, params: dict, packed) -> dict[tuple[int, int
 
 
 def _per_document(losses: torch.Tensor, packed, doc_of_span: list[int]) -> dict[int, torch.Tensor]:
-    return {doc: losses[r, s:s + n] for doc, (r, s, n) in zip(doc_of_span, packed.spans.tolist())}
+    return {doc: losses[r, s : s + n] for doc, (r, s, n) in zip(doc_of_span, packed.spans.tolist())}
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -219,12 +231,14 @@ def test_document_attention_equals_a_block_diagonal_mask():
     positions = np.zeros((2, 20), dtype=np.int64)
     segment = np.full((2, 20), -1)
     for k, (r, s, n) in enumerate(spans.tolist()):
-        positions[r, s:s + n] = np.arange(n)
-        segment[r, s:s + n] = k
+        positions[r, s : s + n] = np.arange(n)
+        segment[r, s : s + n] = k
     q, k, v = (torch.randn(2, 4, 20, 8) for _ in range(3))
     got = DocumentMask.from_spans(spans, positions).attention(q, k, v)
     seg = torch.from_numpy(segment)
-    allowed = (seg[:, :, None] == seg[:, None, :]) & torch.ones(20, 20, dtype=torch.bool).tril() & (seg[:, :, None] >= 0)
+    allowed = (
+        (seg[:, :, None] == seg[:, None, :]) & torch.ones(20, 20, dtype=torch.bool).tril() & (seg[:, :, None] >= 0)
+    )
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed[:, None] | ~(seg[:, :, None] >= 0)[:, None])
     real = torch.from_numpy(segment >= 0)[:, None, :, None].expand_as(q)
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-6)
@@ -234,7 +248,8 @@ def test_document_attention_equals_a_block_diagonal_mask():
 # ---------------------------------------------------------------------------------------------- layouts
 
 PACKED = common_sections(LAYOUTS / "reference" / "reference.toml").replace(
-    'kind = "grammar"', 'kind = "grammar"\npacking = "documents"\ndoc_len_median = 8.0\ndoc_len_sigma = 0.5')
+    'kind = "grammar"', 'kind = "grammar"\npacking = "documents"\ndoc_len_median = 8.0\ndoc_len_sigma = 0.5'
+)
 
 
 @pytest.mark.multiprocess
@@ -244,13 +259,20 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
     (tmp_path / "ref").mkdir()
     (tmp_path / "run").mkdir()
     evaluating = ("--set", "train.eval_every=2", "--set", "train.eval_batches=2")  # after steps 2 and 3
-    ref = launch(write_layout(tmp_path / "ref" / "ref.toml", PACKED, [(12, 3, [(6, 1)])]), tmp_path / "ref", *evaluating)
-    run = launch(write_layout(tmp_path / "run" / "run.toml", PACKED, [(8, 4, [(2, 1), (4, 2)]), (4, 2, [(6, 1)])]),
-                 tmp_path / "run", *evaluating)
+    ref = launch(
+        write_layout(tmp_path / "ref" / "ref.toml", PACKED, [(12, 3, [(6, 1)])]), tmp_path / "ref", *evaluating
+    )
+    run = launch(
+        write_layout(tmp_path / "run" / "run.toml", PACKED, [(8, 4, [(2, 1), (4, 2)]), (4, 2, [(6, 1)])]),
+        tmp_path / "run",
+        *evaluating,
+    )
     assert_same_model(run, ref)
     # Held-out loss over packed held-out documents: the same under both layouts ...
-    valid = {k: [json.loads(line).get("valid_loss") for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-             for k in ("ref", "run")}
+    valid = {
+        k: [json.loads(line).get("valid_loss") for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
+        for k in ("ref", "run")
+    }
     assert valid["ref"][0] is None and None not in valid["ref"][1:]
     for a, b in zip(valid["run"], valid["ref"]):
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
@@ -263,9 +285,10 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
             rows = evaluate.held_out_rows(held_out, lay.train.seed, index, 12, 16)
             assert rows.num_targets > 0
             for r, start, n in rows.spans.tolist():
-                doc = np.concatenate([rows.inputs[r, start:start + n], rows.targets[r, start + n - 1:start + n]])
-                logits = stage_forward(ref.params, torch.from_numpy(doc[None, :-1]),
-                                       StageShape(0, lay.model.layers, True, True), lay.model)
+                doc = np.concatenate([rows.inputs[r, start : start + n], rows.targets[r, start + n - 1 : start + n]])
+                logits = stage_forward(
+                    ref.params, torch.from_numpy(doc[None, :-1]), StageShape(0, lay.model.layers, True, True), lay.model
+                )
                 total += float(F.cross_entropy(logits[0], torch.from_numpy(doc[1:]), reduction="sum"))
                 targets += n
     assert abs(total / targets - valid["ref"][-1]) <= 1e-5 * valid["ref"][-1]
@@ -279,9 +302,16 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
 
 def test_cli_names_a_file_without_documents_before_any_rank_starts(tmp_path):
     (tmp_path / "short.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
-    text = (LAYOUTS / "reference" / "reference.toml").read_text().replace(
-        'kind = "grammar"', 'kind = "jsonl"\npath = "short.jsonl"\npacking = "documents"').replace("vocab = 64", "vocab = 256")
+    text = (
+        (LAYOUTS / "reference" / "reference.toml")
+        .read_text()
+        .replace('kind = "grammar"', 'kind = "jsonl"\npath = "short.jsonl"\npacking = "documents"')
+        .replace("vocab = 64", "vocab = 256")
+    )
     path = tmp_path / "layout.toml"
     path.write_text(text)
-    assert_one_error_line(invoke_cli(path, "--quiet"), f"{path}: data.path: file '{tmp_path / 'short.jsonl'}' has no "
-                          "document of 2 or more tokens (give a file with text between its separators)")
+    assert_one_error_line(
+        invoke_cli(path, "--quiet"),
+        f"{path}: data.path: file '{tmp_path / 'short.jsonl'}' has no "
+        "document of 2 or more tokens (give a file with text between its separators)",
+    )

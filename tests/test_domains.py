@@ -18,8 +18,8 @@ from click.testing import CliRunner
 from hetero_llm import layout
 from hetero_llm.cli.launch import main
 from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, CommLib, DomainKind, loads
-from hetero_llm.plan.describe import describe
 from hetero_llm.plan import compile_plan
+from hetero_llm.plan.describe import describe
 
 ROOT = Path(__file__).resolve().parents[1]
 HOLMES = ROOT / "layouts" / "planned" / "holmes_two_domains.toml"
@@ -86,7 +86,11 @@ def test_domains_load_into_typed_specs():
     c = lay.cluster
     assert [d.name for d in c.domains] == ["ib0", "roce0"]
     assert [d.kind for d in c.domains] == [DomainKind.IB, DomainKind.ROCE]
-    assert c.domains[1].nccl_env == {"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5_2", "NCCL_IB_GID_INDEX": "3"}  # ints as text
+    assert c.domains[1].nccl_env == {
+        "NCCL_NET": "IB",
+        "NCCL_IB_HCA": "mlx5_2",
+        "NCCL_IB_GID_INDEX": "3",
+    }  # ints as text
     assert c.cross_domain.gloo_ifname == "xdom" and c.cross_domain.nccl_env["NCCL_NET"] == "Socket"
     assert [c.domain_of(n.name) for n in c.nodes] == ["ib0", "ib0", "roce0", "roce0"]
     assert c.comm is CommLib.TORCH
@@ -100,23 +104,37 @@ def test_layouts_without_domains_are_one_implicit_domain():
     assert all(plan.group_env(r.rank, g) == {} for r in plan.ranks for g in (plan.world,) + plan.groups)
 
 
-@pytest.mark.parametrize("item, check", [
-    ("cluster.domains[0].nccl.NCCL_IB_HCA=mlx5_3", lambda c: c.domains[0].nccl_env["NCCL_IB_HCA"] == "mlx5_3"),
-    ("cluster.domains[1].nccl.NCCL_IB_TC=106", lambda c: c.domains[1].nccl_env["NCCL_IB_TC"] == "106"),
-    ("cluster.cross_domain.gloo_ifname=eth9", lambda c: c.cross_domain.gloo_ifname == "eth9"),
-    ("cluster.nodes[2].speed=0.5", lambda c: c.nodes[2].speed == 0.5),
-])
+@pytest.mark.parametrize(
+    "item, check",
+    [
+        ("cluster.domains[0].nccl.NCCL_IB_HCA=mlx5_3", lambda c: c.domains[0].nccl_env["NCCL_IB_HCA"] == "mlx5_3"),
+        ("cluster.domains[1].nccl.NCCL_IB_TC=106", lambda c: c.domains[1].nccl_env["NCCL_IB_TC"] == "106"),
+        ("cluster.cross_domain.gloo_ifname=eth9", lambda c: c.cross_domain.gloo_ifname == "eth9"),
+        ("cluster.nodes[2].speed=0.5", lambda c: c.nodes[2].speed == 0.5),
+    ],
+)
 def test_set_reaches_domain_keys(item, check):
     assert check(layout.load(HOLMES, [item]).cluster)
 
 
-@pytest.mark.parametrize("item, message", [
-    ("cluster.domains[0].nccl.NCCL_IB_HCX=mlx5_3",
-     "cluster.domains[0].nccl.NCCL_IB_HCX: unknown NCCL variable 'NCCL_IB_HCX' (did you mean 'NCCL_IB_HCA'?)"),
-    ("cluster.cross_domain.ifname=eth0", "--set cluster.cross_domain.ifname: unknown key 'ifname' (did you mean 'gloo_ifname'?)"),
-    ("cluster.domains[0].nccl.NCCL_NET.x=1", "--set cluster.domains[0].nccl.NCCL_NET.x: 'cluster.domains[0].nccl.NCCL_NET' "
-     "is a value, not a table (set 'cluster.domains[0].nccl.NCCL_NET' itself)"),
-])
+@pytest.mark.parametrize(
+    "item, message",
+    [
+        (
+            "cluster.domains[0].nccl.NCCL_IB_HCX=mlx5_3",
+            "cluster.domains[0].nccl.NCCL_IB_HCX: unknown NCCL variable 'NCCL_IB_HCX' (did you mean 'NCCL_IB_HCA'?)",
+        ),
+        (
+            "cluster.cross_domain.ifname=eth0",
+            "--set cluster.cross_domain.ifname: unknown key 'ifname' (did you mean 'gloo_ifname'?)",
+        ),
+        (
+            "cluster.domains[0].nccl.NCCL_NET.x=1",
+            "--set cluster.domains[0].nccl.NCCL_NET.x: 'cluster.domains[0].nccl.NCCL_NET' "
+            "is a value, not a table (set 'cluster.domains[0].nccl.NCCL_NET' itself)",
+        ),
+    ],
+)
 def test_set_checks_domain_keys(item, message):
     with pytest.raises(layout.LayoutError) as info:
         layout.load(HOLMES, [item])
@@ -125,8 +143,14 @@ def test_set_checks_domain_keys(item, message):
 
 def test_schema_lists_domain_keys():
     table = layout.schema_markdown()
-    for key in ("cluster.domains[].kind", "cluster.domains[].nccl", "cluster.cross_domain.gloo_ifname",
-                "cluster.nodes[].domain", "cluster.nodes[].speed", "cluster.comm"):
+    for key in (
+        "cluster.domains[].kind",
+        "cluster.domains[].nccl",
+        "cluster.cross_domain.gloo_ifname",
+        "cluster.nodes[].domain",
+        "cluster.nodes[].speed",
+        "cluster.comm",
+    ):
         assert f"| `{key}` |" in table
 
 
@@ -139,37 +163,62 @@ TWO_BY_TWO = {"a0": ("ib0", 1), "a1": ("ib0", 1), "b0": ("eth", 1), "b1": ("eth"
 def test_holmes_layout_keeps_gradient_sync_inside_domains():
     """DP inside domains, pipeline boundaries across: grad sync per domain, stage boundaries cross-domain."""
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["b0:0"]]), (2, [["a1:0"], ["b1:0"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": "ib0", "grad_sync[1,3]": "eth",
-                               "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN, "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN,
-                               "p2p_fwd[p1.s0->p1.s1]": CROSS_DOMAIN, "p2p_bwd[p1.s1->p1.s0]": CROSS_DOMAIN}
+    assert transports(lay) == {
+        "world": CROSS_DOMAIN,
+        "grad_sync[0,2]": "ib0",
+        "grad_sync[1,3]": "eth",
+        "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN,
+        "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN,
+        "p2p_fwd[p1.s0->p1.s1]": CROSS_DOMAIN,
+        "p2p_bwd[p1.s1->p1.s0]": CROSS_DOMAIN,
+    }
 
 
 def test_naive_layout_syncs_gradients_across_domains():
     """One pipeline per domain: DP groups span domains, so every grad-sync group goes cross-domain (and each
     pipeline's stage boundary stays inside its domain)."""
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["a1:0"]]), (2, [["b0:0"], ["b1:0"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "grad_sync[0,2]": CROSS_DOMAIN, "grad_sync[1,3]": CROSS_DOMAIN,
-                               "p2p_fwd[p0.s0->p0.s1]": "ib0", "p2p_bwd[p0.s1->p0.s0]": "ib0",
-                               "p2p_fwd[p1.s0->p1.s1]": "eth", "p2p_bwd[p1.s1->p1.s0]": "eth"}
+    assert transports(lay) == {
+        "world": CROSS_DOMAIN,
+        "grad_sync[0,2]": CROSS_DOMAIN,
+        "grad_sync[1,3]": CROSS_DOMAIN,
+        "p2p_fwd[p0.s0->p0.s1]": "ib0",
+        "p2p_bwd[p0.s1->p0.s0]": "ib0",
+        "p2p_fwd[p1.s0->p1.s1]": "eth",
+        "p2p_bwd[p1.s1->p1.s0]": "eth",
+    }
 
 
 def test_stage_boundaries_inside_a_domain_use_it_and_only_the_crossing_goes_cross_domain():
     """One pipeline over four nodes, two per domain: a0 -> a1 (ib0) -> b0 (across) -> b1 (eth)."""
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["a1:0"], ["b0:0"], ["b1:0"]])])
     got = {name: t for name, t in transports(lay).items() if name.startswith("p2p")}
-    assert got == {"p2p_fwd[p0.s0->p0.s1]": "ib0", "p2p_bwd[p0.s1->p0.s0]": "ib0",
-                   "p2p_fwd[p0.s1->p0.s2]": CROSS_DOMAIN, "p2p_bwd[p0.s2->p0.s1]": CROSS_DOMAIN,
-                   "p2p_fwd[p0.s2->p0.s3]": "eth", "p2p_bwd[p0.s3->p0.s2]": "eth"}
+    assert got == {
+        "p2p_fwd[p0.s0->p0.s1]": "ib0",
+        "p2p_bwd[p0.s1->p0.s0]": "ib0",
+        "p2p_fwd[p0.s1->p0.s2]": CROSS_DOMAIN,
+        "p2p_bwd[p0.s2->p0.s1]": CROSS_DOMAIN,
+        "p2p_fwd[p0.s2->p0.s3]": "eth",
+        "p2p_bwd[p0.s3->p0.s2]": "eth",
+    }
 
 
 def test_tp_groups_inside_a_node_use_its_domain_and_a_tp_group_across_domains_does_not():
     nodes = {"a0": ("ib0", 2), "b0": ("eth", 2)}
     lay = make(nodes, [(2, [["a0:0", "a0:1"], ["b0:0", "b0:1"]])])
-    assert transports(lay) == {"world": CROSS_DOMAIN, "tp[p0.s0]": "ib0", "tp[p0.s1]": "eth",
-                               "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN, "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN}
+    assert transports(lay) == {
+        "world": CROSS_DOMAIN,
+        "tp[p0.s0]": "ib0",
+        "tp[p0.s1]": "eth",
+        "p2p_fwd[p0.s0->p0.s1]": CROSS_DOMAIN,
+        "p2p_bwd[p0.s1->p0.s0]": CROSS_DOMAIN,
+    }
     lay = make(nodes, [(2, [["a0:0", "b0:0"], ["a0:1", "b0:1"]])])
     assert {name: t for name, t in transports(lay).items() if not name.startswith("p2p")} == {
-        "world": CROSS_DOMAIN, "tp[p0.s0]": CROSS_DOMAIN, "tp[p0.s1]": CROSS_DOMAIN}
+        "world": CROSS_DOMAIN,
+        "tp[p0.s0]": CROSS_DOMAIN,
+        "tp[p0.s1]": CROSS_DOMAIN,
+    }
 
 
 def test_everything_in_one_domain_uses_that_domain_even_the_world():
@@ -202,22 +251,44 @@ def test_a_shared_memory_boundary_keeps_its_nodes_domain_settings_for_its_proces
     plan = compile_plan(lay)
     inside = next(g for g in plan.groups if g.name == "p2p_fwd[p0.s0->p0.s1]")
     assert inside.transport == SHM
-    assert plan.group_env(0, inside) == {"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3",
-                                         "GLOO_SOCKET_IFNAME": "ib0if"}
-    assert transports(attrs.evolve(lay, cluster=attrs.evolve(lay.cluster, nodes=tuple(
-        attrs.evolve(n, p2p=P2P.NETWORK) for n in lay.cluster.nodes))))["p2p_fwd[p0.s0->p0.s1]"] == "ib0"
+    assert plan.group_env(0, inside) == {
+        "NCCL_NET": "IB",
+        "NCCL_IB_HCA": "mlx5_0",
+        "NCCL_IB_GID_INDEX": "3",
+        "GLOO_SOCKET_IFNAME": "ib0if",
+    }
+    assert (
+        transports(
+            attrs.evolve(
+                lay,
+                cluster=attrs.evolve(
+                    lay.cluster, nodes=tuple(attrs.evolve(n, p2p=P2P.NETWORK) for n in lay.cluster.nodes)
+                ),
+            )
+        )["p2p_fwd[p0.s0->p0.s1]"]
+        == "ib0"
+    )
 
 
 def test_group_env_is_own_domain_overridden_by_the_group_transport():
     lay = make(TWO_BY_TWO, [(2, [["a0:0"], ["b0:0"]]), (2, [["a1:0"], ["b1:0"]])])
     plan = compile_plan(lay)
     grad = next(g for g in plan.groups if g.transport == "ib0")
-    assert plan.group_env(0, grad) == {"NCCL_NET": "IB", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3",
-                                       "GLOO_SOCKET_IFNAME": "ib0if"}
+    assert plan.group_env(0, grad) == {
+        "NCCL_NET": "IB",
+        "NCCL_IB_HCA": "mlx5_0",
+        "NCCL_IB_GID_INDEX": "3",
+        "GLOO_SOCKET_IFNAME": "ib0if",
+    }
     # The world is cross-domain: Socket over eth0, but this rank's IB settings stay as the base, since
     # NCCL initializes its IB device list once per process (at the first communicator).
-    assert plan.group_env(0, plan.world) == {"NCCL_NET": "Socket", "NCCL_IB_HCA": "mlx5_0", "NCCL_IB_GID_INDEX": "3",
-                                             "NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+    assert plan.group_env(0, plan.world) == {
+        "NCCL_NET": "Socket",
+        "NCCL_IB_HCA": "mlx5_0",
+        "NCCL_IB_GID_INDEX": "3",
+        "NCCL_SOCKET_IFNAME": "eth0",
+        "GLOO_SOCKET_IFNAME": "eth0",
+    }
     assert plan.group_env(1, plan.world)["GLOO_SOCKET_IFNAME"] == "eth0"
 
 
@@ -280,8 +351,8 @@ def test_network_env_is_restored(monkeypatch):
 
 def _cuda_and_cupy() -> tuple[bool, str]:
     try:
-        import torch
         import cupy  # noqa: F401
+        import torch
         from cupy.cuda import nccl  # noqa: F401
     except ImportError:
         return False, "needs CUDA and CuPy; runs on a GPU machine (CuPy is not installed here)"

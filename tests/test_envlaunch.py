@@ -24,8 +24,19 @@ from hetero_llm.launch import external as envlaunch
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
 TWO_STAGES = [(12, 3, [(3, 1), (3, 1)])]  # node n0: ranks 0 and 1
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_NTASKS",
-                 "SLURM_STEP_ID", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RESTART_COUNT")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_STEP_ID",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+)
 
 
 @pytest.fixture
@@ -56,7 +67,8 @@ def _losses(metrics: Path) -> list[float]:
 def test_which_variables_give_a_rank():
     assert envlaunch.assigned({}) is None
     assert envlaunch.assigned({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}) == envlaunch.Assigned(
-        1, 2, "torchrun", "RANK", "WORLD_SIZE")
+        1, 2, "torchrun", "RANK", "WORLD_SIZE"
+    )
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
     assert envlaunch.assigned(slurm) == envlaunch.Assigned(3, 4, "srun", "SLURM_PROCID", "SLURM_NTASKS")
     assert envlaunch.assigned({**slurm, "RANK": "0", "WORLD_SIZE": "4"}).launcher == "torchrun"  # torchrun in srun
@@ -68,8 +80,11 @@ def test_world_size_mismatch_is_one_line(tmp_path, clean_env):
     path = write_layout(tmp_path / "l.toml", COMMON, TWO_STAGES)
     clean_env.setenv("RANK", "0")
     clean_env.setenv("WORLD_SIZE", "8")
-    assert_one_error_line(invoke_cli(path, "--dry-run"), f"{path}: pipelines: torchrun started 8 processes "
-                          "(WORLD_SIZE=8) but the layout has 2 ranks; start 2 (--dry-run lists them by node)")
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run"),
+        f"{path}: pipelines: torchrun started 8 processes "
+        "(WORLD_SIZE=8) but the layout has 2 ranks; start 2 (--dry-run lists them by node)",
+    )
 
 
 def test_rank_on_another_host_is_one_line(tmp_path, clean_env):
@@ -80,10 +95,13 @@ def test_rank_on_another_host_is_one_line(tmp_path, clean_env):
     clean_env.setenv("SLURM_STEP_ID", "0")
     import socket
 
-    assert_one_error_line(invoke_cli(path, "--dry-run"), f"{path}: cluster.nodes[1].host: srun started rank 1 "
-                          f"(SLURM_PROCID) on {socket.gethostname()}, but the layout puts it (n1:0) on node n1, host "
-                          "'192.0.2.7', which is not this machine; give each node its machine's host, and start ranks "
-                          "so that each machine gets its nodes' ranks (--dry-run lists them)")
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run"),
+        f"{path}: cluster.nodes[1].host: srun started rank 1 "
+        f"(SLURM_PROCID) on {socket.gethostname()}, but the layout puts it (n1:0) on node n1, host "
+        "'192.0.2.7', which is not this machine; give each node its machine's host, and start ranks "
+        "so that each machine gets its nodes' ranks (--dry-run lists them)",
+    )
     clean_env.setenv("SLURM_PROCID", "0")  # rank 0's node n0 is 127.0.0.1: fine
     assert invoke_cli(path, "--dry-run").exit_code == 0
 
@@ -92,8 +110,11 @@ def test_bad_rank_variable_is_one_line(tmp_path, clean_env):
     path = write_layout(tmp_path / "l.toml", COMMON, TWO_STAGES)
     clean_env.setenv("RANK", "one")
     clean_env.setenv("WORLD_SIZE", "2")
-    assert_one_error_line(invoke_cli(path, "--dry-run"), "environment: RANK: 'one' is not a number (torchrun sets it; "
-                          "unset it, or pass --rank R / --node NAME to choose what to start)")
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run"),
+        "environment: RANK: 'one' is not a number (torchrun sets it; "
+        "unset it, or pass --rank R / --node NAME to choose what to start)",
+    )
 
 
 def test_explicit_rank_or_node_wins_over_the_environment(tmp_path, clean_env):
@@ -110,15 +131,20 @@ def test_resume_auto_finds_the_newest_complete_save_or_none(tmp_path):
     assert envlaunch.resume_auto(str(ckpt), lay) is None  # no folder yet
     (ckpt / "step-000002").mkdir(parents=True)  # an interrupted save only
     assert envlaunch.resume_auto(str(ckpt), lay) is None
-    with pytest.raises(layout_mod.LayoutError, match=r": --resume: auto needs --checkpoint DIR \(the folder it "
-                                                     r"resumes from and saves into\)$"):
+    with pytest.raises(
+        layout_mod.LayoutError,
+        match=r": --resume: auto needs --checkpoint DIR \(the folder it "
+        r"resumes from and saves into\)$",
+    ):
         envlaunch.resume_auto(None, lay)
 
 
 def test_resume_auto_without_checkpoint_is_one_line(tmp_path, clean_env):
     path = write_layout(tmp_path / "l.toml", COMMON, TWO_STAGES)
-    assert_one_error_line(invoke_cli(path, "--dry-run", "--resume", "auto"),
-                          f"{path}: --resume: auto needs --checkpoint DIR (the folder it resumes from and saves into)")
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run", "--resume", "auto"),
+        f"{path}: --resume: auto needs --checkpoint DIR (the folder it resumes from and saves into)",
+    )
 
 
 # --------------------------------------------------------------------------- real launches (processes)
@@ -135,10 +161,25 @@ def reference(tmp_path_factory):
 def test_srun_variables_set_by_hand_run_one_rank_each(reference, tmp_path):
     path, ref = reference
     metrics, port = tmp_path / "m.jsonl", free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(path), "--quiet", "--metrics-jsonl",
-                               str(metrics), "--set", "train.steps=8"], stderr=subprocess.PIPE, text=True,
-                              env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_ID="0", MASTER_PORT=str(port)))
-             for r in (1, 0)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_llm.cli",
+                str(path),
+                "--quiet",
+                "--metrics-jsonl",
+                str(metrics),
+                "--set",
+                "train.steps=8",
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(SLURM_PROCID=str(r), SLURM_NTASKS="2", SLURM_STEP_ID="0", MASTER_PORT=str(port)),
+        )
+        for r in (1, 0)
+    ]
     for p in procs:
         assert p.wait(120) == 0, p.stderr.read()
     assert _losses(metrics) == ref.losses
@@ -148,10 +189,30 @@ def test_srun_variables_set_by_hand_run_one_rank_each(reference, tmp_path):
 def test_torchrun_with_two_processes(reference, tmp_path):
     path, ref = reference
     metrics = tmp_path / "m.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), *_hetero_launch(), str(path), "--quiet",
-                           "--metrics-jsonl", str(metrics), "--set", "train.steps=8"],
-                          capture_output=True, text=True, timeout=180, env=_env())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            *_hetero_launch(),
+            str(path),
+            "--quiet",
+            "--metrics-jsonl",
+            str(metrics),
+            "--set",
+            "train.steps=8",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=_env(),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert _losses(metrics) == ref.losses
 
@@ -179,12 +240,37 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_sa
     steps = 8
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
     # emulated slower compute (sleeps only: the numbers do not change) so the kill lands mid-run
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-                             "--max-restarts", "1", "--master-port", str(free_port()), *_hetero_launch(), str(path),
-                             "--metrics-jsonl", str(metrics), "--checkpoint", str(ckpt), "--checkpoint-every", "2",
-                             "--resume", "auto", "--set", f"train.steps={steps}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=_env(HETERO_EMULATE_SLOWDOWN="*:8"))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--master-port",
+            str(free_port()),
+            *_hetero_launch(),
+            str(path),
+            "--metrics-jsonl",
+            str(metrics),
+            "--checkpoint",
+            str(ckpt),
+            "--checkpoint-every",
+            "2",
+            "--resume",
+            "auto",
+            "--set",
+            f"train.steps={steps}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(HETERO_EMULATE_SLOWDOWN="*:8"),
+    )
     try:
         deadline = time.monotonic() + 120
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):

@@ -13,22 +13,34 @@ import numpy as np
 import pytest
 import torch
 
+from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint.shards import load_full_params
 from hetero_llm.data import held_out as evaluate
 from hetero_llm.errors import LayoutError
 from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
-from hetero_llm.checkpoint.shards import load_full_params
-from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 
-COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
-                                                             "eval_batches = 2")
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace(
+    "log_every = 1", "log_every = 1\neval_every = 2\neval_batches = 2"
+)
 
 
 def run_console(layout, workdir, *extra):
     """hetero-launch without --quiet: the console lines and the metrics rows."""
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--metrics-jsonl", str(metrics), "--checkpoint",
-           str(ckpt), "--set", f"cluster.port={free_port()}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(layout),
+        "--metrics-jsonl",
+        str(metrics),
+        "--checkpoint",
+        str(ckpt),
+        "--set",
+        f"cluster.port={free_port()}",
+        *extra,
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -56,13 +68,21 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
 
         events = EventAccumulator(str(tmp_path / "tb"))
         events.Reload()
-        assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == \
-            [(r["step"], round(r["loss"], 5)) for r in rows]
+        assert [(e.step, round(e.value, 5)) for e in events.Scalars("train/loss")] == [
+            (r["step"], round(r["loss"], 5)) for r in rows
+        ]
         assert [e.step for e in events.Scalars("train/valid_loss")] == [2, 3]
 
     zero1 = COMMON.replace('schedule = "1f1b"', 'schedule = "1f1b"\noptimizer = "adamw_zero1"')  # AG before evaluating
-    many = launch(write_layout(tmp_path / "many" / "layout.toml", zero1,
-                               [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "zbh1"), tmp_path / "many")
+    many = launch(
+        write_layout(
+            tmp_path / "many" / "layout.toml",
+            zero1,
+            [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])],
+            "zbh1",
+        ),
+        tmp_path / "many",
+    )
     many_rows = [json.loads(line) for line in (tmp_path / "many" / "metrics.jsonl").read_text().splitlines()]
     for a, b in zip(many_rows, rows):
         assert a.keys() == b.keys()
@@ -84,8 +104,10 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
 
 
 def test_held_out_batches_differ_from_training_batches():
-    lay = layout_mod.loads(COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
-                           'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    lay = layout_mod.loads(
+        COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
+        'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
+    )
     train, valid = evaluate.train_and_held_out(lay.data, lay.file)
     from hetero_llm.data import batches as data
 
@@ -96,21 +118,28 @@ def test_held_out_batches_differ_from_training_batches():
 
 def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
     (tmp_path / "t.txt").write_bytes(bytes(range(32, 127)) * 20)
-    text = (COMMON.replace("vocab = 64", "vocab = 256").replace('kind = "grammar"', 'kind = "text"\npath = "t.txt"\n'
-                                                                 'valid_fraction = 0.25')
-            + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
-              '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    text = (
+        COMMON.replace("vocab = 64", "vocab = 256").replace(
+            'kind = "grammar"', 'kind = "text"\npath = "t.txt"\nvalid_fraction = 0.25'
+        )
+        + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
+        '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
+    )
     lay = layout_mod.loads(text, base_dir=tmp_path)
     train, valid = evaluate.train_and_held_out(lay.data, lay.file)
     n = 95 * 20
     assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
-    assert np.array_equal(np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8))
+    assert np.array_equal(
+        np.concatenate([train.tokens, valid.tokens]), np.frombuffer(bytes(range(32, 127)) * 20, np.uint8)
+    )
 
 
 def _packed(tmp_path, data: str):
-    text = (COMMON.replace("vocab = 64", "vocab = 256").replace('kind = "grammar"', data + '\npacking = "documents"')
-            + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
-              '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n')
+    text = (
+        COMMON.replace("vocab = 64", "vocab = 256").replace('kind = "grammar"', data + '\npacking = "documents"')
+        + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
+        '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
+    )
     return layout_mod.loads(text, base_dir=tmp_path)
 
 
@@ -125,7 +154,7 @@ def test_held_out_documents_are_packed_on_a_stream_of_their_own_and_never_traine
     assert train.starts.max() < valid.starts.min()
 
     def texts(rows):
-        return {bytes(rows.inputs[r, s:s + n].astype(np.uint8)) for r, s, n in rows.spans.tolist()}
+        return {bytes(rows.inputs[r, s : s + n].astype(np.uint8)) for r, s, n in rows.spans.tolist()}
 
     held = evaluate.held_out_rows(valid, 7, 0, 12, 16)
     assert held.num_targets > 0
@@ -153,5 +182,7 @@ def test_tensorboard_flag_without_tensorboard_is_one_line(tmp_path, monkeypatch)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
     layout = write_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(6, 1)])])
-    assert_one_error_line(invoke_cli(layout, "--tensorboard", tmp_path / "tb"),
-                          f"{layout}: --tensorboard: needs the tensorboard package (pip install tensorboard)")
+    assert_one_error_line(
+        invoke_cli(layout, "--tensorboard", tmp_path / "tb"),
+        f"{layout}: --tensorboard: needs the tensorboard package (pip install tensorboard)",
+    )

@@ -7,19 +7,24 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from hetero_llm.cli.generate import main as generate_main
-from hetero_llm import layout as layout_mod
-from hetero_llm.interop import export
-from hetero_llm.interop import generate
-from hetero_llm.model.forward import StageShape, stage_forward
-from hetero_llm.checkpoint.shards import load_full_params
 from harness import LAYOUTS, common_sections, launch, write_layout
+from hetero_llm.checkpoint.shards import load_full_params
+from hetero_llm.cli.generate import main as generate_main
+from hetero_llm.interop import export, generate
+from hetero_llm.model.forward import StageShape, stage_forward
 
-BASE = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 4").replace("lr = 1e-3", "lr = 1e-2")
+BASE = (
+    common_sections(LAYOUTS / "reference" / "reference.toml")
+    .replace("steps = 3", "steps = 4")
+    .replace("lr = 1e-3", "lr = 1e-2")
+)
 MODELS = {
     "llama-gqa-tied": BASE.replace('position = "rope"', 'position = "rope"\nkv_heads = 2\ntie_embeddings = true'),
-    "gpt2": (BASE.replace('mlp = "swiglu"', 'mlp = "gelu"').replace('norm = "rmsnorm"', 'norm = "layernorm"')
-             .replace('position = "rope"', 'position = "learned"\nbias = true')),
+    "gpt2": (
+        BASE.replace('mlp = "swiglu"', 'mlp = "gelu"')
+        .replace('norm = "rmsnorm"', 'norm = "layernorm"')
+        .replace('position = "rope"', 'position = "learned"\nbias = true')
+    ),
 }
 
 
@@ -37,7 +42,7 @@ def test_cached_logits_equal_the_full_model(trained):
     full = stage_forward(params, ids, StageShape(0, s.model.layers, True, True), s.model)
     cache = generate.KVCache(s.model.layers)
     pieces = [generate.forward(params, s.model, ids[:, :5], cache)]
-    pieces += [generate.forward(params, s.model, ids[:, t:t + 1], cache) for t in range(5, 9)]
+    pieces += [generate.forward(params, s.model, ids[:, t : t + 1], cache) for t in range(5, 9)]
     pieces.append(generate.forward(params, s.model, ids[:, 9:], cache))
     cached = torch.cat(pieces, dim=1)
     assert float((cached - full).norm() / full.norm()) <= 1e-5
@@ -50,9 +55,15 @@ def test_greedy_equals_transformers_generate(trained, tmp_path):
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     prompt = [5, 17, 3, 9]
     ours = generate.generate(load_full_params(str(trained)), s.model, prompt, 10, temperature=0, eos_id=None)
-    out = theirs.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
-                          pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    assert out[0, len(prompt):].tolist() == ours
+    out = theirs.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=10,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    assert out[0, len(prompt) :].tolist() == ours
 
 
 def test_sampling_is_seeded_and_respects_top_k(trained):
@@ -69,16 +80,23 @@ def test_sampling_is_seeded_and_respects_top_k(trained):
 def test_cli_prints_prompt_and_continuation_and_refuses_bad_prompts(trained):
     """The grammar's tokens are ids: the prompt and the output are ids separated by spaces."""
     step = export.saved(str(trained)).ckpt.path
-    result = CliRunner().invoke(generate_main, [str(trained), "--prompt", "5 17 3", "--max-new-tokens", "5",
-                                                "--temperature", "0"])
+    result = CliRunner().invoke(
+        generate_main, [str(trained), "--prompt", "5 17 3", "--max-new-tokens", "5", "--temperature", "0"]
+    )
     assert result.exit_code == 0, result.output
     out = [int(t) for t in result.output.split()]
     assert out[:3] == [5, 17, 3] and len(out) == 8
     for args, message in [
-        (["--prompt", "1 2 3", "--max-new-tokens", "14"], "--max-new-tokens: 14 tokens after a prompt of 3 exceed "
-         "model.seq_len 16, the positions the model was trained on (use at most 13, or a shorter prompt)"),
-        (["--prompt", "hello"], "--prompt: the model was trained on the embedded grammar, whose tokens are ids, not "
-         "text: give ids separated by spaces, e.g. --prompt '3 17 5'"),
+        (
+            ["--prompt", "1 2 3", "--max-new-tokens", "14"],
+            "--max-new-tokens: 14 tokens after a prompt of 3 exceed "
+            "model.seq_len 16, the positions the model was trained on (use at most 13, or a shorter prompt)",
+        ),
+        (
+            ["--prompt", "hello"],
+            "--prompt: the model was trained on the embedded grammar, whose tokens are ids, not "
+            "text: give ids separated by spaces, e.g. --prompt '3 17 5'",
+        ),
         (["--prompt", "1 64"], "--prompt: token 64 is outside the model's vocabulary of 64 (model.vocab)"),
     ]:
         result = CliRunner().invoke(generate_main, [str(trained), *args])

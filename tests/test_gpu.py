@@ -24,17 +24,15 @@ import attrs
 import pytest
 import torch
 import torch.distributed as dist
+from helpers_precision import assert_bf16_close
 
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch, sections
-from hetero_llm.comm import collectives
-from hetero_llm.layout import (Backend, ClusterSpec, Layout, NodeSpec, PipelineSpec, Schedule, StageSpec,
-                               dump)
-from hetero_llm.comm import p2p
+from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.streams import NO_STREAMS, Streams
+from hetero_llm.layout import Backend, ClusterSpec, Layout, NodeSpec, PipelineSpec, Schedule, StageSpec, dump
 from hetero_llm.plan import Route
 from hetero_llm.plan.rank import GradSyncKey
-from hetero_llm.comm.streams import NO_STREAMS, Streams
-from helpers_precision import assert_bf16_close
 
 GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP)
@@ -104,8 +102,10 @@ def _comms(**kw):
 @pytest.fixture
 def staging(monkeypatch):
     """Set whether p2p is staged through host (what gloo does for CUDA tensors) for CPU tensors."""
+
     def set_(on: bool):
         monkeypatch.setattr(p2p, "stages_through_host", lambda device: on)
+
     return set_
 
 
@@ -150,8 +150,14 @@ def test_staged_send_copies_once_on_the_p2p_stream_before_gloo_reads(monkeypatch
     x = torch.arange(10, dtype=torch.bfloat16).view(2, 5)
     p2p.send_boundary(comms, x, [Route(0, 1, 0, 2), Route(0, 2, 1, 2)], 0, 3, 0, streams)
     # One host copy for both pieces, made after the producing compute, complete before the sends.
-    assert streams.log == [("wait", "p2p", "compute"), ("use", "p2p"), ("end", "p2p"), ("synchronize", "p2p"),
-                           ("isend", "compute", 1), ("isend", "compute", 2)]
+    assert streams.log == [
+        ("wait", "p2p", "compute"),
+        ("use", "p2p"),
+        ("end", "p2p"),
+        ("synchronize", "p2p"),
+        ("isend", "compute", 1),
+        ("isend", "compute", 2),
+    ]
     assert not any(_same_memory(t, x) for t in sent)
     assert [t.tolist() for t in sent] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
     assert [t for _, t in comms.pending_sends] == sent  # kept alive until wait_sends
@@ -204,15 +210,18 @@ def test_nccl_p2p_goes_out_as_batches_on_the_boundary_group(monkeypatch, staging
     try:
         group = dist.new_group([0])
         comms = _comms()
-        p2p.send_boundary(comms, torch.arange(10.0), [Route(0, 0, 0, 2), Route(0, 0, 1, 2)], 0, 3, 0, FakeStreams(),
-                          group)
+        p2p.send_boundary(
+            comms, torch.arange(10.0), [Route(0, 0, 0, 2), Route(0, 0, 1, 2)], 0, 3, 0, FakeStreams(), group
+        )
         p2p.recv_boundary(comms, Route(0, 0, 1, 2), (2, 5), torch.float32, 1, 3, 0, FakeStreams(), group)
     finally:
         dist.destroy_process_group()
-    real_isend, real_irecv = dist.isend, dist.irecv
+    real_isend, _real_irecv = dist.isend, dist.irecv
     assert [[(op is real_isend, peer, g is group, tag, n) for op, peer, g, tag, n in b] for b in batches] == [
-        [(True, 0, True, p2p._tag(0, 3, 0, 0), 5)], [(True, 0, True, p2p._tag(0, 3, 0, 1), 5)],
-        [(False, 0, True, p2p._tag(1, 3, 0, 1), 5)]]
+        [(True, 0, True, p2p._tag(0, 3, 0, 0), 5)],
+        [(True, 0, True, p2p._tag(0, 3, 0, 1), 5)],
+        [(False, 0, True, p2p._tag(1, 3, 0, 1), 5)],
+    ]
 
 
 def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
@@ -228,8 +237,14 @@ def test_grad_sync_packs_and_reduces_on_the_grads_stream(monkeypatch):
     a, b = torch.ones(2, 3), torch.arange(4.0).view(2, 2)[:, 1:]  # the second is a strided view of a gradient
     comms = _comms(groups={GradSyncKey((0, 1)): object()})
     pending = collectives.start_all_reduce_flat(comms, [a, b], GradSyncKey((0, 1)), streams)
-    assert streams.log == [("wait", "grads", "compute"), ("use", "grads"), ("all_reduce", "grads", True),
-                           ("end", "grads"), ("hand_over", "grads"), ("hand_over", "grads")]
+    assert streams.log == [
+        ("wait", "grads", "compute"),
+        ("use", "grads"),
+        ("all_reduce", "grads", True),
+        ("end", "grads"),
+        ("hand_over", "grads"),
+        ("hand_over", "grads"),
+    ]
     assert [t for t, _ in streams.recorded] == [a, b]  # the inputs may be dropped by the caller: recorded
     summed = pending.wait()
     assert streams.log[6:] == [("all_reduce.wait", "compute"), ("wait", "compute", "grads"), ("hand_over", "compute")]
@@ -302,15 +317,24 @@ def one_gpu_layout(path: Path, stages: list[tuple[int, int]], microbatches: int,
     """One pipeline over ``stages`` [(layers, tp)], every rank on cuda:0 (one node per rank), gloo."""
     model, train, data = sections(COMMON, path)
     ranks = sum(tp for _, tp in stages)
-    cluster = ClusterSpec(nodes=tuple(NodeSpec(name=f"g{r}", devices=("cuda:0",)) for r in range(ranks)),
-                          backend=Backend.GLOO)
+    cluster = ClusterSpec(
+        nodes=tuple(NodeSpec(name=f"g{r}", devices=("cuda:0",)) for r in range(ranks)), backend=Backend.GLOO
+    )
     specs, r = [], 0
     for layers, tp in stages:
         specs.append(StageSpec(layers=layers, devices=tuple(f"g{r + i}:0" for i in range(tp))))
         r += tp
-    dump(Layout(file=str(path), model=model, train=attrs.evolve(train, schedule=Schedule(schedule)), data=data,
-                cluster=cluster, pipelines=(PipelineSpec(batch=12, microbatches=microbatches, stages=tuple(specs)),)),
-         path)
+    dump(
+        Layout(
+            file=str(path),
+            model=model,
+            train=attrs.evolve(train, schedule=Schedule(schedule)),
+            data=data,
+            cluster=cluster,
+            pipelines=(PipelineSpec(batch=12, microbatches=microbatches, stages=tuple(specs)),),
+        ),
+        path,
+    )
     return path
 
 
@@ -346,9 +370,11 @@ def test_one_gpu_layout_float32(name, stages, microbatches, schedule, cuda_refer
 @pytest.mark.gpu
 @pytest.mark.multiprocess
 @needs_cuda
-@pytest.mark.parametrize("name,stages,microbatches,schedule",
-                         [("one process", [(6, 1)], 3, "1f1b")] + ONE_GPU_CASES,
-                         ids=["one process"] + [c[0] for c in ONE_GPU_CASES])
+@pytest.mark.parametrize(
+    "name,stages,microbatches,schedule",
+    [("one process", [(6, 1)], 3, "1f1b")] + ONE_GPU_CASES,
+    ids=["one process"] + [c[0] for c in ONE_GPU_CASES],
+)
 def test_one_gpu_layout_bf16(name, stages, microbatches, schedule, cuda_reference, tmp_path):
     path = one_gpu_layout(tmp_path / "layout.toml", stages, microbatches, schedule)
     assert_bf16_close(launch(path, tmp_path, "--set", "train.precision=bf16"), cuda_reference)

@@ -21,12 +21,19 @@ pytestmark = pytest.mark.multiprocess
 
 
 def test_tiny_cpu_smoke(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.gpu_bench", "--tiny", "--device", "cpu",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_bench", "--tiny", "--device", "cpu", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "gpu_bench_tiny.json").read_text())
     single = result["single_stage"]
-    assert {(r["impl"], r["seq"], r["mode"]) for r in single} == {(i, s, "eager") for i in ("ours", "plain") for s in (32, 64)}
+    assert {(r["impl"], r["seq"], r["mode"]) for r in single} == {
+        (i, s, "eager") for i in ("ours", "plain") for s in (32, 64)
+    }
     for r in single:
         assert r["tokens_per_s"] > 0 and math.isfinite(r["final_loss"]), r
         assert len(r["step_seconds"]) == result["config"]["steps"]

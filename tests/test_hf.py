@@ -15,28 +15,39 @@ import pytest
 torch = pytest.importorskip("torch", reason="the interop needs torch (a core dependency: always there, CI included)")
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
-from click.testing import CliRunner  # noqa: E402
+from click.testing import CliRunner
 
-from hetero_llm.cli.export import main as export_main
+from harness import assert_same_model, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.interop import export
-from hetero_llm.interop import hf  # noqa: E402
-from hetero_llm.model.forward import StageShape, init_full, stage_forward, token_loss_sum  # noqa: E402
-from hetero_llm.model.params import all_params, shard_range  # noqa: E402
-from hetero_llm.checkpoint.shards import load_full_params  # noqa: E402
-from harness import launch, assert_same_model, write_layout  # noqa: E402
+from hetero_llm.checkpoint.shards import load_full_params
+from hetero_llm.cli.export import main as export_main
+from hetero_llm.interop import hf
+from hetero_llm.model.forward import StageShape, init_full, stage_forward, token_loss_sum
+from hetero_llm.model.params import all_params, shard_range
 
 RTOL = 1e-5
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
 
 # (id, HF config kwargs, [model] lines): Llama with and without GQA/tied/bias, GPT-2 tied or not.
 MODELS = {
-    "llama": ("llama", dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5),
-              'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48'),
-    "llama-gqa-tied-bias-theta": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True, attention_bias=True,
-                                                mlp_bias=True, rope_theta=500000.0, rms_norm_eps=1e-6),
-                                  'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48\nkv_heads = 2\n'
-                                  'tie_embeddings = true\nbias = true\nrope_theta = 500000.0\nnorm_eps = 1e-6'),
+    "llama": (
+        "llama",
+        dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5),
+        'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48',
+    ),
+    "llama-gqa-tied-bias-theta": (
+        "llama",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            attention_bias=True,
+            mlp_bias=True,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-6,
+        ),
+        'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48\nkv_heads = 2\n'
+        "tie_embeddings = true\nbias = true\nrope_theta = 500000.0\nnorm_eps = 1e-6",
+    ),
     "gpt2": ("gpt2", dict(tie_word_embeddings=False, n_positions=32), "bias = true"),
     "gpt2-tied": ("gpt2", dict(tie_word_embeddings=True, n_positions=SEQ), "bias = true\ntie_embeddings = true"),
 }
@@ -47,12 +58,29 @@ def make_hf(name: str, folder: Path, seed: int = 0):
     kind, kwargs, _ = MODELS[name]
     torch.manual_seed(seed)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=48, num_hidden_layers=LAYERS,
-                                       num_attention_heads=HEADS, max_position_embeddings=SEQ, **kwargs)
+        cfg = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=HIDDEN,
+            intermediate_size=48,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            max_position_embeddings=SEQ,
+            **kwargs,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
-        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, bos_token_id=0,
-                                      eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, **kwargs)
+        cfg = transformers.GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            bos_token_id=0,
+            eos_token_id=0,
+            attn_pdrop=0.0,
+            embd_pdrop=0.0,
+            resid_pdrop=0.0,
+            **kwargs,
+        )
         model = transformers.GPT2LMHeadModel(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -63,14 +91,19 @@ def make_hf(name: str, folder: Path, seed: int = 0):
 
 
 def model_lines(name: str, layers: int = LAYERS) -> str:
-    return f"[model]\nlayers = {layers}\nhidden = {HIDDEN}\nheads = {HEADS}\nvocab = {VOCAB}\nseq_len = {SEQ}\n" \
-           f"{MODELS[name][2]}\n"
+    return (
+        f"[model]\nlayers = {layers}\nhidden = {HIDDEN}\nheads = {HEADS}\nvocab = {VOCAB}\nseq_len = {SEQ}\n"
+        f"{MODELS[name][2]}\n"
+    )
 
 
 def load_model(name: str, init_from: Path | None = None) -> layout_mod.ModelSpec:
-    text = model_lines(name) + (f'init_from = "{init_from}"\n' if init_from else "") + \
-        '[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\n' \
+    text = (
+        model_lines(name)
+        + (f'init_from = "{init_from}"\n' if init_from else "")
+        + '[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\n'
         f'microbatches = 1\n[[pipelines.stages]]\nlayers = {LAYERS}\ndevices = ["n:0"]\n'
+    )
     return layout_mod.loads(text).model
 
 
@@ -131,14 +164,17 @@ def test_export_refuses_a_model_transformers_has_no_class_for(tmp_path):
     (step / "rank0.pt").write_bytes(b"")
     model = layout_mod.spec_dict(load_model("llama"))
     model["norm"] = "layernorm"  # layernorm + rope + swiglu: neither Llama nor GPT-2
-    (step / "meta.json").write_text(json.dumps({"step": 1, "world_size": 1, "layout": "x.toml", "params": {},
-                                                "model": model}))
+    (step / "meta.json").write_text(
+        json.dumps({"step": 1, "world_size": 1, "layout": "x.toml", "params": {}, "model": model})
+    )
     result = CliRunner().invoke(export_main, [str(tmp_path / "ckpt"), "--hf", str(tmp_path / "out")])
     assert result.exit_code == 2
-    assert result.output == (f"error: {step}: CHECKPOINT_DIR: [model] norm 'layernorm', position 'rope', mlp 'swiglu' "
-                             "matches neither Llama (norm 'rmsnorm', position 'rope', mlp 'swiglu') nor GPT-2 (norm "
-                             "'layernorm', position 'learned', mlp 'gelu', no kv_heads): transformers has no class for "
-                             "it (train with one of those to export)\n")
+    assert result.output == (
+        f"error: {step}: CHECKPOINT_DIR: [model] norm 'layernorm', position 'rope', mlp 'swiglu' "
+        "matches neither Llama (norm 'rmsnorm', position 'rope', mlp 'swiglu') nor GPT-2 (norm "
+        "'layernorm', position 'learned', mlp 'gelu', no kv_heads): transformers has no class for "
+        "it (train with one of those to export)\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -164,10 +200,14 @@ grammar_vocab = 64
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name,pipelines", [
-    ("llama-gqa-tied-bias-theta", [(8, 4, [(1, 2), (1, 1)]), (4, 2, [(2, 2)])]),
-    ("gpt2", [(12, 3, [(1, 1), (1, 2)])]),
-], ids=["llama gqa tied: tp [[2, 1], [2]]", "gpt2: tp [1, 2]"])
+@pytest.mark.parametrize(
+    "name,pipelines",
+    [
+        ("llama-gqa-tied-bias-theta", [(8, 4, [(1, 2), (1, 1)]), (4, 2, [(2, 2)])]),
+        ("gpt2", [(12, 3, [(1, 1), (1, 2)])]),
+    ],
+    ids=["llama gqa tied: tp [[2, 1], [2]]", "gpt2: tp [1, 2]"],
+)
 def test_round_trip_through_training(name, pipelines, tmp_path):
     make_hf(name, tmp_path / "hf")
     common = model_lines(name) + f'init_from = "{tmp_path / "hf"}"\n' + TRAIN
@@ -175,14 +215,18 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
     for label, pipes in (("one", [(12, 3, [(LAYERS, 1)])]), ("many", pipelines)):
         (tmp_path / label).mkdir()
         runs[label] = launch(write_layout(tmp_path / label / "layout.toml", common, pipes), tmp_path / label)
-        result = CliRunner().invoke(export_main, [str(tmp_path / label / "ckpt"), "--hf", str(tmp_path / f"{label}-hf")])
+        result = CliRunner().invoke(
+            export_main, [str(tmp_path / label / "ckpt"), "--hf", str(tmp_path / f"{label}-hf")]
+        )
         assert result.exit_code == 0, result.output
     if name.startswith("gpt2"):
         # Without RoPE a key bias adds q.b to every score of a query alike, and softmax ignores that: its
         # gradient is zero in exact arithmetic, so Adam's update of it (g / sqrt(v)) is rounding noise, as in
         # transformers itself. Compared are the losses, grad norms and every other tensor.
-        runs = {k: attrs.evolve(r, params={n: t for n, t in r.params.items() if not n.endswith(".attn.bk")})
-                for k, r in runs.items()}
+        runs = {
+            k: attrs.evolve(r, params={n: t for n, t in r.params.items() if not n.endswith(".attn.bk")})
+            for k, r in runs.items()
+        }
     assert_same_model(runs["many"], runs["one"])
     model = load_model(name)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
@@ -195,11 +239,14 @@ def test_round_trip_through_training(name, pipelines, tmp_path):
     shutil.rmtree(tmp_path / "hf")
 
 
-@pytest.mark.parametrize("command,args,expected", [
-    (export_main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
-    ("generate", ["ckpt"], "Missing option '--prompt' (see hetero-generate --help)"),
-    ("tokenize", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
-])
+@pytest.mark.parametrize(
+    "command,args,expected",
+    [
+        (export_main, ["ckpt"], "Missing option '--hf' (see hetero-export --help)"),
+        ("generate", ["ckpt"], "Missing option '--prompt' (see hetero-generate --help)"),
+        ("tokenize", ["in.txt", "-o"], "Option '-o' requires an argument (see hetero-tokenize --help)"),
+    ],
+)
 def test_usage_errors_are_one_line(command, args, expected):
     import importlib
 
@@ -220,10 +267,11 @@ def test_hub_style_gpt2_names_and_sharded_files(tmp_path):
     (tmp_path / "hf" / hf.WEIGHTS).unlink()
     renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     names = sorted(renamed)
-    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
     for file, keys in halves.items():
         save_file({k: renamed[k] for k in keys}, tmp_path / "hf" / file)
-    (tmp_path / "hf" / hf.WEIGHTS_INDEX).write_text(json.dumps(
-        {"weight_map": {k: file for file, keys in halves.items() for k in keys}}))
+    (tmp_path / "hf" / hf.WEIGHTS_INDEX).write_text(
+        json.dumps({"weight_map": {k: file for file, keys in halves.items() for k in keys}})
+    )
     got = hf.load_shards(load_model("gpt2-tied", tmp_path / "hf"), full(model))
     assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

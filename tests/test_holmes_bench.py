@@ -26,8 +26,20 @@ def layouts(tmp_path_factory):
         pytest.skip(f"needs root and Linux network namespaces; runs on the CI machine and developer machines ({why})")
     d = tmp_path_factory.mktemp("holmes")
     src = d / "cluster.toml"
-    src.write_text(holmes_bench.cluster_file(hidden=128, layers=2, heads=4, seq_len=16, batch=4, steps=2,
-                                             domain_gbps=1.0, domain_us=50, cross_gbps=0.2, cross_us=500))
+    src.write_text(
+        holmes_bench.cluster_file(
+            hidden=128,
+            layers=2,
+            heads=4,
+            seq_len=16,
+            batch=4,
+            steps=2,
+            domain_gbps=1.0,
+            domain_us=50,
+            cross_gbps=0.2,
+            cross_us=500,
+        )
+    )
     place_file(src, d / "aware.toml", PlaceOptions())
     holmes_bench.naive_layout(src, d / "naive.toml", 2)
     return d / "aware.toml", d / "naive.toml"
@@ -35,11 +47,17 @@ def layouts(tmp_path_factory):
 
 def test_testbed_is_built_from_the_layout(layouts):
     spec = holmes_bench.testbed_spec(layout.load(layouts[0]))
-    assert [(d.name, d.fabric) for d in spec.domains] == [("ib", testbed.FabricSpec("1000mbit", "50us")),
-                                                          ("roce", testbed.FabricSpec("1000mbit", "50us"))]
+    assert [(d.name, d.fabric) for d in spec.domains] == [
+        ("ib", testbed.FabricSpec("1000mbit", "50us")),
+        ("roce", testbed.FabricSpec("1000mbit", "50us")),
+    ]
     assert spec.cross == testbed.FabricSpec("200mbit", "500us")
-    assert [(n.name, n.domain) for n in spec.nodes] == [("node0", "ib"), ("node1", "ib"), ("node2", "roce"),
-                                                        ("node3", "roce")]
+    assert [(n.name, n.domain) for n in spec.nodes] == [
+        ("node0", "ib"),
+        ("node1", "ib"),
+        ("node2", "roce"),
+        ("node3", "roce"),
+    ]
     fast = holmes_bench.testbed_spec(layout.load(layouts[0]), cross_like_domains=True)
     assert fast.cross == fast.domains[0].fabric
 
@@ -58,7 +76,10 @@ def test_gradient_sync_takes_the_domain_fabric_only_when_dp_stays_in_domains(lay
     naive = layout.load(naive)
     m = naive.model
     boundary_mb = 2 * 2 * naive.pipelines[0].batch * m.seq_len * m.hidden * 4 / 1e6
-    assert b.sent_mb["xdom"] > params_mb and boundary_mb <= b.sent_mb["dom0"] < 2 * boundary_mb, (b.sent_mb, boundary_mb)
+    assert b.sent_mb["xdom"] > params_mb and boundary_mb <= b.sent_mb["dom0"] < 2 * boundary_mb, (
+        b.sent_mb,
+        boundary_mb,
+    )
     assert a.tokens_per_s > 0 and b.tokens_per_s > 0
     assert "warning: " not in a.stderr + b.stderr  # dom0 and xdom exist in the namespaces: no fallback
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from hetero_llm import layout as layout_mod
 from harness import LAYOUTS, RUNNABLE_LAYOUTS, assert_same_model, common_sections, launch, write_layout
+from hetero_llm import layout as layout_mod
 
 pytestmark = pytest.mark.multiprocess
 
@@ -20,8 +20,11 @@ REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
 
 # Tensor-parallel sizes 2 and 3 side by side need heads and MLP width divisible by both.
-COMMON_TP23 = (COMMON.replace("hidden = 32", "hidden = 48").replace("heads = 4", "heads = 6")
-               .replace('mlp = "swiglu"', 'mlp = "swiglu"\nffn = 96'))
+COMMON_TP23 = (
+    COMMON.replace("hidden = 32", "hidden = 48")
+    .replace("heads = 4", "heads = 6")
+    .replace('mlp = "swiglu"', 'mlp = "swiglu"\nffn = 96')
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,30 +43,45 @@ PIPELINE_CASES = [
     ("2 stages uneven, 1f1b", [(12, 4, [(4, 1), (2, 1)])], "1f1b"),
     ("3 stages uneven, gpipe", [(12, 3, [(1, 1), (3, 1), (2, 1)])], "gpipe"),
     ("4 stages uneven, 1f1b", [(12, 6, [(2, 1), (1, 1), (1, 1), (2, 1)])], "1f1b"),
-    ("2 pipelines: 3+2 stages, 8/4 rows, 4/1 microbatches",
-     [(8, 4, [(2, 1), (3, 1), (1, 1)]), (4, 1, [(5, 1), (1, 1)])], "1f1b"),
-    ("3 pipelines: 1+2+3 stages, 6/4/2 rows, gpipe",
-     [(6, 2, [(6, 1)]), (4, 4, [(5, 1), (1, 1)]), (2, 2, [(1, 1), (1, 1), (4, 1)])], "gpipe"),
+    (
+        "2 pipelines: 3+2 stages, 8/4 rows, 4/1 microbatches",
+        [(8, 4, [(2, 1), (3, 1), (1, 1)]), (4, 1, [(5, 1), (1, 1)])],
+        "1f1b",
+    ),
+    (
+        "3 pipelines: 1+2+3 stages, 6/4/2 rows, gpipe",
+        [(6, 2, [(6, 1)]), (4, 4, [(5, 1), (1, 1)]), (2, 2, [(1, 1), (1, 1), (4, 1)])],
+        "gpipe",
+    ),
 ]
 
 TP_CASES = [
     ("tp [1, 2, 1]", [(12, 4, [(2, 1), (3, 2), (1, 1)])], "1f1b"),
     ("tp [1, 4, 2]: boundaries 1->4 and 4->2", [(12, 3, [(2, 1), (2, 4), (2, 2)])], "1f1b"),
-    ("tp [[1, 2, 1], [2, 2]], partitions 1+3+2 / 4+2, rows 8/4",
-     [(8, 4, [(1, 1), (3, 2), (2, 1)]), (4, 2, [(4, 2), (2, 2)])], "1f1b"),
-    ("tp [[4], [2, 2], [1, 1, 1, 1]]",
-     [(6, 3, [(6, 4)]), (4, 2, [(3, 2), (3, 2)]), (2, 2, [(1, 1), (2, 1), (2, 1), (1, 1)])], "gpipe"),
+    (
+        "tp [[1, 2, 1], [2, 2]], partitions 1+3+2 / 4+2, rows 8/4",
+        [(8, 4, [(1, 1), (3, 2), (2, 1)]), (4, 2, [(4, 2), (2, 2)])],
+        "1f1b",
+    ),
+    (
+        "tp [[4], [2, 2], [1, 1, 1, 1]]",
+        [(6, 3, [(6, 4)]), (4, 2, [(3, 2), (3, 2)]), (2, 2, [(1, 1), (2, 1), (2, 1), (1, 1)])],
+        "gpipe",
+    ),
 ]
 
 
 SCHEDULE_CASES = [
-    ("dynamic, 2 pipelines with tp [[1, 2, 1], [3]]",
-     [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(6, 1)])], "dynamic"),
+    ("dynamic, 2 pipelines with tp [[1, 2, 1], [3]]", [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(6, 1)])], "dynamic"),
     ("dynamic, 4 stages", [(12, 6, [(1, 1), (2, 1), (2, 1), (1, 1)])], "dynamic"),
 ]
 
 
-@pytest.mark.parametrize("name,pipelines,schedule", PIPELINE_CASES + TP_CASES + SCHEDULE_CASES, ids=[c[0] for c in PIPELINE_CASES + TP_CASES + SCHEDULE_CASES])
+@pytest.mark.parametrize(
+    "name,pipelines,schedule",
+    PIPELINE_CASES + TP_CASES + SCHEDULE_CASES,
+    ids=[c[0] for c in PIPELINE_CASES + TP_CASES + SCHEDULE_CASES],
+)
 def test_layout_trains_the_reference_model(name, pipelines, schedule, reference, tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON, pipelines, schedule)
     assert_same_model(launch(path, tmp_path), reference)
@@ -79,8 +97,11 @@ def test_boundaries_over_the_network_train_the_reference_model(name, pipelines, 
     assert_same_model(launch(path, tmp_path, "--set", "cluster.nodes[0].p2p=network"), reference)
 
 
-@pytest.mark.parametrize("stages,microbatches", [([(4, 1), (2, 2)], 4), ([(2, 1), (2, 2), (2, 1)], 6)],
-                         ids=["2 stages tp [1, 2]", "3 stages tp [1, 2, 1]"])
+@pytest.mark.parametrize(
+    "stages,microbatches",
+    [([(4, 1), (2, 2)], 4), ([(2, 1), (2, 2), (2, 1)], 6)],
+    ids=["2 stages tp [1, 2]", "3 stages tp [1, 2, 1]"],
+)
 def test_interleaved_two_chunks(stages, microbatches, reference, tmp_path):
     common = COMMON.replace('schedule = "1f1b"', 'schedule = "interleaved"\nchunks = 2')
     path = write_layout(tmp_path / "layout.toml", common, [(12, microbatches, stages)])
@@ -91,26 +112,33 @@ def test_schedule_file_for_one_pipeline(reference, tmp_path):
     """A user-written order (all forwards, then backwards in reverse) in pipeline 0; 1F1B in pipeline 1."""
     (tmp_path / "order.txt").write_text("# stage 0\nF0 F1 F2 F3 B3 B2 B1 B0\n# stage 1\nF0 B0 F1 B1 F2 B2 F3 B3\n")
     path = write_layout(tmp_path / "layout.toml", COMMON, [(8, 4, [(3, 1), (3, 1)]), (4, 2, [(6, 1)])])
-    path.write_text(path.read_text().replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n', 1))
+    path.write_text(
+        path.read_text().replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n', 1)
+    )
     assert_same_model(launch(path, tmp_path), reference)
 
 
 def test_two_chunk_schedule_file_beside_generated_interleaved(reference, tmp_path):
     """Interleaved with 2 chunks: pipeline 0 runs a user file (GPipe over its 4 virtual stages, 4 + 2
     layers cut into chunks of 2 + 1), pipeline 1 the generated order (2 + 4 layers)."""
-    order = " ".join([f"F{m}" for m in range(4)] + [f"F{m}.1" for m in range(4)]
-                     + [f"B{m}.1" for m in reversed(range(4))] + [f"B{m}" for m in reversed(range(4))])
+    order = " ".join(
+        [f"F{m}" for m in range(4)]
+        + [f"F{m}.1" for m in range(4)]
+        + [f"B{m}.1" for m in reversed(range(4))]
+        + [f"B{m}" for m in reversed(range(4))]
+    )
     (tmp_path / "order.txt").write_text(f"{order}\n{order}\n")
     common = COMMON.replace('schedule = "1f1b"', 'schedule = "interleaved"\nchunks = 2')
     path = write_layout(tmp_path / "layout.toml", common, [(8, 4, [(4, 1), (2, 1)]), (4, 2, [(2, 1), (4, 1)])])
-    path.write_text(path.read_text().replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n', 1))
+    path.write_text(
+        path.read_text().replace("microbatches = 4\n", 'microbatches = 4\nschedule_file = "order.txt"\n', 1)
+    )
     assert_same_model(launch(path, tmp_path), reference)
 
 
 def test_tp_sizes_2_and_3_in_different_pipelines(reference_tp23, tmp_path):
     """Shards of 1/2 and 1/3 of each weight: gradient sync over the finest common blocks."""
-    path = write_layout(tmp_path / "layout.toml", COMMON_TP23,
-                        [(6, 2, [(3, 2), (3, 3)]), (6, 3, [(2, 3), (4, 2)])])
+    path = write_layout(tmp_path / "layout.toml", COMMON_TP23, [(6, 2, [(3, 2), (3, 3)]), (6, 3, [(2, 3), (4, 2)])])
     assert_same_model(launch(path, tmp_path), reference_tp23)
 
 
@@ -125,14 +153,19 @@ def _single_process_references() -> dict[Path, layout_mod.Layout]:
 
 def _same_model(a: layout_mod.Layout, b: layout_mod.Layout) -> bool:
     """Same model, data and optimization; the schedule and step count may differ."""
+
     def key(lay):
         return lay.model, lay.data, attrs.evolve(lay.train, schedule=b.train.schedule, steps=0, log_every=1)
+
     return key(a) == key(b)
 
 
 # The walkthrough layouts train for minutes on real text: tests/test_walkthrough.py runs own_text a few steps.
-EXAMPLES = [p for p in RUNNABLE_LAYOUTS
-            if p.name not in ("quickstart.toml", "own_text.toml") and p not in _single_process_references()]
+EXAMPLES = [
+    p
+    for p in RUNNABLE_LAYOUTS
+    if p.name not in ("quickstart.toml", "own_text.toml") and p not in _single_process_references()
+]
 
 
 def test_at_least_three_examples_share_a_single_process_reference():

@@ -53,10 +53,21 @@ def _alive(pid: int) -> bool:
 
 def _start(layout: Path, tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl", str(metrics),
-           "--set", f"cluster.port={free_port()}", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=sigint_as_in_a_terminal), metrics
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(layout),
+        "--quiet",
+        "--metrics-jsonl",
+        str(metrics),
+        "--set",
+        f"cluster.port={free_port()}",
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=sigint_as_in_a_terminal
+    ), metrics
 
 
 def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:
@@ -86,8 +97,10 @@ def test_killed_rank_takes_the_job_down_and_is_named(tmp_path):
     assert not [pid for pid in children if _alive(pid)], "ranks left running"
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a host without CUDA to make a CUDA rank fail; "
-                    "runs on CPU-only machines (CI, developer machines)")
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(),
+    reason="needs a host without CUDA to make a CUDA rank fail; runs on CPU-only machines (CI, developer machines)",
+)
 def test_rank_error_is_named_with_its_cause(tmp_path):
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
     text = layout.read_text().replace('devices = ["cpu", "cpu", "cpu"]', 'devices = ["cpu", "cpu", "cuda:0"]')
@@ -95,8 +108,13 @@ def test_rank_error_is_named_with_its_cause(tmp_path):
     proc, _ = _start(layout, tmp_path)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert err.strip().splitlines()[-1].startswith(
-        "error: rank 2 (n0:2, pipeline 0 stage 2) failed: device cuda:0 requested but CUDA is not available on this host")
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            "error: rank 2 (n0:2, pipeline 0 stage 2) failed: device cuda:0 requested but CUDA is not available on this host"
+        )
+    )
 
 
 def test_ctrl_c_leaves_no_process_behind(tmp_path):
@@ -124,10 +142,28 @@ def test_every_rank_as_its_own_process_equals_one_launch(tmp_path):
     whole = launch(layout, tmp_path / "whole")
     port = free_port()
     metrics = tmp_path / "per_rank.jsonl"
-    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
-                               "--set", f"cluster.port={port}", "--metrics-jsonl", str(metrics)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-             for r in (3, 1, 0, 2)]  # arrival order does not matter
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_llm.cli",
+                str(layout),
+                "--rank",
+                str(r),
+                "--quiet",
+                "--set",
+                f"cluster.port={port}",
+                "--metrics-jsonl",
+                str(metrics),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
+        for r in (3, 1, 0, 2)
+    ]  # arrival order does not matter
     for p in procs:
         out, err = p.communicate(timeout=180)
         assert p.returncode == 0, err
@@ -138,9 +174,27 @@ def test_every_rank_as_its_own_process_equals_one_launch(tmp_path):
 def test_rank_that_never_arrives_is_named(tmp_path):
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
-                               "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=3"],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_llm.cli",
+                str(layout),
+                "--rank",
+                str(r),
+                "--quiet",
+                "--set",
+                f"cluster.port={port}",
+                "--set",
+                "cluster.timeout_s=3",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in (0, 1)
+    ]
     results = [p.communicate(timeout=60) for p in procs]
     assert procs[0].returncode == 1
     assert results[0][1].strip() == "error: rendezvous timed out after 3 s: never arrived: rank 2 (n0:2)"
@@ -151,15 +205,36 @@ def test_rank_that_never_arrives_is_named(tmp_path):
 def test_rank_started_with_a_different_layout_is_named(tmp_path):
     layout = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(layout), "--rank", str(r), "--quiet",
-                               "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=20", *extra],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r, extra in ((0, []), (1, ["--set", "train.lr=0.5"]))]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hetero_llm.cli",
+                str(layout),
+                "--rank",
+                str(r),
+                "--quiet",
+                "--set",
+                f"cluster.port={port}",
+                "--set",
+                "cluster.timeout_s=20",
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r, extra in ((0, []), (1, ["--set", "train.lr=0.5"]))
+    ]
     results = [p.communicate(timeout=60) for p in procs]
     assert procs[0].returncode == 1 and procs[1].returncode == 1
     err = results[0][1].strip().splitlines()[-1]
-    assert re.fullmatch(r"error: ranks compiled different plans: rank 0: [0-9a-f]{12}; rank 1 \(n0:1\): [0-9a-f]{12} "
-                        r"\(start every rank with the same layout, the same --set overrides and the same --resume\)", err), err
+    assert re.fullmatch(
+        r"error: ranks compiled different plans: rank 0: [0-9a-f]{12}; rank 1 \(n0:1\): [0-9a-f]{12} "
+        r"\(start every rank with the same layout, the same --set overrides and the same --resume\)",
+        err,
+    ), err
     assert "rank 1: rank 0 found ranks with a different plan" in results[1][1]
 
 
@@ -173,8 +248,10 @@ def test_trace_of_a_killed_job_is_readable(tmp_path):
     proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--trace", str(trace))
     _wait_for_steps(proc, metrics, 2)
     deadline = time.monotonic() + 60
-    while not all(len(p.read_text().splitlines()) >= 3 for p in trace.glob("rank*.jsonl")) or \
-            len(list(trace.glob("rank*.jsonl"))) < 3:
+    while (
+        not all(len(p.read_text().splitlines()) >= 3 for p in trace.glob("rank*.jsonl"))
+        or len(list(trace.glob("rank*.jsonl"))) < 3
+    ):
         assert time.monotonic() < deadline, "no trace lines within 60 s"
         time.sleep(0.1)
     children = _children_of(proc.pid)
@@ -189,8 +266,12 @@ def test_trace_of_a_killed_job_is_readable(tmp_path):
         lines = (trace / f"rank{record['rank']}.jsonl").read_text().splitlines()[1:]
         assert len(record["events"]) >= len(lines) >= 2
         assert {ev["action"] for ev in record["events"]} & {"F0", "B0"}
-    done = subprocess.run([sys.executable, "-m", "hetero_llm.timeline", str(trace), "--chrome", str(tmp_path / "t.json")],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.timeline", str(trace), "--chrome", str(tmp_path / "t.json")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"wrote {tmp_path / 't.json'}")
 
@@ -200,15 +281,30 @@ def test_a_diverging_run_stops_every_rank_at_that_step_and_saves_nothing_after(t
     same step and stops before its optimizer step: exit code 3, one line naming the step, the last save good."""
     layout = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
     ckpt = tmp_path / "ckpt"
-    proc, metrics = _start(layout, tmp_path, "--set", "train.lr=1e30", "--set", "train.min_lr=0", "--set",
-                           "train.steps=8", "--checkpoint", str(ckpt), "--checkpoint-every", "1",
-                           env={**os.environ, "TMPDIR": str(tmp_path)})  # the failure reports' folder stays here
+    proc, metrics = _start(
+        layout,
+        tmp_path,
+        "--set",
+        "train.lr=1e30",
+        "--set",
+        "train.min_lr=0",
+        "--set",
+        "train.steps=8",
+        "--checkpoint",
+        str(ckpt),
+        "--checkpoint-every",
+        "1",
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # the failure reports' folder stays here
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 3, err
-    match = re.fullmatch(r"error: training diverged at step (\d+) \(counting from 1, as the console and --metrics-jsonl "
-                         r"do\): loss "
-                         r"nan, gradient norm nan; every rank stopped before its optimizer step, the last save is "
-                         r"(\S+) \(lower train.lr, or raise train.warmup_steps\)\n", err)
+    match = re.fullmatch(
+        r"error: training diverged at step (\d+) \(counting from 1, as the console and --metrics-jsonl "
+        r"do\): loss "
+        r"nan, gradient norm nan; every rank stopped before its optimizer step, the last save is "
+        r"(\S+) \(lower train.lr, or raise train.warmup_steps\)\n",
+        err,
+    )
     assert match, err
     step = int(match[1])  # the step that diverged: steps 1 .. step - 1 were taken and saved
     assert 1 < step <= 8 and match[2] == str(ckpt / f"step-{step - 1:06d}")
@@ -227,8 +323,17 @@ def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
     leftovers = [ckpt / "step-000002" / "rank0.pt.tmp", ckpt / "latest.tmp"]
     for path in leftovers:
         path.write_bytes(b"half written")
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(LAYOUTS / "reference" / "reference.toml"), "--quiet", "--checkpoint", str(ckpt),
-           "--set", f"cluster.port={free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(LAYOUTS / "reference" / "reference.toml"),
+        "--quiet",
+        "--checkpoint",
+        str(ckpt),
+        "--set",
+        f"cluster.port={free_port()}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr
     assert list(tmp.iterdir()) == []
@@ -248,10 +353,13 @@ def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
     assert proc.returncode == 1
     assert took < 4 + 10, f"job took {took:.1f} s to stop"  # cluster.timeout_s, then the launcher's teardown
     # named by its peers' heartbeat watchdogs, or by the launcher that sees its process stopped: whichever is first
-    assert re.fullmatch(rf"error: rank {victim} \(n0:{victim}\) stopped responding: ((no heartbeat|the rendezvous store "
-                        r"it serves stopped answering) for \d+ s \(cluster.timeout_s 4; a stopped or hung process\); "
-                        r"rank \d gave up waiting for it(; 1 other rank\(s\) gave up too)?|its process has been stopped "
-                        r"\(SIGSTOP\) for \d+ s \(twice cluster.timeout_s 4\)); stopped the other ranks", err.strip()), err
+    assert re.fullmatch(
+        rf"error: rank {victim} \(n0:{victim}\) stopped responding: ((no heartbeat|the rendezvous store "
+        r"it serves stopped answering) for \d+ s \(cluster.timeout_s 4; a stopped or hung process\); "
+        r"rank \d gave up waiting for it(; 1 other rank\(s\) gave up too)?|its process has been stopped "
+        r"\(SIGSTOP\) for \d+ s \(twice cluster.timeout_s 4\)); stopped the other ranks",
+        err.strip(),
+    ), err
     deadline = time.monotonic() + 5
     while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -263,12 +371,14 @@ def test_forked_ranks_run_from_the_launchers_plan(tmp_path):
     it is gone before they start) nor go through the command line."""
     path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
     metrics = tmp_path / "metrics.jsonl"
-    code = ("import os, sys; from hetero_llm import layout; from hetero_llm.launch import node as launch; "
-            "from hetero_llm.plan import compile_plan; "
-            f"plan = compile_plan(layout.load({str(path)!r}, ['train.steps=2', 'cluster.port={free_port()}'])); "
-            f"os.remove({str(path)!r}); "
-            f"launch.run_ranks(plan, [0, 1], launch.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "
-            "print('hetero_llm.cli' in sys.modules)")
+    code = (
+        "import os, sys; from hetero_llm import layout; from hetero_llm.launch import node as launch; "
+        "from hetero_llm.plan import compile_plan; "
+        f"plan = compile_plan(layout.load({str(path)!r}, ['train.steps=2', 'cluster.port={free_port()}'])); "
+        f"os.remove({str(path)!r}); "
+        f"launch.run_ranks(plan, [0, 1], launch.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "
+        "print('hetero_llm.cli' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "False"

@@ -45,7 +45,9 @@ def uneven_layout(tmp_path: Path) -> Path:
     """One pipeline with TP sizes 1, 2, 1 on node0 (3 devices) and node1 (1 device); reference model."""
     path = tmp_path / "uneven.toml"
     model_train_data = (ROOT / "layouts" / "reference" / "reference.toml").read_text().split("[cluster]")[0]
-    path.write_text(model_train_data + """[cluster]
+    path.write_text(
+        model_train_data
+        + """[cluster]
 [[cluster.nodes]]
 name = "node0"
 host = "10.1.2.3"
@@ -67,14 +69,16 @@ devices = ["node0:1", "node0:2"]
 [[pipelines.stages]]
 layers = 2
 devices = ["node1:0"]
-""")
+"""
+    )
     return path
 
 
 def _generate(layout: Path, out: Path, *args: str, env: dict[str, str] | None = None):
     no_rendezvous = {"MASTER_ADDR": None, "MASTER_PORT": None}  # None: unset while the command runs
-    return CliRunner().invoke(gen.main, [str(layout), "--out", str(out), *args], env={**no_rendezvous, **(env or {})},
-                              catch_exceptions=False)
+    return CliRunner().invoke(
+        gen.main, [str(layout), "--out", str(out), *args], env={**no_rendezvous, **(env or {})}, catch_exceptions=False
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -103,14 +107,22 @@ def test_generator_writes_one_script_per_rank(uneven_layout, tmp_path):
     result = _generate(uneven_layout, out, "--set", "train.steps=2", "--", "--quiet")
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == [
-        "rank0_node0.sh", "rank1_node0.sh", "rank2_node0.sh", "rank3_node1.sh",
-        "start_node0.sh", "start_node1.sh", "stop_node0.sh", "stop_node1.sh"]
+        "rank0_node0.sh",
+        "rank1_node0.sh",
+        "rank2_node0.sh",
+        "rank3_node1.sh",
+        "start_node0.sh",
+        "start_node1.sh",
+        "stop_node0.sh",
+        "stop_node1.sh",
+    ]
     for rank, node in [(0, "node0"), (1, "node0"), (2, "node0"), (3, "node1")]:
         script = out / f"rank{rank}_{node}.sh"
         text = script.read_text()
         assert os.access(script, os.X_OK)
         assert text.rstrip().endswith(
-            f"exec hetero-launch {uneven_layout.resolve()} --rank {rank} --set train.steps=2 --quiet")
+            f"exec hetero-launch {uneven_layout.resolve()} --rank {rank} --set train.steps=2 --quiet"
+        )
         assert f"# rank {rank} of 4: {node}:" in text
         assert "MASTER_ADDR=${MASTER_ADDR:-10.1.2.3}" in text  # node0 is the master (first node)
         assert "MASTER_PORT=${MASTER_PORT:-29511}" in text
@@ -123,8 +135,15 @@ def test_generator_writes_one_script_per_rank(uneven_layout, tmp_path):
 
 def test_generator_node_filter_rendezvous_and_launcher(uneven_layout, tmp_path):
     out = tmp_path / "out"
-    result = _generate(uneven_layout, out, "--node", "node1", "--launcher", "python -m hetero_llm.cli",
-                       env={"MASTER_ADDR": "head.example", "MASTER_PORT": "29700"})
+    result = _generate(
+        uneven_layout,
+        out,
+        "--node",
+        "node1",
+        "--launcher",
+        "python -m hetero_llm.cli",
+        env={"MASTER_ADDR": "head.example", "MASTER_PORT": "29700"},
+    )
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == ["rank3_node1.sh", "start_node1.sh", "stop_node1.sh"]
     text = (out / "rank3_node1.sh").read_text()
@@ -141,10 +160,13 @@ def test_generator_dry_run_writes_nothing(uneven_layout, tmp_path):
     assert "--rank 3" in result.output
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--node", "node7"], "uneven.toml: --node: 'node7' is not a node of [cluster] (nodes: node0, node1)"),
-    (["--set", "train.stpes=1"], "uneven.toml: --set train.stpes: unknown key 'stpes' (did you mean 'steps'?)"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--node", "node7"], "uneven.toml: --node: 'node7' is not a node of [cluster] (nodes: node0, node1)"),
+        (["--set", "train.stpes=1"], "uneven.toml: --set train.stpes: unknown key 'stpes' (did you mean 'steps'?)"),
+    ],
+)
 def test_generator_bad_input_exits_2(uneven_layout, tmp_path, args, message):
     result = _generate(uneven_layout, tmp_path / "out", *args)
     assert result.exit_code == 2
@@ -159,8 +181,12 @@ def test_generated_scripts_are_valid_bash(uneven_layout, tmp_path):
 
 
 def test_generator_as_a_subprocess(uneven_layout, tmp_path):
-    proc = subprocess.run([sys.executable, str(LAUNCH / "gen_rank_scripts.py"), str(uneven_layout),
-                           "--out", str(tmp_path / "out")], capture_output=True, text=True, env=_clean_env())
+    proc = subprocess.run(
+        [sys.executable, str(LAUNCH / "gen_rank_scripts.py"), str(uneven_layout), "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=_clean_env(),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "on node0:" in proc.stdout and (tmp_path / "out" / "start_node0.sh").is_file()
 
@@ -230,8 +256,13 @@ def test_stop_escalates_to_sigkill(uneven_layout, tmp_path):
     stubborn = subprocess.Popen(["bash", "-c", "trap '' TERM; exec sleep 60"])  # sleep inherits the ignored TERM
     time.sleep(0.2)
     (tmp_path / "out" / "node1.pids").write_text(f"{stubborn.pid}\n")
-    proc = subprocess.run([str(tmp_path / "out" / "stop_node1.sh")], capture_output=True, text=True, timeout=30,
-                          env=_clean_env(STOP_GRACE_S="1"))
+    proc = subprocess.run(
+        [str(tmp_path / "out" / "stop_node1.sh")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_clean_env(STOP_GRACE_S="1"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "sent SIGKILL" in proc.stdout
     assert stubborn.wait(timeout=5) == -signal.SIGKILL
@@ -241,8 +272,16 @@ def test_stop_escalates_to_sigkill(uneven_layout, tmp_path):
 # run_node.sh
 
 
-@pytest.mark.parametrize("args", [[], ["layouts/reference/reference.toml"], ["layouts/reference/reference.toml", ""],
-                                  ["layouts/reference/reference.toml", "--quiet"], ["no/such.toml", "node0"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        [],
+        ["layouts/reference/reference.toml"],
+        ["layouts/reference/reference.toml", ""],
+        ["layouts/reference/reference.toml", "--quiet"],
+        ["no/such.toml", "node0"],
+    ],
+)
 def test_run_node_usage_errors_exit_2(args):
     proc = subprocess.run([str(RUN_NODE), *args], capture_output=True, text=True, cwd=ROOT, env=_clean_env())
     assert proc.returncode == 2
@@ -250,19 +289,30 @@ def test_run_node_usage_errors_exit_2(args):
 
 
 def test_run_node_rejects_a_bad_master_port():
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node0"], capture_output=True, text=True,
-                          cwd=ROOT, env=_clean_env(MASTER_PORT="http"))
+    proc = subprocess.run(
+        [str(RUN_NODE), "layouts/reference/reference.toml", "node0"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_clean_env(MASTER_PORT="http"),
+    )
     assert proc.returncode == 2 and "MASTER_PORT must be a TCP port" in proc.stderr
 
 
 def test_run_node_sets_the_environment_and_passes_arguments(tmp_path):
     fake = tmp_path / "fake-launch"
-    fake.write_text('#!/usr/bin/env bash\necho "args: $*"\n'
-                    'echo "env: $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $TORCH_NCCL_ASYNC_ERROR_HANDLING"\n')
+    fake.write_text(
+        '#!/usr/bin/env bash\necho "args: $*"\n'
+        'echo "env: $MASTER_ADDR $MASTER_PORT $OMP_NUM_THREADS $TORCH_NCCL_ASYNC_ERROR_HANDLING"\n'
+    )
     fake.chmod(0o755)
-    proc = subprocess.run([str(RUN_NODE), "layouts/examples/two_pipelines.toml", "node0", "--quiet"], capture_output=True,
-                          text=True, cwd=ROOT, env=_clean_env(HETERO_LAUNCH=str(fake), MASTER_ADDR="10.9.9.9",
-                                                              MASTER_PORT="29600"))
+    proc = subprocess.run(
+        [str(RUN_NODE), "layouts/examples/two_pipelines.toml", "node0", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_clean_env(HETERO_LAUNCH=str(fake), MASTER_ADDR="10.9.9.9", MASTER_PORT="29600"),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "args: layouts/examples/two_pipelines.toml --node node0 --quiet" in proc.stdout
     threads = max(1, len(os.sched_getaffinity(0)) // 3)  # node0 has 3 ranks; nproc counts the same cores
@@ -270,8 +320,13 @@ def test_run_node_sets_the_environment_and_passes_arguments(tmp_path):
 
 
 def test_run_node_unknown_node_is_hetero_launchs_error():
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node9", "--quiet"], capture_output=True,
-                          text=True, cwd=ROOT, env=_clean_env())
+    proc = subprocess.run(
+        [str(RUN_NODE), "layouts/reference/reference.toml", "node9", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_clean_env(),
+    )
     assert proc.returncode == 2
     assert "--node: 'node9' is not a node of [cluster] (nodes: node0)" in proc.stderr
 
@@ -279,9 +334,23 @@ def test_run_node_unknown_node_is_hetero_launchs_error():
 @pytest.mark.multiprocess
 def test_run_node_trains_a_real_layout():
     """The one real run here: the reference layout's single rank, one step."""
-    proc = subprocess.run([str(RUN_NODE), "layouts/reference/reference.toml", "node0", "--set", "train.steps=1",
-                           "--set", f"cluster.port={free_port()}", "--quiet"],
-                          capture_output=True, text=True, cwd=ROOT, env=_clean_env(), timeout=240)
+    proc = subprocess.run(
+        [
+            str(RUN_NODE),
+            "layouts/reference/reference.toml",
+            "node0",
+            "--set",
+            "train.steps=1",
+            "--set",
+            f"cluster.port={free_port()}",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_clean_env(),
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -301,27 +370,41 @@ def fake_slurm(tmp_path: Path) -> dict[str, str]:
     set, runs its command once per task here, each with SLURM_PROCID / SLURM_NTASKS / SLURM_STEP_ID."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text('#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] && tr , "\\n" <<<"$3"\n')
+    (bin_dir / "scontrol").write_text(
+        '#!/usr/bin/env bash\n[[ $1 == show && $2 == hostnames ]] && tr , "\\n" <<<"$3"\n'
+    )
     (bin_dir / "srun").write_text(
         '#!/usr/bin/env bash\necho "$* @$MASTER_PORT" >> "$SRUN_LOG"\ncp "$SLURM_HOSTFILE" "$SRUN_LOG.hosts"\n'
         '[[ -n ${FAIL:-} ]] && exit "$FAIL"\n[[ -z ${RUN:-} ]] && exit 0\n'
-        'while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n'
+        "while [[ $1 == --* ]]; do [[ $1 == --ntasks=* ]] && n=${1#--ntasks=}; shift; done\n"
         'pids=(); for ((i = 0; i < n; i++)); do SLURM_PROCID=$i SLURM_NTASKS=$n SLURM_STEP_ID=0 "$@" & pids+=($!); done\n'
-        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit "$status"\n')
+        'status=0; for p in "${pids[@]}"; do wait "$p" || status=$?; done; exit "$status"\n'
+    )
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    return _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SRUN_LOG=str(tmp_path / "srun.log"), PYTHON=sys.executable,
-                      HETERO_LAUNCH=f"{sys.executable} -m hetero_llm.cli")
+    return _clean_env(
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+        SRUN_LOG=str(tmp_path / "srun.log"),
+        PYTHON=sys.executable,
+        HETERO_LAUNCH=f"{sys.executable} -m hetero_llm.cli",
+    )
 
 
 def test_sbatch_places_each_rank_on_its_node(uneven_layout, fake_slurm):
     env = dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", SLURM_JOB_ID="123", SLURM_CPUS_PER_TASK="6")
-    proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout), "--quiet"], capture_output=True, text=True,
-                          cwd=ROOT, env=env, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SBATCH), str(uneven_layout), "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert Path(env["SRUN_LOG"]).read_text().splitlines() == [
         f"--ntasks=4 --distribution=arbitrary --kill-on-bad-exit=1 {sys.executable} -m hetero_llm.cli {uneven_layout} "
-        '--set cluster.nodes[0].host="gpu-a" --set cluster.nodes[1].host="gpu-b" --quiet @20123']
+        '--set cluster.nodes[0].host="gpu-a" --set cluster.nodes[1].host="gpu-b" --quiet @20123'
+    ]
     # ranks 0-2 on node0 (TP 1 then TP 2), rank 3 on node1
     assert Path(env["SRUN_LOG"] + ".hosts").read_text().split() == ["gpu-a", "gpu-a", "gpu-a", "gpu-b"]
     assert not list(Path(os.environ.get("TMPDIR", "/tmp")).glob("hetero-llm-hosts.*"))  # hostfile removed
@@ -332,22 +415,40 @@ def test_sbatch_trains_with_ranks_from_slurm_variables(fake_slurm, tmp_path):
     layout = rank0_off_master_layout(tmp_path / "two.toml")  # rank 0 on node1, rank 1 on node0
     metrics = tmp_path / "m.jsonl"
     env = dict(fake_slurm, SLURM_JOB_NODELIST="127.0.0.1,127.0.0.2", RUN="1", MASTER_PORT=str(free_port()))
-    proc = subprocess.run(["bash", str(SBATCH), str(layout), "--quiet", "--metrics-jsonl", str(metrics)],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=180)
+    proc = subprocess.run(
+        ["bash", str(SBATCH), str(layout), "--quiet", "--metrics-jsonl", str(metrics)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert Path(env["SRUN_LOG"] + ".hosts").read_text().split() == ["127.0.0.2", "127.0.0.1"]
     assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3]
 
 
 def test_sbatch_exits_with_the_failed_steps_status(uneven_layout, fake_slurm):
-    proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", FAIL="3"), timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SBATCH), str(uneven_layout)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a,gpu-b", FAIL="3"),
+        timeout=60,
+    )
     assert proc.returncode == 3
 
 
 def test_sbatch_node_count_mismatch_exits_2(uneven_layout, fake_slurm):
-    proc = subprocess.run(["bash", str(SBATCH), str(uneven_layout)], capture_output=True, text=True, cwd=ROOT,
-                          env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a"), timeout=60)
+    proc = subprocess.run(
+        ["bash", str(SBATCH), str(uneven_layout)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(fake_slurm, SLURM_JOB_NODELIST="gpu-a"),
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "declares 2 node(s) but the job has 1 host(s) (gpu-a); make #SBATCH --nodes match" in proc.stderr
 

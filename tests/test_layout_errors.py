@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from harness import RUNNABLE_LAYOUTS, assert_one_error_line
+from harness import invoke_cli as invoke
 from hetero_llm import layout
-from hetero_llm.launch import preflight
 from hetero_llm.errors import LayoutError
-from harness import RUNNABLE_LAYOUTS, assert_one_error_line, invoke_cli as invoke
+from hetero_llm.launch import preflight
 
 TESTS = Path(__file__).resolve().parent
 REPO = TESTS.parent
@@ -30,7 +31,7 @@ def expected_line(path: Path) -> str:
     first = path.read_bytes().split(b"\n", 1)[0].decode("ascii")
     prefix = "# expect: "
     assert first.startswith(prefix), f"{path.name}: first line must be '{prefix}<message>'"
-    return first[len(prefix):].replace("{file}", str(path)).replace("{dir}", str(path.parent))
+    return first[len(prefix) :].replace("{file}", str(path)).replace("{dir}", str(path.parent))
 
 
 def test_corpus_is_there():
@@ -66,7 +67,9 @@ def test_missing_layout_file(tmp_path: Path):
 
 
 def test_layout_path_is_a_folder(tmp_path: Path):
-    expected = f"{tmp_path}: is a folder, not a layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+    expected = (
+        f"{tmp_path}: is a folder, not a layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+    )
     assert_one_error_line(invoke(tmp_path, "--dry-run"), expected)
 
 
@@ -74,14 +77,16 @@ def test_byte_order_mark(tmp_path: Path):
     """A BOM (Windows editors write one) is named, not reported as a TOML syntax error at line 1, column 1."""
     path = tmp_path / "bom.toml"
     path.write_bytes(b"\xef\xbb\xbf" + QUICKSTART.read_bytes())
-    expected = (f"{path}: starts with a UTF-8 byte order mark (BOM), which TOML does not allow (save the file as "
-                "UTF-8 without BOM)")
+    expected = (
+        f"{path}: starts with a UTF-8 byte order mark (BOM), which TOML does not allow (save the file as "
+        "UTF-8 without BOM)"
+    )
     assert_one_error_line(invoke(path, "--dry-run"), expected)
 
 
 def test_loads_names_its_file():
     with pytest.raises(LayoutError) as info:
-        layout.loads('[modle]\nlayers = 2\n', file="inline.toml")
+        layout.loads("[modle]\nlayers = 2\n", file="inline.toml")
     assert str(info.value) == "inline.toml: modle: unknown section 'modle' (did you mean 'model'?)"
     assert (info.value.file, info.value.path) == ("inline.toml", "modle")
 
@@ -100,8 +105,7 @@ SET_ERRORS = {
     "train.st eps=1": "--set train.st eps: cannot parse key segment 'st eps' (use e.g. pipelines[0].batch)",
     "pipelines[5].batch=2": "--set pipelines[5].batch: index 5 is out of range: pipelines has 1 entry (use an index below 1)",
     "pipelines.5.batch=2": "--set pipelines.5.batch: index 5 is out of range: pipelines has 1 entry (use an index below 1)",
-    "pipelines[0].stages[7].layers=1":
-        "--set pipelines[0].stages[7].layers: index 7 is out of range: pipelines[0].stages has 2 entries (use an index below 2)",
+    "pipelines[0].stages[7].layers=1": "--set pipelines[0].stages[7].layers: index 7 is out of range: pipelines[0].stages has 2 entries (use an index below 2)",
     "pipelines.batch=3": "--set pipelines.batch: 'pipelines' is an array of tables (pick one, e.g. pipelines[0].batch)",
     "train[0].steps=1": "--set train[0].steps: 'train' is not an array (drop the index [0])",
     "train.steps.x=1": "--set train.steps.x: 'train.steps' is a value, not a table (set 'train.steps' itself)",
@@ -112,8 +116,7 @@ SET_ERRORS = {
     "train.schedule=1F1B": "train.schedule: unknown value '1F1B' (did you mean '1f1b'? choose one of: gpipe, 1f1b, interleaved, dynamic, zbh1)",
     "pipelines[0].batch=12": "pipelines: pipeline batches sum to 12 (12) but train.global_batch is 16 (make them add up to 16)",
     "data.kind=text": "data.path: data.kind 'text' needs a file (set data.path to a .txt file, relative to the layout file)",
-    "pipelines.0.stages.1.devices.0=node0:0":
-        "pipelines[0].stages[1].devices[0]: device 'node0:0' is already used by pipelines[0].stages[0] (each device runs one rank)",
+    "pipelines.0.stages.1.devices.0=node0:0": "pipelines[0].stages[1].devices[0]: device 'node0:0' is already used by pipelines[0].stages[0] (each device runs one rank)",
 }
 
 
@@ -128,12 +131,19 @@ def test_set_error(item: str):
     [
         (["train.steps=5"], lambda lay: lay.train.steps == 5),
         (["pipelines[0].microbatches=2"], lambda lay: lay.pipelines[0].microbatches == 2),
-        (["pipelines.0.batch=8", "train.global_batch=8"], lambda lay: (lay.pipelines[0].batch, lay.train.global_batch) == (8, 8)),
+        (
+            ["pipelines.0.batch=8", "train.global_batch=8"],
+            lambda lay: (lay.pipelines[0].batch, lay.train.global_batch) == (8, 8),
+        ),
         (["train.schedule=gpipe"], lambda lay: lay.train.schedule is layout.Schedule.GPIPE),  # bare word: a string
-        (["pipelines[0].stages[0].layers=2", "pipelines[0].stages[1].layers=2"],
-         lambda lay: [s.layers for s in lay.pipelines[0].stages] == [2, 2]),
-        (['pipelines.0.stages.0.devices=["node0:1"]', 'pipelines.0.stages.1.devices=["node0:0"]'],
-         lambda lay: [s.devices for s in lay.pipelines[0].stages] == [("node0:1",), ("node0:0",)]),
+        (
+            ["pipelines[0].stages[0].layers=2", "pipelines[0].stages[1].layers=2"],
+            lambda lay: [s.layers for s in lay.pipelines[0].stages] == [2, 2],
+        ),
+        (
+            ['pipelines.0.stages.0.devices=["node0:1"]', 'pipelines.0.stages.1.devices=["node0:0"]'],
+            lambda lay: [s.devices for s in lay.pipelines[0].stages] == [("node0:1",), ("node0:0",)],
+        ),
         (["cluster.nodes[0].host=localhost"], lambda lay: lay.cluster.nodes[0].host == "localhost"),
     ],
     ids=["steps", "microbatches", "dotted-index", "bare-word", "two-sets", "array-value", "nested-table"],
@@ -156,8 +166,13 @@ def test_set_shows_in_dry_run():
 def test_real_subprocess():
     """Once for real: the installed entry module, its exit code and its stderr, outside CliRunner."""
     path = Path("tests") / "bad_layouts" / "unknown_key_typo.toml"
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(path), "--dry-run"],
-                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.cli", str(path), "--dry-run"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert proc.stdout == ""
     assert proc.stderr == f"error: {expected_line(REPO / path).replace(str(REPO / path), str(path))}\n"
@@ -172,10 +187,14 @@ FIRST_OF_TWO = [  # (two --set items each making one problem, the one reported):
     (["model.norm_eps=0", "model.hidden=30"], "model.heads: 4 heads do not divide hidden 30 (pick a divisor of 30)"),
     (["cluster.port=0", "data.valid_fraction=2"], "data.valid_fraction: must be in [0, 1), got 2 (e.g. 0.05)"),
     (["cluster.nodes.0.speed=0", "cluster.port=0"], "cluster.port: must be a TCP port 1..65535, got 0"),
-    (["cluster.nodes.0.host=h:80", 'cluster.nodes.0.devices=["gpu"]'],
-     "cluster.nodes[0].devices[0]: unknown device 'gpu' (use 'cpu' or 'cuda:N')"),
-    (["pipelines.0.stages.0.devices=[]", "pipelines.0.batch=3"],
-     "pipelines[0].microbatches: 4 microbatches do not divide the pipeline's batch 3 (use a divisor of 3)"),
+    (
+        ["cluster.nodes.0.host=h:80", 'cluster.nodes.0.devices=["gpu"]'],
+        "cluster.nodes[0].devices[0]: unknown device 'gpu' (use 'cpu' or 'cuda:N')",
+    ),
+    (
+        ["pipelines.0.stages.0.devices=[]", "pipelines.0.batch=3"],
+        "pipelines[0].microbatches: 4 microbatches do not divide the pipeline's batch 3 (use a divisor of 3)",
+    ),
 ]
 
 
@@ -204,8 +223,13 @@ def test_every_field_rule_runs(monkeypatch):
     monkeypatch.setattr(layout_rules, "first_problem", spy)
     for path in GOOD:  # between them: grammar and file data, packed documents, buckets, network domains
         layout.load(path)
-    declared = {(cls.__name__, f.name) for cls in vars(layout_schema).values()
-                if isinstance(cls, type) and attrs.has(cls) for f in attrs.fields(cls) if f.metadata.get("checks")}
+    declared = {
+        (cls.__name__, f.name)
+        for cls in vars(layout_schema).values()
+        if isinstance(cls, type) and attrs.has(cls)
+        for f in attrs.fields(cls)
+        if f.metadata.get("checks")
+    }
     assert len(declared) >= 40
     assert asked == declared
 
@@ -223,7 +247,7 @@ def test_good_layout_dry_run(path: Path):
     assert lines[0].startswith(f"layout {path}: ")
     header = lines.index(RANK_TABLE_HEADER)
     world = sum(s.tp for p in lay.pipelines for s in p.stages)
-    rows = lines[header + 1: header + 1 + world]
+    rows = lines[header + 1 : header + 1 + world]
     assert [int(r.split()[0]) for r in rows] == list(range(world))
     assert lines[header + 1 + world] == ""
     assert "pipeline 0 schedule:" in result.stdout

@@ -8,21 +8,28 @@ import attrs
 import pytest
 import torch
 
+from harness import LAYOUTS, RunResult, assert_same_model, common_sections, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.model.params import all_params
-from harness import LAYOUTS, RunResult, assert_same_model, common_sections, launch, write_layout
 
 BASE = common_sections(LAYOUTS / "reference" / "reference.toml")  # 6 layers, hidden 32, 4 heads, rope/rmsnorm/swiglu
-LLAMA = BASE.replace('position = "rope"', 'position = "rope"\nkv_heads = 2\ntie_embeddings = true\n'
-                     'rope_theta = 500000.0\nnorm_eps = 1e-6')
-GPT2 = (BASE.replace('mlp = "swiglu"', 'mlp = "gelu"').replace('norm = "rmsnorm"', 'norm = "layernorm"')
-        .replace('position = "rope"', 'position = "learned"\nbias = true\ntie_embeddings = true'))
+LLAMA = BASE.replace(
+    'position = "rope"',
+    'position = "rope"\nkv_heads = 2\ntie_embeddings = true\nrope_theta = 500000.0\nnorm_eps = 1e-6',
+)
+GPT2 = (
+    BASE.replace('mlp = "swiglu"', 'mlp = "gelu"')
+    .replace('norm = "rmsnorm"', 'norm = "layernorm"')
+    .replace('position = "rope"', 'position = "learned"\nbias = true\ntie_embeddings = true')
+)
 LR = 1e-3  # reference.toml's train.lr
 
 
 def _model(common: str) -> layout_mod.ModelSpec:
-    text = common + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n' \
-                    '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
+    text = (
+        common + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\nmicrobatches = 1\n'
+        '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
+    )
     return layout_mod.loads(text).model
 
 
@@ -60,9 +67,12 @@ def _assert_same_model_noisy_biases(run: RunResult, ref: RunResult) -> None:
 # Here: GPT-2's, and the Llama options under ZeRO-1 (the tied embed.tok's moments split among its holders).
 CASES = [
     ("gpt2: bias, tied; tp [[2, 1], [1]] zbh1", GPT2, [(6, 3, [(3, 2), (3, 1)]), (6, 2, [(6, 1)])], "zbh1"),
-    ("llama: gqa, tied, theta, eps; zero1; tp [[1, 2, 1], [2, 2]]",
-     LLAMA.replace('schedule = "1f1b"', 'schedule = "1f1b"\noptimizer = "adamw_zero1"'),
-     [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])], "1f1b"),
+    (
+        "llama: gqa, tied, theta, eps; zero1; tp [[1, 2, 1], [2, 2]]",
+        LLAMA.replace('schedule = "1f1b"', 'schedule = "1f1b"\noptimizer = "adamw_zero1"'),
+        [(8, 4, [(2, 1), (3, 2), (1, 1)]), (4, 2, [(4, 2), (2, 2)])],
+        "1f1b",
+    ),
 ]
 
 

@@ -11,7 +11,9 @@ def test_matches_torch_adamw_over_steps_with_lr_changes():
     ref = [p.detach().clone().requires_grad_() for p in ours]
     kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
     opt = AdamW([{"params": [ours[0]], "weight_decay": 0.1}, {"params": [ours[1]], "weight_decay": 0.0}], **kw)
-    torch_opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kw)
+    torch_opt = torch.optim.AdamW(
+        [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}], **kw
+    )
     for step in range(6):
         grads = [torch.randn(p.shape, generator=gen) for p in ours]
         for p, q, g in zip(ours, ref, grads):

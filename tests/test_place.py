@@ -14,29 +14,46 @@ import attrs
 import pytest
 from click.testing import CliRunner
 
+from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
 from hetero_llm import layout
 from hetero_llm.cli.place import main as place_main
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import (CROSS_DOMAIN, ClusterSpec, CrossDomainSpec, DataSpec, DomainKind, DomainSpec, ModelSpec,
-                               NodeSpec, Schedule, TrainSpec)
-from hetero_llm.planner.place import PlaceOptions, pipeline_specs, place, place_file
+from hetero_llm.layout import (
+    CROSS_DOMAIN,
+    ClusterSpec,
+    CrossDomainSpec,
+    DataSpec,
+    DomainKind,
+    DomainSpec,
+    ModelSpec,
+    NodeSpec,
+    Schedule,
+    TrainSpec,
+)
 from hetero_llm.plan import compile_plan
+from hetero_llm.planner.place import PlaceOptions, pipeline_specs, place, place_file
 
-from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
 
 def domain(name: str, kind: str = "ib") -> DomainSpec:
     return DomainSpec(name=name, kind=DomainKind(kind), bandwidth_gbps=100.0, latency_us=2.0, gloo_ifname="dom0")
 
 
-def cluster_text(nodes: list[tuple[str, str, int, float, float]], domains=("A", "B"), *, layers=4, batch=8,
-                 schedule="1f1b", chunks=1) -> str:
+def cluster_text(
+    nodes: list[tuple[str, str, int, float, float]], domains=("A", "B"), *, layers=4, batch=8, schedule="1f1b", chunks=1
+) -> str:
     """``nodes``: (name, domain, devices, speed, memory_gb)."""
     model = ModelSpec(layers=layers, hidden=32, heads=4, vocab=64, seq_len=8)
     train = TrainSpec(steps=1, global_batch=batch, schedule=Schedule(schedule), chunks=chunks)
-    cluster = ClusterSpec(nodes=tuple(NodeSpec(name=name, devices=("cpu",) * n, speed=float(speed),
-                                               memory_gb=float(mem), domain=dom if domains else "")
-                                      for name, dom, n, speed, mem in nodes),
-                          domains=tuple(domain(d) for d in domains), cross_domain=CrossDomainSpec(gloo_ifname="xdom"))
+    cluster = ClusterSpec(
+        nodes=tuple(
+            NodeSpec(
+                name=name, devices=("cpu",) * n, speed=float(speed), memory_gb=float(mem), domain=dom if domains else ""
+            )
+            for name, dom, n, speed, mem in nodes
+        ),
+        domains=tuple(domain(d) for d in domains),
+        cross_domain=CrossDomainSpec(gloo_ifname="xdom"),
+    )
     return layout.dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster})
 
 
@@ -73,8 +90,10 @@ def test_two_domains_of_two_nodes(tmp_path):
     nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0), ("b1", "B", 1, 1.0, 0)]
     p, lay = placed(tmp_path, cluster_text(nodes))
     check_rules(lay)
-    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [[("a0:0",), ("b0:0",)],
-                                                                          [("a1:0",), ("b1:0",)]]
+    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [
+        [("a0:0",), ("b0:0",)],
+        [("a1:0",), ("b1:0",)],
+    ]
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[2, 2], [2, 2]]
     assert [pipe.batch for pipe in lay.pipelines] == [4, 4]
     assert [pipe.microbatches for pipe in lay.pipelines] == [4, 4]  # 2 x stages, dividing 4
@@ -87,8 +106,7 @@ def test_uneven_gpu_counts_with_tp(tmp_path):
     p, lay = placed(tmp_path, cluster_text(nodes, layers=6), tp=2)
     check_rules(lay)
     devices = [[s.devices for s in pipe.stages] for pipe in lay.pipelines]
-    assert devices == [[("a0:0", "a0:1"), ("a0:2", "a0:3"), ("b0:0", "b0:1")],
-                       [("a1:0", "a1:1"), ("b1:0", "b1:1")]]
+    assert devices == [[("a0:0", "a0:1"), ("a0:2", "a0:3"), ("b0:0", "b0:1")], [("a1:0", "a1:1"), ("b1:0", "b1:1")]]
     # A holds the same layers in both pipelines (4 = its share by speed); pipeline 0 splits them 2 + 2
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[2, 2, 2], [4, 2]]
     # pipeline 0's slowest stage is twice as fast: rows minimize the slower pipeline's time (6/2 and 5/3
@@ -111,13 +129,15 @@ def test_layers_follow_speed_across_and_inside_domains(tmp_path):
 
 def test_memory_caps_a_stage(tmp_path):
     """A is 3x as fast, but its devices hold only 2 layers each (16 bytes per parameter, embedding on the first)."""
-    model = layout.loads(cluster_text([("a0", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)]) +
-                         '[[pipelines]]\nbatch = 8\nmicrobatches = 1\n[[pipelines.stages]]\nlayers = 2\n'
-                         'devices = ["a0:0"]\n[[pipelines.stages]]\nlayers = 2\ndevices = ["b0:0"]\n').model
+    model = layout.loads(
+        cluster_text([("a0", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)])
+        + "[[pipelines]]\nbatch = 8\nmicrobatches = 1\n[[pipelines.stages]]\nlayers = 2\n"
+        'devices = ["a0:0"]\n[[pipelines.stages]]\nlayers = 2\ndevices = ["b0:0"]\n'
+    ).model
     from hetero_llm.model.params import embedding_params, layer_params
     from hetero_llm.planner.place import BYTES_PER_PARAM, _device_params
 
-    need = (_device_params(model, embedding_params(model), 1) + 2.5 * _device_params(model, layer_params(model, 0), 1))
+    need = _device_params(model, embedding_params(model), 1) + 2.5 * _device_params(model, layer_params(model, 0), 1)
     gb = need * BYTES_PER_PARAM / 1e9
     nodes = [("a0", "A", 1, 3.0, gb), ("b0", "B", 1, 1.0, 0)]
     _, lay = placed(tmp_path, cluster_text(nodes, layers=8))
@@ -137,23 +157,38 @@ def test_a_domain_too_small_for_every_pipeline_is_left_out(tmp_path):
     nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0)]
     p, lay = placed(tmp_path, cluster_text(nodes), pipelines=2)
     check_rules(lay)
-    assert p.domains == ("A",) and {d for pipe in lay.pipelines for s in pipe.stages for d in s.devices} == {"a0:0", "a1:0"}
+    assert p.domains == ("A",) and {d for pipe in lay.pipelines for s in pipe.stages for d in s.devices} == {
+        "a0:0",
+        "a1:0",
+    }
     assert "domain B left out" in p.notes[0]
 
 
 def test_without_domains_every_tp_group_is_a_pipeline(tmp_path):
     nodes = [("n0", "", 2, 1.0, 0), ("n1", "", 2, 1.0, 0)]
     _, lay = placed(tmp_path, cluster_text(nodes, domains=()))
-    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [[("n0:0",)], [("n0:1",)], [("n1:0",)], [("n1:1",)]]
+    assert [[s.devices for s in pipe.stages] for pipe in lay.pipelines] == [
+        [("n0:0",)],
+        [("n0:1",)],
+        [("n1:0",)],
+        [("n1:1",)],
+    ]
     _, lay = placed(tmp_path, cluster_text(nodes, domains=()), pipelines=1)
     assert len(lay.pipelines[0].stages) == 4
 
 
-@pytest.mark.parametrize("options, where, message", [
-    (dict(tp=3), "--tp", "TP size 3 does not divide heads (4) and the MLP width (128) (pick a common divisor)"),
-    (dict(tp=4), "--tp", "no node has 4 devices (the most is 1; TP stays inside a node)"),
-    (dict(pipelines=3), "--pipelines", "no domain has 3 TP groups of 1 device(s) (the most is 2, in A): use --pipelines 2 or fewer"),
-])
+@pytest.mark.parametrize(
+    "options, where, message",
+    [
+        (dict(tp=3), "--tp", "TP size 3 does not divide heads (4) and the MLP width (128) (pick a common divisor)"),
+        (dict(tp=4), "--tp", "no node has 4 devices (the most is 1; TP stays inside a node)"),
+        (
+            dict(pipelines=3),
+            "--pipelines",
+            "no domain has 3 TP groups of 1 device(s) (the most is 2, in A): use --pipelines 2 or fewer",
+        ),
+    ],
+)
 def test_bad_options(tmp_path, options, where, message):
     nodes = [("a0", "A", 1, 1.0, 0), ("a1", "A", 1, 1.0, 0), ("b0", "B", 1, 1.0, 0), ("b1", "B", 1, 1.0, 0)]
     src = tmp_path / "cluster.toml"
@@ -201,11 +236,18 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
 def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
     """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
     model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"))
-    cluster = ClusterSpec(nodes=(NodeSpec(name="f0", devices=("cpu", "cpu"), speed=2.0, domain="fast"),
-                                 NodeSpec(name="s0", domain="slow"), NodeSpec(name="s1", domain="slow")),
-                          domains=(domain("fast"), domain("slow", "roce")), cross_domain=CrossDomainSpec(gloo_ifname="xdom"))
-    (tmp_path / "cluster.toml").write_text(layout.dumps_cluster({"model": model, "train": train, "data": data,
-                                                                 "cluster": cluster}))
+    cluster = ClusterSpec(
+        nodes=(
+            NodeSpec(name="f0", devices=("cpu", "cpu"), speed=2.0, domain="fast"),
+            NodeSpec(name="s0", domain="slow"),
+            NodeSpec(name="s1", domain="slow"),
+        ),
+        domains=(domain("fast"), domain("slow", "roce")),
+        cross_domain=CrossDomainSpec(gloo_ifname="xdom"),
+    )
+    (tmp_path / "cluster.toml").write_text(
+        layout.dumps_cluster({"model": model, "train": train, "data": data, "cluster": cluster})
+    )
     place_file(tmp_path / "cluster.toml", tmp_path / "placed.toml", PlaceOptions())
     lay = layout.load(tmp_path / "placed.toml")
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]

@@ -14,17 +14,15 @@ from collections import Counter
 
 import attrs
 import pytest
-
-from hetero_llm import schedule as sched
-from hetero_llm.layout import SHM, DataSpec, Layout, Mlp, ModelSpec, Norm, Position, Schedule, TrainSpec, dumps, loads
-from hetero_llm.model.params import all_params
-from hetero_llm.plan.describe import describe
-from hetero_llm.plan import SyncBlocks, Group, Route, compile_plan
-from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
-from hetero_llm.schedule import Direction
 from helpers_plan import TP_MIX, make
 
-from harness import own_nodes
+from hetero_llm import schedule as sched
+from hetero_llm.layout import SHM, Schedule, loads
+from hetero_llm.model.params import all_params
+from hetero_llm.plan import Group, Route, SyncBlocks, compile_plan
+from hetero_llm.plan.describe import describe
+from hetero_llm.plan.rank import GradSyncKey, P2PKey, TPKey
+from hetero_llm.schedule import Direction
 
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
 
@@ -108,7 +106,7 @@ def test_layer_ranges_and_batch_shares():
     assert ranges == [(0, 6), (0, 5), (5, 6), (0, 1), (1, 2), (2, 6)]
     assert [plan.batch_share(p) for p in range(3)] == [(0, 6), (6, 4), (10, 2)]
     rows = describe(plan).splitlines()
-    table = rows[rows.index(RANK_TABLE_HEADER) + 1:][:6]
+    table = rows[rows.index(RANK_TABLE_HEADER) + 1 :][:6]
     assert [" ".join(r.split()[6:]) for r in table] == [
         "0-5 rows 0-5 in 2 mb",
         "0-4 rows 6-9 in 4 mb",
@@ -137,8 +135,10 @@ HAND_ROUTES = {
     (1, 1): ([Route(0, 1, 0, 1)], [Route(1, 0, 0, 1)]),
     (2, 1): ([Route(0, 2, 0, 1)], [Route(2, 0, 0, 2), Route(2, 1, 1, 2)]),
     (1, 4): ([Route(0, 1, 0, 4), Route(0, 2, 1, 4), Route(0, 3, 2, 4), Route(0, 4, 3, 4)], [Route(1, 0, 0, 1)]),
-    (4, 2): ([Route(0, 4, 0, 2), Route(1, 5, 1, 2)],
-             [Route(4, 0, 0, 4), Route(5, 1, 1, 4), Route(4, 2, 2, 4), Route(5, 3, 3, 4)]),
+    (4, 2): (
+        [Route(0, 4, 0, 2), Route(1, 5, 1, 2)],
+        [Route(4, 0, 0, 4), Route(5, 1, 1, 4), Route(4, 2, 2, 4), Route(5, 3, 3, 4)],
+    ),
     (2, 3): ([Route(0, 2, 0, 3), Route(1, 3, 1, 3), Route(0, 4, 2, 3)], [Route(2, 0, 0, 2), Route(3, 1, 1, 2)]),
 }
 
@@ -177,8 +177,13 @@ def test_routes_stay_inside_pipelines():
     plan = compile_plan(make([(2, 1, [(1, 1), (1, 2), (2, 1)]), (2, 2, [(3, 2), (1, 1)])]))
     # ranks: p0 = 0 | 1 2 | 3 ; p1 = 4 5 | 6
     assert list(plan.routes_f) == [Route(0, 1, 0, 2), Route(0, 2, 1, 2), Route(1, 3, 0, 1), Route(4, 6, 0, 1)]
-    assert list(plan.routes_b) == [Route(1, 0, 0, 1), Route(3, 1, 0, 2), Route(3, 2, 1, 2),
-                                   Route(6, 4, 0, 2), Route(6, 5, 1, 2)]
+    assert list(plan.routes_b) == [
+        Route(1, 0, 0, 1),
+        Route(3, 1, 0, 2),
+        Route(3, 2, 1, 2),
+        Route(6, 4, 0, 2),
+        Route(6, 5, 1, 2),
+    ]
 
 
 # ------------------------------------------------------------------------------------ gradient sync
@@ -206,14 +211,24 @@ def _check_refinement(plan):
             overlapping = {r for r, a, z in held[name] if a < hi and lo < z}
             assert overlapping == set(holders), (name, lo, hi)  # a block never straddles a shard edge
             tiles.setdefault(name, []).append((lo, hi))
-    for name, blocks in tiles.items():
+    for blocks in tiles.values():
         blocks.sort()
         assert blocks[0][0] == 0 and all(x[1] == y[0] for x, y in zip(blocks, blocks[1:]))
     return tiles
 
 
-LAYER_PARAMS = ["attn_norm.weight", "attn_norm.bias", "attn.wq", "attn.wk", "attn.wv", "attn.wo",
-                "mlp_norm.weight", "mlp_norm.bias", "mlp.w1", "mlp.w2"]  # layernorm + gelu
+LAYER_PARAMS = [
+    "attn_norm.weight",
+    "attn_norm.bias",
+    "attn.wq",
+    "attn.wk",
+    "attn.wv",
+    "attn.wo",
+    "mlp_norm.weight",
+    "mlp_norm.bias",
+    "mlp.w1",
+    "mlp.w2",
+]  # layernorm + gelu
 
 
 def _names(*layers: int, embed: bool = False, head: bool = False) -> set[str]:
@@ -248,19 +263,31 @@ def test_grad_buckets_tp2_vs_tp1():
     assert list(groups) == [(0, 1, 2), (0, 2), (1, 2)]
     # column-parallel (rows, dim 0) and row-parallel (columns, dim 1): two blocks each
     assert {e for e in groups[(0, 2)] if e[0].startswith("layers.0.attn.")} == {
-        ("layers.0.attn.wq", 0, 0, 8), ("layers.0.attn.wk", 0, 0, 8), ("layers.0.attn.wv", 0, 0, 8),
-        ("layers.0.attn.wo", 1, 0, 8)}
+        ("layers.0.attn.wq", 0, 0, 8),
+        ("layers.0.attn.wk", 0, 0, 8),
+        ("layers.0.attn.wv", 0, 0, 8),
+        ("layers.0.attn.wo", 1, 0, 8),
+    }
     assert {e for e in groups[(1, 2)] if e[0].startswith("layers.0.attn.")} == {
-        ("layers.0.attn.wq", 0, 8, 16), ("layers.0.attn.wk", 0, 8, 16), ("layers.0.attn.wv", 0, 8, 16),
-        ("layers.0.attn.wo", 1, 8, 16)}
+        ("layers.0.attn.wq", 0, 8, 16),
+        ("layers.0.attn.wk", 0, 8, 16),
+        ("layers.0.attn.wv", 0, 8, 16),
+        ("layers.0.attn.wo", 1, 8, 16),
+    }
     assert ("layers.0.mlp.w1", 0, 0, 32) in groups[(0, 2)] and ("layers.0.mlp.w1", 0, 32, 64) in groups[(1, 2)]
     assert ("layers.0.mlp.w2", 1, 0, 32) in groups[(0, 2)] and ("layers.0.mlp.w2", 1, 32, 64) in groups[(1, 2)]
     # TP-replicated tensors are held whole by all three ranks
-    assert groups[(0, 1, 2)] == {("embed.tok", 0, 0, 32), ("embed.pos", 0, 0, 8),
-                                 ("layers.0.attn_norm.weight", 0, 0, 16), ("layers.0.attn_norm.bias", 0, 0, 16),
-                                 ("layers.0.mlp_norm.weight", 0, 0, 16), ("layers.0.mlp_norm.bias", 0, 0, 16),
-                                 ("final_norm.weight", 0, 0, 16), ("final_norm.bias", 0, 0, 16),
-                                 ("lm_head.weight", 0, 0, 32)}
+    assert groups[(0, 1, 2)] == {
+        ("embed.tok", 0, 0, 32),
+        ("embed.pos", 0, 0, 8),
+        ("layers.0.attn_norm.weight", 0, 0, 16),
+        ("layers.0.attn_norm.bias", 0, 0, 16),
+        ("layers.0.mlp_norm.weight", 0, 0, 16),
+        ("layers.0.mlp_norm.bias", 0, 0, 16),
+        ("final_norm.weight", 0, 0, 16),
+        ("final_norm.bias", 0, 0, 16),
+        ("lm_head.weight", 0, 0, 32),
+    }
     _check_refinement(plan)
 
 
@@ -273,9 +300,13 @@ def test_grad_buckets_tp2_vs_tp3_common_refinement():
     for name, dim, n in [("attn.wq", 0, 24), ("attn.wo", 1, 24), ("mlp.w1", 0, 96), ("mlp.w2", 1, 96)]:
         full = f"layers.0.{name}"
         blocks = {g: [e[2:] for e in es if e[0] == full] for g, es in groups.items()}
-        assert blocks == {(0, 1, 2, 3, 4): [],
-                          (0, 2): [(0, n // 3)], (0, 3): [(n // 3, n // 2)],
-                          (1, 3): [(n // 2, 2 * n // 3)], (1, 4): [(2 * n // 3, n)]}, name
+        assert blocks == {
+            (0, 1, 2, 3, 4): [],
+            (0, 2): [(0, n // 3)],
+            (0, 3): [(n // 3, n // 2)],
+            (1, 3): [(n // 2, 2 * n // 3)],
+            (1, 4): [(2 * n // 3, n)],
+        }, name
         assert all(e[1] == dim for es in groups.values() for e in es if e[0] == full)
     tiles = _check_refinement(plan)
     assert sorted(tiles["layers.0.attn.wq"]) == [(0, 8), (8, 12), (12, 16), (16, 24)]
@@ -285,12 +316,18 @@ def test_single_pipeline_tp1_has_no_buckets():
     plan = compile_plan(make([(4, 2, [(1, 1), (2, 1), (1, 1)])]))
     assert plan.sync_blocks == ()
     # one node of CPU ranks: the boundaries go through shared memory (cluster.nodes[].p2p = 'auto')
-    assert plan.groups == (Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1), SHM),
-                           Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1), SHM),
-                           Group(P2PKey(Direction.FWD, (0, 1), (0, 2)), (1, 2), SHM),
-                           Group(P2PKey(Direction.BWD, (0, 2), (0, 1)), (1, 2), SHM))
-    assert [g.name for g in plan.groups] == ["p2p_fwd[p0.s0->p0.s1]", "p2p_bwd[p0.s1->p0.s0]",
-                                             "p2p_fwd[p0.s1->p0.s2]", "p2p_bwd[p0.s2->p0.s1]"]
+    assert plan.groups == (
+        Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1), SHM),
+        Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1), SHM),
+        Group(P2PKey(Direction.FWD, (0, 1), (0, 2)), (1, 2), SHM),
+        Group(P2PKey(Direction.BWD, (0, 2), (0, 1)), (1, 2), SHM),
+    )
+    assert [g.name for g in plan.groups] == [
+        "p2p_fwd[p0.s0->p0.s1]",
+        "p2p_bwd[p0.s1->p0.s0]",
+        "p2p_fwd[p0.s1->p0.s2]",
+        "p2p_bwd[p0.s2->p0.s1]",
+    ]
     assert "  (none: a single pipeline holds every parameter once)" in describe(plan)
     one = compile_plan(make([(4, 2, [(4, 1)])]))
     assert one.groups == () and "  (none besides the world group)" in describe(one)
@@ -308,8 +345,10 @@ def test_groups_in_one_deterministic_order():
     # per bucket in sorted rank order
     assert list(plan.groups[:2]) == [Group(TPKey(0, 0), (0, 1)), Group(TPKey(1, 0), (3, 4, 5))]
     assert names[:2] == ["tp[p0.s0]", "tp[p1.s0]"]
-    assert list(plan.groups[2:4]) == [Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1, 2), SHM),
-                                      Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1, 2), SHM)]
+    assert list(plan.groups[2:4]) == [
+        Group(P2PKey(Direction.FWD, (0, 0), (0, 1)), (0, 1, 2), SHM),
+        Group(P2PKey(Direction.BWD, (0, 1), (0, 0)), (0, 1, 2), SHM),
+    ]
     assert list(plan.groups[4:]) == [Group(GradSyncKey(b.group), b.group) for b in plan.sync_blocks]
     assert names[4:] == ["grad_sync[" + ",".join(map(str, b.group)) + "]" for b in plan.sync_blocks]
     assert [b.group for b in plan.sync_blocks] == sorted(b.group for b in plan.sync_blocks)
@@ -321,20 +360,32 @@ def test_interleaved_wrap_gets_its_own_p2p_groups():
     """Two stages, two chunks: activations flow s0 -> s1 and (the wrap) s1 -> s0, gradients back both ways."""
     lay = make([(4, 2, [(2, 1), (2, 1)])])
     plan = compile_plan(attrs.evolve(lay, train=attrs.evolve(lay.train, schedule=Schedule.INTERLEAVED, chunks=2)))
-    assert [g.name for g in plan.groups] == ["p2p_fwd[p0.s0->p0.s1]", "p2p_bwd[p0.s1->p0.s0]",
-                                             "p2p_fwd[p0.s1->p0.s0]", "p2p_bwd[p0.s0->p0.s1]"]
+    assert [g.name for g in plan.groups] == [
+        "p2p_fwd[p0.s0->p0.s1]",
+        "p2p_bwd[p0.s1->p0.s0]",
+        "p2p_fwd[p0.s1->p0.s0]",
+        "p2p_bwd[p0.s0->p0.s1]",
+    ]
 
 
 def test_groups_do_not_depend_on_the_hash_seed():
     """Another process with another string-hash seed creates the same groups, sync block groups and routes."""
-    code = ("from helpers_plan import make, TP_MIX; "
-            "from hetero_llm.plan import compile_plan; p = compile_plan(make(TP_MIX)); "
-            "print(repr((p.groups, p.sync_blocks, p.routes_f, p.routes_b)))")
+    code = (
+        "from helpers_plan import make, TP_MIX; "
+        "from hetero_llm.plan import compile_plan; p = compile_plan(make(TP_MIX)); "
+        "print(repr((p.groups, p.sync_blocks, p.routes_f, p.routes_b)))"
+    )
     here = compile_plan(make(TP_MIX))
     tests = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)  # helpers_plan; the root is cwd
-    out = subprocess.run([sys.executable, "-c", code], cwd=os.path.dirname(tests), capture_output=True, text=True,
-                         timeout=60, env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": path})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=os.path.dirname(tests),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": path},
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr((here.groups, here.sync_blocks, here.routes_f, here.routes_b))
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from helpers_plan import cluster, run_plan
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import buckets, load_cluster
 from hetero_llm.planner.search import Planner
-from helpers_plan import cluster, run_plan
 
 
 def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tmp_path):
@@ -32,8 +32,9 @@ def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tm
     # their microbatches' common divisor: same rows per microbatch and proportions; the home bucket tops up
     plan, unit = proposed[0].plan, buckets.elastic_unit(proposed[0].plan)
     assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up and unit > 1
-    assert [(p.batch, p.microbatches) for p in lay.buckets[0].pipelines] == \
-        [(p.batch // unit, p.microbatches // unit) for p in plan.pipelines]
+    assert [(p.batch, p.microbatches) for p in lay.buckets[0].pipelines] == [
+        (p.batch // unit, p.microbatches // unit) for p in plan.pipelines
+    ]
 
 
 def test_elastic_only_where_a_stage_holds_no_more_than_planned():
@@ -55,11 +56,13 @@ def test_elastic_only_where_a_stage_holds_no_more_than_planned():
 
 def _home(c):
     from hetero_llm.planner import plan_cluster
+
     return plan_cluster(c, top=1).best
 
 
 def _at(c, seq_len):
     import attrs
+
     return attrs.evolve(c, model=attrs.evolve(c.model, seq_len=seq_len))
 
 
@@ -72,13 +75,16 @@ def test_a_bucket_no_faster_than_home_runs_under_the_home_layout(tmp_path):
     assert "is not 1.05x faster than home's on its rows" in out.read_text()
 
 
-@pytest.mark.parametrize("value, message", [
-    ("12x", "'12x' is not a comma-separated list of whole numbers (e.g. --buckets 128,512)"),
-    (",", "is empty: give the bucket bounds, e.g. --buckets 128,512"),
-    ("256,128", "bounds must ascend strictly, got 256 then 128"),
-    ("128,2048", "bound 2048 is outside 1..1023 (the last bucket is model.seq_len = 1024, the home layout's)"),
-    ("0", "bound 0 is outside 1..1023 (the last bucket is model.seq_len = 1024, the home layout's)"),
-])
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("12x", "'12x' is not a comma-separated list of whole numbers (e.g. --buckets 128,512)"),
+        (",", "is empty: give the bucket bounds, e.g. --buckets 128,512"),
+        ("256,128", "bounds must ascend strictly, got 256 then 128"),
+        ("128,2048", "bound 2048 is outside 1..1023 (the last bucket is model.seq_len = 1024, the home layout's)"),
+        ("0", "bound 0 is outside 1..1023 (the last bucket is model.seq_len = 1024, the home layout's)"),
+    ],
+)
 def test_bad_bounds_are_one_line_before_any_search(tmp_path, value, message):
     path, out = cluster(tmp_path), tmp_path / "out.toml"
     res = run_plan(path, "-o", out, "--buckets", value)
@@ -91,5 +97,7 @@ def test_buckets_need_packed_documents(tmp_path):
     path, out = cluster(tmp_path, packing=False), tmp_path / "out.toml"
     res = run_plan(path, "-o", out, "--buckets", "128")
     assert res.exit_code == 2
-    assert res.stderr == (f"error: {path}: data.packing: --buckets sorts whole documents by length: set "
-                          'data.packing = "documents" in the cluster file\n')
+    assert res.stderr == (
+        f"error: {path}: data.packing: --buckets sorts whole documents by length: set "
+        'data.packing = "documents" in the cluster file\n'
+    )

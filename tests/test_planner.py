@@ -13,24 +13,25 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hetero_llm import layout as layout_mod, schedule as sched
-from hetero_llm.model.params import layer_params, stage_params
+from harness import LAYOUTS, assert_same_model, launch
+from hetero_llm import layout as layout_mod
+from hetero_llm import schedule as sched
 from hetero_llm.cli.plan import main as plan_main
+from hetero_llm.model.params import layer_params, stage_params
 from hetero_llm.planner import pipesim, plan_cluster
 from hetero_llm.planner.cluster import load_cluster
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, StageChoice
+from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner, Structure
 from hetero_llm.predict.simulate import CostModel, simulate
-
-from harness import LAYOUTS, assert_same_model, launch
 
 SMALL = LAYOUTS / "clusters" / "small_cpu.toml"
 
 
 def run_plan(*args):
-    runner = CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters \
-        else CliRunner()
+    runner = (
+        CliRunner(mix_stderr=False) if "mix_stderr" in inspect.signature(CliRunner.__init__).parameters else CliRunner()
+    )
     return runner.invoke(plan_main, [str(a) for a in args])
 
 
@@ -50,10 +51,12 @@ def small_cluster(tmp_path: Path, plan: str = "", nodes: str = "", edit=None) ->
 
 
 # interleaved needs >= 2 stages and microbatches divisible by them (a schedule rule): those cases are left out
-SIM_GRID = [(kind, chunks, stages, mbs)
-            for kind, chunks in [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)]
-            for stages, mbs in [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8)]
-            if kind != "interleaved" or (stages >= 2 and mbs % stages == 0)]
+SIM_GRID = [
+    (kind, chunks, stages, mbs)
+    for kind, chunks in [("1f1b", 1), ("zbh1", 1), ("interleaved", 2), ("gpipe", 1)]
+    for stages, mbs in [(1, 1), (1, 3), (2, 2), (3, 5), (4, 8)]
+    if kind != "interleaved" or (stages >= 2 and mbs % stages == 0)
+]
 
 
 @pytest.mark.parametrize("kind,chunks,stages,microbatches", SIM_GRID)
@@ -65,8 +68,14 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
     links = stages if kind == "interleaved" else stages - 1
     lat = [rng.uniform(0, 0.3) for _ in range(links)]
     bw = [rng.uniform(1, 10) for _ in range(links)]
-    cost = CostModel(forward=fwd, backward=bwd, latency=lat, bandwidth=bw, activation_bytes=2.0,
-                     weight=wgt if kind == "zbh1" else None)
+    cost = CostModel(
+        forward=fwd,
+        backward=bwd,
+        latency=lat,
+        bandwidth=bw,
+        activation_bytes=2.0,
+        weight=wgt if kind == "zbh1" else None,
+    )
     want = simulate(sched.compute_schedule(kind, stages, microbatches, chunks=chunks), cost)
     acts = pipesim.actions(kind, stages, microbatches, chunks)
     step, busy = pipesim.simulate(acts, fwd, bwd, wgt if kind == "zbh1" else None, lat, bw, 2.0)
@@ -126,8 +135,9 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
     """[plan] action_overhead_us adds to every compute action (1F1B: F and B per microbatch; ZB-H1: F, I and W;
     interleaved: per chunk), p2p_latency_us to every stage-boundary hop and gradient-ring step."""
     base = load_cluster(SMALL)
-    path = small_cluster(tmp_path, edit=lambda t: t.replace("[plan]\n", "[plan]\naction_overhead_us = 1000\n"
-                                                             "p2p_latency_us = 300\n", 1))
+    path = small_cluster(
+        tmp_path, edit=lambda t: t.replace("[plan]\n", "[plan]\naction_overhead_us = 1000\np2p_latency_us = 300\n", 1)
+    )
     c = load_cluster(path)
     assert (c.limits.action_overhead_us, c.limits.p2p_latency_us) == (1000, 300)
     plain, cost = PlannerCostModel(base), PlannerCostModel(c)
@@ -145,8 +155,15 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
         bw, lat = plain.boundary(a, s0, 2)
         acts = pipesim.actions(schedule, 2, 4, chunks)
         lats = (lat + 3e-4,) * (2 if schedule == "interleaved" else 1)
-        want, _ = pipesim.simulate(acts, [t[0] + chunks * 1e-3 for t in times], [t[1] + chunks * 1e-3 for t in times],
-                                   None, lats, (bw,) * len(lats), 2 * 16 * 32 * 4)
+        want, _ = pipesim.simulate(
+            acts,
+            [t[0] + chunks * 1e-3 for t in times],
+            [t[1] + chunks * 1e-3 for t in times],
+            None,
+            lats,
+            (bw,) * len(lats),
+            2 * 16 * 32 * 4,
+        )
         assert cost.score(two).pipeline_times[0] == pytest.approx(want)
         assert cost.score(two).pipeline_times[0] > plain.score(two).pipeline_times[0]
     dp = Candidate((PipelineChoice(4, 2, (StageChoice(a, 8),)), PipelineChoice(4, 2, (StageChoice(b, 8),))))
@@ -176,7 +193,10 @@ def brute_split(planner: Planner, groups, rows, in_flight):
     k, best = len(groups), (math.inf, None)
     for cuts in itertools.combinations(range(1, planner.L), k - 1):
         split = [b - a for a, b in zip((0,) + cuts, cuts + (planner.L,))]
-        t = max(planner.stage_cost(g, l, i == 0, i == k - 1, rows, in_flight[i])[0] for i, (g, l) in enumerate(zip(groups, split)))
+        t = max(
+            planner.stage_cost(g, l, i == 0, i == k - 1, rows, in_flight[i])[0]
+            for i, (g, l) in enumerate(zip(groups, split))
+        )
         if t < best[0]:
             best = t, tuple(split)
     return best
@@ -205,18 +225,30 @@ def test_batch_shares_are_the_min_max_over_every_split():
     splits = [planner.split_layers(p, 1, "1f1b", 1, 8) for p in st.pipelines]
 
     def est(m, s, groups):
-        times = [planner.stage_cost(g, l, i == 0, i == len(groups) - 1, 1, 1)[0] for i, (g, l) in enumerate(zip(groups, s[0]))]
+        times = [
+            planner.stage_cost(g, l, i == 0, i == len(groups) - 1, 1, 1)[0]
+            for i, (g, l) in enumerate(zip(groups, s[0]))
+        ]
         return sum(times) + (m - 1) * s[2] if m else 0.0
 
     worst = max(est(p.microbatches, s, g) for p, s, g in zip(cand.pipelines, splits, st.pipelines))
-    brute = min(max(est(m, s, g) for m, s, g in zip(ms, splits, st.pipelines))
-                for ms in itertools.product(range(9), repeat=3) if sum(ms) == 8)
+    brute = min(
+        max(est(m, s, g) for m, s, g in zip(ms, splits, st.pipelines))
+        for ms in itertools.product(range(9), repeat=3)
+        if sum(ms) == 8
+    )
     assert worst == pytest.approx(brute)
 
 
 def test_tp_groups_stay_in_a_node_and_divide_heads(tmp_path):
-    c = load_cluster(small_cluster(tmp_path, edit=lambda t: t.replace('devices = ["cpu", "cpu"]', 'devices = ["cpu", "cpu", "cpu"]')
-                                   .replace("max_tp = 2", "max_tp = 0")))
+    c = load_cluster(
+        small_cluster(
+            tmp_path,
+            edit=lambda t: t.replace('devices = ["cpu", "cpu"]', 'devices = ["cpu", "cpu", "cpu"]').replace(
+                "max_tp = 2", "max_tp = 0"
+            ),
+        )
+    )
     planner = Planner(c)
     assert planner.tp_sizes(3) == [1, 2]  # 3 does not divide 4 heads
     groups = planner.groups({"cpu2x": 4, "cpu": 1})
@@ -229,7 +261,11 @@ def test_tp_groups_stay_in_a_node_and_divide_heads(tmp_path):
 
 def test_local_search_moves_never_use_a_device_twice(tmp_path):
     """Pipelines with the same stage kinds move together, but an idle TP group joins one of them only."""
-    c = load_cluster(small_cluster(tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cpu", "cpu"]\n')))
+    c = load_cluster(
+        small_cluster(
+            tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cpu", "cpu"]\n')
+        )
+    )
     planner = Planner(c)
     groups = planner.groups({"cpu2x": 1, "cpu": 1})
     a, b, s0, s1a, _ = groups
@@ -264,6 +300,7 @@ def test_written_layout_drops_plan_tables_and_sets_the_schedule(tmp_path):
 def test_every_ranked_plan_is_a_valid_layout(tmp_path):
     """Not only the pick: every plan the planner ranks loads as a layout (interleaving needs 2 stages, ...)."""
     from bench import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
+
     (tmp_path / "emulated.toml").write_text(plan_vs_measured.cluster_text(steps=1))
     for path in (SMALL, tmp_path / "emulated.toml"):
         c = load_cluster(path)
@@ -276,6 +313,7 @@ def test_every_ranked_plan_is_a_valid_layout(tmp_path):
 def test_plan_vs_measured_spreads_its_plans_over_the_ranking():
     """bench/plan_vs_measured.py runs the pick, then each plan at least min_gap slower than the last chosen."""
     from bench import plan_vs_measured
+
     ranking = [1.0, 1.01, 1.02, 1.05, 1.06, 1.09, 1.2]
     assert plan_vs_measured.spread_over_ranking(ranking, 10, 0.03) == [0, 3, 5, 6]
     assert plan_vs_measured.spread_over_ranking(ranking, 2, 0.03) == [0, 3]
@@ -287,7 +325,10 @@ def test_cli_writes_json_and_explains(tmp_path):
     res = run_plan(SMALL, "-o", out, "--json", "--top", "2")
     assert res.exit_code == 0, res.output
     data = json.loads(res.stdout)
-    assert len(data["plans"]) == 2 and data["plans"][0]["predicted"]["step_time"] <= data["plans"][1]["predicted"]["step_time"]
+    assert (
+        len(data["plans"]) == 2
+        and data["plans"][0]["predicted"]["step_time"] <= data["plans"][1]["predicted"]["step_time"]
+    )
     res = run_plan(SMALL, "-o", out, "--explain", "--top", "3")
     assert res.exit_code == 0 and "why #1 wins" in res.stdout and "#3" in res.stdout
     assert layout_mod.load(out).pipelines
@@ -299,21 +340,41 @@ def test_cli_writes_json_and_explains(tmp_path):
 SCHEDULES = 'schedules = ["1f1b", "zbh1", "interleaved"]\n'
 BAD = [
     ("max_tp = 2\n", "max_tp = -1\n", "plan.max_tp: must be >= 0 (0 = a node's device count), got -1"),
-    (SCHEDULES, 'schedules = ["1f1b", "gpipe"]\n', "plan.schedules[1]: unknown schedule 'gpipe' (the planner chooses "
-     "from 1f1b, zbh1, interleaved)"),
+    (
+        SCHEDULES,
+        'schedules = ["1f1b", "gpipe"]\n',
+        "plan.schedules[1]: unknown schedule 'gpipe' (the planner chooses from 1f1b, zbh1, interleaved)",
+    ),
     (SCHEDULES, "schedules = []\n", "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved)"),
     ("[plan]\n", "[plan]\nmemory_margin = 1.5\n", "plan.memory_margin: must be in [0, 1), got 1.5"),
     ("[plan]\n", "[plan]\ntime_budget_s = -2\n", "plan.time_budget_s: must be >= 0 (0 = no limit), got -2"),
-    ("[plan]\n", "[plan]\naction_overhead_us = -5\n", "plan.action_overhead_us: must be a number of microseconds "
-     ">= 0 (0 = none), got -5"),
-    ("[plan]\n", "[plan]\np2p_latency_us = -0.5\n", "plan.p2p_latency_us: must be a number of microseconds >= 0 "
-     "(0 = none), got -0.5"),
+    (
+        "[plan]\n",
+        "[plan]\naction_overhead_us = -5\n",
+        "plan.action_overhead_us: must be a number of microseconds >= 0 (0 = none), got -5",
+    ),
+    (
+        "[plan]\n",
+        "[plan]\np2p_latency_us = -0.5\n",
+        "plan.p2p_latency_us: must be a number of microseconds >= 0 (0 = none), got -0.5",
+    ),
     ("max_tp = 2\n", "max_tpp = 2\n", "plan.max_tpp: unknown key 'max_tpp' (did you mean 'max_tp'?)"),
-    ("[plan.nodes]\n", '[plan.nodes]\nslow0 = "h100"\n', "plan.nodes.slow0: unknown device kind 'h100' (known: a100-40g, a100-80g, "
-     "a6000, cpu, cpu2x, h100-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])"),
-    ("[plan.nodes]\n", '[plan.nodes]\n"gpu*" = "cpu"\n', "plan.nodes.gpu*: matches no node (nodes: fast0, slow0, slow1)"),
-    ("tflops = 0.01\n", "tflops = 0.01\nlink_gbs = 3\n", "plan.kinds.cpu2x.link_gbs: unknown key 'link_gbs' "
-     "(did you mean 'link_gbps'?)"),
+    (
+        "[plan.nodes]\n",
+        '[plan.nodes]\nslow0 = "h100"\n',
+        "plan.nodes.slow0: unknown device kind 'h100' (known: a100-40g, a100-80g, "
+        "a6000, cpu, cpu2x, h100-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])",
+    ),
+    (
+        "[plan.nodes]\n",
+        '[plan.nodes]\n"gpu*" = "cpu"\n',
+        "plan.nodes.gpu*: matches no node (nodes: fast0, slow0, slow1)",
+    ),
+    (
+        "tflops = 0.01\n",
+        "tflops = 0.01\nlink_gbs = 3\n",
+        "plan.kinds.cpu2x.link_gbs: unknown key 'link_gbs' (did you mean 'link_gbps'?)",
+    ),
     ("memory_gb = 8\n", "memory_gb = -8\n", "plan.kinds.cpu2x.memory_gb: must be > 0, got -8"),
 ]
 
@@ -328,11 +389,15 @@ def test_bad_plan_keys(tmp_path, old, new, message):
 
 
 def test_gpu_node_without_a_kind(tmp_path):
-    path = small_cluster(tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cuda:0"]\n'))
+    path = small_cluster(
+        tmp_path, edit=lambda t: t.replace('name = "slow1"\n', 'name = "slow1"\ndevices = ["cuda:0"]\n')
+    )
     res = run_plan(path, "-o", tmp_path / "out.toml")
-    assert res.stderr == (f"error: {path}: cluster.nodes[2]: node 'slow1' has no device kind (add it to [plan.nodes], "
-                          'e.g. slow1 = "a100-80g"; kinds: a100-40g, a100-80g, a6000, cpu, cpu2x, h100-sxm, rtx3080ti, '
-                          "rtx3090, rtx4090)\n")
+    assert res.stderr == (
+        f"error: {path}: cluster.nodes[2]: node 'slow1' has no device kind (add it to [plan.nodes], "
+        'e.g. slow1 = "a100-80g"; kinds: a100-40g, a100-80g, a6000, cpu, cpu2x, h100-sxm, rtx3080ti, '
+        "rtx3090, rtx4090)\n"
+    )
     assert res.exit_code == 2
 
 
@@ -340,23 +405,35 @@ def test_bad_flags_and_files(tmp_path):
     res = run_plan(SMALL, "-o", tmp_path / "o.toml", "--top", "0")
     assert res.stderr == f"error: {SMALL}: --top: must be >= 1, got 0\n" and res.exit_code == 2
     res = run_plan(tmp_path / "none.toml", "-o", tmp_path / "o.toml")
-    assert res.stderr == f"error: {tmp_path / 'none.toml'}: no such file (pass a TOML file with [model], [train] and " \
-                         "[cluster])\n"
+    assert (
+        res.stderr == f"error: {tmp_path / 'none.toml'}: no such file (pass a TOML file with [model], [train] and "
+        "[cluster])\n"
+    )
     lay = LAYOUTS / "reference" / "hexiscale.toml"
     res = run_plan(lay, "-o", tmp_path / "o.toml")
-    assert res.stderr == f"error: {lay}: pipelines: the file already has [[pipelines]] (the planner writes them: " \
-                         "start from a copy without them)\n"
+    assert (
+        res.stderr == f"error: {lay}: pipelines: the file already has [[pipelines]] (the planner writes them: "
+        "start from a copy without them)\n"
+    )
 
 
 def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
-    path = small_cluster(tmp_path, edit=lambda t: t.replace("memory_gb = 8", "memory_gb = 0.0001")
-                         .replace("[plan.nodes]", '[plan.kinds.tiny]\ntflops = 0.005\nmemory_gb = 0.0001\nlink_gbps = 40\n'
-                                  'mem_bw_gbs = 10\n[plan.nodes]\n"slow*" = "tiny"'))
+    path = small_cluster(
+        tmp_path,
+        edit=lambda t: t.replace("memory_gb = 8", "memory_gb = 0.0001").replace(
+            "[plan.nodes]",
+            "[plan.kinds.tiny]\ntflops = 0.005\nmemory_gb = 0.0001\nlink_gbps = 40\n"
+            'mem_bw_gbs = 10\n[plan.nodes]\n"slow*" = "tiny"',
+        ),
+    )
     res = run_plan(path, "-o", tmp_path / "out.toml")
     assert res.exit_code == 2 and res.stdout == ""
     line = res.stderr
-    assert line.startswith(f"error: {path}: cluster: nothing fits in memory: the closest plan's pipeline ") and \
-        "GB per device but has 9e-05 GB (" in line and line.count("\n") == 1
+    assert (
+        line.startswith(f"error: {path}: cluster: nothing fits in memory: the closest plan's pipeline ")
+        and "GB per device but has 9e-05 GB (" in line
+        and line.count("\n") == 1
+    )
 
 
 # ------------------------------------------------------------------------------------ invariance
@@ -376,10 +453,14 @@ def test_a_lower_ranked_plan_trains_the_reference_model_too(tmp_path):
     """The best plan with two pipelines (and another schedule than the pick) trains what one process does."""
     c = load_cluster(SMALL)
     result = plan_cluster(c, top=10)
-    cand, score = next(cs for cs in result.ranked if len(cs[0].pipelines) > 1 and cs[0].schedule != result.best.schedule)
+    cand, score = next(
+        cs for cs in result.ranked if len(cs[0].pipelines) > 1 and cs[0].schedule != result.best.schedule
+    )
     path = tmp_path / "planned.toml"
     path.write_text(layout_text(c, cand, score, None))
-    assert_same_model(launch(path, tmp_path / "run"), launch(LAYOUTS / "reference" / "hexiscale.toml", tmp_path / "ref"))
+    assert_same_model(
+        launch(path, tmp_path / "run"), launch(LAYOUTS / "reference" / "hexiscale.toml", tmp_path / "ref")
+    )
 
 
 # ------------------------------------------------------------------------------------ benchmark and docs
@@ -389,9 +470,15 @@ def test_plan_bench_quick(tmp_path):
     """bench/plan_bench.py --quick runs end to end; its plans keep the planner's guarantees."""
     import subprocess
     import sys
+
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "bench.plan_bench", "--quick", "--out-dir", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.plan_bench", "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "plan_bench.json").read_text())
     assert len(data["small"]) == 2 and len(data["large"]) == 1
@@ -405,15 +492,19 @@ def test_plan_bench_quick(tmp_path):
 
 def test_planner_doc_lists_every_key():
     from hetero_llm.planner.cluster import schema_markdown
-    assert schema_markdown() in (LAYOUTS.parent / "docs" / "planner.md").read_text(), \
-        "docs/planner.md is stale: regenerate its tables with python -c 'from hetero_llm.planner.cluster import " \
+
+    assert schema_markdown() in (LAYOUTS.parent / "docs" / "planner.md").read_text(), (
+        "docs/planner.md is stale: regenerate its tables with python -c 'from hetero_llm.planner.cluster import "
         "schema_markdown; print(schema_markdown())'"
+    )
 
 
 def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
     from hetero_llm.runtime.emulation import Emulation
+
     monkeypatch.setenv("HETERO_EMULATE_ACTION_S", "0:F=0.02;B=0.04,1:F=0.01;B=0.02;I=0.012;W=0.008")
     from hetero_llm.schedule import Kind
+
     assert dict(Emulation.from_env(1).seconds) == {Kind.F: 0.01, Kind.B: 0.02, Kind.I: 0.012, Kind.W: 0.008}
     assert Emulation.from_env(0).active and not Emulation.from_env(2).active
 
@@ -423,9 +514,15 @@ def test_plan_vs_measured_quick(tmp_path):
     """bench/plan_vs_measured.py --quick: two planned layouts run with emulated device speeds."""
     import subprocess
     import sys
+
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-m", "bench.plan_vs_measured", "--quick", "--out-dir",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=root)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.plan_vs_measured", "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "plan_vs_measured.json").read_text())
     assert len(data["rows"]) == 2
@@ -442,6 +539,7 @@ def zero1_cluster(tmp_path: Path, memory: dict[str, float]) -> Path:
         for node, gb in memory.items():
             text = text.replace(f'name = "{node}"\n', f'name = "{node}"\nmemory_gb = {gb}\n')
         return text
+
     return small_cluster(tmp_path, edit=edit)
 
 
@@ -450,8 +548,9 @@ def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
     """The planner's ZeRO-1 state per device is what optim_shards gives the written layout's ranks (up to
     whole rows), for every plan it ranks: TP 2 beside TP 1, uneven boundaries, memory_gb weights declared
     on every node, on some (then unweighted) or none."""
-    from hetero_llm.plan import zero1_slices as optim_shards
     from hetero_llm.plan import compile_plan
+    from hetero_llm.plan import zero1_slices as optim_shards
+
     path = zero1_cluster(tmp_path, memory)
     c = load_cluster(path)
     cost = PlannerCostModel(c)
@@ -478,8 +577,11 @@ def test_zero1_lets_a_plan_fit_that_plain_adamw_cannot(tmp_path):
     the DP's memory bound is never below the realized plan's memory."""
     shrink = lambda t: t.replace("memory_gb = 8", "memory_gb = 0.0022")  # noqa: E731
     plain = Planner(load_cluster(small_cluster(tmp_path, edit=shrink)))
-    c = load_cluster(small_cluster(tmp_path, edit=lambda t: shrink(t).replace(
-        "log_every = 1\n", 'log_every = 1\noptimizer = "adamw_zero1"\n')))
+    c = load_cluster(
+        small_cluster(
+            tmp_path, edit=lambda t: shrink(t).replace("log_every = 1\n", 'log_every = 1\noptimizer = "adamw_zero1"\n')
+        )
+    )
     zero = Planner(c)
     groups = zero.groups({"cpu2x": 1, "cpu": 1})
     st = Structure(((groups[0],), (groups[1],)), 1)
@@ -512,9 +614,13 @@ def test_peaks_in_flight_past_three_times_the_stages_repeat():
 
 def write_profile(path: Path, cluster, kinds: dict[str, tuple[float, float, float, float]], **model_edit) -> Path:
     from hetero_llm.planner import profile as prof
+
     shape = prof.model_shape(cluster.model, cluster.train.precision) | model_edit
-    path.write_text(json.dumps({"format": prof.FORMAT, "model": shape, "kinds": {
-        k: dict(zip(prof.TIMES, v)) for k, v in kinds.items()}}))
+    path.write_text(
+        json.dumps(
+            {"format": prof.FORMAT, "model": shape, "kinds": {k: dict(zip(prof.TIMES, v)) for k, v in kinds.items()}}
+        )
+    )
     return path
 
 
@@ -545,16 +651,35 @@ def test_profile_times_replace_peak_flops_for_the_kinds_it_names(tmp_path):
 
 
 BAD_PROFILES = [
-    ("missing.json", None, "cannot read profile '{p}': No such file or directory (write one with: hetero-plan {c} "
-     "--profile {p})"),
-    ("bad.json", "{", "profile '{p}' is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
-     "(char 1)); write one with: hetero-plan {c} --profile {p}"),
-    ("fmt.json", '{"kinds": {}}', "profile '{p}' is not a hetero-plan profile (expected format 'hetero-plan profile 1' "
-     "and a 'kinds' table); write one with: hetero-plan {c} --profile {p}"),
-    ("shape.json", {"hidden": 64}, "profile '{p}' was measured with hidden = 64, the cluster's model has 32; measure "
-     "again (write one with: hetero-plan {c} --profile {p})"),
-    ("neg.json", {"cpu": (1e-3, -1.0, 1e-4, 1e-4)}, "profile '{p}': kinds.cpu.layer_backward_s must be a number of "
-     "seconds > 0, got -1.0; write one with: hetero-plan {c} --profile {p}"),
+    (
+        "missing.json",
+        None,
+        "cannot read profile '{p}': No such file or directory (write one with: hetero-plan {c} --profile {p})",
+    ),
+    (
+        "bad.json",
+        "{",
+        "profile '{p}' is not JSON (Expecting property name enclosed in double quotes: line 1 column 2 "
+        "(char 1)); write one with: hetero-plan {c} --profile {p}",
+    ),
+    (
+        "fmt.json",
+        '{"kinds": {}}',
+        "profile '{p}' is not a hetero-plan profile (expected format 'hetero-plan profile 1' "
+        "and a 'kinds' table); write one with: hetero-plan {c} --profile {p}",
+    ),
+    (
+        "shape.json",
+        {"hidden": 64},
+        "profile '{p}' was measured with hidden = 64, the cluster's model has 32; measure "
+        "again (write one with: hetero-plan {c} --profile {p})",
+    ),
+    (
+        "neg.json",
+        {"cpu": (1e-3, -1.0, 1e-4, 1e-4)},
+        "profile '{p}': kinds.cpu.layer_backward_s must be a number of "
+        "seconds > 0, got -1.0; write one with: hetero-plan {c} --profile {p}",
+    ),
 ]
 
 
@@ -582,11 +707,19 @@ def test_bad_profiles(tmp_path, name, content, message, via):
 
 def test_profile_flag_errors(tmp_path):
     res = run_plan(SMALL)
-    assert res.stderr == f"error: {SMALL}: -o: missing: name the layout file to write (-o LAYOUT.toml), or measure " \
-                         "with --profile FILE\n" and res.exit_code == 2
+    assert (
+        res.stderr
+        == f"error: {SMALL}: -o: missing: name the layout file to write (-o LAYOUT.toml), or measure "
+        "with --profile FILE\n"
+        and res.exit_code == 2
+    )
     res = run_plan(SMALL, "--profile", tmp_path / "p.json", "--device", "cpu")
-    assert res.stderr == f"error: {SMALL}: --kind: name the device kind to record the times under (nodes on 'cpu' have " \
-                         "kinds ['cpu', 'cpu2x']; the cluster's kinds: cpu, cpu2x)\n" and res.exit_code == 2
+    assert (
+        res.stderr
+        == f"error: {SMALL}: --kind: name the device kind to record the times under (nodes on 'cpu' have "
+        "kinds ['cpu', 'cpu2x']; the cluster's kinds: cpu, cpu2x)\n"
+        and res.exit_code == 2
+    )
     res = run_plan(SMALL, "--profile", tmp_path / "p.json", "--kind", "h100-sxm")
     assert res.stderr == f"error: {SMALL}: --kind: no node of the cluster has kind 'h100-sxm' (kinds: cpu, cpu2x)\n"
     (tmp_path / "junk.json").write_text("junk")
@@ -598,7 +731,10 @@ def test_profile_flag_errors(tmp_path):
 def test_profile_measures_this_machine_and_the_plan_reads_it(tmp_path):
     """hetero-plan --profile times the library's block and head (torch) and adds kinds to one file, which
     the planner then reads."""
-    pytest.importorskip("torch", reason="measuring a profile runs the model (reading one does not); runs wherever torch is installed, as in CI")
+    pytest.importorskip(
+        "torch",
+        reason="measuring a profile runs the model (reading one does not); runs wherever torch is installed, as in CI",
+    )
     out = tmp_path / "p.json"
     for kind in ("cpu", "cpu2x"):
         res = run_plan(SMALL, "--profile", out, "--kind", kind, "--device", "cpu")
@@ -621,6 +757,7 @@ def test_search_without_enumeration_reaches_the_optimum_several_moves_away(seed,
     only under the interleaved schedule) and seed 92 (1.057x: three moves, each worse alone)."""
     from bench import plan_bench
     from hetero_llm.planner import place_seeds
+
     c = plan_bench.load(plan_bench._draw_small(draw))  # = plan_bench.small_cluster(seed), without its redraw check
     result = Planner(c, exact_limit=0).run(place_seeds(c))
     assert result.score.step_time == pytest.approx(optimum, rel=1e-9)
@@ -630,11 +767,13 @@ def test_profile_applies_only_at_its_shapes(tmp_path):
     """hetero-plan --buckets plans other sequence lengths: a profile measured at the cluster's seq_len is not
     used there (the FLOP model is)."""
     import attrs
+
     base = load_cluster(SMALL)
     c = load_cluster(SMALL, write_profile(tmp_path / "p.json", base, {"cpu2x": (1e-3, 2e-3, 1e-4, 2e-4)}))
     fast = TPGroup("fast0", "fast", ("fast0:0",), c.node("fast0").kind)
     assert PlannerCostModel(c).stage_times(fast, 2, False, 1, False)[0] == pytest.approx(2e-3)
     shorter = attrs.evolve(c, model=attrs.evolve(c.model, seq_len=8))
     flop = attrs.evolve(base, model=attrs.evolve(base.model, seq_len=8))
-    assert PlannerCostModel(shorter).stage_times(fast, 2, False, 1, False) == \
-        PlannerCostModel(flop).stage_times(fast, 2, False, 1, False)
+    assert PlannerCostModel(shorter).stage_times(fast, 2, False, 1, False) == PlannerCostModel(flop).stage_times(
+        fast, 2, False, 1, False
+    )

@@ -24,16 +24,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers_precision import BF16_LOSS_RTOL, BF16_TENSOR_RTOL, assert_bf16_close
 
 import hetero_llm.model.forward as model_mod
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, launch, write_layout
-from hetero_llm.comm import collectives
 from hetero_llm import layout as layout_mod
+from hetero_llm.comm import collectives
 from hetero_llm.model.forward import TP, Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.loop import stage_compute
-from helpers_precision import BF16_LOSS_RTOL, BF16_TENSOR_RTOL, assert_bf16_close
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
@@ -59,8 +59,9 @@ def _step(model, compute: Compute, tp: TP = model_mod.NO_TP):
     """Loss and gradients of the whole model as one stage under ``compute``."""
     p = _params(model)
     inputs, targets = _batch(model)
-    logits = stage_forward(p, inputs, StageShape(0, model.layers, True, True), model, tp, compute,
-                           make_block_fn(model, tp, compute))
+    logits = stage_forward(
+        p, inputs, StageShape(0, model.layers, True, True), model, tp, compute, make_block_fn(model, tp, compute)
+    )
     loss = token_loss_sum(logits, targets)
     loss.backward()
     return logits, loss.detach(), p
@@ -187,9 +188,11 @@ def test_stage_compute_reads_the_layout():
     text = REFERENCE.read_text()
     text = text.replace("[train]\n", '[train]\nprecision = "bf16"\nrecompute = "full"\ncompile = "blocks"\n')
     text = text.replace('devices = ["cpu"]', 'devices = ["cpu", "cpu"]')
-    text = text.replace('layers = 6\ndevices = ["node0:0"]',
-                        'layers = 2\ndevices = ["node0:0"]\nrecompute = "none"\n[[pipelines.stages]]\nlayers = 4\n'
-                        'devices = ["node0:1"]')
+    text = text.replace(
+        'layers = 6\ndevices = ["node0:0"]',
+        'layers = 2\ndevices = ["node0:0"]\nrecompute = "none"\n[[pipelines.stages]]\nlayers = 4\n'
+        'devices = ["node0:1"]',
+    )
     plan = compile_plan(layout_mod.loads(text))
     cpu = torch.device("cpu")
     stage_says_none, train_default = plan.rank_plan(0), plan.rank_plan(1)

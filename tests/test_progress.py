@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from harness import LAYOUTS, ROOT, common_sections, free_port, write_layout
 from hetero_llm import progress
 from hetero_llm.checkpoint import folders as checkpoint
-from harness import LAYOUTS, ROOT, common_sections, free_port, write_layout
 
 BAR = re.compile(r"\r([^\r\n]+)")  # a line drawn over the previous one
 
@@ -84,7 +84,7 @@ def test_bar_redraws_one_line_on_a_terminal_and_erases_it():
     assert [re.match(r"copying: +(\d+)% ", line).group(1) for line in drawn] == ["25", "50", "75", "100"]
     assert all(" of 4.0 kB | " in line and re.search(r"\| ETA \d\d:\d\d:\d\d$", line) for line in drawn)
     assert drawn[-1].endswith("ETA 00:00:00")
-    erase = text[:-len("\rcopied\n")].rsplit("\r", 1)[1]
+    erase = text[: -len("\rcopied\n")].rsplit("\r", 1)[1]
     assert erase == " " * len(erase) and len(erase) >= max(map(len, drawn))  # the last bar blanked out
 
 
@@ -121,15 +121,18 @@ def test_tokenize_shows_total_and_eta_and_always_a_summary(terminal, tmp_path):
     assert code == 0, stderr
     count, size = len(np.fromfile(out, dtype="<u2")), source.stat().st_size
     assert stdout.startswith(f"wrote {count} tokens (uint16) to {out}")
-    summary = re.compile(rf"tokenized {size / 1e3:.1f} kB into {count} tokens in \d\d:\d\d:\d\d \([\d.]+k? tokens/s\)\n")
+    summary = re.compile(
+        rf"tokenized {size / 1e3:.1f} kB into {count} tokens in \d\d:\d\d:\d\d \([\d.]+k? tokens/s\)\n"
+    )
     if not terminal:
         assert summary.fullmatch(stderr), stderr  # nothing but the summary in a log
         return
     drawn = bars(stderr, f"tokenizing {source}:")
     assert drawn, stderr  # 3000 documents: batches of 256, each redrawn at most every INTERVAL
     for line in drawn:
-        assert re.search(rf"\d+% [\d.]+ k?B of {size / 1e3:.1f} kB \| .* \| ETA \d\d:\d\d:\d\d \| [\d.]+k? tokens$",
-                         line), line
+        assert re.search(
+            rf"\d+% [\d.]+ k?B of {size / 1e3:.1f} kB \| .* \| ETA \d\d:\d\d:\d\d \| [\d.]+k? tokens$", line
+        ), line
     assert drawn[-1].startswith(f"tokenizing {source}: 100% ")
     assert summary.search(stderr.rsplit("\r", 1)[1]), stderr  # the bar erased, then the summary
 
@@ -187,18 +190,31 @@ def test_resuming_shows_verifying_and_loading_on_a_terminal(saved, tmp_path):
 @pytest.mark.multiprocess
 def test_a_log_gets_the_save_lines_and_no_bars(saved, tmp_path):
     layout, ckpt, _, _ = saved
-    code, stdout, stderr = run(launch_args(layout, "--resume", str(checkpoint.step_folder(ckpt, 2)), "--checkpoint",
-                                           str(tmp_path), "--checkpoint-every", "1"), False)
+    code, stdout, stderr = run(
+        launch_args(
+            layout,
+            "--resume",
+            str(checkpoint.step_folder(ckpt, 2)),
+            "--checkpoint",
+            str(tmp_path),
+            "--checkpoint-every",
+            "1",
+        ),
+        False,
+    )
     assert code == 0 and stderr == "", stderr  # verifying, loading and two saves: none drawn
-    assert [line for line in stdout.splitlines() if line.startswith("saved ")] == \
-        [f"saved {checkpoint.step_folder(tmp_path, n)} (step {n} of 4)" for n in (3, 4)]
+    assert [line for line in stdout.splitlines() if line.startswith("saved ")] == [
+        f"saved {checkpoint.step_folder(tmp_path, n)} (step {n} of 4)" for n in (3, 4)
+    ]
 
 
 @pytest.mark.multiprocess
 def test_quiet_shows_no_bars_and_no_save_lines_even_on_a_terminal(saved, tmp_path):
     layout, ckpt, _, _ = saved
-    code, stdout, stderr = run(launch_args(layout, "--resume", str(checkpoint.step_folder(ckpt, 2)), "--checkpoint",
-                                           str(tmp_path), "--quiet"), True)
+    code, stdout, stderr = run(
+        launch_args(layout, "--resume", str(checkpoint.step_folder(ckpt, 2)), "--checkpoint", str(tmp_path), "--quiet"),
+        True,
+    )
     assert (code, stdout, stderr) == (0, "", ""), stdout + stderr
     assert checkpoint.find(tmp_path).step == 4
 
@@ -237,8 +253,9 @@ def test_export_shows_loading_on_a_terminal_only(saved, tmp_path, monkeypatch, c
 
     ckpt = saved[1]
     terminal = Terminal()
-    assert command(export.main, [str(ckpt), "--hf", str(tmp_path / "a")], terminal, monkeypatch, capsys) \
-        .startswith(f"wrote {tmp_path / 'a'}")
+    assert command(export.main, [str(ckpt), "--hf", str(tmp_path / "a")], terminal, monkeypatch, capsys).startswith(
+        f"wrote {tmp_path / 'a'}"
+    )
     assert bars(terminal.getvalue(), f"loading {checkpoint.find(ckpt).path}: 100% "), terminal.getvalue()
     log = io.StringIO()
     command(export.main, [str(ckpt), "--hf", str(tmp_path / "b")], log, monkeypatch, capsys)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import attrs
 import pytest
+from helpers_plan import TP_MIX, make
 
 from harness import LAYOUT_FILES, LAYOUTS, invoke_cli
-from helpers_plan import TP_MIX, make
 from hetero_llm import layout as layout_mod
-from hetero_llm.plan import describe as dryrun
 from hetero_llm.layout import Layout
 from hetero_llm.plan import compile_plan
+from hetero_llm.plan import describe as dryrun
 from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 
@@ -93,8 +93,9 @@ def test_shards_of_a_parameter_cover_it_once_per_pipeline(plan):
         tied = {"embed.tok"} if model.tie_embeddings else set()  # a tied head: first and last stage hold it
         for name, copies in replicated.items():
             assert copies == pytest.approx(2 if name in tied and len(plan.layout.pipelines[pi].stages) > 1 else 1)
-        assert set(rows) | set(replicated) == {p.name for st in plan.stages if st.pipeline == pi
-                                               for p in st.params(model)}
+        assert set(rows) | set(replicated) == {
+            p.name for st in plan.stages if st.pipeline == pi for p in st.params(model)
+        }
 
 
 def _fields(value, seen=None):
@@ -130,11 +131,17 @@ def test_rank_plans_are_frozen_and_hold_no_layout(plan):
 
 def test_group_keys_read_as_the_names_people_see():
     plan = compile_plan(make(TP_MIX))  # ranks: p0 = 0 1 | 2 ; p1 = 3 4 5
-    assert [g.name for g in plan.groups][:4] == ["tp[p0.s0]", "tp[p1.s0]", "p2p_fwd[p0.s0->p0.s1]",
-                                                 "p2p_bwd[p0.s1->p0.s0]"]
+    assert [g.name for g in plan.groups][:4] == [
+        "tp[p0.s0]",
+        "tp[p1.s0]",
+        "p2p_fwd[p0.s0->p0.s1]",
+        "p2p_bwd[p0.s1->p0.s0]",
+    ]
     rp = plan.rank_plan(2)
-    assert rp.routes.groups == ((Kind.RECV_F, P2PKey(Direction.FWD, (0, 0), (0, 1))),
-                                (Kind.SEND_B, P2PKey(Direction.BWD, (0, 1), (0, 0))))
+    assert rp.routes.groups == (
+        (Kind.RECV_F, P2PKey(Direction.FWD, (0, 0), (0, 1))),
+        (Kind.SEND_B, P2PKey(Direction.BWD, (0, 1), (0, 0))),
+    )
     assert plan.rank_plan(0).tp_group == TPKey(0, 0) and rp.tp_group is None
 
 
@@ -171,16 +178,20 @@ def test_describe_says_what_one_rank_does():
     plan = compile_plan(make(TP_MIX))
     text = dryrun.describe_rank(plan.rank_plan(2))
     assert text.startswith(RANK_2)
-    rest = text[len(RANK_2):].splitlines()
+    rest = text[len(RANK_2) :].splitlines()
     buckets = [b for b in plan.sync_blocks if 2 in b.group]
-    assert rest[:len(plan.groups) - 4] == [f"  {'*' if 2 in b.group else ' '} {b.name:<28} ranks {list(b.group)}"
-                                           f"  via default" for b in plan.sync_blocks]
+    assert rest[: len(plan.groups) - 4] == [
+        f"  {'*' if 2 in b.group else ' '} {b.name:<28} ranks {list(b.group)}  via default" for b in plan.sync_blocks
+    ]
     shards = rest.index("parameter shards (13):")
-    assert rest[shards + 1:shards + 4] == ["  layers.1.attn_norm.weight    [24]  replicated",
-                                           "  layers.1.attn_norm.bias      [24]  replicated",
-                                           "  layers.1.attn.wq             [24, 24]  dim 0: 0-23 of 24"]
-    assert rest[-len(buckets) - 1:] == ["gradient sync buckets:"] + [f"  {b.name:<28} {len(b.entries)} blocks"
-                                                                      for b in buckets]
+    assert rest[shards + 1 : shards + 4] == [
+        "  layers.1.attn_norm.weight    [24]  replicated",
+        "  layers.1.attn_norm.bias      [24]  replicated",
+        "  layers.1.attn.wq             [24, 24]  dim 0: 0-23 of 24",
+    ]
+    assert rest[-len(buckets) - 1 :] == ["gradient sync buckets:"] + [
+        f"  {b.name:<28} {len(b.entries)} blocks" for b in buckets
+    ]
     tp = dryrun.describe_rank(plan.rank_plan(4)).splitlines()
     assert tp[3] == "  tp          index 1 of 3, ranks [3, 4, 5], group tp[p1.s0]"
     assert "  layers.0.attn.wq             [24, 24]  dim 0: 8-15 of 24" in tp
@@ -205,20 +216,41 @@ def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
 def test_launch_does_not_import_the_cli():
     """A forked rank runs from the launcher's plan, not through the click command (no import circle)."""
     tree = ast.parse((ROOT / "hetero_llm" / "launch" / "node.py").read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module == "hetero_llm"
-                for alias in node.names}
+    imported = {
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "hetero_llm"
+        for alias in node.names
+    }
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert "cli" not in imported and "hetero_llm.cli" not in imported
-    proc = subprocess.run([sys.executable, "-c", "import sys, hetero_llm.launch.node; print('hetero_llm.cli' in sys.modules)"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, hetero_llm.launch.node; print('hetero_llm.cli' in sys.modules)"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     assert proc.stdout.strip() == "False", proc.stderr
 
 
-RUNTIME_SIDE = ["train/loop", "train/metrics", "train/checkpointing", "runtime/interpreter", "runtime/state",
-                "runtime/grad_sync", "runtime/zero1", "comm/groups", "comm/collectives", "comm/p2p", "predict/trace",
-                "comm/heartbeat", "checkpoint/shards"]
+RUNTIME_SIDE = [
+    "train/loop",
+    "train/metrics",
+    "train/checkpointing",
+    "runtime/interpreter",
+    "runtime/state",
+    "runtime/grad_sync",
+    "runtime/zero1",
+    "comm/groups",
+    "comm/collectives",
+    "comm/p2p",
+    "predict/trace",
+    "comm/heartbeat",
+    "checkpoint/shards",
+]
 
 
 @pytest.mark.parametrize("module", RUNTIME_SIDE)

@@ -20,7 +20,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -49,9 +48,11 @@ def test_readme_quickstart_block_quotes_the_recorded_run():
         if make.deterministic(line) not in shown:
             key = line.split("|", 1)[0] if line.startswith("step ") else line.split(":", 1)[0]
             actual = next((r for r in recorded if r.startswith(key)), "(no such line)")
-            pytest.fail(f"README.md's quickstart block shows\n  {line}\nbut the quickstart prints "
-                        f"({make.QUICKSTART.relative_to(ROOT)})\n  {actual}\nput that line in the README (its tok/s and "
-                        f"ETA may stay as they are: they depend on the machine)")
+            pytest.fail(
+                f"README.md's quickstart block shows\n  {line}\nbut the quickstart prints "
+                f"({make.QUICKSTART.relative_to(ROOT)})\n  {actual}\nput that line in the README (its tok/s and "
+                f"ETA may stay as they are: they depend on the machine)"
+            )
         index = [make.deterministic(r) for r in recorded].index(make.deterministic(line))
         assert index > position, f"README.md's quickstart block shows {line!r} out of order"
         position = index
@@ -84,9 +85,21 @@ def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     steps = layout_mod.load(ROOT / "layouts" / "own_text.toml").train.steps
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", "layouts/examples/own_text.toml", "--set",
-                           f"cluster.port={free_port()}"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            "layouts/examples/own_text.toml",
+            "--set",
+            f"cluster.port={free_port()}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr
     last = next(line for line in proc.stdout.splitlines() if line.startswith(f"step {steps:>5}/{steps} |"))
     loss, valid = re.match(r"step +\d+/\d+ \| loss (\d+\.\d+) \| valid (\d+\.\d+) \|", last).groups()
@@ -95,4 +108,5 @@ def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     assert quoted is not None, "README.md no longer quotes the own-text run's last line"
     assert quoted.group(0) == want, (
         f"README.md quotes {quoted.group(0)} for layouts/examples/own_text.toml, but it prints\n  {last}\nput {want} in "
-        f"the README")
+        f"the README"
+    )

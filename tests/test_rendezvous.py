@@ -15,8 +15,15 @@ import time
 import pytest
 import torch.distributed  # noqa: F401  (imported here, so the timed rendezvous below does not include it)
 
-from harness import (LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, rank0_off_master_layout,
-                     write_layout)
+from harness import (
+    LAYOUTS,
+    assert_one_error_line,
+    common_sections,
+    free_port,
+    invoke_cli,
+    rank0_off_master_layout,
+    write_layout,
+)
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import rendezvous
 from hetero_llm.errors import LayoutError, RankFailure
@@ -42,8 +49,13 @@ def test_the_lowest_rank_on_the_master_node_serves(tmp_path):
 
 def test_torchrun_agent_store_has_no_server_and_a_prefix_per_attempt(tmp_path):
     plan, _ = _plan(tmp_path, "cluster.master=n1")
-    env = {"MASTER_ADDR": "10.0.0.9", "MASTER_PORT": "29999", "TORCHELASTIC_RUN_ID": "x",
-           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "1"}
+    env = {
+        "MASTER_ADDR": "10.0.0.9",
+        "MASTER_PORT": "29999",
+        "TORCHELASTIC_RUN_ID": "x",
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_RESTART_COUNT": "1",
+    }
     ep = rendezvous.endpoint(plan, env)
     assert (ep.host, ep.port, ep.server, ep.coordinator, ep.prefix) == ("10.0.0.9", 29999, None, 0, "attempt-1/")
     ep = rendezvous.endpoint(plan, {**env, "TORCHELASTIC_USE_AGENT_STORE": "False"})
@@ -54,8 +66,11 @@ def test_torchrun_agent_store_has_no_server_and_a_prefix_per_attempt(tmp_path):
 def test_bad_master_port_is_one_line(tmp_path, monkeypatch, port):
     _, path = _plan(tmp_path)
     monkeypatch.setenv("MASTER_PORT", port)
-    assert_one_error_line(invoke_cli(path, "--dry-run"), f"environment: MASTER_PORT: '{port}' is not a TCP port "
-                          "(1..65535); set one, or unset it to use cluster.port (29511)")
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run"),
+        f"environment: MASTER_PORT: '{port}' is not a TCP port "
+        "(1..65535); set one, or unset it to use cluster.port (29511)",
+    )
 
 
 def test_listens_on_the_masters_address_only(capfd):
@@ -71,8 +86,10 @@ def test_listens_on_the_masters_address_only(capfd):
         assert sock.getsockname() == ("0.0.0.0", port)
     finally:
         sock.close()
-    assert capfd.readouterr().err == ("warning: rank 0: 192.0.2.1 is not an address of this machine; serving the "
-                                      f"rendezvous on every interface, port {port}\n")
+    assert capfd.readouterr().err == (
+        "warning: rank 0: 192.0.2.1 is not an address of this machine; serving the "
+        f"rendezvous on every interface, port {port}\n"
+    )
 
 
 def test_port_in_use_is_one_line():
@@ -80,13 +97,21 @@ def test_port_in_use_is_one_line():
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        with pytest.raises(RankFailure, match=rf"^rank 0 could not serve the rendezvous on 127\.0\.0\.1:{port}: "
-                                              r"Address already in use \(port in use: set MASTER_PORT or cluster.port\)$"):
+        with pytest.raises(
+            RankFailure,
+            match=rf"^rank 0 could not serve the rendezvous on 127\.0\.0\.1:{port}: "
+            r"Address already in use \(port in use: set MASTER_PORT or cluster.port\)$",
+        ):
             rendezvous.listen("127.0.0.1", port, "rank 0")
 
 
-@pytest.mark.parametrize("addr, why", [("127.0.0.1", "Connection refused"),  # nothing listens
-                                       ("192.0.2.1", None)])  # nothing answers (unreachable or timing out)
+@pytest.mark.parametrize(
+    "addr, why",
+    [
+        ("127.0.0.1", "Connection refused"),  # nothing listens
+        ("192.0.2.1", None),
+    ],
+)  # nothing answers (unreachable or timing out)
 def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path, monkeypatch, capfd, addr, why):
     plan, _ = _plan(tmp_path, "cluster.timeout_s=3")
     port = free_port()
@@ -99,7 +124,9 @@ def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path,
     # 3.0 s when the machine is idle; the slack is for a loaded one (before: ~3.3 x the timeout, in C++ frames)
     assert 3.0 <= took < 5.0, f"gave up after {took:.1f} s for a 3 s timeout"
     message = str(err.value)
-    assert message.startswith(f"rank 1: nothing answered at {addr}:{port} (MASTER_ADDR, MASTER_PORT) within 3 s (last: ")
+    assert message.startswith(
+        f"rank 1: nothing answered at {addr}:{port} (MASTER_ADDR, MASTER_PORT) within 3 s (last: "
+    )
     assert message.endswith("); is rank 0 (n0:0), which serves it, started, and is the address right?")
     if why:
         assert f"(last: {why})" in message
@@ -110,8 +137,11 @@ def test_an_unresolvable_host_is_one_line_at_once(tmp_path, monkeypatch, capfd):
     plan, _ = _plan(tmp_path, "cluster.timeout_s=30")
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     start = time.monotonic()
-    with pytest.raises(RankFailure, match=r"^rank 1: the rendezvous host 'no-such-host.invalid' \(MASTER_ADDR, "
-                                          r"cluster.port\) does not resolve \(.+\); fix it$"):
+    with pytest.raises(
+        RankFailure,
+        match=r"^rank 1: the rendezvous host 'no-such-host.invalid' \(MASTER_ADDR, "
+        r"cluster.port\) does not resolve \(.+\); fix it$",
+    ):
         rendezvous.rendezvous(plan.rank_plan(1))
     assert time.monotonic() - start < 10  # not the 30 s timeout
     assert capfd.readouterr().err == ""
@@ -119,30 +149,55 @@ def test_an_unresolvable_host_is_one_line_at_once(tmp_path, monkeypatch, capfd):
 
 def test_a_master_node_without_ranks_is_refused(tmp_path):
     path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(6, 1)])])
-    path.write_text(path.read_text().replace('[[pipelines]]', '[[cluster.nodes]]\nname = "spare"\ndevices = ["cpu"]\n\n'
-                                             '[[pipelines]]', 1))
+    path.write_text(
+        path.read_text().replace(
+            "[[pipelines]]", '[[cluster.nodes]]\nname = "spare"\ndevices = ["cpu"]\n\n[[pipelines]]', 1
+        )
+    )
     result = invoke_cli(path, "--dry-run", "--set", "cluster.master=spare")
-    assert_one_error_line(result, f"{path}: cluster.master: the master node 'spare' runs no rank, so nothing would "
-                          "serve the rendezvous at its host; make a node with ranks the master (cluster.master)")
+    assert_one_error_line(
+        result,
+        f"{path}: cluster.master: the master node 'spare' runs no rank, so nothing would "
+        "serve the rendezvous at its host; make a node with ranks the master (cluster.master)",
+    )
 
 
 @pytest.mark.multiprocess
 def test_rank_waiting_for_a_missing_master_prints_one_line(tmp_path):
     _, path = _plan(tmp_path)
     port = free_port()
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(path), "--rank", "2", "--quiet",
-                           "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            str(path),
+            "--rank",
+            "2",
+            "--quiet",
+            "--set",
+            f"cluster.port={port}",
+            "--set",
+            "cluster.timeout_s=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
-    assert proc.stderr == (f"error: rank 2: nothing answered at 127.0.0.1:{port} (node n0's host, cluster.port) within "
-                           "2 s (last: Connection refused); is rank 0 (n0:0), which serves it, started, and is the "
-                           "address right?\n")
+    assert proc.stderr == (
+        f"error: rank 2: nothing answered at 127.0.0.1:{port} (node n0's host, cluster.port) within "
+        "2 s (last: Connection refused); is rank 0 (n0:0), which serves it, started, and is the "
+        "address right?\n"
+    )
 
 
 def test_endpoint_is_torch_free_and_checked_before_anything_starts(tmp_path):
     _, path = _plan(tmp_path)
-    code = ("import sys; from hetero_llm import layout; from hetero_llm.comm import rendezvous; from hetero_llm.plan import compile_plan; "
-            f"rendezvous.endpoint(compile_plan(layout.load({str(path)!r}))); print('torch' in sys.modules)")
+    code = (
+        "import sys; from hetero_llm import layout; from hetero_llm.comm import rendezvous; from hetero_llm.plan import compile_plan; "
+        f"rendezvous.endpoint(compile_plan(layout.load({str(path)!r}))); print('torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
     with pytest.raises(LayoutError):
@@ -155,5 +210,7 @@ def test_dry_run_says_where_the_ranks_meet_and_who_serves(tmp_path, monkeypatch)
     path = rank0_off_master_layout(tmp_path / "l.toml", ("127.0.0.1", "127.0.0.2"))
     result = invoke_cli(path, "--dry-run")
     assert result.exit_code == 0, result.stderr
-    assert ("rendezvous: 127.0.0.1:29511 (node node0's host, cluster.port), served by rank 1 (node0:0)"
-            in result.stdout.splitlines())
+    assert (
+        "rendezvous: 127.0.0.1:29511 (node node0's host, cluster.port), served by rank 1 (node0:0)"
+        in result.stdout.splitlines()
+    )

@@ -16,10 +16,19 @@ import attrs
 import pytest
 import torch
 
+from harness import (
+    LAYOUTS,
+    RunResult,
+    assert_one_error_line,
+    assert_same_model,
+    common_sections,
+    free_port,
+    invoke_cli,
+    launch,
+    write_layout,
+)
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.checkpoint.shards import load_full_params
-from harness import (LAYOUTS, RunResult, assert_one_error_line, assert_same_model, common_sections, free_port,
-                     invoke_cli, launch, write_layout)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -49,10 +58,20 @@ def test_checkpoint_every_saves_step_folders_and_points_latest_at_the_last(refer
 
 # (name, layout A [(batch, microbatches, [(layers, tp), ...])], schedule A, layout B (None: one process), schedule B)
 CASES = [
-    ("2 stages 1f1b -> 2 pipelines with tp [[1, 2], [1]]", [(12, 4, [(4, 1), (2, 1)])], "1f1b",
-     [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])], "1f1b"),
-    ("2 pipelines with tp [[1, 2, 1], [2, 2]] -> one process",
-     [(8, 4, [(1, 1), (3, 2), (2, 1)]), (4, 2, [(4, 2), (2, 2)])], "1f1b", None, None),
+    (
+        "2 stages 1f1b -> 2 pipelines with tp [[1, 2], [1]]",
+        [(12, 4, [(4, 1), (2, 1)])],
+        "1f1b",
+        [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])],
+        "1f1b",
+    ),
+    (
+        "2 pipelines with tp [[1, 2, 1], [2, 2]] -> one process",
+        [(8, 4, [(1, 1), (3, 2), (2, 1)]), (4, 2, [(4, 2), (2, 2)])],
+        "1f1b",
+        None,
+        None,
+    ),
     ("one process -> 3 stages tp [1, 4, 2], gpipe", None, None, [(12, 3, [(2, 1), (2, 4), (2, 2)])], "gpipe"),
 ]
 
@@ -75,8 +94,21 @@ def test_resume_skips_an_interrupted_save_and_keeps_the_metrics_before_it(refere
     shutil.copytree(reference.workdir / "ckpt", root)
     shutil.copy(reference.workdir / "metrics.jsonl", metrics)
     (root / "step-000004" / "meta.json").unlink()
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), *STEPS, "--resume", str(root), "--checkpoint",
-           str(root), "--metrics-jsonl", str(metrics), "--set", f"cluster.port={free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(REFERENCE),
+        *STEPS,
+        "--resume",
+        str(root),
+        "--checkpoint",
+        str(root),
+        "--metrics-jsonl",
+        str(metrics),
+        "--set",
+        f"cluster.port={free_port()}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("resuming from") == 1
@@ -84,8 +116,9 @@ def test_resume_skips_an_interrupted_save_and_keeps_the_metrics_before_it(refere
     assert (root / "latest").read_text() == "step-000004\n"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]  # steps taken, as the console and step folders count them
-    resumed = RunResult([r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(root)),
-                        proc.stdout, proc.stderr)
+    resumed = RunResult(
+        [r["loss"] for r in rows], [r["grad_norm"] for r in rows], load_full_params(str(root)), proc.stdout, proc.stderr
+    )
     assert_same_model(resumed, reference)
 
 
@@ -122,10 +155,12 @@ def test_a_damaged_rank_file_of_a_real_save_is_refused(damage, reference, tmp_pa
     root = tmp_path / "ckpt"
     shutil.copytree(reference.workdir / "ckpt", root)
     damage(root / "step-000002" / "rank0.pt")
-    assert_one_error_line(invoke_cli(REFERENCE, *STEPS, "--resume", root / "step-000002"),
-                          f"{root / 'step-000002' / 'rank0.pt'}: --resume: its sha256 is not the one meta.json recorded "
-                          "when it was saved (the file changed since: damaged, edited, or copied from another save); "
-                          "resume from another step folder (or start without --resume)")
+    assert_one_error_line(
+        invoke_cli(REFERENCE, *STEPS, "--resume", root / "step-000002"),
+        f"{root / 'step-000002' / 'rank0.pt'}: --resume: its sha256 is not the one meta.json recorded "
+        "when it was saved (the file changed since: damaged, edited, or copied from another save); "
+        "resume from another step folder (or start without --resume)",
+    )
 
 
 def test_a_nan_filled_save_without_records_is_refused_by_the_ranks(reference, tmp_path):
@@ -138,13 +173,27 @@ def test_a_nan_filled_save_without_records_is_refused_by_the_ranks(reference, tm
     del meta["files"]
     (folder / "meta.json").write_text(json.dumps(meta))
     _nan_filled(folder / "rank0.pt")
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), *STEPS, "--quiet", "--resume", str(folder),
-           "--set", f"cluster.port={free_port()}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(REFERENCE),
+        *STEPS,
+        "--quiet",
+        "--resume",
+        str(folder),
+        "--set",
+        f"cluster.port={free_port()}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr
     lines = proc.stderr.splitlines()
-    assert lines[0] == (f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank files (a "
-                        "save by an earlier hetero_llm): resuming without verifying them")
-    assert len(lines) == 2 and lines[1].startswith("error: rank 0 (node0:0, pipeline 0 stage 0) failed: "
-                                                   f"{folder}: --resume: the tensor of layers.2.mlp.w1 holds NaN or "
-                                                   "infinite values; resume from another step folder"), proc.stderr
+    assert lines[0] == (
+        f"warning: {folder}: --resume: meta.json records no sizes or checksums of its rank files (a "
+        "save by an earlier hetero_llm): resuming without verifying them"
+    )
+    assert len(lines) == 2 and lines[1].startswith(
+        "error: rank 0 (node0:0, pipeline 0 stage 0) failed: "
+        f"{folder}: --resume: the tensor of layers.2.mlp.w1 holds NaN or "
+        "infinite values; resume from another step folder"
+    ), proc.stderr

@@ -51,7 +51,7 @@ def test_action_str_parse_round_trip(kind: Kind) -> None:
         text = str(action)
         assert text == f"{kind.value}{mb}" + (f".{chunk}" if chunk else "")
         assert Action.parse(text) == action
-        assert eval(repr(action)) == action  # noqa: S307 - repr is documented to be evaluable
+        assert eval(repr(action)) == action
 
 
 def test_action_examples() -> None:
@@ -63,8 +63,24 @@ def test_action_examples() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "F", "3F", "X3", "f3", "F-1", "F3.", "F3.x", "SEND3", "SEND_X3", "F3 B3", "F03", "F3.0",
-     "F3.01", "RECV_F", "W1.2.3"],
+    [
+        "",
+        "F",
+        "3F",
+        "X3",
+        "f3",
+        "F-1",
+        "F3.",
+        "F3.x",
+        "SEND3",
+        "SEND_X3",
+        "F3 B3",
+        "F03",
+        "F3.0",
+        "F3.01",
+        "RECV_F",
+        "W1.2.3",
+    ],
 )
 def test_action_parse_rejects_garbage(text: str) -> None:
     with pytest.raises(ScheduleError, match=r"bad action .*expected KIND MB\[\.CHUNK\]"):
@@ -79,9 +95,7 @@ def test_action_rejects_negative_numbers() -> None:
 
 
 def test_format_and_parse_actions() -> None:
-    actions = [
-        Action(Kind.F, 0), Action(Kind.SEND_F, 0, 1), Action(Kind.RECV_B, 2), Action(Kind.W, 9)
-    ]
+    actions = [Action(Kind.F, 0), Action(Kind.SEND_F, 0, 1), Action(Kind.RECV_B, 2), Action(Kind.W, 9)]
     assert format_actions(actions) == "F0 SEND_F0.1 RECV_B2 W9"
     assert parse_actions(format_actions(actions)) == actions
     assert parse_actions("  F0\n B0 ") == [Action(Kind.F, 0), Action(Kind.B, 0)]
@@ -93,7 +107,11 @@ def test_format_and_parse_actions() -> None:
 def test_one_direction_encoding() -> None:
     """Communication kinds know their direction, and each direction its send and receive kinds."""
     assert {kind: kind.direction for kind in COMM_KINDS} == {
-        Kind.SEND_F: Direction.FWD, Kind.RECV_F: Direction.FWD, Kind.SEND_B: Direction.BWD, Kind.RECV_B: Direction.BWD}
+        Kind.SEND_F: Direction.FWD,
+        Kind.RECV_F: Direction.FWD,
+        Kind.SEND_B: Direction.BWD,
+        Kind.RECV_B: Direction.BWD,
+    }
     assert all(kind.direction is None for kind in Kind if kind not in COMM_KINDS)
     for direction in Direction:
         assert direction.send.direction is direction and direction.recv.direction is direction
@@ -185,8 +203,10 @@ def test_zero_bubble_h1_follows_written_rules(num_stages: int, num_microbatches:
             else:  # the delayed tail: after the last I
                 assert w > actions.index(Action(Kind.I, num_microbatches - 1))
         # activations are kept until the W: every stage peaks where 1F1B's stage 0 does
-        live = [sum(1 if a.kind is Kind.F else -1 if a.kind is Kind.W else 0 for a in actions[:i + 1])
-                for i in range(len(actions))]
+        live = [
+            sum(1 if a.kind is Kind.F else -1 if a.kind is Kind.W else 0 for a in actions[: i + 1])
+            for i in range(len(actions))
+        ]
         assert max(live) == min(num_stages, num_microbatches)
     assert compute_schedule("zbh1", num_stages, num_microbatches) == schedule
 
@@ -252,9 +272,7 @@ def test_lowering_keeps_chunks_and_rejects_lowered_input() -> None:
     assert format_actions(lower(compute)[0]) == (
         "F0 SEND_F0 RECV_F0.1 F0.1 SEND_F0.1 RECV_B0.1 B0.1 SEND_B0.1 RECV_B0 B0"
     )
-    assert format_actions(lower(compute)[1]) == (
-        "RECV_F0 F0 SEND_F0 RECV_F0.1 F0.1 B0.1 SEND_B0.1 RECV_B0 B0 SEND_B0"
-    )
+    assert format_actions(lower(compute)[1]) == ("RECV_F0 F0 SEND_F0 RECV_F0.1 F0.1 B0.1 SEND_B0.1 RECV_B0 B0 SEND_B0")
     validate(lower(compute), 1)
     with pytest.raises(ScheduleError, match="already has communication"):
         lower(build("1f1b", 2, 2))
@@ -332,7 +350,8 @@ def test_deadlock_names_what_the_other_stage_runs() -> None:
             validate([parse_actions("F0 I0 W0 F1 I1 W1"), parse_actions(other)], 2)
         assert str(info.value).splitlines()[0] == (
             f"deadlock: stage 0 waits at I0 (step 1) for {name} on stage 1, which never comes "
-            "(stage 1 is stuck at F1, step 1)")
+            "(stage 1 is stuck at F1, step 1)"
+        )
 
 
 def test_missing_backward_is_named() -> None:
@@ -347,17 +366,20 @@ def test_missing_backward_is_named() -> None:
     assert (info.value.stage, info.value.step) == (1, None)  # about the stage, no one step
 
 
-@pytest.mark.parametrize("stages, num_microbatches, location", [
-    (["F0 B0 F0", "F0 B0"], 1, (0, 2)),  # repeated action
-    (["F0 B0", "F0 B0 F1 B1"], 1, (1, 2)),  # microbatch out of range
-    (["F0 B0 B1 F1", "F0 B0 F1 B1"], 2, (0, 2)),  # needs a later action
-    (["F0 SEND_F0 RECV_B0 B0", "F0 B0 SEND_B0"], 1, (0, 1)),  # unmatched send
-    (["F0 I0 B0 W0", "F0 B0"], 1, (0, None)),  # both B and I/W: names no step
-    (["F0 I0", "F0 B0"], 1, (0, None)),  # I without W
-    (["F0 RECV_B0 SEND_F0 B0", "RECV_F0 F0 B0 SEND_B0"], 1, (0, 1)),  # deadlock
-    (["AG0 F0 B0 AG0", "F0 B0"], 1, (0, 3)),  # repeated optimizer action
-    (["F0 B0 AG0", "F0 B0"], 1, (0, 2)),  # AG after a forward
-])
+@pytest.mark.parametrize(
+    "stages, num_microbatches, location",
+    [
+        (["F0 B0 F0", "F0 B0"], 1, (0, 2)),  # repeated action
+        (["F0 B0", "F0 B0 F1 B1"], 1, (1, 2)),  # microbatch out of range
+        (["F0 B0 B1 F1", "F0 B0 F1 B1"], 2, (0, 2)),  # needs a later action
+        (["F0 SEND_F0 RECV_B0 B0", "F0 B0 SEND_B0"], 1, (0, 1)),  # unmatched send
+        (["F0 I0 B0 W0", "F0 B0"], 1, (0, None)),  # both B and I/W: names no step
+        (["F0 I0", "F0 B0"], 1, (0, None)),  # I without W
+        (["F0 RECV_B0 SEND_F0 B0", "RECV_F0 F0 B0 SEND_B0"], 1, (0, 1)),  # deadlock
+        (["AG0 F0 B0 AG0", "F0 B0"], 1, (0, 3)),  # repeated optimizer action
+        (["F0 B0 AG0", "F0 B0"], 1, (0, 2)),  # AG after a forward
+    ],
+)
 def test_validator_errors_carry_their_location(stages: list[str], num_microbatches: int, location) -> None:
     """``stage``/``step`` are set where the error is found, and agree with the stage and step the message names."""
     with pytest.raises(ScheduleError) as info:
@@ -375,12 +397,9 @@ def test_validator_errors_carry_their_location(stages: list[str], num_microbatch
         (["F0 F0 B0"], 1, r"^stage 0 runs F0 twice \(steps 0 and 1\)"),
         (["F0 B0 F1 B1"], 1, r"^stage 0 step 2: F1 names microbatch 1, but there are 1 \(0..0\)"),
         (["B0 F0"], 1, r"^stage 0 step 0: B0 needs F0 first, but F0 comes later \(step 1\)"),
-        (["RECV_F0 F0 B0"], 1,
-         r"^stage 0 step 0: RECV_F0 talks to stage -1, but stage 0 has no previous"),
-        (["F0 SEND_F0 B0", "F0 B0"], 1,
-         r"^stage 0 step 1: SEND_F0 has no matching RECV_F0 on stage 1"),
-        (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 B0"], 1,
-         r"^stage 0 step 2: RECV_B0 has no matching SEND_B0 on stage 1"),
+        (["RECV_F0 F0 B0"], 1, r"^stage 0 step 0: RECV_F0 talks to stage -1, but stage 0 has no previous"),
+        (["F0 SEND_F0 B0", "F0 B0"], 1, r"^stage 0 step 1: SEND_F0 has no matching RECV_F0 on stage 1"),
+        (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 B0"], 1, r"^stage 0 step 2: RECV_B0 has no matching SEND_B0 on stage 1"),
         (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 B0 SEND_B0 W0 W0"], 1, r"^stage 1 runs W0 twice"),
         (["F0 I0 W0", "F0 B0"], 1, None),  # a backward is one B, or an I and a W
         (["F0 B0 W0", "F0 B0"], 1, r"^stage 0 runs both B0 and W0 \(a backward is one B, or an I and a W\)"),
@@ -389,8 +408,11 @@ def test_validator_errors_carry_their_location(stages: list[str], num_microbatch
         (["F0 W0", "F0 B0"], 1, r"^stage 0 is missing B0 \(or I0 and W0\) \(every stage runs"),
         (["F0 W0 I0", "F0 B0"], 1, r"^stage 0 step 1: W0 needs I0 \(or B0\) first, but I0 comes later \(step 2\)"),
         (["F0 SEND_F0 RECV_B0 I0 W0", "RECV_F0 F0 I0 SEND_B0 W0"], 1, None),  # lowered, split on both
-        (["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 SEND_B0 I0 W0"], 1,
-         r"^stage 1 step 2: SEND_B0 needs I0 \(or B0\) first, but I0 comes later \(step 3\)"),
+        (
+            ["F0 SEND_F0 RECV_B0 B0", "RECV_F0 F0 SEND_B0 I0 W0"],
+            1,
+            r"^stage 1 step 2: SEND_B0 needs I0 \(or B0\) first, but I0 comes later \(step 3\)",
+        ),
         (["F0.1 B0.1", "F0.1 B0.1"], 1, r"^stage 0 is missing F0 \(.* and chunk 0..1\)"),
     ],
 )
@@ -441,10 +463,7 @@ def test_format_grid_uneven_stages_and_wide_row_labels() -> None:
 # --------------------------------------------------------------------------- interleaved 1F1B
 
 INTERLEAVED_GRID = [
-    (stages, chunks, mbs)
-    for stages in range(2, 5)
-    for chunks in (2, 3)
-    for mbs in range(stages, 9, stages)
+    (stages, chunks, mbs) for stages in range(2, 5) for chunks in (2, 3) for mbs in range(stages, 9, stages)
 ]
 
 
@@ -471,18 +490,13 @@ def chunk_peak(actions: list[Action]) -> int:
 
 
 @pytest.mark.parametrize("num_stages, chunks, num_microbatches", INTERLEAVED_GRID)
-def test_interleaved_follows_megatron_and_validates(
-    num_stages: int, chunks: int, num_microbatches: int
-) -> None:
+def test_interleaved_follows_megatron_and_validates(num_stages: int, chunks: int, num_microbatches: int) -> None:
     compute = interleaved_1f1b(num_stages, num_microbatches, chunks)
     assert len(compute) == num_stages
     for stage, actions in enumerate(compute):
         # Each (mb, chunk) has exactly one F and one B, the F first.
         expected = {
-            Action(kind, m, c)
-            for kind in (Kind.F, Kind.B)
-            for m in range(num_microbatches)
-            for c in range(chunks)
+            Action(kind, m, c) for kind in (Kind.F, Kind.B) for m in range(num_microbatches) for c in range(chunks)
         }
         assert len(actions) == len(expected) and set(actions) == expected
         for m, c in itertools.product(range(num_microbatches), range(chunks)):
@@ -510,8 +524,7 @@ def test_interleaved_follows_megatron_and_validates(
 @pytest.mark.parametrize("num_stages, num_microbatches", [(2, 3), (4, 6), (3, 4), (4, 2)])
 def test_interleaved_needs_microbatches_multiple_of_stages(num_stages: int, num_microbatches: int) -> None:
     with pytest.raises(
-        ValueError,
-        match=rf"multiple of num_stages, got num_microbatches={num_microbatches}, num_stages={num_stages}",
+        ValueError, match=rf"multiple of num_stages, got num_microbatches={num_microbatches}, num_stages={num_stages}"
     ):
         interleaved_1f1b(num_stages, num_microbatches, 2)
     with pytest.raises(ValueError, match="chunks=0"):
@@ -536,7 +549,9 @@ def test_wrap_peers_and_requirements() -> None:
     f01 = Action(Kind.F, 0, 1)
     assert requirements(0, f01, 4, lowered=False, chunks=2) == ((3, Action(Kind.F, 0, 0)),)
     assert requirements(3, Action(Kind.B, 0, 0), 4, lowered=False, chunks=2) == (
-        (3, Action(Kind.F, 0, 0)), (0, Action(Kind.I, 0, 1)))  # the input gradient: from an I or a B
+        (3, Action(Kind.F, 0, 0)),
+        (0, Action(Kind.I, 0, 1)),
+    )  # the input gradient: from an I or a B
     assert requirements(3, Action(Kind.B, 0, 1), 4, lowered=True, chunks=2) == ((3, Action(Kind.F, 0, 1)),)
     assert requirements(0, f01, 4, chunks=2) == ((0, Action(Kind.RECV_F, 0, 1)),)
 
@@ -548,8 +563,7 @@ def test_interleaved_deadlock_names_the_wrap() -> None:
         validate(compute, 1)
     lines = str(info.value).splitlines()
     assert lines[0] == (
-        "deadlock: stage 0 waits at F0.1 (step 0) for F0 on stage 1, which never comes "
-        "(stage 1 is stuck at F0, step 0)"
+        "deadlock: stage 0 waits at F0.1 (step 0) for F0 on stage 1, which never comes (stage 1 is stuck at F0, step 0)"
     )
     assert lines[2].split() == ["0", "F0.1", "<--", "ERROR", "HERE", "F0", "<--", "ERROR", "HERE"]
 
@@ -564,12 +578,16 @@ def write(tmp_path: Path, name: str, text: str) -> Path:
 
 
 def test_load_text_compute_only_is_lowered(tmp_path: Path) -> None:
-    path = write(tmp_path, "sched.txt", """\
+    path = write(
+        tmp_path,
+        "sched.txt",
+        """\
 # 1F1B on two stages, three microbatches
 F0 F1 B0 F2 B1 B2   # stage 0
 
 F0 B0 F1 B1 F2 B2
-""")
+""",
+    )
     assert load_schedule_file(path, 2, 3) == build("1f1b", 2, 3)
 
 
@@ -588,17 +606,19 @@ def test_load_interleaved_text(tmp_path: Path) -> None:
 
 def test_load_csv(tmp_path: Path) -> None:
     # Uneven columns: the grid format_grid prints, as CSV; a comment line in between.
-    path = write(tmp_path, "sched.csv", """\
+    path = write(
+        tmp_path,
+        "sched.csv",
+        """\
 stage 0,stage 1
 F0,F0
 F1,B0
 # the steady state
 B0,F1
 B1,B1
-""")
-    assert load_schedule_file(path, 2, 2) == lower(
-        [parse_actions("F0 F1 B0 B1"), parse_actions("F0 B0 F1 B1")]
+""",
     )
+    assert load_schedule_file(path, 2, 2) == lower([parse_actions("F0 F1 B0 B1"), parse_actions("F0 B0 F1 B1")])
     uneven = write(tmp_path, "uneven.txt", "stage 0, stage 1\nF0,RECV_F0\nSEND_F0,F0\nRECV_B0,B0\nB0,SEND_B0\n")
     assert load_schedule_file(uneven, 2, 1) == build("gpipe", 2, 1)
 
@@ -606,39 +626,72 @@ B1,B1
 @pytest.mark.parametrize(
     "name, text, stages, mbs, error",
     [
-        ("a.txt", "F0 B0\nF0 X1 B0\n", 2, 1,
-         r"^a.txt: line 2: stage 1 action 1: bad action 'X1': expected KIND"),
-        ("a.txt", "# two lines for three stages\nF0 B0\n\nF0 B0\n", 3, 1,
-         r"^a.txt: line 4: 2 stage lines, expected 3 \(one line of space-separated actions per stage\)"),
+        ("a.txt", "F0 B0\nF0 X1 B0\n", 2, 1, r"^a.txt: line 2: stage 1 action 1: bad action 'X1': expected KIND"),
+        (
+            "a.txt",
+            "# two lines for three stages\nF0 B0\n\nF0 B0\n",
+            3,
+            1,
+            r"^a.txt: line 4: 2 stage lines, expected 3 \(one line of space-separated actions per stage\)",
+        ),
         ("a.txt", "F0 B0\nF0 B0\nF0 B0\n", 2, 1, r"^a.txt: line 3: 3 stage lines, expected 2"),
-        ("a.txt", "F0 F1 B0 B1\nF0 F1 B0\n", 2, 2,
-         r"^a.txt: line 2: stage 1 is missing B1 \(every stage runs F and B \(or I and W\) exactly once"),
-        ("a.txt", "F0 B0\nF0 B0 F1 B1\n", 2, 1,
-         r"^a.txt: line 2: stage 1 step 2: F1 names microbatch 1, but there are 1 \(0..0\)"),
-        ("a.txt", "F0 B0 B1 F1\nF0 B0 F1 B1\n", 2, 2,
-         r"^a.txt: line 1: stage 0 step 2: B1 needs F1 first, but F1 comes later \(step 3\)"),
-        ("a.txt", "F0 SEND_F0 RECV_B0 B0\nF0 B0 SEND_B0\n", 2, 1,
-         r"^a.txt: line 1: stage 0 step 1: SEND_F0 has no matching RECV_F0 on stage 1"),
-        ("dead.txt", "F0 RECV_B0 SEND_F0 B0\nRECV_F0 F0 B0 SEND_B0\n", 2, 1,
-         r"^dead.txt: line 1: deadlock: stage 0 waits at RECV_B0 \(step 1\) for SEND_B0 on stage 1"),
+        (
+            "a.txt",
+            "F0 F1 B0 B1\nF0 F1 B0\n",
+            2,
+            2,
+            r"^a.txt: line 2: stage 1 is missing B1 \(every stage runs F and B \(or I and W\) exactly once",
+        ),
+        (
+            "a.txt",
+            "F0 B0\nF0 B0 F1 B1\n",
+            2,
+            1,
+            r"^a.txt: line 2: stage 1 step 2: F1 names microbatch 1, but there are 1 \(0..0\)",
+        ),
+        (
+            "a.txt",
+            "F0 B0 B1 F1\nF0 B0 F1 B1\n",
+            2,
+            2,
+            r"^a.txt: line 1: stage 0 step 2: B1 needs F1 first, but F1 comes later \(step 3\)",
+        ),
+        (
+            "a.txt",
+            "F0 SEND_F0 RECV_B0 B0\nF0 B0 SEND_B0\n",
+            2,
+            1,
+            r"^a.txt: line 1: stage 0 step 1: SEND_F0 has no matching RECV_F0 on stage 1",
+        ),
+        (
+            "dead.txt",
+            "F0 RECV_B0 SEND_F0 B0\nRECV_F0 F0 B0 SEND_B0\n",
+            2,
+            1,
+            r"^dead.txt: line 1: deadlock: stage 0 waits at RECV_B0 \(step 1\) for SEND_B0 on stage 1",
+        ),
         ("empty.txt", "# nothing\n\n", 2, 1, r"^empty.txt: no actions \(expected one line per stage, 2 stages\)"),
-        ("b.csv", "stage 0,stage 2\nF0,F0\n", 2, 1,
-         r"^b.csv: line 1: header 'stage 0,stage 2', expected 'stage 0,stage 1' \(one column per stage\)"),
-        ("b.csv", "stage 0,stage 1\nF0,F0,F0\n", 2, 1,
-         r"^b.csv: line 2: 3 cells, but the header has 2 stages"),
-        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,F1\n", 2, 1,
-         r"^b.csv: line 3: stage 1 step 1: F1 names microbatch 1"),
-        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,\n", 2, 1,
-         r"^b.csv: line 1: stage 1 is missing B0"),
-        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,B-1\n", 2, 1,
-         r"^b.csv: line 3: stage 1: bad action 'B-1'"),
-        ("b.csv", "stage 0,stage 1\nF0,B0\nB0,F0\n", 2, 1,
-         r"^b.csv: line 2: stage 1 step 0: B0 needs F0 first, but F0 comes later \(step 1\)"),
+        (
+            "b.csv",
+            "stage 0,stage 2\nF0,F0\n",
+            2,
+            1,
+            r"^b.csv: line 1: header 'stage 0,stage 2', expected 'stage 0,stage 1' \(one column per stage\)",
+        ),
+        ("b.csv", "stage 0,stage 1\nF0,F0,F0\n", 2, 1, r"^b.csv: line 2: 3 cells, but the header has 2 stages"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,F1\n", 2, 1, r"^b.csv: line 3: stage 1 step 1: F1 names microbatch 1"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,\n", 2, 1, r"^b.csv: line 1: stage 1 is missing B0"),
+        ("b.csv", "stage 0,stage 1\nF0,F0\nB0,B-1\n", 2, 1, r"^b.csv: line 3: stage 1: bad action 'B-1'"),
+        (
+            "b.csv",
+            "stage 0,stage 1\nF0,B0\nB0,F0\n",
+            2,
+            1,
+            r"^b.csv: line 2: stage 1 step 0: B0 needs F0 first, but F0 comes later \(step 1\)",
+        ),
     ],
 )
-def test_load_schedule_file_errors(
-    tmp_path: Path, name: str, text: str, stages: int, mbs: int, error: str
-) -> None:
+def test_load_schedule_file_errors(tmp_path: Path, name: str, text: str, stages: int, mbs: int, error: str) -> None:
     path = write(tmp_path, name, text)
     with pytest.raises(ScheduleError, match=error.replace("^", "^" + re.escape(str(tmp_path) + "/"), 1)):
         load_schedule_file(path, stages, mbs)
@@ -679,8 +732,10 @@ def test_out_of_order_receive_is_named_with_both_ends_marked() -> None:
     with pytest.raises(ScheduleError) as info:
         check_message_order(schedule)
     lines = str(info.value).splitlines()
-    assert lines[0] == ("stage 1 step 0: RECV_F1 receives out of order: stage 0 sends SEND_F0 (step 1) first, "
-                        "and NCCL matches messages by order (receive in the order sent, or use backend = 'gloo')")
+    assert lines[0] == (
+        "stage 1 step 0: RECV_F1 receives out of order: stage 0 sends SEND_F0 (step 1) first, "
+        "and NCCL matches messages by order (receive in the order sent, or use backend = 'gloo')"
+    )
     assert lines[2].endswith("RECV_F1 <-- ERROR HERE") and "SEND_F0 <-- ERROR HERE" in lines[3]
 
 
@@ -722,6 +777,7 @@ devices = ["gpu0:1"]
     assert result.output.strip().splitlines()[-1] == (
         f"error: {layout}: pipelines[0].schedule_file: order.txt: stage 1 step 0: RECV_F1 receives out of order: "
         "stage 0 sends SEND_F0 (step 1) first, and NCCL matches messages by order (receive in the order sent, or "
-        "use backend = 'gloo')")
+        "use backend = 'gloo')"
+    )
     gloo = CliRunner().invoke(main, [str(layout), "--dry-run", "--set", "cluster.backend=gloo"])
     assert gloo.exit_code == 0, gloo.output  # gloo matches by tag: the same file runs there

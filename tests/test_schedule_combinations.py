@@ -15,12 +15,11 @@ from pathlib import Path
 import attrs
 import pytest
 
+from harness import own_nodes
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import DataSpec, Layout, ModelSpec, Schedule, TrainSpec, dump, load
 from hetero_llm.plan import compile_plan
-
-from harness import own_nodes
 
 LAYERS = 6
 MICROBATCHES = 6  # divisible by every depth below, so generated interleaved schedules exist
@@ -32,12 +31,22 @@ def write(tmp: Path, schedule: str, chunks: int, pipes: list[tuple[list[int], st
     for pi, (_, text) in enumerate(pipes):
         if text is not None:
             (tmp / f"order{pi}.txt").write_text(text)
-    pipelines = tuple(attrs.evolve(p, schedule_file=f"order{pi}.txt") if text is not None else p
-                      for pi, (p, (_, text)) in enumerate(zip(pipelines, pipes)))
+    pipelines = tuple(
+        attrs.evolve(p, schedule_file=f"order{pi}.txt") if text is not None else p
+        for pi, (p, (_, text)) in enumerate(zip(pipelines, pipes))
+    )
     path = tmp / "layout.toml"
-    dump(Layout(file=str(path), model=ModelSpec(layers=LAYERS, hidden=16, heads=2, vocab=32, seq_len=8),
-                train=TrainSpec(steps=1, global_batch=6 * len(pipes), schedule=Schedule(schedule), chunks=chunks),
-                data=DataSpec(grammar_vocab=16), cluster=cluster, pipelines=pipelines), path)
+    dump(
+        Layout(
+            file=str(path),
+            model=ModelSpec(layers=LAYERS, hidden=16, heads=2, vocab=32, seq_len=8),
+            train=TrainSpec(steps=1, global_batch=6 * len(pipes), schedule=Schedule(schedule), chunks=chunks),
+            data=DataSpec(grammar_vocab=16),
+            cluster=cluster,
+            pipelines=pipelines,
+        ),
+        path,
+    )
     return path
 
 
@@ -47,8 +56,11 @@ def file_text(kind: str, stages: int, chunks: int) -> str:
         compute = sched.compute_schedule(kind, stages, MICROBATCHES)
     else:  # every stage runs its chunks in virtual-stage order: all forwards, then backwards reversed
         order = [(mb, c) for c in range(chunks) for mb in range(MICROBATCHES)]
-        compute = [[sched.Action(sched.Kind.F, mb, c) for mb, c in order]
-                   + [sched.Action(sched.Kind.B, mb, c) for mb, c in reversed(order)] for _ in range(stages)]
+        compute = [
+            [sched.Action(sched.Kind.F, mb, c) for mb, c in order]
+            + [sched.Action(sched.Kind.B, mb, c) for mb, c in reversed(order)]
+            for _ in range(stages)
+        ]
     return "\n".join(sched.format_actions(actions) for actions in compute) + "\n"
 
 
@@ -85,37 +97,46 @@ def refusal(path: Path) -> str:
 def test_two_chunk_file_with_1f1b_is_refused(tmp_path):
     """Was: trained, exit 0, layers 4-5 in no stage (3 layers // 2 chunks), a save missing 18 tensors."""
     path = write(tmp_path, "1f1b", 2, [([3, 3], file_text("", 2, 2))])
-    assert refusal(path) == f"{path}: train.chunks: chunks = 2 needs schedule = 'interleaved' (got '1f1b'; set chunks = 1)"
+    assert (
+        refusal(path) == f"{path}: train.chunks: chunks = 2 needs schedule = 'interleaved' (got '1f1b'; set chunks = 1)"
+    )
 
 
 def test_two_chunk_file_on_layers_that_do_not_split_is_refused(tmp_path):
     """Was: interleaved, 3 + 3 layers, a two-chunk file: exit 0 with parameters off by 1.3e-2."""
     path = write(tmp_path, "interleaved", 2, [([3, 3], file_text("", 2, 2))])
-    assert refusal(path) == (f"{path}: pipelines[0].stages[0].layers: 3 layers do not split into 2 chunks "
-                             "(use a multiple of train.chunks = 2)")
+    assert refusal(path) == (
+        f"{path}: pipelines[0].stages[0].layers: 3 layers do not split into 2 chunks "
+        "(use a multiple of train.chunks = 2)"
+    )
 
 
 def test_file_without_chunk_actions_beside_interleaved_is_refused(tmp_path):
     """Was: a rank waited for a receive that never came (KeyError in the runtime's await)."""
     path = write(tmp_path, "interleaved", 2, [([2, 4], None), ([4, 2], file_text("1f1b", 2, 1))])
-    assert refusal(path) == (f"{path}: pipelines[1].schedule_file: order1.txt: uses 1 model chunk per stage but "
-                             "train.chunks is 2 (give every stage F and B actions of chunks 0..1, e.g. F0.1 B0.1, "
-                             "or set train.chunks = 1 and schedule = '1f1b')")
+    assert refusal(path) == (
+        f"{path}: pipelines[1].schedule_file: order1.txt: uses 1 model chunk per stage but "
+        "train.chunks is 2 (give every stage F and B actions of chunks 0..1, e.g. F0.1 B0.1, "
+        "or set train.chunks = 1 and schedule = '1f1b')"
+    )
 
 
 def test_one_stage_file_pipeline_beside_interleaved_is_refused(tmp_path):
     """Was: the wrap-around paired the stage with itself (dist.new_group with duplicate ranks)."""
     path = write(tmp_path, "interleaved", 2, [([2, 4], None), ([6], file_text("", 1, 2))])
-    assert refusal(path) == (f"{path}: pipelines[1].stages: 'interleaved' needs at least 2 stages "
-                             "(or use schedule = '1f1b' here)")
+    assert refusal(path) == (
+        f"{path}: pipelines[1].stages: 'interleaved' needs at least 2 stages (or use schedule = '1f1b' here)"
+    )
 
 
 def test_chunk_actions_in_a_1f1b_file_are_refused(tmp_path):
     """Was: IndexError in the plan."""
     path = write(tmp_path, "1f1b", 1, [([2, 4], file_text("", 2, 2))])
-    assert refusal(path) == (f"{path}: pipelines[0].schedule_file: order0.txt: uses 2 model chunks per stage but "
-                             "train.chunks is 1 (write chunk 0 only, or set schedule = 'interleaved' and "
-                             "train.chunks = 2)")
+    assert refusal(path) == (
+        f"{path}: pipelines[0].schedule_file: order0.txt: uses 2 model chunks per stage but "
+        "train.chunks is 1 (write chunk 0 only, or set schedule = 'interleaved' and "
+        "train.chunks = 2)"
+    )
 
 
 def test_chunk_file_with_matching_chunks_is_accepted(tmp_path):

@@ -23,13 +23,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness import LAYOUTS, ROOT, assert_one_error_line, free_port, invoke_cli, launch, sigint_as_in_a_terminal
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import shm, shm_ring
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import P2P, SHM
 from hetero_llm.plan import compile_plan
 from hetero_llm.schedule import Direction
-from harness import LAYOUTS, ROOT, assert_one_error_line, free_port, invoke_cli, launch, sigint_as_in_a_terminal
 
 QUICKSTART = LAYOUTS / "quickstart.toml"
 pytestmark = pytest.mark.skipif(shm.unsupported() is not None, reason="the shm transport needs Linux on x86-64")
@@ -103,7 +103,7 @@ def test_a_big_message_is_copied_out_while_it_is_written(shm_dir):
     ring.published.value += shm_ring.CHUNK
     work = ends1[spec.key].post(z, 2)
     assert not work.is_completed() and work.copied == shm_ring.CHUNK
-    assert torch.equal(z[:shm_ring.CHUNK // 4], neg[:shm_ring.CHUNK // 4])
+    assert torch.equal(z[: shm_ring.CHUNK // 4], neg[: shm_ring.CHUNK // 4])
     ctypes.memmove(ring.payloads[1] + shm_ring.CHUNK, neg.data_ptr() + shm_ring.CHUNK, nbytes - shm_ring.CHUNK)
     ring.published.value += nbytes - shm_ring.CHUNK
     ring.head.value = 2
@@ -153,8 +153,11 @@ def test_a_dead_peer_is_named_instead_of_a_hang(shm_dir):
     dead.wait()
     ends1[SPEC.key].ring.writer_pid.value = dead.pid
     t0 = time.monotonic()
-    with pytest.raises(RankFailure, match=rf"rank 1: shared-memory connection to rank 0 lost: its process {dead.pid} "
-                                          "exited while this rank waited to receive tag 1"):
+    with pytest.raises(
+        RankFailure,
+        match=rf"rank 1: shared-memory connection to rank 0 lost: its process {dead.pid} "
+        "exited while this rank waited to receive tag 1",
+    ):
         ends1[SPEC.key].post(torch.empty(4), 1).wait()
     assert time.monotonic() - t0 < 3
 
@@ -170,8 +173,11 @@ def test_a_peer_that_never_maps_its_ring_leaves_no_file(shm_dir):
 def test_files_of_dead_creators_are_swept(shm_dir):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    stale, live, other = (shm_dir / f"hl-shm.{dead.pid}.ab.0-1-0", shm_dir / f"hl-shm.{os.getpid()}.ab.0-1-0",
-                          shm_dir / f"other.{dead.pid}.x")
+    stale, live, other = (
+        shm_dir / f"hl-shm.{dead.pid}.ab.0-1-0",
+        shm_dir / f"hl-shm.{os.getpid()}.ab.0-1-0",
+        shm_dir / f"other.{dead.pid}.x",
+    )
     for f in (stale, live, other):
         f.write_bytes(b"x")
     _pair([SPEC])
@@ -182,8 +188,10 @@ def test_auto_falls_back_to_the_network_when_shared_memory_is_missing(monkeypatc
     monkeypatch.setenv("HETERO_SHM_DIR", "/nonexistent-shm")
     assert _pair([SPEC], required=False) == [{}, {}]
     err = capfd.readouterr().err
-    assert ("warning: rank 1: stage boundaries on this node use the network, not shared memory: needs 1 KiB in "
-            "/nonexistent-shm for rank 1's stage boundaries, but this host has no /nonexistent-shm") in err
+    assert (
+        "warning: rank 1: stage boundaries on this node use the network, not shared memory: needs 1 KiB in "
+        "/nonexistent-shm for rank 1's stage boundaries, but this host has no /nonexistent-shm"
+    ) in err
     with pytest.raises(RankFailure, match="no shared memory for the stage boundaries"):
         _pair([SPEC], required=True)
 
@@ -200,8 +208,11 @@ def test_auto_uses_shm_inside_a_node_of_cpu_ranks_and_the_network_between_nodes(
     assert [g.transport for g in _plan().groups] == [SHM, SHM]
     assert [g.transport for g in _plan("cluster.nodes[0].p2p=network").groups] == ["default", "default"]
     two_nodes = tmp_path / "two.toml"
-    two_nodes.write_text(QUICKSTART.read_text().replace('devices = ["cpu", "cpu"]', 'devices = ["cpu"]\n'
-                         '[[cluster.nodes]]\nname = "node1"\ndevices = ["cpu"]').replace('["node0:1"]', '["node1:0"]'))
+    two_nodes.write_text(
+        QUICKSTART.read_text()
+        .replace('devices = ["cpu", "cpu"]', 'devices = ["cpu"]\n[[cluster.nodes]]\nname = "node1"\ndevices = ["cpu"]')
+        .replace('["node0:1"]', '["node1:0"]')
+    )
     assert [g.transport for g in compile_plan(layout_mod.load(two_nodes)).groups] == ["default", "default"]
     assert layout_mod.load(QUICKSTART).cluster.nodes[0].p2p is P2P.AUTO
 
@@ -209,7 +220,9 @@ def test_auto_uses_shm_inside_a_node_of_cpu_ranks_and_the_network_between_nodes(
 def test_ring_sizes_follow_the_boundary_tensor():
     specs = shm.ring_specs(_plan())  # 16 rows in 4 microbatches, seq 64, hidden 64, float32
     assert [(s.src, s.dst, s.direction, s.slots, s.slot_bytes) for s in specs] == [
-        (0, 1, Direction.FWD, 4, 4 * 64 * 64 * 4), (1, 0, Direction.BWD, 4, 4 * 64 * 64 * 4)]
+        (0, 1, Direction.FWD, 4, 4 * 64 * 64 * 4),
+        (1, 0, Direction.BWD, 4, 4 * 64 * 64 * 4),
+    ]
     bf16 = shm.ring_specs(_plan("train.precision=bf16"))
     assert bf16[0].slot_bytes == 4 * 64 * 64 * 2
 
@@ -221,17 +234,23 @@ def test_ring_sizes_follow_the_boundary_tensor():
 def test_shm_dir_too_small_is_one_line_naming_the_size(monkeypatch):
     monkeypatch.setattr(shm, "free_bytes", lambda path: 2**17)
     result = invoke_cli(QUICKSTART, "--quiet", "--set", "cluster.nodes[0].p2p=shm")
-    assert_one_error_line(result, f"{QUICKSTART}: cluster.nodes[0].p2p: 'shm' needs 513 KiB in /dev/shm for the "
-                          "stage boundaries of rank(s) 0, 1 here, but it has 128 KiB free (free or enlarge it, e.g. "
-                          "docker run --shm-size=1g, or set p2p = 'auto' or 'network')")
+    assert_one_error_line(
+        result,
+        f"{QUICKSTART}: cluster.nodes[0].p2p: 'shm' needs 513 KiB in /dev/shm for the "
+        "stage boundaries of rank(s) 0, 1 here, but it has 128 KiB free (free or enlarge it, e.g. "
+        "docker run --shm-size=1g, or set p2p = 'auto' or 'network')",
+    )
 
 
 def test_shm_dir_missing_is_one_line_naming_the_size(monkeypatch):
     monkeypatch.setenv("HETERO_SHM_DIR", "/nonexistent-shm")
     result = invoke_cli(QUICKSTART, "--rank", "1", "--set", "cluster.nodes[0].p2p=shm")
-    assert_one_error_line(result, f"{QUICKSTART}: cluster.nodes[0].p2p: 'shm' needs 256 KiB in /nonexistent-shm for "
-                          "the stage boundaries of rank(s) 1 here, but this host has no /nonexistent-shm (mount a "
-                          "tmpfs there, or set p2p = 'auto' or 'network')")
+    assert_one_error_line(
+        result,
+        f"{QUICKSTART}: cluster.nodes[0].p2p: 'shm' needs 256 KiB in /nonexistent-shm for "
+        "the stage boundaries of rank(s) 1 here, but this host has no /nonexistent-shm (mount a "
+        "tmpfs there, or set p2p = 'auto' or 'network')",
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -254,24 +273,47 @@ def _ours() -> set[str]:
 
 def _small(tmp_path: Path, schedule: str = "1f1b") -> Path:
     path = tmp_path / "small.toml"
-    path.write_text(QUICKSTART.read_text().replace("steps = 400", "steps = 3").replace("seq_len = 64", "seq_len = 16")
-                    .replace('schedule = "1f1b"', f'schedule = "{schedule}"'))
+    path.write_text(
+        QUICKSTART.read_text()
+        .replace("steps = 400", "steps = 3")
+        .replace("seq_len = 64", "seq_len = 16")
+        .replace('schedule = "1f1b"', f'schedule = "{schedule}"')
+    )
     return path
 
 
 def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path, private_shm):
     path = _small(tmp_path, "dynamic")
     port = free_port()
-    cmd = [sys.executable, "-m", "hetero_llm.cli", str(path), "--quiet", "--set", f"cluster.port={port}",
-           "--set", "cluster.nodes[0].p2p=shm"]  # 'shm' fails rather than fall back: success means shared memory
-    procs = [subprocess.Popen(cmd + ["--rank", str(r), "--metrics-jsonl", str(tmp_path / f"m{r}.jsonl")],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT) for r in (0, 1)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hetero_llm.cli",
+        str(path),
+        "--quiet",
+        "--set",
+        f"cluster.port={port}",
+        "--set",
+        "cluster.nodes[0].p2p=shm",
+    ]  # 'shm' fails rather than fall back: success means shared memory
+    procs = [
+        subprocess.Popen(
+            cmd + ["--rank", str(r), "--metrics-jsonl", str(tmp_path / f"m{r}.jsonl")],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for r in (0, 1)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err
         assert "warning" not in err
     network = launch(path, tmp_path / "net", "--set", "cluster.nodes[0].p2p=network")
-    losses = [float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "m0.jsonl").read_text().splitlines()]
+    losses = [
+        float(line.split('"loss": ')[1].split(",")[0]) for line in (tmp_path / "m0.jsonl").read_text().splitlines()
+    ]
     # The same model; not asserted bitwise: a dynamic stage that sees two gradients arrive together runs the
     # backwards in the order it notices them, which sums its weight gradients in another order under load
     # (a 3e-8 relative difference at step 2 was seen on a loaded CI machine). docs/schedules.md says so.
@@ -281,10 +323,27 @@ def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path, 
 
 def _start(path: Path, tmp_path: Path) -> subprocess.Popen:
     metrics = tmp_path / "metrics.jsonl"
-    return subprocess.Popen([sys.executable, "-m", "hetero_llm.cli", str(path), "--quiet", "--metrics-jsonl",
-                             str(metrics), "--set", f"cluster.port={free_port()}", "--set", "train.steps=400"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            start_new_session=True, preexec_fn=sigint_as_in_a_terminal)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            str(path),
+            "--quiet",
+            "--metrics-jsonl",
+            str(metrics),
+            "--set",
+            f"cluster.port={free_port()}",
+            "--set",
+            "train.steps=400",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,
+        preexec_fn=sigint_as_in_a_terminal,
+    )
 
 
 def _wait_for_a_step(proc: subprocess.Popen, tmp_path: Path) -> None:

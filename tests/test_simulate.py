@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from hetero_llm.errors import ScheduleError
-from hetero_llm.schedule import Action, Kind, add_optimizer_actions, build, compute_schedule, parse_actions
 from hetero_llm.predict.simulate import CostModel, SimResult, simulate
+from hetero_llm.schedule import Action, Kind, add_optimizer_actions, build, compute_schedule, parse_actions
 
 GRID = list(itertools.product(range(1, 6), range(1, 9)))  # (num_stages, num_microbatches)
 TIMES = [(1.0, 2.0), (1.0, 1.0), (0.003, 0.005)]  # (t_f, t_b) in seconds
@@ -88,8 +88,10 @@ def test_latency_adds_two_hops_per_boundary(kind: str, num_stages: int) -> None:
     latency, size, bandwidth = 0.25, 1e6, 4e6
     for cost, hop in [
         (CostModel.uniform(num_stages, 1.0, 2.0, latency=latency), latency),
-        (CostModel.uniform(num_stages, 1.0, 2.0, latency=latency, bandwidth=bandwidth,
-                           activation_bytes=size), latency + size / bandwidth),
+        (
+            CostModel.uniform(num_stages, 1.0, 2.0, latency=latency, bandwidth=bandwidth, activation_bytes=size),
+            latency + size / bandwidth,
+        ),
     ]:
         slow = simulate(schedule, cost)
         assert slow.step_time - free.step_time == approx(2 * (num_stages - 1) * hop)
@@ -102,8 +104,7 @@ def test_links_are_per_boundary() -> None:
 
 
 @pytest.mark.parametrize(
-    "num_stages, chunks, num_microbatches",
-    [(s, c, m) for s in range(2, 5) for c in (2, 3) for m in range(s, 9, s)],
+    "num_stages, chunks, num_microbatches", [(s, c, m) for s in range(2, 5) for c in (2, 3) for m in range(s, 9, s)]
 )
 def test_interleaved_closed_form_and_smaller_bubble(num_stages: int, chunks: int, num_microbatches: int) -> None:
     """Equal stages, free links: step (M + (S - 1) / chunks)(t_f + t_b),
@@ -163,8 +164,13 @@ def check_timeline(schedule: list[list[Action]], result: SimResult, cost: CostMo
 
 def test_timeline_respects_dependencies() -> None:
     schedule = build("1f1b", 4, 6)
-    cost = CostModel([1.0, 1.5, 0.5, 1.0], [2.0, 3.0, 1.0, 2.0], latency=[0.1, 0.4, 0.2],
-                     bandwidth=[1e9, 1e8, 1e9], activation_bytes=1e7)
+    cost = CostModel(
+        [1.0, 1.5, 0.5, 1.0],
+        [2.0, 3.0, 1.0, 2.0],
+        latency=[0.1, 0.4, 0.2],
+        bandwidth=[1e9, 1e8, 1e9],
+        activation_bytes=1e7,
+    )
     result = simulate(schedule, cost)
     check_timeline(schedule, result, cost)
     assert result.step_time == max(t.end for row in result.timeline for t in row)
@@ -209,8 +215,10 @@ def test_runtime_overhead_per_compute_action() -> None:
     plain = simulate(build("1f1b", 2, 4), CostModel.uniform(2, 1.0, 2.0))
     slowed = simulate(build("1f1b", 2, 4), CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], overhead=[0.5, 0.5]))
     assert (plain.step_time, slowed.step_time) == (15.0, 20.0)
-    split = simulate(build("zbh1", 2, 4), CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], weight=[1.0, 1.0],
-                                                    overhead=[0.5, 0.5]))
+    split = simulate(
+        build("zbh1", 2, 4),
+        CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], weight=[1.0, 1.0], overhead=[0.5, 0.5]),
+    )
     assert split.busy == (4 * (1.0 + 2.0 + 3 * 0.5),) * 2  # a split backward is two actions: two overheads
     with pytest.raises(ValueError, match=r"CostModel.overhead has 1 entries, forward has 2"):
         CostModel([1.0, 1.0], [2.0, 2.0], [0.0], [math.inf], overhead=[0.5])
@@ -229,22 +237,38 @@ def test_deadlock_raises_the_validator_error() -> None:
     "kwargs, error",
     [
         (dict(forward=[], backward=[], latency=[], bandwidth=[]), "at least one stage"),
-        (dict(forward=[1, 1], backward=[1], latency=[0], bandwidth=[1]),
-         r"backward has 1 entries, forward has 2 \(one per stage\)"),
-        (dict(forward=[1, 1, 1], backward=[1, 1, 1], latency=[0], bandwidth=[1]),
-         r"latency has 1 entries; 3 stages have 2 links"),
-        (dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1, 1]),
-         r"latency has 1 entries but bandwidth has 2"),
-        (dict(forward=[1, -1], backward=[1, 1], latency=[0], bandwidth=[1]),
-         r"CostModel.forward\[1\] must be >= 0, got -1.0"),
-        (dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[0]),
-         r"CostModel.bandwidth\[0\] must be > 0 bytes/s"),
-        (dict(forward=[1, 1], backward=[1, 1], latency=[math.nan], bandwidth=[1]),
-         r"CostModel.latency\[0\] must be >= 0, got nan"),
-        (dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1], weight=[0.5, 2]),
-         r"weight\[1\] = 2.0 s exceeds backward\[1\] = 1.0 s"),
-        (dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1], activation_bytes=-1),
-         r"activation_bytes must be >= 0"),
+        (
+            dict(forward=[1, 1], backward=[1], latency=[0], bandwidth=[1]),
+            r"backward has 1 entries, forward has 2 \(one per stage\)",
+        ),
+        (
+            dict(forward=[1, 1, 1], backward=[1, 1, 1], latency=[0], bandwidth=[1]),
+            r"latency has 1 entries; 3 stages have 2 links",
+        ),
+        (
+            dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1, 1]),
+            r"latency has 1 entries but bandwidth has 2",
+        ),
+        (
+            dict(forward=[1, -1], backward=[1, 1], latency=[0], bandwidth=[1]),
+            r"CostModel.forward\[1\] must be >= 0, got -1.0",
+        ),
+        (
+            dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[0]),
+            r"CostModel.bandwidth\[0\] must be > 0 bytes/s",
+        ),
+        (
+            dict(forward=[1, 1], backward=[1, 1], latency=[math.nan], bandwidth=[1]),
+            r"CostModel.latency\[0\] must be >= 0, got nan",
+        ),
+        (
+            dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1], weight=[0.5, 2]),
+            r"weight\[1\] = 2.0 s exceeds backward\[1\] = 1.0 s",
+        ),
+        (
+            dict(forward=[1, 1], backward=[1, 1], latency=[0], bandwidth=[1], activation_bytes=-1),
+            r"activation_bytes must be >= 0",
+        ),
     ],
 )
 def test_cost_model_rejects_bad_numbers(kwargs: dict, error: str) -> None:

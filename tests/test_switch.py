@@ -9,16 +9,14 @@ same domain next, the least-loaded among equals.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
+from harness import sections
 from hetero_llm import layout as layout_mod
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.switching.transfers import holders, plan_switch
-
-from harness import sections
 
 MODEL = """[model]
 layers = 4
@@ -33,19 +31,32 @@ global_batch = 12
 """
 
 
-def make_plan(pipelines: list[tuple[int, list[tuple[int, list[str]]]]], nodes: dict[str, int],
-              domains: dict[str, str] | None = None):
+def make_plan(
+    pipelines: list[tuple[int, list[tuple[int, list[str]]]]],
+    nodes: dict[str, int],
+    domains: dict[str, str] | None = None,
+):
     """A plan over ``nodes`` (name -> devices) with pipelines [(batch, [(layers, devices)])]."""
     model, train, data = sections(MODEL)
     kinds = sorted(set((domains or {}).values()))
     cluster = layout_mod.ClusterSpec(
-        nodes=tuple(layout_mod.NodeSpec(name=name, devices=("cpu",) * n, domain=(domains or {}).get(name, ""))
-                    for name, n in nodes.items()),
-        domains=tuple(layout_mod.DomainSpec(name=kind, kind=layout_mod.DomainKind.ETHERNET, bandwidth_gbps=10.0,
-                                            latency_us=50.0) for kind in kinds))
-    pipes = tuple(layout_mod.PipelineSpec(batch=batch, microbatches=1, stages=tuple(
-        layout_mod.StageSpec(layers=layers, devices=tuple(devices)) for layers, devices in stages))
-        for batch, stages in pipelines)
+        nodes=tuple(
+            layout_mod.NodeSpec(name=name, devices=("cpu",) * n, domain=(domains or {}).get(name, ""))
+            for name, n in nodes.items()
+        ),
+        domains=tuple(
+            layout_mod.DomainSpec(name=kind, kind=layout_mod.DomainKind.ETHERNET, bandwidth_gbps=10.0, latency_us=50.0)
+            for kind in kinds
+        ),
+    )
+    pipes = tuple(
+        layout_mod.PipelineSpec(
+            batch=batch,
+            microbatches=1,
+            stages=tuple(layout_mod.StageSpec(layers=layers, devices=tuple(devices)) for layers, devices in stages),
+        )
+        for batch, stages in pipelines
+    )
     made = layout_mod.Layout(file="<string>", model=model, train=train, data=data, cluster=cluster, pipelines=pipes)
     return compile_plan(layout_mod.loads(layout_mod.dumps(made)))
 
@@ -57,11 +68,25 @@ PP2_TP2 = [(12, [(2, ["n0:0", "n0:1"]), (2, ["n1:0", "n1:1"])])]
 TP3 = [(12, [(4, ["n0:0", "n0:1", "n1:0"])])]
 TP2_ON_TWO_NODES = [(12, [(4, ["n0:1", "n1:1"])])]
 ASYMMETRIC = [(8, [(1, ["n0:0"]), (3, ["n1:0", "n1:1"])]), (4, [(4, ["n0:1"])])]
-LAYOUTS = {"dp4": DP4, "tp2 x dp2": TP2_DP2, "pp2 x tp2": PP2_TP2, "tp3": TP3, "tp2 over nodes": TP2_ON_TWO_NODES,
-           "asymmetric": ASYMMETRIC}
-PAIRS = [("dp4", "tp2 x dp2"), ("tp2 x dp2", "pp2 x tp2"), ("pp2 x tp2", "dp4"), ("tp2 x dp2", "tp3"),
-         ("tp3", "tp2 x dp2"), ("asymmetric", "tp3"), ("dp4", "asymmetric"), ("tp2 over nodes", "dp4"),
-         ("dp4", "dp4")]
+LAYOUTS = {
+    "dp4": DP4,
+    "tp2 x dp2": TP2_DP2,
+    "pp2 x tp2": PP2_TP2,
+    "tp3": TP3,
+    "tp2 over nodes": TP2_ON_TWO_NODES,
+    "asymmetric": ASYMMETRIC,
+}
+PAIRS = [
+    ("dp4", "tp2 x dp2"),
+    ("tp2 x dp2", "pp2 x tp2"),
+    ("pp2 x tp2", "dp4"),
+    ("tp2 x dp2", "tp3"),
+    ("tp3", "tp2 x dp2"),
+    ("asymmetric", "tp3"),
+    ("dp4", "asymmetric"),
+    ("tp2 over nodes", "dp4"),
+    ("dp4", "dp4"),
+]
 
 
 # ---------------------------------------------------------------------------------------------- executing a plan
@@ -211,9 +236,13 @@ def test_gradient_partials_go_to_the_stage_on_their_own_devices():
 
 def test_layouts_of_different_models_are_refused():
     a = make_plan(DP4, FOUR)
-    other = compile_plan(layout_mod.loads(MODEL.replace("layers = 4", "layers = 2") + "[cluster]\n[[cluster.nodes]]\n"
-                                          "name = \"n0\"\ndevices = [\"cpu\"]\n[[pipelines]]\nbatch = 12\n"
-                                          "microbatches = 1\n[[pipelines.stages]]\nlayers = 2\ndevices = [\"n0:0\"]\n"))
+    other = compile_plan(
+        layout_mod.loads(
+            MODEL.replace("layers = 4", "layers = 2") + "[cluster]\n[[cluster.nodes]]\n"
+            'name = "n0"\ndevices = ["cpu"]\n[[pipelines]]\nbatch = 12\n'
+            'microbatches = 1\n[[pipelines.stages]]\nlayers = 2\ndevices = ["n0:0"]\n'
+        )
+    )
     with pytest.raises(ValueError, match="same \\[model\\]"):
         plan_switch(a, other)
 
@@ -232,7 +261,11 @@ def test_adjacent_blocks_merge_into_one_transfer():
     tp3 = make_plan(TP3, FOUR)
     wq = [t for t in plan_switch(tp2, tp3, grads=False).params if t.name == "layers.0.attn.wq"]
     assert sorted((t.lo, t.hi, t.src, t.dst) for t in wq) == [
-        (0, 8, "n0:0", "n0:0"), (8, 12, "n0:0", "n0:1"), (12, 16, "n0:1", "n0:1"), (16, 24, "n0:1", "n1:0")]
+        (0, 8, "n0:0", "n0:0"),
+        (8, 12, "n0:0", "n0:1"),
+        (12, 16, "n0:1", "n0:1"),
+        (16, 24, "n0:1", "n1:0"),
+    ]
     one = make_plan([(12, [(4, ["n0:0"])])], FOUR)
     to_other = plan_switch(one, make_plan([(12, [(4, ["n1:0"])])], FOUR), grads=False)
     assert len(to_other.params) == len(all_params(one.layout.model))

@@ -17,8 +17,9 @@ from hetero_llm.cli.launch import main
 pytest.importorskip("tensorboard", reason="the 'tensorboard' extra installs tensorboard")
 
 # the reference model, 3 steps, held-out loss after steps 2 and 3
-LAYOUT = common_sections(LAYOUTS / "reference" / "reference.toml").replace("log_every = 1", "log_every = 1\neval_every = 2\n"
-                                                             "eval_batches = 1")
+LAYOUT = common_sections(LAYOUTS / "reference" / "reference.toml").replace(
+    "log_every = 1", "log_every = 1\neval_every = 2\neval_batches = 1"
+)
 
 
 @pytest.mark.multiprocess
@@ -28,9 +29,25 @@ def test_tensorboard_has_every_metric_of_the_jsonl(tmp_path):
     layout = write_layout(tmp_path / "layout.toml", LAYOUT, [(12, 3, [(6, 1)])])
     metrics, board = tmp_path / "metrics.jsonl", tmp_path / "tb"
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-m", "hetero_llm.cli", str(layout), "--quiet", "--metrics-jsonl",
-                           str(metrics), "--tensorboard", str(board), "--set", f"cluster.port={free_port()}"],
-                          capture_output=True, text=True, timeout=240, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hetero_llm.cli",
+            str(layout),
+            "--quiet",
+            "--metrics-jsonl",
+            str(metrics),
+            "--tensorboard",
+            str(board),
+            "--set",
+            f"cluster.port={free_port()}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     keys = {k for row in rows for k in row} - {"step"}

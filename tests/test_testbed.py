@@ -168,9 +168,9 @@ def test_domain_fabrics_are_isolated_from_each_other(bed) -> None:
 def test_round_trip_across_domains_reflects_configured_delay(bed, paths) -> None:
     within, across = paths
     floor = 2 * bed.spec.cross.delay_s  # one-way delay, there and back
-    assert (
-        floor <= across.rtt_s <= floor + 0.015
-    ), f"RTT {across.rtt_s * 1e3:.2f} ms, configured floor {floor * 1e3:.1f} ms"
+    assert floor <= across.rtt_s <= floor + 0.015, (
+        f"RTT {across.rtt_s * 1e3:.2f} ms, configured floor {floor * 1e3:.1f} ms"
+    )
     assert within.rtt_s < across.rtt_s / 3
 
 
@@ -178,12 +178,12 @@ def test_round_trip_across_domains_reflects_configured_delay(bed, paths) -> None
 def test_throughput_across_domains_is_held_to_the_configured_rate(bed, paths) -> None:
     within, across = paths
     rate = bed.spec.cross.bits_per_s
-    assert (
-        0.3 * rate <= across.bits_per_s <= 1.2 * rate
-    ), f"{across.bits_per_s / 1e6:.1f} Mbit/s across, configured {rate / 1e6:.0f}"
-    assert (
-        within.bits_per_s >= 3 * across.bits_per_s
-    ), f"within {within.bits_per_s / 1e6:.1f} vs across {across.bits_per_s / 1e6:.1f} Mbit/s"
+    assert 0.3 * rate <= across.bits_per_s <= 1.2 * rate, (
+        f"{across.bits_per_s / 1e6:.1f} Mbit/s across, configured {rate / 1e6:.0f}"
+    )
+    assert within.bits_per_s >= 3 * across.bits_per_s, (
+        f"within {within.bits_per_s / 1e6:.1f} vs across {across.bits_per_s / 1e6:.1f} Mbit/s"
+    )
 
 
 @pytest.mark.netns
@@ -206,8 +206,11 @@ def test_processes_see_their_interfaces_addresses_and_node(netns_ok) -> None:
 @pytest.mark.netns
 def test_delay_none_shapes_rate_without_a_relay_and_refuses_a_declared_delay(netns_ok) -> None:
     fabric = testbed.FabricSpec("100mbit", "0us")
-    spec = testbed.TestbedSpec([testbed.EmulatedDomain("d0", fabric)],
-                               [testbed.EmulatedNode("a", "d0"), testbed.EmulatedNode("b", "d0")], fabric)
+    spec = testbed.TestbedSpec(
+        [testbed.EmulatedDomain("d0", fabric)],
+        [testbed.EmulatedNode("a", "d0"), testbed.EmulatedNode("b", "d0")],
+        fabric,
+    )
     with testbed.Testbed(spec, delay="none") as tb:
         assert tb.delay_mode is testbed.DelayMode.NONE and tb._procs == []  # no relay process
         path = testbed.measure(tb, "a", "b", "domain", seconds=0.5, rounds=10)

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from click.testing import CliRunner
 
-from hetero_llm.predict import trace as tracing
-from hetero_llm.schedule import build
-from hetero_llm.predict.simulate import CostModel, simulate
 from hetero_llm.cli.timeline import main
+from hetero_llm.predict import trace as tracing
+from hetero_llm.predict.simulate import CostModel, simulate
 from hetero_llm.predict.timeline import plot_timeline
+from hetero_llm.schedule import build
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -28,9 +28,12 @@ def assert_png(path: Path) -> None:
 
 def fake_rank_plans(num_ranks: int) -> list[SimpleNamespace]:
     """What the trace writers read of a RankPlan: the rank, the world size, its pipeline, stage and device."""
-    return [SimpleNamespace(rank=rank, world_size=num_ranks,
-                            info=SimpleNamespace(pipeline=0, stage=rank, device_id=f"node0:{rank}"))
-            for rank in range(num_ranks)]
+    return [
+        SimpleNamespace(
+            rank=rank, world_size=num_ranks, info=SimpleNamespace(pipeline=0, stage=rank, device_id=f"node0:{rank}")
+        )
+        for rank in range(num_ranks)
+    ]
 
 
 @pytest.fixture
@@ -53,7 +56,9 @@ def test_chrome_trace_has_a_row_per_rank(trace_dir: Path) -> None:
     events = merged["traceEvents"]
     names = [e for e in events if e["ph"] == "M" and e["name"] == "thread_name"]
     assert [e["args"]["name"] for e in names] == [
-        "rank 0 (node0:0, p0.s0)", "rank 1 (node0:1, p0.s1)", "rank 2 (node0:2, p0.s2)"
+        "rank 0 (node0:0, p0.s0)",
+        "rank 1 (node0:1, p0.s1)",
+        "rank 2 (node0:2, p0.s2)",
     ]
     assert sorted(e["tid"] for e in names) == [0, 1, 2]
     complete = [e for e in events if e["ph"] == "X"]
@@ -116,8 +121,16 @@ def test_split_steps() -> None:
     assert tracing.split_steps(row) == [row[:2], row[2:4], row[4:]]
     assert tracing.split_steps([]) == []
     # a later stage: each receive recorded when posted and when waited for; they open the step they feed
-    step = [("RECV_F0", 0, 1), ("RECV_F0", 1, 2), ("F0", 2, 3), ("RECV_F1", 3, 4), ("RECV_B0", 4, 5),
-            ("RECV_F1", 5, 6), ("F1", 6, 7), ("B0", 7, 8)]
+    step = [
+        ("RECV_F0", 0, 1),
+        ("RECV_F0", 1, 2),
+        ("F0", 2, 3),
+        ("RECV_F1", 3, 4),
+        ("RECV_B0", 4, 5),
+        ("RECV_F1", 5, 6),
+        ("F1", 6, 7),
+        ("B0", 7, 8),
+    ]
     later = [(a, s + 10, e + 10) for a, s, e in step]
     assert tracing.split_steps(step + later) == [step, later]
     assert tracing.action_kind("SEND_F3.1") == "SEND_F"
@@ -154,8 +167,19 @@ def test_cli_trace_dir(tmp_path: Path, trace_dir: Path) -> None:
 
 def test_cli_simulate(tmp_path: Path) -> None:
     out, chrome = tmp_path / "sim.png", tmp_path / "sim.json"
-    args = ["--simulate", "--stages", "4", "--microbatches", "8", "--schedule", "1f1b",
-            "--out", str(out), "--chrome", str(chrome)]
+    args = [
+        "--simulate",
+        "--stages",
+        "4",
+        "--microbatches",
+        "8",
+        "--schedule",
+        "1f1b",
+        "--out",
+        str(out),
+        "--chrome",
+        str(chrome),
+    ]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 0, result.output
     assert result.output.startswith("step time 33.000 ms, mean bubble 27.3%")
@@ -190,18 +214,43 @@ def test_cli_simulate_schedule_file(tmp_path: Path) -> None:
         (["--simulate"], 2, "nothing to write"),
         (["--out", "x.png"], 2, "give either TRACE_DIR or --simulate"),
         (["missing_dir", "--out", "x.png"], 2, "error: missing_dir: no rank*.json trace files"),
-        (["--simulate", "--schedule", "interleaved", "--microbatches", "6", "--out", "x.png"], 2,
-         "error: interleaved 1F1B needs num_microbatches to be a multiple of num_stages"),
-        (["--simulate", "--schedule", "zbh1", "--weight-ms", "5", "--out", "x.png"], 2,
-         "error: CostModel.weight[0] = 0.005 s exceeds backward[0] = 0.002 s"),
-        (["--simulate", "--stages", "2", "--microbatches", "3", "--schedule-file", "order.txt", "--chrome",
-          "order.txt"], 2, "error: order.txt: --chrome: would overwrite --schedule-file 'order.txt', an input of "
-         "this run (give another path)\n"),
-        (["--simulate", "--out", "order.txt/x.png"], 2,
-         "error: order.txt/x.png: --out: '{cwd}/order.txt' is a file, so no folder can be made under it "
-         "(give another path)\n"),
-        (["--simulate", "--stages", "two", "--out", "x.png"], 2,
-         "error: Invalid value for '--stages': 'two' is not a valid integer (see python -m hetero_llm.timeline --help)\n"),
+        (
+            ["--simulate", "--schedule", "interleaved", "--microbatches", "6", "--out", "x.png"],
+            2,
+            "error: interleaved 1F1B needs num_microbatches to be a multiple of num_stages",
+        ),
+        (
+            ["--simulate", "--schedule", "zbh1", "--weight-ms", "5", "--out", "x.png"],
+            2,
+            "error: CostModel.weight[0] = 0.005 s exceeds backward[0] = 0.002 s",
+        ),
+        (
+            [
+                "--simulate",
+                "--stages",
+                "2",
+                "--microbatches",
+                "3",
+                "--schedule-file",
+                "order.txt",
+                "--chrome",
+                "order.txt",
+            ],
+            2,
+            "error: order.txt: --chrome: would overwrite --schedule-file 'order.txt', an input of "
+            "this run (give another path)\n",
+        ),
+        (
+            ["--simulate", "--out", "order.txt/x.png"],
+            2,
+            "error: order.txt/x.png: --out: '{cwd}/order.txt' is a file, so no folder can be made under it "
+            "(give another path)\n",
+        ),
+        (
+            ["--simulate", "--stages", "two", "--out", "x.png"],
+            2,
+            "error: Invalid value for '--stages': 'two' is not a valid integer (see python -m hetero_llm.timeline --help)\n",
+        ),
     ],
 )
 def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str], code: int, message: str) -> None:
@@ -217,8 +266,9 @@ def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[
 def test_cli_as_a_subprocess(tmp_path: Path) -> None:
     out = tmp_path / "sim.png"
     args = ["--simulate", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--out", str(out)]
-    done = subprocess.run([sys.executable, "-m", "hetero_llm.timeline", *args],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "hetero_llm.timeline", *args], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert "mean bubble" in done.stdout
     assert_png(out)

@@ -12,27 +12,85 @@ from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-TORCH_FREE_MODULES = ["errors", "_fs", "layout", "layout.fields", "layout.schema", "layout.reader", "layout.rules",
-                      "layout.cluster_file", "model.params", "plan", "plan.rank", "plan.describe", "plan.zero1_slices",
-                      "schedule", "schedule.ir", "schedule.generators", "schedule.lowering", "schedule.dependencies",
-                      "schedule.validator", "schedule.files", "data.batches", "data.documents", "data.held_out",
-                      "data.text_cache", "data.token_files", "data.tokenizers", "predict.simulate", "predict.trace",
-                      "predict.timeline", "predict.device", "switching.transfers", "switching.bucketing",
-                      "switching.predict", "runtime.emulation", "checkpoint.folders", "launch.node", "launch.external",
-                      "launch.preflight", "launch.outputs", "launch.memory", "planner", "planner.cluster", "planner.cost", "planner.pipesim",
-                      "planner.search", "planner.moves", "planner.exact", "planner.output", "planner.place",
-                      "planner.structure", "cli.common", "cli.launch", "cli.plan", "cli.place", "cli.timeline",
-                      "cli.tokenize"]
-TORCH_FREE_TESTS = ["test_layout_errors.py", "test_schedule.py", "test_simulate.py", "test_plan.py",
-                    "test_schedule_combinations.py", "test_place.py", "test_docs.py", "test_data.py",
-                    "test_cli_errors.py", "test_switch.py", "test_rankplan.py"]
+TORCH_FREE_MODULES = [
+    "errors",
+    "_fs",
+    "layout",
+    "layout.fields",
+    "layout.schema",
+    "layout.reader",
+    "layout.rules",
+    "layout.cluster_file",
+    "model.params",
+    "plan",
+    "plan.rank",
+    "plan.describe",
+    "plan.zero1_slices",
+    "schedule",
+    "schedule.ir",
+    "schedule.generators",
+    "schedule.lowering",
+    "schedule.dependencies",
+    "schedule.validator",
+    "schedule.files",
+    "data.batches",
+    "data.documents",
+    "data.held_out",
+    "data.text_cache",
+    "data.token_files",
+    "data.tokenizers",
+    "predict.simulate",
+    "predict.trace",
+    "predict.timeline",
+    "predict.device",
+    "switching.transfers",
+    "switching.bucketing",
+    "switching.predict",
+    "runtime.emulation",
+    "checkpoint.folders",
+    "launch.node",
+    "launch.external",
+    "launch.preflight",
+    "launch.outputs",
+    "launch.memory",
+    "planner",
+    "planner.cluster",
+    "planner.cost",
+    "planner.pipesim",
+    "planner.search",
+    "planner.moves",
+    "planner.exact",
+    "planner.output",
+    "planner.place",
+    "planner.structure",
+    "cli.common",
+    "cli.launch",
+    "cli.plan",
+    "cli.place",
+    "cli.timeline",
+    "cli.tokenize",
+]
+TORCH_FREE_TESTS = [
+    "test_layout_errors.py",
+    "test_schedule.py",
+    "test_simulate.py",
+    "test_plan.py",
+    "test_schedule_combinations.py",
+    "test_place.py",
+    "test_docs.py",
+    "test_data.py",
+    "test_cli_errors.py",
+    "test_switch.py",
+    "test_rankplan.py",
+]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
 
 def run_without_torch(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True,
-                          cwd=TESTS.parent, timeout=240)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True, cwd=TESTS.parent, timeout=240
+    )
 
 
 def test_blocking_works():

@@ -19,20 +19,28 @@ from click.testing import CliRunner
 
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
-from harness import ROOT, free_port  # noqa: E402
-from helpers_text import make_tokenizer, write_jsonl  # noqa: E402
+from helpers_text import make_tokenizer, write_jsonl
+
+from harness import ROOT, free_port
 
 pytestmark = pytest.mark.multiprocess
 
 # console script -> module (checked against pyproject.toml below), so the test needs no reinstall
-SCRIPTS = {"hetero-launch": "hetero_llm.cli.launch", "hetero-generate": "hetero_llm.cli.generate",
-           "hetero-export": "hetero_llm.cli.export", "hetero-tokenize": "hetero_llm.cli.tokenize"}
+SCRIPTS = {
+    "hetero-launch": "hetero_llm.cli.launch",
+    "hetero-generate": "hetero_llm.cli.generate",
+    "hetero-export": "hetero_llm.cli.export",
+    "hetero-tokenize": "hetero_llm.cli.tokenize",
+}
 FEW_STEPS = ["--set", "train.steps=4", "--set", "train.eval_every=2", "--set", "train.log_every=1"]
 
 
 def readme_blocks() -> list[list[str]]:
     section = (ROOT / "README.md").read_text().split("## Your own text, then Hugging Face\n", 1)[1].split("\n## ")[0]
-    return [[line for line in block.splitlines() if line.strip()] for block in re.findall(r"```bash\n(.*?)```", section, re.S)]
+    return [
+        [line for line in block.splitlines() if line.strip()]
+        for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+    ]
 
 
 def test_scripts_are_declared():
@@ -97,7 +105,9 @@ def test_with_a_tokenizer_and_a_token_file(workdir, monkeypatch):
     assert "--set model.vocab=50304" in train  # GPT-2's vocabulary, padded; the tiny tokenizer here has 300
     run(train.replace("model.vocab=50304", "model.vocab=320"), workdir, monkeypatch)
     ckpt = re.search(r"--checkpoint (\S+)", train).group(1)
-    assert run(f"hetero-generate {ckpt} --prompt 'the cat' --max-new-tokens 5", workdir, monkeypatch).startswith("the cat")
+    assert run(f"hetero-generate {ckpt} --prompt 'the cat' --max-new-tokens 5", workdir, monkeypatch).startswith(
+        "the cat"
+    )
     run(f"hetero-export {ckpt} --hf hf-out", workdir, monkeypatch)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "hf-out")
     from hetero_llm.data import tokenizers as tokens

@@ -16,17 +16,20 @@ import pytest
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm import schedule as sched
-from hetero_llm.plan import zero1_slices as optim_shards
 from hetero_llm.errors import ScheduleError
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
+from hetero_llm.plan import zero1_slices as optim_shards
 from hetero_llm.predict.simulate import CostModel, simulate
 from hetero_llm.predict.trace import rank_rows, read_rank_traces
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, global batch 12
-COMMON_TP23 = (COMMON.replace("hidden = 32", "hidden = 48").replace("heads = 4", "heads = 6")
-               .replace('mlp = "swiglu"', 'mlp = "swiglu"\nffn = 96'))
+COMMON_TP23 = (
+    COMMON.replace("hidden = 32", "hidden = 48")
+    .replace("heads = 4", "heads = 6")
+    .replace('mlp = "swiglu"', 'mlp = "swiglu"\nffn = 96')
+)
 CLIP = ("--set", "train.grad_clip=0.3")  # every step's global norm is 0.6-0.7 here: clipping scales each step
 ZERO1 = ("--set", "train.optimizer=adamw_zero1")
 
@@ -63,7 +66,7 @@ def test_every_element_is_updated_by_exactly_one_rank(pipelines, tmp_path):
     for rank in range(plan.world_size):
         held = {info.name: (lo, hi) for info, lo, hi in plan.params_of(rank)}
         mine, rest = optim_shards.owned(plan, rank)
-        for name, dim, lo, hi in [s for _, sl in mine for s in sl] + rest:
+        for name, _dim, lo, hi in [s for _, sl in mine for s in sl] + rest:
             assert held[name][0] <= lo <= hi <= held[name][1], f"rank {rank} updates {name} rows it does not hold"
             for row in range(lo, hi):
                 count[name][row] += 1
@@ -129,26 +132,34 @@ def _with_schedule_file(tmp_path: Path, order: str) -> Path:
 
 def test_a_schedule_file_may_place_the_optimizer_actions(tmp_path):
     """A user's file with its own RS0 early (after its last B, before a trailing send) gets only the AG0 it lacks."""
-    path = _with_schedule_file(tmp_path, "F0 F1 SEND_F0 SEND_F1 RECV_B0 B0 RECV_B1 B1 RS0\n"
-                                         "AG0 RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 RS0 SEND_B1\n")
+    path = _with_schedule_file(
+        tmp_path,
+        "F0 F1 SEND_F0 SEND_F1 RECV_B0 B0 RECV_B1 B1 RS0\nAG0 RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 RS0 SEND_B1\n",
+    )
     stage0, stage1 = compile_plan(layout_mod.load(path)).schedules[0]
     assert sched.format_actions(stage0) == "AG0 F0 F1 SEND_F0 SEND_F1 RECV_B0 B0 RECV_B1 B1 RS0"
     assert sched.format_actions(stage1) == "AG0 RECV_F0 F0 B0 SEND_B0 RECV_F1 F1 B1 RS0 SEND_B1"
 
 
 def test_a_schedule_file_with_a_misplaced_all_gather_wait_is_one_error_line(tmp_path):
-    path = _with_schedule_file(tmp_path, "# stage 0: the all-gather wait after a forward\nF0 AG0 F1 B0 B1\n"
-                                         "F0 B0 F1 B1\n")
-    assert_one_error_line(invoke_cli(path, "--dry-run"),
-                          f"{path}: pipelines[0].schedule_file: {tmp_path / 'order.txt'}: line 2: stage 0 step 1: "
-                          "AG0 must come before the stage's first forward (F0 is on the wrong side)")
+    path = _with_schedule_file(
+        tmp_path, "# stage 0: the all-gather wait after a forward\nF0 AG0 F1 B0 B1\nF0 B0 F1 B1\n"
+    )
+    assert_one_error_line(
+        invoke_cli(path, "--dry-run"),
+        f"{path}: pipelines[0].schedule_file: {tmp_path / 'order.txt'}: line 2: stage 0 step 1: "
+        "AG0 must come before the stage's first forward (F0 is on the wrong side)",
+    )
 
 
 def test_misplaced_optimizer_actions_are_refused():
     lowered = sched.build("1f1b", 2, 2)
     bad = [lowered[0][:1] + [sched.Action(sched.Kind.AG, 0)] + lowered[0][1:], lowered[1]]
-    with pytest.raises(ScheduleError, match=r"^stage 0 step 1: AG0 must come before the stage's first forward "
-                                            r"\(F0 is on the wrong side\)"):
+    with pytest.raises(
+        ScheduleError,
+        match=r"^stage 0 step 1: AG0 must come before the stage's first forward "
+        r"\(F0 is on the wrong side\)",
+    ):
         sched.validate(bad, 2)
     with pytest.raises(ScheduleError, match=r"^stage 1 step 0: RS1: RS is once per step, written RS0"):
         sched.validate([lowered[0], [sched.Action(sched.Kind.RS, 1)] + lowered[1]], 2)
@@ -162,8 +173,9 @@ def test_simulator_overlaps_the_all_gather_with_the_pipeline_fill():
     cost = attrs.evolve(CostModel.uniform(2, 1.0, 2.0), all_gather=(0.5, 0.5), reduce_scatter=(0.25, 0.25))
     result = simulate(schedule, cost)
     assert result.step_time == pytest.approx(base.step_time + 0.5 + 0.25)
-    first_f = {stage: next(t for t in row if t.action.kind is sched.Kind.F)
-               for stage, row in enumerate(result.timeline)}
+    first_f = {
+        stage: next(t for t in row if t.action.kind is sched.Kind.F) for stage, row in enumerate(result.timeline)
+    }
     assert first_f[0].start == pytest.approx(0.5) and first_f[1].start == pytest.approx(1.5)  # no wait on stage 1
     rs = [next(t for t in row if t.action.kind is sched.Kind.RS) for row in result.timeline]
     assert rs[1].end < rs[0].end  # stage 1 finishes first: its reduce-scatter overlaps stage 0's last backward
@@ -221,8 +233,15 @@ def test_checkpoint_moves_between_zero1_and_plain_adamw_and_layouts(zero1_first,
     a = write_layout(tmp_path / "a.toml", COMMON, [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(6, 1)])])
     b = write_layout(tmp_path / "b.toml", COMMON, [(6, 2, [(6, 2)]), (6, 3, [(2, 1), (4, 1)])])
     first = launch(a, tmp_path / "a", *CLIP, *STEPS, "--checkpoint-every", "2", *(ZERO1 if zero1_first else ()))
-    rest = launch(b, tmp_path / "b", *CLIP, *STEPS, "--resume", str(tmp_path / "a" / "ckpt" / "step-000002"),
-                  *(() if zero1_first else ZERO1))
+    rest = launch(
+        b,
+        tmp_path / "b",
+        *CLIP,
+        *STEPS,
+        "--resume",
+        str(tmp_path / "a" / "ckpt" / "step-000002"),
+        *(() if zero1_first else ZERO1),
+    )
     both = attrs.evolve(rest, losses=first.losses[:2] + rest.losses, grad_norms=first.grad_norms[:2] + rest.grad_norms)
     assert_same_model(both, reference)
 

@@ -36,8 +36,15 @@ def _microbatch(model, index: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _loss(p, model, index: int, compute: Compute, linear=None) -> torch.Tensor:
     inputs, targets = _microbatch(model, index)
     kw = {"linear": linear} if linear is not None else {}
-    logits = stage_forward(p, inputs, StageShape(0, model.layers, True, True), model, compute=compute,
-                           block_fn=make_block_fn(model, compute=compute, **kw), **kw)
+    logits = stage_forward(
+        p,
+        inputs,
+        StageShape(0, model.layers, True, True),
+        model,
+        compute=compute,
+        block_fn=make_block_fn(model, compute=compute, **kw),
+        **kw,
+    )
     return token_loss_sum(logits, targets)
 
 
@@ -46,8 +53,9 @@ def _is_linear(name: str) -> bool:
 
 
 @MODELS
-@pytest.mark.parametrize("compute", [Compute(), Compute(recompute=True), Compute(torch.bfloat16)],
-                         ids=["fp32", "recompute", "bf16"])
+@pytest.mark.parametrize(
+    "compute", [Compute(), Compute(recompute=True), Compute(torch.bfloat16)], ids=["fp32", "recompute", "bf16"]
+)
 def test_split_backward_gives_autograds_gradients(model, compute):
     """Two microbatches, I then W each (W of the first after the second's I, as ZB-H1 runs them):
     every gradient equals plain autograd's; before its W a linear weight has no gradient at all."""
@@ -96,8 +104,15 @@ def _one_stage_runner(split: bool):
 
     comms = Comms(0, torch.device("cpu"), {}, None, (0,))
     params = _params(LLAMA)
-    runner = StageRunner(comms, params, StagePlan(0, 0, (0,), ((0, LLAMA.layers),), 1), LLAMA, NO_TP,
-                         StageRoutes(None, (), None, ()), split_backward=split)
+    runner = StageRunner(
+        comms,
+        params,
+        StagePlan(0, 0, (0,), ((0, LLAMA.layers),), 1),
+        LLAMA,
+        NO_TP,
+        StageRoutes(None, (), None, ()),
+        split_backward=split,
+    )
     mbs = [Microbatch(*_microbatch(LLAMA, index)) for index in (0, 1)]
     return runner, params, mbs
 
@@ -149,8 +164,12 @@ def test_zbh1_layout_trains_the_reference_model(name, pipelines, reference, tmp_
 
 @pytest.mark.multiprocess
 def test_zbh1_with_recompute_trains_the_reference_model(reference, tmp_path):
-    path = write_layout(tmp_path / "layout.toml", COMMON.replace("[train]", '[train]\nrecompute = "full"'),
-                        [(12, 4, [(3, 1), (3, 1)])], "zbh1")
+    path = write_layout(
+        tmp_path / "layout.toml",
+        COMMON.replace("[train]", '[train]\nrecompute = "full"'),
+        [(12, 4, [(3, 1), (3, 1)])],
+        "zbh1",
+    )
     assert_same_model(launch(path, tmp_path), reference)
 
 
@@ -159,7 +178,9 @@ def test_schedule_file_mixing_split_and_full_backwards(reference, tmp_path):
     """Stage 0 splits its backwards and runs every W at the end; stage 1 runs full B's."""
     (tmp_path / "order.txt").write_text("F0 F1 F2 I0 I1 I2 W2 W0 W1\nF0 B0 F1 B1 F2 B2\n")
     path = write_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(2, 1), (4, 1)])])
-    path.write_text(path.read_text().replace("microbatches = 3\n", 'microbatches = 3\nschedule_file = "order.txt"\n', 1))
+    path.write_text(
+        path.read_text().replace("microbatches = 3\n", 'microbatches = 3\nschedule_file = "order.txt"\n', 1)
+    )
     assert_same_model(launch(path, tmp_path), reference)
 
 
@@ -169,11 +190,15 @@ def test_schedule_file_with_split_backwards_refuses_compile(tmp_path):
     from hetero_llm.cli.launch import main
 
     (tmp_path / "order.txt").write_text("F0 I0 W0\n")
-    path = write_layout(tmp_path / "layout.toml", COMMON.replace("[train]", '[train]\ncompile = "blocks"'),
-                        [(12, 1, [(6, 1)])])
-    path.write_text(path.read_text().replace("microbatches = 1\n", 'microbatches = 1\nschedule_file = "order.txt"\n', 1))
+    path = write_layout(
+        tmp_path / "layout.toml", COMMON.replace("[train]", '[train]\ncompile = "blocks"'), [(12, 1, [(6, 1)])]
+    )
+    path.write_text(
+        path.read_text().replace("microbatches = 1\n", 'microbatches = 1\nschedule_file = "order.txt"\n', 1)
+    )
     result = CliRunner().invoke(main, [str(path), "--dry-run"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines()[-1] == (
         f"error: {path}: train.compile: 'blocks' cannot compile a schedule that splits backwards into I and W "
-        "(set compile = 'none', or a schedule without I/W actions)")
+        "(set compile = 'none', or a schedule without I/W actions)"
+    )

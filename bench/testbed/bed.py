@@ -11,9 +11,9 @@ import time
 from typing import Any
 
 from bench.testbed.netns import (
+    _SIGNALS,
     PREFIX,
     ROOT,
-    _SIGNALS,
     _delete_namespaces,
     _killpg,
     _probe_host,
@@ -25,7 +25,6 @@ from bench.testbed.netns import (
     self_argv,
 )
 from bench.testbed.spec import DelayMode, Fabric, FabricSpec, TestbedError, TestbedSpec
-
 
 # --------------------------------------------------------------------------------------------
 # The testbed
@@ -158,8 +157,9 @@ class Testbed:
             )
         fabrics = [*(d.fabric for d in self.spec.domains), self.spec.cross]
         if mode is DelayMode.NONE and any(f.delay_s > 0 for f in fabrics):
-            raise TestbedError("testbed: delay 'none' asked for, but a fabric declares a delay (set it to '0ms', or "
-                               "use 'auto')")
+            raise TestbedError(
+                "testbed: delay 'none' asked for, but a fabric declares a delay (set it to '0ms', or use 'auto')"
+            )
         clash = [n for n in list_namespaces(f"{PREFIX}{self.run_id}") if n in self.namespaces()]
         if clash:
             raise TestbedError(f"testbed: run id {self.run_id!r} is in use ({', '.join(clash)}); pick another")
@@ -239,4 +239,3 @@ class Testbed:
             _unregister(self)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-

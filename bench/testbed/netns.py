@@ -233,4 +233,3 @@ def relay(pairs: list[tuple[str, str, float]]) -> None:
                     break
                 if addr[2] != _PACKET_OUTGOING:
                     q.append((now + delay, bytes(view[:n])))
-

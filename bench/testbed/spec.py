@@ -78,8 +78,11 @@ class EmulatedNode:
 
     name: str = _doc("node name ('node0'); letters, digits, '_' and '-', at most 32 characters")
     domain: str = _doc("name of the domain the node belongs to")
-    speed: float = _doc("relative compute speed (1.0 = full, 0.5 = half), as a label: the testbed does not "
-                        "slow the node's processes (HETERO_EMULATE_SLOWDOWN does, where a run sets it)", default=1.0)
+    speed: float = _doc(
+        "relative compute speed (1.0 = full, 0.5 = half), as a label: the testbed does not "
+        "slow the node's processes (HETERO_EMULATE_SLOWDOWN does, where a run sets it)",
+        default=1.0,
+    )
 
 
 @attrs.frozen
@@ -187,4 +190,3 @@ def _check_spec(spec: TestbedSpec) -> None:
             )
         if not n.speed > 0:
             raise TestbedError(f"testbed: nodes[{i}].speed: {n.speed} must be > 0 (1.0 = full speed)")
-

@@ -18,8 +18,6 @@ from bench.testbed.spec import Fabric, TestbedError, _doc
 PROBE_PORT = 5201
 
 
-
-
 @attrs.frozen
 class PathMeasurement:
     """What one node measured to another over one fabric."""
@@ -38,9 +36,7 @@ def measure(
     """RTT and bulk TCP throughput from ``src`` to ``dst``'s address on ``fabric``."""
     fabric = Fabric(fabric)
     addr = tb.address(dst, fabric)
-    server = tb.run(
-        dst, self_argv("probe", "serve", "--bind", addr), stdout=subprocess.PIPE, text=True, cwd=ROOT
-    )
+    server = tb.run(dst, self_argv("probe", "serve", "--bind", addr), stdout=subprocess.PIPE, text=True, cwd=ROOT)
     try:
         if server.stdout is None or server.stdout.readline().strip() != "listening":
             raise TestbedError(f"testbed: probe server on {dst} ({addr}) did not start")
@@ -120,4 +116,3 @@ def _probe_client(addr: str, port: int, rounds: int, seconds: float) -> dict[str
         "rtt_s": statistics.median(rtts[1:]),
         "bits_per_s": reply["bytes"] * 8 / reply["seconds"],
     }
-

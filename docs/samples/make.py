@@ -76,10 +76,13 @@ def main(argv: list[str]) -> int:
         print(f"{QUICKSTART.relative_to(ROOT)} holds: the quickstart prints the same numbers")
         return 0
     first = next((i for i, (a, b) in enumerate(zip(recorded, now)) if a != b), min(len(recorded), len(now)))
-    print(f"{QUICKSTART.relative_to(ROOT)} is stale from line {first + 1}: recorded\n  "
-          f"{recorded[first] if first < len(recorded) else '(nothing)'}\nbut the quickstart prints\n  "
-          f"{now[first] if first < len(now) else '(nothing)'}\n(run python {Path(__file__).relative_to(ROOT)} "
-          "to record it again, then update the README's quickstart block)", file=sys.stderr)
+    print(
+        f"{QUICKSTART.relative_to(ROOT)} is stale from line {first + 1}: recorded\n  "
+        f"{recorded[first] if first < len(recorded) else '(nothing)'}\nbut the quickstart prints\n  "
+        f"{now[first] if first < len(now) else '(nothing)'}\n(run python {Path(__file__).relative_to(ROOT)} "
+        "to record it again, then update the README's quickstart block)",
+        file=sys.stderr,
+    )
     return 1
 
 

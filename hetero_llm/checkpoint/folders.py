@@ -20,8 +20,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -86,9 +87,13 @@ def begin_save(folder: Path) -> None:
     old meta.json vouching for a mix of old and new rank files should this save be interrupted.
     """
     if folder.is_symlink():  # the CLI refused one before the run: one made since is not written through either
-        raise CheckpointError(str(folder), "--checkpoint", f"is a symbolic link to '{os.readlink(folder)}' in the "
-                              "folder --checkpoint writes into (writes never follow one: remove the link, or give "
-                              "another folder)")
+        raise CheckpointError(
+            str(folder),
+            "--checkpoint",
+            f"is a symbolic link to '{os.readlink(folder)}' in the "
+            "folder --checkpoint writes into (writes never follow one: remove the link, or give "
+            "another folder)",
+        )
     folder.mkdir(parents=True, exist_ok=True)
     remove_leftovers(folder.parent)
     if (folder / META).exists():
@@ -118,22 +123,37 @@ def file_digest(path: Path, progress: Callable[[int], None] | None = None) -> tu
 def file_records(shards_by_rank: Sequence[Sequence[Shard]], digests: list[tuple[int, str]]) -> dict[str, RankFile]:
     """Each rank file's record: ``digests[rank]`` (its size and sha256) and the shards the plan gives that rank
     (``RankPlan.saved_shards``)."""
-    return {rank_file(Path(), r).name: RankFile(size, sha, {s.name: s.coords for s in shards_by_rank[r]})
-            for r, (size, sha) in enumerate(digests)}
+    return {
+        rank_file(Path(), r).name: RankFile(size, sha, {s.name: s.coords for s in shards_by_rank[r]})
+        for r, (size, sha) in enumerate(digests)
+    }
 
 
-def finish_save(folder: Path, step: int, world_size: int, layout: Layout | RankPlan,
-                files: dict[str, RankFile] | None = None) -> None:
+def finish_save(
+    folder: Path, step: int, world_size: int, layout: Layout | RankPlan, files: dict[str, RankFile] | None = None
+) -> None:
     """Mark ``folder`` complete, then point ``latest`` at it (rank 0, once every rank's file is on disk).
     ``layout``: its file, model and data go into meta.json (a ``RankPlan`` carries them too)."""
-    meta = {"step": step, "world_size": world_size, "layout": layout.file,
-            "params": {p.name: list(p.shape) for p in all_params(layout.model)},
-            "model": spec_dict(layout.model), "data": spec_dict(layout.data)}  # for hetero-export / hetero-generate
+    meta = {
+        "step": step,
+        "world_size": world_size,
+        "layout": layout.file,
+        "params": {p.name: list(p.shape) for p in all_params(layout.model)},
+        "model": spec_dict(layout.model),
+        "data": spec_dict(layout.data),
+    }  # for hetero-export / hetero-generate
     if files is not None:
-        meta["files"] = {name: {"bytes": f.size, "sha256": f.sha256,
-                                "shards": {n: {"dim": dim, "range": [lo, hi], "shape": shard_shape(dim, lo, hi, full)}
-                                           for n, (dim, lo, hi, full) in f.shards.items()}}
-                         for name, f in files.items()}
+        meta["files"] = {
+            name: {
+                "bytes": f.size,
+                "sha256": f.sha256,
+                "shards": {
+                    n: {"dim": dim, "range": [lo, hi], "shape": shard_shape(dim, lo, hi, full)}
+                    for n, (dim, lo, hi, full) in f.shards.items()
+                },
+            }
+            for name, f in files.items()
+        }
     write_atomically(folder / META, lambda f: f.write((_json_lines(meta) + "\n").encode()))
     write_atomically(folder.parent / LATEST, lambda f: f.write(f"{folder.name}\n".encode()))
 
@@ -159,12 +179,20 @@ def find(path: str | os.PathLike) -> Checkpoint:
     if (p / META).exists():
         return _read(p)
     if _step_of(p) is not None:
-        raise CheckpointError(str(path), "--resume", f"an incomplete save (no {META}: it was interrupted); pass its "
-                              f"parent folder to resume from the newest complete save")
+        raise CheckpointError(
+            str(path),
+            "--resume",
+            f"an incomplete save (no {META}: it was interrupted); pass its "
+            f"parent folder to resume from the newest complete save",
+        )
     folder = _newest_complete(p)
     if folder is None:
-        raise CheckpointError(str(path), "--resume", f"no complete checkpoint here (no step-NNNNNN folder with a "
-                              f"{META}; a save interrupted before writing it does not count): {FIX}")
+        raise CheckpointError(
+            str(path),
+            "--resume",
+            f"no complete checkpoint here (no step-NNNNNN folder with a "
+            f"{META}; a save interrupted before writing it does not count): {FIX}",
+        )
     return _read(folder)
 
 
@@ -177,9 +205,13 @@ def _newest_complete(root: Path) -> Path | None:
         named = root / text
         # A bare step-NNNNNN name, and a folder in ``root``: ``latest`` never leads outside the checkpoint.
         if _step_of(Path(text)) is None or Path(text).name != text or named.resolve().parent != root.resolve():
-            raise CheckpointError(str(latest), "--resume", f"names {text!r}, not a step-NNNNNN folder of {root} "
-                                  f"(write the name of one of its step folders into it, or delete it to resume from "
-                                  f"the highest-numbered complete one)")
+            raise CheckpointError(
+                str(latest),
+                "--resume",
+                f"names {text!r}, not a step-NNNNNN folder of {root} "
+                f"(write the name of one of its step folders into it, or delete it to resume from "
+                f"the highest-numbered complete one)",
+            )
         if (named / META).exists():
             return named
     complete = [d for d in root.glob(f"{STEP_PREFIX}*") if _step_of(d) is not None and (d / META).exists()]
@@ -188,7 +220,7 @@ def _newest_complete(root: Path) -> Path | None:
 
 def _step_of(folder: Path) -> int | None:
     """The step a step folder's name says (``step-000040``: 40); None for any other name."""
-    digits = folder.name[len(STEP_PREFIX):]
+    digits = folder.name[len(STEP_PREFIX) :]
     return int(digits) if folder.name.startswith(STEP_PREFIX) and digits.isdigit() else None
 
 
@@ -198,24 +230,43 @@ def _read(folder: Path) -> Checkpoint:
         shapes = {name: tuple(int(n) for n in shape) for name, shape in meta["params"].items()}
         files = None
         if "files" in meta:
-            files = {name: RankFile(int(f["bytes"]), str(f["sha256"]),
-                                    {n: (None if c["dim"] is None else int(c["dim"]), int(c["range"][0]),
-                                         int(c["range"][1]), shapes[n]) for n, c in f["shards"].items()})
-                     for name, f in meta["files"].items()}
+            files = {
+                name: RankFile(
+                    int(f["bytes"]),
+                    str(f["sha256"]),
+                    {
+                        n: (
+                            None if c["dim"] is None else int(c["dim"]),
+                            int(c["range"][0]),
+                            int(c["range"][1]),
+                            shapes[n],
+                        )
+                        for n, c in f["shards"].items()
+                    },
+                )
+                for name, f in meta["files"].items()
+            }
         ckpt = Checkpoint(folder, int(meta["step"]), int(meta["world_size"]), shapes, str(meta["layout"]), files)
     except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
-        raise CheckpointError(str(folder), "--resume", f"{META} is not a hetero_llm checkpoint's ({type(e).__name__}: "
-                              f"{e}); {FIX}") from None
+        raise CheckpointError(
+            str(folder), "--resume", f"{META} is not a hetero_llm checkpoint's ({type(e).__name__}: {e}); {FIX}"
+        ) from None
     missing = [r for r in range(ckpt.world_size) if not ckpt.rank_file(r).exists()]
     if missing:
-        raise CheckpointError(str(folder), "--resume", f"{rank_file(folder, missing[0]).name} is missing (the layout "
-                              f"that saved it had {ckpt.world_size} ranks); {FIX}")
+        raise CheckpointError(
+            str(folder),
+            "--resume",
+            f"{rank_file(folder, missing[0]).name} is missing (the layout "
+            f"that saved it had {ckpt.world_size} ranks); {FIX}",
+        )
     return ckpt
 
 
 DAMAGED = "resume from another step folder (or start without --resume)"
-UNVERIFIED = (f"{META} records no sizes or checksums of its rank files (a save by an earlier hetero_llm): "
-              "resuming without verifying them")
+UNVERIFIED = (
+    f"{META} records no sizes or checksums of its rank files (a save by an earlier hetero_llm): "
+    "resuming without verifying them"
+)
 
 
 def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
@@ -231,8 +282,12 @@ def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
     names = [rank_file(ckpt.path, r).name for r in range(ckpt.world_size)]
     unknown = sorted(set(ckpt.files) ^ set(names))
     if unknown:
-        raise CheckpointError(str(ckpt.path), "--resume", f"{META} records the rank files {sorted(ckpt.files)} "
-                              f"but its world_size is {ckpt.world_size}: the save is damaged; {DAMAGED}")
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"{META} records the rank files {sorted(ckpt.files)} "
+            f"but its world_size is {ckpt.world_size}: the save is damaged; {DAMAGED}",
+        )
     total = sum(f.size for f in ckpt.files.values())
     bar = Bar(f"verifying {ckpt.path}", total, "B", enabled=None if progress else False)
     try:
@@ -240,12 +295,19 @@ def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
             path, record = ckpt.path / name, ckpt.files[name]
             size = path.stat().st_size
             if size != record.size:
-                raise CheckpointError(str(path), "--resume", f"{size} bytes, but {record.size} were saved (truncated "
-                                      f"or replaced since); {DAMAGED}")
+                raise CheckpointError(
+                    str(path),
+                    "--resume",
+                    f"{size} bytes, but {record.size} were saved (truncated or replaced since); {DAMAGED}",
+                )
             if file_digest(path, bar.update)[1] != record.sha256:
-                raise CheckpointError(str(path), "--resume", f"its sha256 is not the one {META} recorded when it was "
-                                      f"saved (the file changed since: damaged, edited, or copied from another save); "
-                                      f"{DAMAGED}")
+                raise CheckpointError(
+                    str(path),
+                    "--resume",
+                    f"its sha256 is not the one {META} recorded when it was "
+                    f"saved (the file changed since: damaged, edited, or copied from another save); "
+                    f"{DAMAGED}",
+                )
             for param, coords in record.shards.items():
                 problem = shard_problem(param, coords, ckpt.shapes)
                 if problem:
@@ -255,8 +317,9 @@ def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
     for param, full in ckpt.shapes.items():
         gap = _uncovered(param, full, [f.shards[param] for f in ckpt.files.values() if param in f.shards])
         if gap:
-            raise CheckpointError(str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; "
-                                  f"{DAMAGED}")
+            raise CheckpointError(
+                str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {DAMAGED}"
+            )
     return None
 
 
@@ -302,18 +365,32 @@ def check_fits(ckpt: Checkpoint, layout: Layout | RankPlan) -> None:
     want = {p.name: p.shape for p in all_params(layout.model)}
     missing = [n for n in want if n not in ckpt.shapes]
     extra = [n for n in ckpt.shapes if n not in want]
-    reshaped = [f"{n} is {list(want[n])} in the layout's model but {list(ckpt.shapes[n])} in the checkpoint"
-                for n in want if n in ckpt.shapes and ckpt.shapes[n] != want[n]]
-    differences = ([f"the checkpoint lacks {_some(missing)}"] if missing else []) + \
-                  ([f"the layout's model lacks {_some(extra)}"] if extra else []) + reshaped[:1]
+    reshaped = [
+        f"{n} is {list(want[n])} in the layout's model but {list(ckpt.shapes[n])} in the checkpoint"
+        for n in want
+        if n in ckpt.shapes and ckpt.shapes[n] != want[n]
+    ]
+    differences = (
+        ([f"the checkpoint lacks {_some(missing)}"] if missing else [])
+        + ([f"the layout's model lacks {_some(extra)}"] if extra else [])
+        + reshaped[:1]
+    )
     if differences:
-        raise CheckpointError(str(ckpt.path), "--resume", f"a checkpoint of a different model than {layout.file}'s: "
-                              f"{'; '.join(differences)} (resume with the [model] it was trained with, or start "
-                              f"without --resume)")
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"a checkpoint of a different model than {layout.file}'s: "
+            f"{'; '.join(differences)} (resume with the [model] it was trained with, or start "
+            f"without --resume)",
+        )
     steps = layout.train.steps
     if ckpt.step >= steps:
-        raise CheckpointError(str(ckpt.path), "--resume", f"the checkpoint is at step {ckpt.step} and train.steps is "
-                              f"{steps}: nothing left to train (raise it, e.g. --set train.steps={ckpt.step + steps})")
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"the checkpoint is at step {ckpt.step} and train.steps is "
+            f"{steps}: nothing left to train (raise it, e.g. --set train.steps={ckpt.step + steps})",
+        )
 
 
 def _some(names: list[str]) -> str:

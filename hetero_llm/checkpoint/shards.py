@@ -7,21 +7,22 @@ checks (torch-free): ``hetero_llm.checkpoint.folders``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, BinaryIO
 
 import attrs
 import numpy as np
 import torch
 
-from hetero_llm.checkpoint import folders as checkpoint
-from hetero_llm.comm import collectives
-from hetero_llm.runtime import zero1
-from hetero_llm.checkpoint.folders import Checkpoint
 from hetero_llm._fs import write_atomically
+from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint.folders import Checkpoint
+from hetero_llm.comm import collectives
 from hetero_llm.errors import CheckpointError
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.progress import Bar
+from hetero_llm.runtime import zero1
 from hetero_llm.runtime.adamw import AdamW
 
 if TYPE_CHECKING:
@@ -38,8 +39,12 @@ def optimizer_steps(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdam
     return int(next(iter(optimizer.state.values()))["step"])
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, params: dict[str, torch.Tensor],
-                      moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
+def restore_optimizer(
+    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW,
+    params: dict[str, torch.Tensor],
+    moments: dict[str, dict[str, torch.Tensor]],
+    steps: int,
+) -> None:
     """Give every parameter its saved ``exp_avg`` / ``exp_avg_sq`` and the optimizer its step count."""
     if isinstance(optimizer, zero1.ShardedAdamW):
         return optimizer.load_moments(moments, steps)  # its slices of them
@@ -54,9 +59,14 @@ def restore_optimizer(optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAd
         optimizer.state[p] = entry
 
 
-def save_checkpoint(rp: RankPlan, state: RankState,
-                    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW, root: str, step: int,
-                    progress: bool = False) -> None:
+def save_checkpoint(
+    rp: RankPlan,
+    state: RankState,
+    optimizer: torch.optim.Optimizer | AdamW | zero1.ShardedAdamW,
+    root: str,
+    step: int,
+    progress: bool = False,
+) -> None:
     """Save the rank's shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step);
     rank 0 marks the save complete (meta.json) once every rank's file is on disk. ``progress``: show the writing
     and checksumming of this rank's file on a terminal (``progress.Bar``; the reporting rank's)."""
@@ -72,8 +82,11 @@ def save_checkpoint(rp: RankPlan, state: RankState,
         gathered = optimizer.full_moments()  # plain AdamW's format: any layout resumes it, sharded or not
     for name, p in state.params.items():
         moments = gathered[name] if isinstance(optimizer, zero1.ShardedAdamW) else optimizer.state[p]
-        shards[name] = {"tensor": p.detach().cpu(), "coords": state.coords[name],
-                        **{key: moments[key].detach().cpu() for key in MOMENTS}}
+        shards[name] = {
+            "tensor": p.detach().cpu(),
+            "coords": state.coords[name],
+            **{key: moments[key].detach().cpu() for key in MOMENTS},
+        }
     saved = {"rank": rank, "step": step, "optimizer_steps": optimizer_steps(optimizer), "shards": shards}
     path = checkpoint.rank_file(folder, rank)
     payload = sum(t.nbytes for shard in shards.values() for key, t in shard.items() if key != "coords")
@@ -135,8 +148,12 @@ def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
     files = [_load_rank_file(ckpt, r) for r in range(ckpt.world_size)]
     steps = {f["optimizer_steps"] for f in files}
     if len(steps) != 1:
-        raise CheckpointError(str(ckpt.path), "--resume", f"rank files disagree on the optimizer step "
-                              f"({sorted(steps)}): the save is damaged; resume from another step folder")
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"rank files disagree on the optimizer step "
+            f"({sorted(steps)}): the save is damaged; resume from another step folder",
+        )
     with _loading(ckpt, progress) as bar:
         shards = _assemble(_read_through(files, ckpt, bar), ranges, ("tensor", *MOMENTS), ckpt.path)
     _check_finite(shards, ckpt.path)
@@ -146,11 +163,17 @@ def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
 def _check_finite(shards: dict[str, dict[str, torch.Tensor]], folder: Path) -> None:
     """Refuse a save holding NaN or infinite values: a save of a diverged run, or damage meta.json's checksums
     could not catch (a save without them, or a file written with its NaN and its checksum recorded)."""
-    bad = next((f"{key} of {name}" for key, by_name in shards.items() for name, t in by_name.items()
-                if not torch.isfinite(t).all()), None)
+    bad = next(
+        (
+            f"{key} of {name}"
+            for key, by_name in shards.items()
+            for name, t in by_name.items()
+            if not torch.isfinite(t).all()
+        ),
+        None,
+    )
     if bad:
-        raise CheckpointError(str(folder), "--resume", f"the {bad} holds NaN or infinite values; "
-                              f"{checkpoint.DAMAGED}")
+        raise CheckpointError(str(folder), "--resume", f"the {bad} holds NaN or infinite values; {checkpoint.DAMAGED}")
 
 
 def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
@@ -164,9 +187,11 @@ def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
 
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
-        shards = {name: (tuple(shard["coords"]), [shard[key].shape for key in ("tensor", *MOMENTS)])
-                  for name, shard in saved["shards"].items()}
-    except Exception as e:  # noqa: BLE001 (whatever torch or the file's content raises: name the file)
+        shards = {
+            name: (tuple(shard["coords"]), [shard[key].shape for key in ("tensor", *MOMENTS)])
+            for name, shard in saved["shards"].items()
+        }
+    except Exception as e:
         raise damaged(f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0].split('. ')[0]})") from None
     for name, ((dim, lo, hi, full), shapes) in shards.items():
         problem = checkpoint.shard_problem(name, (dim, lo, hi, ckpt.shapes.get(name, ())), ckpt.shapes)
@@ -180,8 +205,9 @@ def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
     return saved
 
 
-def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], keys: tuple[str, ...],
-              folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+def _assemble(
+    files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], keys: tuple[str, ...], folder: Path
+) -> dict[str, dict[str, torch.Tensor]]:
     """For each name in ``ranges``, its [lo, hi) slice along its shard dim (None: the full tensor) of each of
     ``keys``, copied from the overlapping shards of ``folder``'s rank files."""
     out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in keys}
@@ -203,11 +229,14 @@ def _assemble(files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], 
                 continue
             for key in keys:
                 out[key][name].narrow(dim, a - lo, b - a).copy_(shard[key].narrow(dim, a - shard_lo, b - a))
-            covered[name][a - lo:b - lo] = True
+            covered[name][a - lo : b - lo] = True
     for name in ranges:
         if name not in covered or not covered[name].all():
-            raise CheckpointError(str(folder), "--resume", f"{name}: part of it is in no rank file (the save is "
-                                  "damaged); resume from another step folder")
+            raise CheckpointError(
+                str(folder),
+                "--resume",
+                f"{name}: part of it is in no rank file (the save is damaged); resume from another step folder",
+            )
     return out
 
 

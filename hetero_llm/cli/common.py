@@ -30,8 +30,13 @@ def version_option(command: str):
     """``--version``: print ``<command> <version>``, the package metadata's version (hetero_llm.__version__)."""
     import hetero_llm
 
-    return click.version_option(hetero_llm.__version__, "--version", prog_name=command, message="%(prog)s %(version)s",
-                                help="Print the command's name and hetero_llm's version, and exit.")
+    return click.version_option(
+        hetero_llm.__version__,
+        "--version",
+        prog_name=command,
+        message="%(prog)s %(version)s",
+        help="Print the command's name and hetero_llm's version, and exit.",
+    )
 
 
 class WholeRange(click.IntRange):

@@ -15,17 +15,23 @@ from hetero_llm.launch import outputs
 @click.command("hetero-export", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option("hetero-export")
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
-@click.option("--hf", "out", required=True, type=click.Path(file_okay=False), metavar="OUT_DIR",
-              help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or "
-                   "GPT2LMHeadModel).")
+@click.option(
+    "--hf",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    metavar="OUT_DIR",
+    help="Write config.json + model.safetensors here (transformers loads it as LlamaForCausalLM or GPT2LMHeadModel).",
+)
 def main(checkpoint_dir, out):
     """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
     try:
         s = export.saved(checkpoint_dir)
         # never into the checkpoint, nor over the tokenizer
         outputs.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
-        path = export.export_checkpoint(checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s,
-                                          progress=True)
+        path = export.export_checkpoint(
+            checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s, progress=True
+        )
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)

@@ -33,8 +33,11 @@ class _Device(click.ParamType):
                 self.fail(f"'{value}' needs CUDA, which this machine does not have (use --device cpu)", param, ctx)
             count, index = torch.cuda.device_count(), int(found.group(1) or 0)
             if index >= count:
-                self.fail(f"'{value}' is not one of this machine's {count} GPU(s) (use cuda:0 to cuda:{count - 1})",
-                          param, ctx)
+                self.fail(
+                    f"'{value}' is not one of this machine's {count} GPU(s) (use cuda:0 to cuda:{count - 1})",
+                    param,
+                    ctx,
+                )
         return text
 
 
@@ -42,15 +45,31 @@ class _Device(click.ParamType):
 @version_option("hetero-generate")
 @click.argument("checkpoint_dir", metavar="CHECKPOINT_DIR", type=click.Path())
 @click.option("--prompt", required=True, help="Text the model continues.")
-@click.option("--max-new-tokens", type=WholeRange(min=1), default=None, show_default="64, or what fits",
-              help="Tokens to generate at most (fewer after an EOS); the prompt and them must fit in model.seq_len. "
-                   "Default: 64, or as many as fit after the prompt.")
-@click.option("--temperature", type=FiniteFloatRange(min=0), default=1.0, show_default=True,
-              help="Softmax temperature; 0 = greedy (the likeliest token each time).")
-@click.option("--top-k", type=WholeRange(min=0), default=0, show_default=True,
-              help="Sample among the K likeliest tokens only (0: all; at most model.vocab).")
-@click.option("--seed", type=WholeRange(0, MAX_SEED), default=0, show_default=True,
-              help="Seed of the sampling (0 to 2**64 - 1).")
+@click.option(
+    "--max-new-tokens",
+    type=WholeRange(min=1),
+    default=None,
+    show_default="64, or what fits",
+    help="Tokens to generate at most (fewer after an EOS); the prompt and them must fit in model.seq_len. "
+    "Default: 64, or as many as fit after the prompt.",
+)
+@click.option(
+    "--temperature",
+    type=FiniteFloatRange(min=0),
+    default=1.0,
+    show_default=True,
+    help="Softmax temperature; 0 = greedy (the likeliest token each time).",
+)
+@click.option(
+    "--top-k",
+    type=WholeRange(min=0),
+    default=0,
+    show_default=True,
+    help="Sample among the K likeliest tokens only (0: all; at most model.vocab).",
+)
+@click.option(
+    "--seed", type=WholeRange(0, MAX_SEED), default=0, show_default=True, help="Seed of the sampling (0 to 2**64 - 1)."
+)
 @click.option("--device", type=_Device(), default="cpu", show_default=True, help="Where to run: 'cpu' or 'cuda:N'.")
 def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, device):
     """Continue --prompt with the model a checkpoint holds (prints the prompt and its continuation)."""
@@ -65,22 +84,37 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
         if not ids:
             raise LayoutError(str(s.ckpt.path), "--prompt", "is empty (give some text to continue)")
         if max(ids) >= s.model.vocab or min(ids) < 0:
-            raise LayoutError(str(s.ckpt.path), "--prompt", f"token {max(ids)} is outside the model's vocabulary of "
-                              f"{s.model.vocab} (model.vocab)")
+            raise LayoutError(
+                str(s.ckpt.path),
+                "--prompt",
+                f"token {max(ids)} is outside the model's vocabulary of {s.model.vocab} (model.vocab)",
+            )
         room = s.model.seq_len - len(ids)
         if room < 1:
-            raise LayoutError(str(s.ckpt.path), "--prompt", f"{len(ids)} tokens leave no room for new ones in "
-                              f"model.seq_len {s.model.seq_len}, the positions the model was trained on (give at most "
-                              f"{s.model.seq_len - 1} tokens)")
+            raise LayoutError(
+                str(s.ckpt.path),
+                "--prompt",
+                f"{len(ids)} tokens leave no room for new ones in "
+                f"model.seq_len {s.model.seq_len}, the positions the model was trained on (give at most "
+                f"{s.model.seq_len - 1} tokens)",
+            )
         if max_new_tokens is None:  # the default: as many as fit, up to 64
             max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
         if max_new_tokens > room:
-            raise LayoutError(str(s.ckpt.path), "--max-new-tokens", f"{max_new_tokens} tokens after a prompt of "
-                              f"{len(ids)} exceed model.seq_len {s.model.seq_len}, the positions the model was trained "
-                              f"on (use at most {max(room, 0)}, or a shorter prompt)")
+            raise LayoutError(
+                str(s.ckpt.path),
+                "--max-new-tokens",
+                f"{max_new_tokens} tokens after a prompt of "
+                f"{len(ids)} exceed model.seq_len {s.model.seq_len}, the positions the model was trained "
+                f"on (use at most {max(room, 0)}, or a shorter prompt)",
+            )
         if top_k > s.model.vocab:
-            raise LayoutError(str(s.ckpt.path), "--top-k", f"{top_k} is more than the model's {s.model.vocab} tokens "
-                              f"(model.vocab; use at most {s.model.vocab}, or 0 for all)")
+            raise LayoutError(
+                str(s.ckpt.path),
+                "--top-k",
+                f"{top_k} is more than the model's {s.model.vocab} tokens "
+                f"(model.vocab; use at most {s.model.vocab}, or 0 for all)",
+            )
         warning = export.verify(s)  # as --resume verifies a save, with the same words
         if warning:
             click.echo(f"warning: {warning}", err=True)
@@ -89,8 +123,9 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
         click.echo(f"error: {export.reader_error(e)}", err=True)
         sys.exit(2)
     with Bar("generating", max_new_tokens, "tok") as bar:  # on a terminal only (stderr)
-        new = generate(params, s.model, ids, max_new_tokens, temperature, top_k, seed,
-                       None if grammar else tok.eos_id, bar.update)
+        new = generate(
+            params, s.model, ids, max_new_tokens, temperature, top_k, seed, None if grammar else tok.eos_id, bar.update
+        )
     if grammar:
         click.echo(" ".join(map(str, ids + new)))
         return
@@ -101,8 +136,12 @@ def _ids(prompt: str, where: str) -> list[int]:
     try:
         return [int(t) for t in prompt.split()]
     except ValueError:
-        raise LayoutError(where, "--prompt", "the model was trained on the embedded grammar, whose tokens are ids, "
-                          "not text: give ids separated by spaces, e.g. --prompt '3 17 5'") from None
+        raise LayoutError(
+            where,
+            "--prompt",
+            "the model was trained on the embedded grammar, whose tokens are ids, "
+            "not text: give ids separated by spaces, e.g. --prompt '3 17 5'",
+        ) from None
 
 
 if __name__ == "__main__":

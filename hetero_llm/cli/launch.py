@@ -17,36 +17,97 @@ from hetero_llm.launch import preflight
 @click.command("hetero-launch", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option("hetero-launch")
 @click.argument("layout_file", metavar="LAYOUT.toml")
-@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
-              help="Override a layout key, e.g. --set train.steps=5 (repeatable).")
-@click.option("--dry-run", is_flag=True, help="Print the rank table, communicators and schedules (with --rank R: what "
-              "rank R does, its actions, routes, groups, shards and buckets); start nothing.")
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a layout key, e.g. --set train.steps=5 (repeatable).",
+)
+@click.option(
+    "--dry-run",
+    is_flag=True,
+    help="Print the rank table, communicators and schedules (with --rank R: what "
+    "rank R does, its actions, routes, groups, shards and buckets); start nothing.",
+)
 @click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
-@click.option("--rank", type=int, default=None, help="Run exactly this one rank in this process (default under "
-              "torchrun or srun: the rank they give it, from RANK or SLURM_PROCID).")
-@click.option("--metrics-jsonl", default=None, metavar="FILE",
-              help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).")
-@click.option("--checkpoint", default=None, metavar="DIR",
-              help="Save parameters and AdamW state here, into DIR/step-NNNNNN (one shard file per rank, "
-                   "keyed by global names: any layout of the model can resume it).")
-@click.option("--checkpoint-every", type=click.IntRange(min=0), default=0, metavar="N",
-              help="Also save every N steps (default 0: at the end only).")
-@click.option("--resume", default=None, metavar="DIR",
-              help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder; "
-                   "'auto': the --checkpoint DIR's newest complete save if it has one, else start fresh.")
-@click.option("--trace", default=None, metavar="DIR",
-              help="Record every action's start and end per rank into this directory.")
+@click.option(
+    "--rank",
+    type=int,
+    default=None,
+    help="Run exactly this one rank in this process (default under "
+    "torchrun or srun: the rank they give it, from RANK or SLURM_PROCID).",
+)
+@click.option(
+    "--metrics-jsonl",
+    default=None,
+    metavar="FILE",
+    help="Write one JSON object per step (step, loss, lr, grad_norm, tokens, seconds).",
+)
+@click.option(
+    "--checkpoint",
+    default=None,
+    metavar="DIR",
+    help="Save parameters and AdamW state here, into DIR/step-NNNNNN (one shard file per rank, "
+    "keyed by global names: any layout of the model can resume it).",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="N",
+    help="Also save every N steps (default 0: at the end only).",
+)
+@click.option(
+    "--resume",
+    default=None,
+    metavar="DIR",
+    help="Continue from a checkpoint: a --checkpoint DIR (its newest complete save) or a step folder; "
+    "'auto': the --checkpoint DIR's newest complete save if it has one, else start fresh.",
+)
+@click.option(
+    "--trace", default=None, metavar="DIR", help="Record every action's start and end per rank into this directory."
+)
 @click.option("--quiet", is_flag=True, help="No per-step progress lines, no line per save, no progress bars.")
-@click.option("--tensorboard", type=click.Path(file_okay=False), default=None, metavar="DIR",
-              help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
-                   "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).")
-def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint, checkpoint_every, resume, trace,
-         quiet, tensorboard):
+@click.option(
+    "--tensorboard",
+    type=click.Path(file_okay=False),
+    default=None,
+    metavar="DIR",
+    help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
+    "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).",
+)
+def main(
+    layout_file,
+    overrides,
+    dry_run,
+    node,
+    rank,
+    metrics_jsonl,
+    checkpoint,
+    checkpoint_every,
+    resume,
+    trace,
+    quiet,
+    tensorboard,
+):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
 
-    request = preflight.Request(layout_file, tuple(overrides), dry_run, node, rank, metrics_jsonl, checkpoint,
-                                checkpoint_every, resume, trace, quiet, tensorboard)
+    request = preflight.Request(
+        layout_file,
+        tuple(overrides),
+        dry_run,
+        node,
+        rank,
+        metrics_jsonl,
+        checkpoint,
+        checkpoint_every,
+        resume,
+        trace,
+        quiet,
+        tensorboard,
+    )
     try:
         p = preflight.prepare(request, warn=lambda line: click.echo(f"warning: {line}", err=True))
         rank = p.rank
@@ -60,8 +121,10 @@ def main(layout_file, overrides, dry_run, node, rank, metrics_jsonl, checkpoint,
         if not quiet:
             click.echo(f"hetero-launch: starting {len(p.ranks)} of {p.plan.world_size} ranks here: {p.ranks}")
             if hasattr(source, "loss_floor"):
-                click.echo(f"data: embedded grammar, loss floor {source.loss_floor(p.layout.model.seq_len):.4f} "
-                           f"nats/token (uniform guess: {math.log(source.vocab_size):.4f})")
+                click.echo(
+                    f"data: embedded grammar, loss floor {source.loss_floor(p.layout.model.seq_len):.4f} "
+                    f"nats/token (uniform guess: {math.log(source.vocab_size):.4f})"
+                )
         launcher.run_ranks(p.plan, p.ranks, p.options)
     except LayoutError as e:
         if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a bad save found by a rank: the launcher says

@@ -16,24 +16,47 @@ from hetero_llm.planner.profile import measure, write
 @click.command("hetero-plan", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option("hetero-plan")
 @click.argument("cluster_file", metavar="CLUSTER.toml", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", "out", type=click.Path(dir_okay=False),
-              help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).")
+@click.option(
+    "-o",
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False),
+    help="Write the planned layout here (the cluster file without [plan], plus [[pipelines]]).",
+)
 @click.option("--explain", is_flag=True, help="Print the top plans side by side and why the best wins.")
 @click.option("--top", type=int, default=3, show_default=True, help="Plans --explain and --json show.")
 @click.option("--json", "as_json", is_flag=True, help="Print the ranked plans as JSON instead of text.")
-@click.option("--buckets", default="", metavar="128,512",
-              help="Hot switching: also plan a layout per document-length bucket up to each bound "
-                   "(planner/buckets.py).")
-@click.option("--profile", "profile_out", type=click.Path(dir_okay=False),
-              help="Instead of planning: time one layer's and the head's forward and backward at the model's "
-                   "shapes on this machine's device and write (or add to) this profile file (needs torch).")
-@click.option("--kind", "profile_kind", default=None,
-              help="With --profile: the device kind the times are recorded under (default: the kind of the "
-                   "cluster's nodes on this device, when they have one).")
-@click.option("--device", "profile_device", default=None,
-              help="With --profile: the torch device to time on (default: cuda when torch sees one, else cpu).")
-@click.option("--profile-file", type=click.Path(dir_okay=False),
-              help="Read measured per-layer times from this profile (replaces [plan] profile).")
+@click.option(
+    "--buckets",
+    default="",
+    metavar="128,512",
+    help="Hot switching: also plan a layout per document-length bucket up to each bound (planner/buckets.py).",
+)
+@click.option(
+    "--profile",
+    "profile_out",
+    type=click.Path(dir_okay=False),
+    help="Instead of planning: time one layer's and the head's forward and backward at the model's "
+    "shapes on this machine's device and write (or add to) this profile file (needs torch).",
+)
+@click.option(
+    "--kind",
+    "profile_kind",
+    default=None,
+    help="With --profile: the device kind the times are recorded under (default: the kind of the "
+    "cluster's nodes on this device, when they have one).",
+)
+@click.option(
+    "--device",
+    "profile_device",
+    default=None,
+    help="With --profile: the torch device to time on (default: cuda when torch sees one, else cpu).",
+)
+@click.option(
+    "--profile-file",
+    type=click.Path(dir_okay=False),
+    help="Read measured per-layer times from this profile (replaces [plan] profile).",
+)
 def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile_kind, profile_device, profile_file):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.launch import outputs
@@ -47,8 +70,11 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
             click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device))
             return
         if out is None:
-            raise LayoutError(cluster_file, "-o", "missing: name the layout file to write (-o LAYOUT.toml), "
-                              "or measure with --profile FILE")
+            raise LayoutError(
+                cluster_file,
+                "-o",
+                "missing: name the layout file to write (-o LAYOUT.toml), or measure with --profile FILE",
+            )
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
         cluster = load_cluster(cluster_file, profile_file)
@@ -56,6 +82,7 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
         bounds = None
         if buckets:
             from hetero_llm.planner import buckets as bucket_plans
+
             bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
         result = plan_cluster(cluster, top)
         planned = bucket_plans.propose(cluster, bounds, result.best) if bounds else ()
@@ -64,16 +91,26 @@ def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     if as_json:
-        click.echo(json.dumps({"plans": [output.to_json(c, s) for c, s in result.ranked],
-                               "evaluated": result.evaluated, "seconds": result.seconds,
-                               "seed_step_time": result.seed_score.step_time if result.seed_score else None}, indent=1))
+        click.echo(
+            json.dumps(
+                {
+                    "plans": [output.to_json(c, s) for c, s in result.ranked],
+                    "evaluated": result.evaluated,
+                    "seconds": result.seconds,
+                    "seed_step_time": result.seed_score.step_time if result.seed_score else None,
+                },
+                indent=1,
+            )
+        )
         return
     click.echo(output.header(cluster, result.best, result.score, result.seed_score).rstrip())
     if explain:
         click.echo("")
         click.echo(output.explain(cluster, result.ranked, result.seed_score))
-    click.echo(f"\nsearched {result.evaluated} plans in {result.seconds:.2f} s; wrote {out} "
-               f"(check it with: hetero-launch {out} --dry-run)")
+    click.echo(
+        f"\nsearched {result.evaluated} plans in {result.seconds:.2f} s; wrote {out} "
+        f"(check it with: hetero-launch {out} --dry-run)"
+    )
 
 
 def profile_command(cluster_file: str, out: str, kind: str | None, device: str | None) -> str:
@@ -89,39 +126,54 @@ def profile_command(cluster_file: str, out: str, kind: str | None, device: str |
     dev_type = device.split(":")[0]
     known = sorted({n.kind.name for n in cluster.nodes})
     if kind is None:
-        on_device = sorted({n.kind.name for n, spec in zip(cluster.nodes, cluster.spec.nodes)
-                            if all(d.split(":")[0] == dev_type for d in spec.devices)})
+        on_device = sorted(
+            {
+                n.kind.name
+                for n, spec in zip(cluster.nodes, cluster.spec.nodes)
+                if all(d.split(":")[0] == dev_type for d in spec.devices)
+            }
+        )
         if len(on_device) != 1:
-            raise LayoutError(cluster_file, "--kind", f"name the device kind to record the times under (nodes on "
-                              f"'{dev_type}' have kinds {on_device or 'none'}; the cluster's kinds: {', '.join(known)})")
+            raise LayoutError(
+                cluster_file,
+                "--kind",
+                f"name the device kind to record the times under (nodes on "
+                f"'{dev_type}' have kinds {on_device or 'none'}; the cluster's kinds: {', '.join(known)})",
+            )
         kind = on_device[0]
     elif kind not in known:
-        raise LayoutError(cluster_file, "--kind", f"no node of the cluster has kind {kind!r} (kinds: {', '.join(known)})")
+        raise LayoutError(
+            cluster_file, "--kind", f"no node of the cluster has kind {kind!r} (kinds: {', '.join(known)})"
+        )
     previous = None
     if Path(out).exists():
         try:
             previous = json.loads(Path(out).read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise LayoutError(cluster_file, "--profile", f"'{out}' exists and is not a profile ({e}); remove it or "
-                              "name another file") from None
+            raise LayoutError(
+                cluster_file, "--profile", f"'{out}' exists and is not a profile ({e}); remove it or name another file"
+            ) from None
     _torch(cluster_file)
     try:
         times, info = measure(cluster.model, cluster.train.precision, device)
     except RuntimeError as e:  # an unknown device string, a device torch cannot use
         raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': {e}") from None
     write(out, cluster.model, cluster.train.precision, kind, times, info, previous)
-    return (f"profiled kind '{kind}' on {info['device']} ({info['threads']} threads): layer forward "
-            f"{times.layer_forward_s * 1e3:.3g} ms, backward {times.layer_backward_s * 1e3:.3g} ms; head forward "
-            f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence; "
-            f"wrote {out} (use it: [plan] profile = \"{out}\" or --profile-file {out})")
+    return (
+        f"profiled kind '{kind}' on {info['device']} ({info['threads']} threads): layer forward "
+        f"{times.layer_forward_s * 1e3:.3g} ms, backward {times.layer_backward_s * 1e3:.3g} ms; head forward "
+        f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence; "
+        f'wrote {out} (use it: [plan] profile = "{out}" or --profile-file {out})'
+    )
 
 
 def _torch(cluster_file: str):
     try:
         import torch
     except ImportError:
-        raise LayoutError(cluster_file, "--profile", "needs torch to measure (pip install torch); reading a "
-                          "profile does not") from None
+        raise LayoutError(
+            cluster_file, "--profile", "needs torch to measure (pip install torch); reading a profile does not"
+        ) from None
     return torch
 
 

@@ -17,30 +17,77 @@ from hetero_llm.predict import trace as tracing
 from hetero_llm.predict.timeline import plot_timeline, simulated
 
 
-@click.command("python -m hetero_llm.timeline", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
+@click.command(
+    "python -m hetero_llm.timeline", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]}
+)
 @version_option("python -m hetero_llm.timeline")
 @click.argument("trace_dir", required=False, type=click.Path(file_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the timeline PNG here.")
-@click.option("--chrome", type=click.Path(dir_okay=False), default=None,
-              help="Write a Chrome/Perfetto trace JSON here (open in ui.perfetto.dev).")
-@click.option("--step", type=int, default=None,
-              help="Plot only this step of a measured trace (0-based; -1: the last). Default: all.")
+@click.option(
+    "--chrome",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a Chrome/Perfetto trace JSON here (open in ui.perfetto.dev).",
+)
+@click.option(
+    "--step",
+    type=int,
+    default=None,
+    help="Plot only this step of a measured trace (0-based; -1: the last). Default: all.",
+)
 @click.option("--title", default=None, help="Title of the PNG.")
 @click.option("--simulate", "simulate_", is_flag=True, help="Simulate a schedule instead of reading a trace.")
 @click.option("--stages", type=WholeRange(min=1), default=4, show_default=True, help="Simulated pipeline stages.")
 @click.option("--microbatches", type=WholeRange(min=1), default=8, show_default=True, help="Simulated microbatches.")
-@click.option("--schedule", "kind", type=click.Choice(["gpipe", "1f1b", "interleaved", "zbh1"]), default="1f1b",
-              show_default=True, help="Simulated schedule.")
-@click.option("--chunks", type=WholeRange(min=1), default=None, help="Model chunks per stage for --schedule interleaved [2].")
-@click.option("--schedule-file", type=click.Path(dir_okay=False), default=None,
-              help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).")
-@click.option("--forward-ms", type=FiniteFloatRange(min=0), default=1.0, show_default=True, help="Simulated F time per stage.")
-@click.option("--backward-ms", type=FiniteFloatRange(min=0), default=2.0, show_default=True, help="Simulated B time per stage.")
-@click.option("--weight-ms", type=FiniteFloatRange(min=0), default=None,
-              help="W part of --backward-ms where a schedule splits backwards into I and W [half of it].")
-@click.option("--latency-ms", type=FiniteFloatRange(min=0), default=0.0, show_default=True, help="Simulated p2p latency per link.")
-def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, kind, chunks, schedule_file,
-         forward_ms, backward_ms, weight_ms, latency_ms):
+@click.option(
+    "--schedule",
+    "kind",
+    type=click.Choice(["gpipe", "1f1b", "interleaved", "zbh1"]),
+    default="1f1b",
+    show_default=True,
+    help="Simulated schedule.",
+)
+@click.option(
+    "--chunks", type=WholeRange(min=1), default=None, help="Model chunks per stage for --schedule interleaved [2]."
+)
+@click.option(
+    "--schedule-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Simulate this schedule file (text or CSV; see schedule.load_schedule_file).",
+)
+@click.option(
+    "--forward-ms", type=FiniteFloatRange(min=0), default=1.0, show_default=True, help="Simulated F time per stage."
+)
+@click.option(
+    "--backward-ms", type=FiniteFloatRange(min=0), default=2.0, show_default=True, help="Simulated B time per stage."
+)
+@click.option(
+    "--weight-ms",
+    type=FiniteFloatRange(min=0),
+    default=None,
+    help="W part of --backward-ms where a schedule splits backwards into I and W [half of it].",
+)
+@click.option(
+    "--latency-ms", type=FiniteFloatRange(min=0), default=0.0, show_default=True, help="Simulated p2p latency per link."
+)
+def main(
+    trace_dir,
+    out,
+    chrome,
+    step,
+    title,
+    simulate_,
+    stages,
+    microbatches,
+    kind,
+    chunks,
+    schedule_file,
+    forward_ms,
+    backward_ms,
+    weight_ms,
+    latency_ms,
+):
     """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""
     try:
         if not out and not chrome:
@@ -53,7 +100,8 @@ def main(trace_dir, out, chrome, step, title, simulate_, stages, microbatches, k
                 outputs.check_output_file(flag, path, inputs)
         if simulate_:
             labels, rows, default_title, summary = simulated(
-                stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms)
+                stages, microbatches, kind, chunks, schedule_file, forward_ms, backward_ms, weight_ms, latency_ms
+            )
             click.echo(summary)
             chrome_rows, process = rows, default_title
         else:

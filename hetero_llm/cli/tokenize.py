@@ -36,20 +36,36 @@ class _TokenizeProgress:
     def close(self, done: bool) -> None:
         bar = self.bar
         bar.done += self.read_ahead
-        summary = (f"tokenized {amount(bar.done, 'B')} into {self.tokens} tokens in {clock(bar.elapsed)} "
-                   f"({amount(self.tokens / max(bar.elapsed, 1e-9), 'tokens')}/s)") if done else None
+        summary = (
+            (
+                f"tokenized {amount(bar.done, 'B')} into {self.tokens} tokens in {clock(bar.elapsed)} "
+                f"({amount(self.tokens / max(bar.elapsed, 1e-9), 'tokens')}/s)"
+            )
+            if done
+            else None
+        )
         bar.close(summary)
 
 
 @click.command("hetero-tokenize", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @version_option("hetero-tokenize")
 @click.argument("source", metavar="INPUT", type=click.Path(dir_okay=False))
-@click.option("-o", "--out", required=True, type=click.Path(dir_okay=False),
-              help="Token file to write: .bin (raw, as nanoGPT) or .npy.")
-@click.option("--tokenizer", default=tokens.BYTES, show_default=True,
-              help="'bytes' or a local Hugging Face tokenizer.json.")
-@click.option("--kind", type=click.Choice(["text", "jsonl"]), default=None,
-              help="Input format (default: jsonl for .jsonl files, else text).")
+@click.option(
+    "-o",
+    "--out",
+    required=True,
+    type=click.Path(dir_okay=False),
+    help="Token file to write: .bin (raw, as nanoGPT) or .npy.",
+)
+@click.option(
+    "--tokenizer", default=tokens.BYTES, show_default=True, help="'bytes' or a local Hugging Face tokenizer.json."
+)
+@click.option(
+    "--kind",
+    type=click.Choice(["text", "jsonl"]),
+    default=None,
+    help="Input format (default: jsonl for .jsonl files, else text).",
+)
 @click.option("--field", default="text", show_default=True, help="JSONL key holding each document's text.")
 def main(source, out, tokenizer, kind, field):
     """Tokenize a text or JSONL file into a token file for [data] kind = 'tokens'."""
@@ -75,8 +91,9 @@ def main(source, out, tokenizer, kind, field):
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     dtype_line = "" if dtype == "uint16" or out.endswith(".npy") else f", token_dtype = '{dtype}'"
-    click.echo(f"wrote {count} tokens ({dtype}) to {out}: train on it with [data] kind = 'tokens', "
-               f"path = '{out}'{dtype_line}")
+    click.echo(
+        f"wrote {count} tokens ({dtype}) to {out}: train on it with [data] kind = 'tokens', path = '{out}'{dtype_line}"
+    )
 
 
 if __name__ == "__main__":

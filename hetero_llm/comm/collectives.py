@@ -10,11 +10,10 @@ import torch
 import torch.distributed as dist
 
 from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.streams import NO_STREAMS, Streams
 from hetero_llm.model.forward import TP
 from hetero_llm.plan.rank import GroupKey
 from hetero_llm.schedule import Kind
-from hetero_llm.comm.streams import NO_STREAMS, Streams
-
 
 # ------------------------------------------------------------------------------------------
 # Tensor parallel operators (Megatron f / g), and TP rank 0's choice shared with its group.
@@ -89,13 +88,14 @@ class PendingReduce:
         out, offset = [], 0
         for shape in self.shapes:
             n = shape.numel()
-            out.append(self.flat[offset:offset + n].view(shape))
+            out.append(self.flat[offset : offset + n].view(shape))
             offset += n
         return out
 
 
-def start_all_reduce_flat(comms: Comms, tensors: list[torch.Tensor], group: GroupKey,
-                          streams: Streams = NO_STREAMS) -> PendingReduce:
+def start_all_reduce_flat(
+    comms: Comms, tensors: list[torch.Tensor], group: GroupKey, streams: Streams = NO_STREAMS
+) -> PendingReduce:
     """Start summing ``tensors`` among the group in one collective; ``wait()`` gives the sums.
 
     On CUDA the packing and the all-reduce run on the grads stream, after the compute stream's work
@@ -147,8 +147,9 @@ class _Works:
             work.wait()
 
 
-def start_reduce_scatter(comms: Comms, flat: torch.Tensor, key: GroupKey,
-                         streams: Streams = NO_STREAMS) -> PendingReduce:
+def start_reduce_scatter(
+    comms: Comms, flat: torch.Tensor, key: GroupKey, streams: Streams = NO_STREAMS
+) -> PendingReduce:
     """Start summing ``flat`` (one equal chunk per group member, in group rank order) among the group;
     ``wait()`` gives this rank's summed chunk (on gloo: a view into ``flat``). On CUDA it runs on the grads
     stream, after the backward."""
@@ -159,8 +160,9 @@ def start_reduce_scatter(comms: Comms, flat: torch.Tensor, key: GroupKey,
     with streams.use(streams.grads):
         if dist.get_backend(group) == "gloo":
             pieces = flat.view(len(members), n)
-            work = _Works(tuple(dist.reduce(pieces[j], dst=r, group=group, async_op=True)
-                                for j, r in enumerate(members)))
+            work = _Works(
+                tuple(dist.reduce(pieces[j], dst=r, group=group, async_op=True) for j, r in enumerate(members))
+            )
             out = pieces[members.index(comms.rank)]
         else:
             out = flat.new_empty(n)
@@ -169,8 +171,7 @@ def start_reduce_scatter(comms: Comms, flat: torch.Tensor, key: GroupKey,
     return PendingReduce(work, out, [out.shape], streams)
 
 
-def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey,
-                     streams: Streams = NO_STREAMS) -> PendingReduce:
+def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey, streams: Streams = NO_STREAMS) -> PendingReduce:
     """Start gathering every member's ``chunk`` (equal sizes) into one flat tensor, in group rank order;
     ``wait()`` gives it."""
     group = comms.groups[key]
@@ -181,10 +182,10 @@ def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey,
         if dist.get_backend(group) == "gloo":
             pieces = out.view(len(members), chunk.numel())
             pieces[members.index(comms.rank)].copy_(chunk)
-            work = _Works(tuple(dist.broadcast(pieces[j], src=r, group=group, async_op=True)
-                                for j, r in enumerate(members)))
+            work = _Works(
+                tuple(dist.broadcast(pieces[j], src=r, group=group, async_op=True) for j, r in enumerate(members))
+            )
         else:
             work = _all_gather(out, chunk, group=group, async_op=True)
     streams.hand_over(chunk, streams.grads)
     return PendingReduce(work, out, [out.shape], streams)
-

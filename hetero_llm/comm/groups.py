@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 
 from hetero_llm.comm import shm
+from hetero_llm.comm.rendezvous import rendezvous
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import CommLib
 from hetero_llm.plan.rank import GradSyncKey, Group, GroupKey, RankPlan
-from hetero_llm.comm.rendezvous import rendezvous
 
 
 @attrs.define
@@ -55,8 +55,14 @@ def init(rp: RankPlan, device: torch.device, rings: shm.RankRings, agree: str = 
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with _network_env(rp, rp.world):
-        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rp.rank, world_size=rp.world_size,
-                                timeout=timeout, pg_options=_pg_options(rp, rp.world))
+        dist.init_process_group(
+            backend,
+            store=dist.PrefixStore("pg", store),
+            rank=rp.rank,
+            world_size=rp.world_size,
+            timeout=timeout,
+            pg_options=_pg_options(rp, rp.world),
+        )
         _connect(None, device, backend)
     groups: dict[GroupKey, dist.ProcessGroup] = {}
     for g in rp.groups:
@@ -149,8 +155,10 @@ def _warn_missing_interfaces(rp: RankPlan) -> None:
     lacks."""
     missing = [f"{name} ({', '.join(t)})" for name, t in rp.network.node_interfaces if not has_interface(name)]
     if missing:
-        sys.stderr.write(f"warning: {rp.info.node}: no network interface {', '.join(missing)} on this host; those groups "
-                         "use the default interface (expected on a plain CPU run; on a cluster, check gloo_ifname)\n")
+        sys.stderr.write(
+            f"warning: {rp.info.node}: no network interface {', '.join(missing)} on this host; those groups "
+            "use the default interface (expected on a plain CPU run; on a cluster, check gloo_ifname)\n"
+        )
         sys.stderr.flush()
 
 
@@ -172,8 +180,10 @@ class CupyGroup:
         if hasattr(nccl, "NCCL_BFLOAT16"):
             kinds[torch.bfloat16] = nccl.NCCL_BFLOAT16
         if flat.dtype not in kinds or not flat.is_cuda or not flat.is_contiguous():
-            raise RankFailure(f"CuPy all-reduce needs a contiguous CUDA tensor of {sorted(map(str, kinds))}, "
-                              f"got {flat.dtype} on {flat.device}")
+            raise RankFailure(
+                f"CuPy all-reduce needs a contiguous CUDA tensor of {sorted(map(str, kinds))}, "
+                f"got {flat.dtype} on {flat.device}"
+            )
         stream = torch.cuda.current_stream(flat.device).cuda_stream
         self.comm.allReduce(flat.data_ptr(), flat.data_ptr(), flat.numel(), kinds[flat.dtype], nccl.NCCL_SUM, stream)
 
@@ -183,8 +193,10 @@ def _cupy():
         import cupy
         from cupy.cuda import nccl  # noqa: F401  (CuPy built without NCCL fails here)
     except ImportError as e:
-        raise RankFailure(f"cluster.comm = 'cupy' but CuPy with NCCL is not importable here ({e}) "
-                          "(pip install 'hetero_llm[cupy]', or set comm = 'torch')") from None
+        raise RankFailure(
+            f"cluster.comm = 'cupy' but CuPy with NCCL is not importable here ({e}) "
+            "(pip install 'hetero_llm[cupy]', or set comm = 'torch')"
+        ) from None
     return cupy
 
 
@@ -215,8 +227,9 @@ def _cupy_groups(rp: RankPlan, store: dist.Store, device: torch.device) -> dict[
 # Hot switching: another layout's groups over the same processes (the exchange itself: hetero_llm.comm.p2p).
 
 
-def layout_groups(groups_in_order: tuple[Group, ...], rp: RankPlan | None, world_rank_of: dict[int, int],
-                  timeout_s: float) -> dict[GroupKey, dist.ProcessGroup]:
+def layout_groups(
+    groups_in_order: tuple[Group, ...], rp: RankPlan | None, world_rank_of: dict[int, int], timeout_s: float
+) -> dict[GroupKey, dist.ProcessGroup]:
     """Every group of another layout (a hot-switching bucket) over this job's processes: created on every rank
     in that layout's order, members mapped to world ranks; ``rp`` is this process's RankPlan in that layout
     (None: it has none), whose network settings apply as in ``init``."""
@@ -228,4 +241,3 @@ def layout_groups(groups_in_order: tuple[Group, ...], rp: RankPlan | None, world
             groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=timeout)
     dist.barrier()
     return groups
-

@@ -18,11 +18,11 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
-from hetero_llm.plan.rank import RankPlan
 from hetero_llm.comm.rendezvous import endpoint
+from hetero_llm.plan.rank import RankPlan
 
 INTERVAL_S = 1.0
 _OP_TIMEOUT_S = 2.0  # one store operation; a stopped server makes every operation wait this long
@@ -42,8 +42,9 @@ class Heartbeat:
 
         ep = endpoint(rp)
         rank = rp.rank
-        store = dist.TCPStore(ep.host, ep.port, rp.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S),
-                              wait_for_workers=False)  # its own connection: the main thread's store stays free
+        store = dist.TCPStore(
+            ep.host, ep.port, rp.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S), wait_for_workers=False
+        )  # its own connection: the main thread's store stays free
         self.store = dist.PrefixStore(f"{ep.prefix}heartbeat", store)
         self.rp, self.rank, self.server, self.give_up = rp, rank, ep.server, give_up
         self.limit_s = rp.meeting.timeout_s
@@ -52,8 +53,10 @@ class Heartbeat:
         self._answered = now  # when the store last answered
         self._moved = [now] * rp.world_size  # when each rank's counter last changed (or it finished)
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._beat, name="hl-heartbeat", daemon=True),
-                         threading.Thread(target=self._watch, name="hl-watchdog", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._beat, name="hl-heartbeat", daemon=True),
+            threading.Thread(target=self._watch, name="hl-watchdog", daemon=True),
+        ]
 
     def __enter__(self) -> Heartbeat:
         for t in self._threads:
@@ -116,9 +119,12 @@ class Heartbeat:
     def _blame(self, rank: int, seconds: float, why: str) -> None:
         # The other ranks' watchdogs fire within an interval of this one: the rank serving the store
         # lingers so that they give up (and exit) while it still answers them.
-        self.give_up(f"rank {rank} ({self.rp.peers[rank]}) stopped responding: {why} for {seconds:.0f} s "
-                     f"(cluster.timeout_s {self.limit_s:g}; a stopped or hung process); rank {self.rank} gave up "
-                     "waiting for it", _LINGER_S if self.rank == self.server else 0.0)
+        self.give_up(
+            f"rank {rank} ({self.rp.peers[rank]}) stopped responding: {why} for {seconds:.0f} s "
+            f"(cluster.timeout_s {self.limit_s:g}; a stopped or hung process); rank {self.rank} gave up "
+            "waiting for it",
+            _LINGER_S if self.rank == self.server else 0.0,
+        )
 
 
 def exit_now(cause: str, linger_s: float, report: Callable[[str], None]) -> None:

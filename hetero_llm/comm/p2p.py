@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.streams import NO_STREAMS, Streams
 from hetero_llm.plan import Route
 from hetero_llm.schedule import Direction
-from hetero_llm.comm.streams import NO_STREAMS, Streams
 
 
 def stages_through_host(device: torch.device) -> bool:
@@ -66,8 +66,16 @@ def _piece_len(numel: int, pieces: int) -> int:
     return -(-numel // pieces)
 
 
-def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direction: Direction, mb: int, chunk: int,
-                  streams: Streams = NO_STREAMS, group: dist.ProcessGroup | None = None) -> None:
+def send_boundary(
+    comms: Comms,
+    tensor: torch.Tensor,
+    routes: list[Route],
+    direction: Direction,
+    mb: int,
+    chunk: int,
+    streams: Streams = NO_STREAMS,
+    group: dist.ProcessGroup | None = None,
+) -> None:
     """Send this rank's pieces of ``tensor`` (non-blocking; completed by ``wait_sends``) in ``group``
     (the boundary's p2p group; None: the default group). Ranks are global either way.
 
@@ -79,7 +87,7 @@ def send_boundary(comms: Comms, tensor: torch.Tensor, routes: list[Route], direc
         flat = _to_host(flat, streams)  # one copy for all pieces
     for r in routes:
         n = _piece_len(flat.numel(), r.pieces)
-        piece = flat[r.piece * n:(r.piece + 1) * n]
+        piece = flat[r.piece * n : (r.piece + 1) * n]
         if piece.numel() < n:
             piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
         piece = piece.contiguous()
@@ -153,9 +161,17 @@ class PendingRecv:
         return out
 
 
-def recv_boundary(comms: Comms, route: Route, shape: tuple[int, ...], dtype: torch.dtype,
-                  direction: Direction, mb: int, chunk: int, streams: Streams = NO_STREAMS,
-                  group: dist.ProcessGroup | None = None) -> PendingRecv:
+def recv_boundary(
+    comms: Comms,
+    route: Route,
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    direction: Direction,
+    mb: int,
+    chunk: int,
+    streams: Streams = NO_STREAMS,
+    group: dist.ProcessGroup | None = None,
+) -> PendingRecv:
     """Post the receive of this rank's piece (non-blocking); ``wait()`` on the result to use it.
 
     On CUDA the buffer is allocated and the receive posted on the p2p stream, so the receive does

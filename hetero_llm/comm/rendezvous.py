@@ -25,8 +25,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -60,8 +61,12 @@ def server_rank(plan: Plan | RankPlan) -> int:
     meeting: Meeting = plan.meeting
     if meeting.server is None:
         path = "cluster.master" if meeting.declared else "cluster.nodes[0]"
-        raise LayoutError(meeting.file, path, f"the master node '{meeting.master}' runs no rank, so nothing would "
-                          "serve the rendezvous at its host; make a node with ranks the master (cluster.master)")
+        raise LayoutError(
+            meeting.file,
+            path,
+            f"the master node '{meeting.master}' runs no rank, so nothing would "
+            "serve the rendezvous at its host; make a node with ranks the master (cluster.master)",
+        )
     return meeting.server
 
 
@@ -73,13 +78,17 @@ def endpoint(plan: Plan | RankPlan, environ: Mapping[str, str] | None = None) ->
     text = env.get("MASTER_PORT") or ""
     if text:
         if not (text.strip().isdigit() and 1 <= int(text) <= 65535):
-            raise LayoutError("environment", "MASTER_PORT", f"'{text}' is not a TCP port (1..65535); set one, or "
-                              f"unset it to use cluster.port ({meeting.port})")
+            raise LayoutError(
+                "environment",
+                "MASTER_PORT",
+                f"'{text}' is not a TCP port (1..65535); set one, or unset it to use cluster.port ({meeting.port})",
+            )
         port = int(text)
     else:
         port = meeting.port
-    where = ("MASTER_ADDR" if env.get("MASTER_ADDR") else f"node {meeting.master}'s host") + \
-            (", MASTER_PORT" if text else ", cluster.port")
+    where = ("MASTER_ADDR" if env.get("MASTER_ADDR") else f"node {meeting.master}'s host") + (
+        ", MASTER_PORT" if text else ", cluster.port"
+    )
     if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's agent serves the store; attempts share it
         return Endpoint(host, port, None, f"attempt-{env.get('TORCHELASTIC_RESTART_COUNT', '0')}/", where)
     if env.get("TORCHELASTIC_RUN_ID"):  # torchrun without a shared store: rank 0 serves at MASTER_ADDR (torch's rule)
@@ -112,12 +121,18 @@ def rendezvous(rp: RankPlan, agree: str = ""):
     else:
         _wait_for_server(rp, ep, start + timeout)
         try:
-            store = dist.TCPStore(ep.host, ep.port, rp.world_size, False,
-                                  timeout=timedelta(seconds=max(1.0, start + timeout - time.monotonic())),
-                                  wait_for_workers=False)
+            store = dist.TCPStore(
+                ep.host,
+                ep.port,
+                rp.world_size,
+                False,
+                timeout=timedelta(seconds=max(1.0, start + timeout - time.monotonic())),
+                wait_for_workers=False,
+            )
         except (RuntimeError, TimeoutError, ValueError) as e:
-            raise RankFailure(f"rank {rank} reached {ep.host}:{ep.port} but its store did not answer: "
-                              f"{_first_line(e)}") from None
+            raise RankFailure(
+                f"rank {rank} reached {ep.host}:{ep.port} but its store did not answer: {_first_line(e)}"
+            ) from None
     if ep.prefix:
         store = dist.PrefixStore(ep.prefix, store)
     _check_arrivals(rp, ep, store, f"{rp.fingerprint}{'|' + agree if agree else ''}", timeout)
@@ -130,12 +145,20 @@ def _serve(rp: RankPlan, ep: Endpoint, timeout: float):
 
     sock = listen(ep.host, ep.port, f"rank {ep.server}")
     try:
-        store = dist.TCPStore(ep.host, ep.port, rp.world_size, True, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False, master_listen_fd=sock.fileno())
+        store = dist.TCPStore(
+            ep.host,
+            ep.port,
+            rp.world_size,
+            True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
     except (RuntimeError, TimeoutError, ValueError) as e:
         sock.close()
-        raise RankFailure(f"rank {ep.server} could not serve the rendezvous on {ep.host}:{ep.port}: "
-                          f"{_first_line(e)}") from None
+        raise RankFailure(
+            f"rank {ep.server} could not serve the rendezvous on {ep.host}:{ep.port}: {_first_line(e)}"
+        ) from None
     sock.detach()  # the store serves from this descriptor now: closing it here would stop the server
     return store
 
@@ -149,8 +172,10 @@ def listen(host: str, port: int, who: str) -> socket.socket:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise RankFailure(f"{who} cannot serve the rendezvous: host '{host}' does not resolve ({e.strerror}); "
-                          "fix the master node's host or MASTER_ADDR") from None
+        raise RankFailure(
+            f"{who} cannot serve the rendezvous: host '{host}' does not resolve ({e.strerror}); "
+            "fix the master node's host or MASTER_ADDR"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -159,8 +184,10 @@ def listen(host: str, port: int, who: str) -> socket.socket:
         except OSError as e:
             if e.errno != errno.EADDRNOTAVAIL:
                 raise
-            sys.stderr.write(f"warning: {who}: {host} is not an address of this machine; serving the rendezvous "
-                             f"on every interface, port {port}\n")
+            sys.stderr.write(
+                f"warning: {who}: {host} is not an address of this machine; serving the rendezvous "
+                f"on every interface, port {port}\n"
+            )
             sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
         sock.listen(512)
     except OSError as e:
@@ -177,8 +204,9 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
         try:
             socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
         except socket.gaierror as e:
-            raise RankFailure(f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve "
-                              f"({e.strerror}); fix it") from None
+            raise RankFailure(
+                f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve ({e.strerror}); fix it"
+            ) from None
         left = deadline - time.monotonic()
         try:
             with socket.create_connection((ep.host, ep.port), timeout=max(0.05, min(_PROBE_S, left))):
@@ -191,8 +219,10 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
                 who = "torchrun's store"
             else:
                 who = f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
-            raise RankFailure(f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {timeout:g} s "
-                              f"(last: {why}); is {who} started, and is the address right?")
+            raise RankFailure(
+                f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {timeout:g} s "
+                f"(last: {why}); is {who} started, and is the address right?"
+            )
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
@@ -217,8 +247,10 @@ def _check_arrivals(rp: RankPlan, ep: Endpoint, store, token: str, timeout: floa
         if differ:
             names = ", ".join(f"rank {r} ({rp.peers[r]}): {tokens[r]}" for r in differ)
             _abort(store, "mismatch", world - 1)
-            raise RankFailure(f"ranks compiled different plans: rank {rank}: {token}; {names} "
-                              "(start every rank with the same layout, the same --set overrides and the same --resume)")
+            raise RankFailure(
+                f"ranks compiled different plans: rank {rank}: {token}; {names} "
+                "(start every rank with the same layout, the same --set overrides and the same --resume)"
+            )
         store.set("go", "ok")
         return
     try:
@@ -228,11 +260,15 @@ def _check_arrivals(rp: RankPlan, ep: Endpoint, store, token: str, timeout: floa
         if go != b"ok":
             store.add("go_seen", 1)  # the coordinator keeps the store up until every rank has read why
     except Exception:  # a timeout, or the coordinator gave up and closed the store: both end the rendezvous
-        raise RankFailure(f"rank {rank}: rendezvous did not complete within {timeout:g} s "
-                          f"(rank {coordinator} names the ranks that never arrived)") from None
+        raise RankFailure(
+            f"rank {rank}: rendezvous did not complete within {timeout:g} s "
+            f"(rank {coordinator} names the ranks that never arrived)"
+        ) from None
     if go == b"mismatch":
-        raise RankFailure(f"rank {rank}: rank {coordinator} found ranks with a different plan (this rank's: {token}); "
-                          "start every rank with the same layout, the same --set overrides and the same --resume")
+        raise RankFailure(
+            f"rank {rank}: rank {coordinator} found ranks with a different plan (this rank's: {token}); "
+            "start every rank with the same layout, the same --set overrides and the same --resume"
+        )
     if go != b"ok":
         raise RankFailure(f"rank {rank}: rendezvous aborted by rank {coordinator} (another rank never arrived)")
 

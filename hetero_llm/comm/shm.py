@@ -19,11 +19,11 @@ import threading
 
 import attrs
 
+from hetero_llm.comm.shm_ring import _MAGIC, _META, _READER_PID, Receiver, Ring, RingSpec, Sender
 from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.layout import P2P, SHM, Precision
 from hetero_llm.plan import Plan
 from hetero_llm.schedule import Direction
-from hetero_llm.comm.shm_ring import _MAGIC, _META, _READER_PID, Receiver, Ring, RingSpec, Sender
 
 PREFIX = "hl-shm"
 
@@ -64,7 +64,9 @@ def ring_specs(plan: Plan) -> list[RingSpec]:
             pipe = lay.pipelines[src.pipeline]
             numel = pipe.batch // pipe.microbatches * lay.model.seq_len * lay.model.hidden
             piece = -(-numel // r.pieces) * itemsize
-            out.append(RingSpec(r.src, r.dst, direction, pipe.microbatches * lay.train.chunks, -(-piece // 64) * 64, group))
+            out.append(
+                RingSpec(r.src, r.dst, direction, pipe.microbatches * lay.train.chunks, -(-piece // 64) * 64, group)
+            )
     return out
 
 
@@ -96,8 +98,10 @@ def _lacking(needed: int, what: str) -> str | None:
         return f"{bad.removeprefix('the shm transport ')} (set p2p = 'auto' or 'network')"
     where = shm_dir()
     if not os.path.isdir(where):
-        return (f"needs {mib(needed)} in {where} for {what}, but this host has no {where} "
-                "(mount a tmpfs there, or set p2p = 'auto' or 'network')")
+        return (
+            f"needs {mib(needed)} in {where} for {what}, but this host has no {where} "
+            "(mount a tmpfs there, or set p2p = 'auto' or 'network')"
+        )
     if free_bytes(where) < needed:
         return _too_small(needed, what)
     return None
@@ -105,8 +109,10 @@ def _lacking(needed: int, what: str) -> str | None:
 
 def _too_small(needed: int, what: str) -> str:
     where = shm_dir()
-    return (f"needs {mib(needed)} in {where} for {what}, but it has {mib(free_bytes(where))} free (free or enlarge it, "
-            "e.g. docker run --shm-size=1g, or set p2p = 'auto' or 'network')")
+    return (
+        f"needs {mib(needed)} in {where} for {what}, but it has {mib(free_bytes(where))} free (free or enlarge it, "
+        "e.g. docker run --shm-size=1g, or set p2p = 'auto' or 'network')"
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -214,8 +220,15 @@ def connect(rings: RankRings, store, timeout_s: float) -> dict[tuple[int, int, i
     return open_rings(list(rings.specs), rings.rank, store, timeout_s, rings.required, rings.label, rings.why_required)
 
 
-def open_rings(specs: list[RingSpec], rank: int, store, timeout_s: float, required: bool, label: str,
-               why_required: str = "required") -> dict[tuple[int, int, int], Link]:
+def open_rings(
+    specs: list[RingSpec],
+    rank: int,
+    store,
+    timeout_s: float,
+    required: bool,
+    label: str,
+    why_required: str = "required",
+) -> dict[tuple[int, int, int], Link]:
     """Create the rings ``rank`` receives on, map those it sends on. A ring that cannot be made is an error
     when ``required``, else left out (its boundary uses the network) with one warning line. Every answer
     is in the store before an error is raised, so the peer of a failed ring stops at once too."""
@@ -235,8 +248,11 @@ def open_rings(specs: list[RingSpec], rank: int, store, timeout_s: float, requir
                     try:
                         created[s.key] = _create(s, token)
                     except OSError as e:
-                        why = (_too_small(sum(x.size for x in mine), what) if e.errno == errno.ENOSPC
-                               else f"cannot create a ring in {shm_dir()}: {e}")
+                        why = (
+                            _too_small(sum(x.size for x in mine), what)
+                            if e.errno == errno.ENOSPC
+                            else f"cannot create a ring in {shm_dir()}: {e}"
+                        )
                 store.set(_key(s), f"ok {created[s.key][0]}" if s.key in created else f"{refusal} {why}")
             if why:
                 problems.append(why)
@@ -256,7 +272,7 @@ def open_rings(specs: list[RingSpec], rank: int, store, timeout_s: float, requir
                 except OSError as e:
                     problems.append(f"cannot map rank {s.dst}'s ring ({e}): are both ranks on one host?")
                     store.set(_key(s) + "/opened", f"{refusal} {problems[-1]}")
-            for key, (path, mm) in created.items():
+            for key, (_path, mm) in created.items():
                 s = next(x for x in mine if x.key == key)
                 answer = _get(store, _key(s) + "/opened", s.src, label, timeout_s)
                 if answer == "ok":
@@ -270,8 +286,9 @@ def open_rings(specs: list[RingSpec], rank: int, store, timeout_s: float, requir
     if problems and required:
         raise RankFailure(f"{label}: no shared memory for the stage boundaries ({why_required}): {problems[0]}")
     if problems:
-        sys.stderr.write(f"warning: {label}: stage boundaries on this node use the network, not shared memory: "
-                         f"{problems[0]}\n")
+        sys.stderr.write(
+            f"warning: {label}: stage boundaries on this node use the network, not shared memory: {problems[0]}\n"
+        )
         sys.stderr.flush()
     return links
 
@@ -284,5 +301,6 @@ def _get(store, key: str, peer: int, label: str, timeout_s: float) -> str:
     try:
         return store.get(key).decode()
     except Exception:  # the store's timeout, or its server (rank 0) gone
-        raise RankFailure(f"{label}: rank {peer} did not set up its end of a shared-memory ring within "
-                          f"{timeout_s:g} s") from None
+        raise RankFailure(
+            f"{label}: rank {peer} did not set up its end of a shared-memory ring within {timeout_s:g} s"
+        ) from None

@@ -65,8 +65,6 @@ _SYS_FUTEX = 202  # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
-
-
 @attrs.frozen
 class RingSpec:
     src: int  # sending rank (the ring's only writer)
@@ -97,8 +95,15 @@ class _Futex:
     def __init__(self):
         self._call = ctypes.CDLL(None, use_errno=True).syscall
         self._call.restype = ctypes.c_long
-        self._call.argtypes = [ctypes.c_long, ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32,
-                               ctypes.POINTER(_Timespec), ctypes.c_void_p, ctypes.c_uint32]
+        self._call.argtypes = [
+            ctypes.c_long,
+            ctypes.c_void_p,
+            ctypes.c_int,
+            ctypes.c_uint32,
+            ctypes.POINTER(_Timespec),
+            ctypes.c_void_p,
+            ctypes.c_uint32,
+        ]
 
     def wait(self, addr: int, seen: int, timeout_s: float) -> None:
         """Sleep while the counter at ``addr`` still holds ``seen`` (at most ``timeout_s``). ctypes releases
@@ -160,8 +165,17 @@ class Ring:
         except (OSError, IndexError):
             return False
 
-    def wait(self, bell: ctypes.c_uint32, done, peer_pid: int, peer: int, what: str, timeout_s: float,
-             spin_s: float, nap_s: float = SLEEP_S) -> None:
+    def wait(
+        self,
+        bell: ctypes.c_uint32,
+        done,
+        peer_pid: int,
+        peer: int,
+        what: str,
+        timeout_s: float,
+        spin_s: float,
+        nap_s: float = SLEEP_S,
+    ) -> None:
         """Until ``done()``: spin ``spin_s``, then sleep on ``bell`` (``nap_s`` at most at a time); raise if the
         peer dies or ``timeout_s`` passes."""
         addr = ctypes.addressof(bell)
@@ -174,11 +188,15 @@ class Ring:
             now = time.monotonic()
             if now >= check_at:
                 if self.peer_gone(peer_pid):
-                    raise RankFailure(f"{self.label}: shared-memory connection to rank {peer} lost: its process "
-                                      f"{peer_pid} exited while this rank waited to {what}")
+                    raise RankFailure(
+                        f"{self.label}: shared-memory connection to rank {peer} lost: its process "
+                        f"{peer_pid} exited while this rank waited to {what}"
+                    )
                 if now - start > timeout_s:
-                    raise RankFailure(f"{self.label}: waited {timeout_s:g} s to {what} on the shared-memory ring "
-                                      f"from rank {self.spec.src} to rank {self.spec.dst} ({self.spec.group})")
+                    raise RankFailure(
+                        f"{self.label}: waited {timeout_s:g} s to {what} on the shared-memory ring "
+                        f"from rank {self.spec.src} to rank {self.spec.dst} ({self.spec.group})"
+                    )
                 check_at = now + SLEEP_S
             if now < spin_until:
                 continue
@@ -213,14 +231,24 @@ class Sender:
         r, spec = self.ring, self.ring.spec
         src, nbytes = _address(tensor, "send")
         if nbytes > spec.slot_bytes:
-            raise RankFailure(f"{r.label}: a {nbytes}-byte message does not fit the {spec.slot_bytes}-byte slots of "
-                              f"the ring to rank {spec.dst} (sized from the plan: the tensor has another shape)")
+            raise RankFailure(
+                f"{r.label}: a {nbytes}-byte message does not fit the {spec.slot_bytes}-byte slots of "
+                f"the ring to rank {spec.dst} (sized from the plan: the tensor has another shape)"
+            )
         n = r.head.value
         if n - r.tail.value >= spec.slots:  # not expected (see the module doc); wait rather than overwrite
             r.writer_waiting.value = 1
             try:  # the reader wakes us only when it sees the flag: short sleeps cover a wake it missed
-                r.wait(r.space_bell, lambda: n - r.tail.value < spec.slots, r.reader_pid.value, spec.dst,
-                       "find room for a message", self.timeout_s, 0.0, nap_s=1e-3)
+                r.wait(
+                    r.space_bell,
+                    lambda: n - r.tail.value < spec.slots,
+                    r.reader_pid.value,
+                    spec.dst,
+                    "find room for a message",
+                    self.timeout_s,
+                    0.0,
+                    nap_s=1e-3,
+                )
             finally:
                 r.writer_waiting.value = 0
         slot = n % spec.slots
@@ -241,7 +269,7 @@ class Sender:
 class Received:
     """A posted receive: ``wait()`` blocks until its message is in ``buffer``; ``is_completed()`` polls."""
 
-    receiver: "Receiver"
+    receiver: Receiver
     buffer: torch.Tensor  # the caller's tensor
     tag: int
     done: bool = False
@@ -286,15 +314,24 @@ class Receiver:
 
     def wait(self, work: Received) -> None:
         r = self.ring
-        r.wait(r.data_bell, lambda: self.poll(work), r.writer_pid.value, r.spec.src,
-               f"receive tag {work.tag}", self.timeout_s, SPIN_S)
+        r.wait(
+            r.data_bell,
+            lambda: self.poll(work),
+            r.writer_pid.value,
+            r.spec.src,
+            f"receive tag {work.tag}",
+            self.timeout_s,
+            SPIN_S,
+        )
 
     def _copy(self, work: Received, src: int, upto: int, nbytes: int) -> None:
         """Copy bytes [work.copied, upto) of an ``nbytes`` message at ``src`` into the receive's tensor."""
         dst, size = _address(work.buffer, "receive")
         if size != nbytes:
-            raise RankFailure(f"{self.ring.label}: message tag {work.tag} from rank {self.ring.spec.src} has "
-                              f"{nbytes} bytes, the receive expects {size}")
+            raise RankFailure(
+                f"{self.ring.label}: message tag {work.tag} from rank {self.ring.spec.src} has "
+                f"{nbytes} bytes, the receive expects {size}"
+            )
         ctypes.memmove(dst + work.copied, src + work.copied, upto - work.copied)
         work.copied = upto
         work.done = upto == nbytes
@@ -312,8 +349,10 @@ class Receiver:
             slot = n % spec.slots
             seq, tag, nbytes = _MSG.unpack_from(r.mm, r.offsets[slot])
             if seq != n:
-                raise RankFailure(f"{r.label}: shared-memory ring from rank {spec.src} is out of sequence: message "
-                                  f"{seq} in the slot of message {n} (a bug: please report it)")
+                raise RankFailure(
+                    f"{r.label}: shared-memory ring from rank {spec.src} is out of sequence: message "
+                    f"{seq} in the slot of message {n} (a bug: please report it)"
+                )
             waiting = self.posted.get(tag)
             if not complete:
                 if waiting:
@@ -330,5 +369,3 @@ class Receiver:
             r.space_bell.value = r.space_bell.value + 1 & 0xFFFFFFFF
             if r.writer_waiting.value:
                 futex().wake(ctypes.addressof(r.space_bell))
-
-

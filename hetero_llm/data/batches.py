@@ -28,8 +28,8 @@ from typing import Protocol
 
 import numpy as np
 
-from hetero_llm.errors import LayoutError
 from hetero_llm.data.text_cache import TokenFileSource, unknown_kind_message
+from hetero_llm.errors import LayoutError
 
 # Weight of the uniform component of every grammar transition. It is what makes the chain
 # irreducible (every pair state reaches every other in two steps) without blurring the grammar
@@ -190,6 +190,7 @@ def _entropy(probs: np.ndarray) -> float:
 # --------------------------------------------------------------------------------------------------
 # From the layout's data section to batches
 # --------------------------------------------------------------------------------------------------
+
 
 def make_source(spec, file_for_errors: str) -> GrammarSource | TokenFileSource:
     """Build the source a layout's ``DataSpec`` describes; bad input is a located ``LayoutError``."""

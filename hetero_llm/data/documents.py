@@ -91,15 +91,17 @@ class GrammarDocuments:
         """The best mean loss per target reachable on documents of these lengths (nats)."""
         lengths = np.asarray(lengths, dtype=np.float64)
         g = self.grammar
-        return float((g.first_target_entropy() * len(lengths) + g.entropy_rate() * (lengths - 2).sum())
-                     / (lengths - 1).sum())
+        return float(
+            (g.first_target_entropy() * len(lengths) + g.entropy_rate() * (lengths - 2).sum()) / (lengths - 1).sum()
+        )
 
     def expected_loss_floor(self) -> float:
         """The floor expected over the length distribution (targets-weighted), nats per target."""
         g = self.grammar
         n = self.lengths.astype(np.float64)
-        return float((self.pmf * (g.first_target_entropy() + (n - 2) * g.entropy_rate())).sum()
-                     / (self.pmf * (n - 1)).sum())
+        return float(
+            (self.pmf * (g.first_target_entropy() + (n - 2) * g.entropy_rate())).sum() / (self.pmf * (n - 1)).sum()
+        )
 
 
 def _lognormal_pmf(lengths: np.ndarray, median: float, sigma: float) -> np.ndarray:
@@ -108,8 +110,9 @@ def _lognormal_pmf(lengths: np.ndarray, median: float, sigma: float) -> np.ndarr
         pmf = np.zeros(len(lengths))
         pmf[np.clip(round(median), lengths[0], lengths[-1]) - lengths[0]] = 1.0
         return pmf
-    cdf = np.array([0.5 * (1 + math.erf((math.log(x) - math.log(median)) / (sigma * math.sqrt(2))))
-                    for x in lengths[:-1] + 0.5])
+    cdf = np.array(
+        [0.5 * (1 + math.erf((math.log(x) - math.log(median)) / (sigma * math.sqrt(2)))) for x in lengths[:-1] + 0.5]
+    )
     pmf = np.diff(np.concatenate([[0.0], cdf, [1.0]]))
     return pmf / pmf.sum()
 
@@ -126,8 +129,9 @@ class FileDocuments:
         self.tokens, self.starts, self.lengths, self.path = tokens, starts, lengths, path
 
     @classmethod
-    def from_file(cls, path: str, kind: str, field: str, separator: str, max_tokens: int,
-                  file_for_errors: str = "layout.toml") -> FileDocuments:
+    def from_file(
+        cls, path: str, kind: str, field: str, separator: str, max_tokens: int, file_for_errors: str = "layout.toml"
+    ) -> FileDocuments:
         source = TokenFileSource.from_file(path, kind, field, file_for_errors)
         tokens = source.tokens
         if kind == "jsonl":
@@ -138,8 +142,11 @@ class FileDocuments:
             starts, lengths = _spans_between(ends, len(separator.encode("utf-8")), len(tokens))
         starts, lengths = _cut(starts, lengths, max_tokens)
         if len(starts) == 0:
-            raise LayoutError(file_for_errors, "data.path", f"file '{path}' has no document of 2 or more tokens "
-                              "(give a file with text between its separators)")
+            raise LayoutError(
+                file_for_errors,
+                "data.path",
+                f"file '{path}' has no document of 2 or more tokens (give a file with text between its separators)",
+            )
         return cls(tokens, starts, lengths, path)
 
     @property
@@ -156,15 +163,17 @@ class FileDocuments:
         if self.num_documents < 2:
             raise ValueError(f"'{self.path}' has {self.num_documents} document: nothing to hold out")
         cut = min(max(int(round(self.num_documents * (1 - fraction))), 1), self.num_documents - 1)
-        return (FileDocuments(self.tokens, self.starts[:cut], self.lengths[:cut], self.path),
-                FileDocuments(self.tokens, self.starts[cut:], self.lengths[cut:], self.path))
+        return (
+            FileDocuments(self.tokens, self.starts[:cut], self.lengths[:cut], self.path),
+            FileDocuments(self.tokens, self.starts[cut:], self.lengths[cut:], self.path),
+        )
 
     def candidates(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
         ids = rng.integers(0, self.num_documents, size=n)
         return ids, self.lengths[ids]
 
     def documents(self, rng: np.random.Generator, ids: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
-        return [self.tokens[self.starts[i]:self.starts[i] + self.lengths[i]].astype(np.int64) for i in ids]
+        return [self.tokens[self.starts[i] : self.starts[i] + self.lengths[i]].astype(np.int64) for i in ids]
 
 
 def _find_all(tokens: np.ndarray, pattern: np.ndarray) -> np.ndarray:
@@ -193,8 +202,11 @@ def _spans_between(cuts: np.ndarray, width: int, total: int) -> tuple[np.ndarray
 
 def _cut(starts: np.ndarray, lengths: np.ndarray, max_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     pieces = -(-lengths // max_tokens)
-    offsets = np.concatenate([np.arange(p) * max_tokens for p in pieces.tolist()]).astype(np.int64) \
-        if len(pieces) else np.zeros(0, dtype=np.int64)
+    offsets = (
+        np.concatenate([np.arange(p) * max_tokens for p in pieces.tolist()]).astype(np.int64)
+        if len(pieces)
+        else np.zeros(0, dtype=np.int64)
+    )
     base = np.repeat(starts, pieces)
     total = np.repeat(lengths, pieces)
     piece_len = np.minimum(total - offsets, max_tokens)
@@ -208,8 +220,7 @@ def make_document_source(spec, seq_len: int, file_for_errors: str) -> DocumentSo
         grammar = make_source(spec, file_for_errors)  # with its checks of the grammar keys
         assert isinstance(grammar, GrammarSource)  # data.kind 'grammar' makes one
         return GrammarDocuments(grammar, spec.doc_len_median, spec.doc_len_sigma, seq_len + 1)
-    return FileDocuments.from_file(spec.path, spec.kind.value, spec.field, spec.separator, seq_len + 1,
-                                   file_for_errors)
+    return FileDocuments.from_file(spec.path, spec.kind.value, spec.field, spec.separator, seq_len + 1, file_for_errors)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -221,8 +232,9 @@ def _step_rng(seed: int, step: int) -> np.random.Generator:
     return np.random.default_rng([_DOCUMENT_STREAM, seed, step])
 
 
-def step_documents(source: DocumentSource, seed: int, step: int, *, documents: int = 0,
-                   tokens: int = 0) -> list[np.ndarray]:
+def step_documents(
+    source: DocumentSource, seed: int, step: int, *, documents: int = 0, tokens: int = 0
+) -> list[np.ndarray]:
     """One step's documents, a pure function of (seed, step): ``documents`` of them, or as many as fit a
     budget of ``tokens`` targets (a document of n tokens has n - 1; the first that would exceed it ends
     the step). Give exactly one of the two."""
@@ -264,7 +276,9 @@ def fill_documents(source: DocumentSource, seed: int, step: int, rows: int, widt
     return _fill(source, _step_rng(seed, step), rows, width)[0]
 
 
-def _fill(source: DocumentSource, rng: np.random.Generator, rows: int, width: int) -> tuple[list[np.ndarray], list[int]]:
+def _fill(
+    source: DocumentSource, rng: np.random.Generator, rows: int, width: int
+) -> tuple[list[np.ndarray], list[int]]:
     free = np.full(rows, width, dtype=np.int64)
     ids, lengths, placed, misses = [], [], [], 0
     while misses < _MISSES and free.max() >= 1:
@@ -345,9 +359,9 @@ def pack_placed(docs: list[np.ndarray], rows_of: list[int], rows: int, width: in
         start = int(used[r])
         if start + n > width:
             raise ValueError(f"a document of {len(doc)} tokens does not fit row {r} ({width - start} positions left)")
-        inputs[r, start:start + n] = doc[:-1]
-        targets[r, start:start + n] = doc[1:]
-        positions[r, start:start + n] = np.arange(n)
+        inputs[r, start : start + n] = doc[:-1]
+        targets[r, start : start + n] = doc[1:]
+        positions[r, start : start + n] = np.arange(n)
         spans.append((r, start, n))
         used[r] += n
     spans_arr = np.asarray(sorted(spans), dtype=np.int64).reshape(-1, 3)

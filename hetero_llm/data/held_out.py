@@ -60,15 +60,19 @@ def document_sources(spec, seq_len: int, file_for_errors: str):
     if kind == "grammar":
         return train, train  # held-out rows are other samples of the same grammar (a stream of their own)
     if spec.valid_path:
-        return train, documents.make_document_source(attrs.evolve(spec, path=spec.valid_path, valid_path=""), seq_len,
-                                                     file_for_errors)
+        return train, documents.make_document_source(
+            attrs.evolve(spec, path=spec.valid_path, valid_path=""), seq_len, file_for_errors
+        )
     if spec.valid_fraction:
         assert isinstance(train, documents.FileDocuments)  # a file's documents: the grammar returned above
         try:
             return train.split(spec.valid_fraction)
         except ValueError as e:
-            raise LayoutError(file_for_errors, "data.valid_fraction", f"{e} (give a file of two or more documents, "
-                              "or a held-out file as data.valid_path)") from None
+            raise LayoutError(
+                file_for_errors,
+                "data.valid_fraction",
+                f"{e} (give a file of two or more documents, or a held-out file as data.valid_path)",
+            ) from None
     return train, None
 
 

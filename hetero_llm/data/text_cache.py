@@ -97,8 +97,12 @@ class TokenFileSource:
         """``require_window``, and some text: a file whose documents are all empty holds only their markers."""
         self.require_window(length)
         if not np.any(self.tokens != END_OF_DOCUMENT):
-            raise LayoutError(self.file_for_errors, "data.path", f"file '{self.path}' holds no text: its "
-                              f"{self.num_tokens} tokens all end empty documents (give documents with text)")
+            raise LayoutError(
+                self.file_for_errors,
+                "data.path",
+                f"file '{self.path}' holds no text: its "
+                f"{self.num_tokens} tokens all end empty documents (give documents with text)",
+            )
 
     def sample(self, rng: np.random.Generator, n: int, length: int) -> np.ndarray:
         """``n`` windows of ``length`` consecutive tokens at uniform random offsets, int64 (n, length)."""
@@ -157,8 +161,11 @@ def _write_cache(cache: str, source: str, kind: str, field: str, digest: bytes, 
             "wb", dir=directory, prefix=os.path.basename(cache) + ".", suffix=".tmp", delete=False
         )
     except OSError as error:
-        raise _data_error(file_for_errors, f"cannot write the token cache of '{source}' in '{directory}': "
-                          f"{error.strerror} (set {CACHE_ENV} to a writable folder)") from None
+        raise _data_error(
+            file_for_errors,
+            f"cannot write the token cache of '{source}' in '{directory}': "
+            f"{error.strerror} (set {CACHE_ENV} to a writable folder)",
+        ) from None
     try:
         with handle:
             handle.write(b"\x00" * _CACHE_HEADER_BYTES)  # placeholder until the count is known
@@ -206,9 +213,9 @@ def jsonl_document(line: bytes, line_number: int, source: str, field: str, file_
         # Without its newline, so a column past the end reads as the end of this line, not line 2.
         record = json.loads(line.rstrip(b"\r\n"))
     except json.JSONDecodeError as error:
-        raise _data_error(file_for_errors, f"{where} is not valid JSON ({error.msg} at column {error.colno})")
+        raise _data_error(file_for_errors, f"{where} is not valid JSON ({error.msg} at column {error.colno})") from None
     except UnicodeDecodeError:
-        raise _data_error(file_for_errors, f"{where} is not valid UTF-8")
+        raise _data_error(file_for_errors, f"{where} is not valid UTF-8") from None
     if not isinstance(record, dict):
         raise _data_error(
             file_for_errors, f"{where} is a JSON {type(record).__name__}, expected an object with key '{field}'"

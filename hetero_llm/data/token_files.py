@@ -24,15 +24,14 @@ import hashlib
 import json
 import os
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.text_cache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
-
 
 DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 BATCH_DOCS = 256  # documents encoded per tokenizers batch call
@@ -57,47 +56,66 @@ class TokenArraySource(TokenFileSource):
 def open_tokens(path: str, token_dtype: str, file_for_errors: str) -> TokenArraySource:
     """``data.kind = 'tokens'``: a .bin (``token_dtype``) or .npy file, memory-mapped; its largest id sets the vocab."""
     if not os.path.isfile(path):
-        raise LayoutError(file_for_errors, "data.path", f"file '{path}' does not exist (give a .bin or .npy token file, "
-                          "e.g. one hetero-tokenize wrote)")
+        raise LayoutError(
+            file_for_errors,
+            "data.path",
+            f"file '{path}' does not exist (give a .bin or .npy token file, e.g. one hetero-tokenize wrote)",
+        )
     if path.endswith(".npy"):
         try:
             array = np.load(path, mmap_mode="r")
         except (ValueError, OSError) as e:
             raise LayoutError(file_for_errors, "data.path", f"file '{path}' is not a NumPy .npy file ({e})") from None
         if array.ndim != 1 or array.dtype.kind != "u" or array.dtype.itemsize not in (2, 4):
-            raise LayoutError(file_for_errors, "data.path", f"file '{path}' holds a {array.dtype} array of shape "
-                              f"{array.shape}; expected a 1-D uint16 or uint32 array of token ids")
+            raise LayoutError(
+                file_for_errors,
+                "data.path",
+                f"file '{path}' holds a {array.dtype} array of shape "
+                f"{array.shape}; expected a 1-D uint16 or uint32 array of token ids",
+            )
     elif path.endswith(".bin"):
         dtype = DTYPES[token_dtype]
         size = os.path.getsize(path)
         if size % dtype.itemsize:
-            raise LayoutError(file_for_errors, "data.path", f"file '{path}' has {size} bytes, not a whole number of "
-                              f"{token_dtype} tokens (check data.token_dtype)")
+            raise LayoutError(
+                file_for_errors,
+                "data.path",
+                f"file '{path}' has {size} bytes, not a whole number of {token_dtype} tokens (check data.token_dtype)",
+            )
         array = np.memmap(path, dtype=dtype, mode="r") if size else np.zeros(0, dtype)
     else:
-        raise LayoutError(file_for_errors, "data.path", f"file '{path}' is neither .bin nor .npy (data.kind 'tokens' "
-                          "reads token files; use kind 'text' or 'jsonl' for text)")
+        raise LayoutError(
+            file_for_errors,
+            "data.path",
+            f"file '{path}' is neither .bin nor .npy (data.kind 'tokens' "
+            "reads token files; use kind 'text' or 'jsonl' for text)",
+        )
     return TokenArraySource(array, path, file_for_errors, int(_max(array)) + 1 if len(array) else 0)
 
 
 def _max(array: np.ndarray, chunk: int = 1 << 24) -> int:
     """The largest id, read in chunks so a large memory-mapped file is not held in memory."""
-    return max(int(array[i:i + chunk].max()) for i in range(0, len(array), chunk))
+    return max(int(array[i : i + chunk].max()) for i in range(0, len(array), chunk))
 
 
 def check_vocab(source, vocab: int, file_for_errors: str) -> None:
     """Every token id of a token-array source is below ``model.vocab`` (an embedding lookup would fail later)."""
     if isinstance(source, TokenArraySource) and source.vocab_size > vocab:
-        raise LayoutError(file_for_errors, "model.vocab", f"{vocab} is too small for '{source.path}', whose token ids "
-                          f"go up to {source.vocab_size - 1} (set model.vocab >= {source.vocab_size})")
+        raise LayoutError(
+            file_for_errors,
+            "model.vocab",
+            f"{vocab} is too small for '{source.path}', whose token ids "
+            f"go up to {source.vocab_size - 1} (set model.vocab >= {source.vocab_size})",
+        )
 
 
 # ------------------------------------------------------------------------------------------
 # Writing token files
 
 
-def documents(path: str, kind: str, field: str, file_for_errors: str,
-              read: Callable[[int], None] | None = None) -> Iterator[str]:
+def documents(
+    path: str, kind: str, field: str, file_for_errors: str, read: Callable[[int], None] | None = None
+) -> Iterator[str]:
     """The documents of a text file (the whole file) or a JSONL file (each line's ``field``); ``read(bytes)``
     with the bytes of the file each document came from, as it is read."""
     read = read or (lambda n: None)
@@ -161,14 +179,22 @@ def _raw_to_npy(path: str, dtype: np.dtype, count: int, chunk: int = 1 << 24) ->
     raw = np.memmap(path, dtype=dtype, mode="r", shape=(count,)) if count else np.zeros(0, dtype)
     out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(count,))
     for i in range(0, count, chunk):
-        out[i:i + chunk] = raw[i:i + chunk]
+        out[i : i + chunk] = raw[i : i + chunk]
     out.flush()
     del out, raw
     os.replace(tmp, path)
 
 
-def tokenize_file(source: str, out: str, kind: str, field: str, tokenizer: str, file_for_errors: str,
-                  progress=None, read: Callable[[int], None] | None = None) -> tuple[int, str]:
+def tokenize_file(
+    source: str,
+    out: str,
+    kind: str,
+    field: str,
+    tokenizer: str,
+    file_for_errors: str,
+    progress=None,
+    read: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
     """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype). ``progress(tokens)``
     after each batch written; ``read(bytes)`` as the source is read (``documents``)."""
     tok = tokens.load(tokenizer)
@@ -202,7 +228,9 @@ def _recipe(source: str, kind: str, field: str, tokenizer: str) -> str:
 def tokenized_source(path: str, kind: str, field: str, tokenizer: str, file_for_errors: str) -> TokenArraySource:
     """Text/JSONL through a tokenizer.json, tokenized once into a cache and memory-mapped."""
     if not os.path.isfile(path):
-        raise LayoutError(file_for_errors, "data.path", f"file '{path}' does not exist (give an existing text or JSONL file)")
+        raise LayoutError(
+            file_for_errors, "data.path", f"file '{path}' does not exist (give an existing text or JSONL file)"
+        )
     recipe = _recipe(path, kind, field, tokenizer)
     for cache in cache_paths(path):
         meta = cache.with_suffix(".json")
@@ -222,8 +250,12 @@ def tokenized_source(path: str, kind: str, field: str, tokenizer: str, file_for_
         tmp.write_text(json.dumps(saved))
         os.replace(tmp, cache.with_suffix(".json"))  # written last: the cache counts once its sidecar is there
         return _cached(cache, saved, file_for_errors)
-    raise LayoutError(file_for_errors, "data.path", f"cannot write the token cache of '{path}' beside it or in "
-                      f"{cache_paths(path)[1].parent} (make one of them writable)")
+    raise LayoutError(
+        file_for_errors,
+        "data.path",
+        f"cannot write the token cache of '{path}' beside it or in "
+        f"{cache_paths(path)[1].parent} (make one of them writable)",
+    )
 
 
 def _cached(cache: Path, saved: dict, file_for_errors: str) -> TokenArraySource:

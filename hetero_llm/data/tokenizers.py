@@ -54,8 +54,9 @@ class HFTokenizer:
         vocab = self._tok.get_vocab(with_added_tokens=True)
         eos = next((vocab[n] for n in EOS_NAMES if n in vocab), None)
         if eos is None:
-            raise ValueError(f"it has none of the end-of-document tokens {', '.join(EOS_NAMES)} "
-                             "(add one as a special token)")
+            raise ValueError(
+                f"it has none of the end-of-document tokens {', '.join(EOS_NAMES)} (add one as a special token)"
+            )
         self.eos_id = eos
         self.eos_token = next(n for n in EOS_NAMES if vocab.get(n) == eos)
 
@@ -82,6 +83,7 @@ def load(name: str) -> ByteTokenizer | HFTokenizer:
     try:
         tok = _Tokenizer.from_file(name)
     except Exception:  # tokenizers raises its own Exception type, whose wording changes between versions
-        raise ValueError(f"'{name}' is not a tokenizer.json that the tokenizers library reads "
-                         "(write one with tokenizer.save(path))") from None
+        raise ValueError(
+            f"'{name}' is not a tokenizer.json that the tokenizers library reads (write one with tokenizer.save(path))"
+        ) from None
     return HFTokenizer(name, tok)

@@ -13,9 +13,9 @@ from pathlib import Path
 import attrs
 
 from hetero_llm.checkpoint import folders as checkpoint
-from hetero_llm.interop import hf
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.errors import CheckpointError, LayoutError
+from hetero_llm.interop import hf
 from hetero_llm.layout import DataSpec, ModelSpec, build, model_from_dict
 
 WHERE = "CHECKPOINT_DIR"
@@ -48,8 +48,11 @@ def verify(s: Saved) -> str | None:
         warning = checkpoint.verify(s.ckpt)
     except CheckpointError as e:
         raise reader_error(e) from None
-    return None if warning is None else f"{s.ckpt.path}: {WHERE}: {checkpoint.UNVERIFIED}".replace(
-        "resuming without", "reading it without")
+    return (
+        None
+        if warning is None
+        else f"{s.ckpt.path}: {WHERE}: {checkpoint.UNVERIFIED}".replace("resuming without", "reading it without")
+    )
 
 
 def saved(directory: str) -> Saved:
@@ -60,8 +63,12 @@ def saved(directory: str) -> Saved:
         raise reader_error(e) from None
     meta = json.loads((ckpt.path / checkpoint.META).read_text())
     if "model" not in meta:
-        raise CheckpointError(str(ckpt.path), WHERE, f"{checkpoint.META} records no [model] (saved by an older "
-                              "version): resume it for one step with --checkpoint to save it again")
+        raise CheckpointError(
+            str(ckpt.path),
+            WHERE,
+            f"{checkpoint.META} records no [model] (saved by an older "
+            "version): resume it for one step with --checkpoint to save it again",
+        )
     file = str(ckpt.path / checkpoint.META)
     return Saved(ckpt, model_from_dict(meta["model"], file), build(DataSpec, meta.get("data", {}), "data", file))
 
@@ -71,8 +78,10 @@ def tokenizer_files(tok: tokens.ByteTokenizer | tokens.HFTokenizer) -> dict[str,
     if isinstance(tok, tokens.ByteTokenizer):
         return {}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tok.eos_token}
-    return {"tokenizer.json": Path(tok.name).read_bytes(),
-            "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode()}
+    return {
+        "tokenizer.json": Path(tok.name).read_bytes(),
+        "tokenizer_config.json": (json.dumps(config, indent=2) + "\n").encode(),
+    }
 
 
 def load_tokenizer(data: DataSpec, where: str) -> tokens.ByteTokenizer | tokens.HFTokenizer:
@@ -90,8 +99,9 @@ def input_paths(s: Saved, directory: str) -> list[tuple[str, str]]:
     return inputs
 
 
-def export_checkpoint(directory: str, out_dir: str, warn=lambda line: None, s: Saved | None = None,
-                      progress: bool = False) -> Path:
+def export_checkpoint(
+    directory: str, out_dir: str, warn=lambda line: None, s: Saved | None = None, progress: bool = False
+) -> Path:
     """Write the model ``directory`` holds (its save ``s``, when already read) into ``out_dir`` as a Hugging Face
     model; return ``out_dir``. The save is verified as ``--resume`` verifies it (``warn`` gets the warning of a
     save without records). ``progress``: show the reading of the checkpoint on a terminal (``progress.Bar``)."""

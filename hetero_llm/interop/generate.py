@@ -9,7 +9,7 @@ math is ``model.block``'s (same norms, projections, RoPE pairs, grouped-query he
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,7 +70,7 @@ def forward(params: Params, model: ModelSpec, ids: torch.Tensor, cache: KVCache)
     start = cache.length
     x = F.embedding(ids, params["embed.tok"])
     if model.position is Position.LEARNED:
-        x = x + params["embed.pos"][start:start + ids.shape[1]]
+        x = x + params["embed.pos"][start : start + ids.shape[1]]
     for i in range(model.layers):
         x = _cached_block(block_params(params, i, model), x, model, cache, i)
     cache.length += ids.shape[1]
@@ -78,9 +78,17 @@ def forward(params: Params, model: ModelSpec, ids: torch.Tensor, cache: KVCache)
 
 
 @torch.no_grad()
-def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, seed: int = 0, eos_id: int | None = None,
-             on_token: Callable[[int], None] | None = None) -> list[int]:
+def generate(
+    params: Params,
+    model: ModelSpec,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    eos_id: int | None = None,
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
     """New tokens after ``prompt``: greedy when ``temperature`` is 0, else sampled from softmax(logits / T)
     over the ``top_k`` likeliest (0: all); stops after ``eos_id``. ``on_token(1)`` after each new token."""
     gen = torch.Generator().manual_seed(seed)
@@ -91,7 +99,7 @@ def generate(params: Params, model: ModelSpec, prompt: list[int], max_new_tokens
     for _ in range(max_new_tokens):
         scaled = logits.float() / temperature if temperature else logits
         if temperature == 0 or not torch.isfinite(scaled).all():  # greedy (or a temperature so small that the
-            token = int(logits.argmax())                          # logits overflow: its limit, greedy too)
+            token = int(logits.argmax())  # logits overflow: its limit, greedy too)
         else:
             if top_k:
                 kth = scaled.topk(min(top_k, scaled.numel())).values[-1]

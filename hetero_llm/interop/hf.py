@@ -49,13 +49,16 @@ def kind_of(model: ModelSpec) -> str | None:
     return None
 
 
-NEITHER = ("matches neither Llama (norm 'rmsnorm', position 'rope', mlp 'swiglu') nor GPT-2 (norm 'layernorm', "
-           "position 'learned', mlp 'gelu', no kv_heads)")
+NEITHER = (
+    "matches neither Llama (norm 'rmsnorm', position 'rope', mlp 'swiglu') nor GPT-2 (norm 'layernorm', "
+    "position 'learned', mlp 'gelu', no kv_heads)"
+)
 
 
 def describe_model(model: ModelSpec) -> str:
     return f"[model] norm '{model.norm.value}', position '{model.position.value}', mlp '{model.mlp.value}'" + (
-        f", kv_heads {model.kv_heads}" if model.kv_heads else "")
+        f", kv_heads {model.kv_heads}" if model.kv_heads else ""
+    )
 
 
 # ------------------------------------------------------------------------------------------
@@ -65,22 +68,50 @@ def describe_model(model: ModelSpec) -> str:
 def hf_config(model: ModelSpec, eos_token_id: int | None = None) -> dict[str, Any]:
     """The ``config.json`` of ``model`` (its kind must not be None)."""
     kind = kind_of(model)
-    common = {"vocab_size": model.vocab, "tie_word_embeddings": model.tie_embeddings, "torch_dtype": "float32",
-              "bos_token_id": None, "eos_token_id": eos_token_id, "pad_token_id": None}
+    common = {
+        "vocab_size": model.vocab,
+        "tie_word_embeddings": model.tie_embeddings,
+        "torch_dtype": "float32",
+        "bos_token_id": None,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": None,
+    }
     if kind == LLAMA:
-        return {"architectures": ["LlamaForCausalLM"], "model_type": LLAMA, "hidden_size": model.hidden,
-                "intermediate_size": model.ffn_width, "num_hidden_layers": model.layers,
-                "num_attention_heads": model.heads, "num_key_value_heads": model.kv_heads_n,
-                "head_dim": model.head_dim, "hidden_act": "silu", "max_position_embeddings": model.seq_len,
-                "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta,
-                "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
-                "attention_bias": model.bias, "mlp_bias": model.bias, "attention_dropout": 0.0, **common}
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": LLAMA,
+            "hidden_size": model.hidden,
+            "intermediate_size": model.ffn_width,
+            "num_hidden_layers": model.layers,
+            "num_attention_heads": model.heads,
+            "num_key_value_heads": model.kv_heads_n,
+            "head_dim": model.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": model.seq_len,
+            "rms_norm_eps": model.norm_eps,
+            "rope_theta": model.rope_theta,
+            "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+            "attention_bias": model.bias,
+            "mlp_bias": model.bias,
+            "attention_dropout": 0.0,
+            **common,
+        }
     if kind == GPT2:
-        return {"architectures": ["GPT2LMHeadModel"], "model_type": GPT2, "n_embd": model.hidden,
-                "n_inner": model.ffn_width, "n_layer": model.layers, "n_head": model.heads,
-                "n_positions": model.seq_len, "activation_function": "gelu_new",
-                "layer_norm_epsilon": model.norm_eps, "attn_pdrop": 0.0, "embd_pdrop": 0.0, "resid_pdrop": 0.0,
-                **common}
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": GPT2,
+            "n_embd": model.hidden,
+            "n_inner": model.ffn_width,
+            "n_layer": model.layers,
+            "n_head": model.heads,
+            "n_positions": model.seq_len,
+            "activation_function": "gelu_new",
+            "layer_norm_epsilon": model.norm_eps,
+            "attn_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "resid_pdrop": 0.0,
+            **common,
+        }
     raise ValueError(f"{describe_model(model)} {NEITHER}")
 
 
@@ -93,30 +124,37 @@ def _expected(cfg: dict, model: ModelSpec) -> list[tuple[str, Any, str, Any]]:
     """(config key, its value, our [model] key, our value) pairs that must agree."""
     if cfg.get("model_type") == LLAMA:
         heads = cfg.get("num_attention_heads")
-        return [("hidden_size", cfg.get("hidden_size"), "hidden", model.hidden),
-                ("num_hidden_layers", cfg.get("num_hidden_layers"), "layers", model.layers),
-                ("num_attention_heads", heads, "heads", model.heads),
-                ("num_key_value_heads", cfg.get("num_key_value_heads") or heads, "kv_heads", model.kv_heads_n),
-                ("intermediate_size", cfg.get("intermediate_size"), "ffn", model.ffn_width),
-                ("vocab_size", cfg.get("vocab_size"), "vocab", model.vocab),
-                ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), "norm_eps", model.norm_eps),
-                ("rope_theta", _rope_theta(cfg), "rope_theta", model.rope_theta),
-                ("tie_word_embeddings", cfg.get("tie_word_embeddings", False), "tie_embeddings", model.tie_embeddings),
-                ("attention_bias", cfg.get("attention_bias", False), "bias", model.bias),
-                ("mlp_bias", cfg.get("mlp_bias", False), "bias", model.bias),
-                ("norm", "rmsnorm", "norm", model.norm.value), ("position", "rope", "position", model.position.value),
-                ("mlp", "swiglu", "mlp", model.mlp.value)]
+        return [
+            ("hidden_size", cfg.get("hidden_size"), "hidden", model.hidden),
+            ("num_hidden_layers", cfg.get("num_hidden_layers"), "layers", model.layers),
+            ("num_attention_heads", heads, "heads", model.heads),
+            ("num_key_value_heads", cfg.get("num_key_value_heads") or heads, "kv_heads", model.kv_heads_n),
+            ("intermediate_size", cfg.get("intermediate_size"), "ffn", model.ffn_width),
+            ("vocab_size", cfg.get("vocab_size"), "vocab", model.vocab),
+            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), "norm_eps", model.norm_eps),
+            ("rope_theta", _rope_theta(cfg), "rope_theta", model.rope_theta),
+            ("tie_word_embeddings", cfg.get("tie_word_embeddings", False), "tie_embeddings", model.tie_embeddings),
+            ("attention_bias", cfg.get("attention_bias", False), "bias", model.bias),
+            ("mlp_bias", cfg.get("mlp_bias", False), "bias", model.bias),
+            ("norm", "rmsnorm", "norm", model.norm.value),
+            ("position", "rope", "position", model.position.value),
+            ("mlp", "swiglu", "mlp", model.mlp.value),
+        ]
     if cfg.get("model_type") == GPT2:
-        return [("n_embd", cfg.get("n_embd"), "hidden", model.hidden),
-                ("n_layer", cfg.get("n_layer"), "layers", model.layers),
-                ("n_head", cfg.get("n_head"), "heads", model.heads),
-                ("n_inner", cfg.get("n_inner") or 4 * (cfg.get("n_embd") or 0), "ffn", model.ffn_width),
-                ("vocab_size", cfg.get("vocab_size"), "vocab", model.vocab),
-                ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), "norm_eps", model.norm_eps),
-                ("tie_word_embeddings", cfg.get("tie_word_embeddings", True), "tie_embeddings", model.tie_embeddings),
-                ("biases", True, "bias", model.bias), ("key/value heads", cfg.get("n_head"), "kv_heads", model.kv_heads_n),
-                ("norm", "layernorm", "norm", model.norm.value),
-                ("position", "learned", "position", model.position.value), ("mlp", "gelu", "mlp", model.mlp.value)]
+        return [
+            ("n_embd", cfg.get("n_embd"), "hidden", model.hidden),
+            ("n_layer", cfg.get("n_layer"), "layers", model.layers),
+            ("n_head", cfg.get("n_head"), "heads", model.heads),
+            ("n_inner", cfg.get("n_inner") or 4 * (cfg.get("n_embd") or 0), "ffn", model.ffn_width),
+            ("vocab_size", cfg.get("vocab_size"), "vocab", model.vocab),
+            ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), "norm_eps", model.norm_eps),
+            ("tie_word_embeddings", cfg.get("tie_word_embeddings", True), "tie_embeddings", model.tie_embeddings),
+            ("biases", True, "bias", model.bias),
+            ("key/value heads", cfg.get("n_head"), "kv_heads", model.kv_heads_n),
+            ("norm", "layernorm", "norm", model.norm.value),
+            ("position", "learned", "position", model.position.value),
+            ("mlp", "gelu", "mlp", model.mlp.value),
+        ]
     return []
 
 
@@ -141,20 +179,34 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 def _unsupported(cfg: dict) -> tuple[str, Any, str] | None:
     """The first config.json field whose value our model cannot compute: (field, value, what is supported)."""
     if cfg.get("quantization_config") is not None:
-        method = (cfg["quantization_config"] or {}).get("quant_method", "?") if isinstance(
-            cfg["quantization_config"], dict) else "?"
-        return ("quantization_config.quant_method", method, "only unquantized float weights: save the model "
-                "dequantized")
+        method = (
+            (cfg["quantization_config"] or {}).get("quant_method", "?")
+            if isinstance(cfg["quantization_config"], dict)
+            else "?"
+        )
+        return (
+            "quantization_config.quant_method",
+            method,
+            "only unquantized float weights: save the model dequantized",
+        )
     if cfg["model_type"] == LLAMA:
         hidden, heads = cfg.get("hidden_size"), cfg.get("num_attention_heads")
         act = cfg.get("hidden_act", "silu")
         if act not in SILU:
             return "hidden_act", act, "only 'silu': [model] mlp 'swiglu' gates with silu"
         head_dim = cfg.get("head_dim")
-        if head_dim is not None and isinstance(hidden, int) and isinstance(heads, int) and heads > 0 \
-                and head_dim != hidden // heads:
-            return ("head_dim", head_dim, f"only hidden_size / num_attention_heads = {hidden // heads}: "
-                    "[model] has no head size of its own")
+        if (
+            head_dim is not None
+            and isinstance(hidden, int)
+            and isinstance(heads, int)
+            and heads > 0
+            and head_dim != hidden // heads
+        ):
+            return (
+                "head_dim",
+                head_dim,
+                f"only hidden_size / num_attention_heads = {hidden // heads}: [model] has no head size of its own",
+            )
         for key in ("rope_parameters", "rope_scaling"):
             rope = cfg.get(key)
             if isinstance(rope, dict):
@@ -164,12 +216,20 @@ def _unsupported(cfg: dict) -> tuple[str, Any, str] | None:
             elif rope is not None:
                 return key, rope, "only the default RoPE: no scaling"
         if cfg.get("attention_bias", False) != cfg.get("mlp_bias", False):
-            return ("attention_bias", cfg.get("attention_bias", False), f"only equal to mlp_bias "
-                    f"({_toml(cfg.get('mlp_bias', False))}): model.bias puts biases on every projection or none")
+            return (
+                "attention_bias",
+                cfg.get("attention_bias", False),
+                f"only equal to mlp_bias "
+                f"({_toml(cfg.get('mlp_bias', False))}): model.bias puts biases on every projection or none",
+            )
         return None
     act = cfg.get("activation_function", "gelu_new")
     if act not in GELU_TANH:
-        return "activation_function", act, "only 'gelu_new' or 'gelu_pytorch_tanh': [model] mlp 'gelu' is GELU's tanh form"
+        return (
+            "activation_function",
+            act,
+            "only 'gelu_new' or 'gelu_pytorch_tanh': [model] mlp 'gelu' is GELU's tanh form",
+        )
     if not cfg.get("scale_attn_weights", True):
         return "scale_attn_weights", False, "only true: scores divided by sqrt(head size)"
     if cfg.get("scale_attn_by_inverse_layer_idx", False):
@@ -192,25 +252,42 @@ def check_config(layout: Layout) -> None:
         raise LayoutError(f, "model.init_from", f"{folder / CONFIG} is not JSON ({e}) ({fix})") from None
     if not isinstance(cfg, dict) or cfg.get("model_type") not in (LLAMA, GPT2):
         kind = cfg.get("model_type") if isinstance(cfg, dict) else None
-        raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: model_type {kind!r} is not 'llama' or 'gpt2' "
-                          "(only those two architectures can be loaded)")
+        raise LayoutError(
+            f,
+            "model.init_from",
+            f"{folder / CONFIG}: model_type {kind!r} is not 'llama' or 'gpt2' "
+            "(only those two architectures can be loaded)",
+        )
     if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
-        raise LayoutError(f, "model.init_from", f"'{folder}' has no {WEIGHTS} (save the model with safetensors: "
-                          "model.save_pretrained(dir, safe_serialization=True))")
+        raise LayoutError(
+            f,
+            "model.init_from",
+            f"'{folder}' has no {WEIGHTS} (save the model with safetensors: "
+            "model.save_pretrained(dir, safe_serialization=True))",
+        )
     refused = _unsupported(cfg)
     if refused:
         field, value, supported = refused
-        raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: {field} {_toml(value)} is not supported "
-                          f"({supported})")
+        raise LayoutError(
+            f, "model.init_from", f"{folder / CONFIG}: {field} {_toml(value)} is not supported ({supported})"
+        )
     if cfg["model_type"] == GPT2 and cfg.get("n_positions", 0) < model.seq_len:
-        raise LayoutError(f, "model.init_from", f"{folder / CONFIG}: n_positions {cfg.get('n_positions')} is shorter "
-                          f"than model.seq_len {model.seq_len} (set model.seq_len <= {cfg.get('n_positions')})")
+        raise LayoutError(
+            f,
+            "model.init_from",
+            f"{folder / CONFIG}: n_positions {cfg.get('n_positions')} is shorter "
+            f"than model.seq_len {model.seq_len} (set model.seq_len <= {cfg.get('n_positions')})",
+        )
     for key, theirs, ours_key, ours in _expected(cfg, model):
         same = abs(theirs - ours) <= 1e-9 * abs(ours) if isinstance(ours, float) else theirs == ours
         if not same:
-            raise LayoutError(f, "model.init_from", f"{folder / CONFIG} is a {cfg['model_type']} model with {key} "
-                              f"{_toml(theirs)} but model.{ours_key} is {_toml(ours)} "
-                              f"(set model.{ours_key} = {_toml(theirs)})")
+            raise LayoutError(
+                f,
+                "model.init_from",
+                f"{folder / CONFIG} is a {cfg['model_type']} model with {key} "
+                f"{_toml(theirs)} but model.{ours_key} is {_toml(ours)} "
+                f"(set model.{ours_key} = {_toml(theirs)})",
+            )
     _check_shapes(layout, cfg)
 
 
@@ -238,14 +315,30 @@ def weight_sources(model: ModelSpec) -> dict[str, Source]:
         out["final_norm.weight"] = Source("model.norm.weight")
         if not model.tie_embeddings:
             out["lm_head.weight"] = Source("lm_head.weight")
-        names = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
-                 "attn.wq": "self_attn.q_proj.weight", "attn.wk": "self_attn.k_proj.weight",
-                 "attn.wv": "self_attn.v_proj.weight", "attn.wo": "self_attn.o_proj.weight",
-                 "mlp.w1": "mlp.gate_proj.weight", "mlp.w3": "mlp.up_proj.weight", "mlp.w2": "mlp.down_proj.weight",
-                 "attn.bq": "self_attn.q_proj.bias", "attn.bk": "self_attn.k_proj.bias",
-                 "attn.bv": "self_attn.v_proj.bias", "attn.bo": "self_attn.o_proj.bias",
-                 "mlp.b1": "mlp.gate_proj.bias", "mlp.b3": "mlp.up_proj.bias", "mlp.b2": "mlp.down_proj.bias"}
-        rope = {"attn.wq": model.heads, "attn.bq": model.heads, "attn.wk": model.kv_heads_n, "attn.bk": model.kv_heads_n}
+        names = {
+            "attn_norm.weight": "input_layernorm.weight",
+            "mlp_norm.weight": "post_attention_layernorm.weight",
+            "attn.wq": "self_attn.q_proj.weight",
+            "attn.wk": "self_attn.k_proj.weight",
+            "attn.wv": "self_attn.v_proj.weight",
+            "attn.wo": "self_attn.o_proj.weight",
+            "mlp.w1": "mlp.gate_proj.weight",
+            "mlp.w3": "mlp.up_proj.weight",
+            "mlp.w2": "mlp.down_proj.weight",
+            "attn.bq": "self_attn.q_proj.bias",
+            "attn.bk": "self_attn.k_proj.bias",
+            "attn.bv": "self_attn.v_proj.bias",
+            "attn.bo": "self_attn.o_proj.bias",
+            "mlp.b1": "mlp.gate_proj.bias",
+            "mlp.b3": "mlp.up_proj.bias",
+            "mlp.b2": "mlp.down_proj.bias",
+        }
+        rope = {
+            "attn.wq": model.heads,
+            "attn.bq": model.heads,
+            "attn.wk": model.kv_heads_n,
+            "attn.bk": model.kv_heads_n,
+        }
         for i in range(model.layers):
             for ours, theirs in names.items():
                 if ours.split(".")[-1] in BIAS_OF.values() and not model.bias:
@@ -294,15 +387,19 @@ def _to_hf_order(rows, heads: int):
 # Export: full parameters -> a directory transformers loads
 
 
-def export(params: dict, model: ModelSpec, out_dir: str | os.PathLike, eos_token_id: int | None = None,
-           extra_files: dict[str, bytes] | None = None) -> Path:
+def export(
+    params: dict,
+    model: ModelSpec,
+    out_dir: str | os.PathLike,
+    eos_token_id: int | None = None,
+    extra_files: dict[str, bytes] | None = None,
+) -> Path:
     """Write ``config.json`` + ``model.safetensors`` of the full parameters ``params`` into ``out_dir``.
 
     Every file is written to a temporary name and renamed, so a crash leaves no half-written model file.
     """
     import torch
     from safetensors.torch import save
-
 
     shapes = {info.name: info.shape for info in all_params(attrs.evolve(model, bias=True))}
     tensors: dict[str, torch.Tensor] = {}
@@ -345,8 +442,8 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 def _gpt2_key(key: str, available: dict[str, Path]) -> str:
     """GPT-2 files saved from GPT2Model (the hub's) have no 'transformer.' prefix."""
-    if key not in available and key.startswith("transformer.") and key[len("transformer."):] in available:
-        return key[len("transformer."):]
+    if key not in available and key.startswith("transformer.") and key[len("transformer.") :] in available:
+        return key[len("transformer.") :]
     return key
 
 
@@ -385,27 +482,42 @@ def _check_shapes(layout: Layout, cfg: dict) -> None:
     fix = "save the model again with save_pretrained"
     try:
         if (folder / WEIGHTS_INDEX).is_file():
-            where = {key: folder / name for key, name in json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].items()}
+            where = {
+                key: folder / name
+                for key, name in json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].items()
+            }
         else:
             where = dict.fromkeys(_header(folder / WEIGHTS), folder / WEIGHTS)
         headers = {path: _header(path) for path in set(where.values())}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         bad = folder / (WEIGHTS_INDEX if (folder / WEIGHTS_INDEX).is_file() else WEIGHTS)
-        raise LayoutError(f, "model.init_from", f"{bad} is not a safetensors model ({type(e).__name__}: {e}) "
-                          f"({fix})") from None
+        raise LayoutError(
+            f, "model.init_from", f"{bad} is not a safetensors model ({type(e).__name__}: {e}) ({fix})"
+        ) from None
     for key, shape in hf_shapes(model, cfg).items():
         key = _gpt2_key(key, where)
         if key not in where or key not in headers[where[key]]:
-            raise LayoutError(f, "model.init_from", f"{folder / WEIGHTS}: no tensor '{key}', which config.json's "
-                              f"{cfg['model_type']} model has ({fix})")
+            raise LayoutError(
+                f,
+                "model.init_from",
+                f"{folder / WEIGHTS}: no tensor '{key}', which config.json's {cfg['model_type']} model has ({fix})",
+            )
         entry = headers[where[key]][key]
         got = tuple(entry.get("shape", ()))
         if entry.get("dtype") not in FLOAT_DTYPES:
-            raise LayoutError(f, "model.init_from", f"{where[key]}: tensor '{key}' is {entry.get('dtype')}, not a float "
-                              f"({', '.join(FLOAT_DTYPES)}) (give unquantized weights)")
+            raise LayoutError(
+                f,
+                "model.init_from",
+                f"{where[key]}: tensor '{key}' is {entry.get('dtype')}, not a float "
+                f"({', '.join(FLOAT_DTYPES)}) (give unquantized weights)",
+            )
         if got != shape:
-            raise LayoutError(f, "model.init_from", f"{where[key]}: tensor '{key}' has shape {list(got)} but "
-                              f"config.json gives it {list(shape)} (the weights are not those of config.json: {fix})")
+            raise LayoutError(
+                f,
+                "model.init_from",
+                f"{where[key]}: tensor '{key}' has shape {list(got)} but "
+                f"config.json gives it {list(shape)} (the weights are not those of config.json: {fix})",
+            )
 
 
 def check_weights(layout: Layout, values_per_read: int = 1 << 22) -> None:
@@ -423,7 +535,7 @@ def check_weights(layout: Layout, values_per_read: int = 1 << 22) -> None:
                 shape = view.get_shape()
                 rows = max(1, values_per_read // max(1, math.prod(shape[1:])))
                 for lo in range(0, shape[0], rows):
-                    _check_finite(view[lo:lo + rows], key, path, layout.file)
+                    _check_finite(view[lo : lo + rows], key, path, layout.file)
 
 
 def _check_finite(t, key: str, path: Path, file: str | None = None) -> None:
@@ -435,8 +547,11 @@ def _check_finite(t, key: str, path: Path, file: str | None = None) -> None:
         nan, inf = bool(torch.isnan(t).any()), bool(torch.isinf(t).any())
         what = "NaN and infinite values" if nan and inf else "NaN values" if nan else "infinite values"
         where = f"{path}: tensor '{key}'" if file else f"tensor '{key}'"
-        raise LayoutError(file or str(path), "model.init_from", f"{where} holds {what} (start from a model whose "
-                          "weights are all finite)")
+        raise LayoutError(
+            file or str(path),
+            "model.init_from",
+            f"{where} holds {what} (start from a model whose weights are all finite)",
+        )
 
 
 def load_shards(model: ModelSpec, shards: list[tuple[Any, int, int]]) -> dict[str, Any]:
@@ -454,8 +569,12 @@ def load_shards(model: ModelSpec, shards: list[tuple[Any, int, int]]) -> dict[st
             src = src_of[info.name]
             key = _gpt2_key(src.key, files)
             if key not in files:
-                raise LayoutError(str(folder / WEIGHTS), "model.init_from", f"{info.name} is not in the file (no "
-                                  f"tensor '{src.key}'): save the model again with save_pretrained")
+                raise LayoutError(
+                    str(folder / WEIGHTS),
+                    "model.init_from",
+                    f"{info.name} is not in the file (no "
+                    f"tensor '{src.key}'): save the model again with save_pretrained",
+                )
             path = files[key]
             if path not in handles:
                 handles[path] = safe_open(path, framework="pt").__enter__()
@@ -473,11 +592,11 @@ def _read(view, info, lo: int, hi: int, src: Source):
     if info.shard_dim is None:
         lo, hi = 0, info.shape[0]  # replicated: the whole tensor (embed.pos: the first seq_len rows)
     if len(info.shape) == 1:
-        part = view[src.offset + lo:src.offset + hi]
+        part = view[src.offset + lo : src.offset + hi]
     elif src.transpose:  # ours = theirs[:, offset:offset + rows].T
         if dim == 0:
-            return view[:, src.offset + lo:src.offset + hi].T
-        return view[lo:hi, src.offset:src.offset + info.shape[0]].T
+            return view[:, src.offset + lo : src.offset + hi].T
+        return view[lo:hi, src.offset : src.offset + info.shape[0]].T
     else:
         part = view[lo:hi] if dim == 0 else view[:, lo:hi]
     if src.rope_heads:  # TP shards whole heads, so the permutation stays inside the slice
@@ -488,6 +607,8 @@ def _read(view, info, lo: int, hi: int, src: Source):
 def check_export(model: ModelSpec, where: str, path: str) -> None:
     """Raise a located error when ``model`` has no Hugging Face architecture to export to."""
     if kind_of(model) is None:
-        raise LayoutError(where, path, f"{describe_model(model)} {NEITHER}: transformers has no class for it "
-                          "(train with one of those to export)")
-
+        raise LayoutError(
+            where,
+            path,
+            f"{describe_model(model)} {NEITHER}: transformers has no class for it (train with one of those to export)",
+        )

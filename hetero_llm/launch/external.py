@@ -18,8 +18,8 @@ from __future__ import annotations
 import math
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 import attrs
 
@@ -51,15 +51,20 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
 
     threads = environ.get("OMP_NUM_THREADS", "")
     if threads and not (threads.strip().isdigit() and int(threads) >= 1):
-        refuse("OMP_NUM_THREADS", "a whole number of CPU threads >= 1 (e.g. 4; unset it to share this host's "
-               "cores among its ranks)")
+        refuse(
+            "OMP_NUM_THREADS",
+            "a whole number of CPU threads >= 1 (e.g. 4; unset it to share this host's cores among its ranks)",
+        )
     if environ.get("HETERO_DEBUG", "") not in ("", "0", "1"):
         refuse("HETERO_DEBUG", "0 or 1 (1: a rank's unexpected error is raised with its traceback)")
     error_dir = environ.get("HETERO_ERROR_DIR", "")
     if error_dir and not os.path.isdir(error_dir):
         refuse("HETERO_ERROR_DIR", "an existing folder (hetero-launch sets it for the ranks it starts; unset it)")
-    for var, what in (("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"), ("HETERO_LLM_CACHE", "token caches"),
-                      ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks")):
+    for var, what in (
+        ("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"),
+        ("HETERO_LLM_CACHE", "token caches"),
+        ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks"),
+    ):
         value = environ.get(var)
         given = value or (value is not None and var == "HETERO_SHM_DIR")  # empty: the default, but not for shm
         if given and (not os.path.isabs(value) or os.path.isfile(value)):
@@ -71,15 +76,22 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
         refuse("TORCHELASTIC_RESTART_COUNT", "a number of restarts (torchrun sets it; unset it outside torchrun)")
     address = environ.get("MASTER_ADDR", "")
     if address and host_address(address) is not None:
-        refuse("MASTER_ADDR", "a host name or an IP address (e.g. 10.0.0.1, without a port: that is MASTER_PORT; "
-               "or unset it to meet at the master node's host)")
+        refuse(
+            "MASTER_ADDR",
+            "a host name or an IP address (e.g. 10.0.0.1, without a port: that is MASTER_PORT; "
+            "or unset it to meet at the master node's host)",
+        )
     for var in EMULATION_EXAMPLES:
         for item in filter(None, environ.get(var, "").split(",")):
             who, sep, spec = item.partition(":")
             problem = _emulation_problem(var, who.strip(), sep, spec, world_size)
             if problem:
-                raise LayoutError(ENVIRONMENT, var, f"'{environ[var]}': {problem} (write RANK:VALUE entries "
-                                  f"separated by commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})")
+                raise LayoutError(
+                    ENVIRONMENT,
+                    var,
+                    f"'{environ[var]}': {problem} (write RANK:VALUE entries "
+                    f"separated by commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})",
+                )
 
 
 def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int) -> str | None:
@@ -145,8 +157,12 @@ def assigned(environ: Mapping[str, str]) -> Assigned | None:
             for var in (rank_var, world_var):
                 text = environ[var]
                 if not text.strip().isdigit():
-                    raise LayoutError("environment", var, f"'{text}' is not a number ({launcher} sets it; unset it, "
-                                      "or pass --rank R / --node NAME to choose what to start)")
+                    raise LayoutError(
+                        "environment",
+                        var,
+                        f"'{text}' is not a number ({launcher} sets it; unset it, "
+                        "or pass --rank R / --node NAME to choose what to start)",
+                    )
                 values.append(int(text))
             if launcher == "srun" and values[1] == 1:
                 return None  # a one-task step (an interactive shell in an allocation): start the node's ranks as usual
@@ -158,28 +174,41 @@ def check(plan: Plan, given: Assigned) -> None:
     """The launcher's world size is the layout's, and this machine is the host of the rank's node."""
     lay = plan.layout
     if given.world_size != plan.world_size:
-        raise LayoutError(lay.file, "pipelines", f"{given.launcher} started {given.world_size} processes "
-                          f"({given.world_var}={given.world_size}) but the layout has {plan.world_size} ranks; start "
-                          f"{plan.world_size} (--dry-run lists them by node)")
+        raise LayoutError(
+            lay.file,
+            "pipelines",
+            f"{given.launcher} started {given.world_size} processes "
+            f"({given.world_var}={given.world_size}) but the layout has {plan.world_size} ranks; start "
+            f"{plan.world_size} (--dry-run lists them by node)",
+        )
     if not 0 <= given.rank < plan.world_size:
-        raise LayoutError(lay.file, "pipelines", f"{given.launcher} gave this process rank {given.rank} "
-                          f"({given.rank_var}), not one of the layout's ranks 0..{plan.world_size - 1}")
+        raise LayoutError(
+            lay.file,
+            "pipelines",
+            f"{given.launcher} gave this process rank {given.rank} "
+            f"({given.rank_var}), not one of the layout's ranks 0..{plan.world_size - 1}",
+        )
     info = plan.ranks[given.rank]
     names = [n.name for n in lay.cluster.nodes]
     node = lay.cluster.node(info.node)
     if not is_local_host(node.host):
-        raise LayoutError(lay.file, f"cluster.nodes[{names.index(node.name)}].host", f"{given.launcher} started rank "
-                          f"{given.rank} ({given.rank_var}) on {socket.gethostname()}, but the layout puts it "
-                          f"({info.device_id}) on node {node.name}, host '{node.host}', which is not this machine; "
-                          f"give each node its machine's host, and start ranks so that each machine gets its nodes' "
-                          f"ranks (--dry-run lists them)")
+        raise LayoutError(
+            lay.file,
+            f"cluster.nodes[{names.index(node.name)}].host",
+            f"{given.launcher} started rank "
+            f"{given.rank} ({given.rank_var}) on {socket.gethostname()}, but the layout puts it "
+            f"({info.device_id}) on node {node.name}, host '{node.host}', which is not this machine; "
+            f"give each node its machine's host, and start ranks so that each machine gets its nodes' "
+            f"ranks (--dry-run lists them)",
+        )
 
 
 def resume_auto(checkpoint_dir: str | None, lay) -> str | None:
     """``--resume auto``: the newest complete save in ``--checkpoint DIR``, or None (start fresh)."""
     if not checkpoint_dir:
-        raise LayoutError(lay.file, "--resume", "auto needs --checkpoint DIR (the folder it resumes from and "
-                          "saves into)")
+        raise LayoutError(
+            lay.file, "--resume", "auto needs --checkpoint DIR (the folder it resumes from and saves into)"
+        )
     root = Path(checkpoint_dir)
     saves = root.glob(f"{checkpoint.STEP_PREFIX}*/{checkpoint.META}") if root.is_dir() else ()
     if not any(saves):  # no complete save yet (none, or only interrupted ones): a fresh start

@@ -10,19 +10,23 @@ import subprocess
 import attrs
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.model.params import (all_params, count_params, embedding_params, head_params, layer_params,  # noqa: F401
-                                     shard_range, stage_params)
+from hetero_llm.model.params import embedding_params, head_params, layer_params
 from hetero_llm.plan import Plan
 
-
-
-MEMORY_RULE = ("estimate: 8 B per token id of the step's batch on every rank, 16 B per parameter of a rank for "
-               "weights, gradients and AdamW moments (ZeRO-1: their share), and one microbatch's activations at 4 B "
-               "per position, layer and hidden unit plus its logits; the key named is the one that fits with the "
-               "smallest change")
+MEMORY_RULE = (
+    "estimate: 8 B per token id of the step's batch on every rank, 16 B per parameter of a rank for "
+    "weights, gradients and AdamW moments (ZeRO-1: their share), and one microbatch's activations at 4 B "
+    "per position, layer and hidden unit plus its logits; the key named is the one that fits with the "
+    "smallest change"
+)
 # The key that drives each part of the estimate: named when no one key can be made small enough alone
-MEMORY_KEYS = {"tokens": "train.global_batch", "activations": "train.global_batch", "blocks": "model.hidden",
-               "embeddings": "model.vocab", "logits": "model.vocab"}
+MEMORY_KEYS = {
+    "tokens": "train.global_batch",
+    "activations": "train.global_batch",
+    "blocks": "model.hidden",
+    "embeddings": "model.vocab",
+    "logits": "model.vocab",
+}
 
 
 def memory_parts(plan: Plan, rank: int, model=None, global_batch: int | None = None) -> dict[str, int]:
@@ -108,8 +112,12 @@ def check_memory(plan: Plan, ranks: list[int], ram: int | None = None, device_me
             key = max(by_key, key=by_key.get)
         value, bound = bounds[key]
         fits = f"at most {bound} fits" if bound else "no value fits with the rest of the layout"
-        raise LayoutError(plan.layout.file, key, f"{value} needs an estimated {_gib(need)} of {where} for rank(s) "
-                          f"{', '.join(map(str, which))}, more than its {_gib(capacity)} ({fits}; {MEMORY_RULE})")
+        raise LayoutError(
+            plan.layout.file,
+            key,
+            f"{value} needs an estimated {_gib(need)} of {where} for rank(s) "
+            f"{', '.join(map(str, which))}, more than its {_gib(capacity)} ({fits}; {MEMORY_RULE})",
+        )
 
 
 MEMORY_CHOICES = ("train.global_batch", "model.seq_len", "model.vocab", "model.hidden")

@@ -83,14 +83,20 @@ def local_ranks(plan: Plan, node: str | None) -> list[int]:
     else:
         nodes = {n.name for n in lay.cluster.nodes if is_local_host(n.host)}
         if not nodes:
-            raise LayoutError(lay.file, "cluster.nodes", "no node's host is an address of this machine "
-                              "(pass --node NAME or --rank R to choose what to start here)")
+            raise LayoutError(
+                lay.file,
+                "cluster.nodes",
+                "no node's host is an address of this machine "
+                "(pass --node NAME or --rank R to choose what to start here)",
+            )
     return [r.rank for r in plan.ranks if r.node in nodes]
 
 
 def check_rank(plan: Plan, rank: int) -> None:
     if not 0 <= rank < plan.world_size:
-        raise LayoutError(plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})")
+        raise LayoutError(
+            plan.layout.file, "--rank", f"rank {rank} is not in this layout (ranks 0..{plan.world_size - 1})"
+        )
 
 
 def _die_with_parent() -> None:  # runs in the forked child
@@ -187,9 +193,11 @@ def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]
     late = sorted(r for r, t in since.items() if now - t > 2 * limit)
     if late:
         info = plan.ranks[late[0]]
-        raise RankFailure(f"rank {late[0]} ({info.device_id}) stopped responding: its process has been stopped "
-                          f"(SIGSTOP) for {now - since[late[0]]:.0f} s (twice cluster.timeout_s {limit:g}); "
-                          "stopped the other ranks")
+        raise RankFailure(
+            f"rank {late[0]} ({info.device_id}) stopped responding: its process has been stopped "
+            f"(SIGSTOP) for {now - since[late[0]]:.0f} s (twice cluster.timeout_s {limit:g}); "
+            "stopped the other ranks"
+        )
 
 
 def _rank_child(plan: Plan, rank: int, options: RunOptions, threads: int, errdir: Path) -> NoReturn:
@@ -267,8 +275,10 @@ def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
     tb = errdir / f"rank{first}.traceback"
     more = f" (traceback: {tb})" if tb.exists() else ""
     others = f"; {len(order) - 1} other rank(s) failed after it" if len(order) > 1 else ""
-    return RankFailure(f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
-                       f"{causes[first]}{more}{others}; stopped the other ranks")
+    return RankFailure(
+        f"rank {first} ({info.device_id}, pipeline {info.pipeline} stage {info.stage}) failed: "
+        f"{causes[first]}{more}{others}; stopped the other ranks"
+    )
 
 
 def _terminate(procs: list[_Child], grace_s: float) -> None:
@@ -298,17 +308,17 @@ def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         if os.environ.get("HETERO_DEBUG", "0") not in ("", "0"):
             raise
         info = plan.ranks[rank]
-        raise RankFailure(f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
-                          f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]) from None
+        raise RankFailure(
+            f"rank {rank} ({info.device_id}) failed: {type(e).__name__}: {e} "
+            f"(HETERO_DEBUG=1 shows the traceback)".splitlines()[0]
+        ) from None
 
 
 def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
     import torch  # torch-free until here: --dry-run and planning never import it
 
-    from hetero_llm.comm import groups
-    from hetero_llm.comm import heartbeat
-    from hetero_llm.comm import shm
+    from hetero_llm.comm import groups, heartbeat, shm
     from hetero_llm.predict import trace as tracing
     from hetero_llm.train.loop import train
 
@@ -335,9 +345,18 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
             with heartbeat.Heartbeat(rp, give_up):
-                train(rp, comms, metrics_path=options.metrics_jsonl, checkpoint_dir=options.checkpoint,
-                      checkpoint_every=options.checkpoint_every, resume=options.resume, trace=events,
-                      quiet=options.quiet, tensorboard=options.tensorboard, switcher=_switcher(plan, rank))
+                train(
+                    rp,
+                    comms,
+                    metrics_path=options.metrics_jsonl,
+                    checkpoint_dir=options.checkpoint,
+                    checkpoint_every=options.checkpoint_every,
+                    resume=options.resume,
+                    trace=events,
+                    quiet=options.quiet,
+                    tensorboard=options.tensorboard,
+                    switcher=_switcher(plan, rank),
+                )
         finally:
             if events is not None:
                 events.close()
@@ -360,10 +379,12 @@ def _switcher(plan: Plan, rank: int):
 
 def _gave_up(rank: int):
     """How the heartbeat thread reports that this rank gives up on a stopped peer (then it exits)."""
+
     def report(cause: str) -> None:
         _report_rank_error(rank, RankFailure(cause))
         if not os.environ.get("HETERO_ERROR_DIR"):  # no launcher to print it
             sys.stderr.write(f"error: {cause}\n")
+
     return report
 
 

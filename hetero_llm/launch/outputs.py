@@ -26,30 +26,54 @@ STEP_FOLDER = re.compile(re.escape(checkpoint_mod.STEP_PREFIX) + r"\d+")
 TRACE_FILE = re.compile(r"rank\d+\.jsonl?(\.tmp)?")  # the rank files trace.py writes (and wrote before streaming)
 SAVE_FILE = re.compile(r"(rank\d+\.pt|meta\.json)(\.tmp)?")  # the files of a step folder (checkpoint.py)
 # The files an output folder's flag writes directly in it (--checkpoint: see _writes); what a link there would redirect.
-FOLDER_FILES = {"--trace": TRACE_FILE,
-                "--tensorboard": re.compile(r"events\.out\.tfevents\..*"),  # SummaryWriter's event files
-                "--hf": re.compile(r"(config\.json|model\.safetensors|tokenizer(_config)?\.json)(\.tmp)?")}  # hf.export
+FOLDER_FILES = {
+    "--trace": TRACE_FILE,
+    "--tensorboard": re.compile(r"events\.out\.tfevents\..*"),  # SummaryWriter's event files
+    "--hf": re.compile(r"(config\.json|model\.safetensors|tokenizer(_config)?\.json)(\.tmp)?"),
+}  # hf.export
 
 
-def check_run_paths(layout: Layout, metrics: str | None, checkpoint: str | None, trace: str | None,
-                    resume: str | None, tensorboard: str | None = None) -> None:
+def check_run_paths(
+    layout: Layout,
+    metrics: str | None,
+    checkpoint: str | None,
+    trace: str | None,
+    resume: str | None,
+    tensorboard: str | None = None,
+) -> None:
     """Raise a located ``LayoutError`` for the first output that cannot be written, would overwrite an input
     (any file or folder the layout reads: ``layout_inputs``) or would write through a symbolic link."""
     if resume and Path(resume).exists() and not Path(resume).is_dir():
         raise CheckpointError(resume, "--resume", f"is a file, not a folder ({checkpoint_mod.FIX})")
-    outputs = [(flag, path, folder) for flag, path, folder in (("--metrics-jsonl", metrics, False),
-                                                               ("--checkpoint", checkpoint, True),
-                                                               ("--trace", trace, True),
-                                                               ("--tensorboard", tensorboard, True)) if path]
+    outputs = [
+        (flag, path, folder)
+        for flag, path, folder in (
+            ("--metrics-jsonl", metrics, False),
+            ("--checkpoint", checkpoint, True),
+            ("--trace", trace, True),
+            ("--tensorboard", tensorboard, True),
+        )
+        if path
+    ]
     for flag, path, folder in outputs:
         _check_kind(flag, path, folder)
     inputs = layout_inputs(layout)
     for flag, path, _ in outputs:
         _check_inputs(flag, path, inputs)
-    if metrics and resume and (_writes("--checkpoint", resume, metrics) or  # a file of a save under a root
-                               _inside(metrics, resume) and STEP_FOLDER.fullmatch(Path(resume).resolve().name)):
-        raise LayoutError(metrics, "--metrics-jsonl", f"is a file of the --resume checkpoint '{resume}' (an input "
-                          "of this run; give another path)")
+    if (
+        metrics
+        and resume
+        and (
+            _writes("--checkpoint", resume, metrics)  # a file of a save under a root
+            or _inside(metrics, resume)
+            and STEP_FOLDER.fullmatch(Path(resume).resolve().name)
+        )
+    ):
+        raise LayoutError(
+            metrics,
+            "--metrics-jsonl",
+            f"is a file of the --resume checkpoint '{resume}' (an input of this run; give another path)",
+        )
     for flag, path, _ in outputs:
         if flag != "--metrics-jsonl" and metrics and _writes(flag, path, metrics):
             raise LayoutError(metrics, "--metrics-jsonl", f"is a file that {flag} {path} writes (give another path)")
@@ -91,19 +115,27 @@ def layout_inputs(layout: Layout) -> list[tuple[str, str]]:
     """Every file and folder a run of ``layout`` reads, as (its key, its path): the layout file, [data]'s files,
     model.init_from and every schedule file (of [[pipelines]] and of each bucket's)."""
     found = [("the layout file", layout.file), *spec_inputs(layout.model, layout.data)]
-    found += [(f"pipelines[{i}].schedule_file", p.schedule_file) for i, p in enumerate(layout.pipelines)
-              if p.schedule_file]
-    found += [(f"buckets[{b}].pipelines[{i}].schedule_file", p.schedule_file)
-              for b, bucket in enumerate(layout.buckets) for i, p in enumerate(bucket.pipelines) if p.schedule_file]
+    found += [
+        (f"pipelines[{i}].schedule_file", p.schedule_file) for i, p in enumerate(layout.pipelines) if p.schedule_file
+    ]
+    found += [
+        (f"buckets[{b}].pipelines[{i}].schedule_file", p.schedule_file)
+        for b, bucket in enumerate(layout.buckets)
+        for i, p in enumerate(bucket.pipelines)
+        if p.schedule_file
+    ]
     return found
 
 
 def spec_inputs(model, data, base: str | os.PathLike = "") -> list[tuple[str, str]]:
     """The paths a [model] and [data] read (data.path, valid_path, tokenizer; model.init_from, a folder), taken
     relative to ``base`` (a layout's are already resolved; a cluster file's are relative to its folder)."""
-    paths = [("data.path", data.path), ("data.valid_path", data.valid_path),
-             ("data.tokenizer", data.tokenizer if data.tokenizer != "bytes" else ""),
-             ("model.init_from", model.init_from)]
+    paths = [
+        ("data.path", data.path),
+        ("data.valid_path", data.valid_path),
+        ("data.tokenizer", data.tokenizer if data.tokenizer != "bytes" else ""),
+        ("model.init_from", model.init_from),
+    ]
     return [(key, str(Path(base) / path)) for key, path in paths if path]
 
 
@@ -156,25 +188,40 @@ def _check_links(flag: str, path: str, folder: bool) -> None:
     """Writes never follow a symbolic link they did not make: not the output itself, nor any file it writes in
     its folder (a planted DIR/rank0.jsonl, a step folder DIR/step-000005 or DIR/latest that is a link)."""
     if os.path.islink(path):
-        raise LayoutError(path, flag, f"is a symbolic link to '{os.readlink(path)}' (writes never follow one: give "
-                          "the path it points to, or remove the link)")
+        raise LayoutError(
+            path,
+            flag,
+            f"is a symbolic link to '{os.readlink(path)}' (writes never follow one: give "
+            "the path it points to, or remove the link)",
+        )
     if not folder or not os.path.isdir(path):
         return
     written = [entry for entry in sorted(Path(path).iterdir()) if _written_name(flag, entry.name)]
     if flag == "--checkpoint":  # and the files of its step folders
-        written += [file for entry in written if STEP_FOLDER.fullmatch(entry.name) and not entry.is_symlink()
-                    and entry.is_dir() for file in sorted(entry.iterdir()) if SAVE_FILE.fullmatch(file.name)]
+        written += [
+            file
+            for entry in written
+            if STEP_FOLDER.fullmatch(entry.name) and not entry.is_symlink() and entry.is_dir()
+            for file in sorted(entry.iterdir())
+            if SAVE_FILE.fullmatch(file.name)
+        ]
     for entry in written:
         if entry.is_symlink():
-            raise LayoutError(str(entry), flag, f"is a symbolic link to '{os.readlink(entry)}' in the folder {flag} "
-                              "writes into (writes never follow one: remove the link, or give another folder)")
+            raise LayoutError(
+                str(entry),
+                flag,
+                f"is a symbolic link to '{os.readlink(entry)}' in the folder {flag} "
+                "writes into (writes never follow one: remove the link, or give another folder)",
+            )
 
 
 def _written_name(flag: str, name: str) -> bool:
     """Whether the output folder of ``flag`` writes an entry ``name`` directly in it."""
     if flag == "--checkpoint":
-        return (name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + checkpoint_mod.TMP)
-                or STEP_FOLDER.fullmatch(name) is not None)
+        return (
+            name in (checkpoint_mod.LATEST, checkpoint_mod.LATEST + checkpoint_mod.TMP)
+            or STEP_FOLDER.fullmatch(name) is not None
+        )
     return FOLDER_FILES[flag].fullmatch(name) is not None
 
 

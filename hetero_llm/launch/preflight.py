@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -88,8 +88,16 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
         resume = str(ckpt.path)
     if req.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
-    options = launcher.RunOptions(tuple(req.overrides), req.metrics_jsonl, req.checkpoint, req.checkpoint_every,
-                                  resume, req.trace, req.quiet, req.tensorboard)
+    options = launcher.RunOptions(
+        tuple(req.overrides),
+        req.metrics_jsonl,
+        req.checkpoint,
+        req.checkpoint_every,
+        resume,
+        req.trace,
+        req.quiet,
+        req.tensorboard,
+    )
     return Prepared(lay, plan, rank, ranks, options)
 
 

@@ -24,25 +24,96 @@ from typing import Any
 
 import attrs
 
+from hetero_llm.errors import LayoutError
 from hetero_llm.layout import reader as layout_toml
 from hetero_llm.layout.cluster_file import read_cluster_file
-from hetero_llm.errors import LayoutError
 from hetero_llm.layout.rules import SPLIT_BACKWARD_NO_COMPILE, validate, validate_cluster
-from hetero_llm.layout.schema import (CROSS_DOMAIN, DEFAULT_TRANSPORT, MIN_TIMEOUT_S, NCCL_VARIABLES, P2P, SHM,
-                                      Backend, BucketSpec, ClusterSpec, CommLib, Compile, CrossDomainSpec,
-                                      DataKind, DataSpec, DomainKind, DomainSpec, Layout, Mlp, ModelSpec, NodeSpec,
-                                      Norm, Optimizer, Packing, PipelineSpec, Position, Precision, Recompute,
-                                      Schedule, StageSpec, TokenDtype, TrainSpec, bucket_layout,
-                                      elastic_layout)
+from hetero_llm.layout.schema import (
+    CROSS_DOMAIN,
+    DEFAULT_TRANSPORT,
+    MIN_TIMEOUT_S,
+    NCCL_VARIABLES,
+    P2P,
+    SHM,
+    Backend,
+    BucketSpec,
+    ClusterSpec,
+    CommLib,
+    Compile,
+    CrossDomainSpec,
+    DataKind,
+    DataSpec,
+    DomainKind,
+    DomainSpec,
+    Layout,
+    Mlp,
+    ModelSpec,
+    NodeSpec,
+    Norm,
+    Optimizer,
+    Packing,
+    PipelineSpec,
+    Position,
+    Precision,
+    Recompute,
+    Schedule,
+    StageSpec,
+    TokenDtype,
+    TrainSpec,
+    bucket_layout,
+    elastic_layout,
+)
 from hetero_llm.layout.writer import dump, dumps, dumps_cluster
 
 __all__ = [
-    "CROSS_DOMAIN", "DEFAULT_TRANSPORT", "MIN_TIMEOUT_S", "NCCL_VARIABLES", "P2P", "SHM", "SPLIT_BACKWARD_NO_COMPILE",
-    "Backend", "BucketSpec", "ClusterSpec", "CommLib", "Compile", "CrossDomainSpec", "DataKind", "DataSpec",
-    "DomainKind", "DomainSpec", "Layout", "LayoutError", "Mlp", "ModelSpec", "NodeSpec", "Norm", "Optimizer",
-    "Packing", "PipelineSpec", "Position", "Precision", "Recompute", "Schedule", "StageSpec", "TokenDtype",
-    "TrainSpec", "build", "bucket_layout", "dump", "dumps", "dumps_cluster", "elastic_layout", "from_dict", "load",
-    "loads", "model_from_dict", "read_cluster_file", "schema_markdown", "spec_dict", "validate", "validate_cluster",
+    "CROSS_DOMAIN",
+    "DEFAULT_TRANSPORT",
+    "MIN_TIMEOUT_S",
+    "NCCL_VARIABLES",
+    "P2P",
+    "SHM",
+    "SPLIT_BACKWARD_NO_COMPILE",
+    "Backend",
+    "BucketSpec",
+    "ClusterSpec",
+    "CommLib",
+    "Compile",
+    "CrossDomainSpec",
+    "DataKind",
+    "DataSpec",
+    "DomainKind",
+    "DomainSpec",
+    "Layout",
+    "LayoutError",
+    "Mlp",
+    "ModelSpec",
+    "NodeSpec",
+    "Norm",
+    "Optimizer",
+    "Packing",
+    "PipelineSpec",
+    "Position",
+    "Precision",
+    "Recompute",
+    "Schedule",
+    "StageSpec",
+    "TokenDtype",
+    "TrainSpec",
+    "build",
+    "bucket_layout",
+    "dump",
+    "dumps",
+    "dumps_cluster",
+    "elastic_layout",
+    "from_dict",
+    "load",
+    "loads",
+    "model_from_dict",
+    "read_cluster_file",
+    "schema_markdown",
+    "spec_dict",
+    "validate",
+    "validate_cluster",
 ]
 
 build = layout_toml.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
@@ -82,11 +153,18 @@ def model_from_dict(table: dict, file: str) -> ModelSpec:
 def schema_markdown() -> str:
     """Every layout key with its default and meaning, for docs/layout.md."""
     rows = []
-    for section, cls in [("model", ModelSpec), ("train", TrainSpec), ("data", DataSpec), ("cluster", ClusterSpec),
-                         ("cluster.nodes[]", NodeSpec), ("cluster.domains[]", DomainSpec),
-                         ("cluster.cross_domain", CrossDomainSpec),
-                         ("pipelines[]", PipelineSpec), ("pipelines[].stages[]", StageSpec),
-                         ("buckets[]", BucketSpec)]:
+    for section, cls in [
+        ("model", ModelSpec),
+        ("train", TrainSpec),
+        ("data", DataSpec),
+        ("cluster", ClusterSpec),
+        ("cluster.nodes[]", NodeSpec),
+        ("cluster.domains[]", DomainSpec),
+        ("cluster.cross_domain", CrossDomainSpec),
+        ("pipelines[]", PipelineSpec),
+        ("pipelines[].stages[]", StageSpec),
+        ("buckets[]", BucketSpec),
+    ]:
         for fl in attrs.fields(cls):
             default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
             kind = layout_toml.shape(cls, fl)[0]

@@ -6,13 +6,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from hetero_llm.layout import reader as layout_toml
 from hetero_llm.errors import LayoutError
+from hetero_llm.layout import reader as layout_toml
 from hetero_llm.layout.rules import validate_cluster
 
 
-def read_cluster_file(path: str | os.PathLike, writer: str, extra: tuple[str, ...] = ()
-                      ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+def read_cluster_file(
+    path: str | os.PathLike, writer: str, extra: tuple[str, ...] = ()
+) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """A layout file without ``[[pipelines]]`` (the input of placement and the planner, named ``writer`` in the
     message that refuses pipelines): its text, raw TOML and typed sections, checked like a layout's cluster.
     ``extra``: sections the caller reads itself (e.g. the planner's ``[plan]``)."""
@@ -27,11 +28,16 @@ def read_cluster_file(path: str | os.PathLike, writer: str, extra: tuple[str, ..
     raw = layout_toml.parse(text, file)
     layout_toml.check_keys(raw, list(layout_toml.SECTIONS) + ["pipelines", *extra], "", file, what="section")
     if "pipelines" in raw:
-        raise LayoutError(file, "pipelines", f"the file already has [[pipelines]] ({writer} writes them: "
-                          "start from a copy without them)")
+        raise LayoutError(
+            file,
+            "pipelines",
+            f"the file already has [[pipelines]] ({writer} writes them: start from a copy without them)",
+        )
     for name in ("model", "train", "cluster"):
         if name not in raw:
             raise LayoutError(file, name, f"missing section (add a [{name}] section)")
-    sections = {name: layout_toml.build(cls, raw.get(name, {}), name, file) for name, cls in layout_toml.SECTIONS.items()}
+    sections = {
+        name: layout_toml.build(cls, raw.get(name, {}), name, file) for name, cls in layout_toml.SECTIONS.items()
+    }
     validate_cluster(file, sections["cluster"])
     return text, raw, sections

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from typing import Any, Callable, Optional, Tuple, Union
+from collections.abc import Callable
+from typing import Any
 
 import attrs
 
 # What a rule finds: nothing; a message about the field's value; or (suffix, message) about a part of it
 # (``[2]`` for an array entry, ``.NCCL_NET`` for a table key), the suffix extending the field's TOML path.
-Problem = Optional[Union[str, Tuple[str, str]]]
+Problem = str | tuple[str, str] | None
 Rule = Callable[[Any], Problem]
 
 
@@ -61,20 +62,24 @@ def at_most(maximum: int, why: str) -> Check:
 
 def each(rule: Rule) -> Rule:
     """``rule`` on every entry of an array, the failing entry named by its index."""
+
     def check(values: tuple) -> Problem:
         for i, v in enumerate(values):
             found = rule(v)
             if found is not None:
                 return (f"[{i}]", found) if isinstance(found, str) else (f"[{i}]" + found[0], found[1])
         return None
+
     return check
 
 
 NAME = Check(lambda v: re.fullmatch(r"[A-Za-z0-9_\-]+", v) is not None, "'{v}' must be letters, digits, '-' or '_'")
 
 _IFNAME = re.compile(r"[A-Za-z0-9_.:-]{1,15}")  # Linux interface names: at most 15 bytes, no '/' or spaces
-IFNAME = Check(lambda v: not v or _IFNAME.fullmatch(v) is not None,
-               "'{v}' is not a network interface name (at most 15 letters, digits, '_', '.', ':' or '-', e.g. 'eth0')")
+IFNAME = Check(
+    lambda v: not v or _IFNAME.fullmatch(v) is not None,
+    "'{v}' is not a network interface name (at most 15 letters, digits, '_', '.', ':' or '-', e.g. 'eth0')",
+)
 
 
 def nccl_net(nccl: tuple[tuple[str, str], ...]) -> Problem:
@@ -82,8 +87,10 @@ def nccl_net(nccl: tuple[tuple[str, str], ...]) -> Problem:
     env = dict(nccl)
     net = env.get("NCCL_NET")
     if net is not None and net.lower() not in ("ib", "socket") and "NCCL_NET_PLUGIN" not in env:
-        return ".NCCL_NET", (f"'{net}' is not one of NCCL's built-in nets 'IB' or 'Socket' "
-                             "(or set NCCL_NET_PLUGIN to the plugin that provides it)")
+        return ".NCCL_NET", (
+            f"'{net}' is not one of NCCL's built-in nets 'IB' or 'Socket' "
+            "(or set NCCL_NET_PLUGIN to the plugin that provides it)"
+        )
     return None
 
 
@@ -98,8 +105,10 @@ def host_address(value: str) -> Problem:
         pass
     address, sep, port = value.rpartition(":")
     if sep and port.isdigit():
-        return (f"'{value}' has a port in it (give the address alone, host = '{address.strip('[]')}'; "
-                "the rendezvous port is cluster.port)")
+        return (
+            f"'{value}' has a port in it (give the address alone, host = '{address.strip('[]')}'; "
+            "the rendezvous port is cluster.port)"
+        )
     if not re.fullmatch(r"[A-Za-z0-9]([A-Za-z0-9.\-_]*[A-Za-z0-9])?", value):
         return f"'{value}' is not a host name or an IP address (e.g. 'node1.cluster' or '10.0.0.1')"
     return None
@@ -107,5 +116,6 @@ def host_address(value: str) -> Problem:
 
 def no_repeated_gpu(devices: tuple[str, ...]) -> Problem:
     cuda = [d for d in devices if d != "cpu"]
-    return None if len(set(cuda)) == len(cuda) else \
-        f"a CUDA device is listed twice: {list(devices)} (list each GPU once)"
+    return (
+        None if len(set(cuda)) == len(cuda) else f"a CUDA device is listed twice: {list(devices)} (list each GPU once)"
+    )

@@ -16,19 +16,24 @@ import math
 import os
 import re
 import sys
+import tomllib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.9/3.10 only
-    import tomli as tomllib
-
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout.schema import (NCCL_VARIABLES, BucketSpec, ClusterSpec, DataSpec, Layout, ModelSpec,
-                                      PipelineSpec, TrainSpec)
+from hetero_llm.layout.schema import (
+    NCCL_VARIABLES,
+    BucketSpec,
+    ClusterSpec,
+    DataSpec,
+    Layout,
+    ModelSpec,
+    PipelineSpec,
+    TrainSpec,
+)
 
 SECTIONS = {"model": ModelSpec, "train": TrainSpec, "data": DataSpec, "cluster": ClusterSpec}
 ARRAYS = {"pipelines": PipelineSpec, "buckets": BucketSpec}  # top-level arrays of tables
@@ -40,22 +45,30 @@ def read(path: str | os.PathLike) -> dict:
     file = str(path)
     p = Path(path)
     if p.is_dir():
-        raise LayoutError(file, "", "is a folder, not a layout file (pass the path of a .toml layout, e.g. "
-                          "layouts/quickstart.toml)")
+        raise LayoutError(
+            file, "", "is a folder, not a layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+        )
     if not p.is_file():
-        raise LayoutError(file, "", "no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)")
+        raise LayoutError(
+            file, "", "no such layout file (pass the path of a .toml layout, e.g. layouts/quickstart.toml)"
+        )
     try:
         data = p.read_bytes()
     except OSError as e:
         raise LayoutError(file, "", f"cannot read the file: {e.strerror} (check its permissions)") from None
     if data.startswith(b"\xef\xbb\xbf"):
-        raise LayoutError(file, "", "starts with a UTF-8 byte order mark (BOM), which TOML does not allow "
-                          "(save the file as UTF-8 without BOM)")
+        raise LayoutError(
+            file,
+            "",
+            "starts with a UTF-8 byte order mark (BOM), which TOML does not allow (save the file as UTF-8 without BOM)",
+        )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[:e.start].count(b"\n") + 1
-        raise LayoutError(file, "", f"line {line} is not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise LayoutError(
+            file, "", f"line {line} is not UTF-8 text (save the file as UTF-8: TOML requires it)"
+        ) from None
     if not text.strip():
         raise LayoutError(file, "", "file is empty (start from layouts/quickstart.toml)")
     return parse(text, file)
@@ -84,8 +97,15 @@ def to_layout(raw: dict, file: str, base_dir: Path) -> Layout:
     if not isinstance(buckets, list) or not buckets and "buckets" in raw:
         raise LayoutError(file, "buckets", "expected one or more [[buckets]] tables")
     buckets = tuple(build(BucketSpec, t, f"buckets[{i}]", file) for i, t in enumerate(buckets))
-    layout = Layout(file=file, model=sections["model"], train=sections["train"], data=sections["data"],
-                    cluster=sections["cluster"], pipelines=pipelines, buckets=buckets)
+    layout = Layout(
+        file=file,
+        model=sections["model"],
+        train=sections["train"],
+        data=sections["data"],
+        cluster=sections["cluster"],
+        pipelines=pipelines,
+        buckets=buckets,
+    )
     return map_paths(layout, lambda p: str(base_dir / p))
 
 
@@ -93,6 +113,7 @@ def map_paths(layout: Layout, fn: Callable[[str], str]) -> Layout:
     """``layout`` with ``fn`` applied to every file path in it (the keys read relative to the layout file:
     model.init_from, data.path, data.tokenizer unless 'bytes', data.valid_path, every schedule_file), the
     ones left unset ('') untouched. The loader resolves them with it, the writer makes them relative again."""
+
     def pipes(pipelines: tuple[PipelineSpec, ...]) -> tuple[PipelineSpec, ...]:
         return tuple(attrs.evolve(p, schedule_file=fn(p.schedule_file)) if p.schedule_file else p for p in pipelines)
 
@@ -105,8 +126,13 @@ def map_paths(layout: Layout, fn: Callable[[str], str]) -> Layout:
         data = attrs.evolve(data, tokenizer=fn(data.tokenizer))
     if data.valid_path:
         data = attrs.evolve(data, valid_path=fn(data.valid_path))
-    return attrs.evolve(layout, model=model, data=data, pipelines=pipes(layout.pipelines),
-                        buckets=tuple(attrs.evolve(b, pipelines=pipes(b.pipelines)) for b in layout.buckets))
+    return attrs.evolve(
+        layout,
+        model=model,
+        data=data,
+        pipelines=pipes(layout.pipelines),
+        buckets=tuple(attrs.evolve(b, pipelines=pipes(b.pipelines)) for b in layout.buckets),
+    )
 
 
 def check_keys(table: dict, allowed: list[str], path: str, file: str, what: str = "key") -> None:
@@ -161,8 +187,11 @@ def build(cls: type, table: Any, path: str, file: str) -> Any:
             kwargs[f.name] = tuple(build(nested, t, f"{where}[{i}]", file) for i, t in enumerate(value))
         elif kind == "table":
             if isinstance(value, list):
-                raise LayoutError(file, where, f"expected one [{where}] table, got an array of tables "
-                                  f"(write [{where}] with single brackets)")
+                raise LayoutError(
+                    file,
+                    where,
+                    f"expected one [{where}] table, got an array of tables (write [{where}] with single brackets)",
+                )
             kwargs[f.name] = build(nested, value, where, file)
         elif kind == "nccl":
             kwargs[f.name] = _nccl_table(value, where, file)
@@ -176,8 +205,11 @@ def build(cls: type, table: Any, path: str, file: str) -> Any:
 def _nccl_table(value: Any, where: str, file: str) -> tuple[tuple[str, str], ...]:
     """An ``nccl`` table: known NCCL variable names, values as the text NCCL will read."""
     if not isinstance(value, dict):
-        raise LayoutError(file, where, f"expected a table of NCCL variables, got {type_name(value)} "
-                          "(e.g. nccl = { NCCL_IB_HCA = \"mlx5_0\" })")
+        raise LayoutError(
+            file,
+            where,
+            f'expected a table of NCCL variables, got {type_name(value)} (e.g. nccl = {{ NCCL_IB_HCA = "mlx5_0" }})',
+        )
     out = []
     for key, v in value.items():
         at = f"{where}.{key}"
@@ -188,8 +220,11 @@ def _nccl_table(value: Any, where: str, file: str) -> tuple[tuple[str, str], ...
             hint = f"did you mean '{close[0]}'?" if close else "docs/domains.md lists the accepted names"
             raise LayoutError(file, at, f"unknown NCCL variable '{key}' ({hint})")
         if isinstance(v, bool) or not isinstance(v, (str, int)):
-            raise LayoutError(file, at, f"expected a string or an integer, got {type_name(v)} "
-                              "(NCCL reads its variables as text, e.g. \"1\")")
+            raise LayoutError(
+                file,
+                at,
+                f'expected a string or an integer, got {type_name(v)} (NCCL reads its variables as text, e.g. "1")',
+            )
         if isinstance(v, str) and not v.strip():
             raise LayoutError(file, at, "is empty (remove it to keep NCCL's default)")
         out.append((key, str(v)))
@@ -197,19 +232,30 @@ def _nccl_table(value: Any, where: str, file: str) -> tuple[tuple[str, str], ...
 
 
 def type_name(v: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a float", str: "a string",
-            list: "an array", dict: "a table"}.get(type(v), type(v).__name__) + f" ({v!r})"
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a float",
+        str: "a string",
+        list: "an array",
+        dict: "a table",
+    }.get(type(v), type(v).__name__) + f" ({v!r})"
 
 
 def _enum(value: Any, enum_cls: type[enum.Enum], where: str, file: str) -> enum.Enum:
     choices = [m.value for m in enum_cls]
     if not isinstance(value, str):
-        raise LayoutError(file, where, f"expected a string, got {type_name(value)} (choose one of: {', '.join(choices)})")
+        raise LayoutError(
+            file, where, f"expected a string, got {type_name(value)} (choose one of: {', '.join(choices)})"
+        )
     if value not in choices:
         # case-insensitive first: "1F1B" and "GPipe" are the likeliest slips
         lowered = {c.lower(): c for c in choices}
-        close = [lowered[value.lower()]] if value.lower() in lowered else \
-            difflib.get_close_matches(value.lower(), choices, n=1)
+        close = (
+            [lowered[value.lower()]]
+            if value.lower() in lowered
+            else difflib.get_close_matches(value.lower(), choices, n=1)
+        )
         hint = f"did you mean '{close[0]}'? " if close else ""
         raise LayoutError(file, where, f"unknown value {value!r} ({hint}choose one of: {', '.join(choices)})")
     return enum_cls(value)
@@ -247,7 +293,11 @@ def _value(value: Any, annotation: str, where: str, file: str, checks: tuple = (
         return value
     if annotation == "tuple[str, ...]":
         if not isinstance(value, list):
-            raise LayoutError(file, where, f"expected an array of strings, got {type_name(value)} (put the values in [ ], each in quotes)")
+            raise LayoutError(
+                file,
+                where,
+                f"expected an array of strings, got {type_name(value)} (put the values in [ ], each in quotes)",
+            )
         for i, v in enumerate(value):
             if not isinstance(v, str):
                 raise LayoutError(file, f"{where}[{i}]", f"expected a string, got {type_name(v)} (put it in quotes)")

@@ -15,8 +15,18 @@ import re
 
 import attrs
 
-from hetero_llm.layout.fields import (IFNAME, NAME, Check, at_least, at_most, each, host_address, key, nccl_net,
-                                      no_repeated_gpu)
+from hetero_llm.layout.fields import (
+    IFNAME,
+    NAME,
+    Check,
+    at_least,
+    at_most,
+    each,
+    host_address,
+    key,
+    nccl_net,
+    no_repeated_gpu,
+)
 
 MAX_STEPS = 10**9  # train.steps and warmup_steps: more cannot finish
 STEPS_WHY = "a run of more steps cannot finish: 10^9 steps take 11.6 days even at 1 ms a step"
@@ -105,13 +115,37 @@ SHM = "shm"  # a stage-boundary group inside one node that moves its tensors thr
 # NCCL variables a domain may set: the network-selection ones Holmes-style domains need, plus common
 # tuning knobs. Anything else named NCCL_* is more likely a typo than a wish (did-you-mean).
 NCCL_VARIABLES = (
-    "NCCL_NET", "NCCL_NET_PLUGIN", "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_IB_ROCE_VERSION_NUM",
-    "NCCL_IB_TC", "NCCL_IB_SL", "NCCL_IB_TIMEOUT", "NCCL_IB_RETRY_CNT", "NCCL_IB_QPS_PER_CONNECTION",
-    "NCCL_IB_PCI_RELAXED_ORDERING", "NCCL_IB_ADAPTIVE_ROUTING", "NCCL_IB_DISABLE", "NCCL_IB_MERGE_NICS",
-    "NCCL_NET_GDR_LEVEL", "NCCL_NET_GDR_READ", "NCCL_SOCKET_IFNAME", "NCCL_SOCKET_FAMILY",
-    "NCCL_SOCKET_NTHREADS", "NCCL_NSOCKS_PERTHREAD", "NCCL_CROSS_NIC", "NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE",
-    "NCCL_ALGO", "NCCL_PROTO", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "NCCL_DEBUG",
-    "NCCL_DEBUG_SUBSYS", "NCCL_TOPO_FILE",
+    "NCCL_NET",
+    "NCCL_NET_PLUGIN",
+    "NCCL_IB_HCA",
+    "NCCL_IB_GID_INDEX",
+    "NCCL_IB_ROCE_VERSION_NUM",
+    "NCCL_IB_TC",
+    "NCCL_IB_SL",
+    "NCCL_IB_TIMEOUT",
+    "NCCL_IB_RETRY_CNT",
+    "NCCL_IB_QPS_PER_CONNECTION",
+    "NCCL_IB_PCI_RELAXED_ORDERING",
+    "NCCL_IB_ADAPTIVE_ROUTING",
+    "NCCL_IB_DISABLE",
+    "NCCL_IB_MERGE_NICS",
+    "NCCL_NET_GDR_LEVEL",
+    "NCCL_NET_GDR_READ",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_SOCKET_FAMILY",
+    "NCCL_SOCKET_NTHREADS",
+    "NCCL_NSOCKS_PERTHREAD",
+    "NCCL_CROSS_NIC",
+    "NCCL_P2P_DISABLE",
+    "NCCL_SHM_DISABLE",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_BUFFSIZE",
+    "NCCL_DEBUG",
+    "NCCL_DEBUG_SUBSYS",
+    "NCCL_TOPO_FILE",
 )
 
 MIN_TIMEOUT_S = 1.0  # below this, ranks started together time out before they can meet
@@ -119,14 +153,20 @@ MIN_TIMEOUT_S = 1.0  # below this, ranks started together time out before they c
 # Single-field rules used by more than one key, or too long to read inline.
 BETA = Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v} (AdamW's usual values: 0.9, 0.95)")
 OPTIONAL_MEASURE = Check(  # a bandwidth or latency that 0 leaves unset
-    lambda v: v >= 0, "must be >= 0 (0 = not given), got {v:g}")
+    lambda v: v >= 0, "must be >= 0 (0 = not given), got {v:g}"
+)
 NODE_HAS_DEVICES = Check(bool, 'a node needs at least one device (e.g. devices = ["cpu"])')
-LOCAL_DEVICE = Check(lambda v: re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", v) is not None,
-                     "unknown device '{v}' (use 'cpu' or 'cuda:N')")
-NOT_A_TRANSPORT = Check(lambda v: v not in (DEFAULT_TRANSPORT, CROSS_DOMAIN, SHM),
-                        "'{v}' is reserved (it names a group's transport; pick another name)")
-MEETING_TIME = Check(lambda v: v >= MIN_TIMEOUT_S, f"must be at least {MIN_TIMEOUT_S:g} s (the time ranks have to "
-                     "meet; the default is 60), got {v:g}")
+LOCAL_DEVICE = Check(
+    lambda v: re.fullmatch(r"cpu|cuda:(0|[1-9][0-9]*)", v) is not None, "unknown device '{v}' (use 'cpu' or 'cuda:N')"
+)
+NOT_A_TRANSPORT = Check(
+    lambda v: v not in (DEFAULT_TRANSPORT, CROSS_DOMAIN, SHM),
+    "'{v}' is reserved (it names a group's transport; pick another name)",
+)
+MEETING_TIME = Check(
+    lambda v: v >= MIN_TIMEOUT_S,
+    f"must be at least {MIN_TIMEOUT_S:g} s (the time ranks have to meet; the default is 60), got {{v:g}}",
+)
 
 
 class Precision(str, enum.Enum):
@@ -164,29 +204,41 @@ class ModelSpec:
     layers: int = key("number of transformer blocks", check=at_least(1))
     hidden: int = key("model width (channels)", check=at_least(1))
     heads: int = key("attention heads; TP sizes must divide it", check=at_least(1))
-    vocab: int = key("vocabulary size; >= the data's vocabulary (grammar: grammar_vocab; text: 256)",
-                     check=at_least(1))
+    vocab: int = key("vocabulary size; >= the data's vocabulary (grammar: grammar_vocab; text: 256)", check=at_least(1))
     seq_len: int = key("tokens per training sequence", check=at_least(1))
     ffn: int = key("MLP inner width; 0 means 4 * hidden", default=0, check=at_least(0))
     norm: Norm = key("'layernorm' (GPT) or 'rmsnorm' (Llama)", default=Norm.LAYERNORM)
     position: Position = key("'learned' absolute embeddings (GPT) or 'rope' (Llama)", default=Position.LEARNED)
     mlp: Mlp = key("'gelu' (GPT) or 'swiglu' (Llama)", default=Mlp.GELU)
     init_std: float = key("std of the normal init of weight matrices", default=0.02, check=at_least(0))
-    norm_eps: float = key("epsilon of every layernorm/rmsnorm (GPT-2: 1e-5; Llama: 1e-5 or 1e-6)", default=1e-5,
-                          check=Check(lambda v: v > 0, "must be > 0, got {v:g} (GPT-2 and Llama use 1e-5)"))
-    rope_theta: float = key("RoPE base: position p rotates pair j by p / rope_theta^(2j / head size) "
-                            "(Llama 2: 10000; Llama 3: 500000)", default=10000.0,
-                            check=Check(lambda v: v > 0, "must be > 0, got {v:g} (Llama 2 uses 10000)"))
-    kv_heads: int = key("key/value heads (grouped-query attention: each serves heads / kv_heads query heads); "
-                        "0 means heads (plain multi-head attention); TP sizes must divide it", default=0,
-                        check=Check(lambda v: v >= 0, "must be >= 0 (0 = heads), got {v}"))
-    tie_embeddings: bool = key("the output head reuses the token embedding (GPT-2); with pipelines the first "
-                               "and last stage each hold it and sum its gradient", default=False)
-    bias: bool = key("biases on the attention and MLP projections (GPT-2); norms keep theirs either way",
-                     default=False)
-    init_from: str = key("a local Hugging Face model directory (config.json + model.safetensors, Llama or "
-                         "GPT-2) to start from instead of the seeded init; relative to the layout file; "
-                         "its config must match this [model]", default="")
+    norm_eps: float = key(
+        "epsilon of every layernorm/rmsnorm (GPT-2: 1e-5; Llama: 1e-5 or 1e-6)",
+        default=1e-5,
+        check=Check(lambda v: v > 0, "must be > 0, got {v:g} (GPT-2 and Llama use 1e-5)"),
+    )
+    rope_theta: float = key(
+        "RoPE base: position p rotates pair j by p / rope_theta^(2j / head size) (Llama 2: 10000; Llama 3: 500000)",
+        default=10000.0,
+        check=Check(lambda v: v > 0, "must be > 0, got {v:g} (Llama 2 uses 10000)"),
+    )
+    kv_heads: int = key(
+        "key/value heads (grouped-query attention: each serves heads / kv_heads query heads); "
+        "0 means heads (plain multi-head attention); TP sizes must divide it",
+        default=0,
+        check=Check(lambda v: v >= 0, "must be >= 0 (0 = heads), got {v}"),
+    )
+    tie_embeddings: bool = key(
+        "the output head reuses the token embedding (GPT-2); with pipelines the first "
+        "and last stage each hold it and sum its gradient",
+        default=False,
+    )
+    bias: bool = key("biases on the attention and MLP projections (GPT-2); norms keep theirs either way", default=False)
+    init_from: str = key(
+        "a local Hugging Face model directory (config.json + model.safetensors, Llama or "
+        "GPT-2) to start from instead of the seeded init; relative to the layout file; "
+        "its config must match this [model]",
+        default="",
+    )
 
     @property
     def ffn_width(self) -> int:
@@ -209,81 +261,130 @@ class TrainSpec:
     steps: int = key("optimizer steps (at most 10^9)", check=(at_least(1), at_most(MAX_STEPS, STEPS_WHY)))
     global_batch: int = key("sequences per step, summed over pipelines", check=at_least(1))
     seed: int = key("seed of initialization and data order", default=0, check=at_least(0))
-    schedule: Schedule = key("'gpipe', '1f1b', 'interleaved' (with chunks), 'dynamic' (run what is ready), or "
-                             "'zbh1' (zero-bubble: each backward split into input and weight gradients, the "
-                             "weight gradients filling 1F1B's bubbles; keeps up to stages microbatches in "
-                             "flight on every stage)", default=Schedule.ONE_F_ONE_B)
-    chunks: int = key("model chunks (virtual stages) per rank for 'interleaved'; 1 otherwise", default=1,
-                      check=at_least(1))
+    schedule: Schedule = key(
+        "'gpipe', '1f1b', 'interleaved' (with chunks), 'dynamic' (run what is ready), or "
+        "'zbh1' (zero-bubble: each backward split into input and weight gradients, the "
+        "weight gradients filling 1F1B's bubbles; keeps up to stages microbatches in "
+        "flight on every stage)",
+        default=Schedule.ONE_F_ONE_B,
+    )
+    chunks: int = key(
+        "model chunks (virtual stages) per rank for 'interleaved'; 1 otherwise", default=1, check=at_least(1)
+    )
     lr: float = key("peak learning rate (after warmup)", default=1e-3, check=at_least(0))
     min_lr: float = key("learning rate at the end of the cosine decay", default=1e-4, check=at_least(0))
-    warmup_steps: int = key("linear warmup steps from 0 to lr", default=0,
-                            check=(at_least(0), at_most(MAX_STEPS, STEPS_WHY)))
+    warmup_steps: int = key(
+        "linear warmup steps from 0 to lr", default=0, check=(at_least(0), at_most(MAX_STEPS, STEPS_WHY))
+    )
     weight_decay: float = key("AdamW decoupled weight decay (matrices only)", default=0.0, check=at_least(0))
     beta1: float = key("AdamW beta1", default=0.9, check=BETA)
     beta2: float = key("AdamW beta2", default=0.95, check=BETA)
     eps: float = key("AdamW epsilon", default=1e-8, check=at_least(0))
-    grad_clip: float = key("clip the global gradient norm to this; 0 disables", default=1.0,
-                           check=Check(lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}"))
+    grad_clip: float = key(
+        "clip the global gradient norm to this; 0 disables",
+        default=1.0,
+        check=Check(lambda v: v >= 0, "must be >= 0 (0 disables clipping), got {v}"),
+    )
     optimizer: Optimizer = key(
-       "'adamw' (every rank keeps AdamW moments for all it holds) or 'adamw_zero1' (ZeRO-1: the holders of each "
-       "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
-       "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)", default=Optimizer.ADAMW)
+        "'adamw' (every rank keeps AdamW moments for all it holds) or 'adamw_zero1' (ZeRO-1: the holders of each "
+        "gradient-sync block reduce-scatter its gradient, each updates the moments of its own slice, sized by "
+        "TP size x node memory_gb, and all-gather the parameters back; docs/zero1.md)",
+        default=Optimizer.ADAMW,
+    )
     log_every: int = key("print progress every N steps", default=1, check=at_least(1))
-    eval_every: int = key("compute the held-out loss every N steps and after the last; 0 = never (with packing: "
-                          "over held-out documents packed as training's; with [[buckets]]: under the home layout)",
-                          default=0,
-                          check=at_least(0))
-    eval_batches: int = key("held-out batches of global_batch sequences per evaluation: the same ones every "
-                            "time, whatever the layout", default=4, check=at_least(1))
+    eval_every: int = key(
+        "compute the held-out loss every N steps and after the last; 0 = never (with packing: "
+        "over held-out documents packed as training's; with [[buckets]]: under the home layout)",
+        default=0,
+        check=at_least(0),
+    )
+    eval_batches: int = key(
+        "held-out batches of global_batch sequences per evaluation: the same ones every time, whatever the layout",
+        default=4,
+        check=at_least(1),
+    )
     precision: Precision = key(
-       "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
-       "and accumulated gradients stay float32; activations and their gradients cross stage boundaries "
-       "in bf16, halving p2p traffic; the loss is float32). Layouts then agree to the bf16 tolerance "
-       "(per-step loss within 1e-2 relative), not float32's 1e-5", default=Precision.FP32)
-    recompute: Recompute = key("'none' or 'full': recompute each transformer block's activations in backward "
-                               "(keeps only block inputs: less memory, about one more forward of compute); "
-                               "the default for stages that do not set their own", default=Recompute.NONE)
-    compile: Compile = key("'none' or 'blocks': torch.compile each transformer block's apply (the first steps "
-                           "are slower while it compiles; on CPU it needs a C++ compiler)", default=Compile.NONE)
+        "'fp32' or 'bf16': bf16 computes every stage in bfloat16 from float32 master weights (AdamW state "
+        "and accumulated gradients stay float32; activations and their gradients cross stage boundaries "
+        "in bf16, halving p2p traffic; the loss is float32). Layouts then agree to the bf16 tolerance "
+        "(per-step loss within 1e-2 relative), not float32's 1e-5",
+        default=Precision.FP32,
+    )
+    recompute: Recompute = key(
+        "'none' or 'full': recompute each transformer block's activations in backward "
+        "(keeps only block inputs: less memory, about one more forward of compute); "
+        "the default for stages that do not set their own",
+        default=Recompute.NONE,
+    )
+    compile: Compile = key(
+        "'none' or 'blocks': torch.compile each transformer block's apply (the first steps "
+        "are slower while it compiles; on CPU it needs a C++ compiler)",
+        default=Compile.NONE,
+    )
 
 
 @attrs.frozen
 class DataSpec:
     """``[data]``: where the tokens come from."""
 
-    kind: DataKind = key("'grammar' (embedded, known loss floor), 'text', 'jsonl' or 'tokens' (a pre-tokenized "
-                         ".bin or .npy file, memory-mapped)", default=DataKind.GRAMMAR)
+    kind: DataKind = key(
+        "'grammar' (embedded, known loss floor), 'text', 'jsonl' or 'tokens' (a pre-tokenized "
+        ".bin or .npy file, memory-mapped)",
+        default=DataKind.GRAMMAR,
+    )
     path: str = key("text/jsonl/token file, relative to the layout file; '' for grammar", default="")
     field: str = key("JSONL key holding the text", default="text")
-    tokenizer: str = key("'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
-                         "layout file; every document ends with its end-of-document token", default="bytes")
-    valid_path: str = key("held-out file of the same kind (and tokenizer) for train.eval_every, relative to the "
-                          "layout file; '' = none", default="")
-    valid_fraction: float = key("hold out this last fraction of data.path's tokens (with packing = "
-                                "'documents': of its documents) instead of a valid_path (training never samples "
-                                "them); 0 = none", default=0.0,
-                                check=Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v:g} (e.g. 0.05)"))
-    token_dtype: TokenDtype = key("'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file "
-                                  "says its own)", default=TokenDtype.UINT16)
+    tokenizer: str = key(
+        "'bytes' (token = byte, vocab 256) or a local Hugging Face tokenizer.json, relative to the "
+        "layout file; every document ends with its end-of-document token",
+        default="bytes",
+    )
+    valid_path: str = key(
+        "held-out file of the same kind (and tokenizer) for train.eval_every, relative to the layout file; '' = none",
+        default="",
+    )
+    valid_fraction: float = key(
+        "hold out this last fraction of data.path's tokens (with packing = "
+        "'documents': of its documents) instead of a valid_path (training never samples "
+        "them); 0 = none",
+        default=0.0,
+        check=Check(lambda v: 0 <= v < 1, "must be in [0, 1), got {v:g} (e.g. 0.05)"),
+    )
+    token_dtype: TokenDtype = key(
+        "'uint16' (nanoGPT) or 'uint32': the ids of a .bin token file (a .npy file says its own)",
+        default=TokenDtype.UINT16,
+    )
     grammar_seed: int = key("seed of the grammar itself (not of the data order)", default=1234, check=at_least(0))
     grammar_vocab: int = key("tokens the grammar uses", default=64, check=at_least(2))
     branching: int = key("possible successors of each grammar context", default=4, check=at_least(1))
-    packing: Packing = key("'none': each row is a window of seq_len + 1 tokens cut anywhere in the data; "
-                           "'documents': whole documents (at most seq_len + 1 tokens; longer ones are cut) "
-                           "packed into the global_batch rows of seq_len, attention kept inside each document "
-                           "and positions restarting in each, the loss averaged over real targets "
-                           "(see docs/hot_switching.md)", default=Packing.NONE)
-    separator: str = key("with packing = 'documents' and kind = 'text': the string between documents; '' "
-                         "makes the whole file one document (cut to seq_len + 1 tokens)", default="\n\n")
-    doc_len_median: float = key("with packing = 'documents' and kind = 'grammar': median document length in "
-                                "tokens (lengths are lognormal, clipped to [2, seq_len + 1])", default=32.0,
-                                check=Check(lambda v: v >= 2, "must be >= 2 tokens (a document needs a token "
-                                                              "to predict from and one to predict), got {v}"))
-    doc_len_sigma: float = key("with packing = 'documents' and kind = 'grammar': standard deviation of the log "
-                               "of document lengths (larger: a longer tail)", default=1.0,
-                               check=Check(lambda v: v >= 0, "must be >= 0 (0: every document has the median "
-                                                             "length), got {v}"))
+    packing: Packing = key(
+        "'none': each row is a window of seq_len + 1 tokens cut anywhere in the data; "
+        "'documents': whole documents (at most seq_len + 1 tokens; longer ones are cut) "
+        "packed into the global_batch rows of seq_len, attention kept inside each document "
+        "and positions restarting in each, the loss averaged over real targets "
+        "(see docs/hot_switching.md)",
+        default=Packing.NONE,
+    )
+    separator: str = key(
+        "with packing = 'documents' and kind = 'text': the string between documents; '' "
+        "makes the whole file one document (cut to seq_len + 1 tokens)",
+        default="\n\n",
+    )
+    doc_len_median: float = key(
+        "with packing = 'documents' and kind = 'grammar': median document length in "
+        "tokens (lengths are lognormal, clipped to [2, seq_len + 1])",
+        default=32.0,
+        check=Check(
+            lambda v: v >= 2,
+            "must be >= 2 tokens (a document needs a token to predict from and one to predict), got {v}",
+        ),
+    )
+    doc_len_sigma: float = key(
+        "with packing = 'documents' and kind = 'grammar': standard deviation of the log "
+        "of document lengths (larger: a longer tail)",
+        default=1.0,
+        check=Check(lambda v: v >= 0, "must be >= 0 (0: every document has the median length), got {v}"),
+    )
 
 
 @attrs.frozen
@@ -291,40 +392,66 @@ class NodeSpec:
     """``[[cluster.nodes]]``: one host."""
 
     name: str = key("node name used in device ids ('node0' -> 'node0:1')", check=NAME)
-    host: str = key("address other nodes reach this host at: a host name or IP address, no port "
-                   "(that is cluster.port)", default="127.0.0.1", check=host_address)
-    devices: tuple[str, ...] = key("local devices in index order: 'cpu' or 'cuda:N'", default=("cpu",),
-                                   check=(NODE_HAS_DEVICES, each(LOCAL_DEVICE), no_repeated_gpu))
-    domain: str = key("name of the [[cluster.domains]] entry this node's NICs are in; '' when the cluster "
-                      "declares no domains", default="")
-    speed: float = key("relative compute speed of each of this node's devices (1.0 = reference); placement "
-                       "gives faster stages more layers", default=1.0,
-                       check=Check(lambda v: v > 0, "must be > 0 (1.0 = reference speed), got {v:g}"))
-    memory_gb: float = key("memory per device in GB for placement's layer cap; 0 = no cap", default=0.0,
-                           check=Check(lambda v: v >= 0, "must be >= 0 (0 = no cap), got {v:g}"))
-    p2p: P2P = key("stage boundaries between this node's own ranks: 'auto' (shared memory between CPU ranks, "
-                   "the network otherwise; the network too if /dev/shm is missing or too small, with a warning), "
-                   "'shm' (shared memory, an error if /dev/shm cannot hold the ring buffers; backend gloo only) "
-                   "or 'network' (the boundary's process group, as between nodes)", default=P2P.AUTO)
+    host: str = key(
+        "address other nodes reach this host at: a host name or IP address, no port (that is cluster.port)",
+        default="127.0.0.1",
+        check=host_address,
+    )
+    devices: tuple[str, ...] = key(
+        "local devices in index order: 'cpu' or 'cuda:N'",
+        default=("cpu",),
+        check=(NODE_HAS_DEVICES, each(LOCAL_DEVICE), no_repeated_gpu),
+    )
+    domain: str = key(
+        "name of the [[cluster.domains]] entry this node's NICs are in; '' when the cluster declares no domains",
+        default="",
+    )
+    speed: float = key(
+        "relative compute speed of each of this node's devices (1.0 = reference); placement "
+        "gives faster stages more layers",
+        default=1.0,
+        check=Check(lambda v: v > 0, "must be > 0 (1.0 = reference speed), got {v:g}"),
+    )
+    memory_gb: float = key(
+        "memory per device in GB for placement's layer cap; 0 = no cap",
+        default=0.0,
+        check=Check(lambda v: v >= 0, "must be >= 0 (0 = no cap), got {v:g}"),
+    )
+    p2p: P2P = key(
+        "stage boundaries between this node's own ranks: 'auto' (shared memory between CPU ranks, "
+        "the network otherwise; the network too if /dev/shm is missing or too small, with a warning), "
+        "'shm' (shared memory, an error if /dev/shm cannot hold the ring buffers; backend gloo only) "
+        "or 'network' (the boundary's process group, as between nodes)",
+        default=P2P.AUTO,
+    )
 
 
 @attrs.frozen
 class DomainSpec:
     """``[[cluster.domains]]``: one network domain, i.e. a NIC kind and the fabric joining its nodes."""
 
-    name: str = key("domain name that nodes refer to ('ib0'); letters, digits, '-' or '_'",
-                    check=(NAME, NOT_A_TRANSPORT))
+    name: str = key(
+        "domain name that nodes refer to ('ib0'); letters, digits, '-' or '_'", check=(NAME, NOT_A_TRANSPORT)
+    )
     kind: DomainKind = key("'ib', 'roce', 'ethernet' or 'other'")
-    bandwidth_gbps: float = key("bandwidth of one NIC inside the domain, Gbit/s",
-                                check=Check(lambda v: v > 0, "must be > 0, got {v:g}"))
-    latency_us: float = key("one-way latency between two nodes of the domain, microseconds",
-                            check=Check(lambda v: v >= 0, "must be >= 0, got {v:g}"))
-    gloo_ifname: str = key("network interface gloo binds this domain's groups to, e.g. 'ib0' (IPoIB) or "
-                           "'eth1'; '' = the process default (GLOO_SOCKET_IFNAME or the hostname's address)",
-                           default="", check=IFNAME)
-    nccl: tuple[tuple[str, str], ...] = key("NCCL variables for this domain's communicators, as a table: "
-                                            "[cluster.domains.nccl] NCCL_IB_HCA = 'mlx5_0'", default=(),
-                                            check=nccl_net)
+    bandwidth_gbps: float = key(
+        "bandwidth of one NIC inside the domain, Gbit/s", check=Check(lambda v: v > 0, "must be > 0, got {v:g}")
+    )
+    latency_us: float = key(
+        "one-way latency between two nodes of the domain, microseconds",
+        check=Check(lambda v: v >= 0, "must be >= 0, got {v:g}"),
+    )
+    gloo_ifname: str = key(
+        "network interface gloo binds this domain's groups to, e.g. 'ib0' (IPoIB) or "
+        "'eth1'; '' = the process default (GLOO_SOCKET_IFNAME or the hostname's address)",
+        default="",
+        check=IFNAME,
+    )
+    nccl: tuple[tuple[str, str], ...] = key(
+        "NCCL variables for this domain's communicators, as a table: [cluster.domains.nccl] NCCL_IB_HCA = 'mlx5_0'",
+        default=(),
+        check=nccl_net,
+    )
 
     @property
     def nccl_env(self) -> dict[str, str]:
@@ -335,15 +462,20 @@ class DomainSpec:
 class CrossDomainSpec:
     """``[cluster.cross_domain]``: the network between domains, used by every group spanning domains."""
 
-    bandwidth_gbps: float = key("bandwidth of one node's cross-domain NIC, Gbit/s; 0 = not given", default=0.0,
-                                check=OPTIONAL_MEASURE)
-    latency_us: float = key("one-way latency between domains, microseconds; 0 = not given", default=0.0,
-                            check=OPTIONAL_MEASURE)
-    gloo_ifname: str = key("network interface gloo binds cross-domain groups to; '' = the process default",
-                           default="", check=IFNAME)
-    nccl: tuple[tuple[str, str], ...] = key("NCCL variables for cross-domain communicators, e.g. "
-                                            "{ NCCL_NET = 'Socket', NCCL_SOCKET_IFNAME = 'eth0' }", default=(),
-                                            check=nccl_net)
+    bandwidth_gbps: float = key(
+        "bandwidth of one node's cross-domain NIC, Gbit/s; 0 = not given", default=0.0, check=OPTIONAL_MEASURE
+    )
+    latency_us: float = key(
+        "one-way latency between domains, microseconds; 0 = not given", default=0.0, check=OPTIONAL_MEASURE
+    )
+    gloo_ifname: str = key(
+        "network interface gloo binds cross-domain groups to; '' = the process default", default="", check=IFNAME
+    )
+    nccl: tuple[tuple[str, str], ...] = key(
+        "NCCL variables for cross-domain communicators, e.g. { NCCL_NET = 'Socket', NCCL_SOCKET_IFNAME = 'eth0' }",
+        default=(),
+        check=nccl_net,
+    )
 
     @property
     def nccl_env(self) -> dict[str, str]:
@@ -356,16 +488,28 @@ class ClusterSpec:
 
     nodes: tuple[NodeSpec, ...] = key("the hosts")
     master: str = key("node whose host serves rendezvous; '' means the first node", default="")
-    port: int = key("rendezvous TCP port (MASTER_PORT overrides)", default=29511,
-                    check=Check(lambda v: 1 <= v <= 65535, "must be a TCP port 1..65535, got {v}"))
+    port: int = key(
+        "rendezvous TCP port (MASTER_PORT overrides)",
+        default=29511,
+        check=Check(lambda v: 1 <= v <= 65535, "must be a TCP port 1..65535, got {v}"),
+    )
     backend: Backend = key("'gloo' (CPU, default) or 'nccl' (CUDA)", default=Backend.GLOO)
-    timeout_s: float = key("seconds to wait for every rank to arrive; at least 1", default=60.0,
-                           check=(Check(lambda v: v > 0, "must be > 0, got {v}"), MEETING_TIME))
-    domains: tuple[DomainSpec, ...] = key("network domains; none declared means one implicit domain whose "
-                                          "groups all use the process's own network settings", default=())
+    timeout_s: float = key(
+        "seconds to wait for every rank to arrive; at least 1",
+        default=60.0,
+        check=(Check(lambda v: v > 0, "must be > 0, got {v}"), MEETING_TIME),
+    )
+    domains: tuple[DomainSpec, ...] = key(
+        "network domains; none declared means one implicit domain whose "
+        "groups all use the process's own network settings",
+        default=(),
+    )
     cross_domain: CrossDomainSpec = key("the network between domains (a table)", default=CrossDomainSpec())
-    comm: CommLib = key("'torch' (process groups for everything) or 'cupy' (CuPy NCCL communicators for "
-                        "gradient sync; needs CUDA devices and cupy)", default=CommLib.TORCH)
+    comm: CommLib = key(
+        "'torch' (process groups for everything) or 'cupy' (CuPy NCCL communicators for "
+        "gradient sync; needs CUDA devices and cupy)",
+        default=CommLib.TORCH,
+    )
 
     def node(self, name: str) -> NodeSpec:
         return next(n for n in self.nodes if n.name == name)
@@ -390,11 +534,13 @@ class StageSpec:
     """``[[pipelines.stages]]``: contiguous layers on one TP group."""
 
     layers: int = key("number of transformer blocks in this stage", check=at_least(1))
-    devices: tuple[str, ...] = key("device ids 'node:index'; their count is the stage's TP size",
-                                   check=Check(bool, "a stage needs at least one device (list device ids, "
-                                                     'e.g. ["node0:0"])'))
-    recompute: Recompute | None = key("'none' or 'full' for this stage (e.g. 'full' on a GPU short of memory); "
-                                      "unset: train.recompute", default=None)
+    devices: tuple[str, ...] = key(
+        "device ids 'node:index'; their count is the stage's TP size",
+        check=Check(bool, 'a stage needs at least one device (list device ids, e.g. ["node0:0"])'),
+    )
+    recompute: Recompute | None = key(
+        "'none' or 'full' for this stage (e.g. 'full' on a GPU short of memory); unset: train.recompute", default=None
+    )
 
     @property
     def tp(self) -> int:
@@ -408,32 +554,46 @@ class PipelineSpec:
     batch: int = key("sequences of each global batch this pipeline trains on", check=at_least(1))
     microbatches: int = key("microbatches the batch is split into; must divide batch", check=at_least(1))
     stages: tuple[StageSpec, ...] = key("ordered stages; their layers sum to model.layers")
-    schedule_file: str = key("a file of action strings (one line, or CSV column, per stage) to run instead of "
-                             "train.schedule; relative to the layout file; '' for none", default="")
+    schedule_file: str = key(
+        "a file of action strings (one line, or CSV column, per stage) to run instead of "
+        "train.schedule; relative to the layout file; '' for none",
+        default="",
+    )
 
 
 @attrs.frozen
 class BucketSpec:
     """``[[buckets]]``: the documents up to a length, trained under their own layout (hot switching)."""
 
-    max_len: int = key("longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
-                       "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
-                       "longest and the last one's max_len is model.seq_len", check=at_least(1))
+    max_len: int = key(
+        "longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
+        "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
+        "longest and the last one's max_len is model.seq_len",
+        check=at_least(1),
+    )
     schedule: Schedule | None = key("this bucket's pipeline schedule; unset: train.schedule", default=None)
-    chunks: int = key("model chunks per rank when this bucket's schedule is 'interleaved'; 0: train.chunks",
-                      default=0, check=at_least(0))
+    chunks: int = key(
+        "model chunks per rank when this bucket's schedule is 'interleaved'; 0: train.chunks",
+        default=0,
+        check=at_least(0),
+    )
     pipelines: tuple[PipelineSpec, ...] = key(
-       "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
-       "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
-       "proportion); none: the bucket runs under the home layout", default=())
+        "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
+        "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
+        "proportion); none: the bucket runs under the home layout",
+        default=(),
+    )
     elastic: bool = key(
-       "true: each step runs as many microbatches as its documents need, each of the rows batch / microbatches "
-       "fixes (HotSPa's way: a microbatch's memory stays fixed, no empty microbatches); false: the microbatch "
-       "count is fixed and a step's rows are spread over them", default=False)
+        "true: each step runs as many microbatches as its documents need, each of the rows batch / microbatches "
+        "fixes (HotSPa's way: a microbatch's memory stays fixed, no empty microbatches); false: the microbatch "
+        "count is fixed and a step's rows are spread over them",
+        default=False,
+    )
     top_up: bool = key(
-       "true: the free positions of this bucket's rows (padding, computed anyway) take shorter buckets' documents, "
-       "longest first, without adding rows; they then leave their own bucket (longer buckets top up first)",
-       default=False)
+        "true: the free positions of this bucket's rows (padding, computed anyway) take shorter buckets' documents, "
+        "longest first, without adding rows; they then leave their own bucket (longer buckets top up first)",
+        default=False,
+    )
 
 
 @attrs.frozen
@@ -467,7 +627,9 @@ def elastic_layout(layout: Layout, rounds: int) -> Layout:
     their rows and the schedule runs ``rounds`` times as many of them."""
     if rounds == 1:
         return layout
-    pipelines = tuple(attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds)
-                      for p in layout.pipelines)
-    return attrs.evolve(layout, pipelines=pipelines, train=attrs.evolve(layout.train,
-                        global_batch=layout.train.global_batch * rounds))
+    pipelines = tuple(
+        attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds) for p in layout.pipelines
+    )
+    return attrs.evolve(
+        layout, pipelines=pipelines, train=attrs.evolve(layout.train, global_batch=layout.train.global_batch * rounds)
+    )

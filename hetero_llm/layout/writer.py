@@ -17,8 +17,9 @@ import enum
 import math
 import os
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import attrs
 
@@ -30,8 +31,13 @@ _BARE_KEY = re.compile(r"[A-Za-z0-9_\-]+")
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 
 
-def dumps(layout: Layout, *, header: str = "", comments: Mapping[str, str] | None = None,
-          relative_to: str | os.PathLike | None = None) -> str:
+def dumps(
+    layout: Layout,
+    *,
+    header: str = "",
+    comments: Mapping[str, str] | None = None,
+    relative_to: str | os.PathLike | None = None,
+) -> str:
     """The TOML text of ``layout``. ``relative_to``: the folder the text will be loaded from, for a layout
     from ``load`` (whose file paths include its folder): its paths are written relative to that folder.
     None writes them as they are (paths already relative to where the file goes, e.g. a cluster file's)."""
@@ -43,8 +49,14 @@ def dumps(layout: Layout, *, header: str = "", comments: Mapping[str, str] | Non
     return _document(sections, arrays, {}, header, comments or {})
 
 
-def dump(layout: Layout, path: str | os.PathLike, *, header: str = "", comments: Mapping[str, str] | None = None,
-         relative_to: str | os.PathLike | None = None) -> str:
+def dump(
+    layout: Layout,
+    path: str | os.PathLike,
+    *,
+    header: str = "",
+    comments: Mapping[str, str] | None = None,
+    relative_to: str | os.PathLike | None = None,
+) -> str:
     """Write ``dumps(layout, ...)`` to ``path`` atomically (a crash leaves the old file or the new one);
     returns the text. For a layout from ``load`` pass ``relative_to=Path(path).parent``."""
     text = dumps(layout, header=header, comments=comments, relative_to=relative_to)
@@ -52,8 +64,13 @@ def dump(layout: Layout, path: str | os.PathLike, *, header: str = "", comments:
     return text
 
 
-def dumps_cluster(sections: Mapping[str, Any], extra: Mapping[str, Any] | None = None, *, header: str = "",
-                  comments: Mapping[str, str] | None = None) -> str:
+def dumps_cluster(
+    sections: Mapping[str, Any],
+    extra: Mapping[str, Any] | None = None,
+    *,
+    header: str = "",
+    comments: Mapping[str, str] | None = None,
+) -> str:
     """A cluster file (the input of hetero-place and hetero-plan): ``sections`` as ``read_cluster_file``
     returns them (``model``, ``train``, ``data``, ``cluster``), then ``extra`` raw TOML tables the loader
     leaves to its caller (``{"plan": raw["plan"]}``), written as they are."""
@@ -76,8 +93,11 @@ def toml_value(value: Any) -> str:
             return "inf" if value > 0 else "-inf"
         return repr(value)
     if isinstance(value, str):
-        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c)
-                             for c in value) + '"'
+        return (
+            '"'
+            + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 or ord(c) == 0x7F else c) for c in value)
+            + '"'
+        )
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, Mapping):
@@ -106,8 +126,9 @@ def _relative(path: str, folder: Path) -> str:
         return os.path.relpath(os.path.abspath(path), os.path.abspath(folder))
 
 
-def _document(sections: dict[str, Any], arrays: dict[str, tuple], extra: dict[str, Any], header: str,
-              comments: Mapping[str, str]) -> str:
+def _document(
+    sections: dict[str, Any], arrays: dict[str, tuple], extra: dict[str, Any], header: str, comments: Mapping[str, str]
+) -> str:
     out: list[str] = [("# " + line).rstrip() if not line.startswith("#") else line for line in header.splitlines()]
     blocks: list[list[str]] = []
     for name, obj in sections.items():
@@ -161,8 +182,9 @@ def _same(value: Any, default: Any) -> bool:
     return value is default or value == default
 
 
-def _raw_table(table: Mapping[str, Any], names: list[str], head: str, comments: Mapping[str, str],
-               path: str) -> list[str]:
+def _raw_table(
+    table: Mapping[str, Any], names: list[str], head: str, comments: Mapping[str, str], path: str
+) -> list[str]:
     """A raw TOML table (a dict as ``tomllib`` reads it): plain keys, then sub-tables and arrays of tables."""
     keys, subs = [], []
     for key, value in table.items():
@@ -179,4 +201,3 @@ def _raw_table(table: Mapping[str, Any], names: list[str], head: str, comments: 
 
 def _dotted(names: Iterable[str]) -> str:
     return ".".join(toml_key(n) for n in names)
-

@@ -64,15 +64,20 @@ class DocumentMask:
             lengths = np.array([n for _, n in docs])[:, None]
             inside = offsets[None, :] < lengths  # (n, P)
             gather = np.where(inside, starts + offsets[None, :], starts)
-            groups.append(AttentionGroup(torch.as_tensor(gather, device=device),
-                                         torch.as_tensor(np.flatnonzero(inside), device=device),
-                                         torch.as_tensor(gather[inside], device=device)))
+            groups.append(
+                AttentionGroup(
+                    torch.as_tensor(gather, device=device),
+                    torch.as_tensor(np.flatnonzero(inside), device=device),
+                    torch.as_tensor(gather[inside], device=device),
+                )
+            )
         square_sum = int((spans[:, 2].astype(np.int64) ** 2).sum()) if len(spans) else 0
         return cls(torch.as_tensor(positions, device=device), tuple(groups), (B, T), square_sum)
 
     def to(self, device: torch.device) -> DocumentMask:
-        groups = tuple(AttentionGroup(*(t.to(device, non_blocking=True) for t in (g.gather, g.real, g.dest)))
-                       for g in self.groups)
+        groups = tuple(
+            AttentionGroup(*(t.to(device, non_blocking=True) for t in (g.gather, g.real, g.dest))) for g in self.groups
+        )
         return DocumentMask(self.positions.to(device, non_blocking=True), groups, self.shape, self.square_sum)
 
     def at_positions(self, table: torch.Tensor) -> torch.Tensor:

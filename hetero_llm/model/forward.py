@@ -20,15 +20,15 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import attrs
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
+from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 from hetero_llm.model.document_mask import DocumentMask
-from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
 from hetero_llm.model.params import BIAS_OF, ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
@@ -135,8 +135,9 @@ def _linears(x: torch.Tensor, weights: list[torch.Tensor], linear: Linear = _lin
     return list((x @ fused.T).split([w.shape[0] for w in weights], dim=-1))
 
 
-def rope_tables(seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-                theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)  # (T, hd/2)
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -159,8 +160,14 @@ def _local_names(model: ModelSpec) -> tuple[str, ...]:
     return tuple(info.name.split(".", 2)[2] for info in layer_params(model, 0))  # drop "layers.0."
 
 
-def block(p: Params, x: torch.Tensor, model: ModelSpec, tp: TP = NO_TP, linear: Linear = _linear,
-          docs: DocumentMask | None = None) -> torch.Tensor:
+def block(
+    p: Params,
+    x: torch.Tensor,
+    model: ModelSpec,
+    tp: TP = NO_TP,
+    linear: Linear = _linear,
+    docs: DocumentMask | None = None,
+) -> torch.Tensor:
     """One transformer block over its parameters ``p`` (local names, see ``block_params``).
 
     ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype. ``docs``: the
@@ -241,9 +248,17 @@ def head(p: Params, x: torch.Tensor, model: ModelSpec, linear: Linear = _linear)
     return linear(_norm(x, p, "final_norm", model), weight)  # (B, T, V)
 
 
-def stage_forward(p: Params, inp: torch.Tensor, shape: StageShape, model: ModelSpec, tp: TP = NO_TP,
-                  compute: Compute = FP32, block_fn: BlockFn | None = None, linear: Linear = _linear,
-                  docs: DocumentMask | None = None) -> torch.Tensor:
+def stage_forward(
+    p: Params,
+    inp: torch.Tensor,
+    shape: StageShape,
+    model: ModelSpec,
+    tp: TP = NO_TP,
+    compute: Compute = FP32,
+    block_fn: BlockFn | None = None,
+    linear: Linear = _linear,
+    docs: DocumentMask | None = None,
+) -> torch.Tensor:
     """Tokens (first stage) or activations in; activations or logits (last stage) out.
 
     Activations come out in ``compute.dtype`` (received ones arrive in it); ``block_fn`` is the

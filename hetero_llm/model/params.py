@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import attrs
 
-from hetero_llm.layout import ModelSpec, Mlp, Norm, Position
+from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 
 
 @attrs.frozen
@@ -75,7 +75,9 @@ def head_params(model: ModelSpec) -> list[ParamInfo]:
     last stage holds a copy of it, and gradient sync sums the copies' gradients (Megatron's embedding group)."""
     if model.tie_embeddings:
         return _norm("final_norm", model, None) + embedding_params(model)[:1]
-    return _norm("final_norm", model, None) + [ParamInfo("lm_head.weight", (model.vocab, model.hidden), None, True, None)]
+    return _norm("final_norm", model, None) + [
+        ParamInfo("lm_head.weight", (model.vocab, model.hidden), None, True, None)
+    ]
 
 
 def stage_params(model: ModelSpec, layer_lo: int, layer_hi: int, first: bool, last: bool) -> list[ParamInfo]:

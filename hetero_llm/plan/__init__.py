@@ -26,14 +26,43 @@ import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import (CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, SPLIT_BACKWARD_NO_COMPILE, Backend, Compile,
-                               Layout, Optimizer, Recompute, Schedule)
+from hetero_llm.layout import (
+    CROSS_DOMAIN,
+    DEFAULT_TRANSPORT,
+    P2P,
+    SHM,
+    SPLIT_BACKWARD_NO_COMPILE,
+    Backend,
+    Compile,
+    Layout,
+    Optimizer,
+    Recompute,
+    Schedule,
+)
 from hetero_llm.model.params import ParamInfo, shard_range
 from hetero_llm.plan import zero1_slices
+
 # The plan's pieces live in plan/rank.py (a RankPlan holds them too); they are imported from here as well.
-from hetero_llm.plan.rank import (WORLD, BatchShare, ComputeSettings, SyncBlocks, GradSyncKey, Group, GroupKey,  # noqa: F401
-                                 Meeting, Network, OptimizerSlices, P2PKey, RankInfo, RankPlan, Route, Shard, StagePlan,
-                                 StageRoutes, TPKey)
+from hetero_llm.plan.rank import (
+    WORLD,
+    BatchShare,
+    ComputeSettings,
+    GradSyncKey,
+    Group,
+    GroupKey,
+    Meeting,
+    Network,
+    OptimizerSlices,
+    P2PKey,
+    RankInfo,
+    RankPlan,
+    Route,
+    Shard,
+    StagePlan,
+    StageRoutes,
+    SyncBlocks,
+    TPKey,
+)
 from hetero_llm.schedule import Direction, Kind
 
 
@@ -75,15 +104,22 @@ class Plan:
     def fingerprint(self) -> str:
         """A short hash of what every rank must agree on (the layout's content, not its file path)."""
         lay = self.layout
+
         def local(pipes):  # schedule files by name: every node has its own path to them
             return tuple(attrs.evolve(p, schedule_file=os.path.basename(p.schedule_file)) for p in pipes)
 
         base = os.path.basename  # paths are resolved per host: compare file names
-        data = attrs.evolve(lay.data, path=base(lay.data.path), valid_path=base(lay.data.valid_path),
-                            tokenizer=base(lay.data.tokenizer))
-        content = attrs.evolve(lay, file="", data=data, model=attrs.evolve(lay.model, init_from=base(lay.model.init_from)),
-                               pipelines=local(lay.pipelines),
-                               buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets))
+        data = attrs.evolve(
+            lay.data, path=base(lay.data.path), valid_path=base(lay.data.valid_path), tokenizer=base(lay.data.tokenizer)
+        )
+        content = attrs.evolve(
+            lay,
+            file="",
+            data=data,
+            model=attrs.evolve(lay.model, init_from=base(lay.model.init_from)),
+            pipelines=local(lay.pipelines),
+            buckets=tuple(attrs.evolve(b, pipelines=local(b.pipelines)) for b in lay.buckets),
+        )
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
 
     def tp_group(self, stage: StagePlan) -> TPKey | None:
@@ -96,8 +132,9 @@ class Plan:
         cluster = self.layout.cluster
         master = cluster.master_node
         server = next((r.rank for r in self.ranks if r.node == master.name), None)
-        return Meeting(master.host, cluster.port, master.name, bool(cluster.master), server, cluster.timeout_s,
-                       self.layout.file)
+        return Meeting(
+            master.host, cluster.port, master.name, bool(cluster.master), server, cluster.timeout_s, self.layout.file
+        )
 
     def rank_plan(self, rank: int) -> RankPlan:
         """What ``rank`` does: its share of this plan, with no way back to the layout."""
@@ -167,10 +204,21 @@ def compile_plan(layout: Layout) -> Plan:
     for a, b in pairs:
         members = tuple(sorted(a.ranks + b.ranks))
         via = p2p_transport(layout, [ranks[r] for r in members])
-        groups += [Group(_p2p_key(Direction.FWD, a, b), members, via), Group(_p2p_key(Direction.BWD, b, a), members, via)]
+        groups += [
+            Group(_p2p_key(Direction.FWD, a, b), members, via),
+            Group(_p2p_key(Direction.BWD, b, a), members, via),
+        ]
     groups += [group(GradSyncKey(b.group), b.group) for b in sync_blocks]
-    plan = Plan(layout, tuple(ranks), tuple(stages), tuple(groups), tuple(sync_blocks), tuple(schedules),
-                tuple(routes_f), tuple(routes_b))
+    plan = Plan(
+        layout,
+        tuple(ranks),
+        tuple(stages),
+        tuple(groups),
+        tuple(sync_blocks),
+        tuple(schedules),
+        tuple(routes_f),
+        tuple(routes_b),
+    )
     return attrs.evolve(plan, rank_plans=rank_plans(plan))
 
 
@@ -214,10 +262,12 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
     if sharded:
         units = zero1_slices.units(plan)
+
     def shards(info: RankInfo) -> tuple[Shard, ...]:
         st = stage_of[(info.pipeline, info.stage)]
-        return tuple(Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1)
-                     for p in params[st])
+        return tuple(
+            Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1) for p in params[st]
+        )
 
     shards_by_rank = tuple(shards(info) for info in plan.ranks)
     out = []
@@ -235,19 +285,46 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
         offset, size = plan.batch_share(st.pipeline)
         envs = tuple((g.key, env_of(info, g)) for g in member_of[rank])
-        network = Network(lay.cluster.backend, lay.cluster.comm, lay.cluster.timeout_s, envs,
-                          interfaces[info.node] if first_on_node[info.node] == rank else ())
-        out.append(RankPlan(
-            rank=rank, world_size=plan.world_size, file=lay.file, info=info, stage=st,
-            model=lay.model, train=tr, data=lay.data, actions=actions,
-            dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
-            split_backward=any(a.kind is sched.Kind.I for a in actions),
-            sharded_optimizer=sharded, optimizer_slices=slices, compute=compute, shards=shards_by_rank[rank],
-            sync_blocks=tuple(sync_blocks_of[rank]), routes=_stage_routes(plan, rank),
-            tp_group=plan.tp_group(st), world=world, groups=plan.groups,
-            network=network, batch=BatchShare(offset, size, pipe.microbatches),
-            counts_loss=st.last and info.tp_index == 0, hot_switching=bool(lay.buckets), reports=rank == 0,
-            fingerprint=fingerprint, meeting=meeting, peers=peers, saved_shards=shards_by_rank if rank == 0 else ()))
+        network = Network(
+            lay.cluster.backend,
+            lay.cluster.comm,
+            lay.cluster.timeout_s,
+            envs,
+            interfaces[info.node] if first_on_node[info.node] == rank else (),
+        )
+        out.append(
+            RankPlan(
+                rank=rank,
+                world_size=plan.world_size,
+                file=lay.file,
+                info=info,
+                stage=st,
+                model=lay.model,
+                train=tr,
+                data=lay.data,
+                actions=actions,
+                dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
+                split_backward=any(a.kind is sched.Kind.I for a in actions),
+                sharded_optimizer=sharded,
+                optimizer_slices=slices,
+                compute=compute,
+                shards=shards_by_rank[rank],
+                sync_blocks=tuple(sync_blocks_of[rank]),
+                routes=_stage_routes(plan, rank),
+                tp_group=plan.tp_group(st),
+                world=world,
+                groups=plan.groups,
+                network=network,
+                batch=BatchShare(offset, size, pipe.microbatches),
+                counts_loss=st.last and info.tp_index == 0,
+                hot_switching=bool(lay.buckets),
+                reports=rank == 0,
+                fingerprint=fingerprint,
+                meeting=meeting,
+                peers=peers,
+                saved_shards=shards_by_rank if rank == 0 else (),
+            )
+        )
     return tuple(out)
 
 
@@ -266,14 +343,19 @@ def _group_envs(plan: Plan):
 
 def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
     """``rank``'s pieces of its stage boundaries and the groups they travel in."""
+
     def received(routes: tuple[Route, ...]) -> Route | None:
         return next((r for r in routes if r.dst == rank), None)
 
     recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
     send_f = tuple(r for r in plan.routes_f if r.src == rank)
     send_b = tuple(r for r in plan.routes_b if r.src == rank)
-    sides = ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[0] if send_f else None),
-             (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[0] if send_b else None))
+    sides = (
+        (Kind.RECV_F, recv_f),
+        (Kind.SEND_F, send_f[0] if send_f else None),
+        (Kind.RECV_B, recv_b),
+        (Kind.SEND_B, send_b[0] if send_b else None),
+    )
     groups = []
     for kind, route in sides:
         if route is not None:
@@ -291,8 +373,10 @@ def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str
             name = dict(env_of(info, g)).get("GLOO_SOCKET_IFNAME")
             if name:
                 wanted.setdefault(info.node, {}).setdefault(name, set()).add(g.transport)
-    return {n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
-            for n in plan.layout.cluster.nodes}
+    return {
+        n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
+        for n in plan.layout.cluster.nodes
+    }
 
 
 def transport_of(layout: Layout, nodes: list[str]) -> str:
@@ -320,7 +404,7 @@ def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int,
     layers_s / chunks layers, so chunk c of every stage comes before chunk c + 1 of any stage."""
     out: list[list[tuple[int, int]]] = [[] for _ in stage_layers]
     lo = 0
-    for c in range(chunks):
+    for _c in range(chunks):
         for s, layers in enumerate(stage_layers):
             if layers % chunks:  # the validator refuses this; a silent floor would drop layers from the model
                 raise ValueError(f"stage {s}: {layers} layers do not split into {chunks} chunks")
@@ -347,22 +431,30 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
         if used != train.chunks:
             c = train.chunks
             if used > c:
-                fix = ("write chunk 0 only" if c == 1 else f"write chunks 0..{c - 1} only") + \
-                      f", or set schedule = 'interleaved' and train.chunks = {used}"
+                fix = (
+                    "write chunk 0 only" if c == 1 else f"write chunks 0..{c - 1} only"
+                ) + f", or set schedule = 'interleaved' and train.chunks = {used}"
             else:
-                fix = f"give every stage F and B actions of chunks 0..{c - 1}, e.g. F0.{c - 1} B0.{c - 1}, or " + \
-                      ("set train.chunks = 1 and schedule = '1f1b'" if used == 1 else f"set train.chunks = {used}")
-            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
-                              f"{os.path.basename(pipe.schedule_file)}: uses {used} model chunk{'s' if used > 1 else ''} "
-                              f"per stage but train.chunks is {train.chunks} ({fix})")
+                fix = f"give every stage F and B actions of chunks 0..{c - 1}, e.g. F0.{c - 1} B0.{c - 1}, or " + (
+                    "set train.chunks = 1 and schedule = '1f1b'" if used == 1 else f"set train.chunks = {used}"
+                )
+            raise LayoutError(
+                layout.file,
+                f"pipelines[{pi}].schedule_file",
+                f"{os.path.basename(pipe.schedule_file)}: uses {used} model chunk{'s' if used > 1 else ''} "
+                f"per stage but train.chunks is {train.chunks} ({fix})",
+            )
         if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
             raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
         if layout.cluster.backend is Backend.NCCL:  # generated schedules keep the order by construction
             try:
                 sched.check_message_order(loaded)
             except ScheduleError as e:
-                raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file",
-                                  f"{os.path.basename(pipe.schedule_file)}: {str(e).splitlines()[0]}") from None
+                raise LayoutError(
+                    layout.file,
+                    f"pipelines[{pi}].schedule_file",
+                    f"{os.path.basename(pipe.schedule_file)}: {str(e).splitlines()[0]}",
+                ) from None
         return loaded
     kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
     lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)

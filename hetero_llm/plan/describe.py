@@ -18,15 +18,20 @@ def _ranges(st: StagePlan) -> str:
 def describe(plan: Plan) -> str:
     """The ``--dry-run`` report: rank table, communicators, per-pipeline schedule grids."""
     lay = plan.layout
-    lines = [f"layout {lay.file}: {plan.world_size} ranks, {len(lay.pipelines)} pipeline(s), "
-             f"global batch {lay.train.global_batch}, schedule {lay.train.schedule.value}", "",
-             "rank  device      node      pipeline  stage  tp     layers   batch share"]
+    lines = [
+        f"layout {lay.file}: {plan.world_size} ranks, {len(lay.pipelines)} pipeline(s), "
+        f"global batch {lay.train.global_batch}, schedule {lay.train.schedule.value}",
+        "",
+        "rank  device      node      pipeline  stage  tp     layers   batch share",
+    ]
     for r in plan.ranks:
         st = plan.stage_of(r.rank)
         off, size = plan.batch_share(r.pipeline)
-        lines.append(f"{r.rank:<5} {r.device_id:<11} {r.node:<9} {r.pipeline:<9} {r.stage:<6} "
-                     f"{r.tp_index}/{st.tp:<4} {_ranges(st):<8} "
-                     f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb")
+        lines.append(
+            f"{r.rank:<5} {r.device_id:<11} {r.node:<9} {r.pipeline:<9} {r.stage:<6} "
+            f"{r.tp_index}/{st.tp:<4} {_ranges(st):<8} "
+            f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb"
+        )
     domains = bool(lay.cluster.domains)
     if domains:
         lines += ["", *describe_domains(plan)]
@@ -50,8 +55,10 @@ def describe(plan: Plan) -> str:
 def describe_domains(plan: Plan) -> list[str]:
     """The network-domain table of ``--dry-run``: what each transport a group can get is set to."""
     c = plan.layout.cluster
-    lines = ["network domains (a group uses its members' domain when they share one, else cross_domain):",
-             f"  {'transport':<14} {'kind':<9} {'Gbit/s':>7} {'us':>6}  {'gloo if':<9} {'nodes':<20} nccl"]
+    lines = [
+        "network domains (a group uses its members' domain when they share one, else cross_domain):",
+        f"  {'transport':<14} {'kind':<9} {'Gbit/s':>7} {'us':>6}  {'gloo if':<9} {'nodes':<20} nccl",
+    ]
 
     def row(name: str, kind: str, spec, nodes: str) -> str:
         bw = f"{spec.bandwidth_gbps:g}" if spec.bandwidth_gbps else "?"
@@ -71,40 +78,52 @@ def describe_rank(rp: RankPlan) -> str:
     st, info, b = rp.stage, rp.info, rp.batch
     layers = ",".join(f"{lo}-{hi - 1}" for lo, hi in st.chunk_ranges)
     c = rp.compute
-    lines = [f"rank {rp.rank} of {rp.world_size} ({rp.file})",
-             f"  device      {info.device_id} on node {info.node} ({info.device})",
-             f"  stage       pipeline {st.pipeline} stage {st.stage} of {st.num_stages}, layers {layers}"
-             f" ({len(st.chunk_ranges)} chunk{'s' if len(st.chunk_ranges) > 1 else ''})",
-             f"  tp          index {info.tp_index} of {st.tp}, ranks {list(st.ranks)}"
-             + (f", group {rp.tp_group.name}" if rp.tp_group else ""),
-             f"  batch share rows {b.offset}-{b.offset + b.size - 1} of {rp.train.global_batch}"
-             f" in {b.microbatches} microbatch{'es' if b.microbatches > 1 else ''}",
-             f"  compute     precision {c.precision.value}, recompute {'full' if c.recompute else 'none'}, "
-             f"compile {'blocks' if c.compile else 'none'}",
-             f"  schedule    {'dynamic (1F1B order as priorities)' if rp.dynamic else rp.train.schedule.value}"
-             f"{', split backward' if rp.split_backward else ''}"
-             f"{', sharded optimizer (adamw_zero1)' if rp.sharded_optimizer else ''}",
-             f"  loss        {'counted here (last stage, TP rank 0)' if rp.counts_loss else 'not counted here'}; "
-             f"{'reports progress and metrics' if rp.reports else 'reports nothing'}",
-             "", f"actions ({len(rp.actions)}, in order):", "  " + " ".join(map(str, rp.actions))]
+    lines = [
+        f"rank {rp.rank} of {rp.world_size} ({rp.file})",
+        f"  device      {info.device_id} on node {info.node} ({info.device})",
+        f"  stage       pipeline {st.pipeline} stage {st.stage} of {st.num_stages}, layers {layers}"
+        f" ({len(st.chunk_ranges)} chunk{'s' if len(st.chunk_ranges) > 1 else ''})",
+        f"  tp          index {info.tp_index} of {st.tp}, ranks {list(st.ranks)}"
+        + (f", group {rp.tp_group.name}" if rp.tp_group else ""),
+        f"  batch share rows {b.offset}-{b.offset + b.size - 1} of {rp.train.global_batch}"
+        f" in {b.microbatches} microbatch{'es' if b.microbatches > 1 else ''}",
+        f"  compute     precision {c.precision.value}, recompute {'full' if c.recompute else 'none'}, "
+        f"compile {'blocks' if c.compile else 'none'}",
+        f"  schedule    {'dynamic (1F1B order as priorities)' if rp.dynamic else rp.train.schedule.value}"
+        f"{', split backward' if rp.split_backward else ''}"
+        f"{', sharded optimizer (adamw_zero1)' if rp.sharded_optimizer else ''}",
+        f"  loss        {'counted here (last stage, TP rank 0)' if rp.counts_loss else 'not counted here'}; "
+        f"{'reports progress and metrics' if rp.reports else 'reports nothing'}",
+        "",
+        f"actions ({len(rp.actions)}, in order):",
+        "  " + " ".join(map(str, rp.actions)),
+    ]
     lines += ["", "routes (stage-boundary pieces):"]
     r = rp.routes
-    sides = [(Kind.RECV_F, [r.recv_f] if r.recv_f else []), (Kind.SEND_F, list(r.send_f)),
-             (Kind.RECV_B, [r.recv_b] if r.recv_b else []), (Kind.SEND_B, list(r.send_b))]
+    sides = [
+        (Kind.RECV_F, [r.recv_f] if r.recv_f else []),
+        (Kind.SEND_F, list(r.send_f)),
+        (Kind.RECV_B, [r.recv_b] if r.recv_b else []),
+        (Kind.SEND_B, list(r.send_b)),
+    ]
     for kind, routes in sides:
         for route in routes:
             key = r.group(kind)
             assert key is not None  # a side with a route has its group
-            lines.append(f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
-                         f"rank {route.dst}  in {key.name}")
+            lines.append(
+                f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
+                f"rank {route.dst}  in {key.name}"
+            )
     if not any(routes for _, routes in sides):
         lines.append("  (none: a one-stage pipeline)")
     lines += ["", "groups this rank creates, in order (* = a member):"]
     for g in (rp.world,) + rp.groups:
         env = rp.network.env(g.key)
         settings = " ".join(f"{k}={v}" for k, v in sorted(env.items()))
-        lines.append(f"  {'*' if rp.rank in g.ranks else ' '} {g.name:<28} ranks {list(g.ranks)}  via {g.transport}"
-                     + (f"  {settings}" if settings else ""))
+        lines.append(
+            f"  {'*' if rp.rank in g.ranks else ' '} {g.name:<28} ranks {list(g.ranks)}  via {g.transport}"
+            + (f"  {settings}" if settings else "")
+        )
     lines += ["", f"parameter shards ({len(rp.shards)}):"]
     for s in rp.shards:
         dim = s.info.shard_dim

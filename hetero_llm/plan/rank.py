@@ -17,8 +17,6 @@ A key's ``name`` is what people read (``tp[p0.s1]``, ``p2p_fwd[p0.s0->p0.s1]``, 
 
 from __future__ import annotations
 
-from typing import Union
-
 import attrs
 
 from hetero_llm import schedule as sched
@@ -80,7 +78,7 @@ class GradSyncKey:
         return "grad_sync[" + ",".join(map(str, self.ranks)) + "]"
 
 
-GroupKey = Union[WorldKey, TPKey, P2PKey, GradSyncKey]
+GroupKey = WorldKey | TPKey | P2PKey | GradSyncKey
 
 
 # ------------------------------------------------------------------------------------------
@@ -128,7 +126,9 @@ class StagePlan:
     def params(self, model: ModelSpec) -> list[ParamInfo]:
         out: list[ParamInfo] = []
         for c in range(len(self.chunk_ranges)):
-            out += [info for info in stage_params(model, *self.chunk_shape(c)) if info not in out]  # tied embed.tok once
+            out += [
+                info for info in stage_params(model, *self.chunk_shape(c)) if info not in out
+            ]  # tied embed.tok once
         return out
 
 

@@ -28,9 +28,8 @@ import math
 from typing import Protocol
 
 from hetero_llm.layout import Layout
-
 from hetero_llm.model.params import ParamInfo
-from hetero_llm.plan.rank import SyncBlocks, GroupKey, RankInfo, Slice, StagePlan, ZeroUnit
+from hetero_llm.plan.rank import GroupKey, RankInfo, Slice, StagePlan, SyncBlocks, ZeroUnit
 
 
 class Plan(Protocol):
@@ -56,7 +55,6 @@ class Plan(Protocol):
     def tp_group(self, stage: StagePlan) -> GroupKey | None: ...
 
     def params_of(self, rank: int) -> list[tuple[ParamInfo, int, int]]: ...
-
 
 
 def _row_size(info: ParamInfo, dim: int) -> int:
@@ -95,8 +93,11 @@ def units(plan: Plan) -> tuple[ZeroUnit, ...]:
     for st in plan.stages:
         if st.tp == 1:
             continue
-        replicated = tuple((p.name, 0, 0, p.shape[0]) for p in st.params(plan.layout.model)
-                           if p.shard_dim is None and p.name not in synced)
+        replicated = tuple(
+            (p.name, 0, 0, p.shape[0])
+            for p in st.params(plan.layout.model)
+            if p.shard_dim is None and p.name not in synced
+        )
         if replicated:
             key = plan.tp_group(st)
             assert key is not None  # a TP group: tp > 1 here
@@ -104,8 +105,9 @@ def units(plan: Plan) -> tuple[ZeroUnit, ...]:
     return tuple(out)
 
 
-def owned(plan: Plan, rank: int,
-          all_units: tuple[ZeroUnit, ...] | None = None) -> tuple[list[tuple[ZeroUnit, list[Slice]]], list[Slice]]:
+def owned(
+    plan: Plan, rank: int, all_units: tuple[ZeroUnit, ...] | None = None
+) -> tuple[list[tuple[ZeroUnit, list[Slice]]], list[Slice]]:
     """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone)."""
     all_units = units(plan) if all_units is None else all_units
     mine = [(u, u.slices(rank)) for u in all_units if rank in u.ranks]
@@ -140,9 +142,11 @@ def state_elements(plan: Plan, rank: int, zero1: bool) -> int:
 
 def describe(plan: Plan) -> str:
     """The ``--dry-run`` table of AdamW state per rank, plain and ZeRO-1 (two float32 moments per element)."""
-    lines = ["optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1'):",
-             "rank  adamw MiB  adamw_zero1 MiB  factor"]
+    lines = [
+        "optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1'):",
+        "rank  adamw MiB  adamw_zero1 MiB  factor",
+    ]
     for rank in range(plan.world_size):
-        plain, zero = (8 * state_elements(plan, rank, z) / 2 ** 20 for z in (False, True))
+        plain, zero = (8 * state_elements(plan, rank, z) / 2**20 for z in (False, True))
         lines.append(f"{rank:<5} {plain:<10.3f} {zero:<16.3f} {plain / zero if zero else float('inf'):.2f}")
     return "\n".join(lines)

@@ -21,7 +21,8 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None) 
     return planner.run(place_seeds(cluster), top=top)
 
 
-def plan_file(path: str | os.PathLike, top: int = 5, profile_file: str | os.PathLike | None = None
-              ) -> tuple[Cluster, Result]:
+def plan_file(
+    path: str | os.PathLike, top: int = 5, profile_file: str | os.PathLike | None = None
+) -> tuple[Cluster, Result]:
     cluster = load_cluster(path, profile_file)
     return cluster, plan_cluster(cluster, top)

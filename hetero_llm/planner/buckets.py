@@ -33,13 +33,19 @@ def parse_bounds(text: str, cluster: Cluster) -> tuple[int, ...]:
     bucket, the home layout's). One-line errors naming the option."""
     seq_len = cluster.model.seq_len
     if cluster.data.packing.value != "documents":
-        raise LayoutError(cluster.file, "data.packing", "--buckets sorts whole documents by length: set "
-                          'data.packing = "documents" in the cluster file')
+        raise LayoutError(
+            cluster.file,
+            "data.packing",
+            '--buckets sorts whole documents by length: set data.packing = "documents" in the cluster file',
+        )
     try:
         bounds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise LayoutError(cluster.file, "--buckets", f"'{text}' is not a comma-separated list of whole numbers "
-                          "(e.g. --buckets 128,512)") from None
+        raise LayoutError(
+            cluster.file,
+            "--buckets",
+            f"'{text}' is not a comma-separated list of whole numbers (e.g. --buckets 128,512)",
+        ) from None
     if not bounds:
         raise LayoutError(cluster.file, "--buckets", "is empty: give the bucket bounds, e.g. --buckets 128,512")
     if bounds[-1] == seq_len:
@@ -49,8 +55,12 @@ def parse_bounds(text: str, cluster: Cluster) -> tuple[int, ...]:
             raise LayoutError(cluster.file, "--buckets", f"bounds must ascend strictly, got {a} then {b}")
     for b in bounds:
         if not 1 <= b < seq_len:
-            raise LayoutError(cluster.file, "--buckets", f"bound {b} is outside 1..{seq_len - 1} (the last bucket is "
-                              f"model.seq_len = {seq_len}, the home layout's)")
+            raise LayoutError(
+                cluster.file,
+                "--buckets",
+                f"bound {b} is outside 1..{seq_len - 1} (the last bucket is "
+                f"model.seq_len = {seq_len}, the home layout's)",
+            )
     return tuple(bounds) + (seq_len,)
 
 
@@ -73,11 +83,19 @@ def propose(cluster: Cluster, bounds: tuple[int, ...], home: Candidate) -> list[
         devices = [d for p in cand.pipelines for s in p.stages for d in s.group.devices]
         if not set(devices) <= home_devices:
             out.append(Bucket(bound, None, None, "its plan uses devices the home layout leaves idle"))
-        elif cand == home or (at_home is not None and at_home.feasible
-                              and score.step_time * MIN_GAIN > at_home.step_time):
+        elif cand == home or (
+            at_home is not None and at_home.feasible and score.step_time * MIN_GAIN > at_home.step_time
+        ):
             home_s = f"{at_home.step_time:.4g}" if at_home is not None else "?"
-            out.append(Bucket(bound, None, None, f"home layout: its own plan ({score.step_time:.4g} s) is not "
-                              f"{MIN_GAIN:g}x faster than home's on its rows ({home_s} s)"))
+            out.append(
+                Bucket(
+                    bound,
+                    None,
+                    None,
+                    f"home layout: its own plan ({score.step_time:.4g} s) is not "
+                    f"{MIN_GAIN:g}x faster than home's on its rows ({home_s} s)",
+                )
+            )
         else:
             out.append(Bucket(bound, cand, score, "" if at_home is None else f"{at_home.step_time:.4g}"))
     return out + [Bucket(bounds[-1], None, None, "the longest documents: the home layout")]

@@ -82,24 +82,36 @@ class PlanLimits:
     """``[plan]``: limits on the search."""
 
     max_tp: int = _doc("largest TP size to try; 0 = a node's device count", default=8)
-    schedules: tuple[str, ...] = _doc("schedules to choose from: '1f1b', 'zbh1', 'interleaved'",
-                                      default=("1f1b", "zbh1", "interleaved"))
+    schedules: tuple[str, ...] = _doc(
+        "schedules to choose from: '1f1b', 'zbh1', 'interleaved'", default=("1f1b", "zbh1", "interleaved")
+    )
     memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
-    time_budget_s: float = _doc("the whole search's time limit in seconds (the local search stops at 98% of "
-                                "it); the plan found so far is returned (0 = no limit; the search is deterministic "
-                                "unless the budget is hit)",
-                                default=60.0)
-    profile: str = _doc("a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
-                        "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "
-                        "'' = none", default="")
-    action_overhead_us: float = _doc("the runtime's own time per compute action (F, B, I, W) in microseconds: the "
-                                     "interpreter and posting the microbatch's sends and receives, added to every "
-                                     "compute action of every stage; measure it (bench/plan_vs_measured.py does: "
-                                     "docs/benchmarks.md); 0 = none (next to GPU compute it is small)", default=0.0)
-    p2p_latency_us: float = _doc("the communication library's own latency per message in microseconds, on top of "
-                                 "the links' latency_us: added to every stage-boundary transfer and every step of "
-                                 "a gradient all-reduce ring; measure it (a gloo ping-pong: benchlib.p2p_probe); "
-                                 "0 = none", default=0.0)
+    time_budget_s: float = _doc(
+        "the whole search's time limit in seconds (the local search stops at 98% of "
+        "it); the plan found so far is returned (0 = no limit; the search is deterministic "
+        "unless the budget is hit)",
+        default=60.0,
+    )
+    profile: str = _doc(
+        "a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
+        "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "
+        "'' = none",
+        default="",
+    )
+    action_overhead_us: float = _doc(
+        "the runtime's own time per compute action (F, B, I, W) in microseconds: the "
+        "interpreter and posting the microbatch's sends and receives, added to every "
+        "compute action of every stage; measure it (bench/plan_vs_measured.py does: "
+        "docs/benchmarks.md); 0 = none (next to GPU compute it is small)",
+        default=0.0,
+    )
+    p2p_latency_us: float = _doc(
+        "the communication library's own latency per message in microseconds, on top of "
+        "the links' latency_us: added to every stage-boundary transfer and every step of "
+        "a gradient all-reduce ring; measure it (a gloo ping-pong: benchlib.p2p_probe); "
+        "0 = none",
+        default=0.0,
+    )
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved")
@@ -173,26 +185,37 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         raise LayoutError(file, "plan", "expected a table ([plan])")
     kinds_raw = plan.get("kinds", {})
     node_kinds = plan.get("nodes", {})
-    limits = layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in ("kinds", "nodes")}, "plan", file) \
-        if set(plan) - {"kinds", "nodes"} else PlanLimits()
+    limits = (
+        layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in ("kinds", "nodes")}, "plan", file)
+        if set(plan) - {"kinds", "nodes"}
+        else PlanLimits()
+    )
     _check_limits(file, limits)
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
     for pattern, kind in node_kinds.items():
         if not isinstance(kind, str) or kind not in kinds:
-            raise LayoutError(file, f"plan.nodes.{pattern}", f"unknown device kind {kind!r} "
-                              f"(known: {', '.join(sorted(kinds))}; or add [plan.kinds.{kind}])")
+            raise LayoutError(
+                file,
+                f"plan.nodes.{pattern}",
+                f"unknown device kind {kind!r} (known: {', '.join(sorted(kinds))}; or add [plan.kinds.{kind}])",
+            )
         if not any(fnmatch.fnmatchcase(n.name, pattern) for n in cluster.nodes):
-            raise LayoutError(file, f"plan.nodes.{pattern}", f"matches no node (nodes: "
-                              f"{', '.join(n.name for n in cluster.nodes)})")
+            raise LayoutError(
+                file, f"plan.nodes.{pattern}", f"matches no node (nodes: {', '.join(n.name for n in cluster.nodes)})"
+            )
     nodes = []
     for i, n in enumerate(cluster.nodes):
         kind = next((k for pat, k in node_kinds.items() if fnmatch.fnmatchcase(n.name, pat)), None)
         if kind is None:
             if not all(d == "cpu" for d in n.devices):
-                raise LayoutError(file, f"cluster.nodes[{i}]", f"node '{n.name}' has no device kind (add it to "
-                                  f"[plan.nodes], e.g. {n.name} = \"a100-80g\"; kinds: {', '.join(sorted(kinds))})")
+                raise LayoutError(
+                    file,
+                    f"cluster.nodes[{i}]",
+                    f"node '{n.name}' has no device kind (add it to "
+                    f'[plan.nodes], e.g. {n.name} = "a100-80g"; kinds: {", ".join(sorted(kinds))})',
+                )
             kind = "cpu"
         nodes.append(Node(n.name, cluster.domain_of(n.name), len(n.devices), kinds[kind]))
     profile = None
@@ -201,8 +224,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     elif limits.profile:
         where = Path(file).parent / limits.profile
         profile = profile_mod.read(where, file, "plan.profile", model, train.precision)
-    return Cluster(file, model, train, sec["data"], cluster, tuple(nodes),
-                   _network(cluster), limits, profile)
+    return Cluster(file, model, train, sec["data"], cluster, tuple(nodes), _network(cluster), limits, profile)
 
 
 def _check_limits(file: str, limits: PlanLimits) -> None:
@@ -212,8 +234,11 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
         raise LayoutError(file, "plan.schedules", f"needs at least one schedule (from {', '.join(SCHEDULES)})")
     for i, s in enumerate(limits.schedules):
         if s not in SCHEDULES:
-            raise LayoutError(file, f"plan.schedules[{i}]", f"unknown schedule {s!r} (the planner chooses from "
-                              f"{', '.join(SCHEDULES)})")
+            raise LayoutError(
+                file,
+                f"plan.schedules[{i}]",
+                f"unknown schedule {s!r} (the planner chooses from {', '.join(SCHEDULES)})",
+            )
     if not 0 <= limits.memory_margin < 1:
         raise LayoutError(file, "plan.memory_margin", f"must be in [0, 1), got {limits.memory_margin:g}")
     if limits.time_budget_s < 0:
@@ -230,8 +255,11 @@ def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind
         raise LayoutError(file, "plan.kinds", "expected tables [plan.kinds.NAME]")
     for name, table in raw.items():
         where = f"plan.kinds.{name}"
-        kind = layout_mod._build(DeviceKind, table, where, file) if isinstance(table, dict) and "name" not in table \
+        kind = (
+            layout_mod._build(DeviceKind, table, where, file)
+            if isinstance(table, dict) and "name" not in table
             else None
+        )
         if kind is None:
             raise LayoutError(file, where, "expected a table with tflops, memory_gb, link_gbps, mem_bw_gbs")
         for key in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
@@ -250,11 +278,20 @@ def schema_markdown() -> str:
                 continue
             default = "required" if fl.default is attrs.NOTHING else repr(fl.default)
             rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
-    rows.append("| `plan.nodes.PATTERN` | nodes of only `cpu` devices: 'cpu' | device kind of the nodes whose name "
-                "matches PATTERN (a name or a glob such as 'ib*'; the first match wins); a catalogue kind or a "
-                "[plan.kinds.NAME] |")
-    catalogue = ["| kind | bf16 TFLOPS | fp32 TFLOPS | memory GB | link Gbit/s | memory GB/s |",
-                 "| --- | --- | --- | --- | --- | --- |"]
+    rows.append(
+        "| `plan.nodes.PATTERN` | nodes of only `cpu` devices: 'cpu' | device kind of the nodes whose name "
+        "matches PATTERN (a name or a glob such as 'ib*'; the first match wins); a catalogue kind or a "
+        "[plan.kinds.NAME] |"
+    )
+    catalogue = [
+        "| kind | bf16 TFLOPS | fp32 TFLOPS | memory GB | link Gbit/s | memory GB/s |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     catalogue += [f"| `{k}` | {v[0]:g} | {v[1]:g} | {v[2]:g} | {v[3]:g} | {v[4]:g} |" for k, v in CATALOGUE.items()]
-    return ("| key | default | meaning |\n| --- | --- | --- |\n" + "\n".join(rows) + "\n\nBuilt-in device kinds:\n\n"
-            + "\n".join(catalogue) + "\n")
+    return (
+        "| key | default | meaning |\n| --- | --- | --- |\n"
+        + "\n".join(rows)
+        + "\n\nBuilt-in device kinds:\n\n"
+        + "\n".join(catalogue)
+        + "\n"
+    )

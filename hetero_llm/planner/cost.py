@@ -43,8 +43,8 @@ import math
 import attrs
 
 from hetero_llm.layout import Mlp, Norm, Optimizer, Position, Precision
-from hetero_llm.planner.cluster import Cluster, DeviceKind
 from hetero_llm.planner import pipesim
+from hetero_llm.planner.cluster import Cluster, DeviceKind
 
 PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
@@ -96,8 +96,14 @@ class Candidate:
     chunks: int = 1
 
     def key(self) -> tuple:
-        return (self.schedule, self.chunks, tuple((p.batch, p.microbatches, tuple(
-            (s.group.devices, s.layers, s.recompute) for s in p.stages)) for p in self.pipelines))
+        return (
+            self.schedule,
+            self.chunks,
+            tuple(
+                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                for p in self.pipelines
+            ),
+        )
 
 
 @attrs.frozen
@@ -126,8 +132,14 @@ class Score:
 
     def worst_memory(self) -> tuple[int, int, float]:
         """(pipeline, stage, bytes over capacity) of the stage furthest over (or nearest to) its memory."""
-        return max(((p, s, m - c) for p, (ms, cs) in enumerate(zip(self.memory, self.capacity))
-                    for s, (m, c) in enumerate(zip(ms, cs))), key=lambda x: x[2])
+        return max(
+            (
+                (p, s, m - c)
+                for p, (ms, cs) in enumerate(zip(self.memory, self.capacity))
+                for s, (m, c) in enumerate(zip(ms, cs))
+            ),
+            key=lambda x: x[2],
+        )
 
 
 class PlannerCostModel:
@@ -160,10 +172,10 @@ class PlannerCostModel:
     # ---------------------------------------------------------------- per layer arithmetic
     def layer_matmul_flops(self) -> float:
         """Forward FLOPs of one layer's matmuls for one sequence."""
-        return self.S * (8 * self.H ** 2 + 2 * self.nm * self.H * self.F)
+        return self.S * (8 * self.H**2 + 2 * self.nm * self.H * self.F)
 
     def layer_forward_flops(self) -> float:
-        return self.layer_matmul_flops() + 2 * self.S ** 2 * self.H
+        return self.layer_matmul_flops() + 2 * self.S**2 * self.H
 
     def head_forward_flops(self) -> float:
         return 2 * self.S * self.H * self.V
@@ -198,7 +210,9 @@ class PlannerCostModel:
     def allreduce(self, nbytes: float, members: int, bw: float) -> float:
         return 2 * (members - 1) / members * nbytes / bw if members > 1 else 0.0
 
-    def stage_times(self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool) -> tuple[float, float, float, float]:
+    def stage_times(
+        self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
+    ) -> tuple[float, float, float, float]:
         """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
         measured = self.profile.get(group.kind.name) if self.profile else None
         if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
@@ -248,8 +262,18 @@ class PlannerCostModel:
             microbatches = 3 * stages + (microbatches - 3 * stages) % stages
         return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
 
-    def _simulate(self, schedule: str, chunks: int, microbatches: int, fwd: tuple, bwd: tuple, wgt: tuple,
-                  lat: tuple, bw: tuple, nbytes: float) -> tuple[float, float]:
+    def _simulate(
+        self,
+        schedule: str,
+        chunks: int,
+        microbatches: int,
+        fwd: tuple,
+        bwd: tuple,
+        wgt: tuple,
+        lat: tuple,
+        bw: tuple,
+        nbytes: float,
+    ) -> tuple[float, float]:
         """(step seconds, idle fraction) of one pipeline, simulated."""
         n = len(fwd)
         if n == 1 and schedule == "interleaved":
@@ -278,16 +302,27 @@ class PlannerCostModel:
             return unit
         return max(mem / (group.tp * mem + others[0]), unit)
 
-    def moment_elements(self, group: TPGroup, layers: int, first: bool, last: bool,
-                        others: tuple[float, float] = (0.0, 0.0)) -> float:
+    def moment_elements(
+        self, group: TPGroup, layers: int, first: bool, last: bool, others: tuple[float, float] = (0.0, 0.0)
+    ) -> float:
         """AdamW moment elements (each of two) on one device of the stage: all it holds with 'adamw'; with
         'adamw_zero1' its share of every block, ``full x share`` (a bound when ``others`` is a bound)."""
         if not self.zero1:
             return self.stage_params(group.tp, layers, first, last)
         return self.stage_full_params(layers, first, last) * self.zero1_share(group, others)
 
-    def stage_memory(self, group: TPGroup, layers: int, first: bool, last: bool, rows: int, recompute: bool,
-                     in_flight: int, others: tuple[float, float] = (0.0, 0.0), moments: float | None = None) -> float:
+    def stage_memory(
+        self,
+        group: TPGroup,
+        layers: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        recompute: bool,
+        in_flight: int,
+        others: tuple[float, float] = (0.0, 0.0),
+        moments: float | None = None,
+    ) -> float:
         """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
         (or ``moments`` gives the exact moment elements)."""
         if moments is None:
@@ -322,9 +357,17 @@ class PlannerCostModel:
         c = chunks if schedule == "interleaved" and len(st) > 1 else 1
         fo = wo = c * self.action_overhead
         bo = fo * (2 if schedule == "zbh1" else 1)
-        step, bubble = self._sim(schedule, chunks, pipe.microbatches, tuple(t[0] + fo for t in times),
-                                 tuple(t[1] + bo for t in times), tuple(t[2] + wo for t in times),
-                                 tuple(x[1] for x in links), tuple(x[0] for x in links), nbytes)
+        step, bubble = self._sim(
+            schedule,
+            chunks,
+            pipe.microbatches,
+            tuple(t[0] + fo for t in times),
+            tuple(t[1] + bo for t in times),
+            tuple(t[2] + wo for t in times),
+            tuple(x[1] for x in links),
+            tuple(x[0] for x in links),
+            nbytes,
+        )
         busiest = max(range(len(st)), key=lambda i: times[i][0] + times[i][1])
         return step, bubble, times[busiest][3] * pipe.microbatches
 
@@ -382,8 +425,13 @@ class PlannerCostModel:
         of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's
         holders are the first stages, the head's the last."""
         if not self.zero1:
-            return tuple(tuple(self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
-                               for i, s in enumerate(p.stages)) for p in cand.pipelines)
+            return tuple(
+                tuple(
+                    self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
+                    for i, s in enumerate(p.stages)
+                )
+                for p in cand.pipelines
+            )
         spans: list[list[tuple[int, int, int]]] = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
         boundaries = {0, self.L}
         for pi, pipe in enumerate(cand.pipelines):
@@ -432,8 +480,14 @@ class PlannerCostModel:
             chunks = cand.chunks if cand.schedule == "interleaved" and n > 1 else 1
             kind = "1f1b" if n == 1 and cand.schedule == "interleaved" else cand.schedule
             peaks = self._peaks(kind, n, pipe.microbatches, chunks)
-            mems.append(tuple(self.stage_memory(s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i],
-                                                moments=moments[i]) for i, s in enumerate(pipe.stages)))
+            mems.append(
+                tuple(
+                    self.stage_memory(
+                        s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i], moments=moments[i]
+                    )
+                    for i, s in enumerate(pipe.stages)
+                )
+            )
             caps.append(tuple(self.capacity(s.group) for s in pipe.stages))
         return tuple(mems), tuple(caps)
 
@@ -447,6 +501,16 @@ class PlannerCostModel:
         step = results[slowest][0] + sync + opt
         total_peak = sum(n.devices * n.kind.tflops * 1e12 for n in self.cluster.nodes)
         tokens = self.cluster.train.global_batch * self.S
-        return Score(step if fits else math.inf, tuple(r[0] for r in results), results[slowest][1],
-                     results[slowest][2], sync, opt, mems, caps, tokens / step,
-                     self.model_flops_per_step() / (step * total_peak), self.lower_bound())
+        return Score(
+            step if fits else math.inf,
+            tuple(r[0] for r in results),
+            results[slowest][1],
+            results[slowest][2],
+            sync,
+            opt,
+            mems,
+            caps,
+            tokens / step,
+            self.model_flops_per_step() / (step * total_peak),
+            self.lower_bound(),
+        )

@@ -9,6 +9,7 @@ idle are not enumerated (the sweep and the local search reach them). ``search.Pl
 from __future__ import annotations
 
 import itertools
+
 from hetero_llm.planner.cost import TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
@@ -25,7 +26,8 @@ def all_structures(planner: SearchSpace, limit: int) -> list | None:
             idx = 0
             for t in cut:
                 pools.setdefault((node.name, t), []).append(
-                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind))
+                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind)
+                )
                 idx += t
         names = sorted(pools)
         labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
@@ -62,6 +64,7 @@ def _cuts(n: int, sizes: list[int]) -> list[tuple[int, ...]]:
         for t in sizes:
             if t <= min(left, top):
                 rec(left - t, t, acc + (t,))
+
     rec(n, n, ())
     return out
 
@@ -69,9 +72,11 @@ def _cuts(n: int, sizes: list[int]) -> list[tuple[int, ...]]:
 def _multiset_partitions(items: list[int]):
     """Partitions of a sorted multiset into blocks, each once (sympy's generator)."""
     from sympy.utilities.iterables import multiset_partitions
+
     return multiset_partitions(items)
 
 
 def _multiset_permutations(items: list[int]) -> list[list[int]]:
     from sympy.utilities.iterables import multiset_permutations
+
     return list(multiset_permutations(items))

@@ -8,6 +8,7 @@ with the same stage kinds are changed together or one alone.
 from __future__ import annotations
 
 import itertools
+
 import attrs
 
 from hetero_llm.planner.cost import TPGroup
@@ -56,14 +57,22 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
 
     # stage order inside a pipeline
     for i in range(max((len(p) for p in pipes), default=0) - 1):
-        each(lambda p, i=i: p[:i] + [p[i + 1], p[i]] + p[i + 2:] if i + 1 < len(p) and kind(p[i]) != kind(p[i + 1]) else None)
+        each(
+            lambda p, i=i: (
+                p[:i] + [p[i + 1], p[i]] + p[i + 2 :] if i + 1 < len(p) and kind(p[i]) != kind(p[i + 1]) else None
+            )
+        )
     each(lambda p: p[::-1] if len(p) > 1 else None)
     for i in range(max((len(p) for p in pipes), default=0)):
-        each(lambda p, i=i: p[:i] + p[i + 1:] + [p[i]] if 0 < len(p) - 1 != i < len(p) else None)
-        each(lambda p, i=i: [p[i]] + p[:i] + p[i + 1:] if 0 < i < len(p) else None)
+        each(lambda p, i=i: p[:i] + p[i + 1 :] + [p[i]] if 0 < len(p) - 1 != i < len(p) else None)
+        each(lambda p, i=i: [p[i]] + p[:i] + p[i + 1 :] if 0 < i < len(p) else None)
     # leave a TP group idle, or put an idle one to work
     for i in range(max((len(p) for p in pipes), default=0)):
-        each(lambda p, i=i: p[:i] + p[i + 1:] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None)
+        each(
+            lambda p, i=i: (
+                p[:i] + p[i + 1 :] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None
+            )
+        )
     for g in idle_groups(planner, st):
         each(lambda p, g=g: p + [g], alone=True)
         each(lambda p, g=g: [g] + p, alone=True)
@@ -103,13 +112,13 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             h = g.tp // 2
             if g.tp % 2 == 0 and h in planner.tp_sizes(g.tp):
                 new = [list(p) for p in pipes]
-                new[pi][gi:gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
+                new[pi][gi : gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
                 make(new)
         for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
             if ga.node == gb.node and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices):
                 ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
                 new = [list(p) for p in pipes]
-                new[pi][k:k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
+                new[pi][k : k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                 make(new)
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:
@@ -118,6 +127,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         if sch != st.schedule:
             make(pipes, schedule=sch)
     return out
+
 
 def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
     """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""

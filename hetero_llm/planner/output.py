@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import attrs
 
@@ -22,21 +22,37 @@ def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] 
     pipelines, and a ``[[buckets]]`` table per bucket when hot switching was planned (``bucket_specs``)."""
     default_rc = cluster.train.recompute is Recompute.FULL
     train = attrs.evolve(cluster.train, schedule=Schedule(cand.schedule), chunks=cand.chunks)
-    return Layout(file=cluster.file, model=cluster.model, train=train, data=cluster.data, cluster=cluster.spec,
-                  pipelines=pipeline_specs(cand.pipelines, default_rc), buckets=bucket_specs(buckets, default_rc))
+    return Layout(
+        file=cluster.file,
+        model=cluster.model,
+        train=train,
+        data=cluster.data,
+        cluster=cluster.spec,
+        pipelines=pipeline_specs(cand.pipelines, default_rc),
+        buckets=bucket_specs(buckets, default_rc),
+    )
 
 
-def pipeline_specs(pipelines: Sequence[PipelineChoice], default_recompute: bool, unit: int = 1
-                   ) -> tuple[PipelineSpec, ...]:
+def pipeline_specs(
+    pipelines: Sequence[PipelineChoice], default_recompute: bool, unit: int = 1
+) -> tuple[PipelineSpec, ...]:
     """A plan's pipelines as ``[[pipelines]]`` (batch and microbatches divided by ``unit``); a stage's recompute
     is written where it differs from train.recompute."""
+
     def recompute(on: bool) -> Recompute | None:
         return None if on == default_recompute else Recompute.FULL if on else Recompute.NONE
 
-    return tuple(PipelineSpec(batch=p.batch // unit, microbatches=p.microbatches // unit,
-                              stages=tuple(StageSpec(layers=st.layers, devices=tuple(st.group.devices),
-                                                     recompute=recompute(st.recompute)) for st in p.stages))
-                 for p in pipelines)
+    return tuple(
+        PipelineSpec(
+            batch=p.batch // unit,
+            microbatches=p.microbatches // unit,
+            stages=tuple(
+                StageSpec(layers=st.layers, devices=tuple(st.group.devices), recompute=recompute(st.recompute))
+                for st in p.stages
+            ),
+        )
+        for p in pipelines
+    )
 
 
 def bucket_specs(buckets: Sequence[Bucket], default_recompute: bool) -> tuple[BucketSpec, ...]:
@@ -50,9 +66,16 @@ def bucket_specs(buckets: Sequence[Bucket], default_recompute: bool) -> tuple[Bu
             out.append(BucketSpec(max_len=b.max_len, top_up=i > 0))
             continue
         unit = elastic_unit(b.plan)
-        out.append(BucketSpec(max_len=b.max_len, schedule=Schedule(b.plan.schedule), chunks=b.plan.chunks,
-                              pipelines=pipeline_specs(b.plan.pipelines, default_recompute, unit or 1),
-                              elastic=unit is not None, top_up=i > 0))
+        out.append(
+            BucketSpec(
+                max_len=b.max_len,
+                schedule=Schedule(b.plan.schedule),
+                chunks=b.plan.chunks,
+                pipelines=pipeline_specs(b.plan.pipelines, default_recompute, unit or 1),
+                elastic=unit is not None,
+                top_up=i > 0,
+            )
+        )
     return tuple(out)
 
 
@@ -62,8 +85,9 @@ def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> d
     out = {"train.schedule": "chosen by hetero-plan", "pipelines[0]": f"planned pipelines: {summary(cand)}"}
     for p, pipe in enumerate(cand.pipelines):
         for s, st in enumerate(pipe.stages):
-            out[f"pipelines[{p}].stages[{s}].devices"] = (f"{st.group.kind.name}, domain {st.group.domain}, "
-                                                          f"{score.memory[p][s] / 1e9:.3g} GB per device")
+            out[f"pipelines[{p}].stages[{s}].devices"] = (
+                f"{st.group.kind.name}, domain {st.group.domain}, {score.memory[p][s] / 1e9:.3g} GB per device"
+            )
     for i, b in enumerate(buckets):
         if b.plan is None:
             why = b.why_home
@@ -71,8 +95,9 @@ def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> d
             vs = f" (home layout: {b.why_home} s)" if b.why_home else ""
             assert b.score is not None  # a planned bucket is scored
             why = f"planned for rows of {b.max_len}: predicted step {b.score.step_time:.4g} s on full rows{vs}"
-        out[f"buckets[{i}]"] = ("hot switching, a layout per document-length bucket (hetero-plan --buckets): "
-                                if i == 0 else "") + why
+        out[f"buckets[{i}]"] = (
+            "hot switching, a layout per document-length bucket (hetero-plan --buckets): " if i == 0 else ""
+        ) + why
     return out
 
 
@@ -88,7 +113,9 @@ def header(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None) 
     for p, ms in enumerate(score.memory):
         lines.append(f"#   pipeline {p} peak GB per stage: " + " ".join(f"{m / 1e9:.3g}" for m in ms))
     if seed is not None and seed.feasible:
-        lines.append(f"#   hetero-place's plan: {seed.step_time:.4g} s ({seed.step_time / score.step_time:.3f}x this one)")
+        lines.append(
+            f"#   hetero-place's plan: {seed.step_time:.4g} s ({seed.step_time / score.step_time:.3f}x this one)"
+        )
     lines.append("# Re-plan rather than edit the pipelines.")
     return "\n".join(lines) + "\n"
 
@@ -98,24 +125,40 @@ def summary(cand: Candidate) -> str:
     counts: dict[int, int] = {}
     for p in cand.pipelines:
         counts[len(p.stages)] = counts.get(len(p.stages), 0) + 1
-    shapes = ", ".join(f"{n} of {k} stage{'s' if k > 1 else ''}" for k, n in sorted(counts.items(), key=lambda x: -x[1]))
+    shapes = ", ".join(
+        f"{n} of {k} stage{'s' if k > 1 else ''}" for k, n in sorted(counts.items(), key=lambda x: -x[1])
+    )
     sched = cand.schedule + (f" x{cand.chunks} chunks" if cand.chunks > 1 else "")
     return f"{len(cand.pipelines)} pipeline{'s' if len(cand.pipelines) > 1 else ''} ({shapes}), {sched}"
 
 
-def layout_text(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None,
-                buckets: Sequence[Bucket] = ()) -> str:
-    return layout_mod.dumps(planned_layout(cluster, cand, buckets), header=header(cluster, cand, score, seed),
-                            comments=comments(cand, score, buckets))
+def layout_text(
+    cluster: Cluster, cand: Candidate, score: Score, seed: Score | None, buckets: Sequence[Bucket] = ()
+) -> str:
+    return layout_mod.dumps(
+        planned_layout(cluster, cand, buckets),
+        header=header(cluster, cand, score, seed),
+        comments=comments(cand, score, buckets),
+    )
 
 
-def write_layout(cluster: Cluster, out_path: str | os.PathLike, cand: Candidate, score: Score,
-                 seed: Score | None, buckets: Sequence[Bucket] = ()) -> str:
+def write_layout(
+    cluster: Cluster,
+    out_path: str | os.PathLike,
+    cand: Candidate,
+    score: Score,
+    seed: Score | None,
+    buckets: Sequence[Bucket] = (),
+) -> str:
     """Check the layout loads, then write it atomically."""
     src, out = Path(cluster.file), Path(out_path)
     if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
-        raise LayoutError(cluster.file, "data.path", f"'{cluster.data.path}' is relative to the cluster file: write "
-                          "the layout next to it, or make data.path absolute")
+        raise LayoutError(
+            cluster.file,
+            "data.path",
+            f"'{cluster.data.path}' is relative to the cluster file: write "
+            "the layout next to it, or make data.path absolute",
+        )
     text = layout_text(cluster, cand, score, seed, buckets)
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,15 +168,22 @@ def write_layout(cluster: Cluster, out_path: str | os.PathLike, cand: Candidate,
 
 def explain(cluster: Cluster, ranked, seed: Score | None) -> str:
     """The top plans side by side, and why the first wins."""
-    cols = [("step s", lambda c, s: f"{s.step_time:.4g}"), ("tokens/s", lambda c, s: f"{s.tokens_per_s:.4g}"),
-            ("MFU", lambda c, s: f"{s.mfu:.1%}"), ("pipelines", lambda c, s: str(len(c.pipelines))),
-            ("stages", lambda c, s: "/".join(str(len(p.stages)) for p in c.pipelines)),
-            ("TP", lambda c, s: "/".join(sorted({str(st.group.tp) for p in c.pipelines for st in p.stages}))),
-            ("schedule", lambda c, s: c.schedule), ("rows/mb", lambda c, s: "/".join(sorted({str(p.rows) for p in c.pipelines}))),
-            ("bubble", lambda c, s: f"{s.bubble:.1%}"), ("TP s", lambda c, s: f"{s.tp_time:.3g}"),
-            ("sync s", lambda c, s: f"{s.sync_time:.3g}"), ("optim s", lambda c, s: f"{s.optimizer_time:.3g}"),
-            ("peak GB", lambda c, s: f"{max(m for ms in s.memory for m in ms) / 1e9:.3g}"),
-            ("recompute", lambda c, s: str(sum(st.recompute for p in c.pipelines for st in p.stages)))]
+    cols = [
+        ("step s", lambda c, s: f"{s.step_time:.4g}"),
+        ("tokens/s", lambda c, s: f"{s.tokens_per_s:.4g}"),
+        ("MFU", lambda c, s: f"{s.mfu:.1%}"),
+        ("pipelines", lambda c, s: str(len(c.pipelines))),
+        ("stages", lambda c, s: "/".join(str(len(p.stages)) for p in c.pipelines)),
+        ("TP", lambda c, s: "/".join(sorted({str(st.group.tp) for p in c.pipelines for st in p.stages}))),
+        ("schedule", lambda c, s: c.schedule),
+        ("rows/mb", lambda c, s: "/".join(sorted({str(p.rows) for p in c.pipelines}))),
+        ("bubble", lambda c, s: f"{s.bubble:.1%}"),
+        ("TP s", lambda c, s: f"{s.tp_time:.3g}"),
+        ("sync s", lambda c, s: f"{s.sync_time:.3g}"),
+        ("optim s", lambda c, s: f"{s.optimizer_time:.3g}"),
+        ("peak GB", lambda c, s: f"{max(m for ms in s.memory for m in ms) / 1e9:.3g}"),
+        ("recompute", lambda c, s: str(sum(st.recompute for p in c.pipelines for st in p.stages))),
+    ]
     rows = [[name] + [f(c, s) for c, s in ranked] for name, f in cols]
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = ["plan"] + [f"#{i + 1}" for i in range(len(ranked))]
@@ -141,26 +191,47 @@ def explain(cluster: Cluster, ranked, seed: Score | None) -> str:
     table += [" ".join(v.rjust(w) for v, w in zip(r, width)) for r in rows]
     best_c, best = ranked[0]
     why = []
-    for i, (c, s) in enumerate(ranked[1:], 2):
+    for i, (_c, s) in enumerate(ranked[1:], 2):
         parts = []
-        for what, a, b in (("bubble time", s.bubble * max(s.pipeline_times), best.bubble * max(best.pipeline_times)),
-                           ("TP all-reduces", s.tp_time, best.tp_time), ("gradient sync", s.sync_time, best.sync_time),
-                           ("optimizer", s.optimizer_time, best.optimizer_time),
-                           ("slowest pipeline", max(s.pipeline_times), max(best.pipeline_times))):
+        for what, a, b in (
+            ("bubble time", s.bubble * max(s.pipeline_times), best.bubble * max(best.pipeline_times)),
+            ("TP all-reduces", s.tp_time, best.tp_time),
+            ("gradient sync", s.sync_time, best.sync_time),
+            ("optimizer", s.optimizer_time, best.optimizer_time),
+            ("slowest pipeline", max(s.pipeline_times), max(best.pipeline_times)),
+        ):
             if a - b > 1e-3 * best.step_time:
                 parts.append(f"{what} +{a - b:.3g} s")
-        why.append(f"  #1 beats #{i} by {s.step_time / best.step_time - 1:.1%}: " + (", ".join(parts) or "within noise"))
+        why.append(
+            f"  #1 beats #{i} by {s.step_time / best.step_time - 1:.1%}: " + (", ".join(parts) or "within noise")
+        )
     if seed is not None and seed.feasible:
-        why.append(f"  hetero-place's plan predicts {seed.step_time:.4g} s: #1 is {seed.step_time / best.step_time:.3f}x faster")
+        why.append(
+            f"  hetero-place's plan predicts {seed.step_time:.4g} s: #1 is {seed.step_time / best.step_time:.3f}x faster"
+        )
     return "\n".join(table + ["", "why #1 wins:"] + why)
 
 
 def to_json(cand: Candidate, score: Score) -> dict:
     return {
-        "schedule": cand.schedule, "chunks": cand.chunks,
-        "pipelines": [{"batch": p.batch, "microbatches": p.microbatches,
-                       "stages": [{"layers": s.layers, "devices": list(s.group.devices), "kind": s.group.kind.name,
-                                   "recompute": s.recompute} for s in p.stages]} for p in cand.pipelines],
+        "schedule": cand.schedule,
+        "chunks": cand.chunks,
+        "pipelines": [
+            {
+                "batch": p.batch,
+                "microbatches": p.microbatches,
+                "stages": [
+                    {
+                        "layers": s.layers,
+                        "devices": list(s.group.devices),
+                        "kind": s.group.kind.name,
+                        "recompute": s.recompute,
+                    }
+                    for s in p.stages
+                ],
+            }
+            for p in cand.pipelines
+        ],
         "predicted": {k: v for k, v in attrs.asdict(score).items() if k not in ("memory", "capacity")}
         | {"memory_gb": [[m / 1e9 for m in ms] for ms in score.memory], "gap": score.gap},
     }

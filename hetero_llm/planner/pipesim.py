@@ -42,8 +42,15 @@ def peak_in_flight(acts: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[int,
     return tuple(out)
 
 
-def simulate(acts, forward: Sequence[float], backward: Sequence[float], weight: Sequence[float] | None,
-             latency: Sequence[float], bandwidth: Sequence[float], nbytes: float) -> tuple[float, tuple[float, ...]]:
+def simulate(
+    acts,
+    forward: Sequence[float],
+    backward: Sequence[float],
+    weight: Sequence[float] | None,
+    latency: Sequence[float],
+    bandwidth: Sequence[float],
+    nbytes: float,
+) -> tuple[float, tuple[float, ...]]:
     """(step seconds, busy seconds per stage), as ``simulate.simulate`` computes them."""
     n = len(acts)
     chunks = 1 + max((c for stage in acts for _, _, c in stage), default=0)

@@ -32,8 +32,16 @@ import attrs
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import (DEFAULT_TRANSPORT, ClusterSpec, Layout, ModelSpec, PipelineSpec, Schedule, StageSpec,
-                               TrainSpec)
+from hetero_llm.layout import (
+    DEFAULT_TRANSPORT,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    PipelineSpec,
+    Schedule,
+    StageSpec,
+    TrainSpec,
+)
 from hetero_llm.model.params import embedding_params, head_params, layer_params
 
 BYTES_PER_PARAM = 16  # float32 weight + gradient + AdamW's two moments
@@ -87,16 +95,22 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     if tp < 1:
         raise LayoutError(file, "--tp", f"must be >= 1, got {tp}")
     if model.heads % tp or model.ffn_width % tp:
-        raise LayoutError(file, "--tp", f"TP size {tp} does not divide heads ({model.heads}) and the MLP width "
-                          f"({model.ffn_width}) (pick a common divisor)")
+        raise LayoutError(
+            file,
+            "--tp",
+            f"TP size {tp} does not divide heads ({model.heads}) and the MLP width "
+            f"({model.ffn_width}) (pick a common divisor)",
+        )
     by_domain: dict[str, list[PlaceGroup]] = {}
     order = [d.name for d in cluster.domains] or [DEFAULT_TRANSPORT]
     for node in cluster.nodes:
         domain = cluster.domain_of(node.name)
         groups = len(node.devices) // tp
         if len(node.devices) % tp:
-            notes.append(f"{node.name}: {len(node.devices) % tp} of its {len(node.devices)} devices left unused "
-                         f"(TP {tp} groups stay inside a node)")
+            notes.append(
+                f"{node.name}: {len(node.devices) % tp} of its {len(node.devices)} devices left unused "
+                f"(TP {tp} groups stay inside a node)"
+            )
         for g in range(groups):
             devices = tuple(f"{node.name}:{i}" for i in range(g * tp, (g + 1) * tp))
             by_domain.setdefault(domain, []).append(PlaceGroup(node.name, domain, devices, node.speed, node.memory_gb))
@@ -110,19 +124,32 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     domains = [d for d in order if sizes[d] >= pipelines]
     if not domains:
         best = max(order, key=lambda d: sizes[d])
-        raise LayoutError(file, "--pipelines", f"no domain has {pipelines} TP groups of {tp} device(s) "
-                          f"(the most is {sizes[best]}, in {best}): use --pipelines {sizes[best]} or fewer")
+        raise LayoutError(
+            file,
+            "--pipelines",
+            f"no domain has {pipelines} TP groups of {tp} device(s) "
+            f"(the most is {sizes[best]}, in {best}): use --pipelines {sizes[best]} or fewer",
+        )
     for d in order:
         if d not in domains and sizes[d]:
-            notes.append(f"domain {d} left out: its {sizes[d]} TP group(s) cannot hold a stage of each of the "
-                         f"{pipelines} pipelines without a DP group spanning domains")
+            notes.append(
+                f"domain {d} left out: its {sizes[d]} TP group(s) cannot hold a stage of each of the "
+                f"{pipelines} pipelines without a DP group spanning domains"
+            )
     if train.global_batch < pipelines:
-        raise LayoutError(file, "--pipelines", f"{pipelines} pipelines need train.global_batch >= {pipelines} "
-                          f"(it is {train.global_batch})")
+        raise LayoutError(
+            file,
+            "--pipelines",
+            f"{pipelines} pipelines need train.global_batch >= {pipelines} (it is {train.global_batch})",
+        )
     unit_layers = train.chunks if train.schedule is Schedule.INTERLEAVED else 1
     if model.layers < len(domains) * unit_layers:
-        raise LayoutError(file, "model.layers", f"{model.layers} layers cannot give a stage to each of the "
-                          f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)")
+        raise LayoutError(
+            file,
+            "model.layers",
+            f"{model.layers} layers cannot give a stage to each of the "
+            f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)",
+        )
 
     # Rule 2/3: pipeline p takes a contiguous block of each domain's TP groups (boundaries inside nodes).
     share: dict[tuple[int, str], list[PlaceGroup]] = {}
@@ -132,12 +159,15 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
         lo = 0
         for p in range(pipelines):
             n = base + (p < extra)
-            share[(p, d)] = units[lo:lo + n]
+            share[(p, d)] = units[lo : lo + n]
             lo += n
 
     # Rule 4: layers per domain (the same in every pipeline), then per stage.
-    layer_sz, embed_sz, head_sz = _device_params(model, layer_params(model, 0), tp), \
-        _device_params(model, embedding_params(model), tp), _device_params(model, head_params(model), tp)
+    layer_sz, embed_sz, head_sz = (
+        _device_params(model, layer_params(model, 0), tp),
+        _device_params(model, embedding_params(model), tp),
+        _device_params(model, head_params(model), tp),
+    )
 
     def cap(unit: PlaceGroup, first: bool, last: bool) -> int:
         if unit.memory_gb <= 0:
@@ -153,8 +183,12 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     domain_caps = [min(sum(caps(p, di)) for p in range(pipelines)) for di in range(len(domains))]
     domain_layers = _split(model.layers, weights, domain_caps, unit_layers)
     if domain_layers is None:
-        raise LayoutError(file, "cluster.nodes", f"the {model.layers} layers do not fit in memory_gb: the domains "
-                          f"hold at most {sum(domain_caps)} (raise memory_gb, use --tp {tp * 2}, or fewer pipelines)")
+        raise LayoutError(
+            file,
+            "cluster.nodes",
+            f"the {model.layers} layers do not fit in memory_gb: the domains "
+            f"hold at most {sum(domain_caps)} (raise memory_gb, use --tp {tp * 2}, or fewer pipelines)",
+        )
     placed = []
     for p in range(pipelines):
         stages = []
@@ -163,8 +197,10 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
             split = _split(domain_layers[di], [u.speed for u in units], caps(p, di), unit_layers)
             assert split is not None  # domain_caps bound every pipeline's capacity here
             if 0 in split:
-                notes.append(f"pipeline {p}: {split.count(0)} TP group(s) in {d} left idle ({domain_layers[di]} "
-                             f"layers for {len(units)} groups)")
+                notes.append(
+                    f"pipeline {p}: {split.count(0)} TP group(s) in {d} left idle ({domain_layers[di]} "
+                    f"layers for {len(units)} groups)"
+                )
             stages += [PlacedStage(u, n) for u, n in zip(units, split) if n]
         placed.append(stages)
 
@@ -179,8 +215,12 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
         step = n if train.schedule is Schedule.INTERLEAVED else 1
         fits = [m for m in range(step, batch + 1, step) if batch % m == 0 and m <= max(target, step)]
         if not fits:
-            raise LayoutError(file, "--microbatches", f"a pipeline of {n} stages and {batch} rows has no microbatch "
-                              f"count dividing {batch}" + (f" that is a multiple of {n} ('interleaved')" if step > 1 else ""))
+            raise LayoutError(
+                file,
+                "--microbatches",
+                f"a pipeline of {n} stages and {batch} rows has no microbatch "
+                f"count dividing {batch}" + (f" that is a multiple of {n} ('interleaved')" if step > 1 else ""),
+            )
         out.append(PlacedPipeline(batch, fits[-1], tuple(stages)))
     return Placement(tuple(out), tuple(domains), tuple(domain_layers), tp, tuple(notes))
 
@@ -222,29 +262,42 @@ def _split(total: int, weights: list[float], caps: list[int], unit: int = 1) -> 
 
 def pipeline_specs(placement: Placement) -> tuple[PipelineSpec, ...]:
     """The placement as the layout's ``[[pipelines]]``."""
-    return tuple(PipelineSpec(batch=p.batch, microbatches=p.microbatches,
-                              stages=tuple(StageSpec(layers=s.layers, devices=s.unit.devices) for s in p.stages))
-                 for p in placement.pipelines)
+    return tuple(
+        PipelineSpec(
+            batch=p.batch,
+            microbatches=p.microbatches,
+            stages=tuple(StageSpec(layers=s.layers, devices=s.unit.devices) for s in p.stages),
+        )
+        for p in placement.pipelines
+    )
 
 
 def comments(placement: Placement) -> dict[str, str]:
     """Each stage's node, domain and speed, beside its devices in the written layout."""
-    return {f"pipelines[{p}].stages[{s}].devices": f"{st.unit.node}, domain {st.unit.domain}, speed {st.unit.speed:g}"
-            for p, pipe in enumerate(placement.pipelines) for s, st in enumerate(pipe.stages)}
+    return {
+        f"pipelines[{p}].stages[{s}].devices": f"{st.unit.node}, domain {st.unit.domain}, speed {st.unit.speed:g}"
+        for p, pipe in enumerate(placement.pipelines)
+        for s, st in enumerate(pipe.stages)
+    }
 
 
 def report(placement: Placement) -> str:
     pl = placement
     crossings = len(pl.domains) - 1
-    lines = [f"placement: {len(pl.pipelines)} pipeline(s), TP {pl.tp}; stages visit domains "
-             f"{' -> '.join(pl.domains)} ({crossings} cross-domain boundary per pipeline)", "",
-             f"{'pipeline':<9} {'stage':<6} {'devices':<22} {'node':<10} {'domain':<10} {'speed':>5} {'layers':>7}  rows/mb"]
+    lines = [
+        f"placement: {len(pl.pipelines)} pipeline(s), TP {pl.tp}; stages visit domains "
+        f"{' -> '.join(pl.domains)} ({crossings} cross-domain boundary per pipeline)",
+        "",
+        f"{'pipeline':<9} {'stage':<6} {'devices':<22} {'node':<10} {'domain':<10} {'speed':>5} {'layers':>7}  rows/mb",
+    ]
     for p, pipe in enumerate(pl.pipelines):
         lo = 0
         for s, st in enumerate(pipe.stages):
             rows = f"{pipe.batch}/{pipe.microbatches}" if s == 0 else ""
-            lines.append(f"{p:<9} {s:<6} {','.join(st.unit.devices):<22} {st.unit.node:<10} {st.unit.domain:<10} "
-                         f"{st.unit.speed:>5g} {lo:>3}-{lo + st.layers - 1:<3}  {rows}")
+            lines.append(
+                f"{p:<9} {s:<6} {','.join(st.unit.devices):<22} {st.unit.node:<10} {st.unit.domain:<10} "
+                f"{st.unit.speed:>5g} {lo:>3}-{lo + st.layers - 1:<3}  {rows}"
+            )
             lo += st.layers
     lines += ["", "gradient sync stays inside a domain (the same layers in every pipeline):"]
     lo = 0
@@ -264,14 +317,26 @@ def place_file(cluster_path: str | os.PathLike, out_path: str | os.PathLike, opt
     src, out = Path(cluster_path), Path(out_path)
     data = sec["data"]
     if data.path and not Path(data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
-        raise LayoutError(str(cluster_path), "data.path", f"'{data.path}' is relative to the cluster file: write "
-                          "the placed layout next to it, or make data.path absolute")
+        raise LayoutError(
+            str(cluster_path),
+            "data.path",
+            f"'{data.path}' is relative to the cluster file: write "
+            "the placed layout next to it, or make data.path absolute",
+        )
     summary = f"{len(placement.pipelines)} pipeline(s), TP {placement.tp}, domains {' -> '.join(placement.domains)}"
-    placed = Layout(file=str(out_path), model=sec["model"], train=sec["train"], data=data, cluster=sec["cluster"],
-                    pipelines=pipeline_specs(placement))
-    text = layout_mod.dumps(placed, header=f"Placed by hetero-place from {src.name}: {summary}.\n"
-                            "Re-place rather than edit the pipelines.",
-                            comments={"pipelines[0]": f"placed pipelines: {summary}", **comments(placement)})
+    placed = Layout(
+        file=str(out_path),
+        model=sec["model"],
+        train=sec["train"],
+        data=data,
+        cluster=sec["cluster"],
+        pipelines=pipeline_specs(placement),
+    )
+    text = layout_mod.dumps(
+        placed,
+        header=f"Placed by hetero-place from {src.name}: {summary}.\nRe-place rather than edit the pipelines.",
+        comments={"pipelines[0]": f"placed pipelines: {summary}", **comments(placement)},
+    )
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, lambda f: f.write(text.encode("utf-8")))

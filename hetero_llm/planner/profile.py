@@ -75,15 +75,22 @@ def read(path: str | os.PathLike, cluster_file: str, where: str, model, precisio
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise LayoutError(cluster_file, where, f"profile '{path}' is not JSON ({e}); {fix}") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("kinds"), dict):
-        raise LayoutError(cluster_file, where, f"profile '{path}' is not a hetero-plan profile (expected "
-                          f"format '{FORMAT}' and a 'kinds' table); {fix}")
+        raise LayoutError(
+            cluster_file,
+            where,
+            f"profile '{path}' is not a hetero-plan profile (expected format '{FORMAT}' and a 'kinds' table); {fix}",
+        )
     want = model_shape(model, precision)
     got = data.get("model", {})
     for key, value in want.items():
         if not isinstance(got, dict) or got.get(key) != value:
             have = got.get(key) if isinstance(got, dict) else None
-            raise LayoutError(cluster_file, where, f"profile '{path}' was measured with {key} = {have!r}, the "
-                              f"cluster's model has {value!r}; measure again ({fix})")
+            raise LayoutError(
+                cluster_file,
+                where,
+                f"profile '{path}' was measured with {key} = {have!r}, the "
+                f"cluster's model has {value!r}; measure again ({fix})",
+            )
     kinds = []
     for name, times in sorted(data["kinds"].items()):
         if not isinstance(times, dict):
@@ -92,8 +99,11 @@ def read(path: str | os.PathLike, cluster_file: str, where: str, model, precisio
         for key in TIMES:
             v = times.get(key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise LayoutError(cluster_file, where, f"profile '{path}': kinds.{name}.{key} must be a number "
-                                  f"of seconds > 0, got {v!r}; {fix}")
+                raise LayoutError(
+                    cluster_file,
+                    where,
+                    f"profile '{path}': kinds.{name}.{key} must be a number of seconds > 0, got {v!r}; {fix}",
+                )
             values.append(float(v))
         kinds.append((name, KindTimes(*values)))
     return Profile(str(path), tuple(kinds), tuple(sorted(want.items())))
@@ -104,18 +114,22 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
     ``repeats`` after ``warmup``), with the library's own block and head (``model.block``, ``model.head``)."""
     import torch
 
-    from hetero_llm.model import forward as model_mod
     from hetero_llm.layout import Precision
+    from hetero_llm.model import forward as model_mod
     from hetero_llm.model.params import layer_params
 
     dev = torch.device(device)
     dtype = torch.bfloat16 if precision is Precision.BF16 else torch.float32
     gen = torch.Generator().manual_seed(0)
     infos = layer_params(model, 0)
-    params = {info.name.split(".", 2)[2]: (torch.randn(info.shape, generator=gen) * 0.02).to(dev).requires_grad_()
-              for info in infos}
-    head_params = {"final_norm.weight": torch.ones(model.hidden, device=dev, requires_grad=True),
-                   "lm_head.weight": (torch.randn(model.vocab, model.hidden, generator=gen) * 0.02).to(dev).requires_grad_()}
+    params = {
+        info.name.split(".", 2)[2]: (torch.randn(info.shape, generator=gen) * 0.02).to(dev).requires_grad_()
+        for info in infos
+    }
+    head_params = {
+        "final_norm.weight": torch.ones(model.hidden, device=dev, requires_grad=True),
+        "lm_head.weight": (torch.randn(model.vocab, model.hidden, generator=gen) * 0.02).to(dev).requires_grad_(),
+    }
     if getattr(model, "norm", None) is not None and model.norm.value == "layernorm":
         head_params["final_norm.bias"] = torch.zeros(model.hidden, device=dev, requires_grad=True)
     x0 = torch.randn(1, model.seq_len, model.hidden, generator=gen).to(dev, dtype)
@@ -144,8 +158,11 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
     def head_times() -> tuple[float, float]:
         x = x0.detach().requires_grad_()
         holder: dict[str, Any] = {}
-        f = timed(lambda: holder.setdefault("loss", model_mod.token_loss_sum(model_mod.head(head_params, x, head_model),
-                                                                              targets)))
+        f = timed(
+            lambda: holder.setdefault(
+                "loss", model_mod.token_loss_sum(model_mod.head(head_params, x, head_model), targets)
+            )
+        )
         b = timed(lambda: holder["loss"].backward())
         return f, b
 
@@ -153,16 +170,26 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
     for fn in (layer_times, head_times):
         runs = [fn() for _ in range(warmup + repeats)][warmup:]
         out += [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
-    info = {"device": str(dev), "torch": torch.__version__, "threads": torch.get_num_threads(), "repeats": repeats,
-            "rows": 1, "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+    info = {
+        "device": str(dev),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "rows": 1,
+        "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    }
     return KindTimes(*out), info
 
 
-def write(path: str | os.PathLike, model, precision, kind: str, times: KindTimes, info: dict,
-          previous: dict | None = None) -> None:
+def write(
+    path: str | os.PathLike, model, precision, kind: str, times: KindTimes, info: dict, previous: dict | None = None
+) -> None:
     """Write (or add ``kind`` to) a profile file, atomically."""
     data: dict[str, Any]
-    data = previous if previous and previous.get("format") == FORMAT and previous.get("model") == model_shape(
-        model, precision) else {"format": FORMAT, "model": model_shape(model, precision), "kinds": {}}
+    data = (
+        previous
+        if previous and previous.get("format") == FORMAT and previous.get("model") == model_shape(model, precision)
+        else {"format": FORMAT, "model": model_shape(model, precision), "kinds": {}}
+    )
     data["kinds"][kind] = attrs.asdict(times) | {"info": info}
     write_atomically(Path(path), lambda f: f.write((json.dumps(data, indent=1) + "\n").encode()))

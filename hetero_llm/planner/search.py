@@ -29,17 +29,23 @@ from typing import overload
 import attrs
 import numpy as np
 
-from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner import exact, moves, sweep
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, Score, StageChoice, TPGroup
 from hetero_llm.planner.structure import Result, Structure
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, PipelineChoice, Score, StageChoice
 
 INF = math.inf
 
 
 class Planner:
-    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int | None = None,
-                 exact_limit: int = 20_000):
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        budget_s: float | None = None,
+        max_evals: int | None = None,
+        exact_limit: int = 20_000,
+    ):
         self.c = cluster
         self.cost = PlannerCostModel(cluster)
         self.model = cluster.model
@@ -67,8 +73,9 @@ class Planner:
     # ---------------------------------------------------------------- TP groups
     def tp_sizes(self, devices: int) -> list[int]:
         cap = self.limits.max_tp or devices
-        return [t for t in range(1, min(cap, devices) + 1)
-                if self.model.heads % t == 0 and self.model.ffn_width % t == 0]
+        return [
+            t for t in range(1, min(cap, devices) + 1) if self.model.heads % t == 0 and self.model.ffn_width % t == 0
+        ]
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
         out = []
@@ -77,22 +84,32 @@ class Planner:
             left, idx = node.devices, 0
             while left:
                 t = max(s for s in self.tp_sizes(left) if s <= want)
-                out.append(TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)),
-                                 node.kind))
+                out.append(
+                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind)
+                )
                 idx, left = idx + t, left - t
         return out
 
     def order(self, groups) -> tuple[TPGroup, ...]:
         """Stage order inside a pipeline: by domain as declared, then node, then device."""
-        return tuple(sorted(groups, key=lambda g: (self.domain_order.get(g.domain, 0), self.node_order[g.node],
-                                                   g.devices)))
+        return tuple(
+            sorted(groups, key=lambda g: (self.domain_order.get(g.domain, 0), self.node_order[g.node], g.devices))
+        )
 
     # ---------------------------------------------------------------- exact layer split
     def stage_cost(self, g: TPGroup, *args) -> tuple[float, bool]:
         return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), *args)
 
-    def _stage_cost_raw(self, group: TPGroup, layers: int, first: bool, last: bool, rows: int,
-                        in_flight: int, others: tuple[float, float] = (0.0, 0.0)) -> tuple[float, bool]:
+    def _stage_cost_raw(
+        self,
+        group: TPGroup,
+        layers: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        in_flight: int,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[float, bool]:
         """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
         ``others``: with ZeRO-1, a lower bound of the other pipelines' holders' weight (``zero1_others``)."""
         cap = self.cost.capacity(group)
@@ -102,9 +119,15 @@ class Planner:
                 return f + b, rc
         return INF, True
 
-    def split_layers(self, groups: tuple[TPGroup, ...], rows: int, schedule: str, chunks: int,
-                     microbatches: int, others: tuple[float, float] = (0.0, 0.0)
-                     ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
+    def split_layers(
+        self,
+        groups: tuple[TPGroup, ...],
+        rows: int,
+        schedule: str,
+        chunks: int,
+        microbatches: int,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
         k = len(groups)
         if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
@@ -127,8 +150,17 @@ class Planner:
             return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0))
         return (g.kind.name, len(g.devices))
 
-    def _cost_row(self, g: TPGroup, unit: int, top_units: int, first: bool, last: bool, rows: int, in_flight: int,
-                  others: tuple[float, float]) -> list[float]:
+    def _cost_row(
+        self,
+        g: TPGroup,
+        unit: int,
+        top_units: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        in_flight: int,
+        others: tuple[float, float],
+    ) -> list[float]:
         """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
         key = (g, unit, top_units, first, last, rows, in_flight, others)
         row = self._rows.get(key)
@@ -153,19 +185,21 @@ class Planner:
         n = self.L // unit
         # cost[i][u]: time of stage i holding u units (inf: does not fit); at most n - (k - 1) units
         top_units = n - k + 1
-        cost = [self._cost_row(g, unit, top_units, i == 0, i == k - 1, rows, peaks[i], others)
-                for i, g in enumerate(groups)]
+        cost = [
+            self._cost_row(g, unit, top_units, i == 0, i == k - 1, rows, peaks[i], others) for i, g in enumerate(groups)
+        ]
         # best[r]: slowest stage time of stages i.. holding r units, built from the last stage back (numpy:
         # for every r at once, the first u of the least max(cost[i][u], best[r - u]), as a loop over u would)
         # tail[r, u - 1] = best[r - u] read from best padded with inf in front (r - u <= 0: nothing left)
         index = self._tail_index.get((n, top_units))
         if index is None:
             index = self._tail_index[(n, top_units)] = (
-                np.arange(n + 1)[:, None] - np.arange(1, top_units + 1)[None, :] + top_units)
+                np.arange(n + 1)[:, None] - np.arange(1, top_units + 1)[None, :] + top_units
+            )
         rows_at = np.arange(n + 1)
         pad = np.full(top_units, INF)
         best = np.full(n + 1, INF)
-        best[1:top_units + 1] = cost[k - 1][1:]
+        best[1 : top_units + 1] = cost[k - 1][1:]
         choice = []
         for i in range(k - 2, -1, -1):
             both = np.maximum(np.asarray(cost[i][1:])[None, :], np.concatenate((pad, best))[index])
@@ -180,8 +214,10 @@ class Planner:
             r -= split[-1]
         split.append(r)
         split = tuple(u * unit for u in split)
-        flags = tuple(self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
-                      for i, (g, l) in enumerate(zip(groups, split)))
+        flags = tuple(
+            self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
+            for i, (g, l) in enumerate(zip(groups, split))
+        )
         return split, flags, t
 
     def zero1_others(self, st: Structure) -> list[tuple[float, float]]:
@@ -218,10 +254,14 @@ class Planner:
         # per microbatch: sum of stage times (fill) and the slowest stage (steady state)
         fill = []
         rep, rep_key, stage_cost = self._rep, self._rep_key, self._stage_cost  # stage_cost, unrolled
-        for groups, (layers, flags, slow), other in zip(st.pipelines, splits, others):
+        for groups, (layers, _flags, _slow), other in zip(st.pipelines, splits, others):
             n = len(groups)
-            fill.append(sum(stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, st.rows, 1, other)[0]
-                            for i, (g, l) in enumerate(zip(groups, layers))))
+            fill.append(
+                sum(
+                    stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, st.rows, 1, other)[0]
+                    for i, (g, l) in enumerate(zip(groups, layers))
+                )
+            )
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
         counts = [0] * len(st.pipelines)
 
@@ -247,7 +287,9 @@ class Planner:
         for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
             if m == 0:
                 continue
-            pipes.append(PipelineChoice(m * st.rows, m, tuple(StageChoice(g, l, rc) for g, l, rc in zip(groups, layers, flags))))
+            pipes.append(
+                PipelineChoice(m * st.rows, m, tuple(StageChoice(g, l, rc) for g, l, rc in zip(groups, layers, flags)))
+            )
         return Candidate(tuple(pipes), st.schedule, chunks)
 
     def estimate(self, cand: Candidate) -> float:
@@ -256,10 +298,14 @@ class Planner:
         for p in cand.pipelines:
             n = len(p.stages)
             if not self.cost.zero1:
-                times = [self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)]
+                times = [
+                    self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)
+                ]
             else:  # the stage's time as the split chose it (its ZeRO-1 memory depends on the other pipelines)
-                times = [sum(self.cost.stage_times(s.group, s.layers, i == n - 1, p.rows, s.recompute)[:2])
-                         for i, s in enumerate(p.stages)]
+                times = [
+                    sum(self.cost.stage_times(s.group, s.layers, i == n - 1, p.rows, s.recompute)[:2])
+                    for i, s in enumerate(p.stages)
+                ]
             worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
         return worst + self.sync_and_optimizer(cand)
 
@@ -309,8 +355,9 @@ class Planner:
     def out_of_time(self) -> bool:
         # 2% of the budget is left for what follows the search (ranking, the last evaluation in flight), so
         # that the whole run stays within plan.time_budget_s
-        return (self.budget > 0 and time.perf_counter() - self.start > 0.98 * self.budget) or \
-            len(self.scored) >= self.max_evals
+        return (self.budget > 0 and time.perf_counter() - self.start > 0.98 * self.budget) or len(
+            self.scored
+        ) >= self.max_evals
 
     # ---------------------------------------------------------------- local search
     def neighbours(self, st: Structure) -> list[Structure]:
@@ -396,8 +443,9 @@ class Planner:
         for s in seeds:
             seed_sc = self.evaluate(s)
             seed_score = seed_sc if seed_score is None or seed_sc.step_time < seed_score.step_time else seed_score
-            structures.append(Structure(tuple(tuple(x.group for x in p.stages) for p in s.pipelines),
-                                        max(1, s.pipelines[0].rows)))
+            structures.append(
+                Structure(tuple(tuple(x.group for x in p.stages) for p in s.pipelines), max(1, s.pipelines[0].rows))
+            )
         starts: list[tuple[float, int, Structure]] = []
         for st in structures:
             for sched in self.limits.schedules:
@@ -420,29 +468,43 @@ class Planner:
         distinct: list[tuple[Candidate, Score]] = []
         shapes: set[tuple] = set()
         for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
-            shape = (cand.schedule, tuple(sorted((p.batch, p.microbatches, tuple(
-                (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages))
-                for p in cand.pipelines)))
+            shape = (
+                cand.schedule,
+                tuple(
+                    sorted(
+                        (
+                            p.batch,
+                            p.microbatches,
+                            tuple(
+                                (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages
+                            ),
+                        )
+                        for p in cand.pipelines
+                    )
+                ),
+            )
             if sc.feasible and shape not in shapes and len(distinct) < max(1, top):
                 shapes.add(shape)
                 distinct.append((cand, sc))
         return Result(best, score, tuple(distinct), len(self.scored), time.perf_counter() - self.start, seed_score)
 
-
     def closest(self) -> Candidate:
         """When nothing fits: the candidate least over memory, among those scored and the most frugal one
         (every device in one pipeline at its node's largest TP size, one sequence per microbatch, recompute,
         layers in proportion to memory)."""
-        groups = self.order(self.groups({n.kind.name: n.devices for n in self.c.nodes}))[:self.L]
+        groups = self.order(self.groups({n.kind.name: n.devices for n in self.c.nodes}))[: self.L]
         room = [self.cost.capacity(g) * g.tp for g in groups]
         layers = [1] * len(groups)
         for _ in range(self.L - len(groups)):
             i = max(range(len(groups)), key=lambda i: (room[i] / (layers[i] + 1), -i))
             layers[i] += 1
-        frugal = Candidate((PipelineChoice(self.G, self.G, tuple(StageChoice(g, l, True) for g, l in zip(groups, layers))),))
+        frugal = Candidate(
+            (PipelineChoice(self.G, self.G, tuple(StageChoice(g, l, True) for g, l in zip(groups, layers))),)
+        )
         pool = [frugal] + [c for c, _ in self.scored.values()]
 
         def over(cand: Candidate) -> float:
             mems, caps = self.cost.memory(cand)
             return max(m / c for ms, cs in zip(mems, caps) for m, c in zip(ms, cs))
+
         return min(pool, key=over)

@@ -9,7 +9,7 @@ from typing import Protocol
 import attrs
 
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup, Score
+from hetero_llm.planner.cost import Candidate, PlannerCostModel, Score, TPGroup
 
 
 class SearchSpace(Protocol):

@@ -40,10 +40,11 @@ def deal(planner: SearchSpace, groups: list[TPGroup], P: int, balanced: bool) ->
             # the pipelines with the least compute so far get the extra groups
             for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
                 n = base + (rank < extra)
-                pipes[i] += gs[lo:lo + n]
-                load[i] += sum(g.flops for g in gs[lo:lo + n])
+                pipes[i] += gs[lo : lo + n]
+                load[i] += sum(g.flops for g in gs[lo : lo + n])
                 lo += n
     return tuple(planner.order(p) for p in pipes if p)
+
 
 def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
     top = min(n_groups, planner.G)
@@ -56,10 +57,12 @@ def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
     out.add(top)
     return sorted(out)
 
+
 def row_options(planner: SearchSpace, P: int) -> list[int]:
     divisors = [d for d in range(1, planner.G // P + 1) if planner.G % d == 0]
     small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
     return sorted(set(small + divisors[-1:]))
+
 
 def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
     kinds: dict[str, int] = {}
@@ -72,6 +75,7 @@ def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
         sizes = sorted({t for k in names for t in options[k]})
         combos = [tuple(max(s for s in options[k] if s <= t) for k in names) for t in sizes]
     return [dict(zip(names, c)) for c in combos]
+
 
 def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     """The ``keep`` best structures by the closed-form estimate."""
@@ -102,7 +106,7 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
                     est = planner.estimate(cand)
                     found.append((est, len(found), st))
                     found.sort(key=lambda x: (x[0], x[1]))
-                    del found[keep * 4:]
+                    del found[keep * 4 :]
             if time.perf_counter() - planner.start > planner.budget * 0.4 > 0:
                 break
     return [st for _, _, st in found[:keep]]
@@ -115,7 +119,11 @@ def infeasible_error(cluster: Cluster, cost: PlannerCostModel, cand: Candidate) 
     stage = cand.pipelines[p].stages[s]
     need = score.memory[p][s] / 1e9
     have = score.capacity[p][s] / 1e9
-    return LayoutError(cluster.file, "cluster", f"nothing fits in memory: the closest plan's pipeline {p} stage {s} "
-                       f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
-                       f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
-                       f"use bigger ones, or lower train.global_batch or plan.memory_margin)")
+    return LayoutError(
+        cluster.file,
+        "cluster",
+        f"nothing fits in memory: the closest plan's pipeline {p} stage {s} "
+        f"({stage.layers} layers on {', '.join(stage.group.devices)}, {stage.group.kind.name}) needs "
+        f"{need:.3g} GB per device but has {have:.3g} GB ({over / 1e9:.3g} GB over; add devices, "
+        f"use bigger ones, or lower train.global_batch or plan.memory_margin)",
+    )

@@ -51,8 +51,9 @@ class EmulatedDevice:
         return cls(**values)
 
 
-def action_seconds(model, kind: str, layers: int, rows: int, width: int, square_sum: int, tp: int, head: bool,
-                   device: EmulatedDevice) -> float:
+def action_seconds(
+    model, kind: str, layers: int, rows: int, width: int, square_sum: int, tp: int, head: bool, device: EmulatedDevice
+) -> float:
     """Modelled seconds of one compute action (``F``, ``B``, ``I`` or ``W``) over ``layers`` blocks of a
     microbatch of ``rows`` x ``width`` positions on one device of a TP group of ``tp``.
 

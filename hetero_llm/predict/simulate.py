@@ -67,9 +67,7 @@ def _non_negative(instance, attribute, value) -> None:
 def _positive(instance, attribute, value) -> None:
     for index, x in enumerate(value):
         if not x > 0:
-            raise ValueError(
-                f"CostModel.{attribute.name}[{index}] must be > 0 bytes/s (math.inf: free), got {x}"
-            )
+            raise ValueError(f"CostModel.{attribute.name}[{index}] must be > 0 bytes/s (math.inf: free), got {x}")
 
 
 @attrs.frozen
@@ -95,9 +93,7 @@ class CostModel:
     """Bytes per second, per link (``math.inf``: transfers take only their latency)."""
     activation_bytes: float = attrs.field(default=0.0, converter=float, validator=_non_negative)
     """Bytes of one microbatch's boundary activation; its gradient going back is the same size."""
-    weight: tuple[float, ...] | None = attrs.field(
-        default=None, converter=_optional_floats, validator=_non_negative
-    )
+    weight: tuple[float, ...] | None = attrs.field(default=None, converter=_optional_floats, validator=_non_negative)
     """Seconds of the weight-gradient part of ``backward``, per stage (None: no split backwards).
     When a schedule splits a backward into ``I`` and ``W``, ``I`` takes ``backward - weight``."""
     stash_bytes: tuple[float, ...] | None = attrs.field(
@@ -105,9 +101,7 @@ class CostModel:
     )
     """Bytes a stage keeps per in-flight microbatch for its backward, per stage
     (None: ``activation_bytes``)."""
-    overhead: tuple[float, ...] | None = attrs.field(
-        default=None, converter=_optional_floats, validator=_non_negative
-    )
+    overhead: tuple[float, ...] | None = attrs.field(default=None, converter=_optional_floats, validator=_non_negative)
     """Seconds a stage's runtime spends around each compute action, per stage (posting its sends and
     receives, the interpreter between actions), added to every ``F``, ``B``, ``I`` and ``W``
     (None: none). Small next to GPU compute; on shared CPU cores it is a large part of a step."""
@@ -128,10 +122,7 @@ class CostModel:
         for name in ("backward", "weight", "stash_bytes", "overhead", "reduce_scatter", "all_gather"):
             value = getattr(self, name)
             if value is not None and len(value) != num_stages:
-                raise ValueError(
-                    f"CostModel.{name} has {len(value)} entries, forward has {num_stages} "
-                    "(one per stage)"
-                )
+                raise ValueError(f"CostModel.{name} has {len(value)} entries, forward has {num_stages} (one per stage)")
         for name in ("latency", "bandwidth"):
             value = getattr(self, name)
             if len(value) not in (num_stages - 1, num_stages):
@@ -264,9 +255,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     """
     num_stages = len(schedule)
     if cost.num_stages != num_stages:
-        raise ValueError(
-            f"CostModel has {cost.num_stages} stages, the schedule has {num_stages}"
-        )
+        raise ValueError(f"CostModel has {cost.num_stages} stages, the schedule has {num_stages}")
     num_microbatches = 1 + max((a.mb for actions in schedule for a in actions), default=0)
     validate(schedule, num_microbatches)
     order = simulate_order(schedule)
@@ -295,9 +284,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
         for stage, index in round_:
             action = schedule[stage][index]
             ready = free[stage]
-            for other, needed in requirements(
-                stage, action, num_stages, lowered=lowered, chunks=chunks
-            ):
+            for other, needed in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks):
                 if other == stage:
                     ready = max(ready, ended[(other, needed)])
                 elif lowered:  # a RECV: its SEND's data must have arrived
@@ -329,9 +316,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
 
     timeline = tuple(tuple(t for t in stage if t is not None) for stage in timed)
     step_time = max((t.end for stage in timeline for t in stage), default=0.0)
-    busy = tuple(
-        sum(t.end - t.start for t in stage if t.action.kind in COMPUTE_KINDS) for stage in timeline
-    )
+    busy = tuple(sum(t.end - t.start for t in stage if t.action.kind in COMPUTE_KINDS) for stage in timeline)
     bubble = tuple(1.0 - b / step_time if step_time else 0.0 for b in busy)
     peaks = tuple(_peak_in_flight(actions) for actions in schedule)
     stash = cost.stash_bytes or (cost.activation_bytes,) * num_stages

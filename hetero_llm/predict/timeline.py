@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule import COMPUTE_KINDS, Action
@@ -34,8 +33,17 @@ COLORS = {
     "AG": "#76b7b2",  # ZeRO-1 wait for the parameter all-gather: teal
     "SWITCH": "#edc948",  # hot switching: parameters and gradients re-laid out between layouts: yellow
 }
-_NAMES = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad", "SEND": "send",
-          "RECV": "recv (wait)", "RS": "reduce-scatter", "AG": "all-gather (wait)", "SWITCH": "switch"}
+_NAMES = {
+    "F": "forward",
+    "B": "backward",
+    "I": "input grad",
+    "W": "weight grad",
+    "SEND": "send",
+    "RECV": "recv (wait)",
+    "RS": "reduce-scatter",
+    "AG": "all-gather (wait)",
+    "SWITCH": "switch",
+}
 _COMPUTE_CATEGORIES = frozenset(kind.value for kind in COMPUTE_KINDS)  # F, B, I, W
 
 # Vertical layout of one row (y grows downwards): compute on top, then recv, then send strips.
@@ -92,8 +100,13 @@ def plot_timeline(
     span_ms = max((max(ends, default=0.0) - t0) * 1e3, 1e-6)
     chunks = 1 + max((_category(a)[2] for row in rows for a, _, _ in row), default=0)
 
-    fig = Figure(figsize=(min(max(8.0, 0.12 * max(len(r) for r in rows) if rows else 8.0), 20.0),
-                          1.2 + 0.55 * max(len(rows), 1)), dpi=120)
+    fig = Figure(
+        figsize=(
+            min(max(8.0, 0.12 * max(len(r) for r in rows) if rows else 8.0), 20.0),
+            1.2 + 0.55 * max(len(rows), 1),
+        ),
+        dpi=120,
+    )
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     used: set[str] = set()
@@ -105,14 +118,24 @@ def plot_timeline(
             used.add(category if category in COLORS else "other")
             x, width = (start - t0) * 1e3, max(end - start, 0.0) * 1e3
             offset, height = {"SEND": _SEND, "RS": _SEND, "RECV": _RECV, "AG": _RECV}.get(category, _COMPUTE)
-            ax.broken_barh([(x, width)], (y + offset, height),
-                           facecolors=[_shade(color, chunk, chunks)],
-                           edgecolors="white" if category in _COMPUTE_CATEGORIES else "none",
-                           linewidth=0.4)
+            ax.broken_barh(
+                [(x, width)],
+                (y + offset, height),
+                facecolors=[_shade(color, chunk, chunks)],
+                edgecolors="white" if category in _COMPUTE_CATEGORIES else "none",
+                linewidth=0.4,
+            )
             if category in _COMPUTE_CATEGORIES and mb is not None:
                 light = chunks > 1 and chunk / (chunks - 1) > 0.5
-                texts.append((x + width / 2, y + offset + height / 2, width,
-                              f"{mb}.{chunk}" if chunk else str(mb), "#222222" if light else "white"))
+                texts.append(
+                    (
+                        x + width / 2,
+                        y + offset + height / 2,
+                        width,
+                        f"{mb}.{chunk}" if chunk else str(mb),
+                        "#222222" if light else "white",
+                    )
+                )
     ax.set_xlim(0, span_ms * 1.01)
     ax.set_ylim(len(rows) - 0.5, -0.6)  # row 0 on top
     ax.set_yticks(range(len(rows)), labels)
@@ -125,8 +148,9 @@ def plot_timeline(
     if "other" in used:
         handles.append(Patch(color="#333333", label="other"))
     if chunks > 1:
-        handles.append(Patch(facecolor=_shade(COLORS["F"], chunks - 1, chunks),
-                             label=f"lighter: later chunk (of {chunks})"))
+        handles.append(
+            Patch(facecolor=_shade(COLORS["F"], chunks - 1, chunks), label=f"lighter: later chunk (of {chunks})")
+        )
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), frameon=False, fontsize=8)
     fig.tight_layout(rect=(0, 0.35 / fig.get_figheight(), 1, 1))  # leave 0.35 in for the legend
 
@@ -163,6 +187,8 @@ def simulated(stages, microbatches, kind, chunks, schedule_file, forward_ms, bac
     weight = (weight_ms if weight_ms is not None else backward_ms / 2) / 1e3 if split else None
     cost = CostModel.uniform(stages, forward_ms / 1e3, backward_ms / 1e3, latency=latency_ms / 1e3, weight=weight)
     result = simulate(actions, cost)
-    title = (f"simulated {name}: {stages} stages, {microbatches} microbatches; step "
-             f"{result.step_time * 1e3:.2f} ms, bubble {result.mean_bubble:.1%}")
+    title = (
+        f"simulated {name}: {stages} stages, {microbatches} microbatches; step "
+        f"{result.step_time * 1e3:.2f} ms, bubble {result.mean_bubble:.1%}"
+    )
     return [f"stage {s}" for s in range(stages)], result.rows(), title, result.summary()

@@ -54,12 +54,14 @@ class RankTraceWriter:
         rank = rp.rank
         stale = [out / f"rank{rank}.json"]
         if rank == 0:
-            stale += [p for p in out.glob("rank*.json*") if (r := _rank_of_file(p)) is not None
-                      and r >= rp.world_size]
+            stale += [p for p in out.glob("rank*.json*") if (r := _rank_of_file(p)) is not None and r >= rp.world_size]
         for path in stale:
             path.unlink(missing_ok=True)
-        self._fd: int | None = os.open(out / f"rank{rank}.jsonl",  # never through a link planted there
-                                       os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        self._fd: int | None = os.open(
+            out / f"rank{rank}.jsonl",  # never through a link planted there
+            os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW,
+            0o644,
+        )
         self._write(_header(rp))
         self._pending: list[tuple[str, float, float]] = []
 
@@ -107,8 +109,9 @@ def read_rank_traces(directory: str | Path) -> list[dict]:
     ranks = [record["rank"] for record in records]
     if len(set(ranks)) != len(ranks):
         twice = next(r for r in ranks if ranks.count(r) > 1)
-        raise ValueError(f"{directory}: two trace files of rank {twice} (rank{twice}.json and rank{twice}.jsonl: "
-                         "remove the older)")
+        raise ValueError(
+            f"{directory}: two trace files of rank {twice} (rank{twice}.json and rank{twice}.jsonl: remove the older)"
+        )
     return sorted(records, key=lambda record: record["rank"])
 
 
@@ -149,8 +152,7 @@ def rank_label(record: dict) -> str:
 def rank_rows(records: Sequence[dict]) -> tuple[list[str], list[Row]]:
     """Labels and ``(action, start, end)`` rows of rank records, times as recorded."""
     labels = [rank_label(record) for record in records]
-    rows = [[(ev["action"], float(ev["start"]), float(ev["end"])) for ev in record["events"]]
-            for record in records]
+    rows = [[(ev["action"], float(ev["start"]), float(ev["end"])) for ev in record["events"]] for record in records]
     return labels, rows
 
 
@@ -189,11 +191,19 @@ def chrome_events(labels: Sequence[str], rows: Sequence[Row], *, process: str = 
     events: list[dict] = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": process}}]
     for tid, (label, row) in enumerate(zip(labels, rows)):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": label}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid,
-                       "args": {"sort_index": tid}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": tid, "args": {"sort_index": tid}})
         for action, start, end in row:
-            events.append({"ph": "X", "name": action, "cat": action_kind(action), "pid": 0, "tid": tid,
-                           "ts": (start - t0) * 1e6, "dur": max(0.0, end - start) * 1e6})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": action,
+                    "cat": action_kind(action),
+                    "pid": 0,
+                    "tid": tid,
+                    "ts": (start - t0) * 1e6,
+                    "dur": max(0.0, end - start) * 1e6,
+                }
+            )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -21,14 +21,17 @@ class AdamW:
         self.eps = eps
         self.steps = 0
         # Keyed by parameter with torch.optim.AdamW's names, so a checkpoint reads and writes both alike.
-        self.state = {p: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-                      for g in self.param_groups for p in g["params"]}
+        self.state = {
+            p: {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            for g in self.param_groups
+            for p in g["params"]
+        }
 
     @torch.no_grad()
     def step(self) -> None:
         self.steps += 1
-        bias1 = 1 - self.beta1 ** self.steps
-        bias2_sqrt = math.sqrt(1 - self.beta2 ** self.steps)
+        bias1 = 1 - self.beta1**self.steps
+        bias2_sqrt = math.sqrt(1 - self.beta2**self.steps)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:

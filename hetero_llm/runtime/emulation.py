@@ -65,7 +65,7 @@ class Emulation:
     device: EmulatedDevice | None = None
 
     @classmethod
-    def from_env(cls, rank: int) -> "Emulation":
+    def from_env(cls, rank: int) -> Emulation:
         def pick(var: str, default: float) -> float:
             for item in filter(None, os.environ.get(var, "").split(",")):
                 r, _, v = item.partition(":")

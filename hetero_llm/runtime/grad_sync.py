@@ -42,8 +42,10 @@ def sync_grads(rp: RankPlan, state: RankState, comms: Comms, streams: Streams = 
     pending = []
     for blocks in rp.sync_blocks:  # the sync block groups this rank is in
         views = [_block_view(state, name, dim, lo, hi) for name, dim, lo, hi in blocks.entries]
-        scaled = [v / state.replicas[name] if state.replicas[name] > 1 else v
-                  for v, (name, *_rest) in zip(views, blocks.entries)]
+        scaled = [
+            v / state.replicas[name] if state.replicas[name] > 1 else v
+            for v, (name, *_rest) in zip(views, blocks.entries)
+        ]
         pending.append((blocks, views, collectives.start_all_reduce_flat(comms, scaled, blocks.key, streams)))
     # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
     sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])

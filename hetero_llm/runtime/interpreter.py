@@ -23,20 +23,27 @@ import time
 import attrs
 import torch
 
-from hetero_llm.comm import collectives
-from hetero_llm.comm import p2p
+from hetero_llm.comm import collectives, p2p
+from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.streams import NO_STREAMS, Streams
 from hetero_llm.layout import ModelSpec
 from hetero_llm.model.document_mask import DocumentMask
-from hetero_llm.predict.device import action_seconds
-from hetero_llm.comm.groups import Comms
-from hetero_llm.model.forward import (FP32, PLAIN_LINEAR, TP, Compute, Linear, StageShape, make_block_fn, stage_forward,
-                              token_loss_sum)
+from hetero_llm.model.forward import (
+    FP32,
+    PLAIN_LINEAR,
+    TP,
+    Compute,
+    Linear,
+    StageShape,
+    make_block_fn,
+    stage_forward,
+    token_loss_sum,
+)
 from hetero_llm.plan.rank import StagePlan, StageRoutes
-from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
-from hetero_llm.comm.streams import NO_STREAMS, Streams
+from hetero_llm.predict.device import action_seconds
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.wgrad import WeightGradStore
-
+from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
 
 
 @attrs.define
@@ -98,11 +105,17 @@ class StageRunner:
     def _begin(self, microbatches: list[Microbatch], global_tokens: int) -> None:
         device = self.comms.device
         if device.type == "cuda":  # one asynchronous copy each, now: a pageable copy per action would stall the host
-            microbatches = [Microbatch(mb.inputs.pin_memory().to(device, non_blocking=True),
-                                       mb.targets.pin_memory().to(device, non_blocking=True),
-                                       mb.docs.to(device) if mb.docs is not None else None) for mb in microbatches]
-        self._state = StepState(microbatches, global_tokens, torch.zeros((), dtype=torch.float64, device=device),
-                                self.compute.dtype)
+            microbatches = [
+                Microbatch(
+                    mb.inputs.pin_memory().to(device, non_blocking=True),
+                    mb.targets.pin_memory().to(device, non_blocking=True),
+                    mb.docs.to(device) if mb.docs is not None else None,
+                )
+                for mb in microbatches
+            ]
+        self._state = StepState(
+            microbatches, global_tokens, torch.zeros((), dtype=torch.float64, device=device), self.compute.dtype
+        )
 
     def _shape(self, m: int) -> tuple[int, ...]:
         b, t = self._state.mbs[m].inputs.shape
@@ -146,8 +159,9 @@ class StageRunner:
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
             d = a.kind.direction
             route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
-            s.recvs[(d, key)] = p2p.recv_boundary(self.comms, route, self._shape(a.mb), s.dtype, d, a.mb, a.chunk,
-                                                  self.streams, self._group(a.kind))
+            s.recvs[(d, key)] = p2p.recv_boundary(
+                self.comms, route, self._shape(a.mb), s.dtype, d, a.mb, a.chunk, self.streams, self._group(a.kind)
+            )
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
@@ -159,8 +173,11 @@ class StageRunner:
             self._weight_grads.flush(key)
         elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
             d = a.kind.direction
-            tensor, routes = ((s.outputs[key], self.routes.send_f) if d is Direction.FWD
-                              else (s.grads_out.pop(key), self.routes.send_b))
+            tensor, routes = (
+                (s.outputs[key], self.routes.send_f)
+                if d is Direction.FWD
+                else (s.grads_out.pop(key), self.routes.send_b)
+            )
             mb, chunk = self._peer_tag(a)
             p2p.send_boundary(self.comms, tensor, list(routes), d, mb, chunk, self.streams, self._group(a.kind))
         elif a.kind in OPTIMIZER_KINDS:  # RS: start the reduce-scatters; AG: wait for the parameter all-gathers
@@ -171,8 +188,9 @@ class StageRunner:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
         if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
-            lasts = dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else \
-                self._modelled_seconds(a)
+            lasts = (
+                dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
+            )
             if lasts is not None:
                 time.sleep(max(0.0, lasts - spent))
             else:
@@ -186,8 +204,9 @@ class StageRunner:
         rows, width = mb.inputs.shape
         square = mb.docs.square_sum if mb.docs is not None else rows * width * width
         lo, hi, _, head = self.stage.chunk_shape(a.chunk)
-        return action_seconds(self.model, a.kind.value, hi - lo, rows, width, square, self.stage.tp, head,
-                              self.emulation.device)
+        return action_seconds(
+            self.model, a.kind.value, hi - lo, rows, width, square, self.stage.tp, head, self.emulation.device
+        )
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> None:
         s = self._state
@@ -195,8 +214,17 @@ class StageRunner:
         lo, hi, first, last = self.stage.chunk_shape(a.chunk)
         x = s.mbs[a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
         s.inputs[key] = x
-        out = stage_forward(self.params, x, StageShape(lo, hi, first, last), self.model, self.tp, self.compute,
-                            self._block_fn, self._linear, s.mbs[a.mb].docs)
+        out = stage_forward(
+            self.params,
+            x,
+            StageShape(lo, hi, first, last),
+            self.model,
+            self.tp,
+            self.compute,
+            self._block_fn,
+            self._linear,
+            s.mbs[a.mb].docs,
+        )
         if last:
             loss = token_loss_sum(out, s.mbs[a.mb].targets.to(self.comms.device))
             s.loss += loss.detach().double()
@@ -222,8 +250,10 @@ class StageRunner:
         put_off = self._weight_grads.pending if self._weight_grads is not None else []
         if s.recvs or s.outputs or s.inputs or s.grads_out or put_off:
             receives = sorted((int(direction), key) for direction, key in s.recvs)  # printed as before: 0 fwd, 1 bwd
-            raise RuntimeError(f"schedule left work undone: receives {receives}, outputs {sorted(s.outputs)}, "
-                               f"weight gradients {sorted(put_off)}")
+            raise RuntimeError(
+                f"schedule left work undone: receives {receives}, outputs {sorted(s.outputs)}, "
+                f"weight gradients {sorted(put_off)}"
+            )
         return s.loss
 
     # -- whole steps ----------------------------------------------------------------------------
@@ -235,7 +265,9 @@ class StageRunner:
             self.execute(a)
         return self._finish()
 
-    def run_forward(self, actions: tuple[Action, ...], microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
+    def run_forward(
+        self, actions: tuple[Action, ...], microbatches: list[Microbatch], global_tokens: int
+    ) -> torch.Tensor:
         """Forward only, without autograd (held-out loss): the schedule's forwards and their sends and receives,
         in its order (forward messages alone keep it deadlock-free); returns the summed token loss as ``run``.
         ZeRO-1's AG runs too: the parameters the last step updated are whole before the first forward (the next

@@ -5,9 +5,9 @@ from __future__ import annotations
 import attrs
 import torch
 
+from hetero_llm.layout import TrainSpec
 from hetero_llm.model.forward import init_shard
 from hetero_llm.plan.rank import RankPlan
-from hetero_llm.layout import TrainSpec
 from hetero_llm.runtime.adamw import AdamW
 
 
@@ -37,8 +37,10 @@ def init_state(rp: RankPlan, device: torch.device, initial: dict[str, torch.Tens
 
 def make_optimizer(state: RankState, train: TrainSpec) -> torch.optim.Optimizer | AdamW:
     names = sorted(state.params)  # same order on every layout
-    groups = [{"params": [state.params[n] for n in names if state.decay[n]], "weight_decay": train.weight_decay},
-              {"params": [state.params[n] for n in names if not state.decay[n]], "weight_decay": 0.0}]
+    groups = [
+        {"params": [state.params[n] for n in names if state.decay[n]], "weight_decay": train.weight_decay},
+        {"params": [state.params[n] for n in names if not state.decay[n]], "weight_decay": 0.0},
+    ]
     groups = [g for g in groups if g["params"]]
     if next(iter(state.params.values())).is_cuda:
         return torch.optim.AdamW(groups, lr=train.lr, betas=(train.beta1, train.beta2), eps=train.eps, fused=True)

@@ -23,17 +23,25 @@ import torch
 
 from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
-from hetero_llm.plan.zero1_slices import Slice, ZeroUnit
-from hetero_llm.plan.rank import RankPlan
-from hetero_llm.schedule import Kind
 from hetero_llm.comm.streams import NO_STREAMS, Streams
+from hetero_llm.plan.rank import RankPlan
+from hetero_llm.plan.zero1_slices import Slice, ZeroUnit
+from hetero_llm.schedule import Kind
 
 
 class ShardedAdamW:
     """AdamW over this rank's slices; parameters stay whole (float32) on every holder."""
 
-    def __init__(self, rp: RankPlan, state, betas: tuple[float, float], eps: float, weight_decay: float,
-                 comms: Comms, streams: Streams = NO_STREAMS):
+    def __init__(
+        self,
+        rp: RankPlan,
+        state,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        comms: Comms,
+        streams: Streams = NO_STREAMS,
+    ):
         self.state_of_rank = state  # train.RankState: params, coords, replicas, decay
         self.rank, self.comms, self.streams = rp.rank, comms, streams
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
@@ -81,8 +89,10 @@ class ShardedAdamW:
         for r in holders:
             views = [self._view(s, what) for s in unit.slices(r)]
             if what == "grad":
-                views = [v / self.state_of_rank.replicas[s[0]] if self.state_of_rank.replicas[s[0]] > 1 else v
-                         for v, s in zip(views, unit.slices(r))]
+                views = [
+                    v / self.state_of_rank.replicas[s[0]] if self.state_of_rank.replicas[s[0]] > 1 else v
+                    for v, s in zip(views, unit.slices(r))
+                ]
             flat = [v.reshape(-1) for v in views]
             pad = unit.chunk - unit.elements(r)
             ref = self.state_of_rank.params[unit.entries[0][0]]
@@ -95,8 +105,10 @@ class ShardedAdamW:
         A gradient that is only reduce-scattered is freed as soon as the last unit holding a block of it is
         packed, so the packed copy does not sit beside the whole gradient for the rest of the step.
         """
-        left = {name: sum(name in {e[0] for e in u.entries} for u, _ in self.units if u.reduce)
-                for name in self._freed_after_reduce}
+        left = {
+            name: sum(name in {e[0] for e in u.entries} for u, _ in self.units if u.reduce)
+            for name in self._freed_after_reduce
+        }
         self._reductions = []
         for unit, _ in self.units:
             if not unit.reduce:
@@ -115,7 +127,7 @@ class ShardedAdamW:
         if not self._reductions and self.units:
             self.start_reduce()  # defensive: the compiler gives every stage an RS0 (schedule.add_optimizer_actions)
         grads = []
-        for (unit, pending), (_, slices) in zip(self._reductions, self.units):
+        for (_unit, pending), (_, slices) in zip(self._reductions, self.units):
             if pending is None:  # TP replicas: the local gradient is the whole gradient
                 grads += [self._view(s, "grad") for s in slices]
                 continue
@@ -123,7 +135,7 @@ class ShardedAdamW:
             for s in slices:
                 shape = self._view(s, "data").shape
                 n = math.prod(shape)
-                grads.append(flat[offset:offset + n].view(shape))
+                grads.append(flat[offset : offset + n].view(shape))
                 offset += n
         grads += [self._view(s, "grad") for s in self.local]
         self._reductions, self._grads = [], grads
@@ -141,8 +153,8 @@ class ShardedAdamW:
             return
         if clip < 1.0:
             torch._foreach_mul_(grads, clip)
-        bias1 = 1 - self.beta1 ** self.steps
-        bias2_sqrt = math.sqrt(1 - self.beta2 ** self.steps)
+        bias1 = 1 - self.beta1**self.steps
+        bias2_sqrt = math.sqrt(1 - self.beta2**self.steps)
         params = [self._view(s, "data") for s in self.slices]
         decay = [self.state_of_rank.decay[s[0]] for s in self.slices]
         if self.weight_decay:
@@ -160,8 +172,15 @@ class ShardedAdamW:
 
     def start_gather(self) -> None:
         """Start the all-gathers of the updated slices (right after ``step``)."""
-        self._gathers = [(unit, collectives.start_all_gather(self.comms, self._packed(unit, "data", only=self.rank),
-                                                             unit.group, self.streams)) for unit, _ in self.units]
+        self._gathers = [
+            (
+                unit,
+                collectives.start_all_gather(
+                    self.comms, self._packed(unit, "data", only=self.rank), unit.group, self.streams
+                ),
+            )
+            for unit, _ in self.units
+        ]
 
     def wait_gather(self) -> None:
         """Wait for the all-gathers and write the other holders' slices into this rank's parameters (the ``AG``
@@ -181,7 +200,7 @@ class ShardedAdamW:
                 view = target.detach().narrow(dim, lo - shard_lo, hi - lo)
                 n = view.numel()
                 with torch.no_grad():
-                    view.copy_(flat[offset:offset + n].view(view.shape))
+                    view.copy_(flat[offset : offset + n].view(view.shape))
                 offset += n
 
     def zero_grad(self, set_to_none: bool = True) -> None:

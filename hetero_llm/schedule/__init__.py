@@ -43,8 +43,21 @@ Pure standard library + attrs: no torch, so planning, dry runs and tests run any
 from hetero_llm.schedule.dependencies import peer, produces, requirements
 from hetero_llm.schedule.files import load_schedule_file
 from hetero_llm.schedule.generators import compute_schedule, gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
-from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, ActionLists,
-                                    Direction, Event, Kind, format_actions, format_grid, num_chunks, parse_actions)
+from hetero_llm.schedule.ir import (
+    BACKWARD_KINDS,
+    COMM_KINDS,
+    COMPUTE_KINDS,
+    OPTIMIZER_KINDS,
+    Action,
+    ActionLists,
+    Direction,
+    Event,
+    Kind,
+    format_actions,
+    format_grid,
+    num_chunks,
+    parse_actions,
+)
 from hetero_llm.schedule.lowering import add_optimizer_actions, build, lower
 from hetero_llm.schedule.validator import check_message_order, simulate_order, validate
 

@@ -6,8 +6,7 @@ from here and nowhere else.
 
 from __future__ import annotations
 
-from hetero_llm.schedule.ir import (BACKWARD_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, first_virtual,
-                                    last_virtual)
+from hetero_llm.schedule.ir import BACKWARD_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, first_virtual, last_virtual
 
 # For each communication kind: the virtual-stage offset of its peer and the kind the peer runs.
 _PEER = {
@@ -75,9 +74,7 @@ def _neighbour(stage: int, action: Action, offset: int, num_stages: int, chunks:
     return other, Action(action.kind, action.mb, chunk)
 
 
-def peer(
-    stage: int, action: Action, num_stages: int | None = None, *, chunks: int = 1
-) -> Event:
+def peer(stage: int, action: Action, num_stages: int | None = None, *, chunks: int = 1) -> Event:
     """The matching action of a SEND or RECV on the neighbouring virtual stage.
 
     ``SEND_F m.c`` on the last stage matches ``RECV_F m.(c+1)`` on stage 0 when there are more

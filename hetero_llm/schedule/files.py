@@ -33,9 +33,11 @@ def load_schedule_file(path: str | Path, num_stages: int, num_microbatches: int)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
-        line = data[:error.start].count(b"\n") + 1
-        raise ScheduleError(f"{path}: line {line} is not UTF-8 text (a schedule file is text: action strings "
-                            "such as F0 B0, one line or CSV column per stage)") from None
+        line = data[: error.start].count(b"\n") + 1
+        raise ScheduleError(
+            f"{path}: line {line} is not UTF-8 text (a schedule file is text: action strings "
+            "such as F0 B0, one line or CSV column per stage)"
+        ) from None
     lines = [(number, raw.split("#", 1)[0].strip()) for number, raw in enumerate(text.splitlines(), 1)]
     lines = [(number, content) for number, content in lines if content]
     if not lines:
@@ -105,9 +107,7 @@ def _read_csv_schedule(path: Path, lines: list[tuple[int, str]], num_stages: int
     for number, content in lines[1:]:
         cells = [cell.strip() for cell in next(csv.reader(io.StringIO(content)))]
         if len(cells) > num_stages:
-            raise ScheduleError(
-                f"{path}: line {number}: {len(cells)} cells, but the header has {num_stages} stages"
-            )
+            raise ScheduleError(f"{path}: line {number}: {len(cells)} cells, but the header has {num_stages} stages")
         for stage, cell in enumerate(cells):
             if cell:
                 schedule[stage].append(_parse_cell(path, number, cell, f"stage {stage}"))

@@ -130,13 +130,14 @@ def zero_bubble_h1(num_stages: int, num_microbatches: int) -> ActionLists:
 
 # interleaved_1f1b also takes chunks (compute_schedule calls it with them), hence ``...``
 _GENERATORS: dict[str, Callable[..., ActionLists]] = {
-    "gpipe": gpipe, "1f1b": one_f_one_b, "interleaved": interleaved_1f1b, "zbh1": zero_bubble_h1
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "interleaved": interleaved_1f1b,
+    "zbh1": zero_bubble_h1,
 }
 
 
-def compute_schedule(
-    kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1
-) -> ActionLists:
+def compute_schedule(kind: str, num_stages: int, num_microbatches: int, *, chunks: int = 1) -> ActionLists:
     """Compute-only schedule of the named kind: ``"gpipe"``, ``"1f1b"``, ``"interleaved"`` or ``"zbh1"``.
 
     ``chunks`` is the number of model chunks per stage; only ``"interleaved"`` takes more than 1.
@@ -144,9 +145,7 @@ def compute_schedule(
     try:
         generator = _GENERATORS[kind]
     except KeyError:
-        raise ValueError(
-            f"unknown schedule {kind!r} (known: {', '.join(sorted(_GENERATORS))})"
-        ) from None
+        raise ValueError(f"unknown schedule {kind!r} (known: {', '.join(sorted(_GENERATORS))})") from None
     if kind == "interleaved":
         return interleaved_1f1b(num_stages, num_microbatches, chunks)
     if chunks != 1:

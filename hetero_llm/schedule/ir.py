@@ -20,7 +20,7 @@ class Kind(enum.Enum):
 
     F = "F"  # forward of one microbatch
     B = "B"  # full backward (input and weight gradients)
-    I = "I"  # input gradient only (zero-bubble); its W follows later  # noqa: E741
+    I = "I"  # input gradient only (zero-bubble); its W follows later
     W = "W"  # weight gradient only, of a microbatch whose I has run
     SEND_F = "SEND_F"  # send the forward activation to the next stage (non-blocking)
     RECV_F = "RECV_F"  # receive the forward activation from the previous stage (blocking)
@@ -56,8 +56,12 @@ class Direction(enum.IntEnum):
         return Kind.RECV_F if self is Direction.FWD else Kind.RECV_B
 
 
-_DIRECTIONS = {Kind.SEND_F: Direction.FWD, Kind.RECV_F: Direction.FWD,
-               Kind.SEND_B: Direction.BWD, Kind.RECV_B: Direction.BWD}
+_DIRECTIONS = {
+    Kind.SEND_F: Direction.FWD,
+    Kind.RECV_F: Direction.FWD,
+    Kind.SEND_B: Direction.BWD,
+    Kind.RECV_B: Direction.BWD,
+}
 
 COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.I, Kind.W})
 BACKWARD_KINDS = frozenset({Kind.B, Kind.I})  # the actions that produce a microbatch's input gradient
@@ -83,9 +87,7 @@ class Action:
 
     kind: Kind = attrs.field(validator=attrs.validators.instance_of(Kind))
     mb: int = attrs.field(validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
-    chunk: int = attrs.field(
-        default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)]
-    )
+    chunk: int = attrs.field(default=0, validator=[attrs.validators.instance_of(int), attrs.validators.ge(0)])
 
     def __str__(self) -> str:
         suffix = f".{self.chunk}" if self.chunk else ""

@@ -7,8 +7,16 @@ from collections.abc import Sequence
 
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule.generators import compute_schedule
-from hetero_llm.schedule.ir import (BACKWARD_KINDS, COMM_KINDS, Action, ActionLists, Kind, first_virtual, last_virtual,
-                                    num_chunks)
+from hetero_llm.schedule.ir import (
+    BACKWARD_KINDS,
+    COMM_KINDS,
+    Action,
+    ActionLists,
+    Kind,
+    first_virtual,
+    last_virtual,
+    num_chunks,
+)
 
 
 def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> ActionLists:
@@ -26,13 +34,14 @@ def lower(compute: Sequence[Sequence[Action]], chunks: int | None = None) -> Act
         for action in actions:
             if action.kind in COMM_KINDS:
                 raise ScheduleError(
-                    f"lower: stage {stage} already has communication ({action}); "
-                    "lower takes a compute-only schedule", stage
+                    f"lower: stage {stage} already has communication ({action}); lower takes a compute-only schedule",
+                    stage,
                 )
             if action.chunk >= chunks:
                 raise ScheduleError(
                     f"lower: stage {stage}: {action} names chunk {action.chunk}, "
-                    f"but there are {chunks} chunks (0..{chunks - 1})", stage
+                    f"but there are {chunks} chunks (0..{chunks - 1})",
+                    stage,
                 )
             same = (action.mb, action.chunk)
             first = first_virtual(stage, action.chunk)

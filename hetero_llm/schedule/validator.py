@@ -12,13 +12,16 @@ import attrs
 
 from hetero_llm.errors import ScheduleError
 from hetero_llm.schedule.dependencies import peer, produces, requirements
-from hetero_llm.schedule.ir import (COMM_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, format_grid, is_lowered,
-                                    num_chunks)
+from hetero_llm.schedule.ir import COMM_KINDS, OPTIMIZER_KINDS, Action, Event, Kind, format_grid, is_lowered, num_chunks
 
 
 def _error(
-    schedule: Sequence[Sequence[Action]], what: str, mark: dict[int, int] | None = None, *,
-    stage: int | None = None, step: int | None = None,
+    schedule: Sequence[Sequence[Action]],
+    what: str,
+    mark: dict[int, int] | None = None,
+    *,
+    stage: int | None = None,
+    step: int | None = None,
 ) -> ScheduleError:
     """A ScheduleError: one line saying what is wrong, then the grid with the failing step(s) marked; located
     at ``stage`` and ``step`` (the step the line names; None where it names none)."""
@@ -67,9 +70,7 @@ def _lockstep(schedule: Sequence[Sequence[Action]]) -> _Run:
         this_round = len(rounds)
         ran: list[tuple[int, int]] = []
         for stage, actions in enumerate(schedule):
-            while next_index[stage] < len(actions) and ready(
-                stage, actions[next_index[stage]], this_round
-            ):
+            while next_index[stage] < len(actions) and ready(stage, actions[next_index[stage]], this_round):
                 for event in produces(stage, actions[next_index[stage]]):
                     ran_in[event] = this_round
                 ran.append((stage, next_index[stage]))
@@ -129,8 +130,9 @@ def _check_no_duplicates(schedule: Sequence[Sequence[Action]]) -> None:
         seen: dict[Action, int] = {}
         for index, action in enumerate(actions):
             if action in seen:
-                raise _step_error(schedule, stage, index,
-                                  f"stage {stage} runs {action} twice (steps {seen[action]} and {index})")
+                raise _step_error(
+                    schedule, stage, index, f"stage {stage} runs {action} twice (steps {seen[action]} and {index})"
+                )
             seen[action] = index
 
 
@@ -156,7 +158,9 @@ def _check_types(schedule: Sequence[Sequence[Action]]) -> None:
             if not isinstance(action, Action):
                 raise ScheduleError(
                     f"stage {stage} step {index}: {action!r} is not an Action "
-                    "(use Action.parse or parse_actions for strings)", stage, index
+                    "(use Action.parse or parse_actions for strings)",
+                    stage,
+                    index,
                 )
 
 
@@ -166,11 +170,15 @@ def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: 
     for stage, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             if action.mb >= num_microbatches:
-                raise _step_error(schedule, stage, index,
-                                  f"stage {stage} step {index}: {action} names microbatch {action.mb}, "
-                                  f"but there are {num_microbatches} (0..{num_microbatches - 1})")
+                raise _step_error(
+                    schedule,
+                    stage,
+                    index,
+                    f"stage {stage} step {index}: {action} names microbatch {action.mb}, "
+                    f"but there are {num_microbatches} (0..{num_microbatches - 1})",
+                )
     chunks = num_chunks(schedule)
-    rule = (f"every stage runs F and B (or I and W) exactly once per microbatch 0..{num_microbatches - 1}")
+    rule = f"every stage runs F and B (or I and W) exactly once per microbatch 0..{num_microbatches - 1}"
     if chunks > 1:
         rule += f" and chunk 0..{chunks - 1}"
     # These name a stage and no step: a schedule file points at the stage (its line, or a CSV's header).
@@ -183,15 +191,24 @@ def _check_microbatches(schedule: Sequence[Sequence[Action]], num_microbatches: 
                     raise _error(schedule, f"stage {stage} is missing {f} ({rule})", stage=stage)
                 if b in position and (i in position or w in position):
                     other = i if i in position else w
-                    raise _error(schedule, f"stage {stage} runs both {b} and {other} (a backward is one B, "
-                                 f"or an I and a W)", {stage: position[other]}, stage=stage)
+                    raise _error(
+                        schedule,
+                        f"stage {stage} runs both {b} and {other} (a backward is one B, or an I and a W)",
+                        {stage: position[other]},
+                        stage=stage,
+                    )
                 if b not in position and i not in position:
-                    missing = f"{b} (or {i} and {w})" if w in position or any(
-                        a.kind is Kind.I for a in actions) else str(b)
+                    missing = (
+                        f"{b} (or {i} and {w})" if w in position or any(a.kind is Kind.I for a in actions) else str(b)
+                    )
                     raise _error(schedule, f"stage {stage} is missing {missing} ({rule})", stage=stage)
                 if i in position and w not in position:
-                    raise _error(schedule, f"stage {stage} runs {i} but never {w} (an input gradient I needs "
-                                 f"its weight gradient W later)", {stage: position[i]}, stage=stage)
+                    raise _error(
+                        schedule,
+                        f"stage {stage} runs {i} but never {w} (an input gradient I needs its weight gradient W later)",
+                        {stage: position[i]},
+                        stage=stage,
+                    )
 
 
 def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
@@ -200,8 +217,10 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
     lowered = is_lowered(schedule)
     chunks = num_chunks(schedule)
     positions = [{action: index for index, action in enumerate(actions)} for actions in schedule]
-    made_at = [{made: index for index, action in enumerate(actions) for _, made in produces(stage, action)}
-               for stage, actions in enumerate(schedule)]
+    made_at = [
+        {made: index for index, action in enumerate(actions) for _, made in produces(stage, action)}
+        for stage, actions in enumerate(schedule)
+    ]
     for stage, actions in enumerate(schedule):
         for index, action in enumerate(actions):
             here = f"stage {stage} step {index}: {action}"
@@ -209,23 +228,26 @@ def _check_dependencies(schedule: Sequence[Sequence[Action]]) -> None:
                 other, match = peer(stage, action, num_stages, chunks=chunks)
                 if not 0 <= other < num_stages:
                     side = "previous" if other < stage else "next"
-                    raise _step_error(schedule, stage, index,
-                                      f"{here} talks to stage {other}, but stage {stage} has no {side} stage")
+                    raise _step_error(
+                        schedule, stage, index, f"{here} talks to stage {other}, but stage {stage} has no {side} stage"
+                    )
                 if match not in positions[other]:
                     raise _step_error(schedule, stage, index, f"{here} has no matching {match} on stage {other}")
-            for other, needed in requirements(
-                stage, action, num_stages, lowered=lowered, chunks=chunks
-            ):
+            for other, needed in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks):
                 if other != stage:
                     continue  # cross-stage: checked above (comm) or by coverage (compute-only)
                 where = made_at[stage].get(needed)
                 if where is None:
-                    raise _step_error(schedule, stage, index,
-                                      f"{here} needs {_named(needed)} first, which stage {stage} never does")
+                    raise _step_error(
+                        schedule, stage, index, f"{here} needs {_named(needed)} first, which stage {stage} never does"
+                    )
                 if where > index:
-                    raise _step_error(schedule, stage, index,
-                                      f"{here} needs {_named(needed)} first, but {schedule[stage][where]} comes "
-                                      f"later (step {where})")
+                    raise _step_error(
+                        schedule,
+                        stage,
+                        index,
+                        f"{here} needs {_named(needed)} first, but {schedule[stage][where]} comes later (step {where})",
+                    )
 
 
 def _check_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> None:
@@ -235,15 +257,24 @@ def _check_optimizer_actions(schedule: Sequence[Sequence[Action]]) -> None:
             if action.kind not in OPTIMIZER_KINDS:
                 continue
             if action.mb or action.chunk:
-                raise _step_error(schedule, stage, index, f"stage {stage} step {index}: {action}: "
-                                  f"{action.kind.value} is once per step, written {action.kind.value}0")
+                raise _step_error(
+                    schedule,
+                    stage,
+                    index,
+                    f"stage {stage} step {index}: {action}: "
+                    f"{action.kind.value} is once per step, written {action.kind.value}0",
+                )
             wrong = (Kind.F,) if action.kind is Kind.AG else (Kind.B, Kind.I, Kind.W)
-            before = actions[:index] if action.kind is Kind.AG else actions[index + 1:]
+            before = actions[:index] if action.kind is Kind.AG else actions[index + 1 :]
             clash = next((a for a in before if a.kind in wrong), None)
             if clash is not None:
                 rule = "before the stage's first forward" if action.kind is Kind.AG else "after its last backward"
-                raise _step_error(schedule, stage, index, f"stage {stage} step {index}: {action} must come {rule} "
-                                  f"({clash} is on the wrong side)")
+                raise _step_error(
+                    schedule,
+                    stage,
+                    index,
+                    f"stage {stage} step {index}: {action} must come {rule} ({clash} is on the wrong side)",
+                )
 
 
 def validate(schedule: Sequence[Sequence[Action]], num_microbatches: int) -> None:
@@ -286,7 +317,12 @@ def check_message_order(schedule: Sequence[Sequence[Action]]) -> None:
     for (src, dst, kind), sends in sent.items():
         for (want, send_at), (got, recv_at) in zip(sends, received.get((src, dst, kind), [])):
             if want != got:
-                raise _error(schedule, f"stage {dst} step {recv_at}: {got} receives out of order: stage {src} sends "
-                             f"{schedule[src][send_at]} (step {send_at}) first, and NCCL matches messages by order "
-                             f"(receive in the order sent, or use backend = 'gloo')", {dst: recv_at, src: send_at},
-                             stage=dst, step=recv_at)
+                raise _error(
+                    schedule,
+                    f"stage {dst} step {recv_at}: {got} receives out of order: stage {src} sends "
+                    f"{schedule[src][send_at]} (step {send_at}) first, and NCCL matches messages by order "
+                    f"(receive in the order sent, or use backend = 'gloo')",
+                    {dst: recv_at, src: send_at},
+                    stage=dst,
+                    step=recv_at,
+                )

@@ -26,8 +26,9 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
     mine: list[list[int]] = [[] for _ in bounds]  # indices into docs
     for k, d in enumerate(docs):
         mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(k)
-    rows_of: list[list[int]] = [first_fit_decreasing([len(docs[k]) for k in group], bounds[i]) if group else []
-                                for i, group in enumerate(mine)]
+    rows_of: list[list[int]] = [
+        first_fit_decreasing([len(docs[k]) for k in group], bounds[i]) if group else [] for i, group in enumerate(mine)
+    ]
     for i in reversed(range(len(bounds))):
         if layout.buckets[i].top_up and mine[i]:
             _top_up(docs, mine, rows_of, i, bounds)
@@ -42,8 +43,7 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
     return out
 
 
-def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[int]], i: int,
-            bounds: list[int]) -> None:
+def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[int]], i: int, bounds: list[int]) -> None:
     """Move shorter buckets' documents into the free positions of bucket ``i``'s rows (``bucket_rows``); what is
     left of each shorter bucket is packed anew (its rows may now be fewer)."""
     free = [bounds[i]] * (max(rows_of[i]) + 1)

@@ -15,10 +15,10 @@ import attrs
 from hetero_llm.predict.device import FLOAT32_BYTES, EmulatedDevice, action_seconds
 from hetero_llm.predict.simulate import CostModel, simulate
 
-__all__ = ["BucketStep", "describe_bucket_step", "link_costs", "simulate_buckets",
-           "switch_seconds"]
+__all__ = ["BucketStep", "describe_bucket_step", "link_costs", "simulate_buckets", "switch_seconds"]
 
 # --------------------------------------------------------------------------------------------------
+
 
 @attrs.frozen
 class BucketStep:
@@ -33,15 +33,20 @@ class BucketStep:
         return sum(b for b in self.buckets if b) + sum(s for _, _, s in self.switches) + self.home_sync
 
     def describe(self) -> str:
-        lines = [f"predicted step {self.total * 1e3:.1f} ms: buckets "
-                 + ", ".join("-" if b is None else f"{b * 1e3:.1f}" for b in self.buckets) + " ms, switches "
-                 + ", ".join(f"{a}->{b} {s * 1e3:.2f}" for a, b, s in self.switches) + " ms, home gradient sync "
-                 + f"{self.home_sync * 1e3:.2f} ms"]
+        lines = [
+            f"predicted step {self.total * 1e3:.1f} ms: buckets "
+            + ", ".join("-" if b is None else f"{b * 1e3:.1f}" for b in self.buckets)
+            + " ms, switches "
+            + ", ".join(f"{a}->{b} {s * 1e3:.2f}" for a, b, s in self.switches)
+            + " ms, home gradient sync "
+            + f"{self.home_sync * 1e3:.2f} ms"
+        ]
         return "\n".join(lines)
 
 
-def switch_seconds(plan, links: dict[str, tuple[float, float]], copy_bandwidth: float = math.inf,
-                   block_overhead: float = 0.0) -> float:
+def switch_seconds(
+    plan, links: dict[str, tuple[float, float]], copy_bandwidth: float = math.inf, block_overhead: float = 0.0
+) -> float:
     """Seconds of one batched switch (``switch.SwitchPlan``): every device at once, each paying, per
     device-pair message it sends or receives, the latency of that pair's link (``links``: link kind ->
     (latency s, bytes/s), kinds as ``switch.LINKS``), the larger of its sent and received bytes over each
@@ -68,8 +73,9 @@ def switch_seconds(plan, links: dict[str, tuple[float, float]], copy_bandwidth: 
     return max(per_device.values(), default=0.0)
 
 
-def _pipeline_seconds(plan, pipeline: int, pieces: list, device: EmulatedDevice,
-                      links: dict[str, tuple[float, float]]) -> float:
+def _pipeline_seconds(
+    plan, pipeline: int, pieces: list, device: EmulatedDevice, links: dict[str, tuple[float, float]]
+) -> float:
     """One pipeline of ``plan`` over its microbatches ``pieces`` (``documents.PackedRows``), simulated."""
     stages = sorted((s for s in plan.stages if s.pipeline == pipeline), key=lambda s: s.stage)
     model = plan.layout.model
@@ -92,26 +98,39 @@ def _pipeline_seconds(plan, pipeline: int, pieces: list, device: EmulatedDevice,
     kinds = ["node" if a == b else "domain" for a, b in zip(node_of, node_of[1:] + node_of[:1])]
     if len(stages) == 1:
         kinds = ["node"]
-    cost = CostModel(forward=forward, backward=backward, weight=weight,
-                     latency=[links[k][0] for k in kinds], bandwidth=[links[k][1] for k in kinds],
-                     activation_bytes=rows * width * model.hidden * FLOAT32_BYTES)
+    cost = CostModel(
+        forward=forward,
+        backward=backward,
+        weight=weight,
+        latency=[links[k][0] for k in kinds],
+        bandwidth=[links[k][1] for k in kinds],
+        activation_bytes=rows * width * model.hidden * FLOAT32_BYTES,
+    )
     schedule = [plan.actions(s.ranks[0]) for s in stages]
     return simulate(schedule, cost).step_time
 
 
-def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str, tuple[float, float]], *,
-                     copy_bandwidth: float = math.inf, block_overhead: float = 0.0, source=None) -> BucketStep:
+def simulate_buckets(
+    layout,
+    step: int,
+    device: EmulatedDevice,
+    links: dict[str, tuple[float, float]],
+    *,
+    copy_bandwidth: float = math.inf,
+    block_overhead: float = 0.0,
+    source=None,
+) -> BucketStep:
     """Predict one hot-switching step of a layout with ``[[buckets]]``: the step's documents (the ones
     ``hotswitch`` trains on: ``documents.fill_documents`` of (seed, step)) sorted into buckets and packed
     as the runtime packs them; each bucket with documents simulated under its layout (``simulate`` per
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
-    from hetero_llm.switching import bucketing
     from hetero_llm.data import documents
     from hetero_llm.data import held_out as evaluate
     from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
+    from hetero_llm.switching import bucketing
     from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     home = compile_plan(layout)
@@ -133,8 +152,9 @@ def simulate_buckets(layout, step: int, device: EmulatedDevice, links: dict[str,
         elastic = layout.buckets[i].elastic
         rounds, split = bucketing.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
         runs = compile_plan(elastic_layout(plan.layout, rounds)) if elastic and rounds > 1 else plan
-        times.append(max(_pipeline_seconds(runs, j, rows.share(*share), device, links)
-                         for j, share in enumerate(split)))
+        times.append(
+            max(_pipeline_seconds(runs, j, rows.share(*share), device, links) for j, share in enumerate(split))
+        )
         current, current_name, accumulated = plan, name, True
     if current.layout.pipelines != home.layout.pipelines:
         sw = step_switch(home, current, home, params=False, grads=accumulated)
@@ -167,16 +187,21 @@ def describe_bucket_step(layout, device: EmulatedDevice | None = None, step: int
     links = link_costs(layout)
     result = simulate_buckets(layout, step, device, links, copy_bandwidth=COPY_BANDWIDTH)
     tp = "" if math.isinf(device.tp_bandwidth) else f", TP links {device.tp_bandwidth * 8 / 1e9:g} Gbit/s"
-    lines = [f"simulated step {step + 1} (its documents; devices of {device.flops / 1e9:g} GFLOP/s{tp}, node links "
-             f"{links['node'][1] / 1e9:g} GB/s, {links['node'][0] * 1e6:g} us; HETERO_EMULATE_DEVICE sets the device):"]
+    lines = [
+        f"simulated step {step + 1} (its documents; devices of {device.flops / 1e9:g} GFLOP/s{tp}, node links "
+        f"{links['node'][1] / 1e9:g} GB/s, {links['node'][0] * 1e6:g} us; HETERO_EMULATE_DEVICE sets the device):"
+    ]
     for i, seconds in enumerate(result.buckets):
         lines.append(f"  bucket {i}: " + ("no documents, skipped" if seconds is None else f"{seconds * 1e3:.3f} ms"))
     for a, b, seconds in result.switches:
         lines.append(f"  switch {a} -> {b}: {seconds * 1e3:.3f} ms")
     lines.append(f"  home gradient sync: {result.home_sync * 1e3:.3f} ms")
     switching = sum(x for _, _, x in result.switches)
-    lines.append(f"  step: {result.total * 1e3:.3f} ms, switches {switching / result.total:.1%} of it"
-                 if result.total else "  step: 0 ms")
+    lines.append(
+        f"  step: {result.total * 1e3:.3f} ms, switches {switching / result.total:.1%} of it"
+        if result.total
+        else "  step: 0 ms"
+    )
     return "\n".join(lines)
 
 
@@ -187,8 +212,16 @@ def _home_sync_seconds(home, links: dict[str, tuple[float, float]]) -> float:
         return 0.0
     nodes = {r.device_id.partition(":")[0] for r in home.ranks}
     latency, bandwidth = links["node" if len(nodes) == 1 else "domain"]
-    shard = max(sum(_numel(info.shape) // (info.shape[info.shard_dim or 0] or 1) * (hi - lo)
-                    for info, lo, hi in home.params_of(r.rank)) for r in home.ranks) * FLOAT32_BYTES
+    shard = (
+        max(
+            sum(
+                _numel(info.shape) // (info.shape[info.shard_dim or 0] or 1) * (hi - lo)
+                for info, lo, hi in home.params_of(r.rank)
+            )
+            for r in home.ranks
+        )
+        * FLOAT32_BYTES
+    )
     return 2 * (replicas - 1) / replicas * shard / bandwidth + 2 * (replicas - 1) * latency
 
 

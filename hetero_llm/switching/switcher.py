@@ -22,18 +22,17 @@ import time
 import attrs
 import torch
 
-from hetero_llm.comm import collectives
-from hetero_llm.data import documents
-from hetero_llm.comm import p2p
-from hetero_llm.model.document_mask import DocumentMask
-from hetero_llm.switching.bucketing import bucket_rows, bucket_split
+from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms, layout_groups
+from hetero_llm.comm.streams import Streams
+from hetero_llm.data import documents
 from hetero_llm.layout import bucket_layout, elastic_layout
+from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.plan.rank import StageRoutes
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
-from hetero_llm.comm.streams import Streams
+from hetero_llm.switching.bucketing import bucket_rows, bucket_split
 from hetero_llm.switching.transfers import SwitchPlan, Transfer, step_switch
 
 
@@ -58,16 +57,32 @@ class Slot:
 class Switcher:
     """Runs the buckets of every step on one rank (see the module doc)."""
 
-    def __init__(self, home: Plan, rank: int, comms: Comms, params: dict[str, torch.Tensor],
-                 coords: dict[str, tuple], home_runner: StageRunner, compute_of, trace: list | None,
-                 streams: Streams):
+    def __init__(
+        self,
+        home: Plan,
+        rank: int,
+        comms: Comms,
+        params: dict[str, torch.Tensor],
+        coords: dict[str, tuple],
+        home_runner: StageRunner,
+        compute_of,
+        trace: list | None,
+        streams: Streams,
+    ):
         lay = home.layout
         self.layout, self.trace = lay, trace
         self.device = comms.device
         self.me = home.ranks[rank].device_id
         self.world_rank = {r.device_id: r.rank for r in home.ranks}
-        self.home = Slot("home", home, rank, params, {n: (c[0] or 0, c[1]) for n, c in coords.items()}, home_runner,
-                         home.rank_plan(rank).dynamic)
+        self.home = Slot(
+            "home",
+            home,
+            rank,
+            params,
+            {n: (c[0] or 0, c[1]) for n, c in coords.items()},
+            home_runner,
+            home.rank_plan(rank).dynamic,
+        )
         self.slots: list[Slot] = []
         for i, bucket in enumerate(lay.buckets):
             if not bucket.pipelines:
@@ -94,12 +109,27 @@ class Switcher:
             params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
             coords[info.name] = (dim, lo)
         st = plan.stage_of(rank)
-        bucket_comms = Comms(comms.rank, comms.device, groups, groups[rp.tp_group] if rp.tp_group else None,
-                             tuple(world_of[r] for r in st.ranks))
+        bucket_comms = Comms(
+            comms.rank,
+            comms.device,
+            groups,
+            groups[rp.tp_group] if rp.tp_group else None,
+            tuple(world_of[r] for r in st.ranks),
+        )
         routes = _world_routes(rp.routes, world_of)
-        runner = StageRunner(bucket_comms, params, st, plan.layout.model, collectives.tp_ops(bucket_comms), routes,
-                             self.trace, Emulation.from_env(comms.rank), compute_of(rp), streams,
-                             split_backward=rp.split_backward)
+        runner = StageRunner(
+            bucket_comms,
+            params,
+            st,
+            plan.layout.model,
+            collectives.tp_ops(bucket_comms),
+            routes,
+            self.trace,
+            Emulation.from_env(comms.rank),
+            compute_of(rp),
+            streams,
+            split_backward=rp.split_backward,
+        )
         return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
 
     # -- one step --------------------------------------------------------------------------------
@@ -119,8 +149,11 @@ class Switcher:
                 self._switch(current, slot, accumulated)
             if slot.runner is not None:
                 mbs, plan = self._work(index, slot, rows)
-                run = slot.runner.run_dynamic(mbs, global_tokens) if slot.dynamic else \
-                    slot.runner.run(plan.actions(slot.rank), mbs, global_tokens)
+                run = (
+                    slot.runner.run_dynamic(mbs, global_tokens)
+                    if slot.dynamic
+                    else slot.runner.run(plan.actions(slot.rank), mbs, global_tokens)
+                )
                 if slot.contributes_loss:
                     loss += run
             current, accumulated = slot, True
@@ -134,8 +167,12 @@ class Switcher:
         elastic = self.layout.buckets[index].elastic
         rounds, split = bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
         offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
-        mbs = [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
-                          DocumentMask.from_spans(p.spans, p.positions)) for p in rows.share(offset, size, count)]
+        mbs = [
+            Microbatch(
+                torch.from_numpy(p.inputs), torch.from_numpy(p.targets), DocumentMask.from_spans(p.spans, p.positions)
+            )
+            for p in rows.share(offset, size, count)
+        ]
         if not elastic or rounds == 1:
             return mbs, slot.plan
         if (index, rounds) not in self._elastic:
@@ -150,8 +187,15 @@ class Switcher:
         params = params and target is not self.home  # home's own parameters never left it
         key = (source.name, target.name, grads, params)
         if key not in self._plans:
-            self._plans[key] = step_switch(self.home.plan, source.plan, target.plan, params=params, grads=grads,
-                                           source_name=source.name, target_name=target.name)
+            self._plans[key] = step_switch(
+                self.home.plan,
+                source.plan,
+                target.plan,
+                params=params,
+                grads=grads,
+                source_name=source.name,
+                target_name=target.name,
+            )
         plan = self._plans[key]
         moves = [(t, self.home) for t in plan.params] + [(t, source) for t in plan.grads]
         if grads:
@@ -172,8 +216,9 @@ class Switcher:
                 send_flat[peer] = flat = torch.empty(sum(t.nbytes // 4 for t, _ in items), device=self.device)
                 for (t, origin), piece in zip(items, flat.split([t.nbytes // 4 for t, _ in items])):
                     piece.view(_block_shape(origin, t)).copy_(_block(origin, t))
-            recv_flat = {peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device)
-                         for peer, ts in receives.items()}
+            recv_flat = {
+                peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device) for peer, ts in receives.items()
+            }
             p2p.exchange(send_flat, recv_flat)
             for peer, ts in receives.items():
                 pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
@@ -190,8 +235,13 @@ def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:
     def one(r):
         return None if r is None else attrs.evolve(r, src=world_of[r.src], dst=world_of[r.dst])
 
-    return StageRoutes(one(routes.recv_f), tuple(map(one, routes.send_f)), one(routes.recv_b),
-                       tuple(map(one, routes.send_b)), routes.groups)
+    return StageRoutes(
+        one(routes.recv_f),
+        tuple(map(one, routes.send_f)),
+        one(routes.recv_b),
+        tuple(map(one, routes.send_b)),
+        routes.groups,
+    )
 
 
 def _block(slot: Slot, t: Transfer) -> torch.Tensor:

@@ -107,8 +107,9 @@ class SwitchPlan:
                 received[t.dst] += t.nbytes
         return {d: (sent[d], received[d]) for d in sorted(set(sent) | set(received))}
 
-    def predict_seconds(self, bandwidth: float, latency: float, copy_bandwidth: float = 0.0,
-                        block_overhead: float = 0.0) -> float:
+    def predict_seconds(
+        self, bandwidth: float, latency: float, copy_bandwidth: float = 0.0, block_overhead: float = 0.0
+    ) -> float:
         """The switch's modelled time: the busiest device's, each device paying ``latency`` per message it
         sends or receives plus its larger direction's bytes over ``bandwidth`` (bytes/s; sends and receives
         overlap), plus one pass over every block it copies, packs or unpacks at ``copy_bandwidth`` (0: free;
@@ -133,8 +134,10 @@ class SwitchPlan:
     def describe(self) -> str:
         """A few lines for ``--dry-run`` and the docs: bytes per link kind, messages, the busiest device."""
         links = self.bytes_by_link()
-        lines = [f"switch {self.source} -> {self.target}: {len(self.params)} parameter and {len(self.grads)} "
-                 f"gradient transfers, {len(self.messages())} device-pair messages"]
+        lines = [
+            f"switch {self.source} -> {self.target}: {len(self.params)} parameter and {len(self.grads)} "
+            f"gradient transfers, {len(self.messages())} device-pair messages"
+        ]
         lines.append("  " + ", ".join(f"{k} {_mib(v)}" for k, v in links.items()))
         per_device = self.bytes_by_device()
         if per_device:
@@ -158,8 +161,9 @@ def holders(plan: Plan) -> dict[str, list[Holder]]:
     return out
 
 
-def plan_switch(source: Plan, target: Plan, *, grads: bool = True, source_name: str = "",
-                target_name: str = "") -> SwitchPlan:
+def plan_switch(
+    source: Plan, target: Plan, *, grads: bool = True, source_name: str = "", target_name: str = ""
+) -> SwitchPlan:
     """The transfers that take ``source``'s parameters (and, with ``grads``, accumulated gradients) to
     ``target``'s layout. Both plans must be of the same model on the same cluster."""
     if source.layout.model != target.layout.model:
@@ -201,8 +205,7 @@ def plan_switch(source: Plan, target: Plan, *, grads: bool = True, source_name: 
                     load[src] += nbytes
                 params.append(Transfer(info.name, dim, lo, hi, src, h.device, nbytes, False))
             if grads:
-                grad_moves += _move_partials(info.name, dim, lo, hi, nbytes, have, need, sender, load, stage_load,
-                                             link)
+                grad_moves += _move_partials(info.name, dim, lo, hi, nbytes, have, need, sender, load, stage_load, link)
     link_of = {(t.src, t.dst): link(t.src, t.dst) for t in params + grad_moves}
     return SwitchPlan(source_name, target_name, tuple(_merge(params)), tuple(_merge(grad_moves)), link_of)
 
@@ -216,10 +219,11 @@ def _move_partials(name, dim, lo, hi, nbytes, have, need, sender, load, stage_lo
     for h in need:
         by_stage_dst[h.stage].append(h.device)
     out = []
-    for stage, src_devices in by_stage_src.items():
+    for _stage, src_devices in by_stage_src.items():
+
         def cost(target_stage: str) -> tuple[int, int, int]:
             # copies over the network, then how far they travel, then how much the stage already takes in
-            far = [min(LINKS.index(link(s, d)) for s in src_devices) for d in by_stage_dst[target_stage]]
+            far = [min(LINKS.index(link(s, d)) for s in src_devices) for d in by_stage_dst[target_stage]]  # noqa: B023
             return sum(f > 0 for f in far), sum(far), stage_load[target_stage]
 
         target_stage = min(by_stage_dst, key=cost)
@@ -248,8 +252,9 @@ def _merge(transfers: list[Transfer]) -> list[Transfer]:
     return out
 
 
-def step_switch(home: Plan, source: Plan, target: Plan, *, params: bool, grads: bool, source_name: str = "",
-                target_name: str = "") -> SwitchPlan:
+def step_switch(
+    home: Plan, source: Plan, target: Plan, *, params: bool, grads: bool, source_name: str = "", target_name: str = ""
+) -> SwitchPlan:
     """A switch inside a hot-switching step: parameters from ``home`` (no optimizer step has changed them since
     it took the last one, so every layout's copy equals home's), accumulated gradients from ``source``."""
     moved = plan_switch(source, target, grads=grads, source_name=source_name, target_name=target_name)
@@ -272,11 +277,15 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
     plans = bucket_plans(layout)
     low = 0
     for i, (b, plan) in enumerate(zip(layout.buckets, plans)):
-        shape = " | ".join("[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines)
+        shape = " | ".join(
+            "[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines
+        )
         where = "home layout" if not b.pipelines else f"{plan.world_size} ranks"
-        lines.append(f"  bucket {i}: documents of {low + 1}-{b.max_len} positions, rows of {b.max_len}, {where}, "
-                     f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}"
-                     + (", elastic (as many microbatches as a step's rows need)" if b.elastic else ""))
+        lines.append(
+            f"  bucket {i}: documents of {low + 1}-{b.max_len} positions, rows of {b.max_len}, {where}, "
+            f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}"
+            + (", elastic (as many microbatches as a step's rows need)" if b.elastic else "")
+        )
         low = b.max_len
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]
@@ -284,7 +293,14 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
         if a.layout.pipelines == b.layout.pipelines:
             continue
         # nothing has accumulated before the first bucket; home's parameters never left it
-        switch = step_switch(home, a, b, params=b.layout.pipelines != home.layout.pipelines, grads=i > 0,
-                             source_name=name_a, target_name=name_b)
+        switch = step_switch(
+            home,
+            a,
+            b,
+            params=b.layout.pipelines != home.layout.pipelines,
+            grads=i > 0,
+            source_name=name_a,
+            target_name=name_b,
+        )
         lines.append(switch.describe())
     return "\n".join(lines)

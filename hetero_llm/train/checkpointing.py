@@ -13,8 +13,9 @@ from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime.state import RankState, init_state
 
 
-def starting_state(rp: RankPlan, device: torch.device, resume: str | None,
-                   progress: bool) -> tuple[RankState, Restored | None]:
+def starting_state(
+    rp: RankPlan, device: torch.device, resume: str | None, progress: bool
+) -> tuple[RankState, Restored | None]:
     """The rank's shards: cut from the save ``resume`` names, else read from ``model.init_from`` (this rank's
     slices only), else initialized from the seed; and what was restored (its optimizer moments, its step)."""
     restored = restore(rp, resume, progress=progress) if resume else None

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -49,8 +49,10 @@ def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
     settings = rp.compute
     dtype = torch.bfloat16 if settings.precision is Precision.BF16 else torch.float32
     if dtype is torch.bfloat16 and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise RankFailure(f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} does not support "
-                          "bfloat16 (use precision = 'fp32' on this GPU)")
+        raise RankFailure(
+            f"train.precision = 'bf16' but {torch.cuda.get_device_name(device)} does not support "
+            "bfloat16 (use precision = 'fp32' on this GPU)"
+        )
     return Compute(dtype, recompute=settings.recompute, compile=settings.compile)
 
 
@@ -64,14 +66,28 @@ def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows) -> list[Micr
     """The rank's microbatches of packed documents, each with its document mask (built on the host)."""
     share = rp.batch
     pieces = batch.share(share.offset, share.size, share.microbatches)
-    return [Microbatch(torch.from_numpy(p.inputs), torch.from_numpy(p.targets),
-                       DocumentMask.from_spans(p.spans, p.positions)) for p in pieces]
+    return [
+        Microbatch(
+            torch.from_numpy(p.inputs), torch.from_numpy(p.targets), DocumentMask.from_spans(p.spans, p.positions)
+        )
+        for p in pieces
+    ]
 
 
-def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
-          checkpoint_dir: str | None = None, checkpoint_every: int = 0, resume: str | None = None,
-          trace: list | None = None, quiet: bool = False, keep_history: bool = False,
-          tensorboard: str | None = None, switcher: Callable | None = None) -> list[StepMetrics]:
+def train(
+    rp: RankPlan,
+    comms: Comms,
+    *,
+    metrics_path: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = 0,
+    resume: str | None = None,
+    trace: list | None = None,
+    quiet: bool = False,
+    keep_history: bool = False,
+    tensorboard: str | None = None,
+    switcher: Callable | None = None,
+) -> list[StepMetrics]:
     """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
     (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
     ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
@@ -86,14 +102,28 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
     first = restored.step if restored else 0
     streams = Streams(device)
     sharded = rp.sharded_optimizer
-    optimizer = zero1.ShardedAdamW(rp, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms,
-                                   streams) if sharded else make_optimizer(state, tr)
+    optimizer = (
+        zero1.ShardedAdamW(rp, state, (tr.beta1, tr.beta2), tr.eps, tr.weight_decay, comms, streams)
+        if sharded
+        else make_optimizer(state, tr)
+    )
     restore_moments(optimizer, state, restored)
-    runner = StageRunner(comms, state.params, rp.stage, model, collectives.tp_ops(comms), rp.routes, trace,
-                         Emulation.from_env(rank), stage_compute(rp, device), streams, split_backward=rp.split_backward,
-                         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
-                         # the home layout's backward: a later bucket may still add to the gradients
-                         optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {})
+    runner = StageRunner(
+        comms,
+        state.params,
+        rp.stage,
+        model,
+        collectives.tp_ops(comms),
+        rp.routes,
+        trace,
+        Emulation.from_env(rank),
+        stage_compute(rp, device),
+        streams,
+        split_backward=rp.split_backward,
+        # a switching step reduce-scatters after its last switch (finish_reduce), not inside
+        # the home layout's backward: a later bucket may still add to the gradients
+        optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {},
+    )
     packed = rp.data.packing is Packing.DOCUMENTS
     if packed:
         source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
@@ -127,19 +157,22 @@ def train(rp: RankPlan, comms: Comms, *, metrics_path: str | None = None,
                 else:
                     batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
                     mbs = _microbatches(rp, batch)
-                loss_sum = runner.run_dynamic(mbs, global_tokens) if rp.dynamic else \
-                    runner.run(rp.actions, mbs, global_tokens)
+                loss_sum = (
+                    runner.run_dynamic(mbs, global_tokens) if rp.dynamic else runner.run(rp.actions, mbs, global_tokens)
+                )
             sq = optimizer.finish_reduce() if sharded else sync_grads(rp, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
             loss, grad_norm = loss_total / global_tokens, math.sqrt(sq_total)
             if not (math.isfinite(loss) and math.isfinite(grad_norm)):  # the same on every rank: all stop here
-                raise Diverged(f"training diverged at step {step + 1} (counting from 1, as the console and "
-                               f"--metrics-jsonl do): "
-                               f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
-                               f"step, {f'the last save is {saver.last}' if saver.last else 'nothing was saved'} "
-                               f"(lower train.lr, or raise train.warmup_steps)")
+                raise Diverged(
+                    f"training diverged at step {step + 1} (counting from 1, as the console and "
+                    f"--metrics-jsonl do): "
+                    f"loss {loss}, gradient norm {grad_norm}; every rank stopped before its optimizer "
+                    f"step, {f'the last save is {saver.last}' if saver.last else 'nothing was saved'} "
+                    f"(lower train.lr, or raise train.warmup_steps)"
+                )
             _update(optimizer, state, sharded, lr, grad_norm, tr.grad_clip, wait=switcher is not None)
             done = step + 1
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
@@ -197,5 +230,3 @@ def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bo
             total += loss_sum
     collectives.all_reduce_world(total)
     return float(total) / targets
-
-

@@ -42,8 +42,12 @@ class Progress:
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
         eta = elapsed / (m.step - self.first) * (self.total - m.step)
         valid = f" | valid {m.valid_loss:.4f}" if m.valid_loss is not None else ""
-        print(f"step {m.step:>5}/{self.total} | loss {m.loss:.4f}{valid} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
-              f"| {rate / 1e3:.1f}k tok/s | ETA {duration(eta)}", file=self.out, flush=True)
+        print(
+            f"step {m.step:>5}/{self.total} | loss {m.loss:.4f}{valid} | lr {m.lr:.2e} | grad_norm {m.grad_norm:.3f} "
+            f"| {rate / 1e3:.1f}k tok/s | ETA {duration(eta)}",
+            file=self.out,
+            flush=True,
+        )
 
 
 def duration(seconds: float) -> str:
@@ -103,12 +107,24 @@ class Reporter:
     scalars: object = None  # a TensorBoard SummaryWriter
 
     @classmethod
-    def open(cls, reporting: bool, quiet: bool, total: int, first: int, log_every: int, metrics_path: str | None,
-             tensorboard: str | None) -> Reporter:
-        return cls(total, first, log_every,
-                   Progress(total, first) if reporting and not quiet else None,
-                   open_metrics(metrics_path, first) if reporting and metrics_path else None,
-                   summary_writer(tensorboard) if reporting and tensorboard else None)
+    def open(
+        cls,
+        reporting: bool,
+        quiet: bool,
+        total: int,
+        first: int,
+        log_every: int,
+        metrics_path: str | None,
+        tensorboard: str | None,
+    ) -> Reporter:
+        return cls(
+            total,
+            first,
+            log_every,
+            Progress(total, first) if reporting and not quiet else None,
+            open_metrics(metrics_path, first) if reporting and metrics_path else None,
+            summary_writer(tensorboard) if reporting and tensorboard else None,
+        )
 
     @property
     def console(self) -> bool:
