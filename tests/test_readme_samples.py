@@ -1,7 +1,7 @@
 """The README's sample outputs cannot go stale: the losses it quotes are the ones the runs print.
 
 - The quickstart block (400 steps, about a minute) is checked against ``docs/samples/quickstart.txt``, the
-  run's output as ``docs/samples/make.py`` recorded it (``make.py --check`` reruns it against the record);
+  run's output as ``bench/readme_samples.py`` recorded it (``python -m bench.readme_samples --check`` reruns it);
   its loss floor is computed here.
 - The own-text run (``layouts/examples/own_text.toml``, 300 steps on ``docs/samples/own_text_data.txt``, a frozen copy of
   the README) is run here, in the multiprocess tier (about a minute on 2 cores). It trained on the README
@@ -13,7 +13,6 @@ Throughput and ETA depend on the machine and are never compared; a failure says 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import re
@@ -23,14 +22,12 @@ import sys
 
 import pytest
 
+from bench import readme_samples as make
 from harness import ROOT, free_port
 from hetero_llm import layout as layout_mod
 from hetero_llm.data import batches as data
 
 README = ROOT / "README.md"
-spec = importlib.util.spec_from_file_location("samples_make", ROOT / "docs" / "samples" / "make.py")
-make = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(make)
 
 
 def quickstart_block() -> list[str]:
