@@ -63,6 +63,7 @@ TORCH_FREE_MODULES = [
     "planner.output",
     "planner.place",
     "planner.structure",
+    "planner.evaluate",
     "cli.common",
     "cli.launch",
     "cli.plan",

@@ -57,11 +57,34 @@ from hetero_llm.planner.profile import measure, write
     type=click.Path(dir_okay=False),
     help="Read measured per-layer times from this profile (replaces [plan] profile).",
 )
-def main(cluster_file, out, explain, top, as_json, buckets, profile_out, profile_kind, profile_device, profile_file):
+@click.option(
+    "--evaluate",
+    "evaluate_layout",
+    type=click.Path(dir_okay=False),
+    metavar="LAYOUT.toml",
+    help="Instead of planning: the cost model's prediction for this layout on the cluster (step time, tokens/s, "
+    "TFLOP/s per device, MFU, memory per device); with --json, as JSON.",
+)
+def main(
+    cluster_file,
+    out,
+    explain,
+    top,
+    as_json,
+    buckets,
+    profile_out,
+    profile_kind,
+    profile_device,
+    profile_file,
+    evaluate_layout,
+):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.launch import outputs
     from hetero_llm.planner import load_cluster, output, plan_cluster
 
+    if evaluate_layout is not None:
+        _evaluate(cluster_file, evaluate_layout, profile_file, as_json)
+        return
     try:
         if profile_out is not None:
             # what the cluster file reads is never written over (plan.profile is what --profile adds to)
@@ -175,6 +198,19 @@ def _torch(cluster_file: str):
             cluster_file, "--profile", "needs torch to measure (pip install torch); reading a profile does not"
         ) from None
     return torch
+
+
+def _evaluate(cluster_file: str, layout_file: str, profile_file: str | None, as_json: bool) -> None:
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.planner import evaluate, load_cluster
+
+    try:
+        cluster = load_cluster(cluster_file, profile_file)
+        ev = evaluate.evaluate(cluster, layout_mod.load(layout_file), layout_file)
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(evaluate.to_json(ev), indent=1) if as_json else evaluate.describe(ev))
 
 
 if __name__ == "__main__":

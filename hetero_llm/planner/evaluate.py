@@ -1,0 +1,120 @@
+"""``hetero-plan CLUSTER --evaluate LAYOUT``: the cost model's prediction for a layout a user wrote (or the
+planner wrote), without searching: step time, tokens/s, TFLOP/s per device, MFU and memory per device.
+Torch-free."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout import Layout, Recompute, Schedule
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, Score, StageChoice, TPGroup
+
+PRICED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZBH1)
+
+
+@attrs.frozen
+class Evaluation:
+    candidate: Candidate
+    score: Score
+    devices: int  # devices the layout uses
+    model_flops: float  # per step, as the cost model counts them (6 N per token plus attention)
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.model_flops / self.score.step_time / self.devices / 1e12 if self.score.feasible else 0.0
+
+
+def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:
+    """``layout``'s pipelines as a candidate on ``cluster``'s devices; a located ``LayoutError`` for a layout the
+    cost model cannot price (a device the cluster file does not have, a schedule it does not simulate)."""
+    schedule = layout.train.schedule
+    if schedule not in PRICED:
+        raise LayoutError(
+            where,
+            "train.schedule",
+            f"'{schedule.value}' is not priced by the cost model (it prices "
+            f"{', '.join(s.value for s in PRICED)}; evaluate the layout with one of those)",
+        )
+    nodes = {n.name: n for n in cluster.nodes}
+    pipes = []
+    for p, pipe in enumerate(layout.pipelines):
+        stages = []
+        for s, stage in enumerate(pipe.stages):
+            names = {d.split(":")[0] for d in stage.devices}
+            if len(names) != 1 or next(iter(names)) not in nodes:
+                raise LayoutError(
+                    where,
+                    f"pipelines[{p}].stages[{s}].devices",
+                    f"{list(stage.devices)} are not devices of one node of the cluster file {cluster.file} "
+                    f"(its nodes: {', '.join(nodes)})",
+                )
+            node = nodes[next(iter(names))]
+            recompute = (stage.recompute or layout.train.recompute) is Recompute.FULL
+            group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind)
+            stages.append(StageChoice(group, stage.layers, recompute))
+        pipes.append(PipelineChoice(pipe.batch, pipe.microbatches, tuple(stages)))
+    chunks = layout.train.chunks if schedule is Schedule.INTERLEAVED else 1
+    return Candidate(tuple(pipes), schedule.value, chunks)
+
+
+def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
+    """The cost model's prediction for ``layout`` on ``cluster`` (the same model, train and data sections are
+    expected: the prediction is for the cluster file's model)."""
+    if layout.model != cluster.model:
+        raise LayoutError(
+            where,
+            "model",
+            f"differs from the cluster file's [model] ({cluster.file}): the cost model predicts the cluster file's "
+            "model (evaluate a layout planned from it, or give the layout's model to the cluster file)",
+        )
+    cand = candidate_of(cluster, layout, where)
+    cost = PlannerCostModel(cluster)
+    score = cost.score(cand)
+    devices = sum(s.group.tp for p in cand.pipelines for s in p.stages)
+    return Evaluation(cand, score, devices, cost.model_flops_per_step())
+
+
+def describe(ev: Evaluation) -> str:
+    s = ev.score
+    if not s.feasible:
+        over = [
+            f"pipeline {p} stage {i}: {m / 1e9:.3g} GB of {c / 1e9:.3g}"
+            for p, (ms, cs) in enumerate(zip(s.memory, s.capacity))
+            for i, (m, c) in enumerate(zip(ms, cs))
+            if m > c
+        ]
+        return "PREDICTED: does not fit in memory (" + "; ".join(over) + ")"
+    lines = [
+        "PREDICTED by the planner's cost model (not measured):",
+        f"  step time {s.step_time:.4g} s, {s.tokens_per_s:.4g} tokens/s, "
+        f"{ev.tflops_per_device:.4g} TFLOP/s per device ({ev.devices} devices), MFU {s.mfu:.1%}",
+        f"  bubble {s.bubble:.1%}, gradient sync {s.sync_time:.3g} s, optimizer {s.optimizer_time:.3g} s, "
+        f"compute lower bound {s.lower_bound:.4g} s",
+    ]
+    for p, (ms, cs) in enumerate(zip(s.memory, s.capacity)):
+        lines.append(
+            f"  pipeline {p} memory GB per stage (of usable): "
+            + " ".join(f"{m / 1e9:.3g}/{c / 1e9:.3g}" for m, c in zip(ms, cs))
+        )
+    return "\n".join(lines)
+
+
+def to_json(ev: Evaluation) -> dict:
+    s = ev.score
+    return {
+        "step_time": s.step_time if math.isfinite(s.step_time) else None,
+        "fits": s.feasible,
+        "tokens_per_s": s.tokens_per_s if s.feasible else None,
+        "tflops_per_device": ev.tflops_per_device if s.feasible else None,
+        "devices": ev.devices,
+        "mfu": s.mfu if s.feasible else None,
+        "bubble": s.bubble,
+        "sync_time": s.sync_time,
+        "optimizer_time": s.optimizer_time,
+        "memory_gb": [[m / 1e9 for m in ms] for ms in s.memory],
+        "capacity_gb": [[c / 1e9 for c in cs] for cs in s.capacity],
+    }

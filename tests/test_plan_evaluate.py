@@ -1,0 +1,73 @@
+"""``hetero-plan CLUSTER --evaluate LAYOUT``: the prediction for a given layout, without searching. Torch-free."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import pytest
+from click.testing import CliRunner
+
+from harness import LAYOUTS
+from hetero_llm import layout as layout_mod
+from hetero_llm.cli.plan import main as plan_main
+from hetero_llm.errors import LayoutError
+from hetero_llm.layout import Schedule, dump
+from hetero_llm.planner import evaluate, load_cluster, plan_cluster
+
+CLUSTER = LAYOUTS / "clusters" / "small_cpu.toml"
+
+
+def run(*args):
+    return CliRunner().invoke(plan_main, [str(a) for a in args])
+
+
+def test_the_planners_best_plan_evaluates_to_its_own_prediction(tmp_path):
+    """Written out as a layout and read back, the planner's pick is priced exactly as the search priced it."""
+    cluster = load_cluster(CLUSTER)
+    result = plan_cluster(cluster, top=1)
+    out = tmp_path / "planned.toml"
+    assert run(CLUSTER, "-o", out).exit_code == 0
+    ev = evaluate.evaluate(cluster, layout_mod.load(out), str(out))
+    assert ev.candidate.key() == result.best.key()
+    assert ev.score == result.score
+    assert ev.devices == sum(s.group.tp for p in result.best.pipelines for s in p.stages)
+    assert ev.tflops_per_device == pytest.approx(ev.model_flops / result.score.step_time / ev.devices / 1e12, rel=1e-12)
+
+
+def test_text_and_json_say_the_same(tmp_path):
+    planned = LAYOUTS / "planned" / "small_cpu.toml"
+    text = run(CLUSTER, "--evaluate", planned)
+    data = json.loads(run(CLUSTER, "--evaluate", planned, "--json").output)
+    assert text.exit_code == 0 and text.output.startswith("PREDICTED by the planner's cost model (not measured):")
+    assert f"step time {data['step_time']:.4g} s" in text.output
+    assert f"MFU {data['mfu']:.1%}" in text.output
+    assert data["fits"] and data["devices"] == 4 and len(data["memory_gb"]) == len(data["capacity_gb"])
+
+
+def _layout(tmp_path, **train):
+    lay = layout_mod.load(LAYOUTS / "planned" / "small_cpu.toml")
+    lay = attrs.evolve(lay, train=attrs.evolve(lay.train, **train))
+    path = tmp_path / "l.toml"
+    dump(lay, path)
+    return path
+
+
+def test_a_schedule_the_cost_model_does_not_price_is_one_line(tmp_path):
+    path = _layout(tmp_path, schedule=Schedule.DYNAMIC)
+    result = run(CLUSTER, "--evaluate", path)
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {path}: train.schedule: 'dynamic' is not priced by the cost model (it prices gpipe, 1f1b, "
+        "interleaved, zbh1; evaluate the layout with one of those)\n",
+    )
+
+
+def test_a_layout_of_another_model_or_cluster_is_refused(tmp_path):
+    with pytest.raises(LayoutError, match="differs from the cluster file's"):
+        evaluate.evaluate(load_cluster(CLUSTER), layout_mod.load(LAYOUTS / "quickstart.toml"), "q.toml")
+    lay = layout_mod.load(LAYOUTS / "planned" / "small_cpu.toml")
+    stage = attrs.evolve(lay.pipelines[0].stages[0], devices=("elsewhere:0",))
+    moved = attrs.evolve(lay, pipelines=(attrs.evolve(lay.pipelines[0], stages=(stage, *lay.pipelines[0].stages[1:])),))
+    with pytest.raises(LayoutError, match=r"pipelines\[0\]\.stages\[0\]\.devices: \['elsewhere:0'\] are not devices"):
+        evaluate.candidate_of(load_cluster(CLUSTER), moved, "m.toml")
