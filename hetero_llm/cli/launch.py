@@ -77,41 +77,16 @@ from hetero_llm.launch import preflight
     help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
     "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).",
 )
-def main(
-    layout_file,
-    overrides,
-    dry_run,
-    node,
-    rank,
-    metrics_jsonl,
-    checkpoint,
-    checkpoint_every,
-    resume,
-    trace,
-    quiet,
-    tensorboard,
-):
+def main(**args):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
 
-    request = preflight.Request(
-        layout_file,
-        tuple(overrides),
-        dry_run,
-        node,
-        rank,
-        metrics_jsonl,
-        checkpoint,
-        checkpoint_every,
-        resume,
-        trace,
-        quiet,
-        tensorboard,
-    )
+    request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
+    rank, quiet = request.rank, request.quiet
     try:
         p = preflight.prepare(request, warn=lambda line: click.echo(f"warning: {line}", err=True))
         rank = p.rank
-        if dry_run:
+        if request.dry_run:
             click.echo(_dry_run(p))
             return
         source = preflight.check_data(p)
