@@ -51,6 +51,8 @@ TORCH_FREE_MODULES = [
     "switching.predict",
     "runtime.emulation",
     "checkpoint.folders",
+    "interop.hf_names",
+    "interop.hf_config",
     "launch.node",
     "launch.external",
     "launch.preflight",
