@@ -30,8 +30,9 @@ import attrs
 import numpy as np
 
 from hetero_llm.planner import exact, moves, sweep
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, Score, StageChoice, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.structure import Result, Structure
 
 INF = math.inf
