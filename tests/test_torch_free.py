@@ -65,6 +65,7 @@ TORCH_FREE_MODULES = [
     "planner.memory",
     "planner.pipesim",
     "planner.search",
+    "planner.layers",
     "planner.moves",
     "planner.exact",
     "planner.output",
