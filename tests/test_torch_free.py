@@ -29,6 +29,8 @@ TORCH_FREE_MODULES = [
     "plan.rank",
     "plan.describe",
     "plan.zero1_slices",
+    "plan.blocks",
+    "plan.schedules",
     "schedule",
     "schedule.ir",
     "schedule.generators",

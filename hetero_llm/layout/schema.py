@@ -5,8 +5,7 @@ Each key is declared once, here: its type, default, meaning (``doc``) and its si
 between keys are ``layout_rules``'; ``hetero_llm.layout`` puts them together. Imports no torch.
 The ``[cluster]`` tables are declared the same way in ``cluster_schema``.
 
-Longer than the ~400 lines a module aims at because every key's documentation is here, beside it:
-the classes themselves are plain declarations.
+Every key's documentation is here, beside it: the classes themselves are plain declarations.
 """
 
 from __future__ import annotations
