@@ -26,8 +26,9 @@ import random
 import attrs
 import pymetis
 
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 
 TP_MENU = {
     1: [[1]],

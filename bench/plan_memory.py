@@ -76,8 +76,9 @@ def schedule_layout(
 
 def predicted(cluster_path: Path, schedule: str, chunks: int, layers: int, batch: int) -> list[float]:
     """The planner's bytes per device of the two stages."""
+    from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
     from hetero_llm.planner.cluster import load_cluster
-    from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
+    from hetero_llm.planner.cost import PlannerCostModel
 
     c = load_cluster(cluster_path)
     cost = PlannerCostModel(c)

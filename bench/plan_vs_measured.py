@@ -52,8 +52,9 @@ from scipy.stats import kendalltau
 from bench import benchlib
 from hetero_llm import layout as L
 from hetero_llm.planner import plan_cluster
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 
 ROOT = Path(__file__).resolve().parents[1]
 from hetero_llm.planner.output import layout_text  # noqa: E402

@@ -21,7 +21,7 @@ from harness import assert_same_model, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint.shards import load_full_params
 from hetero_llm.cli.export import main as export_main
-from hetero_llm.interop import hf
+from hetero_llm.interop import hf, hf_names
 from hetero_llm.model.forward import StageShape, init_full, stage_forward, token_loss_sum
 from hetero_llm.model.params import all_params, shard_range
 
@@ -263,14 +263,14 @@ def test_hub_style_gpt2_names_and_sharded_files(tmp_path):
     make_hf("gpt2-tied", tmp_path / "hf")
     model = load_model("gpt2-tied", tmp_path / "hf")
     want = hf.load_shards(model, full(model))
-    tensors = load_file(tmp_path / "hf" / hf.WEIGHTS)
-    (tmp_path / "hf" / hf.WEIGHTS).unlink()
+    tensors = load_file(tmp_path / "hf" / hf_names.WEIGHTS)
+    (tmp_path / "hf" / hf_names.WEIGHTS).unlink()
     renamed = {k.removeprefix("transformer."): v for k, v in tensors.items()}
     names = sorted(renamed)
     halves = {"a.safetensors": names[: len(names) // 2], "b.safetensors": names[len(names) // 2 :]}
     for file, keys in halves.items():
         save_file({k: renamed[k] for k in keys}, tmp_path / "hf" / file)
-    (tmp_path / "hf" / hf.WEIGHTS_INDEX).write_text(
+    (tmp_path / "hf" / hf_names.WEIGHTS_INDEX).write_text(
         json.dumps({"weight_map": {k: file for file, keys in halves.items() for k in keys}})
     )
     got = hf.load_shards(load_model("gpt2-tied", tmp_path / "hf"), full(model))

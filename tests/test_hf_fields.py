@@ -28,7 +28,7 @@ from harness import (
 )
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
-from hetero_llm.interop import hf
+from hetero_llm.interop import hf, hf_config, hf_names
 
 RTOL = 1e-5
 SEQ = 16
@@ -67,7 +67,7 @@ SUPPORTED = [
     ("gpt2 defaults", "gpt2", {}, lines("gpt2")),  # dropouts 0.1, gelu_new, tied
     *[
         (f"gpt2 activation_function {act}", "gpt2", dict(activation_function=act), lines("gpt2"))
-        for act in hf.GELU_TANH
+        for act in hf_config.GELU_TANH
         if act != "gelu_new"
     ],
     ("gpt2 n_inner", "gpt2", dict(n_inner=40), lines("gpt2", ffn="40")),
@@ -90,7 +90,7 @@ SUPPORTED = [
 def test_a_supported_field_loads_with_transformers_logits(kind, overrides, model_lines, tmp_path):
     theirs = tiny_hf_model(kind, tmp_path / "hf", **overrides)
     (tmp_path / "layout.toml").write_text(hf_layout_text(model_lines, tmp_path / "hf"))
-    lay = layout_mod.load(tmp_path / "layout.toml")  # validation: hf.check_config, the files' shapes
+    lay = layout_mod.load(tmp_path / "layout.toml")  # validation: hf_config.check_config, the files' shapes
     hf.check_weights(lay)
     params = hf.load_shards(lay.model, full_shards(lay.model))
     ids = torch.randint(0, 64, (3, SEQ), generator=torch.Generator().manual_seed(1))
@@ -347,7 +347,7 @@ def test_a_weight_of_the_wrong_shape_is_refused_before_anything_starts(tmp_path)
     from safetensors.torch import load_file, save_file
 
     tiny_hf_model("llama", tmp_path / "hf")
-    weights = tmp_path / "hf" / hf.WEIGHTS
+    weights = tmp_path / "hf" / hf_names.WEIGHTS
     tensors = load_file(weights)
     tensors["model.layers.1.mlp.up_proj.weight"] = torch.zeros(40, 32)
     save_file(tensors, weights)
@@ -375,7 +375,7 @@ def test_a_weight_that_is_not_finite_is_named_before_any_rank_starts(value, what
     from safetensors.torch import load_file, save_file
 
     tiny_hf_model("gpt2", tmp_path / "hf")
-    weights = tmp_path / "hf" / hf.WEIGHTS
+    weights = tmp_path / "hf" / hf_names.WEIGHTS
     tensors = load_file(weights)
     key = "transformer.h.1.attn.c_attn.weight"
     tensors[key][5, 70] = value  # a value column: our layers.1.attn.wv

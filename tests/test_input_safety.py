@@ -18,7 +18,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.errors import CheckpointError
-from hetero_llm.interop import hf
+from hetero_llm.interop import hf_config, hf_names
 from hetero_llm.launch import outputs
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
@@ -51,9 +51,12 @@ def _hf_folder(folder: Path, model) -> Path:
     from safetensors.torch import save_file
 
     folder.mkdir()
-    cfg = hf.hf_config(model)
-    (folder / hf.CONFIG).write_text(json.dumps(cfg))
-    save_file({key: torch.zeros(shape) for key, shape in hf.hf_shapes(model, cfg).items()}, str(folder / hf.WEIGHTS))
+    cfg = hf_config.hf_config(model)
+    (folder / hf_names.CONFIG).write_text(json.dumps(cfg))
+    save_file(
+        {key: torch.zeros(shape) for key, shape in hf_names.hf_shapes(model, cfg).items()},
+        str(folder / hf_names.WEIGHTS),
+    )
     return folder
 
 
@@ -490,7 +493,7 @@ def test_export_and_generate_refuse_a_damaged_save_as_resume_does(damage, ckpt, 
 
 def test_an_intact_save_still_exports_and_generates(ckpt, tmp_path):
     assert _export(ckpt, "--hf", tmp_path / "hf").exit_code == 0
-    assert sorted(os.listdir(tmp_path / "hf")) == [hf.CONFIG, hf.WEIGHTS]
+    assert sorted(os.listdir(tmp_path / "hf")) == [hf_names.CONFIG, hf_names.WEIGHTS]
     result = _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2", "--temperature", "0")
     assert result.exit_code == 0, result.output
 
@@ -515,11 +518,11 @@ def test_export_never_writes_through_a_link(ckpt, tmp_path):
     target = _elsewhere(tmp_path)
     out = tmp_path / "hf"
     out.mkdir()
-    (out / hf.CONFIG).symlink_to(target)
+    (out / hf_names.CONFIG).symlink_to(target)
     result = _export(ckpt, "--hf", out)
     assert (result.exit_code, result.output) == (
         2,
-        f"error: {out / hf.CONFIG}: --hf: is a symbolic link to '{target}' in the folder --hf writes into {NO_LINKS}\n",
+        f"error: {out / hf_names.CONFIG}: --hf: is a symbolic link to '{target}' in the folder --hf writes into {NO_LINKS}\n",
     )
     linked = tmp_path / "linked_hf"
     linked.symlink_to(target.parent)
@@ -530,7 +533,7 @@ def test_export_never_writes_through_a_link(ckpt, tmp_path):
         "(writes never follow one: give the path it points to, or remove "
         "the link)\n",
     )
-    assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and os.listdir(out) == [hf.CONFIG]
+    assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and os.listdir(out) == [hf_names.CONFIG]
 
 
 def test_place_never_writes_over_the_files_its_cluster_names(tmp_path):

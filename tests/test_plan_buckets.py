@@ -40,7 +40,7 @@ def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tm
 def test_elastic_only_where_a_stage_holds_no_more_than_planned():
     """1F1B and ZB-H1 hold at most the stage count of microbatches per stage: elastic once every pipeline was
     planned with that many; GPipe (every microbatch) and interleaved never."""
-    from hetero_llm.planner.cost import Candidate, PipelineChoice, StageChoice
+    from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice
 
     stage = StageChoice(group=None, layers=4)  # the group plays no part in the rule
     two = PipelineChoice(batch=8, microbatches=4, stages=(stage, stage))

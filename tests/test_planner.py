@@ -19,8 +19,9 @@ from hetero_llm import schedule as sched
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.model.params import layer_params, stage_params
 from hetero_llm.planner import pipesim, plan_cluster
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, StageChoice, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner, Structure
 from hetero_llm.predict.simulate import CostModel, simulate

@@ -15,7 +15,7 @@ import attrs
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.errors import CheckpointError, LayoutError
-from hetero_llm.interop import hf
+from hetero_llm.interop import hf, hf_config
 from hetero_llm.layout import DataSpec, ModelSpec, build, model_from_dict
 
 WHERE = "CHECKPOINT_DIR"
@@ -108,7 +108,7 @@ def export_checkpoint(
     from hetero_llm.checkpoint.shards import load_full_params
 
     s = s or saved(directory)
-    hf.check_export(s.model, str(s.ckpt.path), WHERE)
+    hf_config.check_export(s.model, str(s.ckpt.path), WHERE)
     tok = load_tokenizer(s.data, str(s.ckpt.path))
     warning = verify(s)
     if warning:

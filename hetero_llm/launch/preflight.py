@@ -133,9 +133,9 @@ def check_init_from(lay: Layout) -> None:
     """``model.init_from``'s config.json against [model]: a located ``LayoutError`` for the first difference
     (torch-free: reads config.json only; the weights are read by each rank, its slices only)."""
     if lay.model.init_from:
-        from hetero_llm.interop import hf
+        from hetero_llm.interop import hf_config
 
-        hf.check_config(lay)
+        hf_config.check_config(lay)
 
 
 def check_init_weights(lay: Layout, resume: str | None) -> None:

@@ -3,11 +3,13 @@
 The front of four modules, in data-flow order:
 
 - ``layout_schema``: the classes and enums; every key declared once with its type, default, meaning
-  and single-field rules (``layout_fields`` says how a key is declared).
+  and single-field rules (``layout_fields`` says how a key is declared); ``cluster_schema`` the
+  ``[cluster]`` tables.
 - ``layout_toml``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
   conversion key by key (unknown keys are errors with a did-you-mean, because a silently ignored
   typo such as ``train.stpes`` is the classic way a TOML config lies to its user).
-- ``layout_rules``: validation, the rules between keys and the order all rules run in.
+- ``layout_rules``: validation, the rules between keys and the order all rules run in (those of
+  ``[data]`` in ``data_rules``, of ``[cluster]`` in ``cluster_rules``).
 - ``cluster_file``: a layout without pipelines, read by hetero-place and hetero-plan.
 - ``writer``: the loader's inverse, ``dumps`` / ``dump`` (and ``dumps_cluster``): every TOML file the
   package writes is written by it.
@@ -27,8 +29,8 @@ import attrs
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import reader as layout_toml
 from hetero_llm.layout.cluster_file import read_cluster_file
-from hetero_llm.layout.rules import SPLIT_BACKWARD_NO_COMPILE, validate, validate_cluster
-from hetero_llm.layout.schema import (
+from hetero_llm.layout.cluster_rules import validate_cluster
+from hetero_llm.layout.cluster_schema import (
     CROSS_DOMAIN,
     DEFAULT_TRANSPORT,
     MIN_TIMEOUT_S,
@@ -36,19 +38,22 @@ from hetero_llm.layout.schema import (
     P2P,
     SHM,
     Backend,
-    BucketSpec,
     ClusterSpec,
     CommLib,
-    Compile,
     CrossDomainSpec,
-    DataKind,
-    DataSpec,
     DomainKind,
     DomainSpec,
+    NodeSpec,
+)
+from hetero_llm.layout.rules import SPLIT_BACKWARD_NO_COMPILE, validate
+from hetero_llm.layout.schema import (
+    BucketSpec,
+    Compile,
+    DataKind,
+    DataSpec,
     Layout,
     Mlp,
     ModelSpec,
-    NodeSpec,
     Norm,
     Optimizer,
     Packing,

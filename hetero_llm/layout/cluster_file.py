@@ -8,7 +8,7 @@ from typing import Any
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import reader as layout_toml
-from hetero_llm.layout.rules import validate_cluster
+from hetero_llm.layout.cluster_rules import validate_cluster
 
 
 def read_cluster_file(

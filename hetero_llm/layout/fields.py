@@ -17,6 +17,8 @@ from typing import Any
 
 import attrs
 
+from hetero_llm.errors import LayoutError
+
 # What a rule finds: nothing; a message about the field's value; or (suffix, message) about a part of it
 # (``[2]`` for an array entry, ``.NCCL_NET`` for a table key), the suffix extending the field's TOML path.
 Problem = str | tuple[str, str] | None
@@ -37,6 +39,14 @@ def first_problem(obj: Any, name: str) -> tuple[str, str] | None:
         if found is not None:
             return (name, found) if isinstance(found, str) else (name + found[0], found[1])
     return None
+
+
+def check_own(f: str, obj: Any, path: str, *names: str) -> None:
+    """Run the single-field rules of ``obj``'s fields ``names``, in that order."""
+    for name in names:
+        found = first_problem(obj, name)
+        if found is not None:
+            raise LayoutError(f, f"{path}.{found[0]}", found[1])
 
 
 @attrs.frozen

@@ -24,16 +24,8 @@ from typing import Any
 import attrs
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout.schema import (
-    NCCL_VARIABLES,
-    BucketSpec,
-    ClusterSpec,
-    DataSpec,
-    Layout,
-    ModelSpec,
-    PipelineSpec,
-    TrainSpec,
-)
+from hetero_llm.layout.cluster_schema import NCCL_VARIABLES, ClusterSpec
+from hetero_llm.layout.schema import BucketSpec, DataSpec, Layout, ModelSpec, PipelineSpec, TrainSpec
 
 SECTIONS = {"model": ModelSpec, "train": TrainSpec, "data": DataSpec, "cluster": ClusterSpec}
 ARRAYS = {"pipelines": PipelineSpec, "buckets": BucketSpec}  # top-level arrays of tables

@@ -1,35 +1,24 @@
 """Layout validation: every rule that needs more than one key, and when each key's own rules run.
 
 A key's own rules (ranges, patterns, ...) are declared on its field in ``layout_schema`` and run here
-by name (``_own``), interleaved with the rules between keys in one fixed order: the order of the calls
+by name (``check_own``), interleaved with the rules between keys in one fixed order: the order of the calls
 below is the order in which a file's problems are found, and only the first is reported. Keep it when
-adding a rule (tests/bad_layouts has one file per message). Raises ``LayoutError`` naming the TOML
-path; imports no torch.
+adding a rule (tests/bad_layouts has one file per message). The rules of ``[data]`` (``data_rules``) and
+of ``[cluster]`` (``cluster_rules``) are called at their place in that order. Raises ``LayoutError``
+naming the TOML path; imports no torch.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from pathlib import Path
-from typing import Any
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout.fields import first_problem
-from hetero_llm.layout.schema import (
-    P2P,
-    Backend,
-    ClusterSpec,
-    CommLib,
-    Compile,
-    DataKind,
-    DomainKind,
-    Layout,
-    Packing,
-    Position,
-    Schedule,
-    bucket_layout,
-)
+from hetero_llm.layout.cluster_rules import validate_cluster
+from hetero_llm.layout.cluster_schema import Backend
+from hetero_llm.layout.data_rules import validate_data, validate_eval
+from hetero_llm.layout.fields import check_own
+from hetero_llm.layout.schema import Compile, DataKind, Layout, Packing, Position, Schedule, bucket_layout
 
 # A split backward defers weight gradients from inside autograd's backward; a compiled block would
 # trace that backward once, with or without the deferral, whatever the action asks for.
@@ -39,19 +28,11 @@ SPLIT_BACKWARD_NO_COMPILE = (
 )
 
 
-def _own(f: str, obj: Any, path: str, *names: str) -> None:
-    """Run the single-field rules of ``obj``'s fields ``names``, in that order."""
-    for name in names:
-        found = first_problem(obj, name)
-        if found is not None:
-            raise LayoutError(f, f"{path}.{found[0]}", found[1])
-
-
 def validate(layout: Layout) -> None:
     f = layout.file
     m, t, d, c = layout.model, layout.train, layout.data, layout.cluster
-    _own(f, m, "model", "layers", "hidden", "heads", "vocab", "seq_len", "ffn")
-    _own(f, t, "train", "steps", "global_batch", "log_every", "chunks", "warmup_steps")
+    check_own(f, m, "model", "layers", "hidden", "heads", "vocab", "seq_len", "ffn")
+    check_own(f, t, "train", "steps", "global_batch", "log_every", "chunks", "warmup_steps")
     if m.hidden % m.heads:
         raise LayoutError(
             f, "model.heads", f"{m.heads} heads do not divide hidden {m.hidden} (pick a divisor of {m.hidden})"
@@ -63,11 +44,11 @@ def validate(layout: Layout) -> None:
             f"rope needs an even head size (hidden / heads), got {m.head_dim} "
             f"(pick heads so that {m.hidden} / heads is even, or position = 'learned')",
         )
-    _own(f, t, "train", "seed", "lr", "min_lr", "weight_decay", "eps", "beta1", "beta2", "grad_clip")
-    _own(f, m, "model", "init_std")
+    check_own(f, t, "train", "seed", "lr", "min_lr", "weight_decay", "eps", "beta1", "beta2", "grad_clip")
+    check_own(f, m, "model", "init_std")
     _validate_model_options(layout)
     if d.kind is DataKind.GRAMMAR:
-        _own(f, d, "data", "grammar_seed")
+        check_own(f, d, "data", "grammar_seed")
         if d.tokenizer != "bytes":
             raise LayoutError(
                 f,
@@ -82,8 +63,8 @@ def validate(layout: Layout) -> None:
                 "is set but data.kind is 'grammar', which reads no file "
                 "(set data.kind = 'text' or 'jsonl', or remove data.path)",
             )
-    _validate_data(layout)
-    _validate_eval(layout)
+    validate_data(layout)
+    validate_eval(layout)
 
     validate_cluster(f, c)
 
@@ -93,7 +74,7 @@ def validate(layout: Layout) -> None:
     total_batch = 0
     for pi, pipe in enumerate(layout.pipelines):
         pp = f"pipelines[{pi}]"
-        _own(f, pipe, pp, "batch", "microbatches")
+        check_own(f, pipe, pp, "batch", "microbatches")
         if pipe.batch % pipe.microbatches:
             raise LayoutError(
                 f,
@@ -105,9 +86,9 @@ def validate(layout: Layout) -> None:
         layer_sum = 0
         for si, stage in enumerate(pipe.stages):
             sp = f"{pp}.stages[{si}]"
-            _own(f, stage, sp, "layers")
+            check_own(f, stage, sp, "layers")
             layer_sum += stage.layers
-            _own(f, stage, sp, "devices")
+            check_own(f, stage, sp, "devices")
             tp = stage.tp
             if m.heads % tp:
                 raise LayoutError(
@@ -179,7 +160,7 @@ def _validate_model_options(layout: Layout) -> None:
     """``norm_eps``, ``rope_theta``, ``kv_heads``: options that reproduce Llama/GPT-2 models (``init_from``'s
     config.json is compared with [model] before a run starts: launch/preflight.py)."""
     f, m = layout.file, layout.model
-    _own(f, m, "model", "norm_eps", "rope_theta", "kv_heads")
+    check_own(f, m, "model", "norm_eps", "rope_theta", "kv_heads")
     if m.heads % m.kv_heads_n:
         raise LayoutError(
             f,
@@ -187,217 +168,6 @@ def _validate_model_options(layout: Layout) -> None:
             f"{m.kv_heads} does not divide heads ({m.heads}) "
             f"(use a divisor of {m.heads}, or 0 for one key/value head per query head)",
         )
-
-
-def _validate_data(layout: Layout) -> None:
-    d, m, f = layout.data, layout.model, layout.file
-    _validate_packing(layout)
-    if d.kind is DataKind.GRAMMAR:
-        _own(f, d, "data", "grammar_vocab", "branching")
-        if d.branching > d.grammar_vocab:
-            raise LayoutError(
-                f,
-                "data.branching",
-                f"{d.branching} exceeds grammar_vocab {d.grammar_vocab} (use at most {d.grammar_vocab})",
-            )
-        if m.vocab < d.grammar_vocab:
-            raise LayoutError(
-                f,
-                "model.vocab",
-                f"{m.vocab} is smaller than data.grammar_vocab {d.grammar_vocab} "
-                f"(set model.vocab >= {d.grammar_vocab})",
-            )
-        return
-    if not d.path:
-        raise LayoutError(
-            f,
-            "data.path",
-            f"data.kind '{d.kind.value}' needs a file (set data.path to a "
-            f".{ {DataKind.JSONL: 'jsonl', DataKind.TOKENS: 'bin'}.get(d.kind, 'txt') } file, relative to "
-            "the layout file)",
-        )
-    if Path(d.path).is_dir():
-        raise LayoutError(f, "data.path", f"'{d.path}' is a folder, not a file (give an existing text or JSONL file)")
-    if d.kind is DataKind.TOKENS:
-        if not Path(d.path).is_file():
-            raise LayoutError(
-                f,
-                "data.path",
-                f"file '{d.path}' does not exist (give a .bin or .npy token file, e.g. one hetero-tokenize wrote)",
-            )
-        if not d.path.endswith((".bin", ".npy")):
-            raise LayoutError(
-                f,
-                "data.path",
-                f"file '{d.path}' is neither .bin nor .npy (data.kind 'tokens' reads "
-                "token files; use kind 'text' or 'jsonl' for text)",
-            )
-    elif not Path(d.path).is_file():
-        raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
-    size = Path(d.path).stat().st_size
-    if size == 0:
-        raise LayoutError(
-            f,
-            "data.path",
-            f"file '{d.path}' is empty (give a file with at least one window of {m.seq_len + 1} tokens: seq_len + 1)",
-        )
-    if d.kind is DataKind.TEXT and d.tokenizer == "bytes" and size < m.seq_len + 1:  # as many byte tokens as bytes
-        raise LayoutError(
-            f,
-            "data.path",
-            f"file '{d.path}' has {size} tokens, fewer than one window of "
-            f"{m.seq_len + 1} tokens (seq_len + 1); give a longer file or a smaller seq_len",
-        )
-    if d.tokenizer == "bytes":
-        if d.kind is DataKind.TOKENS:
-            return  # the ids in the file bound model.vocab (checked when the file is opened)
-        if m.vocab < 256:
-            raise LayoutError(
-                f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)"
-            )
-        return
-    from hetero_llm.data import (
-        tokenizers as tokens,
-    )  # torch-free; the tokenizers library loads only for a tokenizer.json
-
-    try:
-        vocab = tokens.load(d.tokenizer).vocab_size
-    except ValueError as e:
-        raise LayoutError(f, "data.tokenizer", str(e)) from None
-    if m.vocab < vocab:
-        raise LayoutError(
-            f, "model.vocab", f"{m.vocab} is smaller than the tokenizer's {vocab} tokens (set model.vocab >= {vocab})"
-        )
-
-
-def _validate_packing(layout: Layout) -> None:
-    d, f = layout.data, layout.file
-    if d.packing is not Packing.DOCUMENTS:
-        return
-    _own(f, d, "data", "doc_len_median", "doc_len_sigma")
-    if d.kind is DataKind.TOKENS:  # documents are found by separators in text or JSONL lines (documents.py)
-        raise LayoutError(
-            f,
-            "data.packing",
-            "'documents' finds whole documents in data.kind 'grammar', 'text' or "
-            "'jsonl', not in a 'tokens' file (pack the text or JSONL file it was tokenized from, or set "
-            "data.packing = 'none')",
-        )
-    if layout.train.compile is Compile.BLOCKS:
-        raise LayoutError(
-            f,
-            "train.compile",
-            "'blocks' cannot compile packed documents (their attention groups "
-            "change shape every microbatch; set compile = 'none', or data.packing = 'none')",
-        )
-
-
-def _validate_eval(layout: Layout) -> None:
-    """Held-out evaluation: ``train.eval_every`` / ``eval_batches``, ``data.valid_path`` / ``valid_fraction``."""
-    f, t, d = layout.file, layout.train, layout.data
-    _own(f, t, "train", "eval_every", "eval_batches")
-    _own(f, d, "data", "valid_fraction")
-    if d.valid_path and d.valid_fraction:
-        raise LayoutError(f, "data.valid_fraction", "is set as well as data.valid_path (hold out one way: remove one)")
-    if d.kind is DataKind.GRAMMAR and (d.valid_path or d.valid_fraction):
-        which = "valid_path" if d.valid_path else "valid_fraction"
-        raise LayoutError(
-            f,
-            f"data.{which}",
-            "is set but data.kind is 'grammar', whose held-out batches are fresh "
-            f"samples of the grammar (remove data.{which})",
-        )
-    if d.valid_path and not Path(d.valid_path).is_file():
-        raise LayoutError(
-            f,
-            "data.valid_path",
-            f"file '{d.valid_path}' does not exist (give a held-out file of the same kind as data.path)",
-        )
-    if t.eval_every and d.kind is not DataKind.GRAMMAR and not (d.valid_path or d.valid_fraction):
-        raise LayoutError(
-            f,
-            "train.eval_every",
-            "needs held-out data (set data.valid_path, or data.valid_fraction = 0.05 to hold out the end of data.path)",
-        )
-
-
-def validate_cluster(f: str, c: ClusterSpec) -> None:
-    """The ``[cluster]`` checks, on their own: placement validates a cluster file that has no pipelines yet."""
-    names = [n.name for n in c.nodes]
-    seen_nodes: set[str] = set()
-    for i, node in enumerate(c.nodes):
-        at = f"cluster.nodes[{i}]"
-        _own(f, node, at, "name")
-        if node.name in seen_nodes:
-            raise LayoutError(f, f"{at}.name", f"node '{node.name}' is declared twice (give each node its own name)")
-        seen_nodes.add(node.name)
-        _own(f, node, at, "devices", "host")
-        if node.p2p is P2P.SHM and c.backend is not Backend.GLOO:
-            raise LayoutError(
-                f,
-                f"{at}.p2p",
-                f"'shm' moves host memory, but backend is '{c.backend.value}' "
-                "(NCCL keeps boundaries on the GPU and uses its own paths inside a node: set p2p = 'auto')",
-            )
-    if c.master and c.master not in names:
-        close = difflib.get_close_matches(c.master, names, n=1)
-        hint = f"did you mean '{close[0]}'? " if close else ""
-        raise LayoutError(f, "cluster.master", f"'{c.master}' is not a node ({hint}nodes: {', '.join(names)})")
-    _own(f, c, "cluster", "port", "timeout_s")
-    _validate_domains(f, c)
-
-
-def _validate_domains(f: str, c: ClusterSpec) -> None:
-    domain_names = [d.name for d in c.domains]
-    for i, d in enumerate(c.domains):
-        at = f"cluster.domains[{i}]"
-        _own(f, d, at, "name")
-        if d.name in domain_names[:i]:
-            raise LayoutError(f, f"{at}.name", f"domain '{d.name}' is declared twice (give each domain its own name)")
-        _own(f, d, at, "bandwidth_gbps", "latency_us", "gloo_ifname", "nccl")
-        if d.kind is DomainKind.ETHERNET:
-            env = d.nccl_env
-            ib = [k for k in env if k.startswith("NCCL_IB_")]
-            if ib or env.get("NCCL_NET", "").lower() == "ib":
-                what = ib[0] if ib else "NCCL_NET = 'IB'"
-                raise LayoutError(
-                    f,
-                    f"{at}.nccl.{ib[0] if ib else 'NCCL_NET'}",
-                    f"{what} needs RDMA verbs, but kind is 'ethernet' (remove it, or set kind = 'roce' or 'ib')",
-                )
-    _own(f, c.cross_domain, "cluster.cross_domain", "bandwidth_gbps", "latency_us", "gloo_ifname", "nccl")
-    for i, node in enumerate(c.nodes):
-        at = f"cluster.nodes[{i}]"
-        _own(f, node, at, "speed", "memory_gb")
-        if not c.domains and node.domain:
-            raise LayoutError(
-                f,
-                f"{at}.domain",
-                f"'{node.domain}' is not declared: the cluster has no [[cluster.domains]] "
-                f"(add one named '{node.domain}', or remove domain)",
-            )
-        if c.domains and not node.domain:
-            raise LayoutError(
-                f,
-                f"{at}.domain",
-                f"missing: the cluster declares domains, so every node names its own "
-                f"(domains: {', '.join(domain_names)})",
-            )
-        if c.domains and node.domain not in domain_names:
-            close = difflib.get_close_matches(node.domain, domain_names, n=1)
-            hint = f"did you mean '{close[0]}'? " if close else ""
-            raise LayoutError(
-                f, f"{at}.domain", f"'{node.domain}' is not a domain ({hint}domains: {', '.join(domain_names)})"
-            )
-    if c.comm is CommLib.CUPY:
-        for node in c.nodes:
-            if "cpu" in node.devices:
-                raise LayoutError(
-                    f,
-                    "cluster.comm",
-                    f"'cupy' needs CUDA devices, but node '{node.name}' lists 'cpu' "
-                    "(list 'cuda:N' devices, or use comm = 'torch')",
-                )
 
 
 def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
@@ -488,7 +258,7 @@ def _validate_buckets(layout: Layout) -> None:
     previous = 0
     for bi, b in enumerate(layout.buckets):
         at = f"buckets[{bi}]"
-        _own(f, b, at, "max_len", "chunks")
+        check_own(f, b, at, "max_len", "chunks")
         if b.max_len <= previous:
             raise LayoutError(
                 f,

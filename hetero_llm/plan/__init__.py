@@ -10,7 +10,9 @@ that domain's fabric, only a boundary between domains the cross-domain network.
 Gradient sync across pipelines that shard a parameter differently (HexiScale, generalized): the
 shards of one parameter are cut at every shard boundary of every holder (the common refinement),
 and each resulting block is summed among exactly the ranks holding it. Blocks with the same holder
-set share one bucket, i.e. one all-reduce.
+set share one bucket, i.e. one all-reduce. These pieces, which follow from the stages (layer ranges,
+boundaries and their routes, sync blocks, transports), are computed in ``blocks``; each pipeline's action
+lists in ``schedules``.
 
 Each rank's share of the plan is resolved here too, into one frozen ``RankPlan`` per rank
 (``hetero_llm.plan.rank``): what the runtime side runs from. Group keys are made here and only here.
@@ -20,27 +22,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections import defaultdict
 
 import attrs
 
 from hetero_llm import schedule as sched
-from hetero_llm.errors import LayoutError, ScheduleError
-from hetero_llm.layout import (
-    CROSS_DOMAIN,
-    DEFAULT_TRANSPORT,
-    P2P,
-    SHM,
-    SPLIT_BACKWARD_NO_COMPILE,
-    Backend,
-    Compile,
-    Layout,
-    Optimizer,
-    Recompute,
-    Schedule,
-)
+from hetero_llm.layout import SHM, Compile, Layout, Optimizer, Recompute, Schedule
 from hetero_llm.model.params import ParamInfo, shard_range
-from hetero_llm.plan import zero1_slices
+from hetero_llm.plan import blocks, zero1_slices
 
 # The plan's pieces live in plan/rank.py (a RankPlan holds them too); they are imported from here as well.
 from hetero_llm.plan.rank import (
@@ -63,6 +51,7 @@ from hetero_llm.plan.rank import (
     SyncBlocks,
     TPKey,
 )
+from hetero_llm.plan.schedules import pipeline_schedule
 from hetero_llm.schedule import Direction, Kind
 
 
@@ -144,7 +133,7 @@ class Plan:
     def world(self) -> Group:
         """The default group: every rank; it carries the rendezvous barrier and the logged-loss reduction."""
         ranks = tuple(r.rank for r in self.ranks)
-        return Group(WORLD, ranks, transport_of(self.layout, [r.node for r in self.ranks]))
+        return Group(WORLD, ranks, blocks.transport_of(self.layout, [r.node for r in self.ranks]))
 
     def route_group(self, direction: Direction, route: Route) -> P2PKey:
         """The group a boundary piece travels in (FWD: an activation, BWD: its gradient)."""
@@ -177,7 +166,7 @@ def compile_plan(layout: Layout) -> Plan:
     chunks = layout.train.chunks
     for pi, pipe in enumerate(layout.pipelines):
         n = len(pipe.stages)
-        ranges = _chunk_ranges([st.layers for st in pipe.stages], chunks)
+        ranges = blocks.chunk_ranges([st.layers for st in pipe.stages], chunks)
         for si, st in enumerate(pipe.stages):
             stage_ranks: list[int] = []
             for ti, dev in enumerate(st.devices):
@@ -191,19 +180,19 @@ def compile_plan(layout: Layout) -> Plan:
             actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
         schedules.append(tuple(tuple(a) for a in actions))
 
-    pairs = _boundary_pairs(stages, wrap=chunks > 1)
-    routes_f, routes_b = _boundary_routes(pairs)
-    sync_blocks = _sync_blocks(layout, stages)
+    pairs = blocks.boundary_pairs(stages, wrap=chunks > 1)
+    routes_f, routes_b = blocks.boundary_routes(pairs)
+    sync_blocks = blocks.sync_blocks(layout, stages)
     node_of = [r.node for r in ranks]
 
     def group(key: GroupKey, members: tuple[int, ...]) -> Group:
-        return Group(key, members, transport_of(layout, [node_of[r] for r in members]))
+        return Group(key, members, blocks.transport_of(layout, [node_of[r] for r in members]))
 
     # Every group key is made here (and in ``_p2p_key``): the runtime looks groups up by these keys.
     groups = [group(_tp_key(s), s.ranks) for s in stages if s.tp > 1]
     for a, b in pairs:
         members = tuple(sorted(a.ranks + b.ranks))
-        via = p2p_transport(layout, [ranks[r] for r in members])
+        via = blocks.p2p_transport(layout, [ranks[r] for r in members])
         groups += [
             Group(_p2p_key(Direction.FWD, a, b), members, via),
             Group(_p2p_key(Direction.BWD, b, a), members, via),
@@ -377,128 +366,3 @@ def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str
         n.name: tuple((name, tuple(sorted(t))) for name, t in sorted(wanted.get(n.name, {}).items()))
         for n in plan.layout.cluster.nodes
     }
-
-
-def transport_of(layout: Layout, nodes: list[str]) -> str:
-    """A group's transport: its members' domain if they share one, else the cross-domain network (Holmes)."""
-    cluster = layout.cluster
-    if not cluster.domains:
-        return DEFAULT_TRANSPORT
-    domains = {cluster.domain_of(n) for n in nodes}
-    return domains.pop() if len(domains) == 1 else CROSS_DOMAIN
-
-
-def p2p_transport(layout: Layout, members: list[RankInfo]) -> str:
-    """A stage boundary's transport: SHM when its ranks share one node whose ``p2p`` allows it ('shm'; 'auto'
-    when they are all CPU ranks), else the network transport of their nodes (``transport_of``)."""
-    nodes = {r.node for r in members}
-    if len(nodes) == 1 and layout.cluster.backend is Backend.GLOO:
-        p2p = layout.cluster.node(nodes.pop()).p2p
-        if p2p is P2P.SHM or (p2p is P2P.AUTO and all(r.device == "cpu" for r in members)):
-            return SHM
-    return transport_of(layout, [r.node for r in members])
-
-
-def _chunk_ranges(stage_layers: list[int], chunks: int) -> list[tuple[tuple[int, int], ...]]:
-    """Layer ranges per (stage, chunk): virtual stage v = chunk * stages + stage takes the next
-    layers_s / chunks layers, so chunk c of every stage comes before chunk c + 1 of any stage."""
-    out: list[list[tuple[int, int]]] = [[] for _ in stage_layers]
-    lo = 0
-    for _c in range(chunks):
-        for s, layers in enumerate(stage_layers):
-            if layers % chunks:  # the validator refuses this; a silent floor would drop layers from the model
-                raise ValueError(f"stage {s}: {layers} layers do not split into {chunks} chunks")
-            width = layers // chunks
-            out[s].append((lo, lo + width))
-            lo += width
-    return [tuple(r) for r in out]
-
-
-def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
-    """The lowered, validated action lists of pipeline ``pi`` (one per stage).
-
-    'dynamic' pipelines list the 1F1B order here: it is what ``--dry-run`` shows and what the
-    runtime falls back to for priorities; the runtime picks the actual order as inputs arrive.
-    """
-    pipe, train = layout.pipelines[pi], layout.train
-    n = len(pipe.stages)
-    if pipe.schedule_file:
-        try:
-            loaded = sched.load_schedule_file(pipe.schedule_file, n, pipe.microbatches)
-        except ScheduleError as e:
-            raise LayoutError(layout.file, f"pipelines[{pi}].schedule_file", str(e).splitlines()[0]) from None
-        used = sched.num_chunks(loaded)
-        if used != train.chunks:
-            c = train.chunks
-            if used > c:
-                fix = (
-                    "write chunk 0 only" if c == 1 else f"write chunks 0..{c - 1} only"
-                ) + f", or set schedule = 'interleaved' and train.chunks = {used}"
-            else:
-                fix = f"give every stage F and B actions of chunks 0..{c - 1}, e.g. F0.{c - 1} B0.{c - 1}, or " + (
-                    "set train.chunks = 1 and schedule = '1f1b'" if used == 1 else f"set train.chunks = {used}"
-                )
-            raise LayoutError(
-                layout.file,
-                f"pipelines[{pi}].schedule_file",
-                f"{os.path.basename(pipe.schedule_file)}: uses {used} model chunk{'s' if used > 1 else ''} "
-                f"per stage but train.chunks is {train.chunks} ({fix})",
-            )
-        if train.compile is Compile.BLOCKS and any(a.kind is sched.Kind.I for actions in loaded for a in actions):
-            raise LayoutError(layout.file, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
-        if layout.cluster.backend is Backend.NCCL:  # generated schedules keep the order by construction
-            try:
-                sched.check_message_order(loaded)
-            except ScheduleError as e:
-                raise LayoutError(
-                    layout.file,
-                    f"pipelines[{pi}].schedule_file",
-                    f"{os.path.basename(pipe.schedule_file)}: {str(e).splitlines()[0]}",
-                ) from None
-        return loaded
-    kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
-    lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
-    sched.validate(lowered, pipe.microbatches)
-    return lowered
-
-
-def _boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan, StagePlan]]:
-    """(sender, receiver) of activations: consecutive stages of each pipeline, plus last -> first when
-    model chunks wrap around (interleaved schedules)."""
-    pairs = [(a, b) for a, b in zip(stages, stages[1:]) if a.pipeline == b.pipeline]
-    if wrap:
-        pairs += [(s, next(f for f in stages if f.pipeline == s.pipeline and f.first)) for s in stages if s.last]
-    return pairs
-
-
-def _boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Route], list[Route]]:
-    fwd, bwd = [], []
-    for a, b in pairs:
-        senders, receivers = a.ranks, b.ranks
-        fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
-        bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
-    return fwd, bwd
-
-
-def _sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:
-    # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
-    holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
-    infos: dict[str, ParamInfo] = {}
-    stage_of: dict[int, str] = {}
-    for st in stages:
-        for info in st.params(layout.model):
-            infos[info.name] = info
-            for ti, rank in enumerate(st.ranks):
-                holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
-                stage_of[rank] = st.label
-    by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
-    for name, held in holders.items():
-        dim = infos[name].shard_dim or 0
-        cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
-        for lo, hi in zip(cuts, cuts[1:]):
-            group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
-            # Holders inside one TP group already have identical gradients (replicated tensors see
-            # replicated activations and all-reduced input gradients): nothing to sum.
-            if len({stage_of[r] for r in group}) > 1:
-                by_group[group].append((name, dim, lo, hi))
-    return [SyncBlocks(g, tuple(e)) for g, e in sorted(by_group.items())]

@@ -16,8 +16,8 @@ import math
 import attrs
 
 from hetero_llm.errors import LayoutError
+from hetero_llm.planner.candidates import Candidate, Score
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, Score
 
 
 @attrs.frozen

@@ -17,12 +17,7 @@ links; nothing is scaled by a fitted factor. Per transformer layer and sequence 
   rank sends ``2 (P-1)/P`` of its shard (float32), over the narrowest network its holders span;
   every rank of a node shares the node's NIC. The optimizer step reads param, grad and both AdamW
   moments and writes three of them back: 28 bytes per parameter over the device memory bandwidth.
-- memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
-  plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
-  inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
-  ``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
-  microbatches in flight; with full recompute only each layer's input (H per token) plus one layer's
-  working set. The last stage adds one microbatch's logits and their gradient (float32).
+- memory per device: ``memory.MemoryModel``, the base class of this cost model.
 
 Step time = the slowest pipeline's simulated step (``simulate.simulate`` on the schedule's actions)
 + gradient sync + optimizer step: the runtime syncs after the last backward and steps after the sync.
@@ -40,134 +35,29 @@ from __future__ import annotations
 import functools
 import math
 
-import attrs
-
-from hetero_llm.layout import Mlp, Norm, Optimizer, Position, Precision
 from hetero_llm.planner import pipesim
-from hetero_llm.planner.cluster import Cluster, DeviceKind
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
+from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.memory import MemoryModel
 
-PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
-MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
-STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
 GRAD_BYTES = 4  # gradients are summed in float32
 
 
-@attrs.frozen(cache_hash=True)  # a dict key in every memo of the search
-class TPGroup:
-    """A TP group: devices of one node."""
-
-    node: str
-    domain: str
-    devices: tuple[str, ...]
-    kind: DeviceKind
-
-    @property
-    def tp(self) -> int:
-        return len(self.devices)
-
-    @property
-    def flops(self) -> float:
-        return self.tp * self.kind.tflops * 1e12
-
-
-@attrs.frozen
-class StageChoice:
-    group: TPGroup
-    layers: int
-    recompute: bool = False
-
-
-@attrs.frozen
-class PipelineChoice:
-    batch: int
-    microbatches: int
-    stages: tuple[StageChoice, ...]
-
-    @property
-    def rows(self) -> int:
-        return self.batch // self.microbatches
-
-
-@attrs.frozen
-class Candidate:
-    pipelines: tuple[PipelineChoice, ...]
-    schedule: str = "1f1b"
-    chunks: int = 1
-
-    def key(self) -> tuple:
-        return (
-            self.schedule,
-            self.chunks,
-            tuple(
-                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
-                for p in self.pipelines
-            ),
-        )
-
-
-@attrs.frozen
-class Score:
-    """What the cost model predicts for one candidate."""
-
-    step_time: float  # seconds; inf when a stage does not fit in memory
-    pipeline_times: tuple[float, ...]
-    bubble: float  # idle fraction of the slowest pipeline's stages
-    tp_time: float  # seconds of TP all-reduces per step on the busiest stage of the slowest pipeline
-    sync_time: float
-    optimizer_time: float
-    memory: tuple[tuple[float, ...], ...]  # bytes per device, [pipeline][stage]
-    capacity: tuple[tuple[float, ...], ...]  # usable bytes per device (after the margin)
-    tokens_per_s: float
-    mfu: float
-    lower_bound: float  # seconds: the step's model FLOPs over every device's peak
-
-    @property
-    def feasible(self) -> bool:
-        return math.isfinite(self.step_time)
-
-    @property
-    def gap(self) -> float:
-        return self.step_time / self.lower_bound - 1.0
-
-    def worst_memory(self) -> tuple[int, int, float]:
-        """(pipeline, stage, bytes over capacity) of the stage furthest over (or nearest to) its memory."""
-        return max(
-            (
-                (p, s, m - c)
-                for p, (ms, cs) in enumerate(zip(self.memory, self.capacity))
-                for s, (m, c) in enumerate(zip(ms, cs))
-            ),
-            key=lambda x: x[2],
-        )
-
-
-class PlannerCostModel:
+class PlannerCostModel(MemoryModel):
     """Costs of stages, pipelines and whole candidates on one cluster (memoised: the search asks often)."""
 
     def __init__(self, cluster: Cluster):
-        self.cluster = cluster
-        m = cluster.model
-        self.model = m
-        self.H, self.F, self.S, self.V, self.L = m.hidden, m.ffn_width, m.seq_len, m.vocab, m.layers
-        self.nm = 3 if m.mlp is Mlp.SWIGLU else 2
-        self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
+        super().__init__(cluster)
         self.domain_bw = dict(cluster.network.domain_bw)
         self.domain_lat = dict(cluster.network.domain_latency)
-        self.margin = cluster.limits.memory_margin
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
-        self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
         # sequence lengths: those use the FLOP model)
         profile = cluster.profile
-        self.profile = profile if profile is not None and profile.fits(m, cluster.train.precision) else None
-        # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
-        # declares memory_gb (optim_shards._weights); else by TP size alone
-        self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
-        self._stage_params: dict[tuple, float] = {}
+        self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
-        self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
 
     # ---------------------------------------------------------------- per layer arithmetic
     def layer_matmul_flops(self) -> float:
@@ -184,27 +74,6 @@ class PlannerCostModel:
         """Forward + backward FLOPs of one step without recompute (what MFU counts)."""
         per_seq = 3 * (self.L * self.layer_forward_flops() + self.head_forward_flops())
         return per_seq * self.cluster.train.global_batch
-
-    def layer_params(self, tp: int) -> tuple[float, float]:
-        """(sharded, replicated) parameters of one layer on one device of a TP group."""
-        H, F = self.H, self.F
-        norms = 2 * H * (2 if self.model.norm is Norm.LAYERNORM else 1)
-        return (4 * H * H + self.nm * H * F) / tp, norms
-
-    def embed_params(self) -> float:
-        return self.V * self.H + (self.S * self.H if self.model.position is Position.LEARNED else 0)
-
-    def head_params(self) -> float:
-        return self.V * self.H + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
-
-    def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
-        key = (tp, layers, first, last)
-        n = self._stage_params.get(key)
-        if n is None:  # the search asks hundreds of thousands of times
-            sharded, repl = self.layer_params(tp)
-            n = layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
-            self._stage_params[key] = n
-        return n
 
     # ---------------------------------------------------------------- time
     def allreduce(self, nbytes: float, members: int, bw: float) -> float:
@@ -254,14 +123,6 @@ class PlannerCostModel:
             seconds += (b.tp - 1) / b.tp * nbytes / (b.kind.link_gbps * 1e9 / 8)
         return nbytes / seconds, lat
 
-    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-        if schedule != "gpipe" and microbatches > 3 * stages:
-            # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
-            # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
-            # schedules of hundreds of microbatches
-            microbatches = 3 * stages + (microbatches - 3 * stages) % stages
-        return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
-
     def _simulate(
         self,
         schedule: str,
@@ -283,67 +144,6 @@ class PlannerCostModel:
         acts = pipesim.actions(schedule, n, microbatches, chunks)
         step, busy = pipesim.simulate(acts, fwd, bwd, wgt if schedule == "zbh1" else None, lat, bw, nbytes)
         return step, 1.0 - sum(busy) / (n * step) if step else 0.0
-
-    def stage_full_params(self, layers: int, first: bool, last: bool) -> float:
-        """Parameters of the stage's layers (and embedding, head) before TP sharding."""
-        sharded, repl = self.layer_params(1)
-        return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
-
-    def zero1_weights(self, group: TPGroup) -> tuple[float, float]:
-        """(memory-weighted, unweighted) ZeRO-1 weight of one TP group: ``tp x memory_gb`` and ``tp``."""
-        return group.tp * self.node_memory.get(group.node, 0.0), float(group.tp)
-
-    def zero1_share(self, group: TPGroup, others: tuple[float, float]) -> float:
-        """Upper bound of the fraction of a block's full moments one device of ``group`` keeps under ZeRO-1
-        when the other pipelines' holders weigh at least ``others`` (see ``zero1_weights``)."""
-        mem = self.node_memory.get(group.node, 0.0)
-        unit = 1.0 / (group.tp + others[1])
-        if mem <= 0:
-            return unit
-        return max(mem / (group.tp * mem + others[0]), unit)
-
-    def moment_elements(
-        self, group: TPGroup, layers: int, first: bool, last: bool, others: tuple[float, float] = (0.0, 0.0)
-    ) -> float:
-        """AdamW moment elements (each of two) on one device of the stage: all it holds with 'adamw'; with
-        'adamw_zero1' its share of every block, ``full x share`` (a bound when ``others`` is a bound)."""
-        if not self.zero1:
-            return self.stage_params(group.tp, layers, first, last)
-        return self.stage_full_params(layers, first, last) * self.zero1_share(group, others)
-
-    def stage_memory(
-        self,
-        group: TPGroup,
-        layers: int,
-        first: bool,
-        last: bool,
-        rows: int,
-        recompute: bool,
-        in_flight: int,
-        others: tuple[float, float] = (0.0, 0.0),
-        moments: float | None = None,
-    ) -> float:
-        """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
-        (or ``moments`` gives the exact moment elements)."""
-        if moments is None:
-            moments = self.moment_elements(group, layers, first, last, others)
-        params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
-        H, F, t = self.H, self.F, group.tp
-        nf = 4 if self.model.mlp is Mlp.SWIGLU else 2
-        full = (4 * H + (4 * H + nf * F) / t) * self.act_bytes  # per token per layer
-        tokens = rows * self.S
-        if recompute:
-            act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
-        else:
-            act = in_flight * layers * tokens * full
-        if last:
-            act += tokens * self.V * (self.act_bytes + 4) * 2  # logits (compute dtype + float32 loss) and grad
-        # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
-        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
-        return params + max(act, moments * STEP_TEMP_BYTES)
-
-    def capacity(self, group: TPGroup) -> float:
-        return group.kind.memory_gb * 1e9 * (1 - self.margin)
 
     # ---------------------------------------------------------------- whole candidates
     def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
@@ -418,48 +218,6 @@ class PlannerCostModel:
         latency = buckets * 2 * (P - 1) * lat
         return max(list(nic.values()) + list(intra.values()) + [0.0]) + latency
 
-    def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
-        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
-        slices them (up to whole rows): every span of layers between two stage boundaries of any pipeline
-        is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
-        of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's
-        holders are the first stages, the head's the last."""
-        if not self.zero1:
-            return tuple(
-                tuple(
-                    self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
-                    for i, s in enumerate(p.stages)
-                )
-                for p in cand.pipelines
-            )
-        spans: list[list[tuple[int, int, int]]] = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
-        boundaries = {0, self.L}
-        for pi, pipe in enumerate(cand.pipelines):
-            lo = 0
-            for si, s in enumerate(pipe.stages):
-                spans[pi].append((lo, lo + s.layers, si))
-                lo += s.layers
-                boundaries.add(lo)
-        cuts = sorted(boundaries)
-        out = [[0.0] * len(p.stages) for p in cand.pipelines]
-
-        def share(holders: list[tuple[int, int]], elements: float) -> None:
-            groups = [cand.pipelines[pi].stages[si].group for pi, si in holders]
-            mems = [self.node_memory.get(g.node, 0.0) for g in groups]
-            if not all(m > 0 for m in mems):
-                mems = [1.0] * len(groups)
-            total = sum(g.tp * m for g, m in zip(groups, mems))
-            for (pi, si), m in zip(holders, mems):
-                out[pi][si] += elements * m / total
-
-        layer = sum(self.layer_params(1))
-        for lo, hi in zip(cuts, cuts[1:]):
-            holders = [next((pi, si) for a, b, si in spans[pi] if a <= lo < b) for pi in range(len(cand.pipelines))]
-            share(holders, layer * (hi - lo))
-        share([(pi, 0) for pi in range(len(cand.pipelines))], self.embed_params())
-        share([(pi, len(p.stages) - 1) for pi, p in enumerate(cand.pipelines)], self.head_params())
-        return tuple(tuple(x) for x in out)
-
     def optimizer_time(self, cand: Candidate) -> float:
         """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""
         worst = 0.0
@@ -472,24 +230,6 @@ class PlannerCostModel:
         """Seconds of the step's model FLOPs spread over every device at its peak."""
         total = sum(n.devices * n.kind.tflops * 1e12 for n in self.cluster.nodes)
         return self.model_flops_per_step() / total
-
-    def memory(self, cand: Candidate) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
-        mems, caps = [], []
-        for pipe, moments in zip(cand.pipelines, self.moments(cand)):
-            n = len(pipe.stages)
-            chunks = cand.chunks if cand.schedule == "interleaved" and n > 1 else 1
-            kind = "1f1b" if n == 1 and cand.schedule == "interleaved" else cand.schedule
-            peaks = self._peaks(kind, n, pipe.microbatches, chunks)
-            mems.append(
-                tuple(
-                    self.stage_memory(
-                        s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i], moments=moments[i]
-                    )
-                    for i, s in enumerate(pipe.stages)
-                )
-            )
-            caps.append(tuple(self.capacity(s.group) for s in pipe.stages))
-        return tuple(mems), tuple(caps)
 
     def score(self, cand: Candidate) -> Score:
         mems, caps = self.memory(cand)

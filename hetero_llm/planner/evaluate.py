@@ -10,8 +10,9 @@ import attrs
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Layout, Recompute, Schedule
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, PlannerCostModel, Score, StageChoice, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 
 PRICED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZBH1)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 
-from hetero_llm.planner.cost import TPGroup
+from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 

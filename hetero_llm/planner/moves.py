@@ -11,7 +11,7 @@ import itertools
 
 import attrs
 
-from hetero_llm.planner.cost import TPGroup
+from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 

@@ -13,8 +13,8 @@ from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import BucketSpec, Layout, PipelineSpec, Recompute, Schedule, StageSpec
 from hetero_llm.planner.buckets import Bucket, elastic_unit
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, Score
 
 
 def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] = ()) -> Layout:

@@ -9,8 +9,8 @@ import attrs
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Recompute, Schedule
 from hetero_llm.planner import place
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.place import Placement
 
 

@@ -8,8 +8,9 @@ from typing import Protocol
 
 import attrs
 
+from hetero_llm.planner.candidates import Candidate, Score, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, Score, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 
 
 class SearchSpace(Protocol):

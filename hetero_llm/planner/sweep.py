@@ -10,8 +10,9 @@ import math
 import time
 
 from hetero_llm.errors import LayoutError
+from hetero_llm.planner.candidates import Candidate, TPGroup
 from hetero_llm.planner.cluster import Cluster
-from hetero_llm.planner.cost import Candidate, PlannerCostModel, TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 INF = math.inf

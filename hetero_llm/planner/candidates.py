@@ -1,0 +1,99 @@
+"""A candidate layout as the planner's search builds and scores it: TP groups, stages, pipelines, the
+schedule, and what the cost model predicts for it (``Score``). Torch-free."""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+
+from hetero_llm.planner.cluster import DeviceKind
+
+
+@attrs.frozen(cache_hash=True)  # a dict key in every memo of the search
+class TPGroup:
+    """A TP group: devices of one node."""
+
+    node: str
+    domain: str
+    devices: tuple[str, ...]
+    kind: DeviceKind
+
+    @property
+    def tp(self) -> int:
+        return len(self.devices)
+
+    @property
+    def flops(self) -> float:
+        return self.tp * self.kind.tflops * 1e12
+
+
+@attrs.frozen
+class StageChoice:
+    group: TPGroup
+    layers: int
+    recompute: bool = False
+
+
+@attrs.frozen
+class PipelineChoice:
+    batch: int
+    microbatches: int
+    stages: tuple[StageChoice, ...]
+
+    @property
+    def rows(self) -> int:
+        return self.batch // self.microbatches
+
+
+@attrs.frozen
+class Candidate:
+    pipelines: tuple[PipelineChoice, ...]
+    schedule: str = "1f1b"
+    chunks: int = 1
+
+    def key(self) -> tuple:
+        return (
+            self.schedule,
+            self.chunks,
+            tuple(
+                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                for p in self.pipelines
+            ),
+        )
+
+
+@attrs.frozen
+class Score:
+    """What the cost model predicts for one candidate."""
+
+    step_time: float  # seconds; inf when a stage does not fit in memory
+    pipeline_times: tuple[float, ...]
+    bubble: float  # idle fraction of the slowest pipeline's stages
+    tp_time: float  # seconds of TP all-reduces per step on the busiest stage of the slowest pipeline
+    sync_time: float
+    optimizer_time: float
+    memory: tuple[tuple[float, ...], ...]  # bytes per device, [pipeline][stage]
+    capacity: tuple[tuple[float, ...], ...]  # usable bytes per device (after the margin)
+    tokens_per_s: float
+    mfu: float
+    lower_bound: float  # seconds: the step's model FLOPs over every device's peak
+
+    @property
+    def feasible(self) -> bool:
+        return math.isfinite(self.step_time)
+
+    @property
+    def gap(self) -> float:
+        return self.step_time / self.lower_bound - 1.0
+
+    def worst_memory(self) -> tuple[int, int, float]:
+        """(pipeline, stage, bytes over capacity) of the stage furthest over (or nearest to) its memory."""
+        return max(
+            (
+                (p, s, m - c)
+                for p, (ms, cs) in enumerate(zip(self.memory, self.capacity))
+                for s, (m, c) in enumerate(zip(ms, cs))
+            ),
+            key=lambda x: x[2],
+        )

@@ -1,0 +1,168 @@
+"""The exact layer split of the planner's search: each pipeline's layers cut into stages whose slowest is
+fastest, every stage inside its memory. Torch-free, deterministic.
+
+A min-max dynamic program over contiguous splits (layers in multiples of the model chunks) gives each pipeline
+the split whose slowest stage (forward + backward of one microbatch, TP all-reduces included) is fastest, with
+every stage inside its memory (a stage that does not fit without recompute may recompute). Stage costs depend
+on the device kind and TP size only (and with ZeRO-1 the node's memory_gb): one representative group of each
+keeps the memos small. ``search.Planner`` is a ``LayerSplitter``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from hetero_llm.planner.candidates import TPGroup
+from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.structure import Structure
+
+INF = math.inf
+
+
+class LayerSplitter:
+    """Stage costs and the layer split of pipelines on one cluster, memoised (the search asks often)."""
+
+    def __init__(self, cost: PlannerCostModel, layers: int):
+        self.cost = cost
+        self.L = layers
+        self._splits: dict[tuple, tuple | None] = {}
+        self._rows: dict[tuple, list[float]] = {}
+        self._tail_index: dict[tuple[int, int], np.ndarray] = {}
+        self._rep: dict[tuple[str, int], TPGroup] = {}
+        self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
+
+    def stage_cost(self, g: TPGroup, *args) -> tuple[float, bool]:
+        return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), *args)
+
+    def _stage_cost_raw(
+        self,
+        group: TPGroup,
+        layers: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        in_flight: int,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[float, bool]:
+        """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
+        ``others``: with ZeRO-1, a lower bound of the other pipelines' holders' weight (``zero1_others``)."""
+        cap = self.cost.capacity(group)
+        for rc in (False, True):
+            if self.cost.stage_memory(group, layers, first, last, rows, rc, in_flight, others) <= cap:
+                f, b, _, _ = self.cost.stage_times(group, layers, last, rows, rc)
+                return f + b, rc
+        return INF, True
+
+    def split_layers(
+        self,
+        groups: tuple[TPGroup, ...],
+        rows: int,
+        schedule: str,
+        chunks: int,
+        microbatches: int,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
+        """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
+        k = len(groups)
+        if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
+            return None
+        # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
+        m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
+        m = min(m, k * (chunks + 1))
+        key = (self._stage_key(groups), rows, schedule, chunks, m, others)
+        if key not in self._splits:
+            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m, others)
+        return self._splits[key]
+
+    def _stage_key(self, groups) -> tuple:
+        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""
+        return tuple(self._rep_key(g) for g in groups)
+
+    def _rep_key(self, g: TPGroup) -> tuple:
+        # built afresh: cheaper than a dict lookup keyed by the TPGroup (attrs equality on every hit)
+        if self.cost.zero1:
+            return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0))
+        return (g.kind.name, len(g.devices))
+
+    def _cost_row(
+        self,
+        g: TPGroup,
+        unit: int,
+        top_units: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        in_flight: int,
+        others: tuple[float, float],
+    ) -> list[float]:
+        """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
+        key = (g, unit, top_units, first, last, rows, in_flight, others)
+        row = self._rows.get(key)
+        if row is None:
+            row = [INF]
+            for u in range(1, top_units + 1):
+                c, _ = self._stage_cost(g, u * unit, first, last, rows, in_flight, others)
+                row.append(c)
+                if c == INF:
+                    row += [INF] * (top_units - u)  # more layers never fit where fewer did not
+                    break
+            self._rows[key] = row
+        return row
+
+    def _split_layers(self, groups, rows, schedule, chunks, m, others):
+        # stage costs depend on the kind and TP size only: one representative each keeps the cache small
+        groups = [self._rep.setdefault(self._rep_key(g), g) for g in groups]
+        k, unit = len(groups), chunks
+        if self.L % unit or self.L // unit < k:
+            return None
+        peaks = self.cost._peaks(schedule, k, m, chunks)
+        n = self.L // unit
+        # cost[i][u]: time of stage i holding u units (inf: does not fit); at most n - (k - 1) units
+        top_units = n - k + 1
+        cost = [
+            self._cost_row(g, unit, top_units, i == 0, i == k - 1, rows, peaks[i], others) for i, g in enumerate(groups)
+        ]
+        # best[r]: slowest stage time of stages i.. holding r units, built from the last stage back (numpy:
+        # for every r at once, the first u of the least max(cost[i][u], best[r - u]), as a loop over u would)
+        # tail[r, u - 1] = best[r - u] read from best padded with inf in front (r - u <= 0: nothing left)
+        index = self._tail_index.get((n, top_units))
+        if index is None:
+            index = self._tail_index[(n, top_units)] = (
+                np.arange(n + 1)[:, None] - np.arange(1, top_units + 1)[None, :] + top_units
+            )
+        rows_at = np.arange(n + 1)
+        pad = np.full(top_units, INF)
+        best = np.full(n + 1, INF)
+        best[1 : top_units + 1] = cost[k - 1][1:]
+        choice = []
+        for i in range(k - 2, -1, -1):
+            both = np.maximum(np.asarray(cost[i][1:])[None, :], np.concatenate((pad, best))[index])
+            pick = np.argmin(both, axis=1)
+            best = both[rows_at, pick]
+            choice.append(pick + 1)
+        if not best[n] < INF:
+            return None
+        t, split, r = float(best[n]), [], n
+        for pick in reversed(choice):
+            split.append(int(pick[r]))
+            r -= split[-1]
+        split.append(r)
+        split = tuple(u * unit for u in split)
+        flags = tuple(
+            self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
+            for i, (g, l) in enumerate(zip(groups, split))
+        )
+        return split, flags, t
+
+    def zero1_others(self, st: Structure) -> list[tuple[float, float]]:
+        """Per pipeline, with ZeRO-1: a lower bound of the weight of the other pipelines' holders of any
+        layer (each other pipeline holds it on one of its groups: at least its lightest), so the DP's
+        memory is an upper bound of what ``cost.moments`` gives the realized plan. (0, 0) otherwise."""
+        if not self.cost.zero1 or len(st.pipelines) == 1:
+            return [(0.0, 0.0)] * len(st.pipelines)
+        light = [tuple(min(self.cost.zero1_weights(g)[j] for g in p) for j in (0, 1)) for p in st.pipelines]
+        total = tuple(sum(x[j] for x in light) for j in (0, 1))
+        return [(total[0] - x[0], total[1] - x[1]) for x in light]

@@ -1,0 +1,196 @@
+"""The planner's memory model: parameters and bytes on each device of a candidate layout. Torch-free.
+
+Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
+plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
+inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
+``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
+microbatches in flight; with full recompute only each layer's input (H per token) plus one layer's
+working set. The last stage adds one microbatch's logits and their gradient (float32).
+
+The planner's cost model (``cost.PlannerCostModel``) is a ``MemoryModel``: a stage that does not fit in its
+device's memory, after the margin, makes a candidate infeasible.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hetero_llm.layout import Mlp, Norm, Optimizer, Position, Precision
+from hetero_llm.planner import pipesim
+from hetero_llm.planner.candidates import Candidate, TPGroup
+from hetero_llm.planner.cluster import Cluster
+
+PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
+MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
+STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
+
+
+class MemoryModel:
+    """Parameter counts and bytes per device of stages and whole candidates on one cluster (memoised)."""
+
+    def __init__(self, cluster: Cluster):
+        self.cluster = cluster
+        m = cluster.model
+        self.model = m
+        self.H, self.F, self.S, self.V, self.L = m.hidden, m.ffn_width, m.seq_len, m.vocab, m.layers
+        self.nm = 3 if m.mlp is Mlp.SWIGLU else 2
+        self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
+        self.margin = cluster.limits.memory_margin
+        self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
+        # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
+        # declares memory_gb (optim_shards._weights); else by TP size alone
+        self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
+        self._stage_params: dict[tuple, float] = {}
+        self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
+
+    # ---------------------------------------------------------------- parameters
+    def layer_params(self, tp: int) -> tuple[float, float]:
+        """(sharded, replicated) parameters of one layer on one device of a TP group."""
+        H, F = self.H, self.F
+        norms = 2 * H * (2 if self.model.norm is Norm.LAYERNORM else 1)
+        return (4 * H * H + self.nm * H * F) / tp, norms
+
+    def embed_params(self) -> float:
+        return self.V * self.H + (self.S * self.H if self.model.position is Position.LEARNED else 0)
+
+    def head_params(self) -> float:
+        return self.V * self.H + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
+
+    def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
+        key = (tp, layers, first, last)
+        n = self._stage_params.get(key)
+        if n is None:  # the search asks hundreds of thousands of times
+            sharded, repl = self.layer_params(tp)
+            n = layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+            self._stage_params[key] = n
+        return n
+
+    def stage_full_params(self, layers: int, first: bool, last: bool) -> float:
+        """Parameters of the stage's layers (and embedding, head) before TP sharding."""
+        sharded, repl = self.layer_params(1)
+        return layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+
+    # ---------------------------------------------------------------- memory
+    def zero1_weights(self, group: TPGroup) -> tuple[float, float]:
+        """(memory-weighted, unweighted) ZeRO-1 weight of one TP group: ``tp x memory_gb`` and ``tp``."""
+        return group.tp * self.node_memory.get(group.node, 0.0), float(group.tp)
+
+    def zero1_share(self, group: TPGroup, others: tuple[float, float]) -> float:
+        """Upper bound of the fraction of a block's full moments one device of ``group`` keeps under ZeRO-1
+        when the other pipelines' holders weigh at least ``others`` (see ``zero1_weights``)."""
+        mem = self.node_memory.get(group.node, 0.0)
+        unit = 1.0 / (group.tp + others[1])
+        if mem <= 0:
+            return unit
+        return max(mem / (group.tp * mem + others[0]), unit)
+
+    def moment_elements(
+        self, group: TPGroup, layers: int, first: bool, last: bool, others: tuple[float, float] = (0.0, 0.0)
+    ) -> float:
+        """AdamW moment elements (each of two) on one device of the stage: all it holds with 'adamw'; with
+        'adamw_zero1' its share of every block, ``full x share`` (a bound when ``others`` is a bound)."""
+        if not self.zero1:
+            return self.stage_params(group.tp, layers, first, last)
+        return self.stage_full_params(layers, first, last) * self.zero1_share(group, others)
+
+    def stage_memory(
+        self,
+        group: TPGroup,
+        layers: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        recompute: bool,
+        in_flight: int,
+        others: tuple[float, float] = (0.0, 0.0),
+        moments: float | None = None,
+    ) -> float:
+        """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
+        (or ``moments`` gives the exact moment elements)."""
+        if moments is None:
+            moments = self.moment_elements(group, layers, first, last, others)
+        params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
+        H, F, t = self.H, self.F, group.tp
+        nf = 4 if self.model.mlp is Mlp.SWIGLU else 2
+        full = (4 * H + (4 * H + nf * F) / t) * self.act_bytes  # per token per layer
+        tokens = rows * self.S
+        if recompute:
+            act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
+        else:
+            act = in_flight * layers * tokens * full
+        if last:
+            act += tokens * self.V * (self.act_bytes + 4) * 2  # logits (compute dtype + float32 loss) and grad
+        # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
+        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
+        return params + max(act, moments * STEP_TEMP_BYTES)
+
+    def capacity(self, group: TPGroup) -> float:
+        return group.kind.memory_gb * 1e9 * (1 - self.margin)
+
+    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+        if schedule != "gpipe" and microbatches > 3 * stages:
+            # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
+            # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
+            # schedules of hundreds of microbatches
+            microbatches = 3 * stages + (microbatches - 3 * stages) % stages
+        return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+
+    def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
+        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
+        slices them (up to whole rows): every span of layers between two stage boundaries of any pipeline
+        is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
+        of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's
+        holders are the first stages, the head's the last."""
+        if not self.zero1:
+            return tuple(
+                tuple(
+                    self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
+                    for i, s in enumerate(p.stages)
+                )
+                for p in cand.pipelines
+            )
+        spans: list[list[tuple[int, int, int]]] = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
+        boundaries = {0, self.L}
+        for pi, pipe in enumerate(cand.pipelines):
+            lo = 0
+            for si, s in enumerate(pipe.stages):
+                spans[pi].append((lo, lo + s.layers, si))
+                lo += s.layers
+                boundaries.add(lo)
+        cuts = sorted(boundaries)
+        out = [[0.0] * len(p.stages) for p in cand.pipelines]
+
+        def share(holders: list[tuple[int, int]], elements: float) -> None:
+            groups = [cand.pipelines[pi].stages[si].group for pi, si in holders]
+            mems = [self.node_memory.get(g.node, 0.0) for g in groups]
+            if not all(m > 0 for m in mems):
+                mems = [1.0] * len(groups)
+            total = sum(g.tp * m for g, m in zip(groups, mems))
+            for (pi, si), m in zip(holders, mems):
+                out[pi][si] += elements * m / total
+
+        layer = sum(self.layer_params(1))
+        for lo, hi in zip(cuts, cuts[1:]):
+            holders = [next((pi, si) for a, b, si in spans[pi] if a <= lo < b) for pi in range(len(cand.pipelines))]
+            share(holders, layer * (hi - lo))
+        share([(pi, 0) for pi in range(len(cand.pipelines))], self.embed_params())
+        share([(pi, len(p.stages) - 1) for pi, p in enumerate(cand.pipelines)], self.head_params())
+        return tuple(tuple(x) for x in out)
+
+    def memory(self, cand: Candidate) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
+        mems, caps = [], []
+        for pipe, moments in zip(cand.pipelines, self.moments(cand)):
+            n = len(pipe.stages)
+            chunks = cand.chunks if cand.schedule == "interleaved" and n > 1 else 1
+            kind = "1f1b" if n == 1 and cand.schedule == "interleaved" else cand.schedule
+            peaks = self._peaks(kind, n, pipe.microbatches, chunks)
+            mems.append(
+                tuple(
+                    self.stage_memory(
+                        s.group, s.layers, i == 0, i == n - 1, pipe.rows, s.recompute, peaks[i], moments=moments[i]
+                    )
+                    for i, s in enumerate(pipe.stages)
+                )
+            )
+            caps.append(tuple(self.capacity(s.group) for s in pipe.stages))
+        return tuple(mems), tuple(caps)
