@@ -34,6 +34,8 @@ import attrs
 import click
 
 from bench import benchlib as B
+from bench.paired import paired_rates, run_paired
+from bench.traces import bubble_fraction, compute_intervals, trace_steps
 
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")
@@ -165,7 +167,7 @@ def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> 
 
 
 def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
-    fixed, dynamic, cpu = B.paired_rates(got, tokens, steps)
+    fixed, dynamic, cpu = paired_rates(got, tokens, steps)
     ratios = [d / f for f, d in zip(fixed, dynamic)]
     rounds = len(ratios)
     return {
@@ -195,22 +197,22 @@ class RunResult:
 
 def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> RunResult:
     rows = launch.rows
-    steps = B.steady(B.trace_steps(trace), skip)
+    steps = B.steady(trace_steps(trace), skip)
     stages = len(steps[0])
     fwd = [[] for _ in range(stages)]
     bwd = [[] for _ in range(stages)]
     for step in steps:
-        for s, row in enumerate(B.compute_intervals(step)):
+        for s, row in enumerate(compute_intervals(step)):
             for a, start, end in row:
                 (fwd if a.startswith("F") else bwd)[s].append(end - start)
     return RunResult(
         B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
-        B.median([B.bubble_fraction(step) for step in steps]),
+        B.median([bubble_fraction(step) for step in steps]),
         [B.median(v) for v in fwd],
         [B.median(v) for v in bwd],
         trace,
         launch.cpu_s,
-        B.median([sum(e - s for row in B.compute_intervals(step) for _, s, e in row) for step in steps]),
+        B.median([sum(e - s for row in compute_intervals(step) for _, s, e in row) for step in steps]),
     )
 
 
@@ -219,7 +221,7 @@ def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
     from hetero_llm.predict.timeline import plot_timeline
 
     labels, _ = tracing.rank_rows(tracing.read_rank_traces(trace))
-    rows = B.trace_steps(trace)[step]
+    rows = trace_steps(trace)[step]
     plot_timeline(rows, path, title, labels=labels)
 
 
@@ -279,7 +281,7 @@ def main(
             layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
         paired_rounds = []
         for n in names if rounds else []:
-            got = B.run_paired(
+            got = run_paired(
                 layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps, versus="dynamic", env=envs[n]
             )
             paired_rounds.append(summarize_paired(n, got, cfg.tokens_per_step, round_steps))
@@ -308,7 +310,7 @@ def main(
                 last = measured[(n, k)][-1]
                 draw_timeline(
                     last.trace,
-                    min(skip + 1, len(B.trace_steps(last.trace)) - 1),
+                    min(skip + 1, len(trace_steps(last.trace)) - 1),
                     png,
                     f"{k}, {n} ({stages} stages, {microbatches} microbatches): one step",
                 )

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import benchlib
+from bench import benchlib, traces
 from bench import hot_switch_config as hot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def test_trace_steps_split_where_the_first_compute_recurs():
         ("SEND_B0", 5, 5),
     ]
     row = one + [(a, s + 10, e + 10) for a, s, e in one]
-    steps = benchlib._split_steps(row)
+    steps = traces._split_steps(row)
     assert [[a for a, _, _ in step] for step in steps] == [[a for a, _, _ in one]] * 2
     assert steps[1][0][1] == 10
 
@@ -258,12 +258,12 @@ def test_compute_intervals_and_bubble():
         [("F0", 0.0, 1.0), ("SEND_F0", 1.0, 1.0), ("RECV_B0", 1.0, 3.0), ("B0", 3.0, 5.0)],
         [("RECV_F0", 0.0, 0.0), ("RECV_F0", 0.0, 1.0), ("F0", 1.0, 2.0), ("B0", 2.0, 3.0), ("SEND_B0", 3.0, 3.0)],
     ]
-    assert benchlib.compute_intervals(step) == [
+    assert traces.compute_intervals(step) == [
         [("F0", 0.0, 1.0), ("B0", 3.0, 5.0)],
         [("F0", 1.0, 2.0), ("B0", 2.0, 3.0)],
     ]
-    assert benchlib.step_span(step) == 5.0
-    assert benchlib.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
+    assert traces.step_span(step) == 5.0
+    assert traces.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
 
 
 def test_markdown_table():
