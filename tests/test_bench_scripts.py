@@ -425,7 +425,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
     import attrs
 
     from bench import (
-        gpu_bench,
+        gpu_bench_cases,
         holmes_bench,
         launch_time,
         plan_bench,
@@ -460,13 +460,13 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
         benchlib.layout_toml(benchlib.ModelConfig(), [4, 4], 4, "interleaved", chunks=2),
         benchlib.layout_toml(benchlib.ModelConfig(), [8], 1, "zbh1"),
     ]
-    case = gpu_bench.Case(gpu_bench.SIZES["124m"], 1024, 16)
+    case = gpu_bench_cases.Case(gpu_bench_cases.SIZES["124m"], 1024, 16)
     for devices, kw in (
         (["cuda:0"], {"backend": "nccl", "compile_mode": "blocks"}),
         (["cuda:0"] * 2, {"stages": 2, "microbatches": 4}),
         (["cuda:0"] * 2, {}),
     ):
-        texts.append(gpu_bench.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
+        texts.append(gpu_bench_cases.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
     for text in texts:
         (tmp_path / "text.toml").write_text(text)
         layout.load(tmp_path / "text.toml")
