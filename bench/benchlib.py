@@ -1,8 +1,9 @@
-"""Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files.
+"""Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files, gloo's p2p cost.
 
 Scripts in this folder import it as ``from bench import benchlib`` (they run as ``python -m bench.NAME``
 from the repository root). Nothing here is part of the library: it drives ``hetero-launch`` as a user
-would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``, ``--trace``).
+would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``; the ``--trace``
+folders are read by ``bench/traces.py``). The paired comparison's driver is ``bench/paired.py``.
 
 Measurement rules every script follows (the machine is small and shared):
 
@@ -284,41 +285,6 @@ def start_ranks(
         raise RuntimeError(f"{module} rank {rank} failed ({code}):\n{outputs[rank]}")
 
 
-def run_paired(
-    layout: Path,
-    workdir: Path,
-    world: int,
-    rounds: int,
-    steps: int,
-    *,
-    versus: str = "torch",
-    env: dict[str, str] | None = None,
-) -> dict:
-    """``paired_rank.py``: the layout's own side and ``versus`` (torch's pipelining, or another
-    ``train.schedule``) in alternating rounds inside the same rank processes; rank 0's results."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    out = workdir / "paired.json"
-    start_ranks(
-        "bench.paired_rank",
-        [
-            str(layout),
-            "--port",
-            str(free_port()),
-            "--rounds",
-            str(rounds),
-            "--steps",
-            str(steps),
-            "--out",
-            str(out),
-            "--versus",
-            versus,
-        ],
-        world,
-        env=env,
-    )
-    return json.loads(out.read_text())
-
-
 # ------------------------------------------------------------------------------------------
 # Statistics
 
@@ -335,21 +301,6 @@ def median(values: Sequence[float]) -> float:
 def tokens_per_second(step_seconds: Sequence[float], tokens_per_step: int, skip: int) -> float:
     """Tokens per step over the median step time after ``skip`` warm-up steps."""
     return tokens_per_step / median(steady(step_seconds, skip))
-
-
-def paired_rates(got: dict, tokens_per_step: int, steps: int) -> tuple[list[float], list[float], dict[str, float]]:
-    """``run_paired``'s result: tokens/s of "ours" and of "other" in each round (the first step is warm-up),
-    and each side's CPU seconds per step, every rank together (median over rounds)."""
-
-    def rate(rows):
-        return tokens_per_second([r["seconds"] for r in rows], tokens_per_step, 1)
-
-    ours, other = [rate(rows) for rows in got["ours"]], [rate(rows) for rows in got["other"]]
-    cpu = {
-        side: median([sum(rank[side][i] for rank in got["cpu"]) / steps for i in range(len(ours))])
-        for side in ("ours", "other")
-    }
-    return ours, other, cpu
 
 
 # ------------------------------------------------------------------------------------------
@@ -428,74 +379,6 @@ def command_line() -> str:
 
 
 # ------------------------------------------------------------------------------------------
-# Traces (``hetero-launch --trace DIR``): per-step rows and compute intervals
-
-
-def _split_steps(row: list[tuple[str, float, float]]) -> list[list[tuple[str, float, float]]]:
-    from hetero_llm.predict import trace as tracing
-
-    return tracing.split_steps(row)
-
-
-def trace_steps(directory: Path) -> list[list[list[tuple[str, float, float]]]]:
-    """``[step][rank] -> (action, start s, end s)`` for the steps every rank recorded completely."""
-    from hetero_llm.predict import trace as tracing
-
-    _, rows = tracing.rank_rows(tracing.read_rank_traces(directory))
-    per_rank = [_split_steps(row) for row in rows]
-    steps = min(len(s) for s in per_rank)
-    return [[per_rank[rank][k] for rank in range(len(rows))] for k in range(steps)]
-
-
-def compute_intervals(
-    step: list[list[tuple[str, float, float]]], chunks: int = 1
-) -> list[list[tuple[str, float, float]]]:
-    """Per rank (= stage: one pipeline, TP 1) the compute records (``F``, ``B``, ``I``, ``W``) with the wait
-    for input cut off.
-
-    The runtime records the wait for a received tensor as its own ``RECV`` record, so ``F``/``B``
-    records are compute only; as a guard (older runtimes waited inside the ``F``), a compute start
-    is never earlier than the end of the peer's matching ``SEND`` (one clock per host).
-    """
-    from hetero_llm.schedule import COMPUTE_KINDS, Action, Kind, peer, requirements
-
-    num_stages = len(step)
-    sends = [{a: e for a, _, e in row if a.startswith("SEND")} for row in step]
-    out = []
-    for stage, row in enumerate(step):
-        kept = []
-        for text, start, end in row:
-            action = Action.parse(text)
-            if action.kind not in COMPUTE_KINDS:
-                continue
-            for _, needed in requirements(stage, action, num_stages, lowered=True, chunks=chunks):
-                if needed.kind in (Kind.RECV_F, Kind.RECV_B):
-                    src, send = peer(stage, needed, num_stages, chunks=chunks)
-                    posted = sends[src].get(str(send))
-                    if posted is not None:
-                        start = min(max(start, posted), end)
-            kept.append((text, start, end))
-        out.append(kept)
-    return out
-
-
-def step_span(step: list[list[tuple[str, float, float]]]) -> float:
-    """Seconds from the first compute's start to the last compute's end, over every rank.
-
-    Compute, not every record: a rank that finished the previous step's optimizer early posts its
-    receives and waits before the first stage has started; that wait is not part of the pipeline.
-    """
-    rows = [[r for r in row if r[0][0] in "FBW"] for row in step]
-    return max(e for row in rows for _, _, e in row) - min(s for row in rows for _, s, _ in row)
-
-
-def bubble_fraction(step: list[list[tuple[str, float, float]]], chunks: int = 1) -> float:
-    """Idle fraction of all stages together over the step's span (idle = not computing F or B)."""
-    busy = sum(e - s for row in compute_intervals(step, chunks) for _, s, e in row)
-    return 1.0 - busy / (len(step) * step_span(step))
-
-
-# ------------------------------------------------------------------------------------------
 # Point-to-point cost of gloo on this host
 
 
@@ -522,57 +405,6 @@ def _p2p_rank(rank: int, port: int, sizes: list[int], reps: int, out: str) -> No
     if rank == 0:
         Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
-
-
-def _exchange_rank(
-    rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str, addr: str = "127.0.0.1"
-) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from hetero_llm.comm import p2p
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
-    buffers = {n: (torch.zeros(n), torch.empty(n)) for n in sizes}
-    spans: dict[int, list] = {n: [] for n in sizes}
-    for i in range(reps + 2):
-        for n in sizes:  # the sizes alternate, so each pair of exchanges sees the same conditions
-            dist.barrier()
-            time.sleep(idle_s)
-            t0 = time.perf_counter()
-            p2p.exchange({1 - rank: buffers[n][0]}, {1 - rank: buffers[n][1]})
-            if i >= 2:
-                spans[n].append((t0, time.perf_counter()))
-    Path(f"{out}.{rank}").write_text(json.dumps(spans))
-    dist.destroy_process_group()
-
-
-def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> tuple[float, float]:
-    """(latency s per message, bandwidth bytes/s) as a hot switch sees gloo here: two forked processes, each
-    idle for ``idle_s`` (as a rank is between compute and a switch: asleep under emulated devices), then one
-    ``p2p.exchange`` both ways of a 1-element or a ``big``-element float32 tensor (alternating), each timed from
-    the moment the later process enters to the moment the later one leaves (the processes share one monotonic
-    clock). The switch model charges each device a latency per message it sends and one per message it
-    receives, so the latency is half the small exchanges' median; the bandwidth is the extra bytes of a big
-    exchange over the median of its extra time against the small one just before it."""
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp, "exchange"))
-        mp.start_processes(
-            _exchange_rank, args=(free_port(), [1, big], reps, idle_s, out), nprocs=2, start_method="fork"
-        )
-        return exchange_result(out, big)
-
-
-def exchange_result(out: str, big: int) -> tuple[float, float]:
-    """``exchange_probe``'s (latency, bandwidth) from the two ``_exchange_rank`` files ``{out}.0`` and ``{out}.1``
-    (the ranks may have run anywhere on this host: ``hot_switch.py`` runs them on testbed nodes)."""
-    ranks = [{int(k): v for k, v in json.loads(Path(f"{out}.{r}").read_text()).items()} for r in (0, 1)]
-    own = {n: [max(a[1], b[1]) - max(a[0], b[0]) for a, b in zip(ranks[0][n], ranks[1][n])] for n in (1, big)}
-    extra = statistics.median(b - s for s, b in zip(own[1], own[big]))
-    return statistics.median(own[1]) / 2, 4 * (big - 1) / max(extra, 1e-6)
 
 
 def p2p_probe(reps: int = 50, big: int = 1 << 20, *, fork: bool = False) -> tuple[float, float]:

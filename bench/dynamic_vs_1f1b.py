@@ -14,8 +14,8 @@ Two measurements per scenario, both interleaved so that background load hits bot
    ratio = median over rounds; each rank's process CPU time per round is counted too;
 2. separate ``hetero-launch`` runs, the order flipped every repetition; every run records
    ``--trace``, from which the bubble fraction is read and the timeline PNGs of one step are drawn.
- A Monte-Carlo model of the policies with the measured per-stage times (this
-script's ``model_policies``: the library's simulator runs fixed action lists only) shows what a
+ A Monte-Carlo model of the policies with the measured per-stage times (``bench/policy_model.py``'s
+``model_policies``: the library's simulator runs fixed action lists only) shows what a
 policy itself can gain when compute times are drawn like the emulation draws them, next to a
 lower bound for any order and to variants the runtime does not have (forward first, more
 microbatches in flight).
@@ -26,7 +26,6 @@ microbatches in flight).
 
 from __future__ import annotations
 
-import random
 import tempfile
 from pathlib import Path
 
@@ -34,6 +33,9 @@ import attrs
 import click
 
 from bench import benchlib as B
+from bench.paired import paired_rates, run_paired
+from bench.policy_model import WHAT_IF_POLICIES, model_policies
+from bench.traces import bubble_fraction, compute_intervals, trace_steps
 
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")
@@ -44,128 +46,10 @@ def emulation_env(slow_rank: int, slowdown: float, jitter: float) -> dict[str, s
 
 
 # ------------------------------------------------------------------------------------------
-# A Monte-Carlo model of scheduling policies (stages run in parallel; transfers take `latency`)
-
-
-@attrs.frozen
-class Policy:
-    """How a stage picks its next compute action.
-
-    ``fixed``: run the 1F1B list in order, waiting for each input. Otherwise dynamic: among ready
-    actions (a backward whose gradient arrived; the next forward if its input arrived and fewer than
-    ``stages - stage + extra`` microbatches are in flight), take a backward first (``backward_first``)
-    or the forward first. The runtime's ``run_dynamic`` is ``Policy("dynamic", backward_first=True)``.
-    """
-
-    name: str
-    fixed: bool = False
-    backward_first: bool = True
-    extra: int = 0  # microbatches in flight beyond 1F1B's bound (more activation memory)
-
-
-RUNTIME_POLICIES = (Policy("1f1b", fixed=True), Policy("dynamic"))
-WHAT_IF_POLICIES = RUNTIME_POLICIES + (
-    Policy("dynamic, forward first", backward_first=False),
-    Policy("dynamic, +2 in flight", extra=2),
-    Policy("dynamic, forward first, +2 in flight", backward_first=False, extra=2),
-)
-
-
-def model_policies(
-    forward: list[float],
-    backward: list[float],
-    microbatches: int,
-    multiplier,
-    latency: float,
-    steps: int = 200,
-    seed: int = 0,
-    policies=RUNTIME_POLICIES,
-) -> dict[str, float]:
-    """Mean step time of each policy when each compute's time is drawn, plus ``"bound"``.
-
-    ``multiplier(stage, rng)`` scales one compute's time (the emulation: ``slowdown + U(0, jitter)``);
-    every policy sees the same draws. ``bound`` is a lower bound for any order: the busiest stage's
-    work plus the least fill (forwards of microbatch 0 before it) and drain (backwards of the last
-    microbatch after it).
-    """
-    from hetero_llm.schedule import Kind, one_f_one_b
-
-    S, M = len(forward), microbatches
-    rng = random.Random(seed)
-    fixed = [[("F" if a.kind is Kind.F else "B", a.mb) for a in actions] for actions in one_f_one_b(S, M)]
-    totals = {p.name: 0.0 for p in policies} | {"bound": 0.0}
-    for _ in range(steps):
-        draw = {(s, k, m): multiplier(s, rng) for s in range(S) for k in "FB" for m in range(M)}
-
-        def cost(s, k, m):
-            return (forward if k == "F" else backward)[s] * draw[(s, k, m)]  # noqa: B023 (used in this iteration)
-
-        totals["bound"] += max(
-            sum(cost(s, k, m) for k in "FB" for m in range(M))
-            + sum(cost(u, "F", 0) + latency for u in range(s))
-            + sum(cost(u, "B", M - 1) + latency for u in range(s))
-            for s in range(S)
-        )
-        for policy in policies:
-            totals[policy.name] += _model_step(S, M, cost, latency, policy, fixed)
-    return {k: v / steps for k, v in totals.items()}
-
-
-def _model_step(S: int, M: int, cost, latency: float, policy: Policy, fixed) -> float:
-    """One step, event by event: always commit the action (over all stages) that can start first."""
-    f_ready = {(0, m): 0.0 for m in range(M)}  # (stage, mb) -> when the forward's input is there
-    b_ready: dict[tuple[int, int], float] = {}
-    free = [0.0] * S
-    pending = [list(actions) for actions in fixed]
-    in_flight: list[set[int]] = [set() for _ in range(S)]
-    next_f, done, end = [0] * S, [0] * S, 0.0
-    while any(d < M for d in done):
-        best = None
-        for s in range(S):
-            if done[s] == M:
-                continue
-            if policy.fixed:
-                k, m = pending[s][0]
-                ready = (f_ready if k == "F" else b_ready).get((s, m))
-                option = (max(free[s], ready), k, m) if ready is not None else None
-            else:
-                options = [(max(free[s], b_ready[(s, m)]), "B", m) for m in in_flight[s] if (s, m) in b_ready]
-                f = next_f[s]
-                if f < M and len(in_flight[s]) < S - s + policy.extra and (s, f) in f_ready:
-                    options.append((max(free[s], f_ready[(s, f)]), "F", f))
-                option = None
-                if options:  # at the earliest moment something is ready, take the preferred kind
-                    t0 = min(o[0] for o in options)
-                    now = sorted(o for o in options if o[0] <= t0)
-                    preferred = [o for o in now if (o[1] == "B") == policy.backward_first]
-                    option = min(preferred or now, key=lambda o: o[2])
-            if option is not None and (best is None or option[0] < best[0]):
-                best = (option[0], s, option[1], option[2])
-        t, s, k, m = best
-        finish = t + cost(s, k, m)
-        free[s], end = finish, max(end, finish)
-        if (k, m) in pending[s]:
-            pending[s].remove((k, m))
-        if k == "F":
-            in_flight[s].add(m)
-            next_f[s] += 1
-            if s + 1 < S:
-                f_ready[(s + 1, m)] = finish + latency
-            else:
-                b_ready[(s, m)] = finish
-        else:
-            in_flight[s].discard(m)
-            done[s] += 1
-            if s > 0:
-                b_ready[(s - 1, m)] = finish + latency
-    return end
-
-
-# ------------------------------------------------------------------------------------------
 
 
 def summarize_paired(scenario: str, got: dict, tokens: int, steps: int) -> dict:
-    fixed, dynamic, cpu = B.paired_rates(got, tokens, steps)
+    fixed, dynamic, cpu = paired_rates(got, tokens, steps)
     ratios = [d / f for f, d in zip(fixed, dynamic)]
     rounds = len(ratios)
     return {
@@ -195,22 +79,22 @@ class RunResult:
 
 def analyse(trace: Path, launch: B.Launch, cfg: B.ModelConfig, skip: int) -> RunResult:
     rows = launch.rows
-    steps = B.steady(B.trace_steps(trace), skip)
+    steps = B.steady(trace_steps(trace), skip)
     stages = len(steps[0])
     fwd = [[] for _ in range(stages)]
     bwd = [[] for _ in range(stages)]
     for step in steps:
-        for s, row in enumerate(B.compute_intervals(step)):
+        for s, row in enumerate(compute_intervals(step)):
             for a, start, end in row:
                 (fwd if a.startswith("F") else bwd)[s].append(end - start)
     return RunResult(
         B.tokens_per_second([r["seconds"] for r in rows], cfg.tokens_per_step, skip),
-        B.median([B.bubble_fraction(step) for step in steps]),
+        B.median([bubble_fraction(step) for step in steps]),
         [B.median(v) for v in fwd],
         [B.median(v) for v in bwd],
         trace,
         launch.cpu_s,
-        B.median([sum(e - s for row in B.compute_intervals(step) for _, s, e in row) for step in steps]),
+        B.median([sum(e - s for row in compute_intervals(step) for _, s, e in row) for step in steps]),
     )
 
 
@@ -219,7 +103,7 @@ def draw_timeline(trace: Path, step: int, path: Path, title: str) -> None:
     from hetero_llm.predict.timeline import plot_timeline
 
     labels, _ = tracing.rank_rows(tracing.read_rank_traces(trace))
-    rows = B.trace_steps(trace)[step]
+    rows = trace_steps(trace)[step]
     plot_timeline(rows, path, title, labels=labels)
 
 
@@ -279,7 +163,7 @@ def main(
             layouts[k].write_text(B.layout_toml(cfg, split, microbatches, k))
         paired_rounds = []
         for n in names if rounds else []:
-            got = B.run_paired(
+            got = run_paired(
                 layouts["1f1b"], Path(tmp, f"paired_{n}"), stages, rounds, round_steps, versus="dynamic", env=envs[n]
             )
             paired_rounds.append(summarize_paired(n, got, cfg.tokens_per_step, round_steps))
@@ -308,7 +192,7 @@ def main(
                 last = measured[(n, k)][-1]
                 draw_timeline(
                     last.trace,
-                    min(skip + 1, len(B.trace_steps(last.trace)) - 1),
+                    min(skip + 1, len(trace_steps(last.trace)) - 1),
                     png,
                     f"{k}, {n} ({stages} stages, {microbatches} microbatches): one step",
                 )

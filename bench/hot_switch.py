@@ -27,7 +27,7 @@ matmuls (the regime HotSPa targets: TP across a slow link for long sequences). M
 run (static, switching, then again): tokens/s (over the real targets; median steps after warm-up),
 the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, waiting included), each
 switch's own time (last rank in to last rank out), and ``bucket_sim.switch_seconds`` of the same switches
-with gloo's latency and bandwidth as a switch sees them (``benchlib.exchange_probe``: two processes idle
+with gloo's latency and bandwidth as a switch sees them (``hot_switch_probes.exchange_probe``: two processes idle
 for 10 ms, then one exchange both ways, timed last in to last out; probed before every switching run), a
 memory-copy bandwidth and a host cost per block (the switch's own block code over the bench's real switches,
 each round after 0.1 s asleep, as a rank reaches a switch).
@@ -43,18 +43,17 @@ devices (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise
     python -m bench.hot_switch --network loopback
     python -m bench.hot_switch --quick
 
-The scenario (configuration, cluster, layouts) is ``bench/hot_switch_config.py``; this module runs and measures it.
+The scenario (configuration, cluster, layouts) is ``bench/hot_switch_config.py``; this module runs and measures it,
+with ``hot_switch_probes.py`` (the host's exchanges and copies), ``hot_switch_runs.py`` (one launch, on loopback or
+the testbed, and its switch times) and ``hot_switch_predict.py`` (the simulator's predictions of a run).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import attrs
@@ -71,252 +70,11 @@ from bench.hot_switch_config import (
     device_spec,
     layout_text,
 )
+from bench.hot_switch_predict import predicted, predicted_static
+from bench.hot_switch_probes import copy_costs, exchange_probe, exchange_probe_testbed
+from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
 
 NAME = "hot_switch"
-
-
-def switch_times(trace: Path) -> tuple[list[float], list[float]]:
-    """Per step (a step begins at its switch into bucket 0): the seconds rank 0 spent in SWITCH actions,
-    waiting for the other rank included, and the switches' own time: for each switch, from the moment the
-    last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
-    from hetero_llm.predict import trace as tracing
-
-    switches = [
-        [e for e in record["events"] if e["action"].startswith("SWITCH")] for record in tracing.read_rank_traces(trace)
-    ]
-    if len({tuple(e["action"] for e in row) for row in switches}) != 1:
-        raise RuntimeError(f"ranks of {trace} made different switches")
-    rank0: list[float] = []
-    own: list[float] = []
-    for k, e in enumerate(switches[0]):
-        if e["action"] == "SWITCH>b0":
-            rank0.append(0.0)
-            own.append(0.0)
-        if rank0:
-            rank0[-1] += float(e["end"]) - float(e["start"])
-            own[-1] += max(float(row[k]["end"]) for row in switches) - max(float(row[k]["start"]) for row in switches)
-    return rank0, own
-
-
-def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float, float]:
-    """(bytes/s of copying a few MB, seconds of host work per block) on this host. The second is the switch's
-    own per-transfer code (``hotswitch._block`` and ``_apply``: narrow the source, copy or add into the target)
-    run in this process over device node0:0's transfers of the bench's real switches (home -> b0 -> b1) on
-    full-size parameters, each round after ``idle_s`` asleep: a rank reaches a switch after its compute,
-    asleep under emulated devices, and cold it takes 1.5-2.5x what the same loop takes hot (measured)."""
-    import torch
-
-    from hetero_llm import layout as layout_mod
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.switching import switcher as hotswitch
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
-
-    src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    big = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        big.append(time.perf_counter() - t0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "switching.toml"
-        path.write_text(layout_text(cfg, "top-up", (1, 1)))
-        lay = layout_mod.load(path)
-    home = compile_plan(lay)
-    slots = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay))}}
-
-    def slot(name, plan):  # every parameter whole, so any transfer's block is in it
-        infos = {i.name: i for r in plan.ranks for i, _, _ in plan.params_of(r.rank)}
-        params = {n: torch.zeros(i.shape) for n, i in infos.items()}
-        for p in params.values():
-            p.grad = torch.zeros_like(p)
-        return hotswitch.Slot(name, plan, None, params, {n: (i.shard_dim or 0, 0) for n, i in infos.items()}, None)
-
-    full = {name: slot(name, plan) for name, plan in slots.items()}
-    seconds, count = 0.0, 0
-    for a, b, grads in (("home", "b0", False), ("b0", "b1", True)):
-        sw = step_switch(home, slots[a], slots[b], params=True, grads=grads)
-        moves = [(t, full["home"]) for t in sw.params] + [(t, full[a]) for t in sw.grads]
-        mine = [(t, origin) for t, origin in moves if cfg.devices[0] in (t.src, t.dst)]
-        rounds = []
-        for _ in range(reps):
-            time.sleep(idle_s)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for t, origin in mine:
-                    hotswitch._apply(full[b], t, hotswitch._block(origin, t))
-            rounds.append(time.perf_counter() - t0)
-        seconds += B.median(rounds)
-        count += len(mine)
-    return 4 * (1 << 20) / B.median(big), seconds / count
-
-
-_PEAK_WRAPPER = (
-    "import resource, subprocess, sys; done = subprocess.run(sys.argv[1:]); "
-    "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(done.returncode)"
-)
-
-
-def launch_with_peak(
-    layout: Path, workdir: Path, trace: Path | None, env: dict[str, str], tb=None
-) -> tuple[list[dict], int]:
-    """``hetero-launch`` run inside a small wrapper process whose waited-for children are the launcher and its
-    ranks, so the wrapper's children's peak RSS is this run's largest process (KiB). ``tb`` (a testbed): one
-    ``hetero-launch --node`` per emulated node, each in its node's namespace, rendezvous on the cross-domain
-    fabric (the default group's, which switches use)."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    metrics = workdir / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_llm.cli",
-        str(layout),
-        "--quiet",
-        "--metrics-jsonl",
-        str(metrics),
-        *(["--trace", str(trace)] if trace else []),
-    ]
-    if tb is None:
-        cmd += ["--set", f"cluster.port={B.free_port()}"]
-        proc = subprocess.run(
-            [sys.executable, "-c", _PEAK_WRAPPER, *cmd],
-            capture_output=True,
-            text=True,
-            timeout=900,
-            env=B.clean_env(env),
-            cwd=B.ROOT,
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-        peak = int(proc.stdout.split()[-1])
-    else:
-        peak = _launch_testbed(tb, cmd, workdir, env)
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    return rows, peak
-
-
-def _launch_testbed(tb, cmd: list[str], workdir: Path, env: dict[str, str], timeout_s: float = 900) -> int:
-    env = {
-        **env,
-        "MASTER_ADDR": tb.address("node0", "xdom"),
-        "MASTER_PORT": str(B.free_port()),
-        "GLOO_SOCKET_IFNAME": "xdom",
-        "OMP_NUM_THREADS": "1",
-    }
-    procs, logs = {}, {}
-    try:
-        for node in ("node0", "node1"):
-            logs[node] = workdir / f"{node}.log"
-            with open(logs[node], "w") as log:
-                procs[node] = tb.run(
-                    node,
-                    [sys.executable, "-c", _PEAK_WRAPPER, *cmd, "--node", node],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    cwd=B.ROOT,
-                )
-        deadline = time.monotonic() + timeout_s
-        while any(p.poll() is None for p in procs.values()):
-            if any(p.returncode not in (None, 0) for p in procs.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    bad = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
-    if bad:
-        output = "\n".join(f"--- {n}\n{path.read_text()}" for n, path in logs.items())
-        raise RuntimeError(f"{' '.join(cmd)} failed on the testbed ({bad}):\n{output}")
-    return max(int(path.read_text().split()[-1]) for path in logs.values())
-
-
-def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tuple[float, float]:
-    """``benchlib.exchange_probe`` between the testbed's two nodes, over their domain's fabric (where the world
-    group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp, "exchange"))
-        code = (
-            f"import sys; from bench import benchlib; "
-            f"benchlib._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
-            f"{tb.address('node0', 'domain')!r})"
-        )
-        procs = [
-            tb.run(
-                f"node{r}",
-                [sys.executable, "-c", code, str(r)],
-                env={"GLOO_SOCKET_IFNAME": "dom0", "OMP_NUM_THREADS": "1"},
-                cwd=B.ROOT,
-            )
-            for r in (0, 1)
-        ]
-        for proc in procs:
-            if proc.wait(timeout=600) != 0:
-                raise RuntimeError(f"the exchange probe on the testbed failed ({proc.returncode})")
-        return B.exchange_result(out, big)
-
-
-def testbed(cfg: Config):
-    """Two emulated nodes of one domain; both fabrics at the TP link's rate (``cfg.tp_gbps``), no added delay."""
-    from bench import testbed as T
-
-    fabric = T.FabricSpec(f"{cfg.tp_gbps * 1000:.6g}mbit", "0us")
-    spec = T.TestbedSpec(
-        (T.EmulatedDomain("d0", fabric),), (T.EmulatedNode("node0", "d0"), T.EmulatedNode("node1", "d0")), fabric
-    )
-    return T.Testbed(spec, delay=T.DelayMode.NONE)
-
-
-def predicted(
-    cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float, device
-) -> tuple[list[float], list[float]]:
-    """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
-    ``bucket_sim.simulate_buckets``' whole step (for switching layouts)."""
-    from hetero_llm import layout as layout_mod
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.predict import trace as tracing
-    from hetero_llm.switching import predict as bucket_sim
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
-
-    lay = layout_mod.load(layout)
-    home = compile_plan(lay)
-    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
-    events = tracing.read_rank_traces(trace)[0]["events"]
-    switches: list[float] = []
-    current, ran = "home", False
-    for e in events:
-        name = e["action"]
-        if not name.startswith("SWITCH"):
-            ran = ran or name[0] in "FBIW"
-            continue
-        target = name.split(">", 1)[1]
-        if target == "b0":
-            switches.append(0.0)
-            current, ran = "home", False
-        switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
-        switches[-1] += bucket_sim.switch_seconds(switch, links, copy_bw, per_block)
-        current = target
-    steps = [
-        bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
-        for s in range(cfg.steps)
-    ]
-    return switches, steps
-
-
-def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:
-    """``bucket_sim.simulate_buckets`` of the static layout as one bucket under the home layout (the same
-    documents, packed first-fit decreasing into the global batch's rows as the static run packs them)."""
-    from hetero_llm import layout as layout_mod
-    from hetero_llm.switching import predict as bucket_sim
-
-    one = layout.with_name(layout.stem + "_one_bucket.toml")
-    static = layout_mod.load(layout)
-    layout_mod.dump(
-        attrs.evolve(static, buckets=(layout_mod.BucketSpec(max_len=cfg.seq_len),)), one, relative_to=one.parent
-    )
-    lay = layout_mod.load(one)
-    return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
 
 
 def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str], tb=None) -> dict:
@@ -356,7 +114,7 @@ def network_line(cfg: Config) -> str:
 
 def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     """One comparison (static and switching, interleaved) on one emulated device. Before each switching run,
-    ``benchlib.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
+    ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
     that were idle, one exchange both ways); that run's predictions use them."""
     from hetero_llm.predict.device import EmulatedDevice
 
@@ -371,7 +129,7 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
         def probe() -> tuple[float, float]:  # the link as a switch sees it
             if tb:
                 return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17)
-            return B.exchange_probe(reps=cfg.probe_reps, big=1 << 17)
+            return exchange_probe(reps=cfg.probe_reps, big=1 << 17)
 
         if tb:  # the static runs' links (pipeline sends): the testbed's, not loopback's
             link = probe()
@@ -518,7 +276,7 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
     name = NAME + ("_testbed" if network == "testbed" else "")
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo exchanges and memory copies on this host")
-    latency, bandwidth = B.exchange_probe(reps=5 if quick else 40, big=1 << 17)
+    latency, bandwidth = exchange_probe(reps=5 if quick else 40, big=1 << 17)
     copy_bw, per_block = copy_costs(cfg, reps=3 if quick else 15)
     links = {
         "local": (0.0, copy_bw),

@@ -28,6 +28,7 @@ from pathlib import Path
 import click
 
 from bench import benchlib as B
+from bench.paired import paired_rates, run_paired
 
 NAME = "shm_bench"
 SIZES = (4, 64 << 10, 1 << 20, 16 << 20)
@@ -170,7 +171,7 @@ def summarize_waiting(got: dict) -> list[dict]:
 
 
 def summarize_training(name: str, schedule: str, got: dict, tokens: int, steps: int) -> dict:
-    shm, gloo, cpu = B.paired_rates(got, tokens, steps)
+    shm, gloo, cpu = paired_rates(got, tokens, steps)
     ratios = [s / g for s, g in zip(shm, gloo)]
     rounds = len(ratios)
     same = all(abs(a["loss"] - b["loss"]) == 0 for ra, rb in zip(got["ours"], got["other"]) for a, b in zip(ra, rb))
@@ -273,7 +274,7 @@ def main(rank, port, out, rounds, round_steps, quick, out_dir):
                 layout = Path(tmp, "layout.toml")
                 half = cfg.layers // 2
                 layout.write_text(B.layout_toml(cfg, [half, cfg.layers - half], microbatches, schedule))
-                paired = B.run_paired(
+                paired = run_paired(
                     layout, Path(tmp, f"paired_{len(training)}"), 2, rounds, round_steps, versus="network"
                 )
                 training.append(summarize_training(name, schedule, paired, cfg.tokens_per_step, round_steps))

@@ -28,6 +28,7 @@ import attrs
 import click
 
 from bench import benchlib as B
+from bench.traces import bubble_fraction, compute_intervals, step_span, trace_steps
 
 NAME = "sim_vs_measured"
 
@@ -67,7 +68,7 @@ def stage_times(steps, num_stages: int, chunks: int, average=B.median) -> dict[s
     all the stage's chunks (``average`` of each chunk's records, summed over chunks)."""
     samples: dict[tuple[str, int, int], list[float]] = {}
     for step in steps:
-        for stage, row in enumerate(B.compute_intervals(step, chunks)):
+        for stage, row in enumerate(compute_intervals(step, chunks)):
             for action, start, end in row:
                 chunk = int(action.split(".")[1]) if "." in action else 0
                 samples.setdefault((action[0], stage, chunk), []).append(end - start)
@@ -177,7 +178,7 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             path.write_text(B.layout_toml(cfg, case.stage_layers, microbatches, case.schedule, chunks=case.chunks))
             work = Path(tmp, case.slug)
             rows = B.run_layout(path, work, trace=work / "trace")
-            traced = B.steady(B.trace_steps(work / "trace"), skip)
+            traced = B.steady(trace_steps(work / "trace"), skip)
             S = len(case.stage_layers)
             times = stage_times(traced, S, case.chunks)
             fwd, (bwd, weight) = times["F"], backward_and_weight(times)
@@ -205,9 +206,9 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
             sim_mean = predict(fwd_mean, bwd_mean, weight_mean)
             overhead = action_overhead(traced)
             sim_over = predict(fwd_mean, bwd_mean, weight_mean, overhead)
-            measured = B.median([B.step_span(s) for s in traced])
+            measured = B.median([step_span(s) for s in traced])
             step_s = B.median(B.steady([r["seconds"] for r in rows], skip))
-            bubble = B.median([B.bubble_fraction(s, case.chunks) for s in traced])
+            bubble = B.median([bubble_fraction(s, case.chunks) for s in traced])
             r = {
                 "layout": case.label,
                 "stages": S,

@@ -28,6 +28,8 @@ import attrs
 import click
 
 from bench import benchlib as B
+from bench.paired import run_paired
+from bench.traces import _split_steps
 
 NAME = "vs_torch_pipelining"
 
@@ -58,7 +60,7 @@ class Run:
 def measure_ours(seconds: list[float], events: list[tuple[str, float, float]], tokens: int, skip: int) -> Run:
     """From metrics seconds and rank 0's trace records (``(action, start, end)``)."""
     seconds = B.steady(seconds, skip)
-    rank0 = B.steady(B._split_steps([tuple(e) for e in events]), skip)
+    rank0 = B.steady(_split_steps([tuple(e) for e in events]), skip)
     return Run(
         tokens / B.median(seconds),
         tokens / min(seconds),
@@ -290,7 +292,7 @@ def main(
             layouts[(n, k)].write_text(B.layout_toml(cfg, even_split(cfg.layers, n), microbatches, k))
         if rounds:
             for n, k in configs:
-                got = B.run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
+                got = run_paired(layouts[(n, k)], Path(tmp, f"paired_s{n}_{k}"), n, rounds, round_steps)
                 pairs = [
                     (measure_ours([m["seconds"] for m in o], ev, tokens, 1), measure_torch(t, tokens, 1))
                     for o, ev, t in zip(got["ours"], got["ours_events"], got["other"])

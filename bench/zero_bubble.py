@@ -24,6 +24,8 @@ import attrs
 import click
 
 from bench import benchlib as B
+from bench.paired import run_paired
+from bench.traces import bubble_fraction, compute_intervals, trace_steps
 
 NAME = "zero_bubble"
 SCHEDULES = ("1f1b", "zbh1")
@@ -64,15 +66,15 @@ class Traced:
 
 
 def analyse(trace: Path, rows: list[dict], tokens: int, skip: int) -> Traced:
-    steps = B.steady(B.trace_steps(trace), skip)
+    steps = B.steady(trace_steps(trace), skip)
     samples: dict[str, list[list[float]]] = {}
     for step in steps:
-        for stage, row in enumerate(B.compute_intervals(step)):
+        for stage, row in enumerate(compute_intervals(step)):
             for action, start, end in row:
                 samples.setdefault(action[0], [[] for _ in step])[stage].append(end - start)
     return Traced(
         B.tokens_per_second([r["seconds"] for r in rows], tokens, skip),
-        B.median([B.bubble_fraction(step) for step in steps]),
+        B.median([bubble_fraction(step) for step in steps]),
         {kind: [B.median(v) for v in per_stage] for kind, per_stage in samples.items()},
     )
 
@@ -137,7 +139,7 @@ def main(
             layouts = {k: Path(tmp, f"s{n}_{k}.toml") for k in SCHEDULES}
             for k, path in layouts.items():
                 path.write_text(B.layout_toml(cfg, split, microbatches, k))
-            got = B.run_paired(layouts["1f1b"], Path(tmp, f"paired_s{n}"), n, rounds, round_steps, versus="zbh1")
+            got = run_paired(layouts["1f1b"], Path(tmp, f"paired_s{n}"), n, rounds, round_steps, versus="zbh1")
             paired = summarize_paired(got, cfg.tokens_per_step, round_steps)
             B.say(
                 f"paired {n} stages: 1f1b {paired['1f1b_tokens_s']:.0f}, zbh1 {paired['zbh1_tokens_s']:.0f} tokens/s, "
@@ -165,7 +167,7 @@ def main(
             for k in SCHEDULES:
                 png = f"{NAME}_s{n}_{k}.png"
                 work = Path(tmp, f"s{n}_{k}_r{reps - 1}")
-                step = B.trace_steps(work / "trace")[min(skip, len(B.trace_steps(work / "trace")) - 1)]
+                step = trace_steps(work / "trace")[min(skip, len(trace_steps(work / "trace")) - 1)]
                 plot_timeline(step, out_dir / png, f"{k}, {n} stages, {microbatches} microbatches: one step (measured)")
                 pngs.append(png)
             t = last["zbh1"].times

@@ -146,6 +146,21 @@ def test_nothing_below_the_command_line_imports_it():
     assert users == []
 
 
+def _over_500_lines(paths) -> dict[str, int]:
+    """The files among ``paths`` (relative to the repository root) longer than 500 lines, with their length."""
+    lines = {str(p.relative_to(PACKAGE.parent)): len(p.read_text().splitlines()) for p in paths}
+    return {name: n for name, n in lines.items() if n > 500}
+
+
 def test_no_module_is_over_500_lines():
-    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 500}
-    assert long == {}
+    assert _over_500_lines(MODULES.values()) == {}
+
+
+BENCH = PACKAGE.parent / "bench"
+
+
+def test_no_bench_module_is_over_500_lines():
+    """bench/ too: the benchmark scripts, the modules they share and the testbed package."""
+    modules = sorted(BENCH.rglob("*.py"))
+    assert {BENCH / "benchlib.py", BENCH / "hot_switch.py", BENCH / "testbed" / "__init__.py"} <= set(modules)
+    assert _over_500_lines(modules) == {}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import benchlib
+from bench import benchlib, traces
 from bench import hot_switch_config as hot
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -247,7 +247,7 @@ def test_trace_steps_split_where_the_first_compute_recurs():
         ("SEND_B0", 5, 5),
     ]
     row = one + [(a, s + 10, e + 10) for a, s, e in one]
-    steps = benchlib._split_steps(row)
+    steps = traces._split_steps(row)
     assert [[a for a, _, _ in step] for step in steps] == [[a for a, _, _ in one]] * 2
     assert steps[1][0][1] == 10
 
@@ -258,12 +258,12 @@ def test_compute_intervals_and_bubble():
         [("F0", 0.0, 1.0), ("SEND_F0", 1.0, 1.0), ("RECV_B0", 1.0, 3.0), ("B0", 3.0, 5.0)],
         [("RECV_F0", 0.0, 0.0), ("RECV_F0", 0.0, 1.0), ("F0", 1.0, 2.0), ("B0", 2.0, 3.0), ("SEND_B0", 3.0, 3.0)],
     ]
-    assert benchlib.compute_intervals(step) == [
+    assert traces.compute_intervals(step) == [
         [("F0", 0.0, 1.0), ("B0", 3.0, 5.0)],
         [("F0", 1.0, 2.0), ("B0", 2.0, 3.0)],
     ]
-    assert benchlib.step_span(step) == 5.0
-    assert benchlib.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
+    assert traces.step_span(step) == 5.0
+    assert traces.bubble_fraction(step) == pytest.approx(1 - 5.0 / 10.0)
 
 
 def test_markdown_table():
@@ -425,7 +425,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
     import attrs
 
     from bench import (
-        gpu_bench,
+        gpu_bench_cases,
         holmes_bench,
         launch_time,
         plan_bench,
@@ -460,13 +460,13 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
         benchlib.layout_toml(benchlib.ModelConfig(), [4, 4], 4, "interleaved", chunks=2),
         benchlib.layout_toml(benchlib.ModelConfig(), [8], 1, "zbh1"),
     ]
-    case = gpu_bench.Case(gpu_bench.SIZES["124m"], 1024, 16)
+    case = gpu_bench_cases.Case(gpu_bench_cases.SIZES["124m"], 1024, 16)
     for devices, kw in (
         (["cuda:0"], {"backend": "nccl", "compile_mode": "blocks"}),
         (["cuda:0"] * 2, {"stages": 2, "microbatches": 4}),
         (["cuda:0"] * 2, {}),
     ):
-        texts.append(gpu_bench.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
+        texts.append(gpu_bench_cases.layout_toml(case, devices=devices, steps=20, corpus=corpus, **kw))
     for text in texts:
         (tmp_path / "text.toml").write_text(text)
         layout.load(tmp_path / "text.toml")
