@@ -6,6 +6,14 @@ plan order, each under its transport's network settings (a domain's interface an
 The result is a ``Comms`` record passed to whoever needs it: nothing here keeps module globals.
 Written device-agnostic: gloo on CPU, NCCL on CUDA, same calls. What travels over these groups:
 ``hetero_llm.comm.p2p`` (stage boundaries) and ``hetero_llm.comm.collectives`` (TP, gradient sync, ZeRO-1).
+
+Liveness is the heartbeats' business (``hetero_llm.comm.heartbeat``), not a wait's length: a rank may wait on
+its peers for as long as they compute (a pipeline with a small share of the batch waits in the gradient sync,
+a device idle for a hot-switching bucket waits out the whole bucket), so once the groups exist every wait on
+a peer (a collective, a gloo send or receive, a shared-memory ring) lasts up to ``PEER_WAIT``. A stopped or
+hung rank is named by its peers' heartbeats within ``cluster.timeout_s``; a dead one closes its connections
+and rings, which fails the ranks waiting on it at once. Creating the groups, before any heartbeat runs, stays
+bounded by ``cluster.timeout_s`` (30 s at least).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from hetero_llm.comm.rendezvous import rendezvous
 from hetero_llm.errors import RankFailure
 from hetero_llm.layout import CommLib
 from hetero_llm.plan.rank import GradSyncKey, Group, GroupKey, RankPlan
+
+PEER_WAIT = timedelta(days=7)  # see the module doc: far longer than any step; the heartbeats decide liveness
 
 
 @attrs.define
@@ -76,7 +86,19 @@ def init(rp: RankPlan, device: torch.device, rings: shm.RankRings, agree: str = 
     tp_group = groups[rp.tp_group] if rp.tp_group is not None else None
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
+    _wait_for_peers(list(groups.values()), list(links.values()))
     return Comms(rp.rank, device, groups, tp_group, rp.stage.ranks, cupy=cupy_groups, shm=links)
+
+
+def _wait_for_peers(groups: list, links: list) -> None:
+    """From now on the default group's, ``groups``' and the shared-memory ``links``' waits last up to
+    ``PEER_WAIT`` (module doc). A gloo send or receive waits its context's timeout, fixed when its group was
+    made: ``p2p`` waits for those with ``PEER_WAIT`` itself."""
+    for group in (None, *groups):
+        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a group this rank is not in has no waits
+            dist.distributed_c10d._set_pg_timeout(PEER_WAIT, group)
+    for link in links:
+        link.timeout_s = PEER_WAIT.total_seconds()
 
 
 def shutdown() -> None:
@@ -228,16 +250,16 @@ def _cupy_groups(rp: RankPlan, store: dist.Store, device: torch.device) -> dict[
 
 
 def layout_groups(
-    groups_in_order: tuple[Group, ...], rp: RankPlan | None, world_rank_of: dict[int, int], timeout_s: float
+    groups_in_order: tuple[Group, ...], rp: RankPlan | None, world_rank_of: dict[int, int]
 ) -> dict[GroupKey, dist.ProcessGroup]:
     """Every group of another layout (a hot-switching bucket) over this job's processes: created on every rank
     in that layout's order, members mapped to world ranks; ``rp`` is this process's RankPlan in that layout
-    (None: it has none), whose network settings apply as in ``init``."""
-    timeout = timedelta(seconds=max(timeout_s, 30))
+    (None: it has none), whose network settings apply as in ``init``. Made while training, when the heartbeats
+    run: their waits, creation included, last up to ``PEER_WAIT`` (a device idle for the bucket waits it out)."""
     groups = {}
     for g in groups_in_order:
         env = group_env(rp, g) if rp is not None and rp.rank in g.ranks else {}
         with environment(env):
-            groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=timeout)
+            groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=PEER_WAIT)
     dist.barrier()
     return groups

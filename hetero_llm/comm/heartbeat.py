@@ -1,7 +1,8 @@
 """Name a rank that stops responding (SIGSTOP, a hung host) instead of the ranks left waiting for it.
 
-A rank blocked in a collective or a receive cannot tell a slow peer from a stopped one, and gloo's
-timeout then fails the *waiting* ranks, so the launcher would blame them. Each rank therefore runs a
+A rank blocked in a collective or a receive cannot tell a slow peer from a stopped one: its waits last as
+long as its peers compute (``hetero_llm.comm.groups.PEER_WAIT``), and a timeout there would fail the
+*waiting* ranks, so the launcher would blame them. Liveness is decided here instead: each rank runs a
 thread that bumps its own counter in the rendezvous store every ``INTERVAL_S`` and reads everyone
 else's. A process that is stopped stops all its threads, so its counter stands still while the rank is
 alive to the kernel. When a peer's counter has not moved for ``cluster.timeout_s``, the watcher gives

@@ -13,7 +13,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.groups import PEER_WAIT, Comms
 from hetero_llm.comm.streams import NO_STREAMS, Streams
 from hetero_llm.plan import Route
 from hetero_llm.schedule import Direction
@@ -56,6 +56,19 @@ def _p2p(op, tensor: torch.Tensor, peer: int, group, tag: int):
         works = dist.batch_isend_irecv([dist.P2POp(op, tensor, peer, group, tag)])
         return works[0]
     return op(tensor, peer, group=group, tag=tag)
+
+
+def finish(work) -> None:
+    """Wait for one send or receive (a process group's, or a shared-memory ring's) to complete.
+
+    A gloo send or receive waits up to ``PEER_WAIT``, as long as its peer takes (``groups``' module doc): left
+    to itself it would give up after the timeout its group was made with. NCCL's wait as they are: their
+    ``wait(timeout)`` would block the host, and their timeout is the group's (``PEER_WAIT`` too).
+    """
+    if isinstance(work, dist.Work) and dist.get_backend() == "gloo":
+        work.wait(PEER_WAIT)
+    else:
+        work.wait()
 
 
 def _tag(direction: Direction, mb: int, chunk: int, piece: int) -> int:
@@ -117,7 +130,7 @@ class PendingRecv:
 
         def waiter(work=self.work, flag=self._arrived, error=self._error):
             try:
-                work.wait()  # consumes gloo's completion: nobody may wait() on this work again
+                finish(work)  # consumes gloo's completion: nobody may wait() on this work again
             except BaseException as e:  # handed to the main thread by wait()
                 error.append(e)
             finally:
@@ -140,7 +153,7 @@ class PendingRecv:
             if self._error:
                 raise self._error[0]
         else:
-            self.work.wait()  # NCCL: the current (compute) stream waits for the receive; gloo: blocks
+            finish(self.work)  # NCCL: the current (compute) stream waits for the receive; gloo: blocks
         if self.device is None:
             s.hand_over(self.buffer, s.compute)  # allocated on the p2p stream, read on the compute stream
         numel = 1
@@ -200,7 +213,7 @@ def _irecv(comms: Comms, buf: torch.Tensor, src: int, group, tag: int, direction
 
 def wait_sends(comms: Comms) -> None:
     for work, _ in comms.pending_sends:
-        work.wait()
+        finish(work)
     comms.pending_sends.clear()
 
 
@@ -217,4 +230,4 @@ def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) 
     works = [dist.irecv(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(receives.items())]
     works += [dist.isend(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(sends.items())]
     for w in works:
-        w.wait()
+        finish(w)

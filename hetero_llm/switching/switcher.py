@@ -98,7 +98,7 @@ class Switcher:
         rank = mine[0] if mine else None
         world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
         rp = plan.rank_plan(rank) if rank is not None else None
-        groups = layout_groups(plan.groups, rp, world_of, plan.layout.cluster.timeout_s)  # every rank, in order
+        groups = layout_groups(plan.groups, rp, world_of)  # every rank, in order
         if rank is None:
             return Slot(name, plan, None, {}, {}, None)
         params, coords = {}, {}
