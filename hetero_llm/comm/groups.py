@@ -94,9 +94,12 @@ def _wait_for_peers(groups: list, links: list) -> None:
     """From now on the default group's, ``groups``' and the shared-memory ``links``' waits last up to
     ``PEER_WAIT`` (module doc). A gloo send or receive waits its context's timeout, fixed when its group was
     made: ``p2p`` waits for those with ``PEER_WAIT`` itself."""
+    # torch's private setter (in torch 2.13, the tested version): without it, collectives keep the timeout the
+    # groups were made with (a slow peer then ends the job after it), and p2p waits with PEER_WAIT regardless
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
     for group in (None, *groups):
-        if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a group this rank is not in has no waits
-            dist.distributed_c10d._set_pg_timeout(PEER_WAIT, group)
+        if set_timeout is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:  # not in it: no waits
+            set_timeout(PEER_WAIT, group)
     for link in links:
         link.timeout_s = PEER_WAIT.total_seconds()
 
