@@ -94,6 +94,7 @@ def main(
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
 
+    launcher.quiet_cpp_warnings()  # before anything imports torch
     request = preflight.Request(
         layout_file,
         tuple(overrides),

@@ -45,6 +45,15 @@ class RunOptions:
     tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
 
 
+def quiet_cpp_warnings() -> None:
+    """Before torch is imported (its C++ logging reads the level once, then): leave out torch's C++ warnings.
+    A rank whose peer died gets one from each store or gloo operation on the closed connection, each with a
+    page of C++ frames, before the one line that names the cause. Errors still show; TORCH_CPP_LOG_LEVEL,
+    or HETERO_DEBUG=1, keeps them all."""
+    if os.environ.get("HETERO_DEBUG", "0") in ("", "0"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def local_addresses() -> set[str]:
     names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
     try:
@@ -334,6 +343,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
     # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    met = None  # the RankPlan, once the rendezvous and the groups are made
     try:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -341,6 +351,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         rp = plan.rank_plan(rank)  # from here on the rank runs from its RankPlan
         agree = Path(options.resume).name if options.resume else ""  # ranks resuming from different saves disagree
         comms = groups.init(rp, device, shm.rank_rings(plan, rank), agree=agree)
+        met = rp
         events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
@@ -364,8 +375,23 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     except KeyboardInterrupt:
         raise
     except BaseException as e:
-        _report_rank_error(rank, e)
+        gone = _store_gone(met, e)
+        _report_rank_error(rank, gone or e)
+        if gone is not None:
+            raise gone from None
         raise
+
+
+def _store_gone(rp, e: BaseException) -> RankFailure | None:
+    """Why this rank failed when the rank serving the rendezvous store died under it (killed, crashed): its
+    connections broke in whatever this rank was doing, gloo, shared memory or the store, each with its own
+    words; name the rank that is gone instead. None before the rendezvous, or when the store still answers."""
+    if rp is None or isinstance(e, (LayoutError, Diverged)) or not isinstance(e, Exception):
+        return None
+    from hetero_llm.comm import rendezvous
+
+    gone = rendezvous.server_gone(rp)
+    return None if gone is None else RankFailure(gone)
 
 
 def _switcher(plan: Plan, rank: int):
