@@ -319,9 +319,10 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> socket.sock
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-def server_gone(rp: RankPlan) -> str | None:
-    """After this rank failed: when another rank serves the store and the store no longer answers a ping, one
-    line naming that rank as gone (its death broke this rank's connections); None while it answers."""
+def server_gone(rp: RankPlan) -> RankFailure | None:
+    """After this rank failed: when another rank serves the store and its port refuses connections, or closes
+    them unanswered, one line naming that rank as gone (its death broke this rank's connections). None while the
+    store answers, and while it is silent: a stopped server, which the heartbeat names (comm/heartbeat.py)."""
     ep = endpoint(rp)
     if ep.server is None or ep.server == rp.rank:
         return None
@@ -330,13 +331,13 @@ def server_gone(rp: RankPlan) -> str | None:
         sock = socket.create_connection((ep.host, ep.port), timeout=limit)
     except OSError:  # refused: its process is gone; or its host is
         pass
-    else:  # a process still dying may hold its listening socket a moment longer, but not answer on it
-        if _ping(sock, time.monotonic() + limit):
+    else:  # a process still dying may hold its listening socket a moment longer, and then reset what it took
+        if _ping(sock, time.monotonic() + limit) is not False:
             return None
-    return (
+    return RankFailure(
         f"rank {rp.rank}: rank {ep.server} ({rp.peers[ep.server]}), which served the rendezvous store at "
-        f"{ep.host}:{ep.port}, is gone: nothing answers there any more (its process died or was killed, or "
-        "its host is unreachable; see its node's output)"
+        f"{ep.host}:{ep.port}, is gone: no connection to it is answered any more (its process died or was "
+        "killed, or its host is unreachable; see its node's output)"
     )
 
 

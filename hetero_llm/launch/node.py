@@ -46,10 +46,9 @@ class RunOptions:
 
 
 def quiet_cpp_warnings() -> None:
-    """Before torch is imported (its C++ logging reads the level once, then): leave out torch's C++ warnings.
-    A rank whose peer died gets one from each store or gloo operation on the closed connection, each with a
-    page of C++ frames, before the one line that names the cause. Errors still show; TORCH_CPP_LOG_LEVEL,
-    or HETERO_DEBUG=1, keeps them all."""
+    """Before torch is imported (its C++ logging reads the level then): no C++ warnings, which a rank whose peer died
+    gets from every store or gloo operation, each with a page of C++ frames, before the line that names the cause.
+    Errors still show; TORCH_CPP_LOG_LEVEL, or HETERO_DEBUG=1, keeps them all."""
     if os.environ.get("HETERO_DEBUG", "0") in ("", "0"):
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
@@ -383,15 +382,13 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
 
 
 def _store_gone(rp, e: BaseException) -> RankFailure | None:
-    """Why this rank failed when the rank serving the rendezvous store died under it (killed, crashed): its
-    connections broke in whatever this rank was doing, gloo, shared memory or the store, each with its own
-    words; name the rank that is gone instead. None before the rendezvous, or when the store still answers."""
+    """Why this rank failed when the rank serving the store died under it (its connections broke, in gloo, shared
+    memory or the store, each in its own words): that rank, named. None before the rendezvous, or while it answers."""
     if rp is None or isinstance(e, (LayoutError, Diverged)) or not isinstance(e, Exception):
         return None
-    from hetero_llm.comm import rendezvous
+    from hetero_llm.comm.rendezvous import server_gone
 
-    gone = rendezvous.server_gone(rp)
-    return None if gone is None else RankFailure(gone)
+    return server_gone(rp)
 
 
 def _switcher(plan: Plan, rank: int):
