@@ -1,7 +1,9 @@
-"""Files written whole or not at all: a crash leaves the old file or the new one, never part of one."""
+"""Files written whole or not at all: a crash leaves the old file or the new one, never part of one; and what a
+full disk is, where it is, and how much room it has left."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -39,3 +41,50 @@ def fsync_dir(folder: str | os.PathLike) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def no_space(e: BaseException | None) -> bool:
+    """Whether ``e``, or an exception it was raised from or while handling, is a full disk or quota (ENOSPC,
+    EDQUOT): torch.save, for one, reports a failed write as a RuntimeError raised while handling the OSError."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes an unprivileged writer may still use on the filesystem of ``path`` (or of its nearest existing
+    folder)."""
+    folder = Path(path).absolute()
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def device_of(path: str | os.PathLike) -> str:
+    """The filesystem ``path`` is on, for messages: ``SOURCE at MOUNTPOINT`` (``/dev/sda1 at /data``, ``tmpfs at
+    /scratch``), or the mount point alone where /proc/self/mounts does not say."""
+    folder = Path(os.path.realpath(path))
+    while not os.path.ismount(folder) and folder != folder.parent:
+        folder = folder.parent
+    source = ""
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:  # the last mount on a point is the one in effect
+                fields = line.split()
+                if len(fields) > 1 and _unescape(fields[1]) == str(folder):
+                    source = _unescape(fields[0])
+    except OSError:
+        pass
+    return f"{source} at {folder}" if source else str(folder)
+
+
+def _unescape(field: str) -> str:
+    """A /proc/self/mounts field: space, tab, newline and backslash are written as octal escapes."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field

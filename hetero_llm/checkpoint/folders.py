@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from hetero_llm._fs import TMP, fsync_dir, write_atomically
+from hetero_llm._fs import TMP, device_of, free_bytes, fsync_dir, no_space, write_atomically
 from hetero_llm.errors import CheckpointError
 from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.model.params import all_params
@@ -108,6 +108,17 @@ def remove_leftovers(root: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def no_space_error(root: str | os.PathLike, path: Path, needed: int) -> CheckpointError:
+    """The one line for a save that found its disk full writing ``path`` (``needed`` bytes; its temporary file
+    already removed, so the free space is what the disk has without it)."""
+    return CheckpointError(
+        str(root),
+        "--checkpoint",
+        f"no space left on {device_of(path)} writing {path} ({needed / 1e6:.1f} MB needed, "
+        f"{free_bytes(path) / 1e6:.1f} MB free: free space or give --checkpoint another disk)",
+    )
+
+
 def file_digest(path: Path, progress: Callable[[int], None] | None = None) -> tuple[int, str]:
     """(size in bytes, sha256 hex digest) of the file at ``path``; ``progress(bytes)`` after each chunk read."""
     digest, size = hashlib.sha256(), 0
@@ -154,8 +165,19 @@ def finish_save(
             }
             for name, f in files.items()
         }
-    write_atomically(folder / META, lambda f: f.write((_json_lines(meta) + "\n").encode()))
-    write_atomically(folder.parent / LATEST, lambda f: f.write(f"{folder.name}\n".encode()))
+    _write_small(folder.parent, folder / META, _json_lines(meta) + "\n")
+    _write_small(folder.parent, folder.parent / LATEST, f"{folder.name}\n")
+
+
+def _write_small(root: Path, path: Path, text: str) -> None:
+    """meta.json or ``latest`` of checkpoint root ``root``, atomically; a full disk is one line."""
+    data = text.encode()
+    try:
+        write_atomically(path, lambda f: f.write(data))
+    except OSError as e:
+        if no_space(e):
+            raise no_space_error(root, path, len(data)) from None
+        raise
 
 
 def _json_lines(value, indent: str = "") -> str:

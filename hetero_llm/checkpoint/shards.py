@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import torch
 
-from hetero_llm._fs import write_atomically
+from hetero_llm._fs import no_space, write_atomically
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.checkpoint.folders import Checkpoint
 from hetero_llm.comm import collectives
@@ -91,8 +91,14 @@ def save_checkpoint(
     path = checkpoint.rank_file(folder, rank)
     payload = sum(t.nbytes for shard in shards.values() for key, t in shard.items() if key != "coords")
     bar = Bar(f"saving {folder}", 2 * payload, "B", enabled=None if progress else False)  # written, then read back
+    failed: list[OSError] = []  # what a write raised: torch.save reports it as a RuntimeError of its own
     try:
-        write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update)))
+        try:
+            write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update, failed)))
+        except Exception as e:
+            if any(no_space(x) for x in (e, *failed)):  # the temporary file is gone, the earlier saves untouched
+                raise checkpoint.no_space_error(root, path, payload) from None
+            raise
         digest = checkpoint.file_digest(path, bar.update)
     finally:
         bar.close()
@@ -109,14 +115,23 @@ class _Counted:
 
     file: BinaryIO
     written: Callable[[int], None]
+    failed: list[OSError] = attrs.field(factory=list)  # the OSError a write raised, kept for the caller
 
     def write(self, data) -> int:
-        n = self.file.write(data)
+        try:
+            n = self.file.write(data)
+        except OSError as e:
+            self.failed.append(e)
+            raise
         self.written(memoryview(data).nbytes if n is None else n)
         return n
 
     def flush(self) -> None:
-        self.file.flush()
+        try:
+            self.file.flush()
+        except OSError as e:
+            self.failed.append(e)
+            raise
 
 
 def _all_digests(world_size: int, rank: int, digest: tuple[int, str], device: torch.device) -> list[tuple[int, str]]:

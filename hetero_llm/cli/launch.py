@@ -81,6 +81,7 @@ def main(**args):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
 
+    launcher.quiet_cpp_warnings()  # before anything imports torch
     request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
     rank, quiet = request.rank, request.quiet
     try:

@@ -10,7 +10,10 @@ it at the ``MASTER_ADDR`` it gives the workers) and every rank is a client of it
 Every wait is bounded by ``cluster.timeout_s`` and every failure is one line naming the rank and what it
 waited for: a rank probes the address with plain sockets until the server answers before it makes a
 store client, so a master that never appears, an unresolvable host or an address that does not answer
-ends in our message, not in torch's retry warnings and C++ frames.
+ends in our message, not in torch's retry warnings and C++ frames. What answers must then answer a
+store's ping (``_check_is_store``): torch's store client waits for that reply without any timeout, so a
+foreign server on the port (which accepts and says nothing, or says something else) would hold the rank
+forever. A server rank whose port is taken is refused before any rank starts (``check_port_free``).
 
 Neither the store nor gloo authenticate anything: whoever reaches the port can join or read the
 rendezvous. Run on a trusted network (docs/launch.md).
@@ -23,9 +26,10 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import struct
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -38,6 +42,10 @@ if TYPE_CHECKING:
     from hetero_llm.plan.rank import Meeting, RankPlan
 
 _PROBE_S = 2.0  # longest single connect attempt while waiting for the server
+# torch's TCPStore wire protocol (c10d/TCPStoreBackend.hpp, the same for its libuv and its classic server): a
+# client opens with VALIDATE and the magic number, then PING with a nonce that the server sends back. Host
+# byte order. tests/test_failures_named.py checks a real store still answers it.
+_VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
 
 
 @attrs.frozen
@@ -119,7 +127,7 @@ def rendezvous(rp: RankPlan, agree: str = ""):
     if rank == ep.server:
         store = _serve(rp, ep, timeout)
     else:
-        _wait_for_server(rp, ep, start + timeout)
+        _check_is_store(rp, ep, _wait_for_server(rp, ep, start + timeout), start + timeout)
         try:
             store = dist.TCPStore(
                 ep.host,
@@ -169,13 +177,63 @@ def listen(host: str, port: int, who: str) -> socket.socket:
     When ``host`` is not an address of this machine (``MASTER_ADDR`` as other nodes see the master
     through NAT or a port forward), it listens on every interface instead and says so on stderr.
     """
+
+    def everywhere() -> None:
+        sys.stderr.write(
+            f"warning: {who}: {host} is not an address of this machine; serving the rendezvous "
+            f"on every interface, port {port}\n"
+        )
+
     try:
-        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = _bind(host, port, everywhere)
     except socket.gaierror as e:
         raise RankFailure(
             f"{who} cannot serve the rendezvous: host '{host}' does not resolve ({e.strerror}); "
             "fix the master node's host or MASTER_ADDR"
         ) from None
+    except OSError as e:
+        raise RankFailure(f"{who} could not serve the rendezvous on {host}:{port}: {_why(e)}") from None
+    try:
+        sock.listen(512)
+    except OSError as e:
+        sock.close()
+        raise RankFailure(f"{who} could not serve the rendezvous on {host}:{port}: {_why(e)}") from None
+    return sock
+
+
+def _why(e: OSError) -> str:
+    hint = " (port in use: set MASTER_PORT or cluster.port)" if e.errno == errno.EADDRINUSE else ""
+    return f"{e.strerror}{hint}"
+
+
+def check_port_free(plan: Plan, ranks: list[int]) -> None:
+    """Before ``ranks`` start on this host: when one of them serves the store, its port must be free here
+    (a ``LayoutError`` naming the port otherwise, rather than one rank's failure after every rank started)."""
+    ep = endpoint(plan)
+    if ep.server is None or ep.server not in ranks:
+        return
+    try:
+        _bind(ep.host, ep.port).close()
+    except OSError as e:  # anything else (an unresolvable host, no permission) is the server rank's to name
+        if e.errno == errno.EADDRINUSE:
+            file, key = _port_key(plan.meeting.file, ep)
+            raise LayoutError(
+                file,
+                key,
+                f"port {ep.port} on {ep.host} is in use by another program, so rank {ep.server} cannot serve "
+                f"the rendezvous there (stop it, or choose another {key})",
+            ) from None
+
+
+def _port_key(file: str, ep: Endpoint) -> tuple[str, str]:
+    """Where the port came from, for a message: (file, key)."""
+    return ("environment", "MASTER_PORT") if "MASTER_PORT" in ep.where else (file, "cluster.port")
+
+
+def _bind(host: str, port: int, everywhere: Callable[[], None] = lambda: None) -> socket.socket:
+    """A socket bound to ``port`` on ``host``'s address, or, when that is not an address of this machine, on
+    every interface (after calling ``everywhere``); OSError and socket.gaierror as they come."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -184,21 +242,57 @@ def listen(host: str, port: int, who: str) -> socket.socket:
         except OSError as e:
             if e.errno != errno.EADDRNOTAVAIL:
                 raise
-            sys.stderr.write(
-                f"warning: {who}: {host} is not an address of this machine; serving the rendezvous "
-                f"on every interface, port {port}\n"
-            )
+            everywhere()
             sock.bind(("::" if family == socket.AF_INET6 else "0.0.0.0", port))
-        sock.listen(512)
-    except OSError as e:
+    except BaseException:
         sock.close()
-        hint = " (port in use: set MASTER_PORT or cluster.port)" if e.errno == errno.EADDRINUSE else ""
-        raise RankFailure(f"{who} could not serve the rendezvous on {host}:{port}: {e.strerror}{hint}") from None
+        raise
     return sock
 
 
-def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
-    """Connect plain sockets to the rendezvous until one is accepted, at most until ``deadline``."""
+def _check_is_store(rp: RankPlan, ep: Endpoint, sock: socket.socket, deadline: float) -> None:
+    """What accepted ``sock`` answers a store's ping by ``deadline`` (at least a second from now), or a
+    ``LayoutError`` naming the port. A server rank that has bound its port but not made its store yet answers
+    once it has: the ping waits in the socket until then."""
+    answered = _ping(sock, deadline)
+    if answered:
+        return
+    file, key = _port_key(rp.meeting.file, ep)
+    if answered is None:
+        what = (
+            f"accepted a connection but gave no rendezvous answer within {rp.meeting.timeout_s:g} s: something "
+            "that is not hetero-launch's rendezvous listens there, or the process serving it is stopped"
+        )
+    else:
+        what = "is answered by something that is not hetero-launch's rendezvous"
+    raise LayoutError(file, key, f"port {ep.port} on {ep.host} {what} (stop it, or choose another {key})")
+
+
+def _ping(sock: socket.socket, deadline: float) -> bool | None:
+    """Ping a store through connected ``sock`` (closed after): True if it answers as one by ``deadline`` (at least
+    a second from now); False if something else was said, or the connection was closed or reset; None if
+    nothing was said by then."""
+    nonce = os.getpid() & 0xFFFFFFFF
+    reply = b""
+    with sock:
+        try:
+            sock.sendall(struct.pack("=BIBI", _VALIDATE, _MAGIC, _PING, nonce))
+            while len(reply) < 4:
+                sock.settimeout(max(1.0, deadline - time.monotonic()))
+                chunk = sock.recv(4 - len(reply))
+                if not chunk:
+                    return False  # closed: a store keeps a client's connection open
+                reply += chunk
+        except TimeoutError:
+            return None if not reply else False
+        except OSError:  # reset: not a store either
+            return False
+    return reply == struct.pack("=I", nonce)
+
+
+def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> socket.socket:
+    """Connect plain sockets to the rendezvous until one is accepted, at most until ``deadline``; the
+    connected socket."""
     rank = rp.rank
     while True:
         try:
@@ -209,8 +303,7 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
             ) from None
         left = deadline - time.monotonic()
         try:
-            with socket.create_connection((ep.host, ep.port), timeout=max(0.05, min(_PROBE_S, left))):
-                return
+            return socket.create_connection((ep.host, ep.port), timeout=max(0.05, min(_PROBE_S, left)))
         except OSError as e:
             why = e.strerror or str(e) or type(e).__name__
         if time.monotonic() >= deadline:
@@ -224,6 +317,28 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> None:
                 f"(last: {why}); is {who} started, and is the address right?"
             )
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def server_gone(rp: RankPlan) -> RankFailure | None:
+    """After this rank failed: when another rank serves the store and its port refuses connections, or closes
+    them unanswered, one line naming that rank as gone (its death broke this rank's connections). None while the
+    store answers, and while it is silent: a stopped server, which the heartbeat names (comm/heartbeat.py)."""
+    ep = endpoint(rp)
+    if ep.server is None or ep.server == rp.rank:
+        return None
+    limit = min(_PROBE_S, rp.meeting.timeout_s)
+    try:
+        sock = socket.create_connection((ep.host, ep.port), timeout=limit)
+    except OSError:  # refused: its process is gone; or its host is
+        pass
+    else:  # a process still dying may hold its listening socket a moment longer, and then reset what it took
+        if _ping(sock, time.monotonic() + limit) is not False:
+            return None
+    return RankFailure(
+        f"rank {rp.rank}: rank {ep.server} ({rp.peers[ep.server]}), which served the rendezvous store at "
+        f"{ep.host}:{ep.port}, is gone: no connection to it is answered any more (its process died or was "
+        "killed, or its host is unreachable; see its node's output)"
+    )
 
 
 def _check_arrivals(rp: RankPlan, ep: Endpoint, store, token: str, timeout: float) -> None:

@@ -45,6 +45,14 @@ class RunOptions:
     tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
 
 
+def quiet_cpp_warnings() -> None:
+    """Before torch is imported (its C++ logging reads the level then): no C++ warnings, which a rank whose peer died
+    gets from every store or gloo operation, each with a page of C++ frames, before the line that names the cause.
+    Errors still show; TORCH_CPP_LOG_LEVEL, or HETERO_DEBUG=1, keeps them all."""
+    if os.environ.get("HETERO_DEBUG", "0") in ("", "0"):
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def local_addresses() -> set[str]:
     names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
     try:
@@ -334,6 +342,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
     # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
+    met = None  # the RankPlan, once the rendezvous and the groups are made
     try:
         device = torch.device(info.device)
         if device.type == "cuda" and not torch.cuda.is_available():
@@ -341,6 +350,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         rp = plan.rank_plan(rank)  # from here on the rank runs from its RankPlan
         agree = Path(options.resume).name if options.resume else ""  # ranks resuming from different saves disagree
         comms = groups.init(rp, device, shm.rank_rings(plan, rank), agree=agree)
+        met = rp
         events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
         try:
             give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
@@ -364,8 +374,21 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
     except KeyboardInterrupt:
         raise
     except BaseException as e:
-        _report_rank_error(rank, e)
+        gone = _store_gone(met, e)
+        _report_rank_error(rank, gone or e)
+        if gone is not None:
+            raise gone from None
         raise
+
+
+def _store_gone(rp, e: BaseException) -> RankFailure | None:
+    """Why this rank failed when the rank serving the store died under it (its connections broke, in gloo, shared
+    memory or the store, each in its own words): that rank, named. None before the rendezvous, or while it answers."""
+    if rp is None or isinstance(e, (LayoutError, Diverged)) or not isinstance(e, Exception):
+        return None
+    from hetero_llm.comm.rendezvous import server_gone
+
+    return server_gone(rp)
 
 
 def _switcher(plan: Plan, rank: int):
