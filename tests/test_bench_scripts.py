@@ -503,3 +503,60 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
         path = tmp_path / "cluster.toml"
         path.write_text(text)
         load_cluster(path)
+
+
+def test_published_quick(tmp_path):
+    """``bench.published --quick``: a table row per published number; the Megatron 1.7B row's FLOPs redone by hand
+    from the paper's formula and its step time, which is ``hetero-plan --evaluate``'s for the committed files; and
+    the cluster files and layouts it writes are the committed ones."""
+    from click.testing import CliRunner
+
+    from hetero_llm.cli.plan import main as plan_main
+
+    files = tmp_path / "files"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.published", "--quick", "--budget", "1", "--out-dir", str(tmp_path)]
+        + ["--files-dir", str(files)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=benchlib.clean_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, f"published --quick failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    md = (tmp_path / "published.md").read_text()
+    for table in (
+        ["row", "GPUs", "metric", "published", "predicted", "predicted/published", "within 15%"],
+        ["cluster", "published layout", "its step s", "pick's step s", "pick/published", "planner's pick", "plan s"],
+    ):
+        assert table in _headers(md)
+    payload = json.loads((tmp_path / "published.json").read_text())
+    rows = {r["row"]: r for r in payload["results"]}
+    assert set(rows) == {
+        "megatron_1.7b",
+        "h100_gpt_1.3b_eager",
+        "h100_gpt_1.3b_compiled",
+        "h100_gpt_124m_eager",
+        "h100_gpt_124m_compiled",
+        "holmes_nic_aware",
+        "holmes_default",
+    }
+    for r in rows.values():  # each row in the printed table, with its ratio
+        assert f"| {r['row']} " in md and f"| {r['ratio']:.2f} " in md
+        assert r["ratio"] == pytest.approx(r["predicted"] / r["published"], rel=1e-12)
+
+    r = rows["megatron_1.7b"]
+    assert (r["gpus"], r["published"]) == (32, 137.0)
+    B, s, l, h, V = 512, 2048, 24, 2304, 51200  # global batch, sequence, layers, hidden, vocabulary
+    flops = 96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert r["published_flops_per_step"] == pytest.approx(flops, rel=1e-12)
+    assert r["predicted"] == pytest.approx(flops / r["step_time_s"] / 32 / 1e12, rel=1e-12)
+    cli = CliRunner().invoke(plan_main, [str(ROOT / r["cluster"]), "--evaluate", str(ROOT / r["layout"]), "--json"])
+    assert cli.exit_code == 0, cli.output
+    assert json.loads(cli.output)["step_time"] == pytest.approx(r["step_time_s"], rel=1e-12)
+
+    written = sorted(p.relative_to(files) for p in files.rglob("*.toml"))
+    assert len(written) == 2 + 2 * 2 + 2  # Megatron 1.7B's and the two H100s' cluster and layout; Holmes' two
+    for rel in written:
+        assert (files / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: rerun python -m bench.published"
+    assert {p["cluster"] for p in payload["picks"]} == {rows[n]["cluster"] for n in rows}

@@ -71,3 +71,27 @@ def test_a_layout_of_another_model_or_cluster_is_refused(tmp_path):
     moved = attrs.evolve(lay, pipelines=(attrs.evolve(lay.pipelines[0], stages=(stage, *lay.pipelines[0].stages[1:])),))
     with pytest.raises(LayoutError, match=r"pipelines\[0\]\.stages\[0\]\.devices: \['elsewhere:0'\] are not devices"):
         evaluate.candidate_of(load_cluster(CLUSTER), moved, "m.toml")
+
+
+def test_a_layout_of_another_batch_precision_or_optimizer_is_one_line(tmp_path):
+    """The cost model prices the cluster file's [train]: a layout of another global batch (whose tokens/s and MFU
+    would be counted with the cluster file's batch), precision or optimizer is refused, not mispriced."""
+    lay = layout_mod.load(LAYOUTS / "planned" / "small_cpu.toml")
+    doubled = attrs.evolve(
+        lay,
+        train=attrs.evolve(lay.train, global_batch=2 * lay.train.global_batch),
+        pipelines=tuple(attrs.evolve(p, batch=2 * p.batch, microbatches=2 * p.microbatches) for p in lay.pipelines),
+    )
+    path = tmp_path / "doubled.toml"
+    dump(doubled, path)
+    result = run(CLUSTER, "--evaluate", path)
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {path}: train.global_batch: 16 differs from the cluster file's 8 ({CLUSTER}): the cost model "
+        "predicts the cluster file's [train] (set train.global_batch = 8 in the layout, or evaluate it with a "
+        "cluster file of train.global_batch = 16)\n",
+    )
+    result = run(CLUSTER, "--evaluate", _layout(tmp_path, precision=layout_mod.Precision.BF16))
+    assert result.exit_code == 2 and "train.precision: 'bf16' differs from the cluster file's 'fp32'" in result.output
+    result = run(CLUSTER, "--evaluate", _layout(tmp_path, optimizer=layout_mod.Optimizer.ADAMW_ZERO1))
+    assert result.exit_code == 2 and "train.optimizer: 'adamw_zero1' differs" in result.output

@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from harness import LAYOUT_FILES, LAYOUTS, ROOT
+from harness import LAYOUT_FILES, LAYOUTS, PUBLISHED_LAYOUTS, ROOT
 from hetero_llm import layout
 from hetero_llm.layout import (
     BucketSpec,
@@ -33,8 +33,8 @@ from hetero_llm.layout.writer import toml_key, toml_value
 from hetero_llm.planner.cluster import load_cluster
 
 DATA_FILES = sorted((ROOT / "tests" / "data").glob("*.toml"))
-CLUSTER_FILES = sorted((LAYOUTS / "clusters").glob("*.toml"))
-ALL_LAYOUTS = LAYOUT_FILES + DATA_FILES
+CLUSTER_FILES = sorted((LAYOUTS / "clusters").rglob("*.toml"))
+ALL_LAYOUTS = LAYOUT_FILES + PUBLISHED_LAYOUTS + DATA_FILES
 
 
 def _id(path: Path) -> str:

@@ -15,6 +15,9 @@ from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
 
 PRICED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZBH1)
+# [train] keys the cost model takes from the cluster file: tokens and FLOPs per step, the device kinds' peak
+# and the activation bytes, the optimizer's memory and time
+PRICED_TRAIN = ("global_batch", "precision", "optimizer")
 
 
 @attrs.frozen
@@ -72,6 +75,17 @@ def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
             f"differs from the cluster file's [model] ({cluster.file}): the cost model predicts the cluster file's "
             "model (evaluate a layout planned from it, or give the layout's model to the cluster file)",
         )
+    for key in PRICED_TRAIN:  # what the cost model reads of [train]: a layout's own would be priced wrong, silently
+        mine, theirs = getattr(layout.train, key), getattr(cluster.train, key)
+        if mine != theirs:
+            v, w = getattr(mine, "value", mine), getattr(theirs, "value", theirs)
+            raise LayoutError(
+                where,
+                f"train.{key}",
+                f"{v!r} differs from the cluster file's {w!r} ({cluster.file}): the cost model predicts the "
+                f"cluster file's [train] (set train.{key} = {w!r} in the layout, or evaluate it with a cluster "
+                f"file of train.{key} = {v!r})",
+            )
     cand = candidate_of(cluster, layout, where)
     cost = PlannerCostModel(cluster)
     score = cost.score(cand)
