@@ -22,6 +22,7 @@ class SearchSpace(Protocol):
     node_order: dict[str, int]
     start: float
     budget: float
+    sweep_limit: int  # structures the sweep may realize (the budget in work)
 
     @property
     def limits(self): ...  # the cluster's [plan] limits (schedules, max_tp, ...)
@@ -35,6 +36,8 @@ class SearchSpace(Protocol):
     def realize(self, st: Structure) -> Candidate | None: ...
 
     def estimate(self, cand: Candidate) -> float: ...
+
+    def out_of_time(self, fraction: float = 0.98) -> bool: ...
 
 
 @attrs.frozen
@@ -55,3 +58,4 @@ class Result:
     evaluated: int
     seconds: float
     seed_score: Score | None  # hetero-place's plan, when it applies
+    cut_by_time: bool = False  # the wall-clock cap (plan.time_budget_s) stopped the search before its work budget
