@@ -435,6 +435,8 @@ class Planner:
         """Score every structure whose lower bound beats the best so far."""
         best = min((s.step_time for _, s in self.scored.values()), default=INF)
         for st in structures:
+            if self.out_of_time(0.4):  # the safety net (a huge batch makes every simulation long)
+                break
             cand = self.realize(st)
             if cand is None or self.bound(cand, best) >= best:
                 continue
