@@ -6,6 +6,7 @@ Torch-free (the CLI in this process; the determinism test runs it in subprocesse
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -286,3 +287,17 @@ def test_profile_reports_its_spread_and_refuses_a_noisy_one(tmp_path, monkeypatc
     assert res.exit_code == 0 and "widest spread 10%" in res.stdout
     res = run_plan(SMALL, "--profile", out, "--kind", "cpu", "--device", "cpu", "--max-spread", "-1")
     assert res.stderr == f"error: {SMALL}: --max-spread: must be >= 0, got -1\n" and res.exit_code == 2
+
+
+def test_a_real_measurement_with_no_spread_allowed_is_refused(tmp_path):
+    """With torch: --max-spread 0 refuses any measurement whose repeats differ at all (timings always do)."""
+    pytest.importorskip("torch", reason="measuring a profile runs the model (reading one does not)")
+    out = tmp_path / "p.json"
+    res = run_plan(SMALL, "--profile", out, "--kind", "cpu", "--device", "cpu", "--max-spread", "0")
+    pattern = (
+        rf"error: {re.escape(str(SMALL))}: --profile: the measurement is noisy: (layer|head)_(forward|backward)_s "
+        r"ranged \S+ / \S+ / \S+ ms \(min / median / max of 7 repeats\), a spread of \d+%, over --max-spread 0%; "
+        r"nothing written \(rerun on an idle machine\)\n"
+    )
+    assert re.fullmatch(pattern, res.stderr), res.stderr
+    assert res.exit_code == 2 and res.stdout == "" and not out.exists()
