@@ -189,6 +189,13 @@ BEFORE = [
         "devices: list 'cuda:N' devices or use backend = 'gloo')",
     ),
     (
+        lambda t: t.replace("log_every = 1\n", 'log_every = 1\ncompile = "blocks"\n').replace(
+            'schedules = ["1f1b", "zbh1", "interleaved"]', 'schedules = ["zbh1"]'
+        ),
+        "plan.schedules: only 'zbh1', whose split backward train.compile = 'blocks' cannot compile (allow "
+        "'1f1b' or 'interleaved', or set train.compile = 'none')",
+    ),
+    (
         lambda t: t.replace("global_batch = 8 ", "global_batch = 1000000000 "),
         "train.global_batch: 1000000000 sequences per step is more than the planner searches (at most 65536: "
         "plan a smaller global batch, then scale the pipelines' batch and microbatches)",
@@ -196,7 +203,7 @@ BEFORE = [
 ]
 
 
-@pytest.mark.parametrize("edit,message", BEFORE, ids=["heads", "nccl-host", "nccl-cpu", "huge-batch"])
+@pytest.mark.parametrize("edit,message", BEFORE, ids=["heads", "nccl-host", "nccl-cpu", "zbh1-compiled", "huge-batch"])
 def test_input_errors_come_before_the_search_and_name_the_cluster_file(tmp_path, monkeypatch, edit, message):
     cluster = edited(tmp_path, edit)
     no_search(monkeypatch)
@@ -205,6 +212,33 @@ def test_input_errors_come_before_the_search_and_name_the_cluster_file(tmp_path,
         assert res.stderr == f"error: {cluster}: {message}\n", res.stderr
         assert res.exit_code == 2 and res.stdout == ""
     assert not (tmp_path / "out.toml").exists()
+
+
+def test_a_relative_data_path_is_checked_before_the_search(tmp_path, monkeypatch):
+    (tmp_path / "corpus.txt").write_text("hello world " * 20)
+    cluster = edited(
+        tmp_path,
+        lambda t: t.replace('kind = "grammar"', 'kind = "text"\npath = "corpus.txt"').replace(
+            "vocab = 64\n", "vocab = 256\n"
+        ),
+    )
+    no_search(monkeypatch)
+    res = run_plan(cluster, "-o", tmp_path / "elsewhere" / "out.toml")
+    assert res.stderr == (
+        f"error: {cluster}: data.path: 'corpus.txt' is relative to the cluster file: write the layout next to it, "
+        "or make data.path absolute\n"
+    )
+    assert res.exit_code == 2 and not (tmp_path / "elsewhere").exists()
+
+
+def test_a_compiled_model_is_planned_without_zbh1(tmp_path):
+    """train.compile = 'blocks' cannot compile ZB-H1's split backward: the planner leaves that schedule out."""
+    cluster = edited(tmp_path, lambda t: t.replace("log_every = 1\n", 'log_every = 1\ncompile = "blocks"\n'))
+    out = tmp_path / "plan.toml"
+    res = run_plan(cluster, "-o", out, "--json", "--top", "20")
+    assert res.exit_code == 0, res.stderr
+    assert "zbh1" not in {p["schedule"] for p in json.loads(res.stdout)["plans"]}
+    assert layout_mod.load(out).train.compile.value == "blocks"
 
 
 def test_each_gpu_of_its_own_plans(tmp_path):

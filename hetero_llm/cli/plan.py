@@ -103,6 +103,7 @@ def main(
         check_devices(cluster)  # what the layout's validation would refuse after the search
         if out is not None:  # before the search
             outputs.check_output_file("--out", out, outputs.cluster_inputs(cluster, profile_file))
+            output.check_out_path(cluster, out)
         bounds = None
         if buckets:
             from hetero_llm.planner import buckets as bucket_plans

@@ -34,7 +34,7 @@ import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import Backend, ClusterSpec, DataSpec, Layout, ModelSpec, Precision, TrainSpec
+from hetero_llm.layout import Backend, ClusterSpec, Compile, DataSpec, Layout, ModelSpec, Precision, TrainSpec
 from hetero_llm.layout import reader as layout_reader
 from hetero_llm.layout import rules as layout_rules
 from hetero_llm.planner import profile as profile_mod
@@ -212,6 +212,16 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         else PlanLimits()
     )
     _check_limits(file, limits)
+    if train.compile is Compile.BLOCKS and "zbh1" in limits.schedules:  # the layout would be refused
+        kept = tuple(x for x in limits.schedules if x != "zbh1")
+        if not kept:
+            raise LayoutError(
+                file,
+                "plan.schedules",
+                "only 'zbh1', whose split backward train.compile = 'blocks' cannot compile "
+                "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
+            )
+        limits = attrs.evolve(limits, schedules=kept)
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")

@@ -157,6 +157,19 @@ def layout_text(
     )
 
 
+def check_out_path(cluster: Cluster, out_path: str | os.PathLike) -> None:
+    """The layout can be written there (before the search): a data.path relative to the cluster file stays
+    right only next to it."""
+    src, out = Path(cluster.file), Path(out_path)
+    if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
+        raise LayoutError(
+            cluster.file,
+            "data.path",
+            f"'{cluster.data.path}' is relative to the cluster file: write "
+            "the layout next to it, or make data.path absolute",
+        )
+
+
 def write_layout(
     cluster: Cluster,
     out_path: str | os.PathLike,
@@ -168,13 +181,7 @@ def write_layout(
 ) -> str:
     """Check the layout loads, then write it atomically."""
     src, out = Path(cluster.file), Path(out_path)
-    if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
-        raise LayoutError(
-            cluster.file,
-            "data.path",
-            f"'{cluster.data.path}' is relative to the cluster file: write "
-            "the layout next to it, or make data.path absolute",
-        )
+    check_out_path(cluster, out)
     text = layout_text(cluster, cand, score, seed, buckets, cut_by_time)
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
