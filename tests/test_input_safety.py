@@ -290,7 +290,8 @@ def _os_refusal(folder: str) -> str:
 
 
 def _planner_cluster(tmp_path: Path) -> Path:
-    """layouts/clusters/small_cpu.toml reading a text corpus and a plan.profile, beside it in ``tmp_path``."""
+    """layouts/clusters/small_cpu.toml reading a text corpus (so a vocabulary of the byte tokenizer's 256) and a
+    plan.profile, beside it in ``tmp_path``."""
     from hetero_llm.planner import load_cluster
     from hetero_llm.planner import profile as prof
 
@@ -299,6 +300,7 @@ def _planner_cluster(tmp_path: Path) -> Path:
         (LAYOUTS / "clusters" / "small_cpu.toml")
         .read_text()
         .replace('kind = "grammar"', 'kind = "text"\npath = "corpus.txt"')
+        .replace("vocab = 64\n", "vocab = 256\n")
     )
     path = tmp_path / "cluster.toml"
     path.write_text(text)
@@ -545,6 +547,7 @@ def test_place_never_writes_over_the_files_its_cluster_names(tmp_path):
         (LAYOUTS / "clusters" / "two_domains.toml")
         .read_text()
         .replace('kind = "grammar"', 'kind = "text"\npath = "corpus.txt"')
+        .replace("vocab = 64\n", "vocab = 256\n")
     )
     assert 'path = "corpus.txt"' in cluster.read_text()
     before = _snapshot(tmp_path)

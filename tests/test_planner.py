@@ -710,8 +710,8 @@ def test_profile_flag_errors(tmp_path):
     res = run_plan(SMALL)
     assert (
         res.stderr
-        == f"error: {SMALL}: -o: missing: name the layout file to write (-o LAYOUT.toml), or measure "
-        "with --profile FILE\n"
+        == f"error: {SMALL}: -o: missing: name the layout file to write (-o LAYOUT.toml), print the plans with "
+        "--explain or --json, or measure with --profile FILE\n"
         and res.exit_code == 2
     )
     res = run_plan(SMALL, "--profile", tmp_path / "p.json", "--device", "cpu")
@@ -737,8 +737,8 @@ def test_profile_measures_this_machine_and_the_plan_reads_it(tmp_path):
         reason="measuring a profile runs the model (reading one does not); runs wherever torch is installed, as in CI",
     )
     out = tmp_path / "p.json"
-    for kind in ("cpu", "cpu2x"):
-        res = run_plan(SMALL, "--profile", out, "--kind", kind, "--device", "cpu")
+    for kind in ("cpu", "cpu2x"):  # (a noisy machine's measurement is refused: tests/test_plan_explain.py)
+        res = run_plan(SMALL, "--profile", out, "--kind", kind, "--device", "cpu", "--max-spread", "1000")
         assert res.exit_code == 0, res.stderr
         assert res.stdout.startswith(f"profiled kind '{kind}' on cpu (")
     data = json.loads(out.read_text())

@@ -6,6 +6,7 @@ hetero-tokenize ends with a summary line either way."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import pty
 import re
@@ -260,3 +261,23 @@ def test_export_shows_loading_on_a_terminal_only(saved, tmp_path, monkeypatch, c
     log = io.StringIO()
     command(export.main, [str(ckpt), "--hf", str(tmp_path / "b")], log, monkeypatch, capsys)
     assert log.getvalue() == "" and (tmp_path / "b" / "config.json").exists()
+
+
+# ------------------------------------------------------------------------------------------
+# hetero-plan: the plans simulated of the work budget, and the best so far
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_planning_shows_plans_simulated_and_the_best_so_far_on_a_terminal_only(terminal):
+    code, stdout, stderr = run(
+        ["hetero_llm.cli.plan", str(LAYOUTS / "clusters" / "small_cpu.toml"), "--json"], terminal
+    )
+    assert code == 0, stderr
+    evaluated = json.loads(stdout)["evaluated"]
+    shown = bars(stderr, "planning")
+    if not terminal:
+        assert stderr == "" and shown == []
+        return
+    assert shown, stderr
+    assert re.search(r"plans .*best [\d.e+-]+ s", shown[-1]), shown[-1]
+    assert int(re.search(r"planning\D*(\d+)", shown[-1]).group(1)) <= evaluated

@@ -10,7 +10,7 @@ import click
 
 from hetero_llm.cli.common import OneLineCommand, version_option
 from hetero_llm.errors import LayoutError
-from hetero_llm.planner.profile import measure, write
+from hetero_llm.planner.profile import MAX_SPREAD, measure, noisiest, write
 
 
 @click.command("hetero-plan", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,6 +53,14 @@ from hetero_llm.planner.profile import measure, write
     help="With --profile: the torch device to time on (default: cuda when torch sees one, else cpu).",
 )
 @click.option(
+    "--max-spread",
+    type=float,
+    default=MAX_SPREAD,
+    show_default=True,
+    help="With --profile: refuse a measurement whose repeats vary more than this ((max - min) / median of any "
+    "time): a busy machine's numbers would mislead the planner.",
+)
+@click.option(
     "--profile-file",
     type=click.Path(dir_okay=False),
     help="Read measured per-layer times from this profile (replaces [plan] profile).",
@@ -75,12 +83,14 @@ def main(
     profile_out,
     profile_kind,
     profile_device,
+    max_spread,
     profile_file,
     evaluate_layout,
 ):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.launch import outputs
     from hetero_llm.planner import load_cluster, output, plan_cluster
+    from hetero_llm.planner.cluster import check_devices
 
     if evaluate_layout is not None:
         _evaluate(cluster_file, evaluate_layout, profile_file, as_json)
@@ -90,56 +100,78 @@ def main(
             # what the cluster file reads is never written over (plan.profile is what --profile adds to)
             inputs = outputs.cluster_inputs(load_cluster(cluster_file), plan_profile=False)
             outputs.check_output_file("--profile", profile_out, inputs)
-            click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device))
+            click.echo(profile_command(cluster_file, profile_out, profile_kind, profile_device, max_spread))
             return
-        if out is None:
+        if out is None and not (explain or as_json):
             raise LayoutError(
                 cluster_file,
                 "-o",
-                "missing: name the layout file to write (-o LAYOUT.toml), or measure with --profile FILE",
+                "missing: name the layout file to write (-o LAYOUT.toml), print the plans with --explain or "
+                "--json, or measure with --profile FILE",
             )
         if top < 1:
             raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
         cluster = load_cluster(cluster_file, profile_file)
-        outputs.check_output_file("--out", out, outputs.cluster_inputs(cluster, profile_file))  # before the search
+        check_devices(cluster)  # what the layout's validation would refuse after the search
+        if out is not None:  # before the search
+            outputs.check_output_file("--out", out, outputs.cluster_inputs(cluster, profile_file))
+            output.check_out_path(cluster, out)
         bounds = None
         if buckets:
             from hetero_llm.planner import buckets as bucket_plans
 
             bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
-        result = plan_cluster(cluster, top)
+        result = plan_cluster(cluster, top, progress=True)
         planned = bucket_plans.propose(cluster, bounds, result.best) if bounds else ()
-        output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned)
+        if out is not None:
+            output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned, result.cut_by_time)
+        else:  # nothing written, but the plan is checked as the layout it would be
+            output.check_layout(cluster, result.best, result.score, result.seed_score, planned)
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    idle = output.idle_devices(cluster, result.best)
     if as_json:
         click.echo(
             json.dumps(
                 {
                     "plans": [output.to_json(c, s) for c, s in result.ranked],
+                    "idle": [{"device": d, "reason": why} for d, why in idle],
                     "evaluated": result.evaluated,
                     "seconds": result.seconds,
+                    "cut_by_time": result.cut_by_time,
                     "seed_step_time": result.seed_score.step_time if result.seed_score else None,
+                    "written": out,
                 },
                 indent=1,
             )
         )
         return
-    click.echo(output.header(cluster, result.best, result.score, result.seed_score).rstrip())
+    click.echo(output.header(cluster, result.best, result.score, result.seed_score, result.cut_by_time).rstrip())
+    for line in output.idle_lines(idle):
+        click.echo(line)
     if explain:
         click.echo("")
         click.echo(output.explain(cluster, result.ranked, result.seed_score))
-    click.echo(
-        f"\nsearched {result.evaluated} plans in {result.seconds:.2f} s; wrote {out} "
-        f"(check it with: hetero-launch {out} --dry-run)"
+    if result.cut_by_time:
+        click.echo(f"\nNOTE: {output.cut_note(cluster)}")
+    done = (
+        f"wrote {out} (check it with: hetero-launch {out} --dry-run)"
+        if out is not None
+        else "wrote nothing (write the layout with -o LAYOUT.toml)"
     )
+    click.echo(f"\nsearched {result.evaluated} plans in {result.seconds:.2f} s; {done}")
 
 
-def profile_command(cluster_file: str, out: str, kind: str | None, device: str | None) -> str:
-    """``hetero-plan CLUSTER --profile OUT``: measure on this machine and write; returns the summary line."""
+def profile_command(
+    cluster_file: str, out: str, kind: str | None, device: str | None, max_spread: float = MAX_SPREAD
+) -> str:
+    """``hetero-plan CLUSTER --profile OUT``: measure on this machine and write (unless the repeats vary more
+    than ``max_spread``); returns the summary line."""
     from hetero_llm.planner.cluster import load_cluster
 
+    if not max_spread >= 0:
+        raise LayoutError(cluster_file, "--max-spread", f"must be >= 0, got {max_spread:g}")
     cluster = load_cluster(cluster_file)
     if device is None or device.startswith("cuda"):
         torch = _torch(cluster_file)
@@ -181,11 +213,22 @@ def profile_command(cluster_file: str, out: str, kind: str | None, device: str |
         times, info = measure(cluster.model, cluster.train.precision, device)
     except RuntimeError as e:  # an unknown device string, a device torch cannot use
         raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': {e}") from None
+    name, spread, (lo, mid, hi) = noisiest(info)
+    if spread > max_spread:
+        raise LayoutError(
+            cluster_file,
+            "--profile",
+            f"the measurement is noisy: {name} ranged {lo * 1e3:.3g} / {mid * 1e3:.3g} / {hi * 1e3:.3g} ms "
+            f"(min / median / max of {info['repeats']} repeats), a spread of {spread:.0%}, over --max-spread "
+            f"{max_spread:.0%}; nothing written (rerun on an idle machine)",
+        )
     write(out, cluster.model, cluster.train.precision, kind, times, info, previous)
     return (
         f"profiled kind '{kind}' on {info['device']} ({info['threads']} threads): layer forward "
         f"{times.layer_forward_s * 1e3:.3g} ms, backward {times.layer_backward_s * 1e3:.3g} ms; head forward "
-        f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence; "
+        f"{times.head_forward_s * 1e3:.3g} ms, backward {times.head_backward_s * 1e3:.3g} ms per sequence "
+        f"(medians of {info['repeats']} repeats; widest spread {spread:.0%}, {name}: min / median / max "
+        f"{lo * 1e3:.3g} / {mid * 1e3:.3g} / {hi * 1e3:.3g} ms); "
         f'wrote {out} (use it: [plan] profile = "{out}" or --profile-file {out})'
     )
 

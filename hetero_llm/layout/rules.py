@@ -29,6 +29,14 @@ SPLIT_BACKWARD_NO_COMPILE = (
 
 
 def validate(layout: Layout) -> None:
+    validate_sections(layout)
+    _validate_pipelines(layout)
+    _validate_buckets(layout)
+
+
+def validate_sections(layout: Layout) -> None:
+    """Every check of [model], [train], [data] and [cluster] (the layout's pipelines are not read): the
+    planner runs them on a cluster file before its search."""
     f = layout.file
     m, t, d, c = layout.model, layout.train, layout.data, layout.cluster
     check_own(f, m, "model", "layers", "hidden", "heads", "vocab", "seq_len", "ffn")
@@ -68,7 +76,9 @@ def validate(layout: Layout) -> None:
 
     validate_cluster(f, c)
 
-    # pipelines
+
+def _validate_pipelines(layout: Layout) -> None:
+    f, m, t, c = layout.file, layout.model, layout.train, layout.cluster
     used: dict[str, str] = {}
     gpus: dict[tuple[str, str], str] = {}  # (host, 'cuda:N') -> device id, for NCCL's one rank per GPU
     total_batch = 0
@@ -153,7 +163,6 @@ def validate(layout: Layout) -> None:
             f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
             f"{t.global_batch} (make them add up to {t.global_batch})",
         )
-    _validate_buckets(layout)
 
 
 def _validate_model_options(layout: Layout) -> None:

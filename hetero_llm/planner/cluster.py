@@ -8,7 +8,8 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     max_tp = 8                      # largest TP size to try (0: a node's device count)
     schedules = ["1f1b", "zbh1", "interleaved"]
     memory_margin = 0.1             # fraction of each device's memory kept free
-    time_budget_s = 60              # stop searching after this long (a plan is always returned)
+    max_evals = 0                   # the search's budget in plans simulated (0: 400 + 8 per device, <= 2500)
+    time_budget_s = 300             # a safety net: stop after this long (the output then says so)
     action_overhead_us = 0          # measured: the runtime's own time per compute action (0 on GPUs' scale)
     p2p_latency_us = 0              # measured: the communication library's latency per message
     [plan.nodes]                    # device kind of each node; keys are node names or globs
@@ -33,7 +34,9 @@ import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import ClusterSpec, DataSpec, ModelSpec, Precision, TrainSpec
+from hetero_llm.layout import Backend, ClusterSpec, Compile, DataSpec, Layout, ModelSpec, Precision, TrainSpec
+from hetero_llm.layout import reader as layout_reader
+from hetero_llm.layout import rules as layout_rules
 from hetero_llm.planner import profile as profile_mod
 from hetero_llm.planner.profile import Profile
 
@@ -86,11 +89,18 @@ class PlanLimits:
         "schedules to choose from: '1f1b', 'zbh1', 'interleaved'", default=("1f1b", "zbh1", "interleaved")
     )
     memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
+    max_evals: int = _doc(
+        "the search's budget, counted in work so that the plan is a function of the input only (whatever the "
+        "machine's speed or load): the local search stops after this many plans simulated, and the sweep "
+        "ranks at most max(20000, 8 x max_evals) structures; 0 = 400 + 8 per device, at most 2500",
+        default=0,
+    )
     time_budget_s: float = _doc(
-        "the whole search's time limit in seconds (the local search stops at 98% of "
-        "it); the plan found so far is returned (0 = no limit; the search is deterministic "
-        "unless the budget is hit)",
-        default=60.0,
+        "a safety net, not the budget: the search stops after this many seconds even when max_evals is not "
+        "spent, and returns the best plan found so far; that plan then depends on the machine's speed and "
+        'load, and the output says so (a line, a comment in the written layout\'s header, "cut_by_time": '
+        "true in --json); 0 = no cap",
+        default=300.0,
     )
     profile: str = _doc(
         "a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
@@ -115,6 +125,7 @@ class PlanLimits:
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved")
+MAX_GLOBAL_BATCH = 65536  # sequences per step the planner searches (its work grows with the microbatches)
 
 
 @attrs.frozen
@@ -180,6 +191,16 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
         if getattr(model, key) < 1:
             raise LayoutError(file, f"model.{key}", f"must be >= 1, got {getattr(model, key)}")
+    if train.global_batch > MAX_GLOBAL_BATCH:  # the search's steps grow with it (microbatches, divisors)
+        raise LayoutError(
+            file,
+            "train.global_batch",
+            f"{train.global_batch} sequences per step is more than the planner searches (at most "
+            f"{MAX_GLOBAL_BATCH}: plan a smaller global batch, then scale the pipelines' batch and microbatches)",
+        )
+    # what the written layout's validation would refuse, before the search rather than after it
+    probe = Layout(file, model, train, sec["data"], cluster, ())
+    layout_rules.validate_sections(layout_reader.map_paths(probe, lambda p: str(Path(file).parent / p)))
     plan = raw.get("plan", {})
     if not isinstance(plan, dict):
         raise LayoutError(file, "plan", "expected a table ([plan])")
@@ -191,6 +212,16 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         else PlanLimits()
     )
     _check_limits(file, limits)
+    if train.compile is Compile.BLOCKS and "zbh1" in limits.schedules:  # the layout would be refused
+        kept = tuple(x for x in limits.schedules if x != "zbh1")
+        if not kept:
+            raise LayoutError(
+                file,
+                "plan.schedules",
+                "only 'zbh1', whose split backward train.compile = 'blocks' cannot compile "
+                "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
+            )
+        limits = attrs.evolve(limits, schedules=kept)
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
@@ -227,6 +258,35 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     return Cluster(file, model, train, sec["data"], cluster, tuple(nodes), _network(cluster), limits, profile)
 
 
+def check_devices(cluster: Cluster) -> None:
+    """Before a search whose plan is written as a layout: NCCL runs one rank per GPU, and a plan may use every
+    device of the cluster, so each device must be a CUDA GPU of its own (the layout's rule for the devices its
+    pipelines use, applied to all). Not part of ``load_cluster``: the benchmarks plan generated NCCL clusters
+    that are never launched, their nodes all on one host."""
+    file, c = cluster.file, cluster.spec
+    if c.backend is not Backend.NCCL:
+        return
+    seen: dict[tuple[str, str], str] = {}
+    for i, node in enumerate(c.nodes):
+        for j, local in enumerate(node.devices):
+            where, dev = f"cluster.nodes[{i}].devices[{j}]", f"{node.name}:{j}"
+            if local == "cpu":
+                raise LayoutError(
+                    file,
+                    where,
+                    f"device '{dev}' is 'cpu' but cluster.backend is 'nccl' "
+                    "(NCCL needs CUDA devices: list 'cuda:N' devices or use backend = 'gloo')",
+                )
+            other = seen.setdefault((node.host, local), dev)
+            if other != dev:
+                raise LayoutError(
+                    file,
+                    where,
+                    f"device '{dev}' is {local} on host {node.host}, like '{other}' (NCCL runs one rank per "
+                    "GPU and a plan may use every device: give each node its own GPUs, or use backend = 'gloo')",
+                )
+
+
 def _check_limits(file: str, limits: PlanLimits) -> None:
     if limits.max_tp < 0:
         raise LayoutError(file, "plan.max_tp", f"must be >= 0 (0 = a node's device count), got {limits.max_tp}")
@@ -241,6 +301,10 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
             )
     if not 0 <= limits.memory_margin < 1:
         raise LayoutError(file, "plan.memory_margin", f"must be in [0, 1), got {limits.memory_margin:g}")
+    if limits.max_evals < 0:
+        raise LayoutError(
+            file, "plan.max_evals", f"must be >= 0 (0 = 400 + 8 per device, at most 2500), got {limits.max_evals}"
+        )
     if limits.time_budget_s < 0:
         raise LayoutError(file, "plan.time_budget_s", f"must be >= 0 (0 = no limit), got {limits.time_budget_s:g}")
     for key in ("action_overhead_us", "p2p_latency_us"):

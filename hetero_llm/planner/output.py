@@ -13,8 +13,9 @@ from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import BucketSpec, Layout, PipelineSpec, Recompute, Schedule, StageSpec
 from hetero_llm.planner.buckets import Bucket, elastic_unit
-from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import PlannerCostModel
 
 
 def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] = ()) -> Layout:
@@ -101,10 +102,20 @@ def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> d
     return out
 
 
-def header(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None) -> str:
+def cut_note(cluster: Cluster) -> str:
+    """What the output says when the wall-clock cap, not the work budget, stopped the search."""
+    return (
+        f"the search was cut by the time cap (plan.time_budget_s = {cluster.limits.time_budget_s:g} s) before "
+        "its work budget (plan.max_evals) was spent: this plan depends on the machine's speed and load (rerun "
+        "on an idle machine, or raise plan.time_budget_s or lower plan.max_evals)"
+    )
+
+
+def header(cluster: Cluster, cand: Candidate, score: Score, seed: Score | None, cut_by_time: bool = False) -> str:
     peak = max(m for ms in score.memory for m in ms)
     lines = [
         f"# Planned by hetero-plan from {Path(cluster.file).name}: {summary(cand)}.",
+        *([f"# NOTE: {cut_note(cluster)}."] if cut_by_time else []),
         "# PREDICTED by the planner's cost model (not measured):",
         f"#   step time {score.step_time:.4g} s, {score.tokens_per_s:.4g} tokens/s, MFU {score.mfu:.1%}, "
         f"bubble {score.bubble:.1%}, gradient sync {score.sync_time:.3g} s, optimizer {score.optimizer_time:.3g} s",
@@ -133,13 +144,31 @@ def summary(cand: Candidate) -> str:
 
 
 def layout_text(
-    cluster: Cluster, cand: Candidate, score: Score, seed: Score | None, buckets: Sequence[Bucket] = ()
+    cluster: Cluster,
+    cand: Candidate,
+    score: Score,
+    seed: Score | None,
+    buckets: Sequence[Bucket] = (),
+    cut_by_time: bool = False,
 ) -> str:
     return layout_mod.dumps(
         planned_layout(cluster, cand, buckets),
-        header=header(cluster, cand, score, seed),
+        header=header(cluster, cand, score, seed, cut_by_time),
         comments=comments(cand, score, buckets),
     )
+
+
+def check_out_path(cluster: Cluster, out_path: str | os.PathLike) -> None:
+    """The layout can be written there (before the search): a data.path relative to the cluster file stays
+    right only next to it."""
+    src, out = Path(cluster.file), Path(out_path)
+    if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
+        raise LayoutError(
+            cluster.file,
+            "data.path",
+            f"'{cluster.data.path}' is relative to the cluster file: write "
+            "the layout next to it, or make data.path absolute",
+        )
 
 
 def write_layout(
@@ -149,21 +178,25 @@ def write_layout(
     score: Score,
     seed: Score | None,
     buckets: Sequence[Bucket] = (),
+    cut_by_time: bool = False,
 ) -> str:
     """Check the layout loads, then write it atomically."""
     src, out = Path(cluster.file), Path(out_path)
-    if cluster.data.path and not Path(cluster.data.path).is_absolute() and src.resolve().parent != out.resolve().parent:
-        raise LayoutError(
-            cluster.file,
-            "data.path",
-            f"'{cluster.data.path}' is relative to the cluster file: write "
-            "the layout next to it, or make data.path absolute",
-        )
-    text = layout_text(cluster, cand, score, seed, buckets)
+    check_out_path(cluster, out)
+    text = layout_text(cluster, cand, score, seed, buckets, cut_by_time)
     layout_mod.loads(text, file=str(out_path), base_dir=src.parent)  # the result must be a valid layout
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomically(out, lambda f: f.write(text.encode("utf-8")))
     return text
+
+
+def check_layout(
+    cluster: Cluster, cand: Candidate, score: Score, seed: Score | None, buckets: Sequence[Bucket] = ()
+) -> None:
+    """The plan must be a valid layout (as ``write_layout`` checks before writing): for --explain or --json
+    without -o."""
+    text = layout_text(cluster, cand, score, seed, buckets)
+    layout_mod.loads(text, file=cluster.file, base_dir=Path(cluster.file).parent)
 
 
 def explain(cluster: Cluster, ranked, seed: Score | None) -> str:
@@ -235,3 +268,61 @@ def to_json(cand: Candidate, score: Score) -> dict:
         "predicted": {k: v for k, v in attrs.asdict(score).items() if k not in ("memory", "capacity")}
         | {"memory_gb": [[m / 1e9 for m in ms] for ms in score.memory], "gap": score.gap},
     }
+
+
+def idle_devices(cluster: Cluster, cand: Candidate) -> list[tuple[str, str]]:
+    """(device, reason) for each device of the cluster the plan leaves idle, in the cluster's order: too small
+    for any stage (even one layer in the middle of a pipeline, one sequence per microbatch, recomputed, at
+    the node's largest TP size and with no AdamW moments, so with ZeRO-1 too), or the plan is faster without it."""
+    used = {d for p in cand.pipelines for s in p.stages for d in s.group.devices}
+    cost = PlannerCostModel(cluster)
+    ends = [(False, False)] if cluster.model.layers >= 3 else [(True, False), (False, True)]
+    out = []
+    for node in cluster.nodes:
+        idle = [f"{node.name}:{i}" for i in range(node.devices) if f"{node.name}:{i}" not in used]
+        if not idle:
+            continue
+        cap = cluster.limits.max_tp or node.devices
+        tp = max(
+            t
+            for t in range(1, min(cap, node.devices) + 1)
+            if cluster.model.heads % t == 0 and cluster.model.ffn_width % t == 0
+        )
+        group = TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(tp)), node.kind)
+        need = min(
+            cost.stage_memory(group, 1, first, last, 1, True, 1, moments=0.0 if cost.zero1 else None)
+            for first, last in ends
+        )
+        have = cost.capacity(group)
+        if need > have:
+            why = (
+                f"too small for any stage: one layer needs {need / 1e9:.3g} GB per device at TP {tp}, "
+                f"a {node.kind.name} has {have / 1e9:.3g} GB (after plan.memory_margin)"
+            )
+        else:
+            why = "left idle: the plan is predicted faster without it"
+        out += [(d, why) for d in idle]
+    return out
+
+
+def idle_lines(idle: Sequence[tuple[str, str]]) -> list[str]:
+    """The idle devices in words: one line per reason, each node's idle devices as runs ('g0:0-7')."""
+    by_why: dict[str, dict[str, list[int]]] = {}
+    for dev, why in idle:
+        node, _, index = dev.rpartition(":")
+        by_why.setdefault(why, {}).setdefault(node, []).append(int(index))
+    lines = []
+    for why, nodes in by_why.items():
+        runs = []
+        for node, ids in nodes.items():
+            start = prev = ids[0]
+            for i in [*ids[1:], None]:
+                if i is not None and i == prev + 1:
+                    prev = i
+                    continue
+                runs.append(f"{node}:{start}" + (f"-{prev}" if prev > start else ""))
+                if i is not None:
+                    start = prev = i
+        count = sum(len(ids) for ids in nodes.values())
+        lines.append(f"idle: {count} device{'s' if count > 1 else ''} ({', '.join(runs)}): {why}")
+    return lines

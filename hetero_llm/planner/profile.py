@@ -166,19 +166,33 @@ def measure(model, precision, device: str = "cpu", repeats: int = 7, warmup: int
         b = timed(lambda: holder["loss"].backward())
         return f, b
 
-    out = []
-    for fn in (layer_times, head_times):
+    out, spread = [], {}
+    for fn, names in ((layer_times, TIMES[:2]), (head_times, TIMES[2:])):
         runs = [fn() for _ in range(warmup + repeats)][warmup:]
-        out += [statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)]
+        for i, name in enumerate(names):
+            values = [r[i] for r in runs]
+            spread[name] = [min(values), statistics.median(values), max(values)]
+            out.append(statistics.median(values))
     info = {
         "device": str(dev),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "repeats": repeats,
+        "min_median_max_s": spread,
         "rows": 1,
         "measured": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
     }
     return KindTimes(*out), info
+
+
+MAX_SPREAD = 0.5  # --max-spread's default: (max - min) / median of the repeats above this is noise, not a measurement
+
+
+def noisiest(info: dict) -> tuple[str, float, list[float]]:
+    """(time, spread, [min, median, max]) of the measured time whose repeats vary most: spread = (max - min) /
+    median (``measure`` records min, median and max of each in info['min_median_max_s'])."""
+    name, mmm = max(info["min_median_max_s"].items(), key=lambda kv: ((kv[1][2] - kv[1][0]) / kv[1][1], kv[0]))
+    return name, (mmm[2] - mmm[0]) / mmm[1], mmm
 
 
 def write(

@@ -32,6 +32,7 @@ from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.layers import INF, LayerSplitter
 from hetero_llm.planner.structure import Result, Structure
+from hetero_llm.progress import Bar
 
 
 class Planner(LayerSplitter):
@@ -48,10 +49,15 @@ class Planner(LayerSplitter):
         self.model = cluster.model
         self.G = cluster.train.global_batch
         self.limits = cluster.limits
-        self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s
-        # candidates the local search may simulate (a count, not a clock, so the search is deterministic):
-        # on generated 16-GPU clusters more found nothing better; bigger clusters get more
-        self.max_evals = 400 + 8 * cluster.num_devices if max_evals is None else max_evals
+        self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s  # a safety net only
+        # the budget, in work (so the plan is a function of the input only): candidates simulated (on generated
+        # 16-GPU clusters more found nothing better; bigger clusters get more, up to 2500) and structures swept
+        auto = min(400 + 8 * cluster.num_devices, 2500)
+        self.max_evals = (cluster.limits.max_evals or auto) if max_evals is None else max_evals
+        self.sweep_limit = max(20_000, 8 * self.max_evals)
+        self.cut_by_time = False
+        self.progress: Bar | None = None  # plans simulated and the best so far, on a terminal (hetero-plan)
+        self.best_so_far = INF
         self.exact_limit = exact_limit  # enumerate every structure when there are at most this many
         self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
@@ -208,14 +214,22 @@ class Planner(LayerSplitter):
         key = cand.key()
         if key not in self.scored:
             self.scored[key] = (cand, self.cost.score(cand))
+            if self.progress is not None:
+                self.best_so_far = min(self.best_so_far, self.scored[key][1].step_time)
+                best = f"best {self.best_so_far:.4g} s" if self.best_so_far < INF else "nothing fits yet"
+                self.progress.update(1, note=best)
         return self.scored[key][1]
 
-    def out_of_time(self) -> bool:
-        # 2% of the budget is left for what follows the search (ranking, the last evaluation in flight), so
-        # that the whole run stays within plan.time_budget_s
-        return (self.budget > 0 and time.perf_counter() - self.start > 0.98 * self.budget) or len(
-            self.scored
-        ) >= self.max_evals
+    def out_of_time(self, fraction: float = 0.98) -> bool:
+        """The safety net: past ``fraction`` of plan.time_budget_s (98% leaves time for what follows the search).
+        Reaching it sets ``cut_by_time``: the plan then depends on the machine's speed, and the output says so."""
+        cut = self.budget > 0 and time.perf_counter() - self.start > fraction * self.budget
+        self.cut_by_time |= cut
+        return cut
+
+    def stop(self) -> bool:
+        """The budget, ``max_evals`` candidates simulated, first: a search that spends it is not cut by time."""
+        return len(self.scored) >= self.max_evals or self.out_of_time()
 
     # ---------------------------------------------------------------- local search
     def neighbours(self, st: Structure) -> list[Structure]:
@@ -235,10 +249,10 @@ class Planner(LayerSplitter):
         st = self.in_use(st, cand)
         best = score.step_time if score else INF
         improved = True
-        while improved and not self.out_of_time():
+        while improved and not self.stop():
             improved = False
             for nb in self.neighbours(st):
-                if self.out_of_time():
+                if self.stop():
                     break
                 c = self.realize(nb)
                 if c is None or (c.key() not in self.scored and self.bound(c, best) >= best):
@@ -255,7 +269,7 @@ class Planner(LayerSplitter):
         intermediate steps are all worse (merge two pipelines, then change the schedule; split two TP groups,
         then put the idle device to work, then reorder), within the same evaluation budget."""
         tried: set[tuple] = set()
-        while not self.out_of_time():
+        while not self.stop():
             scored: list[tuple[float, int, Structure]] = []
             for nb in self.neighbours(st):
                 if nb.key() in tried:
@@ -266,7 +280,7 @@ class Planner(LayerSplitter):
             scored.sort(key=lambda x: (x[0], x[1]))
             moved = False
             for _, _, alt in scored[:width]:
-                if self.out_of_time():
+                if self.stop():
                     break
                 tried.add(alt.key())
                 end, t = self.improve(alt)
@@ -286,6 +300,8 @@ class Planner(LayerSplitter):
         """Score every structure whose lower bound beats the best so far."""
         best = min((s.step_time for _, s in self.scored.values()), default=INF)
         for st in structures:
+            if self.out_of_time(0.4):  # the safety net (a huge batch makes every simulation long)
+                break
             cand = self.realize(st)
             if cand is None or self.bound(cand, best) >= best:
                 continue
@@ -314,7 +330,7 @@ class Planner(LayerSplitter):
         starts.sort(key=lambda x: (x[0], x[1]))
         found = []
         for _, _, st in starts[:8]:
-            if self.out_of_time():
+            if self.stop():
                 break
             found.append(self.improve(st))
         if found:
@@ -344,7 +360,8 @@ class Planner(LayerSplitter):
             if sc.feasible and shape not in shapes and len(distinct) < max(1, top):
                 shapes.add(shape)
                 distinct.append((cand, sc))
-        return Result(best, score, tuple(distinct), len(self.scored), time.perf_counter() - self.start, seed_score)
+        elapsed = time.perf_counter() - self.start
+        return Result(best, score, tuple(distinct), len(self.scored), elapsed, seed_score, self.cut_by_time)
 
     def closest(self) -> Candidate:
         """When nothing fits: the candidate least over memory, among those scored and the most frugal one

@@ -32,12 +32,16 @@ def place_seeds(cluster: Cluster) -> list[Candidate]:
             placement = place.place(cluster.file, cluster.model, cluster.train, spec, place.PlaceOptions(pipelines, tp))
         except (LayoutError, AssertionError):
             continue
-        seeds.append(from_placement(cluster, placement))
+        seed = from_placement(cluster, placement)
+        if seed is not None:
+            seeds.append(seed)
     return seeds
 
 
-def from_placement(cluster: Cluster, placement: Placement) -> Candidate:
-    """hetero-place's plan as a candidate (the search's seed)."""
+def from_placement(cluster: Cluster, placement: Placement) -> Candidate | None:
+    """hetero-place's plan as a candidate (the search's seed), under a schedule ``plan.schedules`` allows:
+    train.schedule when it does, else the first allowed one; None when that schedule cannot run the placement
+    (interleaved: a pipeline of one stage, microbatches not a multiple of the stages, layers not of the chunks)."""
     pipes = []
     for p in placement.pipelines:
         stages = tuple(
@@ -49,6 +53,13 @@ def from_placement(cluster: Cluster, placement: Placement) -> Candidate:
             for s in p.stages
         )
         pipes.append(PipelineChoice(p.batch, p.microbatches, stages))
-    t = cluster.train
-    schedule = t.schedule.value if t.schedule in (Schedule.ONE_F_ONE_B, Schedule.ZBH1, Schedule.INTERLEAVED) else "1f1b"
-    return Candidate(tuple(pipes), schedule, t.chunks if schedule == "interleaved" else 1)
+    t, allowed = cluster.train, cluster.limits.schedules
+    schedule = t.schedule.value if t.schedule.value in allowed else allowed[0]
+    chunks = 1
+    if schedule == "interleaved":
+        chunks = t.chunks if t.schedule is Schedule.INTERLEAVED and t.chunks >= 2 else 2
+        for pipe in pipes:
+            n = len(pipe.stages)
+            if n < 2 or pipe.microbatches % n or any(s.layers % chunks for s in pipe.stages):
+                return None
+    return Candidate(tuple(pipes), schedule, chunks)

@@ -23,6 +23,7 @@ class SearchSpace(Protocol):
     node_order: dict[str, int]
     start: float
     budget: float
+    sweep_limit: int  # structures the sweep may realize (the budget in work)
 
     @property
     def limits(self): ...  # the cluster's [plan] limits (schedules, max_tp, ...)
@@ -36,6 +37,8 @@ class SearchSpace(Protocol):
     def realize(self, st: Structure) -> Candidate | None: ...
 
     def estimate(self, cand: Candidate) -> float: ...
+
+    def out_of_time(self, fraction: float = 0.98) -> bool: ...
 
 
 @attrs.frozen
@@ -56,3 +59,4 @@ class Result:
     evaluated: int
     seconds: float
     seed_score: Score | None  # hetero-place's plan, when it applies
+    cut_by_time: bool = False  # the wall-clock cap (plan.time_budget_s) stopped the search before its work budget

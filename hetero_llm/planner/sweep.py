@@ -7,7 +7,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import time
 
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner.candidates import Candidate, TPGroup
@@ -84,6 +83,7 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     seen = set()
     kinds = sorted({n.kind.name for n in planner.c.nodes})
     work = planner.cost.model_flops_per_step()
+    realized = 0  # the budget, in work: at most planner.sweep_limit structures realized
     for menu, drop in itertools.product(tp_menus(planner), [None, *(kinds if len(kinds) > 1 else [])]):
         groups = [g for g in planner.groups(menu) if g.kind.name != drop]  # or leave one kind idle
         # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
@@ -100,6 +100,9 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
                 for rows in row_options(planner, len(pipes)):
                     if len(found) >= keep and lb_used >= found[keep - 1][0]:
                         break
+                    if realized >= planner.sweep_limit:
+                        return [st for _, _, st in found[:keep]]
+                    realized += 1
                     st = Structure(pipes, rows)
                     cand = planner.realize(st)
                     if cand is None:
@@ -108,8 +111,8 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
                     found.append((est, len(found), st))
                     found.sort(key=lambda x: (x[0], x[1]))
                     del found[keep * 4 :]
-            if time.perf_counter() - planner.start > planner.budget * 0.4 > 0:
-                break
+            if planner.out_of_time(0.4):  # the safety net: leave the local search most of the cap
+                return [st for _, _, st in found[:keep]]
     return [st for _, _, st in found[:keep]]
 
 
