@@ -75,11 +75,11 @@ def test_recorded_quickstart_has_the_grammars_loss_floor():
 def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     """``hetero-launch layouts/examples/own_text.toml`` run as the README says (on a copy of its text, so the token cache
     lands here), its last line's losses compared with the ones the README quotes, at the README's 2 decimals."""
-    (tmp_path / "layouts").mkdir()
+    (tmp_path / "layouts" / "examples").mkdir(parents=True)
     (tmp_path / "docs" / "samples").mkdir(parents=True)
-    shutil.copy(ROOT / "layouts" / "own_text.toml", tmp_path / "layouts")
+    shutil.copy(ROOT / "layouts" / "examples" / "own_text.toml", tmp_path / "layouts" / "examples")
     shutil.copy(ROOT / "docs" / "samples" / "own_text_data.txt", tmp_path / "docs" / "samples")
-    steps = layout_mod.load(ROOT / "layouts" / "own_text.toml").train.steps
+    steps = layout_mod.load(ROOT / "layouts" / "examples" / "own_text.toml").train.steps
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(

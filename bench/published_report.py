@@ -1,0 +1,165 @@
+"""What bench/published.py prints and writes: its tables of published against predicted, as Markdown."""
+
+from __future__ import annotations
+
+from bench import benchlib
+from bench.published_rows import (  # noqa: F401
+    GPT2_VOCAB,
+    H100,
+    HEXISCALE_MFU,
+    HOLMES_DEFAULT,
+    HOLMES_NIC_AWARE,
+    HOLMES_ROWS_PER_MB,
+    HOLMES_TP,
+    LARGE,
+    MEGATRON,
+    MEGATRON_SEQ,
+    MEGATRON_VOCAB,
+    QUICK_MEGATRON,
+    H100Row,
+    MegatronRow,
+    dgx_a100,
+    h100_layout,
+    h100_model,
+    h100_sections,
+    holmes_layouts,
+    megatron_flops,
+    megatron_layout,
+    megatron_model,
+    megatron_pipelines,
+    megatron_sections,
+    megatron_train,
+    nanogpt_flops_per_token,
+    write_cluster,
+    write_layout,
+    write_text,
+)
+
+
+def summary(cand) -> str:
+    from hetero_llm.planner.output import summary as plan_summary
+
+    tp = "/".join(sorted({str(s.group.tp) for p in cand.pipelines for s in p.stages}, key=int))
+    rc = sum(s.recompute for p in cand.pipelines for s in p.stages)
+    stages = sum(len(p.stages) for p in cand.pipelines)
+    return f"{plan_summary(cand)}, TP {tp}, rows/mb {cand.pipelines[0].rows}, recompute {rc}/{stages} stages"
+
+
+ROW_COLUMNS = ["row", "GPUs", "metric", "published", "predicted", "predicted/published", "within 15%"]
+
+
+WHAT_IF_COLUMNS = ["row", "predicted", "sync hidden", "all NICs", "step s", "bubble", "TP s", "sync s", "optimizer s"]
+
+
+DETAIL_COLUMNS = ["layout", "fullest stage GB", "of usable GB", "load s"]
+
+
+PICK_COLUMNS = [
+    "cluster",
+    "published layout",
+    "its step s",
+    "pick's step s",
+    "pick/published",
+    "planner's pick",
+    "plan s",
+]
+
+
+def num(v, digits: int = 4) -> str:
+    return "n/a" if v is None else f"{v:.{digits}g}"
+
+
+def report(rows: list[dict], picks: list[dict], info: dict) -> str:
+    table = benchlib.markdown_table(
+        ROW_COLUMNS,
+        [
+            [
+                r["row"],
+                str(r["gpus"]),
+                r["metric"],
+                num(r["published"]),
+                num(r["predicted"]) + ("" if r["fits"] else " (does not fit)"),
+                f"{r['ratio']:.2f}",
+                "yes" if r["within_15pct"] else "no",
+            ]
+            for r in rows
+        ],
+    )
+    what_if = benchlib.markdown_table(
+        WHAT_IF_COLUMNS,
+        [
+            [
+                r["row"],
+                num(r["predicted"]),
+                num(r["predicted_sync_hidden"]),
+                num(r["predicted_all_nics"]),
+                num(r["step_time_s"]),
+                f"{r['bubble']:.1%}",
+                num(r["tp_s"], 3),
+                num(r["sync_s"], 3),
+                num(r["optimizer_s"], 3),
+            ]
+            for r in rows
+        ],
+    )
+    layouts: dict[str, dict] = {}
+    for r in rows:
+        layouts.setdefault(r["layout"], r)
+    detail = benchlib.markdown_table(
+        DETAIL_COLUMNS,
+        [
+            [
+                name,
+                num(r["memory_gb"], 3),
+                num(r["usable_memory_gb"], 3),
+                f"{r['load_cluster_s']:.2f} + {r['load_layout_s']:.2f}",
+            ]
+            for name, r in layouts.items()
+        ],
+    )
+    pick_table = benchlib.markdown_table(
+        PICK_COLUMNS,
+        [
+            [
+                p["cluster"],
+                p["layout"],
+                num(p["published_layout_step_s"]),
+                num(p["pick_step_s"]),
+                num(p["pick_over_published"], 3),
+                p["pick"],
+                f"{p['plan_s']:.1f}",
+            ]
+            for p in picks
+        ],
+    )
+    return "\n".join(
+        [
+            "# Cost model vs published measurements",
+            "",
+            f"Command: `{info['command']}`: {info['seconds']:.0f} s on {benchlib.machine_line(info['machine'])};",
+            f"{benchlib.load_line(info['load_before'], info['load_after'])}. Planner budget {info['budget']:g} s per "
+            f"cluster ({info['budget_large']:g} s above {LARGE} GPUs).",
+            "",
+            "Predicted: the cost model's step time for the published layout (`hetero-plan CLUSTER --evaluate LAYOUT`),",
+            "converted to the publication's own FLOP counting. Nothing is measured on this machine.",
+            "",
+            table,
+            "",
+            "What the predictions are made of. *sync hidden*: the same prediction with the gradient sync fully",
+            "overlapped (step - sync); *all NICs*: with each DGX node's 8 InfiniBand NICs taken as one NIC 8 times",
+            "as fast (the cluster file has one NIC per node); step s is the predicted step (for a layout that does",
+            "not fit in memory, what it would take if it did).",
+            "",
+            what_if,
+            "",
+            "Memory per device of each published layout's fullest stage (against its memory) as the cost model",
+            "counts it, and the seconds to load the cluster file + the layout:",
+            "",
+            detail,
+            "",
+            "The planner's own pick on each cluster (`plan_cluster`), against the published layout's prediction:",
+            "",
+            pick_table,
+            "",
+        ]
+    )
