@@ -44,8 +44,8 @@ from pathlib import Path
 import attrs
 
 from bench import benchlib
-from bench.published_report import DETAIL_COLUMNS, PICK_COLUMNS, ROW_COLUMNS, WHAT_IF_COLUMNS, num, report, summary  # noqa: F401
-from bench.published_rows import (  # noqa: F401
+from bench.published_report import report, summary
+from bench.published_rows import (
     GPT2_VOCAB,
     H100,
     HEXISCALE_MFU,
@@ -59,22 +59,15 @@ from bench.published_rows import (  # noqa: F401
     MEGATRON_VOCAB,
     QUICK_MEGATRON,
     H100Row,
-    MegatronRow,
-    dgx_a100,
     h100_layout,
-    h100_model,
     h100_sections,
     holmes_layouts,
     megatron_flops,
     megatron_layout,
-    megatron_model,
-    megatron_pipelines,
     megatron_sections,
-    megatron_train,
     nanogpt_flops_per_token,
     write_cluster,
     write_layout,
-    write_text,
 )
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError

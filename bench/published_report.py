@@ -3,37 +3,7 @@
 from __future__ import annotations
 
 from bench import benchlib
-from bench.published_rows import (  # noqa: F401
-    GPT2_VOCAB,
-    H100,
-    HEXISCALE_MFU,
-    HOLMES_DEFAULT,
-    HOLMES_NIC_AWARE,
-    HOLMES_ROWS_PER_MB,
-    HOLMES_TP,
-    LARGE,
-    MEGATRON,
-    MEGATRON_SEQ,
-    MEGATRON_VOCAB,
-    QUICK_MEGATRON,
-    H100Row,
-    MegatronRow,
-    dgx_a100,
-    h100_layout,
-    h100_model,
-    h100_sections,
-    holmes_layouts,
-    megatron_flops,
-    megatron_layout,
-    megatron_model,
-    megatron_pipelines,
-    megatron_sections,
-    megatron_train,
-    nanogpt_flops_per_token,
-    write_cluster,
-    write_layout,
-    write_text,
-)
+from bench.published_rows import LARGE
 
 
 def summary(cand) -> str:
