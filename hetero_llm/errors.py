@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+ENVIRONMENT = "environment"  # the "file" a LayoutError about an environment variable names
+
 
 class HeteroError(Exception):
     """Base class for errors this library raises on purpose."""

@@ -15,7 +15,6 @@ restart (torchrun ``--max-restarts``, a requeued SLURM job): resume from the new
 
 from __future__ import annotations
 
-import math
 import os
 import socket
 from collections.abc import Mapping
@@ -24,18 +23,12 @@ from pathlib import Path
 import attrs
 
 from hetero_llm.checkpoint import folders as checkpoint
-from hetero_llm.errors import LayoutError
+from hetero_llm.errors import ENVIRONMENT, LayoutError
 from hetero_llm.launch.node import is_local_host
 from hetero_llm.plan import Plan
+from hetero_llm.runtime import emulation
 
 AUTO = "auto"
-ENVIRONMENT = "environment"  # the 'file' of an error about an environment variable
-EMULATION_EXAMPLES = {  # the variables of emulated devices (runtime.Emulation), "RANK:VALUE,...", RANK a rank or '*'
-    "HETERO_EMULATE_SLOWDOWN": "'*:1.5' or '1:2,*:1'",
-    "HETERO_EMULATE_JITTER": "'*:0.6'",
-    "HETERO_EMULATE_ACTION_S": "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008'",
-    "HETERO_EMULATE_DEVICE": "'*:gflops=100;tp_gbps=200;tp_latency_us=5'",
-}
 
 
 def check_environment(environ: Mapping[str, str], world_size: int) -> None:
@@ -81,55 +74,7 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
             "a host name or an IP address (e.g. 10.0.0.1, without a port: that is MASTER_PORT; "
             "or unset it to meet at the master node's host)",
         )
-    for var in EMULATION_EXAMPLES:
-        for item in filter(None, environ.get(var, "").split(",")):
-            who, sep, spec = item.partition(":")
-            problem = _emulation_problem(var, who.strip(), sep, spec, world_size)
-            if problem:
-                raise LayoutError(
-                    ENVIRONMENT,
-                    var,
-                    f"'{environ[var]}': {problem} (write RANK:VALUE entries "
-                    f"separated by commas, RANK a rank or '*', e.g. {EMULATION_EXAMPLES[var]})",
-                )
-
-
-def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int) -> str | None:
-    """What is wrong with one ``RANK:VALUE`` entry of an emulation variable, or None."""
-    if not sep:
-        return f"'{who}' has no ':'"
-    if who != "*" and not (who.isdigit() and int(who) < world_size):
-        return f"'{who}' is not '*' or one of the layout's ranks 0..{world_size - 1}"
-    if var == "HETERO_EMULATE_DEVICE":
-        from hetero_llm.predict.device import EmulatedDevice
-
-        try:
-            EmulatedDevice.parse(spec)
-        except ValueError as e:
-            return str(e)
-        return None
-    if var == "HETERO_EMULATE_ACTION_S":
-        pairs = [(k.strip(), v) for k, _, v in (x.partition("=") for x in spec.split(";"))]
-        for kind, value in pairs:
-            if kind not in ("F", "B", "I", "W"):
-                return f"'{kind}' is not a compute action (F, B, I or W)"
-            if _number(value) is None or _number(value) < 0:
-                return f"{kind} = '{value}' is not a number of seconds >= 0"
-        return None
-    least = 1 if var == "HETERO_EMULATE_SLOWDOWN" else 0
-    if _number(spec) is None or _number(spec) < least:
-        what = "a slowdown factor >= 1" if least else "a jitter >= 0 (a fraction of the compute time)"
-        return f"'{spec}' is not {what}"
-    return None
-
-
-def _number(text: str) -> float | None:
-    """A finite float, or None."""
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
+    emulation.check_environment(environ, world_size)  # HETERO_EMULATE_*: the module that reads them checks them
 
 
 @attrs.frozen
@@ -158,7 +103,7 @@ def assigned(environ: Mapping[str, str]) -> Assigned | None:
                 text = environ[var]
                 if not text.strip().isdigit():
                     raise LayoutError(
-                        "environment",
+                        ENVIRONMENT,
                         var,
                         f"'{text}' is not a number ({launcher} sets it; unset it, "
                         "or pass --rank R / --node NAME to choose what to start)",

@@ -9,15 +9,74 @@ rest). Each is ``"RANK:value,..."`` with ``*`` for every rank. Torch-free.
 
 from __future__ import annotations
 
+import math
 import os
 
 import attrs
 
-from hetero_llm.errors import LayoutError
+from hetero_llm.errors import ENVIRONMENT, LayoutError
 from hetero_llm.predict.device import EmulatedDevice
 from hetero_llm.schedule import Kind
 
 DEVICE_ENV = "HETERO_EMULATE_DEVICE"
+EXAMPLES = {  # the variables of emulated devices (Emulation), "RANK:VALUE,...", RANK a rank or '*'
+    "HETERO_EMULATE_SLOWDOWN": "'*:1.5' or '1:2,*:1'",
+    "HETERO_EMULATE_JITTER": "'*:0.6'",
+    "HETERO_EMULATE_ACTION_S": "'*:F=0.02;B=0.04' or '0:F=0.01;B=0.02;I=0.012;W=0.008'",
+    "HETERO_EMULATE_DEVICE": "'*:gflops=100;tp_gbps=200;tp_latency_us=5'",
+}
+
+
+def check_environment(environ, world_size: int) -> None:
+    """Every ``HETERO_EMULATE_*`` entry well-formed for a layout of ``world_size`` ranks (hetero-launch checks this
+    before any rank starts); else a located ``LayoutError`` naming the variable, its value and an example."""
+    for var in EXAMPLES:
+        for item in filter(None, environ.get(var, "").split(",")):
+            who, sep, spec = item.partition(":")
+            problem = _emulation_problem(var, who.strip(), sep, spec, world_size)
+            if problem:
+                raise LayoutError(
+                    ENVIRONMENT,
+                    var,
+                    f"'{environ[var]}': {problem} (write RANK:VALUE entries "
+                    f"separated by commas, RANK a rank or '*', e.g. {EXAMPLES[var]})",
+                )
+
+
+def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int) -> str | None:
+    """What is wrong with one ``RANK:VALUE`` entry of an emulation variable, or None."""
+    if not sep:
+        return f"'{who}' has no ':'"
+    if who != "*" and not (who.isdigit() and int(who) < world_size):
+        return f"'{who}' is not '*' or one of the layout's ranks 0..{world_size - 1}"
+    if var == "HETERO_EMULATE_DEVICE":
+        try:
+            EmulatedDevice.parse(spec)
+        except ValueError as e:
+            return str(e)
+        return None
+    if var == "HETERO_EMULATE_ACTION_S":
+        pairs = [(k.strip(), v) for k, _, v in (x.partition("=") for x in spec.split(";"))]
+        for kind, value in pairs:
+            if kind not in ("F", "B", "I", "W"):
+                return f"'{kind}' is not a compute action (F, B, I or W)"
+            if _number(value) is None or _number(value) < 0:
+                return f"{kind} = '{value}' is not a number of seconds >= 0"
+        return None
+    least = 1 if var == "HETERO_EMULATE_SLOWDOWN" else 0
+    if _number(spec) is None or _number(spec) < least:
+        what = "a slowdown factor >= 1" if least else "a jitter >= 0 (a fraction of the compute time)"
+        return f"'{spec}' is not {what}"
+    return None
+
+
+def _number(text: str) -> float | None:
+    """A finite float, or None."""
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def device_spec(rank: int | str) -> str | None:
@@ -40,7 +99,7 @@ def dry_run_device() -> EmulatedDevice | None:
         return EmulatedDevice.parse(spec)
     except ValueError as e:
         example = "'*:gflops=100;tp_gbps=200;tp_latency_us=5'"
-        raise LayoutError("environment", DEVICE_ENV, f"{e} (e.g. {example})") from None
+        raise LayoutError(ENVIRONMENT, DEVICE_ENV, f"{e} (e.g. {example})") from None
 
 
 _KINDS_BY_VALUE = {kind.value: kind for kind in Kind}
