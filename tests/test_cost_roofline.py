@@ -172,3 +172,16 @@ def test_a_user_kind_can_be_priced_by_roofline(tmp_path):
     slow_f = cost.stage_times(group, 4, False, 4, False)[0]
     fast_f = fast.stage_times(attrs.evolve(group, kind=attrs.evolve(k, gemm_fraction=1.0)), 4, False, 4, False)[0]
     assert slow_f > fast_f
+
+
+def test_the_head_is_whole_on_every_tp_rank_unless_vocab_parallel(tmp_path):
+    """The runtime computes the whole head on each TP rank; Megatron-LM splits it (plan.vocab_parallel)."""
+    whole = PlannerCostModel(load(tmp_path, cluster_text()))
+    split = PlannerCostModel(load(tmp_path, cluster_text("vocab_parallel = true\n"), "v.toml"))
+    kind = whole.cluster.nodes[0].kind
+    group = TPGroup("n0", "ib", ("n0:0", "n0:1"), kind)
+    head = [
+        m.stage_times(group, 2, True, 2, False)[0] - m.stage_times(group, 2, False, 2, False)[0] for m in (whole, split)
+    ]
+    assert head[0] == pytest.approx(whole.roofline.head(kind, 2, 1)[0])
+    assert head[1] == pytest.approx(whole.roofline.head(kind, 2, 2)[0]) and head[1] < head[0]

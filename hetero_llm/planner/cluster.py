@@ -15,6 +15,7 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     grad_bytes = 4                  # gradient all-reduce element size (4: what the runtime reduces)
     grad_overlap = false            # sync after the backward (the runtime); true: torch DDP's overlap
     attention = "flash"             # the runtime's SDPA; "unfused": Megatron-LM of 2021
+    vocab_parallel = false          # the head whole on every TP rank (the runtime); true: split (Megatron)
     [plan.nodes]                    # device kind of each node; keys are node names or globs
     "ib*" = "a100-80g"
     roce0 = "rtx4090"
@@ -108,6 +109,11 @@ class PlanLimits:
         "'flash': causal fused attention (SDPA, what hetero_llm's runtime runs); 'unfused': the S x S scores "
         "materialized by two batched matmuls and a softmax kernel (Megatron-LM of 2021)",
         default="flash",
+    )
+    vocab_parallel: bool = _doc(
+        "roofline kinds: the head and its cross-entropy split over the TP group (Megatron-LM's vocabulary-"
+        "parallel head); false = whole on every TP rank, as hetero_llm's runtime computes it",
+        default=False,
     )
 
 

@@ -69,6 +69,7 @@ class PlannerCostModel(MemoryModel):
         self.nics = {n.name: n.nics for n in cluster.nodes}
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
+        self.vocab_parallel = limits.vocab_parallel
         self.roofline = Roofline(self.model, self.act_bytes, limits.attention)
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
@@ -113,7 +114,8 @@ class PlannerCostModel(MemoryModel):
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         elif group.kind.pricing == ROOFLINE:
             lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp)
-            hf, hb, hw = self.roofline.head(group.kind, rows, group.tp) if last else (0.0, 0.0, 0.0)
+            head_tp = group.tp if self.vocab_parallel else 1  # the runtime computes the whole head on each rank
+            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp) if last else (0.0, 0.0, 0.0)
             fwd, wgt = layers * lf + hf, layers * lw + hw
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         else:
