@@ -377,6 +377,21 @@ BAD = [
         "plan.kinds.cpu2x.link_gbs: unknown key 'link_gbs' (did you mean 'link_gbps'?)",
     ),
     ("memory_gb = 8\n", "memory_gb = -8\n", "plan.kinds.cpu2x.memory_gb: must be > 0, got -8"),
+    (
+        "[plan.nodes]\n",
+        "[plan.nics]\nfast0 = 0\n[plan.nodes]\n",
+        "plan.nics.fast0: expected a number of NICs >= 1, got 0",
+    ),
+    (
+        "max_tp = 2\n",
+        "max_tp = 2\ngrad_bytes = 8\n",
+        "plan.grad_bytes: must be 4 (float32 gradients) or 2 (fp16/bf16), got 8",
+    ),
+    (
+        "tflops = 0.01\n",
+        "tflops = 0.01\nlaunch_us = -1\n",
+        "plan.kinds.cpu2x.launch_us: must be a number of microseconds >= 0, got -1",
+    ),
 ]
 
 
