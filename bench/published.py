@@ -6,8 +6,10 @@
 For each published run, the cost model's prediction for the run's own layout (``hetero_llm.planner.evaluate``,
 what ``hetero-plan CLUSTER --evaluate LAYOUT`` prints), converted to the publication's own way of counting
 FLOPs, next to the published number; and, on each cluster, the planner's own pick (``plan_cluster``, with a
-small search budget) against the published layout's prediction. Nothing here runs a model, and nothing is
-fitted: the cost model prices every device at its catalogue (datasheet) peak.
+small search budget) against the published layout's prediction. Nothing here runs a model. The cost model is
+the roofline one over the device catalogue (hetero_llm/planner/catalogue.py): one constant there is calibrated,
+the A100's sustained fraction, on the Megatron 1.7B row, which therefore checks nothing; the "uncalibrated"
+column gives every row without it.
 
 The rows:
 
@@ -17,6 +19,9 @@ The rows:
   sizes and the interleaved schedule's layers per virtual stage are those of Megatron-LM's
   ``examples/sc21/run_table_1.sh``. "Achieved TFLOP/s per GPU" counts
   ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))`` FLOPs per step (forward, backward and the recomputed forward).
+  The cluster files' ``[plan]`` says how Megatron-LM trained (``published_rows.megatron_plan``): 8 NICs per
+  node, fp16 gradients, torch DDP's overlap where the script uses it, unfused attention, a vocabulary-parallel
+  head.
 - **HexiScale** (arXiv 2409.01143): 31.19% MFU on its 40-GPU cluster with its own planned layout. That layout is
   not published: the layout evaluated is our planner's plan for layouts/clusters/hexiscale_40gpu.toml (so it
   checks the model's MFU level, not a layout), MFU counted as the cost model counts it.
