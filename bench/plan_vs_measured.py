@@ -103,7 +103,8 @@ def cluster_text(
         L.NodeSpec(name="s1", domain="slow"),
     )
     cluster = L.ClusterSpec(nodes=nodes, timeout_s=120.0, domains=domains, cross_domain=cross)
-    kind = {"memory_gb": 8, "link_gbps": 10, "mem_bw_gbs": 10}
+    # emulated devices: priced by FLOPs only, exactly as the emulated runtime charges (predict/device.py)
+    kind = {"memory_gb": 8, "link_gbps": 10, "mem_bw_gbs": 10, "pricing": "flops"}
     plan = {
         "max_tp": 2,
         "action_overhead_us": action_us,

@@ -43,6 +43,7 @@ class MegatronRow:
     tflops: float  # published achieved TFLOP/s per GPU
     micro_batch: int  # run_table_1.sh's MBS
     layers_per_chunk: int = 0  # --num-layers-per-virtual-pipeline-stage; 0: not interleaved
+    ddp: str = "local"  # run_table_1.sh's DDP: 'torch' overlaps the all-reduce with the backward, 'local' does not
 
     @property
     def name(self) -> str:
@@ -63,8 +64,8 @@ class MegatronRow:
 
 MEGATRON_VOCAB, MEGATRON_SEQ = 51_200, 2048
 MEGATRON = (
-    MegatronRow("1.7", 24, 2304, 24, 1, 1, 32, 512, 137.0, 16),
-    MegatronRow("7.5", 32, 4096, 36, 4, 1, 128, 512, 142.0, 16),
+    MegatronRow("1.7", 24, 2304, 24, 1, 1, 32, 512, 137.0, 16, ddp="torch"),
+    MegatronRow("7.5", 32, 4096, 36, 4, 1, 128, 512, 142.0, 16, ddp="torch"),
     MegatronRow("39.1", 64, 8192, 48, 8, 2, 512, 1536, 138.0, 4),
     MegatronRow("145.6", 96, 12288, 80, 8, 8, 1536, 2304, 148.0, 2, 5),
     MegatronRow("529.6", 128, 20480, 105, 8, 35, 2520, 2520, 163.0, 1, 1),
@@ -119,9 +120,24 @@ def megatron_model(row: MegatronRow) -> ModelSpec:
     return ModelSpec(layers=row.layers, hidden=row.hidden, heads=row.heads, vocab=MEGATRON_VOCAB, seq_len=MEGATRON_SEQ)
 
 
+def megatron_plan(row: MegatronRow) -> dict:
+    """The cluster file's [plan]: DGX nodes of A100 80 GB with eight NICs each, and how Megatron-LM (commit
+    6985e58 of examples/sc21) trains: fp16 gradients all-reduced (2 bytes), by torch DDP overlapped with the
+    backward where run_table_1.sh says DDP=torch, after it with DDP=local; attention unfused (the scores
+    materialized, a fused scale-mask-softmax kernel and dropout); the head split over TP (vocabulary-parallel)."""
+    return {
+        "grad_bytes": 2,
+        "grad_overlap": row.ddp == "torch",
+        "attention": "unfused",
+        "vocab_parallel": True,
+        "nodes": {"dgx*": "a100-80g"},
+        "nics": {"dgx*": 8},
+    }
+
+
 def dgx_a100(nodes: int) -> ClusterSpec:
-    """``nodes`` DGX A100 80 GB nodes: 8 GPUs on NVLink (the catalogue's a100-80g link), one 200 Gbit/s HDR
-    InfiniBand NIC per node (the cluster file's unit: a DGX has eight, the cost model shares one per node)."""
+    """``nodes`` DGX A100 80 GB nodes: 8 GPUs on NVLink (the catalogue's a100-80g link), eight 200 Gbit/s HDR
+    InfiniBand NICs each (one per GPU: ``[plan.nics]``); the domain's bandwidth is one NIC's."""
     return ClusterSpec(
         nodes=tuple(
             NodeSpec(name=f"dgx{i}", host=f"dgx{i}", devices=tuple(f"cuda:{d}" for d in range(8)), domain="ib")

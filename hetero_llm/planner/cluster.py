@@ -12,6 +12,10 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     time_budget_s = 300             # a safety net: stop after this long (the output then says so)
     action_overhead_us = 0          # measured: the runtime's own time per compute action (0 on GPUs' scale)
     p2p_latency_us = 0              # measured: the communication library's latency per message
+    grad_bytes = 4                  # gradient all-reduce element size (4: what the runtime reduces)
+    grad_overlap = false            # sync after the backward (the runtime); true: torch DDP's overlap
+    attention = "flash"             # the runtime's SDPA; "unfused": Megatron-LM of 2021
+    vocab_parallel = false          # the head whole on every TP rank (the runtime); true: split (Megatron)
     [plan.nodes]                    # device kind of each node; keys are node names or globs
     "ib*" = "a100-80g"
     roce0 = "rtx4090"
@@ -20,6 +24,11 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     memory_gb = 32.0
     link_gbps = 256.0               # intra-node link per device, Gbit/s (NVLink, PCIe, shared memory)
     mem_bw_gbs = 900.0              # device memory bandwidth, GB/s (the optimizer step is bound by it)
+    pricing = "roofline"            # else FLOPs at tflops only (an emulated device); then, measured:
+    gemm_fraction = 0.8             # achieved large-matmul TFLOPS / tflops (attn_fraction, mem_fraction,
+    launch_us = 5                   # link_fraction, sms: see docs/planner.md)
+    [plan.nics]                     # NICs per node (default 1): a DGX has one per GPU
+    "ib*" = 8
 
 A node whose devices are all ``cpu`` is of kind ``cpu`` unless ``[plan.nodes]`` says otherwise.
 """
@@ -37,47 +46,11 @@ from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Backend, ClusterSpec, Compile, DataSpec, Layout, ModelSpec, Precision, TrainSpec
 from hetero_llm.layout import reader as layout_reader
 from hetero_llm.layout import rules as layout_rules
+from hetero_llm.planner import catalogue
 from hetero_llm.planner import profile as profile_mod
+from hetero_llm.planner.catalogue import DeviceKind, catalogue_kind
+from hetero_llm.planner.catalogue import doc as _doc
 from hetero_llm.planner.profile import Profile
-
-
-def _doc(text: str, **kw):
-    return attrs.field(metadata={"doc": text}, **kw)
-
-
-@attrs.frozen
-class DeviceKind:
-    """``[plan.kinds.NAME]``: one kind of device."""
-
-    tflops: float = _doc("peak dense TFLOPS at the training precision (train.precision)")
-    memory_gb: float = _doc("memory per device, GB (10^9 bytes)")
-    link_gbps: float = _doc("intra-node link bandwidth per device and direction, Gbit/s (NVLink, PCIe, ...)")
-    mem_bw_gbs: float = _doc("device memory bandwidth, GB/s (bounds the optimizer step)")
-    name: str = ""
-
-
-# Datasheet numbers: dense peak TFLOPS (bf16 tensor cores with fp32 accumulation; fp32 without TF32,
-# which torch leaves off for matmuls by default), memory, per-device intra-node bandwidth per
-# direction (NVLink 3: 300 GB/s, NVLink 4: 450 GB/s; PCIe 4.0 x16: 32 GB/s; consumer cards have no
-# P2P, so their traffic goes through host memory at PCIe speed), memory bandwidth.
-# name: (bf16 TFLOPS, fp32 TFLOPS, memory GB, link Gbit/s, memory GB/s)
-CATALOGUE: dict[str, tuple[float, float, float, float, float]] = {
-    "h100-sxm": (989.0, 67.0, 80.0, 3600.0, 3350.0),
-    "a100-80g": (312.0, 19.5, 80.0, 2400.0, 2039.0),
-    "a100-40g": (312.0, 19.5, 40.0, 2400.0, 1555.0),
-    "a6000": (154.8, 38.7, 48.0, 256.0, 768.0),
-    "rtx4090": (165.2, 82.6, 24.0, 256.0, 1008.0),
-    "rtx3090": (71.0, 35.6, 24.0, 256.0, 936.0),
-    "rtx3080ti": (68.2, 34.1, 12.0, 256.0, 912.0),
-    # One CPU process slot of a small VM (the test and testbed clusters): nominal numbers, measured
-    # order of magnitude on the 2-core CI machine (a 64-wide matmul runs at a few GFLOPS per core).
-    "cpu": (0.005, 0.005, 8.0, 40.0, 10.0),
-}
-
-
-def catalogue_kind(name: str, precision: Precision) -> DeviceKind:
-    bf16, fp32, mem, link, bw = CATALOGUE[name]
-    return DeviceKind(bf16 if precision is Precision.BF16 else fp32, mem, link, bw, name)
 
 
 @attrs.frozen
@@ -104,7 +77,7 @@ class PlanLimits:
     )
     profile: str = _doc(
         "a profile file (JSON, written by `hetero-plan CLUSTER --profile FILE`; relative to the "
-        "cluster file) whose measured per-layer times replace peak FLOPS for the kinds it names; "
+        "cluster file) whose measured per-layer times replace the catalogue's pricing for the kinds it names; "
         "'' = none",
         default="",
     )
@@ -122,6 +95,29 @@ class PlanLimits:
         "0 = none",
         default=0.0,
     )
+    grad_bytes: int = _doc(
+        "bytes per gradient element the gradient all-reduce sends: 4 = float32, what hetero_llm's runtime "
+        "reduces; 2 for a system that reduces fp16/bf16 gradients (Megatron-LM's default)",
+        default=4,
+    )
+    grad_overlap: bool = _doc(
+        "the gradient all-reduce overlaps the last microbatch's backward (torch DDP's buckets); false = after "
+        "the backward, as hetero_llm's runtime does",
+        default=False,
+    )
+    attention: str = _doc(
+        "'flash': causal fused attention (SDPA, what hetero_llm's runtime runs); 'unfused': the S x S scores "
+        "materialized by two batched matmuls and a softmax kernel (Megatron-LM of 2021)",
+        default="flash",
+    )
+    vocab_parallel: bool = _doc(
+        "roofline kinds: the head and its cross-entropy split over the TP group (Megatron-LM's vocabulary-"
+        "parallel head); false = whole on every TP rank, as hetero_llm's runtime computes it",
+        default=False,
+    )
+
+
+ATTENTION = ("flash", "unfused")
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved")
@@ -134,6 +130,7 @@ class Node:
     domain: str
     devices: int
     kind: DeviceKind
+    nics: int = 1  # NICs of the node into its domain ([plan.nics]); its devices' network traffic spreads over them
 
 
 @attrs.frozen
@@ -206,9 +203,10 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         raise LayoutError(file, "plan", "expected a table ([plan])")
     kinds_raw = plan.get("kinds", {})
     node_kinds = plan.get("nodes", {})
+    tables = ("kinds", "nodes", "nics")
     limits = (
-        layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in ("kinds", "nodes")}, "plan", file)
-        if set(plan) - {"kinds", "nodes"}
+        layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
+        if set(plan) - set(tables)
         else PlanLimits()
     )
     _check_limits(file, limits)
@@ -232,10 +230,8 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
                 f"plan.nodes.{pattern}",
                 f"unknown device kind {kind!r} (known: {', '.join(sorted(kinds))}; or add [plan.kinds.{kind}])",
             )
-        if not any(fnmatch.fnmatchcase(n.name, pattern) for n in cluster.nodes):
-            raise LayoutError(
-                file, f"plan.nodes.{pattern}", f"matches no node (nodes: {', '.join(n.name for n in cluster.nodes)})"
-            )
+        _check_pattern(file, f"plan.nodes.{pattern}", pattern, cluster)
+    nics = _nics(file, plan.get("nics", {}), cluster)
     nodes = []
     for i, n in enumerate(cluster.nodes):
         kind = next((k for pat, k in node_kinds.items() if fnmatch.fnmatchcase(n.name, pat)), None)
@@ -248,7 +244,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
                     f'[plan.nodes], e.g. {n.name} = "a100-80g"; kinds: {", ".join(sorted(kinds))})',
                 )
             kind = "cpu"
-        nodes.append(Node(n.name, cluster.domain_of(n.name), len(n.devices), kinds[kind]))
+        nodes.append(Node(n.name, cluster.domain_of(n.name), len(n.devices), kinds[kind], nics.get(n.name, 1)))
     profile = None
     if profile_file is not None:
         profile = profile_mod.read(profile_file, file, "--profile-file", model, train.precision)
@@ -307,6 +303,14 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
         )
     if limits.time_budget_s < 0:
         raise LayoutError(file, "plan.time_budget_s", f"must be >= 0 (0 = no limit), got {limits.time_budget_s:g}")
+    if limits.grad_bytes not in (2, 4):
+        raise LayoutError(
+            file, "plan.grad_bytes", f"must be 4 (float32 gradients) or 2 (fp16/bf16), got {limits.grad_bytes}"
+        )
+    if limits.attention not in ATTENTION:
+        raise LayoutError(
+            file, "plan.attention", f"unknown attention {limits.attention!r} (one of: {', '.join(ATTENTION)})"
+        )
     for key in ("action_overhead_us", "p2p_latency_us"):
         value = getattr(limits, key)
         if value < 0:  # (the key reader already refuses nan and inf)
@@ -314,7 +318,7 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
 
 
 def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind]:
-    kinds = {name: catalogue_kind(name, precision) for name in CATALOGUE}
+    kinds = {name: catalogue_kind(name, precision) for name in catalogue.KINDS}
     if not isinstance(raw, dict):
         raise LayoutError(file, "plan.kinds", "expected tables [plan.kinds.NAME]")
     for name, table in raw.items():
@@ -329,8 +333,53 @@ def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind
         for key in ("tflops", "memory_gb", "link_gbps", "mem_bw_gbs"):
             if not getattr(kind, key) > 0:
                 raise LayoutError(file, f"{where}.{key}", f"must be > 0, got {getattr(kind, key):g}")
+        _check_kind(file, where, kind)
         kinds[name] = attrs.evolve(kind, name=name)
     return kinds
+
+
+def _check_kind(file: str, where: str, kind: DeviceKind) -> None:
+    if kind.pricing not in catalogue.PRICINGS:
+        raise LayoutError(
+            file, f"{where}.pricing", f"unknown pricing {kind.pricing!r} (one of: {', '.join(catalogue.PRICINGS)})"
+        )
+    if not 0 <= kind.attn_fraction <= 1:
+        raise LayoutError(
+            file,
+            f"{where}.attn_fraction",
+            f"must be a fraction in [0, 1] (0 = the matmul rate), got {kind.attn_fraction:g}",
+        )
+    for key in ("gemm_fraction", "mem_fraction", "link_fraction"):
+        value = getattr(kind, key)
+        if not 0 < value <= 1:
+            raise LayoutError(
+                file, f"{where}.{key}", f"must be a fraction in (0, 1] (achieved / datasheet), got {value:g}"
+            )
+    if kind.sms < 0:
+        raise LayoutError(file, f"{where}.sms", f"must be >= 0 (0 = no wave quantization), got {kind.sms}")
+    if kind.launch_us < 0:
+        raise LayoutError(file, f"{where}.launch_us", f"must be a number of microseconds >= 0, got {kind.launch_us:g}")
+
+
+def _check_pattern(file: str, where: str, pattern: str, cluster: ClusterSpec) -> None:
+    """A ``[plan.nodes]`` or ``[plan.nics]`` key must match a node."""
+    if not any(fnmatch.fnmatchcase(n.name, pattern) for n in cluster.nodes):
+        raise LayoutError(file, where, f"matches no node (nodes: {', '.join(n.name for n in cluster.nodes)})")
+
+
+def _nics(file: str, raw: object, cluster: ClusterSpec) -> dict[str, int]:
+    """``[plan.nics]``: NICs per node, by node name or glob (the first match wins); 1 where none matches."""
+    if not isinstance(raw, dict):
+        raise LayoutError(file, "plan.nics", 'expected a table of node name (or glob) = NICs per node, e.g. "dgx*" = 8')
+    for pattern, count in raw.items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise LayoutError(file, f"plan.nics.{pattern}", f"expected a number of NICs >= 1, got {count!r}")
+        _check_pattern(file, f"plan.nics.{pattern}", pattern, cluster)
+    out = {}
+    for n in cluster.nodes:
+        count = next((c for pat, c in raw.items() if fnmatch.fnmatchcase(n.name, pat)), 1)
+        out[n.name] = count
+    return out
 
 
 def schema_markdown() -> str:
@@ -343,19 +392,17 @@ def schema_markdown() -> str:
             default = "required" if fl.default is attrs.NOTHING else repr(fl.default)
             rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")
     rows.append(
+        "| `plan.nics.PATTERN` | 1 | NICs of the nodes whose name matches PATTERN (a name or a glob; the first "
+        "match wins): their devices' traffic into the domain spreads over them (a DGX has one per GPU) |"
+    )
+    rows.append(
         "| `plan.nodes.PATTERN` | nodes of only `cpu` devices: 'cpu' | device kind of the nodes whose name "
         "matches PATTERN (a name or a glob such as 'ib*'; the first match wins); a catalogue kind or a "
         "[plan.kinds.NAME] |"
     )
-    catalogue = [
-        "| kind | bf16 TFLOPS | fp32 TFLOPS | memory GB | link Gbit/s | memory GB/s |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    catalogue += [f"| `{k}` | {v[0]:g} | {v[1]:g} | {v[2]:g} | {v[3]:g} | {v[4]:g} |" for k, v in CATALOGUE.items()]
     return (
         "| key | default | meaning |\n| --- | --- | --- |\n"
         + "\n".join(rows)
-        + "\n\nBuilt-in device kinds:\n\n"
-        + "\n".join(catalogue)
-        + "\n"
+        + "\n\nBuilt-in device kinds (hetero_llm/planner/catalogue.py; the sources below the table):\n\n"
+        + catalogue.catalogue_markdown()
     )

@@ -1,22 +1,28 @@
 """The planner's cost model: step time and memory of a candidate layout, from first principles. Torch-free.
 
-Every number comes from the model's shapes, the device kinds' datasheet figures and the cluster's
-links; nothing is scaled by a fitted factor. Per transformer layer and sequence of S tokens
-(hidden H, MLP width F with ``nm`` weight matrices: 2 for GELU, 3 for SwiGLU):
+Every number comes from the model's shapes, the device catalogue (``catalogue.py``: datasheets, published
+measurements and one calibrated constant, each named; docs/planner.md lists them) and the cluster's links.
+Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`` weight matrices):
 
-- forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H``: the matmuls (2 FLOPs per multiply-add) and causal
-  attention (QK^T and AV over the lower triangle); the head adds ``2 S H V``. A backward is twice a
-  forward: its weight-gradient part (``W`` of a split backward) is the matmuls' share, once.
-  Full recompute adds one forward to every backward. Time = FLOPs / (TP x the kind's peak).
+- compute of a **roofline** kind (every built-in GPU): each operation the runtime launches priced by
+  ``roofline.Roofline`` (matmuls at the achieved rate for their shape, attention, memory-bound norms,
+  activations, residuals and cross-entropy, at least one launch each); of a **flops** kind (``cpu``, the
+  emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H`` (+ ``2 S H V`` for the head) over TP x
+  the kind's tflops, a backward twice that, its weight part the matmuls once: exactly what the emulated
+  runtime charges (predict/device.action_seconds). Full recompute adds one forward to every backward.
 - TP: Megatron's two all-reduces per layer in forward and two in backward (four when the backward
-  recomputes), ring all-reduce ``2 (t-1)/t x bytes / link``, over the kind's intra-node link.
+  recomputes), ring all-reduce ``2 (t-1)/t x bytes / link``, over the kind's intra-node link at its NCCL
+  efficiency.
 - stage boundary: ``rows S H`` activation elements; inside a node over the slower of the two kinds'
-  links, else over the domain's NIC (or the cross-domain network), then an all-gather inside the
+  links, else over one of the domain's NICs (or the cross-domain network), then an all-gather inside the
   receiving TP group (the runtime sends one piece to each receiver).
-- gradient sync: every rank's gradient shard is all-reduced (ring) with one holder per pipeline; a
-  rank sends ``2 (P-1)/P`` of its shard (float32), over the narrowest network its holders span;
-  every rank of a node shares the node's NIC. The optimizer step reads param, grad and both AdamW
-  moments and writes three of them back: 28 bytes per parameter over the device memory bandwidth.
+- gradient sync: every rank's gradient shard is all-reduced (ring) with one holder per pipeline; a rank
+  sends ``2 (P-1)/P`` of its shard, ``plan.grad_bytes`` per element (4: the runtime reduces float32),
+  over the narrowest network its holders span; a node's ranks share its ``plan.nics`` NICs. NCCL clusters
+  reach the domain kind's bus efficiency. The runtime syncs after the last backward, so the whole sync is
+  added; ``plan.grad_overlap`` (a published system's torch DDP) hides it behind the last backward. The
+  optimizer step reads param, grad and both AdamW moments and writes three of them back: 28 bytes per
+  parameter over the achieved memory bandwidth.
 - memory per device: ``memory.MemoryModel``, the base class of this cost model.
 
 Step time = the slowest pipeline's simulated step (``simulate.simulate`` on the schedule's actions)
@@ -35,13 +41,15 @@ from __future__ import annotations
 import functools
 import math
 
+from hetero_llm.layout import Backend
 from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
+from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.memory import MemoryModel
+from hetero_llm.planner.roofline import Roofline
 
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
-GRAD_BYTES = 4  # gradients are summed in float32
 
 
 class PlannerCostModel(MemoryModel):
@@ -49,8 +57,20 @@ class PlannerCostModel(MemoryModel):
 
     def __init__(self, cluster: Cluster):
         super().__init__(cluster)
-        self.domain_bw = dict(cluster.network.domain_bw)
+        limits = cluster.limits
+        # NCCL reaches a fraction of a NIC's line rate (catalogue.DOMAIN_FRACTION); gloo clusters (the emulated
+        # testbed) are priced at their declared bandwidth
+        frac = {d.name: DOMAIN_FRACTION[d.kind] for d in cluster.spec.domains}
+        if cluster.spec.backend is not Backend.NCCL:
+            frac = {}
+        self.domain_bw = {d: bw * frac.get(d, 1.0) for d, bw in cluster.network.domain_bw}
+        self.cross_bw = cluster.network.cross_bw * min(frac.values(), default=1.0)
         self.domain_lat = dict(cluster.network.domain_latency)
+        self.nics = {n.name: n.nics for n in cluster.nodes}
+        self.grad_bytes = limits.grad_bytes
+        self.grad_overlap = limits.grad_overlap
+        self.vocab_parallel = limits.vocab_parallel
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention)
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
@@ -92,6 +112,12 @@ class PlannerCostModel(MemoryModel):
             # the weight-gradient share of a backward, from the FLOP model (matmuls' weight gradients)
             wgt = layers * lb * self.layer_matmul_flops() / (2 * self.layer_forward_flops()) + hb / 2
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
+        elif group.kind.pricing == ROOFLINE:
+            lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp)
+            head_tp = group.tp if self.vocab_parallel else 1  # the runtime computes the whole head on each rank
+            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp) if last else (0.0, 0.0, 0.0)
+            fwd, wgt = layers * lf + hf, layers * lw + hw
+            bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         else:
             speed = group.flops
             fwd = rows * layers * self.layer_forward_flops() / speed
@@ -101,18 +127,23 @@ class PlannerCostModel(MemoryModel):
                 fwd += head
                 wgt += head
             bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
-        link = group.kind.link_gbps * 1e9 / 8
+        link = self.intra_bw(group)
         one = self.allreduce(rows * self.S * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
 
+    @staticmethod
+    def intra_bw(group: TPGroup) -> float:
+        """Bytes/s of a device's intra-node link, as NCCL achieves it (link_fraction)."""
+        return group.kind.link_gbps * group.kind.link_fraction * 1e9 / 8
+
     def link(self, a: TPGroup, b: TPGroup) -> tuple[float, float]:
         """(bytes/s, latency s) of the path between two groups."""
         if a.node == b.node:
-            return min(a.kind.link_gbps, b.kind.link_gbps) * 1e9 / 8, self.p2p_latency
+            return min(self.intra_bw(a), self.intra_bw(b)), self.p2p_latency
         if a.domain == b.domain:
             return self.domain_bw[a.domain], self.domain_lat[a.domain] + self.p2p_latency
-        return self.cluster.network.cross_bw, self.cluster.network.cross_latency + self.p2p_latency
+        return self.cross_bw, self.cluster.network.cross_latency + self.p2p_latency
 
     def boundary(self, a: TPGroup, b: TPGroup, rows: int) -> tuple[float, float]:
         """(effective bytes/s, latency) of one activation crossing a -> b (with the receivers' all-gather)."""
@@ -120,7 +151,7 @@ class PlannerCostModel(MemoryModel):
         bw, lat = self.link(a, b)
         seconds = nbytes / bw
         if a.node != b.node and b.tp > 1:
-            seconds += (b.tp - 1) / b.tp * nbytes / (b.kind.link_gbps * 1e9 / 8)
+            seconds += (b.tp - 1) / b.tp * nbytes / self.intra_bw(b)
         return nbytes / seconds, lat
 
     def _simulate(
@@ -172,7 +203,8 @@ class PlannerCostModel(MemoryModel):
         return step, bubble, times[busiest][3] * pipe.microbatches
 
     def grad_sync_time(self, cand: Candidate) -> float:
-        """Seconds of the gradient all-reduces: the busiest node NIC (or intra-node link)."""
+        """Seconds of the gradient all-reduces the step waits for: the busiest node's NICs (or intra-node link);
+        with ``plan.grad_overlap`` only what the last microbatch's backward does not hide."""
         P = len(cand.pipelines)
         if P == 1:
             return 0.0
@@ -194,8 +226,10 @@ class PlannerCostModel(MemoryModel):
                     seg += 1
         ring = 2 * (P - 1) / P
         per_rank = {}  # TP size -> parameters one rank holds of one layer
-        nic: dict[str, float] = {}  # node -> seconds on its NIC (domain and cross-domain traffic share it)
+        nic: dict[str, float] = {}  # node -> bytes x (1 / bandwidth) over its NICs (domain and cross traffic)
+        users: dict[str, set[str]] = {}  # node -> its devices that send over the network
         intra: dict[str, float] = {}
+        held: dict[str, float] = {}  # device -> gradient bytes it holds (for the overlap's last bucket)
         cross = False
         for (lo, hi), groups in zip(zip(cuts, cuts[1:]), owner):
             nodes = {g.node for g in groups}
@@ -207,23 +241,40 @@ class PlannerCostModel(MemoryModel):
                 t = len(g.devices)
                 if t not in per_rank:
                     per_rank[t] = sum(self.layer_params(t))
-                nbytes = ring * (per_rank[t] * (hi - lo) + extra) * GRAD_BYTES
+                shard = (per_rank[t] * (hi - lo) + extra) * self.grad_bytes
+                held[g.devices[0]] = held.get(g.devices[0], 0.0) + shard
+                nbytes = ring * shard
                 if len(nodes) == 1:
-                    intra[g.node] = intra.get(g.node, 0.0) + nbytes / (g.kind.link_gbps * 1e9 / 8)
+                    intra[g.node] = intra.get(g.node, 0.0) + nbytes / self.intra_bw(g)
                 else:
-                    bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cluster.network.cross_bw
+                    bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cross_bw
                     nic[g.node] = nic.get(g.node, 0.0) + nbytes * t / bw
+                    users.setdefault(g.node, set()).update(g.devices)
+        # a node's traffic spreads over its NICs, at most one NIC per device that sends
+        busiest = [v / min(self.nics.get(n, 1), len(users[n])) for n, v in nic.items()]
         lat = (self.cluster.network.cross_latency if cross else max(self.domain_lat.values())) + self.p2p_latency
         buckets = len({tuple(id(g) for g in groups) for groups in owner})
-        latency = buckets * 2 * (P - 1) * lat
-        return max(list(nic.values()) + list(intra.values()) + [0.0]) + latency
+        sync = max(busiest + list(intra.values()) + [0.0]) + buckets * 2 * (P - 1) * lat
+        if not self.grad_overlap:
+            return sync
+        # torch DDP: buckets all-reduce as the last microbatch's backward produces them, the last one after it;
+        # the first stage finishes its backward last
+        window = min(
+            self.stage_times(p.stages[0].group, p.stages[0].layers, len(p.stages) == 1, p.rows, p.stages[0].recompute)[
+                1
+            ]
+            for p in cand.pipelines
+        )
+        tail = sync * min(1.0, DDP_BUCKET_BYTES / max(held.values()))
+        return max(sync - window, tail)
 
     def optimizer_time(self, cand: Candidate) -> float:
         """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""
         worst = 0.0
         for pipe, moments in zip(cand.pipelines, self.moments(cand)):
             for s, n in zip(pipe.stages, moments):
-                worst = max(worst, n * OPTIMIZER_BYTES / (s.group.kind.mem_bw_gbs * 1e9))
+                bw = s.group.kind.mem_bw_gbs * s.group.kind.mem_fraction * 1e9
+                worst = max(worst, n * OPTIMIZER_BYTES / bw)
         return worst
 
     def lower_bound(self) -> float:

@@ -1,0 +1,187 @@
+"""The planner's roofline cost model (planner/roofline.py, catalogue.py, cost.py): each piece moves the
+prediction the way its physics says, and emulated kinds stay priced exactly as the emulated runtime charges."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from hetero_llm.errors import LayoutError
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
+from hetero_llm.planner.cluster import load_cluster
+from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.predict.device import EmulatedDevice, action_seconds
+
+NODE = '[[cluster.nodes]]\nname = "{name}"\nhost = "{name}"\ndevices = [{devs}]\ndomain = "ib"\n'
+
+
+def cluster_text(plan: str = "", kind: str = "a100-80g", nodes: int = 2, backend: str = "nccl") -> str:
+    devs = ", ".join(f'"cuda:{i}"' for i in range(8)) if backend == "nccl" else ", ".join(['"cpu"'] * 8)
+    text = (
+        "[model]\nlayers = 4\nhidden = 1024\nheads = 16\nvocab = 32000\nseq_len = 1024\n"
+        '[train]\nsteps = 1\nglobal_batch = 16\nprecision = "bf16"\n[data]\nkind = "grammar"\n'
+        f'[cluster]\nbackend = "{backend}"\n'
+        '[[cluster.domains]]\nname = "ib"\nkind = "ib"\nbandwidth_gbps = 200\nlatency_us = 2\n'
+    )
+    text += "".join(NODE.format(name=f"n{i}", devs=devs) for i in range(nodes))
+    return text + f'[plan]\n{plan}[plan.nodes]\n"n*" = "{kind}"\n'
+
+
+def load(tmp_path, text: str, name: str = "c.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return load_cluster(path)
+
+
+def dp_candidate(cluster, gpus_per_node: int = 8) -> Candidate:
+    """One single-stage pipeline per device (pure data parallelism over every node)."""
+    pipes = []
+    for node in cluster.nodes:
+        for d in range(gpus_per_node):
+            group = TPGroup(node.name, node.domain, (f"{node.name}:{d}",), node.kind)
+            pipes.append(PipelineChoice(1, 1, (StageChoice(group, cluster.model.layers),)))
+    return Candidate(tuple(pipes))
+
+
+def test_small_matmul_is_slower_per_flop_than_a_large_one(tmp_path):
+    cost = PlannerCostModel(load(tmp_path, cluster_text()))
+    kind = cost.cluster.nodes[0].kind
+    per_flop = [cost.roofline.matmul(kind, m, 1024, 1024) / (2 * m * 1024 * 1024) for m in (64, 1024, 65536)]
+    assert per_flop[0] > per_flop[1] > per_flop[2]
+    # a large matmul runs at the catalogue's achieved rate, not the datasheet peak
+    assert per_flop[2] == pytest.approx(1 / (kind.tflops * 1e12 * kind.gemm_fraction), rel=0.02)
+    assert kind.gemm_fraction < 1
+
+
+def test_memory_bound_kernels_and_launches_cost_time(tmp_path):
+    """A roofline kind's layer takes longer than its matmul FLOPs at the achieved rate (element-wise kernels,
+    attention), and a tiny layer is bounded below by its kernels' launches."""
+    cost = PlannerCostModel(load(tmp_path, cluster_text()))
+    kind = cost.cluster.nodes[0].kind
+    fwd, bwd, wgt = cost.roofline.layer(kind, 1, 1)
+    matmul_only = cost.layer_matmul_flops() / (kind.tflops * 1e12 * kind.gemm_fraction)
+    assert fwd > matmul_only and bwd > fwd and 0 < wgt < bwd
+    tiny = PlannerCostModel(load(tmp_path, cluster_text().replace("hidden = 1024", "hidden = 16"), "tiny.toml"))
+    f, _, _ = tiny.roofline.layer(kind, 1, 1)
+    assert f >= 10 * kind.launch_us * 1e-6  # 4 projections, 2 MLP matmuls, attention, 2 norms, 2 adds, GELU
+
+
+def test_unfused_attention_costs_more_than_flash(tmp_path):
+    flash = PlannerCostModel(load(tmp_path, cluster_text()))
+    unfused = PlannerCostModel(load(tmp_path, cluster_text('attention = "unfused"\n'), "u.toml"))
+    kind = flash.cluster.nodes[0].kind
+    assert unfused.roofline.attention(kind, 4, 1)[0] > 2 * flash.roofline.attention(kind, 4, 1)[0]
+
+
+def test_half_precision_gradients_halve_the_sync(tmp_path):
+    c32 = load(tmp_path, cluster_text())
+    c16 = load(tmp_path, cluster_text("grad_bytes = 2\n"), "c16.toml")
+    t32 = PlannerCostModel(c32).grad_sync_time(dp_candidate(c32))
+    t16 = PlannerCostModel(c16).grad_sync_time(dp_candidate(c16))
+    assert t16 == pytest.approx(t32 / 2, rel=0.01)
+
+
+def test_eight_nics_per_node_cut_the_sync(tmp_path):
+    one = load(tmp_path, cluster_text())
+    eight = load(tmp_path, cluster_text().replace("[plan.nodes]", '[plan.nics]\n"n*" = 8\n[plan.nodes]'), "e.toml")
+    assert [n.nics for n in eight.nodes] == [8, 8] and [n.nics for n in one.nodes] == [1, 1]
+    t1 = PlannerCostModel(one).grad_sync_time(dp_candidate(one))
+    t8 = PlannerCostModel(eight).grad_sync_time(dp_candidate(eight))
+    assert t8 == pytest.approx(t1 / 8, rel=0.01)
+    # two devices of a node can use at most two of its NICs
+    t8_two = PlannerCostModel(eight).grad_sync_time(dp_candidate(eight, gpus_per_node=2))
+    t1_two = PlannerCostModel(one).grad_sync_time(dp_candidate(one, gpus_per_node=2))
+    assert t8_two == pytest.approx(t1_two / 2, rel=0.01)
+
+
+def test_overlap_hides_the_sync_behind_the_backward(tmp_path):
+    after = load(tmp_path, cluster_text())
+    overlapped = load(tmp_path, cluster_text("grad_overlap = true\n"), "o.toml")
+    cand = dp_candidate(after)
+    t_after = PlannerCostModel(after).grad_sync_time(cand)
+    cost = PlannerCostModel(overlapped)
+    t_over = cost.grad_sync_time(dp_candidate(overlapped))
+    group = dp_candidate(overlapped).pipelines[0].stages[0].group
+    backward = cost.stage_times(group, 4, True, 1, False)[1]
+    assert t_over == pytest.approx(max(t_after - backward, t_over), rel=1e-9)
+    assert 0 < t_over < t_after
+
+
+def test_nccl_bus_efficiency_slows_the_network(tmp_path):
+    """The same gradient sync over an NCCL cluster pays the IB domain's bus efficiency; a gloo cluster (the
+    emulated testbed) is priced at its declared bandwidth."""
+    nccl = load(tmp_path, cluster_text())
+    gloo = load(tmp_path, cluster_text(backend="gloo"), "g.toml")
+    ratio = PlannerCostModel(gloo).domain_bw["ib"] / PlannerCostModel(nccl).domain_bw["ib"]
+    assert ratio == pytest.approx(1 / 0.91)
+
+
+@pytest.mark.parametrize("last", [False, True])
+def test_emulated_kinds_are_priced_exactly_as_the_emulated_runtime(tmp_path, last):
+    kinds = "[plan.kinds.emu]\ntflops = 0.0001\nmemory_gb = 8\nlink_gbps = 10\nmem_bw_gbs = 10\n"
+    c = load(tmp_path, cluster_text(kind="emu", backend="gloo").replace("[plan.nodes]", kinds + "[plan.nodes]"))
+    kind = c.nodes[0].kind
+    assert kind.pricing == "flops"
+    cost = PlannerCostModel(c)
+    group = TPGroup("n0", "ib", ("n0:0",), kind)
+    rows, layers, S = 2, 3, c.model.seq_len
+    fwd, bwd, wgt, _ = cost.stage_times(group, layers, last, rows, False)
+    dev = EmulatedDevice(flops=kind.tflops * 1e12)
+    args = (layers, rows, S, rows * S * S, 1, last, dev)
+    assert fwd == pytest.approx(action_seconds(c.model, "F", *args), rel=1e-12)
+    assert bwd == pytest.approx(action_seconds(c.model, "B", *args), rel=1e-12)
+    assert wgt == pytest.approx(action_seconds(c.model, "W", *args), rel=1e-12)
+
+
+BAD = [
+    ("grad_bytes = 3\n", "plan.grad_bytes: must be 4 (float32 gradients) or 2 (fp16/bf16), got 3"),
+    ('attention = "fast"\n', "plan.attention: unknown attention 'fast' (one of: flash, unfused)"),
+    ("[plan.nics]\nn0 = 0\n", "plan.nics.n0: expected a number of NICs >= 1, got 0"),
+    ('[plan.nics]\n"x*" = 2\n', "plan.nics.x*: matches no node (nodes: n0, n1)"),
+    (
+        "[plan.kinds.g]\ntflops = 1\nmemory_gb = 8\nlink_gbps = 10\nmem_bw_gbs = 10\ngemm_fraction = 1.5\n",
+        "plan.kinds.g.gemm_fraction: must be a fraction in (0, 1] (achieved / datasheet), got 1.5",
+    ),
+    (
+        '[plan.kinds.g]\ntflops = 1\nmemory_gb = 8\nlink_gbps = 10\nmem_bw_gbs = 10\npricing = "exact"\n',
+        "plan.kinds.g.pricing: unknown pricing 'exact' (one of: roofline, flops)",
+    ),
+]
+
+
+@pytest.mark.parametrize("plan,message", BAD, ids=[b[1].split(":")[0] for b in BAD])
+def test_bad_cost_keys_are_one_line_errors(tmp_path, plan, message):
+    with pytest.raises(LayoutError) as err:
+        load(tmp_path, cluster_text(plan))
+    assert f"{err.value.path}: {err.value.message}" == message
+
+
+def test_a_user_kind_can_be_priced_by_roofline(tmp_path):
+    kind = (
+        '[plan.kinds.g]\ntflops = 100\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 1000\npricing = "roofline"\n'
+        "gemm_fraction = 0.5\nlaunch_us = 5\nsms = 64\n"
+    )
+    c = load(tmp_path, cluster_text(kind="g").replace("[plan.nodes]", kind + "[plan.nodes]"))
+    k = c.nodes[0].kind
+    assert (k.pricing, k.gemm_fraction, k.sms) == ("roofline", 0.5, 64)
+    cost = PlannerCostModel(c)
+    fast = PlannerCostModel(
+        attrs.evolve(c, nodes=tuple(attrs.evolve(n, kind=attrs.evolve(k, gemm_fraction=1.0)) for n in c.nodes))
+    )
+    group = TPGroup("n0", "ib", ("n0:0",), k)
+    slow_f = cost.stage_times(group, 4, False, 4, False)[0]
+    fast_f = fast.stage_times(attrs.evolve(group, kind=attrs.evolve(k, gemm_fraction=1.0)), 4, False, 4, False)[0]
+    assert slow_f > fast_f
+
+
+def test_the_head_is_whole_on_every_tp_rank_unless_vocab_parallel(tmp_path):
+    """The runtime computes the whole head on each TP rank; Megatron-LM splits it (plan.vocab_parallel)."""
+    whole = PlannerCostModel(load(tmp_path, cluster_text()))
+    split = PlannerCostModel(load(tmp_path, cluster_text("vocab_parallel = true\n"), "v.toml"))
+    kind = whole.cluster.nodes[0].kind
+    group = TPGroup("n0", "ib", ("n0:0", "n0:1"), kind)
+    head = [
+        m.stage_times(group, 2, True, 2, False)[0] - m.stage_times(group, 2, False, 2, False)[0] for m in (whole, split)
+    ]
+    assert head[0] == pytest.approx(whole.roofline.head(kind, 2, 1)[0])
+    assert head[1] == pytest.approx(whole.roofline.head(kind, 2, 2)[0]) and head[1] < head[0]
