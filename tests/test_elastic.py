@@ -1,0 +1,309 @@
+"""Elastic runs (hetero_llm/launch/elastic.py): ``hetero-launch CLUSTER.toml --elastic`` under torchrun's agents.
+
+In process: the planning of a round (deterministic, for the nodes present), the mapping of devices to layout
+ranks, and every bad input as one line. In real processes: three emulated nodes on this machine, one torchrun
+agent each; a node is killed mid-run (its agent's whole process group), the survivors re-plan and continue,
+the node comes back and the plan grows back; the per-step losses equal the one-process run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
+from hetero_llm.errors import RankFailure
+from hetero_llm.launch import elastic
+from hetero_llm.plan import compile_plan
+from hetero_llm.planner import load_cluster
+
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
+TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_"))] + [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HETERO_NODE",
+]
+NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
+
+
+def cluster_file(path: Path, steps: int, port: int = 29500) -> Path:
+    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget."""
+    nodes = "".join(f'[[cluster.nodes]]\nname = "{n}"\ndevices = {["cpu"] * k}\n' for n, k in NODES.items())
+    common = COMMON.replace("steps = 3", f"steps = {steps}")
+    path.write_text(
+        f"{common}[cluster]\ntimeout_s = 10\nport = {port}\n{nodes}\n[plan]\nmax_evals = 200\nmax_tp = 1\n".replace(
+            "'", '"'
+        )
+    )
+    return path
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _torchrun_env(monkeypatch, **extra: str) -> None:
+    env = dict(
+        RANK="0",
+        WORLD_SIZE="4",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+        TORCHELASTIC_RUN_ID="job",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_RESTART_COUNT="0",
+    )
+    for k, v in {**env, **extra}.items():
+        monkeypatch.setenv(k, v)
+
+
+# --------------------------------------------------------------------------- planning a round (in process)
+
+
+def test_each_membership_is_planned_deterministically(tmp_path):
+    cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
+    plans = {}
+    for present in (["n0", "n1", "n2"], ["n0", "n1"], ["n1", "n2"]):
+        first, again = (compile_plan(elastic.plan_for(cluster, present)) for _ in range(2))
+        assert first.fingerprint() == again.fingerprint()  # every worker plans the same layout
+        used = {r.node for r in first.ranks}
+        assert used <= set(present) and used, used  # only the nodes present
+        plans[tuple(present)] = first
+        # the same global batch, data order and schedule of the lr: only the pipeline schedule is the plan's
+        planned = first.layout.train
+        assert planned == attrs.evolve(cluster.train, schedule=planned.schedule, chunks=planned.chunks)
+    assert len({p.fingerprint() for p in plans.values()}) == 3
+    full = plans[("n0", "n1", "n2")]
+    assert [elastic.layout_rank(full, r.node, int(r.device_id.split(":")[1])) for r in full.ranks] == list(
+        range(full.world_size)
+    )
+    assert elastic.layout_rank(plans[("n1", "n2")], "n0", 0) is None  # absent: no rank
+
+
+def test_present_nodes_in_cluster_order_and_a_node_claimed_twice(tmp_path):
+    cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
+    assert elastic.present_nodes(cluster, [("n2", 0), ("n0", 1), ("n0", 0)]) == ["n0", "n2"]
+    with pytest.raises(RankFailure, match="two torchrun agents say they are node n1 .local rank 0 arrived twice"):
+        elastic.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
+
+
+# --------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+def test_elastic_outside_torchrun_is_one_line(tmp_path, clean_env):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck")),
+        "environment: TORCHELASTIC_RUN_ID: not set: --elastic runs under torchrun's elastic agent (torchrun "
+        "--nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d ... -m hetero_llm.cli CLUSTER.toml --elastic ...; "
+        "docs/elastic.md)",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "{path}: --checkpoint: --elastic needs --checkpoint DIR (where every start and restart resumes from)"),
+        (
+            ("--checkpoint", "ck", "--rank", "1"),
+            "{path}: --rank: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+        (
+            ("--checkpoint", "ck", "--set", "train.steps=2"),
+            "{path}: --set: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+        (
+            ("--checkpoint", "ck", "--resume", "auto"),
+            "{path}: --resume: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+    ],
+)
+def test_elastic_options_are_one_line(tmp_path, clean_env, args, message):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    assert_one_error_line(invoke_cli(str(path), "--elastic", *args), message.format(path=path))
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"TORCHELASTIC_USE_AGENT_STORE": "True", "HETERO_NODE": "n0"},
+            "environment: TORCHELASTIC_USE_AGENT_STORE: 'True': --elastic needs a fresh store every round "
+            "(torchrun's shared store keeps the keys of earlier rounds and dies with the node of the first round's "
+            "rank 0); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+        ),
+        (
+            {"LOCAL_WORLD_SIZE": "x", "HETERO_NODE": "n0"},
+            "environment: LOCAL_WORLD_SIZE: 'x' is not a number (torchrun sets it; run under torchrun)",
+        ),
+        ({"HETERO_NODE": "n9"}, "{path}: environment HETERO_NODE: 'n9' is not a node of [cluster] (nodes: n0, n1, n2)"),
+        (
+            {},
+            "{path}: --node: several (n0, n1, n2) of the nodes' hosts is this machine: set HETERO_NODE=NAME in the "
+            "agent's environment (or pass --node NAME) to say which node this agent is",
+        ),
+        (
+            {"HETERO_NODE": "n1"},
+            "{path}: cluster.nodes[1].devices: node n1 has 1 device(s) but torchrun started 2 worker(s) on it "
+            "(LOCAL_WORLD_SIZE); start its agent with --nproc-per-node 1",
+        ),
+    ],
+)
+def test_elastic_environment_is_one_line(tmp_path, clean_env, env, message):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    _torchrun_env(clean_env, **env)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck")), message.format(path=path)
+    )
+
+
+# --------------------------------------------------------------------------- a node lost and back (processes)
+
+
+def _agent(cluster: Path, node: str, rdzv: int, workdir: Path, *extra: str) -> subprocess.Popen:
+    """One node's torchrun agent (its own process group, so that it can be killed whole, as a lost node)."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(
+        OMP_NUM_THREADS="1",
+        HETERO_NODE=node,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        HETERO_EMULATE_SLOWDOWN="*:8",  # sleeps only: the numbers do not change; the kill lands mid-run
+    )
+    log = open(workdir / f"{node}.{time.monotonic_ns()}.log", "w")  # closed once the agent has it
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        str(NODES[node]),
+        "--max-restarts",
+        "6",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rdzv}",
+        "--rdzv-id",
+        "elastic-test",
+        "--rdzv-conf",
+        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5",
+        "-m",
+        "hetero_llm.cli",
+        str(cluster),
+        "--elastic",
+        "--checkpoint",
+        str(workdir / "ckpt"),
+        "--checkpoint-every",
+        "1",
+        "--metrics-jsonl",
+        str(workdir / "m.jsonl"),
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    log.close()
+    return proc
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    """SIGKILL a node: its torchrun agent and the workers it started (torch starts them in sessions of their own)."""
+    workers = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
+                workers.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    for pid in [agent.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    agent.wait()
+
+
+def _rounds(workdir: Path) -> list[str]:
+    """The round lines every agent's log has (its rank 0 worker prints one per round), in time order."""
+    lines = []
+    for log in sorted(workdir.glob("*.log"), key=lambda p: int(p.name.split(".")[1])):
+        lines += [line for line in log.read_text().splitlines() if line.startswith("elastic: nodes ")]
+    return lines
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("*.log")))
+            raise AssertionError(f"waiting for {what}:\n{logs}")
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess
+def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
+    steps = 18
+    one = tmp_path / "one"
+    one.mkdir()
+    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
+    work = tmp_path / "run"
+    work.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
+    metrics = work / "m.jsonl"
+    agents = [_agent(cluster, "n0", rdzv, work)]  # n0's agent serves torchrun's rendezvous: started first
+    try:
+        time.sleep(1.0)
+        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
+        _wait(
+            "3 steps on all nodes",
+            lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
+            agents,
+            work,
+        )
+        _kill_node(agents[2])  # node n2 lost: its agent and its worker
+        lost_at = len(_steps(metrics))
+        _wait(
+            "2 steps on n0, n1",
+            lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 (") and len(_steps(metrics)) >= lost_at + 2,
+            agents[:2],
+            work,
+        )
+        assert lost_at + 2 < steps, "the run ended before the node came back"
+        agents.append(_agent(cluster, "n2", rdzv, work))  # n2 back: taken in at the next round
+        for a in agents[:2] + agents[3:]:
+            assert a.wait(120) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+    finally:
+        for a in agents:
+            _kill_node(a)
+    rounds = _rounds(work)
+    members = [r.split(" (")[0].removeprefix("elastic: nodes ") for r in rounds]
+    assert "n0, n1" in members and members[-1] == "n0, n1, n2", rounds  # re-planned without n2, then with it
+    assert members.index("n0, n1") < len(members) - 1
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step twice or skipped
+    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
