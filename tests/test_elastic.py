@@ -228,19 +228,23 @@ def _agent(cluster: Path, node: str, rdzv: int, workdir: Path, *extra: str) -> s
 
 def _kill_node(agent: subprocess.Popen) -> None:
     """SIGKILL a node: its torchrun agent and the workers it started (torch starts them in sessions of their own)."""
-    workers = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == agent.pid:
-                workers.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    for pid in [agent.pid, *workers]:
+    for pid in [agent.pid, *_children(agent.pid)]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     agent.wait()
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _rounds(workdir: Path) -> list[str]:
@@ -305,5 +309,52 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     assert members.index("n0, n1") < len(members) - 1
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step twice or skipped
+    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
+
+
+def _stop_node(agent: subprocess.Popen) -> list[int]:
+    """SIGSTOP a node (its agent and its workers: a hung host); returns the pids stopped."""
+    pids = [agent.pid, *_children(agent.pid)]
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    return pids
+
+
+@pytest.mark.multiprocess
+def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
+    steps = 12
+    one = tmp_path / "one"
+    one.mkdir()
+    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
+    work = tmp_path / "run"
+    work.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
+    metrics = work / "m.jsonl"
+    agents = [_agent(cluster, "n0", rdzv, work)]
+    try:
+        time.sleep(1.0)
+        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
+        _wait(
+            "3 steps on all nodes",
+            lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
+            agents,
+            work,
+        )
+        stopped_at = time.monotonic()
+        _stop_node(agents[2])  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
+        replanned_s = time.monotonic() - stopped_at
+        for a in agents[:2]:
+            assert a.wait(120) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+    finally:
+        for a in agents:
+            _kill_node(a)
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
+    # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
+    assert replanned_s < 60, replanned_s
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
