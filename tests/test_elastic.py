@@ -19,6 +19,7 @@ from pathlib import Path
 import attrs
 import pytest
 
+from bench import elastic_agents as agents_mod
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
 from hetero_llm.errors import RankFailure
 from hetero_llm.launch import elastic
@@ -40,13 +41,7 @@ NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-no
 
 def cluster_file(path: Path, steps: int, port: int = 29500) -> Path:
     """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget."""
-    nodes = "".join(f'[[cluster.nodes]]\nname = "{n}"\ndevices = {["cpu"] * k}\n' for n, k in NODES.items())
-    common = COMMON.replace("steps = 3", f"steps = {steps}")
-    path.write_text(
-        f"{common}[cluster]\ntimeout_s = 10\nport = {port}\n{nodes}\n[plan]\nmax_evals = 200\nmax_tp = 1\n".replace(
-            "'", '"'
-        )
-    )
+    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port))
     return path
 
 
@@ -179,80 +174,17 @@ def test_elastic_environment_is_one_line(tmp_path, clean_env, env, message):
 # --------------------------------------------------------------------------- a node lost and back (processes)
 
 
-def _agent(cluster: Path, node: str, rdzv: int, workdir: Path, *extra: str) -> subprocess.Popen:
-    """One node's torchrun agent (its own process group, so that it can be killed whole, as a lost node)."""
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update(
-        OMP_NUM_THREADS="1",
-        HETERO_NODE=node,
-        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-        HETERO_EMULATE_SLOWDOWN="*:8",  # sleeps only: the numbers do not change; the kill lands mid-run
-    )
-    log = open(workdir / f"{node}.{time.monotonic_ns()}.log", "w")  # closed once the agent has it
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2:3",
-        "--nproc-per-node",
-        str(NODES[node]),
-        "--max-restarts",
-        "6",
-        "--monitor-interval",
-        "0.2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"127.0.0.1:{rdzv}",
-        "--rdzv-id",
-        "elastic-test",
-        "--rdzv-conf",
-        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5",
-        "-m",
-        "hetero_llm.cli",
-        str(cluster),
-        "--elastic",
-        "--checkpoint",
-        str(workdir / "ckpt"),
-        "--checkpoint-every",
-        "1",
-        "--metrics-jsonl",
-        str(workdir / "m.jsonl"),
-        *extra,
-    ]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    log.close()
-    return proc
+def _agent(cluster: Path, node: str, rdzv: int, workdir: Path) -> subprocess.Popen:
+    """One node's torchrun agent (bench/elastic_agents.py), steps slowed down so that a kill lands mid-run."""
+    return agents_mod.start_agent(cluster, node, NODES[node], rdzv, workdir, 12.0)
 
 
 def _kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL a node: its torchrun agent and the workers it started (torch starts them in sessions of their own)."""
-    for pid in [agent.pid, *_children(agent.pid)]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait()
-
-
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
-                found.append(int(entry.name))
-        except (OSError, ValueError):
-            continue
-    return found
+    agents_mod.signal_node(agent, signal.SIGKILL)
 
 
 def _rounds(workdir: Path) -> list[str]:
-    """The round lines every agent's log has (its rank 0 worker prints one per round), in time order."""
-    lines = []
-    for log in sorted(workdir.glob("*.log"), key=lambda p: int(p.name.split(".")[1])):
-        lines += [line for line in log.read_text().splitlines() if line.startswith("elastic: nodes ")]
-    return lines
+    return agents_mod.rounds(workdir)
 
 
 def _steps(metrics: Path) -> list[int]:
@@ -270,60 +202,33 @@ def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
 
 @pytest.mark.multiprocess
 def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
-    steps = 18
-    one = tmp_path / "one"
-    one.mkdir()
-    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
-    work = tmp_path / "run"
-    work.mkdir()
-    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
-    metrics = work / "m.jsonl"
-    agents = [_agent(cluster, "n0", rdzv, work)]  # n0's agent serves torchrun's rendezvous: started first
-    try:
-        time.sleep(1.0)
-        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
-        _wait(
-            "3 steps on all nodes",
-            lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
-            agents,
-            work,
-        )
-        _kill_node(agents[2])  # node n2 lost: its agent and its worker
-        lost_at = len(_steps(metrics))
-        _wait(
-            "2 steps on n0, n1",
-            lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 (") and len(_steps(metrics)) >= lost_at + 2,
-            agents[:2],
-            work,
-        )
-        assert lost_at + 2 < steps, "the run ended before the node came back"
-        agents.append(_agent(cluster, "n2", rdzv, work))  # n2 back: taken in at the next round
-        for a in agents[:2] + agents[3:]:
-            assert a.wait(120) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
-    finally:
-        for a in agents:
-            _kill_node(a)
-    rounds = _rounds(work)
-    members = [r.split(" (")[0].removeprefix("elastic: nodes ") for r in rounds]
-    assert "n0, n1" in members and members[-1] == "n0, n1, n2", rounds  # re-planned without n2, then with it
-    assert members.index("n0, n1") < len(members) - 1
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step twice or skipped
-    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+    """``python -m bench.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
+    worker, SIGKILL) after step 3, started again after step 6, 30 steps; checked here from its results file."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.elastic", "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads((tmp_path / "elastic.json").read_text())
+    members = [agents_mod.members(r) for r in got["rounds"]]
+    lost = members.index("n0, n1")  # re-planned without n2 ...
+    assert members[0] == members[-1] == "n0, n1, n2" and 0 < lost < len(members) - 1, got["rounds"]
+    starts = [agents_mod.start_step(r) for r in got["rounds"]]
+    assert starts[lost + 1] > starts[lost], got["rounds"]  # ... trained steps without it, then took it back in
+    assert got["steps"] == list(range(1, 31))  # no step twice or skipped, the metrics file continuous
+    for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
-
-
-def _stop_node(agent: subprocess.Popen) -> list[int]:
-    """SIGSTOP a node (its agent and its workers: a hung host); returns the pids stopped."""
-    pids = [agent.pid, *_children(agent.pid)]
-    for pid in pids:
-        os.kill(pid, signal.SIGSTOP)
-    return pids
+    assert [r["members"] for r in got["results"]] == ["n0, n1", "n0, n1, n2"]
+    assert all(r["recovery_s"] > 0 and r["steps_redone"] >= 0 for r in got["results"])
+    assert (tmp_path / "elastic.png").stat().st_size > 0 and "## Recoveries" in (tmp_path / "elastic.md").read_text()
 
 
 @pytest.mark.multiprocess
 def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
-    steps = 12
+    steps = 10
     one = tmp_path / "one"
     one.mkdir()
     ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
@@ -342,7 +247,9 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
             work,
         )
         stopped_at = time.monotonic()
-        _stop_node(agents[2])  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        agents_mod.signal_node(
+            agents[2], signal.SIGSTOP
+        )  # node n2 hangs: its agent and its worker stop, its sockets stay open
         _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
         replanned_s = time.monotonic() - stopped_at
         for a in agents[:2]:

@@ -210,8 +210,10 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
     members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
     present = present_nodes(cluster, members)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
     lay = plan_for(cluster, present)
     plan = compile_plan(lay)
+    planned_s = time.perf_counter() - t0
     store.set(f"plan/{worker.rank}", plan.fingerprint())
     for r in range(worker.world_size):
         theirs = store.get(f"plan/{r}").decode()
@@ -228,7 +230,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         from hetero_llm.checkpoint import folders
 
         start = folders.find(resume).step if resume else 0
-        print(describe_round(plan, present, cluster, start), flush=True)
+        print(f"{describe_round(plan, present, cluster, start)} (planned in {planned_s:.2f} s)", flush=True)
     idle = worker.world_size - plan.world_size
     if mine is None:
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
