@@ -57,6 +57,7 @@ _TORCHRUN_VARS = (
     "TORCHELASTIC_RESTART_COUNT",
 )
 _POLL_S = 0.2
+_START_S = 60.0  # how long a worker waits for the other workers of its round to arrive
 NODE_ENV = "HETERO_NODE"  # the node a torchrun agent's workers belong to
 
 
@@ -206,7 +207,9 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     worker = check_environment(os.environ)
     cluster = load_cluster(cluster_file)
     me = this_node(cluster, node, worker)
-    store = _round_store(worker, cluster.spec.timeout_s)
+    # the round's workers start together but import torch first: on a loaded host that may take longer than
+    # cluster.timeout_s, which bounds a training rank's silence, not a start
+    store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
     store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
     members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
     present = present_nodes(cluster, members)  # type: ignore[arg-type]
@@ -222,6 +225,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
                 f"elastic: worker {r} (node {members[r][0]}) planned another layout ({theirs[:12]}, this worker "
                 f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file"
             )
+    external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
     resume = external.resume_auto(options.checkpoint, lay)
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
