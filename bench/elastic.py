@@ -3,7 +3,9 @@
 Three emulated nodes on this machine, one torchrun elastic agent each (bench/elastic_agents.py): n0 with two CPU
 devices, n1 and n2 with one; each node's devices are slowed by its own ``HETERO_EMULATE_SLOWDOWN`` (sleeps after
 each compute action: nodes of different speeds, the numbers unchanged). Node n2 (its agent and workers) is
-SIGKILLed once step N is recorded and started again once step M is; the run goes on to the last step.
+SIGKILLed once step N is recorded and started again once step M is; the run goes on to the last step. It saves
+to disk every 5 steps and snapshots every step into /dev/shm (``--snapshot-every 1``): a round resumes from the
+newer of the two.
 Measured with this script's clock (polling every 50 ms):
 
 - detection: the kill -> every survivor's worker has exited (their collectives failed, or the heartbeat named
@@ -23,7 +25,9 @@ Measured with this script's clock (polling every 50 ms):
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -35,10 +39,12 @@ import click
 
 from bench import benchlib as B
 from bench import elastic_agents as A
+from hetero_llm.launch.elastic import snapshot_folder
 
 NAME = "elastic"
 NODES = {"n0": 2, "n1": 1, "n2": 1}
 SLOWDOWN = {"n0": 6.0, "n1": 8.0, "n2": 10.0}  # emulated node speeds (n2 the slowest)
+SAVES = (5, 1)  # a disk save every 5 steps, a snapshot in memory every step
 REFERENCE = Path(__file__).resolve().parents[1] / "layouts" / "reference" / "reference.toml"
 
 
@@ -58,7 +64,7 @@ class _Run:
 
     def start(self, node: str) -> None:
         self.killed.discard(node)
-        self.agents[node] = A.start_agent(self.cluster, node, NODES[node], self.rdzv, self.work, SLOWDOWN[node])
+        self.agents[node] = A.start_agent(self.cluster, node, NODES[node], self.rdzv, self.work, SLOWDOWN[node], SAVES)
 
     def recorded(self) -> int:
         return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
@@ -79,6 +85,7 @@ class _Run:
     def stop(self) -> None:
         for agent in self.agents.values():
             A.signal_node(agent, signal.SIGKILL)
+        shutil.rmtree(snapshot_folder(str(self.work / "ckpt")), ignore_errors=True)  # a finished run removed it
 
 
 def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, recorded: int) -> dict:
@@ -101,8 +108,8 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     }
 
 
-def scenario(work: Path, steps: int, kill_at: int, back_at: int) -> tuple[list[dict], list[dict], list[str]]:
-    """Run it: the recoveries, the metrics rows and the round lines."""
+def scenario(work: Path, steps: int, kill_at: int, back_at: int) -> tuple[list[dict], list[dict], list[str], bool]:
+    """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind."""
     run = _Run(work, steps)
     try:
         run.start("n0")  # it serves torchrun's rendezvous: first
@@ -131,10 +138,11 @@ def scenario(work: Path, steps: int, kill_at: int, back_at: int) -> tuple[list[d
         for node in ("n0", "n1", "n2"):
             if run.agents[node].wait(600) != 0:
                 raise SystemExit(f"{NAME}: node {node}'s agent failed; logs in {work}")
+        left = snapshot_folder(str(work / "ckpt")).exists()  # a finished run removes its snapshots
     finally:
         run.stop()
     rows = [json.loads(line) for line in run.metrics.read_text().splitlines()]
-    return [lost, back], rows, A.rounds(work)
+    return [lost, back], rows, A.rounds(work), left
 
 
 def rates(rows: list[dict], lines: list[str]) -> list[dict]:
@@ -172,6 +180,33 @@ def plot(rows: list[dict], ref: list[float], recoveries: list[dict], path: Path)
     plt.close(fig)
 
 
+def save_cost(tmp: Path, steps: int, reps: int) -> list[dict]:
+    """Wall seconds per step that a save every step adds to the one-process run of the reference model, into a
+    folder on disk (``--checkpoint-every 1``, what a round resumes from otherwise) and into /dev/shm (what a snapshot
+    writes: the same code), against no save; the three runs interleaved ``reps`` times, medians."""
+    layout = tmp / "cost.toml"
+    layout.write_text(REFERENCE.read_text().replace("steps = 3", f"steps = {steps}"))
+    shm = Path("/dev/shm") / f"bench_elastic_{os.getpid()}"
+    walls: dict[str, list[float]] = {"none": [], "disk": [], "memory": []}
+    env = B.clean_env({"OMP_NUM_THREADS": "1"})
+    try:
+        for rep in range(reps):
+            for side, extra in (("none", ()), ("disk", (str(tmp / f"ck{rep}"),)), ("memory", (str(shm / f"ck{rep}"),))):
+                run = B.launch_layout(layout, tmp / f"{side}{rep}", env=env, checkpoint=extra[0] if extra else None)
+                walls[side].append(run.wall_s)
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    base = statistics.median(walls["none"])
+    return [
+        {
+            "where": side,
+            "runs": len(walls[side]),
+            "save_ms_per_step": 1e3 * (statistics.median(walls[side]) - base) / steps,
+        }
+        for side in ("disk", "memory")
+    ]
+
+
 @click.command()
 @click.option("--quick", is_flag=True, help="Smoke run: fewer steps.")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
@@ -188,7 +223,8 @@ def main(quick, out_dir):
         ref = [r["loss"] for r in B.run_layout(layout, one, env=B.clean_env({"OMP_NUM_THREADS": "1"}))]
         work = Path(tmp, "run")
         work.mkdir()
-        recoveries, rows, lines = scenario(work, steps, kill_at, back_at)
+        recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at)
+        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3)
     after = B.load_average()
     worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
     continuous = [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -204,7 +240,8 @@ def main(quick, out_dir):
             "",
             "Emulated nodes on one machine (one torchrun agent each, HETERO_EMULATE_SLOWDOWN "
             + ", ".join(f"{n} x{s:g}" for n, s in SLOWDOWN.items())
-            + f"), {steps} steps, node n2 killed after step {kill_at} and started again after step {back_at}.",
+            + f"), {steps} steps, node n2 killed after step {kill_at} and started again after step {back_at}; "
+            + f"--checkpoint-every {SAVES[0]} --snapshot-every {SAVES[1]}.",
             "",
             f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
             "",
@@ -242,6 +279,13 @@ def main(quick, out_dir):
                 ["members", "steps", "tokens/s"], [[r["members"], r["steps"], B.fmt(r["tokens_s"])] for r in per_round]
             ),
             "",
+            "## What a save every step costs (one-process run of the reference model, wall time vs no save)",
+            "",
+            B.markdown_table(
+                ["saved into", "runs", "ms per step"],
+                [[c["where"], c["runs"], B.fmt(c["save_ms_per_step"])] for c in cost],
+            ),
+            "",
             f"Losses vs the one-process run: max relative difference {worst:.2e} over {len(rows)} steps; "
             f"steps 1..{steps} each recorded once: {continuous}.",
         ]
@@ -261,6 +305,8 @@ def main(quick, out_dir):
             "rounds": lines,
             "max_rel_loss_diff": worst,
             "steps_continuous": continuous,
+            "snapshots_left_behind": left,
+            "save_cost": cost,
             "steps": [r["step"] for r in rows],
             "losses": [r["loss"] for r in rows],
             "reference_losses": ref,

@@ -35,10 +35,11 @@ def cluster_text(common: str, nodes: dict[str, int], steps: int, port: int) -> s
 
 
 def start_agent(
-    cluster: Path, node: str, devices: int, rdzv: int, workdir: Path, slowdown: float = 8.0, *extra: str
+    cluster: Path, node: str, devices: int, rdzv: int, workdir: Path, slowdown: float = 8.0, saves: tuple = (1, 0)
 ) -> subprocess.Popen:
     """One node's torchrun agent, its output in ``workdir/NODE.NANOS.log``; ``slowdown``: its devices' emulated
-    speed (HETERO_EMULATE_SLOWDOWN for every rank its workers run: sleeps only, the numbers do not change)."""
+    speed (HETERO_EMULATE_SLOWDOWN for every rank its workers run: sleeps only, the numbers do not change);
+    ``saves``: (--checkpoint-every, --snapshot-every)."""
     env = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith("TORCHELASTIC_")}
     tmp = workdir / "tmp"  # torchrun's log folders (a killed agent cannot remove its own): removed with workdir
     tmp.mkdir(exist_ok=True)
@@ -76,10 +77,11 @@ def start_agent(
         "--checkpoint",
         str(workdir / "ckpt"),
         "--checkpoint-every",
-        "1",
+        str(saves[0]),
+        "--snapshot-every",
+        str(saves[1]),
         "--metrics-jsonl",
         str(workdir / "m.jsonl"),
-        *extra,
     ]
     with open(workdir / f"{node}.{time.monotonic_ns()}.log", "w") as log:  # the agent keeps its own descriptor
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

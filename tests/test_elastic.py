@@ -137,6 +137,23 @@ def test_elastic_options_are_one_line(tmp_path, clean_env, args, message):
     assert_one_error_line(invoke_cli(str(path), "--elastic", *args), message.format(path=path))
 
 
+def test_snapshots_without_elastic_are_one_line(tmp_path, clean_env):
+    path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(6, 1)])])
+    assert_one_error_line(
+        invoke_cli(str(path), "--snapshot-every", "2"),
+        f"{path}: --snapshot-every: needs --elastic (snapshots are for restarts)",
+    )
+
+
+def test_snapshot_folder_is_one_per_checkpoint_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETERO_SHM_DIR", raising=False)
+    a, b = elastic.snapshot_folder(str(tmp_path / "a")), elastic.snapshot_folder(str(tmp_path / "b"))
+    assert a.parent == b.parent == Path("/dev/shm") and a != b
+    assert elastic.snapshot_folder(str(tmp_path / "a")) == a  # every worker of every round names the same one
+    monkeypatch.setenv("HETERO_SHM_DIR", str(tmp_path))
+    assert elastic.snapshot_folder(str(tmp_path / "a")).parent == tmp_path
+
+
 @pytest.mark.parametrize(
     "env, message",
     [
@@ -218,6 +235,10 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     assert members[0] == members[-1] == "n0, n1, n2" and 0 < lost < len(members) - 1, got["rounds"]
     starts = [agents_mod.start_step(r) for r in got["rounds"]]
     assert starts[lost + 1] > starts[lost], got["rounds"]  # ... trained steps without it, then took it back in
+    # disk saves every 5 steps, snapshots every step: the kill after step 3 resumes from a snapshot in memory
+    assert got["rounds"][lost].endswith(")") and "from a snapshot in memory" in got["rounds"][lost], got["rounds"]
+    assert got["snapshots_left_behind"] is False  # the finished run removed its snapshots from /dev/shm
+    assert [c["where"] for c in got["save_cost"]] == ["disk", "memory"]  # a save per step, measured (not judged)
     assert got["steps"] == list(range(1, 31))  # no step twice or skipped, the metrics file continuous
     for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"

@@ -84,6 +84,14 @@ from hetero_llm.launch import preflight
     "torchrun's elastic agent, one agent per node (--node NAME says which): every start and restart plans "
     "the layout for the nodes present and resumes from --checkpoint DIR (docs/elastic.md).",
 )
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="K",
+    help="With --elastic: also save every K steps into node memory ($HETERO_SHM_DIR or /dev/shm), the newest "
+    "only; a restart resumes from it when it is newer than --checkpoint DIR's newest save (docs/elastic.md).",
+)
 def main(**args):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
@@ -92,6 +100,11 @@ def main(**args):
     if args.pop("elastic"):
         _elastic(args)
         return
+    if args.pop("snapshot_every"):
+        click.echo(
+            f"error: {args['layout_file']}: --snapshot-every: needs --elastic (snapshots are for restarts)", err=True
+        )
+        sys.exit(2)
     request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
     rank, quiet = request.rank, request.quiet
     try:
@@ -144,6 +157,7 @@ def _elastic(args: dict) -> None:
             args["trace"],
             args["quiet"],
             args["tensorboard"],
+            snapshot=(None, args["snapshot_every"]),
         )
         elastic.run(file, args["node"], options)
     except LayoutError as e:

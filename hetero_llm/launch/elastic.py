@@ -24,11 +24,14 @@ What torchrun cannot carry and this adds: nothing but the exchange of (node, loc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import attrs
 
@@ -226,7 +229,8 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
                 f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file"
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
-    resume = external.resume_auto(options.checkpoint, lay)
+    snapshots = snapshot_folder(options.checkpoint) if options.snapshot[1] else None
+    resume, source = newest_save(lay, options.checkpoint, snapshots)
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
     mine = layout_rank(plan, me, worker.local_rank)
@@ -234,7 +238,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         from hetero_llm.checkpoint import folders
 
         start = folders.find(resume).step if resume else 0
-        print(f"{describe_round(plan, present, cluster, start)} (planned in {planned_s:.2f} s)", flush=True)
+        print(f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s)", flush=True)
     idle = worker.world_size - plan.world_size
     if mine is None:
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
@@ -242,10 +246,32 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     else:
         for var in _TORCHRUN_VARS:  # from here on the rank runs as `hetero-launch LAYOUT --rank R` does
             os.environ.pop(var, None)
-        run_rank(plan, mine, attrs.evolve(options, resume=resume))
+        keep = (str(snapshots), options.snapshot[1]) if snapshots else (None, 0)
+        run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
         store.add("finished", 1)
     if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle)
+        if snapshots is not None:  # the run is over: its snapshots go (a failed round keeps them for the next)
+            shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def snapshot_folder(checkpoint: str | None) -> Path:
+    """Where a run's snapshots live in node memory: ``$HETERO_SHM_DIR`` (else /dev/shm), one folder per
+    ``--checkpoint DIR`` (every worker of every round computes the same name)."""
+    digest = hashlib.sha1(os.path.abspath(str(checkpoint)).encode()).hexdigest()[:12]
+    return Path(os.environ.get("HETERO_SHM_DIR") or "/dev/shm") / f"hetero_llm_snapshots_{digest}"
+
+
+def newest_save(lay: Layout, checkpoint: str | None, snapshots: Path | None) -> tuple[str | None, str]:
+    """The newest complete save of ``--checkpoint DIR`` and of the snapshot folder (the snapshot when newer), and
+    the words the round line adds for a snapshot."""
+    from hetero_llm.checkpoint import folders
+
+    disk = external.resume_auto(checkpoint, lay)
+    memory = external.resume_auto(str(snapshots), lay) if snapshots is not None and snapshots.is_dir() else None
+    if memory and (not disk or folders.find(memory).step > folders.find(disk).step):
+        return memory, " from a snapshot in memory"
+    return disk, ""
 
 
 def _round_store(worker: Worker, timeout_s: float):
