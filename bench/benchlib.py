@@ -202,7 +202,13 @@ def run_layout(
 
 
 def launch_layout(
-    layout: Path, workdir: Path, *, env: dict[str, str] | None = None, trace: Path | None = None, timeout: float = 600
+    layout: Path,
+    workdir: Path,
+    *,
+    env: dict[str, str] | None = None,
+    trace: Path | None = None,
+    timeout: float = 600,
+    checkpoint: str | None = None,
 ) -> Launch:
     """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion, with its CPU and wall time."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -220,6 +226,8 @@ def launch_layout(
     ]
     if trace is not None:
         cmd += ["--trace", str(trace)]
+    if checkpoint is not None:  # a save every step
+        cmd += ["--checkpoint", checkpoint, "--checkpoint-every", "1"]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(env), cwd=ROOT)
     after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0

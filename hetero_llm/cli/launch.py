@@ -77,11 +77,34 @@ from hetero_llm.launch import preflight
     help="Also write every number of --metrics-jsonl (loss, valid_loss, lr, grad_norm, tokens, seconds) and "
     "tokens_per_second as TensorBoard scalars train/NAME into DIR (needs tensorboard).",
 )
+@click.option(
+    "--elastic",
+    is_flag=True,
+    help="LAYOUT.toml is a cluster file (no [[pipelines]]) listing every node the run may use; run under "
+    "torchrun's elastic agent, one agent per node (--node NAME says which): every start and restart plans "
+    "the layout for the nodes present and resumes from --checkpoint DIR (docs/elastic.md).",
+)
+@click.option(
+    "--snapshot-every",
+    type=click.IntRange(min=0),
+    default=0,
+    metavar="K",
+    help="With --elastic: also save every K steps into node memory ($HETERO_SHM_DIR or /dev/shm), the newest "
+    "only; a restart resumes from it when it is newer than --checkpoint DIR's newest save (docs/elastic.md).",
+)
 def main(**args):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""
     from hetero_llm.launch import node as launcher
 
     launcher.quiet_cpp_warnings()  # before anything imports torch
+    if args.pop("elastic"):
+        _elastic(args)
+        return
+    if args.pop("snapshot_every"):
+        click.echo(
+            f"error: {args['layout_file']}: --snapshot-every: needs --elastic (snapshots are for restarts)", err=True
+        )
+        sys.exit(2)
     request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
     rank, quiet = request.rank, request.quiet
     try:
@@ -112,6 +135,39 @@ def main(**args):
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo(launcher.INTERRUPTED, err=True)
+        sys.exit(130)
+
+
+def _elastic(args: dict) -> None:
+    """``--elastic``: this torchrun worker's round (launch/elastic.py)."""
+    from hetero_llm.launch import elastic
+    from hetero_llm.launch.node import INTERRUPTED, RunOptions
+
+    file = args["layout_file"]
+    refused = {f"--{k.replace('_', '-')}": args[k] for k in ("overrides", "dry_run", "rank", "resume")}
+    refused["--set"] = refused.pop("--overrides")
+    try:
+        elastic.check_request(file, args["checkpoint"], refused)
+        options = RunOptions(
+            (),
+            args["metrics_jsonl"],
+            args["checkpoint"],
+            args["checkpoint_every"],
+            None,
+            args["trace"],
+            args["quiet"],
+            args["tensorboard"],
+            snapshot=(None, args["snapshot_every"]),
+        )
+        elastic.run(file, args["node"], options)
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except RankFailure as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo(INTERRUPTED, err=True)
         sys.exit(130)
 
 

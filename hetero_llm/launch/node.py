@@ -43,6 +43,7 @@ class RunOptions:
     trace: str | None = None
     quiet: bool = False
     tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
+    snapshot: tuple[str | None, int] = (None, 0)  # elastic runs: also save here every K steps (node memory)
 
 
 def quiet_cpp_warnings() -> None:
@@ -339,8 +340,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
             # oversubscribing the host, this keeps the arithmetic that of a one-command launch: CPU kernels
             # may sum in another order with another thread count, which changes a run's last bits.)
             torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == info.node])))
-    # torch's flight recorder keeps the last 2000 collectives per process, each with a Python traceback:
-    # ~1 MB that grows for the first 2000 steps of a run (bench/soak.py). Off unless the user asks for it.
+    # torch's flight recorder: ~1 MB of tracebacks that grows for 2000 steps (bench/soak.py). Off unless asked.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     met = None  # the RankPlan, once the rendezvous and the groups are made
     try:
@@ -361,6 +361,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
                     metrics_path=options.metrics_jsonl,
                     checkpoint_dir=options.checkpoint,
                     checkpoint_every=options.checkpoint_every,
+                    snapshot=options.snapshot,
                     resume=options.resume,
                     trace=events,
                     quiet=options.quiet,

@@ -3,6 +3,9 @@ or the seed) and when it saves (checkpoint/ does the writing and reading)."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import attrs
 import torch
 
@@ -42,6 +45,8 @@ class Saver:
     every: int
     progress: bool  # bars on the reporting rank's terminal
     last: object = None  # the newest complete save (a step folder), for the divergence message
+    snapshot_root: str | None = None  # also save here every snapshot_every steps (elastic runs: node memory)
+    snapshot_every: int = 0
 
     def due(self, done: int) -> bool:
         return bool(self.root) and (done == self.rp.train.steps or bool(self.every) and done % self.every == 0)
@@ -50,3 +55,15 @@ class Saver:
         save_checkpoint(self.rp, state, optimizer, self.root, done, progress=self.progress)
         self.last = folders.step_folder(self.root, done)
         return self.last
+
+    def snapshot_due(self, done: int) -> bool:
+        return bool(self.snapshot_root) and bool(self.snapshot_every) and done % self.snapshot_every == 0
+
+    def snapshot(self, state: RankState, optimizer, done: int) -> None:
+        """A save into the snapshot folder (the same format); once it is complete, rank 0 removes the older ones."""
+        assert self.snapshot_root is not None
+        save_checkpoint(self.rp, state, optimizer, self.snapshot_root, done)
+        if self.rp.rank == 0:
+            for folder in Path(self.snapshot_root).glob(f"{folders.STEP_PREFIX}*"):
+                if folder.name < folders.step_folder(self.snapshot_root, done).name:
+                    shutil.rmtree(folder, ignore_errors=True)

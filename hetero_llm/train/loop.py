@@ -87,10 +87,12 @@ def train(
     keep_history: bool = False,
     tensorboard: str | None = None,
     switcher: Callable | None = None,
+    snapshot: tuple[str | None, int] = (None, 0),
 ) -> list[StepMetrics]:
     """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
     (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
-    ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    ``snapshot``: (folder, every) also saves every ``every`` steps into that folder (an elastic run's snapshots in
+    node memory), keeping the newest only. ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
     the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
@@ -143,6 +145,7 @@ def train(
     if restored:
         reporter.say(f"resuming from {restored.path} (step {restored.step} of {tr.steps})")
     saver = Saver(rp, checkpoint_dir, checkpoint_every, progress=console, last=restored.path if restored else None)
+    saver.snapshot_root, saver.snapshot_every = snapshot
     history = []
     try:
         for step in range(first, tr.steps):
@@ -186,6 +189,8 @@ def train(
             if saver.due(done):
                 folder = saver.save(state, optimizer, done)
                 reporter.say(f"saved {folder} (step {done} of {tr.steps})")  # complete (meta.json) once returned
+            elif saver.snapshot_due(done):
+                saver.snapshot(state, optimizer, done)
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import attrs
 
+from hetero_llm._fs import write_atomically
+
 
 @attrs.frozen
 class StepMetrics:
@@ -79,13 +81,13 @@ def open_metrics(path: str, first_step: int) -> int:
     later ones: a run that crashed after its last save trained those steps, and they are trained again."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    kept = []
     if first_step and p.exists():
+        # The kept records are replaced whole (a restart killed here, as an elastic run's may be, loses none),
+        # then appended to.
         kept = [line for line in p.read_text().splitlines() if json.loads(line)["step"] <= first_step]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)  # never through a link
-    if kept:
-        os.write(fd, ("\n".join(kept) + "\n").encode())
-    return fd
+        write_atomically(p, lambda f: f.write("".join(line + "\n" for line in kept).encode()))
+        return os.open(path, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW)  # never through a link
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
 
 
 def append_line(fd: int, line: str) -> None:

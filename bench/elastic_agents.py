@@ -1,0 +1,129 @@
+"""Emulated nodes of an elastic run on one machine: one torchrun elastic agent per node of a cluster file, each in
+its own process group, killed or stopped whole (its agent and the workers it started), and the lines the run
+prints. Shared by bench/elastic.py and tests/test_elastic.py."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROUND = "elastic: nodes "  # the line each round's torchrun rank 0 prints (launch/elastic.py)
+DROP = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HETERO_NODE",
+    "HETERO_EMULATE_SLOWDOWN",
+)
+
+
+def cluster_text(common: str, nodes: dict[str, int], steps: int, port: int) -> str:
+    """A cluster file: ``common``'s [model]/[train]/[data] (train.steps set), a CPU node per ``nodes`` entry
+    (name -> devices), a small planner budget, no TP (see docs/elastic.md, known problems)."""
+    lines = [line for line in common.splitlines() if not line.startswith("steps = ")]
+    common = "\n".join(lines).replace("[train]", f"[train]\nsteps = {steps}")
+    cpus = {n: ", ".join(['"cpu"'] * k) for n, k in nodes.items()}
+    listed = "".join(f'[[cluster.nodes]]\nname = "{n}"\ndevices = [{cpus[n]}]\n' for n in nodes)
+    return f"{common}\n[cluster]\ntimeout_s = 10\nport = {port}\n{listed}\n[plan]\nmax_evals = 200\nmax_tp = 1\n"
+
+
+def start_agent(
+    cluster: Path, node: str, devices: int, rdzv: int, workdir: Path, slowdown: float = 8.0, saves: tuple = (1, 0)
+) -> subprocess.Popen:
+    """One node's torchrun agent, its output in ``workdir/NODE.NANOS.log``; ``slowdown``: its devices' emulated
+    speed (HETERO_EMULATE_SLOWDOWN for every rank its workers run: sleeps only, the numbers do not change);
+    ``saves``: (--checkpoint-every, --snapshot-every)."""
+    env = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith("TORCHELASTIC_")}
+    tmp = workdir / "tmp"  # torchrun's log folders (a killed agent cannot remove its own): removed with workdir
+    tmp.mkdir(exist_ok=True)
+    env.update(
+        TMPDIR=str(tmp),
+        OMP_NUM_THREADS="1",
+        HETERO_NODE=node,
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+        HETERO_EMULATE_SLOWDOWN=f"*:{slowdown}",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2:3",
+        "--nproc-per-node",
+        str(devices),
+        "--max-restarts",
+        "6",
+        "--monitor-interval",
+        "0.2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{rdzv}",
+        "--rdzv-id",
+        "elastic",
+        "--rdzv-conf",
+        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5",
+        "-m",
+        "hetero_llm.cli",
+        str(cluster),
+        "--elastic",
+        "--checkpoint",
+        str(workdir / "ckpt"),
+        "--checkpoint-every",
+        str(saves[0]),
+        "--snapshot-every",
+        str(saves[1]),
+        "--metrics-jsonl",
+        str(workdir / "m.jsonl"),
+    ]
+    with open(workdir / f"{node}.{time.monotonic_ns()}.log", "w") as log:  # the agent keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def children(parent: int) -> list[int]:
+    """The pids whose parent is ``parent`` (torch starts an agent's workers in sessions of their own)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == parent:
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def signal_node(agent: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` to a node: its agent and its workers (SIGKILL: a lost node, reaped here; SIGSTOP: a hung one)."""
+    for pid in [agent.pid, *children(agent.pid)]:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    if sig == signal.SIGKILL:
+        agent.wait()
+
+
+def rounds(workdir: Path) -> list[str]:
+    """Every round line of every agent's log, in the order of the step each round starts at (rounds of one run
+    start at steps that never go down; the agents' logs are read in the order they started)."""
+    lines = []
+    for log in sorted(workdir.glob("*.log"), key=lambda p: int(p.name.split(".")[1])):
+        lines += [line for line in log.read_text().splitlines() if line.startswith(ROUND)]
+    return sorted(lines, key=start_step)
+
+
+def start_step(line: str) -> int:
+    """The step a round line says it starts at."""
+    return int(line.split(" at step ")[1].split()[0])
+
+
+def members(line: str) -> str:
+    """``n0, n1`` of a round line."""
+    return line.removeprefix(ROUND).split(" (")[0]

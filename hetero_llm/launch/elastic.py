@@ -1,0 +1,312 @@
+"""Elastic runs: ``hetero-launch CLUSTER.toml --elastic`` under torchrun's elastic agent.
+
+A cluster file (a layout without ``[[pipelines]]``, the planner's input) lists every node the run may use.
+One torchrun agent runs per node (``torchrun --nnodes MIN:MAX --nproc-per-node N --max-restarts K
+--rdzv-backend c10d ...``); torchrun decides who is present, restarts every worker when a node is lost
+(a worker failed) or arrives (a node waits at the rendezvous), and gives each worker ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK``. Each worker, at every start and restart (a *round*):
+
+1. says which node it belongs to (``HETERO_NODE=NAME`` in its agent's environment, or ``--node NAME``, which
+   torchrun's argument parser would take for its own ``--node-rank`` when given before the script; else the node whose host is this machine) and its local rank,
+   through a store that torchrun's rank 0 serves at ``MASTER_ADDR:MASTER_PORT`` (a fresh one per round:
+   ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``; the agent's shared store outlives a round and dies with the node
+   of the first round's rank 0, see ``check_environment``);
+2. plans the layout for the nodes present (every worker runs the same deterministic planner on the same input)
+   and compares the plan's fingerprint with every other worker's;
+3. runs the layout rank of its device (``node:local_rank``) as ``hetero-launch LAYOUT --rank R`` would, resuming
+   from the newest complete save in ``--checkpoint DIR`` (saves are layout-free: any plan resumes any save);
+   a device the plan leaves idle waits, its worker alive, until the layout's ranks finish.
+
+The global batch, data order and learning-rate schedule are the cluster file's ``[train]``, the same for every
+plan, so layout invariance makes the run train the one-process model across any sequence of memberships.
+What torchrun cannot carry and this adds: nothing but the exchange of (node, local rank) over its store.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import attrs
+
+from hetero_llm import layout as layout_mod
+from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
+from hetero_llm.launch import external, outputs
+from hetero_llm.launch.node import RunOptions, is_local_host, run_rank
+from hetero_llm.layout import Layout
+from hetero_llm.plan import Plan, compile_plan
+from hetero_llm.planner import load_cluster, output, plan_cluster
+from hetero_llm.planner.cluster import Cluster
+
+_TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_RESTART_COUNT",
+)
+_POLL_S = 0.2
+_START_S = 60.0  # how long a worker waits for the other workers of its round to arrive
+NODE_ENV = "HETERO_NODE"  # the node a torchrun agent's workers belong to
+
+
+@attrs.frozen
+class Worker:
+    """What torchrun told this worker."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    host: str  # MASTER_ADDR: where torchrun's rank 0 serves this round's store
+    port: int
+    restart: int  # TORCHELASTIC_RESTART_COUNT (torch counts failures only, not membership changes)
+
+
+def check_request(file: str, checkpoint: str | None, refused: Mapping[str, object]) -> None:
+    """The options ``--elastic`` takes: ``--checkpoint DIR`` is needed (every round resumes from it); what torchrun
+    or the plan decides is refused (``refused``: option name -> its value, None or False when not given)."""
+    for option, value in refused.items():
+        if value not in (None, False, ()):
+            raise LayoutError(
+                file,
+                option,
+                "cannot be combined with --elastic (every round plans the layout and resumes from --checkpoint "
+                "DIR; torchrun gives each worker its rank)",
+            )
+    if not checkpoint:
+        raise LayoutError(
+            file, "--checkpoint", "--elastic needs --checkpoint DIR (where every start and restart resumes from)"
+        )
+
+
+def check_environment(environ: Mapping[str, str]) -> Worker:
+    """The variables torchrun's elastic agent sets, checked: one ``LayoutError`` naming the first bad one."""
+    if "RANK" not in environ or "TORCHELASTIC_RUN_ID" not in environ:
+        raise LayoutError(
+            ENVIRONMENT,
+            "TORCHELASTIC_RUN_ID",
+            "not set: --elastic runs under torchrun's elastic agent (torchrun --nnodes MIN:MAX "
+            "--nproc-per-node N --rdzv-backend c10d ... -m hetero_llm.cli CLUSTER.toml --elastic ...; docs/elastic.md)",
+        )
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        raise LayoutError(
+            ENVIRONMENT,
+            "TORCHELASTIC_USE_AGENT_STORE",
+            "'True': --elastic needs a fresh store every round (torchrun's shared store keeps the keys of "
+            "earlier rounds and dies with the node of the first round's rank 0); start torchrun with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+        )
+    values = {}
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"):
+        text = environ.get(var, "")
+        if not text.strip().isdigit():
+            raise LayoutError(ENVIRONMENT, var, f"'{text}' is not a number (torchrun sets it; run under torchrun)")
+        values[var] = int(text)
+    return Worker(
+        values["RANK"],
+        values["WORLD_SIZE"],
+        values["LOCAL_RANK"],
+        values["LOCAL_WORLD_SIZE"],
+        environ.get("MASTER_ADDR", "127.0.0.1"),
+        values["MASTER_PORT"],
+        values["TORCHELASTIC_RESTART_COUNT"],
+    )
+
+
+def this_node(cluster: Cluster, node: str | None, worker: Worker) -> str:
+    """The node this worker belongs to (``--node``, else the one node whose host is this machine), checked to have
+    as many devices as torchrun started workers on it."""
+    spec, file = cluster.spec, cluster.file
+    names = [n.name for n in spec.nodes]
+    where = "--node"
+    if node is None and os.environ.get(NODE_ENV):  # torchrun reads --node as its own --node-rank: the agent's env
+        node, where = os.environ[NODE_ENV], f"{ENVIRONMENT} {NODE_ENV}"
+    if node is None:
+        local = [n.name for n in spec.nodes if is_local_host(n.host)]
+        if len(local) != 1:
+            which = f"several ({', '.join(local)})" if local else "none"
+            raise LayoutError(
+                file,
+                "--node",
+                f"{which} of the nodes' hosts is this machine: set {NODE_ENV}=NAME in the agent's environment "
+                "(or pass --node NAME) to say which node this agent is",
+            )
+        node = local[0]
+    if node not in names:
+        raise LayoutError(file, where, f"'{node}' is not a node of [cluster] (nodes: {', '.join(names)})")
+    devices = len(spec.node(node).devices)
+    if devices != worker.local_world_size:
+        raise LayoutError(
+            file,
+            f"cluster.nodes[{names.index(node)}].devices",
+            f"node {node} has {devices} device(s) but torchrun started {worker.local_world_size} worker(s) on it "
+            f"(LOCAL_WORLD_SIZE); start its agent with --nproc-per-node {devices}",
+        )
+    return node
+
+
+def present_nodes(cluster: Cluster, members: Sequence[tuple[str, int]]) -> list[str]:
+    """The nodes of a round, in the cluster file's order, from every worker's (node, local rank); refused when two
+    agents say they are the same node (each local rank of a node must arrive once)."""
+    seen: dict[str, set[int]] = {}
+    for node, local in members:
+        if local in seen.setdefault(node, set()):
+            raise RankFailure(
+                f"two torchrun agents say they are node {node} (local rank {local} arrived twice): give each "
+                "agent its own --node NAME"
+            )
+        seen[node].add(local)
+    return [n.name for n in cluster.spec.nodes if n.name in seen]
+
+
+def plan_for(cluster: Cluster, present: Sequence[str]) -> Layout:
+    """The planner's layout for the nodes ``present`` (deterministic: the same input gives the same plan). The
+    rendezvous master is the first present node unless ``cluster.master`` is present."""
+    spec = cluster.spec
+    master = spec.master if spec.master in present else ""
+    sub = attrs.evolve(
+        cluster,
+        spec=attrs.evolve(spec, nodes=tuple(n for n in spec.nodes if n.name in present), master=master),
+        nodes=tuple(n for n in cluster.nodes if n.name in present),
+    )
+    result = plan_cluster(sub)
+    text = output.layout_text(sub, result.best, result.score, result.seed_score)
+    return layout_mod.loads(text, file=cluster.file, base_dir=os.path.dirname(os.path.abspath(cluster.file)))
+
+
+def layout_rank(plan: Plan, node: str, local_rank: int) -> int | None:
+    """The rank the plan gives device ``node:local_rank``, or None (the plan leaves it idle)."""
+    device = f"{node}:{local_rank}"
+    return next((r.rank for r in plan.ranks if r.device_id == device), None)
+
+
+def describe_round(plan: Plan, present: Sequence[str], cluster: Cluster, start: int) -> str:
+    """The line a round prints: its nodes, the plan's shape and fingerprint, and where it starts."""
+    devices = sum(len(cluster.spec.node(n).devices) for n in present)
+    return (
+        f"elastic: nodes {', '.join(present)} ({plan.world_size} ranks on {devices} of {cluster.num_devices} devices, "
+        f"{len(plan.layout.pipelines)} pipeline(s)), plan {plan.fingerprint()[:12]}, "
+        + (f"resuming at step {start}" if start else "starting at step 0")
+    )
+
+
+def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
+    """One elastic worker's round (see the module's docstring)."""
+    worker = check_environment(os.environ)
+    cluster = load_cluster(cluster_file)
+    me = this_node(cluster, node, worker)
+    # the round's workers start together but import torch first: on a loaded host that may take longer than
+    # cluster.timeout_s, which bounds a training rank's silence, not a start
+    store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
+    store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
+    members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
+    present = present_nodes(cluster, members)  # type: ignore[arg-type]
+    t0 = time.perf_counter()
+    lay = plan_for(cluster, present)
+    plan = compile_plan(lay)
+    planned_s = time.perf_counter() - t0
+    store.set(f"plan/{worker.rank}", plan.fingerprint())
+    for r in range(worker.world_size):
+        theirs = store.get(f"plan/{r}").decode()
+        if theirs != plan.fingerprint():
+            raise RankFailure(
+                f"elastic: worker {r} (node {members[r][0]}) planned another layout ({theirs[:12]}, this worker "
+                f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file"
+            )
+    external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
+    snapshots = snapshot_folder(options.checkpoint) if options.snapshot[1] else None
+    resume, source = newest_save(lay, options.checkpoint, snapshots)
+    o = options
+    outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
+    mine = layout_rank(plan, me, worker.local_rank)
+    if worker.rank == 0 and not options.quiet:
+        from hetero_llm.checkpoint import folders
+
+        start = folders.find(resume).step if resume else 0
+        print(f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s)", flush=True)
+    idle = worker.world_size - plan.world_size
+    if mine is None:
+        _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
+        store.add("idle-done", 1)
+    else:
+        for var in _TORCHRUN_VARS:  # from here on the rank runs as `hetero-launch LAYOUT --rank R` does
+            os.environ.pop(var, None)
+        keep = (str(snapshots), options.snapshot[1]) if snapshots else (None, 0)
+        run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
+        store.add("finished", 1)
+    if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
+        _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle)
+        if snapshots is not None:  # the run is over: its snapshots go (a failed round keeps them for the next)
+            shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def snapshot_folder(checkpoint: str | None) -> Path:
+    """Where a run's snapshots live in node memory: ``$HETERO_SHM_DIR`` (else /dev/shm), one folder per
+    ``--checkpoint DIR`` (every worker of every round computes the same name)."""
+    digest = hashlib.sha1(os.path.abspath(str(checkpoint)).encode()).hexdigest()[:12]
+    return Path(os.environ.get("HETERO_SHM_DIR") or "/dev/shm") / f"hetero_llm_snapshots_{digest}"
+
+
+def newest_save(lay: Layout, checkpoint: str | None, snapshots: Path | None) -> tuple[str | None, str]:
+    """The newest complete save of ``--checkpoint DIR`` and of the snapshot folder (the snapshot when newer), and
+    the words the round line adds for a snapshot."""
+    from hetero_llm.checkpoint import folders
+
+    disk = external.resume_auto(checkpoint, lay)
+    memory = external.resume_auto(str(snapshots), lay) if snapshots is not None and snapshots.is_dir() else None
+    if memory and (not disk or folders.find(memory).step > folders.find(disk).step):
+        return memory, " from a snapshot in memory"
+    return disk, ""
+
+
+def _round_store(worker: Worker, timeout_s: float):
+    """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            worker.host,
+            worker.port,
+            worker.world_size,
+            worker.rank == 0,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise RankFailure(
+            f"elastic: worker {worker.rank} could not reach this round's store at {worker.host}:{worker.port}: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+
+
+def _wait_for(store, ranks: int, timeout_s: float, idle: int = 0, forever: bool = False) -> None:
+    """Until ``ranks`` layout ranks finished (and ``idle`` idle workers saw it); bounded by ``timeout_s`` unless
+    ``forever`` (an idle worker waits out the whole training; torchrun stops it if the round fails)."""
+    deadline = time.monotonic() + timeout_s
+    while forever or time.monotonic() < deadline:
+        try:
+            if store.add("finished", 0) >= ranks and store.add("idle-done", 0) >= idle:
+                return
+        except Exception:  # the store's process ended: the round is over either way
+            if forever:
+                sys.stderr.write("elastic: this round's store (torchrun's rank 0) went away; ending this worker\n")
+                raise SystemExit(1) from None
+            return
+        time.sleep(_POLL_S)

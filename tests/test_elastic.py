@@ -1,0 +1,288 @@
+"""Elastic runs (hetero_llm/launch/elastic.py): ``hetero-launch CLUSTER.toml --elastic`` under torchrun's agents.
+
+In process: the planning of a round (deterministic, for the nodes present), the mapping of devices to layout
+ranks, and every bad input as one line. In real processes: three emulated nodes on this machine, one torchrun
+agent each; a node is killed mid-run (its agent's whole process group), the survivors re-plan and continue,
+the node comes back and the plan grows back; the per-step losses equal the one-process run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import attrs
+import pytest
+
+from bench import elastic_agents as agents_mod
+from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
+from hetero_llm.errors import RankFailure
+from hetero_llm.launch import elastic
+from hetero_llm.plan import compile_plan
+from hetero_llm.planner import load_cluster
+
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
+TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_"))] + [
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HETERO_NODE",
+]
+NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
+
+
+def cluster_file(path: Path, steps: int, port: int = 29500) -> Path:
+    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget."""
+    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port))
+    return path
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for var in TORCHRUN_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def _torchrun_env(monkeypatch, **extra: str) -> None:
+    env = dict(
+        RANK="0",
+        WORLD_SIZE="4",
+        LOCAL_RANK="0",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29999",
+        TORCHELASTIC_RUN_ID="job",
+        TORCHELASTIC_USE_AGENT_STORE="False",
+        TORCHELASTIC_RESTART_COUNT="0",
+    )
+    for k, v in {**env, **extra}.items():
+        monkeypatch.setenv(k, v)
+
+
+# --------------------------------------------------------------------------- planning a round (in process)
+
+
+def test_each_membership_is_planned_deterministically(tmp_path):
+    cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
+    plans = {}
+    for present in (["n0", "n1", "n2"], ["n0", "n1"], ["n1", "n2"]):
+        first, again = (compile_plan(elastic.plan_for(cluster, present)) for _ in range(2))
+        assert first.fingerprint() == again.fingerprint()  # every worker plans the same layout
+        used = {r.node for r in first.ranks}
+        assert used <= set(present) and used, used  # only the nodes present
+        plans[tuple(present)] = first
+        # the same global batch, data order and schedule of the lr: only the pipeline schedule is the plan's
+        planned = first.layout.train
+        assert planned == attrs.evolve(cluster.train, schedule=planned.schedule, chunks=planned.chunks)
+    assert len({p.fingerprint() for p in plans.values()}) == 3
+    full = plans[("n0", "n1", "n2")]
+    assert [elastic.layout_rank(full, r.node, int(r.device_id.split(":")[1])) for r in full.ranks] == list(
+        range(full.world_size)
+    )
+    assert elastic.layout_rank(plans[("n1", "n2")], "n0", 0) is None  # absent: no rank
+
+
+def test_present_nodes_in_cluster_order_and_a_node_claimed_twice(tmp_path):
+    cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
+    assert elastic.present_nodes(cluster, [("n2", 0), ("n0", 1), ("n0", 0)]) == ["n0", "n2"]
+    with pytest.raises(RankFailure, match="two torchrun agents say they are node n1 .local rank 0 arrived twice"):
+        elastic.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
+
+
+# --------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+def test_elastic_outside_torchrun_is_one_line(tmp_path, clean_env):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck")),
+        "environment: TORCHELASTIC_RUN_ID: not set: --elastic runs under torchrun's elastic agent (torchrun "
+        "--nnodes MIN:MAX --nproc-per-node N --rdzv-backend c10d ... -m hetero_llm.cli CLUSTER.toml --elastic ...; "
+        "docs/elastic.md)",
+    )
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((), "{path}: --checkpoint: --elastic needs --checkpoint DIR (where every start and restart resumes from)"),
+        (
+            ("--checkpoint", "ck", "--rank", "1"),
+            "{path}: --rank: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+        (
+            ("--checkpoint", "ck", "--set", "train.steps=2"),
+            "{path}: --set: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+        (
+            ("--checkpoint", "ck", "--resume", "auto"),
+            "{path}: --resume: cannot be combined with --elastic (every round plans the layout and resumes from "
+            "--checkpoint DIR; torchrun gives each worker its rank)",
+        ),
+    ],
+)
+def test_elastic_options_are_one_line(tmp_path, clean_env, args, message):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    assert_one_error_line(invoke_cli(str(path), "--elastic", *args), message.format(path=path))
+
+
+def test_snapshots_without_elastic_are_one_line(tmp_path, clean_env):
+    path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(6, 1)])])
+    assert_one_error_line(
+        invoke_cli(str(path), "--snapshot-every", "2"),
+        f"{path}: --snapshot-every: needs --elastic (snapshots are for restarts)",
+    )
+
+
+def test_snapshot_folder_is_one_per_checkpoint_folder(tmp_path, monkeypatch):
+    monkeypatch.delenv("HETERO_SHM_DIR", raising=False)
+    a, b = elastic.snapshot_folder(str(tmp_path / "a")), elastic.snapshot_folder(str(tmp_path / "b"))
+    assert a.parent == b.parent == Path("/dev/shm") and a != b
+    assert elastic.snapshot_folder(str(tmp_path / "a")) == a  # every worker of every round names the same one
+    monkeypatch.setenv("HETERO_SHM_DIR", str(tmp_path))
+    assert elastic.snapshot_folder(str(tmp_path / "a")).parent == tmp_path
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"TORCHELASTIC_USE_AGENT_STORE": "True", "HETERO_NODE": "n0"},
+            "environment: TORCHELASTIC_USE_AGENT_STORE: 'True': --elastic needs a fresh store every round "
+            "(torchrun's shared store keeps the keys of earlier rounds and dies with the node of the first round's "
+            "rank 0); start torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in its environment",
+        ),
+        (
+            {"LOCAL_WORLD_SIZE": "x", "HETERO_NODE": "n0"},
+            "environment: LOCAL_WORLD_SIZE: 'x' is not a number (torchrun sets it; run under torchrun)",
+        ),
+        ({"HETERO_NODE": "n9"}, "{path}: environment HETERO_NODE: 'n9' is not a node of [cluster] (nodes: n0, n1, n2)"),
+        (
+            {},
+            "{path}: --node: several (n0, n1, n2) of the nodes' hosts is this machine: set HETERO_NODE=NAME in the "
+            "agent's environment (or pass --node NAME) to say which node this agent is",
+        ),
+        (
+            {"HETERO_NODE": "n1"},
+            "{path}: cluster.nodes[1].devices: node n1 has 1 device(s) but torchrun started 2 worker(s) on it "
+            "(LOCAL_WORLD_SIZE); start its agent with --nproc-per-node 1",
+        ),
+    ],
+)
+def test_elastic_environment_is_one_line(tmp_path, clean_env, env, message):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    _torchrun_env(clean_env, **env)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck")), message.format(path=path)
+    )
+
+
+# --------------------------------------------------------------------------- a node lost and back (processes)
+
+
+def _agent(cluster: Path, node: str, rdzv: int, workdir: Path) -> subprocess.Popen:
+    """One node's torchrun agent (bench/elastic_agents.py), steps slowed down so that a kill lands mid-run."""
+    return agents_mod.start_agent(cluster, node, NODES[node], rdzv, workdir, 12.0)
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    agents_mod.signal_node(agent, signal.SIGKILL)
+
+
+def _rounds(workdir: Path) -> list[str]:
+    return agents_mod.rounds(workdir)
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("*.log")))
+            raise AssertionError(f"waiting for {what}:\n{logs}")
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess
+def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
+    """``python -m bench.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
+    worker, SIGKILL) after step 3, started again after step 6, 30 steps; checked here from its results file."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.elastic", "--quick", "--out-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=480,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = json.loads((tmp_path / "elastic.json").read_text())
+    members = [agents_mod.members(r) for r in got["rounds"]]
+    lost = members.index("n0, n1")  # re-planned without n2 ...
+    assert members[0] == members[-1] == "n0, n1, n2" and 0 < lost < len(members) - 1, got["rounds"]
+    starts = [agents_mod.start_step(r) for r in got["rounds"]]
+    assert starts[lost + 1] > starts[lost], got["rounds"]  # ... trained steps without it, then took it back in
+    # disk saves every 5 steps, snapshots every step: the kill after step 3 resumes from a snapshot in memory
+    assert got["rounds"][lost].endswith(")") and "from a snapshot in memory" in got["rounds"][lost], got["rounds"]
+    assert got["snapshots_left_behind"] is False  # the finished run removed its snapshots from /dev/shm
+    assert [c["where"] for c in got["save_cost"]] == ["disk", "memory"]  # a save per step, measured (not judged)
+    assert got["steps"] == list(range(1, 31))  # no step twice or skipped, the metrics file continuous
+    for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
+    assert [r["members"] for r in got["results"]] == ["n0, n1", "n0, n1, n2"]
+    assert all(r["recovery_s"] > 0 and r["steps_redone"] >= 0 for r in got["results"])
+    assert (tmp_path / "elastic.png").stat().st_size > 0 and "## Recoveries" in (tmp_path / "elastic.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
+    steps = 10
+    one = tmp_path / "one"
+    one.mkdir()
+    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
+    work = tmp_path / "run"
+    work.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
+    metrics = work / "m.jsonl"
+    agents = [_agent(cluster, "n0", rdzv, work)]
+    try:
+        time.sleep(1.0)
+        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
+        _wait(
+            "3 steps on all nodes",
+            lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
+            agents,
+            work,
+        )
+        stopped_at = time.monotonic()
+        agents_mod.signal_node(
+            agents[2], signal.SIGSTOP
+        )  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
+        replanned_s = time.monotonic() - stopped_at
+        for a in agents[:2]:
+            assert a.wait(120) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+    finally:
+        for a in agents:
+            _kill_node(a)
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
+    # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
+    assert replanned_s < 60, replanned_s
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
