@@ -82,6 +82,7 @@ def _pipeline_seconds(
     forward, backward, weight = [], [], []
     for st in stages:
         chunks = len(st.chunk_ranges)
+        recompute = plan.rank_plan(st.ranks[0]).compute.recompute
         per = {k: 0.0 for k in "FBW"}
         for piece in pieces:
             rows, width = piece.inputs.shape
@@ -89,7 +90,7 @@ def _pipeline_seconds(
             for c in range(chunks):
                 lo, hi, _, head = st.chunk_shape(c)
                 for k in per:
-                    per[k] += action_seconds(model, k, hi - lo, rows, width, square, st.tp, head, device)
+                    per[k] += action_seconds(model, k, hi - lo, rows, width, square, st.tp, head, device, recompute)
         forward.append(per["F"] / len(pieces))
         backward.append(per["B"] / len(pieces))
         weight.append(min(per["W"], per["B"]) / len(pieces))
