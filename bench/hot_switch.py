@@ -58,7 +58,7 @@ import attrs
 import click
 
 from bench import benchlib as B
-from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, switch_layout
+from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
 from bench.hot_switch_predict import predicted, predicted_static
 from bench.hot_switch_probes import copy_costs, exchange_probe, exchange_probe_testbed
 from bench.hot_switch_regimes import REGIMES, text_corpus
@@ -67,6 +67,7 @@ from bench.hot_switch_static import modelled_peak, planned_buckets, static_candi
 
 NAME = "hot_switch"
 HAND = "switching dp2/tp2, elastic, top-up"  # the hand-made switching layout (hot_switch_config.switch_layout)
+HAND_RC = "switching dp2 / dp2 recompute, elastic, top-up"  # hot_switch_config.recompute_layout
 
 
 @attrs.frozen
@@ -120,6 +121,7 @@ def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
     planned, verdict = planned_buckets(cfg, folder, memory)
     out = [Entry(x.name, x.layout, False, x.predicted_s) for x in statics]
     out.append(Entry(HAND, switch_layout(cfg, "top-up", bucket_rows_needed(cfg)), True, None))
+    out.append(Entry(HAND_RC, recompute_layout(cfg), True, None))
     if planned is not None:
         out.append(Entry(planned.name, planned.layout, True, planned.predicted_s))
     return memory, out, verdict

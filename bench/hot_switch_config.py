@@ -41,6 +41,7 @@ class Config:
     steps: int = 6
     warmup: int = 2
     short: int = 256  # the DP bucket's max_len
+    short_dp: int = 128  # the no-recompute DP bucket's max_len (recompute_layout)
     median: float = 48.0
     sigma: float = 1.2
     rounds: int = 2
@@ -85,6 +86,7 @@ QUICK = Config(
     steps=3,
     warmup=1,
     short=32,
+    short_dp=16,
     median=8.0,
     rounds=1,
     gflops=4.0,
@@ -187,6 +189,33 @@ def switch_layout(cfg: Config, mode: str, rows: tuple[int, int]) -> Layout:
             BucketSpec(
                 max_len=cfg.seq_len, elastic=elastic, top_up=mode == "top-up", pipelines=(tp2(cfg, long_, long_),)
             ),
+        ),
+    )
+
+
+def recompute_layout(cfg: Config) -> Layout:
+    """Switching against a data-parallel baseline that recomputes: home DP 2 with full recompute, one row per
+    microbatch; documents of 1-``short_dp`` positions under DP 2 *without* recompute (one row of ``short_dp`` per
+    microbatch: what the cap allows, parameter copies counted), the rest under home's stages as an elastic bucket
+    (one row per microbatch, recompute, topped up). What switching can win here is the recomputed forward of the
+    short documents."""
+    from hetero_llm.layout import Recompute
+
+    def dp2(rows: int, recompute: bool) -> tuple[PipelineSpec, ...]:
+        rc = Recompute.FULL if recompute else None
+        return tuple(
+            PipelineSpec(
+                batch=rows, microbatches=rows, stages=(StageSpec(layers=cfg.layers, devices=(d,), recompute=rc),)
+            )
+            for d in cfg.devices
+        )
+
+    return common(
+        cfg,
+        dp2(cfg.global_batch // 2, True),
+        (
+            BucketSpec(max_len=cfg.short_dp, elastic=True, pipelines=dp2(1, False)),
+            BucketSpec(max_len=cfg.seq_len, elastic=True, top_up=True, pipelines=dp2(1, True)),
         ),
     )
 
