@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers_plan import cluster, run_plan
 
@@ -64,6 +66,9 @@ def test_buckets_whose_shard_copies_do_not_fit_are_not_written(tmp_path):
     assert "  proposed buckets up to 128: do not fit (fast0:0: " in res.stdout
     assert "  => switching is not predicted to pay: writing the static layout (no [[buckets]])" in res.stdout
     assert layout_mod.load(out).buckets == ()
+    verdict = json.loads(run_plan(path, "--json", "--buckets", "128").stdout)["buckets"]
+    assert not verdict["switching"] and verdict["proposed"]["over_memory"].startswith("fast0:0: ")
+    assert verdict["proposed"]["step_s"] is None and verdict["static_step_s"] > 0
 
 
 def test_switches_are_priced_slow_links_drop_the_bucket_whose_switches_cross_the_network(tmp_path, monkeypatch):
