@@ -1,51 +1,49 @@
-"""Hot switching (HotSPa) against the best static layout that fits, on a long-tailed corpus, emulated devices.
+"""Hot switching (HotSPa) against the best static layout the planner finds, in regimes from real hardware, on a
+long-tailed corpus of real text and on the embedded one; emulated devices.
 
 Emulated-device mode (``HETERO_EMULATE_DEVICE``, docs/hot_switching.md): every compute action of every
-rank lasts ``action_seconds`` of its microbatch on a modelled device (``--gflops``; matmuls
+rank lasts ``action_seconds`` of its microbatch on a modelled device (``Config.gflops``; matmuls
 over every position, masked attention over the sum of squared document lengths, TP all-reduces over a
-modelled TP link); the real small computation runs inside it and the rank sleeps the rest. So the
-tokens/s compare layouts on the modelled device, not the load of this 2-core host. Switches and
-pipeline sends are NOT emulated: they are real gloo transfers, measured as they are.
+modelled TP link, the recomputed forward of a recomputing stage); the real small computation runs inside it and
+the rank sleeps the rest. So the tokens/s compare layouts on the modelled device, not the load of this 2-core
+host. Switches and pipeline sends are NOT emulated: they are real gloo transfers, measured as they are.
 
-Corpus: the embedded grammar's documents with lognormal lengths (median ``median`` tokens, log-std
-``sigma``; about 84% of documents within 128 positions, 5-10% between 256 and 512). Two devices.
+**Regimes** (``hot_switch_regimes.py``, whose docstring has the derivation): a real GPU and the link its TP 2
+all-reduces over (A100 over NVLink, over PCIe, across nodes over 100 Gbit/s InfiniBand; RTX 4090 over PCIe),
+scaled down together so that a layer's TP all-reduces cost the real fraction of its matmuls (``tp_comm``), for a
+7B-class hidden size and bf16 activations; the testbed's link runs at the same scaled rate, so switches keep the
+real ratio to compute too (for ~0.5M tokens per step on two GPUs). **Corpora**: the embedded grammar's documents
+(lognormal lengths, median ``median`` tokens, log-std ``sigma``) and this Python's standard library sources split
+on blank lines (real text, long-tailed). Two devices, memory cap ``cap_positions`` (half the longest row).
 
-Memory cap (per device): the activations of ``cap_positions`` positions through every layer (modelled
-as 16 float32 tensors of ``hidden`` per position and layer, split by TP; the microbatches a device holds
-at once). A 512-position document alone needs 512 under data parallelism and 256 under TP 2, so the
-only static layout that fits is TP 2 with one row per microbatch (DP 2 and PP 2 with 1F1B both hold 512:
-PP's first stage keeps two microbatches of half the layers). Switching: documents of 1-``short``
-positions under DP 2 (one row of ``short`` per microbatch: ``short`` positions), the rest under TP 2 (one
-row of 512 per microbatch: 256), home TP 2. Two ways: **elastic** buckets (``elastic = true``: each step
-runs as many one-row microbatches as its documents need, HotSPa's way), the same with the long bucket's
-rows **topped up** with short documents (``top_up = true``: positions that are computed anyway), and
-**fixed** ones (each bucket's microbatch count is the most rows any step of the run needs, so a step that
-needs fewer pads with empty rows, which cost their positions' compute like any row).
+**Static baseline** (``hot_switch_static.py``): the planner (``plan_cluster`` over its whole static space:
+DP, TP, PP, recompute per stage, every schedule it prices, with and without ZeRO-1) on the same device, link,
+model, memory cap and corpus ranks static layouts; the best ``static_candidates`` of distinct structures are run
+side by side with switching, and the best **measured** one is the baseline. **Switching**: the hand-made layout
+(documents of 1-``short`` positions under DP 2, the rest under TP 2, home TP 2, elastic buckets, the long one
+topped up), and what ``hetero-plan --buckets {short}`` writes when it predicts switching pays
+(``switching/worth.py``; it then says so, and otherwise writes the static layout: no run).
 
-TP link: chosen so that, at TP 2, a layer's two forward all-reduces cost ``tp_comm`` of its forward
-matmuls (the regime HotSPa targets: TP across a slow link for long sequences). Measured, interleaved in one
-run (static, switching, then again): tokens/s (over the real targets; median steps after warm-up),
-the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions, waiting included), each
-switch's own time (last rank in to last rank out), and ``bucket_sim.switch_seconds`` of the same switches
-with gloo's latency and bandwidth as a switch sees them (``hot_switch_probes.exchange_probe``: two processes idle
-for 10 ms, then one exchange both ways, timed last in to last out; probed before every switching run), a
-memory-copy bandwidth and a host cost per block (the switch's own block code over the bench's real switches,
-each round after 0.1 s asleep, as a rank reaches a switch).
+Measured, interleaved in one run (every layout, then again in reverse order): tokens/s (over the real targets;
+median steps after warm-up), the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions,
+waiting included), each switch's own time (last rank in to last rank out), and ``switch_seconds`` of the same
+switches with gloo's latency and bandwidth as a switch sees them (probed before every switching run), a
+memory-copy bandwidth and a host cost per block; peak RSS (the largest process); the modelled peak per device
+(the planner's memory model, bucket layouts' parameter copies counted).
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
 devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with
-no added delay, so switches, TP all-reduces and the probes cross the link the model charges for (a cluster's
-switch crosses its network; on this host's loopback a switch of ~1 MB takes ~1 ms, as long as the scheduling
-noise of two busy cores). Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two
-devices (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
+no added delay. Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two devices
+(``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
 
     sudo python -m bench.hot_switch
-    python -m bench.hot_switch --network loopback
+    python -m bench.hot_switch --network loopback --regimes a100-pcie --corpora text
     python -m bench.hot_switch --quick
 
-The scenario (configuration, cluster, layouts) is ``bench/hot_switch_config.py``; this module runs and measures it,
-with ``hot_switch_probes.py`` (the host's exchanges and copies), ``hot_switch_runs.py`` (one launch, on loopback or
-the testbed, and its switch times) and ``hot_switch_predict.py`` (the simulator's predictions of a run).
+The scenario is ``hot_switch_config.py`` (configuration, cluster, hand-made layouts), ``hot_switch_regimes.py``
+(regimes, corpora) and ``hot_switch_static.py`` (the planner's layouts, modelled memory); this module runs and
+measures it, with ``hot_switch_probes.py`` (the host's exchanges and copies), ``hot_switch_runs.py`` (one launch,
+on loopback or the testbed, and its switch times) and ``hot_switch_predict.py`` (the simulator's predictions).
 """
 
 from __future__ import annotations
@@ -60,34 +58,39 @@ import attrs
 import click
 
 from bench import benchlib as B
-from bench.hot_switch_config import (
-    FLOAT32,
-    LAYOUTS,
-    QUICK,
-    Config,
-    activation_positions,
-    bucket_rows_needed,
-    device_spec,
-    layout_text,
-)
+from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
 from bench.hot_switch_predict import predicted, predicted_static
 from bench.hot_switch_probes import copy_costs, exchange_probe, exchange_probe_testbed
+from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
+from bench.hot_switch_static import modelled_peak, planned_buckets, static_candidates
 
 NAME = "hot_switch"
+HAND = "switching dp2/tp2, elastic, top-up"  # the hand-made switching layout (hot_switch_config.switch_layout)
+HAND_RC = "switching dp2 / dp2 recompute, elastic, top-up"  # hot_switch_config.recompute_layout
 
 
-def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: dict[str, str], tb=None) -> dict:
-    switching = LAYOUTS[name] != "static"
+@attrs.frozen
+class Entry:
+    name: str
+    layout: object  # a Layout on the bench's cluster
+    switching: bool
+    planner_s: float | None  # the planner's predicted step (static candidates and planned buckets)
+
+
+def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=None) -> dict:
+    from hetero_llm import layout as layout_mod
+
     folder.mkdir(parents=True, exist_ok=True)
-    layout = folder / (name.replace(",", "").replace(" ", "_").replace("/", "_") + ".toml")
-    layout.write_text(layout_text(cfg, LAYOUTS[name], rows))
+    stem = "".join(c if c.isalnum() else "_" for c in entry.name)[:60]
+    layout = folder / f"{stem}.toml"
+    layout.write_text(layout_mod.dumps(entry.layout))
     trace = folder / (layout.stem + "_trace")
-    steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if switching else None, env, tb)
+    steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if entry.switching else None, env, tb)
     steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
     out = {
-        "layout": name,
+        "layout": entry.name,
         "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
         "step_s": B.median(seconds),
         "peak_rss_mb": peak / 1024,
@@ -95,7 +98,7 @@ def run_one(cfg: Config, name: str, folder: Path, rows: tuple[int, int], env: di
         "trace": str(trace),
         "step_seconds": [r["seconds"] for r in steps_out],
     }
-    if switching:
+    if entry.switching:
         waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
         out["switch_s"] = B.median(own)
         out["switch_waiting_s"] = B.median(waited)
@@ -112,18 +115,31 @@ def network_line(cfg: Config) -> str:
     return "one node; switches and TP all-reduces over loopback"
 
 
+def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
+    """(the memory cap in GB, the layouts to run, ``hetero-plan --buckets``' verdict lines)."""
+    memory, statics = static_candidates(cfg, folder)
+    planned, verdict = planned_buckets(cfg, folder, memory)
+    out = [Entry(x.name, x.layout, False, x.predicted_s) for x in statics]
+    out.append(Entry(HAND, switch_layout(cfg, "top-up", bucket_rows_needed(cfg)), True, None))
+    out.append(Entry(HAND_RC, recompute_layout(cfg), True, None))
+    if planned is not None:
+        out.append(Entry(planned.name, planned.layout, True, planned.predicted_s))
+    return memory, out, verdict
+
+
 def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
-    """One comparison (static and switching, interleaved) on one emulated device. Before each switching run,
-    ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees them (two processes
-    that were idle, one exchange both ways); that run's predictions use them."""
+    """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
+    each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees
+    them (two processes that were idle, one exchange both ways); that run's predictions use them."""
     from hetero_llm.predict.device import EmulatedDevice
 
     spec = device_spec(cfg)
     device = EmulatedDevice.parse(spec)
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
-    rows = bucket_rows_needed(cfg)
-    runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
+        memory, layouts, verdict = entries(cfg, Path(tmp))
+        modelled = {e.name: modelled_peak(cfg, Path(tmp), memory, e.layout) for e in layouts}
+        runs: dict[str, list[dict]] = {e.name: [] for e in layouts}
         tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
 
         def probe() -> tuple[float, float]:  # the link as a switch sees it
@@ -135,67 +151,74 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
             link = probe()
             links = {**links, "node": link, "domain": link, "cross_domain": link}
         for r in range(cfg.rounds):
-            order = list(LAYOUTS) if r % 2 == 0 else list(reversed(LAYOUTS))
-            for name in order:
-                B.say(f"round {r + 1}/{cfg.rounds}: {name}")
-                if LAYOUTS[name] != "static":  # probed just before the run
+            for e in layouts if r % 2 == 0 else list(reversed(layouts)):
+                B.say(f"{cfg.corpus}, {cfg.regime}, round {r + 1}/{cfg.rounds}: {e.name}")
+                if e.switching:  # probed just before the run
                     latency, bandwidth = probe()
                     run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
-                result = run_one(cfg, name, Path(tmp) / f"r{r}", rows, env, tb)
-                if LAYOUTS[name] != "static":
+                result = run_one(cfg, e, Path(tmp) / f"r{r}", env, tb)
+                path = Path(result["layout_file"])
+                if e.switching:
                     result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
-                    switches, steps = predicted(
-                        cfg, Path(result["layout_file"]), Path(result["trace"]), run_links, copy_bw, per_block, device
-                    )
+                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, copy_bw, per_block, device)
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
                 else:
-                    result["predicted_step_s"] = B.median(
-                        B.steady(predicted_static(cfg, Path(result["layout_file"]), links, device), cfg.warmup)
-                    )
-                runs[name].append(result)
+                    steps = predicted_static(cfg, path, links, device)
+                    result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
+                runs[e.name].append(result)
     results = []
-    for name, reps in runs.items():
-        switching = LAYOUTS[name] != "static"
-        positions = activation_positions(cfg, switching)
+    for e in layouts:
+        reps = runs[e.name]
         row = {
-            "layout": name,
+            "layout": e.name,
+            "switching": e.switching,
+            "regime": cfg.regime,
+            "corpus": cfg.corpus,
             "tp_comm": cfg.tp_comm,
             "tokens_s": B.median([x["tokens_s"] for x in reps]),
             "step_s": B.median([x["step_s"] for x in reps]),
+            "predicted_step_s": B.median([x["predicted_step_s"] for x in reps]),
+            "planner_step_s": e.planner_s,
             "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
-            "activation_positions": positions,
-            "activation_mb": 16 * cfg.hidden * FLOAT32 * positions * cfg.layers / 2**20,
-            "fits_cap": positions <= cfg.cap_positions,
+            "modelled_peak_mb": modelled[e.name] / 1e6,
+            "fits_cap": modelled[e.name] <= memory * 1e9 * (1 - 0.1),
         }
-        row["predicted_step_s"] = B.median([x["predicted_step_s"] for x in reps])
-        if switching:
+        if e.switching:
             for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
                 row[key] = B.median([x[key] for x in reps])
-            row["prediction_error"] = row["predicted_switch_s"] / row["switch_s"] - 1  # vs the switch's own time
+            row["predicted_over_measured_switch"] = row["predicted_switch_s"] / row["switch_s"]
         results.append(row)
+    static = max((r for r in results if not r["switching"]), key=lambda r: r["tokens_s"])
+    for r in results:
+        r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     probes = {
         k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
         for k in ("latency_s", "bandwidth_bytes_s")
     }
-    static = max(
-        (r for r in results if r["layout"].startswith("static") and r["fits_cap"]), key=lambda r: r["tokens_s"]
-    )
-    for r in results:
-        r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
+    markdown = report(cfg, spec, memory, results, static, verdict, probes, copy_bw, per_block)
+    payload = {"config": attrs.asdict(cfg), "device": spec, "memory_gb": memory, "results": results, "runs": runs}
+    payload |= {"planner_buckets": verdict, "probes": probes, "derivation": REGIMES[cfg.regime].derivation()}
+    return markdown, payload, results
+
+
+def report(cfg: Config, spec: str, memory: float, results, static, verdict, probes, copy_bw, per_block) -> str:
+    def nan(x):
+        return float("nan") if x is None else x
+
     table = B.markdown_table(
         [
             "layout",
             "tokens/s",
             "x best static",
             "step s",
-            "predicted step s",
+            "simulated step s",
+            "planner step s",
             "switch % of step",
-            "switch s with wait",
             "switch s",
             "predicted switch s",
-            "act. positions (MB)",
-            "fits cap",
+            "predicted / measured",
+            "modelled peak MB",
             "peak RSS MB",
         ],
         [
@@ -204,55 +227,49 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
                 r["tokens_s"],
                 r["vs_best_static"],
                 r["step_s"],
-                r.get("predicted_step_s", float("nan")),
+                r["predicted_step_s"],
+                nan(r["planner_step_s"]),
                 100 * r.get("switch_fraction", float("nan")),
-                r.get("switch_waiting_s", float("nan")),
                 r.get("switch_s", float("nan")),
                 r.get("predicted_switch_s", float("nan")),
-                f"{r['activation_positions']} ({r['activation_mb']:.1f})",
-                "yes" if r["fits_cap"] else "no",
+                r.get("predicted_over_measured_switch", float("nan")),
+                f"{r['modelled_peak_mb']:.2f}" + ("" if r["fits_cap"] else " (over the cap)"),
                 r["peak_rss_mb"],
             ]
             for r in results
         ],
     )
-    markdown = "\n".join(
+    corpus = (
+        f"the standard library's sources split on blank lines ({cfg.text_path})"
+        if cfg.corpus == "text"
+        else f"the embedded grammar, lognormal lengths (median {cfg.median:g} tokens, log-std {cfg.sigma:g})"
+    )
+    return "\n".join(
         [
-            f"## TP all-reduces = {cfg.tp_comm:g} x the forward matmuls",
+            f"## {REGIMES[cfg.regime].name}, {cfg.corpus} corpus",
             "",
-            f"Model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, seq_len {cfg.seq_len}, global batch "
-            f"{cfg.global_batch} rows of packed documents (lognormal lengths, median {cfg.median:g} tokens, log-std "
-            f'{cfg.sigma:g}). Two emulated devices ({network_line(cfg)}), HETERO_EMULATE_DEVICE="*:{spec}" (TP 2 all-reduces = '
-            f"{cfg.tp_comm:g} x the forward matmuls). Buckets: 1-{cfg.short} positions under DP 2, the rest under "
-            f"TP 2, microbatches of 1 row: elastic, as many as each step's rows need; fixed, {rows[0]} per device and "
-            f"{rows[1]} (the most any step needs). Static: TP 2, {cfg.global_batch} microbatches of 1 row. Memory cap: "
-            f"{cfg.cap_positions} positions through every layer per "
-            f"device (DP 2 or PP 2 would need {cfg.seq_len}).",
+            f'Regime: {REGIMES[cfg.regime].derivation()}. Emulated: HETERO_EMULATE_DEVICE="*:{spec}" (TP 2 all-reduces '
+            f"= {cfg.tp_comm:.3g} x the forward matmuls), two devices ({network_line(cfg)}). Model: {cfg.layers} layers, "
+            f"hidden {cfg.hidden}, seq_len {cfg.seq_len}, global batch {cfg.global_batch} rows of packed documents from "
+            f"{corpus}. Memory cap {memory * 1e3 * 0.9:.2f} MB per device (planner kind memory_gb {memory:.5g}, "
+            f"10% margin: static TP 2 with one row per microbatch).",
             "",
             table,
             "",
-            f"Best static layout that fits: {static['layout']}. gloo exchanges probed before each switching run: latency "
-            f"per message {', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
-            f"{', '.join(f'{x / 1e9:.2f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
-            f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us. Predicted / measured switch "
-            f"time: "
-            + ", ".join(
-                f"{r['layout']} {r['predicted_switch_s'] / r['switch_s']:.2f}" for r in results if "switch_s" in r
-            )
-            + ".",
+            f"Best static measured: {static['layout']}. hetero-plan --buckets {cfg.short}:",
+            "",
+            "```",
+            *verdict,
+            "```",
+            "",
+            f"gloo exchanges probed before each switching run: latency per message "
+            f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
+            f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
+            f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us.",
             "",
             "",
         ]
     )
-    payload = {
-        "config": attrs.asdict(cfg),
-        "device": spec,
-        "fixed_bucket_microbatches": rows,
-        "results": results,
-        "runs": runs,
-        "probes": probes,
-    }
-    return markdown, payload, results
 
 
 @click.command()
@@ -266,18 +283,30 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     "shaped to the TP link's rate; loopback: one node. auto: the testbed where it can be built, except "
     "with --quick.",
 )
+@click.option("--regimes", default="", help=f"Comma-separated, of {', '.join(REGIMES)} (default: the config's).")
+@click.option("--corpora", default="", help="Comma-separated, of grammar, text (default: both).")
+@click.option("--rounds", type=int, default=0, help="Rounds of every layout (default: the config's, 2).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick: bool, network: str, out_dir: Path) -> None:
+def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path) -> None:
     if network == "auto":
         network = "testbed" if not quick and _testbed_available() else "loopback"
     elif network == "testbed" and not _testbed_available():
         sys.exit("hot_switch: --network testbed needs root and network namespaces (python -m bench.testbed check)")
-    cfg = attrs.evolve(QUICK if quick else Config(), network=network)
+    base = attrs.evolve(QUICK if quick else Config(), network=network)
+    if regimes:
+        base = attrs.evolve(base, regimes=tuple(x.strip() for x in regimes.split(",")))
+    if corpora:
+        base = attrs.evolve(base, corpora=tuple(x.strip() for x in corpora.split(",")))
+    if rounds:
+        base = attrs.evolve(base, rounds=rounds)
+    for x in base.regimes:
+        if x not in REGIMES:
+            sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")
     name = NAME + ("_testbed" if network == "testbed" else "")
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo exchanges and memory copies on this host")
     latency, bandwidth = exchange_probe(reps=5 if quick else 40, big=1 << 17)
-    copy_bw, per_block = copy_costs(cfg, reps=3 if quick else 15)
+    copy_bw, per_block = copy_costs(base, reps=3 if quick else 15)
     links = {
         "local": (0.0, copy_bw),
         "node": (latency, bandwidth),
@@ -285,12 +314,14 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
         "cross_domain": (latency, bandwidth),
     }  # the static runs' pipeline sends; switching runs probe again
     sections, payloads = [], []
-    base = cfg
-    for tp_comm in base.scenarios:
-        cfg = attrs.evolve(base, tp_comm=tp_comm)
-        markdown, payload, results = scenario(cfg, links, copy_bw, per_block)
-        sections.append(markdown)
-        payloads.append(payload)
+    with tempfile.TemporaryDirectory() as corpus_dir:
+        text = str(text_corpus(Path(corpus_dir)))
+        for corpus in base.corpora:
+            for regime in base.regimes:
+                cfg = attrs.evolve(base, regime=regime, corpus=corpus, text_path=text)
+                markdown, payload, _ = scenario(cfg, links, copy_bw, per_block)
+                sections.append(markdown.replace(text, "stdlib.txt"))
+                payloads.append(payload)
     load_after = B.load_average()
     title = (
         f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
@@ -319,9 +350,9 @@ def main(quick: bool, network: str, out_dir: Path) -> None:
         },
         "scenarios": payloads,
         "results": [r for p in payloads for r in p["results"]],
-    }  # every scenario's rows (see tp_comm)
+    }
     md, js = B.write_results(out_dir, name, markdown, payload)
-    plot(payloads[0]["results"], out_dir / f"{name}.png")
+    plot(payloads, out_dir / f"{name}.png")
     print(markdown)
     B.say(f"wrote {md}, {js}")
 
@@ -332,20 +363,26 @@ def _testbed_available() -> bool:
     return os.geteuid() == 0 and T.available()[0]
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(payloads: list[dict], path: Path) -> None:
+    """Tokens/s over the best measured static layout, per scenario: static candidates grey, switching blue."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.6, 3.4), dpi=120)
-    colors = ["#7a7a7a" if r["layout"].startswith("static") else "#2b7bba" for r in results]
-    ax.bar(range(len(results)), [r["tokens_s"] for r in results], color=colors)
-    for i, r in enumerate(results):
-        ax.text(i, r["tokens_s"] * 1.02, f"{r['vs_best_static']:.2f}x", ha="center", fontsize=8)
-    ax.set_xticks(range(len(results)), [r["layout"].replace("switching ", "switch\n") for r in results], fontsize=8)
-    ax.set_ylabel("tokens / s (median)")
-    ax.set_title("hot switching vs static layouts (2 emulated devices)", fontsize=10)
+    fig, ax = plt.subplots(figsize=(7.5, 3.6), dpi=120)
+    x, ticks = 0, []
+    for p in payloads:
+        start = x
+        for r in p["results"]:
+            ax.bar(x, r["vs_best_static"], color="#2b7bba" if r["switching"] else "#7a7a7a")
+            x += 1
+        ticks.append(((start + x - 1) / 2, f"{p['config']['regime']}\n{p['config']['corpus']}"))
+        x += 1
+    ax.axhline(1.0, color="black", linewidth=0.6)
+    ax.set_xticks([t for t, _ in ticks], [n for _, n in ticks], fontsize=7)
+    ax.set_ylabel("tokens/s / best static")
+    ax.set_title("planner's static layouts (grey) vs hot switching (blue), 2 emulated devices", fontsize=9)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

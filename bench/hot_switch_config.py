@@ -1,18 +1,21 @@
 """The hot-switching bench's scenario (``python -m bench.hot_switch``, whose docstring explains it): its
-configuration and what follows from it: the emulated device, the cluster (loopback or two testbed nodes), the
-static and switching layouts, the bucket rows the steps need and the activations a device holds. No
-measurement here: ``hot_switch`` runs and measures these layouts.
+configuration and what follows from it: the emulated device (from a real-hardware regime,
+``hot_switch_regimes.py``), the corpus, the cluster (loopback or two testbed nodes), the hand-made switching
+layouts, the bucket rows the steps need and the activations a device holds. The static layouts are the planner's
+(``hot_switch_static.py``). No measurement here: ``hot_switch`` runs and measures these layouts.
 """
 
 from __future__ import annotations
 
 import attrs
 
+from bench.hot_switch_regimes import REGIMES
 from hetero_llm import layout as layout_mod
 from hetero_llm.layout import (
     BucketSpec,
     ClusterSpec,
     CrossDomainSpec,
+    DataKind,
     DataSpec,
     DomainKind,
     DomainSpec,
@@ -38,15 +41,29 @@ class Config:
     steps: int = 6
     warmup: int = 2
     short: int = 256  # the DP bucket's max_len
+    short_dp: int = 128  # the no-recompute DP bucket's max_len (recompute_layout)
     median: float = 48.0
     sigma: float = 1.2
     rounds: int = 2
     gflops: float = 4.0  # the emulated device
-    tp_comm: float = 0.5  # TP 2: a layer's forward all-reduces / its forward matmuls
-    scenarios: tuple[float, ...] = (0.5, 2.0)  # the tp_comm values run, each a separate comparison
+    regime: str = "a100-ib100"  # hot_switch_regimes.REGIMES: the real GPU and TP link whose tp_comm this run keeps
+    regimes: tuple[str, ...] = ("a100-nvlink", "a100-pcie", "a100-ib100")  # the regimes run, each a comparison
+    corpus: str = "grammar"  # "grammar" (embedded) or "text" (hot_switch_regimes.text_corpus at text_path)
+    corpora: tuple[str, ...] = ("grammar", "text")
+    text_path: str = ""
     cap_positions: int = 256  # the memory cap, in positions through every layer per device
+    static_candidates: int = 3  # the planner's best predicted static layouts measured
     probe_reps: int = 40  # exchanges of each size per link probe
     network: str = "loopback"  # "testbed": the two devices on two emulated nodes joined by a link at the TP link's rate
+
+    @property
+    def tp_comm(self) -> float:
+        """TP 2: a layer's forward all-reduces / its forward matmuls, the regime's (hot_switch_regimes)."""
+        return REGIMES[self.regime].tp_comm
+
+    @property
+    def vocab(self) -> int:
+        return 256 if self.corpus == "text" else 64  # bytes as tokens for text
 
     @property
     def devices(self) -> tuple[str, str]:
@@ -69,11 +86,15 @@ QUICK = Config(
     steps=3,
     warmup=1,
     short=32,
+    short_dp=16,
     median=8.0,
     rounds=1,
     gflops=4.0,
     cap_positions=32,
-    scenarios=(0.5,),
+    regime="a100-pcie",
+    regimes=("a100-pcie",),
+    corpora=("grammar",),
+    static_candidates=2,
     probe_reps=5,
 )
 
@@ -101,9 +122,12 @@ def cluster(cfg: Config) -> ClusterSpec:
 
 def common(cfg: Config, pipelines: tuple[PipelineSpec, ...], buckets: tuple[BucketSpec, ...] = ()) -> Layout:
     """The scenario's model, training, documents and cluster, with these pipelines and buckets."""
-    model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=64, seq_len=cfg.seq_len)
+    model = ModelSpec(layers=cfg.layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab, seq_len=cfg.seq_len)
     train = TrainSpec(steps=cfg.steps, global_batch=cfg.global_batch, seed=0, lr=1e-3, warmup_steps=1, log_every=1)
-    data = DataSpec(packing=Packing.DOCUMENTS, doc_len_median=float(cfg.median), doc_len_sigma=float(cfg.sigma))
+    if cfg.corpus == "text":
+        data = DataSpec(kind=DataKind.TEXT, path=cfg.text_path, packing=Packing.DOCUMENTS)
+    else:
+        data = DataSpec(packing=Packing.DOCUMENTS, doc_len_median=float(cfg.median), doc_len_sigma=float(cfg.sigma))
     return Layout(
         file="<hot_switch>",
         model=model,
@@ -169,22 +193,33 @@ def switch_layout(cfg: Config, mode: str, rows: tuple[int, int]) -> Layout:
     )
 
 
+def recompute_layout(cfg: Config) -> Layout:
+    """Switching against a data-parallel baseline that recomputes: home DP 2 with full recompute, one row per
+    microbatch; documents of 1-``short_dp`` positions under DP 2 *without* recompute (one row of ``short_dp`` per
+    microbatch: what the cap allows, parameter copies counted), the rest under home's stages as an elastic bucket
+    (one row per microbatch, recompute, topped up). What switching can win here is the recomputed forward of the
+    short documents."""
+    from hetero_llm.layout import Recompute
+
+    def dp2(rows: int, recompute: bool) -> tuple[PipelineSpec, ...]:
+        rc = Recompute.FULL if recompute else None
+        return tuple(
+            PipelineSpec(
+                batch=rows, microbatches=rows, stages=(StageSpec(layers=cfg.layers, devices=(d,), recompute=rc),)
+            )
+            for d in cfg.devices
+        )
+
+    return common(
+        cfg,
+        dp2(cfg.global_batch // 2, True),
+        (
+            BucketSpec(max_len=cfg.short_dp, elastic=True, pipelines=dp2(1, False)),
+            BucketSpec(max_len=cfg.seq_len, elastic=True, top_up=True, pipelines=dp2(1, True)),
+        ),
+    )
+
+
 def layout_text(cfg: Config, mode: str, rows: tuple[int, int]) -> str:
     """``switch_layout``'s TOML text."""
     return layout_mod.dumps(switch_layout(cfg, mode, rows))
-
-
-LAYOUTS = {
-    "static tp2": "static",
-    "switching dp2/tp2, elastic, top-up": "top-up",
-    "switching dp2/tp2, elastic": "elastic",
-    "switching dp2/tp2, fixed": "fixed",
-}
-
-
-def activation_positions(cfg: Config, switching: bool) -> int:
-    """The most positions through every layer a device holds at once (one microbatch in flight: one stage; one
-    row per microbatch in every layout, elastic or not)."""
-    if not switching:
-        return cfg.seq_len // 2
-    return max(cfg.short, cfg.seq_len // 2)

@@ -34,9 +34,9 @@ def predicted(
             ran = ran or name[0] in "FBIW"
             continue
         target = name.split(">", 1)[1]
-        if target == "b0":
+        if current == "home":  # a step's first switch (a step starts and ends under home)
             switches.append(0.0)
-            current, ran = "home", False
+            ran = False
         switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
         switches[-1] += bucket_sim.switch_seconds(switch, links, copy_bw, per_block)
         current = target

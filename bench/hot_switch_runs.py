@@ -15,7 +15,7 @@ from bench.hot_switch_config import Config
 
 
 def switch_times(trace: Path) -> tuple[list[float], list[float]]:
-    """Per step (a step begins at its switch into bucket 0): the seconds rank 0 spent in SWITCH actions,
+    """Per step (a step begins at its first switch out of home): the seconds rank 0 spent in SWITCH actions,
     waiting for the other rank included, and the switches' own time: for each switch, from the moment the
     last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
     from hetero_llm.predict import trace as tracing
@@ -27,10 +27,12 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
         raise RuntimeError(f"ranks of {trace} made different switches")
     rank0: list[float] = []
     own: list[float] = []
+    home = True  # a step's first switch leaves home (the first bucket with documents may be any)
     for k, e in enumerate(switches[0]):
-        if e["action"] == "SWITCH>b0":
+        if home:
             rank0.append(0.0)
             own.append(0.0)
+        home = e["action"] == "SWITCH>home"
         if rank0:
             rank0[-1] += float(e["end"]) - float(e["start"])
             own[-1] += max(float(row[k]["end"]) for row in switches) - max(float(row[k]["start"]) for row in switches)

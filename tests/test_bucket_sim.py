@@ -62,6 +62,62 @@ def test_action_seconds_follow_positions_documents_and_tp():
     )  # no all-reduce in a weight gradient
 
 
+def test_a_recomputing_backward_lasts_one_more_forward_of_its_layers_as_the_planner_charges():
+    model = layout_mod.load(THREE).model
+    for tp in (1, 2):
+        layer_f = action_seconds(model, "F", 2, 2, 64, 900, tp, False, DEVICE)  # the blocks' forward, TP included
+        for head in (False, True):
+            for kind in ("B", "I"):  # a split backward recomputes in its input-gradient part
+                plain = action_seconds(model, kind, 2, 2, 64, 900, tp, head, DEVICE)
+                again = action_seconds(model, kind, 2, 2, 64, 900, tp, head, DEVICE, recompute=True)
+                assert again - plain == pytest.approx(layer_f)  # not the head: it is not recomputed
+            for kind in ("F", "W"):
+                assert action_seconds(model, kind, 2, 2, 64, 900, tp, head, DEVICE, recompute=True) == (
+                    action_seconds(model, kind, 2, 2, 64, 900, tp, head, DEVICE)
+                )
+    # the same extra the planner's cost model charges a recomputing stage (its backward minus the plain one's)
+    from hetero_llm.planner.candidates import TPGroup
+    from hetero_llm.planner.cluster import load_cluster
+    from hetero_llm.planner.cost import PlannerCostModel
+
+    cluster = load_cluster(ROOT / "layouts" / "clusters" / "small_cpu.toml")
+    cost = PlannerCostModel(cluster)
+    node = cluster.nodes[0]
+    group = TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(2)), node.kind)
+    plain, again = (cost.stage_times(group, 3, True, 2, rc)[1] for rc in (False, True))
+    f = cost.stage_times(group, 3, False, 2, False)[0]
+    assert again - plain == pytest.approx(f)
+
+
+def test_the_runtime_makes_a_recomputing_stages_backward_last_one_more_forward():
+    pytest.importorskip("torch", reason="the runtime needs torch; runs wherever torch is installed, as in CI")
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from hetero_llm.runtime.interpreter import StageRunner
+    from hetero_llm.schedule import Action, Kind
+
+    plan = compile_plan(layout_mod.load(TWO))
+    stage = plan.stage_of(0)
+    inputs = np.zeros((2, 48), dtype=np.int64)
+    mb = SimpleNamespace(inputs=inputs, docs=None)
+    seconds = {}
+    for rc in (False, True):
+        runner = SimpleNamespace(
+            _state=SimpleNamespace(mbs=[mb]),
+            stage=stage,
+            model=plan.layout.model,
+            emulation=SimpleNamespace(device=DEVICE),
+            compute=SimpleNamespace(recompute=rc),
+        )
+        seconds[rc] = {k: StageRunner._modelled_seconds(runner, Action(k, 0)) for k in (Kind.F, Kind.B)}
+    lo, hi, _, _ = stage.chunk_shape(0)
+    layer_f = action_seconds(plan.layout.model, "F", hi - lo, 2, 48, 2 * 48 * 48, stage.tp, False, DEVICE)
+    assert seconds[True][Kind.F] == seconds[False][Kind.F]
+    assert seconds[True][Kind.B] - seconds[False][Kind.B] == pytest.approx(layer_f) and layer_f > 0
+
+
 def test_switch_seconds_with_one_link_kind_is_the_switch_planners_prediction():
     lay = layout_mod.load(THREE)
     home, (b0, b1, _) = compile_plan(lay), bucket_plans(lay)

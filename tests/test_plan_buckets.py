@@ -2,39 +2,89 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers_plan import cluster, run_plan
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.planner import buckets, load_cluster
+from hetero_llm.planner import buckets, load_cluster, plan_cluster
+from hetero_llm.planner.memory import MemoryModel
 from hetero_llm.planner.search import Planner
+from hetero_llm.switching import worth
 
 
-def test_short_documents_get_their_own_layout_when_memory_binds_the_long_ones(tmp_path):
-    """Rows of 1024 must be spread over devices to fit 5 MB; rows of 128 need not: their bucket gets its own
-    plan, predicted faster on its rows than the home layout, and the layout runs (loads) with the buckets."""
-    path = cluster(tmp_path, memory_gb=0.005)
+def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_faster(tmp_path):
+    """Rows of 1024 must be spread over devices to fit 8 MB; rows of 128 need not: their bucket gets its own plan,
+    predicted faster on its rows than the home layout; the long documents run under home's stages as an elastic
+    bucket (a step pads them to its few rows, not to the global batch). Priced as whole steps, switches and shard
+    copies included, that beats the best static plan, so the buckets are written, and the layout loads."""
+    path = cluster(tmp_path, memory_gb=0.008)
     out = tmp_path / "out.toml"
     res = run_plan(path, "-o", out, "--buckets", "128")
     assert res.exit_code == 0, res.stderr
+    assert "  => writing the buckets kept" in res.stdout
     lay = layout_mod.load(out)
     assert [b.max_len for b in lay.buckets] == [128, 1024]
-    assert lay.buckets[0].pipelines and not lay.buckets[1].pipelines  # the longest: the home layout
     home_devices = {d for p in lay.pipelines for s in p.stages for d in s.devices}
     assert {d for p in lay.buckets[0].pipelines for s in p.stages for d in s.devices} <= home_devices
-    # the bucket's plan beats the home layout on its rows by the margin that pays for switching
+    # the longest bucket: home's stages, fewer rows per round than the global batch, elastic
+    stages = lambda pipes: [[(s.layers, s.devices) for s in p.stages] for p in pipes]  # noqa: E731
+    assert stages(lay.buckets[1].pipelines) == stages(lay.pipelines) and lay.buckets[1].elastic
+    assert sum(p.batch for p in lay.buckets[1].pipelines) < lay.train.global_batch
+    # the bucket's plan beats the home layout on its rows by the margin propose asks for
     c = load_cluster(path)
-    proposed = buckets.propose(c, (128, 1024), _home(c))
-    shorter = Planner(_at(c, 128)).evaluate(_home(c))
+    result = plan_cluster(c, top=1)
+    proposed = buckets.propose(c, (128, 1024), result.best)
+    shorter = Planner(_at(c, 128)).evaluate(result.best)
     assert proposed[0].plan is not None
     assert proposed[0].score.step_time * buckets.MIN_GAIN <= shorter.step_time
-    # written elastic (1F1B, every pipeline with at least as many microbatches as stages), its shares cut by
-    # their microbatches' common divisor: same rows per microbatch and proportions; the home bucket tops up
-    plan, unit = proposed[0].plan, buckets.elastic_unit(proposed[0].plan)
-    assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up and unit > 1
-    assert [(p.batch, p.microbatches) for p in lay.buckets[0].pipelines] == [
-        (p.batch // unit, p.microbatches // unit) for p in plan.pipelines
-    ]
+    # the whole step, priced: faster than the static plan, switches counted, the copies of both bucket layouts
+    verdict = worth.judge(c, result.best, result.score, proposed)
+    kept = verdict.chosen
+    assert verdict.switching and kept.step_s < verdict.static_s == result.score.step_time
+    assert kept.switch_s > 0 and kept.step_s == pytest.approx(kept.compute_s + kept.switch_s + kept.home_s)
+    mm = MemoryModel(c)
+    copies = {}
+    for b in kept.buckets:
+        for p in b.plan.pipelines:
+            for i, st in enumerate(p.stages):
+                for d in st.group.devices:
+                    n = mm.stage_params(st.group.tp, st.layers, i == 0, i == len(p.stages) - 1)
+                    copies[d] = copies.get(d, 0) + 4 * n
+    assert kept.copy_bytes == pytest.approx(max(copies.values()))
+    # written elastic (ZB-H1 or 1F1B, every pipeline with at least as many microbatches as stages)
+    assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up
+
+
+def test_buckets_whose_shard_copies_do_not_fit_are_not_written(tmp_path):
+    """At 5 MB the short bucket's plan fits on its own, but not beside the home layout's shards: the static layout
+    is written, and the output says why."""
+    path, out = cluster(tmp_path, memory_gb=0.005), tmp_path / "out.toml"
+    res = run_plan(path, "-o", out, "--buckets", "128")
+    assert res.exit_code == 0, res.stderr
+    assert "  proposed buckets up to 128: do not fit (fast0:0: " in res.stdout
+    assert "  => switching is not predicted to pay: writing the static layout (no [[buckets]])" in res.stdout
+    assert layout_mod.load(out).buckets == ()
+    verdict = json.loads(run_plan(path, "--json", "--buckets", "128").stdout)["buckets"]
+    assert not verdict["switching"] and verdict["proposed"]["over_memory"].startswith("fast0:0: ")
+    assert verdict["proposed"]["step_s"] is None and verdict["static_step_s"] > 0
+
+
+def test_switches_are_priced_slow_links_drop_the_bucket_whose_switches_cross_the_network(tmp_path, monkeypatch):
+    """The same plans as the first test, with every network message of a switch 0.1 s: the short bucket's own
+    plan (its switches cross the network) costs more than it saves and is dropped; the long documents' elastic
+    bucket on home's stages switches by local copies only and is kept."""
+    c = load_cluster(cluster(tmp_path, memory_gb=0.008))
+    result = plan_cluster(c, top=1)
+    proposed = buckets.propose(c, (128, 1024), result.best)
+    fast = worth.judge(c, result.best, result.score, proposed)
+    slow_links = {k: (0.1, 1e9) for k in ("local", "node", "domain", "cross_domain")}
+    monkeypatch.setattr(worth._Pricer, "_links", lambda self, lay: slow_links)
+    slow = worth.judge(c, result.best, result.score, proposed)
+    assert fast.buckets[0].plan is not None and slow.buckets[0].plan is None
+    assert slow.proposed.switch_s > 0.2 > slow.chosen.switch_s
+    assert "does not pay for its switches" in slow.buckets[0].why_home
 
 
 def test_elastic_only_where_a_stage_holds_no_more_than_planned():
@@ -71,8 +121,8 @@ def test_a_bucket_no_faster_than_home_runs_under_the_home_layout(tmp_path):
     res = run_plan(cluster(tmp_path, seq_len=64), "-o", out, "--buckets", "16,64")  # seq_len itself may be given
     assert res.exit_code == 0, res.stderr
     lay = layout_mod.load(out)
-    assert [b.max_len for b in lay.buckets] == [16, 64] and not any(b.pipelines for b in lay.buckets)
-    assert "is not 1.05x faster than home's on its rows" in out.read_text()
+    assert lay.buckets == ()  # no bucket pays: the static layout
+    assert "  => switching is not predicted to pay: writing the static layout (no [[buckets]])" in res.stdout
 
 
 @pytest.mark.parametrize(

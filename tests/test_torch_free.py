@@ -51,6 +51,7 @@ TORCH_FREE_MODULES = [
     "switching.transfers",
     "switching.bucketing",
     "switching.predict",
+    "switching.worth",
     "runtime.emulation",
     "checkpoint.folders",
     "interop.hf_names",

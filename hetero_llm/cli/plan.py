@@ -122,7 +122,15 @@ def main(
 
             bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
         result = plan_cluster(cluster, top, progress=True)
-        planned = bucket_plans.propose(cluster, bounds, result.best) if bounds else ()
+        planned, verdict = (), None
+        if bounds:
+            from hetero_llm.switching import worth
+
+            # each bucket's plan, then whole steps priced (switches, shard copies) against the best static plan
+            verdict = worth.judge(
+                cluster, result.best, result.score, bucket_plans.propose(cluster, bounds, result.best)
+            )
+            planned = verdict.buckets if verdict.switching else ()
         if out is not None:
             output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned, result.cut_by_time)
         else:  # nothing written, but the plan is checked as the layout it would be
@@ -142,6 +150,7 @@ def main(
                     "cut_by_time": result.cut_by_time,
                     "seed_step_time": result.seed_score.step_time if result.seed_score else None,
                     "written": out,
+                    "buckets": verdict.to_json() if verdict is not None else None,
                 },
                 indent=1,
             )
@@ -149,6 +158,8 @@ def main(
         return
     click.echo(output.header(cluster, result.best, result.score, result.seed_score, result.cut_by_time).rstrip())
     for line in output.idle_lines(idle):
+        click.echo(line)
+    for line in verdict.lines() if verdict is not None else ():
         click.echo(line)
     if explain:
         click.echo("")

@@ -6,7 +6,9 @@ with ``seq_len`` set to that bound: rows of that width, so the activations (memo
 kind's ``memory_gb``) and the compute (attention included) are the bucket's; its plan becomes the
 bucket's ``[[buckets.pipelines]]``, schedule and chunks. A bucket whose plan equals the home layout, or
 uses a device the home layout leaves idle (a bucket runs on the home layout's processes), runs under
-the home layout instead. Torch-free, like the planner.
+the home layout instead. ``switching.worth.judge`` then prices whole steps with these buckets (their switches and
+the memory of their shard copies) against the best static plan, and keeps them only where that pays. Torch-free,
+like the planner.
 """
 
 from __future__ import annotations
@@ -64,8 +66,8 @@ def parse_bounds(text: str, cluster: Cluster) -> tuple[int, ...]:
     return tuple(bounds) + (seq_len,)
 
 
-MIN_GAIN = 1.05  # a bucket's own layout must be predicted this much faster than home's on its rows: the search
-# does not price the two switches it costs (the simulator does: hetero-launch --dry-run)
+MIN_GAIN = 1.05  # a bucket's own layout must be predicted this much faster than home's on its rows to be proposed
+# (switching.worth then prices its switches and shard copies on whole steps)
 
 
 def propose(cluster: Cluster, bounds: tuple[int, ...], home: Candidate) -> list[Bucket]:

@@ -52,7 +52,16 @@ class EmulatedDevice:
 
 
 def action_seconds(
-    model, kind: str, layers: int, rows: int, width: int, square_sum: int, tp: int, head: bool, device: EmulatedDevice
+    model,
+    kind: str,
+    layers: int,
+    rows: int,
+    width: int,
+    square_sum: int,
+    tp: int,
+    head: bool,
+    device: EmulatedDevice,
+    recompute: bool = False,
 ) -> float:
     """Modelled seconds of one compute action (``F``, ``B``, ``I`` or ``W``) over ``layers`` blocks of a
     microbatch of ``rows`` x ``width`` positions on one device of a TP group of ``tp``.
@@ -68,9 +77,12 @@ def action_seconds(
     positions = rows * width
     matmul = layers * positions * (8 * h * h + 2 * nm * h * f) + (2 * positions * h * model.vocab if head else 0)
     forward = matmul + layers * 2 * h * square_sum
-    compute = {"F": forward, "B": 2 * forward, "W": matmul, "I": 2 * forward - matmul}[kind] / (tp * device.flops)
+    again = recompute and kind in ("B", "I")  # the recomputed forward of the blocks, before their backward
+    extra = layers * positions * (8 * h * h + 2 * nm * h * f) + layers * 2 * h * square_sum if again else 0
+    flops = {"F": forward, "B": 2 * forward, "W": matmul, "I": 2 * forward - matmul}[kind] + extra
+    compute = flops / (tp * device.flops)
     if tp == 1 or kind == "W":
         return compute
     nbytes = positions * h * FLOAT32_BYTES
     one = 2 * (tp - 1) / tp * nbytes / device.tp_bandwidth + device.tp_latency
-    return compute + 2 * layers * one
+    return compute + (4 if again else 2) * layers * one

@@ -205,7 +205,16 @@ class StageRunner:
         square = mb.docs.square_sum if mb.docs is not None else rows * width * width
         lo, hi, _, head = self.stage.chunk_shape(a.chunk)
         return action_seconds(
-            self.model, a.kind.value, hi - lo, rows, width, square, self.stage.tp, head, self.emulation.device
+            self.model,
+            a.kind.value,
+            hi - lo,
+            rows,
+            width,
+            square,
+            self.stage.tp,
+            head,
+            self.emulation.device,
+            recompute=self.compute.recompute,
         )
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> None:

@@ -82,6 +82,7 @@ def _pipeline_seconds(
     forward, backward, weight = [], [], []
     for st in stages:
         chunks = len(st.chunk_ranges)
+        recompute = plan.rank_plan(st.ranks[0]).compute.recompute
         per = {k: 0.0 for k in "FBW"}
         for piece in pieces:
             rows, width = piece.inputs.shape
@@ -89,7 +90,7 @@ def _pipeline_seconds(
             for c in range(chunks):
                 lo, hi, _, head = st.chunk_shape(c)
                 for k in per:
-                    per[k] += action_seconds(model, k, hi - lo, rows, width, square, st.tp, head, device)
+                    per[k] += action_seconds(model, k, hi - lo, rows, width, square, st.tp, head, device, recompute)
         forward.append(per["F"] / len(pieces))
         backward.append(per["B"] / len(pieces))
         weight.append(min(per["W"], per["B"]) / len(pieces))
@@ -131,35 +132,57 @@ def simulate_buckets(
     from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching import bucketing
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import bucket_plans
 
     home = compile_plan(layout)
     plans = bucket_plans(layout)
     if source is None:
         source = evaluate.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
     docs = documents.fill_documents(source, layout.train.seed, step, layout.train.global_batch, layout.model.seq_len)
+    rows_of = bucketing.bucket_rows(layout, docs)
     times: list[float | None] = []
-    switches: list[tuple[str, str, float]] = []
-    current, current_name, accumulated = home, "home", False
-    for i, (plan, rows) in enumerate(zip(plans, bucketing.bucket_rows(layout, docs))):
+    for i, (plan, rows) in enumerate(zip(plans, rows_of)):
         if rows is None:
             times.append(None)
             continue
-        name = "home" if not layout.buckets[i].pipelines else f"b{i}"
-        if plan.layout.pipelines != current.layout.pipelines:
-            sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
-            switches.append((current_name, name, switch_seconds(sw, links, copy_bandwidth, block_overhead)))
         elastic = layout.buckets[i].elastic
         rounds, split = bucketing.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
         runs = compile_plan(elastic_layout(plan.layout, rounds)) if elastic and rounds > 1 else plan
         times.append(
             max(_pipeline_seconds(runs, j, rows.share(*share), device, links) for j, share in enumerate(split))
         )
+    switches = step_switches(layout, home, plans, rows_of, links, copy_bandwidth, block_overhead)
+    return BucketStep(tuple(times), tuple(switches), _home_sync_seconds(home, links))
+
+
+def step_switches(
+    layout,
+    home,
+    plans: list,
+    rows_of: list,
+    links: dict[str, tuple[float, float]],
+    copy_bandwidth: float = math.inf,
+    block_overhead: float = 0.0,
+) -> list[tuple[str, str, float]]:
+    """The switches a step makes, (from, to, ``switch_seconds``), as the run makes them (``switch.step_switch``):
+    shortest bucket with rows (``rows_of``, ``bucketing.bucket_rows``; None: skipped) first, none between equal
+    layouts, parameters from home, gradients from the layout before, back to home after the last bucket."""
+    from hetero_llm.switching.transfers import step_switch
+
+    switches: list[tuple[str, str, float]] = []
+    current, current_name, accumulated = home, "home", False
+    for i, (plan, rows) in enumerate(zip(plans, rows_of)):
+        if rows is None:
+            continue
+        name = "home" if not layout.buckets[i].pipelines else f"b{i}"
+        if plan.layout.pipelines != current.layout.pipelines:
+            sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
+            switches.append((current_name, name, switch_seconds(sw, links, copy_bandwidth, block_overhead)))
         current, current_name, accumulated = plan, name, True
     if current.layout.pipelines != home.layout.pipelines:
         sw = step_switch(home, current, home, params=False, grads=accumulated)
         switches.append((current_name, "home", switch_seconds(sw, links, copy_bandwidth, block_overhead)))
-    return BucketStep(tuple(times), tuple(switches), _home_sync_seconds(home, links))
+    return switches
 
 
 DRY_RUN_DEVICE = "gflops=100"  # the modelled device of --dry-run's predictions when HETERO_EMULATE_DEVICE names none
