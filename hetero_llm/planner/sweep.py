@@ -77,15 +77,36 @@ def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
     return [dict(zip(names, c)) for c in combos]
 
 
+def idle_options(planner: SearchSpace) -> list[tuple[int, str, bool] | None]:
+    """What the sweep may leave idle: nothing, each device kind or each NIC domain (when there are several),
+    or all but one kind or domain (when there are three or more): (0 = kind or 1 = domain, name, keep only).
+    A slow kind, or a domain behind a slow network, can cost more than it adds."""
+    kinds = sorted({n.kind.name for n in planner.c.nodes})
+    domains = sorted({n.domain for n in planner.c.nodes}, key=lambda d: (planner.domain_order.get(d, 0), d))
+    out: list[tuple[int, str, bool] | None] = [None]
+    for what, names in ((0, kinds), (1, domains)):
+        out += [(what, x, False) for x in names] if len(names) > 1 else []
+        out += [(what, x, True) for x in names] if len(names) > 2 else []
+    return out
+
+
+def _kept(g: TPGroup, drop: tuple[int, str, bool] | None) -> bool:
+    if drop is None:
+        return True
+    what, name, only = drop
+    return ((g.kind.name, g.domain)[what] == name) == only
+
+
 def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     """The ``keep`` best structures by the closed-form estimate."""
     found: list[tuple[float, int, Structure]] = []
     seen = set()
-    kinds = sorted({n.kind.name for n in planner.c.nodes})
     work = planner.cost.model_flops_per_step()
     realized = 0  # the budget, in work: at most planner.sweep_limit structures realized
-    for menu, drop in itertools.product(tp_menus(planner), [None, *(kinds if len(kinds) > 1 else [])]):
-        groups = [g for g in planner.groups(menu) if g.kind.name != drop]  # or leave one kind idle
+    for menu, drop in itertools.product(tp_menus(planner), idle_options(planner)):
+        groups = [g for g in planner.groups(menu) if _kept(g, drop)]
+        if not groups:
+            continue
         # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
         lb_used = work / sum(g.flops for g in groups)
         if len(found) >= keep and lb_used >= found[keep - 1][0]:
