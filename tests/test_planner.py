@@ -357,6 +357,16 @@ BAD = [
         "schedules = []\n",
         "plan.schedules: needs at least one schedule (from 1f1b, zbh1, interleaved, gpipe)",
     ),
+    (
+        "[plan]\n",
+        '[plan]\noptimizers = ["adamw", "sgd"]\n',
+        "plan.optimizers[1]: unknown optimizer 'sgd' (the planner chooses from adamw, adamw_zero1)",
+    ),
+    (
+        "[plan]\n",
+        "[plan]\noptimizers = []\n",
+        "plan.optimizers: needs at least one optimizer (from adamw, adamw_zero1)",
+    ),
     ("[plan]\n", "[plan]\nmemory_margin = 1.5\n", "plan.memory_margin: must be in [0, 1), got 1.5"),
     ("[plan]\n", "[plan]\ntime_budget_s = -2\n", "plan.time_budget_s: must be >= 0 (0 = no limit), got -2"),
     (
@@ -546,6 +556,7 @@ def test_plan_vs_measured_quick(tmp_path):
 def zero1_cluster(tmp_path: Path, memory: dict[str, float]) -> Path:
     def edit(text: str) -> str:
         text = text.replace("log_every = 1\n", 'log_every = 1\noptimizer = "adamw_zero1"\n')
+        text = text.replace("[plan]\n", '[plan]\noptimizers = ["adamw_zero1"]\n')
         for node, gb in memory.items():
             text = text.replace(f'name = "{node}"\n', f'name = "{node}"\nmemory_gb = {gb}\n')
         return text
@@ -769,7 +780,7 @@ def test_search_without_enumeration_reaches_the_optimum_several_moves_away(seed,
     from hetero_llm.planner import place_seeds
 
     c = plan_bench.load(plan_bench._draw_small(draw))  # = plan_bench.small_cluster(seed), without its redraw check
-    result = Planner(c, exact_limit=0).run(place_seeds(c))
+    result = Planner(c).run(place_seeds(c))
     assert result.score.step_time == pytest.approx(optimum, rel=1e-9)
 
 

@@ -8,11 +8,12 @@ memory of a candidate), ``search`` (the exact splits, the sweep and the local se
 from __future__ import annotations
 
 import os
+import time
 
 import attrs
 
 from hetero_llm.layout import Optimizer
-from hetero_llm.planner.candidates import Candidate
+from hetero_llm.planner.candidates import Candidate, Score
 from hetero_llm.planner.cluster import Cluster, load_cluster
 from hetero_llm.planner.search import Planner, Result
 from hetero_llm.planner.seeds import place_seeds
@@ -26,18 +27,23 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
     best predicted step so far on a terminal.
 
     Each optimizer of ``plan.optimizers`` is searched (the cluster file's train.optimizer first, with the whole
-    work budget; each other one with a quarter of it, starting from the first search's best plans as well as
-    hetero-place's), and the fastest plan of all wins; its ``optimizer`` is the train.optimizer to write."""
+    work budget; each other one with a quarter of it and no sweep, starting from the first search's best plans
+    and hetero-place's), and the fastest plan of all wins; its ``optimizer`` is the train.optimizer to write."""
     options = optimizer_order(cluster)
-    planners = [Planner(with_optimizer(cluster, o), budget_s=budget_s) for o in options]
-    for pl in planners[1:]:
-        pl.max_evals = max(1, pl.max_evals // 4)
+    first = Planner(with_optimizer(cluster, options[0]), budget_s=budget_s).max_evals
+    evals = [first] + [max(1, first // 4)] * (len(options) - 1)
     results: list[Result] = []
-    with Bar("planning", sum(p.max_evals for p in planners), "plans", enabled=None if progress else False) as bar:
-        for opt, planner in zip(options, planners):
+    with Bar("planning", sum(evals), "plans", enabled=None if progress else False) as bar:
+        cap = cluster.limits.time_budget_s if budget_s is None else budget_s
+        start = time.perf_counter()
+        for opt, n in zip(options, evals):
+            # the plan.time_budget_s safety net spans every search: each gets what the earlier ones left
+            left = max(1e-3, cap - (time.perf_counter() - start)) if cap > 0 else 0.0
+            planner = Planner(with_optimizer(cluster, opt), budget_s=left, max_evals=n)
             planner.progress = bar
             seeds = place_seeds(planner.c) + [c for r in results for c, _ in r.ranked]
-            res = planner.run(seeds, top=max(top, 8) if len(options) > 1 else top)
+            # the first search sweeps; the others start from its best plans (and hetero-place's)
+            res = planner.run(seeds, top=max(top, 8) if len(options) > 1 else top, swept=not results)
             results.append(tag(res, opt))
     return merge(results, top) if len(results) > 1 else results[0]
 
@@ -72,11 +78,17 @@ def merge(results: list[Result], top: int) -> Result:
     ranked = sorted(
         ((c, s, i) for i, r in enumerate(results) for c, s in r.ranked), key=lambda x: (x[1].step_time, x[2])
     )
+    distinct: list[tuple[Candidate, Score]] = []
+    shapes: set[tuple] = set()
+    for c, s, _ in ranked:  # a plan under each optimizer: once, under the faster
+        if c.shape() not in shapes and len(distinct) < max(1, top):
+            shapes.add(c.shape())
+            distinct.append((c, s))
     first = results[0]
     return Result(
         ranked[0][0],
         ranked[0][1],
-        tuple((c, s) for c, s, _ in ranked[: max(1, top)]),
+        tuple(distinct),
         sum(r.evaluated for r in results),
         sum(r.seconds for r in results),
         first.seed_score,

@@ -64,6 +64,24 @@ class Candidate:
             ),
         )
 
+    def shape(self) -> tuple:
+        """The plan up to which of interchangeable devices (same kind, TP size and domain) it uses, whatever its
+        optimizer: the ranked plans show each shape once."""
+        return (
+            self.schedule,
+            self.chunks,
+            tuple(
+                sorted(
+                    (
+                        p.batch,
+                        p.microbatches,
+                        tuple((s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages),
+                    )
+                    for p in self.pipelines
+                )
+            ),
+        )
+
 
 @attrs.frozen
 class Score:

@@ -301,8 +301,9 @@ class Planner(LayerSplitter):
             best = min(best, self.evaluate(cand).step_time)
 
     # ---------------------------------------------------------------- driver
-    def run(self, seeds: Sequence[Candidate] = (), top: int = 5) -> Result:
-        structures = sweep.sweep(self, keep=8)
+    def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
+        """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
+        structures = sweep.sweep(self, keep=8) if swept else []
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)
@@ -337,21 +338,7 @@ class Planner(LayerSplitter):
         distinct: list[tuple[Candidate, Score]] = []
         shapes: set[tuple] = set()
         for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
-            shape = (
-                cand.schedule,
-                tuple(
-                    sorted(
-                        (
-                            p.batch,
-                            p.microbatches,
-                            tuple(
-                                (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages
-                            ),
-                        )
-                        for p in cand.pipelines
-                    )
-                ),
-            )
+            shape = cand.shape()
             if sc.feasible and shape not in shapes and len(distinct) < max(1, top):
                 shapes.add(shape)
                 distinct.append((cand, sc))
