@@ -41,6 +41,7 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
             left = max(1e-3, cap - (time.perf_counter() - start)) if cap > 0 else 0.0
             planner = Planner(with_optimizer(cluster, opt), budget_s=left, max_evals=n)
             planner.progress = bar
+            planner.best_so_far = min((r.score.step_time for r in results), default=planner.best_so_far)
             seeds = place_seeds(planner.c) + [c for r in results for c, _ in r.ranked]
             # the first search sweeps; the others start from its best plans (and hetero-place's)
             res = planner.run(seeds, top=max(top, 8) if len(options) > 1 else top, swept=not results)
