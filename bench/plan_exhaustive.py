@@ -105,12 +105,18 @@ def reference(cluster) -> tuple[float, int]:
     return best, visited
 
 
-def run(seeds: range) -> list[dict]:
+def run(seeds, optima: dict[int, dict] | None = None, partial: Path | None = None) -> list[dict]:
+    """``optima``: an earlier run's rows by seed, whose reference optimum is taken instead of enumerating again
+    (the reference is a function of the generator and the cost model only); ``partial``: the rows so far are
+    written there after each cluster."""
     rows = []
     for seed in seeds:
         cluster = load(draw(seed))
         t0 = time.perf_counter()
-        opt, visited = reference(cluster)
+        if optima and seed in optima:
+            opt, visited = optima[seed]["optimum"], optima[seed]["structures"]
+        else:
+            opt, visited = reference(cluster)
         t1 = time.perf_counter()
         res = plan_cluster(cluster)
         t2 = time.perf_counter()
@@ -141,6 +147,8 @@ def run(seeds: range) -> list[dict]:
             f"{t1 - t0:.1f} s, search {t2 - t1:.2f} s; {r['idle']} idle, {r['schedule']})",
             flush=True,
         )
+        if partial is not None:
+            partial.write_text(json.dumps({"rows": rows}, indent=1))
     return rows
 
 
@@ -168,8 +176,20 @@ def main() -> None:
     ap.add_argument("--start", type=int, default=0, help="first cluster's seed")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="", help="suffix of the result files (plan_exhaustive_TAG.*)")
+    ap.add_argument(
+        "--optima",
+        default="",
+        help="comma list of earlier plan_exhaustive JSON results (or .partial.json): take the reference optima "
+        "from them instead of enumerating again (same generator and cost model only)",
+    )
     args = ap.parse_args()
-    rows = run(range(args.start, args.start + args.clusters))
+    optima = {r["seed"]: r for f in args.optima.split(",") if f for r in json.loads(Path(f).read_text())["rows"]}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    name = "plan_exhaustive" + (f"_{args.tag}" if args.tag else "")
+    partial = out / f"{name}.partial.json"
+    rows = run(range(args.start, args.start + args.clusters), optima, partial)
+    partial.unlink()
     s = summarize(rows)
     met = s["share_within_1pct"] >= TARGET_SHARE and s["worst"] <= TARGET_WORST
     text = (
@@ -180,9 +200,6 @@ def main() -> None:
         f"targets (>= 95% within 1%, none > 1.03x): {'met' if met else 'MISSED'}"
     )
     print(text)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    name = "plan_exhaustive" + (f"_{args.tag}" if args.tag else "")
     (out / f"{name}.json").write_text(json.dumps({"summary": s, "rows": rows, "command": " ".join(sys.argv)}, indent=1))
     (out / f"{name}.md").write_text(text + "\n")
 

@@ -103,10 +103,13 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
     seen = set()
     work = planner.cost.model_flops_per_step()
     realized = 0  # the budget, in work: at most planner.sweep_limit structures realized
+    swept: set[tuple] = set()
     for menu, drop in itertools.product(tp_menus(planner), idle_options(planner)):
         groups = [g for g in planner.groups(menu) if _kept(g, drop)]
-        if not groups:
+        used = tuple(g.devices for g in groups)  # leaving a kind idle can be leaving a domain idle: once
+        if not groups or used in swept:
             continue
+        swept.add(used)
         # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
         lb_used = work / sum(g.flops for g in groups)
         if len(found) >= keep and lb_used >= found[keep - 1][0]:
