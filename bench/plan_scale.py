@@ -9,8 +9,8 @@ Ethernet (100 Gbit/s), 100 Gbit/s between domains; Llama-2 7B at sequence 4096, 
 At 1024 GPUs it is that file's cluster. Every plan is scored by the planner's cost model (nothing runs).
 
 For each size: the planner's plan (its default work budget, no time cap; CPU seconds of this process: run it
-on one core), and the alternatives: the planner on the cluster without the Ethernet domain, without the RoCE domain, and
-with the H100s alone (plans that leave those devices idle), hetero-place's plans and the Metis-style baseline
+on one core), and the alternatives: the planner on the cluster without the Ethernet domain (its RTX 4090s), and with the
+H100s alone (plans that leave those devices idle), hetero-place's plans and the Metis-style baseline
 (bench/plan_baselines.py). Each domain here is one kind, so leaving a domain idle is leaving a kind idle.
 The target: the planner within 5% of the best of all of them.
 Results: bench/results/plan_scale.{json,md} (or --out-dir).
@@ -71,7 +71,7 @@ def run(gpus: int, alternatives: bool) -> dict:
     )
     if alternatives:
         alt = row["alternatives"]
-        for leave in [("eth",), ("roce",), ("roce", "eth")]:  # the slower domains idle; only the H100s
+        for leave in [("eth",), ("roce", "eth")]:  # the Ethernet GPUs idle; only the H100s
             sub = load(mixed(gpus, leave))
             alt[f"planner without {' and '.join(leave)}"] = plan_cluster(sub).score.step_time
             print(f"  {list(alt)[-1]}: {list(alt.values())[-1]:.4f} s", flush=True)
