@@ -109,8 +109,9 @@ class PlanLimits:
     memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
     max_evals: int = _doc(
         "the search's budget, counted in work so that the plan is a function of the input only (whatever the "
-        "machine's speed or load): the local search stops after this many plans simulated, and the sweep "
-        "ranks at most max(20000, 8 x max_evals) structures; 0 = 400 + 8 per device, at most 2500",
+        "machine's speed or load): the local search stops after this many plans simulated (over every "
+        "optimizer of plan.optimizers), and the sweep ranks at most max(20000, 8 x max_evals) structures; "
+        "0 = 400 + 8 per device, at most 2500",
         default=0,
     )
     time_budget_s: float = _doc(
