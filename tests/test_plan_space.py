@@ -119,12 +119,22 @@ def test_recompute_only_pays_to_fit():
 
 
 def test_sweep_leaves_each_kind_and_domain_idle():
+    """The sweep's idle options: nothing, each kind or domain idle, each kind or domain alone; options that keep
+    the same nodes come once (here every node is a kind and a domain of its own)."""
     from hetero_llm.planner import sweep
 
-    c = load(plan_exhaustive._draw(200))  # 3 kinds, each node its own domain
+    c = load(plan_exhaustive._draw(200))
     options = sweep.idle_options(Planner(c))
     assert options[0] is None
-    kinds = {n.kind.name for n in c.nodes}
-    domains = {n.domain for n in c.nodes}
-    assert {(w, x) for w, x, only in options[1:] if not only} == {(0, k) for k in kinds} | {(1, d) for d in domains}
-    assert {(w, x) for w, x, only in options[1:] if only} == {(0, k) for k in kinds} | {(1, d) for d in domains}
+    names = [n.name for n in c.nodes]
+    assert len({(n.kind.name, n.domain) for n in c.nodes}) == len({n.kind.name for n in c.nodes}) == len(names) == 3
+
+    def kept(drop):
+        return frozenset(
+            n.name for n in c.nodes if drop is None or ((n.kind.name, n.domain)[drop[0]] == drop[1]) == drop[2]
+        )
+
+    sets = [kept(o) for o in options]
+    assert len(sets) == len(set(sets))
+    every = frozenset(names)
+    assert set(sets) == {every} | {every - {x} for x in names} | {frozenset({x}) for x in names}
