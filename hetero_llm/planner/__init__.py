@@ -48,6 +48,8 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
             # the first search sweeps; the others start from its best plans (and hetero-place's)
             res = planner.run(seeds, top=max(top, 8) if len(options) > 1 else top, swept=not results)
             results.append(tag(res, opt))
+        bar.total = bar.done or bar.total  # the search ended (its budget spent or no move left): shown as done
+        bar.update(0, note=f"best {min(r.score.step_time for r in results):.4g} s")
     return merge(results, top) if len(results) > 1 else results[0]
 
 
