@@ -47,7 +47,7 @@ TEXT_FILES = 60
 @attrs.frozen
 class Regime:
     name: str
-    tflops: float  # the GPU's dense bf16 peak (planner/cluster.py's CATALOGUE)
+    tflops: float  # the GPU's dense bf16 peak (planner/catalogue.py's KINDS)
     link_gbytes: float  # the TP link's bytes/s per direction, in GB/s
     source: str  # where the link figure comes from
 

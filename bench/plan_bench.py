@@ -178,13 +178,7 @@ def checkpoint(path: Path | None, key: str, rows: list[dict]) -> None:
         path.write_text(json.dumps({key: rows}, indent=1, default=str))
 
 
-def run_small(
-    seeds: range,
-    partial: Path | None = None,
-    verify: int = 20,
-    heuristic_on: int = 200,
-    optima: dict[int, dict] | None = None,
-) -> list[dict]:
+def run_small(seeds: range, partial: Path | None = None, optima: dict[int, dict] | None = None) -> list[dict]:
     rows = []
     for seed in seeds:
         cluster = load(small_cluster(seed))
@@ -194,23 +188,12 @@ def run_small(
         else:
             opt, visited = exhaustive(cluster)
         t1 = time.perf_counter()
-        # The planner enumerates these spaces itself: it is run (and checked equal to the optimum) on the
-        # first `verify` clusters only, to save time; the search without enumeration runs on every one.
-        enumerates = cluster.num_devices <= 8 and visited <= Planner(cluster).exact_limit
-        planner = plan_cluster(cluster).score.step_time if seed < verify or not enumerates else None
+        # the search (it does not enumerate; bench/plan_exhaustive.py compares it with the whole space's optimum)
+        planner = plan_cluster(cluster).score.step_time
         t2 = time.perf_counter()
-        # the search without enumeration, on the first `heuristic_on` clusters (it is the slow part)
-        heuristic = (
-            Planner(cluster, exact_limit=0).run(place_seeds(cluster)).score.step_time if seed < heuristic_on else None
-        )
-        t3 = time.perf_counter()
-        # not run: it enumerated this space, so its plan is at most the optimum (<= 1; counted as 1)
-        ratio = (planner if planner is not None else min(opt, heuristic if heuristic is not None else opt)) / opt
+        ratio = planner / opt
         rows.append(
             {
-                "heuristic_ratio": heuristic / opt if heuristic is not None else None,
-                "planner_run": planner is not None,
-                "heuristic_s": t3 - t2,
                 "seed": seed,
                 "devices": cluster.num_devices,
                 "kinds": len({x.kind.name for x in cluster.nodes}),
@@ -223,10 +206,7 @@ def run_small(
             }
         )
         print(
-            f"small {seed}: {cluster.num_devices} devices, planner/optimum {rows[-1]['ratio']:.4f}"
-            f"{'' if planner is not None else ' (not run: enumerates)'} "
-            f"(without enumeration {rows[-1]['heuristic_ratio'] or math.nan:.4f}) "
-            f"({visited} structures in {t1 - t0:.1f} s, planner {t2 - t1:.2f} s)",
+            f"small {seed}: {cluster.num_devices} devices, planner/optimum {rows[-1]['ratio']:.4f} ({visited} structures in {t1 - t0:.1f} s, planner {t2 - t1:.2f} s)",
             flush=True,
         )
         checkpoint(partial, "small", rows)
@@ -319,7 +299,6 @@ def summarize(small: list[dict], large: list[dict]) -> str:
     lines = []
     if small:
         ratios = [r["ratio"] for r in small]
-        hs = [r["heuristic_ratio"] for r in small if r["heuristic_ratio"] is not None] or [math.nan]
         within1 = sum(r <= 1.01 for r in ratios) / len(ratios)
         lines += [
             "## vs exhaustive",
@@ -329,14 +308,8 @@ def summarize(small: list[dict], large: list[dict]) -> str:
             f"{sum(r > 1.05 for r in ratios)}; better than the enumerated optimum on {sum(r < 0.9999 for r in ratios)} "
             f"(plans that leave a device idle, which the enumeration does not visit, or a hetero-place seed's "
             f"own split); "
-            f"median structures enumerated {statistics.median(r['structures'] for r in small):.0f}, "
-            f"planner run on {sum(r['planner_run'] for r in small)} of them (on the rest it enumerates the same "
-            f"space exactly, so its plan is at most the optimum: counted as equal)",
-            "",
-            f"The planner enumerates these small spaces exactly (at most 20000 structures). With that turned "
-            f"off (sweep + local search only), on the first {len(hs)} clusters: within 1% on "
-            f"{sum(r <= 1.01 for r in hs) / len(hs):.1%}, worst {max(hs):.4f}x, median "
-            f"{statistics.median(hs):.4f}x.",
+            f"median structures enumerated {statistics.median(r['structures'] for r in small):.0f} (every "
+            "device used: bench/plan_exhaustive.py enumerates device subsets too)",
             "",
         ]
     if large:

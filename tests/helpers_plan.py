@@ -70,3 +70,17 @@ def cluster(tmp_path: Path, seq_len: int = 1024, memory_gb: float = 8, packing: 
     path = tmp_path / "cluster.toml"
     path.write_text(text)
     return path
+
+
+def flops_priced(c):
+    """Cluster ``c`` as the cost model before the roofline one priced it: every kind by FLOPs at its peak, links at
+    their line rate (the landscape some search-regression cases were found on)."""
+    import attrs
+
+    from hetero_llm.layout import Backend
+
+    nodes = tuple(
+        attrs.evolve(n, kind=attrs.evolve(n.kind, pricing="flops", mem_fraction=1.0, link_fraction=1.0))
+        for n in c.nodes
+    )
+    return attrs.evolve(c, nodes=nodes, spec=attrs.evolve(c.spec, backend=Backend.GLOO))

@@ -152,10 +152,12 @@ def _single_process_references() -> dict[Path, layout_mod.Layout]:
 
 
 def _same_model(a: layout_mod.Layout, b: layout_mod.Layout) -> bool:
-    """Same model, data and optimization; the schedule and step count may differ."""
+    """Same model, data and optimization; the schedule, step count and where AdamW's state lives (adamw or
+    adamw_zero1, which trains the same model: docs/invariance.md) may differ."""
 
     def key(lay):
-        return lay.model, lay.data, attrs.evolve(lay.train, schedule=b.train.schedule, steps=0, log_every=1)
+        train = attrs.evolve(lay.train, schedule=b.train.schedule, steps=0, log_every=1, optimizer=b.train.optimizer)
+        return lay.model, lay.data, train
 
     return key(a) == key(b)
 

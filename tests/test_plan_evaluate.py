@@ -93,5 +93,10 @@ def test_a_layout_of_another_batch_precision_or_optimizer_is_one_line(tmp_path):
     )
     result = run(CLUSTER, "--evaluate", _layout(tmp_path, precision=layout_mod.Precision.BF16))
     assert result.exit_code == 2 and "train.precision: 'bf16' differs from the cluster file's 'fp32'" in result.output
-    result = run(CLUSTER, "--evaluate", _layout(tmp_path, optimizer=layout_mod.Optimizer.ADAMW_ZERO1))
+    # an optimizer the cluster file's plan.optimizers allows is priced as the layout says; another is refused
+    zero1 = _layout(tmp_path, optimizer=layout_mod.Optimizer.ADAMW_ZERO1)
+    assert run(CLUSTER, "--evaluate", zero1).exit_code == 0
+    only = tmp_path / "adamw_only.toml"
+    only.write_text(CLUSTER.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n', 1))
+    result = run(only, "--evaluate", zero1)
     assert result.exit_code == 2 and "train.optimizer: 'adamw_zero1' differs" in result.output

@@ -89,7 +89,7 @@ def main(
 ):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
     from hetero_llm.launch import outputs
-    from hetero_llm.planner import load_cluster, output, plan_cluster
+    from hetero_llm.planner import load_cluster, output, plan_cluster, planned_cluster
     from hetero_llm.planner.cluster import check_devices
 
     if evaluate_layout is not None:
@@ -122,6 +122,7 @@ def main(
 
             bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
         result = plan_cluster(cluster, top, progress=True)
+        cluster = planned_cluster(cluster, result.best)  # with the plan's train.optimizer
         planned, verdict = (), None
         if bounds:
             from hetero_llm.switching import worth

@@ -176,13 +176,15 @@ def present_nodes(cluster: Cluster, members: Sequence[tuple[str, int]]) -> list[
 
 def plan_for(cluster: Cluster, present: Sequence[str]) -> Layout:
     """The planner's layout for the nodes ``present`` (deterministic: the same input gives the same plan). The
-    rendezvous master is the first present node unless ``cluster.master`` is present."""
+    rendezvous master is the first present node unless ``cluster.master`` is present. Every round runs the cluster
+    file's ``train.optimizer`` (the planner is not offered the other one), so each resumes the state the last saved."""
     spec = cluster.spec
     master = spec.master if spec.master in present else ""
     sub = attrs.evolve(
         cluster,
         spec=attrs.evolve(spec, nodes=tuple(n for n in spec.nodes if n.name in present), master=master),
         nodes=tuple(n for n in cluster.nodes if n.name in present),
+        limits=attrs.evolve(cluster.limits, optimizers=(cluster.train.optimizer.value,)),
     )
     result = plan_cluster(sub)
     text = output.layout_text(sub, result.best, result.score, result.seed_score)

@@ -78,7 +78,12 @@ def propose(cluster: Cluster, bounds: tuple[int, ...], home: Candidate) -> list[
     home_devices = {d for p in home.pipelines for s in p.stages for d in s.group.devices}
     out = []
     for bound in bounds[:-1]:
-        shorter = attrs.evolve(cluster, model=attrs.evolve(cluster.model, seq_len=bound))
+        # the home layout's train.optimizer holds for every bucket (``cluster`` is the planned one)
+        shorter = attrs.evolve(
+            cluster,
+            model=attrs.evolve(cluster.model, seq_len=bound),
+            limits=attrs.evolve(cluster.limits, optimizers=(cluster.train.optimizer.value,)),
+        )
         result = plan_cluster(shorter, top=1)
         cand, score = result.best, result.score
         at_home = Planner(shorter).evaluate(home)  # the home layout on this bucket's rows

@@ -51,14 +51,34 @@ class Candidate:
     pipelines: tuple[PipelineChoice, ...]
     schedule: str = "1f1b"
     chunks: int = 1
+    optimizer: str = ""  # train.optimizer of the plan ('' = the cluster file's)
 
     def key(self) -> tuple:
         return (
             self.schedule,
             self.chunks,
+            self.optimizer,
             tuple(
                 (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
                 for p in self.pipelines
+            ),
+        )
+
+    def shape(self) -> tuple:
+        """The plan up to which of interchangeable devices (same kind, TP size and domain) it uses, whatever its
+        optimizer: the ranked plans show each shape once."""
+        return (
+            self.schedule,
+            self.chunks,
+            tuple(
+                sorted(
+                    (
+                        p.batch,
+                        p.microbatches,
+                        tuple((s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages),
+                    )
+                    for p in self.pipelines
+                )
             ),
         )
 

@@ -6,7 +6,8 @@ writes the layout from these sections with hetero_llm.layout.dumps):
 
     [plan]
     max_tp = 8                      # largest TP size to try (0: a node's device count)
-    schedules = ["1f1b", "zbh1", "interleaved"]
+    schedules = ["1f1b", "zbh1", "interleaved", "gpipe"]
+    optimizers = ["adamw", "adamw_zero1"]  # train.optimizer values to choose from
     memory_margin = 0.1             # fraction of each device's memory kept free
     max_evals = 0                   # the search's budget in plans simulated (0: 400 + 8 per device, <= 2500)
     time_budget_s = 300             # a safety net: stop after this long (the output then says so)
@@ -43,7 +44,17 @@ import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import Backend, ClusterSpec, Compile, DataSpec, Layout, ModelSpec, Precision, TrainSpec
+from hetero_llm.layout import (
+    Backend,
+    ClusterSpec,
+    Compile,
+    DataSpec,
+    Layout,
+    ModelSpec,
+    Optimizer,
+    Precision,
+    TrainSpec,
+)
 from hetero_llm.layout import reader as layout_reader
 from hetero_llm.layout import rules as layout_rules
 from hetero_llm.planner import catalogue
@@ -59,13 +70,21 @@ class PlanLimits:
 
     max_tp: int = _doc("largest TP size to try; 0 = a node's device count", default=8)
     schedules: tuple[str, ...] = _doc(
-        "schedules to choose from: '1f1b', 'zbh1', 'interleaved'", default=("1f1b", "zbh1", "interleaved")
+        "schedules to choose from: '1f1b', 'zbh1', 'interleaved' (any chunk count dividing the layers), 'gpipe' "
+        "('dynamic' is chosen at run time: the planner cannot price it)",
+        default=("1f1b", "zbh1", "interleaved", "gpipe"),
+    )
+    optimizers: tuple[str, ...] = _doc(
+        "train.optimizer values to choose from: 'adamw', 'adamw_zero1' (ZeRO-1: less memory and a shorter "
+        "optimizer step per device); the written layout sets the chosen one",
+        default=("adamw", "adamw_zero1"),
     )
     memory_margin: float = _doc("fraction of each device's memory kept free (allocator, workspace)", default=0.1)
     max_evals: int = _doc(
         "the search's budget, counted in work so that the plan is a function of the input only (whatever the "
-        "machine's speed or load): the local search stops after this many plans simulated, and the sweep "
-        "ranks at most max(20000, 8 x max_evals) structures; 0 = 400 + 8 per device, at most 2500",
+        "machine's speed or load): the local search stops after this many plans simulated (over every "
+        "optimizer of plan.optimizers), and the sweep ranks at most max(20000, 8 x max_evals) structures; "
+        "0 = 400 + 8 per device, at most 2500",
         default=0,
     )
     time_budget_s: float = _doc(
@@ -120,7 +139,7 @@ class PlanLimits:
 ATTENTION = ("flash", "unfused")
 
 
-SCHEDULES = ("1f1b", "zbh1", "interleaved")
+SCHEDULES = ("1f1b", "zbh1", "interleaved", "gpipe")
 MAX_GLOBAL_BATCH = 65536  # sequences per step the planner searches (its work grows with the microbatches)
 
 
@@ -289,11 +308,26 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
     if not limits.schedules:
         raise LayoutError(file, "plan.schedules", f"needs at least one schedule (from {', '.join(SCHEDULES)})")
     for i, s in enumerate(limits.schedules):
+        if s == "dynamic":
+            raise LayoutError(
+                file,
+                f"plan.schedules[{i}]",
+                "'dynamic' runs what is ready at run time: the planner's simulator cannot price it (plan with "
+                "'1f1b', then set train.schedule = 'dynamic' in the written layout)",
+            )
         if s not in SCHEDULES:
             raise LayoutError(
                 file,
                 f"plan.schedules[{i}]",
                 f"unknown schedule {s!r} (the planner chooses from {', '.join(SCHEDULES)})",
+            )
+    known = tuple(o.value for o in Optimizer)
+    if not limits.optimizers:
+        raise LayoutError(file, "plan.optimizers", f"needs at least one optimizer (from {', '.join(known)})")
+    for i, o in enumerate(limits.optimizers):
+        if o not in known:
+            raise LayoutError(
+                file, f"plan.optimizers[{i}]", f"unknown optimizer {o!r} (the planner chooses from {', '.join(known)})"
             )
     if not 0 <= limits.memory_margin < 1:
         raise LayoutError(file, "plan.memory_margin", f"must be in [0, 1), got {limits.memory_margin:g}")

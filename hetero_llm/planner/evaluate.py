@@ -62,7 +62,7 @@ def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:
             stages.append(StageChoice(group, stage.layers, recompute))
         pipes.append(PipelineChoice(pipe.batch, pipe.microbatches, tuple(stages)))
     chunks = layout.train.chunks if schedule is Schedule.INTERLEAVED else 1
-    return Candidate(tuple(pipes), schedule.value, chunks)
+    return Candidate(tuple(pipes), schedule.value, chunks, layout.train.optimizer.value)
 
 
 def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
@@ -75,6 +75,9 @@ def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
             f"differs from the cluster file's [model] ({cluster.file}): the cost model predicts the cluster file's "
             "model (evaluate a layout planned from it, or give the layout's model to the cluster file)",
         )
+    optimizer = layout.train.optimizer.value
+    if optimizer in cluster.limits.optimizers:  # the planner chooses among these: priced as the layout says
+        cluster = attrs.evolve(cluster, train=attrs.evolve(cluster.train, optimizer=layout.train.optimizer))
     for key in PRICED_TRAIN:  # what the cost model reads of [train]: a layout's own would be priced wrong, silently
         mine, theirs = getattr(layout.train, key), getattr(cluster.train, key)
         if mine != theirs:

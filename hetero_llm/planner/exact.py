@@ -1,9 +1,12 @@
-"""Exact enumeration of a small cluster's whole space of structures. Torch-free.
+"""Exact enumeration of a small cluster's whole space of structures: the reference the search is measured
+against (tests/test_plan_space.py, bench/plan_exhaustive.py), not a step of the search. Torch-free.
 
-Every TP grouping of every node, every partition of the TP groups into pipelines and every stage
-order, as multisets (TP groups of one node and size are interchangeable, so each distinct structure
-comes once), every microbatch size and schedule. Every device is used: structures that leave devices
-idle are not enumerated (the sweep and the local search reach them). ``search.Planner.exact`` scores them.
+Every subset of the devices (``subsets``; else every device is used), every TP grouping of every node, every
+partition of the TP groups into pipelines and every stage order, as multisets (TP groups of one node and size
+are interchangeable, so each distinct structure comes once), every microbatch size and every schedule of
+``plan.schedules`` (interleaved with every chunk count dividing the layers). ``search.Planner.exact`` scores
+them; each is completed by the search's exact sub-solvers (the layer DP, which also picks each stage's
+recompute, and the batch split).
 """
 
 from __future__ import annotations
@@ -11,16 +14,28 @@ from __future__ import annotations
 import itertools
 
 from hetero_llm.planner.candidates import TPGroup
+from hetero_llm.planner.moves import chunk_counts
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
-def all_structures(planner: SearchSpace, limit: int) -> list | None:
+def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> list | None:
     """Every structure of the space, or None when there are more than ``limit``: every TP grouping of
-    every node, every partition of the groups into pipelines and every stage order, as multisets
-    (TP groups of one node and size are interchangeable), every microbatch size and schedule."""
-    per_node = [_cuts(n.devices, planner.tp_sizes(n.devices)) for n in planner.c.nodes]
+    every node (of every subset of its devices with ``subsets``: the rest idle), every partition of the
+    groups into pipelines and every stage order, as multisets (TP groups of one node and size are
+    interchangeable), every microbatch size and schedule (interleaved: every chunk count)."""
+    per_node = [
+        [c for used in (range(n.devices + 1) if subsets else [n.devices]) for c in _cuts(used, planner.tp_sizes(used))]
+        for n in planner.c.nodes
+    ]
+    schedules = [
+        (sched, c)
+        for sched in planner.limits.schedules
+        for c in (chunk_counts(planner.c.model.layers) if sched == "interleaved" else [2])
+    ]
     out = []
     for choice in itertools.product(*per_node):
+        if not any(choice):
+            continue
         pools: dict[tuple[str, int], list[TPGroup]] = {}
         for node, cut in zip(planner.c.nodes, choice):
             idx = 0
@@ -46,8 +61,8 @@ def all_structures(planner: SearchSpace, limit: int) -> list | None:
                         used[key] += 1
                     pipes.append(tuple(stages))
                 for rows in [r for r in range(1, planner.G // P + 1) if planner.G % r == 0]:
-                    for sched in planner.limits.schedules:
-                        out.append(Structure(tuple(pipes), rows, sched))
+                    for sched, chunks in schedules:
+                        out.append(Structure(tuple(pipes), rows, sched, chunks))
                         if len(out) > limit:
                             return None
     return out

@@ -70,8 +70,11 @@ class LayerSplitter:
         if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
             return None
         # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
-        m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
-        m = min(m, k * (chunks + 1))
+        if schedule == "gpipe":  # every microbatch's activations are in flight at once: no cap
+            m = microbatches
+        else:
+            m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
+            m = min(m, k * (chunks + 1))
         key = (self._stage_key(groups), rows, schedule, chunks, m, others)
         if key not in self._splits:
             self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m, others)

@@ -23,8 +23,10 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     out: list[Structure] = []
     seen: set[tuple] = set()
 
-    def make(new: list[list[TPGroup]], rows: int = st.rows, schedule: str = st.schedule) -> None:
-        new_st = type(st)(tuple(tuple(p) for p in new if p), rows, schedule)
+    def make(
+        new: list[list[TPGroup]], rows: int = st.rows, schedule: str = st.schedule, chunks: int = st.chunks
+    ) -> None:
+        new_st = type(st)(tuple(tuple(p) for p in new if p), rows, schedule, chunks)
         k = new_st.key()
         if k not in seen:
             seen.add(k)
@@ -123,10 +125,18 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:
             make(pipes, rows=rows)
-    for sch in planner.limits.schedules:
-        if sch != st.schedule:
-            make(pipes, schedule=sch)
+    counts = chunk_counts(planner.c.model.layers)
+    for sch in planner.limits.schedules:  # another schedule (interleaved: with every chunk count)
+        for c in counts if sch == "interleaved" else [st.chunks]:
+            if (sch, c) != (st.schedule, st.chunks):
+                make(pipes, schedule=sch, chunks=c)
     return out
+
+
+def chunk_counts(layers: int) -> list[int]:
+    """The chunk counts interleaving can run a model of ``layers`` layers with: 2 and up, dividing the layers
+    (each stage holds a multiple of the chunks)."""
+    return [c for c in range(2, layers + 1) if layers % c == 0]
 
 
 def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:

@@ -11,7 +11,7 @@ import attrs
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import BucketSpec, Layout, PipelineSpec, Recompute, Schedule, StageSpec
+from hetero_llm.layout import BucketSpec, Layout, Optimizer, PipelineSpec, Recompute, Schedule, StageSpec
 from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.cluster import Cluster
@@ -23,6 +23,8 @@ def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] 
     pipelines, and a ``[[buckets]]`` table per bucket when hot switching was planned (``bucket_specs``)."""
     default_rc = cluster.train.recompute is Recompute.FULL
     train = attrs.evolve(cluster.train, schedule=Schedule(cand.schedule), chunks=cand.chunks)
+    if cand.optimizer:
+        train = attrs.evolve(train, optimizer=Optimizer(cand.optimizer))
     return Layout(
         file=cluster.file,
         model=cluster.model,
@@ -83,7 +85,11 @@ def bucket_specs(buckets: Sequence[Bucket], default_recompute: bool) -> tuple[Bu
 def comments(cand: Candidate, score: Score, buckets: Sequence[Bucket] = ()) -> dict[str, str]:
     """What the written layout says beside its keys: each stage's device kind, domain and predicted memory;
     why each bucket has its layout."""
-    out = {"train.schedule": "chosen by hetero-plan", "pipelines[0]": f"planned pipelines: {summary(cand)}"}
+    out = {
+        "train.schedule": "chosen by hetero-plan",
+        **({"train.optimizer": "chosen by hetero-plan"} if cand.optimizer else {}),
+        "pipelines[0]": f"planned pipelines: {summary(cand)}",
+    }
     for p, pipe in enumerate(cand.pipelines):
         for s, st in enumerate(pipe.stages):
             out[f"pipelines[{p}].stages[{s}].devices"] = (
@@ -140,7 +146,8 @@ def summary(cand: Candidate) -> str:
         f"{n} of {k} stage{'s' if k > 1 else ''}" for k, n in sorted(counts.items(), key=lambda x: -x[1])
     )
     sched = cand.schedule + (f" x{cand.chunks} chunks" if cand.chunks > 1 else "")
-    return f"{len(cand.pipelines)} pipeline{'s' if len(cand.pipelines) > 1 else ''} ({shapes}), {sched}"
+    opt = f", {cand.optimizer}" if cand.optimizer else ""
+    return f"{len(cand.pipelines)} pipeline{'s' if len(cand.pipelines) > 1 else ''} ({shapes}), {sched}{opt}"
 
 
 def layout_text(
@@ -208,7 +215,8 @@ def explain(cluster: Cluster, ranked, seed: Score | None) -> str:
         ("pipelines", lambda c, s: str(len(c.pipelines))),
         ("stages", lambda c, s: "/".join(str(len(p.stages)) for p in c.pipelines)),
         ("TP", lambda c, s: "/".join(sorted({str(st.group.tp) for p in c.pipelines for st in p.stages}))),
-        ("schedule", lambda c, s: c.schedule),
+        ("schedule", lambda c, s: c.schedule + (f" x{c.chunks}" if c.chunks > 1 else "")),
+        ("optimizer", lambda c, s: c.optimizer or "-"),
         ("rows/mb", lambda c, s: "/".join(sorted({str(p.rows) for p in c.pipelines}))),
         ("bubble", lambda c, s: f"{s.bubble:.1%}"),
         ("TP s", lambda c, s: f"{s.tp_time:.3g}"),
@@ -249,6 +257,7 @@ def to_json(cand: Candidate, score: Score) -> dict:
     return {
         "schedule": cand.schedule,
         "chunks": cand.chunks,
+        "optimizer": cand.optimizer or None,
         "pipelines": [
             {
                 "batch": p.batch,

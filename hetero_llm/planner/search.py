@@ -36,14 +36,7 @@ from hetero_llm.progress import Bar
 
 
 class Planner(LayerSplitter):
-    def __init__(
-        self,
-        cluster: Cluster,
-        *,
-        budget_s: float | None = None,
-        max_evals: int | None = None,
-        exact_limit: int = 20_000,
-    ):
+    def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int | None = None):
         super().__init__(PlannerCostModel(cluster), cluster.model.layers)
         self.c = cluster
         self.model = cluster.model
@@ -58,7 +51,6 @@ class Planner(LayerSplitter):
         self.cut_by_time = False
         self.progress: Bar | None = None  # plans simulated and the best so far, on a terminal (hetero-plan)
         self.best_so_far = INF
-        self.exact_limit = exact_limit  # enumerate every structure when there are at most this many
         self.domain_order = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
@@ -105,7 +97,7 @@ class Planner(LayerSplitter):
         devices = [d for p in st.pipelines for g in p for d in g.devices]
         if self.G % st.rows or len(set(devices)) != len(devices):
             return None
-        chunks = 2 if st.schedule == "interleaved" else 1
+        chunks = st.n_chunks
         total = self.G // st.rows
         splits = []
         others = self.zero1_others(st)
@@ -291,13 +283,14 @@ class Planner(LayerSplitter):
                 break
         return st, best
 
-    # ---------------------------------------------------------------- exact, for small clusters
-    def all_structures(self, limit: int) -> list[Structure] | None:
-        """Every structure of the space, or None when there are more than ``limit`` (see ``exact``)."""
-        return exact.all_structures(self, limit)
+    # ---------------------------------------------------------------- the exhaustive reference (not the search)
+    def all_structures(self, limit: int, subsets: bool = False) -> list[Structure] | None:
+        """Every structure of the space (of every device subset with ``subsets``), or None when there are more
+        than ``limit`` (see ``exact``): the reference the search is measured against."""
+        return exact.all_structures(self, limit, subsets)
 
     def exact(self, structures: list[Structure]) -> None:
-        """Score every structure whose lower bound beats the best so far."""
+        """Score every structure whose lower bound beats the best so far (the reference's optimum)."""
         best = min((s.step_time for _, s in self.scored.values()), default=INF)
         for st in structures:
             if self.out_of_time(0.4):  # the safety net (a huge batch makes every simulation long)
@@ -308,11 +301,9 @@ class Planner(LayerSplitter):
             best = min(best, self.evaluate(cand).step_time)
 
     # ---------------------------------------------------------------- driver
-    def run(self, seeds: Sequence[Candidate] = (), top: int = 5) -> Result:
-        small = self.all_structures(self.exact_limit) if self.c.num_devices <= 8 and self.exact_limit else None
-        if small is not None:
-            self.exact(small)
-        structures = sweep.sweep(self, keep=8)
+    def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
+        """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
+        structures = sweep.sweep(self, keep=8) if swept else []
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)
@@ -334,7 +325,12 @@ class Planner(LayerSplitter):
                 break
             found.append(self.improve(st))
         if found:
-            self.escape(*min(found, key=lambda sb: sb[1]))
+            here, t_here = min(found, key=lambda sb: sb[1])
+            width = 4
+            while not self.stop() and width <= 64:  # budget left: look further around the best (wider escapes)
+                here, t = self.escape(here, t_here, width)
+                width = 4 if t < t_here else width * 2
+                t_here = t
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
         if not ranked or not ranked[0][1].feasible:
             raise sweep.infeasible_error(self.c, self.cost, self.closest())
@@ -342,21 +338,7 @@ class Planner(LayerSplitter):
         distinct: list[tuple[Candidate, Score]] = []
         shapes: set[tuple] = set()
         for cand, sc in ranked:  # plans that differ only in which of interchangeable devices they use: once
-            shape = (
-                cand.schedule,
-                tuple(
-                    sorted(
-                        (
-                            p.batch,
-                            p.microbatches,
-                            tuple(
-                                (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages
-                            ),
-                        )
-                        for p in cand.pipelines
-                    )
-                ),
-            )
+            shape = cand.shape()
             if sc.feasible and shape not in shapes and len(distinct) < max(1, top):
                 shapes.add(shape)
                 distinct.append((cand, sc))

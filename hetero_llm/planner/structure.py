@@ -46,9 +46,15 @@ class Structure:
     pipelines: tuple[tuple[TPGroup, ...], ...]  # ordered stages (TP groups) of each pipeline
     rows: int  # sequences per microbatch
     schedule: str = "1f1b"
+    chunks: int = 2  # model chunks per stage under 'interleaved' (ignored by the other schedules)
 
     def key(self) -> tuple:
-        return (self.rows, self.schedule, tuple(tuple(g.devices for g in p) for p in self.pipelines))
+        return (self.rows, self.schedule, self.n_chunks, tuple(tuple(g.devices for g in p) for p in self.pipelines))
+
+    @property
+    def n_chunks(self) -> int:
+        """The candidate's chunks: ``chunks`` under 'interleaved', 1 otherwise."""
+        return self.chunks if self.schedule == "interleaved" else 1
 
 
 @attrs.frozen

@@ -77,40 +77,69 @@ def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
     return [dict(zip(names, c)) for c in combos]
 
 
+def idle_options(planner: SearchSpace) -> list[tuple[int, str, bool] | None]:
+    """What the sweep may leave idle: nothing, each device kind or each NIC domain (when there are several),
+    or all but one kind or domain (when there are three or more): (0 = kind or 1 = domain, name, keep only);
+    options that keep the same nodes come once.
+    A slow kind, or a domain behind a slow network, can cost more than it adds."""
+    kinds = sorted({n.kind.name for n in planner.c.nodes})
+    domains = sorted({n.domain for n in planner.c.nodes}, key=lambda d: (planner.domain_order.get(d, 0), d))
+    out: list[tuple[int, str, bool] | None] = [None]
+    for what, names in ((0, kinds), (1, domains)):
+        out += [(what, x, False) for x in names] if len(names) > 1 else []
+        out += [(what, x, True) for x in names] if len(names) > 2 else []
+    # each set of nodes once (a kind can be a whole domain)
+    unique: dict[tuple[str, ...], tuple[int, str, bool] | None] = {}
+    for drop in out:
+        kept = tuple(
+            n.name for n in planner.c.nodes if drop is None or ((n.kind.name, n.domain)[drop[0]] == drop[1]) == drop[2]
+        )
+        unique.setdefault(kept, drop)
+    return [drop for kept, drop in unique.items() if kept]
+
+
+def _kept(g: TPGroup, drop: tuple[int, str, bool] | None) -> bool:
+    if drop is None:
+        return True
+    what, name, only = drop
+    return ((g.kind.name, g.domain)[what] == name) == only
+
+
 def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
-    """The ``keep`` best structures by the closed-form estimate."""
+    """The ``keep`` best structures by the closed-form estimate. The budget in work (``planner.sweep_limit``
+    structures realized) is shared equally by the idle options, so that each is swept at any size."""
     found: list[tuple[float, int, Structure]] = []
     seen = set()
-    kinds = sorted({n.kind.name for n in planner.c.nodes})
     work = planner.cost.model_flops_per_step()
-    realized = 0  # the budget, in work: at most planner.sweep_limit structures realized
-    for menu, drop in itertools.product(tp_menus(planner), [None, *(kinds if len(kinds) > 1 else [])]):
-        groups = [g for g in planner.groups(menu) if g.kind.name != drop]  # or leave one kind idle
+    options = idle_options(planner)
+    share = max(1, planner.sweep_limit // len(options))
+    realized = [0] * len(options)  # structures realized per idle option
+    for menu, (k, drop) in itertools.product(tp_menus(planner), enumerate(options)):
+        groups = [g for g in planner.groups(menu) if _kept(g, drop)]
+        if not groups or realized[k] >= share:
+            continue
         # an estimate is at least the step's FLOPs over these groups' peak: skip what cannot enter the top
         lb_used = work / sum(g.flops for g in groups)
         if len(found) >= keep and lb_used >= found[keep - 1][0]:
             continue
-        for P in pipeline_counts(planner, len(groups)):
-            for balanced in (False, True):
-                pipes = deal(planner, groups, P, balanced)
-                sig = tuple(tuple(g.devices for g in p) for p in pipes)
-                if sig in seen:
+        for P, balanced in itertools.product(pipeline_counts(planner, len(groups)), (False, True)):
+            pipes = deal(planner, groups, P, balanced)
+            sig = tuple(tuple(g.devices for g in p) for p in pipes)
+            if sig in seen:
+                continue
+            seen.add(sig)
+            for rows in row_options(planner, len(pipes)):
+                if (len(found) >= keep and lb_used >= found[keep - 1][0]) or realized[k] >= share:
+                    break
+                realized[k] += 1
+                st = Structure(pipes, rows)
+                cand = planner.realize(st)
+                if cand is None:
                     continue
-                seen.add(sig)
-                for rows in row_options(planner, len(pipes)):
-                    if len(found) >= keep and lb_used >= found[keep - 1][0]:
-                        break
-                    if realized >= planner.sweep_limit:
-                        return [st for _, _, st in found[:keep]]
-                    realized += 1
-                    st = Structure(pipes, rows)
-                    cand = planner.realize(st)
-                    if cand is None:
-                        continue
-                    est = planner.estimate(cand)
-                    found.append((est, len(found), st))
-                    found.sort(key=lambda x: (x[0], x[1]))
-                    del found[keep * 4 :]
+                est = planner.estimate(cand)
+                found.append((est, len(found), st))
+                found.sort(key=lambda x: (x[0], x[1]))
+                del found[keep * 4 :]
             if planner.out_of_time(0.4):  # the safety net: leave the local search most of the cap
                 return [st for _, _, st in found[:keep]]
     return [st for _, _, st in found[:keep]]

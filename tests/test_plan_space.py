@@ -1,0 +1,143 @@
+"""hetero-plan searches the whole space the layout format runs: device subsets, every schedule of plan.schedules
+(gpipe, interleaved with any chunk count), adamw vs adamw_zero1; checked against the exhaustive reference on a
+sample of bench/plan_exhaustive.py's clusters. Torch-free, one process."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from helpers_plan import flops_priced
+
+from bench import plan_exhaustive
+from bench.plan_bench import load
+from hetero_llm import layout as layout_mod
+from hetero_llm.planner import moves, plan_cluster, with_optimizer
+from hetero_llm.planner.output import layout_text
+from hetero_llm.planner.search import Planner
+from hetero_llm.planner.structure import Structure
+
+# clusters of bench/plan_exhaustive.py whose spaces are small enough for seconds (3 devices of 3 kinds, 2-3
+# domains, memory-tight models); the bench runs 200 of them, of 3, 5 and 7 devices
+SAMPLE = [1, 2, 3, 5, 7, 9, 11, 12, 13, 14, 16, 19, 22, 24, 27]
+
+
+def test_search_is_within_the_targets_of_the_exhaustive_optimum():
+    """>= 95% of the sample within 1% of the optimum over the whole space (device subsets, every schedule and
+    chunk count, both optimizers), none worse than 1.03x; and the search never beats the reference (it is the
+    optimum of the same space)."""
+    rows = plan_exhaustive.run(SAMPLE)
+    ratios = [r["ratio"] for r in rows]
+    assert min(ratios) >= 1 - 1e-9, "the reference missed a plan the search found: it is not exhaustive"
+    assert sum(x <= 1.01 for x in ratios) >= 0.95 * len(ratios)
+    assert max(ratios) <= 1.03
+
+
+def test_reference_enumerates_device_subsets():
+    """With ``subsets`` the reference holds the structures of every device subset (nodes left idle, part of a
+    node idle), each once; without, every device is used."""
+    c = load(plan_exhaustive.draw(SAMPLE[0]))
+    pl = Planner(c)
+    every = pl.all_structures(10**6)
+    subsets = pl.all_structures(10**6, subsets=True)
+    assert every is not None and subsets is not None
+    assert len({s.key() for s in subsets}) == len(subsets) > len(every)
+    devices = c.num_devices
+    used = {sum(len(g.devices) for p in s.pipelines for g in p) for s in subsets}
+    assert used == set(range(1, devices + 1))
+    assert all(sum(len(g.devices) for p in s.pipelines for g in p) == devices for s in every)
+    chunks = {s.chunks for s in subsets if s.schedule == "interleaved"}
+    assert chunks == set(moves.chunk_counts(c.model.layers))
+    assert {s.schedule for s in subsets} == set(c.limits.schedules)
+
+
+def test_search_finds_a_plan_that_leaves_devices_idle_with_more_than_two_chunks():
+    """A cluster whose best plan (the reference's: 0.0987 s) runs its A100 node alone, interleaved with 4 chunks:
+    two of the search's moves away from where its descents end (drop the RTX 4090 group, interleave x4). Priced
+    as when it was found (FLOPs at peak): under the roofline model the optimum of this cluster is another plan."""
+    c = flops_priced(load(plan_exhaustive._draw(200)))
+    result = plan_cluster(c)
+    used = {d for p in result.best.pipelines for s in p.stages for d in s.group.devices}
+    assert result.best.schedule == "interleaved" and result.best.chunks > 2
+    assert used and all(d.startswith("n0:") for d in used)  # the A100 node's devices only
+
+
+def test_moves_offer_every_allowed_schedule_and_chunk_count():
+    c = load(plan_exhaustive._draw(200))
+    pl = Planner(c)
+    groups = pl.groups({"a100-40g": 1, "a6000": 1, "rtx4090": 1})
+    st = Structure((tuple(groups[:3]),), 1, "1f1b")
+    got = {
+        (n.schedule, n.n_chunks) for n in moves.neighbours(pl, st) if (n.pipelines, n.rows) == (st.pipelines, st.rows)
+    }
+    assert got == {("zbh1", 1), ("gpipe", 1)} | {("interleaved", k) for k in (2, 3, 4, 6, 12)}
+    only = attrs.evolve(c, limits=attrs.evolve(c.limits, schedules=("1f1b", "gpipe")))
+    pl = Planner(only)
+    assert {n.schedule for n in moves.neighbours(pl, st)} == {"1f1b", "gpipe"}  # and only those
+
+
+def test_written_layout_carries_the_optimizer_and_chunks(tmp_path):
+    """The plan's optimizer and chunk count are what the written layout runs (on the cluster priced as in the test
+    above, whose plan interleaves more than two chunks)."""
+    c = flops_priced(load(plan_exhaustive._draw(200)))
+    result = plan_cluster(c)
+    cand = attrs.evolve(result.best, optimizer="adamw_zero1")
+    score = Planner(with_optimizer(c, "adamw_zero1")).cost.score(cand)
+    text = layout_text(c, cand, score, None)
+    path = tmp_path / "plan.toml"
+    path.write_text(text)
+    lay = layout_mod.load(path)
+    assert lay.train.optimizer.value == "adamw_zero1"
+    assert (lay.train.schedule.value, lay.train.chunks) == (cand.schedule, cand.chunks)
+
+
+@pytest.mark.parametrize("optimizers", [("adamw",), ("adamw_zero1",), ("adamw", "adamw_zero1")])
+def test_optimizer_is_chosen_among_plan_optimizers_only(optimizers):
+    c = load(plan_exhaustive.draw(SAMPLE[1]))
+    c = attrs.evolve(c, limits=attrs.evolve(c.limits, optimizers=optimizers))
+    result = plan_cluster(c, top=8)
+    assert {cand.optimizer for cand, _ in result.ranked} <= set(optimizers)
+    assert result.best.optimizer in optimizers
+    if len(optimizers) == 2:  # never slower than either optimizer alone
+        for o in optimizers:
+            alone = plan_cluster(attrs.evolve(c, limits=attrs.evolve(c.limits, optimizers=(o,))))
+            assert result.score.step_time <= alone.score.step_time * (1 + 1e-9)
+
+
+def test_recompute_only_pays_to_fit():
+    """Why the DP recomputes a stage only where it does not fit without: under the cost model recompute makes
+    every stage slower and never bigger (so the cheapest feasible choice per stage is optimal)."""
+    c = load(plan_exhaustive._draw(200))
+    pl = Planner(c)
+    for g in pl.groups({"a100-40g": 2, "a6000": 1, "rtx4090": 2}):
+        for layers, first, last, rows, in_flight in [
+            (1, True, False, 1, 1),
+            (4, False, True, 2, 3),
+            (6, True, True, 4, 2),
+        ]:
+            plain = pl.cost.stage_times(g, layers, last, rows, False)
+            rc = pl.cost.stage_times(g, layers, last, rows, True)
+            assert rc[0] >= plain[0] and rc[1] > plain[1]
+            mem = [pl.cost.stage_memory(g, layers, first, last, rows, r, in_flight) for r in (False, True)]
+            assert mem[1] <= mem[0]
+
+
+def test_sweep_leaves_each_kind_and_domain_idle():
+    """The sweep's idle options: nothing, each kind or domain idle, each kind or domain alone; options that keep
+    the same nodes come once (here every node is a kind and a domain of its own)."""
+    from hetero_llm.planner import sweep
+
+    c = load(plan_exhaustive._draw(200))
+    options = sweep.idle_options(Planner(c))
+    assert options[0] is None
+    names = [n.name for n in c.nodes]
+    assert len({(n.kind.name, n.domain) for n in c.nodes}) == len({n.kind.name for n in c.nodes}) == len(names) == 3
+
+    def kept(drop):
+        return frozenset(
+            n.name for n in c.nodes if drop is None or ((n.kind.name, n.domain)[drop[0]] == drop[1]) == drop[2]
+        )
+
+    sets = [kept(o) for o in options]
+    assert len(sets) == len(set(sets))
+    every = frozenset(names)
+    assert set(sets) == {every} | {every - {x} for x in names} | {frozenset({x}) for x in names}
