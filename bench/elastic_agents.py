@@ -24,14 +24,16 @@ DROP = (
 )
 
 
-def cluster_text(common: str, nodes: dict[str, int], steps: int, port: int) -> str:
+def cluster_text(common: str, nodes: dict[str, int], steps: int, port: int, max_tp: int | None = None) -> str:
     """A cluster file: ``common``'s [model]/[train]/[data] (train.steps set), a CPU node per ``nodes`` entry
-    (name -> devices), a small planner budget, no TP (see docs/elastic.md, known problems)."""
+    (name -> devices), a small planner budget; ``max_tp``: the planner's ``[plan] max_tp`` (None: its default,
+    so a node's two devices may form a TP group)."""
     lines = [line for line in common.splitlines() if not line.startswith("steps = ")]
     common = "\n".join(lines).replace("[train]", f"[train]\nsteps = {steps}")
     cpus = {n: ", ".join(['"cpu"'] * k) for n, k in nodes.items()}
     listed = "".join(f'[[cluster.nodes]]\nname = "{n}"\ndevices = [{cpus[n]}]\n' for n in nodes)
-    return f"{common}\n[cluster]\ntimeout_s = 10\nport = {port}\n{listed}\n[plan]\nmax_evals = 200\nmax_tp = 1\n"
+    tp = f"max_tp = {max_tp}\n" if max_tp is not None else ""
+    return f"{common}\n[cluster]\ntimeout_s = 10\nport = {port}\n{listed}\n[plan]\nmax_evals = 200\n{tp}"
 
 
 def start_agent(

@@ -5,6 +5,8 @@ and ZeRO-1 run on the grads stream (``hetero_llm.comm.streams``) so they overlap
 
 from __future__ import annotations
 
+import time
+
 import attrs
 import torch
 import torch.distributed as dist
@@ -33,38 +35,67 @@ def tp_agree(comms: Comms, choice: tuple[Kind, int] | None) -> tuple[Kind, int]:
     return (Kind.F if int(t[0]) == 0 else Kind.B), int(t[1])
 
 
+@attrs.define
+class TpWaits:
+    """Seconds this rank spent inside its TP all-reduces, waiting for its TP peers included (on CUDA, until the
+    device finished them). Emulated slowdown (runtime/emulation.py) stretches a compute action by a factor of
+    its own compute time, so it must leave this out: stretched, a wait for the peer's emulated sleep makes this
+    rank sleep longer, then the peer waits for that, and every action multiplies the TP ranks' skew by the
+    slowdown (a step that never ends). Only measured while emulating (it synchronizes CUDA devices)."""
+
+    seconds: float = 0.0
+
+    def all_reduce(self, x: torch.Tensor, group) -> None:
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        t0 = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        if x.is_cuda:
+            torch.cuda.synchronize(x.device)
+        self.seconds += time.perf_counter() - t0
+
+
+def _tp_all_reduce(x: torch.Tensor, group, waits: TpWaits | None) -> None:
+    if waits is None:
+        dist.all_reduce(x, group=group)
+    else:
+        waits.all_reduce(x, group)
+
+
 class _Enter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, waits):
+        ctx.group, ctx.waits = group, waits
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
-        return g, None
+        _tp_all_reduce(g, ctx.group, ctx.waits)
+        return g, None, None
 
 
 class _Exit(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, waits):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        _tp_all_reduce(x, group, waits)
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
-def tp_ops(comms: Comms) -> TP:
+def tp_ops(comms: Comms, waits: TpWaits | None = None) -> TP:
+    """Megatron's f and g over the rank's TP group (``NO_TP`` without one); ``waits``: where to add the
+    seconds spent in their all-reduces (emulated runs)."""
     from hetero_llm.model.forward import NO_TP
 
     if comms.tp_group is None:
         return NO_TP
     group = comms.tp_group
-    return TP(lambda x: _Enter.apply(x, group), lambda x: _Exit.apply(x, group))
+    return TP(lambda x: _Enter.apply(x, group, waits), lambda x: _Exit.apply(x, group, waits))
 
 
 # ------------------------------------------------------------------------------------------

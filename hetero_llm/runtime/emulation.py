@@ -109,7 +109,8 @@ _KINDS_BY_VALUE = {kind.value: kind for kind in Kind}
 class Emulation:
     """Emulated slower / jittery devices for benchmarks (documented as emulation, never on by default).
 
-    After each compute action the rank sleeps ``(slowdown - 1 + U(0, jitter)) * compute time``.
+    After each compute action the rank sleeps ``(slowdown - 1 + U(0, jitter)) * compute time``, its own compute
+    time: what it spent inside TP all-reduces (waiting for its TP peers) left out (``collectives.TpWaits``).
     Read from ``HETERO_EMULATE_SLOWDOWN`` and ``HETERO_EMULATE_JITTER``: ``"rank:value,..."``.
     """
 

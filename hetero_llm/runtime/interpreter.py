@@ -83,6 +83,7 @@ class StageRunner:
     streams: Streams = NO_STREAMS  # side CUDA streams for p2p (none on CPU)
     split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
     optimizer_hooks: dict = attrs.field(factory=dict)  # Kind.RS / Kind.AG -> what ZeRO-1 does there (zero1.py)
+    tp_waits: collectives.TpWaits | None = None  # what ``tp``'s all-reduces add their seconds to (when emulating)
     _rng: random.Random = attrs.field(init=False)
     _state: StepState | None = attrs.field(init=False, default=None)  # of the step running
     _block_fn: object = attrs.field(init=False)
@@ -156,6 +157,7 @@ class StageRunner:
         elif a.kind in BACKWARD_KINDS and not last:
             received = self._await(Direction.BWD, a)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
+        waited0 = self.tp_waits.seconds if self.tp_waits is not None else 0.0
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
             d = a.kind.direction
             route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
@@ -191,10 +193,11 @@ class StageRunner:
             lasts = (
                 dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
             )
-            if lasts is not None:
+            if lasts is not None:  # a wait for a TP peer counts: the modelled duration includes TP's messages
                 time.sleep(max(0.0, lasts - spent))
-            else:
-                time.sleep(spent * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
+            else:  # stretch this rank's own compute only, never a wait for its TP peer (collectives.TpWaits)
+                own = spent - (self.tp_waits.seconds - waited0 if self.tp_waits is not None else 0.0)
+                time.sleep(max(0.0, own) * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
 

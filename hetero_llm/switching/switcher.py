@@ -117,18 +117,21 @@ class Switcher:
             tuple(world_of[r] for r in st.ranks),
         )
         routes = _world_routes(rp.routes, world_of)
+        emulation = Emulation.from_env(comms.rank)
+        tp_waits = collectives.TpWaits() if emulation.active else None
         runner = StageRunner(
             bucket_comms,
             params,
             st,
             plan.layout.model,
-            collectives.tp_ops(bucket_comms),
+            collectives.tp_ops(bucket_comms, tp_waits),
             routes,
             self.trace,
-            Emulation.from_env(comms.rank),
+            emulation,
             compute_of(rp),
             streams,
             split_backward=rp.split_backward,
+            tp_waits=tp_waits,
         )
         return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
 

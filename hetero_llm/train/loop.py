@@ -110,18 +110,21 @@ def train(
         else make_optimizer(state, tr)
     )
     restore_moments(optimizer, state, restored)
+    emulation = Emulation.from_env(rank)
+    tp_waits = collectives.TpWaits() if emulation.active else None
     runner = StageRunner(
         comms,
         state.params,
         rp.stage,
         model,
-        collectives.tp_ops(comms),
+        collectives.tp_ops(comms, tp_waits),
         rp.routes,
         trace,
-        Emulation.from_env(rank),
+        emulation,
         stage_compute(rp, device),
         streams,
         split_backward=rp.split_backward,
+        tp_waits=tp_waits,
         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
         # the home layout's backward: a later bucket may still add to the gradients
         optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {},
