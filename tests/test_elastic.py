@@ -86,7 +86,7 @@ def test_each_membership_is_planned_deterministically(tmp_path):
     assert len({p.fingerprint() for p in plans.values()}) == 3
     full = plans[("n0", "n1", "n2")]
     # n0's two devices form a TP group: the hung-node test below runs TP under emulated slowdown (docs/elastic.md)
-    assert [len(s.devices) for p in full.layout.pipelines for s in p.stages] == [2, 1, 1]
+    assert sorted(len(s.devices) for p in full.layout.pipelines for s in p.stages) == [1, 1, 2]
     assert [elastic.layout_rank(full, r.node, int(r.device_id.split(":")[1])) for r in full.ranks] == list(
         range(full.world_size)
     )
