@@ -88,8 +88,11 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
-    """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
+def launch(
+    layout: Path, workdir: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> RunResult:
+    """Run ``hetero-launch layout`` to completion; return its metrics and final parameters. ``env``: variables
+    set for this run only, over this process's environment (for launches run side by side in threads)."""
     from hetero_llm.checkpoint.shards import load_full_params
 
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
@@ -104,7 +107,7 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
         f"cluster.port={free_port()}",
         *extra,
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")} | (env or {})
     proc = run_cli(args, env, timeout)  # python -m hetero_llm.cli ARGS, forked from a warm interpreter
     cmd = proc.args
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
