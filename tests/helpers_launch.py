@@ -9,8 +9,11 @@ with the caller's environment, working directory and its own stdout and stderr.
 
 What a fresh interpreter would do differently is read the environment at import: a launch whose environment
 differs from the server's in a variable read then (torch's, OpenMP's, Python's, ``HETERO_DEBUG``) runs as a real
-subprocess instead. ``HL_TEST_FRESH_LAUNCH=1`` runs every launch as a subprocess (to compare). The tests of the
-command line itself (exit codes, error lines, signals, per-rank launches) start real subprocesses of their own.
+subprocess instead. ``HL_TEST_FRESH_LAUNCH=1`` runs every launch as a subprocess (to compare: the same layout
+trains bitwise the same losses, gradient norms and parameters either way). The tests of the command line itself
+(exit codes, error lines, signals, per-rank launches) start real subprocesses of their own. As with any
+``multiprocessing`` start method but fork, a script that calls ``run_cli`` needs the ``if __name__ ==
+"__main__":`` guard (``python -m pytest`` needs nothing).
 """
 
 from __future__ import annotations
