@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pytest
+
 _SUITE_TMP = Path(tempfile.mkdtemp(prefix="hl-suite-"))
 os.environ["TMPDIR"] = str(_SUITE_TMP)
 tempfile.tempdir = None  # recomputed from $TMPDIR on next use
@@ -56,8 +58,6 @@ INTEGRATION_TESTS = (  # node id prefixes, in modules that are mostly unit tests
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     for item in items:
         name = item.nodeid.split("/")[-1]
         if (
@@ -66,3 +66,21 @@ def pytest_collection_modifyitems(config, items):
             or name.startswith(INTEGRATION_TESTS)
         ):
             item.add_marker(pytest.mark.integration)
+
+
+@pytest.fixture(scope="session")
+def shared_launch(tmp_path_factory):
+    """``harness.launch(layout, workdir, *extra)`` run once per (layout, extra) in the whole session: the reference
+    runs that several modules compare against (the one-process reference.toml) train once, not once per module.
+    Its results are only read (RunResult is frozen; no test writes into a shared run's folder)."""
+    from harness import launch
+
+    runs: dict = {}
+
+    def get(layout: Path, *extra: str):
+        key = (str(layout), extra)
+        if key not in runs:
+            runs[key] = launch(layout, tmp_path_factory.mktemp(f"shared_{Path(layout).stem}"), *extra)
+        return runs[key]
+
+    return get

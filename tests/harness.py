@@ -1,4 +1,5 @@
-"""Run layouts as a user would (``hetero-launch`` subprocesses) and compare against a reference.
+"""Run layouts as a user would (``hetero-launch``, forked from a warm interpreter: tests/helpers_launch.py) and
+compare against a reference.
 
 Torch is imported only by the functions that read checkpoints, so the torch-free test files that use
 ``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/test_torch_free.py).
@@ -10,13 +11,12 @@ import inspect
 import json
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import attrs
 from click.testing import CliRunner
+from helpers_launch import run_cli
 
 from hetero_llm import layout
 from hetero_llm.checkpoint import folders as checkpoint
@@ -88,15 +88,15 @@ def sigint_as_in_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> RunResult:
-    """Run ``hetero-launch layout`` to completion; return its metrics and final parameters."""
+def launch(
+    layout: Path, workdir: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
+) -> RunResult:
+    """Run ``hetero-launch layout`` to completion; return its metrics and final parameters. ``env``: variables
+    set for this run only, over this process's environment (for launches run side by side in threads)."""
     from hetero_llm.checkpoint.shards import load_full_params
 
     metrics, ckpt = workdir / "metrics.jsonl", workdir / "ckpt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_llm.cli",
+    args = [
         str(layout),
         "--quiet",
         "--metrics-jsonl",
@@ -107,8 +107,9 @@ def launch(layout: Path, workdir: Path, *extra: str, timeout: float = 240) -> Ru
         f"cluster.port={free_port()}",
         *extra,
     ]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")} | (env or {})
+    proc = run_cli(args, env, timeout)  # python -m hetero_llm.cli ARGS, forked from a warm interpreter
+    cmd = proc.args
     assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
     assert_copies_agree(ckpt)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]

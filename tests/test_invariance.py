@@ -28,8 +28,8 @@ COMMON_TP23 = (
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return launch(REFERENCE, tmp_path_factory.mktemp("reference"))
+def reference(shared_launch):
+    return shared_launch(REFERENCE)  # one run for the modules that compare with it (conftest.py)
 
 
 @pytest.fixture(scope="module")
@@ -177,14 +177,14 @@ def test_at_least_three_examples_share_a_single_process_reference():
 
 
 @pytest.fixture(scope="module")
-def example_references(tmp_path_factory):
-    """One single-process run per reference layout, shared by the examples that match it."""
-    cache = {}
+def example_references(shared_launch):
+    """One single-process run per reference layout, shared by the examples that match it (and, at the layout's own
+    step count, with the other modules: reference.toml's run is ``reference`` above)."""
 
     def get(path: Path, steps: int):
-        if (path, steps) not in cache:
-            cache[(path, steps)] = launch(path, tmp_path_factory.mktemp(path.stem), "--set", f"train.steps={steps}")
-        return cache[(path, steps)]
+        if steps == layout_mod.load(path).train.steps:
+            return shared_launch(path)
+        return shared_launch(path, "--set", f"train.steps={steps}")
 
     return get
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -50,18 +51,6 @@ def _unbalanced(path: Path) -> Path:
 
 
 ONE_STEP = ("--set", "train.steps=1")
-
-
-def test_ranks_waiting_on_slow_peers_survive_and_train_the_one_process_model(tmp_path, monkeypatch):
-    """Ranks 0 and 2 take SLOW_S per forward: rank 1 waits that long in a gloo receive, rank 3 on a shared-memory
-    ring, rank 4 (and then 1 and 3) in the gradient all-reduce."""
-    ref = launch(LAYOUTS / "reference" / "reference.toml", tmp_path / "ref", *ONE_STEP)
-    (tmp_path / "run").mkdir()
-    monkeypatch.setenv("HETERO_EMULATE_ACTION_S", f"0:F={SLOW_S},2:F={SLOW_S}")
-    started = time.monotonic()
-    run = launch(_unbalanced(tmp_path / "run" / "unbalanced.toml"), tmp_path / "run", *ONE_STEP, timeout=150)
-    assert time.monotonic() - started > SLOW_S  # the waits were as long as meant
-    assert_same_model(run, ref)
 
 
 HOT_SWITCH = f"""
@@ -109,26 +98,65 @@ max_len = 32
 """
 
 
-def test_a_device_idle_for_a_whole_bucket_waits_it_out(tmp_path, monkeypatch):
-    """Rank 1 has no part in bucket 0: it waits for rank 0's gradients (the switch back home) while rank 0 runs
-    the bucket, SLOW_S and more."""
-    (tmp_path / "ref").mkdir()
-    (tmp_path / "run").mkdir()
-    one = tmp_path / "ref" / "one.toml"
+@pytest.fixture(scope="module")
+def slow_runs(tmp_path_factory):
+    """The two slow runs below and their references, started side by side: the slow runs spend SLOW_S and more
+    in emulated forwards (sleeps) and waits, not computing, so they overlap instead of taking that time twice.
+    Each test gets its own runs' results (or their errors) as futures; each slow run is timed on its own."""
+    d = tmp_path_factory.mktemp("slow")
+    for sub in ("unbalanced", "unbalanced_ref", "hot", "hot_ref"):
+        (d / sub).mkdir()
+    one = d / "hot_ref" / "one.toml"
     one.write_text(
         HOT_SWITCH.split("[cluster]")[0]
         + '[cluster]\n[[cluster.nodes]]\nname = "node0"\ndevices = ["cpu"]\n[[pipelines]]\nbatch = 4\n'
         + 'microbatches = 2\n[[pipelines.stages]]\nlayers = 2\ndevices = ["node0:0"]\n'
     )
-    ref = launch(one, tmp_path / "ref")
-    switching = tmp_path / "run" / "hot_switch.toml"
+    switching = d / "hot" / "hot_switch.toml"
     switching.write_text(HOT_SWITCH)
-    monkeypatch.setenv("HETERO_EMULATE_ACTION_S", f"0:F={SLOW_S}")
-    started = time.monotonic()
-    run = launch(switching, tmp_path / "run", "--trace", str(tmp_path / "trace"), timeout=150)
-    assert time.monotonic() - started > SLOW_S
-    assert_same_model(run, ref)
-    events = [e["action"] for e in tracing.read_rank_traces(tmp_path / "trace")[1]["events"]]
+
+    def timed(*args, **kwargs):
+        started = time.monotonic()
+        return launch(*args, **kwargs), time.monotonic() - started
+
+    jobs = {
+        "unbalanced": lambda: timed(
+            _unbalanced(d / "unbalanced" / "unbalanced.toml"),
+            d / "unbalanced",
+            *ONE_STEP,
+            timeout=150,
+            env={"HETERO_EMULATE_ACTION_S": f"0:F={SLOW_S},2:F={SLOW_S}"},
+        ),
+        "unbalanced_ref": lambda: launch(LAYOUTS / "reference" / "reference.toml", d / "unbalanced_ref", *ONE_STEP),
+        "hot": lambda: timed(
+            switching,
+            d / "hot",
+            "--trace",
+            str(d / "hot" / "trace"),
+            timeout=150,
+            env={"HETERO_EMULATE_ACTION_S": f"0:F={SLOW_S}"},
+        ),
+        "hot_ref": lambda: launch(one, d / "hot_ref"),
+    }
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
+
+
+def test_ranks_waiting_on_slow_peers_survive_and_train_the_one_process_model(slow_runs):
+    """Ranks 0 and 2 take SLOW_S per forward: rank 1 waits that long in a gloo receive, rank 3 on a shared-memory
+    ring, rank 4 (and then 1 and 3) in the gradient all-reduce."""
+    run, took = slow_runs["unbalanced"].result()
+    assert took > SLOW_S  # the waits were as long as meant
+    assert_same_model(run, slow_runs["unbalanced_ref"].result())
+
+
+def test_a_device_idle_for_a_whole_bucket_waits_it_out(slow_runs):
+    """Rank 1 has no part in bucket 0: it waits for rank 0's gradients (the switch back home) while rank 0 runs
+    the bucket, SLOW_S and more."""
+    run, took = slow_runs["hot"].result()
+    assert took > SLOW_S
+    assert_same_model(run, slow_runs["hot_ref"].result())
+    events = [e["action"] for e in tracing.read_rank_traces(run.workdir / "trace")[1]["events"]]
     idle = events[events.index("SWITCH>b0") + 1 : events.index("SWITCH>home")]
     assert not [a for a in idle if a[:1] in "FB"], idle  # rank 1 computed nothing in bucket 0: it waited
 

@@ -233,7 +233,7 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
+def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path, shared_launch):
     """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
     model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"))
     cluster = ClusterSpec(
@@ -252,7 +252,7 @@ def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path):
     lay = layout.load(tmp_path / "placed.toml")
     assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]
     check_rules(lay)
-    ref = launch(LAYOUTS / "reference" / "reference.toml", tmp_path / "ref")
+    ref = shared_launch(LAYOUTS / "reference" / "reference.toml")  # the run other modules compare with too
     run = launch(tmp_path / "placed.toml", tmp_path / "run")
     assert_same_model(run, ref)
     # no dom0/xdom on this host: each node says once that its groups use the default interface

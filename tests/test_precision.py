@@ -207,8 +207,8 @@ def test_stage_compute_reads_the_layout():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return launch(REFERENCE, tmp_path_factory.mktemp("reference"))
+def reference(shared_launch):
+    return shared_launch(REFERENCE)  # one run for the modules that compare with it (conftest.py)
 
 
 BF16_CASES = [

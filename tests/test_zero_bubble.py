@@ -143,8 +143,8 @@ def test_runtime_defers_weight_gradients_from_i_to_w():
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return launch(REFERENCE, tmp_path_factory.mktemp("reference"))
+def reference(shared_launch):
+    return shared_launch(REFERENCE)  # one run for the modules that compare with it (conftest.py)
 
 
 ZB_CASES = [
