@@ -193,10 +193,13 @@ def train(
                 folder = saver.save(state, optimizer, done)
                 reporter.say(f"saved {folder} (step {done} of {tr.steps})")  # complete (meta.json) once returned
             elif saver.snapshot_due(done):
-                saver.snapshot(state, optimizer, done)
+                saver.snapshot(state, optimizer, done)  # a CPU copy now, written while the next steps compute
+            saver.check_snapshot()  # a failed background write fails the run, naming the rank
+        saver.finish_snapshots()  # the last snapshot whole before training returns
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:
+        saver.finish_snapshots(raise_failure=False)  # no write left running behind a failure (raised: the first)
         reporter.close()
     return history
 
