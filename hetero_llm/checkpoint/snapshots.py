@@ -175,7 +175,9 @@ def seal_newest(base: Path, lay: Layout, newer_than: int) -> str | None:
         for new_rank, (pt, record) in enumerate(best.files):
             _link(pt, folders.rank_file(folder, new_rank))
             coords = {name: (c[0], c[1], c[2], tuple(c[3])) for name, c in record["shards"].items()}
-            files[folders.rank_file(Path(), new_rank).name] = folders.RankFile(record["bytes"], record["sha256"], coords)
+            files[folders.rank_file(Path(), new_rank).name] = folders.RankFile(
+                record["bytes"], record["sha256"], coords
+            )
         folders.finish_save(folder, best.step, len(best.files), lay, files)
         chosen = str(folder)
     elif previous is not None and previous > newer_than:
