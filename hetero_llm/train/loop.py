@@ -92,7 +92,7 @@ def train(
     """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
     (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
     ``snapshot``: (folder, every) also saves every ``every`` steps into that folder (an elastic run's snapshots in
-    node memory), keeping the newest only. ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    node memory), written in the background (checkpoint/snapshots.py). ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
     the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
