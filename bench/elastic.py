@@ -187,8 +187,9 @@ def plot(rows: list[dict], ref: list[float], recoveries: list[dict], path: Path)
 
 def save_cost(tmp: Path, steps: int, reps: int) -> list[dict]:
     """Wall seconds per step that a save every step adds to the one-process run of the reference model, into a
-    folder on disk (``--checkpoint-every 1``, what a round resumes from otherwise) and into /dev/shm (what a snapshot
-    writes: the same code), against no save; the three runs interleaved ``reps`` times, medians."""
+    folder on disk (``--checkpoint-every 1``, what a round resumes from otherwise) and into /dev/shm (a synchronous
+    save, what a snapshot was before it was overlapped: bench/snapshot_cost.py measures the overlapped one), against
+    no save; the three runs interleaved ``reps`` times, medians."""
     layout = tmp / "cost.toml"
     layout.write_text(REFERENCE.read_text().replace("steps = 3", f"steps = {steps}"))
     shm = Path("/dev/shm") / f"bench_elastic_{os.getpid()}"

@@ -37,11 +37,20 @@ def cluster_text(common: str, nodes: dict[str, int], steps: int, port: int, max_
 
 
 def start_agent(
-    cluster: Path, node: str, devices: int, rdzv: int, workdir: Path, slowdown: float = 8.0, saves: tuple = (1, 0)
+    cluster: Path,
+    node: str,
+    devices: int,
+    rdzv: int,
+    workdir: Path,
+    slowdown: float = 8.0,
+    saves: tuple = (1, 0),
+    max_restarts: int = 6,
+    shm: Path | None = None,
 ) -> subprocess.Popen:
     """One node's torchrun agent, its output in ``workdir/NODE.NANOS.log``; ``slowdown``: its devices' emulated
     speed (HETERO_EMULATE_SLOWDOWN for every rank its workers run: sleeps only, the numbers do not change);
-    ``saves``: (--checkpoint-every, --snapshot-every)."""
+    ``saves``: (--checkpoint-every, --snapshot-every); ``max_restarts``: torchrun's ``--max-restarts``; ``shm``: the
+    snapshots' HETERO_SHM_DIR (None: /dev/shm)."""
     env = {k: v for k, v in os.environ.items() if k not in DROP and not k.startswith("TORCHELASTIC_")}
     tmp = workdir / "tmp"  # torchrun's log folders (a killed agent cannot remove its own): removed with workdir
     tmp.mkdir(exist_ok=True)
@@ -52,6 +61,8 @@ def start_agent(
         TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
         HETERO_EMULATE_SLOWDOWN=f"*:{slowdown}",
     )
+    if shm is not None:
+        env["HETERO_SHM_DIR"] = str(shm)
     cmd = [
         sys.executable,
         "-m",
@@ -61,7 +72,7 @@ def start_agent(
         "--nproc-per-node",
         str(devices),
         "--max-restarts",
-        "6",
+        str(max_restarts),
         "--monitor-interval",
         "0.2",
         "--rdzv-backend",

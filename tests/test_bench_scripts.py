@@ -232,6 +232,18 @@ def test_launch_time_quick(tmp_path):
     assert "load average" in md and "torch" in md
 
 
+def test_snapshot_cost_quick(tmp_path):
+    _run("snapshot_cost", tmp_path)
+    md = (tmp_path / "snapshot_cost.md").read_text()
+    assert ["mode", "wall s", "cost ms/step (wall)", "training thread held ms/save", "of which waiting ms"] in _headers(
+        md
+    )
+    rows = json.loads((tmp_path / "snapshot_cost.json").read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["none", "disk, synchronous", "/dev/shm, synchronous", "/dev/shm, overlapped"]
+    assert all(r["wall_s"] > 0 for r in rows) and rows[0]["ms_per_step"] == rows[0]["held_ms"] == 0
+    assert all(r["held_ms"] > 0 for r in rows[1:])  # every save or snapshot was timed
+
+
 # ------------------------------------------------------------------------------------------ helpers
 
 

@@ -288,3 +288,35 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
+    """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n1 is
+    killed after step 3, n0's workers fail, the job ends; they removed the snapshot folder on the way out."""
+    work, shm = tmp_path / "run", tmp_path / "shm"
+    work.mkdir()
+    shm.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
+    metrics = work / "m.jsonl"
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm)
+
+    agents = [agent("n0")]
+    try:
+        time.sleep(1.0)
+        agents.append(agent("n1"))
+        _wait(
+            "3 steps and a snapshot",
+            lambda: len(_steps(metrics)) >= 3 and any(shm.glob("*/*/step-*/rank*.json")),
+            agents,
+            work,
+        )
+        _kill_node(agents[1])
+        assert agents[0].wait(120) != 0  # out of restarts: the job failed for good
+    finally:
+        for a in agents:
+            _kill_node(a)
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    assert list(shm.iterdir()) == [], logs[-3000:]

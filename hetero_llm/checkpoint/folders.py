@@ -337,7 +337,7 @@ def verify(ckpt: Checkpoint, progress: bool = True) -> str | None:
     finally:
         bar.close()  # before any error line
     for param, full in ckpt.shapes.items():
-        gap = _uncovered(param, full, [f.shards[param] for f in ckpt.files.values() if param in f.shards])
+        gap = uncovered(param, full, [f.shards[param] for f in ckpt.files.values() if param in f.shards])
         if gap:
             raise CheckpointError(
                 str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {DAMAGED}"
@@ -360,7 +360,7 @@ def shard_problem(name: str, coords: Coords, shapes: dict[str, tuple[int, ...]])
     return None
 
 
-def _uncovered(name: str, full: tuple[int, ...], shards: list[Coords]) -> str | None:
+def uncovered(name: str, full: tuple[int, ...], shards: list[Coords]) -> str | None:
     """The first part of tensor ``name`` that no shard holds, in words (None: every element is held)."""
     if any(dim is None for dim, *_rest in shards):
         return None

@@ -89,8 +89,9 @@ from hetero_llm.launch import preflight
     type=click.IntRange(min=0),
     default=0,
     metavar="K",
-    help="With --elastic: also save every K steps into node memory ($HETERO_SHM_DIR or /dev/shm), the newest "
-    "only; a restart resumes from it when it is newer than --checkpoint DIR's newest save (docs/elastic.md).",
+    help="With --elastic: also snapshot every K steps into node memory ($HETERO_SHM_DIR or /dev/shm), written "
+    "while the next steps compute; a restart resumes from the newest step whose every block has a holder when "
+    "it is newer than --checkpoint DIR's newest save (docs/elastic.md).",
 )
 def main(**args):
     """Train the model a LAYOUT.toml describes, on the ranks of this host."""

@@ -27,6 +27,7 @@ from hetero_llm.plan.rank import RankPlan
 
 INTERVAL_S = 1.0
 _OP_TIMEOUT_S = 2.0  # one store operation; a stopped server makes every operation wait this long
+BEFORE_EXIT: list[Callable[[], None]] = []  # run by exit_now before it ends the process (an elastic run's clean-up)
 _DONE = 1 << 40  # added to a rank's counter when it finishes: never blamed after that
 _LINGER_S = 3.0  # how long the rank serving the store waits for the others to stop using it
 
@@ -131,6 +132,11 @@ class Heartbeat:
 def exit_now(cause: str, linger_s: float, report: Callable[[str], None]) -> None:
     """Report ``cause`` and end this process (from the heartbeat thread), ``linger_s`` later."""
     report(cause)
+    for hook in BEFORE_EXIT:  # os._exit skips atexit and finally blocks: what must not be left behind goes now
+        try:
+            hook()
+        except Exception:
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     time.sleep(linger_s)

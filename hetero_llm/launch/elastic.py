@@ -232,29 +232,63 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
     snapshots = snapshot_folder(options.checkpoint) if options.snapshot[1] else None
-    resume, source = newest_save(lay, options.checkpoint, snapshots)
+    if worker.rank == 0:  # one worker picks the save (and seals a snapshot); the others read its choice
+        resume, source = newest_save(lay, options.checkpoint, snapshots)
+        store.set("resume", json.dumps([resume, source]))
+    else:
+        resume, source = json.loads(store.get("resume"))
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
     mine = layout_rank(plan, me, worker.local_rank)
-    if worker.rank == 0 and not options.quiet:
-        from hetero_llm.checkpoint import folders
+    from hetero_llm.checkpoint import folders
 
-        start = folders.find(resume).step if resume else 0
+    start = folders.find(resume).step if resume else 0
+    if worker.rank == 0 and not options.quiet:
         print(f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s)", flush=True)
     idle = worker.world_size - plan.world_size
-    if mine is None:
-        _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
-        store.add("idle-done", 1)
-    else:
-        for var in _TORCHRUN_VARS:  # from here on the rank runs as `hetero-launch LAYOUT --rank R` does
-            os.environ.pop(var, None)
-        keep = (str(snapshots), options.snapshot[1]) if snapshots else (None, 0)
-        run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
-        store.add("finished", 1)
+    if snapshots is not None and last_round(os.environ, worker):
+        _clean_up_on_exit(snapshots)
+    try:
+        if mine is None:
+            _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
+            store.add("idle-done", 1)
+        else:
+            for var in _TORCHRUN_VARS:  # from here on the rank runs as `hetero-launch LAYOUT --rank R` does
+                os.environ.pop(var, None)
+            round_folder = snapshots / f"{plan.fingerprint()[:12]}-{start:06d}" if snapshots else None
+            keep = (str(round_folder), options.snapshot[1]) if round_folder else (None, 0)
+            run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
+            store.add("finished", 1)
+    except BaseException:
+        if snapshots is not None and last_round(os.environ, worker):
+            shutil.rmtree(snapshots, ignore_errors=True)  # no round comes after this one: its snapshots go now
+        raise
     if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle)
         if snapshots is not None:  # the run is over: its snapshots go (a failed round keeps them for the next)
             shutil.rmtree(snapshots, ignore_errors=True)
+
+
+def last_round(environ: Mapping[str, str], worker: Worker) -> bool:
+    """Whether this worker's agent has no restart left (torchrun sets ``TORCHELASTIC_MAX_RESTARTS``): a failure of
+    this round ends the job on this node."""
+    text = environ.get("TORCHELASTIC_MAX_RESTARTS", "")
+    return text.isdigit() and worker.restart >= int(text)
+
+
+def _clean_up_on_exit(snapshots: Path) -> None:
+    """In a last round, the ways a worker ends besides an exception also remove the snapshots: its agent stopping
+    it (SIGTERM: torchrun stops a failed round's other workers so) becomes SystemExit, which the round's clean-up
+    sees; its heartbeat giving up on a silent peer (which ends the process at once) removes them first."""
+    import signal
+
+    from hetero_llm.comm import heartbeat
+
+    def stopped(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stopped)
+    heartbeat.BEFORE_EXIT.append(lambda: shutil.rmtree(snapshots, ignore_errors=True))
 
 
 def snapshot_folder(checkpoint: str | None) -> Path:
@@ -265,15 +299,17 @@ def snapshot_folder(checkpoint: str | None) -> Path:
 
 
 def newest_save(lay: Layout, checkpoint: str | None, snapshots: Path | None) -> tuple[str | None, str]:
-    """The newest complete save of ``--checkpoint DIR`` and of the snapshot folder (the snapshot when newer), and
-    the words the round line adds for a snapshot."""
+    """The newest complete save of ``--checkpoint DIR``, or the newest snapshot step when newer whose parameter
+    blocks and optimizer slices all have a holder in the snapshot folder (sealed into a complete save:
+    ``checkpoint.snapshots``), and the words the round line adds for a snapshot. One worker calls it."""
     from hetero_llm.checkpoint import folders
+    from hetero_llm.checkpoint import snapshots as snaps
 
     disk = external.resume_auto(checkpoint, lay)
-    memory = external.resume_auto(str(snapshots), lay) if snapshots is not None and snapshots.is_dir() else None
-    if memory and (not disk or folders.find(memory).step > folders.find(disk).step):
-        return memory, " from a snapshot in memory"
-    return disk, ""
+    if snapshots is None:
+        return disk, ""
+    memory = snaps.seal_newest(snapshots, lay, folders.find(disk).step if disk else -1)
+    return (memory, " from a snapshot in memory") if memory else (disk, "")
 
 
 def _round_store(worker: Worker, timeout_s: float):

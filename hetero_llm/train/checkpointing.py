@@ -3,7 +3,6 @@ or the seed) and when it saves (checkpoint/ does the writing and reading)."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import attrs
@@ -11,6 +10,8 @@ import torch
 
 from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.shards import Restored, restore, restore_optimizer, save_checkpoint
+from hetero_llm.checkpoint.snapshots import SnapshotWriter
+from hetero_llm.errors import RankFailure
 from hetero_llm.interop import hf
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime.state import RankState, init_state
@@ -47,6 +48,7 @@ class Saver:
     last: object = None  # the newest complete save (a step folder), for the divergence message
     snapshot_root: str | None = None  # also save here every snapshot_every steps (elastic runs: node memory)
     snapshot_every: int = 0
+    snapshots: SnapshotWriter | None = None  # the background writer, once a snapshot was taken
 
     def due(self, done: int) -> bool:
         return bool(self.root) and (done == self.rp.train.steps or bool(self.every) and done % self.every == 0)
@@ -60,10 +62,23 @@ class Saver:
         return bool(self.snapshot_root) and bool(self.snapshot_every) and done % self.snapshot_every == 0
 
     def snapshot(self, state: RankState, optimizer, done: int) -> None:
-        """A save into the snapshot folder (the same format); once it is complete, rank 0 removes the older ones."""
+        """Copy the rank's state now and write it into the snapshot folder in the background
+        (``checkpoint.snapshots``); the previous snapshot's write is waited for first."""
         assert self.snapshot_root is not None
-        save_checkpoint(self.rp, state, optimizer, self.snapshot_root, done)
-        if self.rp.rank == 0:
-            for folder in Path(self.snapshot_root).glob(f"{folders.STEP_PREFIX}*"):
-                if folder.name < folders.step_folder(self.snapshot_root, done).name:
-                    shutil.rmtree(folder, ignore_errors=True)
+        if self.snapshots is None:
+            self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root))
+        self.snapshots.take(state, optimizer, done)
+
+    def check_snapshot(self) -> None:
+        """Raise, naming the rank, if a background snapshot write failed."""
+        if self.snapshots is not None:
+            self.snapshots.check()
+
+    def finish_snapshots(self, raise_failure: bool = True) -> None:
+        """Wait for the snapshot write in flight (at the end of training, or on the way out of a failure)."""
+        if self.snapshots is not None:
+            try:
+                self.snapshots.wait()
+            except RankFailure:
+                if raise_failure:
+                    raise

@@ -92,7 +92,7 @@ def train(
     """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
     (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
     ``snapshot``: (folder, every) also saves every ``every`` steps into that folder (an elastic run's snapshots in
-    node memory), keeping the newest only. ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    node memory), written in the background (checkpoint/snapshots.py). ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
     the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
@@ -193,10 +193,13 @@ def train(
                 folder = saver.save(state, optimizer, done)
                 reporter.say(f"saved {folder} (step {done} of {tr.steps})")  # complete (meta.json) once returned
             elif saver.snapshot_due(done):
-                saver.snapshot(state, optimizer, done)
+                saver.snapshot(state, optimizer, done)  # a CPU copy now, written while the next steps compute
+            saver.check_snapshot()  # a failed background write fails the run, naming the rank
+        saver.finish_snapshots()  # the last snapshot whole before training returns
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
     finally:
+        saver.finish_snapshots(raise_failure=False)  # no write left running behind a failure (raised: the first)
         reporter.close()
     return history
 
