@@ -86,6 +86,25 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
     assert pipesim.peak_in_flight(acts) == want.peak_in_flight
 
 
+def test_fast_actions_equal_the_schedule_generators():
+    """pipesim.actions builds the tuples without schedule.Action: exactly the generators' schedules, for every
+    kind over a grid (and the generators' own errors for what they refuse)."""
+    for kind in ("gpipe", "1f1b", "zbh1", "interleaved"):
+        for stages, microbatches in itertools.product(range(1, 9), range(1, 20)):
+            for chunks in (1, 2, 3, 4) if kind == "interleaved" else (1,):
+                if kind == "interleaved" and microbatches % stages:
+                    continue
+                fast = pipesim.actions.__wrapped__(kind, stages, microbatches, chunks)
+                assert fast == pipesim.reference_actions(kind, stages, microbatches, chunks), (
+                    kind,
+                    stages,
+                    microbatches,
+                )
+    for bad in (("interleaved", 3, 4, 2), ("1f1b", 2, 4, 2), ("1f1b", 0, 4, 1), ("zb", 2, 2, 1)):
+        with pytest.raises(ValueError):
+            pipesim.actions.__wrapped__(*bad)
+
+
 # ------------------------------------------------------------------------------------ cost arithmetic
 
 
