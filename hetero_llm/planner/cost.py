@@ -79,6 +79,7 @@ class PlannerCostModel(MemoryModel):
         self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
+        self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     # ---------------------------------------------------------------- per layer arithmetic
     def layer_matmul_flops(self) -> float:
@@ -103,7 +104,17 @@ class PlannerCostModel(MemoryModel):
     def stage_times(
         self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
     ) -> tuple[float, float, float, float]:
-        """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
+        """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences;
+        memoised: they depend on the group's kind (named uniquely inside a cluster) and TP size only."""
+        key = (group.kind.name, len(group.devices), layers, last, rows, recompute)
+        t = self._stage_times.get(key)
+        if t is None:
+            t = self._stage_times[key] = self._stage_times_raw(group, layers, last, rows, recompute)
+        return t
+
+    def _stage_times_raw(
+        self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
+    ) -> tuple[float, float, float, float]:
         measured = self.profile.get(group.kind.name) if self.profile else None
         if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
             scale = rows / group.tp
