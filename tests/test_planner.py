@@ -19,7 +19,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm import schedule as sched
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.model.params import layer_params, stage_params
-from hetero_llm.planner import pipesim, plan_cluster
+from hetero_llm.planner import pipesim, plan_cluster, search
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -84,6 +84,50 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
     assert step == pytest.approx(want.step_time, rel=1e-12)
     assert busy == pytest.approx(want.busy, rel=1e-12)
     assert pipesim.peak_in_flight(acts) == want.peak_in_flight
+
+
+def test_fast_actions_equal_the_schedule_generators():
+    """pipesim.actions builds the tuples without schedule.Action: exactly the generators' schedules, for every
+    kind over a grid (and the generators' own errors for what they refuse)."""
+    for kind in ("gpipe", "1f1b", "zbh1", "interleaved"):
+        for stages, microbatches in itertools.product(range(1, 9), range(1, 20)):
+            for chunks in (1, 2, 3, 4) if kind == "interleaved" else (1,):
+                if kind == "interleaved" and microbatches % stages:
+                    continue
+                fast = pipesim.actions.__wrapped__(kind, stages, microbatches, chunks)
+                assert fast == pipesim.reference_actions(kind, stages, microbatches, chunks), (
+                    kind,
+                    stages,
+                    microbatches,
+                )
+    for bad in (("interleaved", 3, 4, 2), ("1f1b", 2, 4, 2), ("1f1b", 0, 4, 1), ("zb", 2, 2, 1)):
+        with pytest.raises(ValueError):
+            pipesim.actions.__wrapped__(*bad)
+
+
+def test_batch_shares_equal_the_plain_greedy_loop():
+    """search.batch_shares (a heap, unrolled for unit 1) gives the counts of the plain loop: each unit of
+    microbatches to the pipeline whose time grows least, the lower index on a tie, on random inputs with ties."""
+
+    def plain(fill, slow, unit, total):
+        counts, left, alive = [0] * len(fill), total, set(range(len(fill)))
+        while left > 0 and alive:
+            i = min(alive, key=lambda i: (fill[i] + (counts[i] + unit[i] - 1) * slow[i], i))
+            if unit[i] > left:
+                alive.discard(i)
+                continue
+            counts[i] += unit[i]
+            left -= unit[i]
+        return None if left else counts
+
+    rng = random.Random(5)
+    for _ in range(400):
+        p = rng.randint(1, 7)
+        fill = [float(rng.randint(1, 6)) if rng.random() < 0.5 else rng.uniform(1, 6) for _ in range(p)]
+        slow = [float(rng.randint(0, 3)) if rng.random() < 0.5 else rng.uniform(0, 3) for _ in range(p)]
+        unit = [1] * p if rng.random() < 0.5 else [rng.randint(1, 4) for _ in range(p)]
+        total = rng.randint(0, 60)
+        assert search.batch_shares(fill, slow, unit, total) == plain(fill, slow, unit, total)
 
 
 # ------------------------------------------------------------------------------------ cost arithmetic

@@ -78,6 +78,8 @@ class PlannerCostModel(MemoryModel):
         profile = cluster.profile
         self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
+        self._sync_opt: dict[tuple, tuple[float, float]] = {}
+        self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     # ---------------------------------------------------------------- per layer arithmetic
     def layer_matmul_flops(self) -> float:
@@ -102,7 +104,17 @@ class PlannerCostModel(MemoryModel):
     def stage_times(
         self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
     ) -> tuple[float, float, float, float]:
-        """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences."""
+        """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences;
+        memoised: they depend on the group's kind (named uniquely inside a cluster) and TP size only."""
+        key = (group.kind.name, len(group.devices), layers, last, rows, recompute)
+        t = self._stage_times.get(key)
+        if t is None:
+            t = self._stage_times[key] = self._stage_times_raw(group, layers, last, rows, recompute)
+        return t
+
+    def _stage_times_raw(
+        self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
+    ) -> tuple[float, float, float, float]:
         measured = self.profile.get(group.kind.name) if self.profile else None
         if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
             scale = rows / group.tp
@@ -268,6 +280,22 @@ class PlannerCostModel(MemoryModel):
         tail = sync * min(1.0, DDP_BUCKET_BYTES / max(held.values()))
         return max(sync - window, tail)
 
+    def sync_and_optimizer(self, cand: Candidate) -> tuple[float, float]:
+        """(``grad_sync_time``, ``optimizer_time``), memoised: both depend on the stages' groups (named by their
+        devices inside one cluster) and layers only, and with ``plan.grad_overlap`` on the first stages' rows
+        and recompute too."""
+        if self.grad_overlap:
+            key: tuple = tuple(
+                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                for p in cand.pipelines
+            )
+        else:
+            key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
+        t = self._sync_opt.get(key)
+        if t is None:
+            t = self._sync_opt[key] = (self.grad_sync_time(cand), self.optimizer_time(cand))
+        return t
+
     def optimizer_time(self, cand: Candidate) -> float:
         """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""
         worst = 0.0
@@ -288,7 +316,7 @@ class PlannerCostModel(MemoryModel):
         chunks = cand.chunks
         results = [self.pipeline_time(p, cand.schedule, chunks) for p in cand.pipelines]
         slowest = max(range(len(results)), key=lambda i: results[i][0])
-        sync, opt = self.grad_sync_time(cand), self.optimizer_time(cand)
+        sync, opt = self.sync_and_optimizer(cand)
         step = results[slowest][0] + sync + opt
         total_peak = sum(n.devices * n.kind.tflops * 1e12 for n in self.cluster.nodes)
         tokens = self.cluster.train.global_batch * self.S

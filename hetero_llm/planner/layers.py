@@ -29,6 +29,7 @@ class LayerSplitter:
         self.cost = cost
         self.L = layers
         self._splits: dict[tuple, tuple | None] = {}
+        self._fills: dict[tuple, float] = {}
         self._rows: dict[tuple, list[float]] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], TPGroup] = {}
@@ -66,9 +67,13 @@ class LayerSplitter:
         others: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[tuple[int, ...], tuple[bool, ...], float] | None:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
+        return self._split_memo(groups, rows, schedule, chunks, microbatches, others)[1]
+
+    def _split_memo(self, groups, rows, schedule, chunks, microbatches, others) -> tuple[tuple, tuple | None]:
+        """(memo key, ``split_layers``)."""
         k = len(groups)
         if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
-            return None
+            return (), None
         # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
         if schedule == "gpipe":  # every microbatch's activations are in flight at once: no cap
             m = microbatches
@@ -78,7 +83,30 @@ class LayerSplitter:
         key = (self._stage_key(groups), rows, schedule, chunks, m, others)
         if key not in self._splits:
             self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m, others)
-        return self._splits[key]
+        return key, self._splits[key]
+
+    def split_and_fill(
+        self,
+        groups: tuple[TPGroup, ...],
+        rows: int,
+        schedule: str,
+        chunks: int,
+        microbatches: int,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[tuple[tuple[int, ...], tuple[bool, ...], float] | None, float]:
+        """``split_layers``, and the sum of its stages' times for one microbatch in flight (the pipeline's fill,
+        what the batch split needs), memoised alike: both are functions of the split's memo key."""
+        key, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
+        if split is None:
+            return None, 0.0
+        fill = self._fills.get(key)
+        if fill is None:
+            rep, rep_key, n = self._rep, self._rep_key, len(groups)
+            fill = self._fills[key] = sum(
+                self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
+                for i, (g, l) in enumerate(zip(groups, split[0]))
+            )
+        return split, fill
 
     def _stage_key(self, groups) -> tuple:
         """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""

@@ -20,11 +20,74 @@ F, B, I, W = 0, 1, 2, 3
 _CODE = {sched.Kind.F: F, sched.Kind.B: B, sched.Kind.I: I, sched.Kind.W: W}
 
 
+Acts = tuple[tuple[tuple[int, int, int], ...], ...]
+
+
 @functools.lru_cache(maxsize=4096)
-def actions(kind: str, stages: int, microbatches: int, chunks: int = 1) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """The generator's compute-only schedule as (kind code, microbatch, chunk) tuples per stage."""
+def actions(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Acts:
+    """The generator's compute-only schedule as (kind code, microbatch, chunk) tuples per stage: the same
+    tuples as ``reference_actions`` (tests/test_planner.py checks it over a grid), built without the
+    validated ``schedule.Action`` objects (the planner asks for thousands of schedules of up to thousands of
+    actions each). Arguments the generators refuse go to them, so the error is theirs."""
+    ok = stages >= 1 and microbatches >= 1 and (chunks == 1 or kind == "interleaved")
+    if not ok or kind not in ("gpipe", "1f1b", "zbh1", "interleaved"):
+        return reference_actions(kind, stages, microbatches, chunks)
+    if kind == "gpipe":
+        one = tuple((F, mb, 0) for mb in range(microbatches)) + tuple((B, mb, 0) for mb in range(microbatches))
+        return (one,) * stages
+    if kind == "1f1b":
+        return tuple(_one_f_one_b(min(stages - s - 1, microbatches), microbatches) for s in range(stages))
+    if kind == "zbh1":
+        return tuple(_zero_bubble_h1(s, stages, microbatches) for s in range(stages))
+    if chunks < 1 or microbatches % stages:
+        return reference_actions(kind, stages, microbatches, chunks)
+    return tuple(_interleaved(s, stages, microbatches, chunks) for s in range(stages))
+
+
+def reference_actions(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Acts:
+    """``actions`` from the schedule generators themselves (``schedule.compute_schedule``)."""
     lists = sched.compute_schedule(kind, stages, microbatches, chunks=chunks)
     return tuple(tuple((_CODE[a.kind], a.mb, a.chunk) for a in acts) for acts in lists)
+
+
+def _one_f_one_b(warmup: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    out = [(F, mb, 0) for mb in range(warmup)]
+    for step in range(m - warmup):
+        out += [(F, warmup + step, 0), (B, step, 0)]
+    out += [(B, mb, 0) for mb in range(m - warmup, m)]
+    return tuple(out)
+
+
+def _zero_bubble_h1(stage: int, stages: int, m: int) -> tuple[tuple[int, int, int], ...]:
+    out: list[tuple[int, int, int]] = []
+    weights = 0
+    for code, mb, _ in _one_f_one_b(min(stages - stage - 1, m), m):
+        if code == F:
+            out.append((F, mb, 0))
+            continue
+        out.append((I, mb, 0))
+        if mb >= stage:
+            out.append((W, weights, 0))
+            weights += 1
+    out += [(W, mb, 0) for mb in range(weights, m)]
+    return tuple(out)
+
+
+def _interleaved(stage: int, stages: int, m: int, chunks: int) -> tuple[tuple[int, int, int], ...]:
+    total, group = chunks * m, stages * chunks
+
+    def forward(k: int) -> tuple[int, int, int]:
+        return (F, (k // group) * stages + k % stages, (k % group) // stages)
+
+    def backward(k: int) -> tuple[int, int, int]:
+        return (B, (k // group) * stages + k % stages, chunks - 1 - (k % group) // stages)
+
+    warmup = min(2 * (stages - stage - 1) + (chunks - 1) * stages, total)
+    out = [forward(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        out += [forward(warmup + k), backward(k)]
+    out += [backward(k) for k in range(total - warmup, total)]
+    return tuple(out)
 
 
 def peak_in_flight(acts: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[int, ...]:

@@ -100,42 +100,18 @@ class Planner(LayerSplitter):
         chunks = st.n_chunks
         total = self.G // st.rows
         splits = []
+        fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
         others = self.zero1_others(st)
         for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
-            s = self.split_layers(groups, st.rows, st.schedule, chunks, total, other)
+            s, f = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
             if s is None:
                 return None
             splits.append(s)
-        # per microbatch: sum of stage times (fill) and the slowest stage (steady state)
-        fill = []
-        rep, rep_key, stage_cost = self._rep, self._rep_key, self._stage_cost  # stage_cost, unrolled
-        for groups, (layers, _flags, _slow), other in zip(st.pipelines, splits, others):
-            n = len(groups)
-            fill.append(
-                sum(
-                    stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, st.rows, 1, other)[0]
-                    for i, (g, l) in enumerate(zip(groups, layers))
-                )
-            )
+            fill.append(f)
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
-        counts = [0] * len(st.pipelines)
-
-        def t(i: int, m: int) -> float:
-            return fill[i] + (m - 1) * splits[i][2] if m else 0.0
-
-        # microbatches one at a time to the pipeline whose time grows least (a heap keeps it O(M log P))
-        heap = [(t(i, unit[i]), i) for i in range(len(counts))]
-        heapq.heapify(heap)
-        left = total
-        while left > 0 and heap:
-            _, i = heapq.heappop(heap)
-            if unit[i] > left:
-                continue
-            counts[i] += unit[i]
-            left -= unit[i]
-            heapq.heappush(heap, (t(i, counts[i] + unit[i]), i))
-        if left:
+        counts = batch_shares(fill, [s[2] for s in splits], unit, total)
+        if counts is None:
             return None
         if self.cost.zero1 and not all(counts):  # fewer holders: each keeps more ZeRO-1 state
             return self._realize(attrs.evolve(st, pipelines=tuple(p for p, m in zip(st.pipelines, counts) if m)))
@@ -192,7 +168,8 @@ class Planner(LayerSplitter):
         key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:
-            t = self._sync_opt[key] = self.cost.grad_sync_time(cand) + self.cost.optimizer_time(cand)
+            sync, opt = self.cost.sync_and_optimizer(cand)
+            t = self._sync_opt[key] = sync + opt
         return t
 
     # ---------------------------------------------------------------- scoring
@@ -365,3 +342,29 @@ class Planner(LayerSplitter):
             return max(m / c for ms, cs in zip(mems, caps) for m, c in zip(ms, cs))
 
         return min(pool, key=over)
+
+
+def batch_shares(fill: list[float], slow: list[float], unit: list[int], total: int) -> list[int] | None:
+    """Microbatches per pipeline: ``total`` microbatches, ``unit[i]`` at a time, each to the pipeline whose time
+    ``fill + (m - 1) x slow`` (m: its microbatches) grows least, the lower index on a tie; None when they do not
+    come out even. A heap keeps it O(M log P): its keys (time, index) are distinct, so the order of pops is a
+    function of its contents (tests/test_planner.py checks it against the plain loop)."""
+    counts = [0] * len(fill)
+    heap = [(fill[i] + (unit[i] - 1) * slow[i], i) for i in range(len(counts))]
+    heapq.heapify(heap)
+    left = total
+    if heap and all(u == 1 for u in unit):  # the loop below with unit 1 (never more than what is left), unrolled
+        replace = heapq.heapreplace
+        while left > 0:
+            i = heap[0][1]
+            m = counts[i] = counts[i] + 1
+            left -= 1
+            replace(heap, (fill[i] + m * slow[i], i))
+    while left > 0 and heap:
+        _, i = heapq.heappop(heap)
+        if unit[i] > left:
+            continue
+        counts[i] += unit[i]
+        left -= unit[i]
+        heapq.heappush(heap, (fill[i] + (counts[i] + unit[i] - 1) * slow[i], i))
+    return None if left else counts

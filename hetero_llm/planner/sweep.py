@@ -43,7 +43,9 @@ def deal(planner: SearchSpace, groups: list[TPGroup], P: int, balanced: bool) ->
                 pipes[i] += gs[lo : lo + n]
                 load[i] += sum(g.flops for g in gs[lo : lo + n])
                 lo += n
-    return tuple(planner.order(p) for p in pipes if p)
+    # each pipeline in planner.order's stage order: a total order (devices differ), so the one of all the groups
+    position = {g: i for i, g in enumerate(planner.order(groups))}
+    return tuple(tuple(sorted(p, key=position.__getitem__)) for p in pipes if p)
 
 
 def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
