@@ -173,7 +173,7 @@ def test_compiled_blocks_run_tp_collectives_eagerly(counted_compile):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         group = dist.new_group([0])
-        tp = TP(lambda x: collectives._Enter.apply(x, group), lambda x: collectives._Exit.apply(x, group))
+        tp = TP(lambda x: collectives._Enter.apply(x, group, None), lambda x: collectives._Exit.apply(x, group, None))
         logits, _, p = _step(MODEL, Compute())
         logits_c, _, p_c = _step(MODEL, Compute(compile=True, recompute=True), tp)
     finally:
