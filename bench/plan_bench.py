@@ -88,9 +88,12 @@ def cluster_toml(
     nodes: list[tuple[int, str, int]],
     domains: list[tuple[float, float]],
     cross: tuple[float, float],
-    budget: float,
+    max_evals: int,
+    time_cap_s: float = 0.0,
 ) -> str:
-    """nodes: (devices, kind, domain index); domains: (Gbit/s, us)."""
+    """nodes: (devices, kind, domain index); domains: (Gbit/s, us). ``max_evals``: the search's work budget
+    (``plan.max_evals``, 0 = the planner's default); ``time_cap_s``: its wall-clock safety net
+    (``plan.time_budget_s``, 0 = none, so that the plan is a function of the cluster only)."""
     train = TrainSpec(steps=1, global_batch=batch, precision=Precision.BF16)
     cluster = ClusterSpec(
         nodes=tuple(
@@ -104,7 +107,11 @@ def cluster_toml(
         ),
         cross_domain=CrossDomainSpec(bandwidth_gbps=float(cross[0]), latency_us=float(cross[1])),
     )
-    plan = {"time_budget_s": budget, "nodes": {f"n{i}": kind for i, (_, kind, _) in enumerate(nodes)}}
+    plan = {
+        "max_evals": max_evals,
+        "time_budget_s": time_cap_s,
+        "nodes": {f"n{i}": kind for i, (_, kind, _) in enumerate(nodes)},
+    }
     return dumps_cluster({"model": model, "train": train, "data": DataSpec(), "cluster": cluster}, {"plan": plan})
 
 
@@ -141,14 +148,14 @@ def _draw_small(seed: int) -> str | None:
     return cluster_toml(SMALL_MODEL, 8, nodes, domains, (rng.choice([10, 25]), 20), 0)
 
 
-def large_cluster(n_gpus: int, seed: int, budget: float) -> str:
+def large_cluster(n_gpus: int, seed: int, max_evals: int = 0, time_cap_s: float = 0.0) -> str:
     rng = random.Random(1000 * n_gpus + seed)
     kinds = rng.sample(KINDS_LARGE, rng.randint(2, 3))
     n_dom = rng.randint(1, 3)
     nodes = [(8, rng.choice(kinds), rng.randrange(n_dom)) for _ in range(n_gpus // 8)]
     domains = [(rng.choice([100, 200, 400]), rng.choice([2, 5])) for _ in range(n_dom)]
     batch = max(64, n_gpus)
-    return cluster_toml(LLAMA7B, batch, nodes, domains, (rng.choice([25, 100]), 20), budget)
+    return cluster_toml(LLAMA7B, batch, nodes, domains, (rng.choice([25, 100]), 20), max_evals, time_cap_s)
 
 
 def load(text: str):
@@ -217,14 +224,15 @@ def run_large(
     sizes: list[int],
     seeds: int,
     hexi_seeds: int,
-    budget: float,
+    max_evals: int,
+    time_cap_s: float,
     partial: Path | None = None,
     rows: list[dict] | None = None,
 ) -> list[dict]:
     rows = [] if rows is None else rows
     for n_gpus in sizes:
         for seed in range(seeds):
-            cluster = load(large_cluster(n_gpus, seed, budget))
+            cluster = load(large_cluster(n_gpus, seed, max_evals, time_cap_s))
             t0 = time.perf_counter()
             res = plan_cluster(cluster)
             search_s = time.perf_counter() - t0
@@ -247,6 +255,7 @@ def run_large(
                     "mfu": ours.mfu,
                     "search_s": search_s,
                     "evaluated": res.evaluated,
+                    "cut_by_time": res.cut_by_time,
                     "hexiscale": hexi_med,
                     "hexiscale_seeds": hexi,
                     "hexiscale_feasible": sum(math.isfinite(h) for h in hexi),
@@ -266,12 +275,12 @@ def run_large(
     return rows
 
 
-def run_timing(sizes: list[int], seeds: int, budget: float) -> list[dict]:
+def run_timing(sizes: list[int], seeds: int, max_evals: int, time_cap_s: float) -> list[dict]:
     """Search time alone (run it under an exclusive lock: nothing else computing)."""
     rows = []
     for n_gpus in sizes:
         for seed in range(seeds):
-            cluster = load(large_cluster(n_gpus, seed, budget))
+            cluster = load(large_cluster(n_gpus, seed, max_evals, time_cap_s))
             t0 = time.perf_counter()
             res = plan_cluster(cluster)
             rows.append(
@@ -384,7 +393,18 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,64,256,1024", help="GPU counts of the large clusters")
     ap.add_argument("--seeds", default="20,20,5,2", help="clusters per size (comma list, one per size)")
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
-    ap.add_argument("--budget", type=float, default=60.0, help="planner time budget (plan.time_budget_s)")
+    ap.add_argument(
+        "--max-evals",
+        type=int,
+        default=0,
+        help="the search's work budget (plan.max_evals: plans simulated); 0 = the planner's default",
+    )
+    ap.add_argument(
+        "--time-cap",
+        type=float,
+        default=0.0,
+        help="the search's wall-clock safety net (plan.time_budget_s), 0 = none: a capped search depends on the machine",
+    )
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument(
         "--timing",
@@ -406,7 +426,7 @@ def main() -> None:
     partial = out / f"{name}.partial.json"
     if args.timing:
         load0 = os.getloadavg()
-        rows = run_timing(sizes, args.timing, args.budget)
+        rows = run_timing(sizes, args.timing, args.max_evals, args.time_cap)
         lines = [
             "| GPUs | clusters | search s (median) | max | plans simulated (median) |",
             "| --- | --- | --- | --- | --- |",
@@ -433,7 +453,7 @@ def main() -> None:
     )
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
-        run_large([n], s, args.hexiscale_seeds, args.budget, partial, large)
+        run_large([n], s, args.hexiscale_seeds, args.max_evals, args.time_cap, partial, large)
     partial.unlink(missing_ok=True)
     text = summarize(small, large)
     print(text)

@@ -563,7 +563,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
         {"roce"},
     ]
     for text in (
-        plan_bench.large_cluster(1024, 0, 30.0),
+        plan_bench.large_cluster(1024, 0, 2500, 30.0),
         plan_bench._draw_small(901),
         layout.dumps_cluster(sections),
         plan_vs_measured.cluster_text(6, testbed=True, action_us=812.5, p2p_us=61.25),
