@@ -12,6 +12,7 @@ from bench import plan_exhaustive
 from bench.plan_bench import load
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import moves, plan_cluster, with_optimizer
+from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner
 from hetero_llm.planner.structure import Structure
@@ -141,3 +142,25 @@ def test_sweep_leaves_each_kind_and_domain_idle():
     assert len(sets) == len(set(sets))
     every = frozenset(names)
     assert set(sets) == {every} | {every - {x} for x in names} | {frozenset({x}) for x in names}
+
+
+def test_search_reaches_the_optimum_where_the_tp_group_must_change_node():
+    """Cluster 143 of bench/plan_exhaustive.py: the optimum hosts the TP-2 group on the other two-device node
+    than the search's earlier local optimum, with the idle device between two nodes' stages (issue 23's worst
+    miss, 1.052x): the node-exchange and idle-insertion moves reach it."""
+    c = load(plan_exhaustive.draw(143))
+    optimum, _ = plan_exhaustive.reference(c)
+    assert plan_cluster(c).score.step_time <= optimum * (1 + 1e-9)
+
+
+def test_node_swap_exchanges_which_node_hosts_the_tp_group():
+    c = load(plan_exhaustive.draw(79))
+    pl = Planner(c)
+    n = {node.name: node for node in c.nodes}
+    tp = [node.name for node in c.nodes if node.devices == 2]
+    a, b = tp
+    group = lambda name, *ix: TPGroup(name, n[name].domain, tuple(f"{name}:{i}" for i in ix), n[name].kind)  # noqa: E731
+    st = Structure(((group(a, 0, 1), group(b, 0), group(b, 1)),), 1)
+    swapped = Structure(((group(b, 0, 1), group(a, 0), group(a, 1)),), 1)
+    assert [(x.name, y.name) for x, y in moves.node_swaps(pl, st)] == [(a, b)]
+    assert swapped.key() in {nb.key() for nb in moves.neighbours(pl, st)}

@@ -12,6 +12,7 @@ import itertools
 import attrs
 
 from hetero_llm.planner.candidates import TPGroup
+from hetero_llm.planner.cluster import Node
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
@@ -130,6 +131,16 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         for c in counts if sch == "interleaved" else [st.chunks]:
             if (sch, c) != (st.schedule, st.chunks):
                 make(pipes, schedule=sch, chunks=c)
+    # last (the search takes the first better neighbour): exchange two nodes' roles, and put an idle group
+    # to work between two nodes' stages
+    for na, nb in node_swaps(planner, st):
+        make([[relabel(g, na, nb) for g in p] for p in pipes])
+    for g in idle_groups(planner, st):
+        for i in range(1, max((len(p) for p in pipes), default=0)):
+            each(
+                lambda p, g=g, i=i: p[:i] + [g] + p[i:] if i < len(p) and p[i - 1].node != p[i].node else None,
+                alone=True,
+            )
     return out
 
 
@@ -137,6 +148,39 @@ def chunk_counts(layers: int) -> list[int]:
     """The chunk counts interleaving can run a model of ``layers`` layers with: 2 and up, dividing the layers
     (each stage holds a multiple of the chunks)."""
     return [c for c in range(2, layers + 1) if layers % c == 0]
+
+
+def node_swaps(planner: SearchSpace, st: Structure, limit: int = 16) -> list[tuple[Node, Node]]:
+    """Pairs of nodes (of as many devices, another kind or NIC domain) whose roles the structure can exchange:
+    one hosts TP groups, the other single devices only (or stays idle). One node per (kind, domain, size,
+    grouping) class; the first ``limit`` pairs in node order."""
+    shape: dict[str, list[int]] = {n.name: [] for n in planner.c.nodes}
+    for p in st.pipelines:
+        for g in p:
+            shape[g.node].append(g.tp)
+    reps: dict[tuple, Node] = {}
+    for n in planner.c.nodes:
+        reps.setdefault((n.kind.name, n.domain, n.devices, tuple(sorted(shape[n.name]))), n)
+    nodes = list(reps.values())
+    out = []
+    for i, a in enumerate(nodes):
+        for b in nodes[i + 1 :]:
+            if (
+                a.devices == b.devices
+                and (a.kind.name, a.domain) != (b.kind.name, b.domain)
+                and (max(shape[a.name], default=1) > 1) != (max(shape[b.name], default=1) > 1)
+            ):
+                out.append((a, b))
+    return out[:limit]
+
+
+def relabel(g: TPGroup, a: Node, b: Node) -> TPGroup:
+    """``g`` with nodes ``a`` and ``b`` exchanged (device ``a:i`` becomes ``b:i``)."""
+    for x, y in ((a, b), (b, a)):
+        if g.node == x.name:
+            devices = tuple(f"{y.name}:{d.split(':')[1]}" for d in g.devices)
+            return TPGroup(y.name, y.domain, devices, y.kind)
+    return g
 
 
 def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
