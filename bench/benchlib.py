@@ -101,6 +101,11 @@ def load_line(before: Sequence[float], after: Sequence[float]) -> str:
     )
 
 
+def report_head(name: str, info: dict, before: Sequence[float], after: Sequence[float]) -> list[str]:
+    """The first lines of a results file: its title, the command that made it, the machine and its load."""
+    return [f"# {name}", "", f"`{command_line()}`", "", machine_line(info) + "; " + load_line(before, after), ""]
+
+
 # ------------------------------------------------------------------------------------------
 # Layouts
 

@@ -238,12 +238,7 @@ def main(quick, out_dir):
     verdict = "met" if all(r["recovery_s"] <= 15 for r in recoveries) else "MISSED"
     md = "\n".join(
         [
-            f"# {NAME}",
-            "",
-            f"`{B.command_line()}`",
-            "",
-            B.machine_line(info) + "; " + B.load_line(before, after),
-            "",
+            *B.report_head(NAME, info, before, after),
             "Emulated nodes on one machine (one torchrun agent each, HETERO_EMULATE_SLOWDOWN "
             + ", ".join(f"{n} x{s:g}" for n, s in SLOWDOWN.items())
             + f"), {steps} steps, node n2 killed after step {kill_at} and started again after step {back_at}; "

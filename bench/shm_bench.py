@@ -289,12 +289,7 @@ def main(rank, port, out, rounds, round_steps, quick, out_dir):
     verdict = "met" if one_mib["ratio"] >= 3 else "MISSED"
     md = "\n".join(
         [
-            f"# {NAME}",
-            "",
-            f"`{B.command_line()}`",
-            "",
-            B.machine_line(info) + "; " + B.load_line(before, after),
-            "",
+            *B.report_head(NAME, info, before, after),
             f"## One-way time, paired rounds ({rounds} per size; target >= 3x lower at 1 MiB: {verdict}, "
             f"{one_mib['ratio']:.2f}x)",
             "",
