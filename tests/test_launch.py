@@ -340,6 +340,24 @@ def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
     assert not [p for p in leftovers if p.exists()]
 
 
+def test_a_launcher_killed_by_sigkill_leaves_no_error_folder(tmp_path):
+    """SIGKILL runs no clean-up in the launcher: its failure-report folder is only made by the first rank that
+    reports, so a launcher killed while its ranks train leaves nothing in $TMPDIR (its ranks die with it)."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", env={**os.environ, "TMPDIR": str(tmp)})
+    _wait_for_steps(proc, metrics, 1)
+    children = _children_of(proc.pid)
+    proc.kill()
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)], "ranks left running"
+    assert list(tmp.iterdir()) == []
+
+
 @pytest.mark.parametrize("victim", [1, 0])  # rank 0 also serves the store: its silence names it too
 def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)

@@ -157,7 +157,8 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
     from hetero_llm.comm import shm
 
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
-    errdir = Path(tempfile.mkdtemp(prefix="hetero_llm_errors_"))
+    errdir = _error_dir_name()  # created by the first rank that reports a failure, so a launcher killed by
+    # SIGKILL (no finally) leaves nothing behind unless a rank had failed
     threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
     procs: dict[int, _Child] = {}
     stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
@@ -185,6 +186,11 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
         _terminate(list(procs.values()), grace_s)
         if errdir.is_dir() and not any(errdir.iterdir()):  # kept only when it holds a failure report (named)
             errdir.rmdir()
+
+
+def _error_dir_name() -> Path:
+    """A fresh, not yet existing ``$TMPDIR/hetero_llm_errors_*`` path for this launch's failure reports."""
+    return Path(tempfile.gettempdir(), f"hetero_llm_errors_{os.getpid()}_{os.urandom(6).hex()}")
 
 
 def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]) -> None:
@@ -416,5 +422,6 @@ def _report_rank_error(rank: int, e: BaseException) -> None:
     errdir = os.environ.get("HETERO_ERROR_DIR")
     cause = f"{type(e).__name__}: {e}".splitlines()[0] if not isinstance(e, HeteroError) else str(e).splitlines()[0]
     if errdir:
+        os.makedirs(errdir, mode=0o700, exist_ok=True)  # the launcher names it; the first report creates it
         Path(errdir, f"rank{rank}.err").write_text(cause + "\n")
         Path(errdir, f"rank{rank}.traceback").write_text(traceback.format_exc())
