@@ -167,15 +167,18 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
             )
         )
     for row in H100:
-        cpath, lpath = CLUSTERS / f"{row.name}.toml", LAYOUTS / f"{row.name}.toml"
+        lpath = LAYOUTS / f"{row.name}.toml"
         size = row.name.rsplit("_", 1)[1].upper()
         what = f"One H100 80 GB (SXM), GPT {size} (GPT-2 shapes), sequence {row.seq}, bf16"
-        write_cluster(
-            root / cpath,
-            h100_sections(row),
-            {"nodes": {"h100": "h100-sxm"}},
-            f"# {what}.\n# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
-        )
+        for mode in ("eager", "compiled"):
+            write_cluster(
+                root / CLUSTERS / f"{row.name}_{mode}.toml",
+                h100_sections(row),
+                {"execution": mode, "nodes": {"h100": "h100-sxm"}},
+                f"# {what}, a plain PyTorch loop run {mode}"
+                f"{' (torch.compile of the model)' if mode == 'compiled' else ''}.\n"
+                "# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
+            )
         write_layout(
             root / lpath,
             h100_layout(row, str(lpath)),
@@ -187,7 +190,7 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
                 Case(
                     f"{row.name}_{mode}",
                     f"H100, GPT {size} seq {row.seq}, {mode}",
-                    root / cpath,
+                    root / CLUSTERS / f"{row.name}_{mode}.toml",
                     root / lpath,
                     "MFU (nanoGPT)",
                     mfu,

@@ -124,8 +124,10 @@ def megatron_plan(row: MegatronRow) -> dict:
     """The cluster file's [plan]: DGX nodes of A100 80 GB with eight NICs each, and how Megatron-LM (commit
     6985e58 of examples/sc21) trains: fp16 gradients all-reduced (2 bytes), by torch DDP overlapped with the
     backward where run_table_1.sh says DDP=torch, after it with DDP=local; attention unfused (the scores
-    materialized, a fused scale-mask-softmax kernel and dropout); the head split over TP (vocabulary-parallel)."""
+    materialized, a fused scale-mask-softmax kernel and dropout); the head split over TP (vocabulary-parallel);
+    its hand-fused kernels (bias-GeLU, bias-dropout-add, layer norm) and half-precision weights: ``fused``."""
     return {
+        "execution": "fused",
         "grad_bytes": 2,
         "grad_overlap": row.ddp == "torch",
         "attention": "unfused",

@@ -73,6 +73,45 @@ def test_unfused_attention_costs_more_than_flash(tmp_path):
     assert unfused.roofline.attention(kind, 4, 1)[0] > 2 * flash.roofline.attention(kind, 4, 1)[0]
 
 
+def test_execution_modes_order_the_element_wise_work(tmp_path):
+    """Eager pays a kernel per op (and bf16 weight casts) over compiled's fused chains; Megatron's hand-fused kernels
+    without casts are cheapest; 'auto' is the runtime's: eager, its blocks compiled with train.compile = 'blocks'."""
+    costs = {
+        mode: PlannerCostModel(load(tmp_path, cluster_text(f'execution = "{mode}"\n'), f"{mode}.toml"))
+        for mode in ("eager", "compiled", "fused")
+    }
+    kind = costs["eager"].cluster.nodes[0].kind
+    layer = {mode: c.roofline.layer(kind, 4, 1) for mode, c in costs.items()}
+    head = {mode: c.roofline.head(kind, 4, 1) for mode, c in costs.items()}
+    for i in (0, 1):  # forward, backward
+        assert layer["eager"][i] > layer["compiled"][i] > layer["fused"][i]
+        assert head["eager"][i] > head["compiled"][i]
+    auto = PlannerCostModel(load(tmp_path, cluster_text(), "auto.toml"))
+    assert auto.roofline.layer(kind, 4, 1) == layer["eager"]
+    blocks = cluster_text().replace('precision = "bf16"\n', 'precision = "bf16"\ncompile = "blocks"\n')
+    compiled_blocks = PlannerCostModel(load(tmp_path, blocks, "blocks.toml"))
+    assert compiled_blocks.roofline.layer(kind, 4, 1) == layer["compiled"]
+    assert compiled_blocks.roofline.head(kind, 4, 1) == head["eager"]  # the head stays eager
+
+
+def test_eager_host_time_bounds_a_small_layer(tmp_path):
+    """A layer too small to keep the GPU busy takes its ops' host time (dispatch + launch each, forward), which
+    compiled's fewer kernels at a bare launch do not."""
+    from hetero_llm.planner.catalogue import EAGER_DISPATCH_US
+
+    tiny = cluster_text().replace("hidden = 1024", "hidden = 64").replace("heads = 16", "heads = 4")
+    eager = PlannerCostModel(load(tmp_path, tiny.replace("[plan]\n", '[plan]\nexecution = "eager"\n'), "e.toml"))
+    kind = eager.cluster.nodes[0].kind
+    fwd, bwd, _ = eager.roofline.layer(kind, 1, 1)
+    # matmuls (Q, K, V, O, the MLP's two), attention, norms, adds, GELU, layout copy, weight casts (+ the Q K V
+    # concatenation), the norms' weight and bias casts
+    ops = 6 + 1 + 2 + 2 + 1 + 1 + 7 + 2 * 2
+    assert fwd == pytest.approx(ops * (EAGER_DISPATCH_US + kind.launch_us) * 1e-6, rel=1e-9)
+    assert bwd > fwd / (EAGER_DISPATCH_US + kind.launch_us) * kind.launch_us
+    compiled = PlannerCostModel(load(tmp_path, tiny.replace("[plan]\n", '[plan]\nexecution = "compiled"\n'), "c.toml"))
+    assert compiled.roofline.layer(kind, 1, 1)[0] < fwd / 2
+
+
 def test_half_precision_gradients_halve_the_sync(tmp_path):
     c32 = load(tmp_path, cluster_text())
     c16 = load(tmp_path, cluster_text("grad_bytes = 2\n"), "c16.toml")
@@ -136,6 +175,7 @@ def test_emulated_kinds_are_priced_exactly_as_the_emulated_runtime(tmp_path, las
 BAD = [
     ("grad_bytes = 3\n", "plan.grad_bytes: must be 4 (float32 gradients) or 2 (fp16/bf16), got 3"),
     ('attention = "fast"\n', "plan.attention: unknown attention 'fast' (one of: flash, unfused)"),
+    ('execution = "jit"\n', "plan.execution: unknown execution 'jit' (one of: auto, eager, compiled, fused)"),
     ("[plan.nics]\nn0 = 0\n", "plan.nics.n0: expected a number of NICs >= 1, got 0"),
     ('[plan.nics]\n"x*" = 2\n', "plan.nics.x*: matches no node (nodes: n0, n1)"),
     (

@@ -41,13 +41,23 @@ from __future__ import annotations
 import functools
 import math
 
-from hetero_llm.layout import Backend
+from hetero_llm.layout import Backend, Compile
 from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.memory import MemoryModel
-from hetero_llm.planner.roofline import Roofline
+from hetero_llm.planner.roofline import COMPILED, EAGER, Roofline
+
+
+def execution_modes(cluster: Cluster) -> tuple[str, str]:
+    """How the layers' and the head's element-wise work runs (``plan.execution``; 'auto': the runtime's, eager
+    unless train.compile = 'blocks' compiles each block, the head staying eager)."""
+    mode = cluster.limits.execution
+    if mode == "auto":
+        return (COMPILED if cluster.train.compile is Compile.BLOCKS else EAGER), EAGER
+    return mode, mode
+
 
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
 
@@ -70,7 +80,7 @@ class PlannerCostModel(MemoryModel):
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
-        self.roofline = Roofline(self.model, self.act_bytes, limits.attention)
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster))
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
