@@ -18,6 +18,7 @@ from hetero_llm.layout import (
     Layout,
     ModelSpec,
     NodeSpec,
+    Optimizer,
     PipelineSpec,
     Precision,
     Recompute,
@@ -108,6 +109,17 @@ def nanogpt_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> f
 
 
 HEXISCALE_MFU = 0.3119
+# How HexiScale counts MFU (its code, github.com/Relaxed-System-Lab/FlashFlex, HexiScale's first name, at a4f366f:
+# experimental/cost_modeling.py TimeCost.mfu and glb_flops): 72 L B S H^2 (1 + S/(6H) + V/(16 L H)) FLOPs per step
+# (Megatron's formula without the recompute term), over the step time and the sum of every device's peak, from
+# experimental/machine_amounts.json: RTX 3080 Ti 56.9, RTX 3090 80, RTX 4090 165.2 TFLOPS.
+HEXISCALE_PEAK_TFLOPS = {"rtx3080ti": 56.9, "rtx3090": 80.0, "rtx4090": 165.2}
+
+
+def hexiscale_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
 HOLMES_NIC_AWARE, HOLMES_DEFAULT = 195.0, 145.0
 HOLMES_TP, HOLMES_ROWS_PER_MB = 4, 4
 
@@ -229,9 +241,32 @@ def h100_layout(row: H100Row, file: str) -> Layout:
     return Layout(file, s["model"], s["train"], s["data"], s["cluster"], (pipe,))
 
 
+# What Holmes' repository (github.com/CodexDive/Holmes at 03d9522) says its runs did, for the cluster files' [plan]:
+# every example script trains with --fp16 (fp16 gradients: grad_bytes 2) and flash attention, and with
+# --use-distributed-optimizer --overlapped-distributed-optimizer (README: "the --use-distributed-optimizer flag to
+# enable overlapped distributed optimizer": ZeRO-1 whose gradient reduce-scatter overlaps the backward, Megatron-LLaMA's);
+# Megatron's fused kernels (bias-GeLU, bias-dropout-add, layer norm) and vocabulary-parallel head. The NICs per node
+# are in the cluster file (its config.json). Figure 6's "Megatron-LM" bar is Megatron-LM itself on the same nodes: its
+# defaults of the time (no distributed optimizer, gradients all-reduced after the backward), fp16 like every run there.
+HOLMES_PLANS = {
+    "holmes": {"execution": "fused", "grad_bytes": 2, "grad_overlap": True, "vocab_parallel": True},
+    "megatron": {"execution": "fused", "grad_bytes": 2, "grad_overlap": False, "vocab_parallel": True},
+}
+HOLMES_OPTIMIZER = {"holmes": Optimizer.ADAMW_ZERO1, "megatron": Optimizer.ADAMW}
+
+
+def holmes_cluster(cluster_file: Path, framework: str) -> tuple[dict, dict]:
+    """The sections of Holmes' cluster file (layouts/clusters/holmes_64gpu.toml) with the framework's optimizer, and
+    its [plan] with what the framework did (HOLMES_PLANS)."""
+    _, raw, s = layout_mod.read_cluster_file(cluster_file, "bench.published", extra=("plan",))
+    s = dict(s, train=attrs.evolve(s["train"], optimizer=HOLMES_OPTIMIZER[framework]))
+    return s, {**HOLMES_PLANS[framework], **raw["plan"]}
+
+
 def holmes_layouts(cluster_file: Path, file: str) -> dict[str, Layout]:
     """The NIC-aware layout (hetero-place's) and Megatron's default placement, the same TP, PP, DP and batch."""
-    _, _, s = layout_mod.read_cluster_file(cluster_file, "bench.published", extra=("plan",))
+    sections = {f: holmes_cluster(cluster_file, f)[0] for f in HOLMES_PLANS}
+    s = sections["holmes"]
     model, train, spec = s["model"], s["train"], s["cluster"]
     pp = len(spec.domains)
     dp = len(spec.nodes) * 8 // (HOLMES_TP * pp)
@@ -253,7 +288,8 @@ def holmes_layouts(cluster_file: Path, file: str) -> dict[str, Layout]:
         HOLMES_DEFAULT,
         HOLMES_ROWS_PER_MB,
     )
-    default = Layout(file, model, train, s["data"], spec, megatron_pipelines(row, hosts))
+    m = sections["megatron"]
+    default = Layout(file, model, m["train"], m["data"], spec, megatron_pipelines(row, hosts))
     return {"holmes_nic_aware": aware, "holmes_default": default}
 
 

@@ -112,6 +112,24 @@ def test_eager_host_time_bounds_a_small_layer(tmp_path):
     assert compiled.roofline.layer(kind, 1, 1)[0] < fwd / 2
 
 
+def test_vocab_parallel_splits_the_embedding_and_head_over_tp(tmp_path):
+    """Megatron-LM's vocabulary-parallel embedding and head: each TP rank holds V/t of their rows (parameters,
+    gradients, moments, gradient sync) and of the logits; the runtime keeps them whole on every rank."""
+    whole = PlannerCostModel(load(tmp_path, cluster_text()))
+    split = PlannerCostModel(load(tmp_path, cluster_text("vocab_parallel = true\n"), "v.toml"))
+    V, H = whole.V, whole.H
+    for tp in (1, 4):
+        assert whole.embed_params(tp) == V * H + (whole.S * H if whole.model.position.value == "learned" else 0)
+        assert whole.embed_params(tp) - split.embed_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
+        assert whole.head_params(tp) - split.head_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
+    group = TPGroup("n0", "ib", tuple(f"n0:{d}" for d in range(4)), whole.cluster.nodes[0].kind)
+    args = (group, 2, True, True, 1, False, 1.0)
+    saved = whole.stage_memory(*args) - split.stage_memory(*args)
+    per_param = 16  # float32 weight, gradient and two moments
+    logits = whole.S * V * (2 + 4) * 2 * (1 - 1 / 4)
+    assert saved == pytest.approx(2 * V * H * (1 - 1 / 4) * per_param + logits, rel=1e-9)
+
+
 def test_half_precision_gradients_halve_the_sync(tmp_path):
     c32 = load(tmp_path, cluster_text())
     c16 = load(tmp_path, cluster_text("grad_bytes = 2\n"), "c16.toml")

@@ -131,8 +131,9 @@ class PlanLimits:
         default="flash",
     )
     vocab_parallel: bool = _doc(
-        "roofline kinds: the head and its cross-entropy split over the TP group (Megatron-LM's vocabulary-"
-        "parallel head); false = whole on every TP rank, as hetero_llm's runtime computes it",
+        "the embedding and the head split over the TP group (Megatron-LM's vocabulary-parallel embedding and "
+        "head): their parameters, gradients, optimizer state and gradient sync, and on roofline kinds the head's "
+        "matmul, cross-entropy and logits; false = whole on every TP rank, as hetero_llm's runtime keeps them",
         default=False,
     )
     execution: str = _doc(

@@ -257,12 +257,12 @@ class PlannerCostModel(MemoryModel):
             nodes = {g.node for g in groups}
             domains = {g.domain for g in groups}
             cross |= len(domains) > 1
-            # the embedding (first layer's holders) and the head (last layer's) sync alongside
-            extra = (self.embed_params() if lo == 0 else 0) + (self.head_params() if hi == self.L else 0)
             for g in groups:
                 t = len(g.devices)
                 if t not in per_rank:
                     per_rank[t] = sum(self.layer_params(t))
+                # the embedding (first layer's holders) and the head (last layer's) sync alongside
+                extra = (self.embed_params(t) if lo == 0 else 0) + (self.head_params(t) if hi == self.L else 0)
                 shard = (per_rank[t] * (hi - lo) + extra) * self.grad_bytes
                 held[g.devices[0]] = held.get(g.devices[0], 0.0) + shard
                 nbytes = ring * shard
