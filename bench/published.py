@@ -63,8 +63,6 @@ from bench.published_rows import (
     HEXISCALE_PEAK_TFLOPS,
     HOLMES_DEFAULT,
     HOLMES_NIC_AWARE,
-    HOLMES_ROWS_PER_MB,
-    HOLMES_TP,
     LARGE,
     MEGATRON,
     MEGATRON_SEQ,
@@ -75,6 +73,7 @@ from bench.published_rows import (
     h100_sections,
     hexiscale_flops,
     holmes_cluster,
+    holmes_headers,
     holmes_layouts,
     megatron_flops,
     megatron_layout,
@@ -219,36 +218,9 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
         cpath = CLUSTERS / ("holmes_7.5b.toml" if aware else "holmes_megatron_7.5b.toml")
         lpath = LAYOUTS / f"{name}.toml"
         sections, plan_table = holmes_cluster(holmes_file, framework)
-        system = (
-            "# trained as by Holmes: fp16 gradients reduce-scattered by its overlapped distributed optimizer\n"
-            "# (ZeRO-1), overlapped with the last backward"
-            if aware
-            else "# trained as by Megatron-LM (Holmes' Figure 6 baseline) with its defaults of the time: fp16\n"
-            "# gradients all-reduced after the backward, no distributed optimizer"
-        )
-        write_cluster(
-            root / cpath,
-            sections,
-            plan_table,
-            "# Holmes (arXiv 2312.03549, Figure 6: parameter group 3, GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of\n"
-            "# 8 A100): the nodes and NICs of layouts/clusters/holmes_64gpu.toml,\n" + system + ";\n"
-            "# Megatron's fused kernels, flash attention (github.com/CodexDive/Holmes at 03d9522: README, example\n"
-            "# scripts, config.json). Written by bench/published.py (python -m bench.published): edit the rows there.\n",
-        )
-        which = (
-            "NIC-aware: hetero-place's placement (DP inside a domain, the pipeline boundary across)"
-            if aware
-            else "Megatron-LM's default placement: its rank order over hosts alternating IB and RoCE\n"
-            "# (each stage's DP group spans both domains; our reading: the figure does not give it)"
-        )
-        write_layout(
-            root / lpath,
-            lay,
-            f"# Holmes (arXiv 2312.03549), GPT 7.5B on {cpath}.\n"
-            f"# {which}.\n"
-            f"# TP {HOLMES_TP}, PP 2, DP 8, {HOLMES_ROWS_PER_MB} sequences per microbatch (Holmes' layout is not "
-            "published).\n# Written by bench/published.py (python -m bench.published).\n",
-        )
+        cluster_header, layout_header = holmes_headers(aware, cpath)
+        write_cluster(root / cpath, sections, plan_table, cluster_header)
+        write_layout(root / lpath, lay, layout_header)
         cases.append(
             Case(
                 name,

@@ -263,6 +263,36 @@ def holmes_cluster(cluster_file: Path, framework: str) -> tuple[dict, dict]:
     return s, {**HOLMES_PLANS[framework], **raw["plan"]}
 
 
+def holmes_headers(aware: bool, cluster: Path) -> tuple[str, str]:
+    """The comments atop the Holmes row's cluster file and layout (Holmes' run, or Figure 6's Megatron-LM bar)."""
+    system = (
+        "# trained as by Holmes: fp16 gradients reduce-scattered by its overlapped distributed optimizer\n"
+        "# (ZeRO-1), overlapped with the last backward"
+        if aware
+        else "# trained as by Megatron-LM (Holmes' Figure 6 baseline) with its defaults of the time: fp16\n"
+        "# gradients all-reduced after the backward, no distributed optimizer"
+    )
+    cluster_header = (
+        "# Holmes (arXiv 2312.03549, Figure 6: parameter group 3, GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of\n"
+        "# 8 A100): the nodes and NICs of layouts/clusters/holmes_64gpu.toml,\n" + system + ";\n"
+        "# Megatron's fused kernels, flash attention (github.com/CodexDive/Holmes at 03d9522: README, example\n"
+        "# scripts, config.json). Written by bench/published.py (python -m bench.published): edit the rows there.\n"
+    )
+    which = (
+        "NIC-aware: hetero-place's placement (DP inside a domain, the pipeline boundary across)"
+        if aware
+        else "Megatron-LM's default placement: its rank order over hosts alternating IB and RoCE\n"
+        "# (each stage's DP group spans both domains; our reading: the figure does not give it)"
+    )
+    layout_header = (
+        f"# Holmes (arXiv 2312.03549), GPT 7.5B on {cluster}.\n"
+        f"# {which}.\n"
+        f"# TP {HOLMES_TP}, PP 2, DP 8, {HOLMES_ROWS_PER_MB} sequences per microbatch (Holmes' layout is not "
+        "published).\n# Written by bench/published.py (python -m bench.published).\n"
+    )
+    return cluster_header, layout_header
+
+
 def holmes_layouts(cluster_file: Path, file: str) -> dict[str, Layout]:
     """The NIC-aware layout (hetero-place's) and Megatron's default placement, the same TP, PP, DP and batch."""
     sections = {f: holmes_cluster(cluster_file, f)[0] for f in HOLMES_PLANS}
