@@ -4,8 +4,11 @@ Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, tw
 plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
 inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
 ``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
-microbatches in flight; with full recompute only each layer's input (H per token) plus one layer's
-working set. The last stage adds one microbatch's logits and their gradient (float32).
+microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
+1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
+working set. The last stage adds one microbatch's logits and their gradient (float32). With
+``plan.vocab_parallel`` (Megatron-LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the
+embedding's and the head's rows and of the logits; else the whole of them (the runtime).
 
 The planner's cost model (``cost.PlannerCostModel``) is a ``MemoryModel``: a stage that does not fit in its
 device's memory, after the margin, makes a candidate infeasible.
