@@ -126,47 +126,81 @@ class Roofline:
         if back:
             bwd.add(self.gpu(k, 0.0, back * nbytes))
 
-    def weight_casts(self, k: DeviceKind, fwd: Tally, bwd: Tally, elements: list[float], small: int) -> None:
-        """The per-microbatch bf16 copies of float32 weights (``elements`` per matrix; ``small`` vectors: norms and
-        biases) and, backward, each gradient's cast and accumulation into ``.grad``."""
+    def weight_casts(self, k: DeviceKind, fwd: Tally, bwd: Tally, tp: int) -> None:
+        """The per-microbatch bf16 copies of the float32 weights (eager: each a kernel, then the Q K V and the MLP's
+        input projections concatenated into one GEMM's weight; compiled: cast and concatenation fused) and,
+        backward, each gradient's cast and its accumulation into ``.grad``; the norms' and biases' too (tiny)."""
         if not self.casts:
             return
-        for n in elements:
+        H, F, nm = self.H, self.F, 2 if self.swiglu else 1
+        for n in [H * H / tp] * 4 + [H * F / tp] * (nm + 1):
             self.stream(k, fwd, bwd, CAST_BYTES * n, GRAD_CAST_BYTES / CAST_BYTES)
+            bwd.add(0.0)  # the accumulation's kernel (its bytes are in GRAD_CAST_BYTES)
+        if self.mode == EAGER:
+            for n in (3 * H * H / tp, nm * H * F / tp):  # torch.cat of the cast weights: read and write bf16
+                fwd.add(self.gpu(k, 0.0, 2 * self.a * n))
+        small = 2 * self.norm_params + (5 + nm if self.bias else 0)
         fwd.add(0.0, small)
         bwd.add(0.0, 2 * small)
 
+    def eager_elementwise(self, k: DeviceKind, fwd: Tally, bwd: Tally, T: int, t: int) -> None:
+        """The element-wise kernels of ``model.block`` as eager PyTorch runs them (counted from its dispatched ops)."""
+        H, F, a, nm = self.H, self.F, self.a, 2 if self.swiglu else 1
+        for nbytes in [2 * a * H * T] * 2:  # the norms
+            self.stream(k, fwd, bwd, nbytes)
+        for nbytes in [3 * a * H * T] * 2:  # the residual adds (their backward passes the gradient on: no kernel)
+            self.stream(k, fwd, bwd, nbytes, 0.0)
+        for nbytes in [2 * a * F // t * T, 3 * a * F // t * T] if self.swiglu else [2 * a * F // t * T]:
+            self.stream(k, fwd, bwd, nbytes)
+        if self.rope:  # rope_tables' 9 tiny kernels; _apply_rope on Q and K: 4 muls, a sub, an add, a stack each
+            fwd.add(0.0, 9)
+            for _ in range(14):
+                self.stream(k, fwd, bwd, 18 * a * H / t * T / 14)
+        for w in [H // t] * 3 + [H] + [F // t] * nm + [H] if self.bias else []:
+            self.stream(k, fwd, bwd, 2 * a * w * T, 0.5)  # a bias add; its gradient reads the output's once
+        for nbytes in [3 * a * H * T] * 2:  # the residual stream's gradient, accumulated where it forks
+            bwd.add(self.gpu(k, 0.0, nbytes))
+        if self.casts:  # the fused projections' output gradients concatenated (the split's backward)
+            gathers = [2 * a * 3 * H // t * T, 2 * a * nm * F // t * T]
+        else:  # the separate projections' input gradients summed
+            gathers = [3 * a * H * T] * (2 + nm - 1)
+        for nbytes in gathers:
+            bwd.add(self.gpu(k, 0.0, nbytes))
+
     # ---------------------------------------------------------------- a layer, the head
-    def _layer(self, k: DeviceKind, rows: int, tp: int) -> tuple[float, float, float]:
+    def tallies(self, k: DeviceKind, rows: int, tp: int) -> tuple[Tally, Tally, float]:
+        """The kernels of one layer's forward and backward, and the seconds of its weight gradients."""
         H, F, a, t = self.H, self.F, self.a, tp
         T = rows * self.S
         nm = 2 if self.swiglu else 1
         fwd, bwd = Tally(), Tally()
-        mats = [(T, H, H // t)] * 3 + [(T, H // t, H)] + [(T, H, F // t)] * nm + [(T, F // t, H)]
+        if self.casts:  # the runtime casts its weights anyway, and runs Q K V (and w1, w3) as one GEMM
+            mats = [(T, H, 3 * H // t), (T, H // t, H), (T, H, nm * F // t), (T, F // t, H)]
+        else:
+            mats = [(T, H, H // t)] * 3 + [(T, H // t, H)] + [(T, H, F // t)] * nm + [(T, F // t, H)]
         wgt = sum(self.linear(k, fwd, bwd, *shape) for shape in mats)
         f, b = self.attention(k, rows, t)
         fwd.add(f)
         bwd.add(b)
-        act = [2 * a * F // t * T, 3 * a * F // t * T] if self.swiglu else [2 * a * F // t * T]
-        rope = [2 * a * 2 * H // t * T] if self.rope else []
-        if self.mode == COMPILED:
-            streams = [4 * a * H * T] * 2 + [2 * a * H // t * T]  # (residual, bias, norm) x 2; attention layout
-            if self.bias or self.rope:
-                streams.append(2 * a * 3 * H // t * T)  # Q K V: bias, RoPE
-            streams.append(3 * a * F // t * T if self.swiglu else 2 * a * F // t * T)  # bias + activation
-        else:
-            streams = [2 * a * H * T] * 2 + [3 * a * H * T] * 2 + act + rope  # norms, residual adds
-        for nbytes in streams:
-            self.stream(k, fwd, bwd, nbytes)
         if self.mode == EAGER:
-            self.stream(k, fwd, bwd, 2 * a * H // t * T, 1.0)  # the attention output's layout copy
-            widths = [H // t] * 3 + [H] + [F // t] * nm + [H] if self.bias else []
-            for w in widths:  # bias adds; a bias's gradient reads the output's gradient once
-                self.stream(k, fwd, bwd, 2 * a * w * T, 0.5)
-            for nbytes in [3 * a * H * T] * 2 + [2 * a * 3 * H // t * T]:  # residual grads; Q K V grads gathered
-                bwd.add(self.gpu(k, 0.0, nbytes))
-        small = 2 * self.norm_params + (len(mats) if self.bias else 0)
-        self.weight_casts(k, fwd, bwd, [H * H / t] * 4 + [H * F / t] * (nm + 1) + [3 * H * H / t], small)
+            self.eager_elementwise(k, fwd, bwd, T, t)
+        else:
+            if self.mode == COMPILED:
+                streams = [4 * a * H * T] * 2  # (residual add, bias, norm) twice
+                if self.bias or self.rope:
+                    streams.append(2 * a * 3 * H // t * T)  # Q K V: bias, RoPE
+                streams.append(3 * a * F // t * T if self.swiglu else 2 * a * F // t * T)  # bias + activation
+            else:  # norms, residual adds (bias-dropout-add), activation (bias-GeLU), RoPE
+                streams = [2 * a * H * T] * 2 + [3 * a * H * T] * 2
+                streams += [2 * a * F // t * T, 3 * a * F // t * T] if self.swiglu else [2 * a * F // t * T]
+                streams += [2 * a * 2 * H // t * T] if self.rope else []
+            for nbytes in streams:
+                self.stream(k, fwd, bwd, nbytes)
+        self.weight_casts(k, fwd, bwd, t)
+        return fwd, bwd, wgt
+
+    def _layer(self, k: DeviceKind, rows: int, tp: int) -> tuple[float, float, float]:
+        fwd, bwd, wgt = self.tallies(k, rows, tp)
         fs, bs = fwd.seconds(k, self.mode, True), bwd.seconds(k, self.mode, False)
         return fs, bs, min(wgt, bs)
 
