@@ -11,20 +11,21 @@ Each kernel is priced on its own (docs/planner.md, "The cost model"):
   and twice the bytes. ``unfused`` (Megatron-LM of 2021): two batched matmuls over the full ``S x S``
   scores per head, a softmax kernel and a dropout kernel over them, each priced as above.
 - the memory-bound work, by how it runs (``plan.execution``):
-  ``eager`` (the runtime): one kernel per PyTorch op of ``model.block``: the two norms, the projections' bias
-  adds, the attention output's layout copy, the activation, the two residual adds, RoPE; in backward each
-  forward kernel's (1.5x the bytes: it reads the input and the output's gradient and writes the input's
-  gradient; a bias's gradient is one read), the residual stream's two gradient accumulations and the gather
-  of the Q, K, V gradients; in bf16 the per-microbatch cast of every float32 weight (read 4, write 2 bytes per
-  element, the Q K V concatenation another copy) and in backward its gradient's cast and accumulation into
-  the float32 ``.grad`` (18 bytes). The host launches the ops one by one (``EAGER_DISPATCH_US`` + ``launch_us``
-  per forward op, ``launch_us`` per backward kernel), ahead of the GPU: a layer takes the larger of its
-  kernels' sum and its host time.
+  ``eager`` (the runtime): one kernel per op ``model.block`` dispatches (tests/test_cost_roofline.py traces
+  them): the two norms, the projections' bias adds, the activation, the two residual adds, RoPE's products,
+  sums and stack; in backward each one's (1.5x the bytes: it reads the input and the output's gradient and
+  writes the input's gradient; a bias's gradient is one read; a residual add's none), the residual stream's two
+  gradient accumulations and the fused projections' output gradients concatenated; in bf16 the per-microbatch
+  cast of every float32 weight (read 4, write 2 bytes per element), the concatenations that make Q K V (and the
+  MLP's input projections) one GEMM, and in backward each gradient's cast and accumulation into the float32
+  ``.grad`` (18 bytes). The host launches the ops one by one (``EAGER_DISPATCH_US`` + ``launch_us`` per
+  forward op, ``launch_us`` per backward kernel), ahead of the GPU: a layer takes the larger of its kernels'
+  sum and its host time.
   ``compiled`` (torch.compile, the whole model): each chain of element-wise ops between two matmuls is one
   kernel reading its inputs and writing its outputs once: residual add + bias + norm (twice), bias + RoPE of
-  Q K V, the attention output's layout, bias + activation; backward 1.5x; the weight casts as eager (they
-  are in the graph); the cross-entropy one kernel (two passes over the bf16 logits forward, read and write
-  backward); ``launch_us`` of host time per kernel.
+  Q K V, bias + activation; backward 1.5x; the weight casts as eager (they are in the graph; cast and
+  concatenation one kernel); the cross-entropy one kernel (two passes over the bf16 logits forward, read and
+  write backward); ``launch_us`` of host time per kernel.
   ``fused`` (Megatron-LM's hand-fused kernels): one kernel per norm, per residual (bias-dropout-add) and for
   the activation (bias-GeLU), no weight casts (half-precision weights); every kernel lasts at least its launch.
 - the head: the final norm, the ``(T, H, V / t)`` matmul, the float32 cast and log-softmax of the
