@@ -6,7 +6,8 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
 
 - compute of a **roofline** kind (every built-in GPU): each operation the runtime launches priced by
   ``roofline.Roofline`` (matmuls at the achieved rate for their shape, attention, memory-bound norms,
-  activations, residuals and cross-entropy, at least one launch each); of a **flops** kind (``cpu``, the
+  activations, residuals and cross-entropy, as the run executes them: ``plan.execution``, eager by default
+  with the host's dispatch per op, compiled, or hand-fused); of a **flops** kind (``cpu``, the
   emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H`` (+ ``2 S H V`` for the head) over TP x
   the kind's tflops, a backward twice that, its weight part the matmuls once: exactly what the emulated
   runtime charges (predict/device.action_seconds). Full recompute adds one forward to every backward.
