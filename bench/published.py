@@ -21,17 +21,23 @@ The rows:
   ``96 B s l h^2 (1 + s / (6 h) + V / (16 l h))`` FLOPs per step (forward, backward and the recomputed forward).
   The cluster files' ``[plan]`` says how Megatron-LM trained (``published_rows.megatron_plan``): 8 NICs per
   node, fp16 gradients, torch DDP's overlap where the script uses it, unfused attention, a vocabulary-parallel
-  head.
+  embedding and head, its hand-fused element-wise kernels (``execution = "fused"``).
 - **HexiScale** (arXiv 2409.01143): 31.19% MFU on its 40-GPU cluster with its own planned layout. That layout is
   not published: the layout evaluated is our planner's plan for layouts/clusters/hexiscale_40gpu.toml (so it
-  checks the model's MFU level, not a layout), MFU counted as the cost model counts it.
-- **Holmes** (arXiv 2312.03549, README figure): GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of 8 A100,
-  ~195 TFLOP/s per GPU with NIC-aware groups, ~145 with Megatron-LM's default placement; counted with Megatron's
-  formula. The layout is not published: TP 4 (Megatron's for this model), one pipeline stage per NIC domain
-  (PP 2), DP 8, 4 rows per microbatch; NIC-aware = ``hetero-place``'s placement; default = Megatron's rank
-  order over a host list alternating the two domains, so each stage's DP group spans both.
+  checks the model's MFU level, not a layout), MFU counted as HexiScale's code counts it
+  (``published_rows.HEXISCALE_PEAK_TFLOPS``: Megatron's formula without recompute over its own device peaks).
+- **Holmes** (arXiv 2312.03549, Figure 6 in its repository's README): GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of
+  8 A100, ~195 TFLOP/s per GPU with Holmes, ~145 with Megatron-LM on the same nodes; counted with Megatron's
+  formula (the figure's samples/s agree with it: ~95 and ~71). The layout is not published: TP 4 (Megatron's for
+  this model), one pipeline stage per NIC domain (PP 2), DP 8, 4 rows per microbatch (the repository's example
+  scripts' micro-batch size); Holmes = ``hetero-place``'s NIC-aware placement; Megatron-LM = its rank order over
+  a host list alternating the two domains, so each stage's DP group spans both (our reading). The cluster files
+  (``published_rows.HOLMES_PLANS``) say what the repository says the runs did: 4 NICs per InfiniBand node and 2
+  per RoCE node, fp16 gradients, Holmes' overlapped distributed optimizer (ZeRO-1, reduce-scatter overlapping
+  the backward) and Megatron-LM's defaults of the time for its bar.
 - **One H100** (a plain PyTorch loop, bf16): GPT 1.3B at sequence 2048 and GPT 124M at 1024, eager and
-  ``torch.compile``; MFU counted as nanoGPT does, ``(6 N + 12 l h s)`` FLOPs per token over 989 TFLOP/s.
+  ``torch.compile``, each with its cluster file (``plan.execution``); MFU counted as nanoGPT does,
+  ``(6 N + 12 l h s)`` FLOPs per token over 989 TFLOP/s.
 
 The bench writes the cluster files (``layouts/clusters/published/``) and the published layouts
 (``layouts/papers/published/``) from these rows (``--files-dir`` puts them elsewhere), loads them back as a user's
@@ -54,10 +60,9 @@ from bench.published_rows import (
     GPT2_VOCAB,
     H100,
     HEXISCALE_MFU,
+    HEXISCALE_PEAK_TFLOPS,
     HOLMES_DEFAULT,
     HOLMES_NIC_AWARE,
-    HOLMES_ROWS_PER_MB,
-    HOLMES_TP,
     LARGE,
     MEGATRON,
     MEGATRON_SEQ,
@@ -66,6 +71,9 @@ from bench.published_rows import (
     H100Row,
     h100_layout,
     h100_sections,
+    hexiscale_flops,
+    holmes_cluster,
+    holmes_headers,
     holmes_layouts,
     megatron_flops,
     megatron_layout,
@@ -119,9 +127,13 @@ def nanogpt_mfu(row: H100Row) -> Callable[[Evaluation, float], float]:
     return lambda ev, step: per_token * row.global_batch * row.seq / step / H100_PEAK
 
 
-def model_mfu(ev: Evaluation, step: float) -> float:
-    """MFU as the cost model counts it (its model FLOPs over every device's catalogue peak)."""
-    return ev.score.mfu * ev.score.step_time / step
+def hexiscale_mfu(cluster: Cluster) -> Callable[[Evaluation, float], float]:
+    """MFU as HexiScale counts it (``published_rows.HEXISCALE_PEAK_TFLOPS``): its FLOPs per step over the step and
+    the sum of its peaks for every device of the cluster, idle ones included."""
+    m = cluster.model
+    flops = hexiscale_flops(cluster.train.global_batch, m.seq_len, m.layers, m.hidden, m.vocab)
+    peak = sum(n.devices * HEXISCALE_PEAK_TFLOPS[n.kind.name] for n in cluster.nodes) * 1e12
+    return lambda ev, step: flops / step / peak
 
 
 def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dict[Path, dict]]:
@@ -167,15 +179,18 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
             )
         )
     for row in H100:
-        cpath, lpath = CLUSTERS / f"{row.name}.toml", LAYOUTS / f"{row.name}.toml"
+        lpath = LAYOUTS / f"{row.name}.toml"
         size = row.name.rsplit("_", 1)[1].upper()
         what = f"One H100 80 GB (SXM), GPT {size} (GPT-2 shapes), sequence {row.seq}, bf16"
-        write_cluster(
-            root / cpath,
-            h100_sections(row),
-            {"nodes": {"h100": "h100-sxm"}},
-            f"# {what}.\n# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
-        )
+        for mode in ("eager", "compiled"):
+            write_cluster(
+                root / CLUSTERS / f"{row.name}_{mode}.toml",
+                h100_sections(row),
+                {"execution": mode, "nodes": {"h100": "h100-sxm"}},
+                f"# {what}, a plain PyTorch loop run {mode}"
+                f"{' (torch.compile of the model)' if mode == 'compiled' else ''}.\n"
+                "# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
+            )
         write_layout(
             root / lpath,
             h100_layout(row, str(lpath)),
@@ -187,41 +202,33 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
                 Case(
                     f"{row.name}_{mode}",
                     f"H100, GPT {size} seq {row.seq}, {mode}",
-                    root / cpath,
+                    root / CLUSTERS / f"{row.name}_{mode}.toml",
                     root / lpath,
                     "MFU (nanoGPT)",
                     mfu,
                     nanogpt_mfu(row),
                 )
             )
-    holmes_cluster = Path("layouts/clusters/holmes_64gpu.toml")
-    for name, lay in holmes_layouts(ROOT / holmes_cluster, "x.toml").items():
+    holmes_file = ROOT / "layouts/clusters/holmes_64gpu.toml"
+    for name, lay in holmes_layouts(holmes_file, "x.toml").items():
         m = lay.model
         hflops = megatron_flops(lay.train.global_batch, m.seq_len, m.layers, m.hidden, m.vocab)
+        aware = name == "holmes_nic_aware"
+        framework = "holmes" if aware else "megatron"
+        cpath = CLUSTERS / ("holmes_7.5b.toml" if aware else "holmes_megatron_7.5b.toml")
         lpath = LAYOUTS / f"{name}.toml"
-        which = (
-            "NIC-aware: hetero-place's placement (DP inside a domain, the pipeline boundary across)"
-            if name == "holmes_nic_aware"
-            else "Megatron-LM's default placement: its rank order over hosts alternating IB and RoCE\n"
-            "# (each stage's DP group spans both domains)"
-        )
-        write_layout(
-            root / lpath,
-            lay,
-            "# Holmes (arXiv 2312.03549), GPT 7.5B on layouts/clusters/holmes_64gpu.toml.\n"
-            f"# {which}.\n"
-            f"# TP {HOLMES_TP}, PP 2, DP 8, {HOLMES_ROWS_PER_MB} sequences per microbatch (Holmes' layout is not "
-            "published).\n# Written by bench/published.py (python -m bench.published).\n",
-        )
-        published = HOLMES_NIC_AWARE if name == "holmes_nic_aware" else HOLMES_DEFAULT
+        sections, plan_table = holmes_cluster(holmes_file, framework)
+        cluster_header, layout_header = holmes_headers(aware, cpath)
+        write_cluster(root / cpath, sections, plan_table, cluster_header)
+        write_layout(root / lpath, lay, layout_header)
         cases.append(
             Case(
                 name,
-                "Holmes GPT 7.5B, " + ("NIC-aware" if name == "holmes_nic_aware" else "default placement"),
-                ROOT / holmes_cluster,
+                "Holmes GPT 7.5B, " + ("Holmes (NIC-aware)" if aware else "Megatron-LM"),
+                root / cpath,
                 root / lpath,
                 "TFLOP/s per GPU",
-                published,
+                HOLMES_NIC_AWARE if aware else HOLMES_DEFAULT,
                 tflops_per_gpu(hflops, 64),
                 hflops,
             )
@@ -246,9 +253,9 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
                 "HexiScale Llama-2 7B, 40 GPUs (our plan)",
                 ROOT / hexi,
                 root / lpath,
-                "MFU (cost model's)",
+                "MFU (HexiScale's count)",
                 HEXISCALE_MFU,
-                model_mfu,
+                hexiscale_mfu(cluster),
             )
         )
     return cases, plans

@@ -18,6 +18,7 @@ from hetero_llm.layout import (
     Layout,
     ModelSpec,
     NodeSpec,
+    Optimizer,
     PipelineSpec,
     Precision,
     Recompute,
@@ -108,6 +109,17 @@ def nanogpt_flops_per_token(layers: int, hidden: int, seq: int, vocab: int) -> f
 
 
 HEXISCALE_MFU = 0.3119
+# How HexiScale counts MFU (its code, github.com/Relaxed-System-Lab/FlashFlex, HexiScale's first name, at a4f366f:
+# experimental/cost_modeling.py TimeCost.mfu and glb_flops): 72 L B S H^2 (1 + S/(6H) + V/(16 L H)) FLOPs per step
+# (Megatron's formula without the recompute term), over the step time and the sum of every device's peak, from
+# experimental/machine_amounts.json: RTX 3080 Ti 56.9, RTX 3090 80, RTX 4090 165.2 TFLOPS.
+HEXISCALE_PEAK_TFLOPS = {"rtx3080ti": 56.9, "rtx3090": 80.0, "rtx4090": 165.2}
+
+
+def hexiscale_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    return 72 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
 HOLMES_NIC_AWARE, HOLMES_DEFAULT = 195.0, 145.0
 HOLMES_TP, HOLMES_ROWS_PER_MB = 4, 4
 
@@ -124,8 +136,10 @@ def megatron_plan(row: MegatronRow) -> dict:
     """The cluster file's [plan]: DGX nodes of A100 80 GB with eight NICs each, and how Megatron-LM (commit
     6985e58 of examples/sc21) trains: fp16 gradients all-reduced (2 bytes), by torch DDP overlapped with the
     backward where run_table_1.sh says DDP=torch, after it with DDP=local; attention unfused (the scores
-    materialized, a fused scale-mask-softmax kernel and dropout); the head split over TP (vocabulary-parallel)."""
+    materialized, a fused scale-mask-softmax kernel and dropout); the head split over TP (vocabulary-parallel);
+    its hand-fused kernels (bias-GeLU, bias-dropout-add, layer norm) and half-precision weights: ``fused``."""
     return {
+        "execution": "fused",
         "grad_bytes": 2,
         "grad_overlap": row.ddp == "torch",
         "attention": "unfused",
@@ -227,9 +241,62 @@ def h100_layout(row: H100Row, file: str) -> Layout:
     return Layout(file, s["model"], s["train"], s["data"], s["cluster"], (pipe,))
 
 
+# What Holmes' repository (github.com/CodexDive/Holmes at 03d9522) says its runs did, for the cluster files' [plan]:
+# every example script trains with --fp16 (fp16 gradients: grad_bytes 2) and flash attention, and with
+# --use-distributed-optimizer --overlapped-distributed-optimizer (README: "the --use-distributed-optimizer flag to
+# enable overlapped distributed optimizer": ZeRO-1 whose gradient reduce-scatter overlaps the backward, Megatron-LLaMA's);
+# Megatron's fused kernels (bias-GeLU, bias-dropout-add, layer norm) and vocabulary-parallel head. The NICs per node
+# are in the cluster file (its config.json). Figure 6's "Megatron-LM" bar is Megatron-LM itself on the same nodes: its
+# defaults of the time (no distributed optimizer, gradients all-reduced after the backward), fp16 like every run there.
+HOLMES_PLANS = {
+    "holmes": {"execution": "fused", "grad_bytes": 2, "grad_overlap": True, "vocab_parallel": True},
+    "megatron": {"execution": "fused", "grad_bytes": 2, "grad_overlap": False, "vocab_parallel": True},
+}
+HOLMES_OPTIMIZER = {"holmes": Optimizer.ADAMW_ZERO1, "megatron": Optimizer.ADAMW}
+
+
+def holmes_cluster(cluster_file: Path, framework: str) -> tuple[dict, dict]:
+    """The sections of Holmes' cluster file (layouts/clusters/holmes_64gpu.toml) with the framework's optimizer, and
+    its [plan] with what the framework did (HOLMES_PLANS)."""
+    _, raw, s = layout_mod.read_cluster_file(cluster_file, "bench.published", extra=("plan",))
+    s = dict(s, train=attrs.evolve(s["train"], optimizer=HOLMES_OPTIMIZER[framework]))
+    return s, {**HOLMES_PLANS[framework], **raw["plan"]}
+
+
+def holmes_headers(aware: bool, cluster: Path) -> tuple[str, str]:
+    """The comments atop the Holmes row's cluster file and layout (Holmes' run, or Figure 6's Megatron-LM bar)."""
+    system = (
+        "# trained as by Holmes: fp16 gradients reduce-scattered by its overlapped distributed optimizer\n"
+        "# (ZeRO-1), overlapped with the last backward"
+        if aware
+        else "# trained as by Megatron-LM (Holmes' Figure 6 baseline) with its defaults of the time: fp16\n"
+        "# gradients all-reduced after the backward, no distributed optimizer"
+    )
+    cluster_header = (
+        "# Holmes (arXiv 2312.03549, Figure 6: parameter group 3, GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of\n"
+        "# 8 A100): the nodes and NICs of layouts/clusters/holmes_64gpu.toml,\n" + system + ";\n"
+        "# Megatron's fused kernels, flash attention (github.com/CodexDive/Holmes at 03d9522: README, example\n"
+        "# scripts, config.json). Written by bench/published.py (python -m bench.published): edit the rows there.\n"
+    )
+    which = (
+        "NIC-aware: hetero-place's placement (DP inside a domain, the pipeline boundary across)"
+        if aware
+        else "Megatron-LM's default placement: its rank order over hosts alternating IB and RoCE\n"
+        "# (each stage's DP group spans both domains; our reading: the figure does not give it)"
+    )
+    layout_header = (
+        f"# Holmes (arXiv 2312.03549), GPT 7.5B on {cluster}.\n"
+        f"# {which}.\n"
+        f"# TP {HOLMES_TP}, PP 2, DP 8, {HOLMES_ROWS_PER_MB} sequences per microbatch (Holmes' layout is not "
+        "published).\n# Written by bench/published.py (python -m bench.published).\n"
+    )
+    return cluster_header, layout_header
+
+
 def holmes_layouts(cluster_file: Path, file: str) -> dict[str, Layout]:
     """The NIC-aware layout (hetero-place's) and Megatron's default placement, the same TP, PP, DP and batch."""
-    _, _, s = layout_mod.read_cluster_file(cluster_file, "bench.published", extra=("plan",))
+    sections = {f: holmes_cluster(cluster_file, f)[0] for f in HOLMES_PLANS}
+    s = sections["holmes"]
     model, train, spec = s["model"], s["train"], s["cluster"]
     pp = len(spec.domains)
     dp = len(spec.nodes) * 8 // (HOLMES_TP * pp)
@@ -251,7 +318,8 @@ def holmes_layouts(cluster_file: Path, file: str) -> dict[str, Layout]:
         HOLMES_DEFAULT,
         HOLMES_ROWS_PER_MB,
     )
-    default = Layout(file, model, train, s["data"], spec, megatron_pipelines(row, hosts))
+    m = sections["megatron"]
+    default = Layout(file, model, m["train"], m["data"], spec, megatron_pipelines(row, hosts))
     return {"holmes_nic_aware": aware, "holmes_default": default}
 
 

@@ -624,7 +624,9 @@ def test_published_quick(tmp_path):
     assert json.loads(cli.output)["step_time"] == pytest.approx(r["step_time_s"], rel=1e-12)
 
     written = sorted(p.relative_to(files) for p in files.rglob("*.toml"))
-    assert len(written) == 2 + 2 * 2 + 2  # Megatron 1.7B's and the two H100s' cluster and layout; Holmes' two
+    # Megatron 1.7B's cluster and layout; each H100 row's eager and compiled clusters and its layout; Holmes' and
+    # Megatron-LM's clusters and layouts on Holmes' nodes
+    assert len(written) == 2 + 2 * 3 + 2 * 2
     for rel in written:
         assert (files / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: rerun python -m bench.published"
     assert {p["cluster"] for p in payload["picks"]} == {rows[n]["cluster"] for n in rows}

@@ -73,6 +73,91 @@ def test_unfused_attention_costs_more_than_flash(tmp_path):
     assert unfused.roofline.attention(kind, 4, 1)[0] > 2 * flash.roofline.attention(kind, 4, 1)[0]
 
 
+def test_execution_modes_order_the_element_wise_work(tmp_path):
+    """Eager pays a kernel per op (and bf16 weight casts) over compiled's fused chains; Megatron's hand-fused kernels
+    without casts are cheapest; 'auto' is the runtime's: eager, its blocks compiled with train.compile = 'blocks'."""
+    costs = {
+        mode: PlannerCostModel(load(tmp_path, cluster_text(f'execution = "{mode}"\n'), f"{mode}.toml"))
+        for mode in ("eager", "compiled", "fused")
+    }
+    kind = costs["eager"].cluster.nodes[0].kind
+    layer = {mode: c.roofline.layer(kind, 4, 1) for mode, c in costs.items()}
+    head = {mode: c.roofline.head(kind, 4, 1) for mode, c in costs.items()}
+    for i in (0, 1):  # forward, backward
+        assert layer["eager"][i] > layer["compiled"][i] > layer["fused"][i]
+        assert head["eager"][i] > head["compiled"][i]
+    auto = PlannerCostModel(load(tmp_path, cluster_text(), "auto.toml"))
+    assert auto.roofline.layer(kind, 4, 1) == layer["eager"]
+    blocks = cluster_text().replace('precision = "bf16"\n', 'precision = "bf16"\ncompile = "blocks"\n')
+    compiled_blocks = PlannerCostModel(load(tmp_path, blocks, "blocks.toml"))
+    assert compiled_blocks.roofline.layer(kind, 4, 1) == layer["compiled"]
+    assert compiled_blocks.roofline.head(kind, 4, 1) == head["eager"]  # the head stays eager
+
+
+# ops that make no kernel (views, metadata)
+VIEWS = {"view", "_unsafe_view", "permute", "transpose", "t", "expand", "detach", "split_with_sizes", "slice", "alias"}
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_eager_kernels_are_the_ops_the_runtime_dispatches(tmp_path, bias):
+    """The eager roofline counts the kernels ``model.block`` dispatches in bf16 from float32 weights (traced here
+    with a TorchDispatchMode, views left out): forward exactly; backward those of one microbatch plus each parameter
+    gradient's accumulation into ``.grad`` (from the second microbatch on). A layer too small to keep the GPU busy
+    takes its forward ops' host time, dispatch + launch each."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from hetero_llm.model import forward as fw
+    from hetero_llm.model.params import layer_params
+    from hetero_llm.planner.catalogue import EAGER_DISPATCH_US
+
+    text = cluster_text('execution = "eager"\n').replace("hidden = 1024\nheads = 16\n", "hidden = 64\nheads = 4\n")
+    text = text.replace("seq_len = 1024\n", "seq_len = 16\n" + ("bias = true\n" if bias else ""))
+    cost = PlannerCostModel(load(tmp_path, text))
+    m, kind = cost.model, cost.cluster.nodes[0].kind
+    fwd, bwd, _ = cost.roofline.tallies(kind, 2, 1)
+
+    class Kernels(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.overloadpacket.__name__ not in VIEWS
+            return func(*args, **(kwargs or {}))
+
+    infos = layer_params(m, 0)
+    p = {i.name: fw.init_full(i, m, 0).requires_grad_() for i in infos}
+    x = torch.randn(2, m.seq_len, m.hidden, dtype=torch.bfloat16, requires_grad=True)
+    with Kernels() as forward:
+        y = fw.block(fw.block_params(p, 0, m), x, m)
+    loss = y.float().sum()  # the loss's own backward kernels (ones_like, the cast back) are not the layer's: 2
+    with Kernels() as backward:
+        loss.backward()
+    assert len(fwd.times) == forward.n
+    assert len(bwd.times) == backward.n - 2 + len(infos)
+    host = len(fwd.times) * (EAGER_DISPATCH_US + kind.launch_us) * 1e-6
+    assert cost.roofline.layer(kind, 1, 1)[0] == pytest.approx(host, rel=1e-9)
+
+
+def test_vocab_parallel_splits_the_embedding_and_head_over_tp(tmp_path):
+    """Megatron-LM's vocabulary-parallel embedding and head: each TP rank holds V/t of their rows (parameters,
+    gradients, moments, gradient sync) and of the logits; the runtime keeps them whole on every rank."""
+    whole = PlannerCostModel(load(tmp_path, cluster_text()))
+    split = PlannerCostModel(load(tmp_path, cluster_text("vocab_parallel = true\n"), "v.toml"))
+    V, H = whole.V, whole.H
+    for tp in (1, 4):
+        assert whole.embed_params(tp) == V * H + (whole.S * H if whole.model.position.value == "learned" else 0)
+        assert whole.embed_params(tp) - split.embed_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
+        assert whole.head_params(tp) - split.head_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
+    group = TPGroup("n0", "ib", tuple(f"n0:{d}" for d in range(4)), whole.cluster.nodes[0].kind)
+    args = (group, 2, True, True, 1, False, 1.0)
+    saved = whole.stage_memory(*args) - split.stage_memory(*args)
+    per_param = 16  # float32 weight, gradient and two moments
+    logits = whole.S * V * (2 + 4) * 2 * (1 - 1 / 4)
+    assert saved == pytest.approx(2 * V * H * (1 - 1 / 4) * per_param + logits, rel=1e-9)
+
+
 def test_half_precision_gradients_halve_the_sync(tmp_path):
     c32 = load(tmp_path, cluster_text())
     c16 = load(tmp_path, cluster_text("grad_bytes = 2\n"), "c16.toml")
@@ -136,6 +221,7 @@ def test_emulated_kinds_are_priced_exactly_as_the_emulated_runtime(tmp_path, las
 BAD = [
     ("grad_bytes = 3\n", "plan.grad_bytes: must be 4 (float32 gradients) or 2 (fp16/bf16), got 3"),
     ('attention = "fast"\n', "plan.attention: unknown attention 'fast' (one of: flash, unfused)"),
+    ('execution = "jit"\n', "plan.execution: unknown execution 'jit' (one of: auto, eager, compiled, fused)"),
     ("[plan.nics]\nn0 = 0\n", "plan.nics.n0: expected a number of NICs >= 1, got 0"),
     ('[plan.nics]\n"x*" = 2\n', "plan.nics.x*: matches no node (nodes: n0, n1)"),
     (

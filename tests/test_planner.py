@@ -687,7 +687,8 @@ def test_peaks_in_flight_past_three_times_the_stages_repeat():
             for mbs in range(3 * stages + 1, 3 * stages + 2 * stages + 2):
                 if kind == "interleaved" and mbs % stages:
                     continue
-                want = pipesim.peak_in_flight(pipesim.actions(kind, stages, mbs, chunks))
+                # an interleaved (microbatch, chunk) pair holds 1/chunks of the stage's layers
+                want = tuple(p / chunks for p in pipesim.peak_in_flight(pipesim.actions(kind, stages, mbs, chunks)))
                 assert cost._peaks(kind, stages, mbs, chunks) == want, (kind, stages, mbs)
 
 

@@ -65,6 +65,10 @@ class KindSpec:
 #         Other kinds: the A100's fraction [ASSUMED].
 #  [LAUNCH] "From launch overhead to CUDA Graph" (susun-blog.com/blog/pegainfer-3-cuda-graph): submitting one
 #         kernel takes the host about 4-6 us; 5 us is taken.
+#  [DISPATCH] github.com/pytorch/pytorch issue 41383: an eager PyTorch op on a tensor that requires grad costs the
+#         host ~7 us beyond its kernel (6.8 s for 1 M ``2 * x``; ~5 us without autograd; a maintainer: about half
+#         of it Python's). Taken per op of an eager forward (Python, dispatcher, recording the autograd node), on
+#         top of the kernel's launch [LAUNCH]; a backward node (C++ autograd engine, no Python) pays the launch only.
 #  [CAL]  calibrated on one published row (A100_SUSTAINED below), not a source.
 #  [ASSUMED] no published measurement found: stated as an assumption in docs/planner.md.
 # CALIBRATED on one published row, which is then no longer a check: Megatron-LM's GPT 1.7B (SC'21 Table 1,
@@ -175,6 +179,9 @@ DOMAIN_FRACTION: dict[DomainKind, float] = {
 # (NVIDIA Deep Learning Performance Guide, "Matrix Multiplication Background": tile and wave quantization);
 # 128 x 128 is cuBLAS's common large tile there.
 TILE = 128
+# Host time of one eager PyTorch op beyond its kernel's launch ([DISPATCH]): Python, the dispatcher and the autograd
+# node; the host runs ahead of the GPU, so a stage's eager work takes at least its ops' host time.
+EAGER_DISPATCH_US = 7.0
 # torch DDP's default gradient bucket (bucket_cap_mb = 25): with grad_overlap, the last bucket's all-reduce
 # starts only when the backward has ended
 DDP_BUCKET_BYTES = 25 * 2**20

@@ -17,6 +17,7 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     grad_overlap = false            # sync after the backward (the runtime); true: torch DDP's overlap
     attention = "flash"             # the runtime's SDPA; "unfused": Megatron-LM of 2021
     vocab_parallel = false          # the head whole on every TP rank (the runtime); true: split (Megatron)
+    execution = "auto"              # eager / compiled / fused kernels; auto: from train.compile (the runtime)
     [plan.nodes]                    # device kind of each node; keys are node names or globs
     "ib*" = "a100-80g"
     roce0 = "rtx4090"
@@ -130,13 +131,24 @@ class PlanLimits:
         default="flash",
     )
     vocab_parallel: bool = _doc(
-        "roofline kinds: the head and its cross-entropy split over the TP group (Megatron-LM's vocabulary-"
-        "parallel head); false = whole on every TP rank, as hetero_llm's runtime computes it",
+        "the embedding and the head split over the TP group (Megatron-LM's vocabulary-parallel embedding and "
+        "head): their parameters, gradients, optimizer state and gradient sync, and on roofline kinds the head's "
+        "matmul, cross-entropy and logits; false = whole on every TP rank, as hetero_llm's runtime keeps them",
         default=False,
+    )
+    execution: str = _doc(
+        "roofline kinds: how the element-wise work runs. 'eager': one kernel per PyTorch op (biases, "
+        "activation, residuals, norms, layout copies, the bf16 weight casts), each paying the host's dispatch, "
+        "overlapped with the GPU; 'compiled': torch.compile of the whole model (chains between matmuls fused, "
+        "the cross-entropy fused); 'fused': hand-fused kernels (Megatron-LM's fused bias-GeLU, bias-dropout-add, "
+        "layer norm; no weight casts); 'auto': what hetero_llm's runtime runs, eager, its blocks compiled with "
+        "train.compile = 'blocks'",
+        default="auto",
     )
 
 
 ATTENTION = ("flash", "unfused")
+EXECUTION = ("auto", "eager", "compiled", "fused")
 
 
 SCHEDULES = ("1f1b", "zbh1", "interleaved", "gpipe")
@@ -344,6 +356,10 @@ def _check_limits(file: str, limits: PlanLimits) -> None:
     if limits.attention not in ATTENTION:
         raise LayoutError(
             file, "plan.attention", f"unknown attention {limits.attention!r} (one of: {', '.join(ATTENTION)})"
+        )
+    if limits.execution not in EXECUTION:
+        raise LayoutError(
+            file, "plan.execution", f"unknown execution {limits.execution!r} (one of: {', '.join(EXECUTION)})"
         )
     for key in ("action_overhead_us", "p2p_latency_us"):
         value = getattr(limits, key)

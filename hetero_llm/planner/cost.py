@@ -6,7 +6,8 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
 
 - compute of a **roofline** kind (every built-in GPU): each operation the runtime launches priced by
   ``roofline.Roofline`` (matmuls at the achieved rate for their shape, attention, memory-bound norms,
-  activations, residuals and cross-entropy, at least one launch each); of a **flops** kind (``cpu``, the
+  activations, residuals and cross-entropy, as the run executes them: ``plan.execution``, eager by default
+  with the host's dispatch per op, compiled, or hand-fused); of a **flops** kind (``cpu``, the
   emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H`` (+ ``2 S H V`` for the head) over TP x
   the kind's tflops, a backward twice that, its weight part the matmuls once: exactly what the emulated
   runtime charges (predict/device.action_seconds). Full recompute adds one forward to every backward.
@@ -41,13 +42,23 @@ from __future__ import annotations
 import functools
 import math
 
-from hetero_llm.layout import Backend
+from hetero_llm.layout import Backend, Compile
 from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.memory import MemoryModel
-from hetero_llm.planner.roofline import Roofline
+from hetero_llm.planner.roofline import COMPILED, EAGER, Roofline
+
+
+def execution_modes(cluster: Cluster) -> tuple[str, str]:
+    """How the layers' and the head's element-wise work runs (``plan.execution``; 'auto': the runtime's, eager
+    unless train.compile = 'blocks' compiles each block, the head staying eager)."""
+    mode = cluster.limits.execution
+    if mode == "auto":
+        return (COMPILED if cluster.train.compile is Compile.BLOCKS else EAGER), EAGER
+    return mode, mode
+
 
 OPTIMIZER_BYTES = 28  # AdamW reads weight, grad, two moments (16 B) and writes weight and moments (12 B)
 
@@ -70,7 +81,7 @@ class PlannerCostModel(MemoryModel):
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
-        self.roofline = Roofline(self.model, self.act_bytes, limits.attention)
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster))
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
@@ -247,12 +258,12 @@ class PlannerCostModel(MemoryModel):
             nodes = {g.node for g in groups}
             domains = {g.domain for g in groups}
             cross |= len(domains) > 1
-            # the embedding (first layer's holders) and the head (last layer's) sync alongside
-            extra = (self.embed_params() if lo == 0 else 0) + (self.head_params() if hi == self.L else 0)
             for g in groups:
                 t = len(g.devices)
                 if t not in per_rank:
                     per_rank[t] = sum(self.layer_params(t))
+                # the embedding (first layer's holders) and the head (last layer's) sync alongside
+                extra = (self.embed_params(t) if lo == 0 else 0) + (self.head_params(t) if hi == self.L else 0)
                 shard = (per_rank[t] * (hi - lo) + extra) * self.grad_bytes
                 held[g.devices[0]] = held.get(g.devices[0], 0.0) + shard
                 nbytes = ring * shard

@@ -45,7 +45,7 @@ class LayerSplitter:
         first: bool,
         last: bool,
         rows: int,
-        in_flight: int,
+        in_flight: float,
         others: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[float, bool]:
         """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
@@ -126,7 +126,7 @@ class LayerSplitter:
         first: bool,
         last: bool,
         rows: int,
-        in_flight: int,
+        in_flight: float,
         others: tuple[float, float],
     ) -> list[float]:
         """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""

@@ -4,8 +4,11 @@ Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, tw
 plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
 inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
 ``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
-microbatches in flight; with full recompute only each layer's input (H per token) plus one layer's
-working set. The last stage adds one microbatch's logits and their gradient (float32).
+microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
+1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
+working set. The last stage adds one microbatch's logits and their gradient (float32). With
+``plan.vocab_parallel`` (Megatron-LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the
+embedding's and the head's rows and of the logits; else the whole of them (the runtime).
 
 The planner's cost model (``cost.PlannerCostModel``) is a ``MemoryModel``: a stage that does not fit in its
 device's memory, after the margin, makes a candidate infeasible.
@@ -50,18 +53,30 @@ class MemoryModel:
         norms = 2 * H * (2 if self.model.norm is Norm.LAYERNORM else 1)
         return (4 * H * H + self.nm * H * F) / tp, norms
 
-    def embed_params(self) -> float:
-        return self.V * self.H + (self.S * self.H if self.model.position is Position.LEARNED else 0)
+    def vocab_split(self, tp: int) -> int:
+        """How many ways a device's TP group splits the vocabulary (``plan.vocab_parallel``: Megatron-LM's
+        vocabulary-parallel embedding and head split it over TP; the runtime keeps it whole on every rank)."""
+        return tp if self.cluster.limits.vocab_parallel else 1
 
-    def head_params(self) -> float:
-        return self.V * self.H + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
+    def embed_params(self, tp: int = 1) -> float:
+        """The embedding's parameters on one device of a TP group of ``tp`` (the learned positions whole)."""
+        return self.V * self.H / self.vocab_split(tp) + (
+            self.S * self.H if self.model.position is Position.LEARNED else 0
+        )
+
+    def head_params(self, tp: int = 1) -> float:
+        return self.V * self.H / self.vocab_split(tp) + self.H * (2 if self.model.norm is Norm.LAYERNORM else 1)
 
     def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> float:
         key = (tp, layers, first, last)
         n = self._stage_params.get(key)
         if n is None:  # the search asks hundreds of thousands of times
             sharded, repl = self.layer_params(tp)
-            n = layers * (sharded + repl) + (self.embed_params() if first else 0) + (self.head_params() if last else 0)
+            n = (
+                layers * (sharded + repl)
+                + (self.embed_params(tp) if first else 0)
+                + (self.head_params(tp) if last else 0)
+            )
             self._stage_params[key] = n
         return n
 
@@ -101,7 +116,7 @@ class MemoryModel:
         last: bool,
         rows: int,
         recompute: bool,
-        in_flight: int,
+        in_flight: float,
         others: tuple[float, float] = (0.0, 0.0),
         moments: float | None = None,
     ) -> float:
@@ -119,7 +134,8 @@ class MemoryModel:
         else:
             act = in_flight * layers * tokens * full
         if last:
-            act += tokens * self.V * (self.act_bytes + 4) * 2  # logits (compute dtype + float32 loss) and grad
+            # logits (compute dtype + float32 loss) and their gradient
+            act += tokens * self.V / self.vocab_split(t) * (self.act_bytes + 4) * 2
         # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
         # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
         return params + max(act, moments * STEP_TEMP_BYTES)
@@ -127,13 +143,16 @@ class MemoryModel:
     def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
 
-    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[float, ...]:
+        """Per stage, the most microbatches' activations held at once, in whole-stage units: an interleaved
+        (microbatch, chunk) pair holds 1/chunks of the stage's layers (as predict.simulate counts them)."""
         if schedule != "gpipe" and microbatches > 3 * stages:
             # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
             # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
             # schedules of hundreds of microbatches
             microbatches = 3 * stages + (microbatches - 3 * stages) % stages
-        return pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+        peaks = pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+        return tuple(p / chunks for p in peaks) if schedule == "interleaved" else tuple(map(float, peaks))
 
     def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
         """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
