@@ -157,8 +157,7 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
     from hetero_llm.comm import shm
 
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
-    errdir = _error_dir_name()  # created by the first rank that reports a failure, so a launcher killed by
-    # SIGKILL (no finally) leaves nothing behind unless a rank had failed
+    errdir = _error_dir_name()  # made by the first rank that reports: a launcher SIGKILLed leaves nothing
     threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
     procs: dict[int, _Child] = {}
     stopped_since: dict[int, float] = {}  # rank -> when its process was first seen stopped
@@ -188,8 +187,7 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
             errdir.rmdir()
 
 
-def _error_dir_name() -> Path:
-    """A fresh, not yet existing ``$TMPDIR/hetero_llm_errors_*`` path for this launch's failure reports."""
+def _error_dir_name() -> Path:  # a fresh, not yet existing $TMPDIR/hetero_llm_errors_* for failure reports
     return Path(tempfile.gettempdir(), f"hetero_llm_errors_{os.getpid()}_{os.urandom(6).hex()}")
 
 
