@@ -1,5 +1,6 @@
-"""In-memory snapshots of elastic runs (hetero_llm/checkpoint/snapshots.py), in one process: the background write,
-its failure, what each rank keeps, and the restart's choice by holders (a snapshot step, else the disk's save).
+"""In-memory snapshots of elastic runs (hetero_llm/checkpoint/snapshots.py, holders.py; launch/restart.py), in one
+process: the background write, its failure, what each rank keeps, and the restart's choice by holders over every
+node present (a snapshot step copied into --checkpoint DIR, else the disk's save), a holder lost during the copy.
 The runs under torchrun: tests/test_elastic.py."""
 
 from __future__ import annotations
@@ -7,16 +8,18 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, shards, snapshots
+from hetero_llm.checkpoint import folders, holders, shards, snapshots
 from hetero_llm.errors import RankFailure
-from hetero_llm.launch import elastic
+from hetero_llm.launch import elastic, restart
 from hetero_llm.plan import compile_plan
 from hetero_llm.runtime.state import init_state, make_optimizer
 
@@ -99,53 +102,124 @@ def test_each_rank_keeps_its_two_newest_snapshots(tmp_path):
     assert sorted(p.name for p in (tmp_path / "round").iterdir()) == ["step-000002", "step-000003"]
 
 
-def test_a_restart_resumes_the_newest_step_every_block_has_a_holder_of(tmp_path):
+# --------------------------------------------------------------------------- the restart's choice over nodes
+# Emulated nodes: each has its own snapshot folder (its memory); a lost node's folder is gone with it. The workers
+# of a round are threads here, one per node, talking over a real TCPStore as torchrun's workers do.
+
+PLACED = {"n0": [0, 2], "n1": [1], "n2": [3]}  # which ranks of _plan ran on which node: stage 0 both on n0
+
+
+def _nodes(plan, shm: Path, steps: dict[int, dict[str, list[int]]]) -> dict[int, tuple]:
+    """Each node snapshots its ranks' state at each step of ``steps`` (step -> node -> ranks) into ``shm/NODE``
+    (the round folder ``a-000000``); the states by rank."""
+    states = {}
+    for step, placed in steps.items():
+        for node, ranks in placed.items():
+            states.update(_snapshot(plan, shm / node / "a-000000", step, ranks))
+    return states
+
+
+def _disk_save(plan, tmp_path: Path, step: int) -> Path:
+    """A complete save at ``step`` in ``tmp_path/ckpt`` (every rank's snapshot, chosen and copied as a round would)."""
+    _snapshot(plan, tmp_path / "d" / "a-000000", step)
+    choice = holders.choose({"d": holders.held(tmp_path / "d")}, plan.layout, -1)
+    assert choice is not None
+    folder = folders.step_folder(tmp_path / "ckpt", step)
+    assert holders.begin(folder)
+    holders.copy_into(tmp_path / "d", folder, choice.files, lambda n: None)
+    holders.seal(folder, choice, plan.layout)
+    shutil.rmtree(tmp_path / "d")
+    return folder
+
+
+def _round(plan, tmp_path: Path, nodes: list[str], timeout_s: float = 20.0) -> dict[str, tuple]:
+    """One round of the nodes ``nodes`` (one worker each, the first torchrun's rank 0): what each worker's
+    ``restart.agree`` returned (or raised)."""
+    server = dist.TCPStore("127.0.0.1", 0, len(nodes), True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    members = [(n, 0) for n in nodes]
+    results: dict[str, tuple] = {}
+
+    def worker(rank: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, len(nodes), False, timeout=timedelta(seconds=30))
+        try:
+            results[nodes[rank]] = restart.agree(
+                store, rank, members, plan.layout, str(tmp_path / "ckpt"), tmp_path / "shm" / nodes[rank], timeout_s
+            )
+        except Exception as e:  # reported, not lost in the thread
+            results[nodes[rank]] = (e,)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(nodes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_path):
     plan = _plan(tmp_path)
-    lay = plan.layout
-    base = tmp_path / "shm"
-    states = _snapshot(plan, base / "a-000000", 5)
-    _snapshot(plan, base / "a-000000", 6, ranks=[0, 2])  # a node lost while step 6 was written: stage 1 missing
-    _drop(base / "a-000000", 5, 1)  # rank 1's snapshot gone too: rank 3 holds the same blocks
-    sealed = snapshots.seal_newest(base, lay, newer_than=3)
-    assert sealed is not None and Path(sealed).name == "step-000005"
-    assert folders.verify(folders.find(sealed)) is None  # a complete save: sizes, sha256, every block covered
-    assert sorted(p.name for p in base.iterdir()) == [snapshots.SEALED]  # the rest removed
+    shm = tmp_path / "shm"
+    _disk_save(plan, tmp_path, 3)
+    states = _nodes(plan, shm, {5: PLACED, 6: {"n0": [0, 2], "n2": [3]}})  # n1 lost while step 6 was written
+    shutil.rmtree(shm / "n2")  # n2 lost: its memory with it; stage 1 of step 5 is held by n1 (rank 1) only
+    # neither node alone holds every block of step 5 (n0: stage 0, n1: stage 1)
+    assert holders.choose({"n0": holders.held(shm / "n0")}, plan.layout, 3) is None
+    results = _round(plan, tmp_path, ["n0", "n1"])
+    folder = folders.step_folder(tmp_path / "ckpt", 5)
+    assert results == {n: (str(folder), " from a snapshot in memory held on n0, n1") for n in ("n0", "n1")}
+    ckpt = folders.find(tmp_path / "ckpt")  # ``latest`` names it: a complete save, verified like any other
+    assert ckpt.path == folder and ckpt.world_size == 2 and folders.verify(ckpt) is None
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]  # no replica copied
+    assert list(shm.iterdir()) == []  # every node emptied its snapshot folder
     one = compile_plan(layout_mod.load(str(write_layout(tmp_path / "one.toml", COMMON, [(12, 3, [(6, 1)])]))))
-    restored = shards.restore(one.rank_plan(0), sealed)  # any layout resumes it, as a disk save
+    restored = shards.restore(one.rank_plan(0), str(folder))  # any layout resumes it
     assert restored.step == 5
-    held = {name: (s, o) for s, o in (states[0], states[3]) for name in s.params}
+    held = {name: (s, o) for s, o in (states[0], states[1]) for name in s.params}
     for name, t in restored.shards["tensor"].items():
         state, optimizer = held[name]
         p = state.params[name]
         assert torch.equal(t, p.detach()), name
         assert torch.equal(restored.shards["exp_avg"][name], optimizer.state[p]["exp_avg"]), name
-    # the next round finds the sealed save again (nothing newer was written)
-    assert snapshots.seal_newest(base, lay, newer_than=3) == sealed
-    assert snapshots.seal_newest(base, lay, newer_than=5) is None  # the disk's save is as new: it is taken
 
 
-def test_without_a_holder_for_every_block_the_restart_takes_the_disk_save(tmp_path):
+def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_path):
     plan = _plan(tmp_path)
-    lay = plan.layout
-    disk = tmp_path / "disk"  # a complete save at step 3 (a sealed snapshot is one, in the checkpoint format)
-    _snapshot(plan, disk / "a-000000", 3)
-    snapshots.seal_newest(disk, lay, newer_than=-1)
-    shutil.move(disk / snapshots.SEALED / "step-000003", tmp_path / "ckpt" / "step-000003")
-    base = tmp_path / "shm"
-    _snapshot(plan, base / "a-000000", 5)
-    assert elastic.newest_save(lay, str(tmp_path / "ckpt"), base) == (
-        str(base / snapshots.SEALED / "step-000005"),
-        " from a snapshot in memory",
+    shm = tmp_path / "shm"
+    disk = _disk_save(plan, tmp_path, 3)
+    _nodes(plan, shm, {5: PLACED})
+    for lost in ("n1", "n2"):  # stage 1's holders (ranks 1 and 3) were on n1 and n2
+        shutil.rmtree(shm / lost)
+    assert _round(plan, tmp_path, ["n0"]) == {"n0": (str(disk), "")}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]
+    assert list(shm.iterdir()) == []  # nothing held was worth keeping
+
+
+@pytest.mark.parametrize("how", ["silent", "changed"])
+def test_a_holder_lost_during_the_copy_makes_the_round_take_the_disk_save(tmp_path, monkeypatch, capsys, how):
+    plan = _plan(tmp_path)
+    shm = tmp_path / "shm"
+    disk = _disk_save(plan, tmp_path, 3)
+    _nodes(plan, shm, {5: PLACED})
+    shutil.rmtree(shm / "n2")
+    if how == "silent":  # n1 said what it holds, then died before copying anything
+        share = restart._copy_share
+        monkeypatch.setattr(
+            restart, "_copy_share", lambda store, node, *a: None if node == "n1" else share(store, node, *a)
+        )
+        why = "node n1 copied nothing for 1 s"
+    else:  # n1's file changed since its record was written (same size)
+        pt = folders.rank_file(folders.step_folder(shm / "n1" / "a-000000", 5), 1)
+        data = bytearray(pt.read_bytes())
+        data[-1] ^= 1
+        pt.write_bytes(bytes(data))
+        why = "CheckpointError: " + str(pt)
+    assert _round(plan, tmp_path, ["n0", "n1"], timeout_s=1.0) == {n: (str(disk), "") for n in ("n0", "n1")}
+    assert f"elastic: the snapshot of step 5 could not be copied into {tmp_path / 'ckpt' / 'step-000005'} ({why}" in (
+        capsys.readouterr().err
     )
-    _snapshot(plan, base / "b-000005", 7, ranks=[0, 1, 2])
-    _drop(base / "b-000005", 7, 1)  # stage 1 of step 7: neither rank 1 nor rank 3 holds it
-    resume, source = elastic.newest_save(lay, str(tmp_path / "ckpt"), base)
-    assert (resume, source) == (str(base / snapshots.SEALED / "step-000005"), " from a snapshot in memory")
-    shutil.rmtree(base / snapshots.SEALED)  # and without that one: the disk's
-    _snapshot(plan, base / "b-000005", 7, ranks=[0, 2])
-    resume, source = elastic.newest_save(lay, str(tmp_path / "ckpt"), base)
-    assert (Path(resume or "").name, source) == ("step-000003", "")
-    assert list(base.iterdir()) == []  # nothing in memory was worth keeping
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]  # no partial save
+    assert folders.find(tmp_path / "ckpt").path == disk
+    assert holders.held(shm / "n0") and holders.held(shm / "n1")  # kept: the next round chooses again
 
 
 @pytest.mark.parametrize("restart, max_restarts, last", [("0", "0", True), ("1", "3", False), ("3", "3", True)])
