@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -251,6 +252,8 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
+    """n2 hangs after step 3 and is lost with its memory. Snapshots every step, each node's in its own folder (its
+    HETERO_SHM_DIR: node memory), no disk save: the survivors resume from a snapshot step their nodes hold."""
     steps = 10
     one = tmp_path / "one"
     one.mkdir()
@@ -259,10 +262,15 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     work.mkdir()
     cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
     metrics = work / "m.jsonl"
-    agents = [_agent(cluster, "n0", rdzv, work)]
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 6, shm[node])
+
+    agents = [agent("n0")]
     try:
         time.sleep(1.0)
-        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
+        agents += [agent("n1"), agent("n2")]
         _wait(
             "3 steps on all nodes",
             lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
@@ -273,6 +281,7 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
         agents_mod.signal_node(
             agents[2], signal.SIGSTOP
         )  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        shutil.rmtree(shm["n2"])  # and its memory is out of reach: it holds nothing for the survivors
         _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
         replanned_s = time.monotonic() - stopped_at
         for a in agents[:2]:
@@ -282,6 +291,9 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
+    survivors = _rounds(work)[-1]  # resumed from what n0 and n1 hold (there is no disk save to resume from)
+    assert " from a snapshot in memory held on n" in survivors and agents_mod.start_step(survivors) >= 3, survivors
+    assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each node removed its snapshots
     # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
     assert replanned_s < 60, replanned_s
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -294,14 +306,14 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
 def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
     """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n1 is
     killed after step 3, n0's workers fail, the job ends; they removed the snapshot folder on the way out."""
-    work, shm = tmp_path / "run", tmp_path / "shm"
+    work = tmp_path / "run"
     work.mkdir()
-    shm.mkdir()
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}  # each node's memory
     cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
     metrics = work / "m.jsonl"
 
     def agent(node: str) -> subprocess.Popen:
-        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm)
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm[node])
 
     agents = [agent("n0")]
     try:
@@ -309,14 +321,15 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
         agents.append(agent("n1"))
         _wait(
             "3 steps and a snapshot",
-            lambda: len(_steps(metrics)) >= 3 and any(shm.glob("*/*/step-*/rank*.json")),
+            lambda: len(_steps(metrics)) >= 3 and any(shm["n0"].glob("*/*/step-*/rank*.json")),
             agents,
             work,
         )
         _kill_node(agents[1])
+        shutil.rmtree(shm["n1"])  # its memory gone with it
         assert agents[0].wait(120) != 0  # out of restarts: the job failed for good
     finally:
         for a in agents:
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
-    assert list(shm.iterdir()) == [], logs[-3000:]
+    assert list(shm["n0"].iterdir()) == [], logs[-3000:]
