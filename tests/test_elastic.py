@@ -40,9 +40,14 @@ TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_
 NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
 
 
-def cluster_file(path: Path, steps: int, port: int = 29500) -> Path:
-    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget."""
-    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port))
+# The planner told the CPU devices compute 10x faster and links 2.5x faster than the nominal 'cpu' kind: then
+# pipelines across nodes pay, and the full membership's plan leaves no node holding every block (checked below).
+ACROSS_NODES = "[plan.kinds.cpu]\ntflops = 0.05\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 10\n"
+
+
+def cluster_file(path: Path, steps: int, port: int = 29500, kinds: str = "") -> Path:
+    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget; ``kinds``: more TOML."""
+    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port) + kinds)
     return path
 
 
@@ -253,14 +258,22 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
 @pytest.mark.multiprocess
 def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     """n2 hangs after step 3 and is lost with its memory. Snapshots every step, each node's in its own folder (its
-    HETERO_SHM_DIR: node memory), no disk save: the survivors resume from a snapshot step their nodes hold."""
+    HETERO_SHM_DIR: node memory), no disk save. The plan pipelines across nodes (n0:0 -> n1:0, n0:1 -> n2:0), so
+    neither survivor holds every block: they resume from a snapshot step that n0 and n1 hold together."""
     steps = 10
     one = tmp_path / "one"
     one.mkdir()
     ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
     work = tmp_path / "run"
     work.mkdir()
-    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
+    planned = {
+        tuple(present): [
+            ["+".join(s.devices) for s in p.stages] for p in elastic.plan_for(load_cluster(cluster), present).pipelines
+        ]
+        for present in (["n0", "n1", "n2"], ["n0", "n1"])
+    }
+    assert planned == {("n0", "n1", "n2"): [["n0:0", "n1:0"], ["n0:1", "n2:0"]], ("n0", "n1"): [["n0:0+n0:1", "n1:0"]]}
     metrics = work / "m.jsonl"
     shm = {node: tmp_path / f"shm-{node}" for node in NODES}
 
@@ -292,7 +305,9 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
     survivors = _rounds(work)[-1]  # resumed from what n0 and n1 hold (there is no disk save to resume from)
-    assert " from a snapshot in memory held on n" in survivors and agents_mod.start_step(survivors) >= 3, survivors
+    assert " from a snapshot in memory held on n0, n1 " in survivors and agents_mod.start_step(survivors) >= 3, (
+        survivors
+    )
     assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each node removed its snapshots
     # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
     assert replanned_s < 60, replanned_s
