@@ -8,57 +8,33 @@ from __future__ import annotations
 import json
 import shutil
 import threading
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
+from bench import snapshot_restart
 from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders, holders, shards, snapshots
 from hetero_llm.errors import RankFailure
 from hetero_llm.launch import elastic, restart
 from hetero_llm.plan import compile_plan
-from hetero_llm.runtime.state import init_state, make_optimizer
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 20")
 
 
 def _plan(tmp_path: Path):
     """Two DP pipelines of two stages each: every parameter block has two holders (ranks 0 and 2, 1 and 3)."""
-    path = write_layout(tmp_path / "dp.toml", COMMON, [(6, 3, [(3, 1), (3, 1)]), (6, 3, [(3, 1), (3, 1)])])
-    return compile_plan(layout_mod.load(str(path)))
+    return snapshot_restart.dp_pp_plan(tmp_path)
 
 
-def _rank(plan, rank: int):
-    """A rank's state and an optimizer with moments (one step on made-up gradients)."""
-    rp = plan.rank_plan(rank)
-    state = init_state(rp, torch.device("cpu"))
-    optimizer = make_optimizer(state, rp.train)
-    for p in state.params.values():
-        p.grad = torch.full_like(p, 0.01)  # DP replicas hold the same values, as in training
-    optimizer.step()
-    return rp, state, optimizer
+_rank = snapshot_restart.rank_state  # a rank's plan, state and optimizer with moments
 
 
 def _snapshot(plan, root: Path, step: int, ranks=None) -> dict:
     """Every rank (or ``ranks``) of ``plan`` snapshots at ``step`` into ``root``; their states by rank."""
-    states = {}
-    for r in range(plan.world_size) if ranks is None else ranks:
-        rp, state, optimizer = _rank(plan, r)
-        writer = snapshots.SnapshotWriter(rp, root)
-        writer.take(state, optimizer, step)
-        writer.wait()
-        states[r] = (state, optimizer)
-    return states
-
-
-def _drop(root: Path, step: int, rank: int) -> None:
-    pt = folders.rank_file(folders.step_folder(root, step), rank)
-    pt.with_suffix(".json").unlink()
-    pt.unlink()
+    return snapshot_restart.snapshot_ranks(plan, root, step, range(plan.world_size) if ranks is None else ranks)
 
 
 def test_a_snapshot_is_written_in_the_background_and_visible_only_when_whole(tmp_path, monkeypatch):
@@ -119,47 +95,17 @@ def _nodes(plan, shm: Path, steps: dict[int, dict[str, list[int]]]) -> dict[int,
     return states
 
 
-def _disk_save(plan, tmp_path: Path, step: int) -> Path:
-    """A complete save at ``step`` in ``tmp_path/ckpt`` (every rank's snapshot, chosen and copied as a round would)."""
-    _snapshot(plan, tmp_path / "d" / "a-000000", step)
-    choice = holders.choose({"d": holders.held(tmp_path / "d")}, plan.layout, -1)
-    assert choice is not None
-    folder = folders.step_folder(tmp_path / "ckpt", step)
-    assert holders.begin(folder)
-    holders.copy_into(tmp_path / "d", folder, choice.files, lambda n: None)
-    holders.seal(folder, choice, plan.layout)
-    shutil.rmtree(tmp_path / "d")
-    return folder
-
-
 def _round(plan, tmp_path: Path, nodes: list[str], timeout_s: float = 20.0) -> dict[str, tuple]:
     """One round of the nodes ``nodes`` (one worker each, the first torchrun's rank 0): what each worker's
     ``restart.agree`` returned (or raised)."""
-    server = dist.TCPStore("127.0.0.1", 0, len(nodes), True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    members = [(n, 0) for n in nodes]
-    results: dict[str, tuple] = {}
-
-    def worker(rank: int) -> None:
-        store = dist.TCPStore("127.0.0.1", server.port, len(nodes), False, timeout=timedelta(seconds=30))
-        try:
-            results[nodes[rank]] = restart.agree(
-                store, rank, members, plan.layout, str(tmp_path / "ckpt"), tmp_path / "shm" / nodes[rank], timeout_s
-            )
-        except Exception as e:  # reported, not lost in the thread
-            results[nodes[rank]] = (e,)
-
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(len(nodes))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    return results
+    results = snapshot_restart.agree_round(plan, tmp_path / "ckpt", tmp_path / "shm", nodes, timeout_s)
+    return {node: result[:1] if isinstance(result[0], Exception) else result[0] for node, result in results.items()}
 
 
 def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_path):
     plan = _plan(tmp_path)
     shm = tmp_path / "shm"
-    _disk_save(plan, tmp_path, 3)
+    snapshot_restart.disk_save(plan, tmp_path, 3)
     states = _nodes(plan, shm, {5: PLACED, 6: {"n0": [0, 2], "n2": [3]}})  # n1 lost while step 6 was written
     shutil.rmtree(shm / "n2")  # n2 lost: its memory with it; stage 1 of step 5 is held by n1 (rank 1) only
     # neither node alone holds every block of step 5 (n0: stage 0, n1: stage 1)
@@ -185,7 +131,7 @@ def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_p
 def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_path):
     plan = _plan(tmp_path)
     shm = tmp_path / "shm"
-    disk = _disk_save(plan, tmp_path, 3)
+    disk = snapshot_restart.disk_save(plan, tmp_path, 3)
     _nodes(plan, shm, {5: PLACED})
     for lost in ("n1", "n2"):  # stage 1's holders (ranks 1 and 3) were on n1 and n2
         shutil.rmtree(shm / lost)
@@ -198,7 +144,7 @@ def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_pa
 def test_a_holder_lost_during_the_copy_makes_the_round_take_the_disk_save(tmp_path, monkeypatch, capsys, how):
     plan = _plan(tmp_path)
     shm = tmp_path / "shm"
-    disk = _disk_save(plan, tmp_path, 3)
+    disk = snapshot_restart.disk_save(plan, tmp_path, 3)
     _nodes(plan, shm, {5: PLACED})
     shutil.rmtree(shm / "n2")
     if how == "silent":  # n1 said what it holds, then died before copying anything

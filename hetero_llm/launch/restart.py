@@ -9,7 +9,8 @@ Keys of the round's store (fresh every round), in the order they are written:
     copied/NODE     a holder's outcome: empty when its files are in the save folder, verified; else why not
     resume          the chooser: [save folder or null, words for the round line, whether the nodes keep their
                     snapshots]; the chooser writes the save's meta.json before it, after every holder's copy
-    cleaned         one per node, once its snapshot folder is emptied: no rank of the round starts before
+    cleaned         a count: one per node, once its snapshot folder is emptied; the last sets all-cleaned, which
+                    every worker waits for (no rank writes this round's snapshots before every node cleaned)
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def agree(
     if snapshots is None:  # disk saves only: the chooser's word
         if rank == 0:
             store.set("resume", json.dumps([external.resume_auto(checkpoint, lay), "", False]))
-        resume, source, _ = json.loads(_wait_key(store, "resume", [], None))
+        resume, source, _ = json.loads(store.get("resume"))
         return resume, source
     nodes = list(dict.fromkeys(n for n, _ in members))
     if local == 0:
@@ -59,7 +60,7 @@ def agree(
         if choice is not None and not holders.begin(folders.step_folder(checkpoint, choice.step)):
             choice = None
         store.set("copy", choice.to_json() if choice else "null")
-    text = _wait_key(store, "copy", [], None).decode()
+    text = store.get("copy").decode()  # the chooser's look at what is held takes no time to speak of
     choice = None if text == "null" else holders.Choice.from_json(text)
     folder = folders.step_folder(checkpoint, choice.step) if choice else None
     if choice and folder and node in choice.nodes and local == 0:
@@ -74,9 +75,10 @@ def agree(
     if local == 0:
         if not keep:  # the choice is on disk (or nothing held was newer): nothing in memory is needed any more
             shutil.rmtree(snapshots, ignore_errors=True)
-        store.add("cleaned", 1)
-    while store.add("cleaned", 0) < len(nodes):  # no rank writes this round's snapshots before every node cleaned
-        time.sleep(POLL_S)
+        if store.add("cleaned", 1) == len(nodes):
+            store.set("all-cleaned", "")
+    if _wait_key(store, "all-cleaned", [], timeout_s) is None:  # no rank writes snapshots before every node cleaned
+        raise RankFailure(f"elastic: not every node emptied its snapshot folder within {timeout_s:g} s")
     return resume, source
 
 
@@ -116,8 +118,9 @@ def _decide(
 
 def _wait_key(store, key: str, progress: Sequence[str], silence_s: float | None) -> bytes | None:
     """The value of ``key`` once it is set; None once the counters ``progress`` did not grow for ``silence_s``
-    (None: wait as long as the store lives). The store gone (its worker ended) is one line."""
-    last, deadline = -1, None if silence_s is None else time.monotonic() + silence_s
+    (None: wait as long as the store lives). The store gone (its worker ended) is one line. (Polled: the store's
+    own ``wait`` with a timeout logs a warning each time it times out.)"""
+    last, deadline, pause = -1, None if silence_s is None else time.monotonic() + silence_s, POLL_S / 64
     while True:
         try:
             if store.check([key]):
@@ -129,4 +132,5 @@ def _wait_key(store, key: str, progress: Sequence[str], silence_s: float | None)
             last, deadline = done, time.monotonic() + silence_s
         elif deadline is not None and time.monotonic() > deadline:
             return None
-        time.sleep(POLL_S)
+        time.sleep(pause)
+        pause = min(POLL_S, 2 * pause)  # a quick answer is seen quickly, a long copy polled at POLL_S
