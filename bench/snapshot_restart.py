@@ -201,7 +201,7 @@ def main(quick, hidden, reps, out_dir):
             f"TCPStore; snapshots in /dev/shm, `--checkpoint DIR` in a temporary folder on disk; {reps} rep(s), "
             "medians.",
             "",
-            "| round resumes from | agreement ms (slowest worker) | of which copying ms | MB copied |",
+            "| round resumes from | agreement ms (slowest worker) | the copy alone ms | MB copied |",
             "| --- | --- | --- | --- |",
             f"| the snapshot of step 5 held on n0 and n1 | {1e3 * med['memory_s']:.1f} | {1e3 * med['copy_s']:.1f} | "
             f"{med['copied_mb']:.2f} |",

@@ -14,12 +14,14 @@ and ``LOCAL_RANK``. Each worker, at every start and restart (a *round*):
 2. plans the layout for the nodes present (every worker runs the same deterministic planner on the same input)
    and compares the plan's fingerprint with every other worker's;
 3. runs the layout rank of its device (``node:local_rank``) as ``hetero-launch LAYOUT --rank R`` would, resuming
-   from the newest complete save in ``--checkpoint DIR`` (saves are layout-free: any plan resumes any save);
+   from the newest complete save in ``--checkpoint DIR`` (saves are layout-free: any plan resumes any save), or
+   from a newer snapshot step that the nodes present hold in memory, copied there first (``launch/restart.py``);
    a device the plan leaves idle waits, its worker alive, until the layout's ranks finish.
 
 The global batch, data order and learning-rate schedule are the cluster file's ``[train]``, the same for every
 plan, so layout invariance makes the run train the one-process model across any sequence of memberships.
-What torchrun cannot carry and this adds: nothing but the exchange of (node, local rank) over its store.
+What torchrun cannot carry and this adds: the exchange of (node, local rank) over its store, and with
+``--snapshot-every`` the exchange of what each node's memory holds (``launch/restart.py``).
 """
 
 from __future__ import annotations
