@@ -128,6 +128,18 @@ def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_p
         assert torch.equal(restored.shards["exp_avg"][name], optimizer.state[p]["exp_avg"]), name
 
 
+def test_a_folder_several_nodes_share_counts_each_file_once(tmp_path):
+    """One machine, or HETERO_SHM_DIR on shared storage: every node lists the same files."""
+    plan = _plan(tmp_path)
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 5)
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 6, ranks=[2, 3])  # pipeline 1 alone holds every block
+    listed = holders.held(tmp_path / "shared")
+    choice = holders.choose({"n0": listed, "n1": listed}, plan.layout, 3)
+    assert choice is not None and choice.step == 6 and choice.nodes == ["n0"]  # the first node that lists them
+    assert [(f.rank, f.new_rank) for f in choice.files] == [(2, 0), (3, 1)]
+    assert holders.choose({"n0": listed, "n1": listed}, plan.layout, 6) is None  # the disk's save is as new
+
+
 def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_path):
     plan = _plan(tmp_path)
     shm = tmp_path / "shm"

@@ -94,12 +94,9 @@ def choose(held_by_node: Mapping[str, Sequence[dict]], lay: Layout, newer_than: 
     for step, round_ in sorted({(step, round_) for round_, step, _ in by_file}, reverse=True):
         if step <= newer_than:
             break
-        files = [by_file[key] for key in sorted(by_file) if key[:2] == (round_, step)]
-        if not _covers(files, shapes):
+        files = _needed([by_file[key] for key in sorted(by_file) if key[:2] == (round_, step)], shapes)
+        if files is None:
             continue
-        for one in reversed(list(files)):  # the last first: drop every file the others make unneeded
-            if len(files) > 1 and _covers([f for f in files if f is not one], shapes):
-                files.remove(one)
         return Choice(
             step,
             tuple(
@@ -110,12 +107,23 @@ def choose(held_by_node: Mapping[str, Sequence[dict]], lay: Layout, newer_than: 
     return None
 
 
-def _covers(files: Sequence[tuple[str, dict]], shapes: dict[str, tuple[int, ...]]) -> bool:
-    for name, full in shapes.items():
-        shards = [_coords(r["shards"][name]) for _, r in files if name in r["shards"]]
-        if folders.uncovered(name, full, shards) is not None:
-            return False
-    return True
+def _needed(files: list[tuple[str, dict]], shapes: dict[str, tuple[int, ...]]) -> list[tuple[str, dict]] | None:
+    """Of ``files`` (node, record), a subset that still holds every element of every tensor of ``shapes`` (the last
+    files dropped first whenever the others hold all they hold); None when all of them together do not."""
+    held: dict[str, dict[int, folders.Coords]] = {name: {} for name in shapes}  # name -> file index -> its shard
+    for i, (_, record) in enumerate(files):
+        for name, c in record["shards"].items():
+            if name in held:
+                held[name][i] = _coords(c)
+    if any(folders.uncovered(name, shapes[name], list(held[name].values())) for name in shapes):
+        return None
+    kept = set(range(len(files)))
+    for i in reversed(range(len(files))):
+        names = [n for n in files[i][1]["shards"] if n in held]
+        others = {n: [c for j, c in held[n].items() if j != i and j in kept] for n in names}
+        if len(kept) > 1 and not any(folders.uncovered(n, shapes[n], others[n]) for n in names):
+            kept.discard(i)
+    return [f for i, f in enumerate(files) if i in kept]
 
 
 def _coords(c: list) -> folders.Coords:
