@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,9 +40,14 @@ TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_
 NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
 
 
-def cluster_file(path: Path, steps: int, port: int = 29500) -> Path:
-    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget."""
-    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port))
+# The planner told the CPU devices compute 10x faster and links 2.5x faster than the nominal 'cpu' kind: then
+# pipelines across nodes pay, and the full membership's plan leaves no node holding every block (checked below).
+ACROSS_NODES = "[plan.kinds.cpu]\ntflops = 0.05\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 10\n"
+
+
+def cluster_file(path: Path, steps: int, port: int = 29500, kinds: str = "") -> Path:
+    """Three CPU nodes (2, 1 and 1 devices), the reference model; a small planner budget; ``kinds``: more TOML."""
+    path.write_text(agents_mod.cluster_text(COMMON, NODES, steps, port) + kinds)
     return path
 
 
@@ -251,18 +257,33 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
-    steps = 10
+    """n2 hangs after step 3 and is lost with its memory. Snapshots every step, each node's in its own folder (its
+    HETERO_SHM_DIR: node memory), no disk save. The plan pipelines across nodes (n0:0 -> n1:0, n0:1 -> n2:0), so
+    neither survivor holds every block: they resume from a snapshot step that n0 and n1 hold together."""
+    steps = 8
     one = tmp_path / "one"
     one.mkdir()
     ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
     work = tmp_path / "run"
     work.mkdir()
-    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port()), free_port()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
+    planned = {
+        tuple(present): [
+            ["+".join(s.devices) for s in p.stages] for p in elastic.plan_for(load_cluster(cluster), present).pipelines
+        ]
+        for present in (["n0", "n1", "n2"], ["n0", "n1"])
+    }
+    assert planned == {("n0", "n1", "n2"): [["n0:0", "n1:0"], ["n0:1", "n2:0"]], ("n0", "n1"): [["n0:0+n0:1", "n1:0"]]}
     metrics = work / "m.jsonl"
-    agents = [_agent(cluster, "n0", rdzv, work)]
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 6, shm[node])
+
+    agents = [agent("n0")]
     try:
         time.sleep(1.0)
-        agents += [_agent(cluster, "n1", rdzv, work), _agent(cluster, "n2", rdzv, work)]
+        agents += [agent("n1"), agent("n2")]
         _wait(
             "3 steps on all nodes",
             lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
@@ -273,6 +294,7 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
         agents_mod.signal_node(
             agents[2], signal.SIGSTOP
         )  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        shutil.rmtree(shm["n2"])  # and its memory is out of reach: it holds nothing for the survivors
         _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
         replanned_s = time.monotonic() - stopped_at
         for a in agents[:2]:
@@ -282,6 +304,11 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
+    survivors = _rounds(work)[-1]  # resumed from what n0 and n1 hold (there is no disk save to resume from)
+    assert " from a snapshot in memory held on n0, n1 " in survivors and agents_mod.start_step(survivors) >= 3, (
+        survivors
+    )
+    assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each node removed its snapshots
     # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
     assert replanned_s < 60, replanned_s
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -294,14 +321,14 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
 def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
     """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n1 is
     killed after step 3, n0's workers fail, the job ends; they removed the snapshot folder on the way out."""
-    work, shm = tmp_path / "run", tmp_path / "shm"
+    work = tmp_path / "run"
     work.mkdir()
-    shm.mkdir()
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}  # each node's memory
     cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
     metrics = work / "m.jsonl"
 
     def agent(node: str) -> subprocess.Popen:
-        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm)
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm[node])
 
     agents = [agent("n0")]
     try:
@@ -309,14 +336,15 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
         agents.append(agent("n1"))
         _wait(
             "3 steps and a snapshot",
-            lambda: len(_steps(metrics)) >= 3 and any(shm.glob("*/*/step-*/rank*.json")),
+            lambda: len(_steps(metrics)) >= 3 and any(shm["n0"].glob("*/*/step-*/rank*.json")),
             agents,
             work,
         )
         _kill_node(agents[1])
+        shutil.rmtree(shm["n1"])  # its memory gone with it
         assert agents[0].wait(120) != 0  # out of restarts: the job failed for good
     finally:
         for a in agents:
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
-    assert list(shm.iterdir()) == [], logs[-3000:]
+    assert list(shm["n0"].iterdir()) == [], logs[-3000:]

@@ -1,5 +1,6 @@
-"""In-memory snapshots of elastic runs (hetero_llm/checkpoint/snapshots.py), in one process: the background write,
-its failure, what each rank keeps, and the restart's choice by holders (a snapshot step, else the disk's save).
+"""In-memory snapshots of elastic runs (hetero_llm/checkpoint/snapshots.py, holders.py; launch/restart.py), in one
+process: the background write, its failure, what each rank keeps, and the restart's choice by holders over every
+node present (a snapshot step copied into --checkpoint DIR, else the disk's save), a holder lost during the copy.
 The runs under torchrun: tests/test_elastic.py."""
 
 from __future__ import annotations
@@ -12,50 +13,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import snapshot_restart
 from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, shards, snapshots
+from hetero_llm.checkpoint import folders, holders, shards, snapshots
 from hetero_llm.errors import RankFailure
-from hetero_llm.launch import elastic
+from hetero_llm.launch import elastic, restart
 from hetero_llm.plan import compile_plan
-from hetero_llm.runtime.state import init_state, make_optimizer
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 20")
 
 
 def _plan(tmp_path: Path):
     """Two DP pipelines of two stages each: every parameter block has two holders (ranks 0 and 2, 1 and 3)."""
-    path = write_layout(tmp_path / "dp.toml", COMMON, [(6, 3, [(3, 1), (3, 1)]), (6, 3, [(3, 1), (3, 1)])])
-    return compile_plan(layout_mod.load(str(path)))
+    return snapshot_restart.dp_pp_plan(tmp_path)
 
 
-def _rank(plan, rank: int):
-    """A rank's state and an optimizer with moments (one step on made-up gradients)."""
-    rp = plan.rank_plan(rank)
-    state = init_state(rp, torch.device("cpu"))
-    optimizer = make_optimizer(state, rp.train)
-    for p in state.params.values():
-        p.grad = torch.full_like(p, 0.01)  # DP replicas hold the same values, as in training
-    optimizer.step()
-    return rp, state, optimizer
+_rank = snapshot_restart.rank_state  # a rank's plan, state and optimizer with moments
 
 
 def _snapshot(plan, root: Path, step: int, ranks=None) -> dict:
     """Every rank (or ``ranks``) of ``plan`` snapshots at ``step`` into ``root``; their states by rank."""
-    states = {}
-    for r in range(plan.world_size) if ranks is None else ranks:
-        rp, state, optimizer = _rank(plan, r)
-        writer = snapshots.SnapshotWriter(rp, root)
-        writer.take(state, optimizer, step)
-        writer.wait()
-        states[r] = (state, optimizer)
-    return states
-
-
-def _drop(root: Path, step: int, rank: int) -> None:
-    pt = folders.rank_file(folders.step_folder(root, step), rank)
-    pt.with_suffix(".json").unlink()
-    pt.unlink()
+    return snapshot_restart.snapshot_ranks(plan, root, step, range(plan.world_size) if ranks is None else ranks)
 
 
 def test_a_snapshot_is_written_in_the_background_and_visible_only_when_whole(tmp_path, monkeypatch):
@@ -99,53 +78,106 @@ def test_each_rank_keeps_its_two_newest_snapshots(tmp_path):
     assert sorted(p.name for p in (tmp_path / "round").iterdir()) == ["step-000002", "step-000003"]
 
 
-def test_a_restart_resumes_the_newest_step_every_block_has_a_holder_of(tmp_path):
+# --------------------------------------------------------------------------- the restart's choice over nodes
+# Emulated nodes: each has its own snapshot folder (its memory); a lost node's folder is gone with it. The workers
+# of a round are threads here, one per node, talking over a real TCPStore as torchrun's workers do.
+
+PLACED = {"n0": [0, 2], "n1": [1], "n2": [3]}  # which ranks of _plan ran on which node: stage 0 both on n0
+
+
+def _nodes(plan, shm: Path, steps: dict[int, dict[str, list[int]]]) -> dict[int, tuple]:
+    """Each node snapshots its ranks' state at each step of ``steps`` (step -> node -> ranks) into ``shm/NODE``
+    (the round folder ``a-000000``); the states by rank."""
+    states = {}
+    for step, placed in steps.items():
+        for node, ranks in placed.items():
+            states.update(_snapshot(plan, shm / node / "a-000000", step, ranks))
+    return states
+
+
+def _round(plan, tmp_path: Path, nodes: list[str], timeout_s: float = 20.0) -> dict[str, tuple]:
+    """One round of the nodes ``nodes`` (one worker each, the first torchrun's rank 0): what each worker's
+    ``restart.agree`` returned (or raised)."""
+    results = snapshot_restart.agree_round(plan, tmp_path / "ckpt", tmp_path / "shm", nodes, timeout_s)
+    return {node: result[:1] if isinstance(result[0], Exception) else result[0] for node, result in results.items()}
+
+
+def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_path):
     plan = _plan(tmp_path)
-    lay = plan.layout
-    base = tmp_path / "shm"
-    states = _snapshot(plan, base / "a-000000", 5)
-    _snapshot(plan, base / "a-000000", 6, ranks=[0, 2])  # a node lost while step 6 was written: stage 1 missing
-    _drop(base / "a-000000", 5, 1)  # rank 1's snapshot gone too: rank 3 holds the same blocks
-    sealed = snapshots.seal_newest(base, lay, newer_than=3)
-    assert sealed is not None and Path(sealed).name == "step-000005"
-    assert folders.verify(folders.find(sealed)) is None  # a complete save: sizes, sha256, every block covered
-    assert sorted(p.name for p in base.iterdir()) == [snapshots.SEALED]  # the rest removed
+    shm = tmp_path / "shm"
+    snapshot_restart.disk_save(plan, tmp_path, 3)
+    states = _nodes(plan, shm, {5: PLACED, 6: {"n0": [0, 2], "n2": [3]}})  # n1 lost while step 6 was written
+    shutil.rmtree(shm / "n2")  # n2 lost: its memory with it; stage 1 of step 5 is held by n1 (rank 1) only
+    # neither node alone holds every block of step 5 (n0: stage 0, n1: stage 1)
+    assert holders.choose({"n0": holders.held(shm / "n0")}, plan.layout, 3) is None
+    results = _round(plan, tmp_path, ["n0", "n1"])
+    folder = folders.step_folder(tmp_path / "ckpt", 5)
+    assert results == {n: (str(folder), " from a snapshot in memory held on n0, n1") for n in ("n0", "n1")}
+    ckpt = folders.find(tmp_path / "ckpt")  # ``latest`` names it: a complete save, verified like any other
+    assert ckpt.path == folder and ckpt.world_size == 2 and folders.verify(ckpt) is None
+    assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]  # no replica copied
+    assert list(shm.iterdir()) == []  # every node emptied its snapshot folder
     one = compile_plan(layout_mod.load(str(write_layout(tmp_path / "one.toml", COMMON, [(12, 3, [(6, 1)])]))))
-    restored = shards.restore(one.rank_plan(0), sealed)  # any layout resumes it, as a disk save
+    restored = shards.restore(one.rank_plan(0), str(folder))  # any layout resumes it
     assert restored.step == 5
-    held = {name: (s, o) for s, o in (states[0], states[3]) for name in s.params}
+    held = {name: (s, o) for s, o in (states[0], states[1]) for name in s.params}
     for name, t in restored.shards["tensor"].items():
         state, optimizer = held[name]
         p = state.params[name]
         assert torch.equal(t, p.detach()), name
         assert torch.equal(restored.shards["exp_avg"][name], optimizer.state[p]["exp_avg"]), name
-    # the next round finds the sealed save again (nothing newer was written)
-    assert snapshots.seal_newest(base, lay, newer_than=3) == sealed
-    assert snapshots.seal_newest(base, lay, newer_than=5) is None  # the disk's save is as new: it is taken
 
 
-def test_without_a_holder_for_every_block_the_restart_takes_the_disk_save(tmp_path):
+def test_a_folder_several_nodes_share_counts_each_file_once(tmp_path):
+    """One machine, or HETERO_SHM_DIR on shared storage: every node lists the same files."""
     plan = _plan(tmp_path)
-    lay = plan.layout
-    disk = tmp_path / "disk"  # a complete save at step 3 (a sealed snapshot is one, in the checkpoint format)
-    _snapshot(plan, disk / "a-000000", 3)
-    snapshots.seal_newest(disk, lay, newer_than=-1)
-    shutil.move(disk / snapshots.SEALED / "step-000003", tmp_path / "ckpt" / "step-000003")
-    base = tmp_path / "shm"
-    _snapshot(plan, base / "a-000000", 5)
-    assert elastic.newest_save(lay, str(tmp_path / "ckpt"), base) == (
-        str(base / snapshots.SEALED / "step-000005"),
-        " from a snapshot in memory",
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 5)
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 6, ranks=[2, 3])  # pipeline 1 alone holds every block
+    listed = holders.held(tmp_path / "shared")
+    choice = holders.choose({"n0": listed, "n1": listed}, plan.layout, 3)
+    assert choice is not None and choice.step == 6 and choice.nodes == ["n0"]  # the first node that lists them
+    assert [(f.rank, f.new_rank) for f in choice.files] == [(2, 0), (3, 1)]
+    assert holders.choose({"n0": listed, "n1": listed}, plan.layout, 6) is None  # the disk's save is as new
+
+
+def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_path):
+    plan = _plan(tmp_path)
+    shm = tmp_path / "shm"
+    disk = snapshot_restart.disk_save(plan, tmp_path, 3)
+    _nodes(plan, shm, {5: PLACED})
+    for lost in ("n1", "n2"):  # stage 1's holders (ranks 1 and 3) were on n1 and n2
+        shutil.rmtree(shm / lost)
+    assert _round(plan, tmp_path, ["n0"]) == {"n0": (str(disk), "")}
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]
+    assert list(shm.iterdir()) == []  # nothing held was worth keeping
+
+
+@pytest.mark.parametrize("how", ["silent", "changed"])
+def test_a_holder_lost_during_the_copy_makes_the_round_take_the_disk_save(tmp_path, monkeypatch, capsys, how):
+    plan = _plan(tmp_path)
+    shm = tmp_path / "shm"
+    disk = snapshot_restart.disk_save(plan, tmp_path, 3)
+    _nodes(plan, shm, {5: PLACED})
+    shutil.rmtree(shm / "n2")
+    if how == "silent":  # n1 said what it holds, then died before copying anything
+        share = restart._copy_share
+        monkeypatch.setattr(
+            restart, "_copy_share", lambda store, node, *a: None if node == "n1" else share(store, node, *a)
+        )
+        why = "node n1 copied nothing for 1 s"
+    else:  # n1's file changed since its record was written (same size)
+        pt = folders.rank_file(folders.step_folder(shm / "n1" / "a-000000", 5), 1)
+        data = bytearray(pt.read_bytes())
+        data[-1] ^= 1
+        pt.write_bytes(bytes(data))
+        why = "CheckpointError: " + str(pt)
+    assert _round(plan, tmp_path, ["n0", "n1"], timeout_s=1.0) == {n: (str(disk), "") for n in ("n0", "n1")}
+    assert f"elastic: the snapshot of step 5 could not be copied into {tmp_path / 'ckpt' / 'step-000005'} ({why}" in (
+        capsys.readouterr().err
     )
-    _snapshot(plan, base / "b-000005", 7, ranks=[0, 1, 2])
-    _drop(base / "b-000005", 7, 1)  # stage 1 of step 7: neither rank 1 nor rank 3 holds it
-    resume, source = elastic.newest_save(lay, str(tmp_path / "ckpt"), base)
-    assert (resume, source) == (str(base / snapshots.SEALED / "step-000005"), " from a snapshot in memory")
-    shutil.rmtree(base / snapshots.SEALED)  # and without that one: the disk's
-    _snapshot(plan, base / "b-000005", 7, ranks=[0, 2])
-    resume, source = elastic.newest_save(lay, str(tmp_path / "ckpt"), base)
-    assert (Path(resume or "").name, source) == ("step-000003", "")
-    assert list(base.iterdir()) == []  # nothing in memory was worth keeping
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]  # no partial save
+    assert folders.find(tmp_path / "ckpt").path == disk
+    assert holders.held(shm / "n0") and holders.held(shm / "n1")  # kept: the next round chooses again
 
 
 @pytest.mark.parametrize("restart, max_restarts, last", [("0", "0", True), ("1", "3", False), ("3", "3", True)])

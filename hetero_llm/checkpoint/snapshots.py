@@ -8,18 +8,13 @@ cheap), then written by a background thread while the next steps compute; at mos
     ROUND/step-NNNNNN/rank{R}.json   written after the .pt (both atomically): what it holds, its size and sha256
 
 so a ``.json`` vouches for a whole ``.pt``. Each rank keeps its two newest snapshots (a peer may be one snapshot
-behind when a node is lost). At a restart, ``seal_newest`` finds the newest step whose rank files, among those
-visible, hold every parameter block and optimizer slice (a DP replica's copy is as good as the lost rank's),
-hard-links them into ``SEALED/step-NNNNNN`` with a ``meta.json`` (a complete save, resumed as any other), and
-removes the rest. ``ROUND`` is one per round (``<plan fingerprint>-<start step>``): files of different layouts
-are never mixed.
+behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start step>``): files of different
+layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -30,12 +25,9 @@ from hetero_llm._fs import write_atomically
 from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.shards import MOMENTS, optimizer_steps
 from hetero_llm.errors import RankFailure
-from hetero_llm.layout import Layout
-from hetero_llm.model.params import all_params
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime import zero1
 
-SEALED = "sealed"  # the complete save a round resumes from, made of hard links to the holders' files
 KEEP = 2  # snapshots each rank keeps
 
 
@@ -122,80 +114,3 @@ def _rmdir(folder: Path) -> None:
         folder.rmdir()
     except OSError:  # not empty (another rank's files) or gone
         pass
-
-
-@attrs.frozen
-class Candidate:
-    """A step of a round folder whose rank files hold every parameter block and optimizer slice."""
-
-    step: int
-    files: list[tuple[Path, dict]]  # the holders' rank files and their records (a subset that covers the model)
-
-
-def covered_steps(base: Path, shapes: dict[str, tuple[int, ...]]) -> list[Candidate]:
-    """Every (round, step) under ``base`` whose recorded rank files cover every tensor of ``shapes`` (the model's
-    parameters; the moments are saved with the same coordinates), newest first."""
-    found = []
-    for folder in sorted(base.glob(f"*/{folders.STEP_PREFIX}*")):
-        if folder.parent.name == SEALED:
-            continue
-        records = []
-        for path in sorted(folder.glob("rank*.json")):
-            try:
-                record = json.loads(path.read_text())
-            except (OSError, ValueError):
-                continue
-            pt = path.with_suffix(".pt")
-            if pt.exists() and pt.stat().st_size == record.get("bytes"):
-                records.append((pt, record))
-        if records and all(_holders(records, name, full) for name, full in shapes.items()):
-            found.append(Candidate(records[0][1]["step"], records))
-    return sorted(found, key=lambda c: c.step, reverse=True)
-
-
-def _holders(records: list[tuple[Path, dict]], name: str, full: tuple[int, ...]) -> bool:
-    shards = [tuple(r["shards"][name][:3]) + (tuple(r["shards"][name][3]),) for _, r in records if name in r["shards"]]
-    return folders.uncovered(name, full, shards) is None  # type: ignore[arg-type]
-
-
-def seal_newest(base: Path, lay: Layout, newer_than: int) -> str | None:
-    """The newest snapshot step after ``newer_than`` (the disk's newest save) that has a holder for every block,
-    made a complete save under ``base/sealed`` (hard links: no copy), its step folder returned; or None. Either way
-    only what that save needs is kept under ``base`` (one worker calls it, before any rank of the round reads)."""
-    shapes = {p.name: tuple(p.shape) for p in all_params(lay.model)}
-    sealed_root = base / SEALED
-    previous = _complete_step(sealed_root)
-    best = next(iter(covered_steps(base, shapes)), None) if base.is_dir() else None
-    chosen: str | None = None
-    if best is not None and best.step > max(newer_than, previous if previous is not None else -1):
-        folder = folders.step_folder(sealed_root, best.step)
-        shutil.rmtree(sealed_root, ignore_errors=True)
-        folder.mkdir(parents=True)
-        files = {}
-        for new_rank, (pt, record) in enumerate(best.files):
-            _link(pt, folders.rank_file(folder, new_rank))
-            coords = {name: (c[0], c[1], c[2], tuple(c[3])) for name, c in record["shards"].items()}
-            files[folders.rank_file(Path(), new_rank).name] = folders.RankFile(
-                record["bytes"], record["sha256"], coords
-            )
-        folders.finish_save(folder, best.step, len(best.files), lay, files)
-        chosen = str(folder)
-    elif previous is not None and previous > newer_than:
-        chosen = str(folders.step_folder(sealed_root, previous))
-    for other in base.iterdir() if base.is_dir() else ():
-        if not (chosen and other.name == SEALED):
-            shutil.rmtree(other, ignore_errors=True)
-    return chosen
-
-
-def _link(source: Path, target: Path) -> None:
-    """``target`` the same file as ``source`` (a hard link: no copy), or a copy where the folder cannot link."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-
-
-def _complete_step(root: Path) -> int | None:
-    complete = [d for d in root.glob(f"{folders.STEP_PREFIX}*") if (d / folders.META).exists()]
-    return max((int(d.name[len(folders.STEP_PREFIX) :]) for d in complete), default=None)

@@ -14,12 +14,14 @@ and ``LOCAL_RANK``. Each worker, at every start and restart (a *round*):
 2. plans the layout for the nodes present (every worker runs the same deterministic planner on the same input)
    and compares the plan's fingerprint with every other worker's;
 3. runs the layout rank of its device (``node:local_rank``) as ``hetero-launch LAYOUT --rank R`` would, resuming
-   from the newest complete save in ``--checkpoint DIR`` (saves are layout-free: any plan resumes any save);
+   from the newest complete save in ``--checkpoint DIR`` (saves are layout-free: any plan resumes any save), or
+   from a newer snapshot step that the nodes present hold in memory, copied there first (``launch/restart.py``);
    a device the plan leaves idle waits, its worker alive, until the layout's ranks finish.
 
 The global batch, data order and learning-rate schedule are the cluster file's ``[train]``, the same for every
 plan, so layout invariance makes the run train the one-process model across any sequence of memberships.
-What torchrun cannot carry and this adds: nothing but the exchange of (node, local rank) over its store.
+What torchrun cannot carry and this adds: the exchange of (node, local rank) over its store, and with
+``--snapshot-every`` the exchange of what each node's memory holds (``launch/restart.py``).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import attrs
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
-from hetero_llm.launch import external, outputs
+from hetero_llm.launch import external, outputs, restart
 from hetero_llm.launch.node import RunOptions, is_local_host, run_rank
 from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan, compile_plan
@@ -232,11 +234,10 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
     snapshots = snapshot_folder(options.checkpoint) if options.snapshot[1] else None
-    if worker.rank == 0:  # one worker picks the save (and seals a snapshot); the others read its choice
-        resume, source = newest_save(lay, options.checkpoint, snapshots)
-        store.set("resume", json.dumps([resume, source]))
-    else:
-        resume, source = json.loads(store.get("resume"))
+    # one worker picks the save, over the snapshots of every node present (their holders copy it to disk)
+    resume, source = restart.agree(
+        store, worker.rank, members, lay, str(options.checkpoint), snapshots, cluster.spec.timeout_s
+    )
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
     mine = layout_rank(plan, me, worker.local_rank)
@@ -263,10 +264,12 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         if snapshots is not None and last_round(os.environ, worker):
             shutil.rmtree(snapshots, ignore_errors=True)  # no round comes after this one: its snapshots go now
         raise
+    if snapshots is not None and worker.local_rank == 0:  # one worker per node removes its node's snapshots
+        if _wait_for(store, plan.world_size, cluster.spec.timeout_s):  # once the run is over (every rank done)
+            shutil.rmtree(snapshots, ignore_errors=True)  # (a failed round keeps them for the next)
+        store.add("snapshots-removed", 1)
     if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
-        _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle)
-        if snapshots is not None:  # the run is over: its snapshots go (a failed round keeps them for the next)
-            shutil.rmtree(snapshots, ignore_errors=True)
+        _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle, removed=len(present) if snapshots else 0)
 
 
 def last_round(environ: Mapping[str, str], worker: Worker) -> bool:
@@ -298,20 +301,6 @@ def snapshot_folder(checkpoint: str | None) -> Path:
     return Path(os.environ.get("HETERO_SHM_DIR") or "/dev/shm") / f"hetero_llm_snapshots_{digest}"
 
 
-def newest_save(lay: Layout, checkpoint: str | None, snapshots: Path | None) -> tuple[str | None, str]:
-    """The newest complete save of ``--checkpoint DIR``, or the newest snapshot step when newer whose parameter
-    blocks and optimizer slices all have a holder in the snapshot folder (sealed into a complete save:
-    ``checkpoint.snapshots``), and the words the round line adds for a snapshot. One worker calls it."""
-    from hetero_llm.checkpoint import folders
-    from hetero_llm.checkpoint import snapshots as snaps
-
-    disk = external.resume_auto(checkpoint, lay)
-    if snapshots is None:
-        return disk, ""
-    memory = snaps.seal_newest(snapshots, lay, folders.find(disk).step if disk else -1)
-    return (memory, " from a snapshot in memory") if memory else (disk, "")
-
-
 def _round_store(worker: Worker, timeout_s: float):
     """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://)."""
     from datetime import timedelta
@@ -334,17 +323,20 @@ def _round_store(worker: Worker, timeout_s: float):
         ) from None
 
 
-def _wait_for(store, ranks: int, timeout_s: float, idle: int = 0, forever: bool = False) -> None:
-    """Until ``ranks`` layout ranks finished (and ``idle`` idle workers saw it); bounded by ``timeout_s`` unless
-    ``forever`` (an idle worker waits out the whole training; torchrun stops it if the round fails)."""
+def _wait_for(store, ranks: int, timeout_s: float, idle: int = 0, removed: int = 0, forever: bool = False) -> bool:
+    """Until ``ranks`` layout ranks finished (and ``idle`` idle workers saw it, ``removed`` nodes removed their
+    snapshots): True; bounded by ``timeout_s`` unless ``forever`` (an idle worker waits out the whole training;
+    torchrun stops it if the round fails). False when the time ran out or the store went away."""
     deadline = time.monotonic() + timeout_s
+    counts = {"finished": ranks, "idle-done": idle, "snapshots-removed": removed}
     while forever or time.monotonic() < deadline:
         try:
-            if store.add("finished", 0) >= ranks and store.add("idle-done", 0) >= idle:
-                return
+            if all(store.add(key, 0) >= n for key, n in counts.items()):
+                return True
         except Exception:  # the store's process ended: the round is over either way
             if forever:
                 sys.stderr.write("elastic: this round's store (torchrun's rank 0) went away; ending this worker\n")
                 raise SystemExit(1) from None
-            return
+            return False
         time.sleep(_POLL_S)
+    return False
