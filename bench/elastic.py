@@ -1,11 +1,16 @@
 """An elastic run (``hetero-launch CLUSTER.toml --elastic``, docs/elastic.md) losing a node and getting it back.
 
-Three emulated nodes on this machine, one torchrun elastic agent each (bench/elastic_agents.py): n0 with two CPU
-devices, n1 and n2 with one; each node's devices are slowed by its own ``HETERO_EMULATE_SLOWDOWN`` (sleeps after
-each compute action: nodes of different speeds, the numbers unchanged). Node n2 (its agent and workers) is
-SIGKILLed once step N is recorded and started again once step M is; the run goes on to the last step. It saves
-to disk every 5 steps and snapshots every step into /dev/shm (``--snapshot-every 1``): a round resumes from the
-newer of the two.
+Three emulated nodes, one torchrun elastic agent each (bench/elastic_agents.py): n0 with two CPU devices, n1 and n2
+with one. By default each node is a network namespace of the netns testbed (bench/testbed/: its own address, links
+shaped with tc), its agent and workers run inside it and meet over the shaped links (torchrun's c10d rendezvous
+served by n0's agent, gloo on the testbed's interface); ``--one-machine`` (and ``--quick``) runs every agent on
+this machine's loopback. Each node's devices are emulated devices (``HETERO_EMULATE_DEVICE``, GFLOP/s per node:
+every compute action lasts its modelled time, the real computation inside it, the numbers unchanged), and the
+cluster file declares the same speeds to the planner (``[plan.kinds]``, priced by FLOPs: the same durations) and
+the links' bandwidth and latency, so each round's plan and its predicted tokens/s are for the devices that run.
+Node n2 (its agent and workers) is SIGKILLed once step N is recorded and started again once step M is; the run
+goes on to the last step. It saves to disk every 5 steps and snapshots every step into /dev/shm
+(``--snapshot-every 1``): a round resumes from the newer of the two.
 Measured with this script's clock (polling every 50 ms):
 
 - detection: the kill -> every survivor's worker has exited (their collectives failed, or the heartbeat named
@@ -16,14 +21,18 @@ Measured with this script's clock (polling every 50 ms):
   reading the save, resharding);
 - recovery = detection + restart + restore (the redone steps excluded); steps redone = recorded at the kill -
   the step the round resumed at. The same for the node's return (a membership change: no failure to detect).
-- tokens/s of each membership (median over its steps) and the loss per step against the one-process run.
+- tokens/s of each membership (median over its steps but its first) against the planner's prediction for the plan
+  the round ran (planned here by the workers' own function, its fingerprint checked against the round line's);
+- the loss per step against the one-process run (a plot).
 
-    python -m bench.elastic
-    python -m bench.elastic --quick
+    python -m bench.elastic                  # the netns testbed (root)
+    python -m bench.elastic --one-machine    # every agent on loopback
+    python -m bench.elastic --quick          # one machine, 30 steps (the test suite)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -39,11 +48,20 @@ import click
 
 from bench import benchlib as B
 from bench import elastic_agents as A
-from hetero_llm.launch.elastic import snapshot_folder
+from bench import testbed as T
+from hetero_llm.launch.elastic import plan_for, snapshot_folder
+from hetero_llm.plan import compile_plan
+from hetero_llm.planner.cluster import load_cluster
+from hetero_llm.planner.evaluate import evaluate
 
 NAME = "elastic"
 NODES = {"n0": 2, "n1": 1, "n2": 1}
-SLOWDOWN = {"n0": 6.0, "n1": 8.0, "n2": 10.0}  # emulated node speeds (n2 the slowest)
+# Emulated device speeds, GFLOP/s per device (n2 the slowest): the planner's [plan.kinds] (FLOPs pricing) and the
+# runtime's HETERO_EMULATE_DEVICE, so each compute action lasts what the planner charges for it. Slow enough that
+# an action (tens of ms) holds the real computation of the reference model inside it on a loaded 2-core machine.
+GFLOPS = {"n0": 0.05, "n1": 0.04, "n2": 0.03}
+TESTBED_LINK = (1.0, 100.0)  # the testbed's fabric: Gbit/s each way, one-way us (tc shaped; declared to the planner)
+LOOPBACK_LINK = (10.0, 20.0)  # one machine: fast links declared (loopback is fast)
 SAVES = (5, 1)  # a disk save every 5 steps, a snapshot in memory every step
 REFERENCE = Path(__file__).resolve().parents[1] / "layouts" / "reference" / "reference.toml"
 # No TP: with all three nodes the planner would put a TP-2 stage (6 microbatches of 1 row) on n0, which on this
@@ -54,14 +72,19 @@ MAX_TP = 1
 
 
 class _Run:
-    """The agents of one run and what the script saw, with its own clock."""
+    """The agents of one run and what the script saw, with its own clock; ``tb``: the testbed whose namespaces the
+    nodes run in (None: this machine's loopback)."""
 
-    def __init__(self, work: Path, steps: int):
-        self.work, self.steps = work, steps
+    def __init__(self, work: Path, steps: int, tb=None):
+        self.work, self.steps, self.tb = work, steps, tb
         self.cluster = work / "cluster.toml"
-        self.cluster.write_text(
-            A.cluster_text(REFERENCE.read_text().split("[cluster]")[0], NODES, steps, B.free_port(), MAX_TP)
-        )
+        if tb is None:
+            self.emulated = A.Emulated(GFLOPS, link=LOOPBACK_LINK)
+        else:
+            hosts = {n: tb.address(n, "domain") for n in NODES}
+            self.emulated = A.Emulated(GFLOPS, hosts, TESTBED_LINK, tb.interface("domain"))
+        common = REFERENCE.read_text().split("[cluster]")[0]
+        self.cluster.write_text(A.cluster_text(common, NODES, steps, B.free_port(), MAX_TP, self.emulated))
         self.rdzv = B.free_port()
         self.agents: dict[str, subprocess.Popen] = {}
         self.metrics = work / "m.jsonl"
@@ -69,7 +92,19 @@ class _Run:
 
     def start(self, node: str) -> None:
         self.killed.discard(node)
-        self.agents[node] = A.start_agent(self.cluster, node, NODES[node], self.rdzv, self.work, SLOWDOWN[node], SAVES)
+        where = None
+        if self.tb is not None:  # the agent in the node's namespace; n0 serves torchrun's rendezvous
+            hosts = self.emulated.hosts
+            where = A.Where(
+                ("ip", "netns", "exec", self.tb.namespace(node)),
+                hosts["n0"],
+                f",is_host={int(node == 'n0')}",
+                hosts[node],
+            )
+        device = self.emulated.device(node)
+        self.agents[node] = A.start_agent(
+            self.cluster, node, NODES[node], self.rdzv, self.work, saves=SAVES, device=device, where=where
+        )
 
     def recorded(self) -> int:
         return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
@@ -113,9 +148,11 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     }
 
 
-def scenario(work: Path, steps: int, kill_at: int, back_at: int) -> tuple[list[dict], list[dict], list[str], bool]:
+def scenario(
+    work: Path, steps: int, kill_at: int, back_at: int, tb=None
+) -> tuple[list[dict], list[dict], list[str], bool]:
     """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind."""
-    run = _Run(work, steps)
+    run = _Run(work, steps, tb)
     try:
         run.start("n0")  # it serves torchrun's rendezvous: first
         time.sleep(1.0)
@@ -150,18 +187,48 @@ def scenario(work: Path, steps: int, kill_at: int, back_at: int) -> tuple[list[d
     return [lost, back], rows, A.rounds(work), left
 
 
-def rates(rows: list[dict], lines: list[str]) -> list[dict]:
-    """tokens/s of each round's steps (median; a round's first step, which includes its start, left out)."""
+def rates(rows: list[dict], lines: list[str], cluster_file: Path) -> list[dict]:
+    """tokens/s of each round: measured (the median over its steps but its first, which includes its start) and
+    the planner's prediction for the plan the round ran (planned here as every worker plans it: its fingerprint
+    checked against the round line's)."""
+    cluster = load_cluster(cluster_file)
     starts = [A.start_step(r) for r in lines]
     out = []
     for i, line in enumerate(lines):
         end = starts[i + 1] if i + 1 < len(lines) else len(rows)
         own = [r["tokens"] / r["seconds"] for r in rows[starts[i] + 1 : end]]
-        if own:
-            out.append(
-                {"members": A.members(line), "steps": f"{starts[i] + 1}..{end}", "tokens_s": statistics.median(own)}
-            )
+        if not own:
+            continue
+        members = A.members(line)
+        lay = plan_for(cluster, members.split(", "))
+        fingerprint = compile_plan(lay).fingerprint()[:12]
+        if f"plan {fingerprint}," not in line:
+            raise SystemExit(f"{NAME}: the round {line!r} ran another plan than {fingerprint}, planned here")
+        predicted = evaluate(cluster, lay, str(cluster_file)).score
+        measured = statistics.median(own)
+        out.append(
+            {
+                "members": members,
+                "plan": fingerprint,
+                "shape": _shape(lay),
+                "steps": f"{starts[i] + 2}..{end}",
+                "tokens_s": measured,
+                "predicted_tokens_s": predicted.tokens_per_s,
+                "predicted_step_s": predicted.step_time,
+                "measured_step_s": statistics.median(r["seconds"] for r in rows[starts[i] + 1 : end]),
+                "ratio": measured / predicted.tokens_per_s,
+            }
+        )
     return out
+
+
+def _shape(lay) -> str:
+    """``zbh1: 3L@n0:0+3L@n0:1 / 6L@n1:0``: the schedule and each pipeline's stages (layers @ devices)."""
+    pipes = (
+        "+".join(f"{st.layers}L@{','.join(st.devices)}" for st in p.stages) + f" ({p.microbatches} mb)"
+        for p in lay.pipelines
+    )
+    return f"{lay.train.schedule.value}: " + " / ".join(pipes)
 
 
 def plot(rows: list[dict], ref: list[float], recoveries: list[dict], path: Path) -> None:
@@ -213,73 +280,75 @@ def save_cost(tmp: Path, steps: int, reps: int) -> list[dict]:
     ]
 
 
-@click.command()
-@click.option("--quick", is_flag=True, help="Smoke run: fewer steps.")
-@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, out_dir):
-    """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
-    steps, kill_at, back_at = (30, 3, 6) if quick else (60, 8, 20)
-    info, before = B.machine(), B.load_average()
-    B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
-    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp:
-        one = Path(tmp, "one")
-        one.mkdir()
-        layout = one / "l.toml"
-        layout.write_text(REFERENCE.read_text().replace("steps = 3", f"steps = {steps}"))
-        ref = [r["loss"] for r in B.run_layout(layout, one, env=B.clean_env({"OMP_NUM_THREADS": "1"}))]
-        work = Path(tmp, "run")
-        work.mkdir()
-        recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at)
-        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3)
-    after = B.load_average()
-    worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
-    continuous = [r["step"] for r in rows] == list(range(1, steps + 1))
-    per_round = rates(rows, lines)
+def testbed_spec() -> T.TestbedSpec:
+    """The nodes in one domain of the netns testbed, each link shaped to TESTBED_LINK (what the planner is told)."""
+    gbps, us = TESTBED_LINK
+    fabric = T.FabricSpec(f"{gbps * 1000:g}mbit", f"{us:g}us")
+    nodes = tuple(T.EmulatedNode(n, "lan", GFLOPS[n]) for n in NODES)
+    return T.TestbedSpec((T.EmulatedDomain("lan", fabric),), nodes, fabric)
+
+
+def report(info, before, after, steps, at, recoveries, per_round, cost, worst, continuous, testbed) -> str:
+    """The results' markdown."""
+    gbps, us = TESTBED_LINK if testbed else LOOPBACK_LINK
+    where = (
+        f"the netns testbed (bench/testbed/: each node a network namespace, its torchrun agent and workers inside, "
+        f"one domain of veth links shaped to {gbps:g} Gbit/s and {us:g} us one way)"
+        if testbed
+        else "one machine (every agent on loopback)"
+    )
+    speeds = ", ".join(f"{n} {g:g}" for n, g in GFLOPS.items())
     verdict = "met" if all(r["recovery_s"] <= 15 for r in recoveries) else "MISSED"
-    md = "\n".join(
-        [
-            *B.report_head(NAME, info, before, after),
-            "Emulated nodes on one machine (one torchrun agent each, HETERO_EMULATE_SLOWDOWN "
-            + ", ".join(f"{n} x{s:g}" for n, s in SLOWDOWN.items())
-            + f"), {steps} steps, node n2 killed after step {kill_at} and started again after step {back_at}; "
-            + f"--checkpoint-every {SAVES[0]} --snapshot-every {SAVES[1]}.",
-            "",
-            f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
-            "",
-            B.markdown_table(
+    close = "met" if all(abs(r["ratio"] - 1) <= 0.10 for r in per_round) else "MISSED"
+    lines = [
+        *B.report_head(NAME, info, before, after),
+        f"Mode: emulated nodes on {where}; emulated devices (HETERO_EMULATE_DEVICE, GFLOP/s per device: {speeds}; "
+        f"the planner's [plan.kinds] say the same, priced by FLOPs; links {gbps:g} Gbit/s, {us:g} us declared), "
+        f"{steps} steps, node n2 killed after step {at[0]} and started again after step {at[1]}; "
+        f"--checkpoint-every {SAVES[0]} --snapshot-every {SAVES[1]}.",
+        "",
+        f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
+        "",
+        B.markdown_table(
+            ["event", "members after", "detection s", "restart s", "planning s", "restore s", "recovery s"]
+            + ["resumed at step", "steps redone"],
+            [
                 [
-                    "event",
-                    "members after",
-                    "detection s",
-                    "restart s",
-                    "planning s",
-                    "restore s",
-                    "recovery s",
-                    "resumed at step",
-                    "steps redone",
-                ],
-                [
-                    [
-                        what,
-                        r["members"],
-                        B.fmt(r["detection_s"]),
-                        B.fmt(r["restart_s"]),
-                        B.fmt(r["planning_s"]),
-                        B.fmt(r["restore_s"]),
-                        B.fmt(r["recovery_s"]),
-                        r["resumed_at"],
-                        r["steps_redone"],
-                    ]
-                    for what, r in zip(("n2 killed", "n2 back"), recoveries)
-                ],
-            ),
-            "",
-            "## tokens/s per membership (median of each round's steps but its first)",
-            "",
-            B.markdown_table(
-                ["members", "steps", "tokens/s"], [[r["members"], r["steps"], B.fmt(r["tokens_s"])] for r in per_round]
-            ),
-            "",
+                    what,
+                    r["members"],
+                    *(B.fmt(r[k]) for k in ("detection_s", "restart_s", "planning_s")),
+                    B.fmt(r["restore_s"]),
+                ]
+                + [B.fmt(r["recovery_s"]), r["resumed_at"], r["steps_redone"]]
+                for what, r in zip(("n2 killed", "n2 back"), recoveries)
+            ],
+        ),
+        "",
+        f"## tokens/s per membership vs the planner's prediction (target within 10%: {close})",
+        "",
+        "Measured: the median over the round's steps but its first (which includes the round's start).",
+        "",
+        B.markdown_table(
+            [
+                "members",
+                "plan",
+                "steps",
+                "measured tokens/s",
+                "predicted tokens/s",
+                "ratio",
+                "step s (measured, predicted)",
+            ],
+            [
+                [r["members"], f"{r['plan']} ({r['shape']})", r["steps"], B.fmt(r["tokens_s"])]
+                + [B.fmt(r["predicted_tokens_s"]), f"{r['ratio']:.3f}"]
+                + [f"{r['measured_step_s']:.3f}, {r['predicted_step_s']:.3f}"]
+                for r in per_round
+            ],
+        ),
+        "",
+    ]
+    if cost:
+        lines += [
             "## What a save every step costs (one-process run of the reference model, wall time vs no save)",
             "",
             B.markdown_table(
@@ -287,10 +356,48 @@ def main(quick, out_dir):
                 [[c["where"], c["runs"], B.fmt(c["save_ms_per_step"])] for c in cost],
             ),
             "",
-            f"Losses vs the one-process run: max relative difference {worst:.2e} over {len(rows)} steps; "
-            f"steps 1..{steps} each recorded once: {continuous}.",
         ]
+    lines.append(
+        f"Losses vs the one-process run: max relative difference {worst:.2e} over {steps} steps; "
+        f"steps 1..{steps} each recorded once: {continuous}."
     )
+    return "\n".join(lines)
+
+
+@click.command()
+@click.option("--quick", is_flag=True, help="Smoke run: fewer steps, on one machine.")
+@click.option(
+    "--one-machine", is_flag=True, help="Every node's agent on this machine's loopback, not in the netns testbed."
+)
+@click.option("--save-cost", is_flag=True, help="Also measure what a save every step costs the one-process run.")
+@click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
+def main(quick, one_machine, save_cost, out_dir):
+    """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
+    steps, kill_at, back_at = (30, 3, 6) if quick else (60, 8, 20)
+    testbed = not (quick or one_machine)
+    if testbed:
+        ok, why = T.available()
+        if not ok:
+            raise SystemExit(f"{NAME}: the netns testbed cannot run here ({why}): run as root, or pass --one-machine")
+    info, before = B.machine(), B.load_average()
+    B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
+    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp, contextlib.ExitStack() as stack:
+        one = Path(tmp, "one")
+        one.mkdir()
+        layout = one / "l.toml"
+        layout.write_text(REFERENCE.read_text().replace("steps = 3", f"steps = {steps}"))
+        ref = [r["loss"] for r in B.run_layout(layout, one, env=B.clean_env({"OMP_NUM_THREADS": "1"}))]
+        work = Path(tmp, "run")
+        work.mkdir()
+        tb = stack.enter_context(T.Testbed(testbed_spec())) if testbed else None
+        recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb)
+        per_round = rates(rows, lines, work / "cluster.toml")
+        stack.close()  # the testbed down before the one-process save costs
+        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if save_cost else []
+    after = B.load_average()
+    worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
+    continuous = [r["step"] for r in rows] == list(range(1, steps + 1))
+    md = report(info, before, after, steps, (kill_at, back_at), recoveries, per_round, cost, worst, continuous, testbed)
     out_dir.mkdir(parents=True, exist_ok=True)
     plot(rows, ref, recoveries, out_dir / f"{NAME}.png")
     md_path, _ = B.write_results(
@@ -302,6 +409,7 @@ def main(quick, out_dir):
             "load_before": before,
             "load_after": after,
             "results": recoveries,
+            "mode": "netns testbed" if testbed else "one machine",
             "rates": per_round,
             "rounds": lines,
             "max_rel_loss_diff": worst,
