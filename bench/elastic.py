@@ -138,6 +138,7 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     planned = float(re.search(r"planned in ([0-9.]+) s", line).group(1))
     return {
         "members": nodes,
+        "join_s": 0.0,
         "detection_s": t_detected - t0,
         "restart_s": t_round - t_detected,
         "planning_s": planned,
@@ -172,10 +173,14 @@ def scenario(
         lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded)
         B.say(f"{NAME}: re-planned without n2: recovery {lost['recovery_s']:.1f} s")
         run.wait(f"step {back_at}", lambda: run.recorded() >= back_at)
-        recorded = run.recorded()
+        running = [w for n in ("n0", "n1") for w in A.children(run.agents[n].pid)]
         t_back = time.monotonic()
-        run.start("n2")
-        back = _recovery(run, t_back, t_back, "n0, n1, n2", lost["resumed_at"] + 1, recorded)
+        run.start("n2")  # training goes on while its agent starts and joins: the running agents stop their workers
+        t_stopped = run.wait(  # once they see it waiting at the rendezvous; the time not training starts there
+            "the running workers to stop", lambda: not any(Path(f"/proc/{p}").exists() for p in running)
+        )
+        back = _recovery(run, t_stopped, t_stopped, "n0, n1, n2", lost["resumed_at"] + 1, run.recorded())
+        back["join_s"] = t_stopped - t_back
         B.say(f"{NAME}: n2 back: recovery {back['recovery_s']:.1f} s")
         for node in ("n0", "n1", "n2"):
             if run.agents[node].wait(600) != 0:
@@ -310,8 +315,8 @@ def report(info, before, after, steps, at, recoveries, per_round, cost, worst, c
         f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
         "",
         B.markdown_table(
-            ["event", "members after", "detection s", "restart s", "planning s", "restore s", "recovery s"]
-            + ["resumed at step", "steps redone"],
+            ["event", "members after", "join s (training goes on)", "detection s", "restart s", "planning s"]
+            + ["restore s", "recovery s", "resumed at step", "steps redone"],
             [
                 [
                     what,
@@ -370,8 +375,13 @@ def report(info, before, after, steps, at, recoveries, per_round, cost, worst, c
     "--one-machine", is_flag=True, help="Every node's agent on this machine's loopback, not in the netns testbed."
 )
 @click.option("--save-cost", is_flag=True, help="Also measure what a save every step costs the one-process run.")
+@click.option(
+    "--work-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep the run's files (agents' logs, metrics, checkpoints) here instead of a temporary folder.",
+)
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, one_machine, save_cost, out_dir):
+def main(quick, one_machine, save_cost, work_dir, out_dir):
     """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
     steps, kill_at, back_at = (30, 3, 6) if quick else (60, 8, 20)
     testbed = not (quick or one_machine)
@@ -381,7 +391,9 @@ def main(quick, one_machine, save_cost, out_dir):
             raise SystemExit(f"{NAME}: the netns testbed cannot run here ({why}): run as root, or pass --one-machine")
     info, before = B.machine(), B.load_average()
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
-    with tempfile.TemporaryDirectory(prefix="bench_elastic_") as tmp, contextlib.ExitStack() as stack:
+    with contextlib.ExitStack() as stack:
+        tmp = str(work_dir) if work_dir else stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_elastic_"))
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         one = Path(tmp, "one")
         one.mkdir()
         layout = one / "l.toml"
@@ -389,10 +401,9 @@ def main(quick, one_machine, save_cost, out_dir):
         ref = [r["loss"] for r in B.run_layout(layout, one, env=B.clean_env({"OMP_NUM_THREADS": "1"}))]
         work = Path(tmp, "run")
         work.mkdir()
-        tb = stack.enter_context(T.Testbed(testbed_spec())) if testbed else None
-        recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb)
+        with T.Testbed(testbed_spec()) if testbed else contextlib.nullcontext() as tb:
+            recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb)
         per_round = rates(rows, lines, work / "cluster.toml")
-        stack.close()  # the testbed down before the one-process save costs
         cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if save_cost else []
     after = B.load_average()
     worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
@@ -417,6 +428,7 @@ def main(quick, one_machine, save_cost, out_dir):
             "snapshots_left_behind": left,
             "save_cost": cost,
             "steps": [r["step"] for r in rows],
+            "step_seconds": [r["seconds"] for r in rows],
             "losses": [r["loss"] for r in rows],
             "reference_losses": ref,
         },
