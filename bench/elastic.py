@@ -48,6 +48,7 @@ import click
 
 from bench import benchlib as B
 from bench import elastic_agents as A
+from bench import elastic_report as R
 from bench import testbed as T
 from hetero_llm.launch.elastic import plan_for, snapshot_folder
 from hetero_llm.plan import compile_plan
@@ -128,8 +129,10 @@ class _Run:
         shutil.rmtree(snapshot_folder(str(self.work / "ckpt")), ignore_errors=True)  # a finished run removed it
 
 
-def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, recorded: int) -> dict:
-    """The times and steps of a recovery that began at ``t0``: the round for ``nodes`` and its first new step."""
+def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, recorded: int, old: list[int]) -> dict:
+    """The times and steps of a recovery that began at ``t0``: n0's new workers (``old``: the workers before), the
+    round for ``nodes`` and its first new step."""
+    t_spawned = run.wait("n0's new workers", lambda: bool(set(A.children(run.agents["n0"].pid)) - set(old)))
     t_round = run.wait(f"the round of {nodes}", lambda: run.round_with(nodes, after) is not None)
     line = run.round_with(nodes, after)
     start = A.start_step(line)
@@ -141,6 +144,8 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
         "join_s": 0.0,
         "detection_s": t_detected - t0,
         "restart_s": t_round - t_detected,
+        "rendezvous_s": t_spawned - t_detected,
+        "worker_start_s": t_round - t_spawned,
         "planning_s": planned,
         "restore_s": max(0.0, t_step - t_round - step_s),
         "recovery_s": (t_detected - t0) + (t_round - t_detected) + max(0.0, t_step - t_round - step_s),
@@ -149,10 +154,17 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     }
 
 
+def _link(tb, node: str, state: str) -> None:
+    """Take the node's testbed link (its domain interface) down or up: a partition and its end."""
+    subprocess.run(["ip", "-n", tb.namespace(node), "link", "set", tb.interface("domain"), state], check=True)
+
+
 def scenario(
-    work: Path, steps: int, kill_at: int, back_at: int, tb=None
+    work: Path, steps: int, kill_at: int, back_at: int, tb=None, cut: bool = False
 ) -> tuple[list[dict], list[dict], list[str], bool]:
-    """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind."""
+    """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind; ``cut``:
+    lose n2 by taking its link down (its processes live on, cut off: a hang to detect) instead of killing it, and
+    at its return kill what is left of it and bring the link up before its agent starts again."""
     run = _Run(work, steps, tb)
     try:
         run.start("n0")  # it serves torchrun's rendezvous: first
@@ -164,22 +176,28 @@ def scenario(
         survivors = [w for n in ("n0", "n1") for w in A.children(run.agents[n].pid)]
         recorded = run.recorded()
         t_kill = time.monotonic()
-        A.signal_node(run.agents["n2"], signal.SIGKILL)
         run.killed.add("n2")
-        B.say(f"{NAME}: killed node n2 after step {recorded}")
+        if cut:
+            _link(tb, "n2", "down")
+        else:
+            A.signal_node(run.agents["n2"], signal.SIGKILL)
+        B.say(f"{NAME}: {'cut the link of' if cut else 'killed'} node n2 after step {recorded}")
         t_detected = run.wait(
             "the survivors' workers to exit", lambda: not any(Path(f"/proc/{p}").exists() for p in survivors)
         )
-        lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded)
+        lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded, survivors)
         B.say(f"{NAME}: re-planned without n2: recovery {lost['recovery_s']:.1f} s")
         run.wait(f"step {back_at}", lambda: run.recorded() >= back_at)
         running = [w for n in ("n0", "n1") for w in A.children(run.agents[n].pid)]
         t_back = time.monotonic()
+        if cut:  # the cut-off node's agent and workers (hung or failed) go, its link comes back
+            A.signal_node(run.agents["n2"], signal.SIGKILL)
+            _link(tb, "n2", "up")
         run.start("n2")  # training goes on while its agent starts and joins: the running agents stop their workers
         t_stopped = run.wait(  # once they see it waiting at the rendezvous; the time not training starts there
             "the running workers to stop", lambda: not any(Path(f"/proc/{p}").exists() for p in running)
         )
-        back = _recovery(run, t_stopped, t_stopped, "n0, n1, n2", lost["resumed_at"] + 1, run.recorded())
+        back = _recovery(run, t_stopped, t_stopped, "n0, n1, n2", lost["resumed_at"] + 1, run.recorded(), running)
         back["join_s"] = t_stopped - t_back
         B.say(f"{NAME}: n2 back: recovery {back['recovery_s']:.1f} s")
         for node in ("n0", "n1", "n2"):
@@ -236,27 +254,6 @@ def _shape(lay) -> str:
     return f"{lay.train.schedule.value}: " + " / ".join(pipes)
 
 
-def plot(rows: list[dict], ref: list[float], recoveries: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    steps = [r["step"] for r in rows]
-    ax.plot(steps, ref, "k-", label="one process, uninterrupted")
-    ax.plot(steps, [r["loss"] for r in rows], "o", mfc="none", label="elastic: n2 lost, then back")
-    for rec, what in zip(recoveries, ("n2 lost", "n2 back")):
-        ax.axvline(rec["resumed_at"] + 0.5, color="grey", ls=":")
-        ax.text(rec["resumed_at"] + 0.6, max(ref), what, fontsize=8)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-
-
 def save_cost(tmp: Path, steps: int, reps: int) -> list[dict]:
     """Wall seconds per step that a save every step adds to the one-process run of the reference model, into a
     folder on disk (``--checkpoint-every 1``, what a round resumes from otherwise) and into /dev/shm (a synchronous
@@ -293,98 +290,32 @@ def testbed_spec() -> T.TestbedSpec:
     return T.TestbedSpec((T.EmulatedDomain("lan", fabric),), nodes, fabric)
 
 
-def report(info, before, after, steps, at, recoveries, per_round, cost, worst, continuous, testbed) -> str:
-    """The results' markdown."""
-    gbps, us = TESTBED_LINK if testbed else LOOPBACK_LINK
-    where = (
-        f"the netns testbed (bench/testbed/: each node a network namespace, its torchrun agent and workers inside, "
-        f"one domain of veth links shaped to {gbps:g} Gbit/s and {us:g} us one way)"
-        if testbed
-        else "one machine (every agent on loopback)"
-    )
-    speeds = ", ".join(f"{n} {g:g}" for n, g in GFLOPS.items())
-    verdict = "met" if all(r["recovery_s"] <= 15 for r in recoveries) else "MISSED"
-    close = "met" if all(abs(r["ratio"] - 1) <= 0.10 for r in per_round) else "MISSED"
-    lines = [
-        *B.report_head(NAME, info, before, after),
-        f"Mode: emulated nodes on {where}; emulated devices (HETERO_EMULATE_DEVICE, GFLOP/s per device: {speeds}; "
-        f"the planner's [plan.kinds] say the same, priced by FLOPs; links {gbps:g} Gbit/s, {us:g} us declared), "
-        f"{steps} steps, node n2 killed after step {at[0]} and started again after step {at[1]}; "
-        f"--checkpoint-every {SAVES[0]} --snapshot-every {SAVES[1]}.",
-        "",
-        f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
-        "",
-        B.markdown_table(
-            ["event", "members after", "join s (training goes on)", "detection s", "restart s", "planning s"]
-            + ["restore s", "recovery s", "resumed at step", "steps redone"],
-            [
-                [
-                    what,
-                    r["members"],
-                    *(B.fmt(r[k]) for k in ("detection_s", "restart_s", "planning_s")),
-                    B.fmt(r["restore_s"]),
-                ]
-                + [B.fmt(r["recovery_s"]), r["resumed_at"], r["steps_redone"]]
-                for what, r in zip(("n2 killed", "n2 back"), recoveries)
-            ],
-        ),
-        "",
-        f"## tokens/s per membership vs the planner's prediction (target within 10%: {close})",
-        "",
-        "Measured: the median over the round's steps but its first (which includes the round's start).",
-        "",
-        B.markdown_table(
-            [
-                "members",
-                "plan",
-                "steps",
-                "measured tokens/s",
-                "predicted tokens/s",
-                "ratio",
-                "step s (measured, predicted)",
-            ],
-            [
-                [r["members"], f"{r['plan']} ({r['shape']})", r["steps"], B.fmt(r["tokens_s"])]
-                + [B.fmt(r["predicted_tokens_s"]), f"{r['ratio']:.3f}"]
-                + [f"{r['measured_step_s']:.3f}, {r['predicted_step_s']:.3f}"]
-                for r in per_round
-            ],
-        ),
-        "",
-    ]
-    if cost:
-        lines += [
-            "## What a save every step costs (one-process run of the reference model, wall time vs no save)",
-            "",
-            B.markdown_table(
-                ["saved into", "runs", "ms per step"],
-                [[c["where"], c["runs"], B.fmt(c["save_ms_per_step"])] for c in cost],
-            ),
-            "",
-        ]
-    lines.append(
-        f"Losses vs the one-process run: max relative difference {worst:.2e} over {steps} steps; "
-        f"steps 1..{steps} each recorded once: {continuous}."
-    )
-    return "\n".join(lines)
-
-
 @click.command()
 @click.option("--quick", is_flag=True, help="Smoke run: fewer steps, on one machine.")
 @click.option(
     "--one-machine", is_flag=True, help="Every node's agent on this machine's loopback, not in the netns testbed."
 )
-@click.option("--save-cost", is_flag=True, help="Also measure what a save every step costs the one-process run.")
+@click.option(
+    "--save-cost", "measure_saves", is_flag=True, help="Also measure what a save every step costs the one-process run."
+)
+@click.option(
+    "--partition",
+    is_flag=True,
+    help="Lose n2 by cutting its link (ip link down: a hang to detect) instead of killing it (the testbed only).",
+)
 @click.option(
     "--work-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keep the run's files (agents' logs, metrics, checkpoints) here instead of a temporary folder.",
 )
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, one_machine, save_cost, work_dir, out_dir):
+def main(quick, one_machine, partition, measure_saves, work_dir, out_dir):
     """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
     steps, kill_at, back_at = (30, 3, 6) if quick else (60, 8, 20)
     testbed = not (quick or one_machine)
+    if partition and not testbed:
+        raise SystemExit(f"{NAME}: --partition cuts a testbed link: it cannot run with --quick or --one-machine")
+    name = NAME + ("_partition" if partition else "")
     if testbed:
         ok, why = T.available()
         if not ok:
@@ -402,18 +333,28 @@ def main(quick, one_machine, save_cost, work_dir, out_dir):
         work = Path(tmp, "run")
         work.mkdir()
         with T.Testbed(testbed_spec()) if testbed else contextlib.nullcontext() as tb:
-            recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb)
+            recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb, partition)
         per_round = rates(rows, lines, work / "cluster.toml")
-        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if save_cost else []
+        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if measure_saves else []
     after = B.load_average()
     worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
     continuous = [r["step"] for r in rows] == list(range(1, steps + 1))
-    md = report(info, before, after, steps, (kill_at, back_at), recoveries, per_round, cost, worst, continuous, testbed)
+    setup = {
+        "name": name,
+        "gflops": GFLOPS,
+        "link": TESTBED_LINK if testbed else LOOPBACK_LINK,
+        "saves": SAVES,
+        "steps": steps,
+        "at": (kill_at, back_at),
+        "testbed": testbed,
+        "cut": partition,
+    }
+    md = R.report(setup, info, before, after, recoveries, per_round, cost, worst, continuous)
     out_dir.mkdir(parents=True, exist_ok=True)
-    plot(rows, ref, recoveries, out_dir / f"{NAME}.png")
+    R.plot(rows, ref, recoveries, out_dir / f"{name}.png", "n2 cut off" if partition else "n2 lost")
     md_path, _ = B.write_results(
         out_dir,
-        NAME,
+        name,
         md,
         {
             "machine": info,
