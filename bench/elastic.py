@@ -115,7 +115,8 @@ class _Run:
         while not condition():
             failed = [n for n, a in self.agents.items() if n not in self.killed and a.poll() not in (None, 0)]
             if time.monotonic() > deadline or failed:
-                raise SystemExit(f"{NAME}: gave up waiting for {what} (failed agents: {failed}); logs in {self.work}")
+                tails = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in sorted(self.work.glob("*.log")))
+                raise SystemExit(f"{NAME}: gave up waiting for {what} (failed agents: {failed}); logs:{tails}")
             time.sleep(0.05)
         return time.monotonic()
 
@@ -296,7 +297,10 @@ def testbed_spec() -> T.TestbedSpec:
     "--one-machine", is_flag=True, help="Every node's agent on this machine's loopback, not in the netns testbed."
 )
 @click.option(
-    "--save-cost", "measure_saves", is_flag=True, help="Also measure what a save every step costs the one-process run."
+    "--no-save-cost",
+    "skip_saves",
+    is_flag=True,
+    help="Skip measuring what a save every step costs the one-process run.",
 )
 @click.option(
     "--partition",
@@ -309,7 +313,7 @@ def testbed_spec() -> T.TestbedSpec:
     help="Keep the run's files (agents' logs, metrics, checkpoints) here instead of a temporary folder.",
 )
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, one_machine, partition, measure_saves, work_dir, out_dir):
+def main(quick, one_machine, partition, skip_saves, work_dir, out_dir):
     """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
     steps, kill_at, back_at = (30, 3, 6) if quick else (60, 8, 20)
     testbed = not (quick or one_machine)
@@ -335,7 +339,7 @@ def main(quick, one_machine, partition, measure_saves, work_dir, out_dir):
         with T.Testbed(testbed_spec()) if testbed else contextlib.nullcontext() as tb:
             recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb, partition)
         per_round = rates(rows, lines, work / "cluster.toml")
-        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if measure_saves else []
+        cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if not skip_saves else []
     after = B.load_average()
     worst = max(abs(r["loss"] - b) / abs(b) for r, b in zip(rows, ref))
     continuous = [r["step"] for r in rows] == list(range(1, steps + 1))
