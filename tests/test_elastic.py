@@ -251,6 +251,9 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
     assert [r["members"] for r in got["results"]] == ["n0, n1", "n0, n1, n2"]
+    # each round's tokens/s beside the planner's prediction for the plan it ran (the bench checks the fingerprints)
+    assert [r["members"] for r in got["rates"]] == members, got["rates"]
+    assert all(r["plan"] in line and r["predicted_tokens_s"] > 0 for r, line in zip(got["rates"], got["rounds"]))
     assert all(r["recovery_s"] > 0 and r["steps_redone"] >= 0 for r in got["results"])
     assert (tmp_path / "elastic.png").stat().st_size > 0 and "## Recoveries" in (tmp_path / "elastic.md").read_text()
 
