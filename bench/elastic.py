@@ -9,8 +9,10 @@ every compute action lasts its modelled time, the real computation inside it, th
 cluster file declares the same speeds to the planner (``[plan.kinds]``, priced by FLOPs: the same durations) and
 the links' bandwidth and latency, so each round's plan and its predicted tokens/s are for the devices that run.
 Node n2 (its agent and workers) is SIGKILLed once step N is recorded and started again once step M is; the run
-goes on to the last step. It saves to disk every 5 steps and snapshots every step into /dev/shm
-(``--snapshot-every 1``): a round resumes from the newer of the two.
+goes on to the last step. It saves to disk every 5 steps and snapshots every step into node memory
+(``--snapshot-every 1``; each node its own /dev/shm folder, removed with the node when it is lost, so a round
+resumes from snapshots the nodes present hold, copied into the checkpoint folder): a round resumes from the newer
+of the two.
 Measured with this script's clock (polling every 50 ms):
 
 - detection: the kill -> every survivor's worker has exited (their collectives failed, or the heartbeat named
@@ -104,8 +106,24 @@ class _Run:
             )
         device = self.emulated.device(node)
         self.agents[node] = A.start_agent(
-            self.cluster, node, NODES[node], self.rdzv, self.work, saves=SAVES, device=device, where=where
+            self.cluster,
+            node,
+            NODES[node],
+            self.rdzv,
+            self.work,
+            saves=SAVES,
+            device=device,
+            where=where,
+            shm=self.shm(node),
         )
+
+    def shm(self, node: str) -> Path:
+        """The node's own memory for snapshots (its HETERO_SHM_DIR): a lost node's snapshots go with it."""
+        return Path("/dev/shm") / f"bench_elastic_{os.getpid()}_{node}"
+
+    def snapshots_left(self) -> bool:
+        name = snapshot_folder(str(self.work / "ckpt")).name
+        return any((self.shm(node) / name).exists() for node in NODES)
 
     def recorded(self) -> int:
         return len(self.metrics.read_text().splitlines()) if self.metrics.exists() else 0
@@ -127,7 +145,8 @@ class _Run:
     def stop(self) -> None:
         for agent in self.agents.values():
             A.signal_node(agent, signal.SIGKILL)
-        shutil.rmtree(snapshot_folder(str(self.work / "ckpt")), ignore_errors=True)  # a finished run removed it
+        for node in NODES:  # a finished run removed its snapshots; a failed one may not have
+            shutil.rmtree(self.shm(node), ignore_errors=True)
 
 
 def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, recorded: int, old: list[int]) -> dict:
@@ -182,6 +201,7 @@ def scenario(
             _link(tb, "n2", "down")
         else:
             A.signal_node(run.agents["n2"], signal.SIGKILL)
+            shutil.rmtree(run.shm("n2"), ignore_errors=True)  # its memory is lost with it: its snapshots too
         B.say(f"{NAME}: {'cut the link of' if cut else 'killed'} node n2 after step {recorded}")
         t_detected = run.wait(
             "the survivors' workers to exit", lambda: not any(Path(f"/proc/{p}").exists() for p in survivors)
@@ -204,7 +224,7 @@ def scenario(
         for node in ("n0", "n1", "n2"):
             if run.agents[node].wait(600) != 0:
                 raise SystemExit(f"{NAME}: node {node}'s agent failed; logs in {work}")
-        left = snapshot_folder(str(work / "ckpt")).exists()  # a finished run removes its snapshots
+        left = run.snapshots_left()  # a finished run removes its snapshots
     finally:
         run.stop()
     rows = [json.loads(line) for line in run.metrics.read_text().splitlines()]
