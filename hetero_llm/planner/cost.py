@@ -15,7 +15,9 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
   efficiency.
 - stage boundary: ``rows S H`` activation elements; inside a node over the slower of the two kinds'
   links, else over one of the domain's NICs (or the cross-domain network), then an all-gather inside the
-  receiving TP group (the runtime sends one piece to each receiver).
+  receiving TP group (the runtime sends one piece to each receiver). Under gloo a message over a network
+  link moves only once its receive is posted (``rendezvous``), and the runtime posts a receive right before
+  the compute that needs it: a stage busy when the data was sent waits a round trip once it is free.
 - gradient sync: every rank's gradient shard is all-reduced (ring) with one holder per pipeline; a rank
   sends ``2 (P-1)/P`` of its shard, ``plan.grad_bytes`` per element (4: the runtime reduces float32),
   over the narrowest network its holders span; a node's ranks share its ``plan.nics`` NICs. NCCL clusters

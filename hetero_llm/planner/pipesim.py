@@ -4,7 +4,8 @@ The planner scores thousands of pipelines; ``simulate.simulate`` validates the s
 attrs events on every call (about 3 s for 8 stages x 64 microbatches). This is the same semantics
 (``schedule.requirements`` read for a compute-only schedule: each stage runs its actions in list order,
 an action starts when its stage is free and its inputs have arrived, a transfer takes
-``latency + bytes / bandwidth``) on plain tuples, for schedules the generators made (valid by
+``latency + bytes / bandwidth``, over a rendezvous link it starts a latency after the receive is posted at the
+earliest) on plain tuples, for schedules the generators made (valid by
 construction). tests/test_planner.py checks it against ``simulate.simulate`` over a grid of
 schedules and costs.
 """
