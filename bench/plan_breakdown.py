@@ -51,8 +51,11 @@ def emulated(cost: PlannerCostModel, cand: Candidate) -> dict[tuple[int, int], d
 
 def _rank_step(row: list[tuple[str, float, float]]) -> dict:
     """One rank's records of one step: compute durations by kind, receive waits, sends, the time between records
-    (ZeRO-1's ``RS`` and ``AG`` left out: they wait for the step's end and the next step's start)."""
+    (ZeRO-1's ``RS`` and ``AG`` left out: they wait for the step's end and the next step's start; and what follows
+    the last compute or send: a receive the next step posts before its ``AG``)."""
     row = [r for r in row if tracing.action_kind(r[0]) not in ("RS", "AG")]
+    last = max((i for i, r in enumerate(row) if r[0][0] in "FBIW" or r[0].startswith("SEND")), default=-1)
+    row = row[: last + 1]
     durations: dict[str, list[float]] = {k: [] for k in KINDS}
     recv = send = covered = 0.0
     for action, start, end in row:
