@@ -111,9 +111,10 @@ def run_layout(
     port: int = 29600,
     timeout_s: float = 600,
     env: dict[str, str] | None = None,
+    trace: Path | None = None,
 ) -> RunResult:
     """Train ``layout_path`` for ``steps`` steps, one ``hetero-launch --node`` per emulated node (``env``: more
-    variables for every node, e.g. the runtime's emulation)."""
+    variables for every node, e.g. the runtime's emulation; ``trace``: every rank's ``--trace`` folder)."""
     lay = layout_mod.load(layout_path)
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
@@ -145,7 +146,7 @@ def run_layout(
                 str(metrics),
                 "--set",
                 f"train.steps={steps}",
-            ]
+            ] + (["--trace", str(trace)] if trace is not None else [])
             fastest, speed = max(m.speed for m in lay.cluster.nodes), lay.cluster.node(n).speed
             slow = {"HETERO_EMULATE_SLOWDOWN": f"*:{fastest / speed:g}"} if speed != fastest else {}
             procs[n] = tb.run(n, argv, env={**env, **slow}, stdout=logs[n], stderr=subprocess.STDOUT)

@@ -3,6 +3,9 @@
     sudo python -m bench.plan_vs_measured             # 10 ranked plans of a 4-slot, 2-domain cluster on the testbed
     python -m bench.plan_vs_measured --loopback       # the same plans over loopback (fast links declared)
     python -m bench.plan_vs_measured --quick          # 2 plans, 2 steps, loopback, devices 4x faster (the test suite)
+    sudo python -m bench.plan_vs_measured --trace DIR # also trace every run and break each step down as the model
+                                                      # prices it (bench/plan_breakdown.py: more tables, 'breakdown')
+    sudo python -m bench.plan_vs_measured --constants-from OLD.json --ranks 1,37 --trace DIR   # two plans again
 
 **Network.** By default every node of the cluster file runs in its own network namespace of the testbed
 (``bench/testbed/``, through ``holmes_bench.run_layout``): each domain's fabric and the cross-domain
@@ -49,7 +52,7 @@ from pathlib import Path
 
 from scipy.stats import kendalltau
 
-from bench import benchlib
+from bench import benchlib, plan_breakdown
 from hetero_llm import layout as L
 from hetero_llm.planner import plan_cluster
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
@@ -125,13 +128,11 @@ def cluster_text(
 def emulation_env(cluster, cand) -> str:
     """HETERO_EMULATE_ACTION_S for a candidate: per rank, its stage's modelled action durations (the device's
     compute and TP time; the measured per-action overhead is the runtime's, so it is not emulated)."""
-    cost = PlannerCostModel(cluster)
+    times = plan_breakdown.emulated(PlannerCostModel(cluster), cand)
     items, rank = [], 0
-    for p in cand.pipelines:
-        for i, s in enumerate(p.stages):
-            f, b, w, _ = cost.stage_times(s.group, s.layers, i == len(p.stages) - 1, p.rows, s.recompute)
-            c = cand.chunks if cand.schedule == "interleaved" and len(p.stages) > 1 else 1
-            spec = f"F={f / c:.6f};B={b / c:.6f};I={(b - w) / c:.6f};W={w / c:.6f}"
+    for p, pipe in enumerate(cand.pipelines):
+        for i, s in enumerate(pipe.stages):
+            spec = ";".join(f"{k}={times[(p, i)][k]:.6f}" for k in plan_breakdown.KINDS)
             for _ in s.group.devices:
                 items.append(f"{rank}:{spec}")
                 rank += 1
@@ -235,6 +236,19 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="", help="suffix of the result files (plan_vs_measured_TAG.*)")
+    ap.add_argument("--ranks", default="", help="run these plans of the ranking (e.g. '1,37') instead of spreading")
+    ap.add_argument(
+        "--constants-from",
+        default="",
+        help="take action_overhead_us and p2p_latency_us from an earlier run's JSON instead of measuring them",
+    )
+    ap.add_argument(
+        "--trace",
+        default="",
+        metavar="DIR",
+        help="trace every run into DIR/planN_R (hetero-launch --trace) and break each plan's step down as the model "
+        "prices it (bench/plan_breakdown.py: more tables, 'breakdown' in the JSON)",
+    )
     args = ap.parse_args()
     speed = 1.0
     if args.quick:  # the measured step stays above the modelled one at any speed: the emulated actions are a floor
@@ -256,7 +270,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         constants = {"action_overhead_us": 0.0, "p2p_latency_us": 0.0}
-        if not args.no_constants:
+        if args.constants_from:
+            constants = json.loads(Path(args.constants_from).read_text())["summary"]["constants"]
+        elif not args.no_constants:
             constants = measure_constants(tmp, args.steps, args.warmup, args.reps, speed)
         (tmp / "cluster.toml").write_text(
             cluster_text(
@@ -270,14 +286,18 @@ def main() -> None:
         (tmp / "plain.toml").write_text(cluster_text(args.steps, speed, testbed=testbed))
         cluster = load_cluster(tmp / "cluster.toml")
         plain = PlannerCostModel(load_cluster(tmp / "plain.toml"))  # the model without the measured constants
+        cost = PlannerCostModel(cluster)
         ranked = plan_cluster(cluster, top=args.top).ranked
         picks = spread_over_ranking([s.step_time for _, s in ranked], args.plans, args.min_gap)
+        if args.ranks:
+            picks = [int(r) - 1 for r in args.ranks.split(",")]
         chosen = [(i, ranked[i]) for i in picks]
         benchlib.say(
             f"{len(ranked)} ranked plans, predictions {ranked[0][1].step_time:.4f} .. "
             f"{ranked[-1][1].step_time:.4f} s; chosen #{', #'.join(str(i + 1) for i in picks)}"
         )
         measured: dict[int, list[float]] = {i: [] for i in picks}
+        broken: dict[int, list[dict]] = {i: [] for i in picks}
         paths = {}
         for i, (cand, score) in chosen:
             paths[i] = tmp / f"plan{i}.toml"
@@ -294,6 +314,7 @@ def main() -> None:
             for rep in range(args.reps):
                 for n, (i, (cand, score)) in enumerate(chosen):
                     env = {"HETERO_EMULATE_ACTION_S": emulation_env(cluster, cand)}
+                    trace = Path(args.trace) / f"plan{i + 1}_{rep}" if args.trace else None
                     if tb is not None:
                         got = holmes_bench.run_layout(
                             tb,
@@ -303,11 +324,15 @@ def main() -> None:
                             warmup=args.warmup,
                             port=29600 + rep * 100 + n,
                             env=env,
+                            trace=trace,
                         )
                         steps = list(got.step_s)
                     else:
-                        steps = [r["seconds"] for r in benchlib.run_layout(paths[i], tmp / f"run{i}_{rep}", env=env)]
+                        run = benchlib.run_layout(paths[i], tmp / f"run{i}_{rep}", env=env, trace=trace)
+                        steps = [r["seconds"] for r in run]
                     measured[i].append(statistics.median(steps[args.warmup :]))
+                    if trace is not None:
+                        broken[i].append(plan_breakdown.breakdown(cost, cand, trace, steps, args.warmup))
                     benchlib.say(
                         f"rep {rep} plan #{i + 1}: predicted {score.step_time:.4f} s, measured {measured[i][-1]:.4f} s"
                     )
@@ -325,6 +350,7 @@ def main() -> None:
                     "predicted_plain_s": plain.score(cand).step_time,
                     "measured_s": statistics.median(measured[i]),
                     "each_rep_s": measured[i],
+                    **({"breakdown": broken[i]} if args.trace else {}),
                 }
             )
     load_after = os.getloadavg()
@@ -377,6 +403,8 @@ def main() -> None:
         f"{summary['rep_spread_max']:.1%}); {benchlib.load_line(load_before, load_after)}; "
         f"hetero_llm at {benchlib.git_state()}",
     ]
+    if args.trace:  # the first repetition's breakdown of each plan
+        lines += ["", plan_breakdown.markdown([{**r, "breakdown": r["breakdown"][0]} for r in rows])]
     text = "\n".join(lines) + "\n"
     print(text)
     name = "plan_vs_measured" + (f"_{args.tag}" if args.tag else "")

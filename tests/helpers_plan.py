@@ -74,13 +74,15 @@ def cluster(tmp_path: Path, seq_len: int = 1024, memory_gb: float = 8, packing: 
 
 def flops_priced(c):
     """Cluster ``c`` as the cost model before the roofline one priced it: every kind by FLOPs at its peak, links at
-    their line rate (the landscape some search-regression cases were found on)."""
+    their line rate (the landscape some search-regression cases were found on). Its NCCL backend stays (gloo's
+    rendezvous messages were not priced then), its domains' NCCL bus efficiency is 1 (kind 'other')."""
     import attrs
 
-    from hetero_llm.layout import Backend
+    from hetero_llm.layout import DomainKind
 
     nodes = tuple(
         attrs.evolve(n, kind=attrs.evolve(n.kind, pricing="flops", mem_fraction=1.0, link_fraction=1.0))
         for n in c.nodes
     )
-    return attrs.evolve(c, nodes=nodes, spec=attrs.evolve(c.spec, backend=Backend.GLOO))
+    domains = tuple(attrs.evolve(d, kind=DomainKind.OTHER) for d in c.spec.domains)
+    return attrs.evolve(c, nodes=nodes, spec=attrs.evolve(c.spec, domains=domains))

@@ -61,8 +61,9 @@ SIM_GRID = [
 ]
 
 
+@pytest.mark.parametrize("rendezvous", [False, True])
 @pytest.mark.parametrize("kind,chunks,stages,microbatches", SIM_GRID)
-def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches):
+def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches, rendezvous):
     rng = random.Random(stages * 100 + microbatches)
     fwd = [rng.uniform(0.5, 2) for _ in range(stages)]
     bwd = [f * rng.uniform(1.5, 3) for f in fwd]
@@ -70,6 +71,7 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
     links = stages if kind == "interleaved" else stages - 1
     lat = [rng.uniform(0, 0.3) for _ in range(links)]
     bw = [rng.uniform(1, 10) for _ in range(links)]
+    meet = [rng.random() < 0.7 for _ in range(links)] if rendezvous else None
     cost = CostModel(
         forward=fwd,
         backward=bwd,
@@ -77,11 +79,14 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches)
         bandwidth=bw,
         activation_bytes=2.0,
         weight=wgt if kind == "zbh1" else None,
+        rendezvous=meet,
     )
     want = simulate(sched.compute_schedule(kind, stages, microbatches, chunks=chunks), cost)
+    lowered = simulate(sched.build(kind, stages, microbatches, chunks=chunks), cost)
     acts = pipesim.actions(kind, stages, microbatches, chunks)
-    step, busy = pipesim.simulate(acts, fwd, bwd, wgt if kind == "zbh1" else None, lat, bw, 2.0)
+    step, busy = pipesim.simulate(acts, fwd, bwd, wgt if kind == "zbh1" else None, lat, bw, 2.0, meet)
     assert step == pytest.approx(want.step_time, rel=1e-12)
+    assert lowered.step_time == pytest.approx(want.step_time, rel=1e-12)  # explicit receives: the same step
     assert busy == pytest.approx(want.busy, rel=1e-12)
     assert pipesim.peak_in_flight(acts) == want.peak_in_flight
 
@@ -194,7 +199,14 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
     for schedule, actions in (("1f1b", 2), ("zbh1", 3)):  # one stage: every action is on the critical path
         one = Candidate((PipelineChoice(8, 4, (StageChoice(a, 8),)),), schedule)
         assert cost.score(one).step_time - plain.score(one).step_time == pytest.approx(4 * actions * 1e-3)
-    # two stages: the added time is that of a simulation with every action and hop longer by the constants
+    # two stages: the added time is that of a simulation with every action and hop longer by the constants (two
+    # nodes under gloo: a rendezvous link, each message waits for its receive's notice, a hop longer too)
+    assert cost.rendezvous(a, s0) and cost.rendezvous(s0, a)
+    assert not cost.rendezvous(a, b)  # inside fast0: its CPU ranks' shared-memory ring (cluster.nodes[].p2p = 'auto')
+    network = load_cluster(
+        small_cluster(tmp_path, edit=lambda t: t.replace('"cpu", "cpu"]', '"cpu", "cpu"]\np2p = "network"'))
+    )
+    assert PlannerCostModel(network).rendezvous(a, b)
     for schedule, chunks in (("1f1b", 1), ("interleaved", 2)):
         two = Candidate((PipelineChoice(8, 4, (StageChoice(a, 4), StageChoice(s0, 4))),), schedule, chunks)
         times = [plain.stage_times(g, 4, last, 2, False) for g, last in ((a, False), (s0, True))]
@@ -209,6 +221,7 @@ def test_measured_overhead_per_action_and_latency_per_message(tmp_path):
             lats,
             (bw,) * len(lats),
             2 * 16 * 32 * 4,
+            (True,) * len(lats),
         )
         assert cost.score(two).pipeline_times[0] == pytest.approx(want)
         assert cost.score(two).pipeline_times[0] > plain.score(two).pipeline_times[0]

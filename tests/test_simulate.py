@@ -97,6 +97,26 @@ def test_latency_adds_two_hops_per_boundary(kind: str, num_stages: int) -> None:
         assert slow.step_time - free.step_time == approx(2 * (num_stages - 1) * hop)
 
 
+def test_rendezvous_waits_for_the_receivers_notice_when_it_posts_late() -> None:
+    """GPipe, 2 stages, 2 microbatches (F 1 s, B 2 s, a 0.1 s link). Stage 1 reaches RECV_F1 at 2.1 s, after
+    F1's data was sent (2 s): over a rendezvous link it moves only once the notice is back, at 2.2, and is
+    there at 2.3 (not 2.1). Stage 0 reaches RECV_B1 at 7.4, after B1's gradient was sent (7.3): there at 7.6
+    (not 7.4). The step: 9.6 s, against 9.2 without. A receive posted before its send changes nothing (F0)."""
+    schedule = build("gpipe", 2, 2)
+
+    def cost(meet):
+        return CostModel(forward=[1, 1], backward=[2, 2], latency=[0.1], bandwidth=[math.inf], rendezvous=meet)
+
+    plain, meet = simulate(schedule, cost(None)), simulate(schedule, cost([True]))
+    assert simulate(schedule, cost([False])).step_time == approx(plain.step_time)
+    assert (plain.step_time, meet.step_time) == (approx(9.2), approx(9.6))
+    starts = {str(t.action): t.start for t in meet.timeline[1] if t.action.kind is Kind.F}
+    assert starts == {"F0": approx(1.1), "F1": approx(2.3)}
+    assert simulate(compute_schedule("gpipe", 2, 2), cost([True])).step_time == approx(9.6)
+    with pytest.raises(ValueError, match="rendezvous has 2"):
+        cost([True, True])
+
+
 def test_links_are_per_boundary() -> None:
     # Only the link 1 -> 2 is slow; M = 1 crosses it once each way.
     cost = CostModel([1.0] * 3, [2.0] * 3, latency=[0.0, 0.5], bandwidth=[math.inf, math.inf])

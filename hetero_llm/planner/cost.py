@@ -16,7 +16,9 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
   efficiency.
 - stage boundary: ``rows S H`` activation elements; inside a node over the slower of the two kinds'
   links, else over one of the domain's NICs (or the cross-domain network), then an all-gather inside the
-  receiving TP group (the runtime sends one piece to each receiver).
+  receiving TP group (the runtime sends one piece to each receiver). Under gloo a message over a network
+  link moves only once its receive is posted (``rendezvous``), and the runtime posts a receive right before
+  the compute that needs it: a stage busy when the data was sent waits a round trip once it is free.
 - gradient sync: every rank's gradient shard is all-reduced (ring) with one holder per pipeline; a rank
   sends ``2 (P-1)/P`` of its shard, ``plan.grad_bytes`` per element (4: the runtime reduces float32),
   over the narrowest network its holders span; a node's ranks share its ``plan.nics`` NICs. NCCL clusters
@@ -42,7 +44,7 @@ from __future__ import annotations
 import functools
 import math
 
-from hetero_llm.layout import Backend, Compile
+from hetero_llm.layout import P2P, Backend, Compile
 from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
@@ -84,6 +86,12 @@ class PlannerCostModel(MemoryModel):
         self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster))
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
+        # gloo moves a network message only once its receive is posted; a node's shared-memory rings (its CPU
+        # ranks' boundaries, cluster.nodes[].p2p) do not wait for it, and neither does NCCL (not modelled)
+        self.gloo = cluster.spec.backend is not Backend.NCCL
+        self.shm_nodes = {
+            n.name for n in cluster.spec.nodes if n.p2p is P2P.SHM or (n.p2p is P2P.AUTO and set(n.devices) == {"cpu"})
+        }
         # measured times hold for the shapes they were measured at (hetero-plan --buckets plans other
         # sequence lengths: those use the FLOP model)
         profile = cluster.profile
@@ -168,6 +176,11 @@ class PlannerCostModel(MemoryModel):
             return self.domain_bw[a.domain], self.domain_lat[a.domain] + self.p2p_latency
         return self.cross_bw, self.cluster.network.cross_latency + self.p2p_latency
 
+    def rendezvous(self, a: TPGroup, b: TPGroup) -> bool:
+        """Whether a message a -> b moves only once its receive is posted: gloo over a network (the sender
+        waits for the receiver's notice, a latency, before it sends); not a node's shared-memory ring."""
+        return self.gloo and not (a.node == b.node and a.node in self.shm_nodes)
+
     def boundary(self, a: TPGroup, b: TPGroup, rows: int) -> tuple[float, float]:
         """(effective bytes/s, latency) of one activation crossing a -> b (with the receivers' all-gather)."""
         nbytes = rows * self.S * self.H * self.act_bytes
@@ -188,23 +201,35 @@ class PlannerCostModel(MemoryModel):
         lat: tuple,
         bw: tuple,
         nbytes: float,
+        meet: tuple,
     ) -> tuple[float, float]:
-        """(step seconds, idle fraction) of one pipeline, simulated."""
+        """(step seconds, idle fraction) of one pipeline, simulated (per link: ``lat``, ``bw`` and ``meet``, whether
+        it is a rendezvous link; an interleaved schedule's last link is its wrap)."""
         n = len(fwd)
         if n == 1 and schedule == "interleaved":
             schedule, chunks = "1f1b", 1
-        if schedule == "interleaved":  # the wrap link goes from the last stage back to the first
-            lat, bw = lat + (lat[-1],), bw + (bw[-1],)
         acts = pipesim.actions(schedule, n, microbatches, chunks)
-        step, busy = pipesim.simulate(acts, fwd, bwd, wgt if schedule == "zbh1" else None, lat, bw, nbytes)
+        step, busy = pipesim.simulate(acts, fwd, bwd, wgt if schedule == "zbh1" else None, lat, bw, nbytes, meet)
         return step, 1.0 - sum(busy) / (n * step) if step else 0.0
+
+    def links(self, pipe: PipelineChoice, schedule: str) -> tuple[tuple, tuple, tuple]:
+        """Per link of ``pipe`` (its stage boundaries, then an interleaved schedule's wrap from the last stage back
+        to the first): latencies, effective bandwidths (``boundary``) and whether it is a ``rendezvous`` link."""
+        st = pipe.stages
+        pairs = list(zip(st, st[1:])) + ([(st[-1], st[0])] if schedule == "interleaved" and len(st) > 1 else [])
+        links = [self.boundary(a.group, b.group, pipe.rows) for a, b in pairs]
+        return (
+            tuple(x[1] for x in links),
+            tuple(x[0] for x in links),
+            tuple(self.rendezvous(a.group, b.group) for a, b in pairs),
+        )
 
     # ---------------------------------------------------------------- whole candidates
     def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
         """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step."""
         rows, st = pipe.rows, pipe.stages
         times = [self.stage_times(s.group, s.layers, i == len(st) - 1, rows, s.recompute) for i, s in enumerate(st)]
-        links = [self.boundary(a.group, b.group, rows) for a, b in zip(st, st[1:])]
+        lat, bw, meet = self.links(pipe, schedule)
         nbytes = rows * self.S * self.H * self.act_bytes
         # the runtime's time per compute action: a microbatch's forward is `c` actions (chunks), its backward
         # `c` B (or `c` I and `c` W under ZB-H1)
@@ -218,9 +243,10 @@ class PlannerCostModel(MemoryModel):
             tuple(t[0] + fo for t in times),
             tuple(t[1] + bo for t in times),
             tuple(t[2] + wo for t in times),
-            tuple(x[1] for x in links),
-            tuple(x[0] for x in links),
+            lat,
+            bw,
             nbytes,
+            meet,
         )
         busiest = max(range(len(st)), key=lambda i: times[i][0] + times[i][1])
         return step, bubble, times[busiest][3] * pipe.microbatches

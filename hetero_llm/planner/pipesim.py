@@ -4,7 +4,8 @@ The planner scores thousands of pipelines; ``simulate.simulate`` validates the s
 attrs events on every call (about 3 s for 8 stages x 64 microbatches). This is the same semantics
 (``schedule.requirements`` read for a compute-only schedule: each stage runs its actions in list order,
 an action starts when its stage is free and its inputs have arrived, a transfer takes
-``latency + bytes / bandwidth``) on plain tuples, for schedules the generators made (valid by
+``latency + bytes / bandwidth``, over a rendezvous link it starts a latency after the receive is posted at the
+earliest) on plain tuples, for schedules the generators made (valid by
 construction). tests/test_planner.py checks it against ``simulate.simulate`` over a grid of
 schedules and costs.
 """
@@ -113,21 +114,26 @@ def simulate(
     latency: Sequence[float],
     bandwidth: Sequence[float],
     nbytes: float,
+    rendezvous: Sequence[bool] | None = None,
 ) -> tuple[float, tuple[float, ...]]:
-    """(step seconds, busy seconds per stage), as ``simulate.simulate`` computes them."""
+    """(step seconds, busy seconds per stage), as ``simulate.simulate`` computes them (``rendezvous``: per link,
+    as ``CostModel.rendezvous``: a message moves only once its receive is posted, when its stage is free)."""
     n = len(acts)
     chunks = 1 + max((c for stage in acts for _, _, c in stage), default=0)
     m = 1 + max((mb for stage in acts for _, mb, _ in stage), default=0)
     nv = n * chunks
     # hop[v]: seconds for data to go between virtual stages v and v + 1 (their stages' link; 0 on one stage)
     hop = []
+    post = []  # with rendezvous: seconds from a receive's post until its data is there (a notice back, then the hop)
     for v in range(nv - 1):
         a, b = v % n, (v + 1) % n
         if a == b:
             hop.append(0.0)
+            post.append(0.0)
         else:
             link = min(a, b) if abs(a - b) == 1 else n - 1
             hop.append(latency[link] + nbytes / bandwidth[link])
+            post.append(latency[link] + hop[-1] if rendezvous is not None and rendezvous[link] else 0.0)
     dur = []
     for s in range(n):
         w = weight[s] if weight is not None else 0.0
@@ -152,7 +158,7 @@ def simulate(
                         t = end_f[v - 1][mb]
                         if t < 0:
                             break
-                        t += hop[v - 1]
+                        t = max(t + hop[v - 1], ready + post[v - 1])
                         if t > ready:
                             ready = t
                 elif code == W:
@@ -171,7 +177,7 @@ def simulate(
                         t = end_i[v + 1][mb]
                         if t < 0:
                             break
-                        t += hop[v]
+                        t = max(t + hop[v], free[s] + post[v])  # posted when the stage was free
                         if t > ready:
                             ready = t
                 end = ready + d[code]

@@ -9,7 +9,9 @@ now with durations:
 - a ``SEND`` is posted when its compute is done and does not occupy the stage; its data arrives
   ``latency + activation_bytes / bandwidth`` seconds after it starts (links are not shared: two
   sends on one link do not slow each other down);
-- a ``RECV`` holds its stage until the data has arrived (that wait is pipeline bubble);
+- a ``RECV`` holds its stage until the data has arrived (that wait is pipeline bubble); with
+  ``CostModel.rendezvous`` (gloo over a network) the data moves only once the receive is posted, so it arrives a latency
+  (the receiver's notice to the sender) + the transfer after the post at the earliest;
 - in a compute-only schedule the transfer is implicit: ``F m`` on stage s starts at the earliest
   when ``F m`` on s-1 has ended plus the transfer time (and likewise backwards);
 - ZeRO-1 (``docs/zero1.md``): ``AG`` holds its stage until the parameter all-gather, started at the step's
@@ -114,6 +116,13 @@ class CostModel:
         default=None, converter=_optional_floats, validator=_non_negative
     )
     """Seconds of a stage's ZeRO-1 parameter all-gather (waited for at ``AG``), per stage (None: 0)."""
+    rendezvous: tuple[bool, ...] | None = attrs.field(
+        default=None, converter=lambda v: None if v is None else tuple(bool(x) for x in v)
+    )
+    """Per link, whether a message moves only once its receive is posted (gloo over the network: the sender
+    waits for the receiver's notice; a shared-memory ring does not). A stage posts a receive when it reaches
+    it (right before the compute that needs it), so over such a link the data is there ``latency`` (the
+    notice) + the transfer after the post at the earliest, however early it was sent (None: no such link)."""
 
     def __attrs_post_init__(self) -> None:
         num_stages = len(self.forward)
@@ -123,18 +132,21 @@ class CostModel:
             value = getattr(self, name)
             if value is not None and len(value) != num_stages:
                 raise ValueError(f"CostModel.{name} has {len(value)} entries, forward has {num_stages} (one per stage)")
-        for name in ("latency", "bandwidth"):
+        for name in ("latency", "bandwidth", "rendezvous"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if len(value) not in (num_stages - 1, num_stages):
                 raise ValueError(
                     f"CostModel.{name} has {len(value)} entries; {num_stages} stages have "
                     f"{num_stages - 1} links (one more for an interleaved schedule's wrap link)"
                 )
-        if len(self.latency) != len(self.bandwidth):
-            raise ValueError(
-                f"CostModel.latency has {len(self.latency)} entries but bandwidth has "
-                f"{len(self.bandwidth)} (one per link)"
-            )
+        for name in ("bandwidth", "rendezvous"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.latency):
+                raise ValueError(
+                    f"CostModel.latency has {len(self.latency)} entries but {name} has {len(value)} (one per link)"
+                )
         if self.weight is not None:
             for stage, (w, b) in enumerate(zip(self.weight, self.backward)):
                 if w > b:
@@ -174,6 +186,13 @@ class CostModel:
         if abs(src - dst) == 1:
             return min(src, dst)
         return self.num_stages - 1
+
+    def posted(self, src: int, dst: int) -> float:
+        """Seconds from posting a receive on ``dst`` until the data from ``src`` is there, at the earliest
+        (``rendezvous``: the notice to the sender, then the transfer; else 0)."""
+        if self.rendezvous is None or src == dst or not self.rendezvous[self.link(src, dst)]:
+            return 0.0
+        return self.latency[self.link(src, dst)] + self.transfer(src, dst)
 
     def transfer(self, src: int, dst: int) -> float:
         """Seconds from a send's start on ``src`` until its data is on ``dst``."""
@@ -287,10 +306,11 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
             for other, needed in requirements(stage, action, num_stages, lowered=lowered, chunks=chunks):
                 if other == stage:
                     ready = max(ready, ended[(other, needed)])
-                elif lowered:  # a RECV: its SEND's data must have arrived
-                    ready = max(ready, arrives[(other, needed)])
-                else:  # compute-only: the transfer is implicit
+                elif lowered:  # a RECV, posted when its stage is free: its SEND's data must have arrived
+                    ready = max(ready, arrives[(other, needed)], free[stage] + cost.posted(other, stage))
+                else:  # compute-only: the transfer (and its receive, posted when the stage is free) is implicit
                     ready = max(ready, ended[(other, needed)] + cost.transfer(other, stage))
+                    ready = max(ready, free[stage] + cost.posted(other, stage))
             if action.kind is Kind.RS:
                 start, end = ready, ready + (cost.reduce_scatter[stage] if cost.reduce_scatter else 0.0)
                 free[stage] = start
