@@ -27,8 +27,8 @@ topped up), and what ``hetero-plan --buckets {short}`` writes when it predicts s
 Measured, interleaved in one run (every layout, then again in reverse order): tokens/s (over the real targets;
 median steps after warm-up), the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions,
 waiting included), each switch's own time (last rank in to last rank out), and ``switch_seconds`` of the same
-switches with gloo's latency and bandwidth as a switch sees them (probed before every switching run), a
-memory-copy bandwidth and a host cost per block; peak RSS (the largest process); the modelled peak per device
+switches with gloo's latency and bandwidth as a switch sees them and the switch's host work (copy bandwidth, per
+block, per gradient buffer) replayed on the run's real blocks (both probed before every switching run); peak RSS (the largest process); the modelled peak per device
 (the planner's memory model, bucket layouts' parameter copies counted).
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
@@ -49,6 +49,7 @@ on loopback or the testbed, and its switch times) and ``hot_switch_predict.py`` 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -60,7 +61,7 @@ import click
 from bench import benchlib as B
 from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
 from bench.hot_switch_predict import predicted, predicted_static
-from bench.hot_switch_probes import copy_costs, exchange_probe, exchange_probe_testbed
+from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
 from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
 from bench.hot_switch_static import modelled_peak, planned_buckets, static_candidates
@@ -127,10 +128,12 @@ def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
     return memory, out, verdict
 
 
-def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
+def scenario(cfg: Config, links: dict):
     """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
     each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees
-    them (two processes that were idle, one exchange both ways); that run's predictions use them."""
+    them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host work on the
+    layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions use them."""
+    from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
 
     spec = device_spec(cfg)
@@ -156,11 +159,14 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
                 if e.switching:  # probed just before the run
                     latency, bandwidth = probe()
                     run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
+                    probed = Path(tmp) / "probed.toml"
+                    probed.write_text(layout_mod.dumps(e.layout))
+                    host = host_costs(probed, range(cfg.warmup, cfg.steps), reps=cfg.probe_host_reps)
                 result = run_one(cfg, e, Path(tmp) / f"r{r}", env, tb)
                 path = Path(result["layout_file"])
                 if e.switching:
-                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
-                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, copy_bw, per_block, device)
+                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "host": attrs.asdict(host)}
+                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, host.costs(), device)
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
                 else:
@@ -194,15 +200,15 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
         r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     probes = {
         k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
-        for k in ("latency_s", "bandwidth_bytes_s")
+        for k in ("latency_s", "bandwidth_bytes_s", "host")
     }
-    markdown = report(cfg, spec, memory, results, static, verdict, probes, copy_bw, per_block)
+    markdown = report(cfg, spec, memory, results, static, verdict, probes)
     payload = {"config": attrs.asdict(cfg), "device": spec, "memory_gb": memory, "results": results, "runs": runs}
     payload |= {"planner_buckets": verdict, "probes": probes, "derivation": REGIMES[cfg.regime].derivation()}
     return markdown, payload, results
 
 
-def report(cfg: Config, spec: str, memory: float, results, static, verdict, probes, copy_bw, per_block) -> str:
+def report(cfg: Config, spec: str, memory: float, results, static, verdict, probes) -> str:
     def nan(x):
         return float("nan") if x is None else x
 
@@ -264,8 +270,17 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             "",
             f"gloo exchanges probed before each switching run: latency per message "
             f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
-            f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
-            f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us.",
+            f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s. A switch's host work "
+            f"replayed before each switching run (hot_switch_probes.host_costs; per run: copy GB/s, us per block, "
+            f"us per gradient buffer; a step's host work ms, median [lowest, highest] after an idle sleep, hot, "
+            f"and as fitted): "
+            + "; ".join(
+                f"{h['copy_bandwidth'] / 1e9:.2f}, {h['block_overhead'] * 1e6:.1f}, {h['buffer_overhead'] * 1e6:.1f}; "
+                f"{h['step_s'] * 1e3:.2f} [{h['step_spread'][0] * 1e3:.2f}, {h['step_spread'][1] * 1e3:.2f}], "
+                f"{h['hot_step_s'] * 1e3:.2f}, {h['fitted_step_s'] * 1e3:.2f}"
+                for h in probes["host"]
+            )
+            + ".",
             "",
             "",
         ]
@@ -304,11 +319,10 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
             sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")
     name = NAME + ("_testbed" if network == "testbed" else "")
     info, load_before = B.machine(), B.load_average()
-    B.say("probing gloo exchanges and memory copies on this host")
+    B.say("probing gloo exchanges on this host")
     latency, bandwidth = exchange_probe(reps=5 if quick else 40, big=1 << 17)
-    copy_bw, per_block = copy_costs(base, reps=3 if quick else 15)
     links = {
-        "local": (0.0, copy_bw),
+        "local": (0.0, math.inf),
         "node": (latency, bandwidth),
         "domain": (latency, bandwidth),
         "cross_domain": (latency, bandwidth),
@@ -319,7 +333,7 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
         for corpus in base.corpora:
             for regime in base.regimes:
                 cfg = attrs.evolve(base, regime=regime, corpus=corpus, text_path=text)
-                markdown, payload, _ = scenario(cfg, links, copy_bw, per_block)
+                markdown, payload, _ = scenario(cfg, links)
                 sections.append(markdown.replace(text, "stdlib.txt"))
                 payloads.append(payload)
     load_after = B.load_average()
@@ -342,12 +356,7 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
         "machine": info,
         "load_before": load_before,
         "load_after": load_after,
-        "p2p": {
-            "latency_s": latency,
-            "bandwidth_bytes_s": bandwidth,
-            "copy_bytes_s": copy_bw,
-            "per_block_s": per_block,
-        },
+        "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth},
         "scenarios": payloads,
         "results": [r for p in payloads for r in p["results"]],
     }
