@@ -64,7 +64,7 @@ from bench.hot_switch_predict import predicted, predicted_static
 from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
 from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
-from bench.hot_switch_static import modelled_peak, planned_buckets, static_candidates
+from bench.hot_switch_static import modelled_peaks, planned_buckets, static_candidates
 
 NAME = "hot_switch"
 HAND = "switching dp2/tp2, elastic, top-up"  # the hand-made switching layout (hot_switch_config.switch_layout)
@@ -87,7 +87,13 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
     layout = folder / f"{stem}.toml"
     layout.write_text(layout_mod.dumps(entry.layout))
     trace = folder / (layout.stem + "_trace")
+    from hetero_llm.runtime import tensor_meter
+
+    meter = folder / (layout.stem + "_meter")  # runtime/tensor_meter.py: each rank's bytes of tensors at its peak
+    meter.mkdir(exist_ok=True)
+    env = {**env, tensor_meter.ENV: str(meter)}
     steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if entry.switching else None, env, tb)
+    tensors = tensor_peaks(layout, meter)
     steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
     out = {
@@ -95,6 +101,8 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
         "step_s": B.median(seconds),
         "peak_rss_mb": peak / 1024,
+        "tensor_peak_mb": [t["peak_bytes"] / 1e6 for t in tensors],
+        "tensor_at_peak_mb": [{k: v / 1e6 for k, v in t["at_peak"].items()} for t in tensors],
         "layout_file": str(layout),
         "trace": str(trace),
         "step_seconds": [r["seconds"] for r in steps_out],
@@ -105,6 +113,19 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         out["switch_waiting_s"] = B.median(waited)
         out["switch_fraction"] = out["switch_waiting_s"] / out["step_s"]
     return out
+
+
+def tensor_peaks(layout: Path, folder: Path) -> list[dict]:
+    """Each bench device's meter report (``tensor_meter``; the device's rank in the layout's home plan)."""
+    import json
+
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+
+    plan = compile_plan(layout_mod.load(layout))
+    rank_of = {r.device_id: r.rank for r in plan.ranks}
+    devices = sorted(rank_of)  # node0:0 before node0:1 / node1:0: the bench's device order
+    return [json.loads((folder / f"rank{rank_of[d]}.json").read_text()) for d in devices]
 
 
 def network_line(cfg: Config) -> str:
@@ -141,7 +162,7 @@ def scenario(cfg: Config, links: dict):
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         memory, layouts, verdict = entries(cfg, Path(tmp))
-        modelled = {e.name: modelled_peak(cfg, Path(tmp), memory, e.layout) for e in layouts}
+        modelled = {e.name: modelled_peaks(cfg, Path(tmp), memory, e.layout) for e in layouts}
         runs: dict[str, list[dict]] = {e.name: [] for e in layouts}
         tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
 
@@ -187,8 +208,11 @@ def scenario(cfg: Config, links: dict):
             "predicted_step_s": B.median([x["predicted_step_s"] for x in reps]),
             "planner_step_s": e.planner_s,
             "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
-            "modelled_peak_mb": modelled[e.name] / 1e6,
-            "fits_cap": modelled[e.name] <= memory * 1e9 * (1 - 0.1),
+            "modelled_peak_mb": max(modelled[e.name]) / 1e6,
+            "modelled_peak_mb_per_device": [x / 1e6 for x in modelled[e.name]],
+            "tensor_peak_mb_per_device": [max(x["tensor_peak_mb"][d] for x in reps) for d in range(2)],
+            "tensor_at_peak_mb": reps[0]["tensor_at_peak_mb"],
+            "fits_cap": max(modelled[e.name]) <= memory * 1e9 * (1 - 0.1),
         }
         if e.switching:
             for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
@@ -225,6 +249,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             "predicted switch s",
             "predicted / measured",
             "modelled peak MB",
+            "modelled MB per device",
+            "measured tensor peak MB per device",
             "peak RSS MB",
         ],
         [
@@ -240,6 +266,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
                 r.get("predicted_switch_s", float("nan")),
                 r.get("predicted_over_measured_switch", float("nan")),
                 f"{r['modelled_peak_mb']:.2f}" + ("" if r["fits_cap"] else " (over the cap)"),
+                " / ".join(f"{x:.2f}" for x in r["modelled_peak_mb_per_device"]),
+                " / ".join(f"{x:.2f}" for x in r["tensor_peak_mb_per_device"]),
                 r["peak_rss_mb"],
             ]
             for r in results

@@ -30,6 +30,7 @@ from hetero_llm.layout import bucket_layout, elastic_layout
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.plan.rank import StageRoutes
+from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
 from hetero_llm.switching.bucketing import bucket_rows, bucket_split
@@ -135,6 +136,10 @@ class Switcher:
         )
         return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
 
+    def copies(self) -> list[torch.Tensor]:
+        """This rank's parameter shards of the bucket layouts: the copies beside the home layout's."""
+        return [p for s in self.slots if s is not self.home for p in s.params.values()]
+
     # -- one step --------------------------------------------------------------------------------
 
     def step(self, step: int, source) -> tuple[torch.Tensor, int]:
@@ -159,6 +164,7 @@ class Switcher:
                 )
                 if slot.contributes_loss:
                     loss += run
+                tensor_meter.checkpoint()  # the bucket's gradients beside its activations
             current, accumulated = slot, True
         if current is not self.home:
             self._switch(current, self.home, accumulated)
@@ -245,6 +251,7 @@ def relayout(
             for t, piece in zip(ts, pieces):
                 _apply(target, t, piece.view(_block_shape(target, t)))
     if grads:
+        tensor_meter.checkpoint()  # the target's gradients beside the source's: a switch's most
         for p in source.params.values():
             p.grad = None  # moved: the target holds them now
 
