@@ -330,7 +330,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
 @click.option("--corpora", default="", help="Comma-separated, of grammar, text (default: both).")
 @click.option("--rounds", type=int, default=0, help="Rounds of every layout (default: the config's, 2).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path) -> None:
+@click.option("--tag", default="", help="Appended to the results' name (one invocation per part of a long run).")
+def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path, tag: str) -> None:
     if network == "auto":
         network = "testbed" if not quick and _testbed_available() else "loopback"
     elif network == "testbed" and not _testbed_available():
@@ -345,7 +346,7 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
     for x in base.regimes:
         if x not in REGIMES:
             sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")
-    name = NAME + ("_testbed" if network == "testbed" else "")
+    name = NAME + ("_testbed" if network == "testbed" else "") + (f"_{tag}" if tag else "")
     info, load_before = B.machine(), B.load_average()
     B.say("probing gloo exchanges on this host")
     latency, bandwidth = exchange_probe(reps=5 if quick else 40, big=1 << 17)
