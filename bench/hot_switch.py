@@ -33,7 +33,7 @@ block, per gradient buffer) replayed on the run's real blocks (both probed befor
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
 devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with
-no added delay. Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two devices
+no added delay. Results go to ``hot_switch_testbed.{md,json,png}`` (``--tag T``: ``hot_switch_testbed_T.*``). ``loopback``: one node of two devices
 (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
 
     sudo python -m bench.hot_switch
