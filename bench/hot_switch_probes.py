@@ -91,9 +91,9 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
     the target's gradient buffers, copy the local blocks, pack each peer's blocks into one flat message, unpack the
     received ones, release the source's gradients) with an exchange that sends nothing, on each device's real
     shards of the layout's bucket plans, for the switches the steps ``steps`` make (``predict.step_switch_plans``:
-    the real blocks, sizes and counts), every device of every switch after ``idle_s`` asleep (a rank reaches a
-    switch after its compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in
-    turn). Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
+    the real blocks, sizes and counts), each device in a process of its own, all devices at once (as a run's
+    ranks switch, on the same cores), every switch after ``idle_s`` asleep (a rank reaches a switch after its
+    compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in turn). Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
     host seconds less its bytes at that bandwidth, fitted by least squares as ``block_overhead`` per transfer
     plus ``buffer_overhead`` per gradient buffer (both kept >= 0), both then scaled so that the model's step (each
     switch its slowest device, as ``switch_seconds`` prices it) is the median of the idle rounds' steps."""
@@ -138,41 +138,73 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
         torch.set_num_threads(threads)
 
 
-def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s: float) -> HostCosts:
-    import numpy as np
+def _replay_device(device, step_plans, slots, world_rank, reps: int, idle_s: float, barrier, queue) -> None:
+    """One device's part of ``host_costs``' rounds, in a process of its own: every switch after the barrier (all
+    devices at once, as a run's ranks switch), then ``idle_s`` asleep (idle rounds) or not (hot rounds)."""
     import torch
 
     from hetero_llm.switching import switcher as hotswitch
+
+    torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
+    out: dict[tuple[str, int, int], float] = {}
+    for r in range(reps):
+        for sleep, kind in ((idle_s, "idle"), (0.0, "hot")):
+            for j, (a, b, sw) in enumerate(step_plans[r % len(step_plans)]):
+                src, dst = slots[a, device], slots[b, device]
+                grads = bool(sw.grads) or bool(sw.grad_buffers)
+                if grads:
+                    for p in src.params.values():
+                        p.grad = torch.zeros_like(p)  # what the bucket's backward left
+                barrier.wait()
+                time.sleep(sleep)
+                t0 = time.perf_counter()
+                hotswitch.relayout(
+                    sw,
+                    device,
+                    world_rank,
+                    slots["home", device],
+                    src,
+                    dst,
+                    grads,
+                    torch.device("cpu"),
+                    lambda s, r: None,
+                )
+                out[kind, r, j] = time.perf_counter() - t0
+    queue.put((device, out))
+
+
+def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s: float) -> HostCosts:
+    import multiprocessing
+
+    import numpy as np
+    import torch
+
     from hetero_llm.switching.predict import switch_seconds
 
-    def replay(a: str, b: str, sw, device: str) -> float:
-        src, dst = slots[a, device], slots[b, device]
-        grads = bool(sw.grads) or bool(sw.grad_buffers)
-        if grads:
-            for p in src.params.values():
-                p.grad = torch.zeros_like(p)  # what the bucket's backward left
-        t0 = time.perf_counter()
-        hotswitch.relayout(
-            sw, device, world_rank, slots["home", device], src, dst, grads, torch.device("cpu"), lambda s, r: None
-        )
-        return time.perf_counter() - t0
-
+    ctx = multiprocessing.get_context("fork")
+    barrier, queue = ctx.Barrier(len(devices)), ctx.Queue()
+    procs = [
+        ctx.Process(target=_replay_device, args=(d, step_plans, slots, world_rank, reps, idle_s, barrier, queue))
+        for d in devices
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        by_device = dict(queue.get(timeout=600) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
     timed: dict[tuple[int, int, str], list[float]] = {}
     idle_steps, hot_steps = [], []
     for r in range(reps):
         k = r % len(step_plans)
-        for sleep, out in ((idle_s, idle_steps), (0.0, hot_steps)):
-            total = 0.0
-            for j, (a, b, sw) in enumerate(step_plans[k]):
-                slowest = 0.0
-                for device in devices:
-                    time.sleep(sleep)
-                    seconds = replay(a, b, sw, device)
-                    slowest = max(slowest, seconds)
-                    if sleep:
-                        timed.setdefault((k, j, device), []).append(seconds)
-                total += slowest
-            out.append(total)
+        for kind, steps in (("idle", idle_steps), ("hot", hot_steps)):
+            steps.append(sum(max(by_device[d][kind, r, j] for d in devices) for j in range(len(step_plans[k]))))
+        for j in range(len(step_plans[k])):
+            for d in devices:
+                timed.setdefault((k, j, d), []).append(by_device[d]["idle", r, j])
     rows, flat_bw = [], []
     for (k, j, device), seconds in timed.items():
         sw = step_plans[k][j][2]
