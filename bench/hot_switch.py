@@ -27,13 +27,13 @@ topped up), and what ``hetero-plan --buckets {short}`` writes when it predicts s
 Measured, interleaved in one run (every layout, then again in reverse order): tokens/s (over the real targets;
 median steps after warm-up), the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions,
 waiting included), each switch's own time (last rank in to last rank out), and ``switch_seconds`` of the same
-switches with gloo's latency and bandwidth as a switch sees them (probed before every switching run), a
-memory-copy bandwidth and a host cost per block; peak RSS (the largest process); the modelled peak per device
+switches with gloo's latency and bandwidth as a switch sees them and the switch's host work (copy bandwidth, per
+block, per gradient buffer) replayed on the run's real blocks (both probed before every switching run); peak RSS (the largest process); the modelled peak per device
 (the planner's memory model, bucket layouts' parameter copies counted).
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
 devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with
-no added delay. Results go to ``hot_switch_testbed.{md,json,png}``. ``loopback``: one node of two devices
+no added delay. Results go to ``hot_switch_testbed.{md,json,png}`` (``--tag T``: ``hot_switch_testbed_T.*``). ``loopback``: one node of two devices
 (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
 
     sudo python -m bench.hot_switch
@@ -49,6 +49,7 @@ on loopback or the testbed, and its switch times) and ``hot_switch_predict.py`` 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -60,10 +61,10 @@ import click
 from bench import benchlib as B
 from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
 from bench.hot_switch_predict import predicted, predicted_static
-from bench.hot_switch_probes import copy_costs, exchange_probe, exchange_probe_testbed
+from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
 from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
-from bench.hot_switch_static import modelled_peak, planned_buckets, static_candidates
+from bench.hot_switch_static import modelled_peaks, planned_buckets, static_candidates
 
 NAME = "hot_switch"
 HAND = "switching dp2/tp2, elastic, top-up"  # the hand-made switching layout (hot_switch_config.switch_layout)
@@ -86,7 +87,13 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
     layout = folder / f"{stem}.toml"
     layout.write_text(layout_mod.dumps(entry.layout))
     trace = folder / (layout.stem + "_trace")
+    from hetero_llm.runtime import tensor_meter
+
+    meter = folder / (layout.stem + "_meter")  # runtime/tensor_meter.py: each rank's bytes of tensors at its peak
+    meter.mkdir(exist_ok=True)
+    env = {**env, tensor_meter.ENV: str(meter)}
     steps_out, peak = launch_with_peak(layout, folder / layout.stem, trace if entry.switching else None, env, tb)
+    tensors = tensor_peaks(layout, meter)
     steps = B.steady(steps_out, cfg.warmup)
     seconds = [r["seconds"] for r in steps]
     out = {
@@ -94,6 +101,8 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         "tokens_s": sum(r["tokens"] for r in steps) / sum(seconds),
         "step_s": B.median(seconds),
         "peak_rss_mb": peak / 1024,
+        "tensor_peak_mb": [t["peak_bytes"] / 1e6 for t in tensors],
+        "tensor_at_peak_mb": [{k: v / 1e6 for k, v in t["at_peak"].items()} for t in tensors],
         "layout_file": str(layout),
         "trace": str(trace),
         "step_seconds": [r["seconds"] for r in steps_out],
@@ -104,6 +113,19 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         out["switch_waiting_s"] = B.median(waited)
         out["switch_fraction"] = out["switch_waiting_s"] / out["step_s"]
     return out
+
+
+def tensor_peaks(layout: Path, folder: Path) -> list[dict]:
+    """Each bench device's meter report (``tensor_meter``; the device's rank in the layout's home plan)."""
+    import json
+
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+
+    plan = compile_plan(layout_mod.load(layout))
+    rank_of = {r.device_id: r.rank for r in plan.ranks}
+    devices = sorted(rank_of)  # node0:0 before node0:1 / node1:0: the bench's device order
+    return [json.loads((folder / f"rank{rank_of[d]}.json").read_text()) for d in devices]
 
 
 def network_line(cfg: Config) -> str:
@@ -127,10 +149,12 @@ def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
     return memory, out, verdict
 
 
-def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
+def scenario(cfg: Config, links: dict):
     """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
     each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees
-    them (two processes that were idle, one exchange both ways); that run's predictions use them."""
+    them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host work on the
+    layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions use them."""
+    from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
 
     spec = device_spec(cfg)
@@ -138,7 +162,7 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
     env = {"HETERO_EMULATE_DEVICE": f"*:{spec}"}
     with contextlib.ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         memory, layouts, verdict = entries(cfg, Path(tmp))
-        modelled = {e.name: modelled_peak(cfg, Path(tmp), memory, e.layout) for e in layouts}
+        modelled = {e.name: modelled_peaks(cfg, Path(tmp), memory, e.layout) for e in layouts}
         runs: dict[str, list[dict]] = {e.name: [] for e in layouts}
         tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
 
@@ -156,11 +180,14 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
                 if e.switching:  # probed just before the run
                     latency, bandwidth = probe()
                     run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
+                    probed = Path(tmp) / "probed.toml"
+                    probed.write_text(layout_mod.dumps(e.layout))
+                    host = host_costs(probed, range(cfg.warmup, cfg.steps), reps=cfg.probe_host_reps)
                 result = run_one(cfg, e, Path(tmp) / f"r{r}", env, tb)
                 path = Path(result["layout_file"])
                 if e.switching:
-                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth}
-                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, copy_bw, per_block, device)
+                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "host": attrs.asdict(host)}
+                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, host.costs(), device)
                     result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
                 else:
@@ -181,8 +208,11 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
             "predicted_step_s": B.median([x["predicted_step_s"] for x in reps]),
             "planner_step_s": e.planner_s,
             "peak_rss_mb": max(x["peak_rss_mb"] for x in reps),
-            "modelled_peak_mb": modelled[e.name] / 1e6,
-            "fits_cap": modelled[e.name] <= memory * 1e9 * (1 - 0.1),
+            "modelled_peak_mb": max(modelled[e.name]) / 1e6,
+            "modelled_peak_mb_per_device": [x / 1e6 for x in modelled[e.name]],
+            "tensor_peak_mb_per_device": [max(x["tensor_peak_mb"][d] for x in reps) for d in range(2)],
+            "tensor_at_peak_mb": reps[0]["tensor_at_peak_mb"],
+            "fits_cap": max(modelled[e.name]) <= memory * 1e9 * (1 - 0.1),
         }
         if e.switching:
             for key in ("switch_s", "switch_waiting_s", "switch_fraction", "predicted_switch_s"):
@@ -194,15 +224,15 @@ def scenario(cfg: Config, links: dict, copy_bw: float, per_block: float):
         r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
     probes = {
         k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
-        for k in ("latency_s", "bandwidth_bytes_s")
+        for k in ("latency_s", "bandwidth_bytes_s", "host")
     }
-    markdown = report(cfg, spec, memory, results, static, verdict, probes, copy_bw, per_block)
+    markdown = report(cfg, spec, memory, results, static, verdict, probes)
     payload = {"config": attrs.asdict(cfg), "device": spec, "memory_gb": memory, "results": results, "runs": runs}
     payload |= {"planner_buckets": verdict, "probes": probes, "derivation": REGIMES[cfg.regime].derivation()}
     return markdown, payload, results
 
 
-def report(cfg: Config, spec: str, memory: float, results, static, verdict, probes, copy_bw, per_block) -> str:
+def report(cfg: Config, spec: str, memory: float, results, static, verdict, probes) -> str:
     def nan(x):
         return float("nan") if x is None else x
 
@@ -219,6 +249,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             "predicted switch s",
             "predicted / measured",
             "modelled peak MB",
+            "modelled MB per device",
+            "measured tensor peak MB per device",
             "peak RSS MB",
         ],
         [
@@ -234,6 +266,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
                 r.get("predicted_switch_s", float("nan")),
                 r.get("predicted_over_measured_switch", float("nan")),
                 f"{r['modelled_peak_mb']:.2f}" + ("" if r["fits_cap"] else " (over the cap)"),
+                " / ".join(f"{x:.2f}" for x in r["modelled_peak_mb_per_device"]),
+                " / ".join(f"{x:.2f}" for x in r["tensor_peak_mb_per_device"]),
                 r["peak_rss_mb"],
             ]
             for r in results
@@ -264,8 +298,17 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             "",
             f"gloo exchanges probed before each switching run: latency per message "
             f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
-            f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s; local copies "
-            f"{copy_bw / 1e9:.2f} GB/s, host work per block {per_block * 1e6:.0f} us.",
+            f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s. A switch's host work "
+            f"replayed before each switching run (hot_switch_probes.host_costs; per run: copy GB/s, us per block, "
+            f"us per gradient buffer; a step's host work ms, median [lowest, highest] after an idle sleep, hot, "
+            f"and as fitted): "
+            + "; ".join(
+                f"{h['copy_bandwidth'] / 1e9:.2f}, {h['block_overhead'] * 1e6:.1f}, {h['buffer_overhead'] * 1e6:.1f}; "
+                f"{h['step_s'] * 1e3:.2f} [{h['step_spread'][0] * 1e3:.2f}, {h['step_spread'][1] * 1e3:.2f}], "
+                f"{h['hot_step_s'] * 1e3:.2f}, {h['fitted_step_s'] * 1e3:.2f}"
+                for h in probes["host"]
+            )
+            + ".",
             "",
             "",
         ]
@@ -287,7 +330,8 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
 @click.option("--corpora", default="", help="Comma-separated, of grammar, text (default: both).")
 @click.option("--rounds", type=int, default=0, help="Rounds of every layout (default: the config's, 2).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path) -> None:
+@click.option("--tag", default="", help="Appended to the results' name (one invocation per part of a long run).")
+def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path, tag: str) -> None:
     if network == "auto":
         network = "testbed" if not quick and _testbed_available() else "loopback"
     elif network == "testbed" and not _testbed_available():
@@ -302,13 +346,12 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
     for x in base.regimes:
         if x not in REGIMES:
             sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")
-    name = NAME + ("_testbed" if network == "testbed" else "")
+    name = NAME + ("_testbed" if network == "testbed" else "") + (f"_{tag}" if tag else "")
     info, load_before = B.machine(), B.load_average()
-    B.say("probing gloo exchanges and memory copies on this host")
+    B.say("probing gloo exchanges on this host")
     latency, bandwidth = exchange_probe(reps=5 if quick else 40, big=1 << 17)
-    copy_bw, per_block = copy_costs(base, reps=3 if quick else 15)
     links = {
-        "local": (0.0, copy_bw),
+        "local": (0.0, math.inf),
         "node": (latency, bandwidth),
         "domain": (latency, bandwidth),
         "cross_domain": (latency, bandwidth),
@@ -319,7 +362,7 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
         for corpus in base.corpora:
             for regime in base.regimes:
                 cfg = attrs.evolve(base, regime=regime, corpus=corpus, text_path=text)
-                markdown, payload, _ = scenario(cfg, links, copy_bw, per_block)
+                markdown, payload, _ = scenario(cfg, links)
                 sections.append(markdown.replace(text, "stdlib.txt"))
                 payloads.append(payload)
     load_after = B.load_average()
@@ -342,12 +385,7 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
         "machine": info,
         "load_before": load_before,
         "load_after": load_after,
-        "p2p": {
-            "latency_s": latency,
-            "bandwidth_bytes_s": bandwidth,
-            "copy_bytes_s": copy_bw,
-            "per_block_s": per_block,
-        },
+        "p2p": {"latency_s": latency, "bandwidth_bytes_s": bandwidth},
         "scenarios": payloads,
         "results": [r for p in payloads for r in p["results"]],
     }

@@ -12,10 +12,11 @@ from bench.hot_switch_config import Config
 
 
 def predicted(
-    cfg: Config, layout: Path, trace: Path, links: dict, copy_bw: float, per_block: float, device
+    cfg: Config, layout: Path, trace: Path, links: dict, host: tuple[float, float, float], device
 ) -> tuple[list[float], list[float]]:
     """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
-    ``bucket_sim.simulate_buckets``' whole step (for switching layouts)."""
+    ``bucket_sim.simulate_buckets``' whole step (for switching layouts); ``host``: the switch's host costs
+    (copy bandwidth, per block, per gradient buffer: ``hot_switch_probes.HostCosts.costs``)."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.predict import trace as tracing
@@ -38,10 +39,12 @@ def predicted(
             switches.append(0.0)
             ran = False
         switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
-        switches[-1] += bucket_sim.switch_seconds(switch, links, copy_bw, per_block)
+        switches[-1] += bucket_sim.switch_seconds(switch, links, *host)
         current = target
     steps = [
-        bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=copy_bw, block_overhead=per_block).total
+        bucket_sim.simulate_buckets(
+            lay, s, device, links, copy_bandwidth=host[0], block_overhead=host[1], buffer_overhead=host[2]
+        ).total
         for s in range(cfg.steps)
     ]
     return switches, steps

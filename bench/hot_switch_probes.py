@@ -1,6 +1,7 @@
-"""What the hot-switching bench (``python -m bench.hot_switch``) measures of this host before its runs: gloo
-exchanges as a switch sees them (two processes on loopback, or on two testbed nodes) and the cost of the
-switch's local copies and of its host work per block. The switch model's links and costs come from these.
+"""What the hot-switching bench (``python -m bench.hot_switch``) measures of this host before each switching run:
+gloo exchanges as a switch sees them (two processes on loopback, or on two testbed nodes) and a switch's host
+work (copies, packing, gradient buffers) replayed with the switcher's own code on the run's real blocks. The switch
+model's links and costs come from these.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import attrs
+
 from bench import benchlib as B
-from bench.hot_switch_config import Config, layout_text
 
 
 def _exchange_rank(
@@ -67,56 +69,183 @@ def exchange_result(out: str, big: int) -> tuple[float, float]:
     return statistics.median(own[1]) / 2, 4 * (big - 1) / max(extra, 1e-6)
 
 
-def copy_costs(cfg: Config, idle_s: float = 0.1, reps: int = 15) -> tuple[float, float]:
-    """(bytes/s of copying a few MB, seconds of host work per block) on this host. The second is the switch's
-    own per-transfer code (``hotswitch._block`` and ``_apply``: narrow the source, copy or add into the target)
-    run in this process over device node0:0's transfers of the bench's real switches (home -> b0 -> b1) on
-    full-size parameters, each round after ``idle_s`` asleep: a rank reaches a switch after its compute,
-    asleep under emulated devices, and cold it takes 1.5-2.5x what the same loop takes hot (measured)."""
+@attrs.frozen
+class HostCosts:
+    """A switch's host work on this host (``host_costs``), in ``switch_seconds``' terms, and what was timed."""
+
+    copy_bandwidth: float  # bytes/s: each device's blocks of a switch copied as one flat tensor
+    block_overhead: float  # s per transfer a device takes part in (local copy, pack or unpack), fitted
+    buffer_overhead: float  # s per gradient buffer a device allocates and zeroes, fitted
+    step_s: float  # a step's switches' host work (each switch: its slowest device), median of the idle rounds
+    step_spread: tuple[float, float]  # the idle rounds' lowest and highest step_s
+    hot_step_s: float  # the same switches repeated without the idle sleep, median
+    fitted_step_s: float  # what the three costs above give for the same switches (the fit's check)
+
+    def costs(self) -> tuple[float, float, float]:
+        """(copy_bandwidth, block_overhead, buffer_overhead): ``switch_seconds``' host-work arguments."""
+        return self.copy_bandwidth, self.block_overhead, self.buffer_overhead
+
+
+def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -> HostCosts:
+    """A switch's host work, timed as the run's ranks do it: ``switcher.relayout`` (the switcher's own code: zero
+    the target's gradient buffers, copy the local blocks, pack each peer's blocks into one flat message, unpack the
+    received ones, release the source's gradients) with an exchange that sends nothing, on each device's real
+    shards of the layout's bucket plans, for the switches the steps ``steps`` make (``predict.step_switch_plans``:
+    the real blocks, sizes and counts), each device in a process of its own, all devices at once (as a run's
+    ranks switch, on the same cores), every switch after ``idle_s`` asleep (a rank reaches a switch after its
+    compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in turn). Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
+    host seconds less its bytes at that bandwidth, fitted by least squares as ``block_overhead`` per transfer
+    plus ``buffer_overhead`` per gradient buffer (both kept >= 0), both then scaled so that the model's step (each
+    switch its slowest device, as ``switch_seconds`` prices it) is the median of the idle rounds' steps."""
     import torch
 
     from hetero_llm import layout as layout_mod
+    from hetero_llm.data import documents, held_out
     from hetero_llm.plan import compile_plan
+    from hetero_llm.switching import bucketing
     from hetero_llm.switching import switcher as hotswitch
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
+    from hetero_llm.switching.predict import step_switch_plans
+    from hetero_llm.switching.transfers import bucket_plans
 
-    src, dst = torch.randn(1 << 20), torch.empty(1 << 20)
-    big = []
-    for _ in range(30):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        big.append(time.perf_counter() - t0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "switching.toml"
-        path.write_text(layout_text(cfg, "top-up", (1, 1)))
-        lay = layout_mod.load(path)
-    home = compile_plan(lay)
-    slots = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay))}}
+    lay = layout_mod.load(layout)
+    home, plans = compile_plan(lay), bucket_plans(lay)
+    named = {"home": home, **{f"b{i}": p for i, p in enumerate(plans) if lay.buckets[i].pipelines}}
+    devices = [r.device_id for r in home.ranks]
+    world_rank = {r.device_id: r.rank for r in home.ranks}
+    source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
+    step_plans = []
+    for step in steps:
+        docs = documents.fill_documents(source, lay.train.seed, step, lay.train.global_batch, lay.model.seq_len)
+        step_plans.append(step_switch_plans(lay, home, plans, bucketing.bucket_rows(lay, docs)))
 
-    def slot(name, plan):  # every parameter whole, so any transfer's block is in it
-        infos = {i.name: i for r in plan.ranks for i, _, _ in plan.params_of(r.rank)}
-        params = {n: torch.zeros(i.shape) for n, i in infos.items()}
-        for p in params.values():
-            p.grad = torch.zeros_like(p)
-        return hotswitch.Slot(name, plan, None, params, {n: (i.shard_dim or 0, 0) for n, i in infos.items()}, None)
+    def slot(name: str, device: str) -> hotswitch.Slot:  # this device's shards in the plan, as the rank holds them
+        plan = named[name]
+        rank = next((r.rank for r in plan.ranks if r.device_id == device), None)
+        params, coords = {}, {}
+        for info, lo, hi in plan.params_of(rank) if rank is not None else []:
+            shape = list(info.shape)
+            dim = info.shard_dim or 0
+            shape[dim] = hi - lo
+            params[info.name], coords[info.name] = torch.zeros(shape), (dim, lo)
+        return hotswitch.Slot(name, plan, rank, params, coords, None)
 
-    full = {name: slot(name, plan) for name, plan in slots.items()}
-    seconds, count = 0.0, 0
-    for a, b, grads in (("home", "b0", False), ("b0", "b1", True)):
-        sw = step_switch(home, slots[a], slots[b], params=True, grads=grads)
-        moves = [(t, full["home"]) for t in sw.params] + [(t, full[a]) for t in sw.grads]
-        mine = [(t, origin) for t, origin in moves if cfg.devices[0] in (t.src, t.dst)]
-        rounds = []
-        for _ in range(reps):
-            time.sleep(idle_s)
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for t, origin in mine:
-                    hotswitch._apply(full[b], t, hotswitch._block(origin, t))
-            rounds.append(time.perf_counter() - t0)
-        seconds += B.median(rounds)
-        count += len(mine)
-    return 4 * (1 << 20) / B.median(big), seconds / count
+    slots = {(n, d): slot(n, d) for n in named for d in devices}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
+    try:
+        return _timed_host_costs(step_plans, slots, devices, world_rank, reps, idle_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _replay_device(device, step_plans, slots, world_rank, reps: int, idle_s: float, barrier, queue) -> None:
+    """One device's part of ``host_costs``' rounds, in a process of its own: every switch after the barrier (all
+    devices at once, as a run's ranks switch), then ``idle_s`` asleep (idle rounds) or not (hot rounds)."""
+    import torch
+
+    from hetero_llm.switching import switcher as hotswitch
+
+    torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
+    out: dict[tuple[str, int, int], float] = {}
+    for r in range(reps):
+        for sleep, kind in ((idle_s, "idle"), (0.0, "hot")):
+            for j, (a, b, sw) in enumerate(step_plans[r % len(step_plans)]):
+                src, dst = slots[a, device], slots[b, device]
+                grads = bool(sw.grads) or bool(sw.grad_buffers)
+                if grads:
+                    for p in src.params.values():
+                        p.grad = torch.zeros_like(p)  # what the bucket's backward left
+                barrier.wait()
+                time.sleep(sleep)
+                t0 = time.perf_counter()
+                hotswitch.relayout(
+                    sw,
+                    device,
+                    world_rank,
+                    slots["home", device],
+                    src,
+                    dst,
+                    grads,
+                    torch.device("cpu"),
+                    lambda s, r: None,
+                )
+                out[kind, r, j] = time.perf_counter() - t0
+    queue.put((device, out))
+
+
+def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s: float) -> HostCosts:
+    import multiprocessing
+
+    import numpy as np
+    import torch
+
+    from hetero_llm.switching.predict import switch_seconds
+
+    ctx = multiprocessing.get_context("fork")
+    barrier, queue = ctx.Barrier(len(devices)), ctx.Queue()
+    procs = [
+        ctx.Process(target=_replay_device, args=(d, step_plans, slots, world_rank, reps, idle_s, barrier, queue))
+        for d in devices
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        by_device = dict(queue.get(timeout=600) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+    timed: dict[tuple[int, int, str], list[float]] = {}
+    idle_steps, hot_steps = [], []
+    for r in range(reps):
+        k = r % len(step_plans)
+        for kind, steps in (("idle", idle_steps), ("hot", hot_steps)):
+            steps.append(sum(max(by_device[d][kind, r, j] for d in devices) for j in range(len(step_plans[k]))))
+        for j in range(len(step_plans[k])):
+            for d in devices:
+                timed.setdefault((k, j, d), []).append(by_device[d]["idle", r, j])
+    rows, flat_bw = [], []
+    for (k, j, device), seconds in timed.items():
+        sw = step_plans[k][j][2]
+        mine = [t for t in sw.transfers if device in (t.src, t.dst)]
+        nbytes = sum(t.nbytes for t in mine)
+        if nbytes:
+            src, dst = torch.randn(nbytes // 4), torch.zeros(nbytes // 4)  # both touched: no first-use page faults
+            copies = []
+            for _ in range(9):
+                t0 = time.perf_counter()
+                dst.copy_(src)
+                copies.append(time.perf_counter() - t0)
+            flat_bw.append(nbytes / max(B.median(copies), 1e-9))
+        rows.append((len(mine), sw.grad_buffers.get(device, 0), nbytes, B.median(seconds)))
+    copy_bw = B.median(flat_bw) if flat_bw else float("inf")
+    a = np.array([[n, g] for n, g, _, _ in rows], dtype=float)
+    y = np.array([s - nb / copy_bw for _, _, nb, s in rows])
+    block, buffer = np.linalg.lstsq(a, y, rcond=None)[0]
+    if block < 0 or buffer < 0:  # keep both >= 0: refit the other alone
+        keep = 0 if block >= buffer else 1
+        one = max(0.0, float(a[:, keep] @ y / max(a[:, keep] @ a[:, keep], 1e-12)))
+        block, buffer = (one, 0.0) if keep == 0 else (0.0, one)
+    no_link = {k: (0.0, float("inf")) for k in ("local", "node", "domain", "cross_domain")}
+
+    def step_model(costs) -> float:
+        return B.median([sum(switch_seconds(sw, no_link, *costs) for _, _, sw in p) for p in step_plans])
+
+    copies = step_model((copy_bw, 0.0, 0.0))
+    overheads = step_model((float("inf"), float(block), float(buffer)))
+    # the fit takes each (switch, device) alone; a step pays its switches' slowest devices in a row, where a stall of
+    # the busy host in any one counts: the overheads are scaled so that the model's step is the idle rounds' median
+    scale = max(0.0, B.median(idle_steps) - copies) / overheads if overheads > 0 else 0.0
+    costs = (copy_bw, float(block) * scale, float(buffer) * scale)
+    fitted = step_model(costs)
+    return HostCosts(
+        *costs,
+        step_s=B.median(idle_steps),
+        step_spread=(min(idle_steps), max(idle_steps)),
+        hot_step_s=B.median(hot_steps),
+        fitted_step_s=fitted,
+    )
 
 
 def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tuple[float, float]:

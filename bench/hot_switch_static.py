@@ -158,7 +158,12 @@ def planned_buckets(cfg: Config, folder: Path, memory: float) -> tuple[Planned |
 
 
 def modelled_peak(cfg: Config, folder: Path, memory: float, lay: Layout) -> float:
-    """Bytes per device by the planner's memory model, the most over devices: home's (its weights, gradients,
+    """``modelled_peaks``' most over devices."""
+    return max(modelled_peaks(cfg, folder, memory, lay))
+
+
+def modelled_peaks(cfg: Config, folder: Path, memory: float, lay: Layout) -> list[float]:
+    """Bytes per device (``cfg.devices``' order) by the planner's memory model: home's (its weights, gradients,
     moments and activations); with buckets, an upper bound: that, plus every bucket layout's parameter copy
     (float32, this device's shards in it), plus the most any bucket layout's own modelled bytes exceed home's."""
     from hetero_llm.plan import compile_plan
@@ -177,8 +182,9 @@ def modelled_peak(cfg: Config, folder: Path, memory: float, lay: Layout) -> floa
         }
 
     home = per_device(attrs.evolve(lay, buckets=()), cfg.seq_len)
+    order = ["node0:0", "node0:1"]  # one_node's names of cfg.devices
     if not lay.buckets:
-        return max(home.values())
+        return [home.get(d, 0.0) for d in order]
     copies: dict[str, float] = {d: 0.0 for d in home}
     running: dict[str, float] = dict(home)
     for i, b in enumerate(lay.buckets):
@@ -195,7 +201,7 @@ def modelled_peak(cfg: Config, folder: Path, memory: float, lay: Layout) -> floa
         mine = per_device(attrs.evolve(own, train=attrs.evolve(own.train, optimizer=lay.train.optimizer)), b.max_len)
         for d, m in mine.items():
             running[d] = max(running[d], m)
-    return max(home[d] + copies[d] + max(0.0, running[d] - home[d]) for d in home)
+    return [home[d] + copies[d] + max(0.0, running[d] - home[d]) if d in home else 0.0 for d in order]
 
 
 def _numel(shape) -> int:

@@ -363,6 +363,8 @@ def test_hot_switch_quick(tmp_path):
             "predicted switch s",
             "predicted / measured",
             "modelled peak MB",
+            "modelled MB per device",
+            "measured tensor peak MB per device",
             "peak RSS MB",
         ],
         ["layout", "regime", "corpus", "tokens_s", "vs_best_static", "modelled_peak_mb", "peak_rss_mb"],
@@ -381,6 +383,12 @@ def test_hot_switch_quick(tmp_path):
     for hand in hands:
         assert 0 < hand["switch_fraction"] < 1 and hand["predicted_switch_s"] > 0 and hand["switch_s"] > 0
     assert all(r["predicted_step_s"] > 0 and r["modelled_peak_mb"] > 0 for r in rows)
+    for r in rows:  # every rank's tensors metered at its peak; bucket copies only where switching
+        for device in r["tensor_at_peak_mb"]:
+            assert device["parameters"] > 0 and device["gradients"] > 0
+            assert (device.get("bucket copies", 0) > 0) == r["switching"]
+        assert any(device["activations"] > 0 for device in r["tensor_at_peak_mb"])
+        assert all(x > 0 for x in r["tensor_peak_mb_per_device"])
     (scenario,) = payload["scenarios"]
     assert scenario["planner_buckets"][0].startswith("hot switching, PREDICTED")
     assert "tp_comm = 2 x 312e12 / (6 x 4096 x 25e9) = 1.016" in scenario["derivation"]

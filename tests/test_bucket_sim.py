@@ -124,7 +124,9 @@ def test_switch_seconds_with_one_link_kind_is_the_switch_planners_prediction():
     for source, target in [(home, b0), (b0, b1), (b1, home)]:
         sw = step_switch(home, source, target, params=target is not home, grads=source is not home)
         same = {k: (1e-4, 1e9) for k in LINKS}
-        assert bucket_sim.switch_seconds(sw, same, 5e9, 3e-6) == pytest.approx(sw.predict_seconds(1e9, 1e-4, 5e9, 3e-6))
+        assert bucket_sim.switch_seconds(sw, same, 5e9, 3e-6, 2e-5) == pytest.approx(
+            sw.predict_seconds(1e9, 1e-4, 5e9, 3e-6, 2e-5)
+        )
         assert bucket_sim.switch_seconds(sw, same) < bucket_sim.switch_seconds(sw, same, 5e9)  # local copies cost
 
 

@@ -287,3 +287,8 @@ def test_predicted_time_is_the_busiest_device_latency_and_bytes():
     assert same.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
     blocks = sum(1 for t in same.transfers if t.dst == "n0:0")
     assert same.predict_seconds(1e9, 1e-3, block_overhead=1e-5) == pytest.approx(blocks * 1e-5)
+    # a switch that moves gradients first allocates (and zeroes) a gradient buffer per target parameter tensor
+    tensors = len(source.params_of(0))
+    assert same.grad_buffers == {"n0:0": tensors, "n0:1": tensors}
+    assert same.predict_seconds(1e9, 1e-3, buffer_overhead=1e-4) == pytest.approx(tensors * 1e-4)
+    assert switch.grad_buffers == {} and switch.predict_seconds(1e9, 1e-3, buffer_overhead=1.0) == pytest.approx(want)

@@ -45,14 +45,19 @@ class BucketStep:
 
 
 def switch_seconds(
-    plan, links: dict[str, tuple[float, float]], copy_bandwidth: float = math.inf, block_overhead: float = 0.0
+    plan,
+    links: dict[str, tuple[float, float]],
+    copy_bandwidth: float = math.inf,
+    block_overhead: float = 0.0,
+    buffer_overhead: float = 0.0,
 ) -> float:
     """Seconds of one batched switch (``switch.SwitchPlan``): every device at once, each paying, per
     device-pair message it sends or receives, the latency of that pair's link (``links``: link kind ->
     (latency s, bytes/s), kinds as ``switch.LINKS``), the larger of its sent and received bytes over each
     link kind (a device's sends and receives overlap), one pass over each block it copies (local), packs
-    (sender) or unpacks (receiver) at ``copy_bandwidth``, and ``block_overhead`` per transfer it takes part in.
-    The slowest device is the switch's time."""
+    (sender) or unpacks (receiver) at ``copy_bandwidth``, ``block_overhead`` per transfer it takes part in, and
+    ``buffer_overhead`` per gradient buffer it allocates (``plan.grad_buffers``). The slowest device is the
+    switch's time."""
     per_device: dict[str, float] = {}
     sent: dict[tuple[str, str], int] = {}
     received: dict[tuple[str, str], int] = {}
@@ -70,6 +75,8 @@ def switch_seconds(
     for t in plan.transfers:
         for device in {t.src, t.dst}:  # local: one copy; network: packed by the sender, unpacked by the receiver
             per_device[device] = per_device.get(device, 0.0) + t.nbytes / copy_bandwidth + block_overhead
+    for device, buffers in plan.grad_buffers.items():
+        per_device[device] = per_device.get(device, 0.0) + buffers * buffer_overhead
     return max(per_device.values(), default=0.0)
 
 
@@ -119,6 +126,7 @@ def simulate_buckets(
     *,
     copy_bandwidth: float = math.inf,
     block_overhead: float = 0.0,
+    buffer_overhead: float = 0.0,
     source=None,
 ) -> BucketStep:
     """Predict one hot-switching step of a layout with ``[[buckets]]``: the step's documents (the ones
@@ -151,8 +159,29 @@ def simulate_buckets(
         times.append(
             max(_pipeline_seconds(runs, j, rows.share(*share), device, links) for j, share in enumerate(split))
         )
-    switches = step_switches(layout, home, plans, rows_of, links, copy_bandwidth, block_overhead)
+    switches = step_switches(layout, home, plans, rows_of, links, copy_bandwidth, block_overhead, buffer_overhead)
     return BucketStep(tuple(times), tuple(switches), _home_sync_seconds(home, links))
+
+
+def step_switch_plans(layout, home, plans: list, rows_of: list) -> list[tuple[str, str, object]]:
+    """The switches a step makes, (from, to, ``switch.SwitchPlan``), as the run makes them (``switch.step_switch``):
+    shortest bucket with rows (``rows_of``, ``bucketing.bucket_rows``; None: skipped) first, none between equal
+    layouts, parameters from home, gradients from the layout before, back to home after the last bucket."""
+    from hetero_llm.switching.transfers import step_switch
+
+    switches: list[tuple[str, str, object]] = []
+    current, current_name, accumulated = home, "home", False
+    for i, (plan, rows) in enumerate(zip(plans, rows_of)):
+        if rows is None:
+            continue
+        name = "home" if not layout.buckets[i].pipelines else f"b{i}"
+        if plan.layout.pipelines != current.layout.pipelines:
+            sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
+            switches.append((current_name, name, sw))
+        current, current_name, accumulated = plan, name, True
+    if current.layout.pipelines != home.layout.pipelines:
+        switches.append((current_name, "home", step_switch(home, current, home, params=False, grads=accumulated)))
+    return switches
 
 
 def step_switches(
@@ -163,26 +192,11 @@ def step_switches(
     links: dict[str, tuple[float, float]],
     copy_bandwidth: float = math.inf,
     block_overhead: float = 0.0,
+    buffer_overhead: float = 0.0,
 ) -> list[tuple[str, str, float]]:
-    """The switches a step makes, (from, to, ``switch_seconds``), as the run makes them (``switch.step_switch``):
-    shortest bucket with rows (``rows_of``, ``bucketing.bucket_rows``; None: skipped) first, none between equal
-    layouts, parameters from home, gradients from the layout before, back to home after the last bucket."""
-    from hetero_llm.switching.transfers import step_switch
-
-    switches: list[tuple[str, str, float]] = []
-    current, current_name, accumulated = home, "home", False
-    for i, (plan, rows) in enumerate(zip(plans, rows_of)):
-        if rows is None:
-            continue
-        name = "home" if not layout.buckets[i].pipelines else f"b{i}"
-        if plan.layout.pipelines != current.layout.pipelines:
-            sw = step_switch(home, current, plan, params=bool(layout.buckets[i].pipelines), grads=accumulated)
-            switches.append((current_name, name, switch_seconds(sw, links, copy_bandwidth, block_overhead)))
-        current, current_name, accumulated = plan, name, True
-    if current.layout.pipelines != home.layout.pipelines:
-        sw = step_switch(home, current, home, params=False, grads=accumulated)
-        switches.append((current_name, "home", switch_seconds(sw, links, copy_bandwidth, block_overhead)))
-    return switches
+    """``step_switch_plans`` priced: (from, to, ``switch_seconds``)."""
+    costs = (copy_bandwidth, block_overhead, buffer_overhead)
+    return [(a, b, switch_seconds(sw, links, *costs)) for a, b, sw in step_switch_plans(layout, home, plans, rows_of)]
 
 
 DRY_RUN_DEVICE = "gflops=100"  # the modelled device of --dry-run's predictions when HETERO_EMULATE_DEVICE names none

@@ -30,6 +30,7 @@ from hetero_llm.layout import bucket_layout, elastic_layout
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.plan.rank import StageRoutes
+from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
 from hetero_llm.switching.bucketing import bucket_rows, bucket_split
@@ -135,6 +136,10 @@ class Switcher:
         )
         return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
 
+    def copies(self) -> list[torch.Tensor]:
+        """This rank's parameter shards of the bucket layouts: the copies beside the home layout's."""
+        return [p for s in self.slots if s is not self.home for p in s.params.values()]
+
     # -- one step --------------------------------------------------------------------------------
 
     def step(self, step: int, source) -> tuple[torch.Tensor, int]:
@@ -159,6 +164,7 @@ class Switcher:
                 )
                 if slot.contributes_loss:
                     loss += run
+                tensor_meter.checkpoint()  # the bucket's gradients beside its activations
             current, accumulated = slot, True
         if current is not self.home:
             self._switch(current, self.home, accumulated)
@@ -199,39 +205,55 @@ class Switcher:
                 source_name=source.name,
                 target_name=target.name,
             )
-        plan = self._plans[key]
-        moves = [(t, self.home) for t in plan.params] + [(t, source) for t in plan.grads]
-        if grads:
-            for p in target.params.values():
-                p.grad = torch.zeros_like(p)
-        sends: dict[int, list[tuple[Transfer, Slot]]] = {}
-        receives: dict[int, list[Transfer]] = {}
-        with torch.no_grad():
-            for t, origin in moves:
-                if t.src == self.me and t.dst == self.me:
-                    _apply(target, t, _block(origin, t))  # a local block: one pass, source view to target
-                elif t.src == self.me:
-                    sends.setdefault(self.world_rank[t.dst], []).append((t, origin))
-                elif t.dst == self.me:
-                    receives.setdefault(self.world_rank[t.src], []).append(t)
-            send_flat = {}
-            for peer, items in sends.items():  # each block written once, straight into the peer's flat message
-                send_flat[peer] = flat = torch.empty(sum(t.nbytes // 4 for t, _ in items), device=self.device)
-                for (t, origin), piece in zip(items, flat.split([t.nbytes // 4 for t, _ in items])):
-                    piece.view(_block_shape(origin, t)).copy_(_block(origin, t))
-            recv_flat = {
-                peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=self.device) for peer, ts in receives.items()
-            }
-            p2p.exchange(send_flat, recv_flat)
-            for peer, ts in receives.items():
-                pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
-                for t, piece in zip(ts, pieces):
-                    _apply(target, t, piece.view(_block_shape(target, t)))
-        if grads:
-            for p in source.params.values():
-                p.grad = None  # moved: the target holds them now
+        relayout(self._plans[key], self.me, self.world_rank, self.home, source, target, grads, self.device)
         if self.trace is not None:
             self.trace.append((f"SWITCH>{target.name}", t0, time.perf_counter()))
+
+
+def relayout(
+    plan: SwitchPlan,
+    me: str,
+    world_rank: dict[str, int],
+    home: Slot,
+    source: Slot,
+    target: Slot,
+    grads: bool,
+    device: torch.device,
+    exchange=p2p.exchange,
+) -> None:
+    """This device's (``me``) part of the switch ``plan``: parameters from ``home``, with ``grads`` the accumulated
+    gradients from ``source`` (the target's gradient buffers zeroed first, the source's released after); local
+    blocks copied, each peer's blocks packed into one flat message, ``exchange``d, and unpacked. The benchmark's
+    probe runs it with an ``exchange`` that sends nothing, to time a switch's host work as the switch does it."""
+    moves = [(t, home) for t in plan.params] + [(t, source) for t in plan.grads]
+    if grads:
+        for p in target.params.values():
+            p.grad = torch.zeros_like(p)
+    sends: dict[int, list[tuple[Transfer, Slot]]] = {}
+    receives: dict[int, list[Transfer]] = {}
+    with torch.no_grad():
+        for t, origin in moves:
+            if t.src == me and t.dst == me:
+                _apply(target, t, _block(origin, t))  # a local block: one pass, source view to target
+            elif t.src == me:
+                sends.setdefault(world_rank[t.dst], []).append((t, origin))
+            elif t.dst == me:
+                receives.setdefault(world_rank[t.src], []).append(t)
+        send_flat = {}
+        for peer, items in sends.items():  # each block written once, straight into the peer's flat message
+            send_flat[peer] = flat = torch.empty(sum(t.nbytes // 4 for t, _ in items), device=device)
+            for (t, origin), piece in zip(items, flat.split([t.nbytes // 4 for t, _ in items])):
+                piece.view(_block_shape(origin, t)).copy_(_block(origin, t))
+        recv_flat = {peer: torch.empty(sum(t.nbytes // 4 for t in ts), device=device) for peer, ts in receives.items()}
+        exchange(send_flat, recv_flat)
+        for peer, ts in receives.items():
+            pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
+            for t, piece in zip(ts, pieces):
+                _apply(target, t, piece.view(_block_shape(target, t)))
+    if grads:
+        tensor_meter.checkpoint()  # the target's gradients beside the source's: a switch's most
+        for p in source.params.values():
+            p.grad = None  # moved: the target holds them now
 
 
 def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:

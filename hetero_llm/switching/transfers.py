@@ -76,6 +76,9 @@ class SwitchPlan:
     params: tuple[Transfer, ...]
     grads: tuple[Transfer, ...]
     link_of: dict = attrs.field(eq=False, repr=False)  # (src, dst) device pair -> one of LINKS
+    # device -> the target's parameter tensors there whose gradient buffers the switch allocates (zeroed) before
+    # gradients are added in: every one of them when the switch moves gradients, else none
+    grad_buffers: dict = attrs.field(factory=dict, eq=False, repr=False)
 
     @property
     def transfers(self) -> tuple[Transfer, ...]:
@@ -108,15 +111,20 @@ class SwitchPlan:
         return {d: (sent[d], received[d]) for d in sorted(set(sent) | set(received))}
 
     def predict_seconds(
-        self, bandwidth: float, latency: float, copy_bandwidth: float = 0.0, block_overhead: float = 0.0
+        self,
+        bandwidth: float,
+        latency: float,
+        copy_bandwidth: float = 0.0,
+        block_overhead: float = 0.0,
+        buffer_overhead: float = 0.0,
     ) -> float:
         """The switch's modelled time: the busiest device's, each device paying ``latency`` per message it
         sends or receives plus its larger direction's bytes over ``bandwidth`` (bytes/s; sends and receives
         overlap), plus one pass over every block it copies, packs or unpacks at ``copy_bandwidth`` (0: free;
         a local block is copied once, a network block written into its flat message by the sender and out
         of it by the receiver), plus ``block_overhead`` seconds per transfer it takes part in (cutting a
-        block out and writing it in: host work that does not shrink with the bytes). Every device switches
-        at once."""
+        block out and writing it in: host work that does not shrink with the bytes), plus ``buffer_overhead``
+        per gradient buffer it allocates (``grad_buffers``). Every device switches at once."""
         per_device: dict[str, float] = defaultdict(float)
         for (src, dst), _ in self.messages().items():
             per_device[src] += latency
@@ -129,6 +137,8 @@ class SwitchPlan:
                     per_device[device] += t.nbytes / copy_bandwidth
             for device in {t.src, t.dst}:
                 per_device[device] += block_overhead
+        for device, buffers in self.grad_buffers.items():
+            per_device[device] += buffers * buffer_overhead
         return max(per_device.values(), default=0.0)
 
     def describe(self) -> str:
@@ -207,7 +217,8 @@ def plan_switch(
             if grads:
                 grad_moves += _move_partials(info.name, dim, lo, hi, nbytes, have, need, sender, load, stage_load, link)
     link_of = {(t.src, t.dst): link(t.src, t.dst) for t in params + grad_moves}
-    return SwitchPlan(source_name, target_name, tuple(_merge(params)), tuple(_merge(grad_moves)), link_of)
+    buffers = {r.device_id: len(target.params_of(r.rank)) for r in target.ranks} if grads else {}
+    return SwitchPlan(source_name, target_name, tuple(_merge(params)), tuple(_merge(grad_moves)), link_of, buffers)
 
 
 def _move_partials(name, dim, lo, hi, nbytes, have, need, sender, load, stage_load, link) -> list[Transfer]:

@@ -7,7 +7,9 @@ rank's state and gradient sync live in runtime/."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -25,7 +27,7 @@ from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.forward import Compute
 from hetero_llm.plan.rank import RankPlan
-from hetero_llm.runtime import zero1
+from hetero_llm.runtime import tensor_meter, zero1
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.grad_sync import sync_grads
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
@@ -144,6 +146,12 @@ def train(
         contributes_loss = True  # the switcher returns only what this rank's loss counts for
     else:
         switcher = None
+    meter = tensor_meter.from_env()  # benchmarks: the bytes of tensors this rank holds (runtime/tensor_meter.py)
+    if meter is not None:
+        meter.register("parameters", lambda: state.params.values())
+        meter.register("optimizer", lambda: tensor_meter.tensors_of(optimizer))
+        if switcher is not None:
+            meter.register("bucket copies", switcher.copies)
     reporter = Reporter.open(rp.reports, quiet, tr.steps, first, tr.log_every, metrics_path, tensorboard)
     if restored:
         reporter.say(f"resuming from {restored.path} (step {restored.step} of {tr.steps})")
@@ -155,7 +163,8 @@ def train(
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
             if switcher is not None:
-                loss_sum, global_tokens = switcher.step(step, source)
+                with meter.saving() if meter else contextlib.nullcontext():
+                    loss_sum, global_tokens = switcher.step(step, source)
             else:
                 if packed:  # the loss averages over the documents' targets, not over the rows' padding
                     rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
@@ -163,9 +172,13 @@ def train(
                 else:
                     batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
                     mbs = _microbatches(rp, batch)
-                loss_sum = (
-                    runner.run_dynamic(mbs, global_tokens) if rp.dynamic else runner.run(rp.actions, mbs, global_tokens)
-                )
+                with meter.saving() if meter else contextlib.nullcontext():
+                    loss_sum = (
+                        runner.run_dynamic(mbs, global_tokens)
+                        if rp.dynamic
+                        else runner.run(rp.actions, mbs, global_tokens)
+                    )
+            tensor_meter.checkpoint()  # the step's gradients beside its activations
             sq = optimizer.finish_reduce() if sharded else sync_grads(rp, state, comms, streams)
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
@@ -180,6 +193,7 @@ def train(
                     f"(lower train.lr, or raise train.warmup_steps)"
                 )
             _update(optimizer, state, sharded, lr, grad_norm, tr.grad_clip, wait=switcher is not None)
+            tensor_meter.checkpoint()  # the optimizer's state once it has stepped
             done = step + 1
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
             valid_loss = None
@@ -198,6 +212,8 @@ def train(
         saver.finish_snapshots()  # the last snapshot whole before training returns
         if sharded:
             optimizer.wait_gather()  # the parameters are whole again when training returns
+        if meter is not None:
+            meter.write(os.environ[tensor_meter.ENV], rank)
     finally:
         saver.finish_snapshots(raise_failure=False)  # no write left running behind a failure (raised: the first)
         reporter.close()
