@@ -32,7 +32,7 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
     ``optimizer`` is the train.optimizer to write."""
     options = optimizer_order(cluster)
     total = Planner(with_optimizer(cluster, options[0]), budget_s=budget_s).max_evals  # plan.max_evals, for all
-    evals = [max(1, total // 5)] * (len(options) - 1)  # each other optimizer: a fifth of the budget
+    evals = [max(1, total // len(options))] * (len(options) - 1)  # each other optimizer: an equal share
     evals.insert(0, max(1, total - sum(evals)))
     results: list[Result] = []
     with Bar("planning", sum(evals), "plans", enabled=None if progress else False) as bar:
