@@ -110,8 +110,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         half = len(pipes[big]) // 2
         make([p for k, p in enumerate(pipes) if k != big] + [pipes[big][:half], pipes[big][half:]])
     # split / merge TP groups
-    for pi in [members[0] for members in list(reps.values())[:4]]:  # one pipeline per signature, as ``each``
-        groups = pipes[pi]
+    for pi, groups in enumerate(pipes):
         for gi, g in enumerate(groups):
             h = g.tp // 2
             if g.tp % 2 == 0 and h in planner.tp_sizes(g.tp):
