@@ -26,13 +26,14 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
     """The search's result for ``cluster``; ``progress``: show the plans simulated (of the work budget) and the
     best predicted step so far on a terminal.
 
-    Each optimizer of ``plan.optimizers`` is searched, within one work budget (``plan.max_evals``): the cluster
-    file's train.optimizer first, with what the others leave; each other one with a fifth of it and no sweep,
-    starting from the first search's best plans and hetero-place's. The fastest plan of all wins; its
+    Each optimizer of ``plan.optimizers`` is searched, within one work budget (``plan.max_evals``) shared equally:
+    the cluster file's train.optimizer first (with what the others leave), with the sweep; each other one without,
+    starting from the first search's best plans and hetero-place's (on HexiScale's cluster the ZeRO-1 search needs
+    its half to descend from there to the best plan: docs/planner.md). The fastest plan of all wins; its
     ``optimizer`` is the train.optimizer to write."""
     options = optimizer_order(cluster)
     total = Planner(with_optimizer(cluster, options[0]), budget_s=budget_s).max_evals  # plan.max_evals, for all
-    evals = [max(1, total // 5)] * (len(options) - 1)  # each other optimizer: a fifth of the budget
+    evals = [max(1, total // len(options))] * (len(options) - 1)  # each other optimizer: an equal share
     evals.insert(0, max(1, total - sum(evals)))
     results: list[Result] = []
     with Bar("planning", sum(evals), "plans", enabled=None if progress else False) as bar:

@@ -141,7 +141,43 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
                 lambda p, g=g, i=i: p[:i] + [g] + p[i:] if i < len(p) and p[i - 1].node != p[i].node else None,
                 alone=True,
             )
+    # then: a TP group to any other place of its pipeline, and a TP group halved, its second half to any place of
+    # another pipeline (one move: split in place, then move a half, passes through worse plans). A small-memory
+    # group must reach a stage that holds few microbatches in flight; on HexiScale's cluster (docs/planner.md) a
+    # TP-4 group of 12 GB cards is halved, one half going late into the other pipeline, then a 3090 group halved
+    # and one half moved further down its pipeline
+    n_max = max((len(p) for p in pipes), default=0)
+    for i, j in itertools.product(range(n_max), range(n_max)):
+        each(lambda p, i=i, j=j: reinsert(p, i, j))
+    ends = {min(range(P), key=lambda i: (rate[i], i)), max(range(P), key=lambda i: (rate[i], -i))}
+    targets = set(range(P)) if P <= 4 else ends  # more pipelines: the slowest and the fastest
+    for pi in [members[0] for members in list(reps.values())[:4]]:  # one pipeline per signature, as ``each``
+        groups = pipes[pi]
+        for gi, g in enumerate(groups):
+            h = g.tp // 2
+            if g.tp % 2 or h not in planner.tp_sizes(g.tp) or (gi and kind(groups[gi - 1]) == kind(g)):
+                continue
+            first, second = attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])
+            for dst in sorted(targets - {pi}):
+                for at in range(len(pipes[dst]) + 1):
+                    new = [list(p) for p in pipes]
+                    new[pi][gi] = first
+                    new[dst].insert(at, second)
+                    make(new)
     return out
+
+
+def reinsert(p: list[TPGroup], i: int, j: int) -> list[TPGroup] | None:
+    """``p`` with its group ``i`` moved to place ``j`` (None: a move the other moves make, or none: an end, a
+    neighbour's place, or a group inside a run of its node's groups of its size, which moves as the run's first)."""
+    n = len(p)
+    if not (i < n and j < n) or abs(i - j) < 2 or j in (0, n - 1):
+        return None
+    if i and (p[i - 1].node, p[i - 1].tp) == (p[i].node, p[i].tp):
+        return None
+    q = p[:i] + p[i + 1 :]
+    q.insert(j, p[i])
+    return q
 
 
 def chunk_counts(layers: int) -> list[int]:

@@ -142,13 +142,17 @@ class Planner(LayerSplitter):
         return worst + self.sync_and_optimizer(cand)
 
     def bound(self, cand: Candidate, cutoff: float = INF) -> float:
-        """A lower bound of the simulated step: the busiest stage's compute, gradient sync, optimizer. When
-        the compute alone reaches ``cutoff``, that (a lower bound too, at least ``cutoff``) is returned."""
+        """A lower bound of the simulated step: a stage's compute after the first microbatch's forward through
+        the stages before it (the fill: a stage starts nothing before its first input; under interleaving the
+        first chunks' share of their forwards), the slowest such stage's, + gradient sync + optimizer. When the
+        compute alone reaches ``cutoff``, that (a lower bound too, at least ``cutoff``) is returned."""
         worst = 0.0
         for p in cand.pipelines:
-            n = len(p.stages)
+            n, fill = len(p.stages), 0.0
             for i, s in enumerate(p.stages):
-                worst = max(worst, p.microbatches * self._busy(s.group, s.layers, i == n - 1, p.rows, s.recompute))
+                last = i == n - 1
+                worst = max(worst, fill + p.microbatches * self._busy(s.group, s.layers, last, p.rows, s.recompute))
+                fill += self.cost.stage_times(s.group, s.layers, last, p.rows, s.recompute)[0] / cand.chunks
         if worst >= cutoff:  # sync and optimizer only add (both >= 0)
             return worst
         return worst + self.sync_and_optimizer(cand)
