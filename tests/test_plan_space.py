@@ -154,6 +154,29 @@ def test_search_reaches_the_optimum_where_the_tp_group_must_change_node():
     assert plan_cluster(c).score.step_time <= optimum * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("seed", [36, 151])
+def test_search_reaches_an_optimum_of_three_rows_per_microbatch(seed):
+    """Clusters 36 and 151 of bench/plan_exhaustive.py (batch 6): the optimum runs microbatches of 3 rows, which
+    doubling and halving never reach from 1 or 2 (1.036x and 1.046x before the sweep tried the smallest divisors
+    of the batch and the rows move the next divisor above and below)."""
+    c = load(plan_exhaustive.draw(seed))
+    optimum, _ = plan_exhaustive.reference(c)
+    res = plan_cluster(c)
+    assert res.score.step_time <= optimum * (1 + 1e-9)
+    assert {p.rows for p in res.best.pipelines} == {3}
+
+
+def test_rows_move_reaches_the_next_divisors_of_the_batch():
+    assert moves.next_divisors(6, 2) == [3, 1]
+    assert moves.next_divisors(6, 6) == [3]
+    assert moves.next_divisors(12, 4) == [6, 3]
+    c = load(plan_exhaustive.draw(151))
+    pl = Planner(c)
+    g = pl.groups({})
+    st = Structure(((g[0], g[2]),), 2, "zbh1")
+    assert {nb.rows for nb in moves.neighbours(pl, st)} >= {1, 3}
+
+
 def test_node_swap_exchanges_which_node_hosts_the_tp_group():
     c = load(plan_exhaustive.draw(79))
     pl = Planner(c)

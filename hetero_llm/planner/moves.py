@@ -164,7 +164,18 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
                     new[pi][gi] = first
                     new[dst].insert(at, second)
                     make(new)
+    # last of all: the microbatch rows to the next size dividing the batch, above and below (doubling and halving
+    # miss sizes such as 3 of a batch of 6: issue 23's misses under the eager/compiled pricing)
+    for rows in next_divisors(planner.G, st.rows):
+        make(pipes, rows=rows)
     return out
+
+
+def next_divisors(n: int, d: int) -> list[int]:
+    """The divisors of ``n`` next above and next below ``d`` (those that exist)."""
+    above = next((k for k in range(d + 1, n + 1) if n % k == 0), None)
+    below = next((k for k in range(d - 1, 0, -1) if n % k == 0), None)
+    return [k for k in (above, below) if k is not None]
 
 
 def reinsert(p: list[TPGroup], i: int, j: int) -> list[TPGroup] | None:

@@ -63,7 +63,8 @@ def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
 def row_options(planner: SearchSpace, P: int) -> list[int]:
     divisors = [d for d in range(1, planner.G // P + 1) if planner.G % d == 0]
     small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
-    return sorted(set(small + divisors[-1:]))
+    # and the five smallest divisors (3 of a batch of 6: doubling and halving never reach it from 1 or 2)
+    return sorted(set(small + divisors[:5] + divisors[-1:]))
 
 
 def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
