@@ -264,6 +264,11 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
             "(hetero-launch sets it for the ranks it starts; unset it)",
         ),
         (
+            "HETERO_TENSOR_METER",
+            "/nonexistent-hetero-meter",
+            "'/nonexistent-hetero-meter' is not an existing folder (for each rank's tensor peak; create it, or unset it)",
+        ),
+        (
             "HETERO_SHM_DIR",
             "shm",
             "'shm' is not the absolute path of a folder (for shared memory, e.g. /dev/shm; give one, or unset it)",

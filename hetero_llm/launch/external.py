@@ -53,6 +53,9 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
     error_dir = environ.get("HETERO_ERROR_DIR", "")
     if error_dir and not os.path.isdir(error_dir):
         refuse("HETERO_ERROR_DIR", "an existing folder (hetero-launch sets it for the ranks it starts; unset it)")
+    meter = environ.get("HETERO_TENSOR_METER", "")
+    if meter and not os.path.isdir(meter):
+        refuse("HETERO_TENSOR_METER", "an existing folder (for each rank's tensor peak; create it, or unset it)")
     for var, what in (
         ("HETERO_SHM_DIR", "shared memory, e.g. /dev/shm"),
         ("HETERO_LLM_CACHE", "token caches"),
