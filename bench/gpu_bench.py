@@ -290,9 +290,9 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise click.UsageError("CUDA is not available here (use --device cpu, e.g. with --tiny)")
-    if dev.type == "cuda":
+    if dev.type == "cuda":  # torch 2.11 refuses set_device("cuda") without an index
+        dev = torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(dev)
-        dev = torch.device("cuda", torch.cuda.current_device())
     models = models or (["tiny"] if tiny else ["124m", "1.3b"])
     seqs = seqs or ([32, 64] if tiny else [1024, 2048])
     modes = modes or (["eager"] if tiny else ["eager", "compiled"])

@@ -6,6 +6,7 @@
 # is cut short).
 #
 #     OUT=/some/folder bash bench/gpu_check.sh         # on the GPU machine, from the repository root
+#     ONLY="bench_eager pytest_cupy" bash bench/gpu_check.sh   # only the parts named
 #
 # Budget: about 9 minutes of a fresh machine (the limits below add up to 540 s).
 set -u
@@ -20,6 +21,7 @@ pack() { tar czf "$OUT/gpu_check.tgz" -C "$WORK" results; }
 part() {  # part NAME SECONDS COMMAND...: run one part under `timeout`, log it, pack the results
     local name=$1 limit=$2 t0
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     t0=$(date +%s)
     echo "=== $name (limit ${limit}s): $*" | tee -a "$LOG"
     timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG" "$WORK/results/$name.log" >/dev/null
@@ -38,6 +40,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG
 R="$WORK/results"
 
 part pytest_gpu 170 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_domains.py
+part pytest_cupy 40 python3 -m pytest -q -p no:cacheprovider -rs tests/test_domains.py -k cupy
 part bench_eager 140 python3 -m bench.gpu_bench --models 124m,1.3b --seqs 1024,2048 --modes eager \
     --steps 14 --warmup 4 --out "$R/eager"
 for m in 124m 1.3b; do

@@ -383,9 +383,13 @@ def test_cupy_group_sums_a_torch_tensor_by_pointer():
     assert torch.equal(x.cpu(), torch.arange(10, dtype=torch.float32))
 
 
-def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
+@pytest.mark.parametrize(
+    "uid", [tuple(range(-3, 125)), bytes(range(128))], ids=["cupy 13: tuple of ints", "cupy 14: bytes"]
+)
+def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch, uid):
     """The id exchange and the environment around NCCL's init, with a stand-in for cupy.cuda.nccl
-    (the real communicator is the GPU test above)."""
+    (the real communicator is the GPU test above). Each CuPy gets back the type it gave: CuPy 14's
+    communicator refuses a tuple (seen on an H200 with cupy-cuda13x 14.2)."""
     import sys
     import threading
     import types
@@ -400,7 +404,7 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
         def __init__(self, n, uid, rank):
             made.append((n, uid, rank, os.environ.get("NCCL_NET")))
 
-    nccl = types.SimpleNamespace(get_unique_id=lambda: tuple(range(-3, 125)), NcclCommunicator=FakeComm)
+    nccl = types.SimpleNamespace(get_unique_id=lambda: uid, NcclCommunicator=FakeComm)
     cupy = types.ModuleType("cupy")
     cupy.cuda = types.SimpleNamespace(nccl=nccl)
     cuda = types.ModuleType("cupy.cuda")
@@ -421,5 +425,5 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch):
     for t in threads:
         t.join(10)
     assert sorted((n, rank, net) for n, _, rank, net in made) == [(2, 0, "IB"), (2, 1, "IB")]
-    assert made[0][1] == made[1][1] == tuple(range(-3, 125))
+    assert made[0][1] == made[1][1] == uid and type(made[0][1]) is type(uid)
     assert "NCCL_NET" not in os.environ and groups[3].ranks == (3, 5)

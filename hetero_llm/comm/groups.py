@@ -225,14 +225,23 @@ def _cupy():
     return cupy
 
 
+def _uid_to_json(uid) -> dict:
+    """CuPy 13 gives NCCL's unique id as a tuple of ints, CuPy 14 as bytes; each takes back what it gives."""
+    return {"hex": uid.hex()} if isinstance(uid, bytes) else {"ints": list(uid)}
+
+
+def _uid_from_json(data: dict):
+    return bytes.fromhex(data["hex"]) if "hex" in data else tuple(data["ints"])
+
+
 def make_cupy_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: int, env: dict[str, str]) -> CupyGroup:
     """One NCCL communicator among ``ranks``: the first member makes the unique id, the store carries it."""
     nccl = _cupy().cuda.nccl
     key = f"cupy_nccl/{name}"
     me = ranks.index(rank)
     if me == 0:
-        store.set(key, json.dumps(list(nccl.get_unique_id())))
-    uid = tuple(json.loads(store.get(key)))  # get() waits until the key is there
+        store.set(key, json.dumps(_uid_to_json(nccl.get_unique_id())))
+    uid = _uid_from_json(json.loads(store.get(key)))  # get() waits until the key is there
     with environment(env):
         comm = nccl.NcclCommunicator(len(ranks), uid, me)  # blocking: NCCL reads its variables here
     return CupyGroup(comm, ranks)
