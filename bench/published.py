@@ -8,7 +8,7 @@ what ``hetero-plan CLUSTER --evaluate LAYOUT`` prints), converted to the publica
 FLOPs, next to the published number; and, on each cluster, the planner's own pick (``plan_cluster``, with a
 small search budget) against the published layout's prediction. Nothing here runs a model. The cost model is
 the roofline one over the device catalogue (hetero_llm/planner/catalogue.py): one constant there is calibrated,
-the A100's sustained fraction, on the Megatron 1.7B row, which therefore checks nothing; the "uncalibrated"
+the GPUs' sustained fraction, on the Megatron 1.7B row, which therefore checks nothing; the "uncalibrated"
 column gives every row without it.
 
 The rows:
