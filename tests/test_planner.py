@@ -442,7 +442,7 @@ BAD = [
         "[plan.nodes]\n",
         '[plan.nodes]\nslow0 = "h100"\n',
         "plan.nodes.slow0: unknown device kind 'h100' (known: a100-40g, a100-80g, "
-        "a6000, cpu, cpu2x, h100-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])",
+        "a6000, cpu, cpu2x, h100-sxm, h200-sxm, rtx3080ti, rtx3090, rtx4090; or add [plan.kinds.h100])",
     ),
     (
         "[plan.nodes]\n",
@@ -489,8 +489,8 @@ def test_gpu_node_without_a_kind(tmp_path):
     res = run_plan(path, "-o", tmp_path / "out.toml")
     assert res.stderr == (
         f"error: {path}: cluster.nodes[2]: node 'slow1' has no device kind (add it to [plan.nodes], "
-        'e.g. slow1 = "a100-80g"; kinds: a100-40g, a100-80g, a6000, cpu, cpu2x, h100-sxm, rtx3080ti, '
-        "rtx3090, rtx4090)\n"
+        'e.g. slow1 = "a100-80g"; kinds: a100-40g, a100-80g, a6000, cpu, cpu2x, h100-sxm, h200-sxm, '
+        "rtx3080ti, rtx3090, rtx4090)\n"
     )
     assert res.exit_code == 2
 
