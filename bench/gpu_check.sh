@@ -8,7 +8,7 @@
 #     OUT=/some/folder bash bench/gpu_check.sh         # on the GPU machine, from the repository root
 #     ONLY="bench_eager pytest_cupy" bash bench/gpu_check.sh   # only the parts named
 #
-# Budget: about 10 minutes of a fresh machine (the limits below add up to 555 s). Seen on an H200 (26 Nov 2026):
+# Budget: about 10 minutes of a fresh machine (the limits below add up to 620 s; the parts took ~430 s). Seen on an H200 (26 Nov 2026):
 # the GPU tests 60 s, the eager benchmark with its two multi-rank layouts ~190 s (the TP-2 layout on one GPU
 # over gloo alone ~40 s), each profile ~7 s, the compiled 124M pair 46 s, the compiled 1.3B pair ~90 s; a
 # fresh machine takes 30-60 s to start.
