@@ -3,13 +3,15 @@
     sudo python -m bench.gloo_collectives            # 0.7 MB over a 50 Mbit/s, 2 ms link (plan_vs_measured's cross link)
     sudo python -m bench.gloo_collectives --quick    # 0.1 MB
 
-The planner prices ZeRO-1's gradient sync as the ring all-reduce it replaces. On gloo the runtime runs its
-reduce-scatter as one ``reduce`` per member and its all-gather as one ``broadcast`` per member
-(``comm/collectives.py``); this measures, for one buffer between two processes on two testbed nodes, the bytes
-each node sent on the link (``ip -s link``: exact, whatever the load) and the seconds of: a ring
-``all_reduce``; one ``reduce`` onto rank 0; one ``broadcast`` from rank 0; and the runtime's ZeRO-1 pair
-(the reduces of both halves started together, waited for, then the broadcasts of both). Medians of the
-repetitions; each operation runs on a fresh testbed so its bytes are its own.
+The planner prices ZeRO-1's gradient sync as the ring all-reduce it replaces (a reduce-scatter, then an
+all-gather). This measures, for one buffer between two processes on two testbed nodes, the bytes each node
+sent on the link (``ip -s link``: exact, whatever the load) and the seconds of: a ring ``all_reduce``; one
+``reduce`` onto rank 0; one ``broadcast`` from rank 0; ZeRO-1's pair as the runtime ran it on gloo before
+(``zero1_reduce_broadcast``: the reduces of both halves started together, waited for, then the broadcasts of
+both); gloo's own ``reduce_scatter_tensor`` and ``all_gather_into_tensor`` (``zero1_native``, which copy the
+buffer inside: not used, for memory); and what ``comm/collectives.py`` runs on gloo now (``zero1``: an
+exchange of send/receive pairs, ``collectives.exchange_reduce_scatter`` and ``exchange_all_gather``).
+Medians of the repetitions; each operation runs on a fresh testbed so its bytes are its own.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from bench import testbed as T
 from bench.holmes_bench import sent_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-OPERATIONS = ("all_reduce", "reduce", "broadcast", "zero1")
+OPERATIONS = ("all_reduce", "reduce", "broadcast", "zero1_reduce_broadcast", "zero1_native", "zero1")
 LINK = T.FabricSpec("50mbit", "2000us")
 
 
@@ -37,6 +39,8 @@ def _rank(rank: int, numel: int, operation: str, reps: int, folder: str) -> None
     """One of the two processes: ``reps`` timed runs of ``operation`` between barriers; rank 0 writes the times."""
     import torch
     import torch.distributed as dist
+
+    from hetero_llm.comm import collectives
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     x = torch.ones(numel)
@@ -55,13 +59,20 @@ def _rank(rank: int, numel: int, operation: str, reps: int, folder: str) -> None
             dist.reduce(x, dst=0)
         elif operation == "broadcast":
             dist.broadcast(x, src=0)
-        else:  # as comm/collectives.py on gloo: a reduce per member, then a broadcast per member
+        elif operation == "zero1_reduce_broadcast":  # the runtime before: a reduce, then a broadcast, per member
             for works in (
                 [dist.reduce(halves[j], dst=j, async_op=True) for j in range(2)],
                 [dist.broadcast(halves[j], src=j, async_op=True) for j in range(2)],
             ):
                 for w in works:
                     w.wait()
+        elif operation == "zero1_native":  # gloo's own reduce-scatter and all-gather (copies inside)
+            out = halves[rank].clone()
+            dist.reduce_scatter_tensor(out, x)
+            dist.all_gather_into_tensor(x, out)
+        else:  # zero1: what comm/collectives.py runs on gloo (an exchange of send/receive pairs each way)
+            collectives.exchange_reduce_scatter(x, None, [0, 1], rank)[0].wait()
+            collectives.exchange_all_gather(x, None, [0, 1], rank).wait()
         dist.barrier()
         times.append(time.perf_counter() - t0)
     if rank == 0:

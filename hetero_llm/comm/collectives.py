@@ -6,6 +6,7 @@ and ZeRO-1 run on the grads stream (``hetero_llm.comm.streams``) so they overlap
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import torch
@@ -159,9 +160,13 @@ def barrier() -> None:
 # ZeRO-1 (hetero_llm/runtime/zero1.py): reduce-scatter of gradient blocks, all-gather of updated parameters.
 # torch 2.13 renamed the *_tensor collectives *_single; both take (output, input) of equal chunks.
 # Gloo copies a whole reduce-scatter's input and all-gather's output inside (50 MB in: +73 MB and +192 MB of
-# peak memory, measured on CPU), which would cancel what ZeRO-1 saves; its reduce and broadcast work in place
-# (+5 MB, +1 MB). So on gloo a reduce-scatter is one reduce per member (chunk j summed onto member j) and an
-# all-gather one broadcast per member, about the same bytes sent per rank; NCCL runs the collectives themselves.
+# peak memory, measured on CPU), which would cancel what ZeRO-1 saves. So on gloo (CPU tensors) both are a
+# direct exchange of send/receive pairs: each member sends every other member that member's chunk and
+# receives its own chunk from each (the reduce-scatter sums them when waited for; the all-gather receives in
+# place). Each member sends (n-1)/n of the buffer, what a ring sends, once each way, concurrently. (It was
+# one gloo reduce and one broadcast per member: 1.25x the bytes and 1.8x the time of a ring all-reduce
+# between two testbed nodes, more where a device is in two groups: bench/gloo_collectives.py.) NCCL runs
+# the collectives themselves.
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -169,13 +174,56 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 @attrs.frozen
 class _Works:
-    """Several started collectives, waited for as one."""
+    """Several started point-to-point operations, waited for as one; then ``then`` (if any) runs."""
 
     works: tuple
+    then: Callable[[], None] | None = None
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
+        if self.then is not None:
+            self.then()
+
+
+def exchange_reduce_scatter(flat: torch.Tensor, group, members: list[int], rank: int) -> tuple[_Works, torch.Tensor]:
+    """Gloo's reduce-scatter: ``flat`` holds one equal chunk per member (in ``members`` order); this rank sends
+    chunk j to member j and receives the others' copies of its own chunk, summed into its chunk (a view of
+    ``flat``) in member order when the returned work is waited for. Temporary memory: (n-1) chunks."""
+    n = flat.numel() // len(members)
+    pieces = flat.view(len(members), n)
+    me = members.index(rank)
+    works, received = [], []
+    for j, r in enumerate(members):
+        if j == me:
+            continue
+        buffer = flat.new_empty(n)
+        received.append(buffer)
+        works.append(dist.irecv(buffer, src=r, group=group))
+        works.append(dist.isend(pieces[j], dst=r, group=group))
+    out = pieces[me]
+
+    def add() -> None:
+        for buffer in received:
+            out.add_(buffer)
+        received.clear()
+
+    return _Works(tuple(works), add), out
+
+
+def exchange_all_gather(out: torch.Tensor, group, members: list[int], rank: int) -> _Works:
+    """Gloo's all-gather, in place: ``out`` holds one equal chunk per member, this rank's already written;
+    it is sent to every other member, and theirs are received into their chunks."""
+    n = out.numel() // len(members)
+    pieces = out.view(len(members), n)
+    me = members.index(rank)
+    works = []
+    for j, r in enumerate(members):
+        if j == me:
+            continue
+        works.append(dist.irecv(pieces[j], src=r, group=group))
+        works.append(dist.isend(pieces[me], dst=r, group=group))
+    return _Works(tuple(works))
 
 
 def start_reduce_scatter(
@@ -190,11 +238,7 @@ def start_reduce_scatter(
     streams.wait(streams.grads, streams.compute)
     with streams.use(streams.grads):
         if dist.get_backend(group) == "gloo":
-            pieces = flat.view(len(members), n)
-            work = _Works(
-                tuple(dist.reduce(pieces[j], dst=r, group=group, async_op=True) for j, r in enumerate(members))
-            )
-            out = pieces[members.index(comms.rank)]
+            work, out = exchange_reduce_scatter(flat, group, members, comms.rank)
         else:
             out = flat.new_empty(n)
             work = _reduce_scatter(out, flat, group=group, async_op=True)
@@ -211,11 +255,8 @@ def start_all_gather(comms: Comms, chunk: torch.Tensor, key: GroupKey, streams: 
     with streams.use(streams.grads):
         out = chunk.new_empty(chunk.numel() * len(members))
         if dist.get_backend(group) == "gloo":
-            pieces = out.view(len(members), chunk.numel())
-            pieces[members.index(comms.rank)].copy_(chunk)
-            work = _Works(
-                tuple(dist.broadcast(pieces[j], src=r, group=group, async_op=True) for j, r in enumerate(members))
-            )
+            out.view(len(members), chunk.numel())[members.index(comms.rank)].copy_(chunk)
+            work = exchange_all_gather(out, group, members, comms.rank)
         else:
             work = _all_gather(out, chunk, group=group, async_op=True)
     streams.hand_over(chunk, streams.grads)
