@@ -57,6 +57,7 @@ INTEGRATION_TESTS = (  # node id prefixes, in modules that are mostly unit tests
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
     for item in items:
         name = item.nodeid.split("/")[-1]
@@ -66,6 +67,17 @@ def pytest_collection_modifyitems(config, items):
             or name.startswith(INTEGRATION_TESTS)
         ):
             item.add_marker(pytest.mark.integration)
+        if _uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(name.split("::")[0]))
+
+
+def _uses_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture shared by a module or class (the trainings several tests read). Under
+    pytest-xdist (``-n 2 --dist loadgroup``, the README's command) such a module's tests stay on one worker, so
+    the shared runs happen once, not once per worker; the other tests go to whichever worker is free."""
+    info = getattr(item, "_fixtureinfo", None)
+    defs = info.name2fixturedefs.values() if info is not None else ()
+    return any(d.scope in ("module", "class", "package") for fixturedefs in defs for d in fixturedefs)
 
 
 @pytest.fixture(scope="session")

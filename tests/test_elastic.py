@@ -281,7 +281,7 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     shm = {node: tmp_path / f"shm-{node}" for node in NODES}
 
     def agent(node: str) -> subprocess.Popen:
-        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 6, shm[node])
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 4.0, (100, 1), 6, shm[node])
 
     agents = [agent("n0")]
     try:

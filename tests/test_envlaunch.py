@@ -239,7 +239,9 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_sa
     path, ref = reference  # 8 steps uninterrupted
     steps = 8
     metrics, ckpt = tmp_path / "m.jsonl", tmp_path / "ckpt"
-    # emulated slower compute (sleeps only: the numbers do not change) so the kill lands mid-run
+    # emulated slower compute (sleeps only: the numbers do not change) so the kill lands mid-run: each forward and
+    # backward lasts 60 ms (~0.5 s a step). Fixed durations rather than HETERO_EMULATE_SLOWDOWN, which also
+    # multiplies each start's slow first step (lazy set-up): that was half of this test's time.
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -269,7 +271,7 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_sa
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=_env(HETERO_EMULATE_SLOWDOWN="*:8"),
+        env=_env(HETERO_EMULATE_ACTION_S="*:F=0.06;B=0.06"),
     )
     try:
         deadline = time.monotonic() + 120

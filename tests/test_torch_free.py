@@ -120,8 +120,10 @@ def test_core_modules_import_without_torch():
 
 
 def test_torch_free_tests_pass_without_torch():
-    """Their single-process tests; multi-process ones train, which needs torch."""
-    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not multiprocess", *(str(TESTS / f) for f in TORCH_FREE_TESTS)]
+    """Their unit-tier tests: multi-process ones train, which needs torch; the one integration test among them,
+    the schedule-combination grid (tests/test_schedule_combinations.py, ~8 s), compiles plans through the same
+    torch-free code as test_plan.py and test_rankplan.py, which run here."""
+    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not integration", *(str(TESTS / f) for f in TORCH_FREE_TESTS)]
     proc = run_without_torch(f"import pytest; raise SystemExit(pytest.main({args!r}))")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout.splitlines()[-1]
