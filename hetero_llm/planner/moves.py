@@ -185,7 +185,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     # last: leave a pipeline's first or last stages idle, several at once, under this schedule or with another
     # schedule and rows (one at a time can pass through a plan interleaving cannot run: 3 stages for 4 microbatches;
     # cluster 130: 4 interleaved stages -> their last 2 with 4 chunks and 2 rows). Up to 4 pipelines (as the
-    # pairs above): with more, the batch split rebalances them
+    # pairs above): with more (31 on 1024 GPUs) the cuts times the schedules and rows are many plans to realize
     shorter: list[list[list[TPGroup]]] = []
     for k in range(2, n_max if P <= 4 else 0):
         for cut in (lambda p, k=k: p[k:] if k < len(p) else None, lambda p, k=k: p[:-k] if k < len(p) else None):
