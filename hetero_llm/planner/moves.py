@@ -168,7 +168,44 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     # miss sizes such as 3 of a batch of 6: issue 23's misses under the eager/compiled pricing)
     for rows in next_divisors(planner.G, st.rows):
         make(pipes, rows=rows)
+    # and after them: another schedule (or chunk count) together with other microbatch rows, one move. A schedule
+    # can need another microbatch count than the one the current schedule is best at (interleaving: a multiple of
+    # the stages, and more of them to fill its bubble), and each change alone can be worse (bench/plan_exhaustive's
+    # cluster 9: zero-bubble with 3 microbatches of 2 rows -> interleaved x2 with 6 of 1, reordered first)
+    steps = row_steps(planner.G, st.rows)
+    retimed = [
+        (sch, c, rows)
+        for sch in planner.limits.schedules
+        for c in (counts if sch == "interleaved" else [st.chunks])
+        for rows in [st.rows] + steps
+    ]
+    for sch, c, rows in retimed:
+        if (sch, c) != (st.schedule, st.chunks) and rows != st.rows:
+            make(pipes, rows=rows, schedule=sch, chunks=c)
+    # last: leave a pipeline's first or last stages idle, several at once, under this schedule or with another
+    # schedule and rows (one at a time can pass through a plan interleaving cannot run: 3 stages for 4 microbatches;
+    # cluster 130: 4 interleaved stages -> their last 2 with 4 chunks and 2 rows). Up to 4 pipelines (as the
+    # pairs above): with more (31 on 1024 GPUs) the cuts times the schedules and rows are many plans to realize
+    shorter: list[list[list[TPGroup]]] = []
+    for k in range(2, n_max if P <= 4 else 0):
+        for cut in (lambda p, k=k: p[k:] if k < len(p) else None, lambda p, k=k: p[:-k] if k < len(p) else None):
+            for members in list(reps.values())[:4]:
+                q = cut(pipes[members[0]])
+                if q is not None:
+                    shorter.append([q if i == members[0] else list(p) for i, p in enumerate(pipes)])
+    for new in shorter:
+        make(new)
+    for new in shorter:
+        for sch, c, rows in retimed:
+            make(new, rows=rows, schedule=sch, chunks=c)
     return out
+
+
+def row_steps(n: int, d: int) -> list[int]:
+    """The microbatch rows one step from ``d`` (of a batch of ``n``): doubled, halved, the next divisors above
+    and below, those dividing ``n``, each once."""
+    steps = [k for k in (2 * d, d // 2) if k >= 1 and n % k == 0] + next_divisors(n, d)
+    return sorted(set(steps), key=steps.index)
 
 
 def next_divisors(n: int, d: int) -> list[int]:

@@ -14,8 +14,9 @@ dealing TP groups to pipelines (contiguous per domain, as Holmes; or speed-balan
 by the compute lower bound and ranked by a closed-form 1F1B estimate. The best few, plus
 ``hetero-place``'s plan, are scored with the simulator under every allowed schedule and improved by
 local search (move or swap TP groups between pipelines, split or merge TP groups, pipelines +-1,
-microbatch rows x2 or /2 or to the next divisor of the batch). The result is the best candidate ever scored,
-so never worse than the seed.
+microbatch rows x2 or /2 or to the next divisor of the batch, another schedule with other rows at once, a
+pipeline's first or last stages left idle at once). The result is the best candidate ever scored, so never worse
+than the seed.
 """
 
 from __future__ import annotations
