@@ -15,11 +15,11 @@ from hetero_llm.switching import worth
 
 
 def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_faster(tmp_path):
-    """Rows of 1024 must be spread over devices to fit 8 MB; rows of 128 need not: their bucket gets its own plan,
+    """Rows of 1024 must be spread over devices to fit 9 MB; rows of 128 need not: their bucket gets its own plan,
     predicted faster on its rows than the home layout; the long documents run under home's stages as an elastic
     bucket (a step pads them to its few rows, not to the global batch). Priced as whole steps, switches and shard
     copies included, that beats the best static plan, so the buckets are written, and the layout loads."""
-    path = cluster(tmp_path, memory_gb=0.008)
+    path = cluster(tmp_path, memory_gb=0.009)
     # without interleaving, whose bucket would not be elastic (the written bucket's elasticity is checked below)
     text = path.read_text()
     assert '"zbh1", "interleaved"]' in text
@@ -80,7 +80,7 @@ def test_switches_are_priced_slow_links_drop_the_bucket_whose_switches_cross_the
     """The same plans as the first test, with every network message of a switch 0.1 s: the short bucket's own
     plan (its switches cross the network) costs more than it saves and is dropped; the long documents' elastic
     bucket on home's stages switches by local copies only and is kept."""
-    c = load_cluster(cluster(tmp_path, memory_gb=0.008))
+    c = load_cluster(cluster(tmp_path, memory_gb=0.009))
     result = plan_cluster(c, top=1)
     proposed = buckets.propose(c, (128, 1024), result.best)
     fast = worth.judge(c, result.best, result.score, proposed)

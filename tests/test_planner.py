@@ -236,12 +236,15 @@ def test_memory_counts_parameter_state_and_activations_in_flight():
     params = cost.stage_params(1, 2, False, False)
     # no activations: weight, gradient and moments (16 B) + the optimizer step's denominator (4 B) per parameter
     assert cost.stage_memory(g, 2, False, False, 1, False, 0) == params * 20
-    one = 2 * 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4  # layers x tokens x elements x fp32
+    # per token and layer: norms' in/out, Q K V O, SwiGLU's four; the norms' rstd and SDPA's log-sum-exp (2 + 4 heads);
+    # RMS norm's two more H-wide tensors; RoPE's halves (H) and tables (head_dim 8)
+    elements = 4 * 32 + (4 * 32 + 4 * 128) + 2 + 4 + 2 * 32 + 32 + 8
+    one = 2 * 16 * elements * 4  # layers x tokens x elements x fp32
     assert one < params * 4 < 3 * one  # one microbatch in flight needs less than the step's temporary, three more
     assert cost.stage_memory(g, 2, False, False, 1, False, 1) == params * 20
     assert cost.stage_memory(g, 2, False, False, 1, False, 3) == params * 16 + 3 * one
     assert cost.stage_memory(g, 2, False, False, 1, False, 5) == params * 16 + 5 * one
-    recompute = 5 * 2 * 16 * 32 * 4 + 16 * (4 * 32 + (4 * 32 + 4 * 128)) * 4
+    recompute = 5 * 2 * 16 * 32 * 4 + 16 * elements * 4
     assert cost.stage_memory(g, 2, False, False, 1, True, 5) == params * 16 + max(recompute, params * 4)
 
 

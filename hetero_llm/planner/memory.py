@@ -3,7 +3,8 @@
 Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
 plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
 inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
-``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), times the schedule's peak
+``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), plus what RMS norm, RoPE and packed documents
+save besides (``layer_activation_bytes``, checked against the runtime's saved tensors), times the schedule's peak
 microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
 1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
 working set. The last stage adds one microbatch's logits and their gradient (float32). With
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from hetero_llm.layout import Mlp, Norm, Optimizer, Position, Precision
+from hetero_llm.layout import Mlp, Norm, Optimizer, Packing, Position, Precision
 from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import Candidate, TPGroup
 from hetero_llm.planner.cluster import Cluster
@@ -26,6 +27,11 @@ from hetero_llm.planner.cluster import Cluster
 PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
 STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
+# Document attention (model/document_mask.py) gathers each document's q, k, v into a batch padded to a ladder
+# length and SDPA saves those copies and its output, at most 1.5x a document's length for documents of 8
+# positions or more (the ladder 8, 12, 16, 24, ...; shorter ones pad to 8); the projection after it saves the
+# scattered output: (4 x DOC_PAD + 1) H / t per token where the plain path saves 4 H / t
+DOC_PAD = 1.5
 
 
 class MemoryModel:
@@ -39,6 +45,7 @@ class MemoryModel:
         self.nm = 3 if m.mlp is Mlp.SWIGLU else 2
         self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
         self.margin = cluster.limits.memory_margin
+        self.documents = cluster.data.packing is Packing.DOCUMENTS
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
@@ -125,9 +132,8 @@ class MemoryModel:
         if moments is None:
             moments = self.moment_elements(group, layers, first, last, others)
         params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
-        H, F, t = self.H, self.F, group.tp
-        nf = 4 if self.model.mlp is Mlp.SWIGLU else 2
-        full = (4 * H + (4 * H + nf * F) / t) * self.act_bytes  # per token per layer
+        H, t = self.H, group.tp
+        full = self.layer_activation_bytes(t)
         tokens = rows * self.S
         if recompute:
             act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
@@ -139,6 +145,23 @@ class MemoryModel:
         # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
         # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
         return params + max(act, moments * STEP_TEMP_BYTES)
+
+    def layer_activation_bytes(self, tp: int) -> float:
+        """Bytes one layer saves for its backward per token, on one device of a TP group of ``tp``: what the
+        runtime's block (model/forward.py) saves, counted with autograd's saved-tensor hooks for every norm,
+        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%)."""
+        m, H, F = self.model, self.H, self.F
+        nf = 4 if m.mlp is Mlp.SWIGLU else 2
+        full = 4 * H + (4 * H + nf * F) / tp
+        # the norms' statistics (layer norm: mean and rstd; RMS norm: rstd) and SDPA's log-sum-exp per head
+        full += 2 * (2 if m.norm is Norm.LAYERNORM else 1) + m.heads / tp
+        if m.norm is Norm.RMSNORM:  # F.rms_norm runs as several ops (on CPU): two more H-wide tensors per norm
+            full += 2 * H
+        if m.position is Position.ROPE:  # the rotation saves q's and k's halves and the cos and sin rows
+            full += H / tp + m.head_dim
+        if self.documents:  # the padded copies (see DOC_PAD); with RoPE the rotated q and k are not saved again
+            full += (4 * (DOC_PAD - 1) + 1) * H / tp - (H / tp if m.position is Position.ROPE else 0)
+        return full * self.act_bytes
 
     def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
