@@ -198,6 +198,23 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     for new in shorter:
         for sch, c, rows in retimed:
             make(new, rows=rows, schedule=sch, chunks=c)
+    # last: a pipeline split in two by data parallelism (each of its TP groups halved, a half in each copy), and
+    # each copy given an idle group as its last or first stage, one move: the halves alone may not fit their layers,
+    # and an idle group added alone does not pay (bench/plan_exhaustive's cluster 196 under the saved-tensor memory
+    # model: one TP-2 A100 stage -> two pipelines of an A100 and an RTX 3090). The first 8 idle groups, as pairs
+    idle = idle_groups(planner, st)[:8]
+    for pi in [members[0] for members in list(reps.values())[:4]]:
+        groups = pipes[pi]
+        if not all(g.tp % 2 == 0 and g.tp // 2 in planner.tp_sizes(g.tp) for g in groups):
+            continue
+        a = [attrs.evolve(g, devices=g.devices[: g.tp // 2]) for g in groups]
+        b = [attrs.evolve(g, devices=g.devices[g.tp // 2 :]) for g in groups]
+        rest = [p for k, p in enumerate(pipes) if k != pi]
+        for rows in [st.rows] + steps:  # twice the pipelines: fewer rows per microbatch may be what fits
+            make(rest + [a, b], rows=rows)
+            for g1, g2 in itertools.combinations(idle, 2):
+                make(rest + [a + [g1], b + [g2]], rows=rows)
+                make(rest + [[g1] + a, [g2] + b], rows=rows)
     return out
 
 
