@@ -169,16 +169,16 @@ def scenario(cfg: Config, links: dict):
         runs: dict[str, list[dict]] = {e.name: [] for e in layouts}
         tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
 
-        def probe() -> tuple[float, float]:  # the link as a switch sees it
+        def probe(busy_s: float = 0.0) -> tuple[float, float]:  # the link as a switch sees it
             if tb:
-                return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17)
-            return exchange_probe(reps=cfg.probe_reps, big=1 << 17)
+                return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17, busy_s=busy_s)
+            return exchange_probe(reps=cfg.probe_reps, big=1 << 17, busy_s=busy_s)
 
-        def probe_switch(layout) -> dict:  # the link and the layout's switches' host work, as a switch sees them
-            latency, bandwidth = probe()
+        def probe_switch(layout) -> dict:  # the layout's switches' host work, then the link as a switch sees it
             probed = Path(tmp) / "probed.toml"
             probed.write_text(layout_mod.dumps(layout))
             host = host_costs(probed, range(cfg.warmup, cfg.steps), reps=cfg.probe_host_reps)
+            latency, bandwidth = probe(busy_s=host.switch_s)  # the later rank comes from a switch's host work
             return {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "host": attrs.asdict(host)}
 
         if tb:  # the static runs' links (pipeline sends): the testbed's, not loopback's

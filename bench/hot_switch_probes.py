@@ -19,7 +19,14 @@ from bench import benchlib as B
 
 
 def _exchange_rank(
-    rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str, addr: str = "127.0.0.1"
+    rank: int,
+    port: int,
+    sizes: list[int],
+    reps: int,
+    idle_s: float,
+    out: str,
+    addr: str = "127.0.0.1",
+    busy_s: float = 0.0,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -38,6 +45,10 @@ def _exchange_rank(
             receive = torch.empty(n)
             dist.barrier()
             time.sleep(idle_s)
+            if rank == 1:  # the later rank comes from busy_s of a switch's host work (copies, packing) on the CPU
+                start = time.perf_counter()
+                while time.perf_counter() - start < busy_s:
+                    pass
             t0 = time.perf_counter()
             p2p.exchange({1 - rank: send}, {1 - rank: receive})
             if i >= 2:
@@ -46,12 +57,16 @@ def _exchange_rank(
     dist.destroy_process_group()
 
 
-def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> tuple[float, float]:
+def exchange_probe(
+    reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01, busy_s: float = 0.0
+) -> tuple[float, float]:
     """(latency s per message, bandwidth bytes/s) as a hot switch sees gloo here: two forked processes, each
     idle for ``idle_s`` (as a rank is between compute and a switch: asleep under emulated devices), then one
     ``p2p.exchange`` both ways of a 1-element or a ``big``-element float32 tensor (alternating; fresh buffers each
     time, as a switch allocates its flat messages: receiving into new pages costs 0.3-0.5 ms more per 0.5 MB
-    exchange on the bench's 2-core host than into a reused buffer), each timed from
+    exchange on the bench's 2-core host than into a reused buffer; the second process first busy on the CPU for
+    ``busy_s``, as the later rank of a switch comes to its exchange from the switch's copies and packing: on a
+    loaded host a process that has just used the CPU waits longer for it, and its exchange with it), each timed from
     the moment the later process enters to the moment the later one leaves (the processes share one monotonic
     clock). The switch model charges each device a latency per message it sends and one per message it
     receives, so the latency is half the small exchanges' median; the bandwidth is the extra bytes of a big
@@ -61,7 +76,10 @@ def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
         mp.start_processes(
-            _exchange_rank, args=(B.free_port(), [1, big], reps, idle_s, out), nprocs=2, start_method="fork"
+            _exchange_rank,
+            args=(B.free_port(), [1, big], reps, idle_s, out, "127.0.0.1", busy_s),
+            nprocs=2,
+            start_method="fork",
         )
         return exchange_result(out, big)
 
@@ -86,6 +104,7 @@ class HostCosts:
     step_spread: tuple[float, float]  # the idle rounds' lowest and highest step_s
     hot_step_s: float  # the same switches repeated without the idle sleep, median
     fitted_step_s: float  # what the three costs above give for the same switches (the fit's check)
+    switch_s: float  # one switch's host work on its slowest device: median of the idle rounds' exchanging switches
 
     def costs(self) -> tuple[float, float, float]:
         """(copy_bandwidth, block_overhead, buffer_overhead): ``switch_seconds``' host-work arguments."""
@@ -217,11 +236,13 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
             if proc.is_alive():
                 proc.kill()
     timed: dict[tuple[int, int, str], list[float]] = {}
-    idle_steps, hot_steps = [], []
+    idle_steps, hot_steps, switches, exchanging = [], [], [], []
     for r in range(reps):
         k = r % len(step_plans)
         for kind, steps in (("idle", idle_steps), ("hot", hot_steps)):
             steps.append(sum(max(by_device[d][kind, r, j] for d in devices) for j in range(len(step_plans[k]))))
+        for j, (_, _, sw) in enumerate(step_plans[k]):
+            (exchanging if sw.messages() else switches).append(max(by_device[d]["idle", r, j] for d in devices))
         for j in range(len(step_plans[k])):
             for d in devices:
                 timed.setdefault((k, j, d), []).append(by_device[d]["idle", r, j])
@@ -265,10 +286,11 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
         step_spread=(min(idle_steps), max(idle_steps)),
         hot_step_s=B.median(hot_steps),
         fitted_step_s=fitted,
+        switch_s=B.median(exchanging or switches),
     )
 
 
-def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tuple[float, float]:
+def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01, busy_s: float = 0.0) -> tuple[float, float]:
     """``exchange_probe`` between the testbed's two nodes, over their domain's fabric (where the world
     group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -276,7 +298,7 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tup
         code = (
             f"import sys; from bench import hot_switch_probes; "
             f"hot_switch_probes._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
-            f"{tb.address('node0', 'domain')!r})"
+            f"{tb.address('node0', 'domain')!r}, {busy_s!r})"
         )
         procs = [
             tb.run(
