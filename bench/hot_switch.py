@@ -28,7 +28,8 @@ Measured, interleaved in one run (every layout, then again in reverse order): to
 median steps after warm-up), the fraction of the step rank 0 spends in switches (``SWITCH`` trace actions,
 waiting included), each switch's own time (last rank in to last rank out), and ``switch_seconds`` of the same
 switches with gloo's latency and bandwidth as a switch sees them and the switch's host work (copy bandwidth, per
-block, per gradient buffer) replayed on the run's real blocks (both probed before every switching run); peak RSS (the largest process); the modelled peak per device
+block, per gradient buffer) replayed on the run's real blocks (both probed just before and just after every
+switching run, the prediction the mean of the two: the load of this shared host drifts within a run); peak RSS (the largest process); the modelled peak per device
 (the planner's memory model, bucket layouts' parameter copies counted).
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
@@ -51,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -151,9 +153,10 @@ def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
 
 def scenario(cfg: Config, links: dict):
     """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
-    each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a switch sees
-    them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host work on the
-    layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions use them."""
+    and after each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a
+    switch sees them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host
+    work on the layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions are the
+    mean of the two probes' (``cfg.switching_only``: the static layouts are not run)."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
 
@@ -166,30 +169,36 @@ def scenario(cfg: Config, links: dict):
         runs: dict[str, list[dict]] = {e.name: [] for e in layouts}
         tb = stack.enter_context(testbed(cfg)) if cfg.network == "testbed" else None
 
-        def probe() -> tuple[float, float]:  # the link as a switch sees it
+        def probe(busy_s: float = 0.0) -> tuple[float, float]:  # the link as a switch sees it
             if tb:
-                return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17)
-            return exchange_probe(reps=cfg.probe_reps, big=1 << 17)
+                return exchange_probe_testbed(tb, cfg.probe_reps, 1 << 17, busy_s=busy_s)
+            return exchange_probe(reps=cfg.probe_reps, big=1 << 17, busy_s=busy_s)
+
+        def probe_switch(layout) -> dict:  # the layout's switches' host work, then the link as a switch sees it
+            probed = Path(tmp) / "probed.toml"
+            probed.write_text(layout_mod.dumps(layout))
+            host = host_costs(probed, range(cfg.warmup, cfg.steps), reps=cfg.probe_host_reps)
+            latency, bandwidth = probe(busy_s=host.switch_s)  # the later rank comes from a switch's host work
+            return {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "host": attrs.asdict(host)}
 
         if tb:  # the static runs' links (pipeline sends): the testbed's, not loopback's
             link = probe()
             links = {**links, "node": link, "domain": link, "cross_domain": link}
         for r in range(cfg.rounds):
             for e in layouts if r % 2 == 0 else list(reversed(layouts)):
+                if cfg.switching_only and not e.switching:
+                    continue
                 B.say(f"{cfg.corpus}, {cfg.regime}, round {r + 1}/{cfg.rounds}: {e.name}")
-                if e.switching:  # probed just before the run
-                    latency, bandwidth = probe()
-                    run_links = {**links, **{k: (latency, bandwidth) for k in ("node", "domain", "cross_domain")}}
-                    probed = Path(tmp) / "probed.toml"
-                    probed.write_text(layout_mod.dumps(e.layout))
-                    host = host_costs(probed, range(cfg.warmup, cfg.steps), reps=cfg.probe_host_reps)
+                before = probe_switch(e.layout) if e.switching else None  # probed just before the run ...
                 result = run_one(cfg, e, Path(tmp) / f"r{r}", env, tb)
                 path = Path(result["layout_file"])
                 if e.switching:
-                    result["probe"] = {"latency_s": latency, "bandwidth_bytes_s": bandwidth, "host": attrs.asdict(host)}
-                    switches, steps = predicted(cfg, path, Path(result["trace"]), run_links, host.costs(), device)
-                    result["predicted_switch_s"] = B.median(B.steady(switches, cfg.warmup))
-                    result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
+                    result["probes"] = [before, probe_switch(e.layout)]  # ... and just after it: the mean of both
+                    predictions = [
+                        predicted(cfg, path, Path(result["trace"]), links, p, device) for p in result["probes"]
+                    ]
+                    for key, i in (("predicted_switch_s", 0), ("predicted_step_s", 1)):
+                        result[key] = statistics.mean(B.median(B.steady(x[i], cfg.warmup)) for x in predictions)
                 else:
                     steps = predicted_static(cfg, path, links, device)
                     result["predicted_step_s"] = B.median(B.steady(steps, cfg.warmup))
@@ -197,6 +206,8 @@ def scenario(cfg: Config, links: dict):
     results = []
     for e in layouts:
         reps = runs[e.name]
+        if not reps:  # --switching-only: the static layouts were not run
+            continue
         row = {
             "layout": e.name,
             "switching": e.switching,
@@ -219,11 +230,11 @@ def scenario(cfg: Config, links: dict):
                 row[key] = B.median([x[key] for x in reps])
             row["predicted_over_measured_switch"] = row["predicted_switch_s"] / row["switch_s"]
         results.append(row)
-    static = max((r for r in results if not r["switching"]), key=lambda r: r["tokens_s"])
+    static = max((r for r in results if not r["switching"]), key=lambda r: r["tokens_s"], default=None)
     for r in results:
-        r["vs_best_static"] = r["tokens_s"] / static["tokens_s"]
+        r["vs_best_static"] = r["tokens_s"] / static["tokens_s"] if static else float("nan")
     probes = {
-        k: [x["probe"][k] for reps in runs.values() for x in reps if "probe" in x]
+        k: [p[k] for reps in runs.values() for x in reps for p in x.get("probes", [])]
         for k in ("latency_s", "bandwidth_bytes_s", "host")
     }
     markdown = report(cfg, spec, memory, results, static, verdict, probes)
@@ -290,16 +301,17 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             "",
             table,
             "",
-            f"Best static measured: {static['layout']}. hetero-plan --buckets {cfg.short}:",
+            f"Best static measured: {static['layout'] if static else 'none run (--switching-only)'}. "
+            f"hetero-plan --buckets {cfg.short}:",
             "",
             "```",
             *verdict,
             "```",
             "",
-            f"gloo exchanges probed before each switching run: latency per message "
+            f"gloo exchanges probed before and after each switching run: latency per message "
             f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
             f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s. A switch's host work "
-            f"replayed before each switching run (hot_switch_probes.host_costs; per run: copy GB/s, us per block, "
+            f"replayed before and after each switching run (hot_switch_probes.host_costs; per probe: copy GB/s, us per block, "
             f"us per gradient buffer; a step's host work ms, median [lowest, highest] after an idle sleep, hot, "
             f"and as fitted): "
             + "; ".join(
@@ -331,7 +343,21 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
 @click.option("--rounds", type=int, default=0, help="Rounds of every layout (default: the config's, 2).")
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
 @click.option("--tag", default="", help="Appended to the results' name (one invocation per part of a long run).")
-def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out_dir: Path, tag: str) -> None:
+@click.option("--steps", type=int, default=0, help="Steps per run, the first 2 skipped (default: the config's, 6).")
+@click.option(
+    "--switching-only", is_flag=True, help="Run the switching layouts only: the switch-time rows, no x best static."
+)
+def main(
+    quick: bool,
+    network: str,
+    regimes: str,
+    corpora: str,
+    rounds: int,
+    out_dir: Path,
+    tag: str,
+    steps: int,
+    switching_only: bool,
+) -> None:
     if network == "auto":
         network = "testbed" if not quick and _testbed_available() else "loopback"
     elif network == "testbed" and not _testbed_available():
@@ -343,6 +369,9 @@ def main(quick: bool, network: str, regimes: str, corpora: str, rounds: int, out
         base = attrs.evolve(base, corpora=tuple(x.strip() for x in corpora.split(",")))
     if rounds:
         base = attrs.evolve(base, rounds=rounds)
+    if steps:
+        base = attrs.evolve(base, steps=steps)
+    base = attrs.evolve(base, switching_only=switching_only)
     for x in base.regimes:
         if x not in REGIMES:
             sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")

@@ -54,7 +54,8 @@ class Config:
     cap_positions: int = 256  # the memory cap, in positions through every layer per device
     static_candidates: int = 3  # the planner's best predicted static layouts measured
     probe_reps: int = 40  # exchanges of each size per link probe
-    probe_host_reps: int = 9  # rounds of a step's switches per host-work probe (hot_switch_probes.host_costs)
+    probe_host_reps: int = 15  # rounds of a step's switches per host-work probe (hot_switch_probes.host_costs)
+    switching_only: bool = False  # run the switching layouts only (their switch times), not the static ones
     network: str = "loopback"  # "testbed": the two devices on two emulated nodes joined by a link at the TP link's rate
 
     @property

@@ -12,11 +12,16 @@ from bench.hot_switch_config import Config
 
 
 def predicted(
-    cfg: Config, layout: Path, trace: Path, links: dict, host: tuple[float, float, float], device
+    cfg: Config, layout: Path, trace: Path, links: dict, probe: dict, device
 ) -> tuple[list[float], list[float]]:
     """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
-    ``bucket_sim.simulate_buckets``' whole step (for switching layouts); ``host``: the switch's host costs
-    (copy bandwidth, per block, per gradient buffer: ``hot_switch_probes.HostCosts.costs``)."""
+    ``bucket_sim.simulate_buckets``' whole step (for switching layouts), with ``probe``'s link (latency, bandwidth:
+    every network link kind) and host costs (copy bandwidth, per block, per gradient buffer:
+    ``hot_switch_probes.HostCosts``) over ``links``."""
+    link = (probe["latency_s"], probe["bandwidth_bytes_s"])
+    links = {**links, "node": link, "domain": link, "cross_domain": link}
+    h = probe["host"]
+    host = (h["copy_bandwidth"], h["block_overhead"], h["buffer_overhead"])
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.predict import trace as tracing

