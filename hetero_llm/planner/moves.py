@@ -207,14 +207,14 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         groups = pipes[pi]
         if not all(g.tp % 2 == 0 and g.tp // 2 in planner.tp_sizes(g.tp) for g in groups):
             continue
-        a = [attrs.evolve(g, devices=g.devices[: g.tp // 2]) for g in groups]
-        b = [attrs.evolve(g, devices=g.devices[g.tp // 2 :]) for g in groups]
+        copy_a = [attrs.evolve(g, devices=g.devices[: g.tp // 2]) for g in groups]
+        copy_b = [attrs.evolve(g, devices=g.devices[g.tp // 2 :]) for g in groups]
         rest = [p for k, p in enumerate(pipes) if k != pi]
         for rows in [st.rows] + steps:  # twice the pipelines: fewer rows per microbatch may be what fits
-            make(rest + [a, b], rows=rows)
+            make(rest + [copy_a, copy_b], rows=rows)
             for g1, g2 in itertools.combinations(idle, 2):
-                make(rest + [a + [g1], b + [g2]], rows=rows)
-                make(rest + [[g1] + a, [g2] + b], rows=rows)
+                make(rest + [copy_a + [g1], copy_b + [g2]], rows=rows)
+                make(rest + [[g1] + copy_a, [g2] + copy_b], rows=rows)
     return out
 
 
