@@ -186,44 +186,41 @@ class _Works:
             self.then()
 
 
+def _exchange(group, members: list[int], rank: int, recv_into, send_piece) -> tuple:
+    """A receive into ``recv_into(j)`` and a send of ``send_piece(j)`` with every other member j, all posted."""
+    me = members.index(rank)
+    works = []
+    for j, r in enumerate(members):
+        if j != me:
+            works.append(dist.irecv(recv_into(j), src=r, group=group))
+            works.append(dist.isend(send_piece(j), dst=r, group=group))
+    return tuple(works)
+
+
 def exchange_reduce_scatter(flat: torch.Tensor, group, members: list[int], rank: int) -> tuple[_Works, torch.Tensor]:
     """Gloo's reduce-scatter: ``flat`` holds one equal chunk per member (in ``members`` order); this rank sends
     chunk j to member j and receives the others' copies of its own chunk, summed into its chunk (a view of
     ``flat``) in member order when the returned work is waited for. Temporary memory: (n-1) chunks."""
     n = flat.numel() // len(members)
     pieces = flat.view(len(members), n)
-    me = members.index(rank)
-    works, received = [], []
-    for j, r in enumerate(members):
-        if j == me:
-            continue
-        buffer = flat.new_empty(n)
-        received.append(buffer)
-        works.append(dist.irecv(buffer, src=r, group=group))
-        works.append(dist.isend(pieces[j], dst=r, group=group))
-    out = pieces[me]
+    out = pieces[members.index(rank)]
+    received = {j: flat.new_empty(n) for j, r in enumerate(members) if r != rank}
+    works = _exchange(group, members, rank, received.__getitem__, pieces.__getitem__)
 
     def add() -> None:
-        for buffer in received:
+        for buffer in received.values():
             out.add_(buffer)
         received.clear()
 
-    return _Works(tuple(works), add), out
+    return _Works(works, add), out
 
 
 def exchange_all_gather(out: torch.Tensor, group, members: list[int], rank: int) -> _Works:
     """Gloo's all-gather, in place: ``out`` holds one equal chunk per member, this rank's already written;
     it is sent to every other member, and theirs are received into their chunks."""
-    n = out.numel() // len(members)
-    pieces = out.view(len(members), n)
-    me = members.index(rank)
-    works = []
-    for j, r in enumerate(members):
-        if j == me:
-            continue
-        works.append(dist.irecv(pieces[j], src=r, group=group))
-        works.append(dist.isend(pieces[me], dst=r, group=group))
-    return _Works(tuple(works))
+    pieces = out.view(len(members), out.numel() // len(members))
+    mine = pieces[members.index(rank)]
+    return _Works(_exchange(group, members, rank, pieces.__getitem__, lambda j: mine))
 
 
 def start_reduce_scatter(
