@@ -76,7 +76,8 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
                 p[:i] + p[i + 1 :] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None
             )
         )
-    for g in idle_groups(planner, st):
+    idle = idle_groups(planner, st)  # one TP group per node with idle devices
+    for g in idle:
         each(lambda p, g=g: p + [g], alone=True)
         each(lambda p, g=g: [g] + p, alone=True)
         make(pipes + [[g]])
@@ -135,7 +136,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     # to work between two nodes' stages
     for na, nb in node_swaps(planner, st):
         make([[relabel(g, na, nb) for g in p] for p in pipes])
-    for g in idle_groups(planner, st):
+    for g in idle:
         for i in range(1, max((len(p) for p in pipes), default=0)):
             each(
                 lambda p, g=g, i=i: p[:i] + [g] + p[i:] if i < len(p) and p[i - 1].node != p[i].node else None,
@@ -202,7 +203,6 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     # each copy given an idle group as its last or first stage, one move: the halves alone may not fit their layers,
     # and an idle group added alone does not pay (bench/plan_exhaustive's cluster 196 under the saved-tensor memory
     # model: one TP-2 A100 stage -> two pipelines of an A100 and an RTX 3090). The first 8 idle groups, as pairs
-    idle = idle_groups(planner, st)[:8]
     for pi in [members[0] for members in list(reps.values())[:4]]:
         groups = pipes[pi]
         if not all(g.tp % 2 == 0 and g.tp // 2 in planner.tp_sizes(g.tp) for g in groups):
@@ -212,7 +212,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         rest = [p for k, p in enumerate(pipes) if k != pi]
         for rows in [st.rows] + steps:  # twice the pipelines: fewer rows per microbatch may be what fits
             make(rest + [copy_a, copy_b], rows=rows)
-            for g1, g2 in itertools.combinations(idle, 2):
+            for g1, g2 in itertools.combinations(idle[:8], 2):
                 make(rest + [copy_a + [g1], copy_b + [g2]], rows=rows)
                 make(rest + [[g1] + copy_a, [g2] + copy_b], rows=rows)
     return out
