@@ -21,6 +21,7 @@ meter writes ``DIR/rank{R}.json`` (whole or not at all).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Iterable
@@ -172,6 +173,11 @@ def from_env() -> TensorMeter | None:
 
 def active() -> TensorMeter | None:
     return _active
+
+
+def saving():
+    """``TensorMeter.saving`` of the active meter; a context that does nothing without one."""
+    return _active.saving() if _active is not None else contextlib.nullcontext()
 
 
 def checkpoint() -> None:

@@ -7,7 +7,6 @@ rank's state and gradient sync live in runtime/."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
@@ -163,7 +162,7 @@ def train(
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
             if switcher is not None:
-                with meter.saving() if meter else contextlib.nullcontext():
+                with tensor_meter.saving():
                     loss_sum, global_tokens = switcher.step(step, source)
             else:
                 if packed:  # the loss averages over the documents' targets, not over the rows' padding
@@ -172,7 +171,7 @@ def train(
                 else:
                     batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
                     mbs = _microbatches(rp, batch)
-                with meter.saving() if meter else contextlib.nullcontext():
+                with tensor_meter.saving():
                     loss_sum = (
                         runner.run_dynamic(mbs, global_tokens)
                         if rp.dynamic
