@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import Counter
 
 from hetero_llm.layout import P2P, Backend, Compile
 from hetero_llm.planner import pipesim
@@ -284,6 +285,11 @@ class PlannerCostModel(MemoryModel):
             nodes = {g.node for g in groups}
             domains = {g.domain for g in groups}
             cross |= len(domains) > 1
+            # NCCL chains a node's members of a ring through the node and links the chains node to node
+            # (src/graph/connect.cc, connectRings): a ring leaves and enters each node once, however many of
+            # its members the node holds. gloo's ZeRO-1 exchange pairs every two members and its ring follows
+            # rank order, so there each member's traffic is counted
+            local = Counter(g.node for g in groups) if not self.gloo else None
             for g in groups:
                 t = len(g.devices)
                 if t not in per_rank:
@@ -297,7 +303,8 @@ class PlannerCostModel(MemoryModel):
                     intra[g.node] = intra.get(g.node, 0.0) + nbytes / self.intra_bw(g)
                 else:
                     bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cross_bw
-                    nic[g.node] = nic.get(g.node, 0.0) + nbytes * t / bw
+                    share = nbytes * t / bw
+                    nic[g.node] = nic.get(g.node, 0.0) + (share / local[g.node] if local else share)
                     users.setdefault(g.node, set()).update(g.devices)
         # a node's traffic spreads over its NICs, at most one NIC per device that sends
         busiest = [v / min(self.nics.get(n, 1), len(users[n])) for n, v in nic.items()]
