@@ -28,15 +28,8 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.planner import load_cluster
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
-TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_"))] + [
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "HETERO_NODE",
-]
+# what a torchrun agent sets (the bench's agents drop the same from their own environment)
+TORCHRUN_VARS = [v for v in os.environ if v.startswith(("TORCHELASTIC_", "SLURM_"))] + list(agents_mod.DROP)
 NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
 
 
