@@ -62,7 +62,7 @@ import click
 
 from bench import benchlib as B
 from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
-from bench.hot_switch_predict import predicted, predicted_static
+from bench.hot_switch_predict import predicted, predicted_static, switch_peers
 from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
 from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
@@ -110,7 +110,7 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         "step_seconds": [r["seconds"] for r in steps_out],
     }
     if entry.switching:
-        waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
+        waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace, switch_peers(layout, trace)))
         out["switch_s"] = B.median(own)
         out["switch_waiting_s"] = B.median(waited)
         out["switch_fraction"] = out["switch_waiting_s"] / out["step_s"]
