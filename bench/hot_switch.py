@@ -155,8 +155,8 @@ def scenario(cfg: Config, links: dict):
     """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
     and after each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a
     switch sees them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host
-    work on the layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions are the
-    mean of the two probes' (``cfg.switching_only``: the static layouts are not run)."""
+    work on the layout's real blocks (the switcher's own code, each switch after what precedes it in a run); that
+    run's predictions are the mean of the two probes' (``cfg.switching_only``: the static layouts are not run)."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
 
@@ -312,7 +312,7 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
             f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s. A switch's host work "
             f"replayed before and after each switching run (hot_switch_probes.host_costs; per probe: copy GB/s, us per block, "
-            f"us per gradient buffer; a step's host work ms, median [lowest, highest] after an idle sleep, hot, "
+            f"us per gradient buffer; a step's host work ms, median [lowest, highest] as in a run, hot, "
             f"and as fitted): "
             + "; ".join(
                 f"{h['copy_bandwidth'] / 1e9:.2f}, {h['block_overhead'] * 1e6:.1f}, {h['buffer_overhead'] * 1e6:.1f}; "
