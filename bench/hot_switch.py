@@ -62,7 +62,7 @@ import click
 
 from bench import benchlib as B
 from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
-from bench.hot_switch_predict import predicted, predicted_static
+from bench.hot_switch_predict import predicted, predicted_static, switch_peers
 from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
 from bench.hot_switch_regimes import REGIMES, text_corpus
 from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
@@ -110,7 +110,7 @@ def run_one(cfg: Config, entry: Entry, folder: Path, env: dict[str, str], tb=Non
         "step_seconds": [r["seconds"] for r in steps_out],
     }
     if entry.switching:
-        waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace))
+        waited, own = (B.steady(x, cfg.warmup) for x in switch_times(trace, switch_peers(layout, trace)))
         out["switch_s"] = B.median(own)
         out["switch_waiting_s"] = B.median(waited)
         out["switch_fraction"] = out["switch_waiting_s"] / out["step_s"]
@@ -155,8 +155,8 @@ def scenario(cfg: Config, links: dict):
     """One comparison (the planner's static layouts and switching, interleaved) on one regime and corpus. Before
     and after each switching run, ``hot_switch_probes.exchange_probe`` measures gloo's latency and bandwidth as a
     switch sees them (two processes that were idle, one exchange both ways) and ``host_costs`` the switch's host
-    work on the layout's real blocks (the switcher's own code, after an idle sleep); that run's predictions are the
-    mean of the two probes' (``cfg.switching_only``: the static layouts are not run)."""
+    work on the layout's real blocks (the switcher's own code, each switch after what precedes it in a run); that
+    run's predictions are the mean of the two probes' (``cfg.switching_only``: the static layouts are not run)."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
 
@@ -312,7 +312,7 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             f"{', '.join(f'{x * 1e6:.0f}' for x in probes['latency_s'])} us, bandwidth "
             f"{', '.join(f'{x / 1e9:.3f}' for x in probes['bandwidth_bytes_s'])} GB/s. A switch's host work "
             f"replayed before and after each switching run (hot_switch_probes.host_costs; per probe: copy GB/s, us per block, "
-            f"us per gradient buffer; a step's host work ms, median [lowest, highest] after an idle sleep, hot, "
+            f"us per gradient buffer; a step's host work ms, median [lowest, highest] as in a run, hot, "
             f"and as fitted): "
             + "; ".join(
                 f"{h['copy_bandwidth'] / 1e9:.2f}, {h['block_overhead'] * 1e6:.1f}, {h['buffer_overhead'] * 1e6:.1f}; "

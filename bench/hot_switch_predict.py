@@ -23,29 +23,14 @@ def predicted(
     h = probe["host"]
     host = (h["copy_bandwidth"], h["block_overhead"], h["buffer_overhead"])
     from hetero_llm import layout as layout_mod
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.predict import trace as tracing
     from hetero_llm.switching import predict as bucket_sim
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
 
     lay = layout_mod.load(layout)
-    home = compile_plan(lay)
-    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
-    events = tracing.read_rank_traces(trace)[0]["events"]
     switches: list[float] = []
-    current, ran = "home", False
-    for e in events:
-        name = e["action"]
-        if not name.startswith("SWITCH"):
-            ran = ran or name[0] in "FBIW"
-            continue
-        target = name.split(">", 1)[1]
-        if current == "home":  # a step's first switch (a step starts and ends under home)
+    for first, switch in trace_switch_plans(layout, trace):
+        if first:
             switches.append(0.0)
-            ran = False
-        switch = step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)
         switches[-1] += bucket_sim.switch_seconds(switch, links, *host)
-        current = target
     steps = [
         bucket_sim.simulate_buckets(
             lay, s, device, links, copy_bandwidth=host[0], block_overhead=host[1], buffer_overhead=host[2]
@@ -53,6 +38,51 @@ def predicted(
         for s in range(cfg.steps)
     ]
     return switches, steps
+
+
+def trace_switch_plans(layout: Path, trace: Path) -> list[tuple[bool, object]]:
+    """The switches a run made, in its trace's order (rank 0's ``SWITCH>...`` actions; every rank makes the same):
+    (whether it is its step's first, its ``switch.SwitchPlan`` as the switcher made it: parameters from home into a
+    bucket, the gradients when a bucket ran before it)."""
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+    from hetero_llm.predict import trace as tracing
+    from hetero_llm.switching.transfers import bucket_plans, step_switch
+
+    lay = layout_mod.load(layout)
+    home = compile_plan(lay)
+    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
+    out: list[tuple[bool, object]] = []
+    current, ran = "home", False
+    for e in tracing.read_rank_traces(trace)[0]["events"]:
+        name = e["action"]
+        if not name.startswith("SWITCH"):
+            ran = ran or name[0] in "FBIW"
+            continue
+        target = name.split(">", 1)[1]
+        first = current == "home"  # a step's first switch (a step starts and ends under home)
+        if first:
+            ran = False
+        out.append((first, step_switch(home, plans[current], plans[target], params=target != "home", grads=ran)))
+        current = target
+    return out
+
+
+def switch_peers(layout: Path, trace: Path) -> list[dict[int, set[int]]]:
+    """Per switch of the run (``trace_switch_plans``): each rank's peers, the ranks it sends to or receives from in
+    that switch (none for a rank whose part is local copies only: it waits for nobody)."""
+    from hetero_llm import layout as layout_mod
+    from hetero_llm.plan import compile_plan
+
+    rank_of = {r.device_id: r.rank for r in compile_plan(layout_mod.load(layout)).ranks}
+    out = []
+    for _, switch in trace_switch_plans(layout, trace):
+        peers: dict[int, set[int]] = {r: set() for r in rank_of.values()}
+        for src, dst in switch.messages():
+            peers[rank_of[src]].add(rank_of[dst])
+            peers[rank_of[dst]].add(rank_of[src])
+        out.append(peers)
+    return out
 
 
 def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:

@@ -100,18 +100,18 @@ class HostCosts:
     copy_bandwidth: float  # bytes/s: each device's blocks of a switch copied as one flat tensor
     block_overhead: float  # s per transfer a device takes part in (local copy, pack or unpack), fitted
     buffer_overhead: float  # s per gradient buffer a device allocates and zeroes, fitted
-    step_s: float  # a step's switches' host work (each switch: its slowest device), median of the idle rounds
-    step_spread: tuple[float, float]  # the idle rounds' lowest and highest step_s
-    hot_step_s: float  # the same switches repeated without the idle sleep, median
+    step_s: float  # a step's switches' host work (each switch: its slowest device), median of the rounds as a run
+    step_spread: tuple[float, float]  # those rounds' lowest and highest step_s
+    hot_step_s: float  # the same switches repeated right away (nothing before them), median
     fitted_step_s: float  # what the three costs above give for the same switches (the fit's check)
-    switch_s: float  # one switch's host work on its slowest device: median of the idle rounds' exchanging switches
+    switch_s: float  # one switch's host work on its slowest device: median of the run-like rounds' exchanging switches
 
     def costs(self) -> tuple[float, float, float]:
         """(copy_bandwidth, block_overhead, buffer_overhead): ``switch_seconds``' host-work arguments."""
         return self.copy_bandwidth, self.block_overhead, self.buffer_overhead
 
 
-def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -> HostCosts:
+def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, meter: bool = True) -> HostCosts:
     """A switch's host work, timed as the run's ranks do it: ``switcher.relayout`` (the switcher's own code: zero
     the target's gradient buffers, copy the local blocks, pack each peer's blocks into one flat message, unpack the
     received ones) with an exchange that sends nothing, on each device's real shards of the layout's bucket plans,
@@ -119,12 +119,18 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
     each device in a process of its own, one device at a time while the others wait idle (a run's ranks reach a
     switch apart: in six traced runs of the bench's layout (a) a median 4-34 ms apart into its first bucket, 24-68 ms
     into the second, 0.2-7 ms back home, against 1-9 ms of copies and packing before the exchange, so the last
-    rank's runs alone while the first waits in the exchange), every switch after ``idle_s`` asleep (a rank reaches a
-    switch after its compute, asleep under emulated devices), ``reps`` rounds of one step each (the steps in turn).
+    rank's runs alone while the first waits in the exchange), ``reps`` rounds of one step each (the steps in turn).
+    Each switch comes after what comes before it in a run (``_before_switch``): a step's first switch after the
+    switcher's own sorting of the step's documents into buckets (CPU work: the optimizer step and the data come
+    just before it), every other after ``idle_s`` asleep (a bucket's last compute action ends asleep under emulated
+    devices) and, with ``meter`` (the bench runs every rank with ``HETERO_TENSOR_METER``), the tensor meter's
+    checkpoint that ``Switcher.step`` makes after each bucket, over this device's parameters, AdamW's moments and
+    bucket copies: 0.6-0.9 ms of the rank's CPU just before the switch in the bench's traced runs (0.1 ms without the
+    meter), and replayed switches after it take ~8% less than after the sleep alone (layout (b), 15 rounds).
     Then, per (switch, device): its bytes in one flat copy (the bandwidth); the median of each one's
     host seconds less its bytes at that bandwidth, fitted by least squares as ``block_overhead`` per transfer
     plus ``buffer_overhead`` per gradient buffer (both kept >= 0), both then scaled so that the model's step (each
-    switch its slowest device, as ``switch_seconds`` prices it) is the median of the idle rounds' steps."""
+    switch its slowest device, as ``switch_seconds`` prices it) is the median of those rounds' steps."""
     import torch
 
     from hetero_llm import layout as layout_mod
@@ -141,10 +147,12 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
     devices = [r.device_id for r in home.ranks]
     world_rank = {r.device_id: r.rank for r in home.ranks}
     source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
-    step_plans = []
-    for step in steps:
+
+    def step_rows(step: int) -> list:  # what Switcher.step does before a step's first switch
         docs = documents.fill_documents(source, lay.train.seed, step, lay.train.global_batch, lay.model.seq_len)
-        step_plans.append(step_switch_plans(lay, home, plans, bucketing.bucket_rows(lay, docs)))
+        return bucketing.bucket_rows(lay, docs)
+
+    step_plans = [step_switch_plans(lay, home, plans, step_rows(step)) for step in steps]
 
     def slot(name: str, device: str) -> hotswitch.Slot:  # this device's shards in the plan, as the rank holds them
         plan = named[name]
@@ -158,28 +166,70 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1) -
         return hotswitch.Slot(name, plan, rank, params, coords, None)
 
     slots = {(n, d): slot(n, d) for n in named for d in devices}
+    before = _Before(list(steps), step_rows, idle_s, meter)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
     try:
-        return _timed_host_costs(step_plans, slots, devices, world_rank, reps, idle_s)
+        return _timed_host_costs(step_plans, slots, devices, world_rank, reps, before)
     finally:
         torch.set_num_threads(threads)
 
 
+@attrs.frozen
+class _Before:
+    """What comes before a switch in a run, for ``host_costs``' replay (see there)."""
+
+    steps: list[int]
+    step_rows: object  # step -> its buckets' rows (Switcher.step's work before the step's first switch)
+    idle_s: float
+    meter: bool
+
+    def start(self, slots, device) -> None:
+        """In a replaying process: the tensor meter a run's rank has (``HETERO_TENSOR_METER``), over ``device``'s
+        tensors: the home parameters, AdamW's two moments of each, the bucket layouts' copies."""
+        if not self.meter:
+            return
+        import os
+
+        import torch
+
+        from hetero_llm.runtime import tensor_meter
+
+        os.environ[tensor_meter.ENV] = "unused"  # never written: only train's loop writes the report
+        meter = tensor_meter.from_env()
+        home = list(slots["home", device].params.values())
+        moments = [torch.zeros_like(p) for p in home for _ in range(2)]
+        copies = [p for (name, d), s in slots.items() if d == device and name != "home" for p in s.params.values()]
+        meter.register("parameters", lambda: home)
+        meter.register("optimizer", lambda: moments)
+        meter.register("bucket copies", lambda: copies)
+
+    def __call__(self, r: int, j: int) -> None:
+        """Before switch ``j`` of round ``r``'s step."""
+        from hetero_llm.runtime import tensor_meter
+
+        if j == 0:
+            self.step_rows(self.steps[r % len(self.steps)])
+            return
+        time.sleep(self.idle_s)
+        tensor_meter.checkpoint()  # nothing without a meter
+
+
 def _replay_device(
-    device, turn: int, devices: int, step_plans, slots, world_rank, reps: int, idle_s: float, barrier, queue
+    device, turn: int, devices: int, step_plans, slots, world_rank, reps: int, before: _Before, barrier, queue
 ) -> None:
     """One device's part of ``host_costs``' rounds, in a process of its own: every switch in its ``turn`` among the
-    ``devices`` (the others wait at the barrier meanwhile), after ``idle_s`` asleep (idle rounds) or not (hot
-    rounds)."""
+    ``devices`` (the others wait at the barrier meanwhile), after what comes before it in a run (``before``: the
+    "run" rounds, as in a run) or right away (the "hot" rounds)."""
     import torch
 
     from hetero_llm.switching import switcher as hotswitch
 
     torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
+    before.start(slots, device)
     out: dict[tuple[str, int, int], float] = {}
     for r in range(reps):
-        for sleep, kind in ((idle_s, "idle"), (0.0, "hot")):
+        for kind in ("run", "hot"):
             for j, (a, b, sw) in enumerate(step_plans[r % len(step_plans)]):
                 for t in range(devices):
                     barrier.wait()
@@ -190,7 +240,8 @@ def _replay_device(
                     if grads:
                         for p in src.params.values():
                             p.grad = torch.zeros_like(p)  # what the bucket's backward left
-                    time.sleep(sleep)
+                    if kind == "run":
+                        before(r, j)
                     t0 = time.perf_counter()
                     hotswitch.relayout(
                         sw,
@@ -209,7 +260,7 @@ def _replay_device(
     queue.put((device, out))
 
 
-def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s: float) -> HostCosts:
+def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, before: _Before) -> HostCosts:
     import multiprocessing
 
     import numpy as np
@@ -222,7 +273,7 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
     procs = [
         ctx.Process(
             target=_replay_device,
-            args=(d, turn, len(devices), step_plans, slots, world_rank, reps, idle_s, barrier, queue),
+            args=(d, turn, len(devices), step_plans, slots, world_rank, reps, before, barrier, queue),
         )
         for turn, d in enumerate(devices)
     ]
@@ -236,16 +287,16 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
             if proc.is_alive():
                 proc.kill()
     timed: dict[tuple[int, int, str], list[float]] = {}
-    idle_steps, hot_steps, switches, exchanging = [], [], [], []
+    run_steps, hot_steps, switches, exchanging = [], [], [], []
     for r in range(reps):
         k = r % len(step_plans)
-        for kind, steps in (("idle", idle_steps), ("hot", hot_steps)):
+        for kind, steps in (("run", run_steps), ("hot", hot_steps)):
             steps.append(sum(max(by_device[d][kind, r, j] for d in devices) for j in range(len(step_plans[k]))))
         for j, (_, _, sw) in enumerate(step_plans[k]):
-            (exchanging if sw.messages() else switches).append(max(by_device[d]["idle", r, j] for d in devices))
+            (exchanging if sw.messages() else switches).append(max(by_device[d]["run", r, j] for d in devices))
         for j in range(len(step_plans[k])):
             for d in devices:
-                timed.setdefault((k, j, d), []).append(by_device[d]["idle", r, j])
+                timed.setdefault((k, j, d), []).append(by_device[d]["run", r, j])
     rows, flat_bw = [], []
     for (k, j, device), seconds in timed.items():
         sw = step_plans[k][j][2]
@@ -276,14 +327,14 @@ def _timed_host_costs(step_plans, slots, devices, world_rank, reps: int, idle_s:
     copies = step_model((copy_bw, 0.0, 0.0))
     overheads = step_model((float("inf"), float(block), float(buffer)))
     # the fit takes each (switch, device) alone; a step pays its switches' slowest devices in a row, where a stall of
-    # the busy host in any one counts: the overheads are scaled so that the model's step is the idle rounds' median
-    scale = max(0.0, B.median(idle_steps) - copies) / overheads if overheads > 0 else 0.0
+    # the busy host in any one counts: the overheads are scaled so that the model's step is the run-like rounds' median
+    scale = max(0.0, B.median(run_steps) - copies) / overheads if overheads > 0 else 0.0
     costs = (copy_bw, float(block) * scale, float(buffer) * scale)
     fitted = step_model(costs)
     return HostCosts(
         *costs,
-        step_s=B.median(idle_steps),
-        step_spread=(min(idle_steps), max(idle_steps)),
+        step_s=B.median(run_steps),
+        step_spread=(min(run_steps), max(run_steps)),
         hot_step_s=B.median(hot_steps),
         fitted_step_s=fitted,
         switch_s=B.median(exchanging or switches),

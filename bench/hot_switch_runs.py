@@ -14,10 +14,14 @@ from bench import benchlib as B
 from bench.hot_switch_config import Config
 
 
-def switch_times(trace: Path) -> tuple[list[float], list[float]]:
+def switch_times(trace: Path, peers: list[dict[int, set[int]]] | None = None) -> tuple[list[float], list[float]]:
     """Per step (a step begins at its first switch out of home): the seconds rank 0 spent in SWITCH actions,
-    waiting for the other rank included, and the switches' own time: for each switch, from the moment the
-    last rank entered it to the moment the last rank left it (the ranks share one host's monotonic clock)."""
+    waiting for the other rank included, and the switches' own time: for each switch, the longest over the ranks
+    of the span from the moment the rank and every rank it exchanges with (``peers``: per switch, each rank's;
+    ``hot_switch_predict.switch_peers``) had entered it to the moment it left (the ranks share one host's monotonic
+    clock). A rank whose part is local copies only waits for nobody: its own span, as ``switch_seconds`` prices each
+    device's work and takes the slowest. Without ``peers`` every rank counts as exchanging with every other: from
+    the moment the last rank entered to the moment the last left."""
     from hetero_llm.predict import trace as tracing
 
     switches = [
@@ -25,17 +29,22 @@ def switch_times(trace: Path) -> tuple[list[float], list[float]]:
     ]
     if len({tuple(e["action"] for e in row) for row in switches}) != 1:
         raise RuntimeError(f"ranks of {trace} made different switches")
+    if peers is not None and len(peers) != len(switches[0]):
+        raise RuntimeError(f"{trace}: {len(switches[0])} switches traced, {len(peers)} planned")
     rank0: list[float] = []
     own: list[float] = []
     home = True  # a step's first switch leaves home (the first bucket with documents may be any)
+    ranks = range(len(switches))
     for k, e in enumerate(switches[0]):
         if home:
             rank0.append(0.0)
             own.append(0.0)
         home = e["action"] == "SWITCH>home"
-        if rank0:
-            rank0[-1] += float(e["end"]) - float(e["start"])
-            own[-1] += max(float(row[k]["end"]) for row in switches) - max(float(row[k]["start"]) for row in switches)
+        start = [float(row[k]["start"]) for row in switches]
+        end = [float(row[k]["end"]) for row in switches]
+        waits = peers[k] if peers is not None else {r: set(ranks) for r in ranks}
+        rank0[-1] += end[0] - start[0]
+        own[-1] += max(end[r] - max(start[q] for q in {r, *waits[r]}) for r in ranks)
     return rank0, own
 
 

@@ -394,6 +394,26 @@ def test_hot_switch_quick(tmp_path):
     assert "tp_comm = 2 x 312e12 / (6 x 4096 x 25e9) = 1.016" in scenario["derivation"]
 
 
+def test_hot_switch_times_count_a_local_only_switch_from_each_ranks_own_entry(tmp_path):
+    """A switch with messages costs its ranks from the moment both are in; a rank whose part is local copies waits for
+    nobody, so its own span is its switch time (the slowest rank's, as ``switch_seconds`` prices it), even when it
+    entered first and the other rank's entry came in the middle of its copies."""
+    from bench.hot_switch_runs import switch_times
+
+    events = {  # rank -> (action, start, end): one step, the second switch local-only
+        0: [("SWITCH>b0", 0.0, 5.0), ("F0", 5.0, 6.0), ("SWITCH>home", 10.0, 13.0)],
+        1: [("SWITCH>b0", 2.0, 5.0), ("F0", 5.0, 6.0), ("SWITCH>home", 11.0, 12.0)],
+    }
+    for rank, rows in events.items():
+        record = {"rank": rank, "events": [{"action": a, "start": s, "end": e} for a, s, e in rows]}
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(record))
+    exchanging, local = {0: {1}, 1: {0}}, {0: set(), 1: set()}
+    rank0, own = switch_times(tmp_path, [exchanging, local])
+    assert rank0 == [5.0 + 3.0]  # rank 0's time in its switches, waiting included
+    assert own == [(5.0 - 2.0) + 3.0]  # from both in to rank 0 out; then rank 0's own 3 s, not 13 - 11
+    assert switch_times(tmp_path)[1] == [(5.0 - 2.0) + (13.0 - 11.0)]  # every rank counted as exchanging
+
+
 def test_hot_switch_regimes_keep_the_real_ratio_of_tp_traffic_to_compute():
     """Each regime's tp_comm is a real GPU's: a 4096-wide layer's two forward all-reduces of bf16 activations at TP 2
     over its link, against its forward matmuls at its peak; the bench's emulated device (hidden 64, float32) then
