@@ -16,7 +16,8 @@ from harness import sections
 from hetero_llm import layout as layout_mod
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
-from hetero_llm.switching.transfers import holders, plan_switch
+from hetero_llm.switching.predict import switch_seconds
+from hetero_llm.switching.transfers import LINKS, holders, plan_switch
 
 MODEL = """[model]
 layers = 4
@@ -272,23 +273,25 @@ def test_adjacent_blocks_merge_into_one_transfer():
 
 
 def test_predicted_time_is_the_busiest_device_latency_and_bytes():
-    """Two replicas on n0 send everything to two receivers on n1: each receiver takes the model's bytes."""
+    """Two replicas on n0 send everything to two receivers on n1: each receiver takes the model's bytes
+    (``switching.predict.switch_seconds`` with every link kind alike: 1 GB/s, 1 ms)."""
+    one_link = {k: (1e-3, 1e9) for k in LINKS}
     source = make_plan([(6, [(4, ["n0:0"])]), (6, [(4, ["n0:1"])])], FOUR)
     target = make_plan([(6, [(4, ["n1:0"])]), (6, [(4, ["n1:1"])])], FOUR)
     switch = plan_switch(source, target, grads=False)
     model_bytes = sum(4 * int(np.prod(i.shape)) for i in all_params(source.layout.model))
     messages_of_receiver = sum(1 for _, dst in switch.messages() if dst == "n1:0")
     want = messages_of_receiver * 1e-3 + model_bytes / 1e9
-    assert switch.predict_seconds(1e9, 1e-3) == pytest.approx(want)
+    assert switch_seconds(switch, one_link) == pytest.approx(want)
     # with a copy bandwidth, a receiver also unpacks every byte it receives out of its flat messages, once
-    assert switch.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(want + model_bytes / 1e10)
+    assert switch_seconds(switch, one_link, copy_bandwidth=1e10) == pytest.approx(want + model_bytes / 1e10)
     same = plan_switch(source, source)  # local copies only: free, unless copies have a bandwidth
-    assert same.predict_seconds(1e9, 1e-3) == 0.0
-    assert same.predict_seconds(1e9, 1e-3, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
+    assert switch_seconds(same, one_link) == 0.0
+    assert switch_seconds(same, one_link, copy_bandwidth=1e10) == pytest.approx(2 * model_bytes / 1e10)
     blocks = sum(1 for t in same.transfers if t.dst == "n0:0")
-    assert same.predict_seconds(1e9, 1e-3, block_overhead=1e-5) == pytest.approx(blocks * 1e-5)
+    assert switch_seconds(same, one_link, block_overhead=1e-5) == pytest.approx(blocks * 1e-5)
     # a switch that moves gradients first allocates (and zeroes) a gradient buffer per target parameter tensor
     tensors = len(source.params_of(0))
     assert same.grad_buffers == {"n0:0": tensors, "n0:1": tensors}
-    assert same.predict_seconds(1e9, 1e-3, buffer_overhead=1e-4) == pytest.approx(tensors * 1e-4)
-    assert switch.grad_buffers == {} and switch.predict_seconds(1e9, 1e-3, buffer_overhead=1.0) == pytest.approx(want)
+    assert switch_seconds(same, one_link, buffer_overhead=1e-4) == pytest.approx(tensors * 1e-4)
+    assert switch.grad_buffers == {} and switch_seconds(switch, one_link, buffer_overhead=1.0) == pytest.approx(want)

@@ -110,37 +110,6 @@ class SwitchPlan:
                 received[t.dst] += t.nbytes
         return {d: (sent[d], received[d]) for d in sorted(set(sent) | set(received))}
 
-    def predict_seconds(
-        self,
-        bandwidth: float,
-        latency: float,
-        copy_bandwidth: float = 0.0,
-        block_overhead: float = 0.0,
-        buffer_overhead: float = 0.0,
-    ) -> float:
-        """The switch's modelled time: the busiest device's, each device paying ``latency`` per message it
-        sends or receives plus its larger direction's bytes over ``bandwidth`` (bytes/s; sends and receives
-        overlap), plus one pass over every block it copies, packs or unpacks at ``copy_bandwidth`` (0: free;
-        a local block is copied once, a network block written into its flat message by the sender and out
-        of it by the receiver), plus ``block_overhead`` seconds per transfer it takes part in (cutting a
-        block out and writing it in: host work that does not shrink with the bytes), plus ``buffer_overhead``
-        per gradient buffer it allocates (``grad_buffers``). Every device switches at once."""
-        per_device: dict[str, float] = defaultdict(float)
-        for (src, dst), _ in self.messages().items():
-            per_device[src] += latency
-            per_device[dst] += latency
-        for device, (sent, received) in self.bytes_by_device().items():
-            per_device[device] += max(sent, received) / bandwidth
-        for t in self.transfers:
-            if copy_bandwidth:
-                for device in {t.src, t.dst}:
-                    per_device[device] += t.nbytes / copy_bandwidth
-            for device in {t.src, t.dst}:
-                per_device[device] += block_overhead
-        for device, buffers in self.grad_buffers.items():
-            per_device[device] += buffers * buffer_overhead
-        return max(per_device.values(), default=0.0)
-
     def describe(self) -> str:
         """A few lines for ``--dry-run`` and the docs: bytes per link kind, messages, the busiest device."""
         links = self.bytes_by_link()
