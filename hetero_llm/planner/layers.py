@@ -29,7 +29,7 @@ class LayerSplitter:
         self.cost = cost
         self.L = layers
         self._splits: dict[tuple, tuple | None] = {}
-        self._fills: dict[tuple, float] = {}
+        self._fills: dict[tuple, tuple[float, tuple[float, float]]] = {}  # split_and_fill's, by the split's key
         self._rows: dict[tuple, list[float]] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], TPGroup] = {}
@@ -93,20 +93,35 @@ class LayerSplitter:
         chunks: int,
         microbatches: int,
         others: tuple[float, float] = (0.0, 0.0),
-    ) -> tuple[tuple[tuple[int, ...], tuple[bool, ...], float] | None, float]:
-        """``split_layers``, and the sum of its stages' times for one microbatch in flight (the pipeline's fill,
-        what the batch split needs), memoised alike: both are functions of the split's memo key."""
+    ) -> tuple[tuple[tuple[int, ...], tuple[bool, ...], float] | None, float, tuple[float, float]]:
+        """``split_layers``; the sum of its stages' times for one microbatch in flight (the pipeline's fill, what
+        the batch split needs); and the (sum, max) of its stages' one-microbatch times as ``search.estimate``
+        takes them. All memoised alike: they are functions of the split's memo key."""
         key, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
         if split is None:
-            return None, 0.0
-        fill = self._fills.get(key)
-        if fill is None:
-            rep, rep_key, n = self._rep, self._rep_key, len(groups)
-            fill = self._fills[key] = sum(
-                self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
-                for i, (g, l) in enumerate(zip(groups, split[0]))
-            )
-        return split, fill
+            return None, 0.0, (0.0, 0.0)
+        known = self._fills.get(key)
+        if known is None:
+            known = self._fills[key] = self._fill_and_spread(groups, split, rows, others)
+        return split, known[0], known[1]
+
+    def _fill_and_spread(self, groups, split, rows: int, others) -> tuple[float, tuple[float, float]]:
+        """The fill: the sum of the stages' forward + backward seconds of one microbatch, each the cheapest way it
+        fits one microbatch in flight (``stage_cost``); and what ``search.estimate`` takes, the (sum, max) of those
+        (with ZeRO-1: of each stage's time as the split chose it, whose memory depends on the other pipelines)."""
+        rep, rep_key, n = self._rep, self._rep_key, len(groups)
+        terms = [
+            self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
+            for i, (g, l) in enumerate(zip(groups, split[0]))
+        ]
+        fill = sum(terms)
+        if not self.cost.zero1:
+            return fill, (fill, max(terms))
+        times = [
+            sum(self.cost.stage_times(g, l, i == n - 1, rows, rc)[:2])
+            for i, (g, l, rc) in enumerate(zip(groups, split[0], split[1]))
+        ]
+        return fill, (sum(times), max(times))
 
     def _stage_key(self, groups) -> tuple:
         """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""

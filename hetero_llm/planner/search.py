@@ -57,6 +57,8 @@ class Planner(LayerSplitter):
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
         self.realized: dict[tuple, Candidate | None] = {}
+        self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
+        self._spreads_of: dict[int, tuple[Candidate, list[tuple[float, float]]]] = {}  # by id: see _realize
         self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self.start = time.perf_counter()
@@ -69,15 +71,19 @@ class Planner(LayerSplitter):
         ]
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
+        """Each node's devices in TP groups of its kind's size in ``tp_by_kind`` (or the largest that fits). A group
+        made before is returned again, the same object: the memos keyed by groups then find it by identity."""
         out = []
         for node in self.c.nodes:
             want = tp_by_kind.get(node.kind.name, 1)
             left, idx = node.devices, 0
             while left:
                 t = max(s for s in self.tp_sizes(left) if s <= want)
-                out.append(
-                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind)
-                )
+                g = self._made.get((node.name, idx, t))
+                if g is None:
+                    devices = tuple(f"{node.name}:{i}" for i in range(idx, idx + t))
+                    g = self._made[node.name, idx, t] = TPGroup(node.name, node.domain, devices, node.kind)
+                out.append(g)
                 idx, left = idx + t, left - t
         return out
 
@@ -103,14 +109,16 @@ class Planner(LayerSplitter):
         total = self.G // st.rows
         splits = []
         fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
+        spreads = []  # per pipeline: what ``estimate`` takes of its stages' times
         others = self.zero1_others(st)
         for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
-            s, f = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
+            s, f, spread = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
             if s is None:
                 return None
             splits.append(s)
             fill.append(f)
+            spreads.append(spread)
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
         counts = batch_shares(fill, [s[2] for s in splits], unit, total)
         if counts is None:
@@ -124,10 +132,18 @@ class Planner(LayerSplitter):
             pipes.append(
                 PipelineChoice(m * st.rows, m, tuple(StageChoice(g, l, rc) for g, l, rc in zip(groups, layers, flags)))
             )
-        return Candidate(tuple(pipes), st.schedule, chunks)
+        cand = Candidate(tuple(pipes), st.schedule, chunks)
+        self._spreads_of[id(cand)] = (cand, [x for x, m in zip(spreads, counts) if m])  # cand held: its id stays
+        return cand
 
     def estimate(self, cand: Candidate) -> float:
         """Closed-form 1F1B step time (for ranking structures before simulating)."""
+        known = self._spreads_of.get(id(cand))
+        if known is not None and known[0] is cand:  # realized here: its pipelines' stage times are known
+            worst = 0.0
+            for p, (total, slowest) in zip(cand.pipelines, known[1]):
+                worst = max(worst, total + (p.microbatches - 1) * slowest)
+            return worst + self.sync_and_optimizer(cand)
         worst = 0.0
         for p in cand.pipelines:
             n = len(p.stages)
@@ -171,6 +187,9 @@ class Planner(LayerSplitter):
     def sync_and_optimizer(self, cand: Candidate) -> float:
         """Gradient sync + optimizer seconds (memoised: both depend on the stages' groups and layers only,
         and a group is named by its devices inside one cluster)."""
+        if not self.cost.grad_overlap:  # the cost model memoises them under this key
+            sync, opt = self.cost.sync_and_optimizer(cand)
+            return sync + opt
         key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:
