@@ -230,9 +230,9 @@ def test_prepared_dealing_equals_the_plain_deal(name):
 
 @pytest.mark.parametrize("name", ["mixed_1024gpu", "holmes_64gpu", "hexiscale_40gpu"])
 @pytest.mark.parametrize("zero1", [False, True])
-def test_estimate_from_the_realized_splits_equals_the_estimate_from_the_stages(name, zero1):
-    """search.estimate of a candidate the planner realized (its stage times kept from the layer split) against
-    the same candidate as a new object (priced stage by stage)."""
+def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages(name, zero1):
+    """search.estimate and search.bound of a candidate the planner realized (its stage times kept from the layer
+    split) against the same candidate as a new object (priced stage by stage); cost.pipeline_time's memo."""
     cluster = load_cluster(CLUSTERS / f"{name}.toml")
     if zero1:
         cluster = attrs.evolve(cluster, train=attrs.evolve(cluster.train, optimizer=Optimizer.ADAMW_ZERO1))
@@ -250,5 +250,15 @@ def test_estimate_from_the_realized_splits_equals_the_estimate_from_the_stages(n
         if cand is None:
             continue
         checked += 1
-        assert planner.estimate(cand) == planner.estimate(attrs.evolve(cand))
+        copy = attrs.evolve(cand)
+        assert planner.estimate(cand) == planner.estimate(copy)
+        bound = planner.bound(copy)
+        assert planner.bound(cand) == bound
+        for cutoff in (bound / 2, bound * 0.999, bound * 2):  # compute alone may reach the cutoff
+            assert planner.bound(cand, cutoff) == planner.bound(copy, cutoff)
+        for p in cand.pipelines:  # the memoised pipeline times (the second call finds the first's)
+            for _ in range(2):
+                assert planner.cost.pipeline_time(p, cand.schedule, cand.chunks) == planner.cost._pipeline_time(
+                    p, cand.schedule, cand.chunks
+                )
     assert checked == 12

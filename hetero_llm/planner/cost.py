@@ -115,6 +115,7 @@ class PlannerCostModel(MemoryModel):
         self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
+        self._pipeline_times: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
         self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
@@ -250,7 +251,17 @@ class PlannerCostModel(MemoryModel):
 
     # ---------------------------------------------------------------- whole candidates
     def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
-        """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step."""
+        """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step; memoised by its
+        stages' tuple (the search shares one between the candidates whose pipeline is the same) and the rest."""
+        key = (id(pipe.stages), pipe.rows, pipe.microbatches, schedule, chunks)
+        known = self._pipeline_times.get(key)
+        if known is not None and known[0] is pipe.stages:  # the entry holds the tuple: its id stays its own
+            return known[1]
+        t = self._pipeline_time(pipe, schedule, chunks)
+        self._pipeline_times[key] = (pipe.stages, t)
+        return t
+
+    def _pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
         rows, st = pipe.rows, pipe.stages
         times = [self.stage_times(s.group, s.layers, i == len(st) - 1, rows, s.recompute) for i, s in enumerate(st)]
         lat, bw, meet = self.links(pipe, schedule)
@@ -302,14 +313,18 @@ class PlannerCostModel(MemoryModel):
             raise KeyError(f"no network declared for the domain of a group in {cand}")
         nic = ordered_sums(node_c[net], (nbytes * tp_c / bw)[net], n)
         # a node's traffic spreads over its NICs, at most one NIC per device that sends (its groups' devices)
-        sending = own[net].ravel()
-        rows = sp.facts[sending[np.unique(sp.facts[sending, UID], return_index=True)[1]]]
+        sending = np.zeros(len(sp.stages), dtype=bool)
+        sending[own[net]] = True
+        rows = sp.facts[sending]
+        uids = rows[:, UID].tolist()
+        if len(set(uids)) < len(uids):  # a group in two stages: its devices once
+            rows = rows[np.unique(uids, return_index=True)[1]]
         users = ordered_sums(rows[:, NODE].astype(np.int64), rows[:, TP], n)
         nics = np.asarray([self.nics.get(name, 1) for name in self.node_index])
         busiest = nic[users > 0] / np.minimum(nics[users > 0], users[users > 0])
         cross = not one_dom.all()
         lat = (self.cluster.network.cross_latency if cross else max(self.domain_lat.values())) + self.p2p_latency
-        buckets = len(np.unique(sp.facts[:, UID][own], axis=0))
+        buckets = len({row.tobytes() for row in sp.per_stage(UID)})  # spans with other holders
         sync = float(max(busiest.max(initial=0.0), intra.max(initial=0.0), 0.0)) + buckets * 2 * (P - 1) * lat
         if not self.grad_overlap:
             return sync

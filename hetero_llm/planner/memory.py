@@ -56,14 +56,15 @@ class MemoryModel:
         self._stage_params: dict[tuple, float] = {}
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
         self.node_index = {n.name: i for i, n in enumerate(cluster.nodes)}
-        self._facts: dict[TPGroup, tuple] = {}
+        self._facts: dict[tuple[str, ...], tuple] = {}
+        self._activation_bytes: dict[int, float] = {}
 
     # ---------------------------------------------------------------- groups
     def group_facts(self, group: TPGroup) -> tuple:
         """The group's row of ``spans.Spans.facts`` (memoised: the search prices the same groups again and again)."""
-        row = self._facts.get(group)
+        row = self._facts.get(group.devices)  # a group is named by its devices inside one cluster
         if row is None:
-            row = self._facts[group] = self._group_facts(group, len(self._facts))
+            row = self._facts[group.devices] = self._group_facts(group, len(self._facts))
         return row
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
@@ -161,7 +162,9 @@ class MemoryModel:
             moments = self.moment_elements(group, layers, first, last, others)
         params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
         H, t = self.H, group.tp
-        full = self.layer_activation_bytes(t)
+        full = self._activation_bytes.get(t)
+        if full is None:  # asked for every stage of every candidate scored
+            full = self._activation_bytes[t] = self.layer_activation_bytes(t)
         tokens = rows * self.S
         if recompute:
             act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
