@@ -110,12 +110,12 @@ class Planner(LayerSplitter):
         total = self.G // st.rows
         splits = []
         fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
-        times = []  # per pipeline: what ``estimate`` and ``bound`` take of its stages' times
+        times: list[StageTimes] = []  # per pipeline: what ``estimate`` and ``bound`` take of its stages' times
         others = self.zero1_others(st)
         for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
             s, f, t = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
-            if s is None:
+            if s is None or t is None:
                 return None
             splits.append(s)
             fill.append(f)
