@@ -182,7 +182,7 @@ def test_spans_refuse_a_pipeline_without_every_layer():
     g = planner.groups({})[0]
     cand = Candidate((PipelineChoice(1, 1, (StageChoice(g, planner.L - 1),)),))
     with pytest.raises(ValueError, match="does not hold the model's"):
-        Spans.of(cand, planner.L, planner.cost.group_facts)
+        Spans.of(cand, planner.L, planner.cost.pipeline_rows)
 
 
 def loop_deal(planner: Planner, groups: list[TPGroup], P: int, balanced: bool) -> tuple[tuple[TPGroup, ...], ...]:
@@ -232,7 +232,7 @@ def test_prepared_dealing_equals_the_plain_deal(name):
 @pytest.mark.parametrize("zero1", [False, True])
 def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages(name, zero1):
     """search.estimate and search.bound of a candidate the planner realized (its stage times kept from the layer
-    split) against the same candidate as a new object (priced stage by stage); cost.pipeline_time's memo."""
+    split) against the same candidate as a new object (priced stage by stage); the cost model's memos."""
     cluster = load_cluster(CLUSTERS / f"{name}.toml")
     if zero1:
         cluster = attrs.evolve(cluster, train=attrs.evolve(cluster.train, optimizer=Optimizer.ADAMW_ZERO1))
@@ -256,6 +256,9 @@ def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages
         assert planner.bound(cand) == bound
         for cutoff in (bound / 2, bound * 0.999, bound * 2):  # compute alone may reach the cutoff
             assert planner.bound(cand, cutoff) == planner.bound(copy, cutoff)
+        plain = (loop_grad_sync_time(planner.cost, cand), loop_optimizer_time(planner.cost, cand))
+        for c in (cand, copy, cand):  # memoised by the stages' tuples, then by what they hold
+            assert planner.cost.sync_and_optimizer(c) == plain
         for p in cand.pipelines:  # the memoised pipeline times (the second call finds the first's)
             for _ in range(2):
                 assert planner.cost.pipeline_time(p, cand.schedule, cand.chunks) == planner.cost._pipeline_time(

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import numpy as np
 
@@ -116,6 +117,7 @@ class PlannerCostModel(MemoryModel):
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
         self._pipeline_times: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
+        self._sync_by_stages: dict[tuple[int, ...], tuple[tuple, tuple[float, float]]] = {}
         self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
@@ -350,11 +352,19 @@ class PlannerCostModel(MemoryModel):
                 for p in cand.pipelines
             )
         else:
+            # first by the stages' tuples themselves (the search shares them between candidates; the entry holds
+            # them, so their ids stay theirs), then by what they hold
+            stages = tuple(p.stages for p in cand.pipelines)
+            known = self._sync_by_stages.get(tuple(map(id, stages)))
+            if known is not None and all(map(operator.is_, known[0], stages)):
+                return known[1]
             key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
             t = self._sync_opt[key] = (self.grad_sync_time(cand, spans), self.optimizer_time(cand, spans))
+        if not self.grad_overlap:
+            self._sync_by_stages[tuple(map(id, stages))] = (stages, t)
         return t
 
     def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:

@@ -44,6 +44,7 @@ class LayerSplitter:
         self._splits: dict[tuple, tuple | None] = {}
         self._fills: dict[tuple, tuple[float, StageTimes]] = {}  # split_and_fill's, by the split's key
         self._light: dict[tuple[TPGroup, ...], tuple[float, float]] = {}  # zero1_others' per pipeline
+        self._stage_keys: dict[tuple[TPGroup, ...], tuple] = {}
         self._rows: dict[tuple, list[float]] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], TPGroup] = {}
@@ -140,8 +141,12 @@ class LayerSplitter:
         return fill, StageTimes(sum(busy), max(busy), tuple(before), tuple(busy))
 
     def _stage_key(self, groups) -> tuple:
-        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""
-        return tuple(self._rep_key(g) for g in groups)
+        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb); memoised by
+        the groups (one hash of the tuple instead of a key built per group)."""
+        key = self._stage_keys.get(groups)
+        if key is None:
+            key = self._stage_keys[groups] = tuple(self._rep_key(g) for g in groups)
+        return key
 
     def _rep_key(self, g: TPGroup) -> tuple:
         # built afresh: cheaper than a dict lookup keyed by the TPGroup (attrs equality on every hit)

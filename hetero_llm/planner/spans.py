@@ -11,12 +11,13 @@ the plain loop's, bit for bit, on random candidates).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 
 import attrs
 import numpy as np
 
-from hetero_llm.planner.candidates import Candidate, StageChoice, TPGroup
+from hetero_llm.planner.candidates import Candidate, StageChoice
 
 # the columns of ``Spans.facts``: what the sums need of each stage's TP group (``MemoryModel.group_facts``)
 # the memory model's: the cluster's node index, the group's own index, TP size, its node's memory_gb, its memory
@@ -42,14 +43,17 @@ class Spans:
     facts: np.ndarray
 
     @staticmethod
-    def of(cand: Candidate, layers: int, facts: Callable[[TPGroup], tuple]) -> Spans:
-        """The spans of ``cand``, whose every pipeline holds the model's ``layers`` layers; ``facts``: a group's
-        row of ``facts``."""
-        stages = tuple(s for p in cand.pipelines for s in p.stages)
+    def of(
+        cand: Candidate, layers: int, rows: Callable[[tuple[StageChoice, ...]], tuple[np.ndarray, np.ndarray]]
+    ) -> Spans:
+        """The spans of ``cand``, whose every pipeline holds the model's ``layers`` layers; ``rows``: a pipeline's
+        stages' layers and rows of ``facts`` (``MemoryModel.pipeline_rows``)."""
+        stages = tuple(itertools.chain.from_iterable(p.stages for p in cand.pipelines))
         counts = np.asarray([len(p.stages) for p in cand.pipelines])
         first = np.cumsum(counts) - counts
         last = first + counts - 1
-        per = np.fromiter((s.layers for s in stages), dtype=np.int64, count=len(stages))
+        each = [rows(p.stages) for p in cand.pipelines]
+        per = np.concatenate([x[0] for x in each])
         pipe = np.repeat(np.arange(len(counts)), counts)
         total = np.cumsum(per)
         ends = total - (total[first] - per[first])[pipe]  # each stage's last layer + 1 in its pipeline
@@ -61,8 +65,7 @@ class Spans:
         # p (layers + 1) are in order over all pipelines, so one search finds every pipeline's holder
         shift = (layers + 1) * np.arange(len(counts))
         owner = np.searchsorted(ends + shift[pipe], lo[:, None] + shift[None, :], side="right")
-        rows = np.asarray([facts(s.group) for s in stages], dtype=float)
-        return Spans(lo, hi, owner, stages, first, last, per, rows)
+        return Spans(lo, hi, owner, stages, first, last, per, np.concatenate([x[1] for x in each]))
 
     def per_stage(self, column: int) -> np.ndarray:
         """A column of ``facts`` by ``owner``: one per span and pipeline."""
