@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import Counter
 from pathlib import Path
 
 import attrs
@@ -56,6 +57,7 @@ def loop_grad_sync_time(m: PlannerCostModel, cand: Candidate) -> float:
         nodes = {g.node for g in groups}
         domains = {g.domain for g in groups}
         cross |= len(domains) > 1
+        local = Counter(g.node for g in groups) if not m.gloo else None
         for g in groups:
             t = len(g.devices)
             if t not in per_rank:
@@ -68,7 +70,8 @@ def loop_grad_sync_time(m: PlannerCostModel, cand: Candidate) -> float:
                 intra[g.node] = intra.get(g.node, 0.0) + nbytes / m.intra_bw(g)
             else:
                 bw = m.domain_bw[g.domain] if len(domains) == 1 else m.cross_bw
-                nic[g.node] = nic.get(g.node, 0.0) + nbytes * t / bw
+                share = nbytes * t / bw
+                nic[g.node] = nic.get(g.node, 0.0) + (share / local[g.node] if local else share)
                 users.setdefault(g.node, set()).update(g.devices)
     busiest = [v / min(m.nics.get(n, 1), len(users[n])) for n, v in nic.items()]
     lat = (m.cluster.network.cross_latency if cross else max(m.domain_lat.values())) + m.p2p_latency

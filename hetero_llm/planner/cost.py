@@ -313,7 +313,15 @@ class PlannerCostModel(MemoryModel):
         bw = np.where(one_dom[:, None], sp.per_stage(DOMAIN_BW), self.cross_bw)
         if np.isnan(bw[net]).any():
             raise KeyError(f"no network declared for the domain of a group in {cand}")
-        nic = ordered_sums(node_c[net], (nbytes * tp_c / bw)[net], n)
+        share = nbytes * tp_c / bw
+        if not self.gloo:
+            # NCCL chains a node's members of a ring through the node and links the chains node to node
+            # (src/graph/connect.cc, connectRings): a ring leaves and enters each node once, however many of
+            # its members the node holds. gloo's ZeRO-1 exchange pairs every two members and its ring follows
+            # rank order, so there each member's traffic is counted
+            cell = np.arange(len(sp.lo))[:, None] * n + node_c  # (span, node)
+            share = share / np.bincount(cell.ravel(), minlength=len(sp.lo) * n)[cell]  # the span's holders there
+        nic = ordered_sums(node_c[net], share[net], n)
         # a node's traffic spreads over its NICs, at most one NIC per device that sends (its groups' devices)
         sending = np.zeros(len(sp.stages), dtype=bool)
         sending[own[net]] = True
