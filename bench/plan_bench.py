@@ -228,10 +228,11 @@ def run_large(
     time_cap_s: float,
     partial: Path | None = None,
     rows: list[dict] | None = None,
+    first_seed: int = 0,
 ) -> list[dict]:
     rows = [] if rows is None else rows
     for n_gpus in sizes:
-        for seed in range(seeds):
+        for seed in range(first_seed, first_seed + seeds):
             cluster = load(large_cluster(n_gpus, seed, max_evals, time_cap_s))
             t0 = time.perf_counter()
             res = plan_cluster(cluster)
@@ -393,6 +394,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="16,64,256,1024", help="GPU counts of the large clusters")
     ap.add_argument("--seeds", default="20,20,5,2", help="clusters per size (comma list, one per size)")
     ap.add_argument("--hexiscale-seeds", type=int, default=5)
+    ap.add_argument("--seed-start", type=int, default=0, help="first large cluster's seed (to run a size in chunks)")
     ap.add_argument(
         "--max-evals",
         type=int,
@@ -453,7 +455,7 @@ def main() -> None:
     )
     large: list[dict] = []
     for n, s in zip(sizes, seeds + [seeds[-1]] * len(sizes)):
-        run_large([n], s, args.hexiscale_seeds, args.max_evals, args.time_cap, partial, large)
+        run_large([n], s, args.hexiscale_seeds, args.max_evals, args.time_cap, partial, large, args.seed_start)
     partial.unlink(missing_ok=True)
     text = summarize(small, large)
     print(text)

@@ -43,7 +43,9 @@ from __future__ import annotations
 
 import functools
 import math
-from collections import Counter
+import operator
+
+import numpy as np
 
 from hetero_llm.layout import P2P, Backend, Compile
 from hetero_llm.planner import pipesim
@@ -52,6 +54,20 @@ from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOF
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.memory import MemoryModel
 from hetero_llm.planner.roofline import COMPILED, EAGER, Roofline
+from hetero_llm.planner.spans import (
+    DOMAIN,
+    DOMAIN_BW,
+    EMBED_PARAMS,
+    HEAD_PARAMS,
+    INTRA_BW,
+    LAYER_PARAMS,
+    MEM_BW,
+    NODE,
+    TP,
+    UID,
+    Spans,
+    ordered_sums,
+)
 
 
 def execution_modes(cluster: Cluster) -> tuple[str, str]:
@@ -81,6 +97,7 @@ class PlannerCostModel(MemoryModel):
         self.cross_bw = cluster.network.cross_bw * min(frac.values(), default=1.0)
         self.domain_lat = dict(cluster.network.domain_latency)
         self.nics = {n.name: n.nics for n in cluster.nodes}
+        self.domain_index = {d.name: i for i, d in enumerate(cluster.spec.domains)}
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
@@ -99,7 +116,16 @@ class PlannerCostModel(MemoryModel):
         self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
+        self._pipeline_times: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
+        self._sync_by_stages: dict[tuple[int, ...], tuple[tuple, tuple[float, float]]] = {}
         self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
+
+    def _group_facts(self, g: TPGroup, uid: int) -> tuple:
+        """``MemoryModel``'s, then DOMAIN, INTRA_BW, DOMAIN_BW (spans.py's columns)."""
+        domain = self.domain_index.setdefault(g.domain, len(self.domain_index))
+        # nan: a domain without a network of its own (a cluster of one node), which no sync crosses
+        own = (domain, self.intra_bw(g), self.domain_bw.get(g.domain, math.nan))
+        return super()._group_facts(g, uid) + own
 
     # ---------------------------------------------------------------- per layer arithmetic
     def layer_matmul_flops(self) -> float:
@@ -227,7 +253,17 @@ class PlannerCostModel(MemoryModel):
 
     # ---------------------------------------------------------------- whole candidates
     def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
-        """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step."""
+        """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step; memoised by its
+        stages' tuple (the search shares one between the candidates whose pipeline is the same) and the rest."""
+        key = (id(pipe.stages), pipe.rows, pipe.microbatches, schedule, chunks)
+        known = self._pipeline_times.get(key)
+        if known is not None and known[0] is pipe.stages:  # the entry holds the tuple: its id stays its own
+            return known[1]
+        t = self._pipeline_time(pipe, schedule, chunks)
+        self._pipeline_times[key] = (pipe.stages, t)
+        return t
+
+    def _pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
         rows, st = pipe.rows, pipe.stages
         times = [self.stage_times(s.group, s.layers, i == len(st) - 1, rows, s.recompute) for i, s in enumerate(st)]
         lat, bw, meet = self.links(pipe, schedule)
@@ -252,65 +288,54 @@ class PlannerCostModel(MemoryModel):
         busiest = max(range(len(st)), key=lambda i: times[i][0] + times[i][1])
         return step, bubble, times[busiest][3] * pipe.microbatches
 
-    def grad_sync_time(self, cand: Candidate) -> float:
+    def grad_sync_time(self, cand: Candidate, spans: Spans | None = None) -> float:
         """Seconds of the gradient all-reduces the step waits for: the busiest node's NICs (or intra-node link);
-        with ``plan.grad_overlap`` only what the last microbatch's backward does not hide."""
+        with ``plan.grad_overlap`` only what the last microbatch's backward does not hide. Each span of layers
+        between two stage boundaries of any pipeline (``spans``) has one holding group per pipeline; a rank sends
+        ``2 (P-1)/P`` of its shard of the span over the narrowest network the span's holders cross."""
         P = len(cand.pipelines)
         if P == 1:
             return 0.0
-        # layers [lo, hi) between two consecutive stage boundaries of any pipeline have the same holders
-        boundaries = {0, self.L}
-        for pipe in cand.pipelines:
-            lo = 0
-            for s in pipe.stages:
-                lo += s.layers
-                boundaries.add(lo)
-        cuts = sorted(boundaries)
-        owner: list[list[TPGroup]] = [[] for _ in cuts[:-1]]  # per segment, the holding group of every pipeline
-        for pipe in cand.pipelines:
-            seg, hi = 0, 0
-            for s in pipe.stages:
-                hi += s.layers
-                while seg < len(cuts) - 1 and cuts[seg + 1] <= hi:
-                    owner[seg].append(s.group)
-                    seg += 1
-        ring = 2 * (P - 1) / P
-        per_rank = {}  # TP size -> parameters one rank holds of one layer
-        nic: dict[str, float] = {}  # node -> bytes x (1 / bandwidth) over its NICs (domain and cross traffic)
-        users: dict[str, set[str]] = {}  # node -> its devices that send over the network
-        intra: dict[str, float] = {}
-        held: dict[str, float] = {}  # device -> gradient bytes it holds (for the overlap's last bucket)
-        cross = False
-        for (lo, hi), groups in zip(zip(cuts, cuts[1:]), owner):
-            nodes = {g.node for g in groups}
-            domains = {g.domain for g in groups}
-            cross |= len(domains) > 1
+        sp = self.spans(cand) if spans is None else spans
+        own = sp.owner  # [span, pipeline] -> stage
+        node_c, tp_c, dom_c = sp.per_stage(NODE).astype(np.int64), sp.per_stage(TP), sp.per_stage(DOMAIN)
+        one_node = (node_c == node_c[:, :1]).all(axis=1)
+        one_dom = (dom_c == dom_c[:, :1]).all(axis=1)
+        # the embedding (first layer's holders) and the head (last layer's) sync alongside
+        extra = np.where(sp.lo[:, None] == 0, sp.per_stage(EMBED_PARAMS), 0.0)
+        extra = extra + np.where(sp.hi[:, None] == self.L, sp.per_stage(HEAD_PARAMS), 0.0)
+        shard = (sp.per_stage(LAYER_PARAMS) * (sp.hi - sp.lo)[:, None] + extra) * self.grad_bytes
+        nbytes = 2 * (P - 1) / P * shard
+        n = len(self.node_index)
+        # inside one node: over its intra-node link; else a node's bytes x (1 / bandwidth) over its NICs
+        intra = ordered_sums(node_c[one_node], (nbytes / sp.per_stage(INTRA_BW))[one_node], n)
+        net = ~one_node
+        bw = np.where(one_dom[:, None], sp.per_stage(DOMAIN_BW), self.cross_bw)
+        if np.isnan(bw[net]).any():
+            raise KeyError(f"no network declared for the domain of a group in {cand}")
+        share = nbytes * tp_c / bw
+        if not self.gloo:
             # NCCL chains a node's members of a ring through the node and links the chains node to node
             # (src/graph/connect.cc, connectRings): a ring leaves and enters each node once, however many of
             # its members the node holds. gloo's ZeRO-1 exchange pairs every two members and its ring follows
             # rank order, so there each member's traffic is counted
-            local = Counter(g.node for g in groups) if not self.gloo else None
-            for g in groups:
-                t = len(g.devices)
-                if t not in per_rank:
-                    per_rank[t] = sum(self.layer_params(t))
-                # the embedding (first layer's holders) and the head (last layer's) sync alongside
-                extra = (self.embed_params(t) if lo == 0 else 0) + (self.head_params(t) if hi == self.L else 0)
-                shard = (per_rank[t] * (hi - lo) + extra) * self.grad_bytes
-                held[g.devices[0]] = held.get(g.devices[0], 0.0) + shard
-                nbytes = ring * shard
-                if len(nodes) == 1:
-                    intra[g.node] = intra.get(g.node, 0.0) + nbytes / self.intra_bw(g)
-                else:
-                    bw = self.domain_bw[g.domain] if len(domains) == 1 else self.cross_bw
-                    share = nbytes * t / bw
-                    nic[g.node] = nic.get(g.node, 0.0) + (share / local[g.node] if local else share)
-                    users.setdefault(g.node, set()).update(g.devices)
-        # a node's traffic spreads over its NICs, at most one NIC per device that sends
-        busiest = [v / min(self.nics.get(n, 1), len(users[n])) for n, v in nic.items()]
+            cell = np.arange(len(sp.lo))[:, None] * n + node_c  # (span, node)
+            share = share / np.bincount(cell.ravel(), minlength=len(sp.lo) * n)[cell]  # the span's holders there
+        nic = ordered_sums(node_c[net], share[net], n)
+        # a node's traffic spreads over its NICs, at most one NIC per device that sends (its groups' devices)
+        sending = np.zeros(len(sp.stages), dtype=bool)
+        sending[own[net]] = True
+        rows = sp.facts[sending]
+        uids = rows[:, UID].tolist()
+        if len(set(uids)) < len(uids):  # a group in two stages: its devices once
+            rows = rows[np.unique(uids, return_index=True)[1]]
+        users = ordered_sums(rows[:, NODE].astype(np.int64), rows[:, TP], n)
+        nics = np.asarray([self.nics.get(name, 1) for name in self.node_index])
+        busiest = nic[users > 0] / np.minimum(nics[users > 0], users[users > 0])
+        cross = not one_dom.all()
         lat = (self.cluster.network.cross_latency if cross else max(self.domain_lat.values())) + self.p2p_latency
-        buckets = len({tuple(id(g) for g in groups) for groups in owner})
-        sync = max(busiest + list(intra.values()) + [0.0]) + buckets * 2 * (P - 1) * lat
+        buckets = len({row.tobytes() for row in sp.per_stage(UID)})  # spans with other holders
+        sync = float(max(busiest.max(initial=0.0), intra.max(initial=0.0), 0.0)) + buckets * 2 * (P - 1) * lat
         if not self.grad_overlap:
             return sync
         # torch DDP: buckets all-reduce as the last microbatch's backward produces them, the last one after it;
@@ -321,7 +346,8 @@ class PlannerCostModel(MemoryModel):
             ]
             for p in cand.pipelines
         )
-        tail = sync * min(1.0, DDP_BUCKET_BYTES / max(held.values()))
+        held = ordered_sums(sp.per_stage(UID).astype(np.int64), shard, len(self._facts))  # per group (its devices)
+        tail = sync * min(1.0, DDP_BUCKET_BYTES / float(held.max()))
         return max(sync - window, tail)
 
     def sync_and_optimizer(self, cand: Candidate) -> tuple[float, float]:
@@ -334,20 +360,25 @@ class PlannerCostModel(MemoryModel):
                 for p in cand.pipelines
             )
         else:
+            # first by the stages' tuples themselves (the search shares them between candidates; the entry holds
+            # them, so their ids stay theirs), then by what they hold
+            stages = tuple(p.stages for p in cand.pipelines)
+            known = self._sync_by_stages.get(tuple(map(id, stages)))
+            if known is not None and all(map(operator.is_, known[0], stages)):
+                return known[1]
             key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:
-            t = self._sync_opt[key] = (self.grad_sync_time(cand), self.optimizer_time(cand))
+            spans = self.spans(cand)
+            t = self._sync_opt[key] = (self.grad_sync_time(cand, spans), self.optimizer_time(cand, spans))
+        if not self.grad_overlap:
+            self._sync_by_stages[tuple(map(id, stages))] = (stages, t)
         return t
 
-    def optimizer_time(self, cand: Candidate) -> float:
+    def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:
         """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""
-        worst = 0.0
-        for pipe, moments in zip(cand.pipelines, self.moments(cand)):
-            for s, n in zip(pipe.stages, moments):
-                bw = s.group.kind.mem_bw_gbs * s.group.kind.mem_fraction * 1e9
-                worst = max(worst, n * OPTIMIZER_BYTES / bw)
-        return worst
+        sp = self.spans(cand) if spans is None else spans
+        return float(max(0.0, (self.stage_moments(cand, sp) * OPTIMIZER_BYTES / sp.facts[:, MEM_BW]).max()))
 
     def lower_bound(self) -> float:
         """Seconds of the step's model FLOPs spread over every device at its peak."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 
@@ -22,6 +23,18 @@ from hetero_llm.planner.structure import Structure
 INF = math.inf
 
 
+class StageTimes(NamedTuple):
+    """What the search's closed-form estimate and lower bound take of a pipeline's stages (``split_and_fill``):
+    ``total`` and ``slowest`` of one microbatch's stage times (the cheapest way each stage fits one microbatch,
+    or with ZeRO-1 as the split chose), and per stage ``busy``, its forward + backward seconds as the split
+    chose, and ``before``, the forwards of the stages before it over the model chunks."""
+
+    total: float
+    slowest: float
+    before: tuple[float, ...]
+    busy: tuple[float, ...]
+
+
 class LayerSplitter:
     """Stage costs and the layer split of pipelines on one cluster, memoised (the search asks often)."""
 
@@ -29,7 +42,9 @@ class LayerSplitter:
         self.cost = cost
         self.L = layers
         self._splits: dict[tuple, tuple | None] = {}
-        self._fills: dict[tuple, float] = {}
+        self._fills: dict[tuple, tuple[float, StageTimes]] = {}  # split_and_fill's, by the split's key
+        self._light: dict[tuple[TPGroup, ...], tuple[float, float]] = {}  # zero1_others' per pipeline
+        self._stage_keys: dict[tuple[TPGroup, ...], tuple] = {}
         self._rows: dict[tuple, list[float]] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], TPGroup] = {}
@@ -93,24 +108,45 @@ class LayerSplitter:
         chunks: int,
         microbatches: int,
         others: tuple[float, float] = (0.0, 0.0),
-    ) -> tuple[tuple[tuple[int, ...], tuple[bool, ...], float] | None, float]:
-        """``split_layers``, and the sum of its stages' times for one microbatch in flight (the pipeline's fill,
-        what the batch split needs), memoised alike: both are functions of the split's memo key."""
+    ) -> tuple[tuple[tuple[int, ...], tuple[bool, ...], float] | None, float, StageTimes | None]:
+        """``split_layers``; the sum of its stages' times for one microbatch in flight (the pipeline's fill, what
+        the batch split needs); and what ``search``'s estimate and bound take of its stages' times. All memoised
+        alike: they are functions of the split's memo key."""
         key, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
         if split is None:
-            return None, 0.0
-        fill = self._fills.get(key)
-        if fill is None:
-            rep, rep_key, n = self._rep, self._rep_key, len(groups)
-            fill = self._fills[key] = sum(
-                self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
-                for i, (g, l) in enumerate(zip(groups, split[0]))
-            )
-        return split, fill
+            return None, 0.0, None
+        known = self._fills.get(key)
+        if known is None:
+            known = self._fills[key] = self._fill_and_times(groups, split, rows, chunks, others)
+        return split, known[0], known[1]
+
+    def _fill_and_times(self, groups, split, rows: int, chunks: int, others) -> tuple[float, StageTimes]:
+        """The fill: the sum of the stages' forward + backward seconds of one microbatch, each the cheapest way it
+        fits one microbatch in flight (``stage_cost``); and the ``StageTimes`` of the split."""
+        rep, rep_key, n = self._rep, self._rep_key, len(groups)
+        terms = [
+            self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
+            for i, (g, l) in enumerate(zip(groups, split[0]))
+        ]
+        fill = sum(terms)
+        # each stage's forward + backward seconds as the split chose it, and the forwards before it / chunks
+        busy, before, ahead = [], [], 0.0
+        for i, (g, l, rc) in enumerate(zip(groups, split[0], split[1])):
+            f, b, _, _ = self.cost.stage_times(g, l, i == n - 1, rows, rc)
+            busy.append(f + b)
+            before.append(ahead)
+            ahead += f / chunks
+        if not self.cost.zero1:
+            return fill, StageTimes(fill, max(terms), tuple(before), tuple(busy))
+        return fill, StageTimes(sum(busy), max(busy), tuple(before), tuple(busy))
 
     def _stage_key(self, groups) -> tuple:
-        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb)."""
-        return tuple(self._rep_key(g) for g in groups)
+        """What a stage's cost depends on: kind and TP size (and with ZeRO-1 its node's memory_gb); memoised by
+        the groups (one hash of the tuple instead of a key built per group)."""
+        key = self._stage_keys.get(groups)
+        if key is None:
+            key = self._stage_keys[groups] = tuple(self._rep_key(g) for g in groups)
+        return key
 
     def _rep_key(self, g: TPGroup) -> tuple:
         # built afresh: cheaper than a dict lookup keyed by the TPGroup (attrs equality on every hit)
@@ -194,6 +230,14 @@ class LayerSplitter:
         memory is an upper bound of what ``cost.moments`` gives the realized plan. (0, 0) otherwise."""
         if not self.cost.zero1 or len(st.pipelines) == 1:
             return [(0.0, 0.0)] * len(st.pipelines)
-        light = [tuple(min(self.cost.zero1_weights(g)[j] for g in p) for j in (0, 1)) for p in st.pipelines]
+        light = []
+        for p in st.pipelines:
+            x = self._light.get(p)
+            if x is None:
+                x = self._light[p] = (
+                    min(self.cost.zero1_weights(g)[0] for g in p),
+                    min(self.cost.zero1_weights(g)[1] for g in p),
+                )
+            light.append(x)
         total = tuple(sum(x[j] for x in light) for j in (0, 1))
         return [(total[0] - x[0], total[1] - x[1]) for x in light]

@@ -19,10 +19,13 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
+
 from hetero_llm.layout import Mlp, Norm, Optimizer, Packing, Position, Precision
 from hetero_llm.planner import pipesim
-from hetero_llm.planner.candidates import Candidate, TPGroup
+from hetero_llm.planner.candidates import Candidate, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.spans import EMBED_PARAMS, HEAD_PARAMS, LAYER_PARAMS, NODE_MEMORY, TP, Spans, ordered_sums
 
 PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
@@ -52,6 +55,43 @@ class MemoryModel:
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
         self._stage_params: dict[tuple, float] = {}
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
+        self.node_index = {n.name: i for i, n in enumerate(cluster.nodes)}
+        self._facts: dict[tuple[str, ...], tuple] = {}
+        self._activation_bytes: dict[int, float] = {}
+        self._pipeline_rows: dict[int, tuple[tuple[StageChoice, ...], np.ndarray, np.ndarray]] = {}
+
+    # ---------------------------------------------------------------- groups
+    def group_facts(self, group: TPGroup) -> tuple:
+        """The group's row of ``spans.Spans.facts`` (memoised: the search prices the same groups again and again)."""
+        row = self._facts.get(group.devices)  # a group is named by its devices inside one cluster
+        if row is None:
+            row = self._facts[group.devices] = self._group_facts(group, len(self._facts))
+        return row
+
+    def _group_facts(self, g: TPGroup, uid: int) -> tuple:
+        """NODE, UID, TP, NODE_MEMORY, MEM_BW, LAYER_PARAMS, EMBED_PARAMS, HEAD_PARAMS (spans.py's columns); ``uid``:
+        a number of its own."""
+        t = len(g.devices)
+        own = (self.node_index[g.node], uid, t, self.node_memory.get(g.node, 0.0), self.mem_bw(g))
+        return own + (sum(self.layer_params(t)), self.embed_params(t), self.head_params(t))
+
+    @staticmethod
+    def mem_bw(g: TPGroup) -> float:
+        """Bytes/s of a device's memory, as achieved (mem_fraction)."""
+        return g.kind.mem_bw_gbs * g.kind.mem_fraction * 1e9
+
+    def pipeline_rows(self, stages: tuple[StageChoice, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """The stages' layers and their groups' ``group_facts`` rows, memoised by the stages' tuple (the search
+        shares one between the candidates whose pipeline is the same; the entry holds it, so its id stays)."""
+        known = self._pipeline_rows.get(id(stages))
+        if known is None or known[0] is not stages:
+            layers = np.asarray([s.layers for s in stages], dtype=np.int64)
+            facts = np.asarray([self.group_facts(s.group) for s in stages], dtype=float)
+            known = self._pipeline_rows[id(stages)] = (stages, layers, facts)
+        return known[1], known[2]
+
+    def spans(self, cand: Candidate) -> Spans:
+        return Spans.of(cand, self.L, self.pipeline_rows)
 
     # ---------------------------------------------------------------- parameters
     def layer_params(self, tp: int) -> tuple[float, float]:
@@ -133,7 +173,9 @@ class MemoryModel:
             moments = self.moment_elements(group, layers, first, last, others)
         params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
         H, t = self.H, group.tp
-        full = self.layer_activation_bytes(t)
+        full = self._activation_bytes.get(t)
+        if full is None:  # asked for every stage of every candidate scored
+            full = self._activation_bytes[t] = self.layer_activation_bytes(t)
         tokens = rows * self.S
         if recompute:
             act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
@@ -183,41 +225,36 @@ class MemoryModel:
         is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
         of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's
         holders are the first stages, the head's the last."""
-        if not self.zero1:
-            return tuple(
-                tuple(
-                    self.stage_params(s.group.tp, s.layers, i == 0, i == len(p.stages) - 1)
-                    for i, s in enumerate(p.stages)
-                )
-                for p in cand.pipelines
-            )
-        spans: list[list[tuple[int, int, int]]] = [[] for _ in cand.pipelines]  # per pipeline: (lo, hi, stage index)
-        boundaries = {0, self.L}
-        for pi, pipe in enumerate(cand.pipelines):
-            lo = 0
-            for si, s in enumerate(pipe.stages):
-                spans[pi].append((lo, lo + s.layers, si))
-                lo += s.layers
-                boundaries.add(lo)
-        cuts = sorted(boundaries)
-        out = [[0.0] * len(p.stages) for p in cand.pipelines]
+        flat = self.stage_moments(cand).tolist()
+        out, at = [], 0
+        for p in cand.pipelines:
+            out.append(tuple(flat[at : at + len(p.stages)]))
+            at += len(p.stages)
+        return tuple(out)
 
-        def share(holders: list[tuple[int, int]], elements: float) -> None:
-            groups = [cand.pipelines[pi].stages[si].group for pi, si in holders]
-            mems = [self.node_memory.get(g.node, 0.0) for g in groups]
-            if not all(m > 0 for m in mems):
-                mems = [1.0] * len(groups)
-            total = sum(g.tp * m for g, m in zip(groups, mems))
-            for (pi, si), m in zip(holders, mems):
-                out[pi][si] += elements * m / total
+    def stage_moments(self, cand: Candidate, spans: Spans | None = None) -> np.ndarray:
+        """``moments``, one per stage of every pipeline in turn (``spans``: the candidate's, when known)."""
+        sp = self.spans(cand) if spans is None else spans
+        if not self.zero1:  # stage_params of every stage
+            first, last = np.zeros(len(sp.stages), dtype=bool), np.zeros(len(sp.stages), dtype=bool)
+            first[sp.first], last[sp.last] = True, True
+            params = sp.layers * sp.facts[:, LAYER_PARAMS] + np.where(first, sp.facts[:, EMBED_PARAMS], 0.0)
+            return params + np.where(last, sp.facts[:, HEAD_PARAMS], 0.0)
+        tp, mem = sp.facts[:, TP], sp.facts[:, NODE_MEMORY]
+
+        def shares(holders: np.ndarray, elements) -> np.ndarray:
+            """Per holder (a row per span, a column per pipeline): ``elements x w / sum of w x tp`` (summed in
+            pipeline order); w = 1 in a row where a holder's node declares no memory_gb."""
+            w = mem[holders]
+            w = np.where((w > 0).all(axis=-1, keepdims=True), w, 1.0)
+            total = np.cumsum(tp[holders] * w, axis=-1)[..., -1:]
+            return elements * w / total
 
         layer = sum(self.layer_params(1))
-        for lo, hi in zip(cuts, cuts[1:]):
-            holders = [next((pi, si) for a, b, si in spans[pi] if a <= lo < b) for pi in range(len(cand.pipelines))]
-            share(holders, layer * (hi - lo))
-        share([(pi, 0) for pi in range(len(cand.pipelines))], self.embed_params())
-        share([(pi, len(p.stages) - 1) for pi, p in enumerate(cand.pipelines)], self.head_params())
-        return tuple(tuple(x) for x in out)
+        out = ordered_sums(sp.owner, shares(sp.owner, (layer * (sp.hi - sp.lo))[:, None]), len(sp.stages))
+        out[sp.first] += shares(sp.first, self.embed_params())
+        out[sp.last] += shares(sp.last, self.head_params())
+        return out
 
     def memory(self, cand: Candidate) -> tuple[tuple[tuple[float, ...], ...], tuple[tuple[float, ...], ...]]:
         mems, caps = [], []

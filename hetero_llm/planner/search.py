@@ -32,7 +32,7 @@ from hetero_llm.planner import exact, moves, sweep
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
-from hetero_llm.planner.layers import INF, LayerSplitter
+from hetero_llm.planner.layers import INF, LayerSplitter, StageTimes
 from hetero_llm.planner.structure import Result, Structure
 from hetero_llm.progress import Bar
 
@@ -57,6 +57,9 @@ class Planner(LayerSplitter):
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
         self.realized: dict[tuple, Candidate | None] = {}
+        self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
+        self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
+        self._times_of: dict[int, tuple[Candidate, list[StageTimes]]] = {}  # by id: see _realize
         self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self.start = time.perf_counter()
@@ -69,15 +72,19 @@ class Planner(LayerSplitter):
         ]
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
+        """Each node's devices in TP groups of its kind's size in ``tp_by_kind`` (or the largest that fits). A group
+        made before is returned again, the same object: the memos keyed by groups then find it by identity."""
         out = []
         for node in self.c.nodes:
             want = tp_by_kind.get(node.kind.name, 1)
             left, idx = node.devices, 0
             while left:
                 t = max(s for s in self.tp_sizes(left) if s <= want)
-                out.append(
-                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind)
-                )
+                g = self._made.get((node.name, idx, t))
+                if g is None:
+                    devices = tuple(f"{node.name}:{i}" for i in range(idx, idx + t))
+                    g = self._made[node.name, idx, t] = TPGroup(node.name, node.domain, devices, node.kind)
+                out.append(g)
                 idx, left = idx + t, left - t
         return out
 
@@ -103,14 +110,16 @@ class Planner(LayerSplitter):
         total = self.G // st.rows
         splits = []
         fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
+        times: list[StageTimes] = []  # per pipeline: what ``estimate`` and ``bound`` take of its stages' times
         others = self.zero1_others(st)
         for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
-            s, f = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
-            if s is None:
+            s, f, t = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
+            if s is None or t is None:
                 return None
             splits.append(s)
             fill.append(f)
+            times.append(t)
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
         counts = batch_shares(fill, [s[2] for s in splits], unit, total)
         if counts is None:
@@ -121,13 +130,27 @@ class Planner(LayerSplitter):
         for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
             if m == 0:
                 continue
-            pipes.append(
-                PipelineChoice(m * st.rows, m, tuple(StageChoice(g, l, rc) for g, l, rc in zip(groups, layers, flags)))
-            )
-        return Candidate(tuple(pipes), st.schedule, chunks)
+            stages = self._stages.get((groups, layers, flags))  # the same stages again: shared, not rebuilt
+            if stages is None:
+                stages = self._stages[groups, layers, flags] = tuple(map(StageChoice, groups, layers, flags))
+            pipes.append(PipelineChoice(m * st.rows, m, stages))
+        cand = Candidate(tuple(pipes), st.schedule, chunks)
+        self._times_of[id(cand)] = (cand, [t for t, m in zip(times, counts) if m])  # cand held: its id stays
+        return cand
+
+    def _times(self, cand: Candidate) -> list[StageTimes] | None:
+        """The ``StageTimes`` of ``cand``'s pipelines when this planner realized it (else None)."""
+        known = self._times_of.get(id(cand))
+        return known[1] if known is not None and known[0] is cand else None
 
     def estimate(self, cand: Candidate) -> float:
         """Closed-form 1F1B step time (for ranking structures before simulating)."""
+        known = self._times(cand)
+        if known is not None:  # realized here: its pipelines' stage times are known (the same sums as below)
+            worst = 0.0
+            for p, t in zip(cand.pipelines, known):
+                worst = max(worst, t.total + (p.microbatches - 1) * t.slowest)
+            return worst + self.sync_and_optimizer(cand)
         worst = 0.0
         for p in cand.pipelines:
             n = len(p.stages)
@@ -149,7 +172,12 @@ class Planner(LayerSplitter):
         first chunks' share of their forwards), the slowest such stage's, + gradient sync + optimizer. When the
         compute alone reaches ``cutoff``, that (a lower bound too, at least ``cutoff``) is returned."""
         worst = 0.0
-        for p in cand.pipelines:
+        known = self._times(cand)
+        if known is not None:  # realized here: the same terms as below, kept from its layer split
+            for p, t in zip(cand.pipelines, known):
+                m = p.microbatches
+                worst = max(worst, max(fill + m * busy for fill, busy in zip(t.before, t.busy)))
+        for p in cand.pipelines if known is None else ():
             n, fill = len(p.stages), 0.0
             for i, s in enumerate(p.stages):
                 last = i == n - 1
@@ -171,6 +199,9 @@ class Planner(LayerSplitter):
     def sync_and_optimizer(self, cand: Candidate) -> float:
         """Gradient sync + optimizer seconds (memoised: both depend on the stages' groups and layers only,
         and a group is named by its devices inside one cluster)."""
+        if not self.cost.grad_overlap:  # the cost model memoises them under this key
+            sync, opt = self.cost.sync_and_optimizer(cand)
+            return sync + opt
         key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:

@@ -17,35 +17,52 @@ from hetero_llm.planner.structure import SearchSpace, Structure
 INF = math.inf
 
 
-def deal(planner: SearchSpace, groups: list[TPGroup], P: int, balanced: bool) -> tuple[tuple[TPGroup, ...], ...]:
-    """TP groups into P pipelines, domain by domain: contiguous runs, or speed-balanced (LPT)."""
-    pipes: list[list[TPGroup]] = [[] for _ in range(P)]
-    load = [0.0] * P
-    by_domain: dict[str, list[TPGroup]] = {}
-    for g in groups:
-        by_domain.setdefault(g.domain, []).append(g)
-    for d in sorted(by_domain, key=lambda d: planner.domain_order.get(d, 0)):
-        gs = by_domain[d]
-        if balanced:  # each group to the least loaded pipeline, min (load, index): a heap of exactly that
-            least = [(load[i], i) for i in range(P)]
-            heapq.heapify(least)
-            for g in sorted(gs, key=lambda g: (-g.flops, planner.node_order[g.node], g.devices)):
-                _, i = heapq.heappop(least)
-                pipes[i].append(g)
-                load[i] += g.flops
-                heapq.heappush(least, (load[i], i))
-        else:
-            base, extra = divmod(len(gs), P)
-            lo = 0
-            # the pipelines with the least compute so far get the extra groups
-            for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
-                n = base + (rank < extra)
-                pipes[i] += gs[lo : lo + n]
-                load[i] += sum(g.flops for g in gs[lo : lo + n])
-                lo += n
-    # each pipeline in planner.order's stage order: a total order (devices differ), so the one of all the groups
-    position = {g: i for i, g in enumerate(planner.order(groups))}
-    return tuple(tuple(sorted(p, key=position.__getitem__)) for p in pipes if p)
+class Dealer:
+    """TP groups into pipelines, domain by domain: contiguous runs, or speed-balanced (LPT). What does not depend
+    on the number of pipelines (the groups by domain, their order for the balanced mode, the stage order) is
+    worked out once per list of groups, and the groups are dealt as indices into ``groups``."""
+
+    def __init__(self, planner: SearchSpace, groups: list[TPGroup]):
+        self.groups = groups
+        flops = [g.flops for g in groups]
+        by_domain: dict[str, list[int]] = {}
+        for j, g in enumerate(groups):
+            by_domain.setdefault(g.domain, []).append(j)
+        node_order = planner.node_order
+        self.domains = []  # per domain in order: its groups, their flops, and (flops, group) by falling speed
+        for d in sorted(by_domain, key=lambda d: planner.domain_order.get(d, 0)):
+            js = by_domain[d]
+            fast = sorted(js, key=lambda j: (-flops[j], node_order[groups[j].node], groups[j].devices))
+            self.domains.append((js, [flops[j] for j in js], [(flops[j], j) for j in fast]))
+        # each pipeline in planner.order's stage order: a total order (devices differ), so the one of all the groups
+        position = {id(g): i for i, g in enumerate(planner.order(groups))}
+        self.rank = [position[id(g)] for g in groups]
+
+    def deal(self, P: int, balanced: bool) -> tuple[tuple[TPGroup, ...], ...]:
+        """The groups into ``P`` pipelines (fewer when there are fewer groups), each in stage order."""
+        pipes: list[list[int]] = [[] for _ in range(P)]
+        load = [0.0] * P
+        for js, flops, fast in self.domains:
+            if balanced:  # each group to the least loaded pipeline, min (load, index): a heap of exactly that
+                least = [(load[i], i) for i in range(P)]
+                heapq.heapify(least)
+                replace = heapq.heapreplace  # pop then push: the keys are distinct, so the same pipelines
+                for f, j in fast:
+                    i = least[0][1]
+                    pipes[i].append(j)
+                    load[i] += f
+                    replace(least, (load[i], i))
+            else:
+                base, extra = divmod(len(js), P)
+                lo = 0
+                # the pipelines with the least compute so far get the extra groups
+                for rank, i in enumerate(sorted(range(P), key=lambda i: (load[i], i))):
+                    n = base + (rank < extra)
+                    pipes[i] += js[lo : lo + n]
+                    load[i] += sum(flops[lo : lo + n])
+                    lo += n
+        groups, key = self.groups, self.rank.__getitem__
+        return tuple(tuple(groups[j] for j in sorted(p, key=key)) for p in pipes if p)
 
 
 def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
@@ -125,8 +142,9 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
         lb_used = work / sum(g.flops for g in groups)
         if len(found) >= keep and lb_used >= found[keep - 1][0]:
             continue
+        dealer = Dealer(planner, groups)
         for P, balanced in itertools.product(pipeline_counts(planner, len(groups)), (False, True)):
-            pipes = deal(planner, groups, P, balanced)
+            pipes = dealer.deal(P, balanced)
             sig = tuple(tuple(g.devices for g in p) for p in pipes)
             if sig in seen:
                 continue
