@@ -4,6 +4,7 @@ schedule, and what the cost model predicts for it (``Score``). Torch-free."""
 from __future__ import annotations
 
 import math
+import operator
 
 import attrs
 
@@ -117,3 +118,25 @@ class Score:
             ),
             key=lambda x: x[2],
         )
+
+
+class ByIdentity:
+    """A memo keyed by objects' identities (plus hashable ``extra``), for what the search shares between
+    candidates (stage tuples, candidates) and whose hash would cost more than the lookup saves. Each entry keeps
+    its objects, so an id in a key stays theirs while the entry stands (no other object can take it)."""
+
+    __slots__ = ("_entries",)
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[tuple, object]] = {}
+
+    def get(self, objs: tuple, extra: tuple = ()):
+        """The value put for these very objects (and ``extra``), else None."""
+        known = self._entries.get((tuple(map(id, objs)), extra))
+        if known is not None and all(map(operator.is_, known[0], objs)):
+            return known[1]
+        return None
+
+    def put(self, objs: tuple, value, extra: tuple = ()):
+        self._entries[tuple(map(id, objs)), extra] = (objs, value)
+        return value

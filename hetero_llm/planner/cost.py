@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 
 import numpy as np
 
 from hetero_llm.layout import P2P, Backend, Compile
 from hetero_llm.planner import pipesim
-from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
+from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.memory import MemoryModel
@@ -116,8 +115,8 @@ class PlannerCostModel(MemoryModel):
         self.profile = profile if profile is not None and profile.fits(self.model, cluster.train.precision) else None
         self._sim = functools.lru_cache(maxsize=200_000)(self._simulate)
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
-        self._pipeline_times: dict[tuple, tuple[tuple, tuple[float, float, float]]] = {}
-        self._sync_by_stages: dict[tuple[int, ...], tuple[tuple, tuple[float, float]]] = {}
+        self._pipeline_times = ByIdentity()  # by the stages' tuple, and rows, microbatches, schedule, chunks
+        self._sync_by_stages = ByIdentity()  # by the pipelines' stage tuples (without grad_overlap)
         self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
@@ -255,13 +254,11 @@ class PlannerCostModel(MemoryModel):
     def pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
         """(simulated seconds, bubble, TP seconds of the busiest stage) of one pipeline's step; memoised by its
         stages' tuple (the search shares one between the candidates whose pipeline is the same) and the rest."""
-        key = (id(pipe.stages), pipe.rows, pipe.microbatches, schedule, chunks)
-        known = self._pipeline_times.get(key)
-        if known is not None and known[0] is pipe.stages:  # the entry holds the tuple: its id stays its own
-            return known[1]
-        t = self._pipeline_time(pipe, schedule, chunks)
-        self._pipeline_times[key] = (pipe.stages, t)
-        return t
+        extra = (pipe.rows, pipe.microbatches, schedule, chunks)
+        known = self._pipeline_times.get((pipe.stages,), extra)
+        if known is not None:
+            return known
+        return self._pipeline_times.put((pipe.stages,), self._pipeline_time(pipe, schedule, chunks), extra)
 
     def _pipeline_time(self, pipe: PipelineChoice, schedule: str, chunks: int) -> tuple[float, float, float]:
         rows, st = pipe.rows, pipe.stages
@@ -335,7 +332,7 @@ class PlannerCostModel(MemoryModel):
         cross = not one_dom.all()
         lat = (self.cluster.network.cross_latency if cross else max(self.domain_lat.values())) + self.p2p_latency
         buckets = len({row.tobytes() for row in sp.per_stage(UID)})  # spans with other holders
-        sync = float(max(busiest.max(initial=0.0), intra.max(initial=0.0), 0.0)) + buckets * 2 * (P - 1) * lat
+        sync = float(max(busiest.max(initial=0.0), intra.max(initial=0.0))) + buckets * 2 * (P - 1) * lat
         if not self.grad_overlap:
             return sync
         # torch DDP: buckets all-reduce as the last microbatch's backward produces them, the last one after it;
@@ -360,19 +357,19 @@ class PlannerCostModel(MemoryModel):
                 for p in cand.pipelines
             )
         else:
-            # first by the stages' tuples themselves (the search shares them between candidates; the entry holds
-            # them, so their ids stay theirs), then by what they hold
+            # first by the stages' tuples themselves (the search shares them between candidates), then by what
+            # they hold
             stages = tuple(p.stages for p in cand.pipelines)
-            known = self._sync_by_stages.get(tuple(map(id, stages)))
-            if known is not None and all(map(operator.is_, known[0], stages)):
-                return known[1]
+            known = self._sync_by_stages.get(stages)
+            if known is not None:
+                return known
             key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
             t = self._sync_opt[key] = (self.grad_sync_time(cand, spans), self.optimizer_time(cand, spans))
         if not self.grad_overlap:
-            self._sync_by_stages[tuple(map(id, stages))] = (stages, t)
+            self._sync_by_stages.put(stages, t)
         return t
 
     def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:

@@ -23,7 +23,7 @@ import numpy as np
 
 from hetero_llm.layout import Mlp, Norm, Optimizer, Packing, Position, Precision
 from hetero_llm.planner import pipesim
-from hetero_llm.planner.candidates import Candidate, StageChoice, TPGroup
+from hetero_llm.planner.candidates import ByIdentity, Candidate, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.spans import EMBED_PARAMS, HEAD_PARAMS, LAYER_PARAMS, NODE_MEMORY, TP, Spans, ordered_sums
 
@@ -58,7 +58,7 @@ class MemoryModel:
         self.node_index = {n.name: i for i, n in enumerate(cluster.nodes)}
         self._facts: dict[tuple[str, ...], tuple] = {}
         self._activation_bytes: dict[int, float] = {}
-        self._pipeline_rows: dict[int, tuple[tuple[StageChoice, ...], np.ndarray, np.ndarray]] = {}
+        self._pipeline_rows = ByIdentity()  # by the stages' tuple: (layers, facts)
 
     # ---------------------------------------------------------------- groups
     def group_facts(self, group: TPGroup) -> tuple:
@@ -82,13 +82,13 @@ class MemoryModel:
 
     def pipeline_rows(self, stages: tuple[StageChoice, ...]) -> tuple[np.ndarray, np.ndarray]:
         """The stages' layers and their groups' ``group_facts`` rows, memoised by the stages' tuple (the search
-        shares one between the candidates whose pipeline is the same; the entry holds it, so its id stays)."""
-        known = self._pipeline_rows.get(id(stages))
-        if known is None or known[0] is not stages:
+        shares one between the candidates whose pipeline is the same)."""
+        known = self._pipeline_rows.get((stages,))
+        if known is None:
             layers = np.asarray([s.layers for s in stages], dtype=np.int64)
             facts = np.asarray([self.group_facts(s.group) for s in stages], dtype=float)
-            known = self._pipeline_rows[id(stages)] = (stages, layers, facts)
-        return known[1], known[2]
+            known = self._pipeline_rows.put((stages,), (layers, facts))
+        return known
 
     def spans(self, cand: Candidate) -> Spans:
         return Spans.of(cand, self.L, self.pipeline_rows)

@@ -29,7 +29,7 @@ from typing import overload
 import attrs
 
 from hetero_llm.planner import exact, moves, sweep
-from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, StageChoice, TPGroup
+from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.layers import INF, LayerSplitter, StageTimes
@@ -59,7 +59,7 @@ class Planner(LayerSplitter):
         self.realized: dict[tuple, Candidate | None] = {}
         self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
-        self._times_of: dict[int, tuple[Candidate, list[StageTimes]]] = {}  # by id: see _realize
+        self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
         self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self.start = time.perf_counter()
@@ -135,13 +135,12 @@ class Planner(LayerSplitter):
                 stages = self._stages[groups, layers, flags] = tuple(map(StageChoice, groups, layers, flags))
             pipes.append(PipelineChoice(m * st.rows, m, stages))
         cand = Candidate(tuple(pipes), st.schedule, chunks)
-        self._times_of[id(cand)] = (cand, [t for t, m in zip(times, counts) if m])  # cand held: its id stays
+        self._times_of.put((cand,), [t for t, m in zip(times, counts) if m])
         return cand
 
     def _times(self, cand: Candidate) -> list[StageTimes] | None:
         """The ``StageTimes`` of ``cand``'s pipelines when this planner realized it (else None)."""
-        known = self._times_of.get(id(cand))
-        return known[1] if known is not None and known[0] is cand else None
+        return self._times_of.get((cand,))
 
     def estimate(self, cand: Candidate) -> float:
         """Closed-form 1F1B step time (for ranking structures before simulating)."""
@@ -177,12 +176,14 @@ class Planner(LayerSplitter):
             for p, t in zip(cand.pipelines, known):
                 m = p.microbatches
                 worst = max(worst, max(fill + m * busy for fill, busy in zip(t.before, t.busy)))
-        for p in cand.pipelines if known is None else ():
-            n, fill = len(p.stages), 0.0
-            for i, s in enumerate(p.stages):
-                last = i == n - 1
-                worst = max(worst, fill + p.microbatches * self._busy(s.group, s.layers, last, p.rows, s.recompute))
-                fill += self.cost.stage_times(s.group, s.layers, last, p.rows, s.recompute)[0] / cand.chunks
+        else:
+            for p in cand.pipelines:
+                n, fill = len(p.stages), 0.0
+                for i, s in enumerate(p.stages):
+                    last = i == n - 1
+                    busy = self._busy(s.group, s.layers, last, p.rows, s.recompute)
+                    worst = max(worst, fill + p.microbatches * busy)
+                    fill += self.cost.stage_times(s.group, s.layers, last, p.rows, s.recompute)[0] / cand.chunks
         if worst >= cutoff:  # sync and optimizer only add (both >= 0)
             return worst
         return worst + self.sync_and_optimizer(cand)
