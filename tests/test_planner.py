@@ -332,7 +332,7 @@ def test_local_search_moves_never_use_a_device_twice(tmp_path):
     groups = planner.groups({"cpu2x": 1, "cpu": 1})
     a, b, s0, s1a, _ = groups
     for st in (Structure(((a, s0), (b, s1a)), 1), Structure(((a,), (b,)), 2, "zbh1")):
-        moves = planner.neighbours(st)
+        moves = list(planner.neighbours(st))
         assert len(moves) > 5
         for nb in moves:
             devices = [d for p in nb.pipelines for g in p for d in g.devices]

@@ -14,6 +14,7 @@ import attrs
 import pytest
 
 from hetero_llm.layout import Optimizer
+from hetero_llm.planner import moves
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES
 from hetero_llm.planner.cluster import load_cluster
@@ -268,3 +269,24 @@ def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages
                     p, cand.schedule, cand.chunks
                 )
     assert checked == 12
+
+
+@pytest.mark.parametrize("name", ["holmes_64gpu", "hexiscale_40gpu", "small_cpu"])
+def test_neighbours_are_made_as_taken_each_once(name):
+    """moves.neighbours keys a move by its unchanged pipelines' parts, built once (Structure.key of the new
+    structure): every structure it yields is distinct by Structure.key; and it yields them as they are made, so
+    stopping early (the search takes the first better neighbour) gives the first of the same list."""
+    planner = Planner(load_cluster(CLUSTERS / f"{name}.toml"))
+    rng = random.Random(name)
+    menus = tp_menus(planner)
+    for _ in range(6):
+        groups = planner.groups(rng.choice(menus))
+        groups = rng.sample(groups, rng.randint(1, len(groups)))
+        pipes = Dealer(planner, groups).deal(rng.randint(1, min(len(groups), 8)), rng.random() < 0.5)
+        st = Structure(pipes, rng.choice([d for d in range(1, 9) if planner.G % d == 0]))
+        everything = list(moves.neighbours(planner, st))
+        keys = [nb.key() for nb in everything]
+        assert len(set(keys)) == len(keys) > 0
+        taken = moves.neighbours(planner, st)
+        first = [next(taken) for _ in range(min(5, len(everything)))]
+        assert [nb.key() for nb in first] == keys[: len(first)]

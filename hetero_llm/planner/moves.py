@@ -8,6 +8,7 @@ with the same stage kinds are changed together or one alone.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import attrs
 
@@ -16,22 +17,39 @@ from hetero_llm.planner.cluster import Node
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
-def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
+def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
     """Structures one move away, deduplicated: moves of interchangeable TP groups (same node, kind and
     size) are made once, and pipelines with the same stage kinds are changed together or one alone."""
-    pipes = [list(p) for p in st.pipelines]
+    # the pipelines as tuples: a move copies the list and replaces the pipelines it changes, so the others stay
+    # the same objects (``tuple(p)`` of a tuple is ``p``), and their part of the key is built once
+    pipes: list = list(st.pipelines)
     P = len(pipes)
     out: list[Structure] = []
     seen: set[tuple] = set()
+    part = {id(p): tuple(g.devices for g in p) for p in pipes}  # ids of the live st.pipelines only
 
-    def make(
-        new: list[list[TPGroup]], rows: int = st.rows, schedule: str = st.schedule, chunks: int = st.chunks
-    ) -> None:
-        new_st = type(st)(tuple(tuple(p) for p in new if p), rows, schedule, chunks)
-        k = new_st.key()
+    def make(new: list, rows: int = st.rows, schedule: str = st.schedule, chunks: int = st.chunks) -> None:
+        pipelines = tuple(tuple(p) for p in new if p)
+        # ``Structure.key`` of the new structure, with the unchanged pipelines' parts reused
+        n_chunks = chunks if schedule == "interleaved" else 1
+        k = (rows, schedule, n_chunks, tuple(part.get(id(p)) or tuple(g.devices for g in p) for p in pipelines))
         if k not in seen:
             seen.add(k)
-            out.append(new_st)
+            out.append(type(st)(pipelines, rows, schedule, chunks))
+
+    def drain() -> list[Structure]:
+        """The structures made since the last drain (the moves are yielded as they are made, in order: the
+        search takes the first better neighbour, and the moves after it are never built)."""
+        made = out[:]
+        out.clear()
+        return made
+
+    def copy(*changed: int) -> list:
+        """The pipelines, with those it will change as lists of their own."""
+        new = list(pipes)
+        for i in changed:
+            new[i] = list(pipes[i])
+        return new
 
     def kind(g: TPGroup) -> tuple:
         return (g.node, g.tp)
@@ -49,10 +67,10 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
         """Apply ``transform`` to one pipeline of each signature, and (unless ``alone``) to all of them."""
         for members in list(reps.values())[:4]:
             for targets in ([members[0]], members) if len(members) > 1 and not alone else ([members[0]],):
-                new = [list(p) for p in pipes]
+                new = list(pipes)
                 ok = False
                 for i in targets:
-                    changed = transform(new[i])
+                    changed = transform(list(pipes[i]))
                     if changed is not None:
                         new[i], ok = changed, True
                 if ok:
@@ -65,10 +83,13 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
                 p[:i] + [p[i + 1], p[i]] + p[i + 2 :] if i + 1 < len(p) and kind(p[i]) != kind(p[i + 1]) else None
             )
         )
+    yield from drain()
     each(lambda p: p[::-1] if len(p) > 1 else None)
+    yield from drain()
     for i in range(max((len(p) for p in pipes), default=0)):
         each(lambda p, i=i: p[:i] + p[i + 1 :] + [p[i]] if 0 < len(p) - 1 != i < len(p) else None)
         each(lambda p, i=i: [p[i]] + p[:i] + p[i + 1 :] if 0 < i < len(p) else None)
+    yield from drain()
     # leave a TP group idle, or put an idle one to work
     for i in range(max((len(p) for p in pipes), default=0)):
         each(
@@ -76,11 +97,13 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
                 p[:i] + p[i + 1 :] if i < len(p) and len(p) > 1 and (i == 0 or kind(p[i]) != kind(p[i - 1])) else None
             )
         )
+    yield from drain()
     idle = idle_groups(planner, st)  # one TP group per node with idle devices
     for g in idle:
         each(lambda p, g=g: p + [g], alone=True)
         each(lambda p, g=g: [g] + p, alone=True)
         make(pipes + [[g]])
+    yield from drain()
     if P > 1:
         slow = min(range(P), key=lambda i: (rate[i], i))
         fast = max(range(P), key=lambda i: (rate[i], -i))
@@ -90,58 +113,68 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             for gi, g in enumerate(pipes[src]):
                 if len(pipes[src]) > 1 and kind(g) not in done:
                     done.add(kind(g))
-                    new = [list(p) for p in pipes]
+                    new = copy(src, dst)
                     new[src].pop(gi)
                     near = [k for k, h in enumerate(new[dst]) if h.node == g.node]
                     at = near[-1] + 1 if near else len(new[dst])
                     new[dst].insert(at, g)
                     make(new)
+            yield from drain()
         for a, b in pairs:
             if a < b or P > 4:
                 for gi, gj in itertools.product(range(len(pipes[a])), range(len(pipes[b]))):
                     x, y = pipes[a][gi], pipes[b][gj]
                     if (x.kind, x.tp, x.domain) != (y.kind, y.tp, y.domain):
-                        new = [list(p) for p in pipes]
+                        new = copy(a, b)
                         new[a][gi], new[b][gj] = y, x
                         make(new)
+                yield from drain()
         i, j = sorted(range(P), key=lambda i: (rate[i], i))[:2]
         make([p for k, p in enumerate(pipes) if k not in (i, j)] + [pipes[i] + pipes[j]])
+    yield from drain()
     big = max(range(P), key=lambda i: (len(pipes[i]), -i))
     if len(pipes[big]) > 1:
         half = len(pipes[big]) // 2
         make([p for k, p in enumerate(pipes) if k != big] + [pipes[big][:half], pipes[big][half:]])
+    yield from drain()
     # split / merge TP groups
     for pi, groups in enumerate(pipes):
         for gi, g in enumerate(groups):
             h = g.tp // 2
             if g.tp % 2 == 0 and h in planner.tp_sizes(g.tp):
-                new = [list(p) for p in pipes]
+                new = copy(pi)
                 new[pi][gi : gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
                 make(new)
         for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
             if ga.node == gb.node and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices):
                 ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
-                new = [list(p) for p in pipes]
+                new = copy(pi)
                 new[pi][k : k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                 make(new)
+        yield from drain()
+    yield from drain()
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:
             make(pipes, rows=rows)
+    yield from drain()
     counts = chunk_counts(planner.c.model.layers)
     for sch in planner.limits.schedules:  # another schedule (interleaved: with every chunk count)
         for c in counts if sch == "interleaved" else [st.chunks]:
             if (sch, c) != (st.schedule, st.chunks):
                 make(pipes, schedule=sch, chunks=c)
+    yield from drain()
     # last (the search takes the first better neighbour): exchange two nodes' roles, and put an idle group
     # to work between two nodes' stages
     for na, nb in node_swaps(planner, st):
         make([[relabel(g, na, nb) for g in p] for p in pipes])
+    yield from drain()
     for g in idle:
         for i in range(1, max((len(p) for p in pipes), default=0)):
             each(
                 lambda p, g=g, i=i: p[:i] + [g] + p[i:] if i < len(p) and p[i - 1].node != p[i].node else None,
                 alone=True,
             )
+    yield from drain()
     # then: a TP group to any other place of its pipeline, and a TP group halved, its second half to any place of
     # another pipeline (one move: split in place, then move a half, passes through worse plans). A small-memory
     # group must reach a stage that holds few microbatches in flight; on HexiScale's cluster (docs/planner.md) a
@@ -150,6 +183,8 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     n_max = max((len(p) for p in pipes), default=0)
     for i, j in itertools.product(range(n_max), range(n_max)):
         each(lambda p, i=i, j=j: reinsert(p, i, j))
+        yield from drain()
+    yield from drain()
     ends = {min(range(P), key=lambda i: (rate[i], i)), max(range(P), key=lambda i: (rate[i], -i))}
     targets = set(range(P)) if P <= 4 else ends  # more pipelines: the slowest and the fastest
     for pi in [members[0] for members in list(reps.values())[:4]]:  # one pipeline per signature, as ``each``
@@ -161,14 +196,17 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             first, second = attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])
             for dst in sorted(targets - {pi}):
                 for at in range(len(pipes[dst]) + 1):
-                    new = [list(p) for p in pipes]
+                    new = copy(pi, dst)
                     new[pi][gi] = first
                     new[dst].insert(at, second)
                     make(new)
+        yield from drain()
+    yield from drain()
     # last of all: the microbatch rows to the next size dividing the batch, above and below (doubling and halving
     # miss sizes such as 3 of a batch of 6: issue 23's misses under the eager/compiled pricing)
     for rows in next_divisors(planner.G, st.rows):
         make(pipes, rows=rows)
+    yield from drain()
     # and after them: another schedule (or chunk count) together with other microbatch rows, one move. A schedule
     # can need another microbatch count than the one the current schedule is best at (interleaving: a multiple of
     # the stages, and more of them to fill its bubble), and each change alone can be worse (bench/plan_exhaustive's
@@ -183,6 +221,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
     for sch, c, rows in retimed:
         if (sch, c) != (st.schedule, st.chunks) and rows != st.rows:
             make(pipes, rows=rows, schedule=sch, chunks=c)
+    yield from drain()
     # last: leave a pipeline's first or last stages idle, several at once, under this schedule or with another
     # schedule and rows (one at a time can pass through a plan interleaving cannot run: 3 stages for 4 microbatches;
     # cluster 130: 4 interleaved stages -> their last 2 with 4 chunks and 2 rows). Up to 4 pipelines (as the
@@ -193,12 +232,15 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             for members in list(reps.values())[:4]:
                 q = cut(pipes[members[0]])
                 if q is not None:
-                    shorter.append([q if i == members[0] else list(p) for i, p in enumerate(pipes)])
+                    shorter.append([q if i == members[0] else p for i, p in enumerate(pipes)])
+    yield from drain()
     for new in shorter:
         make(new)
+    yield from drain()
     for new in shorter:
         for sch, c, rows in retimed:
             make(new, rows=rows, schedule=sch, chunks=c)
+    yield from drain()
     # last: a pipeline split in two by data parallelism (each of its TP groups halved, a half in each copy), and
     # each copy given an idle group as its last or first stage, one move: the halves alone may not fit their layers,
     # and an idle group added alone does not pay (bench/plan_exhaustive's cluster 196 under the saved-tensor memory
@@ -215,7 +257,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> list[Structure]:
             for g1, g2 in itertools.combinations(idle[:8], 2):
                 make(rest + [copy_a + [g1], copy_b + [g2]], rows=rows)
                 make(rest + [[g1] + copy_a, [g2] + copy_b], rows=rows)
-    return out
+    yield from drain()
 
 
 def row_steps(n: int, d: int) -> list[int]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import overload
 
 import attrs
@@ -239,7 +239,8 @@ class Planner(LayerSplitter):
         return len(self.scored) >= self.max_evals or self.out_of_time()
 
     # ---------------------------------------------------------------- local search
-    def neighbours(self, st: Structure) -> list[Structure]:
+    def neighbours(self, st: Structure) -> Iterator[Structure]:
+        """The structures one move away, made as they are taken (``moves.neighbours``)."""
         return moves.neighbours(self, st)
 
     @staticmethod
