@@ -6,6 +6,7 @@ give the same plan. Torch-free."""
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from collections import Counter
 from pathlib import Path
@@ -260,6 +261,7 @@ def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages
         assert planner.bound(cand) == bound
         for cutoff in (bound / 2, bound * 0.999, bound * 2):  # compute alone may reach the cutoff
             assert planner.bound(cand, cutoff) == planner.bound(copy, cutoff)
+        assert planner.cand_key(cand) == planner.cand_key(copy) == cand.key()  # memoised by the stages' tuples
         plain = (loop_grad_sync_time(planner.cost, cand), loop_optimizer_time(planner.cost, cand))
         for c in (cand, copy, cand):  # memoised by the stages' tuples, then by what they hold
             assert planner.cost.sync_and_optimizer(c) == plain
@@ -290,3 +292,66 @@ def test_neighbours_are_made_as_taken_each_once(name):
         taken = moves.neighbours(planner, st)
         first = [next(taken) for _ in range(min(5, len(everything)))]
         assert [nb.key() for nb in first] == keys[: len(first)]
+
+
+def plain_split_layers(planner: Planner, groups, rows, schedule, chunks, m, others):
+    """layers._split_layers as a loop over the units of each stage (the DP before numpy), on plain lists."""
+    groups = [planner._rep.setdefault(planner._rep_key(g), g) for g in groups]
+    k, unit = len(groups), chunks
+    if planner.L % unit or planner.L // unit < k:
+        return None
+    peaks = planner.cost._peaks(schedule, k, m, chunks)
+    n = planner.L // unit
+
+    def cost(i: int, u: int) -> float:
+        return planner._stage_cost(groups[i], u * unit, i == 0, i == k - 1, rows, peaks[i], others)[0]
+
+    best = [math.inf] + [cost(k - 1, r) if r <= n - k + 1 else math.inf for r in range(1, n + 1)]
+    choice = []
+    for i in range(k - 2, -1, -1):
+        new, pick = [math.inf] * (n + 1), [1] * (n + 1)
+        for r in range(n + 1):
+            for u in range(1, n - k + 2):  # the first u of the least max (np.argmin's tie-break)
+                t = max(cost(i, u), best[r - u] if r - u > 0 else math.inf)
+                if t < new[r]:
+                    new[r], pick[r] = t, u
+        best = new
+        choice.append(pick)
+    if not best[n] < math.inf:
+        return None
+    t, split, r = best[n], [], n
+    for pick in reversed(choice):
+        split.append(pick[r])
+        r -= split[-1]
+    split.append(r)
+    split = [u * unit for u in split]
+    flags = tuple(
+        planner._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
+        for i, (g, l) in enumerate(zip(groups, split))
+    )
+    return tuple(split), flags, t
+
+
+@pytest.mark.parametrize("name", ["hexiscale_40gpu", "holmes_64gpu", "small_cpu"])
+def test_the_layer_split_equals_the_plain_dp(name):
+    """The numpy min-max DP (layers._split_layers, on memoised numpy rows) against the loop over units: the same
+    split, recompute flags and slowest-stage time, bit for bit, on random pipelines, schedules and chunks."""
+    planner = Planner(load_cluster(CLUSTERS / f"{name}.toml"))
+    rng = random.Random(name)
+    menus = tp_menus(planner)
+    found = 0
+    for _ in range(40):
+        groups = planner.groups(rng.choice(menus))
+        groups = tuple(rng.sample(groups, rng.randint(1, min(len(groups), 10))))
+        schedule = rng.choice(["1f1b", "gpipe", "zbh1", "interleaved"])
+        chunks = rng.choice([c for c in (1, 2, 3, 4) if planner.L % c == 0]) if schedule == "interleaved" else 1
+        rows, m = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        others = (0.0, 0.0) if rng.random() < 0.5 else (rng.uniform(0, 1e9), rng.uniform(0, 1e9))
+        key = planner._memo_key(groups, rows, schedule, chunks, m, others)  # m as the memo caps it
+        if key is None:  # interleaving one stage: refused before the DP
+            continue
+        m = key[4]
+        got = planner._split_layers(groups, rows, schedule, chunks, m, others)
+        assert got == plain_split_layers(planner, groups, rows, schedule, chunks, m, others)
+        found += got is not None
+    assert found >= 10  # most of them fit

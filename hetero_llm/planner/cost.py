@@ -117,6 +117,7 @@ class PlannerCostModel(MemoryModel):
         self._sync_opt: dict[tuple, tuple[float, float]] = {}
         self._pipeline_times = ByIdentity()  # by the stages' tuple, and rows, microbatches, schedule, chunks
         self._sync_by_stages = ByIdentity()  # by the pipelines' stage tuples (without grad_overlap)
+        self._sync_parts = ByIdentity()  # _sync_part's, by a pipeline's stages' tuple
         self._stage_times: dict[tuple, tuple[float, float, float, float]] = {}
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
@@ -363,7 +364,7 @@ class PlannerCostModel(MemoryModel):
             known = self._sync_by_stages.get(stages)
             if known is not None:
                 return known
-            key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
+            key = tuple(map(self._sync_part, stages))
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
@@ -371,6 +372,14 @@ class PlannerCostModel(MemoryModel):
         if not self.grad_overlap:
             self._sync_by_stages.put(stages, t)
         return t
+
+    def _sync_part(self, stages: tuple) -> tuple:
+        """A pipeline's part of ``sync_and_optimizer``'s key (its groups' devices and layers), memoised by its
+        stages' tuple."""
+        part = self._sync_parts.get((stages,))
+        if part is None:
+            part = self._sync_parts.put((stages,), tuple((s.group.devices, s.layers) for s in stages))
+        return part
 
     def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:
         """The slowest device's AdamW step: 28 bytes per moment element it updates (its slices under ZeRO-1)."""

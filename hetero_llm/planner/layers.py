@@ -42,10 +42,10 @@ class LayerSplitter:
         self.cost = cost
         self.L = layers
         self._splits: dict[tuple, tuple | None] = {}
-        self._fills: dict[tuple, tuple[float, StageTimes]] = {}  # split_and_fill's, by the split's key
+        self._fills: dict[tuple, tuple] = {}  # split_and_fill's, by the split's key
         self._light: dict[tuple[TPGroup, ...], tuple[float, float]] = {}  # zero1_others' per pipeline
         self._stage_keys: dict[tuple[TPGroup, ...], tuple] = {}
-        self._rows: dict[tuple, list[float]] = {}
+        self._rows: dict[tuple, np.ndarray] = {}
         self._tail_index: dict[tuple[int, int], np.ndarray] = {}
         self._rep: dict[tuple[str, int], TPGroup] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
@@ -84,20 +84,26 @@ class LayerSplitter:
         """Min-max DP: layers per stage (multiples of ``chunks``), recompute flags, slowest stage time."""
         return self._split_memo(groups, rows, schedule, chunks, microbatches, others)[1]
 
-    def _split_memo(self, groups, rows, schedule, chunks, microbatches, others) -> tuple[tuple, tuple | None]:
-        """(memo key, ``split_layers``)."""
+    def _memo_key(self, groups, rows, schedule, chunks, microbatches, others) -> tuple | None:
+        """What ``split_layers`` depends on (None: a split the layout refuses)."""
         k = len(groups)
         if schedule == "interleaved" and k == 1:  # the layout refuses it (interleaving needs 2 stages)
-            return (), None
+            return None
         # peaks in flight stop growing once microbatches reach the stages (x chunks): cap m there for the memo
         if schedule == "gpipe":  # every microbatch's activations are in flight at once: no cap
             m = microbatches
         else:
             m = max(microbatches, k) if schedule != "interleaved" else k * max(1, -(-microbatches // k))
             m = min(m, k * (chunks + 1))
-        key = (self._stage_key(groups), rows, schedule, chunks, m, others)
+        return (self._stage_key(groups), rows, schedule, chunks, m, others)
+
+    def _split_memo(self, groups, rows, schedule, chunks, microbatches, others) -> tuple[tuple, tuple | None]:
+        """(memo key, ``split_layers``)."""
+        key = self._memo_key(groups, rows, schedule, chunks, microbatches, others)
+        if key is None:
+            return (), None
         if key not in self._splits:
-            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, m, others)
+            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, key[4], others)
         return key, self._splits[key]
 
     def split_and_fill(
@@ -112,13 +118,17 @@ class LayerSplitter:
         """``split_layers``; the sum of its stages' times for one microbatch in flight (the pipeline's fill, what
         the batch split needs); and what ``search``'s estimate and bound take of its stages' times. All memoised
         alike: they are functions of the split's memo key."""
-        key, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
-        if split is None:
+        key = self._memo_key(groups, rows, schedule, chunks, microbatches, others)
+        if key is None:
             return None, 0.0, None
         known = self._fills.get(key)
         if known is None:
-            known = self._fills[key] = self._fill_and_times(groups, split, rows, chunks, others)
-        return split, known[0], known[1]
+            _, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
+            if split is None:
+                known = self._fills[key] = (None, 0.0, None)
+            else:
+                known = self._fills[key] = (split, *self._fill_and_times(groups, split, rows, chunks, others))
+        return known
 
     def _fill_and_times(self, groups, split, rows: int, chunks: int, others) -> tuple[float, StageTimes]:
         """The fill: the sum of the stages' forward + backward seconds of one microbatch, each the cheapest way it
@@ -164,19 +174,19 @@ class LayerSplitter:
         rows: int,
         in_flight: float,
         others: tuple[float, float],
-    ) -> list[float]:
-        """[inf, time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
+    ) -> np.ndarray:
+        """[time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""
         key = (g, unit, top_units, first, last, rows, in_flight, others)
         row = self._rows.get(key)
         if row is None:
-            row = [INF]
+            times = []
             for u in range(1, top_units + 1):
                 c, _ = self._stage_cost(g, u * unit, first, last, rows, in_flight, others)
-                row.append(c)
+                times.append(c)
                 if c == INF:
-                    row += [INF] * (top_units - u)  # more layers never fit where fewer did not
+                    times += [INF] * (top_units - u)  # more layers never fit where fewer did not
                     break
-            self._rows[key] = row
+            row = self._rows[key] = np.asarray(times)
         return row
 
     def _split_layers(self, groups, rows, schedule, chunks, m, others):
@@ -201,14 +211,14 @@ class LayerSplitter:
                 np.arange(n + 1)[:, None] - np.arange(1, top_units + 1)[None, :] + top_units
             )
         rows_at = np.arange(n + 1)
-        pad = np.full(top_units, INF)
-        best = np.full(n + 1, INF)
-        best[1 : top_units + 1] = cost[k - 1][1:]
+        padded = np.full(top_units + n + 1, INF)  # best, with inf in front
+        best = padded[top_units:]
+        best[1 : top_units + 1] = cost[k - 1]
         choice = []
         for i in range(k - 2, -1, -1):
-            both = np.maximum(np.asarray(cost[i][1:])[None, :], np.concatenate((pad, best))[index])
-            pick = np.argmin(both, axis=1)
-            best = both[rows_at, pick]
+            both = np.maximum(cost[i], padded[index])
+            pick = both.argmin(axis=1)
+            best[:] = both[rows_at, pick]
             choice.append(pick + 1)
         if not best[n] < INF:
             return None

@@ -60,6 +60,7 @@ class Planner(LayerSplitter):
         self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
         self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
+        self._key_parts = ByIdentity()  # cand_key's, by a pipeline's stages' tuple
         self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self.start = time.perf_counter()
@@ -142,13 +143,16 @@ class Planner(LayerSplitter):
         """The ``StageTimes`` of ``cand``'s pipelines when this planner realized it (else None)."""
         return self._times_of.get((cand,))
 
-    def estimate(self, cand: Candidate) -> float:
-        """Closed-form 1F1B step time (for ranking structures before simulating)."""
+    def estimate(self, cand: Candidate, cutoff: float = INF) -> float:
+        """Closed-form 1F1B step time (for ranking structures before simulating). When the pipelines' compute
+        alone reaches ``cutoff``, that (a lower bound of the estimate, at least ``cutoff``) is returned."""
         known = self._times(cand)
         if known is not None:  # realized here: its pipelines' stage times are known (the same sums as below)
             worst = 0.0
             for p, t in zip(cand.pipelines, known):
                 worst = max(worst, t.total + (p.microbatches - 1) * t.slowest)
+            if worst >= cutoff:  # sync and optimizer only add (both >= 0)
+                return worst
             return worst + self.sync_and_optimizer(cand)
         worst = 0.0
         for p in cand.pipelines:
@@ -163,6 +167,8 @@ class Planner(LayerSplitter):
                     for i, s in enumerate(p.stages)
                 ]
             worst = max(worst, sum(times) + (p.microbatches - 1) * max(times))
+        if worst >= cutoff:
+            return worst
         return worst + self.sync_and_optimizer(cand)
 
     def bound(self, cand: Candidate, cutoff: float = INF) -> float:
@@ -211,6 +217,19 @@ class Planner(LayerSplitter):
         return t
 
     # ---------------------------------------------------------------- scoring
+    def cand_key(self, cand: Candidate) -> tuple:
+        """``cand.key()``, each pipeline's part of it memoised by the pipeline's stages' tuple (``_realize``
+        shares one between the candidates whose pipeline is the same)."""
+        parts = []
+        for p in cand.pipelines:
+            part = self._key_parts.get((p.stages,))
+            if part is None:
+                part = self._key_parts.put(
+                    (p.stages,), tuple((s.group.devices, s.layers, s.recompute) for s in p.stages)
+                )
+            parts.append((p.batch, p.microbatches, part))
+        return (cand.schedule, cand.chunks, cand.optimizer, tuple(parts))
+
     @overload
     def evaluate(self, cand: Candidate) -> Score: ...
     @overload
@@ -218,7 +237,7 @@ class Planner(LayerSplitter):
     def evaluate(self, cand: Candidate | None) -> Score | None:
         if cand is None:
             return None
-        key = cand.key()
+        key = self.cand_key(cand)
         if key not in self.scored:
             self.scored[key] = (cand, self.cost.score(cand))
             if self.progress is not None:
@@ -263,7 +282,7 @@ class Planner(LayerSplitter):
                 if self.stop():
                     break
                 c = self.realize(nb)
-                if c is None or (c.key() not in self.scored and self.bound(c, best) >= best):
+                if c is None or (self.cand_key(c) not in self.scored and self.bound(c, best) >= best):
                     continue
                 s = self.evaluate(c)
                 if s is not None and s.step_time < best * (1 - 1e-9):

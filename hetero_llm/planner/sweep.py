@@ -157,7 +157,10 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
                 cand = planner.realize(st)
                 if cand is None:
                     continue
-                est = planner.estimate(cand)
+                # past the keep-th best, an entry never returns to the top (entries only push it down), so there
+                # its estimate's compute part, a lower bound, places it as well (its index and the list's length
+                # are the same either way)
+                est = planner.estimate(cand, found[keep - 1][0] if len(found) >= keep else INF)
                 found.append((est, len(found), st))
                 found.sort(key=lambda x: (x[0], x[1]))
                 del found[keep * 4 :]
