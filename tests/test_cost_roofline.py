@@ -304,3 +304,18 @@ def test_an_nccl_ring_crosses_each_node_once(tmp_path):
         lat = 2 * (8 - 1) * (max(cs.domain_lat.values()) + cs.p2p_latency)  # one bucket, a ring of 8
         assert 0 < lat < 0.1 * ts
         assert tp - lat == pytest.approx(times * (ts - lat), rel=1e-9), backend
+
+
+def test_the_search_prices_an_overlapped_sync_by_each_plans_rows(tmp_path):
+    """With plan.grad_overlap the sync hides behind the last microbatch's backward, whose length depends on the
+    rows per microbatch: two plans with the same stages and other rows have other syncs, and the search's
+    estimate and bound must not reuse one for the other (they did, memoised by devices and layers alone)."""
+    from hetero_llm.planner.search import Planner
+
+    cluster = load(tmp_path, cluster_text("grad_overlap = true\n"))
+    one, two = dp_candidate(cluster), dp_candidate(cluster)
+    two = attrs.evolve(two, pipelines=tuple(attrs.evolve(p, batch=2, microbatches=1) for p in two.pipelines))
+    fresh = [sum(PlannerCostModel(cluster).sync_and_optimizer(c)) for c in (one, two)]
+    assert fresh[0] != fresh[1]  # more rows: a longer backward hides more of the sync
+    planner = Planner(cluster)
+    assert [planner.sync_and_optimizer(c) for c in (one, two)] == fresh

@@ -61,7 +61,6 @@ class Planner(LayerSplitter):
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
         self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
         self._key_parts = ByIdentity()  # cand_key's, by a pipeline's stages' tuple
-        self._sync_opt: dict[tuple, float] = {}
         self._busy_memo: dict[tuple, float] = {}
         self.start = time.perf_counter()
 
@@ -204,17 +203,10 @@ class Planner(LayerSplitter):
         return t
 
     def sync_and_optimizer(self, cand: Candidate) -> float:
-        """Gradient sync + optimizer seconds (memoised: both depend on the stages' groups and layers only,
-        and a group is named by its devices inside one cluster)."""
-        if not self.cost.grad_overlap:  # the cost model memoises them under this key
-            sync, opt = self.cost.sync_and_optimizer(cand)
-            return sync + opt
-        key = tuple(tuple((s.group.devices, s.layers) for s in p.stages) for p in cand.pipelines)
-        t = self._sync_opt.get(key)
-        if t is None:
-            sync, opt = self.cost.sync_and_optimizer(cand)
-            t = self._sync_opt[key] = sync + opt
-        return t
+        """Gradient sync + optimizer seconds (the cost model memoises them, under a key that holds what they
+        depend on: with ``plan.grad_overlap`` the first stages' rows and recompute as well)."""
+        sync, opt = self.cost.sync_and_optimizer(cand)
+        return sync + opt
 
     # ---------------------------------------------------------------- scoring
     def cand_key(self, cand: Candidate) -> tuple:
