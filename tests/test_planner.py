@@ -133,6 +133,20 @@ def test_batch_shares_equal_the_plain_greedy_loop():
         unit = [1] * p if rng.random() < 0.5 else [rng.randint(1, 4) for _ in range(p)]
         total = rng.randint(0, 60)
         assert search.batch_shares(fill, slow, unit, total) == plain(fill, slow, unit, total)
+    # many microbatches over many pipelines (1024 GPUs: a batch of 1024 rows): the first ones are given below a
+    # level at once (search.below_level), the rest by the heap; ties of equal pipelines and keys on the level
+    for _ in range(150):
+        p = rng.randint(1, 40)
+        kinds = [(rng.uniform(0.5, 4.0), rng.uniform(0.01, 0.5)) for _ in range(rng.randint(1, 4))]
+        if rng.random() < 0.3:  # integers: keys equal between pipelines and to the level
+            kinds = [(float(rng.randint(1, 4)), float(rng.randint(1, 3))) for _ in kinds]
+        fill, slow = zip(*(rng.choice(kinds) for _ in range(p)))
+        total = rng.randint(0, 2000)
+        ones = [1] * p
+        counts = search.batch_shares(list(fill), list(slow), ones, total)
+        assert counts == plain(fill, slow, ones, total)
+        below = search.below_level(list(fill), list(slow), total)
+        assert sum(below) <= total and (total < 3 * p or sum(below) > 0)  # the level gives most of them
 
 
 # ------------------------------------------------------------------------------------ cost arithmetic

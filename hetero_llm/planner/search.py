@@ -22,6 +22,7 @@ than the seed.
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Iterator, Sequence
 from typing import overload
@@ -400,10 +401,13 @@ def batch_shares(fill: list[float], slow: list[float], unit: list[int], total: i
     come out even. A heap keeps it O(M log P): its keys (time, index) are distinct, so the order of pops is a
     function of its contents (tests/test_planner.py checks it against the plain loop)."""
     counts = [0] * len(fill)
-    heap = [(fill[i] + (unit[i] - 1) * slow[i], i) for i in range(len(counts))]
+    ones = bool(fill) and all(u == 1 for u in unit)
+    if ones:  # the first microbatches at once: those whose keys are below a level that leaves some for the heap
+        counts = below_level(fill, slow, total)
+    heap = [(fill[i] + (counts[i] + unit[i] - 1) * slow[i], i) for i in range(len(counts))]
     heapq.heapify(heap)
-    left = total
-    if heap and all(u == 1 for u in unit):  # the loop below with unit 1 (never more than what is left), unrolled
+    left = total - sum(counts)
+    if ones:  # the loop below with unit 1 (never more than what is left), unrolled
         replace = heapq.heapreplace
         while left > 0:
             i = heap[0][1]
@@ -418,3 +422,34 @@ def batch_shares(fill: list[float], slow: list[float], unit: list[int], total: i
         left -= unit[i]
         heapq.heappush(heap, (fill[i] + (counts[i] + unit[i] - 1) * slow[i], i))
     return None if left else counts
+
+
+def below_level(fill: list[float], slow: list[float], total: int) -> list[int]:
+    """For ``batch_shares`` with unit 1: per pipeline, how many of its keys ``fill + m x slow`` (m = 0, 1, ...,
+    as the heap computes them) are below a level T chosen so that at most ``total`` are. Every key below T comes
+    before every other in the heap's order (keys grow with m), so the heap would give exactly these first; it then
+    gives the rest (about two per pipeline) from there. All zeros where no level helps (few microbatches, a
+    pipeline whose keys do not grow)."""
+    P = len(fill)
+    target = total - 2 * P  # the continuous level's count, less the rounding up of each pipeline's
+    zeros = [0] * P
+    if target <= 0 or not all(0.0 < x < INF for x in slow) or not all(0.0 <= x < INF for x in fill):
+        return zeros
+    # the level T where sum over pipelines of max(0, (T - fill) / slow) = target: piecewise linear in T
+    rate, offset, level = 0.0, 0.0, 0.0
+    order = sorted(range(P), key=lambda i: fill[i])
+    for k, i in enumerate(order):
+        rate += 1.0 / slow[i]
+        offset += fill[i] / slow[i]
+        level = (target + offset) / rate
+        if k + 1 == P or level <= fill[order[k + 1]]:
+            break
+    counts = []
+    for f, s in zip(fill, slow):
+        m = max(0, math.ceil((level - f) / s))  # the first m whose key reaches the level, up to rounding
+        while m > 0 and f + (m - 1) * s >= level:
+            m -= 1
+        while f + m * s < level:
+            m += 1
+        counts.append(m)
+    return counts if sum(counts) <= total else zeros
