@@ -19,7 +19,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm import schedule as sched
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.model.params import layer_params, stage_params
-from hetero_llm.planner import pipesim, plan_cluster, search
+from hetero_llm.planner import pipesim, plan_cluster, shares
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -111,7 +111,7 @@ def test_fast_actions_equal_the_schedule_generators():
 
 
 def test_batch_shares_equal_the_plain_greedy_loop():
-    """search.batch_shares (a heap, unrolled for unit 1) gives the counts of the plain loop: each unit of
+    """shares.batch_shares (a heap, unrolled for unit 1) gives the counts of the plain loop: each unit of
     microbatches to the pipeline whose time grows least, the lower index on a tie, on random inputs with ties."""
 
     def plain(fill, slow, unit, total):
@@ -132,9 +132,9 @@ def test_batch_shares_equal_the_plain_greedy_loop():
         slow = [float(rng.randint(0, 3)) if rng.random() < 0.5 else rng.uniform(0, 3) for _ in range(p)]
         unit = [1] * p if rng.random() < 0.5 else [rng.randint(1, 4) for _ in range(p)]
         total = rng.randint(0, 60)
-        assert search.batch_shares(fill, slow, unit, total) == plain(fill, slow, unit, total)
+        assert shares.batch_shares(fill, slow, unit, total) == plain(fill, slow, unit, total)
     # many microbatches over many pipelines (1024 GPUs: a batch of 1024 rows): the first ones are given below a
-    # level at once (search.below_level), the rest by the heap; ties of equal pipelines and keys on the level
+    # level at once (shares.below_level), the rest by the heap; ties of equal pipelines and keys on the level
     for _ in range(150):
         p = rng.randint(1, 40)
         kinds = [(rng.uniform(0.5, 4.0), rng.uniform(0.01, 0.5)) for _ in range(rng.randint(1, 4))]
@@ -143,9 +143,9 @@ def test_batch_shares_equal_the_plain_greedy_loop():
         fill, slow = zip(*(rng.choice(kinds) for _ in range(p)))
         total = rng.randint(0, 2000)
         ones = [1] * p
-        counts = search.batch_shares(list(fill), list(slow), ones, total)
+        counts = shares.batch_shares(list(fill), list(slow), ones, total)
         assert counts == plain(fill, slow, ones, total)
-        below = search.below_level(list(fill), list(slow), total)
+        below = shares.below_level(list(fill), list(slow), total)
         assert sum(below) <= total and (total < 3 * p or sum(below) > 0)  # the level gives most of them
 
 

@@ -70,6 +70,7 @@ TORCH_FREE_MODULES = [
     "planner.memory",
     "planner.pipesim",
     "planner.search",
+    "planner.shares",
     "planner.layers",
     "planner.moves",
     "planner.exact",
