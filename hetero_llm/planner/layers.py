@@ -102,9 +102,14 @@ class LayerSplitter:
         key = self._memo_key(groups, rows, schedule, chunks, microbatches, others)
         if key is None:
             return (), None
+        return key, self._split_of(key, groups)
+
+    def _split_of(self, key: tuple, groups) -> tuple | None:
+        """``split_layers`` of ``groups`` under its memo key (``_memo_key``: stages, rows, schedule, chunks, m,
+        others)."""
         if key not in self._splits:
-            self._splits[key] = self._split_layers(groups, rows, schedule, chunks, key[4], others)
-        return key, self._splits[key]
+            self._splits[key] = self._split_layers(groups, *key[1:])
+        return self._splits[key]
 
     def split_and_fill(
         self,
@@ -123,7 +128,7 @@ class LayerSplitter:
             return None, 0.0, None
         known = self._fills.get(key)
         if known is None:
-            _, split = self._split_memo(groups, rows, schedule, chunks, microbatches, others)
+            split = self._split_of(key, groups)
             if split is None:
                 known = self._fills[key] = (None, 0.0, None)
             else:

@@ -152,7 +152,6 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
                 new[pi][k : k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                 make(new)
         yield from drain()
-    yield from drain()
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:
             make(pipes, rows=rows)
@@ -184,7 +183,6 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
     for i, j in itertools.product(range(n_max), range(n_max)):
         each(lambda p, i=i, j=j: reinsert(p, i, j))
         yield from drain()
-    yield from drain()
     ends = {min(range(P), key=lambda i: (rate[i], i)), max(range(P), key=lambda i: (rate[i], -i))}
     targets = set(range(P)) if P <= 4 else ends  # more pipelines: the slowest and the fastest
     for pi in [members[0] for members in list(reps.values())[:4]]:  # one pipeline per signature, as ``each``
@@ -201,7 +199,6 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
                     new[dst].insert(at, second)
                     make(new)
         yield from drain()
-    yield from drain()
     # last of all: the microbatch rows to the next size dividing the batch, above and below (doubling and halving
     # miss sizes such as 3 of a batch of 6: issue 23's misses under the eager/compiled pricing)
     for rows in next_divisors(planner.G, st.rows):
@@ -233,7 +230,6 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
                 q = cut(pipes[members[0]])
                 if q is not None:
                     shorter.append([q if i == members[0] else p for i, p in enumerate(pipes)])
-    yield from drain()
     for new in shorter:
         make(new)
     yield from drain()
