@@ -94,7 +94,8 @@ def summary(plan: Plan) -> str:
         if plan.sync_blocks
         else "gradient sync buckets: none (a single pipeline holds every parameter once)"
     )
-    grids = Counter(plan.schedules)
+    # compile_plan gives pipelines with equal lists the same tuple: counted by identity, not by hashing every action
+    grids = {id(s) for s in plan.schedules}
     lines += [
         f"schedules: {len(grids)} distinct grid{'s' if len(grids) > 1 else ''} over {len(plan.schedules)} "
         f"pipeline{'s' if len(plan.schedules) > 1 else ''}, {_between([len(a) for s in plan.schedules for a in s])} "

@@ -271,8 +271,12 @@ class Network:
     # the node's first rank only, which warns once for the node when its host lacks one).
     node_interfaces: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
+    @functools.cached_property  # asked for every group of the plan: the pairs made a dict once, not per group
+    def _env_of(self) -> dict[GroupKey, tuple[tuple[str, str], ...]]:
+        return dict(self.envs)
+
     def env(self, key: GroupKey) -> dict[str, str]:
-        return dict(dict(self.envs).get(key, ()))
+        return dict(self._env_of.get(key, ()))
 
 
 Slice = tuple[str, int, int, int]
