@@ -1,7 +1,7 @@
 """The control plane at scale: CPU seconds of each step before training, from 8 to 4,096 ranks.
 
     python -m bench.control_plane                      # 8 .. 4096 ranks (a few minutes)
-    python -m bench.control_plane --quick              # 8 and 64 ranks (seconds)
+    python -m bench.control_plane --quick              # 8 and 64 ranks, every phase in this process (seconds)
 
 Each size is a layout shaped like ``layouts/planned/mixed_1024gpu.toml`` (what hetero-plan gives its mixed
 cluster): Llama-2 7B, interleaved x2, ZeRO-1, NCCL, three network domains, pipelines of 4 stages and 8 GPUs,
@@ -187,7 +187,7 @@ def main() -> None:
             L.dump(lay, file)
             row: dict = {"ranks": ranks, "nodes": len(lay.cluster.nodes), "pipelines": len(lay.pipelines)}
             for phase in PHASES:
-                got = _child(phase, file)
+                got = measure(phase, file) if args.quick else _child(phase, file)  # --quick: a smoke test, in here
                 row[phase] = got["cpu_s"]
                 if "lines" in got and got["lines"]:
                     row[f"{phase} lines"] = got["lines"]
