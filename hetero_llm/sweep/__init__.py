@@ -25,6 +25,8 @@ from hetero_llm.sweep import report, results
 from hetero_llm.sweep.points import Point, points, shard
 from hetero_llm.sweep.spec import Mode, Spec, read_spec
 
+SHOWN = 20  # points the console's table shows (report.md has every one)
+
 __all__ = ["Checked", "Spec", "Summary", "check_points", "merge", "read_spec", "sweep", "version"]
 
 
@@ -290,7 +292,10 @@ def write_report(
     text = "\n".join(lines)
     write_atomically(out / "report.md", lambda f: f.write(text.encode()))
     report.plots(out, records, metric, say)
-    say(text.rstrip())
+    shown = report.table(records, metric).splitlines()
+    if len(shown) > SHOWN + 2:  # the console shows the best points; report.md has them all
+        shown = shown[: SHOWN + 2] + [f"... {len(records) - SHOWN} more points in {out / 'report.md'}"]
+    say("\n".join([lines[0], "", *shown, "", *lines[3:]]).rstrip())
     return best
 
 

@@ -64,7 +64,7 @@ def _combine(axes: tuple[Axis, ...], groups, combo: tuple[int, ...]) -> tuple[tu
     for (members, _), choice in zip(groups, combo):
         for i in members:
             picked[i] = axes[i].labels[choice]
-    return tuple((a.name, picked[i]) for i, a in enumerate(axes))
+    return tuple((a.name, picked[i]) for i, a in enumerate(axes) if not a.continuous)
 
 
 def _draw(axes: tuple[Axis, ...], groups, rng: random.Random) -> tuple[tuple[str, Any], ...]:

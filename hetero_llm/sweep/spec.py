@@ -16,7 +16,7 @@ import attrs
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import build
 from hetero_llm.layout import reader as layout_reader
-from hetero_llm.layout.fields import Check
+from hetero_llm.layout.fields import Check, check_own
 from hetero_llm.layout.fields import key as _key
 from hetero_llm.layout.writer import toml_value
 
@@ -117,6 +117,7 @@ def read_spec(path: str | Path) -> Spec:
     if "sweep" not in raw:
         raise LayoutError(file, "sweep", "missing section (add [sweep] with layout = 'your-layout.toml')")
     table = build(SweepTable, raw["sweep"], "sweep", file)
+    check_own(file, table, "sweep", *(f.name for f in attrs.fields(SweepTable)))
     folder = Path(path).parent
     base = folder / table.layout
     if not base.is_file():
