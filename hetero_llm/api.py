@@ -255,6 +255,8 @@ def run(
     """``hetero-launch LAYOUT --set ... --quiet --metrics-jsonl WORKDIR/metrics.jsonl`` to its end, on a port of its
     own, in a process group stopped whole at ``timeout_s``. ``args``: more hetero-launch options (``--checkpoint
     DIR``). A bad layout is raised (``LayoutError``) before anything starts; a failing run is returned (``status``)."""
+    from hetero_llm.launch.node import _die_with_parent
+
     load(layout_file, overrides)  # the one-line error here, not a child's exit code
     work = Path(workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -267,7 +269,11 @@ def run(
     child_env = {k: v for k, v in os.environ.items() if k not in _FOREIGN} | dict(env or {})
     start = time.monotonic()
     with open(work / "stdout.txt", "wb") as out, open(work / "stderr.txt", "wb") as err:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=child_env, start_new_session=True)
+        # its own process group (the timeout stops it whole), and it dies with this process (a killed sweep
+        # leaves no launch running: the launcher's ranks die with the launcher)
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=err, env=child_env, start_new_session=True, preexec_fn=_die_with_parent
+        )
         code, peak = _wait(proc, timeout_s)
     wall = time.monotonic() - start
     errors = [ln for ln in (work / "stderr.txt").read_text(errors="replace").splitlines() if ln.startswith("error:")]

@@ -267,6 +267,9 @@ sets = [["train.lr=0.01"], ["train.lr=1e30", "train.min_lr=1e29"], ["train.lr=0.
         time.sleep(0.1)
     done = results.read(out / results.RESULTS)
     assert [(r["point"], r["status"]) for r in done] == [(0, "ok")]
+    # point 1's launch was stopped, not left to finish: it had started moments before, it trained no step
+    cut = next((out / "points").glob("0001-*/metrics.jsonl"), None)
+    assert cut is None or cut.read_text() == ""
     kept = sorted((out / "points").glob("0000-*/metrics.jsonl"))[0].stat().st_mtime_ns
     second = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert second.returncode == 0, second.stdout + second.stderr
