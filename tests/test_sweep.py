@@ -191,6 +191,26 @@ def test_predict_sweep_records_resumes_and_reports(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_cluster_file_is_planned_first(tmp_path):
+    """The base is hetero-plan's layout for the cluster file (what layouts/planned/ holds), priced on its kinds;
+    a schedule the cost model does not price is recorded as such, with the reason."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f'[sweep]\nlayout = "{LAYOUTS / "clusters" / "small_cpu.toml"}"\nmode = "predict"\n\n'
+        '[[axes]]\nkey = "train.schedule"\nvalues = ["zbh1", "dynamic"]\n'
+    )
+    s = sweep.sweep(path, tmp_path / "out", say=quiet)
+    planned = hl.load(LAYOUTS / "planned" / "small_cpu.toml")
+    assert hl.layout_hash(hl.load(tmp_path / "out" / "base.toml")) == hl.layout_hash(planned)
+    zbh1, dynamic = s.records
+    assert zbh1["status"] == "predicted" and zbh1["hash"] == hl.layout_hash(planned)
+    assert zbh1["predicted"]["step_time_s"] == hl.evaluate(planned, LAYOUTS / "clusters" / "small_cpu.toml").step_time_s
+    assert dynamic["status"] == "unpriced" and dynamic["error"].endswith(
+        "train.schedule: 'dynamic' is not priced by the cost model (it prices gpipe, 1f1b, interleaved, zbh1; "
+        "evaluate the layout with one of those)"
+    )
+
+
 def test_shards_merge_into_the_whole_sweep(tmp_path):
     path = spec(tmp_path, AXES)
     whole = sweep.sweep(path, tmp_path / "whole", say=quiet)

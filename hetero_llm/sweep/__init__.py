@@ -202,7 +202,7 @@ def _record(c: Checked, ver: str, mode: str) -> dict[str, Any]:
         "hash": c.hash if c.layout is not None else None,
         "version": ver,
         "mode": mode,
-        "status": "predicted" if c.layout is not None else "invalid",
+        "status": "invalid" if c.layout is None else "predicted" if c.prediction is not None else "unpriced",
         "error": c.error or c.predict_error,
         "exit_code": None,
         "predicted": c.predicted(),

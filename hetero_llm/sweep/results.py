@@ -16,7 +16,14 @@ from hetero_llm.errors import LayoutError
 
 RESULTS = "results.jsonl"
 CSV = "results.csv"
-DONE = ("ok", "failed", "timeout", "predicted", "invalid")  # statuses a rerun does not redo (failed: --retry-failed)
+DONE = (
+    "ok",
+    "failed",
+    "timeout",
+    "predicted",
+    "unpriced",
+    "invalid",
+)  # statuses a rerun does not redo (failed: --retry-failed)
 
 
 def key(record: dict[str, Any]) -> tuple[str, str, str]:
