@@ -29,7 +29,9 @@ def default_out(spec_file: str) -> Path:
     help="The results folder (default: NAME-sweep here for NAME.toml; with --shard I/N, its shard-I-of-N).",
 )
 @click.option(
-    "--dry-run", is_flag=True, help="Validate and predict every point, print them; run nothing, write nothing."
+    "--dry-run",
+    is_flag=True,
+    help="Validate and predict every point and print them; run nothing (a cluster file as the base is still planned).",
 )
 @click.option(
     "--shard",
