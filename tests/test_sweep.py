@@ -116,6 +116,27 @@ def test_bad_shard_and_missing_layout(tmp_path):
     )
 
 
+def test_bad_sections_out_and_slices(tmp_path):
+    path = tmp_path / "s.toml"
+    path.write_text(f'[sweep]\nlayout = "{QUICKSTART}"\n[[axis]]\nkey = "train.lr"\n')
+    result = CliRunner().invoke(sweep_command, [str(path)])
+    assert result.output == f"error: {path}: axis: unknown section 'axis' (did you mean 'axes'?)\n"
+    path.write_text("[[axes]]\nkey = 'train.lr'\nvalues = [1]\n")
+    result = CliRunner().invoke(sweep_command, [str(path)])
+    assert result.output == f"error: {path}: sweep: missing section (add [sweep] with layout = 'your-layout.toml')\n"
+    good, file = spec(tmp_path, AXES), tmp_path / "a-file"
+    file.write_text("")
+    result = CliRunner().invoke(sweep_command, [str(good), "-o", str(file)])
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {file}: --out: is a file (name a folder for the results)\n",
+    )
+    result = CliRunner().invoke(merge_command, [str(good), str(tmp_path), "-o", str(tmp_path / "m")])
+    assert result.output == (
+        f"error: {tmp_path}: results.jsonl: no results here (pass the --out folder of a sweep or of a --shard slice)\n"
+    )
+
+
 def test_points_of_grid_zip_when_and_draws(tmp_path):
     grid = sweep.read_spec(spec(tmp_path, AXES))
     assert [p.values for p in points(grid)][:2] == [
