@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 from click.testing import CliRunner
 
@@ -20,6 +21,7 @@ from hetero_llm import sweep
 from hetero_llm.cli.sweep import merge_command, sweep_command
 from hetero_llm.sweep import report, results
 from hetero_llm.sweep.points import points
+from hetero_llm.sweep.spec import AXIS_KEYS, SweepTable
 
 QUICKSTART = LAYOUTS / "quickstart.toml"
 
@@ -344,3 +346,9 @@ def test_the_console_script_and_its_merge(capsys):
     assert (
         e.value.code == 0 and "Usage: hetero-sweep merge [OPTIONS] SPEC.toml [SLICE_DIR]..." in capsys.readouterr().out
     )
+
+
+def test_docs_name_every_key_of_a_sweep_file():
+    text = (ROOT / "docs" / "api.md").read_text()
+    assert all(f"`sweep.{f.name}`" in text for f in attrs.fields(SweepTable))
+    assert all(f"axes[].{key}" in text or f"`{key}`" in text for key in AXIS_KEYS)
