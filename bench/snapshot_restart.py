@@ -31,7 +31,7 @@ import click
 
 from bench import benchlib as B
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, holders, snapshots
+from hetero_llm.checkpoint import folders, holders, snapshots, trust
 from hetero_llm.launch import restart
 from hetero_llm.plan import Plan, compile_plan
 
@@ -79,13 +79,14 @@ def rank_state(plan: Plan, rank: int):
     return rp, state, optimizer
 
 
-def snapshot_ranks(plan: Plan, root: Path, step: int, ranks) -> dict[int, tuple]:
-    """Ranks ``ranks`` of ``plan`` (``rank_state``) take a snapshot at ``step`` into round folder ``root``; their
-    (state, optimizer) by rank."""
+def snapshot_ranks(plan: Plan, root: Path, step: int, ranks, key: bytes) -> dict[int, tuple]:
+    """Ranks ``ranks`` of ``plan`` (``rank_state``) take a snapshot at ``step`` into round folder ``root``, their
+    records signed with ``key`` (the run's: ``trust.run_key`` of its --checkpoint DIR); their (state, optimizer) by
+    rank."""
     states = {}
     for r in ranks:
         rp, state, optimizer = rank_state(plan, r)
-        writer = snapshots.SnapshotWriter(rp, root)
+        writer = snapshots.SnapshotWriter(rp, root, key)
         writer.take(state, optimizer, step)
         writer.wait()
         states[r] = (state, optimizer)
@@ -98,6 +99,7 @@ def agree_round(
     """One elastic round of the nodes ``nodes`` (one worker each, the first torchrun's rank 0; ``shm/NODE``: each
     node's snapshot folder, None: no snapshots), threads over a real TCPStore: per node, what ``restart.agree``
     returned (or raised, as a 1-tuple) and the seconds it took."""
+    key = trust.run_key(checkpoint) if shm else None
     server = _store(len(nodes), True, 0)
     members = [(n, 0) for n in nodes]
     results: dict[str, tuple] = {}
@@ -107,7 +109,7 @@ def agree_round(
         t0 = time.perf_counter()
         try:
             got = restart.agree(
-                store, rank, members, plan.layout, str(checkpoint), shm / nodes[rank] if shm else None, timeout_s
+                store, rank, members, plan.layout, str(checkpoint), shm / nodes[rank] if shm else None, key, timeout_s
             )
             results[nodes[rank]] = (got, time.perf_counter() - t0)
         except Exception as e:  # reported, not lost in the thread
@@ -131,9 +133,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
     """One measurement of each kind (see the module's docstring); the snapshots written anew (not timed)."""
     ckpt, step = tmp / "ckpt", 5
     for node, ranks in PLACED.items():
-        snapshot_ranks(plan, shm / node / "a-000000", step, ranks)
+        snapshot_ranks(plan, shm / node / "a-000000", step, ranks, trust.run_key(ckpt))
     shutil.rmtree(shm / "n2")  # lost with its node
-    choice = holders.choose({n: holders.held(shm / n) for n in ("n0", "n1")}, plan.layout, 3)
+    choice = holders.choose({n: holders.held(shm / n, trust.run_key(ckpt)) for n in ("n0", "n1")}, plan.layout, 3)
     assert choice is not None and choice.nodes == ["n0", "n1"], choice
     alone = tmp / "alone"
     alone.mkdir()
@@ -159,8 +161,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
 
 def disk_save(plan: Plan, tmp: Path, step: int) -> Path:
     """A complete save of ``plan``'s every rank at ``step`` in ``tmp/ckpt`` (made as a round makes one)."""
-    snapshot_ranks(plan, tmp / "d" / "a-000000", step, range(plan.world_size))
-    choice = holders.choose({"d": holders.held(tmp / "d")}, plan.layout, -1)
+    key = trust.run_key(tmp / "ckpt")
+    snapshot_ranks(plan, tmp / "d" / "a-000000", step, range(plan.world_size), key)
+    choice = holders.choose({"d": holders.held(tmp / "d", key)}, plan.layout, -1)
     assert choice is not None
     folder = folders.step_folder(tmp / "ckpt", step)
     holders.begin(folder)
