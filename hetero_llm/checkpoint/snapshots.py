@@ -9,9 +9,9 @@ cheap), then written by a background thread while the next steps compute; at mos
                                      and their MAC under the run's key (``checkpoint.trust``)
 
 so a ``.json`` vouches for a whole ``.pt``, and only the run's key makes one that is believed. The folders are
-made 0700, the files 0600: no other user reads the weights or moments. Each rank keeps its two newest snapshots (a peer may be one snapshot
-behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start step>``): files of different
-layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
+made 0700, the files 0600: no other user reads the weights or moments. Each rank keeps its two newest snapshots
+(a peer may be one snapshot behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start
+step>``): files of different layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import stat
 from pathlib import Path
 
 from hetero_llm._fs import TMP, fsync_dir
+from hetero_llm.checkpoint import folders
 from hetero_llm.errors import CheckpointError
 
 KEY = "snapshots.key"  # the run's secret, in --checkpoint DIR
@@ -123,7 +124,7 @@ def _read_key(path: Path) -> bytes:
 
 def place(round_: str, step: int, rank: int) -> str:
     """Where a rank's snapshot file is in a node's snapshot folder, as its record's MAC names it."""
-    return f"{round_}/step-{step:06d}/rank{rank}"
+    return f"{round_}/{folders.step_folder('', step).name}/rank{rank}"
 
 
 def sign(key: bytes, record: dict, where: str) -> str:
