@@ -9,7 +9,8 @@ TCPStore, as torchrun's workers talk over theirs) then agrees where to resume: `
 what each node holds, chooses step 5, has n0 and n1 copy their files into ``DIR/step-000005`` (sha256 checked)
 and seals it. Measured, interleaved ``reps`` times, medians: that agreement (the slowest worker's wall time), the
 same round without snapshots (it resumes from the disk save: only the chooser's look at ``DIR``), and the copy
-alone (``holders.copy_into`` of the same files, one after the other). Mode: one process, CPU, threads.
+alone (``holders.copy_into`` of the same files, one after the other) and the checks ``--resume`` makes, which the
+chooser runs on the copy before sealing it (``shards.check_resumable``). Mode: one process, CPU, threads.
 Usage: ``python -m bench.snapshot_restart [--hidden 256] [--quick]``.
 """
 
@@ -31,7 +32,7 @@ import click
 
 from bench import benchlib as B
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, holders, snapshots, trust
+from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust
 from hetero_llm.launch import restart
 from hetero_llm.plan import Plan, compile_plan
 
@@ -143,6 +144,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
     holders.copy_into(shm / "n0", alone, [f for f in choice.files if f.node == "n0"], lambda n: None)
     holders.copy_into(shm / "n1", alone, [f for f in choice.files if f.node == "n1"], lambda n: None)
     copy_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shards.check_resumable(holders.unsealed(alone, choice, plan.layout), plan.layout)
+    check_s = time.perf_counter() - t0
     shutil.rmtree(alone)
     memory = agree_round(plan, ckpt, shm, ["n0", "n1"])
     folder = folders.step_folder(ckpt, step)
@@ -155,6 +159,7 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
         "memory_s": max(r[1] for r in memory.values()),
         "disk_s": max(r[1] for r in disk.values()),
         "copy_s": copy_s,
+        "check_s": check_s,
         "copied_mb": sum(f.size for f in choice.files) / 1e6,
     }
 
@@ -204,11 +209,11 @@ def main(quick, hidden, reps, out_dir):
             f"TCPStore; snapshots in /dev/shm, `--checkpoint DIR` in a temporary folder on disk; {reps} rep(s), "
             "medians.",
             "",
-            "| round resumes from | agreement ms (slowest worker) | the copy alone ms | MB copied |",
-            "| --- | --- | --- | --- |",
+            "| round resumes from | agreement ms (slowest worker) | the copy alone ms | its check alone ms | MB copied |",
+            "| --- | --- | --- | --- | --- |",
             f"| the snapshot of step 5 held on n0 and n1 | {1e3 * med['memory_s']:.1f} | {1e3 * med['copy_s']:.1f} | "
-            f"{med['copied_mb']:.2f} |",
-            f"| the disk save of step 3 (no snapshots) | {1e3 * med['disk_s']:.1f} | 0 | 0 |",
+            f"{1e3 * med['check_s']:.1f} | {med['copied_mb']:.2f} |",
+            f"| the disk save of step 3 (no snapshots) | {1e3 * med['disk_s']:.1f} | 0 | 0 | 0 |",
         ]
     )
     B.say(md)
