@@ -59,3 +59,11 @@ def test_bad_rank_or_length_is_refused():
         cp_chunks.chunk_ranges(8, 3, 0)
     with pytest.raises(ValueError):
         cp_chunks.chunk_ranges(8, 2, 2)
+
+
+def test_document_ids():
+    spans = np.array([[0, 0, 3], [0, 3, 5], [1, 0, 2], [1, 4, 3]])  # row 1: padding at 2, 3 and 7
+    got = cp_chunks.document_ids(spans, 2, 8)
+    assert got.dtype == np.int64
+    assert got.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, -1, -1, 3, 3, 3, -1]]
+    assert cp_chunks.document_ids(np.zeros((0, 3)), 1, 4).tolist() == [[-1] * 4]

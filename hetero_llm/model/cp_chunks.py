@@ -30,3 +30,15 @@ def local_positions(seq_len: int, cp: int, r: int) -> np.ndarray:
     """(seq_len // cp,) int64: the global positions rank ``r`` holds, in local order."""
     (a, b), (c, d) = chunk_ranges(seq_len, cp, r)
     return np.concatenate([np.arange(a, b, dtype=np.int64), np.arange(c, d, dtype=np.int64)])
+
+
+def document_ids(spans: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """(rows, width) int64: the document each position is in, numbered in ``spans``' order; -1 at padding.
+
+    ``spans``: (documents, 3) of (row, start, length), as ``data.documents.PackedRows`` gives them. What a CP
+    rank's attention compares (``model.context.ContextShard.doc``), taken at its ``local_positions``.
+    """
+    out = np.full((rows, width), -1, dtype=np.int64)
+    for d, (row, start, n) in enumerate(np.asarray(spans, dtype=np.int64).reshape(-1, 3).tolist()):
+        out[row, start : start + n] = d
+    return out
