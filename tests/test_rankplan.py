@@ -57,7 +57,7 @@ def test_every_group_a_rank_uses_is_one_it_belongs_to(plan):
         assert set(used) <= member, (rp.rank, set(used) - member)
         assert {key for key, _ in rp.network.envs} == member  # created under its settings: every group it is in
         for kind, key in rp.routes.groups:  # a route travels in the group of its own boundary and direction
-            routes = getattr(rp.routes, kind.value.lower())
+            routes = getattr(rp.routes, kind.value.lower()) or getattr(rp.routes, f"{kind.value.lower()}_runs", ())
             for route in routes if isinstance(routes, tuple) else (routes,):
                 assert isinstance(key, P2PKey) and key == plan.route_group(key.direction, route)
                 assert {route.src, route.dst} <= set(keys[key].ranks)
@@ -303,3 +303,68 @@ def test_context_parallel_plan_facts():
     assert "  cp          index 1 of 2, ring [1, 3] in cp[p0.s0.t1]: keys/values to rank 1, from rank 1; " in (
         dryrun.describe_rank(plan.rank_plans[3])
     )
+
+
+def _cp_pair(tp_a: int, cp_a: int, tp_b: int, cp_b: int):
+    n = tp_a * cp_a + tp_b * cp_b
+    devices = [f'"node0:{i}"' for i in range(n)]
+    return compile_plan(
+        layout_mod.loads(
+            f"""
+[model]
+layers = 2
+hidden = 48
+heads = 12
+vocab = 64
+seq_len = 24
+[train]
+steps = 1
+global_batch = 2
+[cluster]
+[[cluster.nodes]]
+name = "node0"
+devices = [{", ".join(['"cpu"'] * n)}]
+[[pipelines]]
+batch = 2
+microbatches = 1
+[[pipelines.stages]]
+layers = 1
+devices = [{", ".join(devices[: tp_a * cp_a])}]
+cp = {cp_a}
+[[pipelines.stages]]
+layers = 1
+devices = [{", ".join(devices[tp_a * cp_a :])}]
+cp = {cp_b}
+"""
+        )
+    )
+
+
+@pytest.mark.parametrize("tp_a,cp_a,tp_b,cp_b", [(1, 4, 1, 2), (2, 2, 1, 3), (1, 1, 3, 2), (3, 2, 2, 1), (1, 6, 2, 4)])
+def test_rechunking_routes_give_each_receiver_its_positions_once(tp_a, cp_a, tp_b, cp_b):
+    """Between stages of different cp, every rank receives each position it holds exactly once, in its local
+    order, from a rank holding it there; both directions (gradients go back the same way)."""
+    from hetero_llm.model import cp_chunks
+
+    plan = _cp_pair(tp_a, cp_a, tp_b, cp_b)
+    seq = plan.layout.model.seq_len
+    a, b = plan.stages
+
+    def held(rank: int) -> list[int]:
+        st, info = plan.stage_of(rank), plan.ranks[rank]
+        return cp_chunks.local_positions(seq, st.cp, info.cp_index).tolist()
+
+    for routes, senders, receivers in ((plan.routes_f, a, b), (plan.routes_b, b, a)):
+        assert all(r.runs and (r.piece, r.pieces) == (0, 1) for r in routes)
+        for dst in receivers.ranks:
+            got: dict[int, int] = {}
+            for r in (r for r in routes if r.dst == dst):
+                assert r.src in senders.ranks
+                for s, d, n in r.runs:
+                    for k in range(n):
+                        assert d + k not in got
+                        got[d + k] = held(r.src)[s + k]
+            assert [got[k] for k in range(len(held(dst)))] == held(dst)
+        for rp in (plan.rank_plan(r) for r in receivers.ranks):  # what the rank posts: one receive per sender
+            runs = rp.routes.recv_f_runs if receivers is b else rp.routes.recv_b_runs
+            assert {r.src for r in runs} == {r.src for r in routes if r.dst == rp.rank}

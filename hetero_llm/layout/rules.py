@@ -194,14 +194,6 @@ def _validate_context_parallel(layout: Layout, pi: int, si: int) -> None:
         raise LayoutError(
             f, "train.compile", f"'blocks' cannot compile {sp}'s ring attention (cp = {cp}) yet (set compile = 'none')"
         )
-    if si > 0 and layout.pipelines[pi].stages[si - 1].cp != cp:
-        before = layout.pipelines[pi].stages[si - 1].cp
-        raise LayoutError(
-            f,
-            f"{sp}.cp",
-            f"{cp} differs from stages[{si - 1}].cp = {before}: re-chunking at a stage boundary is not "
-            f"supported yet (give the pipeline's stages one cp)",
-        )
 
 
 def _validate_model_options(layout: Layout) -> None:

@@ -192,7 +192,7 @@ def compile_plan(layout: Layout) -> Plan:
         schedules.append(tuple(tuple(a) for a in actions))
 
     pairs = blocks.boundary_pairs(stages, wrap=chunks > 1)
-    routes_f, routes_b = blocks.boundary_routes(pairs)
+    routes_f, routes_b = blocks.boundary_routes(pairs, layout.model.seq_len)
     sync_blocks = blocks.sync_blocks(layout, stages)
     node_of = [r.node for r in ranks]
 
@@ -351,15 +351,19 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
     """``rank``'s pieces of its stage boundaries and the groups they travel in."""
 
     def received(routes: tuple[Route, ...]) -> Route | None:
-        return next((r for r in routes if r.dst == rank), None)
+        return next((r for r in routes if r.dst == rank and not r.runs), None)
+
+    def runs(routes: tuple[Route, ...]) -> tuple[Route, ...]:  # a boundary that re-chunks: one per sender
+        return tuple(r for r in routes if r.dst == rank and r.runs)
 
     recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
+    runs_f, runs_b = runs(plan.routes_f), runs(plan.routes_b)
     send_f = tuple(r for r in plan.routes_f if r.src == rank)
     send_b = tuple(r for r in plan.routes_b if r.src == rank)
     sides = (
-        (Kind.RECV_F, recv_f),
+        (Kind.RECV_F, recv_f or (runs_f[0] if runs_f else None)),
         (Kind.SEND_F, send_f[0] if send_f else None),
-        (Kind.RECV_B, recv_b),
+        (Kind.RECV_B, recv_b or (runs_b[0] if runs_b else None)),
         (Kind.SEND_B, send_b[0] if send_b else None),
     )
     groups = []
@@ -367,7 +371,7 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
         if route is not None:
             assert kind.direction is not None  # a send or a receive has one
             groups.append((kind, plan.route_group(kind.direction, route)))
-    return StageRoutes(recv_f, send_f, recv_b, send_b, tuple(groups))
+    return StageRoutes(recv_f, send_f, recv_b, send_b, tuple(groups), runs_f, runs_b)
 
 
 def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:

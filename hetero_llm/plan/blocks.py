@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from hetero_llm.layout import CROSS_DOMAIN, DEFAULT_TRANSPORT, P2P, SHM, Backend, Layout
+from hetero_llm.model import cp_chunks
 from hetero_llm.model.params import ParamInfo, shard_range
 from hetero_llm.plan.rank import RankInfo, Route, StagePlan, SyncBlocks
 
@@ -56,17 +57,49 @@ def boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan,
     return pairs
 
 
-def boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Route], list[Route]]:
-    """Each boundary between the TP groups of the same context-parallel rank (the same chunks of every sequence;
-    the validator keeps a boundary's cp): one piece per receiver, senders taken in turn."""
-    fwd, bwd = [], []
+def boundary_routes(pairs: list[tuple[StagePlan, StagePlan]], seq_len: int) -> tuple[list[Route], list[Route]]:
+    """Each boundary between the TP groups of the same context-parallel rank (the same chunks of every sequence):
+    one piece per receiver, senders taken in turn; between stages of different cp, ``rechunk``'s runs."""
+    fwd: list[Route] = []
+    bwd: list[Route] = []
     for a, b in pairs:
-        assert a.cp == b.cp, "re-chunking between stages of different cp"  # refused by the validator
+        if a.cp != b.cp:
+            fwd += rechunk(a, b, seq_len)
+            bwd += rechunk(b, a, seq_len)
+            continue
         for c in range(a.cp):
             senders, receivers = a.tp_ranks(c), b.tp_ranks(c)
             fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
             bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
     return fwd, bwd
+
+
+def rechunk(a: StagePlan, b: StagePlan, seq_len: int) -> list[Route]:
+    """Routes from stage ``a`` to stage ``b`` of another cp: every rank of ``b`` receives exactly the positions it
+    holds, from each CP rank of ``a`` holding some of them (its TP rank of the same index modulo ``a``'s TP size,
+    so the TP ranks of ``a`` share the sending), as runs of consecutive positions."""
+    out = []
+    for i, dst in enumerate(b.ranks):
+        c_b, t_b = divmod(i, b.tp)
+        want = cp_chunks.local_positions(seq_len, b.cp, c_b)
+        for c_a in range(a.cp):
+            have = cp_chunks.local_positions(seq_len, a.cp, c_a)
+            src_of = {int(p): j for j, p in enumerate(have)}
+            pairs = [(src_of[int(p)], k) for k, p in enumerate(want) if int(p) in src_of]
+            if pairs:
+                out.append(Route(a.tp_ranks(c_a)[t_b % a.tp], dst, 0, 1, _runs(pairs)))
+    return out
+
+
+def _runs(pairs: list[tuple[int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """(src, dst) index pairs, in dst order, as runs (src, dst, length) of pairs both consecutive."""
+    runs: list[list[int]] = []
+    for src, dst in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return tuple((s, d, n) for s, d, n in runs)
 
 
 def sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:

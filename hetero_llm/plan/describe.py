@@ -132,19 +132,21 @@ def describe_rank(rp: RankPlan) -> str:
     lines += ["", "routes (stage-boundary pieces):"]
     r = rp.routes
     sides = [
-        (Kind.RECV_F, [r.recv_f] if r.recv_f else []),
+        (Kind.RECV_F, [r.recv_f] if r.recv_f else list(r.recv_f_runs)),
         (Kind.SEND_F, list(r.send_f)),
-        (Kind.RECV_B, [r.recv_b] if r.recv_b else []),
+        (Kind.RECV_B, [r.recv_b] if r.recv_b else list(r.recv_b_runs)),
         (Kind.SEND_B, list(r.send_b)),
     ]
     for kind, routes in sides:
         for route in routes:
             key = r.group(kind)
             assert key is not None  # a side with a route has its group
-            lines.append(
-                f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
-                f"rank {route.dst}  in {key.name}"
+            what = (
+                "positions " + ", ".join(f"{s}-{s + n - 1} -> {d}-{d + n - 1}" for s, d, n in route.runs)
+                if route.runs
+                else f"piece {route.piece} of {route.pieces}"
             )
+            lines.append(f"  {kind.value.lower():<7} {what}  rank {route.src} -> rank {route.dst}  in {key.name}")
     if not any(routes for _, routes in sides):
         lines.append("  (none: a one-stage pipeline)")
     lines += ["", "groups this rank creates, in order (* = a member):"]

@@ -181,6 +181,10 @@ class Route:
     dst: int
     piece: int
     pieces: int
+    # Re-chunking between stages of different cp: the sender's positions the receiver holds, as runs
+    # (sender's local index, receiver's local index, length) along the sequence; sent whole, not in pieces
+    # (piece 0 of 1), a receiver assembling its tensor from every sender it has a run from. () : the whole tensor.
+    runs: tuple[tuple[int, int, int], ...] = ()
 
 
 @attrs.frozen
@@ -230,6 +234,10 @@ class StageRoutes:
     recv_b: Route | None = None
     send_b: tuple[Route, ...] = ()
     groups: tuple[tuple[Kind, P2PKey], ...] = ()  # (RECV_F | SEND_F | RECV_B | SEND_B, the group it travels in)
+    # A boundary that re-chunks (stages of different cp): the runs this rank receives, from each of its senders
+    # (recv_f / recv_b are then None).
+    recv_f_runs: tuple[Route, ...] = ()
+    recv_b_runs: tuple[Route, ...] = ()
 
     def group(self, kind: Kind) -> P2PKey | None:
         return dict(self.groups).get(kind)
