@@ -66,6 +66,12 @@ CASES = [
     ("cp 1 x tp 2 feeding cp 2, gpipe", [(12, 2, [(3, 2, 1), (3, 1, 2)])], {"schedule": layout.Schedule.GPIPE}),
     ("cp 2, 2 stages, zbh1", [(12, 3, [(3, 1, 2), (3, 1, 2)])], {"schedule": layout.Schedule.ZBH1}),
     (
+        "cp 2 -> cp 1 wrapping to cp 2, interleaved",
+        [(12, 2, [(4, 1, 2), (2, 1, 1)])],
+        {"schedule": layout.Schedule.INTERLEAVED, "chunks": 2},
+    ),
+    ("cp 2, recompute full", [(12, 3, [(6, 1, 2)])], {"recompute": layout.Recompute.FULL}),
+    (
         "cp 2 beside cp 1, adamw_zero1",
         [(8, 2, [(6, 1, 2)]), (4, 1, [(6, 1, 1)])],
         {"optimizer": layout.Optimizer.ADAMW_ZERO1},
