@@ -23,8 +23,6 @@ import torch.distributed as dist
 
 from hetero_llm.comm.p2p import finish
 
-KV_TAG = 1 << 21  # apart from stage-boundary tags (p2p._tag) and the hot-switching exchange (p2p.SWITCH_TAG)
-
 
 @attrs.frozen(eq=False)
 class Ring:
@@ -44,8 +42,10 @@ class Ring:
         """The CP index whose block this rank holds after ``step`` shifts."""
         return (self.index - step) % self.size
 
-    def shift(self, tensors: Sequence[torch.Tensor], tag: int = KV_TAG) -> Shift:
-        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous (non-blocking)."""
+    def shift(self, tensors: Sequence[torch.Tensor], tag: int) -> Shift:
+        """Send ``tensors`` to the next rank and receive same-shaped ones from the previous (non-blocking).
+
+        ``tag``: the stream's (tensor j goes as ``tag + j``), apart from stage-boundary tags (``p2p._tag``)."""
         if self.size == 1:
             return Shift([], list(tensors), [])
         nxt, prev = self.ranks[(self.index + 1) % self.size], self.ranks[(self.index - 1) % self.size]
