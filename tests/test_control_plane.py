@@ -26,12 +26,12 @@ ZERO1 = ("--set", "train.optimizer=adamw_zero1")
 def _layouts():
     yield layout_mod.load(LAYOUTS / "papers" / "hexiscale_three_pipelines.toml", ZERO1[1:])  # TP 4 | 2,2 | 1,1,1,1
     yield layout_mod.load(LAYOUTS / "planned" / "holmes_two_domains.toml", ZERO1[1:])
-    yield layout_mod.load(LAYOUTS / "examples" / "two_pipelines.toml", ZERO1[1:])
+    yield layout_mod.load(LAYOUTS / "examples" / "context_parallel.toml", ZERO1[1:])
     # two pipeline shapes cut differently, interleaved x2, ZeRO-1, three domains (the benchmark's layout)
     yield layout_mod.loads(layout_mod.dumps(control_plane.scale_layout("scale.toml", 32)), "scale.toml")
 
 
-@pytest.fixture(scope="module", params=range(4), ids=["hexiscale3", "holmes", "two_pipelines", "scale32"])
+@pytest.fixture(scope="module", params=range(4), ids=["hexiscale3", "holmes", "context_parallel", "scale32"])
 def plan(request):
     return compile_plan(list(_layouts())[request.param])
 
@@ -56,9 +56,9 @@ def _scanned_sync_blocks(plan):
     for st in plan.stages:
         for info in _scanned_params(st, plan.layout.model):
             infos[info.name] = info
-            for ti, rank in enumerate(st.ranks):
-                holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
-                label[rank] = st.label
+            for i, rank in enumerate(st.ranks):  # CP-major: TP index i % tp, context-parallel index i // tp
+                holders[info.name].append((rank, *shard_range(info, st.tp, i % st.tp)))
+                label[rank] = (st.label, i // st.tp)
     by_group = defaultdict(list)
     for name, held in holders.items():
         cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
@@ -70,17 +70,24 @@ def _scanned_sync_blocks(plan):
 
 
 def _scanned_routes(plan, rank):
-    recv_f = next((r for r in plan.routes_f if r.dst == rank), None)
-    recv_b = next((r for r in plan.routes_b if r.dst == rank), None)
+    recv_f = next((r for r in plan.routes_f if r.dst == rank and not r.runs), None)
+    recv_b = next((r for r in plan.routes_b if r.dst == rank and not r.runs), None)
+    runs_f = tuple(r for r in plan.routes_f if r.dst == rank and r.runs)
+    runs_b = tuple(r for r in plan.routes_b if r.dst == rank and r.runs)
     send_f = tuple(r for r in plan.routes_f if r.src == rank)
     send_b = tuple(r for r in plan.routes_b if r.src == rank)
-    sides = ((Kind.RECV_F, recv_f), (Kind.SEND_F, send_f[:1]), (Kind.RECV_B, recv_b), (Kind.SEND_B, send_b[:1]))
+    sides = (
+        (Kind.RECV_F, recv_f or runs_f[:1]),
+        (Kind.SEND_F, send_f[:1]),
+        (Kind.RECV_B, recv_b or runs_b[:1]),
+        (Kind.SEND_B, send_b[:1]),
+    )
     groups = tuple(
         (kind, plan.route_group(kind.direction, route[0] if isinstance(route, tuple) else route))
         for kind, route in sides
         if route
     )
-    return StageRoutes(recv_f, send_f, recv_b, send_b, groups)
+    return StageRoutes(recv_f, send_f, recv_b, send_b, groups, runs_f, runs_b)
 
 
 def _scanned_units(plan):

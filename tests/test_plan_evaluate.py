@@ -100,3 +100,19 @@ def test_a_layout_of_another_batch_precision_or_optimizer_is_one_line(tmp_path):
     only.write_text(CLUSTER.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n', 1))
     result = run(only, "--evaluate", zero1)
     assert result.exit_code == 2 and "train.optimizer: 'adamw_zero1' differs" in result.output
+
+
+def test_a_layout_with_context_parallelism_is_refused_not_mispriced(tmp_path):
+    """The cost model prices a stage's devices as one TP group: a stage of cp 2 would be priced as TP 2."""
+    lay = layout_mod.load(LAYOUTS / "planned" / "small_cpu.toml")
+    first, second = lay.pipelines[0].stages
+    stage = attrs.evolve(first, devices=("fast0:0", "fast0:1"), cp=2)
+    pipe = attrs.evolve(lay.pipelines[0], batch=8, stages=(stage, second))
+    path = tmp_path / "cp.toml"
+    dump(attrs.evolve(lay, pipelines=(pipe,)), path)
+    result = run(CLUSTER, "--evaluate", path)
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {path}: pipelines[0].stages[0].cp: 2: the cost model does not price context parallelism yet "
+        "(evaluate it with cp = 1)\n",
+    )

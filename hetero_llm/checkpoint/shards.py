@@ -175,6 +175,37 @@ def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
     return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
 
 
+def check_resumable(ckpt: Checkpoint) -> None:
+    """Every check ``restore`` makes of a save's files, over the whole save (every rank file, every tensor), keeping
+    nothing it read: each file readable as tensors only and its shards the model's shapes, every tensor covered, one
+    optimizer step, finite values (the model and the steps left are ``folders.check_fits``', which the caller runs
+    first: the runtime side never sees the layout). The elastic restart runs both on a snapshot step copied into
+    ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that ``--resume`` would refuse.
+    Raises ``CheckpointError`` naming the first problem."""
+    steps, held = set(), {}
+    for rank in range(ckpt.world_size):
+        saved = _load_rank_file(ckpt, rank)
+        steps.add(saved.get("optimizer_steps"))
+        for name, shard in saved["shards"].items():
+            held.setdefault(name, []).append(tuple(shard["coords"]))
+        _check_finite(
+            {k: {n: shard[k] for n, shard in saved["shards"].items()} for k in ("tensor", *MOMENTS)}, ckpt.path
+        )
+    if len(steps) != 1 or not isinstance(next(iter(steps)), int):
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"rank files disagree on the optimizer step ({sorted(map(str, steps))}): the "
+            f"save is damaged; {checkpoint.DAMAGED}",
+        )
+    for name, full in ckpt.shapes.items():
+        gap = checkpoint.uncovered(name, full, held.get(name, []))
+        if gap:
+            raise CheckpointError(
+                str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {checkpoint.DAMAGED}"
+            )
+
+
 def _check_finite(shards: dict[str, dict[str, torch.Tensor]], folder: Path) -> None:
     """Refuse a save holding NaN or infinite values: a save of a diverged run, or damage meta.json's checksums
     could not catch (a save without them, or a file written with its NaN and its checksum recorded)."""

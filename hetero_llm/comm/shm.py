@@ -62,7 +62,9 @@ def ring_specs(plan: Plan) -> list[RingSpec]:
             if via[group] != SHM or r.src == r.dst:
                 continue
             pipe = lay.pipelines[src.pipeline]
-            numel = pipe.batch // pipe.microbatches * lay.model.seq_len * lay.model.hidden
+            # positions of each row it carries: a re-chunking route's runs, else the receiver's 1 / cp of them
+            width = sum(n for _, _, n in r.runs) if r.runs else lay.model.seq_len // plan.stage_of(r.dst).cp
+            numel = pipe.batch // pipe.microbatches * width * lay.model.hidden
             piece = -(-numel // r.pieces) * itemsize
             out.append(
                 RingSpec(r.src, r.dst, direction, pipe.microbatches * lay.train.chunks, -(-piece // 64) * 64, group)
@@ -137,7 +139,8 @@ def _terminate_as_exit():
 
 
 def sweep(where: str) -> None:
-    """Remove ring files whose creator is dead (killed between creating and unlinking them)."""
+    """Remove this user's ring files whose creator is dead (killed between creating and unlinking them). Another
+    user's are left alone: as root, the sticky bit of /dev/shm would not stop the unlink."""
     try:
         names = os.listdir(where)
     except OSError:
@@ -150,7 +153,9 @@ def sweep(where: str) -> None:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(where, name))
+                path = os.path.join(where, name)
+                if os.lstat(path).st_uid == os.geteuid():
+                    os.unlink(path)
         except PermissionError:
             pass
 
