@@ -100,7 +100,10 @@ class PlannerCostModel(MemoryModel):
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
-        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster))
+        # a row's sum of squared document lengths: S^2 (one document per row) unless [plan.documents] says
+        self.square = cluster.documents.square_sum(self.S)
+        modes = execution_modes(cluster)
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *modes, square=self.square)
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # gloo moves a network message only once its receive is posted; a node's shared-memory rings (its CPU
@@ -133,7 +136,8 @@ class PlannerCostModel(MemoryModel):
         return self.S * (8 * self.H**2 + 2 * self.nm * self.H * self.F)
 
     def layer_forward_flops(self) -> float:
-        return self.layer_matmul_flops() + 2 * self.S**2 * self.H
+        """Forward FLOPs of one layer for one row: its matmuls and the attention of its documents."""
+        return self.layer_matmul_flops() + 2 * self.square * self.H
 
     def head_forward_flops(self) -> float:
         return 2 * self.S * self.H * self.V
@@ -152,7 +156,7 @@ class PlannerCostModel(MemoryModel):
     ) -> tuple[float, float, float, float]:
         """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences;
         memoised: they depend on the group's kind (named uniquely inside a cluster) and TP size only."""
-        key = (group.kind.name, len(group.devices), layers, last, rows, recompute)
+        key = (group.kind.name, len(group.devices), layers, last, rows, recompute, group.cp)
         t = self._stage_times.get(key)
         if t is None:
             t = self._stage_times[key] = self._stage_times_raw(group, layers, last, rows, recompute)
@@ -162,8 +166,9 @@ class PlannerCostModel(MemoryModel):
         self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
     ) -> tuple[float, float, float, float]:
         measured = self.profile.get(group.kind.name) if self.profile else None
-        if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
-            scale = rows / group.tp
+        cp = group.cp
+        if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / (TP x CP)
+            scale = rows / group.tp / cp
             lf, lb = measured.layer_forward_s * scale, measured.layer_backward_s * scale
             hf, hb = (measured.head_forward_s * scale, measured.head_backward_s * scale) if last else (0.0, 0.0)
             fwd = layers * lf + hf
@@ -171,9 +176,9 @@ class PlannerCostModel(MemoryModel):
             wgt = layers * lb * self.layer_matmul_flops() / (2 * self.layer_forward_flops()) + hb / 2
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         elif group.kind.pricing == ROOFLINE:
-            lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp)
+            lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp, cp)
             head_tp = group.tp if self.vocab_parallel else 1  # the runtime computes the whole head on each rank
-            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp) if last else (0.0, 0.0, 0.0)
+            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp, cp) if last else (0.0, 0.0, 0.0)
             fwd, wgt = layers * lf + hf, layers * lw + hw
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         else:
@@ -186,9 +191,35 @@ class PlannerCostModel(MemoryModel):
                 wgt += head
             bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
         link = self.intra_bw(group)
-        one = self.allreduce(rows * self.S * self.H * self.act_bytes, group.tp, link)
+        one = self.allreduce(rows * self.S // cp * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
+        if cp > 1:  # the ring's K/V steps the attention's blocks do not hide
+            ring_f, ring_b = self.ring_exposed(group, rows)
+            tp_f, tp_b = tp_f + layers * ring_f, tp_b + layers * (ring_b + (ring_f if recompute else 0.0))
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
+
+    def ring_bytes(self, group: TPGroup, rows: int) -> float:
+        """Bytes one CP rank sends its ring neighbour per step of one layer's forward: its K and V chunk,
+        ``2 x rows S / cp x kv_heads / tp x head_dim x`` the activation bytes (the backward sends twice that:
+        K, V and their gradients)."""
+        m = self.model
+        return 2 * rows * self.S / group.cp * m.kv_heads_n / group.tp * m.head_dim * self.act_bytes
+
+    def ring_exposed(self, group: TPGroup, rows: int) -> tuple[float, float]:
+        """(forward, backward) seconds per layer of context parallelism's ring that the attention does not hide.
+        A rank's attention runs in ``cp`` blocks (its queries against each K/V chunk in turn) and each of the
+        ``cp - 1`` transfers overlaps one block: a step costs ``max(0, transfer - block)``, the transfer over
+        the link between ring neighbours (a group is one node's devices: the intra-node link) plus its latency."""
+        cp = group.cp
+        bw, lat = self.link(group, group)
+        nbytes = self.ring_bytes(group, rows)
+        if group.kind.pricing == ROOFLINE:
+            attn_f, attn_b = self.roofline.attention(group.kind, rows, group.tp, cp)
+        else:
+            attn_f = rows * 2 * self.square * self.H / group.flops
+            attn_b = 2 * attn_f
+        step_f, step_b = nbytes / bw + lat, 2 * nbytes / bw + lat
+        return (cp - 1) * max(0.0, step_f - attn_f / cp), (cp - 1) * max(0.0, step_b - attn_b / cp)
 
     @staticmethod
     def intra_bw(group: TPGroup) -> float:
@@ -354,7 +385,7 @@ class PlannerCostModel(MemoryModel):
         and recompute too."""
         if self.grad_overlap:
             key: tuple = tuple(
-                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                (p.batch, p.microbatches, tuple((s.group.name, s.layers, s.recompute) for s in p.stages))
                 for p in cand.pipelines
             )
         else:
@@ -368,17 +399,30 @@ class PlannerCostModel(MemoryModel):
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
-            t = self._sync_opt[key] = (self.grad_sync_time(cand, spans), self.optimizer_time(cand, spans))
+            sync = self.grad_sync_time(cand, spans) + self.cp_sync_time(cand)
+            t = self._sync_opt[key] = (sync, self.optimizer_time(cand, spans))
         if not self.grad_overlap:
             self._sync_by_stages.put(stages, t)
         return t
+
+    def cp_sync_time(self, cand: Candidate) -> float:
+        """Seconds of the all-reduce of each stage's gradients over its CP ranks (they hold the same weights),
+        over the intra-node link, before the sync between pipelines; the slowest stage's. 0 without CP."""
+        worst = 0.0
+        for p in cand.pipelines:
+            n = len(p.stages)
+            for i, s in enumerate(p.stages):
+                if s.group.cp > 1:
+                    nbytes = self.stage_params(s.group.tp, s.layers, i == 0, i == n - 1) * self.grad_bytes
+                    worst = max(worst, self.allreduce(nbytes, s.group.cp, self.intra_bw(s.group)))
+        return worst
 
     def _sync_part(self, stages: tuple) -> tuple:
         """A pipeline's part of ``sync_and_optimizer``'s key (its groups' devices and layers), memoised by its
         stages' tuple."""
         part = self._sync_parts.get((stages,))
         if part is None:
-            part = self._sync_parts.put((stages,), tuple((s.group.devices, s.layers) for s in stages))
+            part = self._sync_parts.put((stages,), tuple((s.group.name, s.layers) for s in stages))
         return part
 
     def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:

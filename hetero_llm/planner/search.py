@@ -59,6 +59,7 @@ class Planner(LayerSplitter):
         self.realized: dict[tuple, Candidate | None] = {}
         self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
+        self._reshaped: dict[tuple, TPGroup] = {}  # reshape(): (devices, CP size) -> group
         self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
         self._key_parts = ByIdentity()  # cand_key's, by a pipeline's stages' tuple
         self._busy_memo: dict[tuple, float] = {}
@@ -70,6 +71,30 @@ class Planner(LayerSplitter):
         return [
             t for t in range(1, min(cap, devices) + 1) if self.model.heads % t == 0 and self.model.ffn_width % t == 0
         ]
+
+    def cp_sizes(self, devices: int) -> list[int]:
+        """The CP sizes a group of ``devices`` devices can take (``plan.max_cp``): each dividing the devices into
+        TP groups of a size ``tp_sizes`` allows, and the sequence into 2 x cp chunks (the load-balanced ring)."""
+        S = self.model.seq_len
+        return [
+            c
+            for c in range(1, min(self.limits.max_cp, devices) + 1)
+            if devices % c == 0 and (c == 1 or S % (2 * c) == 0) and devices // c in self.tp_sizes(devices // c)
+        ]
+
+    def group_sizes(self, devices: int) -> list[int]:
+        """The sizes of a stage's group (TP x CP) up to ``devices``: ``tp_sizes`` when plan.max_cp is 1."""
+        return [n for n in range(1, devices + 1) if self.cp_sizes(n)]
+
+    def reshape(self, g: TPGroup, cp: int) -> TPGroup:
+        """``g``'s devices as TP x ``cp`` (the same object each time it is asked for)."""
+        if g.cp == cp:
+            return g
+        key = (g.devices, cp)
+        made = self._reshaped.get(key)
+        if made is None:
+            made = self._reshaped[key] = attrs.evolve(g, cp=cp)
+        return made
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
         """Each node's devices in TP groups of its kind's size in ``tp_by_kind`` (or the largest that fits). A group
@@ -217,7 +242,7 @@ class Planner(LayerSplitter):
             part = self._key_parts.get((p.stages,))
             if part is None:
                 part = self._key_parts.put(
-                    (p.stages,), tuple((s.group.devices, s.layers, s.recompute) for s in p.stages)
+                    (p.stages,), tuple((s.group.devices, s.layers, s.recompute, s.group.cp) for s in p.stages)
                 )
             parts.append((p.batch, p.microbatches, part))
         return (cand.schedule, cand.chunks, cand.optimizer, tuple(parts))
@@ -331,6 +356,7 @@ class Planner(LayerSplitter):
     def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
         """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
         structures = sweep.sweep(self, keep=8) if swept else []
+        structures += self.with_cp(structures)
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)
@@ -371,6 +397,20 @@ class Planner(LayerSplitter):
                 distinct.append((cand, sc))
         elapsed = time.perf_counter() - self.start
         return Result(best, score, tuple(distinct), len(self.scored), elapsed, seed_score, self.cut_by_time)
+
+    def with_cp(self, structures: list[Structure]) -> list[Structure]:
+        """Each structure with every group (that can) at each CP size of ``plan.max_cp``: start points for the
+        local search's reshape moves (none when max_cp is 1)."""
+        out = []
+        for c in range(2, self.limits.max_cp + 1):
+            for st in structures:
+                pipes = tuple(
+                    tuple(self.reshape(g, c) if c in self.cp_sizes(len(g.devices)) else g for g in p)
+                    for p in st.pipelines
+                )
+                if pipes != st.pipelines:
+                    out.append(attrs.evolve(st, pipelines=pipes))
+        return out
 
     def closest(self) -> Candidate:
         """When nothing fits: the candidate least over memory, among those scored and the most frugal one
