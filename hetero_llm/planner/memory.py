@@ -1,10 +1,12 @@
 """The planner's memory model: parameters and bytes on each device of a candidate layout. Torch-free.
 
 Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
-plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
-inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
-``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), plus what RMS norm, RoPE and packed documents
-save besides (``layer_activation_bytes``, checked against the runtime's saved tensors), times the schedule's peak
+plus activations in flight: per token and layer ``4 H + nf F / t`` elements outside the attention (the two norms'
+inputs and outputs; the MLP's intermediate tensors, ``nf`` = 2 for GELU, 4 for SwiGLU) and the attention's
+(``attention_activation_bytes``: Q, K, V and the attention output split by TP; with ``plan.attention = "flash"``,
+the runtime's SDPA, no S x S matrix, only its log-sum-exp; with ``"unfused"`` the scores' softmax output, dropout
+mask and dropout output, ``heads / t x S`` of each per token), plus what RMS norm, RoPE and packed documents save
+besides (``layer_activation_bytes``, checked against the runtime's saved tensors), times the schedule's peak
 microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
 1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
 working set. The last stage adds one microbatch's logits and their gradient (float32). With
@@ -35,6 +37,11 @@ STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment eleme
 # positions or more (the ladder 8, 12, 16, 24, ...; shorter ones pad to 8); the projection after it saves the
 # scattered output: (4 x DOC_PAD + 1) H / t per token where the plain path saves 4 H / t
 DOC_PAD = 1.5
+# Unfused attention (plan.attention = "unfused", Megatron-LM's CoreAttention) saves, per score, the softmax's
+# output (its backward reads it), the dropout's mask (one byte: torch's bool mask) and the dropout's output (the
+# probabilities x V matmul reads it): 2 a + 1 bytes, the ``5 a s / h`` of Korthikanti et al. 2022 (arXiv
+# 2205.05198, section 4.1) in fp16; the roofline prices the same two kernels (roofline.Roofline.attention)
+SCORE_MASK_BYTES = 1
 
 
 class MemoryModel:
@@ -49,6 +56,7 @@ class MemoryModel:
         self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
         self.margin = cluster.limits.memory_margin
         self.documents = cluster.data.packing is Packing.DOCUMENTS
+        self.unfused = cluster.limits.attention == "unfused"
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
@@ -191,19 +199,35 @@ class MemoryModel:
     def layer_activation_bytes(self, tp: int) -> float:
         """Bytes one layer saves for its backward per token, on one device of a TP group of ``tp``: what the
         runtime's block (model/forward.py) saves, counted with autograd's saved-tensor hooks for every norm,
-        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%)."""
+        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%), its attention's
+        as ``attention_activation_bytes`` counts them."""
         m, H, F = self.model, self.H, self.F
         nf = 4 if m.mlp is Mlp.SWIGLU else 2
-        full = 4 * H + (4 * H + nf * F) / tp
-        # the norms' statistics (layer norm: mean and rstd; RMS norm: rstd) and SDPA's log-sum-exp per head
-        full += 2 * (2 if m.norm is Norm.LAYERNORM else 1) + m.heads / tp
+        full = 4 * H + nf * F / tp
+        # the norms' statistics (layer norm: mean and rstd; RMS norm: rstd)
+        full += 2 * (2 if m.norm is Norm.LAYERNORM else 1)
         if m.norm is Norm.RMSNORM:  # F.rms_norm runs as several ops (on CPU): two more H-wide tensors per norm
             full += 2 * H
+        return full * self.act_bytes + self.attention_activation_bytes(tp)
+
+    def attention_activation_bytes(self, tp: int, keys: float | None = None) -> float:
+        """Bytes one layer's attention saves for its backward per token (query position), on one device of a TP
+        group of ``tp``: Q, K, V and the attention's output (``H / t`` each; the output is the projection's
+        input), RoPE's, and by ``plan.attention``: ``flash`` (the runtime's SDPA) its log-sum-exp per head, and
+        with packed documents their padded copies (see ``DOC_PAD``); ``unfused`` the ``heads / t x keys`` scores'
+        softmax output, dropout mask and dropout output (``SCORE_MASK_BYTES``). ``keys``: the keys each query's
+        scores span, ``seq_len`` when not given (the whole window, as Megatron-LM's masked scores do)."""
+        m, H, a = self.model, self.H, self.act_bytes
+        full = 4 * H / tp
         if m.position is Position.ROPE:  # the rotation saves q's and k's halves and the cos and sin rows
             full += H / tp + m.head_dim
+        if self.unfused:
+            keys = self.S if keys is None else keys
+            return full * a + m.heads / tp * keys * (2 * a + SCORE_MASK_BYTES)
+        full += m.heads / tp  # SDPA's log-sum-exp
         if self.documents:  # the padded copies (see DOC_PAD); with RoPE the rotated q and k are not saved again
             full += (4 * (DOC_PAD - 1) + 1) * H / tp - (H / tp if m.position is Position.ROPE else 0)
-        return full * self.act_bytes
+        return full * a
 
     def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
