@@ -25,6 +25,7 @@ TORCH_FREE_MODULES = [
     "layout.cluster_rules",
     "layout.cluster_file",
     "model.params",
+    "model.cp_chunks",
     "plan",
     "plan.rank",
     "plan.describe",
@@ -97,6 +98,7 @@ TORCH_FREE_TESTS = [
     "test_cli_errors.py",
     "test_switch.py",
     "test_rankplan.py",
+    "test_cp_chunks.py",
 ]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "

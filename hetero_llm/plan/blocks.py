@@ -57,11 +57,15 @@ def boundary_pairs(stages: list[StagePlan], wrap: bool) -> list[tuple[StagePlan,
 
 
 def boundary_routes(pairs: list[tuple[StagePlan, StagePlan]]) -> tuple[list[Route], list[Route]]:
+    """Each boundary between the TP groups of the same context-parallel rank (the same chunks of every sequence;
+    the validator keeps a boundary's cp): one piece per receiver, senders taken in turn."""
     fwd, bwd = [], []
     for a, b in pairs:
-        senders, receivers = a.ranks, b.ranks
-        fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
-        bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
+        assert a.cp == b.cp, "re-chunking between stages of different cp"  # refused by the validator
+        for c in range(a.cp):
+            senders, receivers = a.tp_ranks(c), b.tp_ranks(c)
+            fwd += [Route(senders[j % len(senders)], receivers[j], j, len(receivers)) for j in range(len(receivers))]
+            bwd += [Route(receivers[i % len(receivers)], senders[i], i, len(senders)) for i in range(len(senders))]
     return fwd, bwd
 
 
@@ -69,13 +73,13 @@ def sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:
     # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
     holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     infos: dict[str, ParamInfo] = {}
-    stage_of: dict[int, str] = {}
+    stage_of: dict[int, tuple[str, int]] = {}  # rank -> (stage, context-parallel index): its TP group
     for st in stages:
         for info in st.params(layout.model):
             infos[info.name] = info
-            for ti, rank in enumerate(st.ranks):
-                holders[info.name].append((rank, *shard_range(info, st.tp, ti)))
-                stage_of[rank] = st.label
+            for i, rank in enumerate(st.ranks):
+                holders[info.name].append((rank, *shard_range(info, st.tp, i % st.tp)))
+                stage_of[rank] = (st.label, i // st.tp)
     by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
     for name, held in holders.items():
         dim = infos[name].shard_dim or 0
@@ -83,7 +87,8 @@ def sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:
         for lo, hi in zip(cuts, cuts[1:]):
             group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
             # Holders inside one TP group already have identical gradients (replicated tensors see
-            # replicated activations and all-reduced input gradients): nothing to sum.
+            # replicated activations and all-reduced input gradients): nothing to sum. The TP groups of a
+            # stage's context-parallel ranks hold the same blocks with the gradients of their own tokens: summed.
             if len({stage_of[r] for r in group}) > 1:
                 by_group[group].append((name, dim, lo, hi))
     return [SyncBlocks(g, tuple(e)) for g, e in sorted(by_group.items())]

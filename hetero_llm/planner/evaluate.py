@@ -56,6 +56,12 @@ def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:
                     f"{list(stage.devices)} are not devices of one node of the cluster file {cluster.file} "
                     f"(its nodes: {', '.join(nodes)})",
                 )
+            if stage.cp > 1:  # its devices are TP x CP: priced as one TP group of all of them, it would be wrong
+                raise LayoutError(
+                    where,
+                    f"pipelines[{p}].stages[{s}].cp",
+                    f"{stage.cp}: the cost model does not price context parallelism yet (evaluate it with cp = 1)",
+                )
             node = nodes[next(iter(names))]
             recompute = (stage.recompute or layout.train.recompute) is Recompute.FULL
             group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind)

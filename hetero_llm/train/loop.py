@@ -21,7 +21,7 @@ from hetero_llm.comm.streams import Streams
 from hetero_llm.data import batches as data
 from hetero_llm.data import documents
 from hetero_llm.data import held_out as evaluate
-from hetero_llm.errors import Diverged, RankFailure
+from hetero_llm.errors import Diverged, LayoutError, RankFailure
 from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.forward import Compute
@@ -99,6 +99,12 @@ def train(
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
     by a record per step (bench/soak.py)."""
     tr, model, rank = rp.train, rp.model, rp.rank
+    if rp.context is not None:  # the plan is compiled, the runtime does not feed chunks yet: refuse, never mistrain
+        raise LayoutError(
+            rp.file,
+            f"pipelines[{rp.pipeline}].stages[{rp.stage.stage}].cp",
+            f"{rp.context.size}: context parallelism is planned but not trained yet (set cp = 1)",
+        )
     device = comms.device
     console = rp.reports and not quiet
     state, restored = starting_state(rp, device, resume, progress=console)
