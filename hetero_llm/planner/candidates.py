@@ -15,7 +15,7 @@ from hetero_llm.planner.cluster import DeviceKind
 class TPGroup:
     """A stage's devices, of one node: a TP group, or with context parallelism ``cp`` TP groups of
     ``len(devices) / cp`` devices each holding ``1 / cp`` of every sequence's tokens (the layout's
-    ``[[pipelines.stages]] cp``: devices TP-major, ``cp`` rank ``r`` = devices ``r*tp .. r*tp + tp - 1``)."""
+    ``[[pipelines.stages]] cp``: devices CP-major, CP rank ``r``'s TP group devices ``r tp .. r tp + tp - 1``)."""
 
     node: str
     domain: str

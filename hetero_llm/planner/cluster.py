@@ -58,7 +58,6 @@ from hetero_llm.layout import (
     Layout,
     ModelSpec,
     Optimizer,
-    Packing,
     Precision,
     TrainSpec,
 )
@@ -68,7 +67,7 @@ from hetero_llm.planner import catalogue
 from hetero_llm.planner import profile as profile_mod
 from hetero_llm.planner.catalogue import DeviceKind, catalogue_kind
 from hetero_llm.planner.catalogue import doc as _doc
-from hetero_llm.planner.documents import Documents, DocumentsSpec, documents_of
+from hetero_llm.planner.documents import Documents, DocumentsSpec, read_documents
 from hetero_llm.planner.profile import Profile
 
 
@@ -264,6 +263,13 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
                 "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
             )
         limits = attrs.evolve(limits, schedules=kept)
+    if train.compile is Compile.BLOCKS and limits.max_cp > 1:  # the layout would be refused
+        raise LayoutError(
+            file,
+            "plan.max_cp",
+            f"{limits.max_cp}: train.compile = 'blocks' cannot compile the ring attention of context parallelism "
+            "(set plan.max_cp = 1, or train.compile = 'none')",
+        )
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
@@ -295,24 +301,10 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     elif limits.profile:
         where = Path(file).parent / limits.profile
         profile = profile_mod.read(where, file, "plan.profile", model, train.precision)
-    documents = _documents(file, plan.get("documents", {}), sec["data"], model.seq_len)
+    documents = read_documents(file, plan.get("documents", {}), sec["data"])
     return Cluster(
         file, model, train, sec["data"], cluster, tuple(nodes), _network(cluster), limits, profile, documents
     )
-
-
-def _documents(file: str, raw: object, data: DataSpec, seq_len: int) -> Documents:
-    """``[plan.documents]``, checked; per-document pricing needs the runtime's document masks."""
-    docs = documents_of(file, layout_mod._build(DocumentsSpec, raw, "plan.documents", file), seq_len)
-    if not docs.per_row and data.packing is not Packing.DOCUMENTS:
-        raise LayoutError(
-            file,
-            "plan.documents.distribution",
-            f"{docs.distribution!r} prices attention per document, but data.packing is "
-            f"'{data.packing.value}': the runtime attends across the whole row (set data.packing = 'documents', "
-            "or remove [plan.documents])",
-        )
-    return docs
 
 
 def check_devices(cluster: Cluster) -> None:

@@ -8,9 +8,11 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
   ``roofline.Roofline`` (matmuls at the achieved rate for their shape, attention, memory-bound norms,
   activations, residuals and cross-entropy, as the run executes them: ``plan.execution``, eager by default
   with the host's dispatch per op, compiled, or hand-fused); of a **flops** kind (``cpu``, the
-  emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H`` (+ ``2 S H V`` for the head) over TP x
+  emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 Q H`` (+ ``2 S H V`` for the head) over TP x
   the kind's tflops, a backward twice that, its weight part the matmuls once: exactly what the emulated
   runtime charges (predict/device.action_seconds). Full recompute adds one forward to every backward.
+  ``Q``: a row's sum of squared document lengths, ``S^2`` unless ``[plan.documents]`` (documents.py) says.
+  Context parallelism (a stage's ``cp``): ``1 / cp`` of the tokens per device, plus its ring (context.py).
 - TP: Megatron's two all-reduces per layer in forward and two in backward (four when the backward
   recomputes), ring all-reduce ``2 (t-1)/t x bytes / link``, over the kind's intra-node link at its NCCL
   efficiency.
@@ -47,7 +49,7 @@ import math
 import numpy as np
 
 from hetero_llm.layout import P2P, Backend, Compile
-from hetero_llm.planner import pipesim
+from hetero_llm.planner import context, pipesim
 from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
@@ -100,10 +102,8 @@ class PlannerCostModel(MemoryModel):
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
-        # a row's sum of squared document lengths: S^2 (one document per row) unless [plan.documents] says
-        self.square = cluster.documents.square_sum(self.S)
-        modes = execution_modes(cluster)
-        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *modes, square=self.square)
+        self.square = cluster.documents.square_sum(self.S)  # a row's attention: S^2 unless [plan.documents] says
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster), self.square)
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # gloo moves a network message only once its receive is posted; a node's shared-memory rings (its CPU
@@ -136,7 +136,6 @@ class PlannerCostModel(MemoryModel):
         return self.S * (8 * self.H**2 + 2 * self.nm * self.H * self.F)
 
     def layer_forward_flops(self) -> float:
-        """Forward FLOPs of one layer for one row: its matmuls and the attention of its documents."""
         return self.layer_matmul_flops() + 2 * self.square * self.H
 
     def head_forward_flops(self) -> float:
@@ -193,33 +192,9 @@ class PlannerCostModel(MemoryModel):
         link = self.intra_bw(group)
         one = self.allreduce(rows * self.S // cp * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
-        if cp > 1:  # the ring's K/V steps the attention's blocks do not hide
-            ring_f, ring_b = self.ring_exposed(group, rows)
-            tp_f, tp_b = tp_f + layers * ring_f, tp_b + layers * (ring_b + (ring_f if recompute else 0.0))
+        ring_f, ring_b = context.ring_exposed(self, group, rows)  # CP: the ring steps the attention does not hide
+        tp_f, tp_b = tp_f + layers * ring_f, tp_b + layers * (ring_b + (ring_f if recompute else 0.0))
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
-
-    def ring_bytes(self, group: TPGroup, rows: int) -> float:
-        """Bytes one CP rank sends its ring neighbour per step of one layer's forward: its K and V chunk,
-        ``2 x rows S / cp x kv_heads / tp x head_dim x`` the activation bytes (the backward sends twice that:
-        K, V and their gradients)."""
-        m = self.model
-        return 2 * rows * self.S / group.cp * m.kv_heads_n / group.tp * m.head_dim * self.act_bytes
-
-    def ring_exposed(self, group: TPGroup, rows: int) -> tuple[float, float]:
-        """(forward, backward) seconds per layer of context parallelism's ring that the attention does not hide.
-        A rank's attention runs in ``cp`` blocks (its queries against each K/V chunk in turn) and each of the
-        ``cp - 1`` transfers overlaps one block: a step costs ``max(0, transfer - block)``, the transfer over
-        the link between ring neighbours (a group is one node's devices: the intra-node link) plus its latency."""
-        cp = group.cp
-        bw, lat = self.link(group, group)
-        nbytes = self.ring_bytes(group, rows)
-        if group.kind.pricing == ROOFLINE:
-            attn_f, attn_b = self.roofline.attention(group.kind, rows, group.tp, cp)
-        else:
-            attn_f = rows * 2 * self.square * self.H / group.flops
-            attn_b = 2 * attn_f
-        step_f, step_b = nbytes / bw + lat, 2 * nbytes / bw + lat
-        return (cp - 1) * max(0.0, step_f - attn_f / cp), (cp - 1) * max(0.0, step_b - attn_b / cp)
 
     @staticmethod
     def intra_bw(group: TPGroup) -> float:
@@ -369,12 +344,8 @@ class PlannerCostModel(MemoryModel):
             return sync
         # torch DDP: buckets all-reduce as the last microbatch's backward produces them, the last one after it;
         # the first stage finishes its backward last
-        window = min(
-            self.stage_times(p.stages[0].group, p.stages[0].layers, len(p.stages) == 1, p.rows, p.stages[0].recompute)[
-                1
-            ]
-            for p in cand.pipelines
-        )
+        firsts = [(p.stages[0], len(p.stages) == 1, p.rows) for p in cand.pipelines]
+        window = min(self.stage_times(s.group, s.layers, last, rows, s.recompute)[1] for s, last, rows in firsts)
         held = ordered_sums(sp.per_stage(UID).astype(np.int64), shard, len(self._facts))  # per group (its devices)
         tail = sync * min(1.0, DDP_BUCKET_BYTES / float(held.max()))
         return max(sync - window, tail)
@@ -399,23 +370,11 @@ class PlannerCostModel(MemoryModel):
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
-            sync = self.grad_sync_time(cand, spans) + self.cp_sync_time(cand)
+            sync = self.grad_sync_time(cand, spans) + context.cp_sync_time(self, cand)
             t = self._sync_opt[key] = (sync, self.optimizer_time(cand, spans))
         if not self.grad_overlap:
             self._sync_by_stages.put(stages, t)
         return t
-
-    def cp_sync_time(self, cand: Candidate) -> float:
-        """Seconds of the all-reduce of each stage's gradients over its CP ranks (they hold the same weights),
-        over the intra-node link, before the sync between pipelines; the slowest stage's. 0 without CP."""
-        worst = 0.0
-        for p in cand.pipelines:
-            n = len(p.stages)
-            for i, s in enumerate(p.stages):
-                if s.group.cp > 1:
-                    nbytes = self.stage_params(s.group.tp, s.layers, i == 0, i == n - 1) * self.grad_bytes
-                    worst = max(worst, self.allreduce(nbytes, s.group.cp, self.intra_bw(s.group)))
-        return worst
 
     def _sync_part(self, stages: tuple) -> tuple:
         """A pipeline's part of ``sync_and_optimizer``'s key (its groups' devices and layers), memoised by its

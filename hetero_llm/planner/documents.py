@@ -29,6 +29,8 @@ import attrs
 import numpy as np
 
 from hetero_llm.errors import LayoutError
+from hetero_llm.layout import DataSpec, Packing
+from hetero_llm.layout.reader import build
 from hetero_llm.planner.catalogue import doc
 
 ROW, LOGNORMAL, LENGTHS = "row", "lognormal", "lengths"
@@ -48,7 +50,9 @@ class DocumentsSpec:
         default=ROW,
     )
     median: float = doc("lognormal: median document length in tokens (>= 2)", default=0.0)
-    sigma: float = doc("lognormal: standard deviation of the log of the length (>= 0; larger: a longer tail)", default=0.0)
+    sigma: float = doc(
+        "lognormal: standard deviation of the log of the length (>= 0; larger: a longer tail)", default=0.0
+    )
     file: str = doc(
         "lengths: a text file, relative to the cluster file, of one document length in tokens per line, "
         "optionally followed by how many documents have it ('LENGTH COUNT'); '#' starts a comment",
@@ -101,7 +105,21 @@ def piece_sums(n: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
     return full * S + tail, full * float(S) * S + tail * tail
 
 
-def documents_of(file: str, spec: DocumentsSpec, seq_len: int) -> Documents:
+def read_documents(file: str, raw: object, data: DataSpec) -> Documents:
+    """``[plan.documents]`` (``raw``) checked and read; per-document pricing needs the runtime's document masks."""
+    docs = documents_of(file, build(DocumentsSpec, raw, "plan.documents", file))
+    if not docs.per_row and data.packing is not Packing.DOCUMENTS:
+        raise LayoutError(
+            file,
+            "plan.documents.distribution",
+            f"{docs.distribution!r} prices attention per document, but data.packing is "
+            f"'{data.packing.value}': the runtime attends across the whole row (set data.packing = 'documents', "
+            "or remove [plan.documents])",
+        )
+    return docs
+
+
+def documents_of(file: str, spec: DocumentsSpec) -> Documents:
     """``spec`` checked (a ``LayoutError`` naming the key otherwise) and read (a histogram file)."""
     where = "plan.documents"
     if spec.distribution not in DISTRIBUTIONS:
@@ -123,7 +141,9 @@ def documents_of(file: str, spec: DocumentsSpec, seq_len: int) -> Documents:
                 file, f"{where}.median", f"must be a length in tokens >= 2, got {spec.median:g} (e.g. median = 2048)"
             )
         if not spec.sigma >= 0:
-            raise LayoutError(file, f"{where}.sigma", f"must be >= 0 (0: every document the median), got {spec.sigma:g}")
+            raise LayoutError(
+                file, f"{where}.sigma", f"must be >= 0 (0: every document the median), got {spec.sigma:g}"
+            )
         return Documents(LOGNORMAL, median=spec.median, sigma=spec.sigma)
     if spec.distribution == LENGTHS:
         if not spec.file:

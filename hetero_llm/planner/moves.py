@@ -14,6 +14,7 @@ import attrs
 
 from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.cluster import Node
+from hetero_llm.planner.context import reshaped
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
@@ -146,25 +147,20 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
                 new[pi][gi : gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
                 make(new)
         for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
-            if ga.cp == gb.cp == 1 and ga.node == gb.node and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices):
+            if (
+                ga.cp == gb.cp == 1
+                and ga.node == gb.node
+                and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices)
+            ):
                 ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
                 new = copy(pi)
                 new[pi][k : k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                 make(new)
         yield from drain()
-    # context parallelism (plan.max_cp): a group's devices as TP x CP otherwise, one group, then every group at once
-    sizes = {len(g.devices): planner.cp_sizes(len(g.devices)) for p in pipes for g in p}
-    for pi, groups in enumerate(pipes):
-        for gi, g in enumerate(groups):
-            for c in sizes[len(g.devices)]:
-                if c != g.cp:
-                    new = copy(pi)
-                    new[pi][gi] = planner.reshape(g, c)
-                    make(new)
-    for c in sorted({c for cs in sizes.values() for c in cs}):
-        new = [[planner.reshape(g, c) if c in sizes[len(g.devices)] else g for g in p] for p in pipes]
-        if new != [list(p) for p in pipes]:
-            make(new)
+    # context parallelism (plan.max_cp): a pipeline's groups as TP x CP otherwise (the layout gives a pipeline's
+    # stages one cp), one pipeline of each signature, then all of them
+    for c in range(1, planner.limits.max_cp + 1) if planner.limits.max_cp > 1 else ():
+        each(lambda p, c=c: q if (q := list(reshaped(planner, p, c))) != p else None)
     yield from drain()
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:

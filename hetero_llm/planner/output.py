@@ -50,7 +50,9 @@ def pipeline_specs(
             batch=p.batch // unit,
             microbatches=p.microbatches // unit,
             stages=tuple(
-                StageSpec(layers=st.layers, devices=tuple(st.group.devices), recompute=recompute(st.recompute))
+                StageSpec(
+                    layers=st.layers, devices=tuple(st.group.devices), recompute=recompute(st.recompute), cp=st.group.cp
+                )
                 for st in p.stages
             ),
         )

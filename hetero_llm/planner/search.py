@@ -27,7 +27,7 @@ from typing import overload
 
 import attrs
 
-from hetero_llm.planner import exact, moves, sweep
+from hetero_llm.planner import context, exact, moves, sweep
 from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -83,17 +83,14 @@ class Planner(LayerSplitter):
         ]
 
     def group_sizes(self, devices: int) -> list[int]:
-        """The sizes of a stage's group (TP x CP) up to ``devices``: ``tp_sizes`` when plan.max_cp is 1."""
+        """Sizes of a stage's group (TP x CP) up to ``devices`` (``tp_sizes`` when plan.max_cp is 1)."""
         return [n for n in range(1, devices + 1) if self.cp_sizes(n)]
 
     def reshape(self, g: TPGroup, cp: int) -> TPGroup:
         """``g``'s devices as TP x ``cp`` (the same object each time it is asked for)."""
-        if g.cp == cp:
-            return g
-        key = (g.devices, cp)
-        made = self._reshaped.get(key)
+        made = g if g.cp == cp else self._reshaped.get((g.devices, cp))
         if made is None:
-            made = self._reshaped[key] = attrs.evolve(g, cp=cp)
+            made = self._reshaped[g.devices, cp] = attrs.evolve(g, cp=cp)
         return made
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
@@ -130,6 +127,8 @@ class Planner(LayerSplitter):
     def _realize(self, st: Structure) -> Candidate | None:
         devices = [d for p in st.pipelines for g in p for d in g.devices]
         if self.G % st.rows or len(set(devices)) != len(devices):
+            return None
+        if any(g.cp != p[0].cp for p in st.pipelines for g in p):  # the layout gives a pipeline's stages one cp
             return None
         chunks = st.n_chunks
         total = self.G // st.rows
@@ -356,7 +355,7 @@ class Planner(LayerSplitter):
     def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
         """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
         structures = sweep.sweep(self, keep=8) if swept else []
-        structures += self.with_cp(structures)
+        structures += context.with_cp(self, structures)
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)
@@ -397,20 +396,6 @@ class Planner(LayerSplitter):
                 distinct.append((cand, sc))
         elapsed = time.perf_counter() - self.start
         return Result(best, score, tuple(distinct), len(self.scored), elapsed, seed_score, self.cut_by_time)
-
-    def with_cp(self, structures: list[Structure]) -> list[Structure]:
-        """Each structure with every group (that can) at each CP size of ``plan.max_cp``: start points for the
-        local search's reshape moves (none when max_cp is 1)."""
-        out = []
-        for c in range(2, self.limits.max_cp + 1):
-            for st in structures:
-                pipes = tuple(
-                    tuple(self.reshape(g, c) if c in self.cp_sizes(len(g.devices)) else g for g in p)
-                    for p in st.pipelines
-                )
-                if pipes != st.pipelines:
-                    out.append(attrs.evolve(st, pipelines=pipes))
-        return out
 
     def closest(self) -> Candidate:
         """When nothing fits: the candidate least over memory, among those scored and the most frugal one
