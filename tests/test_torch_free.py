@@ -79,6 +79,8 @@ TORCH_FREE_MODULES = [
     "planner.place",
     "planner.structure",
     "planner.evaluate",
+    "planner.documents",
+    "planner.context",
     "cli.common",
     "cli.launch",
     "cli.plan",

@@ -12,30 +12,29 @@ values round a ring (Megatron-LM's and torchtitan's ring attention), which adds:
   ``cp`` blocks the rank's attention runs in: it costs what the block does not hide (``ring_exposed``);
 - the all-reduce of the stage's gradients over its CP ranks, which hold the same weights (``cp_sync_time``),
   over the intra-node link, before the sync between pipelines.
+
+The search's CP moves and start points are in moves.py (``reshaped``, ``with_cp``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import attrs
+from typing import Any
 
 from hetero_llm.planner.candidates import Candidate, TPGroup
 from hetero_llm.planner.catalogue import ROOFLINE
 
-if TYPE_CHECKING:
-    from hetero_llm.planner.cost import PlannerCostModel
-    from hetero_llm.planner.structure import SearchSpace, Structure
+# ``cost``: a cost.PlannerCostModel (not imported, not even for type checking: cost.py imports this module)
+Cost = Any
 
 
-def ring_bytes(cost: PlannerCostModel, group: TPGroup, rows: int) -> float:
+def ring_bytes(cost: Cost, group: TPGroup, rows: int) -> float:
     """Bytes one CP rank sends its ring neighbour per step of one layer's forward: its K and V chunk,
     ``2 x rows S / cp x kv_heads / tp x head_dim x`` the activation bytes."""
     m = cost.model
     return 2 * rows * cost.S / group.cp * m.kv_heads_n / group.tp * m.head_dim * cost.act_bytes
 
 
-def ring_exposed(cost: PlannerCostModel, group: TPGroup, rows: int) -> tuple[float, float]:
+def ring_exposed(cost: Cost, group: TPGroup, rows: int) -> tuple[float, float]:
     """(forward, backward) seconds per layer of the ring that the attention does not hide: a rank's attention
     runs in ``cp`` blocks (its queries against each K/V chunk in turn) and each of the ``cp - 1`` transfers
     overlaps one block, costing ``max(0, transfer - block)``; a transfer crosses the link between ring
@@ -54,7 +53,7 @@ def ring_exposed(cost: PlannerCostModel, group: TPGroup, rows: int) -> tuple[flo
     return (cp - 1) * max(0.0, step_f - attn_f / cp), (cp - 1) * max(0.0, step_b - attn_b / cp)
 
 
-def cp_sync_time(cost: PlannerCostModel, cand: Candidate) -> float:
+def cp_sync_time(cost: Cost, cand: Candidate) -> float:
     """Seconds of the all-reduce of each stage's gradients over its CP ranks, the slowest stage's; 0 without CP."""
     worst = 0.0
     for p in cand.pipelines:
@@ -64,24 +63,3 @@ def cp_sync_time(cost: PlannerCostModel, cand: Candidate) -> float:
                 nbytes = cost.stage_params(s.group.tp, s.layers, i == 0, i == n - 1) * cost.grad_bytes
                 worst = max(worst, cost.allreduce(nbytes, s.group.cp, cost.intra_bw(s.group)))
     return worst
-
-
-def with_cp(planner: SearchSpace, structures: list[Structure]) -> list[Structure]:
-    """Each structure with every pipeline whose groups can all take it at each CP size of ``plan.max_cp`` (the
-    layout gives a pipeline's stages one cp): start points for the local search's reshape moves; none when
-    max_cp is 1."""
-    out = []
-    for c in range(2, planner.limits.max_cp + 1):
-        for st in structures:
-            pipes = tuple(reshaped(planner, p, c) for p in st.pipelines)
-            if pipes != st.pipelines:
-                out.append(attrs.evolve(st, pipelines=pipes))
-    return out
-
-
-def reshaped(planner: SearchSpace, groups, cp: int) -> tuple[TPGroup, ...]:
-    """A pipeline's groups at CP size ``cp``, when every one of them can take it; else as they are."""
-    groups = tuple(groups)
-    if all(cp in planner.cp_sizes(len(g.devices)) for g in groups):
-        return tuple(planner.reshape(g, cp) for g in groups)
-    return groups

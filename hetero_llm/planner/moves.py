@@ -14,7 +14,6 @@ import attrs
 
 from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.cluster import Node
-from hetero_llm.planner.context import reshaped
 from hetero_llm.planner.structure import SearchSpace, Structure
 
 
@@ -342,3 +341,24 @@ def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
             t = max(planner.tp_sizes(len(free)))
             out.append(TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
     return out
+
+
+def with_cp(planner: SearchSpace, structures: list[Structure]) -> list[Structure]:
+    """Each structure with every pipeline whose groups can all take it at each CP size of ``plan.max_cp`` (the
+    layout gives a pipeline's stages one cp): start points for the local search's reshape moves; none when
+    max_cp is 1."""
+    out = []
+    for c in range(2, planner.limits.max_cp + 1):
+        for st in structures:
+            pipes = tuple(reshaped(planner, p, c) for p in st.pipelines)
+            if pipes != st.pipelines:
+                out.append(attrs.evolve(st, pipelines=pipes))
+    return out
+
+
+def reshaped(planner: SearchSpace, groups, cp: int) -> tuple[TPGroup, ...]:
+    """A pipeline's groups at CP size ``cp``, when every one of them can take it; else as they are."""
+    groups = tuple(groups)
+    if all(cp in planner.cp_sizes(len(g.devices)) for g in groups):
+        return tuple(planner.reshape(g, cp) for g in groups)
+    return groups
