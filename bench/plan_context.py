@@ -7,7 +7,7 @@ For the cluster file (default layouts/clusters/llama7b_32k.toml: Llama-7B shapes
 InfiniBand, a lognormal corpus) at its sequence length and at twice it (half the sequences per step: the same
 tokens), four searches: one document per row (S^2 per row, today's pricing) and per document, each with
 ``plan.max_cp`` = 1 and the file's; and the per-row plan priced per document (what the per-row pricing
-overstates). Prints a table and, with --json, writes the rows.
+overstates), with the file's corpus and with shorter documents. Prints a table and, with --json, writes the rows.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.planner import plan_cluster
+from hetero_llm.planner import plan_cluster, with_optimizer
 from hetero_llm.planner.candidates import Candidate
 from hetero_llm.planner.cluster import Cluster, load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -75,21 +75,25 @@ def rows(cluster: Cluster) -> list[dict]:
                         "square_over_s2": PlannerCostModel(c).square / seq_len**2,
                     }
                 )
-        # the per-row plan (no CP) priced per document: what per-row pricing overstates on the plan it picks
-        c_doc = plans[True, 1][0]
+        # the per-row plan (no CP) priced per document: what per-row pricing overstates on the plan it picks (with
+        # the plan's optimizer); and with a corpus of shorter documents (median 512 tokens, sigma 1)
         row_plan = plans[False, 1][1].best
-        out.append(
-            {
-                "seq_len": seq_len,
-                "global_batch": c_doc.train.global_batch,
-                "pricing": "per-row plan, priced per document",
-                "max_cp": 1,
-                "step_s": PlannerCostModel(c_doc).score(row_plan).step_time,
-                "plan": shape(row_plan),
-                "cp": [1],
-                "square_over_s2": PlannerCostModel(c_doc).square / seq_len**2,
-            }
-        )
+        c_doc = with_optimizer(plans[True, 1][0], row_plan.optimizer)
+        short = attrs.evolve(c_doc, documents=Documents("lognormal", median=512.0, sigma=1.0))
+        for c, corpus in ((c_doc, ""), (short, " (median 512, sigma 1)")):
+            cost = PlannerCostModel(c)
+            out.append(
+                {
+                    "seq_len": seq_len,
+                    "global_batch": c.train.global_batch,
+                    "pricing": f"per-row plan, priced per document{corpus}",
+                    "max_cp": 1,
+                    "step_s": cost.score(row_plan).step_time,
+                    "plan": shape(row_plan),
+                    "cp": [1],
+                    "square_over_s2": cost.square / seq_len**2,
+                }
+            )
     return out
 
 

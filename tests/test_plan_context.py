@@ -20,7 +20,7 @@ from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.evaluate import evaluate
-from hetero_llm.planner.output import layout_text
+from hetero_llm.planner.output import layout_text, to_json
 from hetero_llm.planner.search import Planner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -147,6 +147,9 @@ def test_written_layout_carries_cp_and_evaluate_prices_it(tmp_path):
     }
     ev = evaluate(c, lay, str(out))
     assert ev.score.step_time == pytest.approx(res.score.step_time, rel=1e-12)
+    assert ev.devices == sum(len(s.group.devices) for p in res.best.pipelines for s in p.stages)
+    stages = [s for p in to_json(res.best, res.score)["pipelines"] for s in p["stages"]]
+    assert [s.get("cp", 1) for s in stages] == [s.group.cp for p in res.best.pipelines for s in p.stages]
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
     cand = candidate_of(cluster, layout, where)
     cost = PlannerCostModel(cluster)
     score = cost.score(cand)
-    devices = sum(s.group.tp for p in cand.pipelines for s in p.stages)
+    devices = sum(len(s.group.devices) for p in cand.pipelines for s in p.stages)
     return Evaluation(cand, score, devices, cost.model_flops_per_step())
 
 
