@@ -192,3 +192,19 @@ def test_buckets_refuse_cp(tmp_path):
         f"error: {path}: plan.max_cp: 2: hot switching (--buckets) does not support context parallelism yet (plan "
         "with plan.max_cp = 1, or without --buckets)"
     )
+
+
+def test_evaluate_refuses_cp_with_unfused_attention(tmp_path):
+    """A layout with a CP stage, evaluated on a cluster file that prices unfused attention: one located line."""
+    path = small(tmp_path, max_cp=1, extra='attention = "unfused"\n')
+    text = path.read_text().split("[plan]")[0]
+    pipes = '[[pipelines]]\nbatch = 8\nmicrobatches = 8\n[[pipelines.stages]]\nlayers = 8\ndevices = ["fast0:0", "fast0:1"]\ncp = 2\n'
+    lay_path = tmp_path / "layout.toml"
+    lay_path.write_text(text + pipes)
+    lay = layout_mod.load(lay_path)
+    with pytest.raises(LayoutError) as e:
+        evaluate(load_cluster(path), lay, str(lay_path))
+    assert str(e.value) == (
+        f"{lay_path}: pipelines[0].stages[0].cp: 2: context parallelism is priced for flash attention only, but the "
+        "cluster file's plan.attention is 'unfused' (evaluate it with cp = 1, or plan.attention = 'flash')"
+    )
