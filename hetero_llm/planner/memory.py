@@ -29,7 +29,7 @@ from hetero_llm.planner.candidates import ByIdentity, Candidate, StageChoice, TP
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.spans import EMBED_PARAMS, HEAD_PARAMS, LAYER_PARAMS, NODE_MEMORY, TP, Spans, ordered_sums
 
-PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
+PARAM_BYTES = GRAD_BYTES = 4  # float32 weight and gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
 STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
 # Document attention (model/document_mask.py) gathers each document's q, k, v into a batch padded to a ladder
@@ -42,6 +42,8 @@ DOC_PAD = 1.5
 # probabilities x V matmul reads it): 2 a + 1 bytes, the ``5 a s / h`` of Korthikanti et al. 2022 (arXiv
 # 2205.05198, section 4.1) in fp16; the roofline prices the same two kernels (roofline.Roofline.attention)
 SCORE_MASK_BYTES = 1
+# A microbatch that holds everything and the gradients made: what one microbatch in flight is, at most
+ONE_IN_FLIGHT: pipesim.Held = ((1.0, 0.0, 1.0),)
 
 
 class MemoryModel:
@@ -171,30 +173,59 @@ class MemoryModel:
         last: bool,
         rows: int,
         recompute: bool,
-        in_flight: float,
+        in_flight: pipesim.Held,
         others: tuple[float, float] = (0.0, 0.0),
         moments: float | None = None,
     ) -> float:
-        """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
-        (or ``moments`` gives the exact moment elements)."""
+        """Bytes on one device of the stage at its peak. ``in_flight``: the schedule's ``(full, put off, gradients)``
+        points for the stage (``_peak_in_flight``), the most it holds at once being one of them. ZeRO-1:
+        ``others`` bounds the other pipelines' holders' weight (or ``moments`` gives the exact moment elements)."""
         if moments is None:
             moments = self.moment_elements(group, layers, first, last, others)
-        params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
+        params = self.stage_params(group.tp, layers, first, last)
         H, t = self.H, group.tp
         full = self._activation_bytes.get(t)
         if full is None:  # asked for every stage of every candidate scored
             full = self._activation_bytes[t] = self.layer_activation_bytes(t)
         tokens = rows * self.S // group.cp  # context parallelism: a device holds 1 / cp of every row
-        if recompute:
-            act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
-        else:
-            act = in_flight * layers * tokens * full
-        if last:
-            # logits (compute dtype + float32 loss) and their gradient
-            act += tokens * self.V / self.vocab_split(t) * (self.act_bytes + 4) * 2
+        # one microbatch in flight (recompute: each layer's input), and the layer being recomputed
+        one, working = layers * tokens * (H * self.act_bytes if recompute else full), 0.0
+        if recompute and layers:
+            working = tokens * full
+        if first:  # the token ids the embedding saves (int64)
+            one += tokens * 8
+        if last:  # the final norm's and the loss's (its float32 log-probabilities) saved tensors, and while a
+            # microbatch's backward runs, its logits' gradients (float32 and compute dtype)
+            one += tokens * self.head_activation_bytes(t)
+            working += tokens * self.V / self.vocab_split(t) * (4 + self.act_bytes)
+        put_off = layers * tokens * self.put_off_bytes(t) + (tokens * self.head_put_off_bytes(t) if last else 0.0)
+        grads = params * GRAD_BYTES
+        act = max(f * one + p * put_off + g * grads for f, p, g in in_flight) + working
         # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
-        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
-        return params + max(act, moments * STEP_TEMP_BYTES)
+        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW) beside the gradients: the peak is the
+        # larger of the two
+        return params * PARAM_BYTES + moments * MOMENT_BYTES + max(act, grads + moments * STEP_TEMP_BYTES)
+
+    def put_off_bytes(self, tp: int) -> float:
+        """Bytes per token one layer holds from a split backward's I to its W (ZB-H1; runtime/wgrad.py): each linear
+        layer's input (Q K V's one, the output projection's, the MLP's one, its output projection's) and output
+        gradient, on one device of a TP group of ``tp``."""
+        m, H, F = self.model, self.H, self.F
+        nm = 2 if m.mlp is Mlp.SWIGLU else 1
+        inputs = H + H / tp + H + F / tp
+        grads = (H + 2 * m.kv_heads_n * m.head_dim) / tp + H + nm * F / tp + H
+        return (inputs + grads) * self.act_bytes
+
+    def head_activation_bytes(self, tp: int) -> float:
+        """Bytes the head saves per token: the final norm's input, output and statistics (RMS norm's two more
+        H-wide tensors, as in a layer) and the loss's float32 log-probabilities (``model.token_loss_sum``)."""
+        m, H = self.model, self.H
+        norm = 2 * H + (2 if m.norm is Norm.LAYERNORM else 1) + (2 * H if m.norm is Norm.RMSNORM else 0)
+        return norm * self.act_bytes + self.V / self.vocab_split(tp) * 4
+
+    def head_put_off_bytes(self, tp: int) -> float:
+        """The head's, per token: its input and the logits' gradient (its vocabulary split with ``vocab_parallel``)."""
+        return (self.H + self.V / self.vocab_split(tp)) * self.act_bytes
 
     def layer_activation_bytes(self, tp: int) -> float:
         """Bytes one layer saves for its backward per token, on one device of a TP group of ``tp``: what the
@@ -232,16 +263,17 @@ class MemoryModel:
     def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
 
-    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[float, ...]:
-        """Per stage, the most microbatches' activations held at once, in whole-stage units: an interleaved
+    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[pipesim.Held, ...]:
+        """Per stage, the most it holds at once (``pipesim.held_in_flight``) in whole-stage units: an interleaved
         (microbatch, chunk) pair holds 1/chunks of the stage's layers (as predict.simulate counts them)."""
         if schedule != "gpipe" and microbatches > 3 * stages:
             # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
             # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
             # schedules of hundreds of microbatches
             microbatches = 3 * stages + (microbatches - 3 * stages) % stages
-        peaks = pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
-        return tuple(p / chunks for p in peaks) if schedule == "interleaved" else tuple(map(float, peaks))
+        held = pipesim.held_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+        div = chunks if schedule == "interleaved" else 1
+        return tuple(tuple((f / div, p / div, float(g)) for f, p, g in stage) for stage in held)
 
     def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
         """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
