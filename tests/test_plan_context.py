@@ -95,15 +95,16 @@ def test_cp_memory_and_gradient_sync_by_hand():
     layers, rows = 4, 1
     per_token = cost.layer_activation_bytes(4)
 
-    def mem(g, in_flight, last=False):
-        return cost.stage_memory(g, layers, False, last, rows, False, in_flight)
+    def mem(g, in_flight: float, last=False):  # ``in_flight`` whole microbatches held, nothing put off, no gradients
+        return cost.stage_memory(g, layers, False, last, rows, False, ((in_flight, 0.0, 0.0),))
 
     # two more microbatches in flight: 2 x layers x tokens x bytes per token, the tokens halved by CP
     assert mem(g1, 3.0) - mem(g1, 1.0) == pytest.approx(2 * layers * 32768 * per_token)
     assert mem(g2, 3.0) - mem(g2, 1.0) == pytest.approx(2 * layers * 16384 * per_token)
-    # the last stage: the same parameters, half the activations and half the logits (bf16 + float32, and grads)
-    logits = 32768 * 32000 * (2 + 4) * 2
-    assert mem(g1, 1.0, True) - mem(g2, 1.0, True) == pytest.approx((layers * 32768 * per_token + logits) / 2)
+    # the last stage: the same parameters, half the activations, half the head's saved tensors and half the logits'
+    # gradients (float32 and bf16)
+    head = cost.head_activation_bytes(4) + 32000 * (4 + 2)
+    assert mem(g1, 1.0, True) - mem(g2, 1.0, True) == pytest.approx((layers * per_token + head) * 32768 / 2)
     cand = Candidate((PipelineChoice(4, 4, (StageChoice(g2, 32),)),))
     nbytes = cost.stage_params(4, 32, True, True) * 4
     assert context.cp_sync_time(cost, cand) == pytest.approx(nbytes / (2400e9 * g2.kind.link_fraction / 8))
