@@ -95,6 +95,15 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches,
     assert tuple(max(f + p for f, p, _ in points) for points in held) == want.peak_in_flight
 
 
+def test_held_points_are_those_no_other_point_covers():
+    """pipesim._largest (a skyline per gradients flag) against the plain pairwise filter, on random point sets."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        points = {(rng.randint(0, 6), rng.randint(0, 4), rng.randint(0, 1)) for _ in range(rng.randint(1, 15))}
+        plain = [p for p in points if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in points)]
+        assert pipesim._largest(points) == tuple(sorted(plain))
+
+
 def test_held_in_flight_says_when_gradients_exist_and_what_a_split_backward_puts_off():
     """GPipe holds every microbatch before any gradient exists; 1F1B's peak comes again after its first backward,
     beside the gradients; ZB-H1's last stage holds one microbatch whole and one put off (its W comes after the next

@@ -130,10 +130,22 @@ def held_in_flight(acts: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tupl
             elif code == W:
                 put_off, grads = put_off - 1, 1
             points.add((full, put_off, grads))
-        out.append(
-            tuple(sorted(p for p in points if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in points)))
-        )
+        out.append(_largest(points))
     return tuple(out)
+
+
+def _largest(points: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The points no other point is at least as large as in every coordinate (the third is 0 or 1), sorted."""
+    keep: list[tuple[int, int, int]] = []
+    for grads in (1, 0):  # a point with gradients dominates one without that is no larger otherwise
+        front: list[tuple[int, int, int]] = []
+        top = -1
+        for full, put_off, g in sorted((p for p in points if p[2] == grads), reverse=True):
+            if put_off > top:  # larger put_off than every point of more (or as many) whole microbatches
+                front.append((full, put_off, g))
+                top = put_off
+        keep += [p for p in front if not any(q[0] >= p[0] and q[1] >= p[1] for q in keep if q[2] > p[2])]
+    return tuple(sorted(keep))
 
 
 def simulate(
