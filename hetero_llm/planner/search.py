@@ -76,12 +76,9 @@ class Planner(LayerSplitter):
     def cp_sizes(self, devices: int) -> list[int]:
         """The CP sizes a group of ``devices`` devices can take (``plan.max_cp``): each dividing the devices into
         TP groups of a size ``tp_sizes`` allows, and the sequence into 2 x cp chunks (the load-balanced ring)."""
-        S = self.model.seq_len
-        return [
-            c
-            for c in range(1, min(self.limits.max_cp, devices) + 1)
-            if devices % c == 0 and (c == 1 or S % (2 * c) == 0) and devices // c in self.tp_sizes(devices // c)
-        ]
+        S, top = self.model.seq_len, min(self.limits.max_cp, devices)
+        cps = [c for c in range(1, top + 1) if devices % c == 0 and (c == 1 or S % (2 * c) == 0)]
+        return [c for c in cps if devices // c in self.tp_sizes(devices // c)]
 
     def group_sizes(self, devices: int) -> list[int]:
         """Sizes of a stage's group (TP x CP) up to ``devices`` (``tp_sizes`` when plan.max_cp is 1)."""
