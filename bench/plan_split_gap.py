@@ -9,8 +9,9 @@ a size per pipeline.
 For each cluster the search's plan (``plan_cluster``, its default work budget) is priced again by the same cost model
 with, pipeline by pipeline (the others as they are), every other choice of
 
-- **split**: every contiguous layer split of the pipeline's stages (in multiples of the chunk count), each stage
-  recomputing only where it does not fit otherwise (the DP's rule), the microbatches as planned;
+- **split**: every contiguous layer split of the pipeline's stages (in multiples of the chunk count; where there are
+  more than ``MAX_SPLITS``, every split one unit moved from one stage to another away), each stage recomputing only
+  where it does not fit otherwise (the DP's rule), the microbatches as planned;
 - **rows**: every microbatch size dividing the pipeline's batch (interleaved: microbatches a multiple of the stages),
   its layers split by the search's DP at that size;
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import time
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from hetero_llm.planner.search import Planner
 from hetero_llm.planner.structure import Structure
 
 ROOT = Path(__file__).resolve().parents[1]
+MAX_SPLITS = 20_000  # a pipeline with more contiguous splits than this tries one-unit moves between its stages
 CPU_CLUSTERS = ("layouts/clusters/small_cpu.toml", "layouts/clusters/two_domains.toml")
 
 
@@ -61,8 +64,20 @@ def splits(pl: Planner, cand: Candidate, i: int):
     n = pl.L // unit
     peaks = pl.cost._peaks(schedule, k, pipe.microbatches, chunks)
     others = pl.zero1_others(_structure(cand))[i]
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        parts = [(b - a) * unit for a, b in zip((0,) + cuts, cuts + (n,))]
+    if math.comb(n - 1, k - 1) <= MAX_SPLITS:
+        every = (
+            [(b - a) * unit for a, b in zip((0,) + cuts, cuts + (n,))]
+            for cuts in itertools.combinations(range(1, n), k - 1)
+        )
+    else:  # too many: the splits one unit (chunks layers) moved from one stage to another away (the descent repeats)
+        now = [s.layers for s in pipe.stages]
+        every = (
+            [x + unit * ((j == b) - (j == a)) for j, x in enumerate(now)]
+            for a in range(k)
+            for b in range(k)
+            if a != b and now[a] > unit
+        )
+    for parts in every:
         stages = []
         for j, (s, layers) in enumerate(zip(pipe.stages, parts)):
             t, rc = pl.stage_cost(s.group, layers, j == 0, j == k - 1, pipe.rows, peaks[j], others)

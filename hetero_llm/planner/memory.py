@@ -1,17 +1,22 @@
 """The planner's memory model: parameters and bytes on each device of a candidate layout. Torch-free.
 
-Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
-plus activations in flight: per token and layer ``4 H + nf F / t`` elements outside the attention (the two norms'
-inputs and outputs; the MLP's intermediate tensors, ``nf`` = 2 for GELU, 4 for SwiGLU) and the attention's
-(``attention_activation_bytes``: Q, K, V and the attention output split by TP; with ``plan.attention = "flash"``,
-the runtime's SDPA, no S x S matrix, only its log-sum-exp; with ``"unfused"`` the scores' softmax output, dropout
-mask and dropout output, ``heads / t x S`` of each per token), plus what RMS norm, RoPE and packed documents save
-besides (``layer_activation_bytes``, checked against the runtime's saved tensors), times the schedule's peak
-microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
-1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
-working set. The last stage adds one microbatch's logits and their gradient (float32). With
-``plan.vocab_parallel`` (Megatron-LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the
-embedding's and the head's rows and of the logits; else the whole of them (the runtime).
+Memory per device: 12 bytes per parameter it holds (float32 weight, two AdamW moments; ZeRO-1: its slice of the
+moments), 4 more for its gradient where one exists, plus activations: per token and layer ``4 H + nf F / t``
+elements outside the attention (the two norms' inputs and outputs; the MLP's intermediate tensors, ``nf`` = 2 for
+GELU, 4 for SwiGLU) and the attention's (``attention_activation_bytes``: Q, K, V and the attention output split by
+TP; with ``plan.attention = "flash"``, the runtime's SDPA, no S x S matrix, only its log-sum-exp; with ``"unfused"``
+the scores' softmax output, dropout mask and dropout output, ``heads / t x S`` of each per token), plus what RMS
+norm, RoPE and packed documents save besides (``layer_activation_bytes``, checked against the runtime's saved
+tensors), per microbatch whole on the stage; with full recompute only each layer's input (H per token) plus one
+layer's working set. The last stage adds per microbatch the final norm's and the loss's saved tensors, and one
+microbatch's logits' gradients. A microbatch a split backward (ZB-H1) has put off holds its linear layers' inputs
+and output gradients (``put_off_bytes``), and the gradients (4 bytes per parameter) exist only once a backward has
+made them (the runtime frees them after each step). What a stage holds at once is the largest of the schedule's
+points ``(whole, put off, gradients)`` after each of its actions (``pipesim.held_in_flight``; interleaved:
+(microbatch, chunk) pairs over the chunks, a chunk holding 1/chunks of the stage's layers); tests/test_planner.py
+and bench/plan_meter.py (the tensor meter on the planner's picks) check it. With ``plan.vocab_parallel`` (Megatron-
+LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the embedding's and the head's rows and of
+the logits; else the whole of them (the runtime).
 
 The planner's cost model (``cost.PlannerCostModel``) is a ``MemoryModel``: a stage that does not fit in its
 device's memory, after the margin, makes a candidate infeasible.
