@@ -56,6 +56,7 @@ TORCH_FREE_MODULES = [
     "runtime.emulation",
     "checkpoint.folders",
     "checkpoint.holders",
+    "checkpoint.trust",
     "interop.hf_names",
     "interop.hf_config",
     "launch.node",
