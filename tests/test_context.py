@@ -117,6 +117,7 @@ def _worker(rank: int, cp: int, port: int) -> None:
         _check_attention(ring, DOCS, nkv=2, seed=2)  # GQA
         _check_attention(ring, DOCS, nkv=1, recompute=True, seed=3)
         _check_skipped_blocks(ring)
+        _check_overlap(ring)
         if cp == 2:  # the rest once: a few seconds of CPU each, many more on a loaded machine
             _check_attention(ring, DOCS, seed=1)
             _check_attention(ring, None, nkv=2, recompute=True, seed=4)
@@ -259,3 +260,56 @@ def _check_skipped_blocks(ring) -> None:
             assert calls.count("F") == blocks and calls.count("B") == blocks, (docs, calls)
     finally:
         context._block_forward, context._block_backward = forward, backward
+
+
+# ------------------------------------------------------------------------------------------
+# Transfers overlap compute: each step's keys and values are posted before its blocks, waited for after them
+
+
+class _LoggedRing:
+    """The real ring, logging each shift posted and waited for beside the blocks computed."""
+
+    def __init__(self, ring, log: list[str]):
+        self.ring, self.log, self.size, self.index = ring, log, ring.size, ring.index
+
+    def source(self, step):
+        return self.ring.source(step)
+
+    def all_gather(self, tensor):
+        return self.ring.all_gather(tensor)
+
+    def shift(self, tensors, tag):
+        name = "kv" if tag == context.KV_TAG else "dkv"
+        self.log.append(f"post {name}")
+        pending, log = self.ring.shift(tensors, tag), self.log
+
+        class Logged:
+            def wait(self):
+                log.append(f"wait {name}")
+                return pending.wait()
+
+        return Logged()
+
+
+def _check_overlap(ring) -> None:
+    log: list[str] = []
+    forward, backward = context._block_forward, context._block_backward
+
+    def count_forward(*args, **kwargs):
+        log.append("block")
+        return forward(*args, **kwargs)
+
+    def count_backward(*args, **kwargs):
+        log.append("block")
+        return backward(*args, **kwargs)
+
+    context._block_forward, context._block_backward = count_forward, count_backward
+    try:
+        _check_attention(_LoggedRing(ring, log), None, seed=6)
+    finally:
+        context._block_forward, context._block_backward = forward, backward
+    kv = [e for e in log if e != "post dkv" and e != "wait dkv"]
+    assert kv.count("post kv") == 2 * (ring.size - 1), log  # forward and backward: every step but the last
+    for i, e in enumerate(kv):
+        if e == "post kv":  # the blocks of this step come between the post and the wait
+            assert kv[i + 1] == "block" and kv[kv.index("wait kv", i) - 1] == "block", log

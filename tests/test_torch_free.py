@@ -87,6 +87,8 @@ TORCH_FREE_MODULES = [
     "sweep.points",
     "sweep.results",
     "sweep.report",
+    "planner.documents",
+    "planner.context",
     "cli.common",
     "cli.launch",
     "cli.plan",
