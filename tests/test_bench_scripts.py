@@ -232,6 +232,21 @@ def test_launch_time_quick(tmp_path):
     assert "load average" in md and "torch" in md
 
 
+def test_control_plane_quick(tmp_path):
+    _run("control_plane", tmp_path)
+    md = (tmp_path / "control_plane.md").read_text()
+    assert [
+        "ranks",
+        "nodes",
+        *(f"{p} CPU s" for p in ("load", "compile", "preflight", "rank setup", "dry-run", "dry-run --full")),
+        "dry-run lines",
+        "--full lines",
+    ] in _headers(md)
+    rows = json.loads((tmp_path / "control_plane.json").read_text())["rows"]
+    assert [r["ranks"] for r in rows] == [8, 64]
+    assert rows[1]["dry-run lines"] < 40 < rows[1]["dry-run --full lines"]  # the summary does not list the ranks
+
+
 def test_snapshot_cost_quick(tmp_path):
     _run("snapshot_cost", tmp_path)
     md = (tmp_path / "snapshot_cost.md").read_text()
@@ -533,6 +548,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
     import attrs
 
     from bench import (
+        control_plane,
         gpu_bench_cases,
         holmes_bench,
         launch_time,
@@ -551,6 +567,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
         assert layout.load(path) == attrs.evolve(made, file=str(path))
 
     reloads(launch_time.launch_layout("x.toml"))
+    reloads(control_plane.scale_layout("x.toml", 64))
     reloads(soak.soak_layout("x.toml", 10_050))
     for _, pipelines in zero1_memory.LAYOUTS:
         for optimizer in zero1_memory.OPTIMIZERS:

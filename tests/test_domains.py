@@ -298,7 +298,7 @@ def test_plan_and_transports_are_deterministic():
 
 
 def test_dry_run_prints_domains_and_each_groups_transport():
-    result = CliRunner().invoke(main, [str(HOLMES), "--dry-run"])
+    result = CliRunner().invoke(main, [str(HOLMES), "--dry-run", "--full"])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
     assert "  world                        ranks [0, 1, 2, 3]  via cross_domain" in lines

@@ -151,14 +151,14 @@ def test_set_error(item: str):
 def test_set_good(items: list[str], check):
     assert check(layout.load(QUICKSTART, items))
     args = [a for item in items for a in ("--set", item)]
-    result = invoke(QUICKSTART, "--dry-run", *args)
+    result = invoke(QUICKSTART, "--dry-run", "--full", *args)
     assert result.exit_code == 0, result.stderr
     assert result.stderr == ""
     assert RANK_TABLE_HEADER in result.stdout
 
 
 def test_set_shows_in_dry_run():
-    result = invoke(QUICKSTART, "--dry-run", "--set", "pipelines[0].microbatches=2")
+    result = invoke(QUICKSTART, "--dry-run", "--full", "--set", "pipelines[0].microbatches=2")
     assert result.exit_code == 0, result.stderr
     assert "rows 0-15 in 2 mb" in result.stdout
 
@@ -242,7 +242,7 @@ def test_every_field_rule_runs(monkeypatch):
 @pytest.mark.parametrize("path", GOOD, ids=[p.stem for p in GOOD])
 def test_good_layout_dry_run(path: Path):
     lay = layout.load(path)
-    result = invoke(path, "--dry-run")
+    result = invoke(path, "--dry-run", "--full")
     assert result.exit_code == 0, result.stderr
     assert result.stderr == ""
     lines = result.stdout.splitlines()

@@ -212,7 +212,7 @@ def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
     assert result.exit_code == 0, result.output
     assert result.output.startswith(dryrun.describe_rank(plan.rank_plan(5)) + "\n\nrendezvous: ")
     assert len(result.output.splitlines()) == len(dryrun.describe_rank(plan.rank_plan(5)).splitlines()) + 2
-    plain = invoke_cli(path, "--dry-run")
+    plain = invoke_cli(path, "--dry-run", "--full")
     assert plain.exit_code == 0 and "rank  device      node      pipeline  stage  tp" in plain.output
     assert "rank 5 of 8" not in plain.output
     bad = invoke_cli(path, "--dry-run", "--rank", "8")

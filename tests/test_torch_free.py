@@ -60,6 +60,7 @@ TORCH_FREE_MODULES = [
     "interop.hf_names",
     "interop.hf_config",
     "launch.node",
+    "launch.hosts",
     "launch.external",
     "launch.restart",
     "launch.preflight",

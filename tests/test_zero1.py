@@ -93,7 +93,7 @@ def test_state_per_rank_reduced_by_the_documented_factor(tmp_path):
 def test_dry_run_shows_the_state_per_rank(tmp_path):
     path = write_layout(tmp_path / "layout.toml", COMMON, [(6, 2, [(6, 1)]), (6, 2, [(6, 1)])])
     plain = invoke_cli(path, "--dry-run")
-    zero = invoke_cli(path, "--dry-run", "--set", "train.optimizer=adamw_zero1")
+    zero = invoke_cli(path, "--dry-run", "--full", "--set", "train.optimizer=adamw_zero1")
     assert plain.exit_code == 0 and zero.exit_code == 0, zero.output
     assert "optimizer state per rank" not in plain.stdout
     table = zero.stdout.split("optimizer state per rank")[1].splitlines()[2:]

@@ -27,8 +27,15 @@ from hetero_llm.launch import preflight
 @click.option(
     "--dry-run",
     is_flag=True,
-    help="Print the rank table, communicators and schedules (with --rank R: what "
-    "rank R does, its actions, routes, groups, shards and buckets); start nothing.",
+    help="Print the plan counted: pipelines x stages, communicators by kind, buckets, schedules (with --full: "
+    "every rank, communicator and schedule grid; with --rank R: what rank R does, its actions, routes, groups, "
+    "shards and buckets); start nothing.",
+)
+@click.option(
+    "--full",
+    is_flag=True,
+    help="With --dry-run: print every rank, communicator, gradient-sync bucket and schedule grid, and each "
+    "rank's optimizer state (plain --dry-run counts them).",
 )
 @click.option("--node", default=None, help="Start only this node's ranks (default: every node whose host is local).")
 @click.option(
@@ -106,13 +113,17 @@ def main(**args):
             f"error: {args['layout_file']}: --snapshot-every: needs --elastic (snapshots are for restarts)", err=True
         )
         sys.exit(2)
+    full = args.pop("full")
+    if full and not args["dry_run"]:
+        click.echo(f"error: {args['layout_file']}: --full: needs --dry-run (it says what the dry run prints)", err=True)
+        sys.exit(2)
     request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
     rank, quiet = request.rank, request.quiet
     try:
         p = preflight.prepare(request, warn=lambda line: click.echo(f"warning: {line}", err=True))
         rank = p.rank
         if request.dry_run:
-            click.echo(_dry_run(p))
+            click.echo(_dry_run(p, full))
             return
         source = preflight.check_data(p)
         if rank is not None:
@@ -172,9 +183,10 @@ def _elastic(args: dict) -> None:
         sys.exit(130)
 
 
-def _dry_run(p: preflight.Prepared) -> str:
-    """What --dry-run prints: the plan (rank table, communicators, schedules) and the rendezvous, or with
-    --rank R what rank R does; the ZeRO-1 slices and the hot-switching step where the layout has them."""
+def _dry_run(p: preflight.Prepared, full: bool) -> str:
+    """What --dry-run prints: the plan counted (``full``: its rank table, communicators, schedules) and the
+    rendezvous, or with --rank R what rank R does; the ZeRO-1 state and the hot-switching step where the layout
+    has them."""
     from hetero_llm.comm import rendezvous
     from hetero_llm.plan import describe, zero1_slices
     from hetero_llm.runtime import emulation
@@ -183,13 +195,15 @@ def _dry_run(p: preflight.Prepared) -> str:
     if p.rank is not None:  # what this one rank will do (its RankPlan)
         return describe.describe_rank(plan.rank_plan(p.rank)) + "\n\n" + rendezvous.describe(plan)
     device = emulation.dry_run_device() if lay.buckets else None  # a bad one refused before anything is shown
-    parts = [describe.describe(plan), rendezvous.describe(plan)]
+    parts = [describe.describe(plan) if full else describe.summary(plan), rendezvous.describe(plan)]
     if lay.train.optimizer is layout_mod.Optimizer.ADAMW_ZERO1:
-        parts.append("\n" + zero1_slices.describe(plan))
+        parts.append("\n" + zero1_slices.describe(plan, full))
     if lay.buckets:
         from hetero_llm.switching import predict, transfers
 
         parts += ["\n" + transfers.describe_buckets(lay, plan), predict.describe_bucket_step(lay, device)]
+    if not full:
+        parts.append("\n" + describe.FULL_HINT)
     return "\n".join(parts)
 
 

@@ -41,7 +41,8 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import trust
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
 from hetero_llm.launch import external, outputs, restart
-from hetero_llm.launch.node import RunOptions, is_local_host, run_rank
+from hetero_llm.launch.hosts import local_hosts
+from hetero_llm.launch.node import RunOptions, run_rank
 from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.planner import load_cluster, output, plan_cluster
@@ -140,7 +141,8 @@ def this_node(cluster: Cluster, node: str | None, worker: Worker) -> str:
     if node is None and os.environ.get(NODE_ENV):  # torchrun reads --node as its own --node-rank: the agent's env
         node, where = os.environ[NODE_ENV], f"{ENVIRONMENT} {NODE_ENV}"
     if node is None:
-        local = [n.name for n in spec.nodes if is_local_host(n.host)]
+        here = local_hosts([n.host for n in spec.nodes], file)
+        local = [n.name for n, mine in zip(spec.nodes, here) if mine]
         if len(local) != 1:
             which = f"several ({', '.join(local)})" if local else "none"
             raise LayoutError(

@@ -24,7 +24,7 @@ import attrs
 
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.errors import ENVIRONMENT, LayoutError
-from hetero_llm.launch.node import is_local_host
+from hetero_llm.launch.hosts import is_local_host
 from hetero_llm.plan import Plan
 from hetero_llm.runtime import emulation
 

@@ -17,7 +17,6 @@ import ctypes
 import functools
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from typing import NoReturn
 import attrs
 
 from hetero_llm.errors import Diverged, HeteroError, LayoutError, RankFailure
+from hetero_llm.launch import hosts
 from hetero_llm.plan import Plan
 
 
@@ -54,34 +54,6 @@ def quiet_cpp_warnings() -> None:
         os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 
-def local_addresses() -> set[str]:
-    names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
-    try:
-        names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except OSError:
-        pass
-    return names
-
-
-def is_local_host(host: str) -> bool:
-    """Whether ``host`` names this machine: a name of it, or an address a socket can bind here (which
-    also tells apart the hosts of network namespaces that share one hostname, as on the testbed)."""
-    if host in local_addresses():
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
-    except OSError:
-        return False
-    for family, kind, proto, _, addr in infos:
-        try:
-            with socket.socket(family, kind, proto) as s:
-                s.bind((addr[0], 0, *addr[2:]))
-                return True
-        except OSError:
-            continue
-    return False
-
-
 def local_ranks(plan: Plan, node: str | None) -> list[int]:
     lay = plan.layout
     if node is not None:
@@ -90,7 +62,8 @@ def local_ranks(plan: Plan, node: str | None) -> list[int]:
             raise LayoutError(lay.file, "--node", f"'{node}' is not a node of [cluster] (nodes: {', '.join(names)})")
         nodes = {node}
     else:
-        nodes = {n.name for n in lay.cluster.nodes if is_local_host(n.host)}
+        here = hosts.local_hosts([n.host for n in lay.cluster.nodes], lay.file)  # all at once, a bounded wait
+        nodes = {n.name for n, local in zip(lay.cluster.nodes, here) if local}
         if not nodes:
             raise LayoutError(
                 lay.file,

@@ -8,6 +8,7 @@ domain's, and the NCCL variables a domain may set.
 from __future__ import annotations
 
 import enum
+import functools
 import re
 
 import attrs
@@ -229,8 +230,17 @@ class ClusterSpec:
         default=CommLib.TORCH,
     )
 
+    @functools.cached_property
+    def _node_named(
+        self,
+    ) -> dict[str, NodeSpec]:  # a plan asks per rank and per group: no scan over the nodes each time
+        named: dict[str, NodeSpec] = {}
+        for n in self.nodes:
+            named.setdefault(n.name, n)
+        return named
+
     def node(self, name: str) -> NodeSpec:
-        return next(n for n in self.nodes if n.name == name)
+        return self._node_named[name]
 
     @property
     def master_node(self) -> NodeSpec:

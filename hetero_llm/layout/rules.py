@@ -80,6 +80,7 @@ def validate_sections(layout: Layout) -> None:
 def _validate_pipelines(layout: Layout) -> None:
     f, m, t, c = layout.file, layout.model, layout.train, layout.cluster
     used: dict[str, str] = {}
+    known = {n.name: len(n.devices) for n in c.nodes}
     gpus: dict[tuple[str, str], str] = {}  # (host, 'cuda:N') -> device id, for NCCL's one rank per GPU
     total_batch = 0
     for pi, pipe in enumerate(layout.pipelines):
@@ -123,7 +124,7 @@ def _validate_pipelines(layout: Layout) -> None:
                 )
             for di, dev in enumerate(stage.devices):
                 where = f"{sp}.devices[{di}]"
-                _check_device_id(layout, dev, where)
+                _check_device_id(layout, dev, where, known)
                 if dev in used:
                     raise LayoutError(
                         f, where, f"device '{dev}' is already used by {used[dev]} (each device runs one rank)"
@@ -264,14 +265,14 @@ def _validate_pipeline_schedule(layout: Layout, pi: int) -> None:
         raise LayoutError(f, "train.compile", SPLIT_BACKWARD_NO_COMPILE)
 
 
-def _check_device_id(layout: Layout, dev: str, where: str) -> None:
+def _check_device_id(layout: Layout, dev: str, where: str, known: dict[str, int]) -> None:
+    """``dev`` names a device of [cluster] (``known``: each node's device count, made once per layout)."""
     c = layout.cluster
     node_name, sep, index = dev.partition(":")
     if not sep or not re.fullmatch(r"0|[1-9][0-9]*", index):
         raise LayoutError(
             layout.file, where, f"'{dev}' is not a device id (write 'node:index', e.g. '{c.nodes[0].name}:0')"
         )
-    known = {n.name: len(n.devices) for n in c.nodes}
     if node_name not in known or int(index) >= known[node_name]:
         have = ", ".join(f"{n} ({k} device{'s' if k > 1 else ''})" for n, k in known.items())
         raise LayoutError(layout.file, where, f"device '{dev}' is not in [cluster] (nodes: {have})")
@@ -300,6 +301,7 @@ def _validate_buckets(layout: Layout) -> None:
             "(set cp = 1, or remove [[buckets]])",
         )
     home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
+    known = {n.name: len(n.devices) for n in layout.cluster.nodes}
     cuda = sorted(
         d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu"
     )
@@ -332,7 +334,7 @@ def _validate_buckets(layout: Layout) -> None:
             for si, stage in enumerate(pipe.stages):
                 for di, dev in enumerate(stage.devices):
                     where = f"{at}.pipelines[{pi}].stages[{si}].devices[{di}]"
-                    _check_device_id(layout, dev, where)
+                    _check_device_id(layout, dev, where, known)
                     if dev not in home:
                         raise LayoutError(
                             f,

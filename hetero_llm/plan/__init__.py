@@ -20,6 +20,7 @@ Each rank's share of the plan is resolved here too, into one frozen ``RankPlan``
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 
@@ -53,6 +54,7 @@ from hetero_llm.plan.rank import (
     StageRoutes,
     SyncBlocks,
     TPKey,
+    chunk_params,
 )
 from hetero_llm.plan.schedules import pipeline_schedule
 from hetero_llm.schedule import Direction, Kind
@@ -69,6 +71,20 @@ class Plan:
     routes_f: tuple[Route, ...]
     routes_b: tuple[Route, ...]
     rank_plans: tuple[RankPlan, ...] = ()  # what each rank does (``RankPlan``), by rank
+    # Indexes built once from the fields above (``stage_of``, ``batch_share`` are asked per rank: a scan each
+    # time made a 1,024-rank dry run quadratic)
+    _stage_at: dict[tuple[int, int], StagePlan] = attrs.field(init=False, repr=False, eq=False)
+    _batch_offsets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+
+    def __attrs_post_init__(self) -> None:
+        stage_at: dict[tuple[int, int], StagePlan] = {}
+        for s in self.stages:
+            stage_at.setdefault((s.pipeline, s.stage), s)
+        offsets = [0]
+        for p in self.layout.pipelines:
+            offsets.append(offsets[-1] + p.batch)
+        object.__setattr__(self, "_stage_at", stage_at)  # frozen: set once, here
+        object.__setattr__(self, "_batch_offsets", tuple(offsets))
 
     @property
     def world_size(self) -> int:
@@ -76,7 +92,7 @@ class Plan:
 
     def stage_of(self, rank: int) -> StagePlan:
         r = self.ranks[rank]
-        return next(s for s in self.stages if s.pipeline == r.pipeline and s.stage == r.stage)
+        return self._stage_at[(r.pipeline, r.stage)]
 
     def actions(self, rank: int) -> tuple[sched.Action, ...]:
         r = self.ranks[rank]
@@ -85,13 +101,11 @@ class Plan:
     def params_of(self, rank: int) -> list[tuple[ParamInfo, int, int]]:
         """(info, lo, hi) of every parameter shard ``rank`` holds, along info.shard_dim (or dim 0)."""
         st = self.stage_of(rank)
-        tp_index = self.ranks[rank].tp_index
-        return [(p, *shard_range(p, st.tp, tp_index)) for p in st.params(self.layout.model)]
+        return list(_held(self.layout.model, st, self.ranks[rank].tp_index))
 
     def batch_share(self, pipeline: int) -> tuple[int, int]:
         """(offset, size) of a pipeline's contiguous rows of the global batch."""
-        offset = sum(p.batch for p in self.layout.pipelines[:pipeline])
-        return offset, self.layout.pipelines[pipeline].batch
+        return self._batch_offsets[pipeline], self.layout.pipelines[pipeline].batch
 
     def fingerprint(self) -> str:
         """A short hash of what every rank must agree on (the layout's content, not its file path)."""
@@ -169,12 +183,23 @@ class Plan:
         return env
 
 
+def _held(model, st: StagePlan, tp_index: int) -> tuple[tuple[ParamInfo, int, int], ...]:
+    """``Plan.params_of``: the same for every rank at one place of one stage shape, so made once for each."""
+    return _held_at(model, tuple(st.chunk_shape(c) for c in range(len(st.chunk_ranges))), st.tp, tp_index)
+
+
+@functools.lru_cache(maxsize=1024)
+def _held_at(model, chunks: tuple, tp: int, tp_index: int) -> tuple[tuple[ParamInfo, int, int], ...]:
+    return tuple((p, *shard_range(p, tp, tp_index)) for p in chunk_params(model, chunks))
+
+
 def compile_plan(layout: Layout) -> Plan:
     ranks: list[RankInfo] = []
     stages: list[StagePlan] = []
     schedules = []
     nodes = {n.name: n for n in layout.cluster.nodes}
     chunks = layout.train.chunks
+    shared: dict[tuple, tuple] = {}
     for pi, pipe in enumerate(layout.pipelines):
         n = len(pipe.stages)
         ranges = blocks.chunk_ranges([st.layers for st in pipe.stages], chunks)
@@ -189,7 +214,8 @@ def compile_plan(layout: Layout) -> Plan:
         actions = pipeline_schedule(layout, pi)
         if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
             actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
-        schedules.append(tuple(tuple(a) for a in actions))
+        lists = tuple(tuple(a) for a in actions)
+        schedules.append(shared.setdefault(lists, lists))  # pipelines of one shape hold the same tuples
 
     pairs = blocks.boundary_pairs(stages, wrap=chunks > 1)
     routes_f, routes_b = blocks.boundary_routes(pairs, layout.model.seq_len)
@@ -266,25 +292,34 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
         first_on_node.setdefault(info.node, info.rank)
     sharded = tr.optimizer is Optimizer.ADAMW_ZERO1
     if sharded:
-        units = zero1_slices.units(plan)
+        units = zero1_slices.by_rank(zero1_slices.units(plan))
+    routes_of = _routes_by_rank(plan)
+
+    shards_of: dict[tuple, tuple[Shard, ...]] = {}  # the same for every rank at one place of one stage shape
 
     def shards(info: RankInfo) -> tuple[Shard, ...]:
         st = stage_of[(info.pipeline, info.stage)]
-        return tuple(
-            Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1) for p in params[st]
-        )
+        key = (st.chunk_ranges, st.first, st.last, st.tp, info.tp_index)  # what its parameters and ranges follow from
+        if key not in shards_of:
+            shards_of[key] = tuple(
+                Shard(p, *shard_range(p, st.tp, info.tp_index), st.tp if p.shard_dim is None else 1) for p in params[st]
+            )
+        return shards_of[key]
 
+    split_backward: dict[int, bool] = {}  # by id of a stage's action tuple (shared by pipelines of one shape)
     shards_by_rank = tuple(shards(info) for info in plan.ranks)
     out = []
     for info in plan.ranks:
         rank = info.rank
         slices = None
         if sharded:
-            mine, rest = zero1_slices.owned(plan, rank, units)
+            mine, rest = zero1_slices.owned(plan, rank, in_units=units.get(rank, []))
             slices = OptimizerSlices(tuple((u, tuple(sl)) for u, sl in mine), tuple(rest))
         st = stage_of[(info.pipeline, info.stage)]
         pipe = lay.pipelines[st.pipeline]
         actions = plan.schedules[st.pipeline][st.stage]
+        if id(actions) not in split_backward:
+            split_backward[id(actions)] = any(a.kind is sched.Kind.I for a in actions)
         spec = pipe.stages[st.stage]
         recompute = spec.recompute if spec.recompute is not None else tr.recompute
         compute = ComputeSettings(tr.precision, recompute is Recompute.FULL, tr.compile is Compile.BLOCKS)
@@ -309,13 +344,13 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
                 data=lay.data,
                 actions=actions,
                 dynamic=tr.schedule is Schedule.DYNAMIC and not pipe.schedule_file,
-                split_backward=any(a.kind is sched.Kind.I for a in actions),
+                split_backward=split_backward[id(actions)],
                 sharded_optimizer=sharded,
                 optimizer_slices=slices,
                 compute=compute,
                 shards=shards_by_rank[rank],
                 sync_blocks=tuple(sync_blocks_of[rank]),
-                routes=_stage_routes(plan, rank),
+                routes=_stage_routes(plan, rank, routes_of),
                 tp_group=plan.tp_group(st, info.cp_index),
                 context=plan.context(rank),
                 world=world,
@@ -347,19 +382,30 @@ def _group_envs(plan: Plan):
     return env_of
 
 
-def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
-    """``rank``'s pieces of its stage boundaries and the groups they travel in."""
+def _routes_by_rank(plan: Plan) -> dict[tuple[int, str], list[Route]]:
+    """Every route under (rank, side): (its dst, 'recv_f' | 'recv_b') and (its src, 'send_f' | 'send_b'), in plan order."""
+    out: dict[tuple[int, str], list[Route]] = {}
+    for routes, f_or_b in ((plan.routes_f, "f"), (plan.routes_b, "b")):
+        for r in routes:
+            out.setdefault((r.dst, "recv_" + f_or_b), []).append(r)
+            out.setdefault((r.src, "send_" + f_or_b), []).append(r)
+    return out
 
-    def received(routes: tuple[Route, ...]) -> Route | None:
-        return next((r for r in routes if r.dst == rank and not r.runs), None)
 
-    def runs(routes: tuple[Route, ...]) -> tuple[Route, ...]:  # a boundary that re-chunks: one per sender
-        return tuple(r for r in routes if r.dst == rank and r.runs)
+def _stage_routes(plan: Plan, rank: int, routes_of: dict[tuple[int, str], list[Route]]) -> StageRoutes:
+    """``rank``'s pieces of its stage boundaries and the groups they travel in (``routes_of``: ``_routes_by_rank``)."""
+    into = {side: routes_of.get((rank, side), []) for side in ("recv_f", "recv_b")}
 
-    recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
-    runs_f, runs_b = runs(plan.routes_f), runs(plan.routes_b)
-    send_f = tuple(r for r in plan.routes_f if r.src == rank)
-    send_b = tuple(r for r in plan.routes_b if r.src == rank)
+    def received(side: str) -> Route | None:
+        return next((r for r in into[side] if not r.runs), None)
+
+    def runs(side: str) -> tuple[Route, ...]:  # a boundary that re-chunks: one per sender
+        return tuple(r for r in into[side] if r.runs)
+
+    recv_f, recv_b = received("recv_f"), received("recv_b")
+    runs_f, runs_b = runs("recv_f"), runs("recv_b")
+    send_f = tuple(routes_of.get((rank, "send_f"), ()))
+    send_b = tuple(routes_of.get((rank, "send_b"), ()))
     sides = (
         (Kind.RECV_F, recv_f or (runs_f[0] if runs_f else None)),
         (Kind.SEND_F, send_f[0] if send_f else None),

@@ -18,7 +18,7 @@ def transport_of(layout: Layout, nodes: list[str]) -> str:
     cluster = layout.cluster
     if not cluster.domains:
         return DEFAULT_TRANSPORT
-    domains = {cluster.domain_of(n) for n in nodes}
+    domains = {cluster.domain_of(n) for n in set(nodes)}  # a node's domain once: a group can have thousands of ranks
     return domains.pop() if len(domains) == 1 else CROSS_DOMAIN
 
 
@@ -106,19 +106,28 @@ def sync_blocks(layout: Layout, stages: list[StagePlan]) -> list[SyncBlocks]:
     # holders[name] = [(rank, lo, hi)], for every parameter shard of every rank
     holders: dict[str, list[tuple[int, int, int]]] = defaultdict(list)
     infos: dict[str, ParamInfo] = {}
-    stage_of: dict[int, tuple[str, int]] = {}  # rank -> (stage, context-parallel index): its TP group
-    for st in stages:
+    stage_of: dict[int, tuple[int, int]] = {}  # rank -> (its stage's position, context-parallel index): its TP group
+    for position, st in enumerate(stages):
+        tp = st.tp
+        for i, rank in enumerate(st.ranks):
+            stage_of[rank] = (position, i // tp)
         for info in st.params(layout.model):
             infos[info.name] = info
             for i, rank in enumerate(st.ranks):
-                holders[info.name].append((rank, *shard_range(info, st.tp, i % st.tp)))
-                stage_of[rank] = (st.label, i // st.tp)
+                holders[info.name].append((rank, *shard_range(info, tp, i % tp)))
     by_group: dict[tuple[int, ...], list[tuple[str, int, int, int]]] = defaultdict(list)
     for name, held in holders.items():
         dim = infos[name].shard_dim or 0
         cuts = sorted({x for _, lo, hi in held for x in (lo, hi)})
-        for lo, hi in zip(cuts, cuts[1:]):
-            group = tuple(sorted(r for r, a, b in held if a <= lo and hi <= b))
+        at = {x: i for i, x in enumerate(cuts)}
+        # The holders of block [cuts[i], cuts[i + 1]): those whose shard spans it, i.e. its blocks are
+        # at[lo] .. at[hi] - 1 (every shard's ends are cuts), each holder added once per block it covers.
+        block_holders: list[list[int]] = [[] for _ in cuts[1:]]
+        for r, a, b in held:
+            for i in range(at[a], at[b]):
+                block_holders[i].append(r)
+        for (lo, hi), ranks in zip(zip(cuts, cuts[1:]), block_holders):
+            group = tuple(sorted(ranks))
             # Holders inside one TP group already have identical gradients (replicated tensors see
             # replicated activations and all-reduced input gradients): nothing to sum. The TP groups of a
             # stage's context-parallel ranks hold the same blocks with the gradients of their own tokens: summed.

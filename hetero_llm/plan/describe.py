@@ -1,8 +1,12 @@
-"""What ``--dry-run`` prints: the whole plan (``describe``: ranks, network domains, communicators, gradient-sync
-buckets, schedule grids) or one rank's share of it (``describe_rank``: what ``--dry-run --rank R`` shows). Torch-free.
+"""What ``--dry-run`` prints: the plan counted (``summary``: pipelines x stages, communicators by kind, buckets,
+schedules; its length does not grow with the ranks), the whole plan (``describe``, ``--dry-run --full``: ranks,
+network domains, communicators, gradient-sync buckets, schedule grids) or one rank's share of it
+(``describe_rank``: what ``--dry-run --rank R`` shows). Torch-free.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from hetero_llm import schedule as sched
 from hetero_llm.layout import CROSS_DOMAIN, SHM
@@ -15,15 +19,95 @@ def _ranges(st: StagePlan) -> str:
     return ",".join(f"{lo}-{hi - 1}" for lo, hi in st.chunk_ranges)
 
 
-def describe(plan: Plan) -> str:
-    """The ``--dry-run`` report: rank table, communicators, per-pipeline schedule grids."""
+def _header(plan: Plan) -> str:
     lay = plan.layout
-    lines = [
+    return (
         f"layout {lay.file}: {plan.world_size} ranks, {len(lay.pipelines)} pipeline(s), "
-        f"global batch {lay.train.global_batch}, schedule {lay.train.schedule.value}",
+        f"global batch {lay.train.global_batch}, schedule {lay.train.schedule.value}"
+    )
+
+
+def _spans(numbers: list[int]) -> str:
+    """Sorted distinct integers as ranges: ``0-3,6,8-9``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _between(values) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}" if lo == hi else f"{lo}-{hi}"
+
+
+FULL_HINT = "every rank, communicator, bucket and schedule grid: --dry-run --full; one rank: --dry-run --rank R"
+SHAPES_SHOWN = 8  # pipeline shapes the summary lists before it counts the rest
+
+
+def summary(plan: Plan) -> str:
+    """The default ``--dry-run`` report: the plan counted (pipelines by shape, communicators by kind, buckets,
+    schedules), a few dozen lines whatever the ranks; ``describe`` lists every rank, group and schedule grid."""
+    lay = plan.layout
+    per_node = Counter(r.node for r in plan.ranks)
+    stages = Counter(len(p.stages) for p in lay.pipelines)
+    lines = [
+        _header(plan),
         "",
-        "rank  device      node      pipeline  stage  tp     layers   batch share",
+        f"nodes: {len(per_node)} with {_between(per_node.values())} rank{'s' if max(per_node.values()) > 1 else ''} each",
+        "pipelines x stages: " + ", ".join(f"{n} x {s}" for s, n in sorted(stages.items())),
     ]
+    shapes: dict[tuple, list[int]] = {}
+    by_pipeline: dict[int, list[StagePlan]] = {}
+    for st in plan.stages:
+        by_pipeline.setdefault(st.pipeline, []).append(st)
+    for pi, pipe in enumerate(lay.pipelines):
+        sts = by_pipeline[pi]
+        key = (tuple(st.tp for st in sts), tuple(_ranges(st) for st in sts), pipe.batch, pipe.microbatches)
+        shapes.setdefault(key, []).append(pi)
+    for (tps, ranges, batch, mb), pipes in list(shapes.items())[:SHAPES_SHOWN]:
+        lines.append(
+            f"  pipeline{'s' if len(pipes) > 1 else ''} {_spans(pipes)}: {len(tps)} stage{'s' if len(tps) > 1 else ''}, "
+            f"tp {'/'.join(map(str, tps))}, layers {'/'.join(ranges)}, {batch} rows in {mb} mb"
+            + (" each" if len(pipes) > 1 else "")
+        )
+    if len(shapes) > SHAPES_SHOWN:
+        lines.append(f"  ... {len(shapes) - SHAPES_SHOWN} more pipeline shapes")
+    domains = bool(lay.cluster.domains)
+    if domains:
+        lines += ["", *describe_domains(plan)]
+    kinds: dict[str, list] = {}
+    for g in (plan.world,) + plan.groups:
+        kinds.setdefault(g.name.split("[", 1)[0], []).append(g)
+    lines += ["", f"communicators (created in this order on every rank): {len(plan.groups) + 1}"]
+    for kind, groups in kinds.items():
+        via = ""
+        if domains or any(g.transport == SHM for g in groups):
+            counts = Counter(g.transport for g in groups)
+            via = "  via " + ", ".join(f"{t} ({n})" if len(counts) > 1 else t for t, n in sorted(counts.items()))
+        lines.append(f"  {kind:<10} {len(groups):>6}  of {_between([len(g.ranks) for g in groups])} ranks{via}")
+    blocks = sum(len(b.entries) for b in plan.sync_blocks)
+    lines.append(
+        f"gradient sync buckets: {len(plan.sync_blocks)}, {blocks} blocks summed among exactly their holders"
+        if plan.sync_blocks
+        else "gradient sync buckets: none (a single pipeline holds every parameter once)"
+    )
+    # compile_plan gives pipelines with equal lists the same tuple: counted by identity, not by hashing every action
+    grids = {id(s) for s in plan.schedules}
+    lines += [
+        f"schedules: {len(grids)} distinct grid{'s' if len(grids) > 1 else ''} over {len(plan.schedules)} "
+        f"pipeline{'s' if len(plan.schedules) > 1 else ''}, {_between([len(a) for s in plan.schedules for a in s])} "
+        "actions per rank"
+    ]
+    return "\n".join(lines)
+
+
+def describe(plan: Plan) -> str:
+    """The ``--dry-run --full`` report: rank table, communicators, per-pipeline schedule grids."""
+    lay = plan.layout
+    lines = [_header(plan), "", "rank  device      node      pipeline  stage  tp     layers   batch share"]
     for r in plan.ranks:
         st = plan.stage_of(r.rank)
         off, size = plan.batch_share(r.pipeline)

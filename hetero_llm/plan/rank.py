@@ -17,6 +17,8 @@ A key's ``name`` is what people read (``tp[p0.s1]``, ``p2p_fwd[p0.s0->p0.s1]``, 
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 
 from hetero_llm import schedule as sched
@@ -148,12 +150,20 @@ class StagePlan:
         return lo, hi, self.first and chunk == 0, self.last and chunk == last_chunk
 
     def params(self, model: ModelSpec) -> list[ParamInfo]:
-        out: list[ParamInfo] = []
-        for c in range(len(self.chunk_ranges)):
-            out += [
-                info for info in stage_params(model, *self.chunk_shape(c)) if info not in out
-            ]  # tied embed.tok once
-        return out
+        return list(chunk_params(model, tuple(self.chunk_shape(c) for c in range(len(self.chunk_ranges)))))
+
+
+@functools.lru_cache(maxsize=256)  # a plan asks once per rank for the few shapes its stages have
+def chunk_params(model: ModelSpec, chunks: tuple[tuple[int, int, bool, bool], ...]) -> tuple[ParamInfo, ...]:
+    """The parameters of a stage's model chunks, each once (a tied ``embed.tok`` on a first and last stage)."""
+    out: list[ParamInfo] = []
+    seen: set[str] = set()  # names are global: one name, one tensor
+    for shape in chunks:
+        for info in stage_params(model, *shape):
+            if info.name not in seen:
+                seen.add(info.name)
+                out.append(info)
+    return tuple(out)
 
 
 @attrs.frozen
@@ -319,8 +329,12 @@ class Network:
     # the node's first rank only, which warns once for the node when its host lacks one).
     node_interfaces: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
+    @functools.cached_property  # asked for every group of the plan: the pairs made a dict once, not per group
+    def _env_of(self) -> dict[GroupKey, tuple[tuple[str, str], ...]]:
+        return dict(self.envs)
+
     def env(self, key: GroupKey) -> dict[str, str]:
-        return dict(dict(self.envs).get(key, ()))
+        return dict(self._env_of.get(key, ()))
 
 
 Slice = tuple[str, int, int, int]
@@ -347,10 +361,13 @@ class ZeroUnit:
         j = self.ranks.index(rank)
         return sum((cut[j + 1] - cut[j]) * row for cut, row in zip(self.cuts, self.row_sizes))
 
-    @property
+    @functools.cached_property  # asked per holder at every reduce-scatter: once, in one pass over the holders
     def chunk(self) -> int:
         """Elements per holder in the collectives: the largest slice (the others are padded to it)."""
-        return max(self.elements(r) for r in self.ranks)
+        return max(
+            sum((cut[j + 1] - cut[j]) * row for cut, row in zip(self.cuts, self.row_sizes))
+            for j in range(len(self.ranks))
+        )
 
 
 @attrs.frozen

@@ -4,6 +4,7 @@ pipeline's schedule file and checked against the layout (one located ``LayoutErr
 
 from __future__ import annotations
 
+import functools
 import os
 
 from hetero_llm import schedule as sched
@@ -54,6 +55,12 @@ def pipeline_schedule(layout: Layout, pi: int) -> list[list[sched.Action]]:
                 ) from None
         return loaded
     kind = "1f1b" if train.schedule is Schedule.DYNAMIC else train.schedule.value
-    lowered = sched.build(kind, n, pipe.microbatches, chunks=train.chunks)
-    sched.validate(lowered, pipe.microbatches)
-    return lowered
+    return [list(actions) for actions in _generated(kind, n, pipe.microbatches, train.chunks)]
+
+
+@functools.lru_cache(maxsize=64)  # pipelines of one shape share their lists: a planned layout has many such
+def _generated(kind: str, stages: int, microbatches: int, chunks: int) -> tuple[tuple[sched.Action, ...], ...]:
+    """The lowered, validated action lists of a generated schedule (a pure function of its arguments)."""
+    lowered = sched.build(kind, stages, microbatches, chunks=chunks)
+    sched.validate(lowered, microbatches)
+    return tuple(tuple(actions) for actions in lowered)

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from hetero_llm.layout import Layout
 from hetero_llm.model.params import ParamInfo
-from hetero_llm.plan.rank import GroupKey, RankInfo, Slice, StagePlan, SyncBlocks, ZeroUnit
+from hetero_llm.plan.rank import GroupKey, OptimizerSlices, RankInfo, RankPlan, Slice, StagePlan, SyncBlocks, ZeroUnit
 
 
 class Plan(Protocol):
@@ -49,6 +49,9 @@ class Plan(Protocol):
 
     @property
     def world_size(self) -> int: ...
+
+    @property
+    def rank_plans(self) -> tuple[RankPlan, ...]: ...
 
     def stage_of(self, rank: int) -> StagePlan: ...
 
@@ -70,13 +73,13 @@ def _cut(lo: int, hi: int, weights: list[float]) -> tuple[int, ...]:
     return tuple(out + [hi])
 
 
-def _weights(plan: Plan, ranks: tuple[int, ...], info: ParamInfo) -> list[float]:
+def _weights(plan: Plan, ranks: tuple[int, ...]) -> tuple[list[float], list[float]]:
+    """The holders' weights for a replicated tensor and for a sharded one (``tp x memory_gb``, module doc)."""
     memory = {n.name: n.memory_gb for n in plan.layout.cluster.nodes}
     mem = [memory[plan.ranks[r].node] for r in ranks]
     if not all(m > 0 for m in mem):
         mem = [1.0] * len(ranks)
-    tp = [plan.stage_of(r).tp if info.shard_dim is not None else 1 for r in ranks]
-    return [m * t for m, t in zip(mem, tp)]
+    return mem, [m * plan.stage_of(r).tp for m, r in zip(mem, ranks)]
 
 
 def units(plan: Plan) -> tuple[ZeroUnit, ...]:
@@ -84,7 +87,8 @@ def units(plan: Plan) -> tuple[ZeroUnit, ...]:
     infos = {p.name: p for st in plan.stages for p in st.params(plan.layout.model)}
 
     def unit(group: GroupKey, ranks: tuple[int, ...], entries: tuple[Slice, ...], reduce: bool) -> ZeroUnit:
-        cuts = tuple(_cut(lo, hi, _weights(plan, ranks, infos[name])) for name, _, lo, hi in entries)
+        weights = _weights(plan, ranks)  # once per unit, not per entry: a unit can hold hundreds of blocks
+        cuts = tuple(_cut(lo, hi, weights[infos[name].shard_dim is not None]) for name, _, lo, hi in entries)
         sizes = tuple(_row_size(infos[name], dim) for name, dim, _, _ in entries)
         return ZeroUnit(group, ranks, entries, cuts, sizes, reduce)
 
@@ -105,12 +109,24 @@ def units(plan: Plan) -> tuple[ZeroUnit, ...]:
     return tuple(out)
 
 
+def by_rank(all_units: tuple[ZeroUnit, ...]) -> dict[int, list[ZeroUnit]]:
+    """The units each rank is in, in plan order (what ``owned`` filters ``all_units`` to, for every rank at once)."""
+    out: dict[int, list[ZeroUnit]] = {}
+    for u in all_units:
+        for r in u.ranks:
+            out.setdefault(r, []).append(u)
+    return out
+
+
 def owned(
-    plan: Plan, rank: int, all_units: tuple[ZeroUnit, ...] | None = None
+    plan: Plan, rank: int, all_units: tuple[ZeroUnit, ...] | None = None, in_units: list[ZeroUnit] | None = None
 ) -> tuple[list[tuple[ZeroUnit, list[Slice]]], list[Slice]]:
-    """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone)."""
-    all_units = units(plan) if all_units is None else all_units
-    mine = [(u, u.slices(rank)) for u in all_units if rank in u.ranks]
+    """What ``rank`` updates: its slices of each unit it is in, and the rest of its shards (its alone).
+    ``in_units``: the units ``rank`` is in, when the caller has them (``by_rank``), else found in ``all_units``."""
+    if in_units is None:
+        all_units = units(plan) if all_units is None else all_units
+        in_units = [u for u in all_units if rank in u.ranks]
+    mine = [(u, u.slices(rank)) for u in in_units]
     covered: dict[str, list[tuple[int, int]]] = {}
     for u, _ in mine:
         for name, _, lo, hi in u.entries:
@@ -128,25 +144,52 @@ def owned(
     return mine, rest
 
 
-def state_elements(plan: Plan, rank: int, zero1: bool) -> int:
-    """Elements per AdamW moment that ``rank`` keeps: its whole shards with 'adamw', its slices with ZeRO-1.
+def state_elements(
+    plan: Plan, rank: int, zero1: bool, in_units: list[ZeroUnit] | None = None, slices: OptimizerSlices | None = None
+) -> int:
+    """Elements per AdamW moment that ``rank`` keeps: its whole shards with 'adamw', its slices with ZeRO-1
+    (``in_units``: the units it is in, as ``owned`` takes them; ``slices``: its RankPlan's, ``owned``'s answer).
 
     Bytes of optimizer state = 2 moments x 4 bytes x this (float32 exp_avg and exp_avg_sq).
     """
-    infos = {p.name: p for p in plan.stage_of(rank).params(plan.layout.model)}
+    held = plan.params_of(rank)
     if not zero1:
-        return sum(_row_size(info, info.shard_dim or 0) * (hi - lo) for info, lo, hi in plan.params_of(rank))
-    mine, rest = owned(plan, rank)
+        return sum(_row_size(info, info.shard_dim or 0) * (hi - lo) for info, lo, hi in held)
+    mine, rest = (slices.units, slices.local) if slices is not None else owned(plan, rank, in_units=in_units)
+    infos = {info.name: info for info, _, _ in held}
     return sum(u.elements(rank) for u, _ in mine) + sum(_row_size(infos[n], d) * (hi - lo) for n, d, lo, hi in rest)
 
 
-def describe(plan: Plan) -> str:
-    """The ``--dry-run`` table of AdamW state per rank, plain and ZeRO-1 (two float32 moments per element)."""
-    lines = [
-        "optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1'):",
-        "rank  adamw MiB  adamw_zero1 MiB  factor",
+def _state_mib(plan: Plan) -> list[tuple[float, float]]:
+    """Per rank: MiB of AdamW moments under 'adamw' and under 'adamw_zero1' (each rank's slices as its RankPlan has
+    them, else the units computed once)."""
+    slices = [rp.optimizer_slices for rp in plan.rank_plans] or [None] * plan.world_size
+    in_units = by_rank(units(plan)) if None in slices else {}
+    mib = 8 / 2**20
+    return [
+        (mib * state_elements(plan, r, False), mib * state_elements(plan, r, True, in_units.get(r, []), slices[r]))
+        for r in range(plan.world_size)
     ]
-    for rank in range(plan.world_size):
-        plain, zero = (8 * state_elements(plan, rank, z) / 2**20 for z in (False, True))
-        lines.append(f"{rank:<5} {plain:<10.3f} {zero:<16.3f} {plain / zero if zero else float('inf'):.2f}")
+
+
+_TITLE = "optimizer state per rank (AdamW moments, 8 bytes per element; train.optimizer = 'adamw_zero1')"
+
+
+def _factor(plain: float, zero: float) -> float:
+    return plain / zero if zero else float("inf")
+
+
+def describe(plan: Plan, full: bool = True) -> str:
+    """The ``--dry-run`` table of AdamW state per rank, plain and ZeRO-1 (two float32 moments per element);
+    not ``full``: its range over the ranks, in two lines."""
+    mib = _state_mib(plan)
+    if not full:
+        plains, zeros, factors = ([p for p, _ in mib], [z for _, z in mib], [_factor(p, z) for p, z in mib])
+        return (
+            f"{_TITLE}:\n  adamw {min(plains):.3f}-{max(plains):.3f} MiB, adamw_zero1 {min(zeros):.3f}-{max(zeros):.3f} "
+            f"MiB, factor {min(factors):.2f}-{max(factors):.2f}"
+        )
+    lines = [f"{_TITLE}:", "rank  adamw MiB  adamw_zero1 MiB  factor"]
+    for rank, (plain, zero) in enumerate(mib):
+        lines.append(f"{rank:<5} {plain:<10.3f} {zero:<16.3f} {_factor(plain, zero):.2f}")
     return "\n".join(lines)
