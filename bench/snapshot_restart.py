@@ -145,7 +145,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
     holders.copy_into(shm / "n1", alone, [f for f in choice.files if f.node == "n1"], lambda n: None)
     copy_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    shards.check_resumable(holders.unsealed(alone, choice, plan.layout), plan.layout)
+    copied = holders.unsealed(alone, choice, plan.layout)
+    folders.check_fits(copied, plan.layout)
+    shards.check_resumable(copied)
     check_s = time.perf_counter() - t0
     shutil.rmtree(alone)
     memory = agree_round(plan, ckpt, shm, ["n0", "n1"])

@@ -255,3 +255,15 @@ def test_an_exposed_or_foreign_key_is_refused(tmp_path, case):
         f"{key}: --snapshot-every: {why}: it is this run's snapshot key, which only this user may read (delete it: "
         "a new one is made, and the snapshots in memory are not resumed)"
     )
+
+
+def test_a_checkpoint_folder_that_is_a_link_gets_no_key(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "ckpt").symlink_to(tmp_path / "real")
+    with pytest.raises(CheckpointError) as refused:
+        trust.run_key(tmp_path / "ckpt")
+    assert str(refused.value) == (
+        f"{tmp_path / 'ckpt'}: --checkpoint: is a symbolic link to '{tmp_path / 'real'}' (writes never follow one: "
+        "give the path it points to)"
+    )
+    assert list((tmp_path / "real").iterdir()) == []
