@@ -8,7 +8,7 @@ master's address only, not every interface. Under torchrun the store is torchrun
 it at the ``MASTER_ADDR`` it gives the workers) and every rank is a client of it.
 
 Every wait is bounded by ``cluster.timeout_s`` and every failure is one line naming the rank and what it
-waited for: a rank probes the address with plain sockets until the server answers before it makes a
+waited for: a rank (and its heartbeat's own connection, ``connect``) probes the address with plain sockets until the server answers before it makes a
 store client, so a master that never appears, an unresolvable host or an address that does not answer
 ends in our message, not in torch's retry warnings and C++ frames. What answers must then answer a
 store's ping (``_check_is_store``): torch's store client waits for that reply without any timeout, so a
@@ -124,27 +124,33 @@ def rendezvous(rp: RankPlan, agree: str = ""):
     ep = endpoint(rp)
     rank, timeout = rp.rank, rp.meeting.timeout_s
     start = time.monotonic()
-    if rank == ep.server:
-        store = _serve(rp, ep, timeout)
-    else:
-        _check_is_store(rp, ep, _wait_for_server(rp, ep, start + timeout), start + timeout)
-        try:
-            store = dist.TCPStore(
-                ep.host,
-                ep.port,
-                rp.world_size,
-                False,
-                timeout=timedelta(seconds=max(1.0, start + timeout - time.monotonic())),
-                wait_for_workers=False,
-            )
-        except (RuntimeError, TimeoutError, ValueError) as e:
-            raise RankFailure(
-                f"rank {rank} reached {ep.host}:{ep.port} but its store did not answer: {_first_line(e)}"
-            ) from None
+    store = _serve(rp, ep, timeout) if rank == ep.server else connect(rp, ep, start + timeout)
     if ep.prefix:
         store = dist.PrefixStore(ep.prefix, store)
     _check_arrivals(rp, ep, store, f"{rp.fingerprint}{'|' + agree if agree else ''}", timeout)
     return store
+
+
+def connect(rp: RankPlan, ep: Endpoint, deadline: float):
+    """A store client of the rendezvous at ``ep``, connected by ``deadline`` (``time.monotonic()``): plain sockets
+    retry until the server accepts and answers a store's ping, then torch's client connects, waiting until the
+    deadline too (a loaded host may take seconds to accept). A failure is one line, without torch's C++ dump."""
+    import torch.distributed as dist
+
+    _check_is_store(rp, ep, _wait_for_server(rp, ep, deadline), deadline)
+    try:
+        return dist.TCPStore(
+            ep.host,
+            ep.port,
+            rp.world_size,
+            False,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise RankFailure(
+            f"rank {rp.rank} reached {ep.host}:{ep.port} but its store did not answer: {_first_line(e)}"
+        ) from None
 
 
 def _serve(rp: RankPlan, ep: Endpoint, timeout: float):

@@ -119,6 +119,24 @@ def check_environment(environ: Mapping[str, str]) -> Worker:
         if not text.strip().isdigit():
             raise LayoutError(ENVIRONMENT, var, f"'{text}' is not a number (torchrun sets it; run under torchrun)")
         values[var] = int(text)
+    # what torch's store would take minutes to time out on, or refuse with a TypeError: named here, before it
+    bounds = (
+        ("MASTER_PORT", 1, 65535, "a TCP port (1..65535)"),
+        ("WORLD_SIZE", 1, None, "a number of workers >= 1"),
+        ("LOCAL_WORLD_SIZE", 1, values["WORLD_SIZE"], f"a number of workers 1..WORLD_SIZE ({values['WORLD_SIZE']})"),
+        ("RANK", 0, values["WORLD_SIZE"] - 1, f"a rank below WORLD_SIZE ({values['WORLD_SIZE']})"),
+        (
+            "LOCAL_RANK",
+            0,
+            values["LOCAL_WORLD_SIZE"] - 1,
+            f"a rank below LOCAL_WORLD_SIZE ({values['LOCAL_WORLD_SIZE']})",
+        ),
+    )
+    for var, lo, hi, expected in bounds:
+        if values[var] < lo or (hi is not None and values[var] > hi):
+            raise LayoutError(
+                ENVIRONMENT, var, f"'{environ[var]}' is not {expected} (torchrun sets it; run under torchrun)"
+            )
     return Worker(
         values["RANK"],
         values["WORLD_SIZE"],
@@ -214,6 +232,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     worker = check_environment(os.environ)
     cluster = load_cluster(cluster_file)
     me = this_node(cluster, node, worker)
+    check_before_store(cluster, options)
     # the round's workers start together but import torch first: on a loaded host that may take longer than
     # cluster.timeout_s, which bounds a training rank's silence, not a start
     store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
@@ -270,6 +289,20 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         store.add("snapshots-removed", 1)
     if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle, removed=len(present) if snapshots else 0)
+
+
+def check_before_store(cluster: Cluster, options: RunOptions) -> None:
+    """What the plain launcher checks before any rank starts, checked before this round's store (a bad one is one
+    line at once, not after the other workers arrived, the round planned and the save was agreed): every variable
+    (HETERO_EMULATE_* against the cluster's devices, as no plan has more ranks), the outputs against the cluster
+    file's inputs, and with ``--snapshot-every`` that the snapshot folder's file system can be written."""
+    external.check_environment(os.environ, cluster.num_devices)
+    o = options
+    outputs.check_run_paths(
+        outputs.cluster_inputs(cluster), o.metrics_jsonl, o.checkpoint, o.trace, None, o.tensorboard
+    )
+    if o.snapshot[1]:
+        outputs.check_snapshot_folder(snapshot_folder(o.checkpoint))
 
 
 def last_round(environ: Mapping[str, str], worker: Worker) -> bool:

@@ -66,11 +66,47 @@ def read(path: str | os.PathLike) -> dict:
     return parse(text, file)
 
 
+# The largest cluster a layout or cluster file may describe, refused in one line before anything reads its nodes one
+# by one (a million nodes would otherwise take minutes to say nothing); a file larger than such a cluster needs is
+# refused before it is parsed. The papers' largest published run has 315 nodes and 2520 GPUs.
+MAX_NODES = 4096
+MAX_DEVICES = 65536
+MAX_FILE_MB = 16
+
+
 def parse(text: str, file: str) -> dict:
+    if len(text) > MAX_FILE_MB << 20:
+        raise LayoutError(
+            file,
+            "",
+            f"{len(text) / (1 << 20):.0f} MB, larger than any layout hetero_llm reads ({MAX_FILE_MB} MB: a cluster of "
+            f"{MAX_NODES} nodes and {MAX_DEVICES} devices, the most it handles, fits in far less)",
+        )
     try:
-        return tomllib.loads(text)
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    except RecursionError:
+        raise LayoutError(file, "", "TOML nested too deeply to read (fix the TOML there)") from None
+    _check_cluster_size(raw.get("cluster"), file)
+    return raw
+
+
+def _check_cluster_size(cluster: object, file: str) -> None:
+    """At most ``MAX_NODES`` nodes and ``MAX_DEVICES`` devices, counted in the raw TOML (their types are checked
+    later, one by one)."""
+    nodes = cluster.get("nodes") if isinstance(cluster, dict) else None
+    if not isinstance(nodes, list):
+        return
+    devices = sum(len(n["devices"]) for n in nodes if isinstance(n, dict) and isinstance(n.get("devices"), list))
+    for count, what, limit in ((len(nodes), "nodes", MAX_NODES), (devices, "devices in all", MAX_DEVICES)):
+        if count > limit:
+            raise LayoutError(
+                file,
+                "cluster.nodes",
+                f"{count} {what}, more than hetero_llm handles (at most {MAX_NODES} nodes and {MAX_DEVICES} "
+                "devices: plan and run a part of the cluster)",
+            )
 
 
 def to_layout(raw: dict, file: str, base_dir: Path) -> Layout:
