@@ -333,3 +333,13 @@ def test_a_store_that_never_answers_is_one_line_without_torch_output(capfd):
         "(last: Connection refused); is rank 0 (node0:0), which serves it, started, and is the address right?"
     )
     assert capfd.readouterr().err == ""
+
+
+def test_a_named_pipe_as_an_output_file_is_refused_not_waited_on(tmp_path):
+    fifo = tmp_path / "metrics.jsonl"
+    os.mkfifo(fifo)
+    _refused(
+        QUICKSTART,
+        ["--metrics-jsonl", fifo],
+        f"{fifo}: --metrics-jsonl: is a named pipe (FIFO) that nothing reads (give a file path)",
+    )

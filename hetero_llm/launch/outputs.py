@@ -13,6 +13,7 @@ Torch-free; the only side effect is a probe file created and removed in each out
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
@@ -252,8 +253,11 @@ def _check_writable(flag: str, path: str, folder: bool) -> None:
     p = Path(path).absolute()
     if not folder and p.exists():
         try:
-            os.close(os.open(p, os.O_WRONLY | os.O_APPEND))  # appends nothing: the file is kept as it is
+            # appends nothing: the file is kept as it is; a named pipe without a reader is refused, not waited on
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
         except OSError as e:
+            if e.errno == errno.ENXIO:  # (O_NONBLOCK on a FIFO that no process has open for reading)
+                raise LayoutError(path, flag, "is a named pipe (FIFO) that nothing reads (give a file path)") from None
             raise LayoutError(path, flag, f"cannot write it: {e.strerror} (give a writable path)") from None
         return
     problem = _unwritable(p if folder and p.is_dir() else p.parent)

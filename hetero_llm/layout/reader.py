@@ -76,11 +76,9 @@ MAX_FILE_MB = 16
 
 def parse(text: str, file: str) -> dict:
     if len(text) > MAX_FILE_MB << 20:
+        most = f"{MAX_FILE_MB} MB: a cluster of {MAX_NODES} nodes and {MAX_DEVICES} devices, the most it handles"
         raise LayoutError(
-            file,
-            "",
-            f"{len(text) / (1 << 20):.0f} MB, larger than any layout hetero_llm reads ({MAX_FILE_MB} MB: a cluster of "
-            f"{MAX_NODES} nodes and {MAX_DEVICES} devices, the most it handles, fits in far less)",
+            file, "", f"{len(text) >> 20} MB, larger than any layout hetero_llm reads ({most}, fits in far less)"
         )
     try:
         raw = tomllib.loads(text)
@@ -88,25 +86,16 @@ def parse(text: str, file: str) -> dict:
         raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
     except RecursionError:
         raise LayoutError(file, "", "TOML nested too deeply to read (fix the TOML there)") from None
-    _check_cluster_size(raw.get("cluster"), file)
-    return raw
-
-
-def _check_cluster_size(cluster: object, file: str) -> None:
-    """At most ``MAX_NODES`` nodes and ``MAX_DEVICES`` devices, counted in the raw TOML (their types are checked
-    later, one by one)."""
+    cluster = raw.get("cluster")  # nodes and devices counted before any is built: their types are checked later
     nodes = cluster.get("nodes") if isinstance(cluster, dict) else None
-    if not isinstance(nodes, list):
-        return
+    nodes = nodes if isinstance(nodes, list) else []
     devices = sum(len(n["devices"]) for n in nodes if isinstance(n, dict) and isinstance(n.get("devices"), list))
     for count, what, limit in ((len(nodes), "nodes", MAX_NODES), (devices, "devices in all", MAX_DEVICES)):
         if count > limit:
-            raise LayoutError(
-                file,
-                "cluster.nodes",
-                f"{count} {what}, more than hetero_llm handles (at most {MAX_NODES} nodes and {MAX_DEVICES} "
-                "devices: plan and run a part of the cluster)",
-            )
+            limits = f"at most {MAX_NODES} nodes and {MAX_DEVICES} devices"
+            message = f"{count} {what}, more than hetero_llm handles ({limits}: plan and run a part of the cluster)"
+            raise LayoutError(file, "cluster.nodes", message)
+    return raw
 
 
 def to_layout(raw: dict, file: str, base_dir: Path) -> Layout:
