@@ -243,6 +243,24 @@ def test_elastic_checks_come_before_the_store(tmp_path, clean_env, env, args, me
     assert_one_error_line(result, message.format(**values))  # after the store, its 60 s wait would fail first
 
 
+def test_a_round_store_that_never_answers_is_one_line(tmp_path, clean_env, capfd):
+    """A worker whose round's store (torchrun's rank 0) never answers gives up after the round's wait (here
+    cluster.timeout_s 2, the start's 60 s floor lowered) in one line: it probes with plain sockets, so torch's
+    client never prints its C++ dump."""
+    path = cluster_file(tmp_path / "c.toml", 4)
+    path.write_text(path.read_text().replace("timeout_s = 10", "timeout_s = 2"))
+    port = free_port()
+    _torchrun_env(clean_env, HETERO_NODE="n0", RANK="1", MASTER_PORT=str(port))
+    clean_env.setattr(elastic, "_START_S", 0.0)
+    result = invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck"))
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: elastic: worker 1 could not reach this round's store at 127.0.0.1:{port} within 2 s (last: "
+        "Connection refused); is torchrun's rank 0 of this round started?\n"
+    )
+    assert capfd.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- a node lost and back (processes)
 
 

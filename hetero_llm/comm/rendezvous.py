@@ -300,29 +300,40 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> socket.sock
     """Connect plain sockets to the rendezvous until one is accepted, at most until ``deadline``; the
     connected socket."""
     rank = rp.rank
+    try:
+        reached = reach(ep.host, ep.port, deadline)
+    except socket.gaierror as e:
+        raise RankFailure(
+            f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve ({e.strerror}); fix it"
+        ) from None
+    if isinstance(reached, socket.socket):
+        return reached
+    who = "torchrun's store" if ep.server is None else f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
+    raise RankFailure(
+        f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {rp.meeting.timeout_s:g} s "
+        f"(last: {reached}); is {who} started, and is the address right?"
+    )
+
+
+def reach(host: str, port: int, deadline: float) -> socket.socket | str:
+    """A plain socket connected to ``host:port``, retried until ``deadline`` (``time.monotonic()``); else the last
+    connection error, in words. ``socket.gaierror`` when the host does not resolve."""
     while True:
-        try:
-            socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise RankFailure(
-                f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve ({e.strerror}); fix it"
-            ) from None
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         left = deadline - time.monotonic()
         try:
-            return socket.create_connection((ep.host, ep.port), timeout=max(0.05, min(_PROBE_S, left)))
+            return socket.create_connection((host, port), timeout=max(0.05, min(_PROBE_S, left)))
         except OSError as e:
             why = e.strerror or str(e) or type(e).__name__
         if time.monotonic() >= deadline:
-            timeout = rp.meeting.timeout_s
-            if ep.server is None:
-                who = "torchrun's store"
-            else:
-                who = f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
-            raise RankFailure(
-                f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {timeout:g} s "
-                f"(last: {why}); is {who} started, and is the address right?"
-            )
+            return why
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
+def answers_as_store(sock: socket.socket, deadline: float) -> bool:
+    """Whether what accepted ``sock`` (closed after) answers a store's ping by ``deadline`` (torch's client would
+    wait for that answer without any timeout)."""
+    return bool(_ping(sock, deadline))
 
 
 def server_gone(rp: RankPlan) -> RankFailure | None:

@@ -335,18 +335,35 @@ def snapshot_folder(checkpoint: str | None) -> Path:
 
 
 def _round_store(worker: Worker, timeout_s: float):
-    """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://)."""
+    """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://). A
+    client probes with plain sockets first, retrying within ``timeout_s``: torch's client prints a page of C++ on
+    a failed connect, before the one line that says why."""
+    import socket
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from hetero_llm.comm import rendezvous
+
+    deadline = time.monotonic() + timeout_s
+    if worker.rank != 0:
+        try:
+            reached = rendezvous.reach(worker.host, worker.port, deadline)
+        except socket.gaierror as e:
+            reached = f"the host does not resolve ({e.strerror})"
+        if isinstance(reached, str) or not rendezvous.answers_as_store(reached, deadline):
+            why = reached if isinstance(reached, str) else "what answers there is not a store"
+            raise RankFailure(
+                f"elastic: worker {worker.rank} could not reach this round's store at {worker.host}:{worker.port} "
+                f"within {timeout_s:g} s (last: {why}); is torchrun's rank 0 of this round started?"
+            )
     try:
         return dist.TCPStore(
             worker.host,
             worker.port,
             worker.world_size,
             worker.rank == 0,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=timeout_s),  # also each operation's: a get waits for the slowest worker
             wait_for_workers=False,
         )
     except (RuntimeError, TimeoutError, ValueError) as e:
