@@ -156,7 +156,7 @@ def test_a_file_larger_than_any_cluster_needs_is_refused_before_parsing(tmp_path
     path.write_text(QUICKSTART.read_text() + "# " + "x" * (reader.MAX_FILE_MB << 20) + "\n")
     assert_one_error_line(
         invoke_cli(path, "--dry-run"),
-        f"{path}: 16 MB, larger than any layout hetero_llm reads (16 MB: a cluster of 4096 nodes and 65536 devices, "
+        f"{path}: 8 MB, larger than any layout hetero_llm reads (8 MB: a cluster of 4096 nodes and 65536 devices, "
         "the most it handles, fits in far less)",
     )
 
