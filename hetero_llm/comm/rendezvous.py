@@ -8,9 +8,10 @@ master's address only, not every interface. Under torchrun the store is torchrun
 it at the ``MASTER_ADDR`` it gives the workers) and every rank is a client of it.
 
 Every wait is bounded by ``cluster.timeout_s`` and every failure is one line naming the rank and what it
-waited for: a rank (and its heartbeat's own connection, ``connect``) probes the address with plain sockets until the server answers before it makes a
-store client, so a master that never appears, an unresolvable host or an address that does not answer
-ends in our message, not in torch's retry warnings and C++ frames. What answers must then answer a
+waited for: a rank (and its heartbeat's own connection: ``connect``; an elastic round's: ``reach``) probes the
+address with plain sockets until the server answers before it makes a store client, so a master that never
+appears, an unresolvable host or an address that does not answer ends in our message, not in torch's retry
+warnings and C++ frames. What answers must then answer a
 store's ping (``_check_is_store``): torch's store client waits for that reply without any timeout, so a
 foreign server on the port (which accepts and says nothing, or says something else) would hold the rank
 forever. A server rank whose port is taken is refused before any rank starts (``check_port_free``).

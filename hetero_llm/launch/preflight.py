@@ -5,9 +5,9 @@ and the files it names (``load_layout``), the compiled plan, the environment, th
 rank this process runs under torchrun or srun, the ranks this host starts, their memory, the output paths
 (launch/outputs.py), the save to resume from, TensorBoard, and last the rendezvous port of a rank run in this
 process (free, where it serves the store; ``node.run_ranks`` checks the port of the ranks it starts after the
-data: another program on the port is no reason to hide a mistake in what the user gave). ``check_data`` then reads the data (a text file is tokenized once, here, not in every rank)
-and ``model.init_from``'s weights. ``--dry-run`` refuses what the real run would refuse, before it prints
-anything. Torch-free.
+data: another program on the port is no reason to hide a mistake in what the user gave). ``check_data`` then
+reads the data (a text file is tokenized once, here, not in every rank) and ``model.init_from``'s weights.
+``--dry-run`` refuses what the real run would refuse, before it prints anything. Torch-free.
 """
 
 from __future__ import annotations
