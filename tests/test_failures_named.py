@@ -88,7 +88,7 @@ def test_a_foreign_server_on_the_rendezvous_port_is_named_within_the_timeout(ban
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=3), wait_for_workers=False)
-    assert rendezvous._ping(socket.create_connection(("127.0.0.1", store.port), timeout=3), time.monotonic() + 3)
+    assert rendezvous.ping(socket.create_connection(("127.0.0.1", store.port), timeout=3), time.monotonic() + 3)
     del store
     server = _ForeignServer(port, banner)
     try:

@@ -261,7 +261,7 @@ def _check_is_store(rp: RankPlan, ep: Endpoint, sock: socket.socket, deadline: f
     """What accepted ``sock`` answers a store's ping by ``deadline`` (at least a second from now), or a
     ``LayoutError`` naming the port. A server rank that has bound its port but not made its store yet answers
     once it has: the ping waits in the socket until then."""
-    answered = _ping(sock, deadline)
+    answered = ping(sock, deadline)
     if answered:
         return
     file, key = _port_key(rp.meeting.file, ep)
@@ -275,7 +275,7 @@ def _check_is_store(rp: RankPlan, ep: Endpoint, sock: socket.socket, deadline: f
     raise LayoutError(file, key, f"port {ep.port} on {ep.host} {what} (stop it, or choose another {key})")
 
 
-def _ping(sock: socket.socket, deadline: float) -> bool | None:
+def ping(sock: socket.socket, deadline: float) -> bool | None:
     """Ping a store through connected ``sock`` (closed after): True if it answers as one by ``deadline`` (at least
     a second from now); False if something else was said, or the connection was closed or reset; None if
     nothing was said by then."""
@@ -331,12 +331,6 @@ def reach(host: str, port: int, deadline: float) -> socket.socket | str:
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
-def answers_as_store(sock: socket.socket, deadline: float) -> bool:
-    """Whether what accepted ``sock`` (closed after) answers a store's ping by ``deadline`` (torch's client would
-    wait for that answer without any timeout)."""
-    return bool(_ping(sock, deadline))
-
-
 def server_gone(rp: RankPlan) -> RankFailure | None:
     """After this rank failed: when another rank serves the store and its port refuses connections, or closes
     them unanswered, one line naming that rank as gone (its death broke this rank's connections). None while the
@@ -350,7 +344,7 @@ def server_gone(rp: RankPlan) -> RankFailure | None:
     except OSError:  # refused: its process is gone; or its host is
         pass
     else:  # a process still dying may hold its listening socket a moment longer, and then reset what it took
-        if _ping(sock, time.monotonic() + limit) is not False:
+        if ping(sock, time.monotonic() + limit) is not False:
             return None
     return RankFailure(
         f"rank {rp.rank}: rank {ep.server} ({rp.peers[ep.server]}), which served the rendezvous store at "

@@ -351,7 +351,7 @@ def _round_store(worker: Worker, timeout_s: float):
             reached = rendezvous.reach(worker.host, worker.port, deadline)
         except socket.gaierror as e:
             reached = f"the host does not resolve ({e.strerror})"
-        if isinstance(reached, str) or not rendezvous.answers_as_store(reached, deadline):
+        if isinstance(reached, str) or not rendezvous.ping(reached, deadline):
             why = reached if isinstance(reached, str) else "what answers there is not a store"
             raise RankFailure(
                 f"elastic: worker {worker.rank} could not reach this round's store at {worker.host}:{worker.port} "
