@@ -9,7 +9,8 @@ TCPStore, as torchrun's workers talk over theirs) then agrees where to resume: `
 what each node holds, chooses step 5, has n0 and n1 copy their files into ``DIR/step-000005`` (sha256 checked)
 and seals it. Measured, interleaved ``reps`` times, medians: that agreement (the slowest worker's wall time), the
 same round without snapshots (it resumes from the disk save: only the chooser's look at ``DIR``), and the copy
-alone (``holders.copy_into`` of the same files, one after the other). Mode: one process, CPU, threads.
+alone (``holders.copy_into`` of the same files, one after the other) and the checks ``--resume`` makes, which the
+chooser runs on the copy before sealing it (``shards.check_resumable``). Mode: one process, CPU, threads.
 Usage: ``python -m bench.snapshot_restart [--hidden 256] [--quick]``.
 """
 
@@ -31,7 +32,7 @@ import click
 
 from bench import benchlib as B
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, holders, snapshots
+from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust
 from hetero_llm.launch import restart
 from hetero_llm.plan import Plan, compile_plan
 
@@ -79,13 +80,14 @@ def rank_state(plan: Plan, rank: int):
     return rp, state, optimizer
 
 
-def snapshot_ranks(plan: Plan, root: Path, step: int, ranks) -> dict[int, tuple]:
-    """Ranks ``ranks`` of ``plan`` (``rank_state``) take a snapshot at ``step`` into round folder ``root``; their
-    (state, optimizer) by rank."""
+def snapshot_ranks(plan: Plan, root: Path, step: int, ranks, key: bytes) -> dict[int, tuple]:
+    """Ranks ``ranks`` of ``plan`` (``rank_state``) take a snapshot at ``step`` into round folder ``root``, their
+    records signed with ``key`` (the run's: ``trust.run_key`` of its --checkpoint DIR); their (state, optimizer) by
+    rank."""
     states = {}
     for r in ranks:
         rp, state, optimizer = rank_state(plan, r)
-        writer = snapshots.SnapshotWriter(rp, root)
+        writer = snapshots.SnapshotWriter(rp, root, key)
         writer.take(state, optimizer, step)
         writer.wait()
         states[r] = (state, optimizer)
@@ -98,6 +100,7 @@ def agree_round(
     """One elastic round of the nodes ``nodes`` (one worker each, the first torchrun's rank 0; ``shm/NODE``: each
     node's snapshot folder, None: no snapshots), threads over a real TCPStore: per node, what ``restart.agree``
     returned (or raised, as a 1-tuple) and the seconds it took."""
+    key = trust.run_key(checkpoint) if shm else None
     server = _store(len(nodes), True, 0)
     members = [(n, 0) for n in nodes]
     results: dict[str, tuple] = {}
@@ -107,7 +110,7 @@ def agree_round(
         t0 = time.perf_counter()
         try:
             got = restart.agree(
-                store, rank, members, plan.layout, str(checkpoint), shm / nodes[rank] if shm else None, timeout_s
+                store, rank, members, plan.layout, str(checkpoint), shm / nodes[rank] if shm else None, key, timeout_s
             )
             results[nodes[rank]] = (got, time.perf_counter() - t0)
         except Exception as e:  # reported, not lost in the thread
@@ -131,9 +134,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
     """One measurement of each kind (see the module's docstring); the snapshots written anew (not timed)."""
     ckpt, step = tmp / "ckpt", 5
     for node, ranks in PLACED.items():
-        snapshot_ranks(plan, shm / node / "a-000000", step, ranks)
+        snapshot_ranks(plan, shm / node / "a-000000", step, ranks, trust.run_key(ckpt))
     shutil.rmtree(shm / "n2")  # lost with its node
-    choice = holders.choose({n: holders.held(shm / n) for n in ("n0", "n1")}, plan.layout, 3)
+    choice = holders.choose({n: holders.held(shm / n, trust.run_key(ckpt)) for n in ("n0", "n1")}, plan.layout, 3)
     assert choice is not None and choice.nodes == ["n0", "n1"], choice
     alone = tmp / "alone"
     alone.mkdir()
@@ -141,6 +144,9 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
     holders.copy_into(shm / "n0", alone, [f for f in choice.files if f.node == "n0"], lambda n: None)
     holders.copy_into(shm / "n1", alone, [f for f in choice.files if f.node == "n1"], lambda n: None)
     copy_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    shards.check_resumable(holders.unsealed(alone, choice, plan.layout), plan.layout)
+    check_s = time.perf_counter() - t0
     shutil.rmtree(alone)
     memory = agree_round(plan, ckpt, shm, ["n0", "n1"])
     folder = folders.step_folder(ckpt, step)
@@ -153,14 +159,16 @@ def one_rep(plan: Plan, tmp: Path, shm: Path) -> dict[str, float]:
         "memory_s": max(r[1] for r in memory.values()),
         "disk_s": max(r[1] for r in disk.values()),
         "copy_s": copy_s,
+        "check_s": check_s,
         "copied_mb": sum(f.size for f in choice.files) / 1e6,
     }
 
 
 def disk_save(plan: Plan, tmp: Path, step: int) -> Path:
     """A complete save of ``plan``'s every rank at ``step`` in ``tmp/ckpt`` (made as a round makes one)."""
-    snapshot_ranks(plan, tmp / "d" / "a-000000", step, range(plan.world_size))
-    choice = holders.choose({"d": holders.held(tmp / "d")}, plan.layout, -1)
+    key = trust.run_key(tmp / "ckpt")
+    snapshot_ranks(plan, tmp / "d" / "a-000000", step, range(plan.world_size), key)
+    choice = holders.choose({"d": holders.held(tmp / "d", key)}, plan.layout, -1)
     assert choice is not None
     folder = folders.step_folder(tmp / "ckpt", step)
     holders.begin(folder)
@@ -201,11 +209,11 @@ def main(quick, hidden, reps, out_dir):
             f"TCPStore; snapshots in /dev/shm, `--checkpoint DIR` in a temporary folder on disk; {reps} rep(s), "
             "medians.",
             "",
-            "| round resumes from | agreement ms (slowest worker) | the copy alone ms | MB copied |",
-            "| --- | --- | --- | --- |",
+            "| round resumes from | agreement ms (slowest worker) | the copy alone ms | its check alone ms | MB copied |",
+            "| --- | --- | --- | --- | --- |",
             f"| the snapshot of step 5 held on n0 and n1 | {1e3 * med['memory_s']:.1f} | {1e3 * med['copy_s']:.1f} | "
-            f"{med['copied_mb']:.2f} |",
-            f"| the disk save of step 3 (no snapshots) | {1e3 * med['disk_s']:.1f} | 0 | 0 |",
+            f"{1e3 * med['check_s']:.1f} | {med['copied_mb']:.2f} |",
+            f"| the disk save of step 3 (no snapshots) | {1e3 * med['disk_s']:.1f} | 0 | 0 | 0 |",
         ]
     )
     B.say(md)

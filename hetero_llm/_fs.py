@@ -15,13 +15,13 @@ from typing import Any, BinaryIO
 TMP = ".tmp"  # suffix of a file being written; a leftover one is garbage
 
 
-def write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+def write_atomically(path: Path, write: Callable[[BinaryIO], object], mode: int = 0o666) -> None:
     """Write ``path`` by ``write(binary file)`` (what it returns, e.g. a byte count, is ignored) into ``path.tmp``,
     fsync it, rename it over ``path``. Neither is followed if it is a symbolic link (the rename replaces a link at
-    ``path`` rather than writing its target)."""
+    ``path`` rather than writing its target). ``mode``: the new file's permissions (less the umask)."""
     tmp = path.with_name(path.name + TMP)
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o666), "wb") as f:
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode), "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())

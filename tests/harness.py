@@ -32,10 +32,11 @@ LAYOUTS = ROOT / "layouts"
 # planned layouts of the papers' clusters are layouts too, but too big to run here. The published runs'
 # layouts (bench/published.py writes them: CUDA, up to 2520 GPUs) are only checked as files.
 PUBLISHED_LAYOUTS = sorted((LAYOUTS / "papers" / "published").glob("*.toml"))
+SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (tests/test_sweep.py)
 LAYOUT_FILES = sorted(
     p
     for p in LAYOUTS.rglob("*.toml")
-    if "clusters" not in p.relative_to(LAYOUTS).parts[:-1] and p not in PUBLISHED_LAYOUTS
+    if "clusters" not in p.relative_to(LAYOUTS).parts[:-1] and p not in PUBLISHED_LAYOUTS and p not in SWEEP_FILES
 )
 PAPER_SIZED = {"planned/hexiscale_40gpu.toml", "planned/holmes_64gpu.toml", "planned/mixed_1024gpu.toml"}
 RUNNABLE_LAYOUTS = [p for p in LAYOUT_FILES if p.relative_to(LAYOUTS).as_posix() not in PAPER_SIZED]

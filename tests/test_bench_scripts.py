@@ -248,10 +248,11 @@ def test_snapshot_restart_quick(tmp_path):
     before = set(Path("/dev/shm").glob("bench_snapshot_restart_*"))
     _run("snapshot_restart", tmp_path)
     md = (tmp_path / "snapshot_restart.md").read_text()
-    headers = ["round resumes from", "agreement ms (slowest worker)", "the copy alone ms", "MB copied"]
+    headers = ["round resumes from", "agreement ms (slowest worker)", "the copy alone ms", "its check alone ms"]
+    headers.append("MB copied")
     assert headers in _headers(md) and "load average" in md
     [row] = json.loads((tmp_path / "snapshot_restart.json").read_text())["rows"]
-    assert row["memory_s"] > 0 and row["disk_s"] > 0 and row["copy_s"] > 0
+    assert row["memory_s"] > 0 and row["disk_s"] > 0 and row["copy_s"] > 0 and row["check_s"] > 0
     assert 1.0 < row["copied_mb"] < 2.0  # one replica of the reference model's state (1.3 MB), not two
     assert set(Path("/dev/shm").glob("bench_snapshot_restart_*")) == before  # its node memory removed
 
@@ -670,3 +671,28 @@ def test_published_quick(tmp_path):
     for rel in written:
         assert (files / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: rerun python -m bench.published"
     assert {p["cluster"] for p in payload["picks"]} == {rows[n]["cluster"] for n in rows}
+
+
+@pytest.mark.multiprocess
+def test_plan_meter_quick(tmp_path):
+    """The planner's pick for small_cpu.toml trained with the tensor meter: every rank's measured peak within 10% of
+    the memory model's bytes for its stage, and not above them (the model must not say a layout fits when the
+    tensors it holds do not)."""
+    _run("plan_meter", tmp_path)
+    payload = json.loads((tmp_path / "plan_meter.json").read_text())
+    assert len(payload["results"]) == 4  # one a rank
+    for row in payload["results"]:
+        assert 0.9 <= row["ratio"] <= 1.0, row
+    assert "load average" in (tmp_path / "plan_meter.md").read_text()
+
+
+def test_plan_split_gap_quick(tmp_path):
+    """The gaps the sub-solvers leave: the plan's predicted step over a descent's, never below 1 (the descent keeps
+    only shorter steps), with the splits and rows it found."""
+    _run("plan_split_gap", tmp_path)
+    payload = json.loads((tmp_path / "plan_split_gap.json").read_text())
+    assert len(payload["results"]) == 4  # the two CPU clusters and two generated ones
+    for row in payload["results"]:
+        assert row["split_gap"] >= 1 and row["rows_gap"] >= 1
+        assert [sum(p) for p in row["better_splits"]] == [sum(p) for p in row["planned_splits"]]
+    assert "Layer split minimising the step" in (tmp_path / "plan_split_gap.md").read_text()

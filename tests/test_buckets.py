@@ -231,7 +231,11 @@ def test_the_bucket_layouts_hetero_plan_proposes_train_the_one_process_model(tmp
     from helpers_plan import cluster, run_plan
 
     planned = tmp_path / "planned.toml"
-    result = run_plan(cluster(tmp_path, memory_gb=0.009), "-o", planned, "--buckets", "128")
+    path = cluster(tmp_path, memory_gb=0.009)
+    # without interleaving, as tests/test_plan_buckets.py's first test (since issue 33's memory model, the
+    # interleaved home layout is predicted faster than switching on this cluster)
+    path.write_text(path.read_text().replace('"zbh1", "interleaved"]', '"zbh1"]'))
+    result = run_plan(path, "-o", planned, "--buckets", "128")
     assert result.exit_code == 0, result.stderr
     assert all(b.pipelines for b in layout_mod.load(planned).buckets)  # both buckets have layouts of their own
     ref = launch(one_process(planned, tmp_path / "ref"), tmp_path / "ref", "--set", "train.steps=2")

@@ -10,6 +10,7 @@ from hetero_llm.errors import LayoutError
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.predict.device import EmulatedDevice, action_seconds
 
 NODE = '[[cluster.nodes]]\nname = "{name}"\nhost = "{name}"\ndevices = [{devs}]\ndomain = "ib"\n'
@@ -151,7 +152,7 @@ def test_vocab_parallel_splits_the_embedding_and_head_over_tp(tmp_path):
         assert whole.embed_params(tp) - split.embed_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
         assert whole.head_params(tp) - split.head_params(tp) == pytest.approx(V * H * (1 - 1 / tp))
     group = TPGroup("n0", "ib", tuple(f"n0:{d}" for d in range(4)), whole.cluster.nodes[0].kind)
-    args = (group, 2, True, True, 1, False, 1.0)
+    args = (group, 2, True, True, 1, False, ONE_IN_FLIGHT)
     saved = whole.stage_memory(*args) - split.stage_memory(*args)
     per_param = 16  # float32 weight, gradient and two moments
     logits = whole.S * V * (2 + 4) * 2 * (1 - 1 / 4)

@@ -261,6 +261,41 @@ def test_a_round_store_that_never_answers_is_one_line(tmp_path, clean_env, capfd
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
+@pytest.mark.parametrize(
+    "plant, why",
+    [
+        (
+            lambda f, d: f.symlink_to(d),
+            "is a symbolic link to '{d}' (snapshots are never written through one: remove it",
+        ),
+        (
+            lambda f, d: os.chown(f, 65534, 65534),
+            "belongs to uid 65534, not to this user (uid 0): another user made it (remove it",
+        ),
+        (lambda f, d: os.chmod(f, 0o777), "is writable by group or others (mode 777; remove it"),
+    ],
+    ids=["symlink", "foreign", "0777"],
+)
+def test_a_snapshot_folder_another_user_controls_is_one_line(tmp_path, clean_env, plant, why):
+    """Another local user can compute the folder's name from the --checkpoint path and make it first: refused
+    before any worker reads or writes it (tests/test_snapshot_trust.py: every case in process)."""
+    path = cluster_file(tmp_path / "c.toml", 4)
+    _torchrun_env(clean_env, HETERO_NODE="n0", HETERO_SHM_DIR=str(tmp_path / "shm"))
+    folder = elastic.snapshot_folder(str(tmp_path / "ck"))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    folder.parent.mkdir()
+    if "symbolic" not in why:
+        folder.mkdir()
+    plant(folder, theirs)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck"), "--snapshot-every", "1"),
+        f"{folder}: --snapshot-every: {why.format(d=theirs)}, or set HETERO_SHM_DIR to a folder of your own)",
+    )
+    assert list(theirs.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- a node lost and back (processes)
 
 

@@ -4,6 +4,8 @@ do not. One process, CPU, float32."""
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import numpy as np
 import pytest
@@ -72,3 +74,45 @@ def test_layer_activations_bound_what_the_block_saves(tmp_path, packed, norm, po
     modelled = MemoryModel(c).layer_activation_bytes(1)
     # an upper bound (the model counts the layer's input, which the caller's graph holds too) and a close one
     assert measured <= modelled <= 1.15 * measured, (measured, modelled)
+
+
+def unfused_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+    """Megatron-LM's CoreAttention in plain torch: scaled scores Q K^T over the whole window, the causal mask (an
+    additive bias, which saves nothing: Megatron's fused softmax masks inside its kernel), softmax, dropout,
+    probabilities x V. q, k, v: (B, nh, S, hd)."""
+    S, d = q.shape[-2], q.shape[-1]
+    bias = torch.full((S, S), float("-inf")).triu(1)  # (S, S), no gradient
+    probs = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d) + bias, dim=-1)  # (B, nh, S, S)
+    # torch's fused dropout, which nn.Dropout runs on CUDA (a bool mask; on CPU F.dropout multiplies by a float one)
+    return torch.native_dropout(probs, p, True)[0] @ v  # (B, nh, S, hd)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("seq,heads,hidden", [(64, 4, 64), (128, 8, 64)])
+def test_unfused_attention_bytes_are_what_megatron_attention_saves(tmp_path, tp, seq, heads, hidden):
+    """``plan.attention = "unfused"``: the scores' softmax output, dropout mask and dropout output per score, and Q,
+    K, V and the output, against what Megatron-LM's attention (written in torch above) saves for its backward,
+    counted with the saved-tensor hooks, on one device of a TP group of ``tp`` (its ``heads / tp`` heads)."""
+    path = cluster(tmp_path, seq_len=seq, packing=False)
+    path.write_text(path.read_text().replace("[plan]\n", '[plan]\nattention = "unfused"\n'))
+    c = load_cluster(path)
+    c = attrs.evolve(c, model=attrs.evolve(c.model, hidden=hidden, heads=heads, position=Position.LEARNED))
+    torch.manual_seed(0)
+    nh, hd = heads // tp, hidden // heads
+    q, k, v = (torch.randn(1, nh, seq, hd, requires_grad=True) for _ in range(3))
+    wo = torch.randn(hidden, nh * hd, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() != wo.untyped_storage().data_ptr():
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = unfused_attention(q, k, v, 0.1)
+        y.transpose(1, 2).reshape(1, seq, nh * hd) @ wo.T  # the output projection saves its input
+    measured = sum(saved.values()) / seq
+    assert MemoryModel(c).attention_activation_bytes(tp) == pytest.approx(measured, rel=1e-9)
+    flash = MemoryModel(attrs.evolve(c, limits=attrs.evolve(c.limits, attention="flash")))
+    # flash (the runtime's SDPA) keeps no S x S matrix, only a float per head and query (its log-sum-exp)
+    assert measured - flash.attention_activation_bytes(tp) == nh * seq * (2 * 4 + 1) - nh * 4

@@ -19,6 +19,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.planner import with_optimizer
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel, TPGroup
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.planner.profile import KindTimes
 
 SMALL = LAYOUTS / "clusters" / "small_cpu.toml"
@@ -140,7 +141,7 @@ def test_idle_devices_are_named_with_the_reason(tmp_path):
     data = json.loads(res.stdout)
     cost = PlannerCostModel(with_optimizer(c, data["plans"][0]["optimizer"]))  # the plan's train.optimizer
     # the least any stage needs (ZeRO-1: no moments at all)
-    need = cost.stage_memory(tiny, 1, False, False, 1, True, 1, moments=0.0 if cost.zero1 else None)
+    need = cost.stage_memory(tiny, 1, False, False, 1, True, ONE_IN_FLIGHT, moments=0.0 if cost.zero1 else None)
     small = (
         f"too small for any stage: one layer needs {need / 1e9:.3g} GB per device at TP 1, a tiny has "
         "9e-05 GB (after plan.memory_margin)"

@@ -23,6 +23,7 @@ from hetero_llm.planner import pipesim, plan_cluster, shares
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner, Structure
 from hetero_llm.predict.simulate import CostModel, simulate
@@ -89,6 +90,29 @@ def test_fast_simulator_equals_the_simulator(kind, chunks, stages, microbatches,
     assert lowered.step_time == pytest.approx(want.step_time, rel=1e-12)  # explicit receives: the same step
     assert busy == pytest.approx(want.busy, rel=1e-12)
     assert pipesim.peak_in_flight(acts) == want.peak_in_flight
+    # what the memory model reads: the most microbatches held whole or put off is the simulator's peak in flight
+    held = pipesim.held_in_flight(acts)
+    assert tuple(max(f + p for f, p, _ in points) for points in held) == want.peak_in_flight
+
+
+def test_held_points_are_those_no_other_point_covers():
+    """pipesim._largest (a skyline per gradients flag) against the plain pairwise filter, on random point sets."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        points = {(rng.randint(0, 6), rng.randint(0, 4), rng.randint(0, 1)) for _ in range(rng.randint(1, 15))}
+        plain = [p for p in points if not any(q != p and all(a >= b for a, b in zip(q, p)) for q in points)]
+        assert pipesim._largest(points) == tuple(sorted(plain))
+
+
+def test_held_in_flight_says_when_gradients_exist_and_what_a_split_backward_puts_off():
+    """GPipe holds every microbatch before any gradient exists; 1F1B's peak comes again after its first backward,
+    beside the gradients; ZB-H1's last stage holds one microbatch whole and one put off (its W comes after the next
+    forward) before its first W makes the gradients."""
+    assert pipesim.held_in_flight(pipesim.actions("gpipe", 2, 3)) == (((2, 0, 1), (3, 0, 0)),) * 2
+    assert pipesim.held_in_flight(pipesim.actions("1f1b", 2, 4))[0] == ((2, 0, 1),)
+    assert pipesim.held_in_flight(pipesim.actions("zbh1", 2, 2))[1] == ((0, 1, 1), (0, 2, 0), (1, 1, 0))
+    # in the steady state (more microbatches) the gradients exist beside one whole and one put off
+    assert pipesim.held_in_flight(pipesim.actions("zbh1", 2, 8))[1] == ((0, 2, 1), (1, 1, 1))
 
 
 def test_fast_actions_equal_the_schedule_generators():
@@ -248,18 +272,31 @@ def test_memory_counts_parameter_state_and_activations_in_flight():
     cost = PlannerCostModel(c)
     g = TPGroup("slow0", "slow", ("slow0:0",), c.node("slow0").kind)
     params = cost.stage_params(1, 2, False, False)
+
+    def held(full: float, put_off: float = 0.0, grads: float = 1.0):  # one point: the gradients made, or not yet
+        return ((full, put_off, grads),)
+
     # no activations: weight, gradient and moments (16 B) + the optimizer step's denominator (4 B) per parameter
-    assert cost.stage_memory(g, 2, False, False, 1, False, 0) == params * 20
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(0)) == params * 20
     # per token and layer: norms' in/out, Q K V O, SwiGLU's four; the norms' rstd and SDPA's log-sum-exp (2 + 4 heads);
     # RMS norm's two more H-wide tensors; RoPE's halves (H) and tables (head_dim 8)
     elements = 4 * 32 + (4 * 32 + 4 * 128) + 2 + 4 + 2 * 32 + 32 + 8
     one = 2 * 16 * elements * 4  # layers x tokens x elements x fp32
     assert one < params * 4 < 3 * one  # one microbatch in flight needs less than the step's temporary, three more
-    assert cost.stage_memory(g, 2, False, False, 1, False, 1) == params * 20
-    assert cost.stage_memory(g, 2, False, False, 1, False, 3) == params * 16 + 3 * one
-    assert cost.stage_memory(g, 2, False, False, 1, False, 5) == params * 16 + 5 * one
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(1)) == params * 20
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(3)) == params * 16 + 3 * one
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(5)) == params * 16 + 5 * one
     recompute = 5 * 2 * 16 * 32 * 4 + 16 * elements * 4
-    assert cost.stage_memory(g, 2, False, False, 1, True, 5) == params * 16 + max(recompute, params * 4)
+    assert cost.stage_memory(g, 2, False, False, 1, True, held(5)) == params * 16 + max(recompute, params * 4)
+    # before the step's first backward no gradient exists (the runtime frees them after each step): GPipe's peak
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(5, grads=0)) == params * 12 + 5 * one
+    both = held(5, grads=0) + held(4)
+    assert cost.stage_memory(g, 2, False, False, 1, False, both) == params * 12 + max(5 * one, 4 * one + params * 4)
+    # a split backward (ZB-H1) holds each linear layer's input and output gradient until its W (runtime/wgrad.py):
+    # per token and layer, inputs H (Q K V's), H (the output projection's), H (the MLP's), F (w2's); gradients of
+    # Q K V (3 H), O (H), w1 and w3 (2 F), w2 (H)
+    put_off = 2 * 16 * (3 * 32 + 128 + 3 * 32 + 32 + 2 * 128 + 32) * 4
+    assert cost.stage_memory(g, 2, False, False, 1, False, held(2, 1, 0)) == params * 12 + 2 * one + put_off
 
 
 # ------------------------------------------------------------------------------------ search rules
@@ -302,7 +339,7 @@ def test_batch_shares_are_the_min_max_over_every_split():
 
     def est(m, s, groups):
         times = [
-            planner.stage_cost(g, l, i == 0, i == len(groups) - 1, 1, 1)[0]
+            planner.stage_cost(g, l, i == 0, i == len(groups) - 1, 1, ONE_IN_FLIGHT)[0]
             for i, (g, l) in enumerate(zip(groups, s[0]))
         ]
         return sum(times) + (m - 1) * s[2] if m else 0.0
@@ -718,7 +755,8 @@ def test_peaks_in_flight_past_three_times_the_stages_repeat():
                 if kind == "interleaved" and mbs % stages:
                     continue
                 # an interleaved (microbatch, chunk) pair holds 1/chunks of the stage's layers
-                want = tuple(p / chunks for p in pipesim.peak_in_flight(pipesim.actions(kind, stages, mbs, chunks)))
+                held = pipesim.held_in_flight(pipesim.actions(kind, stages, mbs, chunks))
+                want = tuple(tuple((f / chunks, p / chunks, float(g)) for f, p, g in stage) for stage in held)
                 assert cost._peaks(kind, stages, mbs, chunks) == want, (kind, stages, mbs)
 
 

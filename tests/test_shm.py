@@ -184,6 +184,20 @@ def test_files_of_dead_creators_are_swept(shm_dir):
     assert sorted(shm_dir.iterdir()) == sorted([live, other])
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+def test_ring_files_of_another_user_are_never_swept(shm_dir):
+    """As root the sticky bit of /dev/shm does not stop an unlink: the sweep itself leaves others' files alone."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    theirs, mine = shm_dir / f"hl-shm.{dead.pid}.ab.0-1-0", shm_dir / f"hl-shm.{dead.pid}.cd.0-1-0"
+    for f in (theirs, mine):
+        f.write_bytes(b"x")
+    os.chown(theirs, 65534, 65534)  # nobody's
+    shm.sweep(str(shm_dir))
+    assert list(shm_dir.iterdir()) == [theirs]
+    theirs.unlink()
+
+
 def test_auto_falls_back_to_the_network_when_shared_memory_is_missing(monkeypatch, capfd):
     monkeypatch.setenv("HETERO_SHM_DIR", "/nonexistent-shm")
     assert _pair([SPEC], required=False) == [{}, {}]

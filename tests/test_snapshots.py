@@ -16,7 +16,7 @@ import torch
 from bench import snapshot_restart
 from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders, holders, shards, snapshots
+from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust
 from hetero_llm.errors import RankFailure
 from hetero_llm.launch import elastic, restart
 from hetero_llm.plan import compile_plan
@@ -32,9 +32,14 @@ def _plan(tmp_path: Path):
 _rank = snapshot_restart.rank_state  # a rank's plan, state and optimizer with moments
 
 
-def _snapshot(plan, root: Path, step: int, ranks=None) -> dict:
+def _key(tmp_path: Path) -> bytes:
+    """The run's snapshot key: the one in its --checkpoint DIR, ``tmp_path/ckpt`` (made by the first call)."""
+    return trust.run_key(tmp_path / "ckpt")
+
+
+def _snapshot(plan, root: Path, step: int, key: bytes, ranks=None) -> dict:
     """Every rank (or ``ranks``) of ``plan`` snapshots at ``step`` into ``root``; their states by rank."""
-    return snapshot_restart.snapshot_ranks(plan, root, step, range(plan.world_size) if ranks is None else ranks)
+    return snapshot_restart.snapshot_ranks(plan, root, step, range(plan.world_size) if ranks is None else ranks, key)
 
 
 def test_a_snapshot_is_written_in_the_background_and_visible_only_when_whole(tmp_path, monkeypatch):
@@ -42,7 +47,7 @@ def test_a_snapshot_is_written_in_the_background_and_visible_only_when_whole(tmp
     rp, state, optimizer = _rank(plan, 1)
     release, digest = threading.Event(), folders.file_digest
     monkeypatch.setattr(snapshots.folders, "file_digest", lambda path: (release.wait(30), digest(path))[1])
-    writer = snapshots.SnapshotWriter(rp, tmp_path / "round")
+    writer = snapshots.SnapshotWriter(rp, tmp_path / "round", _key(tmp_path))
     writer.take(state, optimizer, 4)  # returns with the write in flight
     name, p = next(iter(state.params.items()))
     before = p.detach().clone()
@@ -61,7 +66,7 @@ def test_a_failed_write_fails_the_run_naming_the_rank(tmp_path):
     plan = _plan(tmp_path)
     rp, state, optimizer = _rank(plan, 1)
     (tmp_path / "shm").write_text("a file where the snapshot folder should be")
-    writer = snapshots.SnapshotWriter(rp, tmp_path / "shm" / "round")
+    writer = snapshots.SnapshotWriter(rp, tmp_path / "shm" / "round", _key(tmp_path))
     writer.take(state, optimizer, 2)
     device = plan.ranks[1].device_id
     with pytest.raises(RankFailure, match=rf"^rank 1 \({device}\) could not write its snapshot of step 2 into "):
@@ -71,7 +76,7 @@ def test_a_failed_write_fails_the_run_naming_the_rank(tmp_path):
 def test_each_rank_keeps_its_two_newest_snapshots(tmp_path):
     plan = _plan(tmp_path)
     rp, state, optimizer = _rank(plan, 0)
-    writer = snapshots.SnapshotWriter(rp, tmp_path / "round")
+    writer = snapshots.SnapshotWriter(rp, tmp_path / "round", _key(tmp_path))
     for step in (1, 2, 3):
         writer.take(state, optimizer, step)
     writer.wait()
@@ -91,7 +96,7 @@ def _nodes(plan, shm: Path, steps: dict[int, dict[str, list[int]]]) -> dict[int,
     states = {}
     for step, placed in steps.items():
         for node, ranks in placed.items():
-            states.update(_snapshot(plan, shm / node / "a-000000", step, ranks))
+            states.update(_snapshot(plan, shm / node / "a-000000", step, _key(shm.parent), ranks))
     return states
 
 
@@ -109,14 +114,14 @@ def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_p
     states = _nodes(plan, shm, {5: PLACED, 6: {"n0": [0, 2], "n2": [3]}})  # n1 lost while step 6 was written
     shutil.rmtree(shm / "n2")  # n2 lost: its memory with it; stage 1 of step 5 is held by n1 (rank 1) only
     # neither node alone holds every block of step 5 (n0: stage 0, n1: stage 1)
-    assert holders.choose({"n0": holders.held(shm / "n0")}, plan.layout, 3) is None
+    assert holders.choose({"n0": holders.held(shm / "n0", _key(tmp_path))}, plan.layout, 3) is None
     results = _round(plan, tmp_path, ["n0", "n1"])
     folder = folders.step_folder(tmp_path / "ckpt", 5)
     assert results == {n: (str(folder), " from a snapshot in memory held on n0, n1") for n in ("n0", "n1")}
     ckpt = folders.find(tmp_path / "ckpt")  # ``latest`` names it: a complete save, verified like any other
     assert ckpt.path == folder and ckpt.world_size == 2 and folders.verify(ckpt) is None
     assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt", "rank1.pt"]  # no replica copied
-    assert list(shm.iterdir()) == []  # every node emptied its snapshot folder
+    assert sorted(shm.rglob("*")) == [shm / "n0", shm / "n1"]  # every node emptied its snapshot folder (kept: 0700)
     one = compile_plan(layout_mod.load(str(write_layout(tmp_path / "one.toml", COMMON, [(12, 3, [(6, 1)])]))))
     restored = shards.restore(one.rank_plan(0), str(folder))  # any layout resumes it
     assert restored.step == 5
@@ -131,9 +136,9 @@ def test_a_restart_resumes_the_newest_step_held_across_the_surviving_nodes(tmp_p
 def test_a_folder_several_nodes_share_counts_each_file_once(tmp_path):
     """One machine, or HETERO_SHM_DIR on shared storage: every node lists the same files."""
     plan = _plan(tmp_path)
-    _snapshot(plan, tmp_path / "shared" / "a-000000", 5)
-    _snapshot(plan, tmp_path / "shared" / "a-000000", 6, ranks=[2, 3])  # pipeline 1 alone holds every block
-    listed = holders.held(tmp_path / "shared")
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 5, _key(tmp_path))
+    _snapshot(plan, tmp_path / "shared" / "a-000000", 6, _key(tmp_path), ranks=[2, 3])  # pipeline 1 holds every block
+    listed = holders.held(tmp_path / "shared", _key(tmp_path))
     choice = holders.choose({"n0": listed, "n1": listed}, plan.layout, 3)
     assert choice is not None and choice.step == 6 and choice.nodes == ["n0"]  # the first node that lists them
     assert [(f.rank, f.new_rank) for f in choice.files] == [(2, 0), (3, 1)]
@@ -148,8 +153,8 @@ def test_a_block_whose_only_holders_were_lost_falls_back_to_the_disk_save(tmp_pa
     for lost in ("n1", "n2"):  # stage 1's holders (ranks 1 and 3) were on n1 and n2
         shutil.rmtree(shm / lost)
     assert _round(plan, tmp_path, ["n0"]) == {"n0": (str(disk), "")}
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]
-    assert list(shm.iterdir()) == []  # nothing held was worth keeping
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "snapshots.key", "step-000003"]
+    assert sorted(shm.rglob("*")) == [shm / "n0"]  # nothing held was worth keeping
 
 
 @pytest.mark.parametrize("how", ["silent", "changed"])
@@ -175,9 +180,15 @@ def test_a_holder_lost_during_the_copy_makes_the_round_take_the_disk_save(tmp_pa
     assert f"elastic: the snapshot of step 5 could not be copied into {tmp_path / 'ckpt' / 'step-000005'} ({why}" in (
         capsys.readouterr().err
     )
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest", "step-000003"]  # no partial save
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "latest",
+        "snapshots.key",
+        "step-000003",
+    ]  # no partial save
     assert folders.find(tmp_path / "ckpt").path == disk
-    assert holders.held(shm / "n0") and holders.held(shm / "n1")  # kept: the next round chooses again
+    assert holders.held(shm / "n0", _key(tmp_path)) and holders.held(
+        shm / "n1", _key(tmp_path)
+    )  # kept: the next round chooses again
 
 
 @pytest.mark.parametrize("restart, max_restarts, last", [("0", "0", True), ("1", "3", False), ("3", "3", True)])

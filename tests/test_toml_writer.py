@@ -13,7 +13,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from harness import LAYOUT_FILES, LAYOUTS, PUBLISHED_LAYOUTS, ROOT
+from harness import LAYOUT_FILES, LAYOUTS, PUBLISHED_LAYOUTS, ROOT, SWEEP_FILES
 from hetero_llm import layout
 from hetero_llm.layout import (
     BucketSpec,
@@ -43,7 +43,7 @@ def _id(path: Path) -> str:
 
 def test_every_repository_file_is_covered():
     on_disk = {p for p in ROOT.joinpath("layouts").rglob("*.toml")} | set(DATA_FILES)
-    assert on_disk == set(ALL_LAYOUTS) | set(CLUSTER_FILES)
+    assert on_disk == set(ALL_LAYOUTS) | set(CLUSTER_FILES) | set(SWEEP_FILES)
 
 
 @pytest.mark.parametrize("path", ALL_LAYOUTS, ids=_id)

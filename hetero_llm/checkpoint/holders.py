@@ -16,13 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.checkpoint import folders
+from hetero_llm.checkpoint import folders, trust
 from hetero_llm.errors import CheckpointError
 from hetero_llm.layout import Layout
 from hetero_llm.model.params import all_params
@@ -65,9 +66,11 @@ class Choice:
         return Choice(value["step"], tuple(Copy(**f) for f in value["files"]))
 
 
-def held(base: Path) -> list[dict]:
-    """What a node's snapshot folder ``base`` holds: every rank file with a record whose ``.pt`` has the size the
-    record says, as the record plus its ``round`` and ``rank`` (JSON-ready, for the round's store)."""
+def held(base: Path, key: bytes) -> list[dict]:
+    """What a node's snapshot folder ``base`` holds: every rank file with a record that the run's ``key`` vouches
+    for (``trust.vouched``) and whose ``.pt`` has the size the record says, as the record plus its ``round`` and
+    ``rank`` (JSON-ready, for the round's store). A record the key does not vouch for is removed with its file, in
+    one line on stderr: this run did not write it."""
     found = []
     for path in sorted(base.glob(f"*/{folders.STEP_PREFIX}*/rank*.json")) if base.is_dir() else ():
         try:
@@ -76,8 +79,21 @@ def held(base: Path) -> list[dict]:
             rank = int(path.stem[len("rank") :])
         except (OSError, ValueError):
             continue
-        if isinstance(record, dict) and size == record.get("bytes"):
-            found.append({**record, "round": path.parent.parent.name, "rank": rank})
+        if not isinstance(record, dict):
+            continue
+        if not trust.vouched(key, record, f"{path.parent.parent.name}/{path.parent.name}/{path.stem}"):
+            path.unlink(missing_ok=True)
+            path.with_suffix(".pt").unlink(missing_ok=True)
+            print(
+                f"elastic: {path.with_suffix('.pt')}: removed, never resumed: its record is not vouched for by this "
+                f"run's key (--checkpoint DIR/{trust.KEY}): another user's file, or another run's",
+                file=sys.stderr,
+            )
+            continue
+        if size == record.get("bytes"):
+            found.append(
+                {**{k: v for k, v in record.items() if k != "mac"}, "round": path.parent.parent.name, "rank": rank}
+            )
     return found
 
 
@@ -169,16 +185,26 @@ def copy_into(base: Path, folder: Path, files: Sequence[Copy], progress: Callabl
         write_atomically(target, write)
 
 
+def unsealed(folder: Path, choice: Choice, lay: Layout) -> folders.Checkpoint:
+    """The save ``seal`` would make of ``folder`` (every file of ``choice`` copied into it), as ``folders.find``
+    would read it once sealed: what the checks ``--resume`` makes are run on before it is sealed."""
+    shapes = {p.name: tuple(p.shape) for p in all_params(lay.model)}
+    return folders.Checkpoint(folder, choice.step, len(choice.files), shapes, lay.file, _records(choice))
+
+
 def seal(folder: Path, choice: Choice, lay: Layout) -> None:
     """Mark ``folder`` (every file of ``choice`` copied into it) a complete save: ``meta.json`` with each file's
     size, sha256 and shards, then ``latest``."""
-    files = {
+    folders.finish_save(folder, choice.step, len(choice.files), lay, _records(choice))
+
+
+def _records(choice: Choice) -> dict[str, folders.RankFile]:
+    return {
         folders.rank_file(Path(), f.new_rank).name: folders.RankFile(
             f.size, f.sha256, {name: _coords(c) for name, c in f.shards.items()}
         )
         for f in choice.files
     }
-    folders.finish_save(folder, choice.step, len(choice.files), lay, files)
 
 
 def remove_partial(folder: Path) -> None:

@@ -26,6 +26,7 @@ from hetero_llm.runtime import zero1
 from hetero_llm.runtime.adamw import AdamW
 
 if TYPE_CHECKING:
+    from hetero_llm.layout import Layout
     from hetero_llm.runtime.state import RankState
 
 
@@ -173,6 +174,37 @@ def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
         shards = _assemble(_read_through(files, ckpt, bar), ranges, ("tensor", *MOMENTS), ckpt.path)
     _check_finite(shards, ckpt.path)
     return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
+
+
+def check_resumable(ckpt: Checkpoint, layout: Layout) -> None:
+    """Every check ``restore`` makes of a save, over the whole save (every rank file, every tensor), keeping nothing
+    it read: the model and the steps left (``check_fits``), each file readable as tensors only and its shards the
+    model's shapes, every tensor covered, one optimizer step, finite values. The elastic restart runs it on a
+    snapshot step copied into ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that
+    ``--resume`` would refuse. Raises ``CheckpointError`` naming the first problem."""
+    checkpoint.check_fits(ckpt, layout)
+    steps, held = set(), {}
+    for rank in range(ckpt.world_size):
+        saved = _load_rank_file(ckpt, rank)
+        steps.add(saved.get("optimizer_steps"))
+        for name, shard in saved["shards"].items():
+            held.setdefault(name, []).append(tuple(shard["coords"]))
+        _check_finite(
+            {k: {n: shard[k] for n, shard in saved["shards"].items()} for k in ("tensor", *MOMENTS)}, ckpt.path
+        )
+    if len(steps) != 1 or not isinstance(next(iter(steps)), int):
+        raise CheckpointError(
+            str(ckpt.path),
+            "--resume",
+            f"rank files disagree on the optimizer step ({sorted(map(str, steps))}): the "
+            f"save is damaged; {checkpoint.DAMAGED}",
+        )
+    for name, full in ckpt.shapes.items():
+        gap = checkpoint.uncovered(name, full, held.get(name, []))
+        if gap:
+            raise CheckpointError(
+                str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {checkpoint.DAMAGED}"
+            )
 
 
 def _check_finite(shards: dict[str, dict[str, torch.Tensor]], folder: Path) -> None:

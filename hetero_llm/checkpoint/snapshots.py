@@ -5,16 +5,20 @@ cheap), then written by a background thread while the next steps compute; at mos
 (the next snapshot waits for it). Nothing in the write is collective: each rank writes, into its round's folder,
 
     ROUND/step-NNNNNN/rank{R}.pt     its shards (the checkpoint format of ``shards.save_checkpoint``)
-    ROUND/step-NNNNNN/rank{R}.json   written after the .pt (both atomically): what it holds, its size and sha256
+    ROUND/step-NNNNNN/rank{R}.json   written after the .pt (both atomically): what it holds, its size and sha256,
+                                     and their MAC under the run's key (``checkpoint.trust``)
 
-so a ``.json`` vouches for a whole ``.pt``. Each rank keeps its two newest snapshots (a peer may be one snapshot
-behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start step>``): files of different
-layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
+so a ``.json`` vouches for a whole ``.pt``, and only the run's key makes one that is believed. The folders are
+made 0700, the files 0600: no other user reads the weights or moments. Each rank keeps its two newest snapshots
+(a peer may be one snapshot behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start
+step>``): files of different layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -22,7 +26,7 @@ import attrs
 import torch
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.checkpoint import folders
+from hetero_llm.checkpoint import folders, trust
 from hetero_llm.checkpoint.shards import MOMENTS, optimizer_steps
 from hetero_llm.errors import RankFailure
 from hetero_llm.plan.rank import RankPlan
@@ -37,6 +41,7 @@ class SnapshotWriter:
 
     rp: RankPlan
     root: Path
+    key: bytes  # the run's snapshot key (``trust.run_key``): every record carries its MAC
     thread: threading.Thread | None = None
     failure: str | None = None  # why the last write failed (raised at the next step boundary)
     written: list[int] = attrs.field(factory=list)  # steps of this rank's complete snapshots, oldest first
@@ -78,18 +83,22 @@ class SnapshotWriter:
         folder = folders.step_folder(self.root, step)
         path = folders.rank_file(folder, self.rp.rank)
         try:
-            folder.mkdir(parents=True, exist_ok=True)
-            write_atomically(path, lambda f: torch.save(saved, f))
+            trust.private_folder(self.root.parent)  # checked again: a round's choice may have removed it
+            for d in (self.root, folder):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d, trust.FOLDER_MODE)
+            write_atomically(path, lambda f: torch.save(saved, f), trust.FILE_MODE)
             size, sha = folders.file_digest(path)
-            record = {
+            record: dict = {
                 "step": step,
                 "world_size": self.rp.world_size,
                 "bytes": size,
                 "sha256": sha,
                 "shards": {name: shard["coords"] for name, shard in saved["shards"].items()},
             }
+            record["mac"] = trust.sign(self.key, record, trust.place(self.root.name, step, self.rp.rank))
             text = json.dumps(record).encode()
-            write_atomically(path.with_suffix(".json"), lambda f: f.write(text))
+            write_atomically(path.with_suffix(".json"), lambda f: f.write(text), trust.FILE_MODE)
             self.written.append(step)
             while len(self.written) > KEEP:
                 old = folders.rank_file(folders.step_folder(self.root, self.written.pop(0)), self.rp.rank)

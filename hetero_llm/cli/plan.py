@@ -88,9 +88,9 @@ def main(
     evaluate_layout,
 ):
     """Find the fastest layout for a heterogeneous cluster under the cost model, and write it."""
+    from hetero_llm import api
     from hetero_llm.launch import outputs
-    from hetero_llm.planner import load_cluster, output, plan_cluster, planned_cluster
-    from hetero_llm.planner.cluster import check_devices
+    from hetero_llm.planner import load_cluster, output
 
     try:
         if profile_out is None:  # the options only measuring reads are refused, not silently ignored
@@ -119,37 +119,13 @@ def main(
                 "missing: name the layout file to write (-o LAYOUT.toml), print the plans with --explain or "
                 "--json, or measure with --profile FILE",
             )
-        if top < 1:
-            raise LayoutError(cluster_file, "--top", f"must be >= 1, got {top}")
-        cluster = load_cluster(cluster_file, profile_file)
-        check_devices(cluster)  # what the layout's validation would refuse after the search
-        if out is not None:  # before the search
-            outputs.check_output_file("--out", out, outputs.cluster_inputs(cluster, profile_file))
-            output.check_out_path(cluster, out)
-        bounds = None
-        if buckets:
-            from hetero_llm.planner import buckets as bucket_plans
-
-            bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
-        result = plan_cluster(cluster, top, progress=True)
-        cluster = planned_cluster(cluster, result.best)  # with the plan's train.optimizer
-        planned, verdict = (), None
-        if bounds:
-            from hetero_llm.switching import worth
-
-            # each bucket's plan, then whole steps priced (switches, shard copies) against the best static plan
-            verdict = worth.judge(
-                cluster, result.best, result.score, bucket_plans.propose(cluster, bounds, result.best)
-            )
-            planned = verdict.buckets if verdict.switching else ()
-        if out is not None:
-            output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned, result.cut_by_time)
-        else:  # nothing written, but the plan is checked as the layout it would be
-            output.check_layout(cluster, result.best, result.score, result.seed_score, planned)
+        planned = api.plan_cluster(
+            cluster_file, out, top=top, buckets=buckets, profile_file=profile_file, progress=True
+        )
     except LayoutError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
-    idle = output.idle_devices(cluster, result.best)
+    cluster, result, verdict, idle = planned.cluster, planned.result, planned.verdict, planned.idle
     if as_json:
         click.echo(
             json.dumps(

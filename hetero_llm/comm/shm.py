@@ -137,7 +137,8 @@ def _terminate_as_exit():
 
 
 def sweep(where: str) -> None:
-    """Remove ring files whose creator is dead (killed between creating and unlinking them)."""
+    """Remove this user's ring files whose creator is dead (killed between creating and unlinking them). Another
+    user's are left alone: as root, the sticky bit of /dev/shm would not stop the unlink."""
     try:
         names = os.listdir(where)
     except OSError:
@@ -150,7 +151,9 @@ def sweep(where: str) -> None:
             os.kill(int(parts[1]), 0)
         except ProcessLookupError:
             with contextlib.suppress(OSError):
-                os.unlink(os.path.join(where, name))
+                path = os.path.join(where, name)
+                if os.lstat(path).st_uid == os.geteuid():
+                    os.unlink(path)
         except PermissionError:
             pass
 

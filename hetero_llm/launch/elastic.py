@@ -38,6 +38,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint import trust
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
 from hetero_llm.launch import external, outputs, restart
 from hetero_llm.launch.node import RunOptions, is_local_host, run_rank
@@ -233,6 +234,10 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     cluster = load_cluster(cluster_file)
     me = this_node(cluster, node, worker)
     check_before_store(cluster, options)
+    snapshots, key = None, None
+    if options.snapshot[1]:  # before the members meet: no worker reads or writes the folder before all checked it
+        key = trust.run_key(str(options.checkpoint))
+        snapshots = trust.private_folder(snapshot_folder(options.checkpoint))
     # the round's workers start together but import torch first: on a loaded host that may take longer than
     # cluster.timeout_s, which bounds a training rank's silence, not a start
     store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
@@ -252,10 +257,9 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
                 f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file"
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
-    snapshots = snapshot_folder(options.checkpoint) if options.snapshot[1] else None
     # one worker picks the save, over the snapshots of every node present (their holders copy it to disk)
     resume, source = restart.agree(
-        store, worker.rank, members, lay, str(options.checkpoint), snapshots, cluster.spec.timeout_s
+        store, worker.rank, members, lay, str(options.checkpoint), snapshots, key, cluster.spec.timeout_s
     )
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
@@ -329,7 +333,8 @@ def _clean_up_on_exit(snapshots: Path) -> None:
 
 def snapshot_folder(checkpoint: str | None) -> Path:
     """Where a run's snapshots live in node memory: ``$HETERO_SHM_DIR`` (else /dev/shm), one folder per
-    ``--checkpoint DIR`` (every worker of every round computes the same name)."""
+    ``--checkpoint DIR`` (every worker of every round computes the same name; so can any local user: the folder is
+    checked to be private and the run's own, ``checkpoint.trust``)."""
     digest = hashlib.sha1(os.path.abspath(str(checkpoint)).encode()).hexdigest()[:12]
     return Path(os.environ.get("HETERO_SHM_DIR") or "/dev/shm") / f"hetero_llm_snapshots_{digest}"
 

@@ -188,8 +188,9 @@ def _in_save(path: str, resume: str) -> bool:
 
 def check_snapshot_folder(folder: Path) -> None:
     """``--snapshot-every``'s folder in node memory (``$HETERO_SHM_DIR`` or /dev/shm) can be made and written: one
-    line before anything starts, not at the first snapshot after a step."""
-    problem = _unwritable(folder)
+    line before anything starts, not at the first snapshot after a step. (The folder in it, which another user may
+    have planted, is checked where it is made: checkpoint/trust.py.)"""
+    problem = _unwritable(folder.parent)
     if problem:
         raise LayoutError(
             ENVIRONMENT,

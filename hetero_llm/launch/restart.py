@@ -38,21 +38,23 @@ def agree(
     lay: Layout,
     checkpoint: str,
     snapshots: Path | None,
+    key: bytes | None,
     timeout_s: float,
 ) -> tuple[str | None, str]:
     """This worker's part (``rank``: torchrun's; ``members``: every worker's (node, local rank)) in choosing the
     save the round resumes from; that save's folder (None: start at step 0) and the words the round line adds.
-    ``snapshots``: this node's snapshot folder (None: no snapshots). ``timeout_s``: how long a holder may copy
+    ``snapshots``: this node's snapshot folder (None: no snapshots), ``key``: the run's snapshot key, which vouches
+    for the snapshots it wrote (``checkpoint.trust``). ``timeout_s``: how long a holder may copy
     nothing before the chooser gives up on it (the round then resumes from the disk save)."""
     node, local = members[rank]
-    if snapshots is None:  # disk saves only: the chooser's word
+    if snapshots is None or key is None:  # disk saves only: the chooser's word
         if rank == 0:
             store.set("resume", json.dumps([external.resume_auto(checkpoint, lay), "", False]))
         resume, source, _ = json.loads(store.get("resume"))
         return resume, source
     nodes = list(dict.fromkeys(n for n, _ in members))
     if local == 0:
-        store.set(f"held/{node}", json.dumps(holders.held(snapshots)))
+        store.set(f"held/{node}", json.dumps(holders.held(snapshots, key)))
     if rank == 0:
         disk = external.resume_auto(checkpoint, lay)
         held = {n: json.loads(store.get(f"held/{n}")) for n in nodes}
@@ -74,7 +76,8 @@ def agree(
     resume, source, keep = json.loads(reply)
     if local == 0:
         if not keep:  # the choice is on disk (or nothing held was newer): nothing in memory is needed any more
-            shutil.rmtree(snapshots, ignore_errors=True)
+            for held in snapshots.iterdir():  # emptied, not removed: the folder's name stays this user's
+                shutil.rmtree(held, ignore_errors=True)
         if store.add("cleaned", 1) == len(nodes):
             store.set("all-cleaned", "")
     if _wait_key(store, "all-cleaned", [], timeout_s) is None:  # no rank writes snapshots before every node cleaned
@@ -112,8 +115,28 @@ def _decide(
                 f"resuming from {disk or 'step 0'} instead\n"
             )
             return [disk, "", True]
+    refused = _refusal(folder, choice, lay)
+    if refused:  # never sealed: it would fail every later resume; dropped from memory too, or chosen again
+        holders.remove_partial(folder)
+        sys.stderr.write(
+            f"elastic: the snapshot of step {choice.step} is refused ({refused}); removed from {folder} and from "
+            f"the nodes' memory, resuming from {disk or 'step 0'} instead\n"
+        )
+        return [disk, "", False]
     holders.seal(folder, choice, lay)
     return [str(folder), f"{MEMORY} held on {', '.join(choice.nodes)}", False]
+
+
+def _refusal(folder: Path, choice: holders.Choice, lay: Layout) -> str:
+    """Why the save ``choice`` copied into ``folder`` would be refused by ``--resume`` (every check it makes: the
+    steps left, shapes, tensors only, finite values), or ""."""
+    from hetero_llm.checkpoint import shards  # torch: this module is torch-free
+
+    try:
+        shards.check_resumable(holders.unsealed(folder, choice, lay), lay)
+    except Exception as e:  # CheckpointError, or a file a record vouched for that is not a rank file at all
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return ""
 
 
 def _wait_key(store, key: str, progress: Sequence[str], silence_s: float | None) -> bytes | None:

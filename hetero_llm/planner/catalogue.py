@@ -1,9 +1,11 @@
 """Every constant the planner's cost model prices a device or a link with, and where it comes from. Torch-free.
 
-Nothing here is fitted to the published runs that bench/published.py checks the model against. Each figure
-is a datasheet number, a published measurement (a matmul or copy benchmark, an NCCL bus bandwidth), or the
-one measurement of this project's own (PUBLISHED.md: the H100's bf16 matmul and copy). docs/planner.md prints
-the table (``catalogue_markdown``).
+Each figure is a datasheet number, a published measurement (a matmul or copy benchmark, an NCCL bus bandwidth),
+a measurement of this project's own (PUBLISHED.md: the H100's bf16 matmul and copy; the lent H200s'), or an
+assumption named as such, with ONE exception: ``SUSTAINED`` (every GPU kind's ``sustained``) is FITTED, to one
+published training run (Megatron-LM's GPT 1.7B row, which bench/published.py then reports as the calibration
+row, not a check). Nothing else is fitted to a run the model is checked against. docs/planner.md prints the table
+(``catalogue_markdown``) and names the fitted constant.
 
 A kind is priced one of two ways (``pricing``): ``"roofline"`` (a real GPU: every operation of a layer at
 max(FLOPs / achieved matmul rate at its shape, bytes / achieved memory bandwidth), at least one kernel launch
@@ -20,7 +22,7 @@ from hetero_llm.layout import DomainKind, Precision
 ROOFLINE, FLOPS = "roofline", "flops"
 PRICINGS = (ROOFLINE, FLOPS)
 
-# CALIBRATED on one published row, which is then no longer a check: Megatron-LM's GPT 1.7B (SC'21 Table 1,
+# FITTED (calibrated) on one published row, which is then no longer a check: Megatron-LM's GPT 1.7B (SC'21 Table 1,
 # 137 TFLOP/s per GPU on DGX A100) is matched with every A100 kernel at 0.794 of its benchmark speed (bisection
 # in bench/published.py's model; 1.0 predicts 173). The other Megatron rows and Holmes check it. It is applied to
 # every GPU kind, one constant for all: at the kernels' benchmark speeds, this project's own H200 runs
@@ -47,7 +49,7 @@ class KindSpec:
     launch_us: float  # the host's time to launch one kernel (eager PyTorch): a kernel takes at least this
     pricing: str
     source: str
-    # CALIBRATED, not sourced: the fraction of its isolated-benchmark speed (gemm, attention and memory
+    # FITTED (calibrated), not sourced: the fraction of its isolated-benchmark speed (gemm, attention and memory
     # fractions above) a training step's kernels sustain (SUSTAINED above for every GPU; 1 for the nominal cpu)
     sustained: float = SUSTAINED
 

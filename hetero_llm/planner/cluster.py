@@ -127,7 +127,7 @@ class PlanLimits:
     )
     attention: str = _doc(
         "'flash': causal fused attention (SDPA, what hetero_llm's runtime runs); 'unfused': the S x S scores "
-        "materialized by two batched matmuls and a softmax kernel (Megatron-LM of 2021)",
+        "materialized by two batched matmuls, a softmax and a dropout kernel, and held for the backward (Megatron-LM of 2021)",
         default="flash",
     )
     vocab_parallel: bool = _doc(

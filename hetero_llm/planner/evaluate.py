@@ -11,7 +11,8 @@ import attrs
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Layout, Recompute, Schedule
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, StageChoice, TPGroup
-from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.catalogue import catalogue_kind
+from hetero_llm.planner.cluster import Cluster, Node, PlanLimits, _network
 from hetero_llm.planner.cost import PlannerCostModel
 
 PRICED = (Schedule.GPIPE, Schedule.ONE_F_ONE_B, Schedule.INTERLEAVED, Schedule.ZBH1)
@@ -30,6 +31,43 @@ class Evaluation:
     @property
     def tflops_per_device(self) -> float:
         return self.model_flops / self.score.step_time / self.devices / 1e12 if self.score.feasible else 0.0
+
+
+def cluster_for(layout: Layout, cluster: Cluster | None = None) -> Cluster:
+    """The planner's cluster ``layout`` is priced on: ``cluster`` (a cluster file's device kinds, network and
+    ``[plan]``) with the layout's own model, train and data sections, so a layout changed by ``--set`` is priced as
+    it is; without one, the layout's own ``[cluster]``, whose nodes must then be CPU slots (kind ``cpu``)."""
+    if cluster is None:
+        spec, precision = layout.cluster, layout.train.precision
+        nodes = []
+        for i, n in enumerate(spec.nodes):
+            if not all(d == "cpu" for d in n.devices):
+                raise LayoutError(
+                    layout.file,
+                    f"cluster.nodes[{i}]",
+                    f"node '{n.name}' has GPUs, whose device kind the layout does not say (evaluate it with the "
+                    "cluster file it was planned from, whose [plan.nodes] names the kinds)",
+                )
+            nodes.append(Node(n.name, spec.domain_of(n.name), len(n.devices), catalogue_kind("cpu", precision)))
+        return Cluster(
+            layout.file, layout.model, layout.train, layout.data, spec, tuple(nodes), _network(spec), PlanLimits()
+        )
+    if layout.train.precision != cluster.train.precision:  # the device kinds' peaks are read at one precision
+        raise LayoutError(
+            layout.file,
+            "train.precision",
+            f"{layout.train.precision.value!r} differs from the cluster file's {cluster.train.precision.value!r} "
+            f"({cluster.file}): its device kinds are priced at that precision (predict with a cluster file of "
+            f"train.precision = {layout.train.precision.value!r})",
+        )
+    if cluster.profile is not None and layout.model != cluster.model:  # measured times are for one model's shapes
+        raise LayoutError(
+            layout.file,
+            "model",
+            f"differs from the cluster file's [model] ({cluster.file}), whose measured profile times that model only "
+            "(predict without the profile, or profile this model: hetero-plan --profile)",
+        )
+    return attrs.evolve(cluster, model=layout.model, train=layout.train, data=layout.data)
 
 
 def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:

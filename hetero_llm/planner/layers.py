@@ -16,8 +16,10 @@ from typing import NamedTuple
 
 import numpy as np
 
+from hetero_llm.planner import pipesim
 from hetero_llm.planner.candidates import TPGroup
 from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.planner.structure import Structure
 
 INF = math.inf
@@ -50,8 +52,17 @@ class LayerSplitter:
         self._rep: dict[tuple[str, int], TPGroup] = {}
         self._stage_cost = functools.lru_cache(maxsize=500_000)(self._stage_cost_raw)
 
-    def stage_cost(self, g: TPGroup, *args) -> tuple[float, bool]:
-        return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), *args)
+    def stage_cost(
+        self,
+        g: TPGroup,
+        layers: int,
+        first: bool,
+        last: bool,
+        rows: int,
+        in_flight: pipesim.Held,
+        others: tuple[float, float] = (0.0, 0.0),
+    ) -> tuple[float, bool]:
+        return self._stage_cost(self._rep.setdefault(self._rep_key(g), g), layers, first, last, rows, in_flight, others)
 
     def _stage_cost_raw(
         self,
@@ -60,7 +71,7 @@ class LayerSplitter:
         first: bool,
         last: bool,
         rows: int,
-        in_flight: float,
+        in_flight: pipesim.Held,
         others: tuple[float, float] = (0.0, 0.0),
     ) -> tuple[float, bool]:
         """(forward + backward seconds, recompute) of the cheapest way the stage fits; (inf, _) if none.
@@ -140,7 +151,7 @@ class LayerSplitter:
         fits one microbatch in flight (``stage_cost``); and the ``StageTimes`` of the split."""
         rep, rep_key, n = self._rep, self._rep_key, len(groups)
         terms = [
-            self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, 1, others)[0]
+            self._stage_cost(rep.setdefault(rep_key(g), g), l, i == 0, i == n - 1, rows, ONE_IN_FLIGHT, others)[0]
             for i, (g, l) in enumerate(zip(groups, split[0]))
         ]
         fill = sum(terms)
@@ -177,7 +188,7 @@ class LayerSplitter:
         first: bool,
         last: bool,
         rows: int,
-        in_flight: float,
+        in_flight: pipesim.Held,
         others: tuple[float, float],
     ) -> np.ndarray:
         """[time of the stage holding 1 unit, 2 units, ... top_units] (inf: does not fit); memoised."""

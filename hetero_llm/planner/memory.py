@@ -1,15 +1,22 @@
 """The planner's memory model: parameters and bytes on each device of a candidate layout. Torch-free.
 
-Memory per device: 16 bytes per parameter it holds (float32 weight, gradient, two AdamW moments),
-plus activations in flight: per token and layer ``4 H + (4 H + nf F) / t`` elements (the two norms'
-inputs and outputs; Q, K, V and the attention output split by TP; the MLP's intermediate tensors,
-``nf`` = 2 for GELU, 4 for SwiGLU; SDPA keeps no S x S matrix), plus what RMS norm, RoPE and packed documents
-save besides (``layer_activation_bytes``, checked against the runtime's saved tensors), times the schedule's peak
-microbatches in flight (interleaved: its (microbatch, chunk) pairs in flight over the chunks, a chunk holding
-1/chunks of the stage's layers); with full recompute only each layer's input (H per token) plus one layer's
-working set. The last stage adds one microbatch's logits and their gradient (float32). With
-``plan.vocab_parallel`` (Megatron-LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the
-embedding's and the head's rows and of the logits; else the whole of them (the runtime).
+Memory per device: 12 bytes per parameter it holds (float32 weight, two AdamW moments; ZeRO-1: its slice of the
+moments), 4 more for its gradient where one exists, plus activations: per token and layer ``4 H + nf F / t``
+elements outside the attention (the two norms' inputs and outputs; the MLP's intermediate tensors, ``nf`` = 2 for
+GELU, 4 for SwiGLU) and the attention's (``attention_activation_bytes``: Q, K, V and the attention output split by
+TP; with ``plan.attention = "flash"``, the runtime's SDPA, no S x S matrix, only its log-sum-exp; with ``"unfused"``
+the scores' softmax output, dropout mask and dropout output, ``heads / t x S`` of each per token), plus what RMS
+norm, RoPE and packed documents save besides (``layer_activation_bytes``, checked against the runtime's saved
+tensors), per microbatch whole on the stage; with full recompute only each layer's input (H per token) plus one
+layer's working set. The last stage adds per microbatch the final norm's and the loss's saved tensors, and one
+microbatch's logits' gradients. A microbatch a split backward (ZB-H1) has put off holds its linear layers' inputs
+and output gradients (``put_off_bytes``), and the gradients (4 bytes per parameter) exist only once a backward has
+made them (the runtime frees them after each step). What a stage holds at once is the largest of the schedule's
+points ``(whole, put off, gradients)`` after each of its actions (``pipesim.held_in_flight``; interleaved:
+(microbatch, chunk) pairs over the chunks, a chunk holding 1/chunks of the stage's layers); tests/test_planner.py
+and bench/plan_meter.py (the tensor meter on the planner's picks) check it. With ``plan.vocab_parallel`` (Megatron-
+LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the embedding's and the head's rows and of
+the logits; else the whole of them (the runtime).
 
 The planner's cost model (``cost.PlannerCostModel``) is a ``MemoryModel``: a stage that does not fit in its
 device's memory, after the margin, makes a candidate infeasible.
@@ -27,7 +34,7 @@ from hetero_llm.planner.candidates import ByIdentity, Candidate, StageChoice, TP
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.spans import EMBED_PARAMS, HEAD_PARAMS, LAYER_PARAMS, NODE_MEMORY, TP, Spans, ordered_sums
 
-PARAM_GRAD_BYTES = 8  # float32 weight + gradient (every holder keeps both, also under ZeRO-1)
+PARAM_BYTES = GRAD_BYTES = 4  # float32 weight and gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
 STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
 # Document attention (model/document_mask.py) gathers each document's q, k, v into a batch padded to a ladder
@@ -35,6 +42,13 @@ STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment eleme
 # positions or more (the ladder 8, 12, 16, 24, ...; shorter ones pad to 8); the projection after it saves the
 # scattered output: (4 x DOC_PAD + 1) H / t per token where the plain path saves 4 H / t
 DOC_PAD = 1.5
+# Unfused attention (plan.attention = "unfused", Megatron-LM's CoreAttention) saves, per score, the softmax's
+# output (its backward reads it), the dropout's mask (one byte: torch's bool mask) and the dropout's output (the
+# probabilities x V matmul reads it): 2 a + 1 bytes, the ``5 a s / h`` of Korthikanti et al. 2022 (arXiv
+# 2205.05198, section 4.1) in fp16; the roofline prices the same two kernels (roofline.Roofline.attention)
+SCORE_MASK_BYTES = 1
+# A microbatch that holds everything and the gradients made: what one microbatch in flight is, at most
+ONE_IN_FLIGHT: pipesim.Held = ((1.0, 0.0, 1.0),)
 
 
 class MemoryModel:
@@ -49,6 +63,7 @@ class MemoryModel:
         self.act_bytes = 2 if cluster.train.precision is Precision.BF16 else 4
         self.margin = cluster.limits.memory_margin
         self.documents = cluster.data.packing is Packing.DOCUMENTS
+        self.unfused = cluster.limits.attention == "unfused"
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
         # declares memory_gb (optim_shards._weights); else by TP size alone
@@ -163,61 +178,107 @@ class MemoryModel:
         last: bool,
         rows: int,
         recompute: bool,
-        in_flight: float,
+        in_flight: pipesim.Held,
         others: tuple[float, float] = (0.0, 0.0),
         moments: float | None = None,
     ) -> float:
-        """Bytes on one device of the stage. ZeRO-1: ``others`` bounds the other pipelines' holders' weight
-        (or ``moments`` gives the exact moment elements)."""
+        """Bytes on one device of the stage at its peak. ``in_flight``: the schedule's ``(full, put off, gradients)``
+        points for the stage (``_peak_in_flight``), the most it holds at once being one of them. ZeRO-1:
+        ``others`` bounds the other pipelines' holders' weight (or ``moments`` gives the exact moment elements)."""
         if moments is None:
             moments = self.moment_elements(group, layers, first, last, others)
-        params = self.stage_params(group.tp, layers, first, last) * PARAM_GRAD_BYTES + moments * MOMENT_BYTES
+        params = self.stage_params(group.tp, layers, first, last)
         H, t = self.H, group.tp
         full = self._activation_bytes.get(t)
         if full is None:  # asked for every stage of every candidate scored
             full = self._activation_bytes[t] = self.layer_activation_bytes(t)
         tokens = rows * self.S
-        if recompute:
-            act = in_flight * layers * tokens * H * self.act_bytes + (tokens * full if layers else 0)
-        else:
-            act = in_flight * layers * tokens * full
-        if last:
-            # logits (compute dtype + float32 loss) and their gradient
-            act += tokens * self.V / self.vocab_split(t) * (self.act_bytes + 4) * 2
+        # one microbatch in flight (recompute: each layer's input), and the layer being recomputed
+        one, working = layers * tokens * (H * self.act_bytes if recompute else full), 0.0
+        if recompute and layers:
+            working = tokens * full
+        if first:  # the token ids the embedding saves (int64)
+            one += tokens * 8
+        if last:  # the final norm's and the loss's (its float32 log-probabilities) saved tensors, and while a
+            # microbatch's backward runs, its logits' gradients (float32 and compute dtype)
+            one += tokens * self.head_activation_bytes(t)
+            working += tokens * self.V / self.vocab_split(t) * (4 + self.act_bytes)
+        put_off = layers * tokens * self.put_off_bytes(t) + (tokens * self.head_put_off_bytes(t) if last else 0.0)
+        grads = params * GRAD_BYTES
+        act = max(f * one + p * put_off + g * grads for f, p, g in in_flight) + working
         # the activations are freed before the optimizer step, which allocates sqrt(exp_avg_sq) (AdamW's denominator,
-        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW): the peak is the larger of the two
-        return params + max(act, moments * STEP_TEMP_BYTES)
+        # float32, one per moment element: optim.AdamW, zero1.ShardedAdamW) beside the gradients: the peak is the
+        # larger of the two
+        return params * PARAM_BYTES + moments * MOMENT_BYTES + max(act, grads + moments * STEP_TEMP_BYTES)
+
+    def put_off_bytes(self, tp: int) -> float:
+        """Bytes per token one layer holds from a split backward's I to its W (ZB-H1; runtime/wgrad.py): each linear
+        layer's input (Q K V's one, the output projection's, the MLP's one, its output projection's) and output
+        gradient, on one device of a TP group of ``tp``."""
+        m, H, F = self.model, self.H, self.F
+        nm = 2 if m.mlp is Mlp.SWIGLU else 1
+        inputs = H + H / tp + H + F / tp
+        grads = (H + 2 * m.kv_heads_n * m.head_dim) / tp + H + nm * F / tp + H
+        return (inputs + grads) * self.act_bytes
+
+    def head_activation_bytes(self, tp: int) -> float:
+        """Bytes the head saves per token: the final norm's input, output and statistics (RMS norm's two more
+        H-wide tensors, as in a layer) and the loss's float32 log-probabilities (``model.token_loss_sum``)."""
+        m, H = self.model, self.H
+        norm = 2 * H + (2 if m.norm is Norm.LAYERNORM else 1) + (2 * H if m.norm is Norm.RMSNORM else 0)
+        return norm * self.act_bytes + self.V / self.vocab_split(tp) * 4
+
+    def head_put_off_bytes(self, tp: int) -> float:
+        """The head's, per token: its input and the logits' gradient (its vocabulary split with ``vocab_parallel``)."""
+        return (self.H + self.V / self.vocab_split(tp)) * self.act_bytes
 
     def layer_activation_bytes(self, tp: int) -> float:
         """Bytes one layer saves for its backward per token, on one device of a TP group of ``tp``: what the
         runtime's block (model/forward.py) saves, counted with autograd's saved-tensor hooks for every norm,
-        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%)."""
+        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%), its attention's
+        as ``attention_activation_bytes`` counts them."""
         m, H, F = self.model, self.H, self.F
         nf = 4 if m.mlp is Mlp.SWIGLU else 2
-        full = 4 * H + (4 * H + nf * F) / tp
-        # the norms' statistics (layer norm: mean and rstd; RMS norm: rstd) and SDPA's log-sum-exp per head
-        full += 2 * (2 if m.norm is Norm.LAYERNORM else 1) + m.heads / tp
+        full = 4 * H + nf * F / tp
+        # the norms' statistics (layer norm: mean and rstd; RMS norm: rstd)
+        full += 2 * (2 if m.norm is Norm.LAYERNORM else 1)
         if m.norm is Norm.RMSNORM:  # F.rms_norm runs as several ops (on CPU): two more H-wide tensors per norm
             full += 2 * H
+        return full * self.act_bytes + self.attention_activation_bytes(tp)
+
+    def attention_activation_bytes(self, tp: int, keys: float | None = None) -> float:
+        """Bytes one layer's attention saves for its backward per token (query position), on one device of a TP
+        group of ``tp``: Q, K, V and the attention's output (``H / t`` each; the output is the projection's
+        input), RoPE's, and by ``plan.attention``: ``flash`` (the runtime's SDPA) its log-sum-exp per head, and
+        with packed documents their padded copies (see ``DOC_PAD``); ``unfused`` the ``heads / t x keys`` scores'
+        softmax output, dropout mask and dropout output (``SCORE_MASK_BYTES``). ``keys``: the keys each query's
+        scores span, ``seq_len`` when not given (the whole window, as Megatron-LM's masked scores do)."""
+        m, H, a = self.model, self.H, self.act_bytes
+        full = 4 * H / tp
         if m.position is Position.ROPE:  # the rotation saves q's and k's halves and the cos and sin rows
             full += H / tp + m.head_dim
+        if self.unfused:
+            keys = self.S if keys is None else keys
+            return full * a + m.heads / tp * keys * (2 * a + SCORE_MASK_BYTES)
+        full += m.heads / tp  # SDPA's log-sum-exp
         if self.documents:  # the padded copies (see DOC_PAD); with RoPE the rotated q and k are not saved again
             full += (4 * (DOC_PAD - 1) + 1) * H / tp - (H / tp if m.position is Position.ROPE else 0)
-        return full * self.act_bytes
+        return full * a
 
     def capacity(self, group: TPGroup) -> float:
         return group.kind.memory_gb * 1e9 * (1 - self.margin)
 
-    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[float, ...]:
-        """Per stage, the most microbatches' activations held at once, in whole-stage units: an interleaved
+    def _peak_in_flight(self, schedule: str, stages: int, microbatches: int, chunks: int) -> tuple[pipesim.Held, ...]:
+        """Per stage, the most it holds at once (``pipesim.held_in_flight``) in whole-stage units: an interleaved
         (microbatch, chunk) pair holds 1/chunks of the stage's layers (as predict.simulate counts them)."""
         if schedule != "gpipe" and microbatches > 3 * stages:
             # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
             # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
             # schedules of hundreds of microbatches
             microbatches = 3 * stages + (microbatches - 3 * stages) % stages
-        peaks = pipesim.peak_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
-        return tuple(p / chunks for p in peaks) if schedule == "interleaved" else tuple(map(float, peaks))
+        held = pipesim.held_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
+        div = chunks if schedule == "interleaved" else 1
+        return tuple(tuple((f / div, p / div, float(g)) for f, p, g in stage) for stage in held)
 
     def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
         """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``

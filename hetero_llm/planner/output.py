@@ -16,6 +16,7 @@ from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 
 
 def planned_layout(cluster: Cluster, cand: Candidate, buckets: Sequence[Bucket] = ()) -> Layout:
@@ -299,7 +300,7 @@ def idle_devices(cluster: Cluster, cand: Candidate) -> list[tuple[str, str]]:
         )
         group = TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(tp)), node.kind)
         need = min(
-            cost.stage_memory(group, 1, first, last, 1, True, 1, moments=0.0 if cost.zero1 else None)
+            cost.stage_memory(group, 1, first, last, 1, True, ONE_IN_FLIGHT, moments=0.0 if cost.zero1 else None)
             for first, last in ends
         )
         have = cost.capacity(group)

@@ -106,6 +106,48 @@ def peak_in_flight(acts: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[int,
     return tuple(out)
 
 
+Held = tuple[tuple[float, float, float], ...]  # one stage's (full, put off, gradients) points, see held_in_flight
+
+
+def held_in_flight(acts: Sequence[Sequence[tuple[int, int, int]]]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """Per stage, what it holds at once after any of its actions, as the largest ``(full, put_off, grads)`` points
+    (none another's componentwise smaller): ``full`` the microbatches whose forward ran and whose backward (B or
+    I) has not, ``put_off`` those whose I ran and whose W has not (a split backward holds its linear layers'
+    inputs and output gradients until its W), ``grads`` 1 once a B or a W has made the step's weight gradients
+    (the runtime frees them after each step). Inside an action a stage holds at most what it holds before or
+    after it: a forward only adds; a backward frees its activations as it makes gradients."""
+    out = []
+    for stage in acts:
+        full = put_off = grads = 0
+        points = {(0, 0, 0)}
+        for code, _, _ in stage:
+            if code == F:
+                full += 1
+            elif code == B:
+                full, grads = full - 1, 1
+            elif code == I:
+                full, put_off = full - 1, put_off + 1
+            elif code == W:
+                put_off, grads = put_off - 1, 1
+            points.add((full, put_off, grads))
+        out.append(_largest(points))
+    return tuple(out)
+
+
+def _largest(points: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """The points no other point is at least as large as in every coordinate (the third is 0 or 1), sorted."""
+    keep: list[tuple[int, int, int]] = []
+    for grads in (1, 0):  # a point with gradients dominates one without that is no larger otherwise
+        front: list[tuple[int, int, int]] = []
+        top = -1
+        for full, put_off, g in sorted((p for p in points if p[2] == grads), reverse=True):
+            if put_off > top:  # larger put_off than every point of more (or as many) whole microbatches
+                front.append((full, put_off, g))
+                top = put_off
+        keep += [p for p in front if not any(q[0] >= p[0] and q[1] >= p[1] for q in keep if q[2] > p[2])]
+    return tuple(sorted(keep))
+
+
 def simulate(
     acts,
     forward: Sequence[float],

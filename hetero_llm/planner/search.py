@@ -32,6 +32,7 @@ from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice,
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.layers import INF, LayerSplitter, StageTimes
+from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.planner.shares import batch_shares
 from hetero_llm.planner.structure import Result, Structure
 from hetero_llm.progress import Bar
@@ -158,7 +159,8 @@ class Planner(LayerSplitter):
             n = len(p.stages)
             if not self.cost.zero1:
                 times = [
-                    self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, 1)[0] for i, s in enumerate(p.stages)
+                    self.stage_cost(s.group, s.layers, i == 0, i == n - 1, p.rows, ONE_IN_FLIGHT)[0]
+                    for i, s in enumerate(p.stages)
                 ]
             else:  # the stage's time as the split chose it (its ZeRO-1 memory depends on the other pipelines)
                 times = [

@@ -41,6 +41,7 @@ from hetero_llm.model.forward import (
 )
 from hetero_llm.plan.rank import StagePlan, StageRoutes
 from hetero_llm.predict.device import action_seconds
+from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.wgrad import WeightGradStore
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
@@ -101,6 +102,11 @@ class StageRunner:
     def chunks(self) -> int:
         return len(self.stage.chunk_ranges)
 
+    def put_off_tensors(self) -> list[torch.Tensor]:
+        """The tensors a split backward holds outside autograd until its ``W`` (``WeightGradStore.held``), for the
+        tensor meter."""
+        return self._weight_grads.held() if self._weight_grads is not None else []
+
     # -- one action ---------------------------------------------------------------------------
 
     def _begin(self, microbatches: list[Microbatch], global_tokens: int) -> None:
@@ -156,6 +162,8 @@ class StageRunner:
             received = self._await(Direction.FWD, a)
         elif a.kind in BACKWARD_KINDS and not last:
             received = self._await(Direction.BWD, a)
+        if a.kind in COMPUTE_KINDS:  # benchmarks: the state as it is now (ZeRO-1's all-gather replaces parameters)
+            tensor_meter.checkpoint(instant=True)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         waited0 = self.tp_waits.seconds if self.tp_waits is not None else 0.0
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
@@ -188,6 +196,10 @@ class StageRunner:
                 hook()
         else:
             raise NotImplementedError(f"action kind {a.kind.value} is not supported by the runtime")
+        if a.kind in COMPUTE_KINDS:
+            # benchmarks (HETERO_TENSOR_METER): what is held now, the gradients so far beside the activations (ZeRO-1's
+            # RS frees the gradients before the step's checkpoint; the step's first forwards run before any exist)
+            tensor_meter.checkpoint(instant=True)
         if a.kind in COMPUTE_KINDS and self.emulation.active:
             spent = self._clock() - t0
             lasts = (

@@ -3,8 +3,9 @@
 Process RSS cannot resolve a few MB of model state under the torch runtime's hundreds, so this counts tensors:
 
 - **state**, at checkpoints the training code calls (``checkpoint``): every tensor of the sources registered
-  (``register``: the home parameters, each switching layout's parameter copies, the optimizer's state), and each
-  parameter's ``.grad``; one storage counted once however many tensors view it;
+  (``register``: the home parameters, each switching layout's parameter copies, the optimizer's state, the inputs
+  and output gradients a split backward holds for its put-off weight gradients), and each parameter's ``.grad``;
+  one storage counted once however many tensors view it;
 - **activations**: what autograd saves for backward, counted through ``torch.autograd.graph.saved_tensors_hooks``
   from the moment a tensor is saved to the moment autograd frees it (after its backward, or with its graph),
   storages already counted as state left out, a storage saved twice counted once.
@@ -12,8 +13,12 @@ Process RSS cannot resolve a few MB of model state under the torch runtime's hun
 A checkpoint adds the state it counts to the most activations held since the previous checkpoint; the peak is
 the largest such sum. Checkpoints are placed where the state is largest (after a schedule has accumulated its
 gradients, inside a switch once the target's gradients exist beside the source's, after the optimizer step), so
-the state counted at a checkpoint was held while the activations before it were (or, before the first backward
-of a step, the gradients were not yet allocated: that overcounts by at most one set of gradients). Not counted:
+the state counted at a checkpoint was held while the activations before it were; and after every compute action
+(runtime/interpreter.py), with the activations held then (``instant``): a forward only adds saved tensors and a
+backward only frees them while it adds gradients (and put-off weight gradients' tensors), so the most held at once
+during an action is at its start (the previous action's checkpoint) or its end, up to one autograd node's
+transient tensors; these see the gradients beside the activations before ZeRO-1's reduce-scatter frees them and
+before a split backward's ``W`` consumes what it put off. Not counted:
 tensors held outside autograd and the sources (stage-boundary buffers, data), and the recomputed forward's
 transient tensors inside a recomputing stage's backward (its checkpointed inputs are counted). At exit the
 meter writes ``DIR/rank{R}.json`` (whole or not at all).
@@ -111,14 +116,16 @@ class TensorMeter:
         self.static_keys = seen
         return out
 
-    def checkpoint(self) -> None:
-        """State now plus the most activations since the last checkpoint; the peak if it is the largest."""
+    def checkpoint(self, instant: bool = False) -> None:
+        """State now plus the most activations since the last checkpoint (``instant``: the activations now, for a
+        checkpoint after each compute action, see the module doc); the peak if it is the largest."""
         state = self.state_bytes()
-        total = sum(state.values()) + self.segment_peak
+        held = self.activations if instant else self.segment_peak
+        total = sum(state.values()) + held
         self.checkpoints += 1
         if total > self.peak:
             self.peak = total
-            self.at_peak = {**state, "activations": self.segment_peak}
+            self.at_peak = {**state, "activations": held}
         self.segment_peak = self.activations
 
     def report(self) -> dict:
@@ -180,7 +187,7 @@ def saving():
     return _active.saving() if _active is not None else contextlib.nullcontext()
 
 
-def checkpoint() -> None:
+def checkpoint(instant: bool = False) -> None:
     """``TensorMeter.checkpoint`` of the active meter; nothing without one."""
     if _active is not None:
-        _active.checkpoint()
+        _active.checkpoint(instant)

@@ -52,6 +52,10 @@ class WeightGradStore:
             else:
                 w.grad += grad
 
+    def held(self) -> list[torch.Tensor]:
+        """The inputs and output gradients held for the weight gradients put off (outside autograd)."""
+        return [t.detach() for entries in self._pending.values() for _, x, g in entries for t in (x, g)]
+
     @property
     def pending(self) -> list:
         """Keys whose weight gradients are still put off."""

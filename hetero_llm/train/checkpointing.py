@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from hetero_llm.checkpoint import folders
+from hetero_llm.checkpoint import folders, trust
 from hetero_llm.checkpoint.shards import Restored, restore, restore_optimizer, save_checkpoint
 from hetero_llm.checkpoint.snapshots import SnapshotWriter
 from hetero_llm.errors import RankFailure
@@ -66,7 +66,8 @@ class Saver:
         (``checkpoint.snapshots``); the previous snapshot's write is waited for first."""
         assert self.snapshot_root is not None
         if self.snapshots is None:
-            self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root))
+            assert self.root is not None  # --snapshot-every needs --elastic, which needs --checkpoint DIR
+            self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root), trust.run_key(self.root))
         self.snapshots.take(state, optimizer, done)
 
     def check_snapshot(self) -> None:

@@ -149,6 +149,7 @@ def train(
     if meter is not None:
         meter.register("parameters", lambda: state.params.values())
         meter.register("optimizer", lambda: tensor_meter.tensors_of(optimizer))
+        meter.register("put-off weight gradients", runner.put_off_tensors)
         if switcher is not None:
             meter.register("bucket copies", switcher.copies)
     reporter = Reporter.open(rp.reports, quiet, tr.steps, first, tr.log_every, metrics_path, tensorboard)
