@@ -55,7 +55,7 @@ class TorchPipeline:
 
     def __init__(self, plan, rank: int, group: dist.ProcessGroup | None = None):
         lay = plan.layout
-        if len(lay.pipelines) != 1 or any(s.tp != 1 for s in plan.stages):
+        if len(lay.pipelines) != 1 or any(s.tp != 1 or s.cp != 1 for s in plan.stages):
             raise click.UsageError("the baseline runs one pipeline with one rank per stage")
         self.train, self.model = lay.train, lay.model
         kind = "1f1b" if self.train.schedule.value == "dynamic" else self.train.schedule.value

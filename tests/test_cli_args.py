@@ -417,6 +417,21 @@ def test_parameter_estimate_counts_every_parameter_once_per_holder():
     assert total == 16 * count_params(plan.layout.model)
 
 
+def test_a_context_parallel_rank_holds_its_share_of_the_positions():
+    """A stage of cp 2 x TP 2: each rank keeps a TP shard of the parameters (as TP 2 alone) and the activations
+    of half of every row's positions at half the width (as TP 2 x 1 / cp)."""
+    cp = compile_plan(layout_mod.load(QUICKSTART.parent / "examples" / "context_parallel.toml"))
+    tp = compile_plan(
+        layout_mod.load(
+            QUICKSTART.parent / "examples" / "context_parallel.toml",
+            ["pipelines[0].stages[0].cp=1", "pipelines[0].stages[0].devices=['node0:0','node0:1']"],
+        )
+    )
+    with_cp, without = params.memory_parts(cp, 0), params.memory_parts(tp, 0)
+    assert with_cp["blocks"] == without["blocks"] and with_cp["embeddings"] == without["embeddings"]
+    assert with_cp["activations"] * 2 == without["activations"] > 0
+
+
 def test_the_named_bound_is_the_largest_value_that_fits():
     """A vocabulary too big for the memory given: the bound named fits, one more does not."""
     ram = 2**30

@@ -155,7 +155,9 @@ def test_vocab_parallel_splits_the_embedding_and_head_over_tp(tmp_path):
     args = (group, 2, True, True, 1, False, ONE_IN_FLIGHT)
     saved = whole.stage_memory(*args) - split.stage_memory(*args)
     per_param = 16  # float32 weight, gradient and two moments
-    logits = whole.S * V * (2 + 4) * 2 * (1 - 1 / 4)
+    # the loss's float32 log-probabilities, held with the microbatch, and while its backward runs the logits'
+    # gradients in float32 and the compute dtype (bf16): 4 + 4 + 2 bytes per vocabulary entry of each token
+    logits = whole.S * V * (4 + 4 + 2) * (1 - 1 / 4)
     assert saved == pytest.approx(2 * V * H * (1 - 1 / 4) * per_param + logits, rel=1e-9)
 
 

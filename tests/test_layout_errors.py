@@ -248,7 +248,7 @@ def test_good_layout_dry_run(path: Path):
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"layout {path}: ")
     header = lines.index(RANK_TABLE_HEADER)
-    world = sum(s.tp for p in lay.pipelines for s in p.stages)
+    world = sum(len(s.devices) for p in lay.pipelines for s in p.stages)
     rows = lines[header + 1 : header + 1 + world]
     assert [int(r.split()[0]) for r in rows] == list(range(world))
     assert lines[header + 1 + world] == ""

@@ -100,3 +100,38 @@ def test_a_layout_of_another_batch_precision_or_optimizer_is_one_line(tmp_path):
     only.write_text(CLUSTER.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n', 1))
     result = run(only, "--evaluate", zero1)
     assert result.exit_code == 2 and "train.optimizer: 'adamw_zero1' differs" in result.output
+
+
+def _cp_layout(tmp_path):
+    lay = layout_mod.load(LAYOUTS / "planned" / "small_cpu.toml")
+    first, second = lay.pipelines[0].stages
+    stage = attrs.evolve(first, devices=("fast0:0", "fast0:1"), cp=2)
+    pipe = attrs.evolve(lay.pipelines[0], batch=8, stages=(stage, second))
+    path = tmp_path / "cp.toml"
+    dump(attrs.evolve(lay, pipelines=(pipe,)), path)
+    return path
+
+
+def test_a_layout_with_context_parallelism_is_priced_as_cp_not_as_tp(tmp_path):
+    """A stage of cp 2 on two devices is not a TP 2 stage: its tokens are halved, its ring priced (planner/context.py)."""
+    cp_path = _cp_layout(tmp_path)
+    tp_path = tmp_path / "tp.toml"
+    tp_path.write_text(cp_path.read_text().replace("cp = 2\n", ""))
+    cp_json, tp_json = (run(CLUSTER, "--evaluate", p, "--json") for p in (cp_path, tp_path))
+    assert cp_json.exit_code == 0 and tp_json.exit_code == 0, cp_json.output + tp_json.output
+    cp_eval, tp_eval = json.loads(cp_json.output), json.loads(tp_json.output)
+    assert cp_eval["fits"] and tp_eval["fits"]
+    assert cp_eval["step_time"] != tp_eval["step_time"] and cp_eval["memory_gb"] != tp_eval["memory_gb"]
+
+
+def test_context_parallelism_with_unfused_attention_is_refused_not_mispriced(tmp_path):
+    """The ring is priced for flash attention's blocks; unfused attention holds the whole S x S scores."""
+    path = _cp_layout(tmp_path)
+    unfused = tmp_path / "unfused.toml"
+    unfused.write_text(CLUSTER.read_text().replace("[plan]\n", '[plan]\nattention = "unfused"\n', 1))
+    result = run(unfused, "--evaluate", path)
+    assert (result.exit_code, result.output) == (
+        2,
+        f"error: {path}: pipelines[0].stages[0].cp: 2: context parallelism is priced for flash attention only, but "
+        f"the cluster file's plan.attention is 'unfused' (evaluate it with cp = 1, or plan.attention = 'flash')\n",
+    )

@@ -51,21 +51,23 @@ def test_every_group_a_rank_uses_is_one_it_belongs_to(plan):
         used = [key for _, key in rp.routes.groups] + [b.key for b in rp.sync_blocks]
         if rp.tp_group is not None:
             used.append(rp.tp_group)
-            assert keys[rp.tp_group].ranks == rp.stage.ranks
+            assert keys[rp.tp_group].ranks == rp.stage.tp_ranks(rp.cp_index)
         else:
             assert rp.stage.tp == 1 and TPKey(rp.pipeline, rp.stage.stage) not in keys
         assert set(used) <= member, (rp.rank, set(used) - member)
         assert {key for key, _ in rp.network.envs} == member  # created under its settings: every group it is in
         for kind, key in rp.routes.groups:  # a route travels in the group of its own boundary and direction
-            routes = getattr(rp.routes, kind.value.lower())
+            routes = getattr(rp.routes, kind.value.lower()) or getattr(rp.routes, f"{kind.value.lower()}_runs", ())
             for route in routes if isinstance(routes, tuple) else (routes,):
                 assert isinstance(key, P2PKey) and key == plan.route_group(key.direction, route)
                 assert {route.src, route.dst} <= set(keys[key].ranks)
 
 
 def test_each_pipeline_counts_its_loss_once_and_one_rank_reports(plan):
-    counted = [rp.pipeline for rp in plan.rank_plans if rp.counts_loss]
-    assert sorted(counted) == list(range(len(plan.layout.pipelines)))
+    counted = [(rp.pipeline, rp.cp_index) for rp in plan.rank_plans if rp.counts_loss]  # each CP rank its tokens
+    assert sorted(counted) == [
+        (pi, c) for pi, pipe in enumerate(plan.layout.pipelines) for c in range(pipe.stages[-1].cp)
+    ]
     assert [rp.rank for rp in plan.rank_plans if rp.reports] == [0]
     for rp in plan.rank_plans:
         assert rp.counts_loss == (rp.stage.last and rp.tp_index == 0)
@@ -78,6 +80,10 @@ def test_shards_of_a_parameter_cover_it_once_per_pipeline(plan):
         replicated: dict[str, int] = {}
         sizes = {}
         for rp in (rp for rp in plan.rank_plans if rp.pipeline == pi):
+            twin = plan.rank_plans[rp.stage.tp_ranks(0)[rp.tp_index]]  # its TP index on CP rank 0 of the stage
+            assert rp.shards == twin.shards  # the CP ranks of a stage hold the same shards
+            if rp.cp_index:
+                continue
             for s in rp.shards:
                 sizes[s.name] = s.info.shape[s.info.shard_dim or 0]
                 if s.info.shard_dim is None:
@@ -261,3 +267,104 @@ def test_the_runtime_side_cannot_reach_the_layout(module):
     names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for alias in node.names}
     assert not names & {"Plan", "Layout", "compile_plan", "load", "loads"}, names
     assert not [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute) and node.attr == "layout"]
+
+
+def test_context_parallel_plan_facts():
+    """A stage's devices are TP x CP, CP-major; each CP rank holds zigzag chunks, talks to its ring neighbours,
+    meets its own CP index across the boundary, and sums gradients with the other CP ranks of its stage."""
+    plan = compile_plan(layout_mod.load(LAYOUTS / "examples" / "context_parallel.toml"))  # s0: tp 2 x cp 2; s1: cp 2
+    assert [g.name for g in plan.groups][:5] == [
+        "tp[p0.s0]",
+        "tp[p0.s0.c1]",
+        "cp[p0.s0.t0]",
+        "cp[p0.s0.t1]",
+        "cp[p0.s1.t0]",
+    ]
+    assert [(r.tp_index, r.cp_index) for r in plan.ranks] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0), (0, 1)]
+    contexts = [rp.context for rp in plan.rank_plans]
+    assert all(c is not None for c in contexts)
+    assert [c.ranks for c in contexts] == [(0, 2), (1, 3), (0, 2), (1, 3), (4, 5), (4, 5)]
+    assert [c.chunks for c in contexts[:4:2]] == [((0, 4), (12, 16)), ((4, 8), (8, 12))]  # seq_len 16: 4 chunks
+    assert (contexts[2].send_to, contexts[2].recv_from) == (0, 0)
+    assert [rp.tp_group.name if rp.tp_group else None for rp in plan.rank_plans][:4] == [
+        "tp[p0.s0]",
+        "tp[p0.s0]",
+        "tp[p0.s0.c1]",
+        "tp[p0.s0.c1]",
+    ]
+    # activations go between the TP groups of the same CP rank: 0 -> 4, 2 -> 5; gradients back in two pieces
+    assert [(r.src, r.dst) for r in plan.routes_f] == [(0, 4), (2, 5)]
+    assert [(r.src, r.dst, r.piece) for r in plan.routes_b] == [(4, 0, 0), (4, 1, 1), (5, 2, 0), (5, 3, 1)]
+    # the CP ranks of a stage hold the same shards with their own tokens' gradients: summed among them
+    assert [b.group for b in plan.sync_blocks] == [(0, 1, 2, 3), (0, 2), (1, 3), (4, 5)]
+    assert [rp.counts_loss for rp in plan.rank_plans] == [False] * 4 + [True, True]
+    text = dryrun.describe(plan)
+    assert "  cp[p0.s0.t1]         ring 1 -> 3 -> 1   rank 1: 0-3, 12-15  rank 3: 4-7, 8-11" in text
+    assert "  cp          index 1 of 2, ring [1, 3] in cp[p0.s0.t1]: keys/values to rank 1, from rank 1; " in (
+        dryrun.describe_rank(plan.rank_plans[3])
+    )
+
+
+def _cp_pair(tp_a: int, cp_a: int, tp_b: int, cp_b: int):
+    n = tp_a * cp_a + tp_b * cp_b
+    devices = [f'"node0:{i}"' for i in range(n)]
+    return compile_plan(
+        layout_mod.loads(
+            f"""
+[model]
+layers = 2
+hidden = 48
+heads = 12
+vocab = 64
+seq_len = 24
+[train]
+steps = 1
+global_batch = 2
+[cluster]
+[[cluster.nodes]]
+name = "node0"
+devices = [{", ".join(['"cpu"'] * n)}]
+[[pipelines]]
+batch = 2
+microbatches = 1
+[[pipelines.stages]]
+layers = 1
+devices = [{", ".join(devices[: tp_a * cp_a])}]
+cp = {cp_a}
+[[pipelines.stages]]
+layers = 1
+devices = [{", ".join(devices[tp_a * cp_a :])}]
+cp = {cp_b}
+"""
+        )
+    )
+
+
+@pytest.mark.parametrize("tp_a,cp_a,tp_b,cp_b", [(1, 4, 1, 2), (2, 2, 1, 3), (1, 1, 3, 2), (3, 2, 2, 1), (1, 6, 2, 4)])
+def test_rechunking_routes_give_each_receiver_its_positions_once(tp_a, cp_a, tp_b, cp_b):
+    """Between stages of different cp, every rank receives each position it holds exactly once, in its local
+    order, from a rank holding it there; both directions (gradients go back the same way)."""
+    from hetero_llm.model import cp_chunks
+
+    plan = _cp_pair(tp_a, cp_a, tp_b, cp_b)
+    seq = plan.layout.model.seq_len
+    a, b = plan.stages
+
+    def held(rank: int) -> list[int]:
+        st, info = plan.stage_of(rank), plan.ranks[rank]
+        return cp_chunks.local_positions(seq, st.cp, info.cp_index).tolist()
+
+    for routes, senders, receivers in ((plan.routes_f, a, b), (plan.routes_b, b, a)):
+        assert all(r.runs and (r.piece, r.pieces) == (0, 1) for r in routes)
+        for dst in receivers.ranks:
+            got: dict[int, int] = {}
+            for r in (r for r in routes if r.dst == dst):
+                assert r.src in senders.ranks
+                for s, d, n in r.runs:
+                    for k in range(n):
+                        assert d + k not in got
+                        got[d + k] = held(r.src)[s + k]
+            assert [got[k] for k in range(len(held(dst)))] == held(dst)
+        for rp in (plan.rank_plan(r) for r in receivers.ranks):  # what the rank posts: one receive per sender
+            runs = rp.routes.recv_f_runs if receivers is b else rp.routes.recv_b_runs
+            assert {r.src for r in runs} == {r.src for r in routes if r.dst == rp.rank}

@@ -25,6 +25,7 @@ TORCH_FREE_MODULES = [
     "layout.cluster_rules",
     "layout.cluster_file",
     "model.params",
+    "model.cp_chunks",
     "plan",
     "plan.rank",
     "plan.describe",
@@ -85,6 +86,8 @@ TORCH_FREE_MODULES = [
     "sweep.points",
     "sweep.results",
     "sweep.report",
+    "planner.documents",
+    "planner.context",
     "cli.common",
     "cli.launch",
     "cli.plan",
@@ -105,6 +108,7 @@ TORCH_FREE_TESTS = [
     "test_cli_errors.py",
     "test_switch.py",
     "test_rankplan.py",
+    "test_cp_chunks.py",
 ]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "

@@ -26,7 +26,6 @@ from hetero_llm.runtime import zero1
 from hetero_llm.runtime.adamw import AdamW
 
 if TYPE_CHECKING:
-    from hetero_llm.layout import Layout
     from hetero_llm.runtime.state import RankState
 
 
@@ -176,13 +175,13 @@ def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
     return Restored(ckpt.path, ckpt.step, steps.pop(), shards)
 
 
-def check_resumable(ckpt: Checkpoint, layout: Layout) -> None:
-    """Every check ``restore`` makes of a save, over the whole save (every rank file, every tensor), keeping nothing
-    it read: the model and the steps left (``check_fits``), each file readable as tensors only and its shards the
-    model's shapes, every tensor covered, one optimizer step, finite values. The elastic restart runs it on a
-    snapshot step copied into ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that
-    ``--resume`` would refuse. Raises ``CheckpointError`` naming the first problem."""
-    checkpoint.check_fits(ckpt, layout)
+def check_resumable(ckpt: Checkpoint) -> None:
+    """Every check ``restore`` makes of a save's files, over the whole save (every rank file, every tensor), keeping
+    nothing it read: each file readable as tensors only and its shards the model's shapes, every tensor covered, one
+    optimizer step, finite values (the model and the steps left are ``folders.check_fits``', which the caller runs
+    first: the runtime side never sees the layout). The elastic restart runs both on a snapshot step copied into
+    ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that ``--resume`` would refuse.
+    Raises ``CheckpointError`` naming the first problem."""
     steps, held = set(), {}
     for rank in range(ckpt.world_size):
         saved = _load_rank_file(ckpt, rank)

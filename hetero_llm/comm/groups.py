@@ -87,7 +87,7 @@ def init(rp: RankPlan, device: torch.device, rings: shm.RankRings, agree: str = 
     # Force the lazily-connecting backends to connect now, in plan order, on every rank.
     dist.barrier()
     _wait_for_peers(list(groups.values()), list(links.values()))
-    return Comms(rp.rank, device, groups, tp_group, rp.stage.ranks, cupy=cupy_groups, shm=links)
+    return Comms(rp.rank, device, groups, tp_group, rp.stage.tp_ranks(rp.cp_index), cupy=cupy_groups, shm=links)
 
 
 def _wait_for_peers(groups: list, links: list) -> None:

@@ -95,14 +95,19 @@ def send_boundary(
     NCCL sends from the device on its own stream, after the compute stream's work so far; gloo
     sends a host copy of a CUDA tensor (``stages_through_host``).
     """
-    flat = tensor.detach().contiguous().view(-1)
+    whole = tensor.detach().contiguous()
+    flat = whole.view(-1)
     if stages_through_host(flat.device):
         flat = _to_host(flat, streams)  # one copy for all pieces
+        whole = flat.view(whole.shape)
     for r in routes:
-        n = _piece_len(flat.numel(), r.pieces)
-        piece = flat[r.piece * n : (r.piece + 1) * n]
-        if piece.numel() < n:
-            piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
+        if r.runs:  # re-chunking: the receiver's positions of this rank's (along dim 1, the sequence)
+            piece = torch.cat([whole[:, lo : lo + k] for lo, _, k in r.runs], dim=1).reshape(-1)
+        else:
+            n = _piece_len(flat.numel(), r.pieces)
+            piece = flat[r.piece * n : (r.piece + 1) * n]
+            if piece.numel() < n:
+                piece = torch.cat([piece, piece.new_zeros(n - piece.numel())])
         piece = piece.contiguous()
         tag, ring = _tag(direction, mb, chunk, r.piece), comms.shm.get((comms.rank, r.dst, direction))
         work = ring.send(piece, tag) if ring is not None else _p2p(dist.isend, piece, r.dst, group, tag)
@@ -203,6 +208,38 @@ def recv_boundary(
         buf = torch.empty(_piece_len(numel, route.pieces), dtype=dtype, device=comms.device)
         work = _irecv(comms, buf, route.src, group, tag, direction)
     return PendingRecv(work, buf, route, shape, streams=streams)
+
+
+@attrs.define
+class PendingRuns:
+    """A receive that re-chunks (stages of different cp): one ``PendingRecv`` per sender (``recv_boundary`` of its
+    route, ``runs_shape``), each of the runs of positions it holds, assembled into this rank's tensor; polled and
+    waited on like a ``PendingRecv``."""
+
+    parts: list[PendingRecv]
+    shape: tuple[int, ...]
+
+    def watch(self, notify: threading.Event | None = None) -> None:
+        for part in self.parts:
+            part.watch(notify)
+
+    def arrived(self) -> bool:
+        return all(part.arrived() for part in self.parts)
+
+    def wait(self, comms: Comms) -> torch.Tensor:
+        got = [part.wait(comms) for part in self.parts]
+        out = torch.empty(self.shape, dtype=got[0].dtype, device=got[0].device)
+        for part, t in zip(self.parts, got):
+            at = 0
+            for _, lo, k in part.route.runs:
+                out[:, lo : lo + k] = t[:, at : at + k]
+                at += k
+        return out
+
+
+def runs_shape(route: Route, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of what ``route`` (a re-chunking one) carries of a boundary tensor of ``shape``."""
+    return (shape[0], sum(k for _, _, k in route.runs), *shape[2:])
 
 
 def _irecv(comms: Comms, buf: torch.Tensor, src: int, group, tag: int, direction: Direction):

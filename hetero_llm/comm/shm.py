@@ -62,7 +62,9 @@ def ring_specs(plan: Plan) -> list[RingSpec]:
             if via[group] != SHM or r.src == r.dst:
                 continue
             pipe = lay.pipelines[src.pipeline]
-            numel = pipe.batch // pipe.microbatches * lay.model.seq_len * lay.model.hidden
+            # positions of each row it carries: a re-chunking route's runs, else the receiver's 1 / cp of them
+            width = sum(n for _, _, n in r.runs) if r.runs else lay.model.seq_len // plan.stage_of(r.dst).cp
+            numel = pipe.batch // pipe.microbatches * width * lay.model.hidden
             piece = -(-numel // r.pieces) * itemsize
             out.append(
                 RingSpec(r.src, r.dst, direction, pipe.microbatches * lay.train.chunks, -(-piece // 64) * 64, group)

@@ -39,7 +39,8 @@ def memory_parts(plan: Plan, rank: int, model=None, global_batch: int | None = N
     info = plan.ranks[rank]
     pipe = lay.pipelines[info.pipeline]
     stage = pipe.stages[info.stage]
-    tp = len(stage.devices)
+    tp = stage.tp
+    cp = stage.cp  # a context-parallel rank holds 1 / cp of every row's positions
     first, last = info.stage == 0, info.stage == len(pipe.stages) - 1
 
     def count(infos) -> int:  # elements of the rank's shards of these parameters
@@ -54,7 +55,7 @@ def memory_parts(plan: Plan, rank: int, model=None, global_batch: int | None = N
     edge = (embedding_params(model) if first else []) + (head_params(model) if last else [])
     edge = list({p.name: p for p in edge}.values())  # a tied head on a one-stage pipeline: one tensor
     rows = max(1, -(-pipe.batch * gb // (lay.train.global_batch * pipe.microbatches)))  # one microbatch's rows
-    positions = rows * model.seq_len
+    positions = rows * model.seq_len // cp
     per_param = 16 if lay.train.optimizer.value != "adamw_zero1" else 8 + -(-8 // len(lay.pipelines))  # moments sharded
     return {
         "tokens": gb * (model.seq_len + 1) * 8,

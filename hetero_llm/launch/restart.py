@@ -133,7 +133,9 @@ def _refusal(folder: Path, choice: holders.Choice, lay: Layout) -> str:
     from hetero_llm.checkpoint import shards  # torch: this module is torch-free
 
     try:
-        shards.check_resumable(holders.unsealed(folder, choice, lay), lay)
+        unsealed = holders.unsealed(folder, choice, lay)
+        folders.check_fits(unsealed, lay)
+        shards.check_resumable(unsealed)
     except Exception as e:  # CheckpointError, or a file a record vouched for that is not a rank file at all
         return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return ""

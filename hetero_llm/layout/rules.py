@@ -99,6 +99,7 @@ def _validate_pipelines(layout: Layout) -> None:
             check_own(f, stage, sp, "layers")
             layer_sum += stage.layers
             check_own(f, stage, sp, "devices")
+            _validate_context_parallel(layout, pi, si)
             tp = stage.tp
             if m.heads % tp:
                 raise LayoutError(
@@ -162,6 +163,36 @@ def _validate_pipelines(layout: Layout) -> None:
             "pipelines",
             f"pipeline batches sum to {total_batch} ({shares}) but train.global_batch is "
             f"{t.global_batch} (make them add up to {t.global_batch})",
+        )
+
+
+def _validate_context_parallel(layout: Layout, pi: int, si: int) -> None:
+    """A stage's ``cp``: its devices are TP x CP, the sequence cuts into 2 x cp zigzag chunks, and what the
+    runtime cannot yet run with context parallelism is refused (an accepted layout trains the same model)."""
+    f, m, t = layout.file, layout.model, layout.train
+    stage = layout.pipelines[pi].stages[si]
+    sp = f"pipelines[{pi}].stages[{si}]"
+    check_own(f, stage, sp, "cp")
+    cp, n = stage.cp, len(stage.devices)
+    if n % cp:
+        raise LayoutError(
+            f,
+            f"{sp}.cp",
+            f"{n} device{'s' if n > 1 else ''} do not split into cp = {cp} TP groups "
+            f"(list TP size x {cp} devices, or a cp dividing {n})",
+        )
+    if m.seq_len % (2 * cp):
+        raise LayoutError(
+            f,
+            f"{sp}.cp",
+            f"model.seq_len {m.seq_len} does not cut into 2 x cp = {2 * cp} equal chunks, as the zigzag "
+            f"load balancing needs (use a cp with seq_len divisible by 2 x cp, or a seq_len multiple of {2 * cp})",
+        )
+    if cp == 1:
+        return
+    if t.compile is Compile.BLOCKS:
+        raise LayoutError(
+            f, "train.compile", f"'blocks' cannot compile {sp}'s ring attention (cp = {cp}) yet (set compile = 'none')"
         )
 
 
@@ -253,6 +284,21 @@ def _validate_buckets(layout: Layout) -> None:
         return
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
+    cps = [
+        (f"{at}pipelines[{pi}].stages[{si}].cp", st.cp)
+        for at, pipes in [("", layout.pipelines)]
+        + [(f"buckets[{i}].", b.pipelines) for i, b in enumerate(layout.buckets)]
+        for pi, p in enumerate(pipes)
+        for si, st in enumerate(p.stages)
+        if st.cp > 1
+    ]
+    if cps:
+        raise LayoutError(
+            f,
+            cps[0][0],
+            f"hot switching ([[buckets]]) does not support context parallelism yet (cp = {cps[0][1]}) "
+            "(set cp = 1, or remove [[buckets]])",
+        )
     home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
     cuda = sorted(
         d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu"

@@ -295,16 +295,24 @@ class StageSpec:
 
     layers: int = key("number of transformer blocks in this stage", check=at_least(1))
     devices: tuple[str, ...] = key(
-        "device ids 'node:index'; their count is the stage's TP size",
+        "device ids 'node:index'; their count is the stage's TP size times its cp (CP-major: the first TP "
+        "size devices are context-parallel rank 0's TP group, the next ones rank 1's, ...)",
         check=Check(bool, 'a stage needs at least one device (list device ids, e.g. ["node0:0"])'),
     )
     recompute: Recompute | None = key(
         "'none' or 'full' for this stage (e.g. 'full' on a GPU short of memory); unset: train.recompute", default=None
     )
+    cp: int = key(
+        "context-parallel size: each sequence is cut into 2 x cp equal chunks and CP rank r of the stage holds "
+        "chunks r and 2 x cp - 1 - r (zigzag: causal work balanced), attention exchanging keys and values in a "
+        "ring; model.seq_len must be divisible by 2 x cp; 1: no context parallelism",
+        default=1,
+        check=at_least(1),
+    )
 
     @property
     def tp(self) -> int:
-        return len(self.devices)
+        return len(self.devices) // self.cp
 
 
 @attrs.frozen

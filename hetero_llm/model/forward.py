@@ -28,11 +28,12 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
+from hetero_llm.model.context import ContextShard, context_attention
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.params import BIAS_OF, ParamInfo, layer_params
 
 Params = dict[str, torch.Tensor]
-BlockFn = Callable[..., torch.Tensor]  # (one block's params by local name, x, docs=None) -> x
+BlockFn = Callable[..., torch.Tensor]  # (one block's params by local name, x, docs=None, ctx=None) -> x
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w) -> x @ w.T in x's dtype
 
 
@@ -143,6 +144,15 @@ def rope_tables(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def rope_at(
+    positions: torch.Tensor, head_dim: int, dtype: torch.dtype, theta: float = 10000.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rope_tables``' rows at ``positions`` (B, T), as (B, 1, T, hd/2): the same products, so the same values."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    angles = (positions.to(torch.float32)[..., None] * inv).unsqueeze(1)  # (B, 1, T, hd/2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: (B, nh, T, hd); rotate pairs (even, odd)
     x1, x2 = x[..., 0::2], x[..., 1::2]
@@ -167,12 +177,17 @@ def block(
     tp: TP = NO_TP,
     linear: Linear = _linear,
     docs: DocumentMask | None = None,
+    ctx: ContextShard | None = None,
 ) -> torch.Tensor:
     """One transformer block over its parameters ``p`` (local names, see ``block_params``).
 
     ``x`` (B, T, C) is replicated across the TP group; the block computes in ``x``'s dtype. ``docs``: the
-    rows are packed documents; attention stays inside each, positions restart in each.
+    rows are packed documents; attention stays inside each, positions restart in each. ``ctx``: the rows are
+    split across a context-parallel group (``x`` holds this rank's positions of them); it carries the
+    positions and documents itself, so ``docs`` is None then.
     """
+    if ctx is not None and docs is not None:
+        raise ValueError("a context-parallel block takes its documents from ctx, not docs")
     B, T, _ = x.shape
     hd = model.head_dim
 
@@ -182,16 +197,14 @@ def block(
     q = q.view(B, T, nh, hd).transpose(1, 2)  # (B, nh, T, hd)
     k, v = (t.view(B, T, nkv, hd).transpose(1, 2) for t in (k, v))  # (B, nkv, T, hd)
     if model.position is Position.ROPE:
-        cos, sin = rope_tables(T, hd, x.device, q.dtype, model.rope_theta)
-        if docs is not None:
-            cos, sin = docs.at_positions(cos), docs.at_positions(sin)
+        if ctx is not None:
+            cos, sin = rope_at(ctx.positions, hd, q.dtype, model.rope_theta)
+        else:
+            cos, sin = rope_tables(T, hd, x.device, q.dtype, model.rope_theta)
+            if docs is not None:
+                cos, sin = docs.at_positions(cos), docs.at_positions(sin)
         q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-    if nkv != nh:  # grouped-query attention: query head i reads key/value head i // (nh / nkv)
-        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-    if docs is not None:
-        y = docs.attention(q, k, v)
-    else:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    y = _attention(q, k, v, docs, ctx)  # (B, nh, T, hd)
     y = y.transpose(1, 2).reshape(B, T, nh * hd)
     x = x + _bias(tp.exit(linear(y, p["attn.wo"])), p, "attn.wo")  # row-parallel: partial sums reduced by exit
 
@@ -202,6 +215,20 @@ def block(
     else:
         a = F.gelu(_projections(h, p, ["mlp.w1"], linear)[0], approximate="tanh")  # (B, T, F/tp)
     return x + _bias(tp.exit(linear(a, p["mlp.w2"])), p, "mlp.w2")
+
+
+def _attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask | None, ctx: ContextShard | None
+) -> torch.Tensor:
+    """Causal attention of q (B, nh, T, hd) over k, v (B, nkv, T, hd): inside documents, across CP ranks."""
+    if ctx is not None:  # keys and values travel the ring unexpanded: GQA's sharing is done inside
+        return context_attention(q, k, v, ctx)
+    nh, nkv = q.shape[1], k.shape[1]
+    if nkv != nh:  # grouped-query attention: query head i reads key/value head i // (nh / nkv)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    if docs is not None:
+        return docs.attention(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 def _bias(y: torch.Tensor, p: Params, weight: str) -> torch.Tensor:
@@ -222,24 +249,28 @@ def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32, lin
         # c10d collectives do not trace: the TP all-reduces run eagerly between compiled pieces.
         tp = TP(torch.compiler.disable(tp.enter), torch.compiler.disable(tp.exit))
 
-    def apply(p: Params, x: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
-        return block(p, x, model, tp, linear, docs)
+    def apply(p: Params, x: torch.Tensor, docs: DocumentMask | None = None, ctx: ContextShard | None = None):
+        return block(p, x, model, tp, linear, docs, ctx)
 
     fn = torch.compile(apply) if compute.compile else apply
     if not compute.recompute:
         return fn
 
-    def recomputed(p: Params, x: torch.Tensor, docs: DocumentMask | None = None) -> torch.Tensor:
-        # The weight casts happen inside, so the bf16 copies are recomputed too rather than kept.
-        return torch.utils.checkpoint.checkpoint(fn, p, x, docs, use_reentrant=False)
+    def recomputed(p: Params, x: torch.Tensor, docs: DocumentMask | None = None, ctx: ContextShard | None = None):
+        # The weight casts happen inside, so the bf16 copies are recomputed too rather than kept. With ctx the
+        # recomputed forward runs the ring again: every CP rank recomputes the same block at the same point.
+        return torch.utils.checkpoint.checkpoint(fn, p, x, docs, ctx, use_reentrant=False)
 
     return recomputed
 
 
-def embed(p: Params, tokens: torch.Tensor, model: ModelSpec, docs: DocumentMask | None = None) -> torch.Tensor:
+def embed(
+    p: Params, tokens: torch.Tensor, model: ModelSpec, docs: DocumentMask | None = None, ctx: ContextShard | None = None
+) -> torch.Tensor:
     x = F.embedding(tokens, p["embed.tok"])  # (B, T, C), float32: the cast to the compute dtype follows
     if model.position is Position.LEARNED:
-        x = x + (p["embed.pos"][docs.positions] if docs is not None else p["embed.pos"][: tokens.shape[1]])
+        where = ctx or docs  # this rank's positions of a CP row, or positions restarting in every document
+        x = x + (p["embed.pos"][where.positions] if where is not None else p["embed.pos"][: tokens.shape[1]])
     return x
 
 
@@ -258,17 +289,19 @@ def stage_forward(
     block_fn: BlockFn | None = None,
     linear: Linear = _linear,
     docs: DocumentMask | None = None,
+    ctx: ContextShard | None = None,
 ) -> torch.Tensor:
     """Tokens (first stage) or activations in; activations or logits (last stage) out.
 
     Activations come out in ``compute.dtype`` (received ones arrive in it); ``block_fn`` is the
     stage's ``make_block_fn`` (built with the same ``linear``), built here when not given. ``docs``: the
-    microbatch's document mask when its rows are packed documents.
+    microbatch's document mask when its rows are packed documents. ``ctx``: this CP rank's part of the
+    microbatch's rows (``inp`` holds its positions only; see ``block``).
     """
-    x = embed(p, inp, model, docs).to(compute.dtype) if shape.first else inp
+    x = embed(p, inp, model, docs, ctx).to(compute.dtype) if shape.first else inp
     run = block_fn or make_block_fn(model, tp, compute, linear)
     for i in range(shape.layer_lo, shape.layer_hi):
-        x = run(block_params(p, i, model), x, docs)
+        x = run(block_params(p, i, model), x, docs, ctx)
     return head(p, x, model, linear) if shape.last else x
 
 

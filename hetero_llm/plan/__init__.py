@@ -27,6 +27,7 @@ import attrs
 
 from hetero_llm import schedule as sched
 from hetero_llm.layout import SHM, Compile, Layout, Optimizer, Recompute, Schedule
+from hetero_llm.model import cp_chunks
 from hetero_llm.model.params import ParamInfo, shard_range
 from hetero_llm.plan import blocks, zero1_slices
 
@@ -35,6 +36,8 @@ from hetero_llm.plan.rank import (
     WORLD,
     BatchShare,
     ComputeSettings,
+    ContextPlan,
+    CPKey,
     GradSyncKey,
     Group,
     GroupKey,
@@ -111,9 +114,17 @@ class Plan:
         )
         return hashlib.sha256(repr(content).encode()).hexdigest()[:12]
 
-    def tp_group(self, stage: StagePlan) -> TPKey | None:
-        """The key of ``stage``'s TP group (None: TP size 1, no group)."""
-        return _tp_key(stage) if stage.tp > 1 else None
+    def tp_group(self, stage: StagePlan, cp_index: int = 0) -> TPKey | None:
+        """The key of ``stage``'s TP group (of its CP rank ``cp_index``; None: TP size 1, no group)."""
+        return _tp_key(stage, cp_index) if stage.tp > 1 else None
+
+    def context(self, rank: int) -> ContextPlan | None:
+        """``rank``'s context-parallel facts: its CP group, index, ring peers and chunks (None: its stage has cp 1)."""
+        st, info = self.stage_of(rank), self.ranks[rank]
+        if st.cp == 1:
+            return None
+        lo, hi = cp_chunks.chunk_ranges(self.layout.model.seq_len, st.cp, info.cp_index)
+        return ContextPlan(_cp_key(st, info.tp_index), info.cp_index, st.cp_ranks(info.tp_index), (lo, hi))
 
     @property
     def meeting(self) -> Meeting:
@@ -169,19 +180,19 @@ def compile_plan(layout: Layout) -> Plan:
         ranges = blocks.chunk_ranges([st.layers for st in pipe.stages], chunks)
         for si, st in enumerate(pipe.stages):
             stage_ranks: list[int] = []
-            for ti, dev in enumerate(st.devices):
+            for di, dev in enumerate(st.devices):  # CP-major: device di is TP index di % tp of CP rank di // tp
                 node, _, idx = dev.partition(":")
                 rank = len(ranks)
-                ranks.append(RankInfo(rank, pi, si, ti, node, dev, nodes[node].devices[int(idx)]))
+                ranks.append(RankInfo(rank, pi, si, di % st.tp, node, dev, nodes[node].devices[int(idx)], di // st.tp))
                 stage_ranks.append(rank)
-            stages.append(StagePlan(pi, si, tuple(stage_ranks), ranges[si], n))
+            stages.append(StagePlan(pi, si, tuple(stage_ranks), ranges[si], n, st.cp))
         actions = pipeline_schedule(layout, pi)
         if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
             actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B
         schedules.append(tuple(tuple(a) for a in actions))
 
     pairs = blocks.boundary_pairs(stages, wrap=chunks > 1)
-    routes_f, routes_b = blocks.boundary_routes(pairs)
+    routes_f, routes_b = blocks.boundary_routes(pairs, layout.model.seq_len)
     sync_blocks = blocks.sync_blocks(layout, stages)
     node_of = [r.node for r in ranks]
 
@@ -189,7 +200,8 @@ def compile_plan(layout: Layout) -> Plan:
         return Group(key, members, blocks.transport_of(layout, [node_of[r] for r in members]))
 
     # Every group key is made here (and in ``_p2p_key``): the runtime looks groups up by these keys.
-    groups = [group(_tp_key(s), s.ranks) for s in stages if s.tp > 1]
+    groups = [group(_tp_key(s, c), s.tp_ranks(c)) for s in stages if s.tp > 1 for c in range(s.cp)]
+    groups += [group(_cp_key(s, t), s.cp_ranks(t)) for s in stages if s.cp > 1 for t in range(s.tp)]
     for a, b in pairs:
         members = tuple(sorted(a.ranks + b.ranks))
         via = blocks.p2p_transport(layout, [ranks[r] for r in members])
@@ -211,8 +223,12 @@ def compile_plan(layout: Layout) -> Plan:
     return attrs.evolve(plan, rank_plans=rank_plans(plan))
 
 
-def _tp_key(st: StagePlan) -> TPKey:
-    return TPKey(st.pipeline, st.stage)
+def _tp_key(st: StagePlan, cp_index: int = 0) -> TPKey:
+    return TPKey(st.pipeline, st.stage, cp_index)
+
+
+def _cp_key(st: StagePlan, tp_index: int) -> CPKey:
+    return CPKey(st.pipeline, st.stage, tp_index)
 
 
 def _p2p_key(direction: Direction, src: StagePlan, dst: StagePlan) -> P2PKey:
@@ -300,7 +316,8 @@ def rank_plans(plan: Plan) -> tuple[RankPlan, ...]:
                 shards=shards_by_rank[rank],
                 sync_blocks=tuple(sync_blocks_of[rank]),
                 routes=_stage_routes(plan, rank),
-                tp_group=plan.tp_group(st),
+                tp_group=plan.tp_group(st, info.cp_index),
+                context=plan.context(rank),
                 world=world,
                 groups=plan.groups,
                 network=network,
@@ -334,15 +351,19 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
     """``rank``'s pieces of its stage boundaries and the groups they travel in."""
 
     def received(routes: tuple[Route, ...]) -> Route | None:
-        return next((r for r in routes if r.dst == rank), None)
+        return next((r for r in routes if r.dst == rank and not r.runs), None)
+
+    def runs(routes: tuple[Route, ...]) -> tuple[Route, ...]:  # a boundary that re-chunks: one per sender
+        return tuple(r for r in routes if r.dst == rank and r.runs)
 
     recv_f, recv_b = received(plan.routes_f), received(plan.routes_b)
+    runs_f, runs_b = runs(plan.routes_f), runs(plan.routes_b)
     send_f = tuple(r for r in plan.routes_f if r.src == rank)
     send_b = tuple(r for r in plan.routes_b if r.src == rank)
     sides = (
-        (Kind.RECV_F, recv_f),
+        (Kind.RECV_F, recv_f or (runs_f[0] if runs_f else None)),
         (Kind.SEND_F, send_f[0] if send_f else None),
-        (Kind.RECV_B, recv_b),
+        (Kind.RECV_B, recv_b or (runs_b[0] if runs_b else None)),
         (Kind.SEND_B, send_b[0] if send_b else None),
     )
     groups = []
@@ -350,7 +371,7 @@ def _stage_routes(plan: Plan, rank: int) -> StageRoutes:
         if route is not None:
             assert kind.direction is not None  # a send or a receive has one
             groups.append((kind, plan.route_group(kind.direction, route)))
-    return StageRoutes(recv_f, send_f, recv_b, send_b, tuple(groups))
+    return StageRoutes(recv_f, send_f, recv_b, send_b, tuple(groups), runs_f, runs_b)
 
 
 def _node_interfaces(plan: Plan, env_of) -> dict[str, tuple[tuple[str, tuple[str, ...]], ...]]:

@@ -32,6 +32,7 @@ def describe(plan: Plan) -> str:
             f"{r.tp_index}/{st.tp:<4} {_ranges(st):<8} "
             f"rows {off}-{off + size - 1} in {lay.pipelines[r.pipeline].microbatches} mb"
         )
+    lines += describe_context(plan)
     domains = bool(lay.cluster.domains)
     if domains:
         lines += ["", *describe_domains(plan)]
@@ -50,6 +51,27 @@ def describe(plan: Plan) -> str:
     for pi, pipe_sched in enumerate(plan.schedules):
         lines += ["", f"pipeline {pi} schedule:", sched.format_grid([list(a) for a in pipe_sched])]
     return "\n".join(lines)
+
+
+def describe_context(plan: Plan) -> list[str]:
+    """The context-parallel groups of ``--dry-run`` (none without a stage of cp > 1): each group's ring and the
+    positions of every sequence each of its ranks holds."""
+    seq = plan.layout.model.seq_len
+    cp_stages = [st for st in plan.stages if st.cp > 1]
+    if not cp_stages:
+        return []
+    lines = ["", f"context parallelism (each rank holds two zigzag chunks of every row's {seq} positions):"]
+    for st in cp_stages:
+        for t in range(st.tp):
+            ctx = plan.context(st.cp_ranks(t)[0])
+            assert ctx is not None  # cp > 1 here
+            held = "  ".join(f"rank {r}: {_chunks(plan.context(r))}" for r in ctx.ranks)
+            lines.append(f"  {ctx.group.name:<20} ring {' -> '.join(map(str, ctx.ranks))} -> {ctx.ranks[0]}   {held}")
+    return lines
+
+
+def _chunks(ctx) -> str:
+    return ", ".join(f"{lo}-{hi - 1}" for lo, hi in ctx.chunks)
 
 
 def describe_domains(plan: Plan) -> list[str]:
@@ -83,8 +105,17 @@ def describe_rank(rp: RankPlan) -> str:
         f"  device      {info.device_id} on node {info.node} ({info.device})",
         f"  stage       pipeline {st.pipeline} stage {st.stage} of {st.num_stages}, layers {layers}"
         f" ({len(st.chunk_ranges)} chunk{'s' if len(st.chunk_ranges) > 1 else ''})",
-        f"  tp          index {info.tp_index} of {st.tp}, ranks {list(st.ranks)}"
+        f"  tp          index {info.tp_index} of {st.tp}, ranks {list(st.tp_ranks(info.cp_index))}"
         + (f", group {rp.tp_group.name}" if rp.tp_group else ""),
+        *(
+            [
+                f"  cp          index {rp.context.index} of {rp.context.size}, ring {list(rp.context.ranks)} "
+                f"in {rp.context.group.name}: keys/values to rank {rp.context.send_to}, from rank "
+                f"{rp.context.recv_from}; holds positions {_chunks(rp.context)} of every row"
+            ]
+            if rp.context
+            else []
+        ),
         f"  batch share rows {b.offset}-{b.offset + b.size - 1} of {rp.train.global_batch}"
         f" in {b.microbatches} microbatch{'es' if b.microbatches > 1 else ''}",
         f"  compute     precision {c.precision.value}, recompute {'full' if c.recompute else 'none'}, "
@@ -101,19 +132,21 @@ def describe_rank(rp: RankPlan) -> str:
     lines += ["", "routes (stage-boundary pieces):"]
     r = rp.routes
     sides = [
-        (Kind.RECV_F, [r.recv_f] if r.recv_f else []),
+        (Kind.RECV_F, [r.recv_f] if r.recv_f else list(r.recv_f_runs)),
         (Kind.SEND_F, list(r.send_f)),
-        (Kind.RECV_B, [r.recv_b] if r.recv_b else []),
+        (Kind.RECV_B, [r.recv_b] if r.recv_b else list(r.recv_b_runs)),
         (Kind.SEND_B, list(r.send_b)),
     ]
     for kind, routes in sides:
         for route in routes:
             key = r.group(kind)
             assert key is not None  # a side with a route has its group
-            lines.append(
-                f"  {kind.value.lower():<7} piece {route.piece} of {route.pieces}  rank {route.src} -> "
-                f"rank {route.dst}  in {key.name}"
+            what = (
+                "positions " + ", ".join(f"{s}-{s + n - 1} -> {d}-{d + n - 1}" for s, d, n in route.runs)
+                if route.runs
+                else f"piece {route.piece} of {route.pieces}"
             )
+            lines.append(f"  {kind.value.lower():<7} {what}  rank {route.src} -> rank {route.dst}  in {key.name}")
     if not any(routes for _, routes in sides):
         lines.append("  (none: a one-stage pipeline)")
     lines += ["", "groups this rank creates, in order (* = a member):"]

@@ -42,14 +42,29 @@ WORLD = WorldKey()
 
 @attrs.frozen(order=True)
 class TPKey:
-    """The tensor-parallel group of one stage."""
+    """The tensor-parallel group of one stage (of one of its context-parallel ranks ``cp`` when it has cp > 1)."""
 
     pipeline: int
     stage: int
+    cp: int = 0
 
     @property
     def name(self) -> str:
-        return f"tp[p{self.pipeline}.s{self.stage}]"
+        return f"tp[p{self.pipeline}.s{self.stage}" + (f".c{self.cp}" if self.cp else "") + "]"
+
+
+@attrs.frozen(order=True)
+class CPKey:
+    """The context-parallel group of one stage's TP index ``tp``: the ranks holding the sequence's chunks, whose
+    keys and values go round in a ring (``comm/ring.py``)."""
+
+    pipeline: int
+    stage: int
+    tp: int
+
+    @property
+    def name(self) -> str:
+        return f"cp[p{self.pipeline}.s{self.stage}.t{self.tp}]"
 
 
 @attrs.frozen(order=True)
@@ -78,7 +93,7 @@ class GradSyncKey:
         return "grad_sync[" + ",".join(map(str, self.ranks)) + "]"
 
 
-GroupKey = WorldKey | TPKey | P2PKey | GradSyncKey
+GroupKey = WorldKey | TPKey | CPKey | P2PKey | GradSyncKey
 
 
 # ------------------------------------------------------------------------------------------
@@ -89,13 +104,22 @@ GroupKey = WorldKey | TPKey | P2PKey | GradSyncKey
 class StagePlan:
     pipeline: int
     stage: int
-    ranks: tuple[int, ...]  # the TP group, tp index = position
+    ranks: tuple[int, ...]  # TP x CP, CP-major: rank cp_index * tp + tp_index (the TP group when cp is 1)
     chunk_ranges: tuple[tuple[int, int], ...]  # [lo, hi) layers of each model chunk on this stage
     num_stages: int  # stages of this pipeline
+    cp: int = 1  # context-parallel size: the stage's TP groups, each holding its chunks of every sequence
 
     @property
     def tp(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) // self.cp
+
+    def tp_ranks(self, cp_index: int) -> tuple[int, ...]:
+        """The TP group of context-parallel rank ``cp_index``, in TP index order."""
+        return self.ranks[cp_index * self.tp : (cp_index + 1) * self.tp]
+
+    def cp_ranks(self, tp_index: int) -> tuple[int, ...]:
+        """The context-parallel group of TP index ``tp_index``, in CP index order (the ring's order)."""
+        return self.ranks[tp_index :: self.tp]
 
     @property
     def label(self) -> str:
@@ -141,6 +165,7 @@ class RankInfo:
     node: str
     device_id: str  # "node0:1"
     device: str  # "cpu" or "cuda:1"
+    cp_index: int = 0  # its context-parallel rank in the stage: which chunks of every sequence it holds
 
 
 @attrs.frozen
@@ -156,6 +181,10 @@ class Route:
     dst: int
     piece: int
     pieces: int
+    # Re-chunking between stages of different cp: the sender's positions the receiver holds, as runs
+    # (sender's local index, receiver's local index, length) along the sequence; sent whole, not in pieces
+    # (piece 0 of 1), a receiver assembling its tensor from every sender it has a run from. () : the whole tensor.
+    runs: tuple[tuple[int, int, int], ...] = ()
 
 
 @attrs.frozen
@@ -205,9 +234,38 @@ class StageRoutes:
     recv_b: Route | None = None
     send_b: tuple[Route, ...] = ()
     groups: tuple[tuple[Kind, P2PKey], ...] = ()  # (RECV_F | SEND_F | RECV_B | SEND_B, the group it travels in)
+    # A boundary that re-chunks (stages of different cp): the runs this rank receives, from each of its senders
+    # (recv_f / recv_b are then None).
+    recv_f_runs: tuple[Route, ...] = ()
+    recv_b_runs: tuple[Route, ...] = ()
 
     def group(self, kind: Kind) -> P2PKey | None:
         return dict(self.groups).get(kind)
+
+
+@attrs.frozen
+class ContextPlan:
+    """A context-parallel rank's share of every sequence: its CP group (ring order), its index in it, and the two
+    zigzag chunks of positions it holds (``model.cp_chunks``; every row of every microbatch the same)."""
+
+    group: CPKey
+    index: int
+    ranks: tuple[int, ...]  # the CP group's global ranks, CP index order: the ring
+    chunks: tuple[tuple[int, int], tuple[int, int]]  # [lo, hi) positions of chunk index and 2 x cp - 1 - index
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def send_to(self) -> int:
+        """The ring's next rank (keys and values go to it)."""
+        return self.ranks[(self.index + 1) % self.size]
+
+    @property
+    def recv_from(self) -> int:
+        """The ring's previous rank (keys and values come from it)."""
+        return self.ranks[(self.index - 1) % self.size]
 
 
 @attrs.frozen
@@ -352,6 +410,7 @@ class RankPlan:
     peers: tuple[str, ...]  # device id of every rank, for messages naming another rank
     # Every rank's shards, by rank, on the rank that writes a checkpoint's meta.json (rank 0); () on the others.
     saved_shards: tuple[tuple[Shard, ...], ...] = ()
+    context: ContextPlan | None = None  # its stage's context parallelism (None: cp 1, whole sequences)
 
     @property
     def device(self) -> str:
@@ -364,6 +423,10 @@ class RankPlan:
     @property
     def tp_index(self) -> int:
         return self.info.tp_index
+
+    @property
+    def cp_index(self) -> int:
+        return self.info.cp_index
 
     @property
     def member_groups(self) -> tuple[Group, ...]:

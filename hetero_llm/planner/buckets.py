@@ -40,6 +40,13 @@ def parse_bounds(text: str, cluster: Cluster) -> tuple[int, ...]:
             "data.packing",
             '--buckets sorts whole documents by length: set data.packing = "documents" in the cluster file',
         )
+    if cluster.limits.max_cp > 1:
+        raise LayoutError(
+            cluster.file,
+            "plan.max_cp",
+            f"{cluster.limits.max_cp}: hot switching (--buckets) does not support context parallelism yet (plan "
+            "with plan.max_cp = 1, or without --buckets)",
+        )
     try:
         bounds = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:

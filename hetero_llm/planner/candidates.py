@@ -13,20 +13,30 @@ from hetero_llm.planner.cluster import DeviceKind
 
 @attrs.frozen(cache_hash=True)  # a dict key in every memo of the search
 class TPGroup:
-    """A TP group: devices of one node."""
+    """A stage's devices, of one node: a TP group, or with context parallelism ``cp`` TP groups of
+    ``len(devices) / cp`` devices each holding ``1 / cp`` of every sequence's tokens (the layout's
+    ``[[pipelines.stages]] cp``: devices CP-major, CP rank ``r``'s TP group devices ``r tp .. r tp + tp - 1``)."""
 
     node: str
     domain: str
     devices: tuple[str, ...]
     kind: DeviceKind
+    cp: int = 1
 
     @property
     def tp(self) -> int:
-        return len(self.devices)
+        return len(self.devices) // self.cp
 
     @property
     def flops(self) -> float:
-        return self.tp * self.kind.tflops * 1e12
+        """FLOP/s of the whole stage (TP x CP devices)."""
+        return len(self.devices) * self.kind.tflops * 1e12
+
+    @property
+    def name(self) -> tuple:
+        """What names the group inside one cluster: its devices, and its CP size (the same devices split
+        otherwise are another group)."""
+        return (self.devices, self.cp)
 
 
 @attrs.frozen
@@ -60,7 +70,7 @@ class Candidate:
             self.chunks,
             self.optimizer,
             tuple(
-                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute, s.group.cp) for s in p.stages))
                 for p in self.pipelines
             ),
         )
@@ -76,7 +86,10 @@ class Candidate:
                     (
                         p.batch,
                         p.microbatches,
-                        tuple((s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute) for s in p.stages),
+                        tuple(
+                            (s.group.kind.name, s.group.tp, s.group.domain, s.layers, s.recompute, s.group.cp)
+                            for s in p.stages
+                        ),
                     )
                     for p in self.pipelines
                 )

@@ -6,6 +6,7 @@ writes the layout from these sections with hetero_llm.layout.dumps):
 
     [plan]
     max_tp = 8                      # largest TP size to try (0: a node's device count)
+    max_cp = 1                      # largest context-parallel size to try (1: none)
     schedules = ["1f1b", "zbh1", "interleaved", "gpipe"]
     optimizers = ["adamw", "adamw_zero1"]  # train.optimizer values to choose from
     memory_margin = 0.1             # fraction of each device's memory kept free
@@ -31,6 +32,10 @@ writes the layout from these sections with hetero_llm.layout.dumps):
     launch_us = 5                   # link_fraction, sms: see docs/planner.md)
     [plan.nics]                     # NICs per node (default 1): a DGX has one per GPU
     "ib*" = 8
+    [plan.documents]                # the corpus' document lengths (planner/documents.py): attention priced
+    distribution = "lognormal"      # per document; default "row", one document per row (S^2 per row)
+    median = 2048
+    sigma = 1.6
 
 A node whose devices are all ``cpu`` is of kind ``cpu`` unless ``[plan.nodes]`` says otherwise.
 """
@@ -62,6 +67,7 @@ from hetero_llm.planner import catalogue
 from hetero_llm.planner import profile as profile_mod
 from hetero_llm.planner.catalogue import DeviceKind, catalogue_kind
 from hetero_llm.planner.catalogue import doc as _doc
+from hetero_llm.planner.documents import Documents, DocumentsSpec, read_documents
 from hetero_llm.planner.profile import Profile
 
 
@@ -70,6 +76,11 @@ class PlanLimits:
     """``[plan]``: limits on the search."""
 
     max_tp: int = _doc("largest TP size to try; 0 = a node's device count", default=8)
+    max_cp: int = _doc(
+        "largest context-parallel size to try per stage (a stage's devices TP x CP, each CP rank holding 1 / cp of "
+        "every sequence; sizes dividing seq_len / 2, flash attention only); 1 = no context parallelism",
+        default=1,
+    )
     schedules: tuple[str, ...] = _doc(
         "schedules to choose from: '1f1b', 'zbh1', 'interleaved' (any chunk count dividing the layers), 'gpipe' "
         "('dynamic' is chosen at run time: the planner cannot price it)",
@@ -187,6 +198,7 @@ class Cluster:
     network: Network
     limits: PlanLimits
     profile: Profile | None = None  # measured per-layer times (plan.profile or --profile-file)
+    documents: Documents = Documents()  # [plan.documents]: one document per row unless the file says otherwise
 
     @property
     def num_devices(self) -> int:
@@ -234,7 +246,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         raise LayoutError(file, "plan", "expected a table ([plan])")
     kinds_raw = plan.get("kinds", {})
     node_kinds = plan.get("nodes", {})
-    tables = ("kinds", "nodes", "nics")
+    tables = ("kinds", "nodes", "nics", "documents")
     limits = (
         layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
         if set(plan) - set(tables)
@@ -251,6 +263,13 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
                 "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
             )
         limits = attrs.evolve(limits, schedules=kept)
+    if train.compile is Compile.BLOCKS and limits.max_cp > 1:  # the layout would be refused
+        raise LayoutError(
+            file,
+            "plan.max_cp",
+            f"{limits.max_cp}: train.compile = 'blocks' cannot compile the ring attention of context parallelism "
+            "(set plan.max_cp = 1, or train.compile = 'none')",
+        )
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
@@ -282,7 +301,10 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     elif limits.profile:
         where = Path(file).parent / limits.profile
         profile = profile_mod.read(where, file, "plan.profile", model, train.precision)
-    return Cluster(file, model, train, sec["data"], cluster, tuple(nodes), _network(cluster), limits, profile)
+    documents = read_documents(file, plan.get("documents", {}), sec["data"])
+    return Cluster(
+        file, model, train, sec["data"], cluster, tuple(nodes), _network(cluster), limits, profile, documents
+    )
 
 
 def check_devices(cluster: Cluster) -> None:
@@ -317,6 +339,15 @@ def check_devices(cluster: Cluster) -> None:
 def _check_limits(file: str, limits: PlanLimits) -> None:
     if limits.max_tp < 0:
         raise LayoutError(file, "plan.max_tp", f"must be >= 0 (0 = a node's device count), got {limits.max_tp}")
+    if limits.max_cp < 1:
+        raise LayoutError(file, "plan.max_cp", f"must be >= 1 (1 = no context parallelism), got {limits.max_cp}")
+    if limits.max_cp > 1 and limits.attention != "flash":
+        raise LayoutError(
+            file,
+            "plan.max_cp",
+            f"context parallelism is priced for flash attention only, but plan.attention is '{limits.attention}' "
+            "(set plan.max_cp = 1, or plan.attention = 'flash')",
+        )
     if not limits.schedules:
         raise LayoutError(file, "plan.schedules", f"needs at least one schedule (from {', '.join(SCHEDULES)})")
     for i, s in enumerate(limits.schedules):
@@ -433,9 +464,10 @@ def _nics(file: str, raw: object, cluster: ClusterSpec) -> dict[str, int]:
 
 
 def schema_markdown() -> str:
-    """Every key the planner reads ([plan], [plan.kinds.NAME], [plan.nodes]), for docs/planner.md."""
+    """Every key the planner reads ([plan], [plan.documents], [plan.kinds.NAME], [plan.nodes]), for
+    docs/planner.md."""
     rows = []
-    for section, cls in (("plan", PlanLimits), ("plan.kinds.NAME", DeviceKind)):
+    for section, cls in (("plan", PlanLimits), ("plan.documents", DocumentsSpec), ("plan.kinds.NAME", DeviceKind)):
         for fl in attrs.fields(cls):
             if fl.name == "name":
                 continue

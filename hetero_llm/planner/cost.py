@@ -8,9 +8,11 @@ Per transformer layer and sequence of S tokens (hidden H, MLP width F with ``nm`
   ``roofline.Roofline`` (matmuls at the achieved rate for their shape, attention, memory-bound norms,
   activations, residuals and cross-entropy, as the run executes them: ``plan.execution``, eager by default
   with the host's dispatch per op, compiled, or hand-fused); of a **flops** kind (``cpu``, the
-  emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 S^2 H`` (+ ``2 S H V`` for the head) over TP x
+  emulated devices): forward FLOPs ``S (8 H^2 + 2 nm H F) + 2 Q H`` (+ ``2 S H V`` for the head) over TP x
   the kind's tflops, a backward twice that, its weight part the matmuls once: exactly what the emulated
   runtime charges (predict/device.action_seconds). Full recompute adds one forward to every backward.
+  ``Q``: a row's sum of squared document lengths, ``S^2`` unless ``[plan.documents]`` (documents.py) says.
+  Context parallelism (a stage's ``cp``): ``1 / cp`` of the tokens per device, plus its ring (context.py).
 - TP: Megatron's two all-reduces per layer in forward and two in backward (four when the backward
   recomputes), ring all-reduce ``2 (t-1)/t x bytes / link``, over the kind's intra-node link at its NCCL
   efficiency.
@@ -47,7 +49,7 @@ import math
 import numpy as np
 
 from hetero_llm.layout import P2P, Backend, Compile
-from hetero_llm.planner import pipesim
+from hetero_llm.planner import context, pipesim
 from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, TPGroup
 from hetero_llm.planner.catalogue import DDP_BUCKET_BYTES, DOMAIN_FRACTION, ROOFLINE
 from hetero_llm.planner.cluster import Cluster
@@ -100,7 +102,8 @@ class PlannerCostModel(MemoryModel):
         self.grad_bytes = limits.grad_bytes
         self.grad_overlap = limits.grad_overlap
         self.vocab_parallel = limits.vocab_parallel
-        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster))
+        self.square = cluster.documents.square_sum(self.S)  # a row's attention: S^2 unless [plan.documents] says
+        self.roofline = Roofline(self.model, self.act_bytes, limits.attention, *execution_modes(cluster), self.square)
         self.action_overhead = cluster.limits.action_overhead_us * 1e-6
         self.p2p_latency = cluster.limits.p2p_latency_us * 1e-6
         # gloo moves a network message only once its receive is posted; a node's shared-memory rings (its CPU
@@ -133,7 +136,7 @@ class PlannerCostModel(MemoryModel):
         return self.S * (8 * self.H**2 + 2 * self.nm * self.H * self.F)
 
     def layer_forward_flops(self) -> float:
-        return self.layer_matmul_flops() + 2 * self.S**2 * self.H
+        return self.layer_matmul_flops() + 2 * self.square * self.H
 
     def head_forward_flops(self) -> float:
         return 2 * self.S * self.H * self.V
@@ -152,7 +155,7 @@ class PlannerCostModel(MemoryModel):
     ) -> tuple[float, float, float, float]:
         """(forward, backward, weight part of backward, TP seconds) of one microbatch of ``rows`` sequences;
         memoised: they depend on the group's kind (named uniquely inside a cluster) and TP size only."""
-        key = (group.kind.name, len(group.devices), layers, last, rows, recompute)
+        key = (group.kind.name, len(group.devices), layers, last, rows, recompute, group.cp)
         t = self._stage_times.get(key)
         if t is None:
             t = self._stage_times[key] = self._stage_times_raw(group, layers, last, rows, recompute)
@@ -162,8 +165,9 @@ class PlannerCostModel(MemoryModel):
         self, group: TPGroup, layers: int, last: bool, rows: int, recompute: bool
     ) -> tuple[float, float, float, float]:
         measured = self.profile.get(group.kind.name) if self.profile else None
-        if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / TP
-            scale = rows / group.tp
+        cp = group.cp
+        if measured is not None:  # measured seconds per sequence at TP 1, scaled by rows / (TP x CP)
+            scale = rows / group.tp / cp
             lf, lb = measured.layer_forward_s * scale, measured.layer_backward_s * scale
             hf, hb = (measured.head_forward_s * scale, measured.head_backward_s * scale) if last else (0.0, 0.0)
             fwd = layers * lf + hf
@@ -171,9 +175,9 @@ class PlannerCostModel(MemoryModel):
             wgt = layers * lb * self.layer_matmul_flops() / (2 * self.layer_forward_flops()) + hb / 2
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         elif group.kind.pricing == ROOFLINE:
-            lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp)
+            lf, lb, lw = self.roofline.layer(group.kind, rows, group.tp, cp)
             head_tp = group.tp if self.vocab_parallel else 1  # the runtime computes the whole head on each rank
-            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp) if last else (0.0, 0.0, 0.0)
+            hf, hb, hw = self.roofline.head(group.kind, rows, head_tp, cp) if last else (0.0, 0.0, 0.0)
             fwd, wgt = layers * lf + hf, layers * lw + hw
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
         else:
@@ -186,8 +190,10 @@ class PlannerCostModel(MemoryModel):
                 wgt += head
             bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
         link = self.intra_bw(group)
-        one = self.allreduce(rows * self.S * self.H * self.act_bytes, group.tp, link)
+        one = self.allreduce(rows * self.S // cp * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
+        ring_f, ring_b = context.ring_exposed(self, group, rows)  # CP: the ring steps the attention does not hide
+        tp_f, tp_b = tp_f + layers * ring_f, tp_b + layers * (ring_b + (ring_f if recompute else 0.0))
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
 
     @staticmethod
@@ -338,12 +344,8 @@ class PlannerCostModel(MemoryModel):
             return sync
         # torch DDP: buckets all-reduce as the last microbatch's backward produces them, the last one after it;
         # the first stage finishes its backward last
-        window = min(
-            self.stage_times(p.stages[0].group, p.stages[0].layers, len(p.stages) == 1, p.rows, p.stages[0].recompute)[
-                1
-            ]
-            for p in cand.pipelines
-        )
+        firsts = [(p.stages[0], len(p.stages) == 1, p.rows) for p in cand.pipelines]
+        window = min(self.stage_times(s.group, s.layers, last, rows, s.recompute)[1] for s, last, rows in firsts)
         held = ordered_sums(sp.per_stage(UID).astype(np.int64), shard, len(self._facts))  # per group (its devices)
         tail = sync * min(1.0, DDP_BUCKET_BYTES / float(held.max()))
         return max(sync - window, tail)
@@ -354,7 +356,7 @@ class PlannerCostModel(MemoryModel):
         and recompute too."""
         if self.grad_overlap:
             key: tuple = tuple(
-                (p.batch, p.microbatches, tuple((s.group.devices, s.layers, s.recompute) for s in p.stages))
+                (p.batch, p.microbatches, tuple((s.group.name, s.layers, s.recompute) for s in p.stages))
                 for p in cand.pipelines
             )
         else:
@@ -368,7 +370,8 @@ class PlannerCostModel(MemoryModel):
         t = self._sync_opt.get(key)
         if t is None:
             spans = self.spans(cand)
-            t = self._sync_opt[key] = (self.grad_sync_time(cand, spans), self.optimizer_time(cand, spans))
+            sync = self.grad_sync_time(cand, spans) + context.cp_sync_time(self, cand)
+            t = self._sync_opt[key] = (sync, self.optimizer_time(cand, spans))
         if not self.grad_overlap:
             self._sync_by_stages.put(stages, t)
         return t
@@ -378,7 +381,7 @@ class PlannerCostModel(MemoryModel):
         stages' tuple."""
         part = self._sync_parts.get((stages,))
         if part is None:
-            part = self._sync_parts.put((stages,), tuple((s.group.devices, s.layers) for s in stages))
+            part = self._sync_parts.put((stages,), tuple((s.group.name, s.layers) for s in stages))
         return part
 
     def optimizer_time(self, cand: Candidate, spans: Spans | None = None) -> float:

@@ -94,9 +94,17 @@ def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:
                     f"{list(stage.devices)} are not devices of one node of the cluster file {cluster.file} "
                     f"(its nodes: {', '.join(nodes)})",
                 )
+            if stage.cp > 1 and cluster.limits.attention != "flash":
+                raise LayoutError(
+                    where,
+                    f"pipelines[{p}].stages[{s}].cp",
+                    f"{stage.cp}: context parallelism is priced for flash attention only, but the cluster file's "
+                    f"plan.attention is '{cluster.limits.attention}' (evaluate it with cp = 1, or plan.attention = "
+                    "'flash')",
+                )
             node = nodes[next(iter(names))]
             recompute = (stage.recompute or layout.train.recompute) is Recompute.FULL
-            group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind)
+            group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind, stage.cp)
             stages.append(StageChoice(group, stage.layers, recompute))
         pipes.append(PipelineChoice(pipe.batch, pipe.microbatches, tuple(stages)))
     chunks = layout.train.chunks if schedule is Schedule.INTERLEAVED else 1
@@ -130,7 +138,7 @@ def evaluate(cluster: Cluster, layout: Layout, where: str) -> Evaluation:
     cand = candidate_of(cluster, layout, where)
     cost = PlannerCostModel(cluster)
     score = cost.score(cand)
-    devices = sum(s.group.tp for p in cand.pipelines for s in p.stages)
+    devices = sum(len(s.group.devices) for p in cand.pipelines for s in p.stages)
     return Evaluation(cand, score, devices, cost.model_flops_per_step())
 
 

@@ -1,7 +1,8 @@
 """Exact enumeration of a small cluster's whole space of structures: the reference the search is measured
 against (tests/test_plan_space.py, bench/plan_exhaustive.py), not a step of the search. Torch-free.
 
-Every subset of the devices (``subsets``; else every device is used), every TP grouping of every node, every
+Every subset of the devices (``subsets``; else every device is used), every TP grouping of every node (each group
+of every TP x CP shape ``plan.max_cp`` allows), every
 partition of the TP groups into pipelines and every stage order, as multisets (TP groups of one node and size
 are interchangeable, so each distinct structure comes once), every microbatch size and every schedule of
 ``plan.schedules`` (interleaved with every chunk count dividing the layers). ``search.Planner.exact`` scores
@@ -24,7 +25,12 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
     groups into pipelines and every stage order, as multisets (TP groups of one node and size are
     interchangeable), every microbatch size and schedule (interleaved: every chunk count)."""
     per_node = [
-        [c for used in (range(n.devices + 1) if subsets else [n.devices]) for c in _cuts(used, planner.tp_sizes(used))]
+        [
+            shaped
+            for used in (range(n.devices + 1) if subsets else [n.devices])
+            for c in _cuts(used, planner.group_sizes(used))
+            for shaped in _shapes(c, planner.cp_sizes)
+        ]
         for n in planner.c.nodes
     ]
     schedules = [
@@ -36,13 +42,12 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
     for choice in itertools.product(*per_node):
         if not any(choice):
             continue
-        pools: dict[tuple[str, int], list[TPGroup]] = {}
+        pools: dict[tuple[str, int, int], list[TPGroup]] = {}
         for node, cut in zip(planner.c.nodes, choice):
             idx = 0
-            for t in cut:
-                pools.setdefault((node.name, t), []).append(
-                    TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(idx, idx + t)), node.kind)
-                )
+            for t, cp in cut:
+                devices = tuple(f"{node.name}:{i}" for i in range(idx, idx + t))
+                pools.setdefault((node.name, t, cp), []).append(TPGroup(node.name, node.domain, devices, node.kind, cp))
                 idx += t
         names = sorted(pools)
         labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
@@ -65,6 +70,23 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
                         out.append(Structure(tuple(pipes), rows, sched, chunks))
                         if len(out) > limit:
                             return None
+    return out
+
+
+def _shapes(cut: tuple[int, ...], cp_sizes) -> list[tuple[tuple[int, int], ...]]:
+    """Every way to give the groups of ``cut`` (sizes, non-increasing) a CP size: (devices, cp) pairs, each
+    multiset once (groups of one size take non-increasing CP sizes)."""
+    out: list[tuple[tuple[int, int], ...]] = []
+
+    def rec(i: int, acc: tuple[tuple[int, int], ...]) -> None:
+        if i == len(cut):
+            out.append(acc)
+            return
+        for c in cp_sizes(cut[i]):
+            if not acc or acc[-1][0] != cut[i] or c <= acc[-1][1]:
+                rec(i + 1, acc + ((cut[i], c),))
+
+    rec(0, ())
     return out
 
 

@@ -177,8 +177,8 @@ class LayerSplitter:
     def _rep_key(self, g: TPGroup) -> tuple:
         # built afresh: cheaper than a dict lookup keyed by the TPGroup (attrs equality on every hit)
         if self.cost.zero1:
-            return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0))
-        return (g.kind.name, len(g.devices))
+            return (g.kind.name, len(g.devices), self.cost.node_memory.get(g.node, 0.0), g.cp)
+        return (g.kind.name, len(g.devices), g.cp)
 
     def _cost_row(
         self,

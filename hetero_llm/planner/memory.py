@@ -78,15 +78,15 @@ class MemoryModel:
     # ---------------------------------------------------------------- groups
     def group_facts(self, group: TPGroup) -> tuple:
         """The group's row of ``spans.Spans.facts`` (memoised: the search prices the same groups again and again)."""
-        row = self._facts.get(group.devices)  # a group is named by its devices inside one cluster
+        row = self._facts.get(group.name)  # a group is named by its devices (and CP size) inside one cluster
         if row is None:
-            row = self._facts[group.devices] = self._group_facts(group, len(self._facts))
+            row = self._facts[group.name] = self._group_facts(group, len(self._facts))
         return row
 
     def _group_facts(self, g: TPGroup, uid: int) -> tuple:
         """NODE, UID, TP, NODE_MEMORY, MEM_BW, LAYER_PARAMS, EMBED_PARAMS, HEAD_PARAMS (spans.py's columns); ``uid``:
         a number of its own."""
-        t = len(g.devices)
+        t = g.tp
         own = (self.node_index[g.node], uid, t, self.node_memory.get(g.node, 0.0), self.mem_bw(g))
         return own + (sum(self.layer_params(t)), self.embed_params(t), self.head_params(t))
 
@@ -192,7 +192,7 @@ class MemoryModel:
         full = self._activation_bytes.get(t)
         if full is None:  # asked for every stage of every candidate scored
             full = self._activation_bytes[t] = self.layer_activation_bytes(t)
-        tokens = rows * self.S
+        tokens = rows * self.S // group.cp  # context parallelism: a device holds 1 / cp of every row
         # one microbatch in flight (recompute: each layer's input), and the layer being recomputed
         one, working = layers * tokens * (H * self.act_bytes if recompute else full), 0.0
         if recompute and layers:

@@ -26,13 +26,13 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
     P = len(pipes)
     out: list[Structure] = []
     seen: set[tuple] = set()
-    part = {id(p): tuple(g.devices for g in p) for p in pipes}  # ids of the live st.pipelines only
+    part = {id(p): tuple(g.name for g in p) for p in pipes}  # ids of the live st.pipelines only
 
     def make(new: list, rows: int = st.rows, schedule: str = st.schedule, chunks: int = st.chunks) -> None:
         pipelines = tuple(tuple(p) for p in new if p)
         # ``Structure.key`` of the new structure, with the unchanged pipelines' parts reused
         n_chunks = chunks if schedule == "interleaved" else 1
-        k = (rows, schedule, n_chunks, tuple(part.get(id(p)) or tuple(g.devices for g in p) for p in pipelines))
+        k = (rows, schedule, n_chunks, tuple(part.get(id(p)) or tuple(g.name for g in p) for p in pipelines))
         if k not in seen:
             seen.add(k)
             out.append(type(st)(pipelines, rows, schedule, chunks))
@@ -52,10 +52,10 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
         return new
 
     def kind(g: TPGroup) -> tuple:
-        return (g.node, g.tp)
+        return (g.node, g.tp, g.cp)
 
     def signature(p: list[TPGroup]) -> tuple:
-        return tuple((g.kind.name, g.tp, g.domain) for g in p)
+        return tuple((g.kind.name, g.tp, g.domain, g.cp) for g in p)
 
     # one representative pipeline per signature (the slowest first), and all pipelines sharing it
     rate = [sum(g.flops for g in p) for p in pipes]
@@ -124,7 +124,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
             if a < b or P > 4:
                 for gi, gj in itertools.product(range(len(pipes[a])), range(len(pipes[b]))):
                     x, y = pipes[a][gi], pipes[b][gj]
-                    if (x.kind, x.tp, x.domain) != (y.kind, y.tp, y.domain):
+                    if (x.kind, x.tp, x.domain, x.cp) != (y.kind, y.tp, y.domain, y.cp):
                         new = copy(a, b)
                         new[a][gi], new[b][gj] = y, x
                         make(new)
@@ -137,21 +137,30 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
         half = len(pipes[big]) // 2
         make([p for k, p in enumerate(pipes) if k != big] + [pipes[big][:half], pipes[big][half:]])
     yield from drain()
-    # split / merge TP groups
+    # split / merge TP groups (of no CP: a CP group changes shape by the reshape moves below)
     for pi, groups in enumerate(pipes):
         for gi, g in enumerate(groups):
             h = g.tp // 2
-            if g.tp % 2 == 0 and h in planner.tp_sizes(g.tp):
+            if g.cp == 1 and g.tp % 2 == 0 and h in planner.tp_sizes(g.tp):
                 new = copy(pi)
                 new[pi][gi : gi + 1] = [attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])]
                 make(new)
         for k, (ga, gb) in enumerate(zip(groups, groups[1:])):
-            if ga.node == gb.node and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices):
+            if (
+                ga.cp == gb.cp == 1
+                and ga.node == gb.node
+                and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices)
+            ):
                 ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
                 new = copy(pi)
                 new[pi][k : k + 2] = [attrs.evolve(ga, devices=tuple(ids))]
                 make(new)
         yield from drain()
+    # context parallelism (plan.max_cp): a pipeline's groups as TP x CP otherwise (the layout gives a pipeline's
+    # stages one cp), one pipeline of each signature, then all of them
+    for c in range(1, planner.limits.max_cp + 1) if planner.limits.max_cp > 1 else ():
+        each(lambda p, c=c: q if (q := list(reshaped(planner, p, c))) != p else None)
+    yield from drain()
     for rows in (st.rows * 2, st.rows // 2):
         if rows >= 1 and planner.G % rows == 0:
             make(pipes, rows=rows)
@@ -189,7 +198,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
         groups = pipes[pi]
         for gi, g in enumerate(groups):
             h = g.tp // 2
-            if g.tp % 2 or h not in planner.tp_sizes(g.tp) or (gi and kind(groups[gi - 1]) == kind(g)):
+            if g.cp > 1 or g.tp % 2 or h not in planner.tp_sizes(g.tp) or (gi and kind(groups[gi - 1]) == kind(g)):
                 continue
             first, second = attrs.evolve(g, devices=g.devices[:h]), attrs.evolve(g, devices=g.devices[h:])
             for dst in sorted(targets - {pi}):
@@ -243,7 +252,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
     # model: one TP-2 A100 stage -> two pipelines of an A100 and an RTX 3090). The first 8 idle groups, as pairs
     for pi in [members[0] for members in list(reps.values())[:4]]:
         groups = pipes[pi]
-        if not all(g.tp % 2 == 0 and g.tp // 2 in planner.tp_sizes(g.tp) for g in groups):
+        if not all(g.cp == 1 and g.tp % 2 == 0 and g.tp // 2 in planner.tp_sizes(g.tp) for g in groups):
             continue
         copy_a = [attrs.evolve(g, devices=g.devices[: g.tp // 2]) for g in groups]
         copy_b = [attrs.evolve(g, devices=g.devices[g.tp // 2 :]) for g in groups]
@@ -276,7 +285,7 @@ def reinsert(p: list[TPGroup], i: int, j: int) -> list[TPGroup] | None:
     n = len(p)
     if not (i < n and j < n) or abs(i - j) < 2 or j in (0, n - 1):
         return None
-    if i and (p[i - 1].node, p[i - 1].tp) == (p[i].node, p[i].tp):
+    if i and (p[i - 1].node, p[i - 1].tp, p[i - 1].cp) == (p[i].node, p[i].tp, p[i].cp):
         return None
     q = p[:i] + p[i + 1 :]
     q.insert(j, p[i])
@@ -296,7 +305,7 @@ def node_swaps(planner: SearchSpace, st: Structure, limit: int = 16) -> list[tup
     shape: dict[str, list[int]] = {n.name: [] for n in planner.c.nodes}
     for p in st.pipelines:
         for g in p:
-            shape[g.node].append(g.tp)
+            shape[g.node].append(len(g.devices))
     reps: dict[tuple, Node] = {}
     for n in planner.c.nodes:
         reps.setdefault((n.kind.name, n.domain, n.devices, tuple(sorted(shape[n.name]))), n)
@@ -318,7 +327,7 @@ def relabel(g: TPGroup, a: Node, b: Node) -> TPGroup:
     for x, y in ((a, b), (b, a)):
         if g.node == x.name:
             devices = tuple(f"{y.name}:{d.split(':')[1]}" for d in g.devices)
-            return TPGroup(y.name, y.domain, devices, y.kind)
+            return TPGroup(y.name, y.domain, devices, y.kind, g.cp)
     return g
 
 
@@ -332,3 +341,24 @@ def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
             t = max(planner.tp_sizes(len(free)))
             out.append(TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in free[:t]), node.kind))
     return out
+
+
+def with_cp(planner: SearchSpace, structures: list[Structure]) -> list[Structure]:
+    """Each structure with every pipeline whose groups can all take it at each CP size of ``plan.max_cp`` (the
+    layout gives a pipeline's stages one cp): start points for the local search's reshape moves; none when
+    max_cp is 1."""
+    out = []
+    for c in range(2, planner.limits.max_cp + 1):
+        for st in structures:
+            pipes = tuple(reshaped(planner, p, c) for p in st.pipelines)
+            if pipes != st.pipelines:
+                out.append(attrs.evolve(st, pipelines=pipes))
+    return out
+
+
+def reshaped(planner: SearchSpace, groups, cp: int) -> tuple[TPGroup, ...]:
+    """A pipeline's groups at CP size ``cp``, when every one of them can take it; else as they are."""
+    groups = tuple(groups)
+    if all(cp in planner.cp_sizes(len(g.devices)) for g in groups):
+        return tuple(planner.reshape(g, cp) for g in groups)
+    return groups

@@ -51,7 +51,9 @@ def pipeline_specs(
             batch=p.batch // unit,
             microbatches=p.microbatches // unit,
             stages=tuple(
-                StageSpec(layers=st.layers, devices=tuple(st.group.devices), recompute=recompute(st.recompute))
+                StageSpec(
+                    layers=st.layers, devices=tuple(st.group.devices), recompute=recompute(st.recompute), cp=st.group.cp
+                )
                 for st in p.stages
             ),
         )
@@ -226,6 +228,9 @@ def explain(cluster: Cluster, ranked, seed: Score | None) -> str:
         ("peak GB", lambda c, s: f"{max(m for ms in s.memory for m in ms) / 1e9:.3g}"),
         ("recompute", lambda c, s: str(sum(st.recompute for p in c.pipelines for st in p.stages))),
     ]
+    if any(st.group.cp > 1 for c, _ in ranked for p in c.pipelines for st in p.stages):
+        cp = ("CP", lambda c, s: "/".join(sorted({str(st.group.cp) for p in c.pipelines for st in p.stages})))
+        cols.insert(6, cp)
     rows = [[name] + [f(c, s) for c, s in ranked] for name, f in cols]
     width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     head = ["plan"] + [f"#{i + 1}" for i in range(len(ranked))]
@@ -269,6 +274,7 @@ def to_json(cand: Candidate, score: Score) -> dict:
                         "devices": list(s.group.devices),
                         "kind": s.group.kind.name,
                         "recompute": s.recompute,
+                        **({"cp": s.group.cp} if s.group.cp > 1 else {}),  # context parallelism: devices TP x CP
                     }
                     for s in p.stages
                 ],

@@ -6,9 +6,12 @@ Each kernel is priced on its own (docs/planner.md, "The cost model"):
   mem_fraction))``. ``waves`` is the tile and wave quantization of its ``m x n`` output cut into
   128 x 128 tiles, one per SM and wave (catalogue.TILE): a small matmul runs below the large-matmul rate.
   Its backward is two matmuls, ``(m, n, k)`` for the input's gradient and ``(k, m, n)`` for the weights'.
-- attention: ``flash`` (SDPA, causal: what the runtime runs) ``2 S^2 H / t`` FLOPs per sequence at the
+- attention: ``flash`` (SDPA, causal: what the runtime runs) ``2 Q H / t`` FLOPs per sequence at the
   kind's achieved FlashAttention rate (``attn_fraction``), reading Q, K, V and writing O; its backward 2.5x the FLOPs (it recomputes the scores)
-  and twice the bytes. ``unfused`` (Megatron-LM of 2021): two batched matmuls over the full ``S x S``
+  and twice the bytes. ``Q`` is a row's sum of squared document lengths (``square``: ``S^2``, one document
+  per row, unless ``[plan.documents]`` declares the corpus: planner/documents.py). With context parallelism
+  (``cp``) a device holds ``1 / cp`` of every row's tokens and computes ``1 / cp`` of its attention (the
+  load-balanced ring: each rank's query chunks meet every key chunk once); ring traffic is cost.py's. ``unfused`` (Megatron-LM of 2021): two batched matmuls over the full ``S x S``
   scores per head, a softmax kernel and a dropout kernel over them, each priced as above.
 - the memory-bound work, by how it runs (``plan.execution``):
   ``eager`` (the runtime): one kernel per op ``model.block`` dispatches (tests/test_cost_roofline.py traces
@@ -70,12 +73,23 @@ class Tally:
 
 class Roofline:
     """(forward, backward, weight-gradient part) seconds of one layer and of the head, for ``rows`` sequences on
-    one device of a TP group of ``tp`` devices of a kind (memoised per kind, rows and TP). ``mode`` and
+    one device of a TP group of ``tp`` devices of a kind, 1 / ``cp`` of their tokens (memoised per kind, rows,
+    TP and CP). ``mode`` and
     ``head_mode``: how the layers' and the head's element-wise work runs (EAGER, COMPILED or FUSED)."""
 
-    def __init__(self, model, act_bytes: int, attention: str, mode: str = FUSED, head_mode: str = FUSED):
+    def __init__(
+        self,
+        model,
+        act_bytes: int,
+        attention: str,
+        mode: str = FUSED,
+        head_mode: str = FUSED,
+        square: float | None = None,
+    ):
         self.m = model
         self.H, self.F, self.S, self.V = model.hidden, model.ffn_width, model.seq_len, model.vocab
+        # a row's sum of squared document lengths (flash attention's work): S^2 unless documents are declared
+        self.square = float(self.S) * self.S if square is None else square
         self.heads = model.heads
         self.swiglu = model.mlp is Mlp.SWIGLU
         self.rope = model.position is Position.ROPE
@@ -169,10 +183,10 @@ class Roofline:
             bwd.add(self.gpu(k, 0.0, nbytes))
 
     # ---------------------------------------------------------------- a layer, the head
-    def tallies(self, k: DeviceKind, rows: int, tp: int) -> tuple[Tally, Tally, float]:
+    def tallies(self, k: DeviceKind, rows: int, tp: int, cp: int = 1) -> tuple[Tally, Tally, float]:
         """The kernels of one layer's forward and backward, and the seconds of its weight gradients."""
         H, F, a, t = self.H, self.F, self.a, tp
-        T = rows * self.S
+        T = rows * self.S // cp
         nm = 2 if self.swiglu else 1
         fwd, bwd = Tally(), Tally()
         if self.casts:  # the runtime casts its weights anyway, and runs Q K V (and w1, w3) as one GEMM
@@ -180,7 +194,7 @@ class Roofline:
         else:
             mats = [(T, H, H // t)] * 3 + [(T, H // t, H)] + [(T, H, F // t)] * nm + [(T, F // t, H)]
         wgt = sum(self.linear(k, fwd, bwd, *shape) for shape in mats)
-        f, b = self.attention(k, rows, t)
+        f, b = self.attention(k, rows, t, cp)
         fwd.add(f)
         bwd.add(b)
         if self.mode == EAGER:
@@ -200,16 +214,18 @@ class Roofline:
         self.weight_casts(k, fwd, bwd, t)
         return fwd, bwd, wgt
 
-    def _layer(self, k: DeviceKind, rows: int, tp: int) -> tuple[float, float, float]:
-        fwd, bwd, wgt = self.tallies(k, rows, tp)
+    def _layer(self, k: DeviceKind, rows: int, tp: int, cp: int = 1) -> tuple[float, float, float]:
+        fwd, bwd, wgt = self.tallies(k, rows, tp, cp)
         fs, bs = fwd.seconds(k, self.mode, True), bwd.seconds(k, self.mode, False)
         return fs, bs, min(wgt, bs)
 
-    def attention(self, k: DeviceKind, rows: int, t: int) -> tuple[float, float]:
-        """(forward, backward) GPU seconds of the attention."""
+    def attention(self, k: DeviceKind, rows: int, t: int, cp: int = 1) -> tuple[float, float]:
+        """(forward, backward) GPU seconds of the attention (with CP: one device's ``1 / cp`` of it, over its
+        ring steps; unfused attention does not take CP)."""
         H, S, a = self.H, self.S, self.a
         if self.flash:
-            flops = rows * 2.0 * S * S * H / t
+            flops = rows * 2.0 * self.square * H / t / cp
+            # each ring step reads the device's Q and O chunks and one K, V chunk: Q K V O of a row in all
             nbytes = a * 4 * rows * S * H / t
             rate = k.tflops * 1e12 * (k.attn_fraction or k.gemm_fraction)
             return self.kernel(k, flops, nbytes, rate), self.kernel(k, FLASH_BACKWARD_FLOPS * flops, 2 * nbytes, rate)
@@ -223,8 +239,8 @@ class Roofline:
         self.stream(k, f, b, (2 * a + 1) * scores)  # dropout: read, write, write the mask
         return f.seconds(k, FUSED, True), b.seconds(k, FUSED, False)
 
-    def _head(self, k: DeviceKind, rows: int, tp: int) -> tuple[float, float, float]:
-        T, H, a = rows * self.S, self.H, self.a
+    def _head(self, k: DeviceKind, rows: int, tp: int, cp: int = 1) -> tuple[float, float, float]:
+        T, H, a = rows * self.S // cp, self.H, self.a
         vocab = self.V / tp
         fwd, bwd = Tally(), Tally()
         w = self.linear(k, fwd, bwd, T, H, math.ceil(vocab))

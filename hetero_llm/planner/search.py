@@ -60,6 +60,7 @@ class Planner(LayerSplitter):
         self.realized: dict[tuple, Candidate | None] = {}
         self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
+        self._reshaped: dict[tuple, TPGroup] = {}  # reshape(): (devices, CP size) -> group
         self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
         self._key_parts = ByIdentity()  # cand_key's, by a pipeline's stages' tuple
         self._busy_memo: dict[tuple, float] = {}
@@ -71,6 +72,24 @@ class Planner(LayerSplitter):
         return [
             t for t in range(1, min(cap, devices) + 1) if self.model.heads % t == 0 and self.model.ffn_width % t == 0
         ]
+
+    def cp_sizes(self, devices: int) -> list[int]:
+        """The CP sizes a group of ``devices`` devices can take (``plan.max_cp``): each dividing the devices into
+        TP groups of a size ``tp_sizes`` allows, and the sequence into 2 x cp chunks (the load-balanced ring)."""
+        S, top = self.model.seq_len, min(self.limits.max_cp, devices)
+        cps = [c for c in range(1, top + 1) if devices % c == 0 and (c == 1 or S % (2 * c) == 0)]
+        return [c for c in cps if devices // c in self.tp_sizes(devices // c)]
+
+    def group_sizes(self, devices: int) -> list[int]:
+        """Sizes of a stage's group (TP x CP) up to ``devices`` (``tp_sizes`` when plan.max_cp is 1)."""
+        return [n for n in range(1, devices + 1) if self.cp_sizes(n)]
+
+    def reshape(self, g: TPGroup, cp: int) -> TPGroup:
+        """``g``'s devices as TP x ``cp`` (the same object each time it is asked for)."""
+        made = g if g.cp == cp else self._reshaped.get((g.devices, cp))
+        if made is None:
+            made = self._reshaped[g.devices, cp] = attrs.evolve(g, cp=cp)
+        return made
 
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]:
         """Each node's devices in TP groups of its kind's size in ``tp_by_kind`` (or the largest that fits). A group
@@ -106,6 +125,8 @@ class Planner(LayerSplitter):
     def _realize(self, st: Structure) -> Candidate | None:
         devices = [d for p in st.pipelines for g in p for d in g.devices]
         if self.G % st.rows or len(set(devices)) != len(devices):
+            return None
+        if any(g.cp != p[0].cp for p in st.pipelines for g in p):  # the layout gives a pipeline's stages one cp
             return None
         chunks = st.n_chunks
         total = self.G // st.rows
@@ -219,7 +240,7 @@ class Planner(LayerSplitter):
             part = self._key_parts.get((p.stages,))
             if part is None:
                 part = self._key_parts.put(
-                    (p.stages,), tuple((s.group.devices, s.layers, s.recompute) for s in p.stages)
+                    (p.stages,), tuple((s.group.devices, s.layers, s.recompute, s.group.cp) for s in p.stages)
                 )
             parts.append((p.batch, p.microbatches, part))
         return (cand.schedule, cand.chunks, cand.optimizer, tuple(parts))
@@ -333,6 +354,7 @@ class Planner(LayerSplitter):
     def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
         """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
         structures = sweep.sweep(self, keep=8) if swept else []
+        structures += moves.with_cp(self, structures)
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)

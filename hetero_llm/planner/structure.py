@@ -30,6 +30,12 @@ class SearchSpace(Protocol):
 
     def tp_sizes(self, devices: int) -> list[int]: ...
 
+    def cp_sizes(self, devices: int) -> list[int]: ...
+
+    def group_sizes(self, devices: int) -> list[int]: ...
+
+    def reshape(self, g: TPGroup, cp: int) -> TPGroup: ...
+
     def groups(self, tp_by_kind: dict[str, int]) -> list[TPGroup]: ...
 
     def order(self, groups) -> tuple[TPGroup, ...]: ...
@@ -49,7 +55,7 @@ class Structure:
     chunks: int = 2  # model chunks per stage under 'interleaved' (ignored by the other schedules)
 
     def key(self) -> tuple:
-        return (self.rows, self.schedule, self.n_chunks, tuple(tuple(g.devices for g in p) for p in self.pipelines))
+        return (self.rows, self.schedule, self.n_chunks, tuple(tuple(g.name for g in p) for p in self.pipelines))
 
     @property
     def n_chunks(self) -> int:

@@ -145,7 +145,7 @@ def sweep(planner: SearchSpace, keep: int) -> list[Structure]:
         dealer = Dealer(planner, groups)
         for P, balanced in itertools.product(pipeline_counts(planner, len(groups)), (False, True)):
             pipes = dealer.deal(P, balanced)
-            sig = tuple(tuple(g.devices for g in p) for p in pipes)
+            sig = tuple(tuple(g.name for g in p) for p in pipes)
             if sig in seen:
                 continue
             seen.add(sig)

@@ -9,7 +9,9 @@ Dynamic schedule (MegatronDPP): every receive a rank will need is posted ahead (
 window); the rank then repeatedly runs the highest-priority action whose input has arrived, polling
 without blocking: a backward before a forward, lower microbatches first. Forwards are capped at the
 1F1B in-flight bound (stages - stage), so memory equals 1F1B's. Ranks of a TP group must run the
-same actions in the same order (their collectives pair up), so TP rank 0 decides and broadcasts.
+same actions in the same order (their collectives pair up), so TP rank 0 decides and broadcasts; with
+context parallelism the stage's TP x CP ranks do: CP rank 0's TP rank 0 decides, its TP group first, then
+each CP ring passes the choice on (``context_rows.cp_agree``).
 Deadlock-free: the last stage can always run a backward right after its forward, so some rank can
 always move.
 """
@@ -25,8 +27,10 @@ import torch
 
 from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import NO_STREAMS, Streams
 from hetero_llm.layout import ModelSpec
+from hetero_llm.model.context import ContextShard
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.forward import (
     FP32,
@@ -41,7 +45,7 @@ from hetero_llm.model.forward import (
 )
 from hetero_llm.plan.rank import StagePlan, StageRoutes
 from hetero_llm.predict.device import action_seconds
-from hetero_llm.runtime import tensor_meter
+from hetero_llm.runtime import context_rows, tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.wgrad import WeightGradStore
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
@@ -52,6 +56,7 @@ class Microbatch:
     inputs: torch.Tensor  # (b, T) token ids
     targets: torch.Tensor  # (b, T)
     docs: DocumentMask | None = None  # the rows are packed documents (data.packing = 'documents')
+    ctx: ContextShard | None = None  # a context-parallel stage: inputs/targets are this rank's columns of the rows
 
 
 @attrs.define
@@ -85,6 +90,7 @@ class StageRunner:
     split_backward: bool = False  # the schedule has I/W actions: linear layers can put off weight gradients
     optimizer_hooks: dict = attrs.field(factory=dict)  # Kind.RS / Kind.AG -> what ZeRO-1 does there (zero1.py)
     tp_waits: collectives.TpWaits | None = None  # what ``tp``'s all-reduces add their seconds to (when emulating)
+    ring: Ring | None = None  # the stage's CP group this rank is in (cp > 1): its ranks run the same actions
     _rng: random.Random = attrs.field(init=False)
     _state: StepState | None = attrs.field(init=False, default=None)  # of the step running
     _block_fn: object = attrs.field(init=False)
@@ -117,6 +123,7 @@ class StageRunner:
                     mb.inputs.pin_memory().to(device, non_blocking=True),
                     mb.targets.pin_memory().to(device, non_blocking=True),
                     mb.docs.to(device) if mb.docs is not None else None,
+                    context_rows.shard_to(mb.ctx, device) if mb.ctx is not None else None,
                 )
                 for mb in microbatches
             ]
@@ -169,8 +176,16 @@ class StageRunner:
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
             d = a.kind.direction
             route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
-            s.recvs[(d, key)] = p2p.recv_boundary(
-                self.comms, route, self._shape(a.mb), s.dtype, d, a.mb, a.chunk, self.streams, self._group(a.kind)
+            runs = self.routes.recv_f_runs if d is Direction.FWD else self.routes.recv_b_runs
+            shape, group = self._shape(a.mb), self._group(a.kind)
+
+            def post(r, shape):
+                return p2p.recv_boundary(self.comms, r, shape, s.dtype, d, a.mb, a.chunk, self.streams, group)
+
+            s.recvs[(d, key)] = (
+                post(route, shape)
+                if route is not None  # else stages of different cp: this rank's positions from each sender
+                else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
             )
         elif a.kind is Kind.F:
             self._forward(a, received)
@@ -248,6 +263,7 @@ class StageRunner:
             self._block_fn,
             self._linear,
             s.mbs[a.mb].docs,
+            s.mbs[a.mb].ctx,
         )
         if last:
             loss = token_loss_sum(out, s.mbs[a.mb].targets.to(self.comms.device))
@@ -316,6 +332,7 @@ class StageRunner:
         if self.optimizer_hooks:
             self.execute(Action(Kind.AG, 0))  # this step's parameters, before any forward
         leader = self.comms.tp_group is None or collectives.tp_index(self.comms) == 0
+        leader = leader and (self.ring is None or self.ring.index == 0)  # one rank of the stage's TP x CP decides
         arrival = threading.Event()  # set by the receive watchers
 
         def post_forward_receives():
@@ -343,8 +360,10 @@ class StageRunner:
                         # Nothing is ready: sleep until a watcher sees an arrival instead of spinning, which
                         # would steal the core from other ranks (polling NCCL work: a short timeout).
                         arrival.wait(0.0005 if self.comms.device.type == "cuda" else 0.05)
-            if self.comms.tp_group is not None:
+            if self.comms.tp_group is not None and (self.ring is None or self.ring.index == 0):
                 choice = collectives.tp_agree(self.comms, choice)
+            if self.ring is not None:  # then CP rank 0's TP group to the other CP ranks, each TP index in its ring
+                choice = context_rows.cp_agree(self.ring, choice, self.comms.device)
             kind, m = choice
             if kind is Kind.F:
                 self.execute(Action(Kind.F, m))

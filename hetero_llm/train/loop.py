@@ -17,6 +17,7 @@ import torch
 
 from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
+from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import Streams
 from hetero_llm.data import batches as data
 from hetero_llm.data import documents
@@ -26,7 +27,7 @@ from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.model.forward import Compute
 from hetero_llm.plan.rank import RankPlan
-from hetero_llm.runtime import tensor_meter, zero1
+from hetero_llm.runtime import context_rows, tensor_meter, zero1
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.grad_sync import sync_grads
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner
@@ -57,16 +58,25 @@ def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
     return Compute(dtype, recompute=settings.recompute, compile=settings.compile)
 
 
-def _microbatches(rp: RankPlan, batch: np.ndarray) -> list[Microbatch]:
+def _microbatches(rp: RankPlan, batch: np.ndarray, ring: Ring | None = None) -> list[Microbatch]:
+    """The rank's microbatches (``ring``: a context-parallel rank's columns of them, ``context_rows``)."""
     share = rp.batch
     pieces = data.pipeline_share(batch, share.offset, share.size, share.microbatches)
+    if ring is not None:
+        cut = [context_rows.context_columns(ring, rp.model.seq_len, p[:, :-1], p[:, 1:]) for p in pieces]
+        return [Microbatch(inputs, targets, ctx=shard) for inputs, targets, shard in cut]
     return [Microbatch(torch.from_numpy(p[:, :-1]), torch.from_numpy(p[:, 1:])) for p in pieces]
 
 
-def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows) -> list[Microbatch]:
-    """The rank's microbatches of packed documents, each with its document mask (built on the host)."""
+def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows, ring: Ring | None = None) -> list[Microbatch]:
+    """The rank's microbatches of packed documents, each with its document mask (built on the host), or with
+    a context-parallel rank's columns and their documents (``ring``)."""
     share = rp.batch
     pieces = batch.share(share.offset, share.size, share.microbatches)
+    if ring is not None:
+        seq = rp.model.seq_len
+        cut = [context_rows.context_columns(ring, seq, p.inputs, p.targets, p.spans, p.positions) for p in pieces]
+        return [Microbatch(inputs, targets, ctx=shard) for inputs, targets, shard in cut]
     return [
         Microbatch(
             torch.from_numpy(p.inputs), torch.from_numpy(p.targets), DocumentMask.from_spans(p.spans, p.positions)
@@ -126,6 +136,7 @@ def train(
         streams,
         split_backward=rp.split_backward,
         tp_waits=tp_waits,
+        ring=context_rows.ring_of(rp, comms),
         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
         # the home layout's backward: a later bucket may still add to the gradients
         optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {},
@@ -168,10 +179,10 @@ def train(
             else:
                 if packed:  # the loss averages over the documents' targets, not over the rows' padding
                     rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
-                    global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
+                    global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
                 else:
                     batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
-                    mbs = _microbatches(rp, batch)
+                    mbs = _microbatches(rp, batch, runner.ring)
                 with tensor_meter.saving():
                     loss_sum = (
                         runner.run_dynamic(mbs, global_tokens)
@@ -247,10 +258,10 @@ def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bo
     for index in range(tr.eval_batches):
         if rp.data.packing is Packing.DOCUMENTS:
             rows = evaluate.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
-            tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows)
+            tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
         else:
             tokens = tr.global_batch * model.seq_len
-            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len))
+            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len), runner.ring)
         loss_sum = runner.run_forward(rp.actions, mbs, tokens)
         targets += tokens
         if contributes_loss:
