@@ -1,13 +1,16 @@
-"""Files written whole or not at all: a crash leaves the old file or the new one, never part of one; and what a
-full disk is, where it is, and how much room it has left."""
+"""Files written whole or not at all: a crash leaves the old file or the new one, never part of one; what a
+full disk is, where it is, and how much room it has left; and reading what a user gives without hanging on it
+(a named pipe where a file should be) or crashing on it (JSON nested deeper than Python's recursion limit)."""
 
 from __future__ import annotations
 
 import errno
+import json
 import os
+import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 TMP = ".tmp"  # suffix of a file being written; a leftover one is garbage
 
@@ -88,3 +91,26 @@ def _unescape(field: str) -> str:
     for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
         field = field.replace(code, char)
     return field
+
+
+def not_regular(path: str | os.PathLike) -> str | None:
+    """What ``path`` is when it exists but is not a regular file (its link followed), e.g. "a named pipe (FIFO)";
+    None for a regular file or a missing one. Checked before opening a file of a save: opening a FIFO blocks
+    until something writes into it, which would hang the run that reads it."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket"))
+    return next((what for test, what in kinds if test(mode)), "a device file")
+
+
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads``, where nesting too deep for Python's parser (100,000 ``[``) is a ``json.JSONDecodeError``
+    like any other malformed JSON, not a RecursionError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise json.JSONDecodeError("nested too deeply to read", text if isinstance(text, str) else "", 0) from None

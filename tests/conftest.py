@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 from pathlib import Path
 
@@ -96,3 +97,24 @@ def shared_launch(tmp_path_factory):
         return runs[key]
 
     return get
+
+
+DEFAULT_PORT = 29511  # cluster.port's default (layout/cluster_schema.py)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def default_port_taken():
+    """The whole suite runs with the default rendezvous port held, as it is while another run on the machine uses
+    it: a test that starts ranks takes its own port (``harness.free_port()``), and every refusal of what a user gave
+    comes before the port's (launch/preflight.py, node.run_ranks). Where another program (or the other xdist worker)
+    already holds it, the tests run just the same."""
+    sock = socket.socket()
+    try:
+        sock.bind(("0.0.0.0", DEFAULT_PORT))
+        sock.listen()
+    except OSError:
+        sock.close()
+        yield
+        return
+    with sock:
+        yield

@@ -335,3 +335,21 @@ def make_bpe_tokenizer(path: Path, texts: list[str], special: tuple[str, ...] = 
     tok.train_from_iterator(texts * 5, trainer)
     tok.save(str(path))
     return path
+
+
+def hf_folder(folder: Path, model) -> Path:
+    """A model.init_from folder the checks before a run accept: config.json of ``model``, and a weights file whose
+    header gives every tensor its shape (zeros: finite)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from hetero_llm.interop import hf_config, hf_names
+
+    folder.mkdir()
+    cfg = hf_config.hf_config(model)
+    (folder / hf_names.CONFIG).write_text(json.dumps(cfg))
+    save_file(
+        {key: torch.zeros(shape) for key, shape in hf_names.hf_shapes(model, cfg).items()},
+        str(folder / hf_names.WEIGHTS),
+    )
+    return folder

@@ -189,6 +189,78 @@ def test_elastic_environment_is_one_line(tmp_path, clean_env, env, message):
     )
 
 
+# What the plain launcher checks before any rank starts, checked before the round's store (torchrun's rank 0 at
+# MASTER_PORT 29999, which nothing serves here: a check made after it would end in the store's failure instead).
+@pytest.mark.parametrize(
+    "env, args, message",
+    [
+        (
+            {"MASTER_PORT": "70000"},
+            (),
+            "environment: MASTER_PORT: '70000' is not a TCP port (1..65535) (torchrun sets it; run under torchrun)",
+        ),
+        (
+            {"RANK": "3", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"},
+            (),
+            "environment: RANK: '3' is not a rank below WORLD_SIZE (1) (torchrun sets it; run under torchrun)",
+        ),
+        (
+            {"LOCAL_RANK": "2"},
+            (),
+            "environment: LOCAL_RANK: '2' is not a rank below LOCAL_WORLD_SIZE (2) (torchrun sets it; run under "
+            "torchrun)",
+        ),
+        (
+            {"HETERO_DEBUG": "2"},
+            (),
+            "environment: HETERO_DEBUG: '2' is not 0 or 1 (1: a rank's unexpected error is raised with its traceback)",
+        ),
+        (
+            {},
+            ("--metrics-jsonl", "{tmp}/out", "--trace", "{tmp}/out"),
+            "{tmp}/out: --trace: is also the path of --metrics-jsonl (give each output its own path)",
+        ),
+        (
+            {},
+            ("--metrics-jsonl", "{path}"),
+            "{path}: --metrics-jsonl: would overwrite the cluster file '{path}', an input of this run (give another "
+            "path)",
+        ),
+        (
+            {"HETERO_SHM_DIR": "{path}/shm"},
+            ("--snapshot-every", "1"),
+            "environment: HETERO_SHM_DIR: '{path}/shm': --snapshot-every cannot write its snapshots there: '{path}' is "
+            "a file, so no folder can be made under it (give a writable folder, or unset it for /dev/shm)",
+        ),
+    ],
+)
+def test_elastic_checks_come_before_the_store(tmp_path, clean_env, env, args, message):
+    path = cluster_file(tmp_path / "c.toml", 4)
+    values = {"path": path, "tmp": tmp_path}
+    _torchrun_env(clean_env, HETERO_NODE="n0", **{k: v.format(**values) for k, v in env.items()})
+    extra = [a.format(**values) for a in args]
+    result = invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck"), *extra)
+    assert_one_error_line(result, message.format(**values))  # after the store, its 60 s wait would fail first
+
+
+def test_a_round_store_that_never_answers_is_one_line(tmp_path, clean_env, capfd):
+    """A worker whose round's store (torchrun's rank 0) never answers gives up after the round's wait (here
+    cluster.timeout_s 2, the start's 60 s floor lowered) in one line: it probes with plain sockets, so torch's
+    client never prints its C++ dump."""
+    path = cluster_file(tmp_path / "c.toml", 4)
+    path.write_text(path.read_text().replace("timeout_s = 10", "timeout_s = 2"))
+    port = free_port()
+    _torchrun_env(clean_env, HETERO_NODE="n0", RANK="1", MASTER_PORT=str(port))
+    clean_env.setattr(elastic, "_START_S", 0.0)
+    result = invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck"))
+    assert (result.exit_code, result.stdout) == (1, "")
+    assert result.stderr == (
+        f"error: elastic: worker 1 could not reach this round's store at 127.0.0.1:{port} within 2 s (last: "
+        "Connection refused); is torchrun's rank 0 of this round started?\n"
+    )
+    assert capfd.readouterr().err == ""
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
 @pytest.mark.parametrize(
     "plant, why",

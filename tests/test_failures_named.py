@@ -88,7 +88,7 @@ def test_a_foreign_server_on_the_rendezvous_port_is_named_within_the_timeout(ban
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=3), wait_for_workers=False)
-    assert rendezvous._ping(socket.create_connection(("127.0.0.1", store.port), timeout=3), time.monotonic() + 3)
+    assert rendezvous.ping(socket.create_connection(("127.0.0.1", store.port), timeout=3), time.monotonic() + 3)
     del store
     server = _ForeignServer(port, banner)
     try:
@@ -136,7 +136,7 @@ def test_the_ranks_left_name_the_killed_rank_that_served_the_store(tmp_path, p2p
     mid-training. Before: rank 1 printed ~30-46 lines of torch's C++ store warnings and frames, then a gloo
     or shared-memory error about its own connection."""
     port, metrics = free_port(), tmp_path / "metrics.jsonl"
-    sets = ["--set", f"cluster.port={port}", "--set", "cluster.timeout_s=10", "--set", "train.steps=100000"]
+    sets = ["--set", f"cluster.port={port}", "--set", "cluster.timeout_s=30", "--set", "train.steps=100000"]
     sets += ["--set", f"cluster.nodes[0].p2p={p2p}"]
     procs = [
         subprocess.Popen(
@@ -165,7 +165,9 @@ def test_the_ranks_left_name_the_killed_rank_that_served_the_store(tmp_path, p2p
         "no connection to it is answered any more (its process died or was killed, or its host is unreachable; "
         "see its node's output)\n"
     )
-    assert took < 10, f"rank 1 took {took:.1f} s to stop (cluster.timeout_s 10)"
+    # named from its broken connections, not after the heartbeat's cluster.timeout_s (30 s) of silence; the margin
+    # is for a loaded machine (11 s seen at load 24 on 2 cores with a bound of 10)
+    assert took < 20, f"rank 1 took {took:.1f} s to stop (cluster.timeout_s 30)"
 
 
 def _tmpfs(folder: Path, size: int) -> None:

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness import LAYOUTS, assert_one_error_line
+from harness import LAYOUTS, assert_one_error_line, hf_folder
 from harness import invoke_cli as invoke
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.checkpoint import folders as checkpoint
 from hetero_llm.errors import CheckpointError
-from hetero_llm.interop import hf_config, hf_names
+from hetero_llm.interop import hf_names
 from hetero_llm.launch import outputs
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
@@ -44,22 +44,6 @@ def _refused_before_start(layout: Path, args: list, message: str) -> None:
 # ------------------------------------------------------------------------------------ hetero-launch: every input
 
 
-def _hf_folder(folder: Path, model) -> Path:
-    """A model.init_from folder the checks before a run accept: config.json of ``model``, and a weights file whose
-    header gives every tensor its shape (zeros: finite)."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder.mkdir()
-    cfg = hf_config.hf_config(model)
-    (folder / hf_names.CONFIG).write_text(json.dumps(cfg))
-    save_file(
-        {key: torch.zeros(shape) for key, shape in hf_names.hf_shapes(model, cfg).items()},
-        str(folder / hf_names.WEIGHTS),
-    )
-    return folder
-
-
 def _layout_reading_everything(tmp_path: Path) -> Path:
     """A layout that reads a text corpus, a held-out file, a tokenizer.json, an init_from folder and a schedule
     file, all in ``tmp_path``."""
@@ -75,7 +59,7 @@ def _layout_reading_everything(tmp_path: Path) -> Path:
         'kind = "grammar"', 'kind = "text"\npath = "corpus.txt"\nvalid_path = "valid.txt"\ntokenizer = "tok.json"'
     )
     text = text.replace("microbatches = 3\n", 'microbatches = 3\nschedule_file = "order.txt"\n')
-    _hf_folder(tmp_path / "hf", layout_mod.loads(text, base_dir=tmp_path).model)
+    hf_folder(tmp_path / "hf", layout_mod.loads(text, base_dir=tmp_path).model)
     path = tmp_path / "run.toml"
     path.write_text(text.replace("[model]\n", '[model]\ninit_from = "hf"\n', 1))
     layout_mod.load(path)  # a valid layout: every refusal below is about the output

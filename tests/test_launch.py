@@ -88,10 +88,12 @@ def test_killed_rank_takes_the_job_down_and_is_named(tmp_path):
     victim = next(pid for pid in children if _rank_of(pid) == 1)
     killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=60)
     took = time.monotonic() - killed_at
     assert proc.returncode == 1
-    assert took < 10, f"job took {took:.1f} s to stop"
+    # seen from the rank's exit, not after cluster.timeout_s (60 s); the margin is for a loaded machine (14 s
+    # seen at load 24 on 2 cores with a bound of 10)
+    assert took < 30, f"job took {took:.1f} s to stop"
     assert "rank 1 (n0:1, pipeline 0 stage 1) failed: killed by SIGKILL" in err, err
     assert "Traceback" not in err
     assert not [pid for pid in children if _alive(pid)], "ranks left running"

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from hetero_llm._fs import TMP, device_of, free_bytes, fsync_dir, no_space, write_atomically
+from hetero_llm._fs import TMP, device_of, free_bytes, fsync_dir, loads_json, no_space, not_regular, write_atomically
 from hetero_llm.errors import CheckpointError
 from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.model.params import all_params
@@ -223,7 +223,8 @@ def _newest_complete(root: Path) -> Path | None:
     # same folder was interrupted, and then the highest-numbered complete folder is the newest save.
     latest = root / LATEST
     if latest.exists():
-        text = latest.read_text().strip()
+        _check_regular(latest, f" (delete it to resume from the highest-numbered complete save of {root})")
+        text = latest.read_text(errors="replace").strip()
         named = root / text
         # A bare step-NNNNNN name, and a folder in ``root``: ``latest`` never leads outside the checkpoint.
         if _step_of(Path(text)) is None or Path(text).name != text or named.resolve().parent != root.resolve():
@@ -246,9 +247,18 @@ def _step_of(folder: Path) -> int | None:
     return int(digits) if folder.name.startswith(STEP_PREFIX) and digits.isdigit() else None
 
 
+def _check_regular(path: Path, then: str) -> None:
+    """Refuse a file of a save that is not a regular file before opening it (a FIFO would block the reader);
+    ``then``: what the message says after it."""
+    what = not_regular(path)
+    if what:
+        raise CheckpointError(str(path), "--resume", f"is {what}, not a regular file{then}")
+
+
 def _read(folder: Path) -> Checkpoint:
+    _check_regular(folder / META, f" ({FIX})")
     try:
-        meta = json.loads((folder / META).read_text())
+        meta = loads_json((folder / META).read_bytes())
         shapes = {name: tuple(int(n) for n in shape) for name, shape in meta["params"].items()}
         files = None
         if "files" in meta:
@@ -273,14 +283,23 @@ def _read(folder: Path) -> Checkpoint:
         raise CheckpointError(
             str(folder), "--resume", f"{META} is not a hetero_llm checkpoint's ({type(e).__name__}: {e}); {FIX}"
         ) from None
-    missing = [r for r in range(ckpt.world_size) if not ckpt.rank_file(r).exists()]
-    if missing:
+    if ckpt.world_size < 1 or ckpt.step < 0:
         raise CheckpointError(
             str(folder),
             "--resume",
-            f"{rank_file(folder, missing[0]).name} is missing (the layout "
-            f"that saved it had {ckpt.world_size} ranks); {FIX}",
+            f"{META} is not a hetero_llm checkpoint's (step {ckpt.step}, world_size {ckpt.world_size}); {FIX}",
         )
+    # The folder's rank files bound the ranks looked for: a world_size of 10^12 finds its first gap among them.
+    on_disk = {entry.name for entry in os.scandir(folder)}
+    for r in range(min(ckpt.world_size, len(on_disk) + 1)):
+        path = ckpt.rank_file(r)
+        if path.name not in on_disk or not path.exists():  # (a link to nothing is missing too)
+            raise CheckpointError(
+                str(folder),
+                "--resume",
+                f"{path.name} is missing (the layout that saved it had {ckpt.world_size} ranks); {FIX}",
+            )
+        _check_regular(path, f": the save is damaged; {DAMAGED}")
     return ckpt
 
 

@@ -92,6 +92,16 @@ def main(
     from hetero_llm.launch import outputs
     from hetero_llm.planner import load_cluster, output
 
+    try:
+        if profile_out is None:  # the options only measuring reads are refused, not silently ignored
+            given = click.get_current_context().get_parameter_source
+            for name in ("max_spread", "profile_kind", "profile_device"):
+                if given(name) is not click.core.ParameterSource.DEFAULT:
+                    option = {"max_spread": "--max-spread", "profile_kind": "--kind"}.get(name, "--device")
+                    raise LayoutError(cluster_file, option, "only applies with --profile FILE (drop it, or measure)")
+    except LayoutError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     if evaluate_layout is not None:
         _evaluate(cluster_file, evaluate_layout, profile_file, as_json)
         return

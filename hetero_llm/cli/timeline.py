@@ -94,6 +94,8 @@ def main(
             raise ValueError("nothing to write: give --out PNG and/or --chrome JSON")
         if simulate_ == bool(trace_dir):
             raise ValueError("give either TRACE_DIR or --simulate (one of them)")
+        if out and chrome and outputs.same_path(out, chrome):
+            raise LayoutError(chrome, "--chrome", "is also the path of --out (give each output its own path)")
         inputs = [("--schedule-file", schedule_file)] if schedule_file else []
         for flag, path in (("--out", out), ("--chrome", chrome)):
             if path:

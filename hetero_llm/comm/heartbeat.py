@@ -22,7 +22,8 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 
-from hetero_llm.comm.rendezvous import endpoint
+from hetero_llm.comm.rendezvous import connect, endpoint
+from hetero_llm.errors import LayoutError, RankFailure
 from hetero_llm.plan.rank import RankPlan
 
 INTERVAL_S = 1.0
@@ -44,9 +45,13 @@ class Heartbeat:
 
         ep = endpoint(rp)
         rank = rp.rank
-        store = dist.TCPStore(
-            ep.host, ep.port, rp.world_size, False, timeout=timedelta(seconds=_OP_TIMEOUT_S), wait_for_workers=False
-        )  # its own connection: the main thread's store stays free
+        # its own connection (the main thread's store stays free), made within cluster.timeout_s: on a loaded host
+        # the server may take longer than one operation's wait to accept it
+        try:
+            store = connect(rp, ep, time.monotonic() + rp.meeting.timeout_s)
+        except LayoutError as e:  # the server rank, stopped since the rendezvous, answers nothing
+            raise RankFailure(f"rank {rank}: the heartbeat's store connection: {e.message}") from None
+        store.set_timeout(timedelta(seconds=_OP_TIMEOUT_S))
         self.store = dist.PrefixStore(f"{ep.prefix}heartbeat", store)
         self.rp, self.rank, self.server, self.give_up = rp, rank, ep.server, give_up
         self.limit_s = rp.meeting.timeout_s

@@ -8,9 +8,10 @@ master's address only, not every interface. Under torchrun the store is torchrun
 it at the ``MASTER_ADDR`` it gives the workers) and every rank is a client of it.
 
 Every wait is bounded by ``cluster.timeout_s`` and every failure is one line naming the rank and what it
-waited for: a rank probes the address with plain sockets until the server answers before it makes a
-store client, so a master that never appears, an unresolvable host or an address that does not answer
-ends in our message, not in torch's retry warnings and C++ frames. What answers must then answer a
+waited for: a rank (and its heartbeat's own connection: ``connect``; an elastic round's: ``reach``) probes the
+address with plain sockets until the server answers before it makes a store client, so a master that never
+appears, an unresolvable host or an address that does not answer ends in our message, not in torch's retry
+warnings and C++ frames. What answers must then answer a
 store's ping (``_check_is_store``): torch's store client waits for that reply without any timeout, so a
 foreign server on the port (which accepts and says nothing, or says something else) would hold the rank
 forever. A server rank whose port is taken is refused before any rank starts (``check_port_free``).
@@ -124,27 +125,33 @@ def rendezvous(rp: RankPlan, agree: str = ""):
     ep = endpoint(rp)
     rank, timeout = rp.rank, rp.meeting.timeout_s
     start = time.monotonic()
-    if rank == ep.server:
-        store = _serve(rp, ep, timeout)
-    else:
-        _check_is_store(rp, ep, _wait_for_server(rp, ep, start + timeout), start + timeout)
-        try:
-            store = dist.TCPStore(
-                ep.host,
-                ep.port,
-                rp.world_size,
-                False,
-                timeout=timedelta(seconds=max(1.0, start + timeout - time.monotonic())),
-                wait_for_workers=False,
-            )
-        except (RuntimeError, TimeoutError, ValueError) as e:
-            raise RankFailure(
-                f"rank {rank} reached {ep.host}:{ep.port} but its store did not answer: {_first_line(e)}"
-            ) from None
+    store = _serve(rp, ep, timeout) if rank == ep.server else connect(rp, ep, start + timeout)
     if ep.prefix:
         store = dist.PrefixStore(ep.prefix, store)
     _check_arrivals(rp, ep, store, f"{rp.fingerprint}{'|' + agree if agree else ''}", timeout)
     return store
+
+
+def connect(rp: RankPlan, ep: Endpoint, deadline: float):
+    """A store client of the rendezvous at ``ep``, connected by ``deadline`` (``time.monotonic()``): plain sockets
+    retry until the server accepts and answers a store's ping, then torch's client connects, waiting until the
+    deadline too (a loaded host may take seconds to accept). A failure is one line, without torch's C++ dump."""
+    import torch.distributed as dist
+
+    _check_is_store(rp, ep, _wait_for_server(rp, ep, deadline), deadline)
+    try:
+        return dist.TCPStore(
+            ep.host,
+            ep.port,
+            rp.world_size,
+            False,
+            timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, TimeoutError, ValueError) as e:
+        raise RankFailure(
+            f"rank {rp.rank} reached {ep.host}:{ep.port} but its store did not answer: {_first_line(e)}"
+        ) from None
 
 
 def _serve(rp: RankPlan, ep: Endpoint, timeout: float):
@@ -254,7 +261,7 @@ def _check_is_store(rp: RankPlan, ep: Endpoint, sock: socket.socket, deadline: f
     """What accepted ``sock`` answers a store's ping by ``deadline`` (at least a second from now), or a
     ``LayoutError`` naming the port. A server rank that has bound its port but not made its store yet answers
     once it has: the ping waits in the socket until then."""
-    answered = _ping(sock, deadline)
+    answered = ping(sock, deadline)
     if answered:
         return
     file, key = _port_key(rp.meeting.file, ep)
@@ -268,7 +275,7 @@ def _check_is_store(rp: RankPlan, ep: Endpoint, sock: socket.socket, deadline: f
     raise LayoutError(file, key, f"port {ep.port} on {ep.host} {what} (stop it, or choose another {key})")
 
 
-def _ping(sock: socket.socket, deadline: float) -> bool | None:
+def ping(sock: socket.socket, deadline: float) -> bool | None:
     """Ping a store through connected ``sock`` (closed after): True if it answers as one by ``deadline`` (at least
     a second from now); False if something else was said, or the connection was closed or reset; None if
     nothing was said by then."""
@@ -294,28 +301,33 @@ def _wait_for_server(rp: RankPlan, ep: Endpoint, deadline: float) -> socket.sock
     """Connect plain sockets to the rendezvous until one is accepted, at most until ``deadline``; the
     connected socket."""
     rank = rp.rank
+    try:
+        reached = reach(ep.host, ep.port, deadline)
+    except socket.gaierror as e:
+        raise RankFailure(
+            f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve ({e.strerror}); fix it"
+        ) from None
+    if isinstance(reached, socket.socket):
+        return reached
+    who = "torchrun's store" if ep.server is None else f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
+    raise RankFailure(
+        f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {rp.meeting.timeout_s:g} s "
+        f"(last: {reached}); is {who} started, and is the address right?"
+    )
+
+
+def reach(host: str, port: int, deadline: float) -> socket.socket | str:
+    """A plain socket connected to ``host:port``, retried until ``deadline`` (``time.monotonic()``); else the last
+    connection error, in words. ``socket.gaierror`` when the host does not resolve."""
     while True:
-        try:
-            socket.getaddrinfo(ep.host, ep.port, type=socket.SOCK_STREAM)
-        except socket.gaierror as e:
-            raise RankFailure(
-                f"rank {rank}: the rendezvous host '{ep.host}' ({ep.where}) does not resolve ({e.strerror}); fix it"
-            ) from None
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         left = deadline - time.monotonic()
         try:
-            return socket.create_connection((ep.host, ep.port), timeout=max(0.05, min(_PROBE_S, left)))
+            return socket.create_connection((host, port), timeout=max(0.05, min(_PROBE_S, left)))
         except OSError as e:
             why = e.strerror or str(e) or type(e).__name__
         if time.monotonic() >= deadline:
-            timeout = rp.meeting.timeout_s
-            if ep.server is None:
-                who = "torchrun's store"
-            else:
-                who = f"rank {ep.server} ({rp.peers[ep.server]}), which serves it,"
-            raise RankFailure(
-                f"rank {rank}: nothing answered at {ep.host}:{ep.port} ({ep.where}) within {timeout:g} s "
-                f"(last: {why}); is {who} started, and is the address right?"
-            )
+            return why
         time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
@@ -332,7 +344,7 @@ def server_gone(rp: RankPlan) -> RankFailure | None:
     except OSError:  # refused: its process is gone; or its host is
         pass
     else:  # a process still dying may hold its listening socket a moment longer, and then reset what it took
-        if _ping(sock, time.monotonic() + limit) is not False:
+        if ping(sock, time.monotonic() + limit) is not False:
             return None
     return RankFailure(
         f"rank {rp.rank}: rank {ep.server} ({rp.peers[ep.server]}), which served the rendezvous store at "

@@ -7,10 +7,11 @@ the tensors of that config (no weight is read). Torch-free: it runs in the launc
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 from typing import Any
 
+from hetero_llm._fs import loads_json, not_regular
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop.hf_names import (
     CONFIG,
@@ -209,8 +210,11 @@ def check_config(layout: Layout) -> None:
     fix = "give a local Hugging Face model directory: config.json + model.safetensors"
     if not folder.is_dir():
         raise LayoutError(f, "model.init_from", f"'{folder}' is not a folder ({fix})")
+    what = not_regular(folder / CONFIG)
+    if what:
+        raise LayoutError(f, "model.init_from", f"{folder / CONFIG} is {what}, not a regular file ({fix})")
     try:
-        cfg = json.loads((folder / CONFIG).read_text())
+        cfg = loads_json((folder / CONFIG).read_text())
     except FileNotFoundError:
         raise LayoutError(f, "model.init_from", f"'{folder}' has no {CONFIG} ({fix})") from None
     except (ValueError, UnicodeDecodeError) as e:
@@ -258,13 +262,21 @@ def check_config(layout: Layout) -> None:
 
 def _header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (8 bytes of length, then {key: {dtype, shape, data_offsets}})."""
+    what = not_regular(path)
+    if what:  # opening a FIFO would wait for a writer
+        raise ValueError(f"{path} is {what}, not a regular file")
     with open(path, "rb") as f:
         size = int.from_bytes(f.read(8), "little")
         if size > 1 << 28:
             raise ValueError(f"a header of {size} bytes")
-        header = json.loads(f.read(size))
+        header = loads_json(f.read(size))
     if not isinstance(header, dict):
         raise ValueError("its header is no JSON object")
+    # the tensors' bytes follow the header: a truncated file is named here, not by safetensors in every rank
+    ends = [e["data_offsets"][1] for k, e in header.items() if k != "__metadata__" and isinstance(e, dict)]
+    held = os.path.getsize(path) - 8 - size
+    if max(ends, default=0) > held:
+        raise ValueError(f"truncated: its header places tensor data up to byte {max(ends)}, but it holds {held}")
     return header
 
 
@@ -278,7 +290,7 @@ def _check_shapes(layout: Layout, cfg: dict) -> None:
         if (folder / WEIGHTS_INDEX).is_file():
             where = {
                 key: folder / name
-                for key, name in json.loads((folder / WEIGHTS_INDEX).read_text())["weight_map"].items()
+                for key, name in loads_json((folder / WEIGHTS_INDEX).read_text())["weight_map"].items()
             }
         else:
             where = dict.fromkeys(_header(folder / WEIGHTS), folder / WEIGHTS)

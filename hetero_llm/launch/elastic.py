@@ -121,6 +121,24 @@ def check_environment(environ: Mapping[str, str]) -> Worker:
         if not text.strip().isdigit():
             raise LayoutError(ENVIRONMENT, var, f"'{text}' is not a number (torchrun sets it; run under torchrun)")
         values[var] = int(text)
+    # what torch's store would take minutes to time out on, or refuse with a TypeError: named here, before it
+    bounds = (
+        ("MASTER_PORT", 1, 65535, "a TCP port (1..65535)"),
+        ("WORLD_SIZE", 1, None, "a number of workers >= 1"),
+        ("LOCAL_WORLD_SIZE", 1, values["WORLD_SIZE"], f"a number of workers 1..WORLD_SIZE ({values['WORLD_SIZE']})"),
+        ("RANK", 0, values["WORLD_SIZE"] - 1, f"a rank below WORLD_SIZE ({values['WORLD_SIZE']})"),
+        (
+            "LOCAL_RANK",
+            0,
+            values["LOCAL_WORLD_SIZE"] - 1,
+            f"a rank below LOCAL_WORLD_SIZE ({values['LOCAL_WORLD_SIZE']})",
+        ),
+    )
+    for var, lo, hi, expected in bounds:
+        if values[var] < lo or (hi is not None and values[var] > hi):
+            raise LayoutError(
+                ENVIRONMENT, var, f"'{environ[var]}' is not {expected} (torchrun sets it; run under torchrun)"
+            )
     return Worker(
         values["RANK"],
         values["WORLD_SIZE"],
@@ -217,6 +235,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     worker = check_environment(os.environ)
     cluster = load_cluster(cluster_file)
     me = this_node(cluster, node, worker)
+    check_before_store(cluster, options)
     snapshots, key = None, None
     if options.snapshot[1]:  # before the members meet: no worker reads or writes the folder before all checked it
         key = trust.run_key(str(options.checkpoint))
@@ -278,6 +297,20 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle, removed=len(present) if snapshots else 0)
 
 
+def check_before_store(cluster: Cluster, options: RunOptions) -> None:
+    """What the plain launcher checks before any rank starts, checked before this round's store (a bad one is one
+    line at once, not after the other workers arrived, the round planned and the save was agreed): every variable
+    (HETERO_EMULATE_* against the cluster's devices, as no plan has more ranks), the outputs against the cluster
+    file's inputs, and with ``--snapshot-every`` that the snapshot folder's file system can be written."""
+    external.check_environment(os.environ, cluster.num_devices)
+    o = options
+    outputs.check_run_paths(
+        outputs.cluster_inputs(cluster), o.metrics_jsonl, o.checkpoint, o.trace, None, o.tensorboard
+    )
+    if o.snapshot[1]:
+        outputs.check_snapshot_folder(snapshot_folder(o.checkpoint))
+
+
 def last_round(environ: Mapping[str, str], worker: Worker) -> bool:
     """Whether this worker's agent has no restart left (torchrun sets ``TORCHELASTIC_MAX_RESTARTS``): a failure of
     this round ends the job on this node."""
@@ -309,18 +342,35 @@ def snapshot_folder(checkpoint: str | None) -> Path:
 
 
 def _round_store(worker: Worker, timeout_s: float):
-    """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://)."""
+    """This round's store, served by torchrun's rank 0 at MASTER_ADDR:MASTER_PORT (torch's rule for env://). A
+    client probes with plain sockets first, retrying within ``timeout_s``: torch's client prints a page of C++ on
+    a failed connect, before the one line that says why."""
+    import socket
     from datetime import timedelta
 
     import torch.distributed as dist
 
+    from hetero_llm.comm import rendezvous
+
+    deadline = time.monotonic() + timeout_s
+    if worker.rank != 0:
+        try:
+            reached = rendezvous.reach(worker.host, worker.port, deadline)
+        except socket.gaierror as e:
+            reached = f"the host does not resolve ({e.strerror})"
+        if isinstance(reached, str) or not rendezvous.ping(reached, deadline):
+            why = reached if isinstance(reached, str) else "what answers there is not a store"
+            raise RankFailure(
+                f"elastic: worker {worker.rank} could not reach this round's store at {worker.host}:{worker.port} "
+                f"within {timeout_s:g} s (last: {why}); is torchrun's rank 0 of this round started?"
+            )
     try:
         return dist.TCPStore(
             worker.host,
             worker.port,
             worker.world_size,
             worker.rank == 0,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=timeout_s),  # also each operation's: a get waits for the slowest worker
             wait_for_workers=False,
         )
     except (RuntimeError, TimeoutError, ValueError) as e:

@@ -127,9 +127,11 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
     import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
 
-    from hetero_llm.comm import shm
+    from hetero_llm.comm import rendezvous, shm
 
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
+    # last, after every check of what the user gave (preflight, the data): the server rank's port taken here
+    rendezvous.check_port_free(plan, ranks)
     errdir = _error_dir_name()  # made by the first rank that reports: a launcher SIGKILLed leaves nothing
     threads = int(os.environ.get("OMP_NUM_THREADS") or node_threads(len(ranks)))
     procs: dict[int, _Child] = {}

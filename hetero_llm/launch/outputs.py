@@ -13,13 +13,14 @@ Torch-free; the only side effect is a probe file created and removed in each out
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import tempfile
 from pathlib import Path
 
 from hetero_llm.checkpoint import folders as checkpoint_mod
-from hetero_llm.errors import CheckpointError, LayoutError
+from hetero_llm.errors import ENVIRONMENT, CheckpointError, LayoutError
 from hetero_llm.layout import Layout
 
 STEP_FOLDER = re.compile(re.escape(checkpoint_mod.STEP_PREFIX) + r"\d+")
@@ -34,7 +35,7 @@ FOLDER_FILES = {
 
 
 def check_run_paths(
-    layout: Layout,
+    layout: Layout | list[tuple[str, str]],
     metrics: str | None,
     checkpoint: str | None,
     trace: str | None,
@@ -42,7 +43,10 @@ def check_run_paths(
     tensorboard: str | None = None,
 ) -> None:
     """Raise a located ``LayoutError`` for the first output that cannot be written, would overwrite an input
-    (any file or folder the layout reads: ``layout_inputs``) or would write through a symbolic link."""
+    (any file or folder the layout reads: ``layout_inputs``; or the inputs given as (what, path), as an elastic
+    worker gives its cluster file's before any round plans a layout), would write into the save being resumed,
+    shares its path with another output, or would write through a symbolic link."""
+    inputs = layout_inputs(layout) if isinstance(layout, Layout) else layout
     if resume and Path(resume).exists() and not Path(resume).is_dir():
         raise CheckpointError(resume, "--resume", f"is a file, not a folder ({checkpoint_mod.FIX})")
     outputs = [
@@ -57,23 +61,18 @@ def check_run_paths(
     ]
     for flag, path, folder in outputs:
         _check_kind(flag, path, folder)
-    inputs = layout_inputs(layout)
+    for i, (flag, path, _) in enumerate(outputs):
+        first = next((other for other, earlier, _ in outputs[:i] if same_path(earlier, path)), None)
+        if first:
+            raise LayoutError(path, flag, f"is also the path of {first} (give each output its own path)")
     for flag, path, _ in outputs:
         _check_inputs(flag, path, inputs)
-    if (
-        metrics
-        and resume
-        and (
-            _writes("--checkpoint", resume, metrics)  # a file of a save under a root
-            or _inside(metrics, resume)
-            and STEP_FOLDER.fullmatch(Path(resume).resolve().name)
-        )
-    ):
-        raise LayoutError(
-            metrics,
-            "--metrics-jsonl",
-            f"is a file of the --resume checkpoint '{resume}' (an input of this run; give another path)",
-        )
+    for flag, path, folder in outputs if resume else ():
+        if _in_save(path, str(resume)):
+            what = "would write into" if folder else "is a file of"
+            raise LayoutError(
+                path, flag, f"{what} the --resume checkpoint '{resume}' (an input of this run; give another path)"
+            )
     for flag, path, _ in outputs:
         if flag != "--metrics-jsonl" and metrics and _writes(flag, path, metrics):
             raise LayoutError(metrics, "--metrics-jsonl", f"is a file that {flag} {path} writes (give another path)")
@@ -152,7 +151,8 @@ def cluster_inputs(cluster, profile_file: str | None = None, plan_profile: bool 
     return found
 
 
-def _same(a: str | Path, b: str | Path) -> bool:
+def same_path(a: str | Path, b: str | Path) -> bool:
+    """Whether ``a`` and ``b`` name one file (links and ``..`` resolved)."""
     return os.path.realpath(a) == os.path.realpath(b)
 
 
@@ -163,16 +163,41 @@ def _inside(path: str, folder: str) -> bool:
 
 def _writes(flag: str, output: str, path: str) -> bool:
     """Whether the output ``flag`` names would write the file ``path``, or write anything into the folder ``path``."""
-    if os.path.isdir(path) and (_same(output, path) or _inside(output, path)):
+    if os.path.isdir(path) and (same_path(output, path) or _inside(output, path)):
         return True  # into an input folder (model.init_from, a checkpoint read), or a folder inside it
     if flag not in ("--checkpoint", *FOLDER_FILES):  # a file
-        return _same(output, path)
+        return same_path(output, path)
     real, root = Path(os.path.realpath(path)), os.path.realpath(output)
     if str(real.parent) == root:  # DIR/rank0.jsonl; --checkpoint: DIR/latest, DIR/step-NNNNNN/...
         return _written_name(flag, real.name)
     if flag in FOLDER_FILES:
         return False
     return _inside(str(real), root) and STEP_FOLDER.fullmatch(real.relative_to(root).parts[0]) is not None
+
+
+def _in_save(path: str, resume: str) -> bool:
+    """Whether ``path`` is, or is inside, the step folder ``resume`` names, or one of checkpoint root ``resume``'s
+    step folders or its ``latest`` (beside the saves of a root is fine: a resumed run saves there too)."""
+    real, root = os.path.realpath(path), os.path.realpath(resume)
+    if STEP_FOLDER.fullmatch(Path(root).name):
+        return real == root or _inside(real, root)
+    if os.path.dirname(real) == root and _written_name("--checkpoint", os.path.basename(real)):
+        return True
+    return _inside(real, root) and STEP_FOLDER.fullmatch(Path(real).relative_to(root).parts[0]) is not None
+
+
+def check_snapshot_folder(folder: Path) -> None:
+    """``--snapshot-every``'s folder in node memory (``$HETERO_SHM_DIR`` or /dev/shm) can be made and written: one
+    line before anything starts, not at the first snapshot after a step. (The folder in it, which another user may
+    have planted, is checked where it is made: checkpoint/trust.py.)"""
+    problem = _unwritable(folder.parent)
+    if problem:
+        raise LayoutError(
+            ENVIRONMENT,
+            "HETERO_SHM_DIR",
+            f"'{folder.parent}': --snapshot-every cannot write its snapshots there: {problem[0]} (give a writable "
+            "folder, or unset it for /dev/shm)",
+        )
 
 
 def _check_kind(flag: str, path: str, folder: bool) -> None:
@@ -229,18 +254,30 @@ def _check_writable(flag: str, path: str, folder: bool) -> None:
     p = Path(path).absolute()
     if not folder and p.exists():
         try:
-            os.close(os.open(p, os.O_WRONLY | os.O_APPEND))  # appends nothing: the file is kept as it is
+            # appends nothing: the file is kept as it is; a named pipe without a reader is refused, not waited on
+            os.close(os.open(p, os.O_WRONLY | os.O_APPEND | os.O_NONBLOCK))
         except OSError as e:
+            if e.errno == errno.ENXIO:  # (O_NONBLOCK on a FIFO that no process has open for reading)
+                raise LayoutError(path, flag, "is a named pipe (FIFO) that nothing reads (give a file path)") from None
             raise LayoutError(path, flag, f"cannot write it: {e.strerror} (give a writable path)") from None
         return
-    existing = p if folder and p.is_dir() else p.parent
+    problem = _unwritable(p if folder and p.is_dir() else p.parent)
+    if problem:
+        raise LayoutError(path, flag, f"{problem[0]} ({problem[1]})")
+
+
+def _unwritable(p: Path) -> tuple[str, str] | None:
+    """Why no file can be made in folder ``p``, or under it once its missing folders are made (the nearest
+    existing one is probed), and the fix; None when one can."""
+    existing = p
     while not existing.exists():
         existing = existing.parent
     if not existing.is_dir():
-        raise LayoutError(path, flag, f"'{existing}' is a file, so no folder can be made under it (give another path)")
+        return f"'{existing}' is a file, so no folder can be made under it", "give another path"
     try:
         fd, probe = tempfile.mkstemp(dir=existing, prefix=".hetero_llm_probe_")
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise LayoutError(path, flag, f"cannot write in '{existing}': {e.strerror} (give a writable path)") from None
+        return f"cannot write in '{existing}': {e.strerror}", "give a writable path"
+    return None

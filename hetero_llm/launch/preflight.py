@@ -2,11 +2,12 @@
 
 ``prepare`` runs them in order for ``hetero-launch``'s arguments (the command line only parses): the layout
 and the files it names (``load_layout``), the compiled plan, the environment, the rendezvous endpoint, the
-rank this process runs under torchrun or srun, the ranks this host starts, their memory, the rendezvous port
-(free, where a rank here serves it), the output paths (launch/outputs.py), the save to resume from,
-TensorBoard. ``check_data`` then reads the data (a text file is tokenized once, here, not in every rank)
-and ``model.init_from``'s weights. ``--dry-run`` refuses what the real run would refuse, before it prints
-anything. Torch-free.
+rank this process runs under torchrun or srun, the ranks this host starts, their memory, the output paths
+(launch/outputs.py), the save to resume from, TensorBoard, and last the rendezvous port of a rank run in this
+process (free, where it serves the store; ``node.run_ranks`` checks the port of the ranks it starts after the
+data: another program on the port is no reason to hide a mistake in what the user gave). ``check_data`` then
+reads the data (a text file is tokenized once, here, not in every rank) and ``model.init_from``'s weights.
+``--dry-run`` refuses what the real run would refuse, before it prints anything. Torch-free.
 """
 
 from __future__ import annotations
@@ -79,8 +80,6 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
         ranks = launcher.local_ranks(plan, req.node)
     here = [rank] if rank is not None else ranks if ranks is not None else _ranks_here(plan)
     memory.check_memory(plan, here)  # absurd sizes: one line, not a MemoryError in every rank
-    if not req.dry_run:
-        rendezvous.check_port_free(plan, here)  # the server rank's port taken here: one line, before any rank starts
     outputs.check_run_paths(lay, req.metrics_jsonl, req.checkpoint, req.trace, resume, req.tensorboard)
     if resume:  # checked here, before any rank starts; every rank then reads the same step folder
         ckpt = checkpoint_folders.for_resume(resume, lay)
@@ -91,6 +90,8 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
         resume = str(ckpt.path)
     if req.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
+    if not req.dry_run and rank is not None:  # last (the ranks a launcher starts: node.run_ranks, after the data)
+        rendezvous.check_port_free(plan, [rank])  # the server rank's port taken here: one line, before it starts
     options = launcher.RunOptions(
         tuple(req.overrides),
         req.metrics_jsonl,

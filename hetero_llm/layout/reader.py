@@ -66,11 +66,36 @@ def read(path: str | os.PathLike) -> dict:
     return parse(text, file)
 
 
+# The largest cluster a layout or cluster file may describe, refused in one line before anything reads its nodes one
+# by one (a million nodes would otherwise take minutes to say nothing); a file larger than such a cluster needs is
+# refused before it is parsed. The papers' largest published run has 315 nodes and 2520 GPUs.
+MAX_NODES = 4096
+MAX_DEVICES = 65536
+MAX_FILE_MB = 8  # a planned layout takes ~37 bytes per GPU (megatron_529.6b.toml: 93 KB for 2520): 2.4 MB at the most
+
+
 def parse(text: str, file: str) -> dict:
+    if len(text) > MAX_FILE_MB << 20:
+        most = f"{MAX_FILE_MB} MB: a cluster of {MAX_NODES} nodes and {MAX_DEVICES} devices, the most it handles"
+        raise LayoutError(
+            file, "", f"{len(text) >> 20} MB, larger than any layout hetero_llm reads ({most}, fits in far less)"
+        )
     try:
-        return tomllib.loads(text)
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise LayoutError(file, "", f"TOML syntax error: {e} (fix the TOML syntax there)") from None
+    except RecursionError:
+        raise LayoutError(file, "", "TOML nested too deeply to read (fix the TOML there)") from None
+    cluster = raw.get("cluster")  # nodes and devices counted before any is built: their types are checked later
+    nodes = cluster.get("nodes") if isinstance(cluster, dict) else None
+    nodes = nodes if isinstance(nodes, list) else []
+    devices = sum(len(n["devices"]) for n in nodes if isinstance(n, dict) and isinstance(n.get("devices"), list))
+    for count, what, limit in ((len(nodes), "nodes", MAX_NODES), (devices, "devices in all", MAX_DEVICES)):
+        if count > limit:
+            limits = f"at most {MAX_NODES} nodes and {MAX_DEVICES} devices"
+            message = f"{count} {what}, more than hetero_llm handles ({limits}: plan and run a part of the cluster)"
+            raise LayoutError(file, "cluster.nodes", message)
+    return raw
 
 
 def to_layout(raw: dict, file: str, base_dir: Path) -> Layout:
