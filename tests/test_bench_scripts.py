@@ -713,3 +713,19 @@ def test_plan_split_gap_quick(tmp_path):
         assert row["split_gap"] >= 1 and row["rows_gap"] >= 1
         assert [sum(p) for p in row["better_splits"]] == [sum(p) for p in row["planned_splits"]]
     assert "Layer split minimising the step" in (tmp_path / "plan_split_gap.md").read_text()
+
+
+def test_context_speed_layouts_match_their_cluster_files(tmp_path):
+    """bench.context_speed's cp 1 and cp 2 layouts load, and ``hetero-plan --evaluate`` prices them on its cluster
+    file's emulated device: the same model and rows, cp 2's step about half cp 1's (every rank's work 1/cp)."""
+    from bench import context_speed
+    from hetero_llm import layout
+
+    steps = {}
+    for cp in (1, 2):
+        lay, cluster = context_speed.texts(cp, 256, 3, 4, 2, gflops=1.0)
+        assert [s.cp for s in layout.loads(lay).pipelines[0].stages] == [cp]
+        (tmp_path / f"l{cp}.toml").write_text(lay)
+        (tmp_path / f"c{cp}.toml").write_text(cluster)
+        steps[cp] = context_speed.predicted(tmp_path / f"c{cp}.toml", tmp_path / f"l{cp}.toml")["step_time"]
+    assert 0.45 < steps[2] / steps[1] < 0.55

@@ -101,7 +101,7 @@ def test_the_runtime_makes_a_recomputing_stages_backward_last_one_more_forward()
     plan = compile_plan(layout_mod.load(TWO))
     stage = plan.stage_of(0)
     inputs = np.zeros((2, 48), dtype=np.int64)
-    mb = SimpleNamespace(inputs=inputs, docs=None)
+    mb = SimpleNamespace(inputs=inputs, docs=None, ctx=None)
     seconds = {}
     for rc in (False, True):
         runner = SimpleNamespace(

@@ -14,6 +14,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 import pytest
+from helpers_precision import assert_bf16_close
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
 from hetero_llm import layout
@@ -142,3 +143,15 @@ def test_resume_across_cp(a, b, shared_launch, tmp_path):
     assert len(rest.losses) == 2
     both = attrs.evolve(rest, losses=first.losses[:2] + rest.losses, grad_norms=first.grad_norms[:2] + rest.grad_norms)
     assert_same_model(both, ref)
+
+
+def test_bf16_cp_2(shared_launch, reference, tmp_path):
+    """train.precision = "bf16" on a cp 2 stage (ring attention's block math and merge in float32 from bf16 inputs,
+    tests/test_context.py) trains within the bf16 tolerance (tests/test_precision.py's docstring) of the
+    one-process bf16 run, and of the float32 one."""
+    bf16 = ("--set", "train.precision=bf16")
+    path = cp_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(3, 1, 2), (3, 1, 1)])])
+    run = launch(path, tmp_path, *bf16)
+    assert_bf16_close(run, shared_launch(REFERENCE, *bf16))
+    assert_bf16_close(run, reference)
+    assert run.losses != reference.losses  # computed in bf16, not float32

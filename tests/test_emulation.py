@@ -9,7 +9,10 @@ Here one rank runs against a scripted slow peer on a fake clock: deterministic, 
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import attrs
+import numpy as np
 import pytest
 import torch
 
@@ -19,11 +22,12 @@ from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
 from hetero_llm.model.forward import TP, init_full
 from hetero_llm.model.params import all_params
-from hetero_llm.plan import StagePlan
-from hetero_llm.runtime import interpreter
+from hetero_llm.plan import StagePlan, compile_plan
+from hetero_llm.predict.device import EmulatedDevice
+from hetero_llm.runtime import context_rows, interpreter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import Microbatch, StageRoutes, StageRunner
-from hetero_llm.schedule import COMPUTE_KINDS, parse_actions
+from hetero_llm.schedule import COMPUTE_KINDS, Action, Kind, parse_actions
 
 MODEL = layout_mod.load(LAYOUTS / "reference" / "reference.toml").model
 SLOWDOWN = 6.0
@@ -88,3 +92,50 @@ def test_slowdown_stretches_own_compute_not_tp_waits(monkeypatch):
         assert clock.slept[before_slept:] == pytest.approx([(SLOWDOWN - 1) * computed]), str(action)
     assert own["s"] > 0  # the forward computed (the backward's own compute is free on this clock)
     runner._finish()
+
+
+CP_LAYOUT = LAYOUTS / "examples" / "context_parallel.toml"  # stage 1: 3 layers and the head, cp 2, tp 1
+
+
+@pytest.mark.parametrize(
+    "packed,squares",
+    [
+        # zigzag of 16 positions in 4 chunks: rank 0 holds 0-3 and 12-15, rank 1 4-11; a query at p sees p + 1
+        # keys and counts 2 (p + 1) - 1: rank 0 (1+3+5+7) + (25+27+29+31) = 128 = 16^2 / 2, rank 1 48 + 80 = 128
+        (False, (128, 128)),
+        # documents of 5 and 9 tokens, 2 of padding: rank 0 holds doc 0's positions 0-3 (16), doc 1's 7 and 8
+        # (15 + 17), padding (0): 48; rank 1 doc 0's position 4 (9) and doc 1's 0-6 (49): 58; 48 + 58 = 5^2 + 9^2
+        (True, (48, 58)),
+    ],
+    ids=["causal rows", "packed documents"],
+)
+def test_cp_rank_models_its_share_of_the_rows_attention(packed, squares):
+    """An emulated CP rank's compute action lasts the modelled time of its T / cp columns (matmuls, head) and of
+    its queries' share of the rows' attention (their keys come from the whole row), by hand here."""
+    plan = compile_plan(layout_mod.load(CP_LAYOUT))
+    model, stage = plan.layout.model, plan.stage_of(4)
+    lo, hi, _, head = stage.chunk_shape(0)
+    assert (stage.tp, hi - lo, head, model.seq_len) == (1, 3, True, 16)
+    device = EmulatedDevice(flops=1e9)
+    rows, T, H, F, V = 2, 16, model.hidden, model.ffn_width, model.vocab
+    tokens = np.zeros((rows, T), dtype=np.int64)
+    spans = positions = None
+    if packed:
+        spans = np.array([[r, s, n] for r in range(rows) for s, n in ((0, 5), (5, 9))], dtype=np.int64)
+        positions = np.tile(np.r_[np.arange(5), np.arange(9), 0, 0], (rows, 1)).astype(np.int64)
+    for index, square in enumerate(squares):
+        ring = SimpleNamespace(size=2, index=index)
+        inputs, targets, shard = context_rows.context_columns(ring, T, tokens, tokens, spans, positions)
+        assert inputs.shape == (rows, T // 2)
+        runner = SimpleNamespace(
+            _state=SimpleNamespace(mbs=[Microbatch(inputs, targets, ctx=shard)]),
+            stage=stage,
+            model=model,
+            emulation=SimpleNamespace(device=device),
+            compute=SimpleNamespace(recompute=False),
+        )
+        positions_local = rows * T // 2
+        matmul = 3 * positions_local * (8 * H * H + 2 * 3 * H * F) + 2 * positions_local * H * V  # swiglu: 3
+        forward = matmul + 3 * 2 * H * rows * square
+        assert StageRunner._modelled_seconds(runner, Action(Kind.F, 0)) == pytest.approx(forward / 1e9, rel=1e-12)
+        assert StageRunner._modelled_seconds(runner, Action(Kind.B, 0)) == pytest.approx(2 * forward / 1e9, rel=1e-12)

@@ -58,6 +58,18 @@ def context_columns(
     return columns[0], columns[1], shard
 
 
+def attention_square(shard: ContextShard) -> int:
+    """This CP rank's share of its rows' attention work, in the units of ``DocumentMask.square_sum`` (what
+    ``predict.device.action_seconds`` charges for attention): the sum over its local queries of ``2 k - 1``, ``k``
+    the keys the query sees (its position in its document, or in the row, plus one; 0 at padding). Over a whole
+    document of n tokens that is n^2, so the CP ranks' shares add up to the rows' square sum; under zigzag each
+    rank's share of a causal row of S positions is S^2 / cp."""
+    weight = 2 * shard.positions.cpu() + 1
+    if shard.doc is not None:
+        weight = weight * (shard.doc.cpu() >= 0)
+    return int(weight.sum())
+
+
 def shard_to(shard: ContextShard, device: torch.device) -> ContextShard:
     """``shard`` with its tensors on ``device``."""
     doc = shard.doc.to(device, non_blocking=True) if shard.doc is not None else None

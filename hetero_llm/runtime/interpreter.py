@@ -229,10 +229,15 @@ class StageRunner:
             self.trace.append((str(a), t0, self._clock()))
 
     def _modelled_seconds(self, a: Action) -> float:
-        """An emulated device's duration of compute action ``a`` (``predict.device.action_seconds``)."""
+        """An emulated device's duration of compute action ``a`` (``predict.device.action_seconds``); on a CP rank
+        that of its columns (``rows x T / cp`` positions) and of its queries' share of the rows' attention
+        (``context_rows.attention_square``: its keys come from the whole row)."""
         mb = self._state.mbs[a.mb]
         rows, width = mb.inputs.shape
-        square = mb.docs.square_sum if mb.docs is not None else rows * width * width
+        if mb.ctx is not None:
+            square = context_rows.attention_square(mb.ctx)
+        else:
+            square = mb.docs.square_sum if mb.docs is not None else rows * width * width
         lo, hi, _, head = self.stage.chunk_shape(a.chunk)
         return action_seconds(
             self.model,
