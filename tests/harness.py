@@ -44,6 +44,9 @@ RTOL = 1e-5  # float32 layout-invariance tolerance (relative; see docs/invarianc
 TENSOR_RTOL = 1e-4  # per parameter tensor (see assert_same_model)
 
 
+GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"  # the reason every GPU test skips with
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

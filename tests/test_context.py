@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
 
-from harness import free_port
+from harness import GPU_SKIP, free_port
 from hetero_llm.comm import collectives
 from hetero_llm.comm.ring import SOLO, Ring
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
@@ -143,9 +143,6 @@ def test_context_attention_matches_one_process(cp):
     mp.spawn(_worker, args=(cp, free_port()), nprocs=cp, join=True)
 
 
-GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"
-
-
 def _gpu_worker(rank: int, cp: int, port: int, backend: str) -> None:
     device = torch.device("cuda", rank % torch.cuda.device_count())
     torch.cuda.set_device(device)
@@ -169,7 +166,7 @@ def test_context_attention_on_cuda(backend):
     import torch.multiprocessing as mp
 
     if backend == "nccl" and torch.cuda.device_count() < 2:
-        pytest.skip("NCCL needs a GPU per rank: 2 GPUs")
+        pytest.skip("NCCL needs a GPU per rank: runs on a machine with 2 GPUs (see README 'GPU tests')")
     mp.spawn(_gpu_worker, args=(2, free_port(), backend), nprocs=2, join=True)
 
 

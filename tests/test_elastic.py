@@ -261,7 +261,10 @@ def test_a_round_store_that_never_answers_is_one_line(tmp_path, clean_env, capfd
     assert capfd.readouterr().err == ""
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a folder another user's needs root: runs in CI and on the dev machines, which run as root",
+)
 @pytest.mark.parametrize(
     "plant, why",
     [

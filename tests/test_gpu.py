@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from helpers_precision import assert_bf16_close
 
-from harness import LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch, sections
+from harness import GPU_SKIP, LAYOUTS, RTOL, assert_same_model, common_sections, free_port, launch, sections
 from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms
 from hetero_llm.comm.streams import NO_STREAMS, Streams
@@ -34,7 +34,6 @@ from hetero_llm.layout import Backend, ClusterSpec, Layout, NodeSpec, PipelineSp
 from hetero_llm.plan import Route
 from hetero_llm.plan.rank import GradSyncKey
 
-GPU_SKIP = "needs CUDA; runs on a GPU machine (see README 'GPU tests')"
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason=GPU_SKIP)
 
 

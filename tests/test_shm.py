@@ -184,7 +184,10 @@ def test_files_of_dead_creators_are_swept(shm_dir):
     assert sorted(shm_dir.iterdir()) == sorted([live, other])
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a file another user's needs root: runs in CI and on the dev machines, which run as root",
+)
 def test_ring_files_of_another_user_are_never_swept(shm_dir):
     """As root the sticky bit of /dev/shm does not stop an unlink: the sweep itself leaves others' files alone."""
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -206,7 +206,10 @@ FOLDERS = {
 }
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder another user's needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a folder another user's needs root: runs in CI and on the dev machines, which run as root",
+)
 @pytest.mark.parametrize("case", FOLDERS)
 def test_a_snapshot_folder_another_user_controls_is_refused(tmp_path, case):
     """Refused where the round checks the folder (``trust.private_folder``) and where a rank writes into it: no
@@ -241,7 +244,10 @@ KEYS = {
 }
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="making a file another user's needs root")
+@pytest.mark.skipif(
+    os.geteuid() != 0,
+    reason="making a file another user's needs root: runs in CI and on the dev machines, which run as root",
+)
 @pytest.mark.parametrize("case", KEYS)
 def test_an_exposed_or_foreign_key_is_refused(tmp_path, case):
     key = tmp_path / "ckpt" / trust.KEY
