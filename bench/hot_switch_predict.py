@@ -47,11 +47,11 @@ def trace_switch_plans(layout: Path, trace: Path) -> list[tuple[bool, object]]:
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
     from hetero_llm.predict import trace as tracing
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import step_switch
 
     lay = layout_mod.load(layout)
     home = compile_plan(lay)
-    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(bucket_plans(lay)) if lay.buckets[i].pipelines}}
+    plans = {"home": home, **{f"b{i}": p for i, p in enumerate(home.buckets) if lay.buckets[i].pipelines}}
     out: list[tuple[bool, object]] = []
     current, ran = "home", False
     for e in tracing.read_rank_traces(trace)[0]["events"]:

@@ -139,10 +139,10 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
     from hetero_llm.switching import bucketing
     from hetero_llm.switching import switcher as hotswitch
     from hetero_llm.switching.predict import step_switch_plans
-    from hetero_llm.switching.transfers import bucket_plans
 
     lay = layout_mod.load(layout)
-    home, plans = compile_plan(lay), bucket_plans(lay)
+    home = compile_plan(lay)
+    plans = home.buckets
     named = {"home": home, **{f"b{i}": p for i, p in enumerate(plans) if lay.buckets[i].pipelines}}
     devices = [r.device_id for r in home.ranks]
     world_rank = {r.device_id: r.rank for r in home.ranks}

@@ -2,7 +2,7 @@
 bench.hot_switch``): the planner's cluster for the bench's scenario, the best static layouts it predicts over
 its whole static space, and what ``hetero-plan --buckets`` proposes; plus the modelled memory of a layout per
 device (the planner's memory model, bucket layouts' parameter copies counted). Public planner API only:
-``load_cluster``, ``plan_cluster`` (its ranked results), ``planner.evaluate``, ``planner.buckets.propose``,
+``load_cluster``, ``plan_cluster`` (its ranked results), ``planner.evaluate``, ``switching.propose.propose``,
 ``planner.output.planned_layout`` and ``switching.worth.judge``.
 
 The planner's device kind is the emulated device: ``tflops`` its GFLOP/s, ``link_gbps`` the TP link (a node's
@@ -142,15 +142,15 @@ def p_rows(cand) -> str:
 def planned_buckets(cfg: Config, folder: Path, memory: float) -> tuple[Planned | None, list[str]]:
     """What ``hetero-plan --buckets {short}`` proposes for the scenario (None when it writes the static layout),
     and its verdict's lines."""
-    from hetero_llm.planner import buckets as bucket_plans
+    from hetero_llm.switching import propose
     from hetero_llm.planner import plan_cluster
     from hetero_llm.planner.output import planned_layout
     from hetero_llm.switching import worth
 
     cluster = load(cfg, folder, memory)
     result = plan_cluster(cluster, top=1)
-    bounds = bucket_plans.parse_bounds(f"{cfg.short}", cluster)
-    verdict = worth.judge(cluster, result.best, result.score, bucket_plans.propose(cluster, bounds, result.best))
+    bounds = propose.parse_bounds(f"{cfg.short}", cluster)
+    verdict = worth.judge(cluster, result.best, result.score, propose.propose(cluster, bounds, result.best))
     if not verdict.switching:
         return None, verdict.lines()
     lay = on_bench(cfg, planned_layout(cluster, result.best, verdict.buckets))

@@ -140,7 +140,7 @@ def plan_cluster(
 ) -> Planned:
     """``hetero-plan CLUSTER [-o OUT]``: search the cluster's layouts for the fastest under the cost model; write
     the best as ``out`` (checked as the layout it would be either way). ``buckets`` ("128,512"): also plan hot
-    switching's buckets and keep them when whole steps are faster (planner/buckets.py)."""
+    switching's buckets and keep them when whole steps are faster (switching/propose.py, switching/worth.py)."""
     from hetero_llm.launch import outputs
     from hetero_llm.planner import output, planned_cluster
     from hetero_llm.planner import plan_cluster as search
@@ -158,19 +158,18 @@ def plan_cluster(
         output.check_out_path(cluster, out)
     bounds = None
     if buckets:
-        from hetero_llm.planner import buckets as bucket_plans
+        from hetero_llm.switching import propose
 
-        bounds = bucket_plans.parse_bounds(buckets, cluster)  # bad bounds: before the search
+        bounds = propose.parse_bounds(buckets, cluster)  # bad bounds: before the search
     result = search(cluster, top, progress=progress)
     cluster = planned_cluster(cluster, result.best)  # with the plan's train.optimizer
     planned: tuple[Any, ...] = ()
     verdict = None
     if bounds:
-        from hetero_llm.planner import buckets as bucket_plans
-        from hetero_llm.switching import worth
+        from hetero_llm.switching import propose, worth
 
         # each bucket's plan, then whole steps priced (switches, shard copies) against the best static plan
-        verdict = worth.judge(cluster, result.best, result.score, bucket_plans.propose(cluster, bounds, result.best))
+        verdict = worth.judge(cluster, result.best, result.score, propose.propose(cluster, bounds, result.best))
         planned = verdict.buckets if verdict.switching else ()
     if out is not None:
         output.write_layout(cluster, out, result.best, result.score, result.seed_score, planned, result.cut_by_time)

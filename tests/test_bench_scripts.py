@@ -512,7 +512,7 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
 
     from hetero_llm import layout as layout_mod
     from hetero_llm.plan import compile_plan
-    from hetero_llm.switching.transfers import bucket_plans, step_switch
+    from hetero_llm.switching.transfers import step_switch
 
     bytes_moved = {}
     for network in ("testbed", "loopback"):
@@ -533,7 +533,7 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
                 "node1:0",
             }
         home = compile_plan(lay)
-        b0, b1 = bucket_plans(lay)
+        b0, b1 = home.buckets
         bytes_moved[network] = [
             sum(t.nbytes for t in step_switch(home, a, b, params=True, grads=g).transfers if t.src != t.dst)
             for a, b, g in ((home, b0, False), (b0, b1, True))

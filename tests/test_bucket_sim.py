@@ -17,7 +17,7 @@ from hetero_llm.plan import compile_plan
 from hetero_llm.predict.device import EmulatedDevice, action_seconds
 from hetero_llm.switching import bucketing
 from hetero_llm.switching import predict as bucket_sim
-from hetero_llm.switching.transfers import bucket_plans, step_switch
+from hetero_llm.switching.transfers import step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
 THREE = ROOT / "layouts" / "examples" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
@@ -120,7 +120,8 @@ def test_the_runtime_makes_a_recomputing_stages_backward_last_one_more_forward()
 
 def test_switch_seconds_charges_local_copies_blocks_and_buffers():
     lay = layout_mod.load(THREE)
-    home, (b0, b1, _) = compile_plan(lay), bucket_plans(lay)
+    home = compile_plan(lay)
+    b0, b1, _ = home.buckets
     for source, target in [(home, b0), (b0, b1), (b1, home)]:
         sw = step_switch(home, source, target, params=target is not home, grads=source is not home)
         same = {k: (1e-4, 1e9) for k in LINKS}
@@ -134,7 +135,8 @@ def test_switch_seconds_charges_local_copies_blocks_and_buffers():
 def test_switch_seconds_price_each_link_kind_apart():
     """Two nodes: a transfer across them is priced at the domain link, one inside a node at the node link."""
     lay = layout_mod.load(THREE)
-    home, (b0, _, _) = compile_plan(lay), bucket_plans(lay)
+    home = compile_plan(lay)
+    b0, _, _ = home.buckets
     sw = step_switch(home, home, b0, params=True, grads=False)
     assert set(sw.link_of[k] for k in sw.messages()) == {"node"}  # one node in this layout
     slow_domain = {**LINKS, "domain": (1.0, 1.0)}
@@ -151,7 +153,8 @@ def test_a_bucketed_step_is_its_buckets_schedules_and_its_switches():
     assert [(a, b) for a, b, _ in result.switches] == [("home", "b0"), ("b0", "b1"), ("b1", "home")]
     assert result.home_sync == 0.0  # one home pipeline: nothing to all-reduce across pipelines
     assert result.total == pytest.approx(sum(result.buckets) + sum(s for _, _, s in result.switches))
-    home, plans = compile_plan(lay), bucket_plans(lay)
+    home = compile_plan(lay)
+    plans = home.buckets
     first = step_switch(home, home, plans[0], params=True, grads=False)
     assert result.switches[0][2] == bucket_sim.switch_seconds(first, LINKS)
 

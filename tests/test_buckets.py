@@ -23,7 +23,6 @@ from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import compile_plan
 from hetero_llm.predict import trace as tracing
 from hetero_llm.switching.bucketing import bucket_rows
-from hetero_llm.switching.transfers import bucket_plans
 
 DATA = Path(__file__).resolve().parent / "data"
 THREE = (
@@ -50,7 +49,7 @@ def one_process(layout: Path, folder: Path) -> Path:
 def test_each_bucket_compiles_to_its_own_layout():
     lay = layout_mod.load(THREE)
     assert [b.max_len for b in lay.buckets] == [16, 32, 64]
-    plans = bucket_plans(lay)
+    plans = compile_plan(lay).buckets
     assert [len(p.layout.pipelines) for p in plans] == [4, 2, 1]
     assert [p.world_size for p in plans] == [4, 4, 4]
     # bucket 1 has its own schedule; bucket 2 has no pipelines: the home layout, whose global batch it keeps

@@ -1,4 +1,4 @@
-"""``hetero-plan --buckets``: a layout per document-length bucket (hetero_llm/planner/buckets.py). Torch-free."""
+"""``hetero-plan --buckets``: a layout per document-length bucket (hetero_llm/switching/propose.py). Torch-free."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from helpers_plan import cluster, run_plan
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import buckets, load_cluster, plan_cluster
+from hetero_llm.switching import propose
 from hetero_llm.planner.memory import MemoryModel
 from hetero_llm.planner.search import Planner
 from hetero_llm.switching import worth
@@ -39,10 +40,10 @@ def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_fa
     # the bucket's plan beats the home layout on its rows by the margin propose asks for
     c = load_cluster(path)
     result = plan_cluster(c, top=1)
-    proposed = buckets.propose(c, (128, 1024), result.best)
+    proposed = propose.propose(c, (128, 1024), result.best)
     shorter = Planner(_at(c, 128)).evaluate(result.best)
     assert proposed[0].plan is not None
-    assert proposed[0].score.step_time * buckets.MIN_GAIN <= shorter.step_time
+    assert proposed[0].score.step_time * propose.MIN_GAIN <= shorter.step_time
     # the whole step, priced: faster than the static plan, switches counted, the copies of both bucket layouts
     verdict = worth.judge(c, result.best, result.score, proposed)
     kept = verdict.chosen
@@ -84,7 +85,7 @@ def test_switches_are_priced_slow_links_drop_the_bucket_whose_switches_cross_the
     path.write_text(path.read_text().replace('"zbh1", "interleaved"]', '"zbh1"]'))  # as the first test
     c = load_cluster(path)
     result = plan_cluster(c, top=1)
-    proposed = buckets.propose(c, (128, 1024), result.best)
+    proposed = propose.propose(c, (128, 1024), result.best)
     fast = worth.judge(c, result.best, result.score, proposed)
     slow_links = {k: (0.1, 1e9) for k in ("local", "node", "domain", "cross_domain")}
     monkeypatch.setattr(worth._Pricer, "_links", lambda self, lay: slow_links)

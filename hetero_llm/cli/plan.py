@@ -30,7 +30,7 @@ from hetero_llm.planner.profile import MAX_SPREAD, measure, noisiest, write
     "--buckets",
     default="",
     metavar="128,512",
-    help="Hot switching: also plan a layout per document-length bucket up to each bound (planner/buckets.py).",
+    help="Hot switching: also plan a layout per document-length bucket up to each bound (switching/propose.py).",
 )
 @click.option(
     "--profile",

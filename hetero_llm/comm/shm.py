@@ -21,9 +21,8 @@ import attrs
 
 from hetero_llm.comm.shm_ring import _MAGIC, _META, _READER_PID, Receiver, Ring, RingSpec, Sender
 from hetero_llm.errors import LayoutError, RankFailure
-from hetero_llm.layout import P2P, SHM, Precision
+from hetero_llm.layout import P2P
 from hetero_llm.plan import Plan
-from hetero_llm.schedule import Direction
 
 PREFIX = "hl-shm"
 
@@ -50,26 +49,8 @@ def mib(n: int) -> str:
 
 
 def ring_specs(plan: Plan) -> list[RingSpec]:
-    """Every ring of the plan's SHM boundary groups, in plan order."""
-    lay = plan.layout
-    via = {g.key: g.transport for g in plan.groups}
-    itemsize = 2 if lay.train.precision is Precision.BF16 else 4  # boundaries travel in the compute dtype
-    out = []
-    for direction, routes in ((Direction.FWD, plan.routes_f), (Direction.BWD, plan.routes_b)):
-        for r in routes:
-            src = plan.stage_of(r.src)
-            group = plan.route_group(direction, r)
-            if via[group] != SHM or r.src == r.dst:
-                continue
-            pipe = lay.pipelines[src.pipeline]
-            # positions of each row it carries: a re-chunking route's runs, else the receiver's 1 / cp of them
-            width = sum(n for _, _, n in r.runs) if r.runs else lay.model.seq_len // plan.stage_of(r.dst).cp
-            numel = pipe.batch // pipe.microbatches * width * lay.model.hidden
-            piece = -(-numel // r.pieces) * itemsize
-            out.append(
-                RingSpec(r.src, r.dst, direction, pipe.microbatches * lay.train.chunks, -(-piece // 64) * 64, group)
-            )
-    return out
+    """Every ring of the plan's SHM boundary groups, in plan order (the plan's ``shm_links``, compiled with it)."""
+    return [RingSpec(k.src, k.dst, k.direction, k.slots, k.slot_bytes, k.group) for k in plan.shm_links]
 
 
 def free_bytes(path: str) -> int:

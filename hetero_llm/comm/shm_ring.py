@@ -47,7 +47,7 @@ import attrs
 import torch
 
 from hetero_llm.errors import RankFailure
-from hetero_llm.plan.rank import GroupKey
+from hetero_llm.plan.rings import ShmLink
 from hetero_llm.schedule import Direction
 
 # A reader spins this long before it sleeps. 0: on 2 shared cores a spinning reader delays the very writer
@@ -66,13 +66,9 @@ _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 
 
 @attrs.frozen
-class RingSpec:
-    src: int  # sending rank (the ring's only writer)
-    dst: int  # receiving rank (its only reader; it creates the ring)
-    direction: Direction  # activations (FWD) or their gradients (BWD)
-    slots: int  # messages one step sends on it
-    slot_bytes: int  # one piece of the boundary tensor, rounded up to 64
-    group: GroupKey  # the plan group this ring stands in for
+class RingSpec(ShmLink):
+    """The ring of one of the plan's shared-memory links (``plan.rings.ShmLink``: its ranks, direction, slots,
+    slot bytes and group), with the file's size in this format."""
 
     @property
     def key(self) -> tuple[int, int, Direction]:

@@ -32,16 +32,15 @@ MEMORY_KEYS = {
 def memory_parts(plan: Plan, rank: int, model=None, global_batch: int | None = None) -> dict[str, int]:
     """What rank ``rank`` needs at least, in bytes, by part (``MEMORY_RULE``; 'tokens' are in this host's RAM
     whatever the device, the rest on the rank's device). ``model`` / ``global_batch`` replace the layout's
-    (to find the largest value that fits). Torch-free."""
-    lay = plan.layout
-    model = model or lay.model
-    gb = global_batch or lay.train.global_batch
-    info = plan.ranks[rank]
-    pipe = lay.pipelines[info.pipeline]
-    stage = pipe.stages[info.stage]
+    (to find the largest value that fits). Read from the rank's compiled ``RankPlan``. Torch-free."""
+    rp = plan.rank_plan(rank)
+    model = model or rp.model
+    gb = global_batch or rp.train.global_batch
+    stage, share = rp.stage, rp.batch
     tp = stage.tp
     cp = stage.cp  # a context-parallel rank holds 1 / cp of every row's positions
-    first, last = info.stage == 0, info.stage == len(pipe.stages) - 1
+    first, last = stage.first, stage.last
+    layers = sum(hi - lo for lo, hi in stage.chunk_ranges)
 
     def count(infos) -> int:  # elements of the rank's shards of these parameters
         total = 0
@@ -54,13 +53,14 @@ def memory_parts(plan: Plan, rank: int, model=None, global_batch: int | None = N
 
     edge = (embedding_params(model) if first else []) + (head_params(model) if last else [])
     edge = list({p.name: p for p in edge}.values())  # a tied head on a one-stage pipeline: one tensor
-    rows = max(1, -(-pipe.batch * gb // (lay.train.global_batch * pipe.microbatches)))  # one microbatch's rows
+    rows = max(1, -(-share.size * gb // (rp.train.global_batch * share.microbatches)))  # one microbatch's rows
     positions = rows * model.seq_len // cp
-    per_param = 16 if lay.train.optimizer.value != "adamw_zero1" else 8 + -(-8 // len(lay.pipelines))  # moments sharded
+    pipelines = len(plan.schedules)
+    per_param = 8 + -(-8 // pipelines) if rp.sharded_optimizer else 16  # ZeRO-1: the moments sharded over pipelines
     return {
         "tokens": gb * (model.seq_len + 1) * 8,
-        "activations": positions * stage.layers * (model.hidden // tp) * 4,
-        "blocks": per_param * stage.layers * count(layer_params(model, 0)),
+        "activations": positions * layers * (model.hidden // tp) * 4,
+        "blocks": per_param * layers * count(layer_params(model, 0)),
         "embeddings": per_param * count(edge),
         "logits": positions * model.vocab * 4 if last else 0,  # attention: causal SDPA, no seq_len^2 scores
     }
@@ -114,7 +114,7 @@ def check_memory(plan: Plan, ranks: list[int], ram: int | None = None, device_me
         value, bound = bounds[key]
         fits = f"at most {bound} fits" if bound else "no value fits with the rest of the layout"
         raise LayoutError(
-            plan.layout.file,
+            plan.rank_plan(which[0]).file,
             key,
             f"{value} needs an estimated {_gib(need)} of {where} for rank(s) "
             f"{', '.join(map(str, which))}, more than its {_gib(capacity)} ({fits}; {MEMORY_RULE})",
@@ -126,9 +126,10 @@ MEMORY_CHOICES = ("train.global_batch", "model.seq_len", "model.vocab", "model.h
 
 def _largest_fitting(plan: Plan, which: list[int], on_host: bool, capacity: int, key: str) -> tuple[int, int]:
     """The layout's value of ``key`` and the largest value of it whose estimate fits ``capacity`` (0: none)."""
-    model = plan.layout.model
+    rp = plan.rank_plan(which[0])  # the model and train settings are every rank's
+    model = rp.model
     field, step = key.partition(".")[2], 1
-    value = plan.layout.train.global_batch if key == "train.global_batch" else getattr(model, field)
+    value = rp.train.global_batch if key == "train.global_batch" else getattr(model, field)
     if field == "hidden":  # keep heads dividing it (and rope's head size even)
         step = model.heads * (2 if model.position.value == "rope" else 1)
 

@@ -27,10 +27,10 @@ import os
 import attrs
 
 from hetero_llm import schedule as sched
-from hetero_llm.layout import SHM, Compile, Layout, Optimizer, Recompute, Schedule
+from hetero_llm.layout import SHM, Compile, Layout, Optimizer, Recompute, Schedule, bucket_layout, elastic_layout
 from hetero_llm.model import cp_chunks
 from hetero_llm.model.params import ParamInfo, shard_range
-from hetero_llm.plan import blocks, zero1_slices
+from hetero_llm.plan import blocks, rings, zero1_slices
 
 # The plan's pieces live in plan/rank.py (a RankPlan holds them too); they are imported from here as well.
 from hetero_llm.plan.rank import (
@@ -71,10 +71,15 @@ class Plan:
     routes_f: tuple[Route, ...]
     routes_b: tuple[Route, ...]
     rank_plans: tuple[RankPlan, ...] = ()  # what each rank does (``RankPlan``), by rank
+    # Hot switching: every bucket's own plan (``layout.bucket_layout``), shortest bucket first, compiled with this
+    # one so that no rank, dry run or prediction compiles them again
+    buckets: tuple[Plan, ...] = ()
+    shm_links: tuple[rings.ShmLink, ...] = ()  # the boundary pieces that travel through shared-memory rings
     # Indexes built once from the fields above (``stage_of``, ``batch_share`` are asked per rank: a scan each
     # time made a 1,024-rank dry run quadratic)
     _stage_at: dict[tuple[int, int], StagePlan] = attrs.field(init=False, repr=False, eq=False)
     _batch_offsets: tuple[int, ...] = attrs.field(init=False, repr=False, eq=False)
+    _by_rounds: dict[int, Plan] = attrs.field(init=False, factory=dict, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         stage_at: dict[tuple[int, int], StagePlan] = {}
@@ -106,6 +111,16 @@ class Plan:
     def batch_share(self, pipeline: int) -> tuple[int, int]:
         """(offset, size) of a pipeline's contiguous rows of the global batch."""
         return self._batch_offsets[pipeline], self.layout.pipelines[pipeline].batch
+
+    def for_rounds(self, rounds: int) -> Plan:
+        """An elastic bucket's plan for a step whose rows need ``rounds`` times its pipelines' batch shares
+        (``layout.elastic_layout``): how many is known only from the step's documents, so each count is compiled
+        on its first use and kept (every rank draws the same documents, so every rank compiles the same plans)."""
+        if rounds == 1:
+            return self
+        if rounds not in self._by_rounds:
+            self._by_rounds[rounds] = compile_plan(elastic_layout(self.layout, rounds))
+        return self._by_rounds[rounds]
 
     def fingerprint(self) -> str:
         """A short hash of what every rank must agree on (the layout's content, not its file path)."""
@@ -246,7 +261,13 @@ def compile_plan(layout: Layout) -> Plan:
         tuple(routes_f),
         tuple(routes_b),
     )
-    return attrs.evolve(plan, rank_plans=rank_plans(plan))
+    buckets = tuple(compile_plan(bucket_layout(layout, i)) for i in range(len(layout.buckets)))
+    return attrs.evolve(plan, rank_plans=rank_plans(plan), buckets=buckets, shm_links=_shm_links(plan))
+
+
+def _shm_links(plan: Plan) -> tuple[rings.ShmLink, ...]:
+    routes = ((Direction.FWD, plan.routes_f), (Direction.BWD, plan.routes_b))
+    return rings.shm_links(plan.layout, plan.groups, routes, plan.stage_of, plan.route_group)
 
 
 def _tp_key(st: StagePlan, cp_index: int = 0) -> TPKey:

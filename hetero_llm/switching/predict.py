@@ -137,13 +137,11 @@ def simulate_buckets(
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
     from hetero_llm.data import documents
     from hetero_llm.data import held_out as evaluate
-    from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching import bucketing
-    from hetero_llm.switching.transfers import bucket_plans
 
     home = compile_plan(layout)
-    plans = bucket_plans(layout)
+    plans = list(home.buckets)
     if source is None:
         source = evaluate.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
     docs = documents.fill_documents(source, layout.train.seed, step, layout.train.global_batch, layout.model.seq_len)
@@ -155,7 +153,7 @@ def simulate_buckets(
             continue
         elastic = layout.buckets[i].elastic
         rounds, split = bucketing.bucket_split(plan.layout.pipelines, rows.num_rows, elastic)
-        runs = compile_plan(elastic_layout(plan.layout, rounds)) if elastic and rounds > 1 else plan
+        runs = plan.for_rounds(rounds) if elastic else plan
         times.append(
             max(_pipeline_seconds(runs, j, rows.share(*share), device, links) for j, share in enumerate(split))
         )

@@ -26,9 +26,8 @@ from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms, layout_groups
 from hetero_llm.comm.streams import Streams
 from hetero_llm.data import documents
-from hetero_llm.layout import bucket_layout, elastic_layout
 from hetero_llm.model.document_mask import DocumentMask
-from hetero_llm.plan import Plan, compile_plan
+from hetero_llm.plan import Plan
 from hetero_llm.plan.rank import StageRoutes
 from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.emulation import Emulation
@@ -89,10 +88,9 @@ class Switcher:
             if not bucket.pipelines:
                 self.slots.append(self.home)
                 continue
-            plan = compile_plan(bucket_layout(lay, i))
+            plan = home.buckets[i]  # compiled with the home plan
             self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams))
         self._plans: dict[tuple, SwitchPlan] = {}
-        self._elastic: dict[tuple[int, int], Plan] = {}  # (bucket, rounds) -> its plan for that many microbatches
 
     def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams) -> Slot:
         mine = [r.rank for r in plan.ranks if r.device_id == self.me]
@@ -184,9 +182,7 @@ class Switcher:
         ]
         if not elastic or rounds == 1:
             return mbs, slot.plan
-        if (index, rounds) not in self._elastic:
-            self._elastic[index, rounds] = compile_plan(elastic_layout(bucket_layout(self.layout, index), rounds))
-        return mbs, self._elastic[index, rounds]
+        return mbs, self.home.plan.buckets[index].for_rounds(rounds)
 
     # -- switches --------------------------------------------------------------------------------
 

@@ -28,9 +28,9 @@ from collections import defaultdict
 
 import attrs
 
-from hetero_llm.layout import Layout, bucket_layout
+from hetero_llm.layout import Layout
 from hetero_llm.model.params import ParamInfo, all_params
-from hetero_llm.plan import Plan, compile_plan
+from hetero_llm.plan import Plan
 
 FLOAT32_BYTES = 4  # parameters and accumulated gradients are float32 (master weights)
 LINKS = ("local", "node", "domain", "cross_domain")  # where a transfer travels, cheapest first
@@ -244,17 +244,12 @@ def step_switch(
     return attrs.evolve(moved, params=fresh.params, link_of={**moved.link_of, **fresh.link_of})
 
 
-def bucket_plans(layout: Layout) -> list[Plan]:
-    """The compiled plan of every bucket of ``layout``, shortest first."""
-    return [compile_plan(bucket_layout(layout, i)) for i in range(len(layout.buckets))]
-
-
 def describe_buckets(layout: Layout, home: Plan) -> str:
     """The ``--dry-run`` report of hot switching: each bucket's layout, and the switches of a step in which
     every bucket has documents (home -> shortest -> ... -> longest -> home; none between equal layouts):
     parameters from home, gradients from the layout before."""
     lines = ["hot switching buckets (shortest first; each runs under its own layout, the home layout takes the step):"]
-    plans = bucket_plans(layout)
+    plans = list(home.buckets)  # compiled with the home plan
     low = 0
     for i, (b, plan) in enumerate(zip(layout.buckets, plans)):
         shape = " | ".join(

@@ -1,7 +1,7 @@
 """Whether hot switching pays (``hetero-plan --buckets``): planned bucket layouts priced as whole steps, their
 switches and the memory of their shard copies included, against the best static plan. Torch-free.
 
-``planner.buckets.propose`` plans each bucket on its own rows. ``judge`` then predicts whole steps, on the
+``propose.propose`` plans each bucket on its own rows. ``judge`` then predicts whole steps, on the
 documents of the first ``STEPS`` steps (the ones training draws, ``documents.fill_documents``):
 
 - each bucket's rows as the run packs them (``bucketing.bucket_rows``: first-fit decreasing, top-up included,
@@ -30,9 +30,17 @@ from pathlib import Path
 
 import attrs
 
-from hetero_llm.planner.buckets import Bucket
-from hetero_llm.planner.candidates import Candidate, Score
+from hetero_llm import layout as layout_mod
+from hetero_llm.data import documents, held_out
+from hetero_llm.plan import compile_plan
+from hetero_llm.planner.buckets import Bucket, elastic_unit
+from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.memory import MOMENT_BYTES, MemoryModel
+from hetero_llm.planner.output import planned_layout
+from hetero_llm.planner.search import Planner
+from hetero_llm.switching import bucketing
+from hetero_llm.switching.predict import COPY_BANDWIDTH, NODE_LINK, link_costs, step_switches
 
 STEPS = 4  # steps whose documents are priced (each draws its own documents)
 FLOAT32_BYTES = 4
@@ -163,9 +171,6 @@ def _home(b: Bucket, why: str = "") -> Bucket:
 
 class _Pricer:
     def __init__(self, cluster: Cluster, home: Candidate, home_score: Score):
-        from hetero_llm.data import held_out
-        from hetero_llm.planner.output import planned_layout
-        from hetero_llm.planner.search import Planner
 
         self.cluster, self.home, self.home_score = cluster, home, home_score
         self.planner_at: dict[int, Score] = {}  # bound -> the home layout's score on rows of that width
@@ -191,8 +196,6 @@ class _Pricer:
         and takes the fewest microbatches that keep home's proportions (rounded) and at least its stage count (what
         1F1B and ZB-H1 hold at most: no more activations than planned), so a step's rows pad to the sum of those
         shares, not to the global batch. None under other schedules, or where that is home itself."""
-        from hetero_llm.planner.buckets import elastic_unit
-        from hetero_llm.planner.candidates import PipelineChoice
 
         if self.home.schedule not in ("1f1b", "zbh1"):
             return None
@@ -213,17 +216,11 @@ class _Pricer:
         return Bucket(bound, cand, score, "") if score.feasible else None
 
     def price(self, buckets: tuple[Bucket, ...]) -> Priced:
-        from hetero_llm import layout as layout_mod
-        from hetero_llm.data import documents
-        from hetero_llm.plan import compile_plan
-        from hetero_llm.planner.output import planned_layout
-        from hetero_llm.switching import bucketing
-        from hetero_llm.switching.predict import step_switches
-        from hetero_llm.switching.transfers import bucket_plans
 
         text = layout_mod.dumps(planned_layout(self.cluster, self.home, buckets))
         lay = layout_mod.loads(text, file=self.cluster.file, base_dir=Path(self.cluster.file).parent)
-        home_plan, plans = compile_plan(lay), bucket_plans(lay)
+        home_plan = compile_plan(lay)
+        plans = list(home_plan.buckets)
         links = self._links(lay)
         compute = switches = 0.0
         steps = max(1, min(STEPS, self.cluster.train.steps))
@@ -245,14 +242,12 @@ class _Pricer:
         return Priced(buckets, compute / steps, switches / steps, home_s, copies, peak, over)
 
     def _copy(self) -> tuple[float, float]:
-        from hetero_llm.switching.predict import COPY_BANDWIDTH
 
         return COPY_BANDWIDTH, 0.0
 
     def _links(self, lay) -> dict[str, tuple[float, float]]:
         """The switch links: ``predict.link_costs`` (the layout's domains and cross-domain network), a node's
         link at the slowest device kind's ``link_gbps`` plus the cluster's ``p2p_latency_us``."""
-        from hetero_llm.switching.predict import NODE_LINK, link_costs
 
         links = dict(link_costs(lay))
         slowest = min(n.kind.link_gbps for n in self.cluster.nodes)
@@ -262,7 +257,6 @@ class _Pricer:
 
     def _memory(self, buckets: tuple[Bucket, ...]) -> tuple[float, float, str]:
         """(most copy bytes on a device, most bytes on a device, the first device over its memory or "")."""
-        from hetero_llm.planner.memory import MOMENT_BYTES, MemoryModel
 
         mm = MemoryModel(self.cluster)
 
