@@ -148,6 +148,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="seq_len 256, 3 steps, cp 1 and 2")
     ap.add_argument("--gflops", type=float, default=2.0, help="the emulated device's GFLOP/s")
     ap.add_argument("--mbit", type=float, default=178.0, help="the shaped link's rate, Mbit/s each way")
+    ap.add_argument("--cps", default="", help="the cp sizes to run, e.g. '1,4' (default: 1, 2, 4; --quick: 1, 2)")
     ap.add_argument("--out", "--out-dir", dest="out", type=Path, default=benchlib.RESULTS)
     args = ap.parse_args()
     from bench import testbed
@@ -157,9 +158,9 @@ def main() -> None:
         print(f"context_links: skipped: needs root and Linux network namespaces ({why})")
         return
     cfg = config(args.quick, args.gflops, args.mbit)
-    cps = (1, 2) if args.quick else (1, 2, 4)
+    cps = tuple(int(c) for c in args.cps.split(",")) if args.cps else (1, 2) if args.quick else (1, 2, 4)
     skip = 1 if args.quick else 2
-    runs = [(1, True)] + [(cp, overlap) for cp in cps[1:] for overlap in (True, False)]
+    runs = [(cp, overlap) for cp in cps for overlap in ((True,) if cp == 1 else (True, False))]
     fabric = testbed.FabricSpec(f"{cfg['mbit']:g}mbit", "0us")
     nodes = tuple(testbed.EmulatedNode(f"node{i}", "d0") for i in range(max(cps)))
     spec = testbed.TestbedSpec((testbed.EmulatedDomain("d0", fabric),), nodes, fabric)
@@ -202,7 +203,10 @@ def main() -> None:
     head = benchlib.report_head("context_links", info, before, after)
     md = "\n".join([*head, link, "", table])
     print(md)
-    benchlib.write_results(args.out, "context_links" + ("_quick" if args.quick else ""), md, payload)
+    name = (
+        "context_links" + ("_quick" if args.quick else "") + (f"_gflops{args.gflops:g}" if args.gflops != 2.0 else "")
+    )
+    benchlib.write_results(args.out, name, md, payload)
 
 
 if __name__ == "__main__":
