@@ -35,8 +35,8 @@ def ring_of(rp: RankPlan, comms: Comms) -> Ring | None:
 def emulated_ring(ring: Ring, model, tp: int, device: EmulatedDevice | None) -> Ring:
     """``ring`` on an emulated rank: its transfers' waits counted (``RingWaits``: the compute action's modelled
     duration leaves them out, so what a transfer does not hide lengthens the action, as on a GPU) and, on a
-    modelled device, each ring step's attention blocks paced to their modelled seconds, ``2 H`` FLOPs per
-    query/key score and its weighted sum, ``2 x`` that backward, split over the TP group (as
+    modelled device, each ring step's attention blocks paced to their modelled seconds, ``4 H`` FLOPs per visible
+    query/key pair (its score and its weighted value), ``2 x`` that backward, split over the TP group (as
     ``predict.device.action_seconds`` charges the rows' attention, ``square_sum`` ~ twice the visible pairs),
     while the step's posted transfer travels in gloo's background."""
     if device is None:
