@@ -13,7 +13,7 @@ CLUSTER --evaluate LAYOUT`` on a cluster file whose device kind has the emulated
 
 Measured: wall step times (median after warm-up) of real ``hetero-launch`` runs, whose ring transfers are real gloo
 messages on this host. Not measured: shaped links (the cluster file's link is not imposed on the ring's
-messages: host-local gloo), and no switch of the ring's overlap of transfer with compute (it always overlaps).
+messages: host-local gloo), and the ring's overlap on and off: both in bench/context_links.py (testbed links, ``cp_overlap``).
 """
 
 from __future__ import annotations

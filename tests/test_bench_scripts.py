@@ -729,3 +729,41 @@ def test_context_speed_layouts_match_their_cluster_files(tmp_path):
         (tmp_path / f"c{cp}.toml").write_text(cluster)
         steps[cp] = context_speed.predicted(tmp_path / f"c{cp}.toml", tmp_path / f"l{cp}.toml")["step_time"]
     assert 0.45 < steps[2] / steps[1] < 0.55
+
+
+def test_context_links_layouts_price_overlap(tmp_path):
+    """bench.context_links' run layout (one emulated node a CP rank) and its one-node twin for --evaluate train the
+    same stage; --evaluate prices cp 2 below cp 1, and cp_overlap = false above overlap over the slow link."""
+    from bench import context_links
+    from hetero_llm import layout
+
+    cfg = context_links.config(True, 2.0, 178.0)
+    cfg.update(link_gbps=0.7, latency_us=20.0)
+    steps = {}
+    for cp, overlap in ((1, True), (2, True), (2, False)):
+        run, plan, cluster = context_links.texts(cfg, cp, overlap, [f"10.77.0.{i + 1}" for i in range(cp)])
+        ran, planned = layout.loads(run), layout.loads(plan)
+        assert [(s.cp, s.cp_overlap) for s in ran.pipelines[0].stages] == [(cp, overlap)]
+        assert [n.host for n in ran.cluster.nodes] == [f"10.77.0.{i + 1}" for i in range(cp)]
+        assert ran.model == planned.model and len(planned.cluster.nodes) == 1
+        (tmp_path / "l.toml").write_text(plan)
+        (tmp_path / "c.toml").write_text(cluster)
+        steps[cp, overlap] = context_links.predicted(tmp_path / "c.toml", tmp_path / "l.toml")["step_time"]
+    assert steps[2, True] < steps[2, False] < steps[1, True]
+
+
+@pytest.mark.netns
+def test_context_links_quick(tmp_path):
+    """The shaped-link run (root only): cp 1 and cp 2 with overlap on and off, each step measured beside its
+    prediction."""
+    from bench import testbed
+
+    ok, why = testbed.available()
+    if not ok:
+        pytest.skip(f"needs root and Linux network namespaces; runs on the CI machine and developer machines ({why})")
+    _run("context_links", tmp_path)
+    data = json.loads((tmp_path / "context_links_quick.json").read_text())
+    assert [(r["cp"], r["overlap"]) for r in data["runs"]] == [(1, True), (2, True), (2, False)]
+    assert all(len(r["step_s"]) == 3 and min(r["step_s"]) > 0 for r in data["runs"])
+    assert data["path"]["bits_per_s"] > 0
+    assert "| cp | overlap | predicted step s |" in (tmp_path / "context_links_quick.md").read_text()

@@ -118,6 +118,7 @@ def _worker(rank: int, cp: int, port: int) -> None:
         _check_attention(ring, DOCS, nkv=1, recompute=True, seed=3)
         _check_skipped_blocks(ring)
         _check_overlap(ring)
+        _check_overlap(ring, overlap=False)
         if cp == 2:  # the rest once: a few seconds of CPU each, many more on a loaded machine
             _check_attention(ring, DOCS, seed=1)
             _check_attention(ring, None, nkv=2, recompute=True, seed=4)
@@ -266,8 +267,9 @@ def _check_skipped_blocks(ring) -> None:
 class _LoggedRing:
     """The real ring, logging each shift posted and waited for beside the blocks computed."""
 
-    def __init__(self, ring, log: list[str]):
+    def __init__(self, ring, log: list[str], overlap: bool = True, pace=None):
         self.ring, self.log, self.size, self.index = ring, log, ring.size, ring.index
+        self.overlap, self.pace = overlap, pace
 
     def source(self, step):
         return self.ring.source(step)
@@ -288,8 +290,12 @@ class _LoggedRing:
         return Logged()
 
 
-def _check_overlap(ring) -> None:
+def _check_overlap(ring, overlap: bool = True) -> None:
+    """Overlap on: each step's K/V transfer posted before its blocks and waited for after them; off
+    (``cp_overlap = false``): posted after the blocks and waited for before any other block, the same result.
+    An emulated device's pacing sees each step's visible query/key pairs once a pass, adding up to the row's."""
     log: list[str] = []
+    paced: list[tuple[int, int]] = []
     forward, backward = context._block_forward, context._block_backward
 
     def count_forward(*args, **kwargs):
@@ -300,13 +306,26 @@ def _check_overlap(ring) -> None:
         log.append("block")
         return backward(*args, **kwargs)
 
+    def pace(t0: float, pairs: int, passes: int) -> None:
+        paced.append((pairs, passes))
+
     context._block_forward, context._block_backward = count_forward, count_backward
     try:
-        _check_attention(_LoggedRing(ring, log), None, seed=6)
+        _check_attention(_LoggedRing(ring, log, overlap, pace), None, seed=6)
     finally:
         context._block_forward, context._block_backward = forward, backward
     kv = [e for e in log if e != "post dkv" and e != "wait dkv"]
     assert kv.count("post kv") == 2 * (ring.size - 1), log  # forward and backward: every step but the last
     for i, e in enumerate(kv):
-        if e == "post kv":  # the blocks of this step come between the post and the wait
+        if e == "post kv" and overlap:  # the blocks of this step come between the post and the wait
             assert kv[i + 1] == "block" and kv[kv.index("wait kv", i) - 1] == "block", log
+        if e == "post kv" and not overlap:  # no block while a transfer travels
+            assert "block" not in kv[i : kv.index("wait kv", i)], log
+    if not overlap:  # the gradients too: waited for before the next block
+        for i, e in enumerate(log):
+            if e == "post dkv" and "wait dkv" in log[i:]:
+                assert "block" not in log[i : log.index("wait dkv", i)], log
+    held = cp_chunks.local_positions(SEQ, ring.size, ring.index)
+    row_pairs = B * int((held + 1).sum())  # causal: a query at position p sees p + 1 keys
+    assert [n for _, n in paced] == [1] * ring.size + [2] * ring.size
+    assert sum(p for p, n in paced if n == 1) == sum(p for p, n in paced if n == 2) == row_pairs

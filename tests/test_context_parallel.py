@@ -21,6 +21,8 @@ from hetero_llm import layout
 from hetero_llm.data import documents
 from hetero_llm.data import held_out as evaluate
 from hetero_llm.model import cp_chunks
+from hetero_llm.plan import compile_plan
+from hetero_llm.plan.describe import describe_context
 
 pytestmark = pytest.mark.multiprocess
 
@@ -155,3 +157,14 @@ def test_bf16_cp_2(shared_launch, reference, tmp_path):
     assert_bf16_close(run, shared_launch(REFERENCE, *bf16))
     assert_bf16_close(run, reference)
     assert run.losses != reference.losses  # computed in bf16, not float32
+
+
+def test_cp_2_without_overlap(reference, tmp_path):
+    """``cp_overlap = false`` (each ring transfer waited for before the next block: the baseline of
+    bench/context_links.py) trains the same model; --dry-run says the ring does not overlap."""
+    path = cp_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(6, 1, 2)])])
+    path.write_text(path.read_text().replace("cp = 2", "cp = 2\ncp_overlap = false"))
+    lay = layout.load(path)
+    assert [st.cp_overlap for st in lay.pipelines[0].stages] == [False]
+    assert "(no overlap)" in "\n".join(describe_context(compile_plan(lay)))
+    assert_same_model(launch(path, tmp_path), reference)

@@ -35,6 +35,13 @@ def small(tmp_path, seq_len: int = 256, max_cp: int = 2, extra: str = "") -> Pat
     return path
 
 
+def cp_wins(tmp_path) -> Path:
+    """small_cpu.toml where a CP 2 stage is the optimum: 1024 tokens, one row a step."""
+    path = small(tmp_path, seq_len=1024)
+    path.write_text(path.read_text().replace("global_batch = 8", "global_batch = 1"))
+    return path
+
+
 def group(cluster, node: str, n: int, cp: int) -> TPGroup:
     nd = cluster.node(node)
     return TPGroup(nd.name, nd.domain, tuple(f"{node}:{i}" for i in range(n)), nd.kind, cp)
@@ -43,7 +50,8 @@ def group(cluster, node: str, n: int, cp: int) -> TPGroup:
 def test_ring_traffic_and_overlap_by_hand():
     """Llama-7B at 32K, TP 4 x CP 2 on an A100 node: each ring step sends 2 x 16384 tokens x 8 KV heads x 128 x 2
     bytes = 64 MiB over NVLink (2400 Gbit/s at its NCCL fraction); forward, the one step hides behind a block
-    of half the rank's attention when that is longer; backward twice the bytes."""
+    of half the rank's attention when that is longer; backward the K/V hide behind the first block, their
+    float32 gradients (twice the bytes of bf16) behind the second, and the last gradients come home exposed."""
     c = load_cluster(LLAMA_32K)
     cost = PlannerCostModel(c)
     g = group(c, "a0", 8, 2)
@@ -53,14 +61,41 @@ def test_ring_traffic_and_overlap_by_hand():
     bw = 2400e9 * kind.link_fraction / 8
     attn_f, attn_b = cost.roofline.attention(kind, 1, 4, 2)
     f, b = context.ring_exposed(cost, g, 1)
-    assert f == pytest.approx(max(0.0, 64 * 2**20 / bw - attn_f / 2))
-    assert b == pytest.approx(max(0.0, 2 * 64 * 2**20 / bw - attn_b / 2))
-    # at 32K the attention's blocks hide the ring on NVLink; over a link 1000x slower they would not
-    assert f == b == 0.0
+    kv, dkv = 64 * 2**20 / bw + cost.p2p_latency, 128 * 2**20 / bw + cost.p2p_latency
+    assert f == pytest.approx(max(0.0, kv - attn_f / 2))
+    assert b == pytest.approx(max(0.0, kv - attn_b / 2) + max(0.0, dkv - attn_b / 2) + dkv)
+    # at 32K the attention's blocks hide the ring on NVLink but the last gradients; over a link 1000x slower not
+    assert f == 0.0 and b == pytest.approx(dkv)
     slow = attrs.evolve(g, kind=attrs.evolve(kind, link_gbps=2.4))
     f, b = context.ring_exposed(cost, slow, 1)
-    assert f == pytest.approx(64 * 2**20 / (2.4e9 * kind.link_fraction / 8) - attn_f / 2)
+    assert f == pytest.approx(64 * 2**20 / (2.4e9 * kind.link_fraction / 8) + cost.p2p_latency - attn_f / 2)
     assert context.ring_exposed(cost, group(c, "a0", 8, 1), 1) == (0.0, 0.0)
+    # cp_overlap = false: every transfer waited for (backward the K/V and the gradients at once, then the last)
+    off = context.ring_exposed(cost, attrs.evolve(g, overlap=False), 1)
+    assert off == pytest.approx((kv, kv + dkv - cost.p2p_latency + dkv))
+
+
+def test_ring_overlap_at_cp_4_by_hand():
+    """CP 4 over a slow link: forward 3 K/V steps past their blocks; backward the first block hides the next K/V,
+    the two middle ones the K/V and the previous gradients together, the last one the gradients, and the last
+    gradients come home; without overlap 3 forward transfers, 3 K/V + gradients and the last gradients."""
+    c = load_cluster(LLAMA_32K)
+    cost = PlannerCostModel(c)
+    g = group(c, "a0", 8, 4)
+    g = attrs.evolve(g, kind=attrs.evolve(g.kind, link_gbps=24))
+    bw, lat = 24e9 * g.kind.link_fraction / 8, cost.p2p_latency
+    nbytes = context.ring_bytes(cost, g, 1)
+    kv, dkv = nbytes / bw + lat, 2 * nbytes / bw + lat
+    attn_f, attn_b = cost.roofline.attention(g.kind, 1, g.tp, 4)
+    bf, bb = attn_f / 4, attn_b / 4
+    f, b = context.ring_exposed(cost, g, 1)
+    assert f == pytest.approx(3 * max(0.0, kv - bf))
+    middle = max(0.0, kv + dkv - lat - bb)
+    assert b == pytest.approx(max(0.0, kv - bb) + 2 * middle + max(0.0, dkv - bb) + dkv)
+    assert context.ring_exposed(cost, attrs.evolve(g, overlap=False), 1) == pytest.approx(
+        (3 * kv, 3 * (kv + dkv - lat) + dkv)
+    )
+    assert f < 3 * kv and b < 3 * (kv + dkv - lat) + dkv  # overlap hides some of it
 
 
 def test_cp_stage_time_on_a_flop_priced_kind_by_hand(tmp_path):
@@ -79,7 +114,7 @@ def test_cp_stage_time_on_a_flop_priced_kind_by_hand(tmp_path):
     link = 0.01e9 / 8
     attn = rows * 2 * S * S * H / speed
     ring_f = max(0.0, nbytes / link - attn / 2)
-    ring_b = max(0.0, 2 * nbytes / link - 2 * attn / 2)
+    ring_b = 2 * max(0.0, nbytes / link - 2 * attn / 2) + nbytes / link  # float32: gradients as many bytes as K/V
     assert f == pytest.approx(rows * layers * cost.layer_forward_flops() / speed + layers * ring_f)
     assert b == pytest.approx(2 * rows * layers * cost.layer_forward_flops() / speed + layers * ring_b)
     assert comm == pytest.approx(layers * (ring_f + ring_b)) and comm > 0
@@ -113,9 +148,10 @@ def test_cp_memory_and_gradient_sync_by_hand():
 
 
 def test_search_agrees_with_the_exhaustive_reference_with_cp_allowed(tmp_path):
-    """small_cpu.toml at 256 tokens with plan.max_cp = 2: the reference enumerates every group's TP x CP shape,
-    and its optimum (a CP 2 stage) is the search's."""
-    c = load_cluster(small(tmp_path))
+    """small_cpu.toml at 1024 tokens, one row a step, with plan.max_cp = 2: the reference enumerates every group's
+    TP x CP shape, and its optimum (a CP 2 stage: TP 2's all-reduces of the whole row cost more than the ring's
+    exposed gradients and the CP gradient sync; with 8 rows data parallelism wins) is the search's."""
+    c = load_cluster(cp_wins(tmp_path))
     structures = Planner(c).all_structures(10**6, subsets=True)
     assert structures is not None and any(g.cp == 2 for st in structures for p in st.pipelines for g in p)
     optimum, _ = reference(c)
@@ -134,8 +170,8 @@ def test_default_max_cp_enumerates_no_cp():
 
 def test_written_layout_carries_cp_and_evaluate_prices_it(tmp_path):
     """The plan's layout says each stage's cp, loads as a layout (the runtime's validation), and --evaluate of
-    it predicts the search's step time."""
-    path = small(tmp_path)
+    it predicts the search's step time; with cp_overlap = false every ring transfer is priced exposed."""
+    path = cp_wins(tmp_path)
     c = load_cluster(path)
     res = plan_cluster(c)
     text = layout_text(c, res.best, res.score, None)
@@ -151,6 +187,19 @@ def test_written_layout_carries_cp_and_evaluate_prices_it(tmp_path):
     assert ev.devices == sum(len(s.group.devices) for p in res.best.pipelines for s in p.stages)
     stages = [s for p in to_json(res.best, res.score)["pipelines"] for s in p["stages"]]
     assert [s.get("cp", 1) for s in stages] == [s.group.cp for p in res.best.pipelines for s in p.stages]
+    off = tmp_path / "off.toml"
+    off.write_text(text.replace("cp = 2", "cp = 2\ncp_overlap = false"))
+    lay_off = layout_mod.load(off)
+    assert [st.cp_overlap for p in lay_off.pipelines for st in p.stages if st.cp > 1] == [False]
+    ev_off = evaluate(c, lay_off, str(off))
+    (group_off,) = [s.group for p in ev_off.candidate.pipelines for s in p.stages if s.group.cp > 1]
+    cost = PlannerCostModel(c)
+    hidden, exposed = (
+        context.ring_exposed(cost, attrs.evolve(group_off, overlap=True), 1),
+        context.ring_exposed(cost, group_off, 1),
+    )
+    assert exposed[0] > hidden[0] and exposed[1] > hidden[1]
+    assert ev_off.score.step_time > ev.score.step_time
 
 
 @pytest.mark.parametrize(

@@ -11,11 +11,18 @@ NCCL: one ``batch_isend_irecv`` per shift on the group's own communicator (creat
 ``hetero_llm.comm.groups``), which runs on NCCL's stream; ``wait`` makes the compute stream wait for it. Gloo:
 plain ``isend``/``irecv``; a CUDA tensor crosses through a host copy (``p2p.stages_through_host``). A ring of one
 rank moves nothing: a shift hands back the tensors themselves.
+
+``overlap`` (the layout's ``cp_overlap``) tells the attention whether to post a step's transfer before its blocks
+(true) or after them, waiting for it at once (false). On emulated devices (``runtime/emulation.py``) ``pace``
+makes each step's blocks last their modelled time while the posted transfer proceeds in gloo's background, as
+on a GPU, and ``waits`` adds up the seconds spent waiting for transfers, which the rank's compute action does not
+include (its modelled duration has no ring in it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 
 import attrs
 import torch
@@ -33,6 +40,11 @@ class Ring:
     group: dist.ProcessGroup | None
     ranks: tuple[int, ...]
     index: int
+    overlap: bool = True  # post each transfer before the blocks it travels beside (cp_overlap)
+    # emulated devices: pace(t0, pairs, passes) sleeps until t0 plus the modelled seconds of ``pairs`` visible
+    # query/key pairs (``passes``: 1 forward, 2 backward); None: real devices, no pacing
+    pace: Callable[[float, int, int], None] | None = None
+    waits: RingWaits | None = None  # emulated devices: where the seconds spent waiting for transfers add up
 
     @property
     def size(self) -> int:
@@ -62,7 +74,7 @@ class Ring:
         else:
             works = [dist.irecv(buf, prev, group=self.group, tag=tag + j) for j, buf in enumerate(received)]
             works += [dist.isend(t, nxt, group=self.group, tag=tag + j) for j, t in enumerate(sends)]
-        return Shift(works, received, sends, device if staged else None)
+        return Shift(works, received, sends, device if staged else None, self.waits)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every CP rank's ``tensor`` (same shape on all), in CP index order."""
@@ -77,6 +89,13 @@ class Ring:
 SOLO = Ring(None, (0,), 0)  # a ring of one rank: the whole row on this process
 
 
+@attrs.define
+class RingWaits:
+    """Seconds a rank spent waiting for its ring's transfers (what an overlapped transfer did not hide)."""
+
+    seconds: float = 0.0
+
+
 @attrs.define(eq=False)
 class Shift:
     """A shift in flight: ``wait()`` gives the received tensors (on the senders' device)."""
@@ -85,10 +104,15 @@ class Shift:
     received: list[torch.Tensor]
     sent: list[torch.Tensor]  # kept alive until the sends complete
     device: torch.device | None = None  # staged through the host: where the received tensors go
+    waits: RingWaits | None = None  # where the seconds of this wait add up (emulated devices)
 
     def wait(self) -> list[torch.Tensor]:
+        """The received tensors, once here (again on a second call)."""
+        t0 = time.perf_counter()
         for work in self.works:
             finish(work)
+        if self.waits is not None and self.works:
+            self.waits.seconds += time.perf_counter() - t0
         self.works, self.sent = [], []
         if self.device is not None:
             return [t.to(self.device) for t in self.received]

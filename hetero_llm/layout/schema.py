@@ -309,6 +309,13 @@ class StageSpec:
         default=1,
         check=at_least(1),
     )
+    cp_overlap: bool = key(
+        "with cp > 1: post each ring step's key/value transfer before computing the attention blocks it travels "
+        "beside, so the transfer hides behind them (true, as Megatron-LM and torchtitan do); false: wait for "
+        "each transfer before going on (every transfer exposed: a baseline for measuring what overlap saves); "
+        "the same model either way",
+        default=True,
+    )
 
     @property
     def tp(self) -> int:

@@ -14,7 +14,10 @@ blocks without documents, the same number on every rank. A block whose every key
 and that has no documents needs no mask.
 
 What overlaps: the next step's keys and values are posted (``Ring.shift``) before the current step's blocks
-are computed and waited for only after them. The backward ring (as zhuzilin/ring-flash-attention's zigzag
+are computed and waited for only after them; with ``ring.overlap`` false (the layout's ``cp_overlap = false``)
+each transfer is posted after the blocks and waited for at once, the same messages in the same order. On an
+emulated device ``ring.pace`` makes each step's blocks last their modelled time (their visible query/key pairs)
+while the posted transfer travels. The backward ring (as zhuzilin/ring-flash-attention's zigzag
 ring) sends keys and values round again, and with them the float32 gradients of the keys and values held:
 each rank adds its blocks' share and passes them on, so after cp steps each rank's own key/value gradients
 come home. It recomputes each block's probabilities from the forward's log-sum-exp, saving only the local
@@ -28,6 +31,8 @@ caches them with the block plan), so a recomputed forward sends only keys and va
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Protocol
 
 import attrs
@@ -41,6 +46,12 @@ class KVRing(Protocol):
 
     @property
     def size(self) -> int: ...
+
+    @property
+    def overlap(self) -> bool: ...
+
+    @property
+    def pace(self) -> Callable[[float, int, int], None] | None: ...
 
     def source(self, step: int) -> int: ...
 
@@ -79,6 +90,21 @@ class _Plan:
     k_pos: list[torch.Tensor]  # by CP index: (T_local,)
     k_doc: list[torch.Tensor] | None  # by CP index: (B, T_local)
     steps: list[list[_Block]]  # by ring step
+    _pairs: dict[int, int] = attrs.field(factory=dict)  # by ring step: visible query/key pairs (emulated pacing)
+
+    def pairs(self, shard: ContextShard, step: int, rows: int) -> int:
+        """The (row, query, key) pairs that see each other in ring step ``step``'s blocks over ``rows`` rows
+        (made on first use: only an emulated device's pacing asks)."""
+        if step not in self._pairs:
+            src, total = shard.ring.source(step), 0
+            for b in self.steps[step]:
+                if b.masked:
+                    m = self.mask(shard, src, b)  # (B or 1, 1, 1, Lq, Lk)
+                    total += int(m.sum()) * (rows if m.shape[0] == 1 else 1)
+                else:
+                    total += rows * (b.q.stop - b.q.start) * (b.k.stop - b.k.start)
+            self._pairs[step] = total
+        return self._pairs[step]
 
     def mask(self, shard: ContextShard, src: int, b: _Block) -> torch.Tensor:
         """(B or 1, 1, 1, Lq, Lk) bool: which keys each query sees, broadcasting over heads."""
@@ -199,12 +225,17 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.full(qg.shape[:-1], float("-inf"), device=q.device)  # (B, nkv, g, T)
         kv = torch.stack([k, v])  # (2, B, nkv, T, hd): what travels, in the compute dtype
         for step in range(ring.size):
-            nxt = ring.shift([kv], KV_TAG) if step + 1 < ring.size else None  # travels while this step computes
-            src = ring.source(step)
+            more = step + 1 < ring.size
+            nxt = ring.shift([kv], KV_TAG) if more and ring.overlap else None  # travels while this step computes
+            t0, src = time.perf_counter(), ring.source(step)
             for b in plan.steps[step]:
                 mask = plan.mask(shard, src, b) if b.masked else None
                 o, l = _block_forward(qg[:, :, :, b.q], kv[0][:, :, b.k].float(), kv[1][:, :, b.k].float(), mask, scale)
                 out[:, :, :, b.q], lse[..., b.q] = _merge(out[:, :, :, b.q], lse[..., b.q], o, l)
+            if ring.pace is not None:
+                ring.pace(t0, plan.pairs(shard, step, B), 1)
+            if more and not ring.overlap:
+                nxt = ring.shift([kv], KV_TAG)
             if nxt is not None:
                 kv = nxt.wait()[0]
         y = out.view(B, nh, T, hd).to(q.dtype)
@@ -224,8 +255,9 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])
         pending = None  # the gradients of the keys/values held now, summed by the ranks before this one
         for step in range(ring.size):
-            nxt = ring.shift([kv], KV_TAG) if step + 1 < ring.size else None
-            src = ring.source(step)
+            more = step + 1 < ring.size
+            nxt = ring.shift([kv], KV_TAG) if more and ring.overlap else None
+            t0, src = time.perf_counter(), ring.source(step)
             dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # (2, B, nkv, T, hd)
             for b in plan.steps[step]:
                 mask = plan.mask(shard, src, b) if b.masked else None
@@ -235,9 +267,14 @@ class _RingAttention(torch.autograd.Function):
                 dq[:, :, :, b.q] += dqb
                 dkv[0][:, :, b.k] += dkb
                 dkv[1][:, :, b.k] += dvb
+            if ring.pace is not None:
+                ring.pace(t0, plan.pairs(shard, step, q.shape[0]), 2)
             if pending is not None:
                 dkv += pending.wait()[0]
             pending = ring.shift([dkv], DKV_TAG)  # on to the next rank, which holds these keys next step
+            if more and not ring.overlap:  # both transfers at once, then waited for before the next blocks
+                nxt = ring.shift([kv], KV_TAG)
+                pending.wait()
             if nxt is not None:
                 kv = nxt.wait()[0]
         assert pending is not None

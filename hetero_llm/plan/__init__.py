@@ -153,7 +153,9 @@ class Plan:
         if st.cp == 1:
             return None
         lo, hi = cp_chunks.chunk_ranges(self.layout.model.seq_len, st.cp, info.cp_index)
-        return ContextPlan(_cp_key(st, info.tp_index), info.cp_index, st.cp_ranks(info.tp_index), (lo, hi))
+        return ContextPlan(
+            _cp_key(st, info.tp_index), info.cp_index, st.cp_ranks(info.tp_index), (lo, hi), st.cp_overlap
+        )
 
     @property
     def meeting(self) -> Meeting:
@@ -225,7 +227,7 @@ def compile_plan(layout: Layout) -> Plan:
                 rank = len(ranks)
                 ranks.append(RankInfo(rank, pi, si, di % st.tp, node, dev, nodes[node].devices[int(idx)], di // st.tp))
                 stage_ranks.append(rank)
-            stages.append(StagePlan(pi, si, tuple(stage_ranks), ranges[si], n, st.cp))
+            stages.append(StagePlan(pi, si, tuple(stage_ranks), ranges[si], n, st.cp, st.cp_overlap))
         actions = pipeline_schedule(layout, pi)
         if layout.train.optimizer is Optimizer.ADAMW_ZERO1:
             actions = sched.add_optimizer_actions(actions)  # AG before each stage's first F, RS after its last B

@@ -150,7 +150,10 @@ def describe_context(plan: Plan) -> list[str]:
             ctx = plan.context(st.cp_ranks(t)[0])
             assert ctx is not None  # cp > 1 here
             held = "  ".join(f"rank {r}: {_chunks(plan.context(r))}" for r in ctx.ranks)
-            lines.append(f"  {ctx.group.name:<20} ring {' -> '.join(map(str, ctx.ranks))} -> {ctx.ranks[0]}   {held}")
+            off = "" if ctx.overlap else " (no overlap)"
+            lines.append(
+                f"  {ctx.group.name:<20} ring {' -> '.join(map(str, ctx.ranks))} -> {ctx.ranks[0]}{off}   {held}"
+            )
     return lines
 
 

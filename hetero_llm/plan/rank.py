@@ -110,6 +110,7 @@ class StagePlan:
     chunk_ranges: tuple[tuple[int, int], ...]  # [lo, hi) layers of each model chunk on this stage
     num_stages: int  # stages of this pipeline
     cp: int = 1  # context-parallel size: the stage's TP groups, each holding its chunks of every sequence
+    cp_overlap: bool = True  # the ring's transfers overlap the attention blocks (the layout's cp_overlap)
 
     @property
     def tp(self) -> int:
@@ -262,6 +263,7 @@ class ContextPlan:
     index: int
     ranks: tuple[int, ...]  # the CP group's global ranks, CP index order: the ring
     chunks: tuple[tuple[int, int], tuple[int, int]]  # [lo, hi) positions of chunk index and 2 x cp - 1 - index
+    overlap: bool = True  # each ring transfer posted before the attention blocks it travels beside (cp_overlap)
 
     @property
     def size(self) -> int:

@@ -22,6 +22,7 @@ class TPGroup:
     devices: tuple[str, ...]
     kind: DeviceKind
     cp: int = 1
+    overlap: bool = True  # the ring's transfers overlap the attention blocks (the layout's cp_overlap)
 
     @property
     def tp(self) -> int:

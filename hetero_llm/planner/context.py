@@ -8,8 +8,10 @@ so its matmuls, element-wise work, TP all-reduces, activations and logits are ``
 values round a ring (Megatron-LM's and torchtitan's ring attention), which adds:
 
 - per layer, ``cp - 1`` ring steps forward, each rank sending its K/V chunk (``ring_bytes``) to its neighbour over
-  the link between them; backward twice the bytes (K, V and their gradients). Each step overlaps one of the
-  ``cp`` blocks the rank's attention runs in: it costs what the block does not hide (``ring_exposed``);
+  the link between them; backward the K/V chunks again and ``cp`` sends of their float32 gradients. Each transfer
+  overlaps one of the ``cp`` blocks the rank's attention runs in and costs what the block does not hide; the
+  last gradients come home after the last block, exposed; with the layout's ``cp_overlap = false`` every
+  transfer is exposed (``ring_exposed``, the runtime's order of model/context.py);
 - the all-reduce of the stage's gradients over its CP ranks, which hold the same weights (``cp_sync_time``),
   over the intra-node link, before the sync between pipelines.
 
@@ -22,6 +24,8 @@ from typing import Any
 
 from hetero_llm.planner.candidates import Candidate, TPGroup
 from hetero_llm.planner.catalogue import ROOFLINE
+
+FLOAT32_BYTES = 4  # the ring's key/value gradients travel in float32 (model/context.py)
 
 # ``cost``: a cost.PlannerCostModel (not imported, not even for type checking: cost.py imports this module)
 Cost = Any
@@ -36,9 +40,14 @@ def ring_bytes(cost: Cost, group: TPGroup, rows: int) -> float:
 
 def ring_exposed(cost: Cost, group: TPGroup, rows: int) -> tuple[float, float]:
     """(forward, backward) seconds per layer of the ring that the attention does not hide: a rank's attention
-    runs in ``cp`` blocks (its queries against each K/V chunk in turn) and each of the ``cp - 1`` transfers
-    overlaps one block, costing ``max(0, transfer - block)``; a transfer crosses the link between ring
-    neighbours (a stage is one node's devices: the intra-node link), plus its latency."""
+    runs in ``cp`` blocks (its queries against each K/V chunk in turn); a transfer crosses the link between ring
+    neighbours (a stage is one node's devices: the intra-node link), plus its latency.
+
+    As model/context.py runs it: forward, each of the ``cp - 1`` K/V transfers overlaps one block, costing
+    ``max(0, transfer - block)``. Backward, the first block hides the next K/V, each middle one the next K/V and
+    the previous block's float32 K/V gradients together (one link), the last one those gradients; the last
+    gradients then travel home after the last block. Without overlap (``group.overlap`` false) every transfer
+    is waited for: ``cp - 1`` forward, backward ``cp - 1`` K/V and gradients at once and the last gradients."""
     cp = group.cp
     if cp == 1:
         return 0.0, 0.0
@@ -49,8 +58,12 @@ def ring_exposed(cost: Cost, group: TPGroup, rows: int) -> tuple[float, float]:
     else:  # the FLOP model: a backward twice the forward
         attn_f = rows * 2 * cost.square * cost.H / group.flops
         attn_b = 2 * attn_f
-    step_f, step_b = nbytes / bw + lat, 2 * nbytes / bw + lat
-    return (cp - 1) * max(0.0, step_f - attn_f / cp), (cp - 1) * max(0.0, step_b - attn_b / cp)
+    kv, dkv = nbytes / bw + lat, nbytes * FLOAT32_BYTES / cost.act_bytes / bw + lat
+    block_f, block_b = attn_f / cp, attn_b / cp
+    if not group.overlap:
+        return (cp - 1) * kv, (cp - 1) * (kv + dkv - lat) + dkv
+    hidden = max(0.0, kv - block_b) + (cp - 2) * max(0.0, kv + dkv - lat - block_b) + max(0.0, dkv - block_b)
+    return (cp - 1) * max(0.0, kv - block_f), hidden + dkv
 
 
 def cp_sync_time(cost: Cost, cand: Candidate) -> float:

@@ -104,7 +104,7 @@ def candidate_of(cluster: Cluster, layout: Layout, where: str) -> Candidate:
                 )
             node = nodes[next(iter(names))]
             recompute = (stage.recompute or layout.train.recompute) is Recompute.FULL
-            group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind, stage.cp)
+            group = TPGroup(node.name, node.domain, tuple(stage.devices), node.kind, stage.cp, stage.cp_overlap)
             stages.append(StageChoice(group, stage.layers, recompute))
         pipes.append(PipelineChoice(pipe.batch, pipe.microbatches, tuple(stages)))
     chunks = layout.train.chunks if schedule is Schedule.INTERLEAVED else 1

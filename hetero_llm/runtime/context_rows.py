@@ -10,22 +10,43 @@ gradients add up to the whole rows'.
 
 from __future__ import annotations
 
+import time
+
+import attrs
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from hetero_llm.comm.groups import Comms
-from hetero_llm.comm.ring import Ring
+from hetero_llm.comm.ring import Ring, RingWaits
 from hetero_llm.model import cp_chunks
 from hetero_llm.model.context import ContextShard
 from hetero_llm.plan.rank import RankPlan
+from hetero_llm.predict.device import EmulatedDevice
 from hetero_llm.schedule import Kind
 
 
 def ring_of(rp: RankPlan, comms: Comms) -> Ring | None:
     """The rank's CP group as a ring (None: its stage has cp 1)."""
     ctx = rp.context
-    return Ring(comms.groups[ctx.group], ctx.ranks, ctx.index) if ctx is not None else None
+    return Ring(comms.groups[ctx.group], ctx.ranks, ctx.index, ctx.overlap) if ctx is not None else None
+
+
+def emulated_ring(ring: Ring, model, tp: int, device: EmulatedDevice | None) -> Ring:
+    """``ring`` on an emulated rank: its transfers' waits counted (``RingWaits``: the compute action's modelled
+    duration leaves them out, so what a transfer does not hide lengthens the action, as on a GPU) and, on a
+    modelled device, each ring step's attention blocks paced to their modelled seconds, ``4 H`` FLOPs per visible
+    query/key pair (its score and its weighted value), ``2 x`` that backward, split over the TP group (as
+    ``predict.device.action_seconds`` charges the rows' attention, ``square_sum`` ~ twice the visible pairs),
+    while the step's posted transfer travels in gloo's background."""
+    if device is None:
+        return attrs.evolve(ring, waits=RingWaits())
+    per_pair = 4 * model.hidden / (tp * device.flops)
+
+    def pace(t0: float, pairs: int, passes: int) -> None:
+        time.sleep(max(0.0, t0 + passes * pairs * per_pair - time.perf_counter()))
+
+    return attrs.evolve(ring, pace=pace, waits=RingWaits())
 
 
 def context_columns(

@@ -103,6 +103,8 @@ class StageRunner:
             self._weight_grads = WeightGradStore()
             self._linear = self._weight_grads.linear
         self._block_fn = make_block_fn(self.model, self.tp, self.compute, self._linear)  # built once: compiled once
+        if self.ring is not None and self.emulation.active:  # attention blocks paced, ring waits counted
+            self.ring = context_rows.emulated_ring(self.ring, self.model, self.stage.tp, self.emulation.device)
 
     @property
     def chunks(self) -> int:
@@ -173,6 +175,8 @@ class StageRunner:
             tensor_meter.checkpoint(instant=True)
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         waited0 = self.tp_waits.seconds if self.tp_waits is not None else 0.0
+        ring_waits = self.ring.waits if self.ring is not None else None
+        ring0 = ring_waits.seconds if ring_waits is not None else 0.0
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
             d = a.kind.direction
             route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
@@ -216,7 +220,8 @@ class StageRunner:
             # RS frees the gradients before the step's checkpoint; the step's first forwards run before any exist)
             tensor_meter.checkpoint(instant=True)
         if a.kind in COMPUTE_KINDS and self.emulation.active:
-            spent = self._clock() - t0
+            # the ring's exposed transfers come on top: a modelled duration has no ring in it (context_rows.pace)
+            spent = self._clock() - t0 - (ring_waits.seconds - ring0 if ring_waits is not None else 0.0)
             lasts = (
                 dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
             )
