@@ -142,10 +142,9 @@ def p_rows(cand) -> str:
 def planned_buckets(cfg: Config, folder: Path, memory: float) -> tuple[Planned | None, list[str]]:
     """What ``hetero-plan --buckets {short}`` proposes for the scenario (None when it writes the static layout),
     and its verdict's lines."""
-    from hetero_llm.switching import propose
     from hetero_llm.planner import plan_cluster
     from hetero_llm.planner.output import planned_layout
-    from hetero_llm.switching import worth
+    from hetero_llm.switching import propose, worth
 
     cluster = load(cfg, folder, memory)
     result = plan_cluster(cluster, top=1)

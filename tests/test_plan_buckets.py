@@ -9,10 +9,9 @@ from helpers_plan import cluster, run_plan
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import buckets, load_cluster, plan_cluster
-from hetero_llm.switching import propose
 from hetero_llm.planner.memory import MemoryModel
 from hetero_llm.planner.search import Planner
-from hetero_llm.switching import worth
+from hetero_llm.switching import propose, worth
 
 
 def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_faster(tmp_path):
