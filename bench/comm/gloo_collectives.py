@@ -1,7 +1,7 @@
 """What gloo's collectives send between two nodes of the emulated testbed: bytes per node and seconds.
 
-    sudo python -m bench.gloo_collectives            # 0.7 MB over a 50 Mbit/s, 2 ms link (plan_vs_measured's cross link)
-    sudo python -m bench.gloo_collectives --quick    # 0.1 MB
+    sudo python -m bench.comm.gloo_collectives            # 0.7 MB over a 50 Mbit/s, 2 ms link (plan_vs_measured's cross link)
+    sudo python -m bench.comm.gloo_collectives --quick    # 0.1 MB
 
 The planner prices ZeRO-1's gradient sync as the ring all-reduce it replaces (a reduce-scatter, then an
 all-gather). This measures, for one buffer between two processes on two testbed nodes, the bytes each node
@@ -26,11 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import benchlib
 from bench import testbed as T
-from bench.holmes_bench import sent_bytes
+from bench.comm.holmes_bench import sent_bytes
+from bench.common import benchlib
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ("all_reduce", "reduce", "broadcast", "zero1_reduce_broadcast", "zero1_native", "zero1")
 LINK = T.FabricSpec("50mbit", "2000us")
 
@@ -98,7 +98,7 @@ def measure(operation: str, nbytes: int, reps: int) -> dict:
             "GLOO_SOCKET_IFNAME": "xdom",
             "OMP_NUM_THREADS": "1",
         }
-        code = f"from bench.gloo_collectives import _rank; import sys; _rank(int(sys.argv[1]), {nbytes // 4}, "
+        code = f"from bench.comm.gloo_collectives import _rank; import sys; _rank(int(sys.argv[1]), {nbytes // 4}, "
         code += f"{operation!r}, {reps}, {folder!r})"
         procs = [
             tb.run(node, [sys.executable, "-c", code, str(r)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL)

@@ -13,8 +13,8 @@ The testbed is built from the layout itself (``testbed_spec``): one emulated dom
 runtime's compute emulation for its ranks (HETERO_EMULATE_SLOWDOWN = fastest speed / its speed: each
 compute action is stretched by sleeping), since two cores cannot be cut into slower CPUs.
 
-    sudo python -m bench.holmes_bench                      # the benchmark: 3 layouts, interleaved reps
-    sudo python -m bench.holmes_bench --run LAYOUT.toml    # one layout on its testbed, print tokens/s
+    sudo python -m bench.comm.holmes_bench                      # the benchmark: 3 layouts, interleaved reps
+    sudo python -m bench.comm.holmes_bench --run LAYOUT.toml    # one layout on its testbed, print tokens/s
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ Three measurements, each A/B pair interleaved in one run (``benchlib``'s rules):
    boundary in shared memory vs over gloo, in paired rounds inside the same rank processes
    (``paired_rank.py --versus network``), 1F1B and the dynamic schedule (whose receives are polled).
 
-    python -m bench.shm_bench
-    python -m bench.shm_bench --quick
+    python -m bench.comm.shm_bench
+    python -m bench.comm.shm_bench --quick
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
-from bench.paired import paired_rates, run_paired
+from bench.common import benchlib as B
+from bench.pipeline.paired import paired_rates, run_paired
 
 NAME = "shm_bench"
 SIZES = (4, 64 << 10, 1 << 20, 16 << 20)
@@ -250,7 +250,7 @@ def main(rank, port, out, rounds, round_steps, quick, out_dir):
     with tempfile.TemporaryDirectory(prefix="bench_shm_") as tmp:
         got_p2p = Path(tmp, "p2p.json")
         B.start_ranks(
-            "bench.shm_bench",
+            "bench.comm.shm_bench",
             ["--port", str(B.free_port()), "--rounds", str(rounds), "--out", str(got_p2p)]
             + (["--quick"] if quick else []),
             2,

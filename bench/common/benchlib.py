@@ -1,9 +1,9 @@
 """Shared pieces of the benchmark scripts: layouts, launching, timing statistics, result files, gloo's p2p cost.
 
-Scripts in this folder import it as ``from bench import benchlib`` (they run as ``python -m bench.NAME``
+Scripts in this folder import it as ``from bench.common import benchlib`` (they run as ``python -m bench.NAME``
 from the repository root). Nothing here is part of the library: it drives ``hetero-launch`` as a user
 would, in subprocesses, and reads back what the library writes (``--metrics-jsonl``; the ``--trace``
-folders are read by ``bench/traces.py``). The paired comparison's driver is ``bench/paired.py``.
+folders are read by ``bench/common/traces.py``). The paired comparison's driver is ``bench/pipeline/paired.py``.
 
 Measurement rules every script follows (the machine is small and shared):
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
 
 

@@ -1,6 +1,6 @@
 """Traces of the benchmark runs (``hetero-launch --trace DIR``): per-step rows, compute intervals, bubbles.
 
-Scripts import it as ``from bench import traces`` (see ``benchlib``, whose runs write the traces).
+Scripts import it as ``from bench.common import traces`` (see ``benchlib``, whose runs write the traces).
 """
 
 from __future__ import annotations

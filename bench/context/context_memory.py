@@ -14,8 +14,8 @@ the transient score matrices of one attention block, freed before the next (T/(2
 
 cp is 1 and 2 only: the machine has 2 cores, and a ring's ranks all compute (two computing ranks at most).
 
-    python -m bench.context_memory
-    python -m bench.context_memory --quick
+    python -m bench.context.context_memory
+    python -m bench.context.context_memory --quick
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 
 NAME = "context_memory"
 CPS = (1, 2)

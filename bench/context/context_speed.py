@@ -1,7 +1,7 @@
 """Tokens/s of one long-row layout at cp 1 and cp 2 on emulated devices, against ``hetero-plan --evaluate``.
 
-    python -m bench.context_speed            # seq_len 1024, 8 steps
-    python -m bench.context_speed --quick    # seq_len 256, 5 steps
+    python -m bench.context.context_speed            # seq_len 1024, 8 steps
+    python -m bench.context.context_speed --quick    # seq_len 256, 5 steps
 
 A tiny model (2 layers, hidden 32, 2 heads, vocab 64, RoPE, SwiGLU) trains rows of ``seq_len`` positions on one
 stage of cp 1 (one rank) and cp 2 (two ranks: **the machine has 2 cores, so two computing ranks at most**).
@@ -25,7 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench import benchlib
+from bench.common import benchlib
 
 MODEL = """[model]
 layers = 2

@@ -1,7 +1,7 @@
 """Long sequences in the planner: attention priced per row vs per document, and the best plan with context
 parallelism in the search vs without (issue 35). Torch-free; planner only (no run).
 
-    python -m bench.plan_context [CLUSTER.toml] [--json FILE]
+    python -m bench.context.plan_context [CLUSTER.toml] [--json FILE]
 
 For the cluster file (default layouts/clusters/llama7b_32k.toml: Llama-7B shapes, 4 x 8 A100-80G, NVLink +
 InfiniBand, a lognormal corpus) at its sequence length and at twice it (half the sequences per step: the same
@@ -26,7 +26,7 @@ from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.documents import Documents
 from hetero_llm.planner.output import summary
 
-DEFAULT = Path(__file__).resolve().parent.parent / "layouts" / "clusters" / "llama7b_32k.toml"
+DEFAULT = Path(__file__).resolve().parents[2] / "layouts" / "clusters" / "llama7b_32k.toml"
 
 
 def variant(cluster: Cluster, seq_len: int, per_document: bool, max_cp: int) -> Cluster:

@@ -1,6 +1,6 @@
 """An elastic run (``hetero-launch CLUSTER.toml --elastic``, docs/elastic.md) losing a node and getting it back.
 
-Three emulated nodes, one torchrun elastic agent each (bench/elastic_agents.py): n0 with two CPU devices, n1 and n2
+Three emulated nodes, one torchrun elastic agent each (bench/elastic/elastic_agents.py): n0 with two CPU devices, n1 and n2
 with one. By default each node is a network namespace of the netns testbed (bench/testbed/: its own address, links
 shaped with tc), its agent and workers run inside it and meet over the shaped links (torchrun's c10d rendezvous
 served by n0's agent, gloo on the testbed's interface); ``--one-machine`` (and ``--quick``) runs every agent on
@@ -27,9 +27,9 @@ Measured with this script's clock (polling every 50 ms):
   the round ran (planned here by the workers' own function, its fingerprint checked against the round line's);
 - the loss per step against the one-process run (a plot).
 
-    python -m bench.elastic                  # the netns testbed (root)
-    python -m bench.elastic --one-machine    # every agent on loopback
-    python -m bench.elastic --quick          # one machine, 14 steps (the test suite)
+    python -m bench.elastic.elastic                  # the netns testbed (root)
+    python -m bench.elastic.elastic --one-machine    # every agent on loopback
+    python -m bench.elastic.elastic --quick          # one machine, 14 steps (the test suite)
 """
 
 from __future__ import annotations
@@ -48,10 +48,10 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
-from bench import elastic_agents as A
-from bench import elastic_report as R
 from bench import testbed as T
+from bench.common import benchlib as B
+from bench.elastic import elastic_agents as A
+from bench.elastic import elastic_report as R
 from hetero_llm.launch.elastic import plan_for, snapshot_folder
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner.cluster import load_cluster
@@ -66,7 +66,7 @@ GFLOPS = {"n0": 0.05, "n1": 0.04, "n2": 0.03}
 TESTBED_LINK = (1.0, 100.0)  # the testbed's fabric: Gbit/s each way, one-way us (tc shaped; declared to the planner)
 LOOPBACK_LINK = (10.0, 20.0)  # one machine: fast links declared (loopback is fast)
 SAVES = (5, 1)  # a disk save every 5 steps, a snapshot in memory every step
-REFERENCE = Path(__file__).resolve().parents[1] / "layouts" / "reference" / "reference.toml"
+REFERENCE = Path(__file__).resolve().parents[2] / "layouts" / "reference" / "reference.toml"
 # No TP: with all three nodes the planner would put a TP-2 stage (6 microbatches of 1 row) on n0, which on this
 # bench's shared 2-core machine trains 3-4x slower than its max_tp = 1 plan (many small cross-process
 # all-reduces; docs/benchmarks.md, "TP under emulated slowdown"). The recoveries measured here do not depend on it;
@@ -278,7 +278,7 @@ def _shape(lay) -> str:
 def save_cost(tmp: Path, steps: int, reps: int) -> list[dict]:
     """Wall seconds per step that a save every step adds to the one-process run of the reference model, into a
     folder on disk (``--checkpoint-every 1``, what a round resumes from otherwise) and into /dev/shm (a synchronous
-    save, what a snapshot was before it was overlapped: bench/snapshot_cost.py measures the overlapped one), against
+    save, what a snapshot was before it was overlapped: bench/elastic/snapshot_cost.py measures the overlapped one), against
     no save; the three runs interleaved ``reps`` times, medians."""
     layout = tmp / "cost.toml"
     layout.write_text(REFERENCE.read_text().replace("steps = 3", f"steps = {steps}"))

@@ -1,10 +1,10 @@
-"""The results of bench/elastic.py: its markdown report and its loss plot."""
+"""The results of bench/elastic/elastic.py: its markdown report and its loss plot."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 
 
 def report(setup: dict, info, before, after, recoveries, per_round, cost, worst, continuous) -> str:

@@ -7,7 +7,7 @@ overlapped snapshot every step into /dev/shm (a CPU copy at the step boundary, w
 ``checkpoint/snapshots.py``). The cost per step of each is its median wall time over the no-save run's, over
 ``steps``; and, less at the mercy of the machine's load, the median time the training thread is held by one
 save or snapshot call (the synchronous save: all of it; the overlapped snapshot: the CPU copy, plus waiting for
-the previous write when it is not done). Usage: ``python -m bench.snapshot_cost [--quick]``.
+the previous write when it is not done). Usage: ``python -m bench.elastic.snapshot_cost [--quick]``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import snapshots
 from hetero_llm.launch.node import RunOptions, run_one_rank

@@ -11,7 +11,7 @@ and seals it. Measured, interleaved ``reps`` times, medians: that agreement (the
 same round without snapshots (it resumes from the disk save: only the chooser's look at ``DIR``), and the copy
 alone (``holders.copy_into`` of the same files, one after the other) and the checks ``--resume`` makes, which the
 chooser runs on the copy before sealing it (``shards.check_resumable``). Mode: one process, CPU, threads.
-Usage: ``python -m bench.snapshot_restart [--hidden 256] [--quick]``.
+Usage: ``python -m bench.elastic.snapshot_restart [--hidden 256] [--quick]``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust
 from hetero_llm.launch import restart

@@ -27,15 +27,15 @@ breakdown per rank (forward, backward, sends, receives incl. waiting, and the re
 optimizer, data). Tracing synchronizes the device after every action, so its times are device times.
 ``--tiny`` runs each once, traced, and takes the throughput from that run.
 
-    python -m bench.gpu_bench                          # on a GPU machine: all of the above
-    python -m bench.gpu_bench --models 124m --seqs 1024 --modes eager
-    python -m bench.gpu_bench --tiny --device cpu      # smoke test: tiny model on CPU, minutes
+    python -m bench.gpu.gpu_bench                          # on a GPU machine: all of the above
+    python -m bench.gpu.gpu_bench --models 124m --seqs 1024 --modes eager
+    python -m bench.gpu.gpu_bench --tiny --device cpu      # smoke test: tiny model on CPU, minutes
 
 Results: ``bench/results/gpu_bench.md`` (tables) and ``.json`` (every number); ``--tiny`` writes
 ``gpu_bench_tiny.*``.
 
-The model sizes, cases and our layouts are ``bench/gpu_bench_cases.py``; the single-stage runs (ours and plain)
-``bench/gpu_bench_runs.py``; this module runs the multi-rank layouts and writes the report.
+The model sizes, cases and our layouts are ``bench/gpu/gpu_bench_cases.py``; the single-stage runs (ours and plain)
+``bench/gpu/gpu_bench_runs.py``; this module runs the multi-rank layouts and writes the report.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ from pathlib import Path
 import click
 import torch
 
-from bench import benchlib
-from bench.gpu_bench_cases import SIZES, Case, layout_toml
-from bench.gpu_bench_runs import Run, World, run_ours, run_plain
+from bench.common import benchlib
+from bench.gpu.gpu_bench_cases import SIZES, Case, layout_toml
+from bench.gpu.gpu_bench_runs import Run, World, run_ours, run_plain
 from hetero_llm.comm import groups
 from hetero_llm.predict import trace as tracing
 

@@ -1,4 +1,4 @@
-"""What the GPU benchmark (``python -m bench.gpu_bench``, whose docstring explains it) trains: the model sizes,
+"""What the GPU benchmark (``python -m bench.gpu.gpu_bench``, whose docstring explains it) trains: the model sizes,
 a case (size, sequence length, batch) with its parameter count and model FLOPs per token, and our layout of it.
 """
 

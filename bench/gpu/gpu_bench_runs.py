@@ -1,4 +1,4 @@
-"""The GPU benchmark's single-stage runs (``python -m bench.gpu_bench``), in this process on one device: ours
+"""The GPU benchmark's single-stage runs (``python -m bench.gpu.gpu_bench``), in this process on one device: ours
 (``hetero_llm.train.loop.train`` on a one-rank layout) and the plain PyTorch baseline, each timed per step.
 """
 
@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from bench import benchlib
-from bench.gpu_bench_cases import Case, Size, layout_toml
+from bench.common import benchlib
+from bench.gpu.gpu_bench_cases import Case, Size, layout_toml
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms

@@ -5,8 +5,8 @@
 # every part the results so far are packed into $OUT/gpu_check.tgz (what comes back even when a later part
 # is cut short).
 #
-#     OUT=/some/folder bash bench/gpu_check.sh         # on the GPU machine, from the repository root
-#     ONLY="bench_eager pytest_cupy" bash bench/gpu_check.sh   # only the parts named
+#     OUT=/some/folder bash bench/gpu/gpu_check.sh         # on the GPU machine, from the repository root
+#     ONLY="bench_eager pytest_cupy" bash bench/gpu/gpu_check.sh   # only the parts named
 #
 # Budget: about 10 minutes of a fresh machine (the limits below add up to 620 s; the parts took ~430 s). Seen on an H200 (26 Nov 2026):
 # the GPU tests 60 s, the eager benchmark with its two multi-rank layouts ~190 s (the TP-2 layout on one GPU
@@ -44,15 +44,15 @@ R="$WORK/results"
 
 part pytest_gpu 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_domains.py
 part pytest_cupy 40 python3 -m pytest -q -p no:cacheprovider -rs tests/test_domains.py -k cupy
-part bench_eager 200 python3 -m bench.gpu_bench --models 124m,1.3b --seqs 1024,2048 --modes eager \
+part bench_eager 200 python3 -m bench.gpu.gpu_bench --models 124m,1.3b --seqs 1024,2048 --modes eager \
     --steps 14 --warmup 4 --out "$R/eager"
 for m in 124m 1.3b; do
     part "profile_$m" 25 python3 -m hetero_llm.cli.plan "layouts/clusters/published/h100_gpt_${m}_eager.toml" \
         --profile "$R/profile_$m.json" --kind h100-sxm --device cuda
 done
-part bench_compiled_124m 80 python3 -m bench.gpu_bench --models 124m --seqs 1024 --modes compiled \
+part bench_compiled_124m 80 python3 -m bench.gpu.gpu_bench --models 124m --seqs 1024 --modes compiled \
     --no-multi-rank --steps 14 --warmup 5 --out "$R/compiled_124m"
-part bench_compiled_13b 150 python3 -m bench.gpu_bench --models 1.3b --seqs 2048 --modes compiled \
+part bench_compiled_13b 150 python3 -m bench.gpu.gpu_bench --models 1.3b --seqs 2048 --modes compiled \
     --no-multi-rank --steps 12 --warmup 5 --out "$R/compiled_13b"
 echo "=== done" | tee -a "$LOG"
 pack

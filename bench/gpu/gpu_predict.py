@@ -1,12 +1,12 @@
 """The planner's prediction for each single-stage run of a GPU benchmark, against what that run measured.
 
-``bench/gpu_bench.py`` measures our runtime (``impl = ours``) training one stage on one GPU, with a known batch
+``bench/gpu/gpu_bench.py`` measures our runtime (``impl = ours``) training one stage on one GPU, with a known batch
 and one microbatch, eager or with ``train.compile = "blocks"``. This script writes the same layout and a
 cluster file naming the GPU's catalogue kind (``--kind``; ``h200-sxm`` for an H200), asks ``hetero-plan
 --evaluate`` for its step time (``plan.execution`` = eager for eager runs, compiled for compiled ones) and
 prints predicted / measured. Torch-free: it reads the benchmark's JSON.
 
-    python -m bench.gpu_predict bench/results/gpu_bench_h200.json --kind h200-sxm
+    python -m bench.gpu.gpu_predict bench/results/gpu_bench_h200.json --kind h200-sxm
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib
-from bench.gpu_bench_cases import SIZES, Case, layout_toml
+from bench.common import benchlib
+from bench.gpu.gpu_bench_cases import SIZES, Case, layout_toml
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import evaluate, load_cluster
 

@@ -37,9 +37,9 @@ devices are two emulated nodes (``bench/testbed/``) of one domain, every link sh
 no added delay. Results go to ``hot_switch_testbed.{md,json,png}`` (``--tag T``: ``hot_switch_testbed_T.*``). ``loopback``: one node of two devices
 (``hot_switch.{md,json,png}``; ``--quick`` runs it unless told otherwise).
 
-    sudo python -m bench.hot_switch
-    python -m bench.hot_switch --network loopback --regimes a100-pcie --corpora text
-    python -m bench.hot_switch --quick
+    sudo python -m bench.hot_switch.hot_switch
+    python -m bench.hot_switch.hot_switch --network loopback --regimes a100-pcie --corpora text
+    python -m bench.hot_switch.hot_switch --quick
 
 The scenario is ``hot_switch_config.py`` (configuration, cluster, hand-made layouts), ``hot_switch_regimes.py``
 (regimes, corpora) and ``hot_switch_static.py`` (the planner's layouts, modelled memory); this module runs and
@@ -60,13 +60,20 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
-from bench.hot_switch_config import QUICK, Config, bucket_rows_needed, device_spec, recompute_layout, switch_layout
-from bench.hot_switch_predict import predicted, predicted_static, switch_peers
-from bench.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
-from bench.hot_switch_regimes import REGIMES, text_corpus
-from bench.hot_switch_runs import launch_with_peak, switch_times, testbed
-from bench.hot_switch_static import modelled_peaks, planned_buckets, static_candidates
+from bench.common import benchlib as B
+from bench.hot_switch.hot_switch_config import (
+    QUICK,
+    Config,
+    bucket_rows_needed,
+    device_spec,
+    recompute_layout,
+    switch_layout,
+)
+from bench.hot_switch.hot_switch_predict import predicted, predicted_static, switch_peers
+from bench.hot_switch.hot_switch_probes import exchange_probe, exchange_probe_testbed, host_costs
+from bench.hot_switch.hot_switch_regimes import REGIMES, text_corpus
+from bench.hot_switch.hot_switch_runs import launch_with_peak, switch_times, testbed
+from bench.hot_switch.hot_switch_static import modelled_peaks, planned_buckets, static_candidates
 
 NAME = "hot_switch"
 HAND = "switching dp2/tp2, elastic, top-up"  # the hand-made switching layout (hot_switch_config.switch_layout)

@@ -1,4 +1,4 @@
-"""The hot-switching bench's scenario (``python -m bench.hot_switch``, whose docstring explains it): its
+"""The hot-switching bench's scenario (``python -m bench.hot_switch.hot_switch``, whose docstring explains it): its
 configuration and what follows from it: the emulated device (from a real-hardware regime,
 ``hot_switch_regimes.py``), the corpus, the cluster (loopback or two testbed nodes), the hand-made switching
 layouts, the bucket rows the steps need and the activations a device holds. The static layouts are the planner's
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from bench.hot_switch_regimes import REGIMES
+from bench.hot_switch.hot_switch_regimes import REGIMES
 from hetero_llm import layout as layout_mod
 from hetero_llm.layout import (
     BucketSpec,

@@ -1,4 +1,4 @@
-"""What the simulator predicts for a run of the hot-switching bench (``python -m bench.hot_switch``): the
+"""What the simulator predicts for a run of the hot-switching bench (``python -m bench.hot_switch.hot_switch``): the
 switches its trace shows and its whole steps, switching or static, with the links and costs the bench probed.
 """
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import attrs
 
-from bench.hot_switch_config import Config
+from bench.hot_switch.hot_switch_config import Config
 
 
 def predicted(

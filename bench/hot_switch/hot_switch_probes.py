@@ -1,4 +1,4 @@
-"""What the hot-switching bench (``python -m bench.hot_switch``) measures of this host before and after each switching run:
+"""What the hot-switching bench (``python -m bench.hot_switch.hot_switch``) measures of this host before and after each switching run:
 gloo exchanges as a switch sees them (two processes on loopback, or on two testbed nodes) and a switch's host
 work (copies, packing, gradient buffers) replayed with the switcher's own code on the run's real blocks. The switch
 model's links and costs come from these.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 
 
 def _exchange_rank(
@@ -347,7 +347,7 @@ def exchange_probe_testbed(tb, reps: int, big: int, idle_s: float = 0.01, busy_s
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp, "exchange"))
         code = (
-            f"import sys; from bench import hot_switch_probes; "
+            f"import sys; from bench.hot_switch import hot_switch_probes; "
             f"hot_switch_probes._exchange_rank(int(sys.argv[1]), {B.free_port()}, [1, {big}], {reps}, {idle_s}, {out!r}, "
             f"{tb.address('node0', 'domain')!r}, {busy_s!r})"
         )

@@ -1,4 +1,4 @@
-"""The hot-switching bench's regimes from real hardware and its corpora (``python -m bench.hot_switch``).
+"""The hot-switching bench's regimes from real hardware and its corpora (``python -m bench.hot_switch.hot_switch``).
 
 **A regime** is a real pairing of a GPU and the link its TP group all-reduces over (and that a switch crosses).
 The bench's emulated device is slow (``Config.gflops``, 4 GFLOP/s, so that the real small computation fits inside

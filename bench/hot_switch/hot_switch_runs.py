@@ -1,4 +1,4 @@
-"""One run of the hot-switching bench (``python -m bench.hot_switch``): ``hetero-launch`` with its peak RSS, on
+"""One run of the hot-switching bench (``python -m bench.hot_switch.hot_switch``): ``hetero-launch`` with its peak RSS, on
 this host's loopback or on two emulated testbed nodes, and the switches' times read back from its trace.
 """
 
@@ -10,8 +10,8 @@ import sys
 import time
 from pathlib import Path
 
-from bench import benchlib as B
-from bench.hot_switch_config import Config
+from bench.common import benchlib as B
+from bench.hot_switch.hot_switch_config import Config
 
 
 def switch_times(trace: Path, peers: list[dict[int, set[int]]] | None = None) -> tuple[list[float], list[float]]:

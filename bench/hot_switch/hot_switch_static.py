@@ -1,5 +1,5 @@
 """The hot-switching bench's static baselines and planned buckets, from the project's planner (``python -m
-bench.hot_switch``): the planner's cluster for the bench's scenario, the best static layouts it predicts over
+bench.hot_switch.hot_switch``): the planner's cluster for the bench's scenario, the best static layouts it predicts over
 its whole static space, and what ``hetero-plan --buckets`` proposes; plus the modelled memory of a layout per
 device (the planner's memory model, bucket layouts' parameter copies counted). Public planner API only:
 ``load_cluster``, ``plan_cluster`` (its ranked results), ``planner.evaluate``, ``planner.buckets.propose``,
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from bench.hot_switch_config import Config, common, tp2
+from bench.hot_switch.hot_switch_config import Config, common, tp2
 from hetero_llm import layout as layout_mod
 from hetero_llm.layout import Layout
 

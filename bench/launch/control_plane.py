@@ -1,7 +1,7 @@
 """The control plane at scale: CPU seconds of each step before training, from 8 to 4,096 ranks.
 
-    python -m bench.control_plane                      # 8 .. 4096 ranks (a few minutes)
-    python -m bench.control_plane --quick              # 8 and 64 ranks, every phase in this process (seconds)
+    python -m bench.launch.control_plane                      # 8 .. 4096 ranks (a few minutes)
+    python -m bench.launch.control_plane --quick              # 8 and 64 ranks, every phase in this process (seconds)
 
 Each size is a layout shaped like ``layouts/planned/mixed_1024gpu.toml`` (what hetero-plan gives its mixed
 cluster): Llama-2 7B, interleaved x2, ZeRO-1, NCCL, three network domains, pipelines of 4 stages and 8 GPUs,
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 from hetero_llm import layout as L
 
 SIZES = (8, 64, 512, 1024, 2048, 4096)
@@ -156,7 +156,7 @@ def measure(phase: str, file: str) -> dict:
 
 def _child(phase: str, file: str) -> dict:
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.control_plane", "--phase", phase, "--layout", file],
+        [sys.executable, "-m", "bench.launch.control_plane", "--phase", phase, "--layout", file],
         capture_output=True,
         text=True,
         check=True,

@@ -4,8 +4,8 @@ The layout is the tests' TP [[4], [2, 2], [1, 1, 1, 1]]: three pipelines, 12 ran
 With ``--tree DIR`` (repeatable) the same launch also runs from other source trees (e.g. a ``git
 worktree`` of an older commit), interleaved with this one, so they meet the same load:
 
-    python -m bench.launch_time --reps 4
-    git worktree add /tmp/wt-exec 67032ca && python -m bench.launch_time --tree /tmp/wt-exec   # before the fork
+    python -m bench.launch.launch_time --reps 4
+    git worktree add /tmp/wt-exec 67032ca && python -m bench.launch.launch_time --tree /tmp/wt-exec   # before the fork
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 from hetero_llm import layout as L
 
 # (batch, microbatches, [(layers, TP size)]): 4 + 4 + 4 ranks

@@ -1,7 +1,7 @@
 """Record the console output the README quotes, so its numbers come from a run rather than from memory.
 
-    python -m bench.readme_samples           # run the quickstart, write docs/samples/quickstart.txt
-    python -m bench.readme_samples --check   # run it, and say whether quickstart.txt still holds (exit 1 if not)
+    python -m bench.launch.readme_samples           # run the quickstart, write docs/samples/quickstart.txt
+    python -m bench.launch.readme_samples --check   # run it, and say whether quickstart.txt still holds (exit 1 if not)
 
 The quickstart (``hetero-launch layouts/quickstart.toml``, 400 steps, about a minute on 2 CPU cores) trains on
 the embedded grammar, so its losses depend only on the code. ``tests/test_readme_samples.py`` checks that the
@@ -20,7 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "docs" / "samples"
 QUICKSTART = SAMPLES / "quickstart.txt"
 COMMAND = ["hetero-launch", "layouts/quickstart.toml"]  # as the README runs it, from the repository root

@@ -1,7 +1,7 @@
 """The planner's memory model against measured peaks: one pipeline of 2 stages (2 computing ranks, gloo on
 CPU) under 1F1B, GPipe, interleaved 1F1B and ZB-H1.
 
-    python -m bench.plan_memory [--quick] [--out-dir bench/results]
+    python -m bench.memory.plan_memory [--quick] [--out-dir bench/results]
 
 For each schedule the same training runs (one fresh Python process per rank, ``benchlib.start_ranks``);
 each rank reports its resident memory before training (``VmRSS`` after imports) and its peak
@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from bench import benchlib
+from bench.common import benchlib
 from hetero_llm import layout as L
 
 SCHEDULES = [("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zbh1", 1)]
@@ -98,7 +98,7 @@ def child(out: str, argv: list[str]) -> None:
     """One rank: run ``hetero-launch ARGV`` and write its resident memory before and at the peak."""
     import torch
 
-    from bench.zero1_memory import status_bytes
+    from bench.memory.zero1_memory import status_bytes
     from hetero_llm.cli import launch as cli
     from hetero_llm.train import loop as train  # noqa: F401  (imported before the baseline is read)
 
@@ -119,7 +119,7 @@ def run(layout: Path, out: Path) -> list[dict]:
     for attempt in range(3):  # a free port can be taken by another program before rank 0 listens on it
         try:
             benchlib.start_ranks(
-                "bench.plan_memory",
+                "bench.memory.plan_memory",
                 ["--child", str(out), "--", str(layout), "--quiet", "--set", f"cluster.port={benchlib.free_port()}"],
                 2,
                 env=MALLOC_ENV,

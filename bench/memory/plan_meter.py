@@ -1,7 +1,7 @@
 """The planner's memory model against the tensor meter, for the planner's own picks on the repository's CPU clusters.
 
-    python -m bench.plan_meter            # layouts/clusters/small_cpu.toml and two_domains.toml
-    python -m bench.plan_meter --quick    # small_cpu.toml only (the test suite)
+    python -m bench.memory.plan_meter            # layouts/clusters/small_cpu.toml and two_domains.toml
+    python -m bench.memory.plan_meter --quick    # small_cpu.toml only (the test suite)
 
 For each cluster file whose devices are CPU slots, the planner's pick (``plan_cluster``, its default work budget:
 what ``hetero-plan CLUSTER -o LAYOUT`` writes) is trained for its ``train.steps`` with ``HETERO_TENSOR_METER`` set
@@ -19,14 +19,14 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench import benchlib
+from bench.common import benchlib
 from hetero_llm import layout as layout_mod
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner import load_cluster, plan_cluster
 from hetero_llm.planner.output import layout_text
 from hetero_llm.runtime.tensor_meter import ENV
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = ("layouts/clusters/small_cpu.toml", "layouts/clusters/two_domains.toml")
 WITHIN = 0.10  # the target: every rank's measured peak within 10% of the model
 

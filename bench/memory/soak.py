@@ -5,8 +5,8 @@ A tiny model on 2 ranks (two pipeline stages, one computing rank per core) train
 the processes named ``hl-rank<R>``) as the metrics file reaches each sample step, and reports the growth
 from ``--from-step`` to the last sample step. The target (issue 10 §7): under 1% from step 1000 to step 10000.
 
-    python -m bench.soak --out-dir bench/results          # 10000 steps, ~2 minutes on 2 cores
-    python -m bench.soak --quick --out-dir /tmp/soak      # 400 steps: the script works (tests run this)
+    python -m bench.memory.soak --out-dir bench/results          # 10000 steps, ~2 minutes on 2 cores
+    python -m bench.memory.soak --quick --out-dir /tmp/soak      # 400 steps: the script works (tests run this)
 
 The run trains ``--steps`` plus a few more steps, so the last sample is taken while the ranks still run.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import click
 
-from bench import benchlib as B
+from bench.common import benchlib as B
 from hetero_llm import layout as L
 
 

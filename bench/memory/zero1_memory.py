@@ -1,6 +1,6 @@
 """ZeRO-1 memory: optimizer-state bytes and peak process memory per rank, with and without ZeRO-1.
 
-    python -m bench.zero1_memory [--quick] [--out-dir bench/results]
+    python -m bench.memory.zero1_memory [--quick] [--out-dir bench/results]
 
 For each layout, the same training runs twice (``train.optimizer = 'adamw'``, then ``'adamw_zero1'``), one
 fresh Python process per rank (``benchlib.start_ranks``, gloo on CPU). Each rank reports:
@@ -21,7 +21,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from bench import benchlib
+from bench.common import benchlib
 from hetero_llm import layout as L
 
 # (name, pipelines [(batch, microbatches, [(layers, tp), ...])])
@@ -118,7 +118,7 @@ def run(pipelines, optimizer: str, hidden: int, layers: int, steps: int, work: P
     for attempt in range(3):  # a free port can be taken by another program before rank 0 listens on it
         try:
             benchlib.start_ranks(
-                "bench.zero1_memory",
+                "bench.memory.zero1_memory",
                 ["--child", str(out), "--", str(layout), "--quiet", "--set", f"cluster.port={benchlib.free_port()}"],
                 world,
             )

@@ -14,14 +14,14 @@ Two measurements per scenario, both interleaved so that background load hits bot
    ratio = median over rounds; each rank's process CPU time per round is counted too;
 2. separate ``hetero-launch`` runs, the order flipped every repetition; every run records
    ``--trace``, from which the bubble fraction is read and the timeline PNGs of one step are drawn.
- A Monte-Carlo model of the policies with the measured per-stage times (``bench/policy_model.py``'s
+ A Monte-Carlo model of the policies with the measured per-stage times (``bench/pipeline/policy_model.py``'s
 ``model_policies``: the library's simulator runs fixed action lists only) shows what a
 policy itself can gain when compute times are drawn like the emulation draws them, next to a
 lower bound for any order and to variants the runtime does not have (forward first, more
 microbatches in flight).
 
-    python -m bench.dynamic_vs_1f1b
-    python -m bench.dynamic_vs_1f1b --quick
+    python -m bench.pipeline.dynamic_vs_1f1b
+    python -m bench.pipeline.dynamic_vs_1f1b --quick
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
-from bench.paired import paired_rates, run_paired
-from bench.policy_model import WHAT_IF_POLICIES, model_policies
-from bench.traces import bubble_fraction, compute_intervals, trace_steps
+from bench.common import benchlib as B
+from bench.common.traces import bubble_fraction, compute_intervals, trace_steps
+from bench.pipeline.paired import paired_rates, run_paired
+from bench.pipeline.policy_model import WHAT_IF_POLICIES, model_policies
 
 NAME = "dynamic_vs_1f1b"
 SCHEDULES = ("1f1b", "dynamic")

@@ -1,7 +1,7 @@
 """The paired comparison's driver: ``paired_rank.py``'s rank processes started to completion, and the
 tokens/s and CPU seconds of both sides read from rank 0's result.
 
-Scripts import it as ``from bench import paired``; the ranks are started with ``benchlib.start_ranks``.
+Scripts import it as ``from bench.pipeline import paired``; the ranks are started with ``benchlib.start_ranks``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.benchlib import free_port, median, start_ranks, tokens_per_second
+from bench.common.benchlib import free_port, median, start_ranks, tokens_per_second
 
 
 def run_paired(
@@ -27,7 +27,7 @@ def run_paired(
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "paired.json"
     start_ranks(
-        "bench.paired_rank",
+        "bench.pipeline.paired_rank",
         [
             str(layout),
             "--port",

@@ -10,8 +10,8 @@ Each rank also counts its process CPU time per round (``time.process_time``: eve
 included), which the load of other programs does not change: the same math at a higher CPU cost
 is runtime overhead.
 
-    python -m bench.paired_rank LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
-    python -m bench.paired_rank LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
+    python -m bench.pipeline.paired_rank LAYOUT.toml --rank R --rounds 6 --steps 4 --port P [--out F.json]
+    python -m bench.pipeline.paired_rank LAYOUT.toml ... --versus dynamic     # the layout's schedule vs dynamic
 
 With ``--versus SCHEDULE`` both sides are hetero_llm's loop, the layout's schedule against SCHEDULE
 (the results name the two sides "ours" and "other"). With ``--versus network`` both run the layout
@@ -47,7 +47,7 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     import torch
     import torch.distributed as dist
 
-    from bench.torch_pp_rank import TorchPipeline
+    from bench.pipeline.torch_pp_rank import TorchPipeline
     from hetero_llm import layout as layout_mod
     from hetero_llm.comm import groups, shm
     from hetero_llm.plan import compile_plan

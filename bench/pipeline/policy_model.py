@@ -1,6 +1,6 @@
 """A Monte-Carlo model of pipeline scheduling policies (stages run in parallel; transfers take ``latency``).
 
-``python -m bench.dynamic_vs_1f1b`` feeds it the per-stage compute times it measured, to show what a policy
+``python -m bench.pipeline.dynamic_vs_1f1b`` feeds it the per-stage compute times it measured, to show what a policy
 itself can gain when compute times are drawn like the runtime's emulation draws them (the library's simulator
 runs fixed action lists only), next to a lower bound for any order and to variants the runtime does not have.
 """

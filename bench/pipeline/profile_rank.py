@@ -1,6 +1,6 @@
 """Run one rank of ``hetero-launch`` under cProfile, steady-state steps only.
 
-    python -m bench.profile_rank OUT.prof --after 2 -- LAYOUT.toml --rank 0 --set cluster.port=29600 ...
+    python -m bench.pipeline.profile_rank OUT.prof --after 2 -- LAYOUT.toml --rank 0 --set cluster.port=29600 ...
 
 Everything after ``--`` is ``hetero-launch``'s command line for one rank (start the other ranks
 with ``python -m hetero_llm.cli LAYOUT.toml --rank R`` and the same ``--set``). The profiler is

@@ -15,8 +15,8 @@ The measured pipeline time is the span of a step's actions over all ranks (first
 to last action's end): the part the simulator models. The full step time from ``--metrics-jsonl``
 (which adds gradient sync, clipping and AdamW) is listed beside it.
 
-    python -m bench.sim_vs_measured
-    python -m bench.sim_vs_measured --quick
+    python -m bench.pipeline.sim_vs_measured
+    python -m bench.pipeline.sim_vs_measured --quick
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
-from bench.traces import bubble_fraction, compute_intervals, step_span, trace_steps
+from bench.common import benchlib as B
+from bench.common.traces import bubble_fraction, compute_intervals, step_span, trace_steps
 
 NAME = "sim_vs_measured"
 

@@ -8,7 +8,7 @@ global batch (``data.global_batch``), loss divided by the global token count, gl
 with one all-reduce, AdamW with the same groups and learning-rate schedule. So the two sides differ
 only in the pipeline runtime.
 
-    python -m bench.torch_pp_rank LAYOUT.toml --rank R --port P [--metrics-jsonl F] [--profile OUT.prof]
+    python -m bench.pipeline.torch_pp_rank LAYOUT.toml --rank R --port P [--metrics-jsonl F] [--profile OUT.prof]
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ Two measurements, both interleaved so that background load hits both sides alike
    ``hetero-launch`` runs); ratio = median over rounds. On a busy machine the load changes within
    seconds, so this is the more precise of the two.
 
-    python -m bench.vs_torch_pipelining                 # 2 and 4 stages x 1f1b, gpipe
-    python -m bench.vs_torch_pipelining --quick         # smoke run
+    python -m bench.pipeline.vs_torch_pipelining                 # 2 and 4 stages x 1f1b, gpipe
+    python -m bench.pipeline.vs_torch_pipelining --quick         # smoke run
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
-from bench.paired import run_paired
-from bench.traces import _split_steps
+from bench.common import benchlib as B
+from bench.common.traces import _split_steps
+from bench.pipeline.paired import run_paired
 
 NAME = "vs_torch_pipelining"
 
@@ -43,7 +43,9 @@ def run_torch(layout: Path, workdir: Path, world: int) -> list[dict]:
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
     B.start_ranks(
-        "bench.torch_pp_rank", [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)], world
+        "bench.pipeline.torch_pp_rank",
+        [str(layout), "--port", str(B.free_port()), "--metrics-jsonl", str(metrics)],
+        world,
     )
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 

@@ -11,8 +11,8 @@ One pipeline of 2 and of 4 even stages on CPU (gloo, one process per stage). Per
 3. ``simulate`` of both schedules with those measured times and the measured gloo p2p cost: the
    speedup the cost model predicts for the same layout, beside the measured one.
 
-    python -m bench.zero_bubble
-    python -m bench.zero_bubble --quick
+    python -m bench.pipeline.zero_bubble
+    python -m bench.pipeline.zero_bubble --quick
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from pathlib import Path
 import attrs
 import click
 
-from bench import benchlib as B
-from bench.paired import run_paired
-from bench.traces import bubble_fraction, compute_intervals, trace_steps
+from bench.common import benchlib as B
+from bench.common.traces import bubble_fraction, compute_intervals, trace_steps
+from bench.pipeline.paired import run_paired
 
 NAME = "zero_bubble"
 SCHEDULES = ("1f1b", "zbh1")

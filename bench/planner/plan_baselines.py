@@ -1,4 +1,4 @@
-"""Baseline planners for bench/plan_bench.py, each returning candidates our cost model scores.
+"""Baseline planners for bench/planner/plan_bench.py, each returning candidates our cost model scores.
 
 - ``hexiscale``: a re-implementation of HexiScale's planner as its public code (Relaxed-System-Lab/FlashFlex,
   ``experimental/``) does it: METIS

@@ -1,7 +1,7 @@
 """hetero-plan against an exhaustive enumerator, against baselines, and its search time.
 
-    python -m bench.plan_bench            # 200 small clusters, 16/64/256/1024 GPUs (several minutes)
-    python -m bench.plan_bench --quick    # a few of each (the test suite runs this)
+    python -m bench.planner.plan_bench            # 200 small clusters, 16/64/256/1024 GPUs (several minutes)
+    python -m bench.planner.plan_bench --quick    # a few of each (the test suite runs this)
 
 Every plan is scored by the same cost model and simulator (``hetero_llm.planner.cost``); nothing
 here runs a model. Results: bench/results/plan_bench.{json,md,png} (or --out-dir).
@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench import plan_baselines
+from bench.planner import plan_baselines
 from hetero_llm.layout import (
     Backend,
     ClusterSpec,
@@ -53,7 +53,7 @@ from hetero_llm.planner import place_seeds, plan_cluster
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.search import Planner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 KINDS_SMALL = ["a100-40g", "a6000", "rtx4090", "rtx3090", "rtx3080ti"]
 KINDS_LARGE = ["h100-sxm", "a100-80g", "a100-40g", "a6000", "rtx4090", "rtx3090"]
@@ -195,7 +195,7 @@ def run_small(seeds: range, partial: Path | None = None, optima: dict[int, dict]
         else:
             opt, visited = exhaustive(cluster)
         t1 = time.perf_counter()
-        # the search (it does not enumerate; bench/plan_exhaustive.py compares it with the whole space's optimum)
+        # the search (it does not enumerate; bench/planner/plan_exhaustive.py compares it with the whole space's optimum)
         planner = plan_cluster(cluster).score.step_time
         t2 = time.perf_counter()
         ratio = planner / opt
@@ -321,7 +321,7 @@ def summarize(small: list[dict], large: list[dict]) -> str:
             f"(plans that leave a device idle, which the enumeration does not visit, or a hetero-place seed's "
             f"own split); "
             f"median structures enumerated {statistics.median(r['structures'] for r in small):.0f} (every "
-            "device used: bench/plan_exhaustive.py enumerates device subsets too)",
+            "device used: bench/planner/plan_exhaustive.py enumerates device subsets too)",
             "",
         ]
     if large:

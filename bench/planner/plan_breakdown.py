@@ -1,6 +1,6 @@
 """Where a plan's predicted step and its measured one part: a traced run broken down as the cost model prices it.
 
-``bench/plan_vs_measured.py --trace`` runs every plan with ``hetero-launch --trace`` and calls ``breakdown`` on
+``bench/planner/plan_vs_measured.py --trace`` runs every plan with ``hetero-launch --trace`` and calls ``breakdown`` on
 each run: per stage and action kind (``F``, ``B``, ``I``, ``W``) the measured median duration against the
 emulated one (the cost model's, which ``HETERO_EMULATE_ACTION_S`` sets: a longer one is the real work inside
 it overrunning, e.g. TP all-reduces over gloo), the rank's time between its records (the interpreter's own
@@ -17,7 +17,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from bench import traces
+from bench.common import traces
 from hetero_llm.planner.candidates import Candidate
 from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.predict import trace as tracing

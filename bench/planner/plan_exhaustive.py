@@ -1,7 +1,7 @@
 """hetero-plan's search against the exhaustive reference on small clusters, device subsets included.
 
-    python -m bench.plan_exhaustive                 # 200 clusters (minutes)
-    python -m bench.plan_exhaustive --clusters 20   # the first 20 (tests/test_plan_space.py runs 12 of these)
+    python -m bench.planner.plan_exhaustive                 # 200 clusters (minutes)
+    python -m bench.planner.plan_exhaustive --clusters 20   # the first 20 (tests/test_plan_space.py runs 12 of these)
 
 Every plan is scored by the same cost model and simulator (``hetero_llm.planner.cost``); nothing here runs a
 model. The reference (``hetero_llm.planner.exact.all_structures(subsets=True)``) enumerates the planner's whole
@@ -28,12 +28,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench.plan_bench import cluster_toml, load
+from bench.planner.plan_bench import cluster_toml, load
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 from hetero_llm.planner import catalogue, plan_cluster, with_optimizer
 from hetero_llm.planner.search import Planner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KINDS = ["a100-40g", "a6000", "rtx4090", "rtx3090", "rtx3080ti"]
 SPACE_LIMIT = 60_000  # structures of one cluster's space (the reference scores about ten thousand a second)
 WITHIN = 0.01  # the targets: >= 95% of clusters within 1% of the optimum, none worse than 1.03x

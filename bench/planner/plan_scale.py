@@ -1,7 +1,7 @@
 """hetero-plan at scale: its search time, and its plan against the best plan any method here finds.
 
-    taskset -c 0 python -m bench.plan_scale                   # 1024 and 2048 GPUs (tens of minutes)
-    taskset -c 0 python -m bench.plan_scale --sizes 1024 --no-alternatives   # the search time alone
+    taskset -c 0 python -m bench.planner.plan_scale                   # 1024 and 2048 GPUs (tens of minutes)
+    taskset -c 0 python -m bench.planner.plan_scale --sizes 1024 --no-alternatives   # the search time alone
 
 The clusters are ``layouts/clusters/mixed_1024gpu.toml``'s mix at any size (``mixed``): a quarter of the
 8-GPU nodes H100 on InfiniBand (400 Gbit/s), half A100 80 GB on RoCE (200 Gbit/s), a quarter RTX 4090 on
@@ -11,7 +11,7 @@ At 1024 GPUs it is that file's cluster. Every plan is scored by the planner's co
 For each size: the planner's plan (its default work budget, no time cap; CPU seconds of this process: run it
 on one core), and the alternatives: the planner on the cluster without the Ethernet domain (its RTX 4090s), and with the
 H100s alone (plans that leave those devices idle), hetero-place's plans and the Metis-style baseline
-(bench/plan_baselines.py). Each domain here is one kind, so leaving a domain idle is leaving a kind idle.
+(bench/planner/plan_baselines.py). Each domain here is one kind, so leaving a domain idle is leaving a kind idle.
 The target: the planner within 5% of the best of all of them.
 Results: bench/results/plan_scale.{json,md} (or --out-dir).
 """
@@ -25,12 +25,12 @@ import sys
 import time
 from pathlib import Path
 
-from bench import plan_baselines
-from bench.plan_bench import LLAMA7B, cluster_toml, load
+from bench.planner import plan_baselines
+from bench.planner.plan_bench import LLAMA7B, cluster_toml, load
 from hetero_llm.planner import place_seeds, plan_cluster
 from hetero_llm.planner.search import Planner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MIX = [("h100-sxm", 0, 0.25), ("a100-80g", 1, 0.5), ("rtx4090", 2, 0.25)]  # kind, domain, share of the nodes
 DOMAINS = [(400, 2), (200, 3), (100, 10)]  # ib, roce, eth: Gbit/s, latency us
 NAMES = ["ib", "roce", "eth"]

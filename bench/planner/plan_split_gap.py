@@ -2,9 +2,9 @@
 (``layers.py``'s DP) against the split that minimises the step, and one microbatch size for every pipeline against
 a size per pipeline.
 
-    python -m bench.plan_split_gap                  # 60 of bench/plan_exhaustive.py's clusters + the CPU clusters
-    python -m bench.plan_split_gap --clusters 5     # fewer (the test suite runs --quick: 2)
-    python -m bench.plan_split_gap --clusters 0 --files layouts/clusters/hexiscale_40gpu.toml --tag papers
+    python -m bench.planner.plan_split_gap                  # 60 of bench/planner/plan_exhaustive.py's clusters + the CPU clusters
+    python -m bench.planner.plan_split_gap --clusters 5     # fewer (the test suite runs --quick: 2)
+    python -m bench.planner.plan_split_gap --clusters 0 --files layouts/clusters/hexiscale_40gpu.toml --tag papers
 
 For each cluster the search's plan (``plan_cluster``, its default work budget) is priced again by the same cost model
 with, pipeline by pipeline (the others as they are), every other choice of
@@ -30,15 +30,15 @@ from pathlib import Path
 
 import attrs
 
-from bench import benchlib
-from bench.plan_bench import load
-from bench.plan_exhaustive import draw
+from bench.common import benchlib
+from bench.planner.plan_bench import load
+from bench.planner.plan_exhaustive import draw
 from hetero_llm.planner import load_cluster, plan_cluster, with_optimizer
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice
 from hetero_llm.planner.search import Planner
 from hetero_llm.planner.structure import Structure
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAX_SPLITS = 20_000  # a pipeline with more contiguous splits than this tries one-unit moves between its stages
 CPU_CLUSTERS = ("layouts/clusters/small_cpu.toml", "layouts/clusters/two_domains.toml")
 
@@ -176,7 +176,7 @@ def report(rows_: list[dict], info: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--clusters", type=int, default=60, help="how many of bench/plan_exhaustive.py's clusters")
+    ap.add_argument("--clusters", type=int, default=60, help="how many of bench/planner/plan_exhaustive.py's clusters")
     ap.add_argument("--quick", action="store_true", help="2 generated clusters and the CPU clusters (the test suite)")
     ap.add_argument(
         "--files", nargs="*", default=list(CPU_CLUSTERS), help="cluster files (relative to the repository root)"

@@ -1,11 +1,11 @@
 """The planner's predicted step times against runs with emulated device speeds on the emulated network.
 
-    sudo python -m bench.plan_vs_measured             # 10 ranked plans of a 4-slot, 2-domain cluster on the testbed
-    python -m bench.plan_vs_measured --loopback       # the same plans over loopback (fast links declared)
-    python -m bench.plan_vs_measured --quick          # 2 plans, 2 steps, loopback, devices 4x faster (the test suite)
-    sudo python -m bench.plan_vs_measured --trace DIR # also trace every run and break each step down as the model
-                                                      # prices it (bench/plan_breakdown.py: more tables, 'breakdown')
-    sudo python -m bench.plan_vs_measured --constants-from OLD.json --ranks 1,37 --trace DIR   # two plans again
+    sudo python -m bench.planner.plan_vs_measured             # 10 ranked plans of a 4-slot, 2-domain cluster on the testbed
+    python -m bench.planner.plan_vs_measured --loopback       # the same plans over loopback (fast links declared)
+    python -m bench.planner.plan_vs_measured --quick          # 2 plans, 2 steps, loopback, devices 4x faster (the test suite)
+    sudo python -m bench.planner.plan_vs_measured --trace DIR # also trace every run and break each step down as the model
+                                                      # prices it (bench/planner/plan_breakdown.py: more tables, 'breakdown')
+    sudo python -m bench.planner.plan_vs_measured --constants-from OLD.json --ranks 1,37 --trace DIR   # two plans again
 
 **Network.** By default every node of the cluster file runs in its own network namespace of the testbed
 (``bench/testbed/``, through ``holmes_bench.run_layout``): each domain's fabric and the cross-domain
@@ -52,14 +52,15 @@ from pathlib import Path
 
 from scipy.stats import kendalltau
 
-from bench import benchlib, plan_breakdown
+from bench.common import benchlib
+from bench.planner import plan_breakdown
 from hetero_llm import layout as L
 from hetero_llm.planner import plan_cluster
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 from hetero_llm.planner.output import layout_text  # noqa: E402
 
 # Links: the testbed's (a slow cross-domain link between the fast node and the slow ones), or, over
@@ -247,7 +248,7 @@ def main() -> None:
         default="",
         metavar="DIR",
         help="trace every run into DIR/planN_R (hetero-launch --trace) and break each plan's step down as the model "
-        "prices it (bench/plan_breakdown.py: more tables, 'breakdown' in the JSON)",
+        "prices it (bench/planner/plan_breakdown.py: more tables, 'breakdown' in the JSON)",
     )
     args = ap.parse_args()
     speed = 1.0
@@ -307,7 +308,7 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             tb = None
             if testbed:
-                from bench import holmes_bench
+                from bench.comm import holmes_bench
                 from hetero_llm import layout as layout_mod
 
                 tb = stack.enter_context(T.Testbed(holmes_bench.testbed_spec(layout_mod.load(paths[picks[0]]))))

@@ -1,7 +1,7 @@
 """The planner's cost model against published training measurements: is it one a user can plan with?
 
-    python -m bench.published            # every row (a few minutes: the largest cluster has 2520 GPUs)
-    python -m bench.published --quick    # the small clusters only (the test suite runs this)
+    python -m bench.planner.published            # every row (a few minutes: the largest cluster has 2520 GPUs)
+    python -m bench.planner.published --quick    # the small clusters only (the test suite runs this)
 
 For each published run, the cost model's prediction for the run's own layout (``hetero_llm.planner.evaluate``,
 what ``hetero-plan CLUSTER --evaluate LAYOUT`` prints), converted to the publication's own way of counting
@@ -54,9 +54,9 @@ from pathlib import Path
 
 import attrs
 
-from bench import benchlib
-from bench.published_report import report, summary
-from bench.published_rows import (
+from bench.common import benchlib
+from bench.planner.published_report import report, summary
+from bench.planner.published_rows import (
     GPT2_VOCAB,
     H100,
     HEXISCALE_MFU,
@@ -90,7 +90,7 @@ from hetero_llm.planner.cluster import Cluster, load_cluster
 from hetero_llm.planner.evaluate import Evaluation, evaluate
 from hetero_llm.planner.output import planned_layout
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLUSTERS = Path("layouts/clusters/published")  # under --files-dir (the repository root by default)
 LAYOUTS = Path("layouts/papers/published")
 WITHIN = 0.15  # a prediction a user can plan with is within 15% of the measurement
@@ -154,7 +154,8 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
             root / cpath,
             megatron_sections(row),
             megatron_plan(row),
-            what + "# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
+            what
+            + "# Written by bench/planner/published.py (python -m bench.planner.published): edit the rows there.\n",
         )
         sched = f"interleaved x{row.chunks} chunks" if row.layers_per_chunk else "1f1b"
         write_layout(
@@ -163,7 +164,7 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
             what
             + f"# The published layout: TP {row.tp} inside a node, PP {row.pp} across nodes, DP {row.dp} (Megatron-LM's "
             f"rank order),\n# {row.micro_batch} sequences per microbatch, {sched}, full recompute.\n"
-            "# Written by bench/published.py (python -m bench.published).\n",
+            "# Written by bench/planner/published.py (python -m bench.planner.published).\n",
         )
         flops = megatron_flops(row.global_batch, MEGATRON_SEQ, row.layers, row.hidden, MEGATRON_VOCAB)
         cases.append(
@@ -189,13 +190,13 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
                 {"execution": mode, "nodes": {"h100": "h100-sxm"}},
                 f"# {what}, a plain PyTorch loop run {mode}"
                 f"{' (torch.compile of the model)' if mode == 'compiled' else ''}.\n"
-                "# Written by bench/published.py (python -m bench.published): edit the rows there.\n",
+                "# Written by bench/planner/published.py (python -m bench.planner.published): edit the rows there.\n",
             )
         write_layout(
             root / lpath,
             h100_layout(row, str(lpath)),
             f"# {what}: one stage, {row.global_batch} sequences per step in {row.microbatches} microbatches (the\n"
-            "# measured loop's batch is not published). Written by bench/published.py (python -m bench.published).\n",
+            "# measured loop's batch is not published). Written by bench/planner/published.py (python -m bench.planner.published).\n",
         )
         for mode, mfu in (("eager", row.eager_mfu), ("compiled", row.compiled_mfu)):
             cases.append(
@@ -245,7 +246,7 @@ def build_files(root: Path, quick: bool, budget: float) -> tuple[list[Case], dic
             planned_layout(cluster, result.best),
             "# HexiScale (arXiv 2409.01143) publishes 31.19% MFU with its own planned layout, which is not public:\n"
             f"# this is hetero-plan's plan for {hexi} (plan_cluster, budget {budget:g} s).\n"
-            "# Written by bench/published.py (python -m bench.published).\n",
+            "# Written by bench/planner/published.py (python -m bench.planner.published).\n",
         )
         cases.append(
             Case(

@@ -1,9 +1,9 @@
-"""What bench/published.py prints and writes: its tables of published against predicted, as Markdown."""
+"""What bench/planner/published.py prints and writes: its tables of published against predicted, as Markdown."""
 
 from __future__ import annotations
 
-from bench import benchlib
-from bench.published_rows import LARGE
+from bench.common import benchlib
+from bench.planner.published_rows import LARGE
 
 
 def summary(cand) -> str:

@@ -1,4 +1,4 @@
-"""The published runs bench/published.py checks the cost model against: each row's model, cluster and layout,
+"""The published runs bench/planner/published.py checks the cost model against: each row's model, cluster and layout,
 built as schema objects and written with the project's TOML writer."""
 
 from __future__ import annotations
@@ -258,7 +258,7 @@ HOLMES_OPTIMIZER = {"holmes": Optimizer.ADAMW_ZERO1, "megatron": Optimizer.ADAMW
 def holmes_cluster(cluster_file: Path, framework: str) -> tuple[dict, dict]:
     """The sections of Holmes' cluster file (layouts/clusters/holmes_64gpu.toml) with the framework's optimizer, and
     its [plan] with what the framework did (HOLMES_PLANS)."""
-    _, raw, s = layout_mod.read_cluster_file(cluster_file, "bench.published", extra=("plan",))
+    _, raw, s = layout_mod.read_cluster_file(cluster_file, "bench.planner.published", extra=("plan",))
     s = dict(s, train=attrs.evolve(s["train"], optimizer=HOLMES_OPTIMIZER[framework]))
     return s, {**HOLMES_PLANS[framework], **raw["plan"]}
 
@@ -276,7 +276,7 @@ def holmes_headers(aware: bool, cluster: Path) -> tuple[str, str]:
         "# Holmes (arXiv 2312.03549, Figure 6: parameter group 3, GPT 7.5B on 4 InfiniBand + 4 RoCE nodes of\n"
         "# 8 A100): the nodes and NICs of layouts/clusters/holmes_64gpu.toml,\n" + system + ";\n"
         "# Megatron's fused kernels, flash attention (github.com/CodexDive/Holmes at 03d9522: README, example\n"
-        "# scripts, config.json). Written by bench/published.py (python -m bench.published): edit the rows there.\n"
+        "# scripts, config.json). Written by bench/planner/published.py (python -m bench.planner.published): edit the rows there.\n"
     )
     which = (
         "NIC-aware: hetero-place's placement (DP inside a domain, the pipeline boundary across)"
@@ -288,7 +288,7 @@ def holmes_headers(aware: bool, cluster: Path) -> tuple[str, str]:
         f"# Holmes (arXiv 2312.03549), GPT 7.5B on {cluster}.\n"
         f"# {which}.\n"
         f"# TP {HOLMES_TP}, PP 2, DP 8, {HOLMES_ROWS_PER_MB} sequences per microbatch (Holmes' layout is not "
-        "published).\n# Written by bench/published.py (python -m bench.published).\n"
+        "published).\n# Written by bench/planner/published.py (python -m bench.planner.published).\n"
     )
     return cluster_header, layout_header
 
