@@ -145,6 +145,7 @@ def main() -> None:
     rows = [measure(op, args.bytes, args.reps) for op in OPERATIONS]
     load_after = os.getloadavg()
     lines = [
+        *benchlib.report_head("gloo_collectives", benchlib.machine(), load_before, load_after),
         "| operation | buffer MB | MB sent by rank 0 | MB sent by rank 1 | seconds (median) | buffer at the line rate s |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -153,11 +154,7 @@ def main() -> None:
             f"| {r['operation']} | {r['buffer_bytes'] / 1e6:.3f} | {r['sent_by_rank0_per_run'] / 1e6:.3f} | "
             f"{r['sent_by_rank1_per_run'] / 1e6:.3f} | {r['seconds']:.4f} | {r['line_rate_seconds']:.4f} |"
         )
-    lines += [
-        "",
-        f"link {LINK.bandwidth}, {LINK.delay}; {benchlib.load_line(load_before, load_after)}; "
-        f"hetero_llm at {benchlib.git_state()}",
-    ]
+    lines += ["", f"link {LINK.bandwidth}, {LINK.delay}"]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out_dir)

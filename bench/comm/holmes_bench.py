@@ -33,6 +33,7 @@ import attrs
 import click
 
 from bench import testbed as T
+from bench.common import benchlib as B
 from hetero_llm import layout as layout_mod
 from hetero_llm.layout import (
     ClusterSpec,
@@ -134,19 +135,7 @@ def run_layout(
     try:
         for n in nodes:
             logs[n] = open(workdir / f"{n}.log", "w")
-            argv = [
-                sys.executable,
-                "-m",
-                "hetero_llm.cli",
-                str(layout_path),
-                "--node",
-                n,
-                "--quiet",
-                "--metrics-jsonl",
-                str(metrics),
-                "--set",
-                f"train.steps={steps}",
-            ] + (["--trace", str(trace)] if trace is not None else [])
+            argv = B.launch_command(layout_path, node=n, metrics=metrics, trace=trace, sets=[f"train.steps={steps}"])
             fastest, speed = max(m.speed for m in lay.cluster.nodes), lay.cluster.node(n).speed
             slow = {"HETERO_EMULATE_SLOWDOWN": f"*:{fastest / speed:g}"} if speed != fastest else {}
             procs[n] = tb.run(n, argv, env={**env, **slow}, stdout=logs[n], stderr=subprocess.STDOUT)

@@ -175,19 +175,50 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# rendezvous and emulation variables a launch must not inherit from this process (a bench sets them per run)
+DROP_ENV = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "HETERO_EMULATE_SLOWDOWN",
+    "HETERO_EMULATE_JITTER",
+    "HETERO_EMULATE_ACTION_S",
+    "HETERO_EMULATE_DEVICE",
+)
+
+
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """This environment without rendezvous or emulation variables, plus ``extra``."""
-    drop = (
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "HETERO_EMULATE_SLOWDOWN",
-        "HETERO_EMULATE_JITTER",
-        "HETERO_EMULATE_ACTION_S",
-        "HETERO_EMULATE_DEVICE",
-    )
-    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env = {k: v for k, v in os.environ.items() if k not in DROP_ENV}
     env.update(extra or {})
     return env
+
+
+def launch_command(
+    layout: str | os.PathLike,
+    *,
+    metrics: str | os.PathLike | None = None,
+    sets: Sequence[str] = (),
+    port: int | None = None,
+    node: str | None = None,
+    trace: str | os.PathLike | None = None,
+    quiet: bool = True,
+    args: Sequence[str] = (),
+    python: str | None = sys.executable,
+) -> list[str]:
+    """The ``hetero-launch LAYOUT ...`` command line of every bench that starts one itself (the testbed's per-node
+    launches, torchrun's agents, the launch-time and soak runs): this interpreter, ``-m hetero_llm.cli``, the layout,
+    ``--node``, ``--quiet``, ``--metrics-jsonl``, ``--trace``, ``args``, then each ``--set`` (``port``: one more,
+    ``cluster.port=PORT``). ``python`` None: from ``-m`` on (what torchrun is given). Runs measured to completion
+    on one machine go through ``launch_layout`` (``hetero_llm.api.run``, the sweep runner's launch) instead."""
+    cmd = [*((python,) if python is not None else ()), "-m", "hetero_llm.cli", str(layout)]
+    cmd += ["--node", node] if node is not None else []
+    cmd += ["--quiet"] if quiet else []
+    cmd += ["--metrics-jsonl", str(metrics)] if metrics is not None else []
+    cmd += ["--trace", str(trace)] if trace is not None else []
+    cmd += list(args)
+    for item in (*sets, *((f"cluster.port={port}",) if port is not None else ())):
+        cmd += ["--set", item]
+    return cmd
 
 
 @attrs.frozen
@@ -215,31 +246,28 @@ def launch_layout(
     timeout: float = 600,
     checkpoint: str | None = None,
 ) -> Launch:
-    """``hetero-launch LAYOUT --quiet --metrics-jsonl ...`` to completion, with its CPU and wall time."""
-    workdir.mkdir(parents=True, exist_ok=True)
-    metrics = workdir / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_llm.cli",
-        str(layout),
-        "--quiet",
-        "--metrics-jsonl",
-        str(metrics),
-        "--set",
-        f"cluster.port={free_port()}",
-    ]
-    if trace is not None:
-        cmd += ["--trace", str(trace)]
-    if checkpoint is not None:  # a save every step
-        cmd += ["--checkpoint", checkpoint, "--checkpoint-every", "1"]
-    before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=clean_env(env), cwd=ROOT)
-    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    """``hetero-launch LAYOUT --quiet --metrics-jsonl WORKDIR/metrics.jsonl`` to completion, with its CPU and wall
+    time: one point of the sweep runner (``hetero_llm.api.run``: its own port, process group and timeout; stdout and
+    stderr in WORKDIR), with this process's environment less ``DROP_ENV``, plus ``env``. A failed run raises."""
+    from hetero_llm import api
+
+    args = ["--trace", str(trace)] if trace is not None else []
+    args += ["--checkpoint", checkpoint, "--checkpoint-every", "1"] if checkpoint is not None else []  # a save a step
+    held = {k: os.environ.pop(k) for k in DROP_ENV if k in os.environ}  # api.run passes os.environ on
+    try:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        run = api.run(layout, workdir, timeout_s=timeout, env=env, args=args)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    finally:
+        os.environ.update(held)
+    if not run.ok:
+        out = {name: Path(workdir, name).read_text(errors="replace")[-4000:] for name in ("stdout.txt", "stderr.txt")}
+        raise RuntimeError(
+            f"hetero-launch {layout} {run.status} ({run.exit_code}): {run.error}\n{out['stdout.txt']}\n"
+            f"{out['stderr.txt']}"
+        )
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return Launch([json.loads(line) for line in metrics.read_text().splitlines()], cpu, wall)
+    return Launch([dict(row) for row in run.steps], cpu, run.wall_s)
 
 
 def rank_script_args(parser, child) -> object | None:

@@ -171,8 +171,7 @@ def main(quick: bool, out_dir: Path) -> None:
     machine = B.machine()
     markdown = "\n".join(
         [
-            f"# Activation memory per context-parallel rank (`{B.command_line()}`)",
-            "",
+            *B.report_head("Activation memory per context-parallel rank", machine, load_before, load_after),
             "Per rank, the most of the ring's ranks: activations autograd holds at the end of the forward of one row "
             "(tensor meter). Longest row: under the cap of what cp 1 holds at "
             f"{cap_len} positions ({cap / 2**20:.2f} MiB), multiples of {STEP}. cp 1 and 2 only: 2 cores. Block scores: "
@@ -180,9 +179,6 @@ def main(quick: bool, out_dir: Path) -> None:
             "such are alive inside one block's backward); it shrinks as 1/cp^2.",
             "",
             B.markdown_table(headers, rows),
-            "",
-            B.machine_line(machine),
-            f"load average before {load_before}, after {load_after}",
         ]
     )
     payload = {"command": B.command_line(), "machine": machine, "cap_bytes": cap, "cap_len": cap_len,

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import attrs
 
+from bench.common import benchlib as B
+
 ROUND = "elastic: nodes "  # the line each round's torchrun rank 0 prints (launch/elastic.py)
 DROP = (
     "RANK",
@@ -132,18 +134,21 @@ def start_agent(
         "--rdzv-conf",
         "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5" + where.is_host,
         *(("--local-addr", where.local_addr) if where.local_addr else ()),
-        "-m",
-        "hetero_llm.cli",
-        str(cluster),
-        "--elastic",
-        "--checkpoint",
-        str(workdir / "ckpt"),
-        "--checkpoint-every",
-        str(saves[0]),
-        "--snapshot-every",
-        str(saves[1]),
-        "--metrics-jsonl",
-        str(workdir / "m.jsonl"),
+        *B.launch_command(
+            cluster,
+            python=None,
+            quiet=False,
+            metrics=workdir / "m.jsonl",
+            args=[
+                "--elastic",
+                "--checkpoint",
+                str(workdir / "ckpt"),
+                "--checkpoint-every",
+                str(saves[0]),
+                "--snapshot-every",
+                str(saves[1]),
+            ],
+        ),
     ]
     with open(workdir / f"{node}.{time.monotonic_ns()}.log", "w") as log:  # the agent keeps its own descriptor
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -126,9 +126,7 @@ def main(quick, hidden, out_dir):
     ]
     md = "\n".join(
         [
-            f"# {NAME}",
-            "",
-            f"{B.machine_line(info)}; load {before[0]:.2f} before, {after[0]:.2f} after. `{B.command_line()}`. "
+            *B.report_head(NAME, info, before, after),
             f"The reference model (hidden {hidden}: {state_mb:.1f} MB of parameters and moments per snapshot), one "
             f"rank in one process (CPU gloo, OMP_NUM_THREADS=1), {steps} steps, {reps} interleaved run(s) per mode, "
             "medians.",

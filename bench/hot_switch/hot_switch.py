@@ -403,20 +403,10 @@ def main(
                 payloads.append(payload)
     load_after = B.load_average()
     title = (
-        f"# Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
+        f"Hot switching vs the best static layout ({'quick' if quick else 'full'}, emulated devices, "
         f"{'two testbed nodes' if network == 'testbed' else 'loopback'})"
     )
-    markdown = "\n".join(
-        [
-            title,
-            "",
-            f"`{B.command_line()}`",
-            "",
-            *sections,
-            f"Machine: {B.machine_line(info)}; {B.load_line(load_before, load_after)}.",
-            "",
-        ]
-    )
+    markdown = "\n".join([*B.report_head(title, info, load_before, load_after), *sections])
     payload = {
         "machine": info,
         "load_before": load_before,

@@ -63,16 +63,7 @@ def launch_with_peak(
     fabric (the default group's, which switches use)."""
     workdir.mkdir(parents=True, exist_ok=True)
     metrics = workdir / "metrics.jsonl"
-    cmd = [
-        sys.executable,
-        "-m",
-        "hetero_llm.cli",
-        str(layout),
-        "--quiet",
-        "--metrics-jsonl",
-        str(metrics),
-        *(["--trace", str(trace)] if trace else []),
-    ]
+    cmd = B.launch_command(layout, metrics=metrics, trace=trace or None)
     if tb is None:
         cmd += ["--set", f"cluster.port={B.free_port()}"]
         proc = subprocess.run(

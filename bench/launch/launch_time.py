@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -75,20 +74,7 @@ def main(trees, reps, quick, out_dir):
     for rep in range(reps):
         for src in sources if rep % 2 == 0 else sources[::-1]:
             t0 = time.perf_counter()
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "hetero_llm.cli",
-                    str(layout),
-                    "--quiet",
-                    "--set",
-                    f"cluster.port={B.free_port()}",
-                ],
-                check=True,
-                cwd=src,
-                env=B.clean_env(),
-            )
+            subprocess.run(B.launch_command(layout, port=B.free_port()), check=True, cwd=src, env=B.clean_env())
             times[src].append(time.perf_counter() - t0)
             B.say(f"rep {rep + 1}/{reps} {src}: {times[src][-1]:.1f} s (load {B.load_average()[0]:.2f})")
     rows = [[src, " / ".join(f"{t:.1f}" for t in ts), f"{statistics.median(ts):.1f}"] for src, ts in times.items()]
@@ -96,19 +82,7 @@ def main(trees, reps, quick, out_dir):
     print(table)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        md = "\n".join(
-            [
-                "# launch_time",
-                "",
-                f"command: `{B.command_line()}`",
-                "",
-                f"machine: {B.machine_line(B.machine())}",
-                "",
-                B.load_line(before, B.load_average()),
-                "",
-                table,
-            ]
-        )
+        md = "\n".join([*B.report_head("launch_time", B.machine(), before, B.load_average()), table])
         (out_dir / "launch_time.md").write_text(md + "\n")
     tmp.cleanup()
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.common import benchlib
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLES = ROOT / "docs" / "samples"
@@ -36,12 +37,9 @@ def deterministic(line: str) -> str:
 def run_quickstart() -> str:
     """The quickstart's console output (stdout), run from this tree, on a free port (another run may hold the
     layout's), stdout only: the progress bars and warnings of stderr are no part of the sample."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "hetero_llm.cli", *COMMAND[1:], "--set", f"cluster.port={port}"]
+    cmd = benchlib.launch_command(COMMAND[1], quiet=False, port=benchlib.free_port())
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(COMMAND)} failed ({proc.returncode}):\n{proc.stderr}")

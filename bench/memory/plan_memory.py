@@ -196,11 +196,16 @@ def main() -> None:
     within = sum(abs(r["error"]) <= 0.15 for r in results)
     md = "\n\n".join(
         [
-            f"# Planner memory model vs measured peak RSS (hidden {hidden}, ffn {ffn}, {layers} layers, seq {seq}, "
-            f"{batch} microbatches of 1 sequence, {steps} steps; 1 pipeline of 2 stages, 2 ranks, gloo on CPU)",
-            f"`{benchlib.command_line()}`",
-            benchlib.machine_line(benchlib.machine()),
-            benchlib.load_line(load_before, load_after),
+            "\n".join(
+                benchlib.report_head(
+                    f"Planner memory model vs measured peak RSS (hidden {hidden}, ffn {ffn}, {layers} layers, "
+                    f"seq {seq}, {batch} microbatches of 1 sequence, {steps} steps; 1 pipeline of 2 stages, 2 ranks, "
+                    "gloo on CPU)",
+                    benchlib.machine(),
+                    load_before,
+                    load_after,
+                )
+            ).rstrip(),
             benchlib.markdown_table(headers, rows),
             f"{within} of {len(results)} ranks within 15%. predicted: `PlannerCostModel.memory` (parameters, gradients "
             "and AdamW moments in float32, plus the larger of the activations of the schedule's peak microbatches in "

@@ -14,7 +14,6 @@ The run trains ``--steps`` plus a few more steps, so the last sample is taken wh
 from __future__ import annotations
 
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -95,17 +94,7 @@ def soak(workdir: Path, steps: int, samples: list[int]) -> dict[int, dict[int, i
     L.dump(soak_layout(str(layout), steps + MARGIN), layout)
     metrics = workdir / "metrics.jsonl"
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "hetero_llm.cli",
-            str(layout),
-            "--quiet",
-            "--metrics-jsonl",
-            str(metrics),
-            "--set",
-            f"cluster.port={B.free_port()}",
-        ],
+        B.launch_command(layout, metrics=metrics, port=B.free_port()),
         env=B.clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -174,14 +163,7 @@ def main(steps, from_step, every, quick, out_dir):
     if out_dir is not None:
         md = "\n".join(
             [
-                "# soak",
-                "",
-                f"command: `{B.command_line()}`",
-                "",
-                f"machine: {B.machine_line(B.machine())}",
-                "",
-                B.load_line(before, B.load_average()),
-                "",
+                *B.report_head("soak", B.machine(), before, B.load_average()),
                 f"{steps + MARGIN} steps in {wall:.0f} s, 2 computing ranks (2 stages, 1 layer each, hidden 32)",
                 "",
                 summary,

@@ -220,10 +220,14 @@ def main() -> None:
     info = benchlib.machine()
     md = "\n\n".join(
         [
-            f"# ZeRO-1 memory per rank (hidden {hidden}, {layers} layers, {steps} steps, gloo on CPU)",
-            f"`{benchlib.command_line()}`",
-            benchlib.machine_line(info),
-            benchlib.load_line(load_before, load_after),
+            "\n".join(
+                benchlib.report_head(
+                    f"ZeRO-1 memory per rank (hidden {hidden}, {layers} layers, {steps} steps, gloo on CPU)",
+                    info,
+                    load_before,
+                    load_after,
+                )
+            ).rstrip(),
             benchlib.markdown_table(headers, rows),
             "state: bytes of AdamW moments the rank's optimizer keeps (formula: `8 x optim_shards.state_elements`); "
             "added: peak resident memory (VmHWM) minus the resident memory before training (after imports); "

@@ -337,14 +337,7 @@ def main(
     )
     md = "\n".join(
         [
-            f"# {NAME}",
-            "",
-            f"command: `{B.command_line()}`",
-            "",
-            f"machine: {B.machine_line(info)}",
-            "",
-            B.load_line(before, after),
-            "",
+            *B.report_head(NAME, info, before, after),
             setup,
             "",
             *paired_part,

@@ -312,14 +312,7 @@ def main(steps, skip, layers, hidden, seq_len, batch, microbatches, quick, out_d
     timelines = [png for r in results for png in r.get("timelines", [])]
     md = "\n".join(
         [
-            f"# {NAME}",
-            "",
-            f"command: `{B.command_line()}`",
-            "",
-            f"machine: {B.machine_line(info)}",
-            "",
-            B.load_line(before, after),
-            "",
+            *B.report_head(NAME, info, before, after),
             setup,
             "",
             table,

@@ -340,18 +340,7 @@ def main(
         f"{cfg.heads} heads, vocab {cfg.vocab}, seq {cfg.seq_len}; global batch {cfg.global_batch}, "
         f"{microbatches} microbatches; stages of equal layers, one process per stage; AdamW, clipping 1.0"
     )
-    parts = [
-        f"# {NAME}",
-        "",
-        f"command: `{B.command_line()}`",
-        "",
-        f"machine: {B.machine_line(info)}",
-        "",
-        B.load_line(before, after),
-        "",
-        setup,
-        "",
-    ]
+    parts = [*B.report_head(NAME, info, before, after), setup, ""]
     if paired_results:
         parts += [
             f"## Paired rounds ({rounds} rounds of {round_steps} steps per side, first step of a round left out)",

@@ -50,8 +50,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from scipy.stats import kendalltau
-
 from bench.common import benchlib
 from bench.planner import plan_breakdown
 from hetero_llm import layout as L
@@ -59,6 +57,7 @@ from hetero_llm.planner import plan_cluster
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.sweep import report as sweep_report
 
 ROOT = Path(__file__).resolve().parents[2]
 from hetero_llm.planner.output import layout_text  # noqa: E402
@@ -217,7 +216,11 @@ def measure_constants(tmp: Path, steps: int, warmup: int, reps: int, speed: floa
 
 
 def kendall(xs: list[float], ys: list[float]) -> float:
-    return kendalltau(xs, ys).statistic if len(xs) > 1 else 1.0
+    """Kendall's tau-b, as every sweep report computes it (``hetero_llm.sweep.report``; 1 for a single plan)."""
+    if len(xs) < 2:
+        return 1.0
+    tau = sweep_report.kendall_tau(xs, ys)
+    return float("nan") if tau is None else tau
 
 
 def main() -> None:
@@ -380,6 +383,7 @@ def main() -> None:
         "seconds": time.time() - t_start,
     }
     lines = [
+        *benchlib.report_head("plan_vs_measured", benchlib.machine(), load_before, load_after),
         "| # | schedule | pipelines (layers/TP@node per stage) | rows/mb | predicted s | without constants s "
         "| measured s (each rep) | error | error without |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -401,8 +405,7 @@ def main() -> None:
         f"tau {summary['kendall_tau']:.2f}; without: mean |error| {w['mean_error']:.1%} (max {w['max_error']:.1%}), "
         f"Kendall tau {w['kendall_tau']:.2f}; the planner's pick is {summary['pick_vs_best_measured']:.3f}x the "
         f"best measured step; repetitions differ by {summary['rep_spread_median']:.1%} (median, max "
-        f"{summary['rep_spread_max']:.1%}); {benchlib.load_line(load_before, load_after)}; "
-        f"hetero_llm at {benchlib.git_state()}",
+        f"{summary['rep_spread_max']:.1%})",
     ]
     if args.trace:  # the first repetition's breakdown of each plan
         lines += ["", plan_breakdown.markdown([{**r, "breakdown": r["breakdown"][0]} for r in rows])]
