@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import benchlib
 from bench.planner import plan_baselines
 from hetero_llm.layout import (
     Backend,
@@ -423,13 +424,12 @@ def main() -> None:
     seeds = [int(x) for x in args.seeds.split(",")]
     if args.quick:
         sizes, seeds, args.hexiscale_seeds = [16], [1], 2  # and small clusters 1 and 2 (the quick ones)
-    t0 = time.time()
+    t0, load0 = time.time(), os.getloadavg()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_bench" + (f"_{args.tag}" if args.tag else "")
     partial = out / f"{name}.partial.json"
     if args.timing:
-        load0 = os.getloadavg()
         rows = run_timing(sizes, args.timing, args.max_evals, args.time_cap)
         lines = [
             "| GPUs | clusters | search s (median) | max | CPU s (median) | max | plans simulated (median) |",
@@ -448,8 +448,8 @@ def main() -> None:
                 indent=1,
             )
         )
-        lines.append(f"\nload average before {load0[0]:.2f}, after {os.getloadavg()[0]:.2f}")
-        (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+        head = benchlib.report_head(name, benchlib.machine(), load0, os.getloadavg())
+        (out / f"{name}.md").write_text("\n".join([*head, *lines]) + "\n")
         print("\n".join(lines))
         return
     optima = {r["seed"]: r for f in args.optima.split(",") if f for r in json.loads(Path(f).read_text())["small"]}
@@ -469,7 +469,9 @@ def main() -> None:
             default=str,
         )
     )
-    (out / f"{name}.md").write_text(text)
+    (out / f"{name}.md").write_text(
+        "\n".join([*benchlib.report_head(name, benchlib.machine(), load0, os.getloadavg()), text])
+    )
     plot(small, large, out / f"{name}.png")
 
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import sys
 import time
 from pathlib import Path
 
+from bench.common import benchlib
 from bench.planner.plan_bench import cluster_toml, load
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 from hetero_llm.planner import catalogue, plan_cluster, with_optimizer
@@ -187,6 +189,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_exhaustive" + (f"_{args.tag}" if args.tag else "")
     partial = out / f"{name}.partial.json"
+    load0 = os.getloadavg()
     rows = run(range(args.start, args.start + args.clusters), optima, partial)
     partial.unlink()
     s = summarize(rows)
@@ -200,7 +203,8 @@ def main() -> None:
     )
     print(text)
     (out / f"{name}.json").write_text(json.dumps({"summary": s, "rows": rows, "command": " ".join(sys.argv)}, indent=1))
-    (out / f"{name}.md").write_text(text + "\n")
+    head = benchlib.report_head(name, benchlib.machine(), load0, os.getloadavg())
+    (out / f"{name}.md").write_text("\n".join([*head, text]) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,10 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 
+from bench.common import benchlib
 from bench.planner import plan_baselines
 from bench.planner.plan_bench import LLAMA7B, cluster_toml, load
 from hetero_llm.planner import place_seeds, plan_cluster
@@ -93,12 +95,14 @@ def main() -> None:
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--tag", default="")
     args = ap.parse_args()
+    load0 = os.getloadavg()
     rows = [run(int(n), not args.no_alternatives) for n in args.sizes.split(",") if n]
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     name = "plan_scale" + (f"_{args.tag}" if args.tag else "")
     (out / f"{name}.json").write_text(json.dumps({"rows": rows, "command": " ".join(sys.argv)}, indent=1))
     lines = [
+        *benchlib.report_head(name, benchlib.machine(), load0, os.getloadavg()),
         "| GPUs | ours s | plan | search CPU s | best of all s | ours / best |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
