@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = ROOT / "layouts"
 # Every layout the repository ships (cluster files, which hold no [[pipelines]], are not layouts); the
 # planned layouts of the papers' clusters are layouts too, but too big to run here. The published runs'
-# layouts (bench/published.py writes them: CUDA, up to 2520 GPUs) are only checked as files.
+# layouts (bench/planner/published.py writes them: CUDA, up to 2520 GPUs) are only checked as files.
 PUBLISHED_LAYOUTS = sorted((LAYOUTS / "papers" / "published").glob("*.toml"))
 SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (tests/test_sweep.py)
 LAYOUT_FILES = sorted(

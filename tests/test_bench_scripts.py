@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from bench import benchlib, traces
-from bench import hot_switch_config as hot
+from bench.common import benchlib, traces
+from bench.hot_switch import hot_switch_config as hot
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(script: str, out: Path) -> subprocess.CompletedProcess:
-    """``python -m bench.SCRIPT --quick --out-dir OUT`` from the repository root, as a user starts it."""
+    """``python -m bench.AREA.SCRIPT --quick --out-dir OUT`` from the repository root, as a user starts it."""
     proc = subprocess.run(
         [sys.executable, "-m", f"bench.{script}", "--quick", "--out-dir", str(out)],
         capture_output=True,
@@ -62,7 +62,7 @@ def _check_files(
 
 @pytest.mark.multiprocess
 def test_vs_torch_pipelining_quick(tmp_path):
-    proc = _run("vs_torch_pipelining", tmp_path)
+    proc = _run("pipeline.vs_torch_pipelining", tmp_path)
     assert "rep 1/1" in proc.stdout  # progress lines while it runs
     payload = _check_files(
         tmp_path,
@@ -99,7 +99,7 @@ def test_vs_torch_pipelining_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_dynamic_vs_1f1b_quick(tmp_path):
-    _run("dynamic_vs_1f1b", tmp_path)
+    _run("pipeline.dynamic_vs_1f1b", tmp_path)
     payload = _check_files(
         tmp_path,
         "dynamic_vs_1f1b",
@@ -140,7 +140,7 @@ def test_dynamic_vs_1f1b_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_shm_bench_quick(tmp_path):
-    _run("shm_bench", tmp_path)
+    _run("comm.shm_bench", tmp_path)
     payload = _check_files(
         tmp_path,
         "shm_bench",
@@ -172,7 +172,7 @@ def test_shm_bench_quick(tmp_path):
 
 
 def test_sim_vs_measured_quick(tmp_path):
-    _run("sim_vs_measured", tmp_path)
+    _run("pipeline.sim_vs_measured", tmp_path)
     payload = _check_files(
         tmp_path,
         "sim_vs_measured",
@@ -195,7 +195,7 @@ def test_sim_vs_measured_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_zero_bubble_quick(tmp_path):
-    _run("zero_bubble", tmp_path)
+    _run("pipeline.zero_bubble", tmp_path)
     payload = _check_files(
         tmp_path,
         "zero_bubble",
@@ -226,14 +226,14 @@ def test_zero_bubble_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_launch_time_quick(tmp_path):
-    _run("launch_time", tmp_path)
+    _run("launch.launch_time", tmp_path)
     md = (tmp_path / "launch_time.md").read_text()
     assert ["source tree", "wall s per launch", "median s"] in _headers(md)
     assert "load average" in md and "torch" in md
 
 
 def test_control_plane_quick(tmp_path):
-    _run("control_plane", tmp_path)
+    _run("launch.control_plane", tmp_path)
     md = (tmp_path / "control_plane.md").read_text()
     assert [
         "ranks",
@@ -248,7 +248,7 @@ def test_control_plane_quick(tmp_path):
 
 
 def test_snapshot_cost_quick(tmp_path):
-    _run("snapshot_cost", tmp_path)
+    _run("elastic.snapshot_cost", tmp_path)
     md = (tmp_path / "snapshot_cost.md").read_text()
     assert ["mode", "wall s", "cost ms/step (wall)", "training thread held ms/save", "of which waiting ms"] in _headers(
         md
@@ -261,7 +261,7 @@ def test_snapshot_cost_quick(tmp_path):
 
 def test_snapshot_restart_quick(tmp_path):
     before = set(Path("/dev/shm").glob("bench_snapshot_restart_*"))
-    _run("snapshot_restart", tmp_path)
+    _run("elastic.snapshot_restart", tmp_path)
     md = (tmp_path / "snapshot_restart.md").read_text()
     headers = ["round resumes from", "agreement ms (slowest worker)", "the copy alone ms", "its check alone ms"]
     headers.append("MB copied")
@@ -312,7 +312,7 @@ def test_markdown_table():
 
 @pytest.mark.multiprocess
 def test_soak_quick(tmp_path):
-    _run("soak", tmp_path)
+    _run("memory.soak", tmp_path)
     md = (tmp_path / "soak.md").read_text()
     assert ["rank", "RSS at step 100 MiB", "at step 400 MiB", "growth", "bytes per step", "target < 1%"] in _headers(md)
     result = json.loads((tmp_path / "soak.json").read_text())
@@ -325,7 +325,7 @@ def test_soak_quick(tmp_path):
 
 @pytest.mark.multiprocess
 def test_zero1_memory_quick(tmp_path):
-    _run("zero1_memory", tmp_path)
+    _run("memory.zero1_memory", tmp_path)
     payload = _check_files(
         tmp_path,
         "zero1_memory",
@@ -363,7 +363,7 @@ def test_zero1_memory_quick(tmp_path):
 
 
 def test_hot_switch_quick(tmp_path):
-    _run("hot_switch", tmp_path)
+    _run("hot_switch.hot_switch", tmp_path)
     payload = _check_files(
         tmp_path,
         "hot_switch",
@@ -414,7 +414,7 @@ def test_hot_switch_times_count_a_local_only_switch_from_each_ranks_own_entry(tm
     """A switch with messages costs its ranks from the moment both are in; a rank whose part is local copies waits for
     nobody, so its own span is its switch time (the slowest rank's, as ``switch_seconds`` prices it), even when it
     entered first and the other rank's entry came in the middle of its copies."""
-    from bench.hot_switch_runs import switch_times
+    from bench.hot_switch.hot_switch_runs import switch_times
 
     events = {  # rank -> (action, start, end): one step, the second switch local-only
         0: [("SWITCH>b0", 0.0, 5.0), ("F0", 5.0, 6.0), ("SWITCH>home", 10.0, 13.0)],
@@ -436,7 +436,7 @@ def test_hot_switch_regimes_keep_the_real_ratio_of_tp_traffic_to_compute():
     charges the same ratio (``action_seconds`` with and without the TP link)."""
     import attrs
 
-    from bench.hot_switch_regimes import REGIMES
+    from bench.hot_switch.hot_switch_regimes import REGIMES
     from hetero_llm.predict.device import EmulatedDevice, action_seconds
 
     for key, regime in REGIMES.items():
@@ -458,7 +458,7 @@ def test_hot_switch_static_baselines_are_the_planners_best_distinct_layouts_with
     the planner was given, and each is a layout the loader accepts on the bench's cluster."""
     import attrs
 
-    from bench import hot_switch_static as static
+    from bench.hot_switch import hot_switch_static as static
     from hetero_llm import layout as layout_mod
     from hetero_llm.planner import plan_cluster
 
@@ -547,17 +547,11 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
     and the full-size configurations too, which no CPU test run writes."""
     import attrs
 
-    from bench import (
-        control_plane,
-        gpu_bench_cases,
-        holmes_bench,
-        launch_time,
-        plan_bench,
-        plan_memory,
-        plan_vs_measured,
-        soak,
-        zero1_memory,
-    )
+    from bench.comm import holmes_bench
+    from bench.gpu import gpu_bench_cases
+    from bench.launch import control_plane, launch_time
+    from bench.memory import plan_memory, soak, zero1_memory
+    from bench.planner import plan_bench, plan_vs_measured
     from hetero_llm import layout
     from hetero_llm.planner.cluster import load_cluster
 
@@ -632,7 +626,7 @@ def test_bench_layouts_load_back_to_what_they_were_built_from(tmp_path):
 
 
 def test_published_quick(tmp_path):
-    """``bench.published --quick``: a table row per published number; the Megatron 1.7B row's FLOPs redone by hand
+    """``bench.planner.published --quick``: a table row per published number; the Megatron 1.7B row's FLOPs redone by hand
     from the paper's formula and its step time, which is ``hetero-plan --evaluate``'s for the committed files; and
     the cluster files and layouts it writes are the committed ones."""
     from click.testing import CliRunner
@@ -641,7 +635,7 @@ def test_published_quick(tmp_path):
 
     files = tmp_path / "files"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.published", "--quick", "--budget", "1", "--out-dir", str(tmp_path)]
+        [sys.executable, "-m", "bench.planner.published", "--quick", "--budget", "1", "--out-dir", str(tmp_path)]
         + ["--files-dir", str(files)],
         capture_output=True,
         text=True,
@@ -686,7 +680,7 @@ def test_published_quick(tmp_path):
     # Megatron-LM's clusters and layouts on Holmes' nodes
     assert len(written) == 2 + 2 * 3 + 2 * 2
     for rel in written:
-        assert (files / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: rerun python -m bench.published"
+        assert (files / rel).read_text() == (ROOT / rel).read_text(), f"{rel}: rerun python -m bench.planner.published"
     assert {p["cluster"] for p in payload["picks"]} == {rows[n]["cluster"] for n in rows}
 
 
@@ -695,7 +689,7 @@ def test_plan_meter_quick(tmp_path):
     """The planner's pick for small_cpu.toml trained with the tensor meter: every rank's measured peak within 10% of
     the memory model's bytes for its stage, and not above them (the model must not say a layout fits when the
     tensors it holds do not)."""
-    _run("plan_meter", tmp_path)
+    _run("memory.plan_meter", tmp_path)
     payload = json.loads((tmp_path / "plan_meter.json").read_text())
     assert len(payload["results"]) == 4  # one a rank
     for row in payload["results"]:
@@ -706,7 +700,7 @@ def test_plan_meter_quick(tmp_path):
 def test_plan_split_gap_quick(tmp_path):
     """The gaps the sub-solvers leave: the plan's predicted step over a descent's, never below 1 (the descent keeps
     only shorter steps), with the splits and rows it found."""
-    _run("plan_split_gap", tmp_path)
+    _run("planner.plan_split_gap", tmp_path)
     payload = json.loads((tmp_path / "plan_split_gap.json").read_text())
     assert len(payload["results"]) == 4  # the two CPU clusters and two generated ones
     for row in payload["results"]:
@@ -716,9 +710,9 @@ def test_plan_split_gap_quick(tmp_path):
 
 
 def test_context_speed_layouts_match_their_cluster_files(tmp_path):
-    """bench.context_speed's cp 1 and cp 2 layouts load, and ``hetero-plan --evaluate`` prices them on its cluster
+    """bench.context.context_speed's cp 1 and cp 2 layouts load, and ``hetero-plan --evaluate`` prices them on its cluster
     file's emulated device: the same model and rows, cp 2's step about half cp 1's (every rank's work 1/cp)."""
-    from bench import context_speed
+    from bench.context import context_speed
     from hetero_llm import layout
 
     steps = {}
@@ -732,9 +726,9 @@ def test_context_speed_layouts_match_their_cluster_files(tmp_path):
 
 
 def test_context_links_layouts_price_overlap(tmp_path):
-    """bench.context_links' run layout (one emulated node a CP rank) and its one-node twin for --evaluate train the
+    """bench.context.context_links' run layout (one emulated node a CP rank) and its one-node twin for --evaluate train the
     same stage; --evaluate prices cp 2 below cp 1, and cp_overlap = false above overlap over the slow link."""
-    from bench import context_links
+    from bench.context import context_links
     from hetero_llm import layout
 
     cfg = context_links.config(True, 2.0, 178.0)
@@ -761,7 +755,7 @@ def test_context_links_quick(tmp_path):
     ok, why = testbed.available()
     if not ok:
         pytest.skip(f"needs root and Linux network namespaces; runs on the CI machine and developer machines ({why})")
-    _run("context_links", tmp_path)
+    _run("context.context_links", tmp_path)
     data = json.loads((tmp_path / "context_links_quick.json").read_text())
     assert [(r["cp"], r["overlap"]) for r in data["runs"]] == [(1, True), (2, True), (2, False)]
     assert all(len(r["step_s"]) == 3 and min(r["step_s"]) > 0 for r in data["runs"])

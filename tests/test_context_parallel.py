@@ -161,7 +161,7 @@ def test_bf16_cp_2(shared_launch, reference, tmp_path):
 
 def test_cp_2_without_overlap(reference, tmp_path):
     """``cp_overlap = false`` (each ring transfer waited for before the next block: the baseline of
-    bench/context_links.py) trains the same model; --dry-run says the ring does not overlap."""
+    bench/context/context_links.py) trains the same model; --dry-run says the ring does not overlap."""
     path = cp_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(6, 1, 2)])])
     path.write_text(path.read_text().replace("cp = 2", "cp = 2\ncp_overlap = false"))
     lay = layout.load(path)

@@ -1,6 +1,6 @@
 """The control plane at scale (issue 33): the plan's indexes give exactly what plain scans over the whole plan gave
 (the algorithms before them, written out here as the reference), the dry run's summary and ``--full``, and host
-checks resolved concurrently within a bounded wait. Torch-free; bench/control_plane.py measures the speed."""
+checks resolved concurrently within a bounded wait. Torch-free; bench/launch/control_plane.py measures the speed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 
 import pytest
 
-from bench import control_plane
+from bench.launch import control_plane
 from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import rendezvous

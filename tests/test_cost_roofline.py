@@ -284,7 +284,7 @@ def test_predicts_this_projects_h200_runs_within_15_percent(tmp_path):
     import json
     from pathlib import Path
 
-    from bench.gpu_predict import predict
+    from bench.gpu.gpu_predict import predict
 
     data = json.loads((Path(__file__).parent.parent / "bench/results/gpu_bench_h200.json").read_text())
     rows = [r for r in data["single_stage"] if r["impl"] == "ours"]

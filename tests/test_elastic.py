@@ -20,7 +20,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from bench import elastic_agents as agents_mod
+from bench.elastic import elastic_agents as agents_mod
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
 from hetero_llm.errors import RankFailure
 from hetero_llm.launch import elastic
@@ -303,7 +303,7 @@ def test_a_snapshot_folder_another_user_controls_is_one_line(tmp_path, clean_env
 
 
 def _agent(cluster: Path, node: str, rdzv: int, workdir: Path) -> subprocess.Popen:
-    """One node's torchrun agent (bench/elastic_agents.py), steps slowed down so that a kill lands mid-run."""
+    """One node's torchrun agent (bench/elastic/elastic_agents.py), steps slowed down so that a kill lands mid-run."""
     return agents_mod.start_agent(cluster, node, NODES[node], rdzv, workdir, 12.0)
 
 
@@ -330,10 +330,10 @@ def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
 
 @pytest.mark.multiprocess
 def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
-    """``python -m bench.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
+    """``python -m bench.elastic.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
     worker, SIGKILL) after step 3, started again after step 6, 14 steps; checked here from its results file."""
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.elastic", "--quick", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "bench.elastic.elastic", "--quick", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=480,

@@ -1,4 +1,4 @@
-"""bench/gpu_bench.py runs end to end in its CPU smoke mode (``--tiny --device cpu``).
+"""bench/gpu/gpu_bench.py runs end to end in its CPU smoke mode (``--tiny --device cpu``).
 
 The real numbers come from a GPU machine; this keeps the script runnable there: both sides of the
 single-stage comparison train, and the 2-stage and TP-2 layouts run through hetero-launch with a
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.multiprocess
 
 def test_tiny_cpu_smoke(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.gpu_bench", "--tiny", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, "-m", "bench.gpu.gpu_bench", "--tiny", "--device", "cpu", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,

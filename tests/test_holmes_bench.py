@@ -1,4 +1,4 @@
-"""Layouts with NIC domains on the emulated testbed (bench/holmes_bench.py): each group's traffic goes
+"""Layouts with NIC domains on the emulated testbed (bench/comm/holmes_bench.py): each group's traffic goes
 over its transport's interface. Needs root and network namespaces (skipped otherwise, with the reason).
 
 Counted in bytes each node sent: a NIC-aware layout (DP inside domains, the pipeline boundary across)
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench import holmes_bench, testbed
+from bench import testbed
+from bench.comm import holmes_bench
 from hetero_llm import layout
 from hetero_llm.planner.place import PlaceOptions, place_file
 

@@ -1,4 +1,4 @@
-"""bench/plan_breakdown.py on a written trace: action durations per stage and kind, and message latencies split by
+"""bench/planner/plan_breakdown.py on a written trace: action durations per stage and kind, and message latencies split by
 whether the receive was posted before or after the send (no processes: the trace files are written here)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench import plan_breakdown, plan_vs_measured
+from bench.planner import plan_breakdown, plan_vs_measured
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.cost import PlannerCostModel

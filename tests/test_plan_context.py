@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from test_planner import SMALL
 
-from bench.plan_exhaustive import reference
+from bench.planner.plan_exhaustive import reference
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.errors import LayoutError

@@ -1,6 +1,6 @@
 """hetero-plan searches the whole space the layout format runs: device subsets, every schedule of plan.schedules
 (gpipe, interleaved with any chunk count), adamw vs adamw_zero1; checked against the exhaustive reference on a
-sample of bench/plan_exhaustive.py's clusters. Torch-free, one process."""
+sample of bench/planner/plan_exhaustive.py's clusters. Torch-free, one process."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import attrs
 import pytest
 from helpers_plan import flops_priced
 
-from bench import plan_exhaustive
-from bench.plan_bench import load
+from bench.planner import plan_exhaustive
+from bench.planner.plan_bench import load
 from harness import ROOT
 from hetero_llm import layout as layout_mod
 from hetero_llm.planner import load_cluster, moves, plan_cluster, with_optimizer
@@ -18,7 +18,7 @@ from hetero_llm.planner.output import layout_text
 from hetero_llm.planner.search import Planner
 from hetero_llm.planner.structure import Structure
 
-# clusters of bench/plan_exhaustive.py whose spaces are small enough for seconds (3 devices of 3 kinds, 2-3
+# clusters of bench/planner/plan_exhaustive.py whose spaces are small enough for seconds (3 devices of 3 kinds, 2-3
 # domains, memory-tight models); the bench runs 200 of them, of 3, 5 and 7 devices
 SAMPLE = [1, 2, 3, 5, 7, 9, 11, 12, 13, 14, 16, 19, 22, 24, 27]
 
@@ -147,7 +147,7 @@ def test_sweep_leaves_each_kind_and_domain_idle():
 
 
 def test_search_reaches_the_optimum_where_the_tp_group_must_change_node():
-    """Cluster 143 of bench/plan_exhaustive.py: the optimum hosts the TP-2 group on the other two-device node
+    """Cluster 143 of bench/planner/plan_exhaustive.py: the optimum hosts the TP-2 group on the other two-device node
     than the search's earlier local optimum, with the idle device between two nodes' stages (issue 23's worst
     miss, 1.052x): the node-exchange and idle-insertion moves reach it."""
     c = load(plan_exhaustive.draw(143))
@@ -157,7 +157,7 @@ def test_search_reaches_the_optimum_where_the_tp_group_must_change_node():
 
 @pytest.mark.parametrize("seed", [36, 151])
 def test_search_reaches_an_optimum_of_three_rows_per_microbatch(seed):
-    """Clusters 36 and 151 of bench/plan_exhaustive.py (batch 6): the optimum runs microbatches of 3 rows, which
+    """Clusters 36 and 151 of bench/planner/plan_exhaustive.py (batch 6): the optimum runs microbatches of 3 rows, which
     doubling and halving never reach from 1 or 2 (1.036x and 1.046x before the sweep tried the smallest divisors
     of the batch and the rows move the next divisor above and below)."""
     c = load(plan_exhaustive.draw(seed))
@@ -169,7 +169,7 @@ def test_search_reaches_an_optimum_of_three_rows_per_microbatch(seed):
 
 @pytest.mark.parametrize("seed", [9, 130])
 def test_search_reaches_an_optimum_of_another_schedule_and_microbatch_size(seed):
-    """Clusters 9 and 130 of bench/plan_exhaustive.py (the misses once the calibrated constant applied to every
+    """Clusters 9 and 130 of bench/planner/plan_exhaustive.py (the misses once the calibrated constant applied to every
     GPU kind: 1.021x and 1.038x): 9's optimum interleaves 6 microbatches of 1 row where the search stopped at
     ZB-H1 with 3 of 2 (and another stage order); 130's runs the last 2 of the search's 4 interleaved stages with
     4 chunks and 2 rows instead of 2 chunks and 1. Each change alone is worse: the schedule and rows move as one,
@@ -193,7 +193,7 @@ def test_moves_change_schedule_and_rows_at_once_and_cut_a_pipeline_short():
 
 
 def test_search_splits_a_tp_group_into_two_pipelines_each_with_an_idle_device():
-    """Cluster 196 of bench/plan_exhaustive.py (a miss, 1.040x, once the memory model counted what RMS norm and RoPE
+    """Cluster 196 of bench/planner/plan_exhaustive.py (a miss, 1.040x, once the memory model counted what RMS norm and RoPE
     save): the search stopped at one TP-2 stage on the two A100s; the optimum is two pipelines, an A100 with 7
     layers then an RTX 3090 with 1 each. An A100 alone does not fit 8 layers, and an RTX 3090 added alone does not
     pay: the data-parallel split with an idle group at the end of each copy is one move. Since the memory model

@@ -412,7 +412,8 @@ def test_written_layout_drops_plan_tables_and_sets_the_schedule(tmp_path):
 
 def test_every_ranked_plan_is_a_valid_layout(tmp_path):
     """Not only the pick: every plan the planner ranks loads as a layout (interleaving needs 2 stages, ...)."""
-    from bench import plan_vs_measured  # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
+    # its emulated cluster once ranked an interleaved plan with a 1-stage pipeline
+    from bench.planner import plan_vs_measured
 
     (tmp_path / "emulated.toml").write_text(plan_vs_measured.cluster_text(steps=1))
     for path in (SMALL, tmp_path / "emulated.toml"):
@@ -424,8 +425,8 @@ def test_every_ranked_plan_is_a_valid_layout(tmp_path):
 
 
 def test_plan_vs_measured_spreads_its_plans_over_the_ranking():
-    """bench/plan_vs_measured.py runs the pick, then each plan at least min_gap slower than the last chosen."""
-    from bench import plan_vs_measured
+    """bench/planner/plan_vs_measured.py runs the pick, then each plan at least min_gap slower than the last chosen."""
+    from bench.planner import plan_vs_measured
 
     ranking = [1.0, 1.01, 1.02, 1.05, 1.06, 1.09, 1.2]
     assert plan_vs_measured.spread_over_ranking(ranking, 10, 0.03) == [0, 3, 5, 6]
@@ -616,13 +617,13 @@ def test_a_lower_ranked_plan_trains_the_reference_model_too(tmp_path, shared_lau
 
 
 def test_plan_bench_quick(tmp_path):
-    """bench/plan_bench.py --quick runs end to end; its plans keep the planner's guarantees."""
+    """bench/planner/plan_bench.py --quick runs end to end; its plans keep the planner's guarantees."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.plan_bench", "--quick", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "bench.planner.plan_bench", "--quick", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -635,7 +636,8 @@ def test_plan_bench_quick(tmp_path):
         assert row["ratio"] <= 1.03
     for row in data["large"]:
         assert row["ours"] <= row["place"] and row["memory_ok"]
-    assert (tmp_path / "plan_bench.md").read_text().startswith("## vs exhaustive")
+    md = (tmp_path / "plan_bench.md").read_text()  # the report header (title, command, machine, load), then the tables
+    assert md.startswith("# plan_bench\n\n`python -m bench.planner.plan_bench --quick") and "\n## vs exhaustive\n" in md
 
 
 def test_planner_doc_lists_every_key():
@@ -659,13 +661,13 @@ def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
 
 @pytest.mark.multiprocess
 def test_plan_vs_measured_quick(tmp_path):
-    """bench/plan_vs_measured.py --quick: two planned layouts run with emulated device speeds."""
+    """bench/planner/plan_vs_measured.py --quick: two planned layouts run with emulated device speeds."""
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.plan_vs_measured", "--quick", "--out-dir", str(tmp_path)],
+        [sys.executable, "-m", "bench.planner.plan_vs_measured", "--quick", "--out-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -903,10 +905,10 @@ def test_profile_measures_this_machine_and_the_plan_reads_it(tmp_path):
 
 @pytest.mark.parametrize("seed,draw,optimum", [(9, 901, 0.06299258314482513), (92, 9200, 0.10537542004843177)])
 def test_search_without_enumeration_reaches_the_optimum_several_moves_away(seed, draw, optimum):
-    """Two of plan_bench's small clusters whose exhaustive optimum (bench/plan_bench.py's enumerator) the local
+    """Two of plan_bench's small clusters whose exhaustive optimum (bench/planner/plan_bench.py's enumerator) the local
     search once missed: seed 9 (1.28x: the batch split left a pipeline empty, and merging two pipelines pays
     only under the interleaved schedule) and seed 92 (1.057x: three moves, each worse alone)."""
-    from bench import plan_bench
+    from bench.planner import plan_bench
     from hetero_llm.planner import place_seeds
 
     c = plan_bench.load(plan_bench._draw_small(draw))  # = plan_bench.small_cluster(seed), without its redraw check

@@ -1,7 +1,7 @@
 """The README's sample outputs cannot go stale: the losses it quotes are the ones the runs print.
 
 - The quickstart block (400 steps, about a minute) is checked against ``docs/samples/quickstart.txt``, the
-  run's output as ``bench/readme_samples.py`` recorded it (``python -m bench.readme_samples --check`` reruns it);
+  run's output as ``bench/launch/readme_samples.py`` recorded it (``python -m bench.launch.readme_samples --check`` reruns it);
   its loss floor is computed here.
 - The own-text run (``layouts/examples/own_text.toml``, 300 steps on ``docs/samples/own_text_data.txt``, a frozen copy of
   the README) is run here, in the multiprocess tier (about a minute on 2 cores). It trained on the README
@@ -22,7 +22,7 @@ import sys
 
 import pytest
 
-from bench import readme_samples as make
+from bench.launch import readme_samples as make
 from harness import ROOT, free_port
 from hetero_llm import layout as layout_mod
 from hetero_llm.data import batches as data

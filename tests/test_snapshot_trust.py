@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import snapshot_restart
+from bench.elastic import snapshot_restart
 from hetero_llm.checkpoint import folders, snapshots, trust
 from hetero_llm.errors import CheckpointError, RankFailure
 

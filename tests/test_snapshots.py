@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import snapshot_restart
+from bench.elastic import snapshot_restart
 from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust

@@ -165,7 +165,7 @@ def barrier() -> None:
 # receives its own chunk from each (the reduce-scatter sums them when waited for; the all-gather receives in
 # place). Each member sends (n-1)/n of the buffer, what a ring sends, once each way, concurrently. (It was
 # one gloo reduce and one broadcast per member: 1.25x the bytes and 1.8x the time of a ring all-reduce
-# between two testbed nodes, more where a device is in two groups: bench/gloo_collectives.py.) NCCL runs
+# between two testbed nodes, more where a device is in two groups: bench/comm/gloo_collectives.py.) NCCL runs
 # the collectives themselves.
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

@@ -18,7 +18,7 @@ schedule may send backward gradients out of order).
 
 Waiting: a reader with nothing to read sleeps in futex(2) on the ring's data bell, a counter the
 writer increments and wakes after each message (one syscall, about 1 us), so an idle rank gives its
-core back to the computing ranks; it can spin ``SPIN_S`` first (0: ``bench/shm_bench.py`` measures
+core back to the computing ranks; it can spin ``SPIN_S`` first (0: ``bench/comm/shm_bench.py`` measures
 why). A big message is written in chunks, each published at once, so the reader copies one out
 while the writer copies the next in.
 
@@ -51,7 +51,7 @@ from hetero_llm.plan.rings import ShmLink
 from hetero_llm.schedule import Direction
 
 # A reader spins this long before it sleeps. 0: on 2 shared cores a spinning reader delays the very writer
-# it waits for (bench/shm_bench.py: 4 B one-way ~20 us without spinning, ~70 us with 50 us, ~470 us with 500 us).
+# it waits for (bench/comm/shm_bench.py: 4 B one-way ~20 us without spinning, ~70 us with 50 us, ~470 us with 500 us).
 SPIN_S = 0.0
 SLEEP_S = 0.5  # one futex sleep at most, between checks that the peer still lives
 CHUNK = 256 << 10  # a bigger message is written in chunks of this size, each published at once

@@ -319,7 +319,7 @@ def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
             # oversubscribing the host, this keeps the arithmetic that of a one-command launch: CPU kernels
             # may sum in another order with another thread count, which changes a run's last bits.)
             torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == info.node])))
-    # torch's flight recorder: ~1 MB of tracebacks that grows for 2000 steps (bench/soak.py). Off unless asked.
+    # torch's flight recorder: ~1 MB of tracebacks that grows for 2000 steps (bench/memory/soak.py). Off unless asked.
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
     met = None  # the RankPlan, once the rendezvous and the groups are made
     try:

@@ -3,7 +3,7 @@
 Each figure is a datasheet number, a published measurement (a matmul or copy benchmark, an NCCL bus bandwidth),
 a measurement of this project's own (PUBLISHED.md: the H100's bf16 matmul and copy; the lent H200s'), or an
 assumption named as such, with ONE exception: ``SUSTAINED`` (every GPU kind's ``sustained``) is FITTED, to one
-published training run (Megatron-LM's GPT 1.7B row, which bench/published.py then reports as the calibration
+published training run (Megatron-LM's GPT 1.7B row, which bench/planner/published.py then reports as the calibration
 row, not a check). Nothing else is fitted to a run the model is checked against. docs/planner.md prints the table
 (``catalogue_markdown``) and names the fitted constant.
 
@@ -24,11 +24,11 @@ PRICINGS = (ROOFLINE, FLOPS)
 
 # FITTED (calibrated) on one published row, which is then no longer a check: Megatron-LM's GPT 1.7B (SC'21 Table 1,
 # 137 TFLOP/s per GPU on DGX A100) is matched with every A100 kernel at 0.794 of its benchmark speed (bisection
-# in bench/published.py's model; 1.0 predicts 173). The other Megatron rows and Holmes check it. It is applied to
+# in bench/planner/published.py's model; 1.0 predicts 173). The other Megatron rows and Holmes check it. It is applied to
 # every GPU kind, one constant for all: at the kernels' benchmark speeds, this project's own H200 runs
 # (bench/results/gpu_bench_h200.md: our runtime, a known batch, eager) were predicted at 0.79-0.90 of their measured
 # step time, and the published H100 loop's eager rows at 1.16-1.32x their MFU; with it, 0.99-1.13 and 0.92-1.05
-# (bench/gpu_predict.py, bench/published.py). No constant is fitted per kind.
+# (bench/gpu/gpu_predict.py, bench/planner/published.py). No constant is fitted per kind.
 SUSTAINED = 0.794
 
 

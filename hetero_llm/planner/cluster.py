@@ -115,7 +115,7 @@ class PlanLimits:
     action_overhead_us: float = _doc(
         "the runtime's own time per compute action (F, B, I, W) in microseconds: the "
         "interpreter and posting the microbatch's sends and receives, added to every "
-        "compute action of every stage; measure it (bench/plan_vs_measured.py does: "
+        "compute action of every stage; measure it (bench/planner/plan_vs_measured.py does: "
         "docs/benchmarks.md); 0 = none (next to GPU compute it is small)",
         default=0.0,
     )

@@ -38,7 +38,7 @@ own time per compute action (``action_overhead_us``: added to every F, B, I and 
 schedule with more actions per microbatch, interleaving's chunks or ZB-H1's split backward, pays more)
 and the communication library's latency per message (``p2p_latency_us``: added to every link's latency,
 for stage boundaries and each step of a gradient all-reduce ring). Both are what a benchmark measured on
-its machine (bench/plan_vs_measured.py), not fitted to the plans it compares.
+its machine (bench/planner/plan_vs_measured.py), not fitted to the plans it compares.
 """
 
 from __future__ import annotations

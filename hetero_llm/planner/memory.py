@@ -14,7 +14,7 @@ and output gradients (``put_off_bytes``), and the gradients (4 bytes per paramet
 made them (the runtime frees them after each step). What a stage holds at once is the largest of the schedule's
 points ``(whole, put off, gradients)`` after each of its actions (``pipesim.held_in_flight``; interleaved:
 (microbatch, chunk) pairs over the chunks, a chunk holding 1/chunks of the stage's layers); tests/test_planner.py
-and bench/plan_meter.py (the tensor meter on the planner's picks) check it. With ``plan.vocab_parallel`` (Megatron-
+and bench/memory/plan_meter.py (the tensor meter on the planner's picks) check it. With ``plan.vocab_parallel`` (Megatron-
 LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the embedding's and the head's rows and of
 the logits; else the whole of them (the runtime).
 
@@ -36,7 +36,7 @@ from hetero_llm.planner.spans import EMBED_PARAMS, HEAD_PARAMS, LAYER_PARAMS, NO
 
 PARAM_BYTES = GRAD_BYTES = 4  # float32 weight and gradient (every holder keeps both, also under ZeRO-1)
 MOMENT_BYTES = 8  # AdamW exp_avg + exp_avg_sq, float32 (ZeRO-1 splits these over a block's holders)
-STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/plan_memory.py)
+STEP_TEMP_BYTES = 4  # the optimizer step's float32 denominator per moment element (bench/memory/plan_memory.py)
 # Document attention (model/document_mask.py) gathers each document's q, k, v into a batch padded to a ladder
 # length and SDPA saves those copies and its output, at most 1.5x a document's length for documents of 8
 # positions or more (the ladder 8, 12, 16, 24, ...; shorter ones pad to 8); the projection after it saves the

@@ -107,7 +107,7 @@ def train(
     the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
-    by a record per step (bench/soak.py)."""
+    by a record per step (bench/memory/soak.py)."""
     tr, model, rank = rp.train, rp.model, rp.rank
     device = comms.device
     console = rp.reports and not quiet
