@@ -1,5 +1,5 @@
 """The GPU benchmark's single-stage runs (``python -m bench.gpu_bench``), in this process on one device: ours
-(``hetero_llm.train.loop.train`` on a one-rank layout) and the plain PyTorch baseline, each timed per step.
+(``hetero_llm.train.rank.train`` on a one-rank layout) and the plain PyTorch baseline, each timed per step.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
 from hetero_llm.data import batches as data
 from hetero_llm.plan import compile_plan
-from hetero_llm.train.loop import train
+from hetero_llm.train.options import RunOptions
+from hetero_llm.train.rank import train
 
 
 @attrs.define
@@ -72,7 +73,7 @@ def run_ours(case: Case, mode: str, steps: int, device: torch.device, corpus: Pa
         backend="nccl" if device.type == "cuda" else "gloo",
     )
     plan = compile_plan(layout_mod.loads(text, file="<gpu_bench>"))
-    history = train(plan.rank_plan(0), world.get(plan), quiet=True, keep_history=True)
+    history = train(plan.rank_plan(0), world.get(plan), RunOptions(quiet=True), keep_history=True)
     return Run("ours", mode, [m.seconds for m in history], history[-1].loss, _peak_gb(device))
 
 

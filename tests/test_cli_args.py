@@ -258,12 +258,6 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
         ),
         ("HETERO_DEBUG", "yes", "'yes' is not 0 or 1 (1: a rank's unexpected error is raised with its traceback)"),
         (
-            "HETERO_ERROR_DIR",
-            "/nonexistent-hetero-errors",
-            "'/nonexistent-hetero-errors' is not an existing folder "
-            "(hetero-launch sets it for the ranks it starts; unset it)",
-        ),
-        (
             "HETERO_TENSOR_METER",
             "/nonexistent-hetero-meter",
             "'/nonexistent-hetero-meter' is not an existing folder (for each rank's tensor peak; create it, or unset it)",

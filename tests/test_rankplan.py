@@ -244,6 +244,8 @@ def test_launch_does_not_import_the_cli():
 
 RUNTIME_SIDE = [
     "train/loop",
+    "train/rank",
+    "train/options",
     "train/metrics",
     "train/checkpointing",
     "runtime/interpreter",

@@ -59,6 +59,7 @@ TORCH_FREE_MODULES = [
     "checkpoint.trust",
     "interop.hf_names",
     "interop.hf_config",
+    "train.options",
     "launch.node",
     "launch.hosts",
     "launch.external",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 import sys
 
 import click
@@ -138,12 +137,10 @@ def main(**args):
                 )
         launcher.run_ranks(p.plan, p.ranks, p.options)
     except LayoutError as e:
-        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a bad save found by a rank: the launcher says
-            click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except RankFailure as e:
-        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # under the launcher, it reports
-            click.echo(f"error: {e}", err=True)
+        click.echo(f"error: {e}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo(launcher.INTERRUPTED, err=True)
@@ -153,7 +150,8 @@ def main(**args):
 def _elastic(args: dict) -> None:
     """``--elastic``: this torchrun worker's round (launch/elastic.py)."""
     from hetero_llm.launch import elastic
-    from hetero_llm.launch.node import INTERRUPTED, RunOptions
+    from hetero_llm.launch.node import INTERRUPTED
+    from hetero_llm.train.options import RunOptions
 
     file = args["layout_file"]
     refused = {f"--{k.replace('_', '-')}": args[k] for k in ("overrides", "dry_run", "rank", "resume")}
