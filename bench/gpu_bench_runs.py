@@ -21,6 +21,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
 from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.options import RunOptions
 from hetero_llm.train.rank import train
@@ -124,7 +125,7 @@ class PlainGPT(nn.Module):
 
 def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: Path) -> Run:
     _reset(device)
-    source = data.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
+    source = sources.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
     model = PlainGPT(case.size, case.seq).to(device)
     decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.tok.weight and p is not model.pos.weight]
     other = [p for p in model.parameters() if all(p is not d for d in decay)]

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from hetero_llm.data.batches import GrammarSource, global_batch, make_source, pipeline_share
+from hetero_llm.data.batches import GrammarSource, global_batch, pipeline_share
+from hetero_llm.data.sources import make_source
 from hetero_llm.data.text_cache import END_OF_DOCUMENT, TokenFileSource, cache_path
 from hetero_llm.errors import LayoutError
 

@@ -246,6 +246,7 @@ RUNTIME_SIDE = [
     "train/loop",
     "train/rank",
     "train/options",
+    "train/batches",
     "train/metrics",
     "train/checkpointing",
     "runtime/interpreter",

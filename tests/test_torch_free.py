@@ -42,6 +42,7 @@ TORCH_FREE_MODULES = [
     "data.batches",
     "data.documents",
     "data.held_out",
+    "data.sources",
     "data.text_cache",
     "data.token_files",
     "data.tokenizers",

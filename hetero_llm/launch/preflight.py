@@ -24,7 +24,7 @@ from hetero_llm.comm import rendezvous
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import external, memory, outputs
 from hetero_llm.launch import node as launcher
-from hetero_llm.layout import Layout, Packing
+from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.train.options import RunOptions
 
@@ -154,16 +154,13 @@ def check_init_weights(lay: Layout, resume: str | None) -> None:
 def checked_source(lay: Layout):
     """The layout's data source, refused now if it cannot give one window of text or holds ids outside
     model.vocab (rather than in every rank)."""
-    from hetero_llm.data import batches as data
-    from hetero_llm.data import text_cache as textcache
-    from hetero_llm.data import token_files as tokenfiles
+    from hetero_llm.data import sources, text_cache, token_files
 
-    source = data.make_source(lay.data, lay.file)
-    if lay.data.packing is Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
-        from hetero_llm.data import held_out as evaluate
-
-        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)  # and the held-out ones
-    elif isinstance(source, textcache.TokenFileSource):
+    spec = sources.SourceSpec.of(lay.data)
+    source = sources.make_source(spec, lay.file)
+    if spec.documents:  # whole documents, however short: found now, or why not
+        sources.document_sources(spec, lay.model.seq_len, lay.file)  # and the held-out ones
+    elif isinstance(source, text_cache.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
-    tokenfiles.check_vocab(source, lay.model.vocab, lay.file)
+    token_files.check_vocab(source, lay.model.vocab, lay.file)
     return source

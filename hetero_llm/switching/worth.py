@@ -163,14 +163,14 @@ def _home(b: Bucket, why: str = "") -> Bucket:
 
 class _Pricer:
     def __init__(self, cluster: Cluster, home: Candidate, home_score: Score):
-        from hetero_llm.data import held_out
+        from hetero_llm.data import sources
         from hetero_llm.planner.output import planned_layout
         from hetero_llm.planner.search import Planner
 
         self.cluster, self.home, self.home_score = cluster, home, home_score
         self.planner_at: dict[int, Score] = {}  # bound -> the home layout's score on rows of that width
         lay = planned_layout(cluster, home)
-        self.source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
+        self.source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
         self.G = cluster.train.global_batch
         self._Planner = Planner
 

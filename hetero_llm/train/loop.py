@@ -12,25 +12,20 @@ import time
 from typing import Any
 
 import attrs
-import numpy as np
 import torch
 
 from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
-from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import Streams
-from hetero_llm.data import batches as data
-from hetero_llm.data import documents
-from hetero_llm.data import held_out as evaluate
 from hetero_llm.errors import Diverged, RankFailure
-from hetero_llm.layout import Packing, Precision, TrainSpec
-from hetero_llm.model.document_mask import DocumentMask
+from hetero_llm.layout import Precision, TrainSpec
 from hetero_llm.model.forward import Compute
 from hetero_llm.plan.rank import RankPlan
-from hetero_llm.runtime import context_rows, tensor_meter
+from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.grad_sync import sync_grads
-from hetero_llm.runtime.interpreter import Microbatch, StageRunner
+from hetero_llm.runtime.interpreter import StageRunner
 from hetero_llm.runtime.state import RankState
+from hetero_llm.train.batches import Batches
 from hetero_llm.train.checkpointing import Saver
 from hetero_llm.train.metrics import Reporter, StepMetrics
 
@@ -57,33 +52,6 @@ def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
     return Compute(dtype, recompute=settings.recompute, compile=settings.compile)
 
 
-def _microbatches(rp: RankPlan, batch: np.ndarray, ring: Ring | None = None) -> list[Microbatch]:
-    """The rank's microbatches (``ring``: a context-parallel rank's columns of them, ``context_rows``)."""
-    share = rp.batch
-    pieces = data.pipeline_share(batch, share.offset, share.size, share.microbatches)
-    if ring is not None:
-        cut = [context_rows.context_columns(ring, rp.model.seq_len, p[:, :-1], p[:, 1:]) for p in pieces]
-        return [Microbatch(inputs, targets, ctx=shard) for inputs, targets, shard in cut]
-    return [Microbatch(torch.from_numpy(p[:, :-1]), torch.from_numpy(p[:, 1:])) for p in pieces]
-
-
-def _packed_microbatches(rp: RankPlan, batch: documents.PackedRows, ring: Ring | None = None) -> list[Microbatch]:
-    """The rank's microbatches of packed documents, each with its document mask (built on the host), or with
-    a context-parallel rank's columns and their documents (``ring``)."""
-    share = rp.batch
-    pieces = batch.share(share.offset, share.size, share.microbatches)
-    if ring is not None:
-        seq = rp.model.seq_len
-        cut = [context_rows.context_columns(ring, seq, p.inputs, p.targets, p.spans, p.positions) for p in pieces]
-        return [Microbatch(inputs, targets, ctx=shard) for inputs, targets, shard in cut]
-    return [
-        Microbatch(
-            torch.from_numpy(p.inputs), torch.from_numpy(p.targets), DocumentMask.from_spans(p.spans, p.positions)
-        )
-        for p in pieces
-    ]
-
-
 @attrs.define
 class Rank:
     """One rank built from its plan (``train/rank.py``): everything its steps use."""
@@ -94,8 +62,7 @@ class Rank:
     optimizer: Any  # AdamW, torch's, or ZeRO-1's ShardedAdamW (``sharded``)
     runner: StageRunner
     streams: Streams
-    source: Any  # the training data: a token source, or a document source (packed)
-    valid: Any  # the held-out data, or None
+    batches: Batches  # each step's microbatches and the held-out ones
     reporter: Reporter
     saver: Saver
     first: int  # the step it starts at (a resumed run: the save's)
@@ -125,8 +92,8 @@ def run_steps(rank: Rank, keep_history: bool = False) -> list[StepMetrics]:
         done = step + 1
         seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
         valid_loss = None
-        if rank.valid is not None and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
-            valid_loss = held_out_loss(rp, rank.runner, rank.valid, rp.counts_loss)
+        if rank.batches.has_held_out and tr.eval_every and (done % tr.eval_every == 0 or done == tr.steps):
+            valid_loss = held_out_loss(rank)
         m = StepMetrics(done, loss, lr, grad_norm, global_tokens, seconds, valid_loss)
         if keep_history:
             history.append(m)
@@ -144,17 +111,10 @@ def _run_schedule(rank: Rank, step: int) -> tuple[torch.Tensor, int]:
     """Step ``step``'s forward and backward passes: this rank's share of the summed token loss, and the number
     of targets the step's mean loss divides by."""
     rp, runner = rank.rp, rank.runner
-    tr, model = rp.train, rp.model
     if rank.switcher is not None:  # every bucket of a step under its own layout (switching/switcher.py)
         with tensor_meter.saving():
-            return rank.switcher.step(step, rank.source)
-    global_tokens = tr.global_batch * model.seq_len
-    if rp.data.packing is Packing.DOCUMENTS:  # the loss averages over the documents' targets, not the padding
-        rows = documents.fill_rows(rank.source, tr.seed, step, tr.global_batch, model.seq_len)
-        global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
-    else:
-        batch = data.global_batch(rank.source, tr.seed, step, tr.global_batch, model.seq_len)
-        mbs = _microbatches(rp, batch, runner.ring)
+            return rank.switcher.step(step, rank.batches.source)
+    mbs, global_tokens = rank.batches.step(step)
     with tensor_meter.saving():
         loss_sum = runner.run_dynamic(mbs, global_tokens) if rp.dynamic else runner.run(rp.actions, mbs, global_tokens)
     return loss_sum, global_tokens
@@ -211,22 +171,16 @@ def _update(optimizer, state, sharded: bool, lr: float, grad_norm: float, grad_c
     optimizer.zero_grad(set_to_none=True)
 
 
-def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:
-    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only
-    (packed documents: over their targets, padding excluded)."""
-    tr, model = rp.train, rp.model
+def held_out_loss(rank: Rank) -> float:
+    """The mean token loss over the held-out batches (data/held_out.py), every rank's share run forward only
+    (packed documents: over their targets, padding excluded). They run under the home layout."""
+    rp, runner = rank.rp, rank.runner
     total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
     targets = 0
-    for index in range(tr.eval_batches):
-        if rp.data.packing is Packing.DOCUMENTS:
-            rows = evaluate.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
-            tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
-        else:
-            tokens = tr.global_batch * model.seq_len
-            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len), runner.ring)
+    for mbs, tokens in rank.batches.held_out():
         loss_sum = runner.run_forward(rp.actions, mbs, tokens)
         targets += tokens
-        if contributes_loss:
+        if rp.counts_loss:
             total += loss_sum
     collectives.all_reduce_world(total)
     return float(total) / targets

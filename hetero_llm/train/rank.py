@@ -22,9 +22,7 @@ from hetero_llm.comm import collectives, groups, heartbeat
 from hetero_llm.comm.groups import Comms
 from hetero_llm.comm.shm import RankRings
 from hetero_llm.comm.streams import Streams
-from hetero_llm.data import held_out as evaluate
 from hetero_llm.errors import Diverged, LayoutError, RankFailure
-from hetero_llm.layout import Packing
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.predict import trace as tracing
 from hetero_llm.runtime import context_rows, tensor_meter, zero1
@@ -32,6 +30,7 @@ from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import StageRunner
 from hetero_llm.runtime.state import make_optimizer
 from hetero_llm.train import loop
+from hetero_llm.train.batches import Batches
 from hetero_llm.train.checkpointing import Saver, restore_moments, starting_state
 from hetero_llm.train.metrics import Reporter, StepMetrics
 from hetero_llm.train.options import RunOptions, report_failure
@@ -107,10 +106,7 @@ def build(
     )
     restore_moments(optimizer, state, restored)
     runner = _runner(rp, comms, state, optimizer, trace, streams)
-    if rp.data.packing is Packing.DOCUMENTS:
-        source, valid = evaluate.document_sources(rp.data, rp.model.seq_len, rp.file)
-    else:
-        source, valid = evaluate.train_and_held_out(rp.data, rp.file)
+    batches = Batches(rp, runner.ring)
     if rp.hot_switching:  # every bucket of a step under its own layout (switching/switcher.py)
         if switcher is None:
             raise ValueError("a layout with [[buckets]] trains through switching.switcher.Switcher: pass switcher=")
@@ -128,7 +124,7 @@ def build(
         rp, options.checkpoint, options.checkpoint_every, progress=console, last=restored.path if restored else None
     )
     saver.snapshot_root, saver.snapshot_every = options.snapshot
-    rank = loop.Rank(rp, comms, state, optimizer, runner, streams, source, valid, reporter, saver, first, made)
+    rank = loop.Rank(rp, comms, state, optimizer, runner, streams, batches, reporter, saver, first, made)
     rank.meter = _meter(rank)
     return rank
 
