@@ -7,7 +7,6 @@ the loss of its document run alone, unpacked (per-document attention, positions 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +27,7 @@ from hetero_llm.data.documents import (
     pack_placed,
     step_documents,
 )
-from hetero_llm.data.sources import document_sources, make_document_source, make_source
+from hetero_llm.data.sources import SourceSpec, document_sources, make_document_source, make_source
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 from hetero_llm.model.document_mask import DocumentMask, ladder_length
@@ -40,7 +39,7 @@ LAYOUT = "layout.toml"
 
 @pytest.fixture(scope="module")
 def grammar() -> GrammarSource:
-    spec = SimpleNamespace(kind="grammar", path="", field="text", grammar_seed=1234, grammar_vocab=32, branching=4)
+    spec = SourceSpec(kind="grammar", grammar_seed=1234, grammar_vocab=32, branching=4)
     return make_source(spec, LAYOUT)
 
 
