@@ -31,6 +31,7 @@ from hetero_llm.layout import reader as layout_reader
 from hetero_llm.plan import Plan as Plan  # re-exported: hetero_llm.Plan
 from hetero_llm.plan import compile_plan as compile_plan
 from hetero_llm.planner import evaluate as pricing
+from hetero_llm.planner import profile as profiling
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cluster import load_cluster as _load_cluster
 
@@ -128,6 +129,23 @@ class Planned:
 
         return output.planned_layout(self.cluster, self.result.best)
 
+    def to_json(self) -> dict[str, Any]:
+        """The ranked plans, the idle devices, the search's counts and the buckets' verdict, as ``hetero-plan
+        --json`` prints them."""
+        from hetero_llm.planner import output
+
+        result, verdict = self.result, self.verdict
+        return {
+            "plans": [output.to_json(c, s) for c, s in result.ranked],
+            "idle": [{"device": d, "reason": why} for d, why in self.idle],
+            "evaluated": result.evaluated,
+            "seconds": result.seconds,
+            "cut_by_time": result.cut_by_time,
+            "seed_step_time": result.seed_score.step_time if result.seed_score else None,
+            "written": self.out,
+            "buckets": verdict.to_json() if verdict is not None else None,
+        }
+
 
 def plan_cluster(
     cluster_file: str | os.PathLike,
@@ -176,6 +194,105 @@ def plan_cluster(
     else:  # nothing written, but the plan is checked as the layout it would be
         output.check_layout(cluster, result.best, result.score, result.seed_score, planned)
     return Planned(cluster, result, tuple(output.idle_devices(cluster, result.best)), verdict, out)
+
+
+@attrs.frozen
+class Profiled:
+    """What ``hetero-plan CLUSTER --profile OUT`` measured on this machine, written into ``out``."""
+
+    kind: str  # the device kind the times are recorded under
+    out: str
+    times: Any  # planner.profile.KindTimes: one layer's and the head's forward and backward, per sequence
+    info: Mapping[str, Any]  # the device, its threads, the repeats and each time's measurements
+    noisiest: tuple[str, float, Sequence[float]]  # the time whose repeats varied most: its name, spread, min/median/max
+
+
+def profile_cluster(
+    cluster_file: str | os.PathLike,
+    out: str | os.PathLike,
+    kind: str | None = None,
+    device: str | None = None,
+    max_spread: float = profiling.MAX_SPREAD,
+) -> Profiled:
+    """``hetero-plan CLUSTER --profile OUT``: time one layer and the head at the cluster's model shapes on
+    ``device`` (default: cuda when torch sees one, else cpu) and write (or add to) the profile ``out`` under
+    ``kind`` (default: the one kind of the cluster's nodes on that device), unless the repeats vary more than
+    ``max_spread`` ((max - min) / median). Never over a file the cluster file reads. Needs torch."""
+    from hetero_llm.launch import outputs
+
+    cluster_file, out = str(cluster_file), str(out)
+    # what the cluster file reads is never written over (plan.profile is what --profile adds to)
+    outputs.check_output_file("--profile", out, outputs.cluster_inputs(_load_cluster(cluster_file), plan_profile=False))
+    if not max_spread >= 0:
+        raise LayoutError(cluster_file, "--max-spread", f"must be >= 0, got {max_spread:g}")
+    cluster = _load_cluster(cluster_file)
+    if device is None or device.startswith("cuda"):
+        torch = _torch(cluster_file)
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': torch sees no CUDA device")
+    kind = _profile_kind(cluster, cluster_file, device.split(":")[0], kind)
+    previous = None
+    if Path(out).exists():
+        try:
+            previous = json.loads(Path(out).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise LayoutError(
+                cluster_file, "--profile", f"'{out}' exists and is not a profile ({e}); remove it or name another file"
+            ) from None
+    _torch(cluster_file)
+    try:
+        times, info = profiling.measure(cluster.model, cluster.train.precision, device)
+    except RuntimeError as e:  # an unknown device string, a device torch cannot use
+        raise LayoutError(cluster_file, "--device", f"cannot time on '{device}': {e}") from None
+    name, spread, (lo, mid, hi) = profiling.noisiest(info)
+    if spread > max_spread:
+        raise LayoutError(
+            cluster_file,
+            "--profile",
+            f"the measurement is noisy: {name} ranged {lo * 1e3:.3g} / {mid * 1e3:.3g} / {hi * 1e3:.3g} ms "
+            f"(min / median / max of {info['repeats']} repeats), a spread of {spread:.0%}, over --max-spread "
+            f"{max_spread:.0%}; nothing written (rerun on an idle machine)",
+        )
+    profiling.write(out, cluster.model, cluster.train.precision, kind, times, info, previous)
+    return Profiled(kind, out, times, info, (name, spread, (lo, mid, hi)))
+
+
+def _profile_kind(cluster: Cluster, cluster_file: str, dev_type: str, kind: str | None) -> str:
+    """The device kind a profile's times are recorded under: ``kind``, a kind of the cluster's nodes; by default
+    the one kind of the nodes whose devices are all of type ``dev_type``."""
+    known = sorted({n.kind.name for n in cluster.nodes})
+    if kind is None:
+        on_device = sorted(
+            {
+                n.kind.name
+                for n, spec in zip(cluster.nodes, cluster.spec.nodes)
+                if all(d.split(":")[0] == dev_type for d in spec.devices)
+            }
+        )
+        if len(on_device) != 1:
+            raise LayoutError(
+                cluster_file,
+                "--kind",
+                f"name the device kind to record the times under (nodes on "
+                f"'{dev_type}' have kinds {on_device or 'none'}; the cluster's kinds: {', '.join(known)})",
+            )
+        return on_device[0]
+    if kind not in known:
+        raise LayoutError(
+            cluster_file, "--kind", f"no node of the cluster has kind {kind!r} (kinds: {', '.join(known)})"
+        )
+    return kind
+
+
+def _torch(cluster_file: str):
+    try:
+        import torch
+    except ImportError:
+        raise LayoutError(
+            cluster_file, "--profile", "needs torch to measure (pip install torch); reading a profile does not"
+        ) from None
+    return torch
 
 
 @attrs.frozen

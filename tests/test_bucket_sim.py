@@ -12,7 +12,7 @@ import pytest
 
 from harness import assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import documents
+from hetero_llm.data import documents, sources
 from hetero_llm.plan import compile_plan
 from hetero_llm.predict.device import EmulatedDevice, action_seconds
 from hetero_llm.switching import bucketing
@@ -163,7 +163,7 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
     """Bucket 0 of the two-bucket layout: DP 2, one stage per pipeline: its time is the slower pipeline's
     forwards and backwards, each microbatch's from its own rows and documents."""
     lay = layout_mod.load(TWO)
-    source = documents.make_document_source(lay.data, lay.model.seq_len, lay.file)
+    source = sources.make_document_source(lay.data, lay.model.seq_len, lay.file)
     docs = documents.fill_documents(source, lay.train.seed, 0, lay.train.global_batch, lay.model.seq_len)
     rows = bucketing.bucket_rows(lay, docs)[0]
     half = rows.num_rows // 2

@@ -18,7 +18,8 @@ import pytest
 
 from harness import assert_same_model, invoke_cli, launch
 from hetero_llm import layout as layout_mod
-from hetero_llm.data.documents import fill_documents, make_document_source
+from hetero_llm.data.documents import fill_documents
+from hetero_llm.data.sources import make_document_source
 from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import compile_plan
 from hetero_llm.predict import trace as tracing

@@ -24,6 +24,7 @@ from hetero_llm.cli import export, generate, place, timeline, tokenize
 from hetero_llm.cli import launch as cli
 from hetero_llm.cli import plan as plan_cli
 from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop import export as interop_export
 from hetero_llm.launch import memory as params
@@ -258,12 +259,6 @@ EMULATION = "(write RANK:VALUE entries separated by commas, RANK a rank or '*', 
         ),
         ("HETERO_DEBUG", "yes", "'yes' is not 0 or 1 (1: a rank's unexpected error is raised with its traceback)"),
         (
-            "HETERO_ERROR_DIR",
-            "/nonexistent-hetero-errors",
-            "'/nonexistent-hetero-errors' is not an existing folder "
-            "(hetero-launch sets it for the ranks it starts; unset it)",
-        ),
-        (
             "HETERO_TENSOR_METER",
             "/nonexistent-hetero-meter",
             "'/nonexistent-hetero-meter' is not an existing folder (for each rank's tensor peak; create it, or unset it)",
@@ -401,7 +396,7 @@ def test_token_estimate_is_the_batch_every_rank_draws():
     """The 'tokens' part is the size of the array data.global_batch allocates in every rank."""
     plan = _plan("train.global_batch=32", "pipelines[0].batch=32")
     lay = plan.layout
-    source = data.make_source(lay.data, lay.file)
+    source = sources.make_source(lay.data, lay.file)
     drawn = data.global_batch(source, lay.train.seed, 0, lay.train.global_batch, lay.model.seq_len)
     for rank in range(plan.world_size):
         assert params.memory_parts(plan, rank)["tokens"] == drawn.nbytes

@@ -4,23 +4,21 @@ from __future__ import annotations
 
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from hetero_llm.data.batches import GrammarSource, global_batch, make_source, pipeline_share
+from hetero_llm.data.batches import GrammarSource, global_batch, pipeline_share
+from hetero_llm.data.sources import SourceSpec, make_source
 from hetero_llm.data.text_cache import END_OF_DOCUMENT, TokenFileSource, cache_path
 from hetero_llm.errors import LayoutError
 
 LAYOUT = "layout.toml"
 
 
-def data_spec(**overrides) -> SimpleNamespace:
-    """Stands in for the layout's DataSpec (same attributes and defaults)."""
-    fields = dict(kind="grammar", path="", field="text", grammar_seed=1234, grammar_vocab=64, branching=4)
-    fields.update(overrides)
-    return SimpleNamespace(**fields)
+def data_spec(**overrides) -> SourceSpec:
+    """The data layer's spec of ``[data]`` (the layout's DataSpec gives one, ``SourceSpec.of``)."""
+    return SourceSpec(**overrides)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ the loss of its document run alone, unpacked (per-document attention, positions 
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -17,18 +16,18 @@ import torch.nn.functional as F
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.data import held_out as evaluate
-from hetero_llm.data.batches import GrammarSource, make_source
+from hetero_llm.data.batches import GrammarSource
 from hetero_llm.data.documents import (
     IGNORE,
     FileDocuments,
     GrammarDocuments,
     fill_rows,
     first_fit_decreasing,
-    make_document_source,
     pack,
     pack_placed,
     step_documents,
 )
+from hetero_llm.data.sources import SourceSpec, document_sources, make_document_source, make_source
 from hetero_llm.errors import LayoutError
 from hetero_llm.layout import Mlp, ModelSpec, Norm, Position
 from hetero_llm.model.document_mask import DocumentMask, ladder_length
@@ -40,7 +39,7 @@ LAYOUT = "layout.toml"
 
 @pytest.fixture(scope="module")
 def grammar() -> GrammarSource:
-    spec = SimpleNamespace(kind="grammar", path="", field="text", grammar_seed=1234, grammar_vocab=32, branching=4)
+    spec = SourceSpec(kind="grammar", grammar_seed=1234, grammar_vocab=32, branching=4)
     return make_source(spec, LAYOUT)
 
 
@@ -278,7 +277,7 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
     # ... and, at the end, the final model's mean loss over those documents' targets, each document run alone
     lay = layout_mod.load(tmp_path / "ref" / "ref.toml")
-    _, held_out = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    _, held_out = document_sources(lay.data, lay.model.seq_len, lay.file)
     total, targets = 0.0, 0
     with torch.no_grad():
         for index in range(2):

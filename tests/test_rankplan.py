@@ -244,6 +244,9 @@ def test_launch_does_not_import_the_cli():
 
 RUNTIME_SIDE = [
     "train/loop",
+    "train/rank",
+    "train/options",
+    "train/batches",
     "train/metrics",
     "train/checkpointing",
     "runtime/interpreter",

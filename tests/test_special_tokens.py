@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from harness import make_bpe_tokenizer
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli.tokenize import main as tokenize_main
-from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.data import token_files as tokenfiles
 from hetero_llm.data import tokenizers as tokens
 
@@ -65,12 +65,12 @@ def test_special_token_text_in_a_document_is_plain_text(setup):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    stream = data.make_source(lay.data, lay.file).tokens.tolist()
+    stream = sources.make_source(lay.data, lay.file).tokens.tolist()
     assert documents_of(stream, tok) == DOCS  # one EOS per document, at its end: none from the text
     lay = layout_mod.loads(
         layout_text('kind = "text"\npath = "one.txt"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert documents_of(data.make_source(lay.data, lay.file).tokens.tolist(), tok) == [DOCS[1]]
+    assert documents_of(sources.make_source(lay.data, lay.file).tokens.tolist(), tok) == [DOCS[1]]
 
 
 def test_hetero_tokenize_keeps_special_token_text_plain(setup):
@@ -111,4 +111,6 @@ def test_a_cache_written_when_special_text_became_special_tokens_is_not_reused(s
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert documents_of(data.make_source(lay.data, lay.file).tokens.tolist(), tokens.load(lay.data.tokenizer)) == DOCS
+    assert (
+        documents_of(sources.make_source(lay.data, lay.file).tokens.tolist(), tokens.load(lay.data.tokenizer)) == DOCS
+    )

@@ -15,6 +15,7 @@ from harness import assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli.tokenize import main as tokenize_main
 from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.data import token_files as tokenfiles
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.errors import LayoutError
@@ -88,7 +89,7 @@ def test_token_file_windows(dtype, tmp_path):
     lay = layout_mod.loads(
         layout_text(f'kind = "tokens"\npath = "t.bin"\ntoken_dtype = "{dtype}"', vocab=70000), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
+    source = sources.make_source(lay.data, lay.file)
     assert source.vocab_size == int(ids.max()) + 1
     batch = data.global_batch(source, seed=0, step=3, global_batch=4, seq_len=8)
     for row in batch:  # every window is a run of consecutive file tokens
@@ -126,7 +127,7 @@ def test_bad_token_files(name, content, expected, tmp_path):
     text = layout_text(f'kind = "tokens"\npath = "{name}"')
     with pytest.raises(LayoutError) as info:
         lay = layout_mod.loads(text, base_dir=tmp_path)
-        data.make_source(lay.data, lay.file)
+        sources.make_source(lay.data, lay.file)
     if expected:
         assert str(info.value) == "<string>: " + expected.format(f=f)
     elif name.endswith(".bin"):
@@ -144,13 +145,13 @@ def test_text_through_a_tokenizer_is_cached_once(tmp_path, monkeypatch):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
+    source = sources.make_source(lay.data, lay.file)
     tok = tokens.load(str(tok_path))
     assert source.tokens.tolist() == [t for d in DOCS for t in (*tok.encode(d), tok.eos_id)]
     cache = tmp_path / "docs.jsonl.hf-tokens.bin"
     assert cache.exists() and cache.with_suffix(".json").exists()
     monkeypatch.setattr(tokenfiles, "tokenize_file", lambda *a, **k: pytest.fail("tokenized again"))
-    assert data.make_source(lay.data, lay.file).tokens.tolist() == source.tokens.tolist()
+    assert sources.make_source(lay.data, lay.file).tokens.tolist() == source.tokens.tolist()
 
 
 def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
@@ -170,7 +171,7 @@ def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
+    source = sources.make_source(lay.data, lay.file)
     assert Path(source.path).parent == tmp_path / "user-cache" / "hetero_llm"
     assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()
 
@@ -182,5 +183,5 @@ def test_hetero_llm_cache_names_the_cache_folder(tmp_path, monkeypatch):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert Path(data.make_source(lay.data, lay.file).path).parent == tmp_path / "chosen"
+    assert Path(sources.make_source(lay.data, lay.file).path).parent == tmp_path / "chosen"
     assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()

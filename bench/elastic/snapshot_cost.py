@@ -1,6 +1,6 @@
 """What an elastic run's in-memory snapshot costs per step (``--snapshot-every 1``), before and after overlapping it.
 
-The reference model, one rank, run in this process (``launch.node.run_one_rank``, CPU gloo, one thread) for
+The reference model, one rank, run in this process (``launch.node.run_rank``, CPU gloo, one thread) for
 ``steps`` steps in four ways, interleaved ``reps`` times: no save; a synchronous save every step into a folder on
 disk; a synchronous save every step into /dev/shm (what a snapshot was before: the same ``save_checkpoint``); the
 overlapped snapshot every step into /dev/shm (a CPU copy at the step boundary, written by a background thread:
@@ -29,10 +29,11 @@ import click
 from bench.common import benchlib as B
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import snapshots
-from hetero_llm.launch.node import RunOptions, run_one_rank
+from hetero_llm.launch.node import run_rank
 from hetero_llm.model.params import all_params
 from hetero_llm.plan import compile_plan
 from hetero_llm.train import checkpointing
+from hetero_llm.train.options import RunOptions
 
 NAME = "snapshot_cost"
 REFERENCE = B.ROOT / "layouts" / "reference" / "reference.toml"
@@ -72,7 +73,7 @@ def run_once(tmp: Path, shm: Path, mode: str, steps: int, tag: str, hidden: int)
     BLOCKED.clear()
     WAITED.clear()
     t0 = time.perf_counter()
-    run_one_rank(plan, 0, options)
+    run_rank(plan, 0, options)
     seconds = time.perf_counter() - t0
     held = 1e3 * statistics.median(BLOCKED) if BLOCKED else 0.0
     waited = 1e3 * statistics.median(WAITED[: len(BLOCKED)]) if WAITED and mode == MODES[3] else 0.0

@@ -4,7 +4,7 @@ Single-stage training of a GPT-style model (LayerNorm, learned positions, GELU, 
 vocabulary 50304) at ~124M (12 layers, hidden 768, 12 heads) and ~1.3B (24 layers, hidden 2048,
 16 heads) parameters, at sequence lengths 1024 and 2048, in the same process on the same GPU:
 
-- **ours**: ``hetero_llm.train.loop.train`` on a one-rank layout with ``train.precision = "bf16"``
+- **ours**: ``hetero_llm.train.rank.train`` on a one-rank layout with ``train.precision = "bf16"``
   (bf16 compute from float32 master weights, fused AdamW), eager or ``train.compile = "blocks"``;
 - **plain**: an ``nn.Module`` of the same architecture and math (fused QKV linear, SDPA), AdamW
   fused, ``torch.autocast(bfloat16)``, global-norm clipping, eager or ``torch.compile(model)``.

@@ -1,5 +1,5 @@
 """The GPU benchmark's single-stage runs (``python -m bench.gpu.gpu_bench``), in this process on one device: ours
-(``hetero_llm.train.loop.train`` on a one-rank layout) and the plain PyTorch baseline, each timed per step.
+(``hetero_llm.train.rank.train`` on a one-rank layout) and the plain PyTorch baseline, each timed per step.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
 from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.plan import compile_plan
-from hetero_llm.train.loop import train
+from hetero_llm.train.options import RunOptions
+from hetero_llm.train.rank import train
 
 
 @attrs.define
@@ -72,7 +74,7 @@ def run_ours(case: Case, mode: str, steps: int, device: torch.device, corpus: Pa
         backend="nccl" if device.type == "cuda" else "gloo",
     )
     plan = compile_plan(layout_mod.loads(text, file="<gpu_bench>"))
-    history = train(plan.rank_plan(0), world.get(plan), quiet=True, keep_history=True)
+    history = train(plan.rank_plan(0), world.get(plan), RunOptions(quiet=True), keep_history=True)
     return Run("ours", mode, [m.seconds for m in history], history[-1].loss, _peak_gb(device))
 
 
@@ -123,7 +125,7 @@ class PlainGPT(nn.Module):
 
 def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: Path) -> Run:
     _reset(device)
-    source = data.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
+    source = sources.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
     model = PlainGPT(case.size, case.seq).to(device)
     decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.tok.weight and p is not model.pos.weight]
     other = [p for p in model.parameters() if all(p is not d for d in decay)]

@@ -150,10 +150,10 @@ def tp2(cfg: Config, batch: int, microbatches: int) -> PipelineSpec:
 
 def bucket_rows_needed(cfg: Config) -> tuple[int, int]:
     """(most rows of ``short`` any step's short documents fill, most rows of seq_len its long ones fill)."""
-    from hetero_llm.data import documents
+    from hetero_llm.data import documents, sources
 
     lay = layout_mod.loads(layout_mod.dumps(common(cfg, (tp2(cfg, cfg.global_batch, cfg.global_batch),))), "x.toml")
-    source = documents.make_document_source(lay.data, cfg.seq_len, "x")
+    source = sources.make_document_source(lay.data, cfg.seq_len, "x")
     short = long_ = 1
     for step in range(cfg.steps):
         docs = documents.fill_documents(source, 0, step, cfg.global_batch, cfg.seq_len)

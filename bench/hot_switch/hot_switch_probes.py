@@ -134,7 +134,7 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
     import torch
 
     from hetero_llm import layout as layout_mod
-    from hetero_llm.data import documents, held_out
+    from hetero_llm.data import documents, sources
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching import bucketing
     from hetero_llm.switching import switcher as hotswitch
@@ -146,7 +146,7 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
     named = {"home": home, **{f"b{i}": p for i, p in enumerate(plans) if lay.buckets[i].pipelines}}
     devices = [r.device_id for r in home.ranks]
     world_rank = {r.device_id: r.rank for r in home.ranks}
-    source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
+    source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
 
     def step_rows(step: int) -> list:  # what Switcher.step does before a step's first switch
         docs = documents.fill_documents(source, lay.train.seed, step, lay.train.global_batch, lay.model.seq_len)

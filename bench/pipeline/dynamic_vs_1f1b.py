@@ -10,7 +10,7 @@ One pipeline of 4 even stages on CPU (gloo). Two scenarios:
 Two measurements per scenario, both interleaved so that background load hits both alike:
 
 1. paired rounds (``paired_rank.py --versus dynamic``): the same rank processes run
-   ``hetero_llm.train.loop.train`` with 1F1B and with dynamic in alternating rounds of a few steps;
+   ``hetero_llm.train.rank.train`` with 1F1B and with dynamic in alternating rounds of a few steps;
    ratio = median over rounds; each rank's process CPU time per round is counted too;
 2. separate ``hetero-launch`` runs, the order flipped every repetition; every run records
    ``--trace``, from which the bubble fraction is read and the timeline PNGs of one step are drawn.

@@ -2,7 +2,7 @@
 in the same processes.
 
 On a busy shared machine the load changes within seconds, so separate runs of the two sides see
-different machines. Here every rank process holds both: ``hetero_llm.train.loop.train`` (the library's
+different machines. Here every rank process holds both: ``hetero_llm.train.rank.train`` (the library's
 own loop, runtime and communicators) and ``torch_pp_rank.TorchPipeline`` (on its own gloo group), and
 runs them in alternating rounds of a few steps (ours, torch, torch, ours, ...), each round from
 the initial parameters, so both sides train the same steps and their losses can be compared too.
@@ -51,7 +51,8 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
     from hetero_llm import layout as layout_mod
     from hetero_llm.comm import groups, shm
     from hetero_llm.plan import compile_plan
-    from hetero_llm.train.loop import train
+    from hetero_llm.train.options import RunOptions
+    from hetero_llm.train.rank import train
 
     overrides = [f"train.steps={steps}", f"cluster.port={port}"]
     plan = compile_plan(layout_mod.load(layout_file, overrides))
@@ -71,7 +72,9 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
                 start = time.process_time()
                 if side == "ours":
                     events: list = []
-                    history = train(plan.rank_plan(rank), comms, trace=events, quiet=True, keep_history=True)
+                    history = train(
+                        plan.rank_plan(rank), comms, RunOptions(quiet=True), trace=events, keep_history=True
+                    )
                     result["ours"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["ours_events"].append(events)
                 elif versus == "torch":
@@ -79,7 +82,9 @@ def main(layout_file: str, rank: int, port: int, rounds: int, steps: int, out: s
                     result["other"].append([baseline.step(k) for k in range(steps)])
                 else:
                     events = []
-                    history = train(other.rank_plan(rank), other_comms, trace=events, quiet=True, keep_history=True)
+                    history = train(
+                        other.rank_plan(rank), other_comms, RunOptions(quiet=True), trace=events, keep_history=True
+                    )
                     result["other"].append([{"step": m.step, "loss": m.loss, "seconds": m.seconds} for m in history])
                     result["other_events"].append(events)
                 cpu[side].append(time.process_time() - start)

@@ -26,6 +26,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from hetero_llm import layout as layout_mod
 from hetero_llm.data import batches as data
+from hetero_llm.data import sources
 from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 from hetero_llm.plan import compile_plan
 from hetero_llm.runtime.state import init_state
@@ -80,7 +81,7 @@ class TorchPipeline:
 
         self.schedule = SCHEDULES[kind](stage, lay.pipelines[0].microbatches, loss_fn=loss_fn, scale_grads=False)
         self.params = self.module.params()
-        self.source = data.make_source(lay.data, lay.file)
+        self.source = sources.make_source(lay.data, lay.file)
         self.compute = 0.0  # seconds of this step in the stage's forwards and backwards (for the breakdown)
         stage.forward_one_chunk = self._timed(stage.forward_one_chunk)
         stage.backward_one_chunk = self._timed(stage.backward_one_chunk)

@@ -10,7 +10,7 @@ Two measurements, both interleaved so that background load hits both sides alike
 1. separate runs: ``hetero-launch`` against one ``torch_pp_rank.py`` process per stage, whole runs
    alternating (ours, torch, torch, ours, ...); ratio = median over repetitions of the paired ratios;
 2. paired rounds (``paired_rank.py``): each rank process holds both sides and runs them in
-   alternating rounds of a few steps, ours through ``hetero_llm.train.loop.train`` (the loop
+   alternating rounds of a few steps, ours through ``hetero_llm.train.rank.train`` (the loop
    ``hetero-launch`` runs); ratio = median over rounds. On a busy machine the load changes within
    seconds, so this is the more precise of the two.
 

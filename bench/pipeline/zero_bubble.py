@@ -3,7 +3,7 @@
 One pipeline of 2 and of 4 even stages on CPU (gloo, one process per stage). Per layout:
 
 1. paired rounds (``paired_rank.py --versus zbh1``): the same rank processes run
-   ``hetero_llm.train.loop.train`` with 1F1B and with ZB-H1 in alternating rounds of a few steps, so
+   ``hetero_llm.train.rank.train`` with 1F1B and with ZB-H1 in alternating rounds of a few steps, so
    load that changes within seconds hits both alike; ratio = median over rounds; each rank's process
    CPU time per round is counted too (the split backward's extra cost shows there);
 2. separate ``hetero-launch --trace`` runs, interleaved, from which the bubble fraction, the

@@ -1,10 +1,16 @@
-"""What every command shares: usage errors as one line, ``error: ...``, exit code 2."""
+"""What every command shares: usage errors as one line, ``error: ...``, exit code 2; the one mapping of library
+errors to that line and an exit code (``one_line_errors``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sys
+from collections.abc import Callable, Iterator
 
 import click
+
+from hetero_llm.errors import LayoutError, RankFailure
 
 
 class _UsageLine(click.ClickException):
@@ -24,6 +30,28 @@ class OneLineCommand(click.Command):
         except click.UsageError as e:
             command = e.ctx.command_path if e.ctx is not None else info_name
             raise _UsageLine(f"{e.format_message().rstrip('.')} (see {command} --help)") from None
+
+
+@contextlib.contextmanager
+def one_line_errors(
+    *also: type[Exception], interrupted: str | None = None, describe: Callable[[Exception], str] = str
+) -> Iterator[None]:
+    """Every command's error-to-exit-code mapping: bad input (a ``LayoutError``, and the types ``also``) is one line
+    ``error: ...`` (``describe`` words it) and exit code 2; a failed run (``RankFailure``) its line and its own
+    code (1, Diverged 3); Ctrl-C, where the command says what stopping leaves (``interrupted``), that line and 130."""
+    try:
+        yield
+    except (LayoutError, *also) as e:
+        click.echo(f"error: {describe(e)}", err=True)
+        sys.exit(2)
+    except RankFailure as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        if interrupted is None:
+            raise
+        click.echo(interrupted, err=True)
+        sys.exit(130)
 
 
 def version_option(command: str):

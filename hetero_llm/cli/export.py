@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import click
 
-from hetero_llm.cli.common import OneLineCommand, version_option
-from hetero_llm.errors import LayoutError
+from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
 from hetero_llm.interop import export
 from hetero_llm.launch import outputs
 
@@ -25,16 +22,13 @@ from hetero_llm.launch import outputs
 )
 def main(checkpoint_dir, out):
     """Export a checkpoint (a --checkpoint DIR or one of its step folders) as a Hugging Face model."""
-    try:
+    with one_line_errors():
         s = export.saved(checkpoint_dir)
         # never into the checkpoint, nor over the tokenizer
         outputs.check_output_folder("--hf", out, export.input_paths(s, checkpoint_dir))
         path = export.export_checkpoint(
             checkpoint_dir, out, lambda line: click.echo(f"warning: {line}", err=True), s, progress=True
         )
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     click.echo(f"wrote {path}: load it with transformers.AutoModelForCausalLM.from_pretrained('{path}')")
 
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import sys
 
 import click
 import torch
 
-from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, version_option
+from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, one_line_errors, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop.generate import generate
 from hetero_llm.layout import DataKind
@@ -76,7 +75,7 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
     from hetero_llm.checkpoint.shards import load_full_params
     from hetero_llm.interop import export
 
-    try:
+    with one_line_errors(describe=export.reader_error):
         s = export.saved(checkpoint_dir)
         tok = export.load_tokenizer(s.data, str(s.ckpt.path))
         grammar = s.data.kind is DataKind.GRAMMAR  # its tokens are ids, not text
@@ -119,9 +118,6 @@ def main(checkpoint_dir, prompt, max_new_tokens, temperature, top_k, seed, devic
         if warning:
             click.echo(f"warning: {warning}", err=True)
         params = {n: t.to(device) for n, t in load_full_params(str(s.ckpt.path), progress=True).items()}
-    except LayoutError as e:
-        click.echo(f"error: {export.reader_error(e)}", err=True)
-        sys.exit(2)
     with Bar("generating", max_new_tokens, "tok") as bar:  # on a terminal only (stderr)
         new = generate(
             params, s.model, ids, max_new_tokens, temperature, top_k, seed, None if grammar else tok.eos_id, bar.update

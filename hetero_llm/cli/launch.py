@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import click
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.cli.common import OneLineCommand, version_option
-from hetero_llm.errors import LayoutError, RankFailure
+from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
+from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight
 
 
@@ -105,82 +103,63 @@ def main(**args):
     from hetero_llm.launch import node as launcher
 
     launcher.quiet_cpp_warnings()  # before anything imports torch
+    with one_line_errors(interrupted=launcher.INTERRUPTED):
+        _run(args)
+
+
+def _run(args: dict) -> None:
+    """What ``main`` runs: an elastic worker's round, a dry run, this process's rank, or this host's ranks."""
+    from hetero_llm.launch import node as launcher
+
+    file = args["layout_file"]
     if args.pop("elastic"):
         _elastic(args)
         return
     if args.pop("snapshot_every"):
-        click.echo(
-            f"error: {args['layout_file']}: --snapshot-every: needs --elastic (snapshots are for restarts)", err=True
-        )
-        sys.exit(2)
+        raise LayoutError(file, "--snapshot-every", "needs --elastic (snapshots are for restarts)")
     full = args.pop("full")
     if full and not args["dry_run"]:
-        click.echo(f"error: {args['layout_file']}: --full: needs --dry-run (it says what the dry run prints)", err=True)
-        sys.exit(2)
+        raise LayoutError(file, "--full", "needs --dry-run (it says what the dry run prints)")
     request = preflight.Request(**args | {"overrides": tuple(args["overrides"])})  # the options, by their names
-    rank, quiet = request.rank, request.quiet
-    try:
-        p = preflight.prepare(request, warn=lambda line: click.echo(f"warning: {line}", err=True))
-        rank = p.rank
-        if request.dry_run:
-            click.echo(_dry_run(p, full))
-            return
-        source = preflight.check_data(p)
-        if rank is not None:
-            launcher.run_rank(p.plan, rank, p.options)
-            return
-        if not quiet:
-            click.echo(f"hetero-launch: starting {len(p.ranks)} of {p.plan.world_size} ranks here: {p.ranks}")
-            if hasattr(source, "loss_floor"):
-                click.echo(
-                    f"data: embedded grammar, loss floor {source.loss_floor(p.layout.model.seq_len):.4f} "
-                    f"nats/token (uniform guess: {math.log(source.vocab_size):.4f})"
-                )
-        launcher.run_ranks(p.plan, p.ranks, p.options)
-    except LayoutError as e:
-        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a bad save found by a rank: the launcher says
-            click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except RankFailure as e:
-        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # under the launcher, it reports
-            click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo(launcher.INTERRUPTED, err=True)
-        sys.exit(130)
+    p = preflight.prepare(request, warn=lambda line: click.echo(f"warning: {line}", err=True))
+    if request.dry_run:
+        click.echo(_dry_run(p, full))
+        return
+    source = preflight.check_data(p)
+    if p.rank is not None:
+        launcher.run_rank(p.plan, p.rank, p.options)
+        return
+    if not request.quiet:
+        click.echo(f"hetero-launch: starting {len(p.ranks)} of {p.plan.world_size} ranks here: {p.ranks}")
+        if hasattr(source, "loss_floor"):
+            click.echo(
+                f"data: embedded grammar, loss floor {source.loss_floor(p.layout.model.seq_len):.4f} "
+                f"nats/token (uniform guess: {math.log(source.vocab_size):.4f})"
+            )
+    launcher.run_ranks(p.plan, p.ranks, p.options)
 
 
 def _elastic(args: dict) -> None:
     """``--elastic``: this torchrun worker's round (launch/elastic.py)."""
     from hetero_llm.launch import elastic
-    from hetero_llm.launch.node import INTERRUPTED, RunOptions
+    from hetero_llm.train.options import RunOptions
 
     file = args["layout_file"]
     refused = {f"--{k.replace('_', '-')}": args[k] for k in ("overrides", "dry_run", "rank", "resume")}
     refused["--set"] = refused.pop("--overrides")
-    try:
-        elastic.check_request(file, args["checkpoint"], refused)
-        options = RunOptions(
-            (),
-            args["metrics_jsonl"],
-            args["checkpoint"],
-            args["checkpoint_every"],
-            None,
-            args["trace"],
-            args["quiet"],
-            args["tensorboard"],
-            snapshot=(None, args["snapshot_every"]),
-        )
-        elastic.run(file, args["node"], options)
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except RankFailure as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        click.echo(INTERRUPTED, err=True)
-        sys.exit(130)
+    elastic.check_request(file, args["checkpoint"], refused)
+    options = RunOptions(
+        (),
+        args["metrics_jsonl"],
+        args["checkpoint"],
+        args["checkpoint_every"],
+        None,
+        args["trace"],
+        args["quiet"],
+        args["tensorboard"],
+        snapshot=(None, args["snapshot_every"]),
+    )
+    elastic.run(file, args["node"], options)
 
 
 def _dry_run(p: preflight.Prepared, full: bool) -> str:

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
 
 from hetero_llm import layout
-from hetero_llm.cli.common import OneLineCommand, version_option
-from hetero_llm.errors import LayoutError
+from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
 from hetero_llm.launch import outputs
 
 
@@ -37,7 +35,7 @@ def main(cluster_file, out, pipelines, tp, microbatches):
     """Place a model on a cluster NIC-aware (Holmes): TP in a node, DP in a domain, stages across domains."""
     from hetero_llm.planner import place
 
-    try:
+    with one_line_errors():
         sections = layout.read_cluster_file(cluster_file, "placement")[2]
         outputs.check_output_file(
             "--out",
@@ -48,9 +46,6 @@ def main(cluster_file, out, pipelines, tp, microbatches):
             ],
         )
         placement = place.place_file(cluster_file, out, place.PlaceOptions(pipelines, tp, microbatches))
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     click.echo(place.report(placement))
     click.echo(f"\nwrote {out} (check it with: hetero-launch {out} --dry-run)")
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from hetero_llm.cli.common import OneLineCommand, version_option
+from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
 from hetero_llm.errors import LayoutError
 
 SETTINGS = {"help_option_names": ["-h", "--help"]}
@@ -53,16 +53,10 @@ def sweep_command(spec_file, out, dry_run, shard_spec, retry_failed):
         out = default_out(spec_file)
         if shard_spec is not None:
             out = out / f"shard-{shard_spec.replace('/', '-of-')}"
-    try:
+    with one_line_errors(interrupted="hetero-sweep: interrupted (rerun the same command to resume)"):
         if Path(out).exists() and not Path(out).is_dir():
             raise LayoutError(str(out), "--out", "is a file (name a folder for the results)")
         sweep.sweep(spec_file, out, shard_spec=shard_spec, dry_run=dry_run, retry_failed=retry_failed, say=click.echo)
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
-    except KeyboardInterrupt:
-        click.echo("hetero-sweep: interrupted (rerun the same command to resume)", err=True)
-        sys.exit(130)
 
 
 @click.command("hetero-sweep merge", cls=OneLineCommand, context_settings=SETTINGS)
@@ -76,11 +70,8 @@ def merge_command(spec_file, slices, out):
 
     out = Path(out) if out is not None else default_out(spec_file)
     found = [Path(s) for s in slices] or sorted(out.glob("shard-*-of-*"))
-    try:
+    with one_line_errors():
         sweep.merge(spec_file, out, found, say=click.echo)
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
 
 
 def main(args: list[str] | None = None) -> None:

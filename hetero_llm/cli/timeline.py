@@ -4,13 +4,12 @@ Chrome trace (predict/timeline.py)."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, version_option
+from hetero_llm.cli.common import FiniteFloatRange, OneLineCommand, WholeRange, one_line_errors, version_option
 from hetero_llm.errors import LayoutError, ScheduleError
 from hetero_llm.launch import outputs
 from hetero_llm.predict import trace as tracing
@@ -89,7 +88,7 @@ def main(
     latency_ms,
 ):
     """Merge a --trace directory (or simulate a schedule) into a timeline PNG and/or a Chrome trace."""
-    try:
+    with one_line_errors(ScheduleError, ValueError, FileNotFoundError):
         if not out and not chrome:
             raise ValueError("nothing to write: give --out PNG and/or --chrome JSON")
         if simulate_ == bool(trace_dir):
@@ -121,9 +120,6 @@ def main(
         if out:
             plot_timeline(rows, out, title if title is not None else default_title, labels=labels)
             click.echo(f"wrote {out}")
-    except (ScheduleError, ValueError, FileNotFoundError, LayoutError) as error:
-        click.echo(f"error: {error}", err=True)
-        sys.exit(2)
 
 
 def _pick_step(steps: list, step: int, label: str) -> list:

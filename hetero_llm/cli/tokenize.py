@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import click
 
-from hetero_llm.cli.common import OneLineCommand, version_option
+from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
 from hetero_llm.data import tokenizers as tokens
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
@@ -70,7 +69,7 @@ class _TokenizeProgress:
 def main(source, out, tokenizer, kind, field):
     """Tokenize a text or JSONL file into a token file for [data] kind = 'tokens'."""
     kind = kind or ("jsonl" if source.endswith(".jsonl") else "text")
-    try:
+    with one_line_errors():
         if not os.path.isfile(source):
             raise LayoutError(source, "INPUT", "no such file (give a .txt or .jsonl file)")
         if not out.endswith((".bin", ".npy")):
@@ -87,9 +86,6 @@ def main(source, out, tokenizer, kind, field):
             done = True
         finally:
             progress.close(done)
-    except LayoutError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
     dtype_line = "" if dtype == "uint16" or out.endswith(".npy") else f", token_dtype = '{dtype}'"
     click.echo(
         f"wrote {count} tokens ({dtype}) to {out}: train on it with [data] kind = 'tokens', path = '{out}'{dtype_line}"

@@ -11,12 +11,13 @@ Two kinds of source, both with the same small interface (``vocab_size``, ``sampl
   from one token, H(X1 | X0) under stationarity, and every later target from the two before it, the
   entropy rate. A training run that approaches the floor has learned the task; one that stalls far
   above it has a bug, whatever the layout.
-- ``TokenFileSource`` (``textcache.py``) is bring-your-own text (``.txt`` or ``.jsonl``), tokenized once at
+- ``TokenFileSource`` (``text_cache.py``) is bring-your-own text (``.txt`` or ``.jsonl``), tokenized once at
   the byte level into a memory-mapped cache beside the source (or in a user cache folder).
 
 ``global_batch`` makes the tokens of one step a pure function of (seed, step), identical on every
-process, and ``pipeline_share`` cuts out one pipeline's rows and its microbatches. This is what keeps
-the data side of training layout-invariant (see docs/design.md).
+process, and ``pipeline_share`` cuts out one pipeline's rows and its microbatches (``Windows``: the same
+cut as packed documents', ``documents.PackedRows``). This is what keeps the data side of training
+layout-invariant (see docs/design.md). Which source a run's ``[data]`` gives is ``sources.py``.
 
 Imports numpy and the standard library only, so data can be inspected and tested without torch.
 """
@@ -26,10 +27,8 @@ from __future__ import annotations
 import functools
 from typing import Protocol
 
+import attrs
 import numpy as np
-
-from hetero_llm.data.text_cache import TokenFileSource, unknown_kind_message
-from hetero_llm.errors import LayoutError
 
 # Weight of the uniform component of every grammar transition. It is what makes the chain
 # irreducible (every pair state reaches every other in two steps) without blurring the grammar
@@ -188,34 +187,8 @@ def _entropy(probs: np.ndarray) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# From the layout's data section to batches
+# Batches of windows
 # --------------------------------------------------------------------------------------------------
-
-
-def make_source(spec, file_for_errors: str) -> GrammarSource | TokenFileSource:
-    """Build the source a layout's ``DataSpec`` describes; bad input is a located ``LayoutError``."""
-    if spec.kind == "grammar":
-        if spec.grammar_vocab < 2:
-            raise LayoutError(file_for_errors, "data.grammar_vocab", f"must be at least 2, got {spec.grammar_vocab}")
-        if not 1 <= spec.branching <= spec.grammar_vocab:
-            raise LayoutError(
-                file_for_errors,
-                "data.branching",
-                f"must be between 1 and grammar_vocab ({spec.grammar_vocab}), got {spec.branching}",
-            )
-        return GrammarSource(spec.grammar_vocab, spec.branching, spec.grammar_seed)
-    if spec.kind == "tokens":  # a .bin/.npy token file (tokenfiles.py)
-        from hetero_llm.data import token_files as tokenfiles
-
-        return tokenfiles.open_tokens(spec.path, getattr(spec.token_dtype, "value", spec.token_dtype), file_for_errors)
-    if spec.kind in ("text", "jsonl") and getattr(spec, "tokenizer", "bytes") != "bytes":
-        from hetero_llm.data import token_files as tokenfiles
-
-        kind = getattr(spec.kind, "value", spec.kind)
-        return tokenfiles.tokenized_source(spec.path, kind, spec.field, spec.tokenizer, file_for_errors)
-    if spec.kind in ("text", "jsonl"):
-        return TokenFileSource.from_file(spec.path, spec.kind, spec.field, file_for_errors)
-    raise LayoutError(file_for_errors, "data.kind", unknown_kind_message(spec.kind))
 
 
 def global_batch(source: TokenSource, seed: int, step: int, global_batch: int, seq_len: int) -> np.ndarray:
@@ -237,3 +210,30 @@ def pipeline_share(batch: np.ndarray, offset: int, size: int, microbatches: int)
     if offset < 0 or offset + size > batch.shape[0]:
         raise ValueError(f"rows [{offset}, {offset + size}) do not fit a global batch of {batch.shape[0]}")
     return np.split(batch[offset : offset + size], microbatches)
+
+
+@attrs.frozen(eq=False)
+class Windows:
+    """A batch of windows of ``seq_len + 1`` tokens cut anywhere in the data, with the interface of packed
+    documents (``documents.PackedRows``): inputs and targets, no document spans (one causal row each)."""
+
+    tokens: np.ndarray  # (rows, seq_len + 1) int64
+    spans = None  # no documents: attention runs over the whole row
+    positions = None
+
+    @property
+    def inputs(self) -> np.ndarray:
+        return self.tokens[:, :-1]
+
+    @property
+    def targets(self) -> np.ndarray:
+        return self.tokens[:, 1:]
+
+    @property
+    def num_targets(self) -> int:
+        """Every position has a target: what the step's mean loss divides by."""
+        return int(self.tokens.shape[0] * (self.tokens.shape[1] - 1))
+
+    def share(self, offset: int, size: int, microbatches: int) -> list[Windows]:
+        """Rows [offset, offset + size) as ``microbatches`` equal contiguous views (``pipeline_share``)."""
+        return [Windows(p) for p in pipeline_share(self.tokens, offset, size, microbatches)]

@@ -25,7 +25,7 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from hetero_llm.data.batches import GrammarSource, make_source
+from hetero_llm.data.batches import GrammarSource
 from hetero_llm.data.text_cache import END_OF_DOCUMENT, TokenFileSource
 from hetero_llm.errors import LayoutError
 
@@ -212,15 +212,6 @@ def _cut(starts: np.ndarray, lengths: np.ndarray, max_tokens: int) -> tuple[np.n
     piece_len = np.minimum(total - offsets, max_tokens)
     keep = piece_len >= 2
     return (base + offsets)[keep], piece_len[keep]
-
-
-def make_document_source(spec, seq_len: int, file_for_errors: str) -> DocumentSource:
-    """The document source a layout's ``DataSpec`` describes; documents hold at most seq_len + 1 tokens."""
-    if spec.kind.value == "grammar":
-        grammar = make_source(spec, file_for_errors)  # with its checks of the grammar keys
-        assert isinstance(grammar, GrammarSource)  # data.kind 'grammar' makes one
-        return GrammarDocuments(grammar, spec.doc_len_median, spec.doc_len_sigma, seq_len + 1)
-    return FileDocuments.from_file(spec.path, spec.kind.value, spec.field, spec.separator, seq_len + 1, file_for_errors)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -42,11 +42,12 @@ from hetero_llm.checkpoint import trust
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
 from hetero_llm.launch import external, outputs, restart
 from hetero_llm.launch.hosts import local_hosts
-from hetero_llm.launch.node import RunOptions, run_rank
+from hetero_llm.launch.node import run_rank
 from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan, compile_plan
 from hetero_llm.planner import load_cluster, output, plan_cluster
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.train.options import RunOptions
 
 _TORCHRUN_VARS = (
     "RANK",

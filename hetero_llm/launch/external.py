@@ -50,9 +50,6 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
         )
     if environ.get("HETERO_DEBUG", "") not in ("", "0", "1"):
         refuse("HETERO_DEBUG", "0 or 1 (1: a rank's unexpected error is raised with its traceback)")
-    error_dir = environ.get("HETERO_ERROR_DIR", "")
-    if error_dir and not os.path.isdir(error_dir):
-        refuse("HETERO_ERROR_DIR", "an existing folder (hetero-launch sets it for the ranks it starts; unset it)")
     meter = environ.get("HETERO_TENSOR_METER", "")
     if meter and not os.path.isdir(meter):
         refuse("HETERO_TENSOR_METER", "an existing folder (for each rank's tensor peak; create it, or unset it)")

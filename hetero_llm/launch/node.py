@@ -1,14 +1,16 @@
 """Start a node's ranks (or one rank), watch them, and take the job down when any rank fails.
 
 Each rank is its own OS process running what ``hetero-launch LAYOUT --rank R`` runs (``run_rank``, which
-the CLI's ``--rank`` path calls too), so one launch and the per-process launches of nodes with uneven GPU
+the CLI's ``--rank`` path, torchrun's and srun's ranks and elastic rounds call too; the rank itself is built and
+run by its composition root, ``train/rank.py``), so one launch and the per-process launches of nodes with uneven GPU
 counts are the same code path. A forked rank runs from the plan the launcher compiled (fork hands it
 over); it does not load the layout again. The launcher imports torch once and forks the ranks from it,
 rather than starting a fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
 more ranks than cores pays many times over before any rank trains. The launcher runs no torch op
 before forking (no OpenMP or CUDA state to inherit). A rank names itself ``hl-rank<R>`` (``ps -o
 comm``). Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no
-process behind.
+process behind. A failed rank leaves its one line where ``RunOptions.error_dir`` says (the launcher names the
+folder, its first report creates it); the launcher prints the root cause.
 """
 
 from __future__ import annotations
@@ -26,24 +28,10 @@ from typing import NoReturn
 
 import attrs
 
-from hetero_llm.errors import Diverged, HeteroError, LayoutError, RankFailure
+from hetero_llm.errors import Diverged, LayoutError, RankFailure
 from hetero_llm.launch import hosts
 from hetero_llm.plan import Plan
-
-
-@attrs.frozen
-class RunOptions:
-    """Per-run options that are not part of the layout (CLI flags)."""
-
-    overrides: tuple[str, ...] = ()
-    metrics_jsonl: str | None = None
-    checkpoint: str | None = None
-    checkpoint_every: int = 0  # save every N steps as well as at the end; 0: at the end only
-    resume: str | None = None  # the step folder to resume from (the CLI resolves a checkpoint root to one)
-    trace: str | None = None
-    quiet: bool = False
-    tensorboard: str | None = None  # write loss, valid_loss, lr, grad_norm as TensorBoard scalars here
-    snapshot: tuple[str | None, int] = (None, 0)  # elastic runs: also save here every K steps (node memory)
+from hetero_llm.train.options import RunOptions, failure_file, traceback_file
 
 
 def quiet_cpp_warnings() -> None:
@@ -142,7 +130,7 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
             sys.stderr.flush()  # else the child would print the parent's buffered output again
             pid = os.fork()
             if pid == 0:
-                _rank_child(plan, r, options, threads, errdir)  # never returns
+                _rank_child(plan, r, attrs.evolve(options, error_dir=str(errdir)), threads)  # never returns
             procs[r] = _Child(pid)
         while procs:
             failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
@@ -188,14 +176,14 @@ def _check_stopped(plan: Plan, procs: dict[int, _Child], since: dict[int, float]
         )
 
 
-def _rank_child(plan: Plan, rank: int, options: RunOptions, threads: int, errdir: Path) -> NoReturn:
+def _rank_child(plan: Plan, rank: int, options: RunOptions, threads: int) -> NoReturn:
     """In a forked child: become rank ``rank`` (what ``hetero-launch LAYOUT --rank R`` runs) and exit."""
     code = 1
     try:
         _die_with_parent()
         _name_process(f"hl-rank{rank}")
         # The OpenMP runtime read OMP_NUM_THREADS when the launcher imported torch: set the count directly.
-        os.environ.update(OMP_NUM_THREADS=str(threads), HETERO_ERROR_DIR=str(errdir), PYTHONUNBUFFERED="1")
+        os.environ.update(OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
         import torch
 
         torch.set_num_threads(threads)
@@ -241,7 +229,7 @@ _SECONDARY = ("connection", "closed by peer", "broken pipe", "timed out", "gloo"
 
 
 def _cause(rank: int, code: int, errdir: Path) -> str:
-    err = errdir / f"rank{rank}.err"
+    err = failure_file(errdir, rank)
     if err.exists() and err.read_text().strip():
         return err.read_text().strip().splitlines()[0]
     if code < 0:
@@ -260,7 +248,7 @@ def _failure(plan: Plan, failed: dict[int, int], errdir: Path) -> RankFailure:
         others = f"; {len(order) - 1} other rank(s) gave up too" if len(order) > 1 else ""
         return RankFailure(f"{causes[first]}{others}; stopped the other ranks")
     info = plan.ranks[first]
-    tb = errdir / f"rank{first}.traceback"
+    tb = traceback_file(errdir, first)
     more = f" (traceback: {tb})" if tb.exists() else ""
     others = f"; {len(order) - 1} other rank(s) failed after it" if len(order) > 1 else ""
     return RankFailure(
@@ -286,10 +274,11 @@ INTERRUPTED = "interrupted: stopped every rank"
 
 
 def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
-    """``run_one_rank``, an unexpected error made one ``RankFailure`` line naming the rank (HETERO_DEBUG=1: raised
-    as it is, with its traceback). What ``hetero-launch LAYOUT --rank R`` and every forked rank run."""
+    """Run rank ``rank`` in this process: what ``hetero-launch LAYOUT --rank R``, every forked rank, torchrun's
+    and srun's ranks and an elastic round's run. Its composition root is ``train.rank.run``; an unexpected error is
+    made one ``RankFailure`` line naming the rank (HETERO_DEBUG=1: raised as it is, with its traceback)."""
     try:
-        run_one_rank(plan, rank, options)
+        _run(plan, rank, options)
     except (LayoutError, RankFailure, KeyboardInterrupt):
         raise
     except Exception as e:  # one line on the console; the launcher has the traceback file
@@ -302,73 +291,23 @@ def run_rank(plan: Plan, rank: int, options: RunOptions) -> None:
         ) from None
 
 
-def run_one_rank(plan: Plan, rank: int, options: RunOptions) -> None:
-    """Run rank ``rank`` in this process (``hetero-launch LAYOUT --rank R``)."""
+def _run(plan: Plan, rank: int, options: RunOptions) -> None:
+    """The rank's share of the plan handed to its composition root (``train/rank.py``)."""
     import torch  # torch-free until here: --dry-run and planning never import it
 
-    from hetero_llm.comm import groups, heartbeat, shm
-    from hetero_llm.predict import trace as tracing
-    from hetero_llm.train.loop import train
+    from hetero_llm.comm import shm
+    from hetero_llm.train import rank as rank_root
 
     check_rank(plan, rank)
-    info = plan.ranks[rank]
-    if not os.environ.get("HETERO_ERROR_DIR"):  # started by hand, not forked by run_ranks (which checked)
+    if not options.error_dir:  # started on its own, not forked by run_ranks (which checked)
         shm.check_space(plan, [rank])
         if not os.environ.get("OMP_NUM_THREADS"):
             # As run_ranks does for the ranks it starts: this node's ranks share its cores. (Besides not
             # oversubscribing the host, this keeps the arithmetic that of a one-command launch: CPU kernels
             # may sum in another order with another thread count, which changes a run's last bits.)
-            torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == info.node])))
-    # torch's flight recorder: ~1 MB of tracebacks that grows for 2000 steps (bench/memory/soak.py). Off unless asked.
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", "0")
-    met = None  # the RankPlan, once the rendezvous and the groups are made
-    try:
-        device = torch.device(info.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise RankFailure(f"device {info.device} requested but CUDA is not available on this host")
-        rp = plan.rank_plan(rank)  # from here on the rank runs from its RankPlan
-        agree = Path(options.resume).name if options.resume else ""  # ranks resuming from different saves disagree
-        comms = groups.init(rp, device, shm.rank_rings(plan, rank), agree=agree)
-        met = rp
-        events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
-        try:
-            give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rank))  # noqa: E731
-            with heartbeat.Heartbeat(rp, give_up):
-                train(
-                    rp,
-                    comms,
-                    metrics_path=options.metrics_jsonl,
-                    checkpoint_dir=options.checkpoint,
-                    checkpoint_every=options.checkpoint_every,
-                    snapshot=options.snapshot,
-                    resume=options.resume,
-                    trace=events,
-                    quiet=options.quiet,
-                    tensorboard=options.tensorboard,
-                    switcher=_switcher(plan, rank),
-                )
-        finally:
-            if events is not None:
-                events.close()
-            groups.shutdown()
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        gone = _store_gone(met, e)
-        _report_rank_error(rank, gone or e)
-        if gone is not None:
-            raise gone from None
-        raise
-
-
-def _store_gone(rp, e: BaseException) -> RankFailure | None:
-    """Why this rank failed when the rank serving the store died under it (its connections broke, in gloo, shared
-    memory or the store, each in its own words): that rank, named. None before the rendezvous, or while it answers."""
-    if rp is None or isinstance(e, (LayoutError, Diverged)) or not isinstance(e, Exception):
-        return None
-    from hetero_llm.comm.rendezvous import server_gone
-
-    return server_gone(rp)
+            node = plan.ranks[rank].node
+            torch.set_num_threads(node_threads(len([r for r in plan.ranks if r.node == node])))
+    rank_root.run(plan.rank_plan(rank), options, shm.rank_rings(plan, rank), _switcher(plan, rank))
 
 
 def _switcher(plan: Plan, rank: int):
@@ -378,23 +317,3 @@ def _switcher(plan: Plan, rank: int):
     from hetero_llm.switching.switcher import Switcher
 
     return functools.partial(Switcher, plan, rank)
-
-
-def _gave_up(rank: int):
-    """How the heartbeat thread reports that this rank gives up on a stopped peer (then it exits)."""
-
-    def report(cause: str) -> None:
-        _report_rank_error(rank, RankFailure(cause))
-        if not os.environ.get("HETERO_ERROR_DIR"):  # no launcher to print it
-            sys.stderr.write(f"error: {cause}\n")
-
-    return report
-
-
-def _report_rank_error(rank: int, e: BaseException) -> None:
-    errdir = os.environ.get("HETERO_ERROR_DIR")
-    cause = f"{type(e).__name__}: {e}".splitlines()[0] if not isinstance(e, HeteroError) else str(e).splitlines()[0]
-    if errdir:
-        os.makedirs(errdir, mode=0o700, exist_ok=True)  # the launcher names it; the first report creates it
-        Path(errdir, f"rank{rank}.err").write_text(cause + "\n")
-        Path(errdir, f"rank{rank}.traceback").write_text(traceback.format_exc())

@@ -24,8 +24,9 @@ from hetero_llm.comm import rendezvous
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import external, memory, outputs
 from hetero_llm.launch import node as launcher
-from hetero_llm.layout import Layout, Packing
+from hetero_llm.layout import Layout
 from hetero_llm.plan import Plan, compile_plan
+from hetero_llm.train.options import RunOptions
 
 
 @attrs.frozen
@@ -55,7 +56,7 @@ class Prepared:
     plan: Plan
     rank: int | None
     ranks: list[int] | None
-    options: launcher.RunOptions
+    options: RunOptions
 
 
 def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
@@ -83,16 +84,15 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
     outputs.check_run_paths(lay, req.metrics_jsonl, req.checkpoint, req.trace, resume, req.tensorboard)
     if resume:  # checked here, before any rank starts; every rank then reads the same step folder
         ckpt = checkpoint_folders.for_resume(resume, lay)
-        if rank is None or not os.environ.get("HETERO_ERROR_DIR"):  # a launcher's rank: the launcher verified
-            warning = checkpoint_folders.verify(ckpt, progress=not req.quiet)
-            if warning:
-                warn(warning)
+        warning = checkpoint_folders.verify(ckpt, progress=not req.quiet)
+        if warning:
+            warn(warning)
         resume = str(ckpt.path)
     if req.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise LayoutError(lay.file, "--tensorboard", "needs the tensorboard package (pip install tensorboard)")
     if not req.dry_run and rank is not None:  # last (the ranks a launcher starts: node.run_ranks, after the data)
         rendezvous.check_port_free(plan, [rank])  # the server rank's port taken here: one line, before it starts
-    options = launcher.RunOptions(
+    options = RunOptions(
         tuple(req.overrides),
         req.metrics_jsonl,
         req.checkpoint,
@@ -109,7 +109,7 @@ def check_data(p: Prepared):
     """The data and ``init_from``'s weights, read once before the ranks start (a rank started on its own, with
     no launcher, reads its data file here too); returns the data source (its loss floor is printed)."""
     if p.rank is not None:
-        if p.layout.data.path and not os.environ.get("HETERO_ERROR_DIR"):  # on its own: no launcher checked it
+        if p.layout.data.path:  # on its own: no launcher checked it
             return checked_source(p.layout)
         return None
     source = checked_source(p.layout)  # tokenizes a text file once, before any rank starts
@@ -154,16 +154,13 @@ def check_init_weights(lay: Layout, resume: str | None) -> None:
 def checked_source(lay: Layout):
     """The layout's data source, refused now if it cannot give one window of text or holds ids outside
     model.vocab (rather than in every rank)."""
-    from hetero_llm.data import batches as data
-    from hetero_llm.data import text_cache as textcache
-    from hetero_llm.data import token_files as tokenfiles
+    from hetero_llm.data import sources, text_cache, token_files
 
-    source = data.make_source(lay.data, lay.file)
-    if lay.data.packing is Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
-        from hetero_llm.data import held_out as evaluate
-
-        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)  # and the held-out ones
-    elif isinstance(source, textcache.TokenFileSource):
+    spec = sources.SourceSpec.of(lay.data)
+    source = sources.make_source(spec, lay.file)
+    if spec.documents:  # whole documents, however short: found now, or why not
+        sources.document_sources(spec, lay.model.seq_len, lay.file)  # and the held-out ones
+    elif isinstance(source, text_cache.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
-    tokenfiles.check_vocab(source, lay.model.vocab, lay.file)
+    token_files.check_vocab(source, lay.model.vocab, lay.file)
     return source

@@ -135,15 +135,14 @@ def simulate_buckets(
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
-    from hetero_llm.data import documents
-    from hetero_llm.data import held_out as evaluate
+    from hetero_llm.data import documents, sources
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching import bucketing
 
     home = compile_plan(layout)
     plans = list(home.buckets)
     if source is None:
-        source = evaluate.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
+        source = sources.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
     docs = documents.fill_documents(source, layout.train.seed, step, layout.train.global_batch, layout.model.seq_len)
     rows_of = bucketing.bucket_rows(layout, docs)
     times: list[float | None] = []

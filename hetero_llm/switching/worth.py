@@ -31,7 +31,7 @@ from pathlib import Path
 import attrs
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import documents, held_out
+from hetero_llm.data import documents, sources
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score
@@ -175,7 +175,7 @@ class _Pricer:
         self.cluster, self.home, self.home_score = cluster, home, home_score
         self.planner_at: dict[int, Score] = {}  # bound -> the home layout's score on rows of that width
         lay = planned_layout(cluster, home)
-        self.source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
+        self.source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
         self.G = cluster.train.global_batch
         self._Planner = Planner
 
