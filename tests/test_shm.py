@@ -152,14 +152,13 @@ def test_a_dead_peer_is_named_instead_of_a_hang(shm_dir):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ends1[SPEC.key].ring.writer_pid.value = dead.pid
-    t0 = time.monotonic()
+    # the peer's exit, seen while waiting: not the "waited 5 s" line of the ring's timeout (_pair's timeout_s)
     with pytest.raises(
         RankFailure,
         match=rf"rank 1: shared-memory connection to rank 0 lost: its process {dead.pid} "
         "exited while this rank waited to receive tag 1",
     ):
         ends1[SPEC.key].post(torch.empty(4), 1).wait()
-    assert time.monotonic() - t0 < 3
 
 
 def test_a_peer_that_never_maps_its_ring_leaves_no_file(shm_dir):
@@ -365,7 +364,7 @@ def _start(path: Path, tmp_path: Path) -> subprocess.Popen:
 
 def _wait_for_a_step(proc: subprocess.Popen, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a hang's bound: a loaded machine only delays the first step
     while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
