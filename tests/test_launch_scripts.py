@@ -225,7 +225,7 @@ def test_start_then_stop_kills_exactly_the_started_ranks(uneven_layout, tmp_path
     fake.chmod(0o755)
     out = tmp_path / "out"
     assert _generate(uneven_layout, out, "--launcher", str(fake)).exit_code == 0
-    proc = subprocess.run([str(out / "start_node0.sh")], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([str(out / "start_node0.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in (out / "node0.pids").read_text().splitlines()]
     assert [r[1] for r in rows] == ["0", "1", "2"]
@@ -236,10 +236,10 @@ def test_start_then_stop_kills_exactly_the_started_ranks(uneven_layout, tmp_path
         time.sleep(0.05)
     assert (tmp_path / "args.1").read_text().split() == [str(uneven_layout.resolve()), "--rank", "1"]
 
-    again = subprocess.run([str(out / "start_node0.sh")], capture_output=True, text=True, timeout=30)
+    again = subprocess.run([str(out / "start_node0.sh")], capture_output=True, text=True, timeout=120)
     assert again.returncode == 1 and "still running; run stop_node0.sh first" in again.stderr
 
-    proc = subprocess.run([str(out / "stop_node0.sh")], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([str(out / "stop_node0.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert all(_wait_dead(p) for p in pids)
     assert _untouched(bystander)
@@ -250,7 +250,7 @@ def test_stop_kills_only_its_pidfile(uneven_layout, tmp_path, bystander):
     _generate(uneven_layout, tmp_path / "out")
     target = subprocess.Popen(["sleep", "60"])
     (tmp_path / "out" / "node1.pids").write_text(f"{target.pid}\n")
-    proc = subprocess.run([str(tmp_path / "out" / "stop_node1.sh")], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([str(tmp_path / "out" / "stop_node1.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert target.wait(timeout=60) == -signal.SIGTERM
     assert _untouched(bystander)
@@ -260,7 +260,7 @@ def test_stop_leaves_a_recycled_pid_alone(uneven_layout, tmp_path, bystander):
     """A pidfile PID whose start time differs is some other process now: not ours to kill."""
     _generate(uneven_layout, tmp_path / "out")
     (tmp_path / "out" / "node1.pids").write_text(f"{bystander.pid} 3 1\n")
-    proc = subprocess.run([str(tmp_path / "out" / "stop_node1.sh")], capture_output=True, text=True, timeout=30)
+    proc = subprocess.run([str(tmp_path / "out" / "stop_node1.sh")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "no process of" in proc.stdout
     assert _untouched(bystander)
 
