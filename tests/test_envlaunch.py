@@ -210,7 +210,7 @@ def test_torchrun_with_two_processes(reference, tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=600,
         env=_env(),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -280,7 +280,7 @@ def test_torchrun_restarts_a_killed_rank_and_training_continues_from_the_last_sa
             time.sleep(0.05)
         os.kill(_workers(proc.pid)[1], signal.SIGKILL)
         killed_after = len(metrics.read_text().splitlines())
-        out, _ = proc.communicate(timeout=180)
+        out, _ = proc.communicate(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
