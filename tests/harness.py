@@ -93,7 +93,7 @@ def sigint_as_in_a_terminal() -> None:
 
 
 def launch(
-    layout: Path, workdir: Path, *extra: str, timeout: float = 240, env: dict[str, str] | None = None
+    layout: Path, workdir: Path, *extra: str, timeout: float = 600, env: dict[str, str] | None = None
 ) -> RunResult:
     """Run ``hetero-launch layout`` to completion; return its metrics and final parameters. ``env``: variables
     set for this run only, over this process's environment (for launches run side by side in threads)."""

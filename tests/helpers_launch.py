@@ -60,6 +60,22 @@ def _context(env: dict[str, str]):
     return ctx
 
 
+def start_server(env: dict[str, str]) -> None:
+    """Start the fork server now, with ``env``'s import-time variables: before threads call ``run_cli`` side by
+    side (starting it swaps this process's environment for a moment, which another thread could read)."""
+    _context(env)
+
+
+def spawn_warm(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)`` with each process forked from the warm fork server
+    instead of started fresh (a fresh one imports torch: ~2 s of CPU each). For tests that start their own
+    process groups; the processes start in the server's state (torch imported, no torch op run)."""
+    import torch.multiprocessing as mp
+
+    start_server(dict(os.environ))  # running, with its preload, before torch asks for one
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def _child(args: list[str], env: dict[str, str], cwd: str, out: str, err: str) -> None:
     """In the forked process: ``python -m hetero_llm.cli ARGS`` from here on, stdout and stderr into files."""
     for fd, path in ((1, out), (2, err)):

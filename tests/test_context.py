@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.utils.checkpoint
+from helpers_launch import spawn_warm
 
 from harness import GPU_SKIP, free_port
 from hetero_llm.comm import collectives
@@ -139,9 +140,7 @@ def _worker(rank: int, cp: int, port: int) -> None:
 def test_context_attention_matches_one_process(cp):
     """Outputs and gradients; packed documents straddling chunks; GQA; recompute; bf16; whole stages (embed,
     blocks, head) with RoPE and learned positions; which blocks are computed. Failures raise in the ranks."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(cp, free_port()), nprocs=cp, join=True)
+    spawn_warm(_worker, (cp, free_port()), cp)
 
 
 def _gpu_worker(rank: int, cp: int, port: int, backend: str) -> None:

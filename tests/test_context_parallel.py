@@ -58,12 +58,18 @@ def reference(shared_launch):
     return shared_launch(REFERENCE)
 
 
-# (name, pipelines, [train] changes); every case trains reference.toml's model
+# (name, pipelines, [train] changes); every case trains reference.toml's model. One launch per case: the
+# options a case adds (recompute, ZeRO-1) ride on a layout that test_resume_across_cp and test_held_out_loss
+# also train without them (cp 2 and cp 4 alone in a stage, a cp 2 pipeline beside a cp 1 one), so every
+# layout is trained with and without its option while the suite pays for fewer launches; cp 2 x tp 2 feeding
+# cp 1 under the dynamic schedule is test_resume_across_cp's first run.
 CASES = [
-    ("cp 2, one stage", [(12, 3, [(6, 1, 2)])], {}),
-    ("cp 4, one stage", [(12, 2, [(6, 1, 4)])], {}),
-    ("cp 2 x tp 2 feeding cp 1, dynamic", [(12, 3, [(3, 2, 2), (3, 1, 1)])], {"schedule": layout.Schedule.DYNAMIC}),
-    ("a cp 2 pipeline beside a cp 1 pipeline", [(8, 2, [(6, 1, 2)]), (4, 2, [(3, 1, 1), (3, 1, 1)])], {}),
+    ("cp 4, one stage, recompute full", [(12, 2, [(6, 1, 4)])], {"recompute": layout.Recompute.FULL}),
+    (
+        "a cp 2 pipeline beside a cp 1 pipeline, adamw_zero1",
+        [(8, 2, [(6, 1, 2)]), (4, 2, [(3, 1, 1), (3, 1, 1)])],
+        {"optimizer": layout.Optimizer.ADAMW_ZERO1},
+    ),
     ("cp 4 feeding cp 2 feeding cp 1: re-chunked", [(12, 3, [(2, 1, 4), (2, 1, 2), (2, 1, 1)])], {}),
     ("cp 1 x tp 2 feeding cp 2, gpipe", [(12, 2, [(3, 2, 1), (3, 1, 2)])], {"schedule": layout.Schedule.GPIPE}),
     ("cp 2, 2 stages, zbh1", [(12, 3, [(3, 1, 2), (3, 1, 2)])], {"schedule": layout.Schedule.ZBH1}),
@@ -71,12 +77,6 @@ CASES = [
         "cp 2 -> cp 1 wrapping to cp 2, interleaved",
         [(12, 2, [(4, 1, 2), (2, 1, 1)])],
         {"schedule": layout.Schedule.INTERLEAVED, "chunks": 2},
-    ),
-    ("cp 2, recompute full", [(12, 3, [(6, 1, 2)])], {"recompute": layout.Recompute.FULL}),
-    (
-        "cp 2 beside cp 1, adamw_zero1",
-        [(8, 2, [(6, 1, 2)]), (4, 1, [(6, 1, 1)])],
-        {"optimizer": layout.Optimizer.ADAMW_ZERO1},
     ),
 ]
 
@@ -116,10 +116,11 @@ def _valid_losses(workdir: Path) -> list[float]:
 
 
 def test_held_out_loss(shared_launch, tmp_path):
-    """The held-out loss of a cp 2 pipeline beside a cp 1 one is the one process's."""
+    """The held-out loss of a cp 2 pipeline beside a cp 1 one is the one process's, and so is the model (the
+    layout of CASES' ZeRO-1 case, with AdamW: a cp 2 stage beside a cp 1 pipeline of 2 stages)."""
     every = ("--set", "train.eval_every=2")
     ref = shared_launch(REFERENCE, *every)
-    path = cp_layout(tmp_path / "layout.toml", COMMON, [(8, 2, [(3, 1, 2), (3, 1, 2)]), (4, 1, [(6, 1, 1)])])
+    path = cp_layout(tmp_path / "layout.toml", COMMON, [(8, 2, [(6, 1, 2)]), (4, 2, [(3, 1, 1), (3, 1, 1)])])
     run = launch(path, tmp_path, *every)
     assert_same_model(run, ref)
     want, got = _valid_losses(ref.workdir), _valid_losses(tmp_path)
@@ -130,16 +131,22 @@ STEPS = ("--set", "train.steps=4")  # the learning rate schedule depends on trai
 
 
 @pytest.mark.parametrize(
-    "a,b",
-    [([(12, 3, [(6, 1, 2)])], [(12, 2, [(3, 1, 4), (3, 1, 4)])]), ([(12, 3, [(3, 2, 2), (3, 1, 2)])], None)],
-    ids=["cp 2 -> cp 4 in 2 stages", "cp 2 x tp 2 -> one process"],
+    "a,train,b",
+    [
+        ([(12, 3, [(6, 1, 2)])], {}, [(12, 2, [(3, 1, 4), (3, 1, 1)])]),  # 5 ranks: cp 4 is a stage, not both
+        ([(12, 3, [(3, 2, 2), (3, 1, 1)])], {"schedule": layout.Schedule.DYNAMIC}, None),
+    ],
+    ids=["cp 2 -> cp 4 feeding cp 1", "cp 2 x tp 2 feeding cp 1, dynamic -> one process"],
 )
-def test_resume_across_cp(a, b, shared_launch, tmp_path):
-    """Saved under one cp, resumed under another (or none): the shards are those of cp 1, the model the same."""
+def test_resume_across_cp(a, train, b, shared_launch, tmp_path):
+    """Saved under one cp, resumed under another (or none): the shards are those of cp 1, the model the same. The
+    first run trains all 4 steps (saving at step 2) and is itself the one process's model: cp 2 alone in a stage,
+    and cp 2 x tp 2 feeding cp 1 under the dynamic schedule."""
     ref = shared_launch(REFERENCE, *STEPS)
-    path_a = cp_layout(tmp_path / "a.toml", COMMON, a)
+    path_a = cp_layout(tmp_path / "a.toml", COMMON, a, **train)
     path_b = cp_layout(tmp_path / "b.toml", COMMON, b) if b else REFERENCE
     first = launch(path_a, tmp_path / "a", *STEPS, "--checkpoint-every", "2")
+    assert_same_model(first, ref)
     rest = launch(path_b, tmp_path / "b", *STEPS, "--resume", str(tmp_path / "a" / "ckpt" / "step-000002"))
     assert len(rest.losses) == 2
     both = attrs.evolve(rest, losses=first.losses[:2] + rest.losses, grad_norms=first.grad_norms[:2] + rest.grad_norms)

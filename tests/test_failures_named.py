@@ -100,16 +100,17 @@ def test_a_foreign_server_on_the_rendezvous_port_is_named_within_the_timeout(ban
         assert str(err.value) == (
             f"{QUICKSTART}: cluster.port: port {port} on 127.0.0.1 {what} (stop it, or choose another cluster.port)"
         )
-        assert took < 3 + 2, f"gave up after {took:.1f} s for a 3 s timeout"  # before: never (> 120 s)
+        # before: never (> 120 s); 3 s on an idle machine. Under 2 x the timeout shows the wait ends at its deadline;
+        # the rest is slack for a loaded machine
+        assert took < 2 * 3, f"gave up after {took:.1f} s for a 3 s timeout"
         # The same as a user sees it: one line, exit code 2.
         proc = subprocess.run(
-            _cli(str(QUICKSTART), "--rank", "1", "--quiet", *sets), capture_output=True, text=True, timeout=60
+            _cli(str(QUICKSTART), "--rank", "1", "--quiet", *sets), capture_output=True, text=True, timeout=300
         )
         assert (proc.returncode, proc.stdout) == (2, "")
         assert proc.stderr == f"error: {err.value}\n"
         # The launcher whose rank 0 would serve the store there: refused before any rank starts.
-        start = time.monotonic()
-        proc = subprocess.run(_cli(str(QUICKSTART), "--quiet", *sets), capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(_cli(str(QUICKSTART), "--quiet", *sets), capture_output=True, text=True, timeout=300)
         assert (proc.returncode, proc.stdout) == (2, "")
         assert proc.stderr == (
             f"error: {QUICKSTART}: cluster.port: port {port} on 127.0.0.1 is in use by another program, so rank 0 "
@@ -136,7 +137,9 @@ def test_the_ranks_left_name_the_killed_rank_that_served_the_store(tmp_path, p2p
     mid-training. Before: rank 1 printed ~30-46 lines of torch's C++ store warnings and frames, then a gloo
     or shared-memory error about its own connection."""
     port, metrics = free_port(), tmp_path / "metrics.jsonl"
-    sets = ["--set", f"cluster.port={port}", "--set", "cluster.timeout_s=30", "--set", "train.steps=100000"]
+    # cluster.timeout_s far above the bound below: rank 1 must name the server from its broken connections, not
+    # from the heartbeat's silence (which would be another line, "stopped responding")
+    sets = ["--set", f"cluster.port={port}", "--set", "cluster.timeout_s=240", "--set", "train.steps=100000"]
     sets += ["--set", f"cluster.nodes[0].p2p={p2p}"]
     procs = [
         subprocess.Popen(
@@ -152,7 +155,7 @@ def test_the_ranks_left_name_the_killed_rank_that_served_the_store(tmp_path, p2p
         _wait_for_lines(metrics, 2, procs)
         killed_at = time.monotonic()
         procs[0].send_signal(signal.SIGKILL)
-        out, err = procs[1].communicate(timeout=60)
+        out, err = procs[1].communicate(timeout=300)
         took = time.monotonic() - killed_at
     finally:
         for p in procs:
@@ -165,9 +168,9 @@ def test_the_ranks_left_name_the_killed_rank_that_served_the_store(tmp_path, p2p
         "no connection to it is answered any more (its process died or was killed, or its host is unreachable; "
         "see its node's output)\n"
     )
-    # named from its broken connections, not after the heartbeat's cluster.timeout_s (30 s) of silence; the margin
-    # is for a loaded machine (11 s seen at load 24 on 2 cores with a bound of 10)
-    assert took < 20, f"rank 1 took {took:.1f} s to stop (cluster.timeout_s 30)"
+    # named from its broken connections (the line above), not after the heartbeat's cluster.timeout_s (240 s) of
+    # silence; a second or two on an idle machine, 11 s seen at load 24 on 2 cores
+    assert took < 240 / 2, f"rank 1 took {took:.1f} s to stop (cluster.timeout_s 240)"
 
 
 def _tmpfs(folder: Path, size: int) -> None:
@@ -195,7 +198,7 @@ def test_a_disk_that_fills_up_during_a_save_is_named_and_the_last_save_stays(tmp
             + ["--checkpoint", str(ckpt), "--set", f"cluster.port={free_port()}"],
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=300,
             env={**os.environ, "TMPDIR": str(tmp)},  # where the launcher keeps the failure report it names
         )
         free = _fs.free_bytes(disk)

@@ -9,9 +9,11 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers_launch import run_cli, start_server
 
 from harness import LAYOUTS, common_sections, free_port, launch, sigint_as_in_a_terminal, write_layout
 
@@ -51,6 +53,25 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _wait_gone(pids: list[int], timeout: float = 60) -> None:
+    """Until none of ``pids`` is alive (a zombie is not), at most ``timeout`` s: ranks exit as soon as they see the
+    launcher gone or get its SIGTERM, and a loaded machine only delays that, so the bound is a hang's, not a speed."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _communicate(proc: subprocess.Popen, timeout: float) -> str:
+    """The stderr of ``proc`` once it exits; a job still running after ``timeout`` s is killed (with its ranks) and
+    fails the test: these jobs train 100000 steps, so only the failure being tested ends them."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise AssertionError(f"the job did not stop within {timeout:g} s:\n{out}\n{err}") from None
+
+
 def _start(layout: Path, tmp_path: Path, *extra: str, env: dict | None = None) -> tuple[subprocess.Popen, Path]:
     metrics = tmp_path / "metrics.jsonl"
     cmd = [
@@ -70,7 +91,7 @@ def _start(layout: Path, tmp_path: Path, *extra: str, env: dict | None = None) -
     ), metrics
 
 
-def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 120) -> None:
+def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= steps:
@@ -82,18 +103,16 @@ def _wait_for_steps(proc: subprocess.Popen, metrics: Path, steps: int, timeout: 
 
 def test_killed_rank_takes_the_job_down_and_is_named(tmp_path):
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
-    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000")
+    # cluster.timeout_s far above how long the job may take to stop: a job that stops at all was stopped by the
+    # rank's exit (the line names its signal), not by its peers' heartbeats giving up after timeout_s
+    timeout_s = 600
+    proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--set", f"cluster.timeout_s={timeout_s}")
     _wait_for_steps(proc, metrics, 2)
     children = _children_of(proc.pid)
     victim = next(pid for pid in children if _rank_of(pid) == 1)
-    killed_at = time.monotonic()
     os.kill(victim, signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
-    took = time.monotonic() - killed_at
+    err = _communicate(proc, timeout_s / 3)  # on an idle machine: about a second
     assert proc.returncode == 1
-    # seen from the rank's exit, not after cluster.timeout_s (60 s); the margin is for a loaded machine (14 s
-    # seen at load 24 on 2 cores with a bound of 10)
-    assert took < 30, f"job took {took:.1f} s to stop"
     assert "rank 1 (n0:1, pipeline 0 stage 1) failed: killed by SIGKILL" in err, err
     assert "Traceback" not in err
     assert not [pid for pid in children if _alive(pid)], "ranks left running"
@@ -108,7 +127,7 @@ def test_rank_error_is_named_with_its_cause(tmp_path):
     text = layout.read_text().replace('devices = ["cpu", "cpu", "cpu"]', 'devices = ["cpu", "cpu", "cuda:0"]')
     layout.write_text(text)
     proc, _ = _start(layout, tmp_path)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert (
         err.strip()
@@ -127,14 +146,12 @@ def test_ctrl_c_leaves_no_process_behind(tmp_path):
     assert sorted(_rank_of(pid) for pid in children) == [0, 1, 2]  # one forked child per rank, each named
     proc.send_signal(signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:  # it did not stop: do not leave a 100000-step job running (its ranks die with it)
             proc.kill()
     assert proc.returncode == 130, err
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_gone(children)
     assert not [pid for pid in children if _alive(pid)]
 
 
@@ -174,34 +191,21 @@ def test_every_rank_as_its_own_process_equals_one_launch(tmp_path):
 
 
 def test_rank_that_never_arrives_is_named(tmp_path):
+    """Ranks 0 and 1 of 3 start side by side, each its own ``--rank`` launch, forked from one warm interpreter
+    (tests/helpers_launch.py): with torch imported, both reach the rendezvous within moments of each other, well
+    inside cluster.timeout_s on a loaded machine too (two fresh interpreters importing torch side by side drift
+    apart by seconds there, and rank 0 would name rank 1 as well)."""
     layout = write_layout(tmp_path / "l.toml", COMMON, THREE_STAGES)
     port = free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "hetero_llm.cli",
-                str(layout),
-                "--rank",
-                str(r),
-                "--quiet",
-                "--set",
-                f"cluster.port={port}",
-                "--set",
-                "cluster.timeout_s=3",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    results = [p.communicate(timeout=60) for p in procs]
-    assert procs[0].returncode == 1
-    assert results[0][1].strip() == "error: rendezvous timed out after 3 s: never arrived: rank 2 (n0:2)"
-    assert procs[1].returncode == 1
-    assert "rank 1" in results[1][1] and "rendezvous" in results[1][1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    start_server(env)
+    sets = ["--quiet", "--set", f"cluster.port={port}", "--set", "cluster.timeout_s=3"]
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda r: run_cli([str(layout), "--rank", str(r), *sets], env, 300), (0, 1)))
+    assert results[0].returncode == 1
+    assert results[0].stderr.strip() == "error: rendezvous timed out after 3 s: never arrived: rank 2 (n0:2)"
+    assert results[1].returncode == 1
+    assert "rank 1" in results[1].stderr and "rendezvous" in results[1].stderr
 
 
 def test_rank_started_with_a_different_layout_is_named(tmp_path):
@@ -229,7 +233,7 @@ def test_rank_started_with_a_different_layout_is_named(tmp_path):
         )
         for r, extra in ((0, []), (1, ["--set", "train.lr=0.5"]))
     ]
-    results = [p.communicate(timeout=60) for p in procs]
+    results = [p.communicate(timeout=300) for p in procs]
     assert procs[0].returncode == 1 and procs[1].returncode == 1
     err = results[0][1].strip().splitlines()[-1]
     assert re.fullmatch(
@@ -249,19 +253,17 @@ def test_trace_of_a_killed_job_is_readable(tmp_path):
     trace = tmp_path / "trace"
     proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--trace", str(trace))
     _wait_for_steps(proc, metrics, 2)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300
     while (
         not all(len(p.read_text().splitlines()) >= 3 for p in trace.glob("rank*.jsonl"))
         or len(list(trace.glob("rank*.jsonl"))) < 3
     ):
-        assert time.monotonic() < deadline, "no trace lines within 60 s"
+        assert time.monotonic() < deadline, "no trace lines within 300 s"
         time.sleep(0.1)
     children = _children_of(proc.pid)
     proc.kill()  # no finally block of the launcher runs; its ranks get SIGTERM (they die with it)
-    proc.communicate(timeout=30)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    proc.communicate(timeout=300)
+    _wait_gone(children)
     records = tracing.read_rank_traces(trace)
     assert [r["rank"] for r in records] == [0, 1, 2]
     for record in records:  # each of the 2+ lines of events it had written when it was killed
@@ -272,7 +274,7 @@ def test_trace_of_a_killed_job_is_readable(tmp_path):
         [sys.executable, "-m", "hetero_llm.timeline", str(trace), "--chrome", str(tmp_path / "t.json")],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"wrote {tmp_path / 't.json'}")
@@ -298,7 +300,7 @@ def test_a_diverging_run_stops_every_rank_at_that_step_and_saves_nothing_after(t
         "1",
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )  # the failure reports' folder stays here
-    _, err = proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 3, err
     match = re.fullmatch(
         r"error: training diverged at step (\d+) \(counting from 1, as the console and --metrics-jsonl "
@@ -336,7 +338,7 @@ def test_a_launch_leaves_nothing_behind_in_tmp_or_the_checkpoint(tmp_path):
         "--set",
         f"cluster.port={free_port()}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmp)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "TMPDIR": str(tmp)})
     assert proc.returncode == 0, proc.stderr
     assert list(tmp.iterdir()) == []
     assert not [p for p in leftovers if p.exists()]
@@ -352,10 +354,8 @@ def test_a_launcher_killed_by_sigkill_leaves_no_error_folder(tmp_path):
     _wait_for_steps(proc, metrics, 1)
     children = _children_of(proc.pid)
     proc.kill()
-    proc.communicate(timeout=30)
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    proc.communicate(timeout=300)
+    _wait_gone(children)
     assert not [pid for pid in children if _alive(pid)], "ranks left running"
     assert list(tmp.iterdir()) == []
 
@@ -366,12 +366,12 @@ def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
     proc, metrics = _start(layout, tmp_path, "--set", "train.steps=100000", "--set", "cluster.timeout_s=4")
     _wait_for_steps(proc, metrics, 2)
     children = _children_of(proc.pid)
-    stopped_at = time.monotonic()
     os.kill(next(pid for pid in children if _rank_of(pid) == victim), signal.SIGSTOP)
-    _, err = proc.communicate(timeout=60)
-    took = time.monotonic() - stopped_at
+    # Nothing but the watchdogs ends this job (a stopped process neither exits nor closes its sockets): that it
+    # stops is the claim, and the line below says which watchdog stopped it, after how long (within
+    # cluster.timeout_s on an idle machine, the launcher's at twice it). The bound is a hang's.
+    err = _communicate(proc, 300)
     assert proc.returncode == 1
-    assert took < 4 + 10, f"job took {took:.1f} s to stop"  # cluster.timeout_s, then the launcher's teardown
     # named by its peers' heartbeat watchdogs, or by the launcher that sees its process stopped: whichever is first
     assert re.fullmatch(
         rf"error: rank {victim} \(n0:{victim}\) stopped responding: ((no heartbeat|the rendezvous store "
@@ -380,9 +380,7 @@ def test_stopped_rank_is_named_not_the_ranks_waiting_for_it(tmp_path, victim):
         r"\(SIGSTOP\) for \d+ s \(twice cluster.timeout_s 4\)); stopped the other ranks",
         err.strip(),
     ), err
-    deadline = time.monotonic() + 5
-    while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_gone(children)
     assert not [pid for pid in children if _alive(pid)], "ranks left running (the stopped one included)"
 
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from helpers_launch import start_server
 
 from harness import LAYOUTS, assert_same_model, common_sections, free_port, launch, sections
 from hetero_llm import layout
@@ -124,7 +125,7 @@ def slow_runs(tmp_path_factory):
             _unbalanced(d / "unbalanced" / "unbalanced.toml"),
             d / "unbalanced",
             *ONE_STEP,
-            timeout=150,
+            timeout=300,
             env={"HETERO_EMULATE_ACTION_S": f"0:F={SLOW_S},2:F={SLOW_S}"},
         ),
         "unbalanced_ref": lambda: launch(LAYOUTS / "reference" / "reference.toml", d / "unbalanced_ref", *ONE_STEP),
@@ -133,11 +134,12 @@ def slow_runs(tmp_path_factory):
             d / "hot",
             "--trace",
             str(d / "hot" / "trace"),
-            timeout=150,
+            timeout=300,
             env={"HETERO_EMULATE_ACTION_S": f"0:F={SLOW_S}"},
         ),
         "hot_ref": lambda: launch(one, d / "hot_ref"),
     }
+    start_server(dict(os.environ))  # before the threads launch side by side
     with ThreadPoolExecutor(len(jobs)) as pool:
         yield {name: pool.submit(job) for name, job in jobs.items()}
 
@@ -194,27 +196,26 @@ def test_a_stopped_or_killed_rank_is_still_named_while_its_peers_wait(tmp_path, 
     env = {**os.environ, "HETERO_EMULATE_ACTION_S": "0:F=2,2:F=2"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a hang's bound: a loaded machine only delays the first step
         while not (metrics.exists() and metrics.read_text().strip()):  # a step done: every rank trains
-            assert proc.poll() is None and time.monotonic() < deadline, "no step within 60 s"
+            assert proc.poll() is None and time.monotonic() < deadline, "no step within 300 s"
             time.sleep(0.1)
         ranks = _ranks(proc.pid)
         assert sorted(ranks) == [0, 1, 2, 3, 4]
-        time.sleep(1)  # into the next step's forward
-        hit_at = time.monotonic()
+        # Wherever in its step rank 2 is hit (most of a step is its 2 s forward), its peers end up waiting for it:
+        # rank 3 on the ring, the others in the gradient sync. Nothing but the failure ends this 100000-step job,
+        # and the line says what ended it (the rank's exit, its peers' heartbeats after cluster.timeout_s, or the
+        # launcher at twice that), so the bound on the wait is a hang's, not a speed.
         os.kill(ranks[2], getattr(signal, how))
-        _, err = proc.communicate(timeout=60)
-        took = time.monotonic() - hit_at
+        _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 1
     if how == "SIGKILL":
-        assert took < 10, f"job took {took:.1f} s to stop"
         assert "error: rank 2 (n2:0, pipeline 1 stage 0) failed: killed by SIGKILL" in err, err
     else:
-        assert took < TIMEOUT_S + 10, f"job took {took:.1f} s to stop"  # cluster.timeout_s, then the teardown
         assert re.fullmatch(
             r"error: rank 2 \(n2:0\) stopped responding: (no heartbeat for \d+ s \(cluster.timeout_s 4; a stopped "
             r"or hung process\); rank \d gave up waiting for it(; \d other rank\(s\) gave up too)?|its process has "
@@ -222,7 +223,7 @@ def test_a_stopped_or_killed_rank_is_still_named_while_its_peers_wait(tmp_path, 
             err.strip(),
         ), err
     assert "Traceback" not in err
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 60  # ranks exit once stopped; a loaded machine only delays it
     while any(_alive(pid) for pid in ranks.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [r for r, pid in ranks.items() if _alive(pid)], "ranks left running"

@@ -121,8 +121,10 @@ def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path,
     with pytest.raises(RankFailure) as err:
         rendezvous.rendezvous(plan.rank_plan(1))
     took = time.monotonic() - start
-    # 3.0 s when the machine is idle; the slack is for a loaded one (before: ~3.3 x the timeout, in C++ frames)
-    assert 3.0 <= took < 5.0, f"gave up after {took:.1f} s for a 3 s timeout"
+    # 3.0 s when the machine is idle (before: ~3.3 x the timeout, in C++ frames). Under 2 x the timeout tells the
+    # two apart; the rest is slack for a loaded machine (the last attempt ends at the deadline, so only
+    # scheduling delays it)
+    assert 3.0 <= took < 2 * 3.0, f"gave up after {took:.1f} s for a 3 s timeout"
     message = str(err.value)
     assert message.startswith(
         f"rank 1: nothing answered at {addr}:{port} (MASTER_ADDR, MASTER_PORT) within 3 s (last: "
@@ -134,7 +136,7 @@ def test_a_master_that_never_appears_is_given_up_on_within_the_timeout(tmp_path,
 
 
 def test_an_unresolvable_host_is_one_line_at_once(tmp_path, monkeypatch, capfd):
-    plan, _ = _plan(tmp_path, "cluster.timeout_s=30")
+    plan, _ = _plan(tmp_path, "cluster.timeout_s=120")
     monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
     start = time.monotonic()
     with pytest.raises(
@@ -143,7 +145,7 @@ def test_an_unresolvable_host_is_one_line_at_once(tmp_path, monkeypatch, capfd):
         r"cluster.port\) does not resolve \(.+\); fix it$",
     ):
         rendezvous.rendezvous(plan.rank_plan(1))
-    assert time.monotonic() - start < 10  # not the 30 s timeout
+    assert time.monotonic() - start < 60  # not the 120 s timeout: the lookup's answer, however slow the resolver
     assert capfd.readouterr().err == ""
 
 
@@ -182,7 +184,7 @@ def test_rank_waiting_for_a_missing_master_prints_one_line(tmp_path):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert proc.returncode == 1
     assert proc.stderr == (

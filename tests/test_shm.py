@@ -152,14 +152,13 @@ def test_a_dead_peer_is_named_instead_of_a_hang(shm_dir):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     ends1[SPEC.key].ring.writer_pid.value = dead.pid
-    t0 = time.monotonic()
+    # the peer's exit, seen while waiting: not the "waited 5 s" line of the ring's timeout (_pair's timeout_s)
     with pytest.raises(
         RankFailure,
         match=rf"rank 1: shared-memory connection to rank 0 lost: its process {dead.pid} "
         "exited while this rank waited to receive tag 1",
     ):
         ends1[SPEC.key].post(torch.empty(4), 1).wait()
-    assert time.monotonic() - t0 < 3
 
 
 def test_a_peer_that_never_maps_its_ring_leaves_no_file(shm_dir):
@@ -324,7 +323,7 @@ def test_independent_rank_launches_use_shm_and_train_what_gloo_trains(tmp_path, 
         for r in (0, 1)
     ]
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=600)
         assert p.returncode == 0, err
         assert "warning" not in err
     network = launch(path, tmp_path / "net", "--set", "cluster.nodes[0].p2p=network")
@@ -365,7 +364,7 @@ def _start(path: Path, tmp_path: Path) -> subprocess.Popen:
 
 def _wait_for_a_step(proc: subprocess.Popen, tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # a hang's bound: a loaded machine only delays the first step
     while not (metrics.exists() and metrics.read_text().strip()):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline
@@ -385,7 +384,7 @@ def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path, private_shm
     proc = _start(path, tmp_path / "a")
     _wait_for_a_step(proc, tmp_path / "a")
     os.killpg(proc.pid, signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err
     assert _ours() == set()
 
@@ -393,7 +392,7 @@ def test_ctrl_c_and_a_killed_rank_leave_nothing_in_dev_shm(tmp_path, private_shm
     proc = _start(path, tmp_path / "b")
     _wait_for_a_step(proc, tmp_path / "b")
     os.kill(_rank_pid(proc.pid, 1), signal.SIGKILL)
-    _, err = proc.communicate(timeout=60)
+    _, err = proc.communicate(timeout=300)
     assert proc.returncode == 1
     assert "rank 1 (node0:1, pipeline 0 stage 1) failed: killed by SIGKILL" in err, err
     assert _ours() == set()

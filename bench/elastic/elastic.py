@@ -188,7 +188,8 @@ def scenario(
     run = _Run(work, steps, tb)
     try:
         run.start("n0")  # it serves torchrun's rendezvous: first
-        time.sleep(1.0)
+        if tb is None:  # on one machine the first agent to listen serves it (on the testbed: is_host says who)
+            A.wait_serving(run.agents["n0"], run.rdzv)
         run.start("n1")
         run.start("n2")
         run.wait("the first round", lambda: run.round_with("n0, n1, n2", 0) is not None)

@@ -167,6 +167,31 @@ class Where:
     local_addr: str = ""
 
 
+def listening(port: int) -> bool:
+    """Whether a socket of this machine listens on TCP ``port`` (/proc/net/tcp, tcp6: read, nothing connects)."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            local, state = row.split()[1], row.split()[3]
+            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                return True
+    return False
+
+
+def wait_serving(agent: subprocess.Popen, port: int, timeout: float = 300) -> None:
+    """Until ``agent`` (the first one started) serves torchrun's rendezvous on ``port``: an agent started later
+    finds the port taken and joins as a client, however long the first took to import torch on a loaded machine
+    (a fixed head start is not enough there, and an agent killed as a lost node must not be the store's host)."""
+    deadline = time.monotonic() + timeout
+    while not listening(port):
+        if agent.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"the first agent never served the rendezvous on port {port} (exit {agent.poll()})")
+        time.sleep(0.05)
+
+
 def children(parent: int) -> list[int]:
     """The pids whose parent is ``parent`` (torch starts an agent's workers in sessions of their own)."""
     found = []
