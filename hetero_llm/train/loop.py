@@ -30,7 +30,7 @@ from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime import context_rows, tensor_meter, zero1
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.grad_sync import sync_grads
-from hetero_llm.runtime.interpreter import Microbatch, StageRunner
+from hetero_llm.runtime.interpreter import Microbatch, StageRunner, Trace
 from hetero_llm.runtime.state import make_optimizer
 from hetero_llm.train.checkpointing import Saver, restore_moments, starting_state
 from hetero_llm.train.metrics import Reporter, StepMetrics
@@ -93,7 +93,7 @@ def train(
     checkpoint_dir: str | None = None,
     checkpoint_every: int = 0,
     resume: str | None = None,
-    trace: list | None = None,
+    trace: Trace | None = None,
     quiet: bool = False,
     keep_history: bool = False,
     tensorboard: str | None = None,
@@ -139,7 +139,7 @@ def train(
         ring=context_rows.ring_of(rp, comms),
         # a switching step reduce-scatters after its last switch (finish_reduce), not inside
         # the home layout's backward: a later bucket may still add to the gradients
-        optimizer_hooks=optimizer.hooks() if sharded and not rp.hot_switching else {},
+        optimizer_hooks=optimizer.hooks() if isinstance(optimizer, zero1.ShardedAdamW) and not rp.hot_switching else {},
     )
     packed = rp.data.packing is Packing.DOCUMENTS
     if packed:
@@ -152,17 +152,17 @@ def train(
         if switcher is None:
             raise ValueError("a layout with [[buckets]] trains through switching.switcher.Switcher: pass switcher=")
         compute_of = lambda bucket_rp: stage_compute(bucket_rp, device)  # noqa: E731
-        switcher = switcher(comms, state.params, state.coords, runner, compute_of, trace, streams)
+        switching = switcher(comms, state.params, state.coords, runner, compute_of, trace, streams)
         contributes_loss = True  # the switcher returns only what this rank's loss counts for
     else:
-        switcher = None
+        switching = None
     meter = tensor_meter.from_env()  # benchmarks: the bytes of tensors this rank holds (runtime/tensor_meter.py)
     if meter is not None:
         meter.register("parameters", lambda: state.params.values())
         meter.register("optimizer", lambda: tensor_meter.tensors_of(optimizer))
         meter.register("put-off weight gradients", runner.put_off_tensors)
-        if switcher is not None:
-            meter.register("bucket copies", switcher.copies)
+        if switching is not None:
+            meter.register("bucket copies", switching.copies)
     reporter = Reporter.open(rp.reports, quiet, tr.steps, first, tr.log_every, metrics_path, tensorboard)
     if restored:
         reporter.say(f"resuming from {restored.path} (step {restored.step} of {tr.steps})")
@@ -173,9 +173,9 @@ def train(
         for step in range(first, tr.steps):
             t0 = time.perf_counter()
             lr = lr_at(tr, step)
-            if switcher is not None:
+            if switching is not None:
                 with tensor_meter.saving():
-                    loss_sum, global_tokens = switcher.step(step, source)
+                    loss_sum, global_tokens = switching.step(step, source)
             else:
                 if packed:  # the loss averages over the documents' targets, not over the rows' padding
                     rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
@@ -190,7 +190,11 @@ def train(
                         else runner.run(rp.actions, mbs, global_tokens)
                     )
             tensor_meter.checkpoint()  # the step's gradients beside its activations
-            sq = optimizer.finish_reduce() if sharded else sync_grads(rp, state, comms, streams)
+            sq = (
+                optimizer.finish_reduce()
+                if isinstance(optimizer, zero1.ShardedAdamW)
+                else sync_grads(rp, state, comms, streams)
+            )
             totals = torch.stack([loss_sum if contributes_loss else torch.zeros_like(loss_sum), sq])
             collectives.all_reduce_world(totals)  # one collective for the logged loss and the squared norm
             loss_total, sq_total = totals.tolist()  # the step's one host sync
@@ -203,7 +207,7 @@ def train(
                     f"step, {f'the last save is {saver.last}' if saver.last else 'nothing was saved'} "
                     f"(lower train.lr, or raise train.warmup_steps)"
                 )
-            _update(optimizer, state, sharded, lr, grad_norm, tr.grad_clip, wait=switcher is not None)
+            _update(optimizer, state, sharded, lr, grad_norm, tr.grad_clip, wait=switching is not None)
             tensor_meter.checkpoint()  # the optimizer's state once it has stepped
             done = step + 1
             seconds = time.perf_counter() - t0  # the training step's time: evaluation is not part of it
@@ -221,7 +225,7 @@ def train(
                 saver.snapshot(state, optimizer, done)  # a CPU copy now, written while the next steps compute
             saver.check_snapshot()  # a failed background write fails the run, naming the rank
         saver.finish_snapshots()  # the last snapshot whole before training returns
-        if sharded:
+        if isinstance(optimizer, zero1.ShardedAdamW):
             optimizer.wait_gather()  # the parameters are whole again when training returns
         if meter is not None:
             meter.write(os.environ[tensor_meter.ENV], rank)
