@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hetero_llm"
 
 # Lowest first: a module may import its own layer and the layers before it, never a later one.
 LAYERS = [
-    ("hetero_llm", "hetero_llm.errors", "hetero_llm._fs", "hetero_llm.progress"),  # no hetero_llm imports
+    # no hetero_llm imports
+    ("hetero_llm", "hetero_llm.errors", "hetero_llm._fs", "hetero_llm.progress", "hetero_llm._properties"),
     ("hetero_llm.data",),  # text, tokens, documents, the global batch: numpy only
     ("hetero_llm.layout",),  # the user's TOML as frozen records, every rule checked
     ("hetero_llm.schedule",),  # actions, generators, the validator

@@ -105,7 +105,7 @@ def test_the_runtime_makes_a_recomputing_stages_backward_last_one_more_forward()
     seconds = {}
     for rc in (False, True):
         runner = SimpleNamespace(
-            _state=SimpleNamespace(mbs=[mb]),
+            _step=SimpleNamespace(mbs=[mb]),  # the step running
             stage=stage,
             model=plan.layout.model,
             emulation=SimpleNamespace(device=DEVICE),

@@ -128,7 +128,7 @@ def test_cp_rank_models_its_share_of_the_rows_attention(packed, squares):
         inputs, targets, shard = context_rows.context_columns(ring, T, tokens, tokens, spans, positions)
         assert inputs.shape == (rows, T // 2)
         runner = SimpleNamespace(
-            _state=SimpleNamespace(mbs=[Microbatch(inputs, targets, ctx=shard)]),
+            _step=SimpleNamespace(mbs=[Microbatch(inputs, targets, ctx=shard)]),  # the step running
             stage=stage,
             model=model,
             emulation=SimpleNamespace(device=device),

@@ -237,8 +237,10 @@ def _newest_complete(root: Path) -> Path | None:
             )
         if (named / META).exists():
             return named
-    complete = [d for d in root.glob(f"{STEP_PREFIX}*") if _step_of(d) is not None and (d / META).exists()]
-    return max(complete, key=_step_of, default=None)
+    complete = {
+        d: step for d in root.glob(f"{STEP_PREFIX}*") if (step := _step_of(d)) is not None and (d / META).exists()
+    }
+    return max(complete, key=complete.__getitem__, default=None)
 
 
 def _step_of(folder: Path) -> int | None:
@@ -386,6 +388,7 @@ def uncovered(name: str, full: tuple[int, ...], shards: list[Coords]) -> str | N
     if not shards:
         return name
     dim = shards[0][0]
+    assert dim is not None  # a replicated shard (dim None) returned above
     end = 0
     for _, lo, hi, _ in sorted(s for s in shards if s[0] == dim):
         if lo > end:

@@ -7,9 +7,9 @@ checks (torch-free): ``hetero_llm.checkpoint.folders``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import attrs
 import numpy as np
@@ -76,7 +76,7 @@ def save_checkpoint(
         checkpoint.begin_save(folder)
     collectives.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
     folder.mkdir(parents=True, exist_ok=True)
-    shards = {}
+    shards: dict[str, dict[str, Any]] = {}  # name -> "tensor" and the moments (tensors), "coords" (a tuple)
     if isinstance(optimizer, zero1.ShardedAdamW):
         optimizer.wait_gather()
         gathered = optimizer.full_moments()  # plain AdamW's format: any layout resumes it, sharded or not
@@ -94,7 +94,8 @@ def save_checkpoint(
     failed: list[OSError] = []  # what a write raised: torch.save reports it as a RuntimeError of its own
     try:
         try:
-            write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update, failed)))
+            # torch.save writes through any object with write and flush; its stub asks for an IO[bytes]
+            write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update, failed)))  # type: ignore[arg-type]
         except Exception as e:
             if any(no_space(x) for x in (e, *failed)):  # the temporary file is gone, the earlier saves untouched
                 raise checkpoint.no_space_error(root, path, payload) from None
@@ -182,7 +183,8 @@ def check_resumable(ckpt: Checkpoint) -> None:
     first: the runtime side never sees the layout). The elastic restart runs both on a snapshot step copied into
     ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that ``--resume`` would refuse.
     Raises ``CheckpointError`` naming the first problem."""
-    steps, held = set(), {}
+    steps: set[object] = set()  # each rank file's optimizer step, as it reads
+    held: dict[str, list[checkpoint.Coords]] = {}  # name -> the coordinates of every saved shard of it
     for rank in range(ckpt.world_size):
         saved = _load_rank_file(ckpt, rank)
         steps.add(saved.get("optimizer_steps"))
@@ -252,7 +254,7 @@ def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
 
 
 def _assemble(
-    files: Iterable[dict], ranges: dict[str, tuple[int, int] | None], keys: tuple[str, ...], folder: Path
+    files: Iterable[dict], ranges: Mapping[str, tuple[int, int] | None], keys: tuple[str, ...], folder: Path
 ) -> dict[str, dict[str, torch.Tensor]]:
     """For each name in ``ranges``, its [lo, hi) slice along its shard dim (None: the full tensor) of each of
     ``keys``, copied from the overlapping shards of ``folder``'s rank files."""

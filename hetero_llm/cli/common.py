@@ -7,6 +7,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import click
 
@@ -34,14 +35,15 @@ class OneLineCommand(click.Command):
 
 @contextlib.contextmanager
 def one_line_errors(
-    *also: type[Exception], interrupted: str | None = None, describe: Callable[[Exception], str] = str
+    *also: type[Exception], interrupted: str | None = None, describe: Callable[[Any], object] = str
 ) -> Iterator[None]:
     """Every command's error-to-exit-code mapping: bad input (a ``LayoutError``, and the types ``also``) is one line
     ``error: ...`` (``describe`` words it) and exit code 2; a failed run (``RankFailure``) its line and its own
     code (1, Diverged 3); Ctrl-C, where the command says what stopping leaves (``interrupted``), that line and 130."""
+    bad_input: tuple[type[Exception], ...] = (LayoutError, *also)
     try:
         yield
-    except (LayoutError, *also) as e:
+    except bad_input as e:
         click.echo(f"error: {describe(e)}", err=True)
         sys.exit(2)
     except RankFailure as e:

@@ -129,6 +129,7 @@ def _run(args: dict) -> None:
     if p.rank is not None:
         launcher.run_rank(p.plan, p.rank, p.options)
         return
+    assert p.ranks is not None  # neither a dry run nor a rank of its own: the ranks this node starts
     if not request.quiet:
         click.echo(f"hetero-launch: starting {len(p.ranks)} of {p.plan.world_size} ranks here: {p.ranks}")
         if hasattr(source, "loss_floor"):

@@ -105,7 +105,7 @@ def tp_ops(comms: Comms, waits: TpWaits | None = None) -> TP:
 
 @attrs.define
 class PendingReduce:
-    work: object | None  # None for CuPy: its all-reduce is ordered on the grads stream, nothing to wait on
+    work: dist.Work | _Works | None  # None for CuPy: its all-reduce is ordered on the grads stream, nothing to wait on
     flat: torch.Tensor
     shapes: list[torch.Size]
     streams: Streams

@@ -24,6 +24,7 @@ import os
 import socket
 import sys
 from datetime import timedelta
+from typing import Any
 
 import attrs
 import torch
@@ -194,7 +195,7 @@ def _warn_missing_interfaces(rp: RankPlan) -> None:
 
 @attrs.frozen
 class CupyGroup:
-    comm: object  # cupy.cuda.nccl.NcclCommunicator
+    comm: Any  # cupy.cuda.nccl.NcclCommunicator (CuPy is optional and has no type stubs)
     ranks: tuple[int, ...]
 
     def all_reduce(self, flat: torch.Tensor) -> None:
@@ -249,7 +250,7 @@ def make_cupy_group(store: dist.Store, name: str, ranks: tuple[int, ...], rank: 
 
 def _cupy_groups(rp: RankPlan, store: dist.Store, device: torch.device) -> dict[GroupKey, CupyGroup]:
     """Every gradient-sync group this rank is in, in plan order (each init waits for all its members)."""
-    out = {}
+    out: dict[GroupKey, CupyGroup] = {}
     with _cupy().cuda.Device(device.index if device.index is not None else 0):
         for g in rp.groups:
             if isinstance(g.key, GradSyncKey) and rp.rank in g.ranks:

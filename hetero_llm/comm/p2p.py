@@ -8,6 +8,7 @@ hot-switching exchange (one flat message to and from each peer).
 from __future__ import annotations
 
 import threading
+from typing import Protocol
 
 import attrs
 import torch
@@ -58,7 +59,15 @@ def _p2p(op, tensor: torch.Tensor, peer: int, group, tag: int):
     return op(tensor, peer, group=group, tag=tag)
 
 
-def finish(work) -> None:
+class InFlight(Protocol):
+    """A send or receive started: a process group's ``dist.Work`` or a shared-memory ring's (``shm_ring``)."""
+
+    def wait(self) -> object: ...
+
+    def is_completed(self) -> bool: ...
+
+
+def finish(work: InFlight) -> None:
     """Wait for one send or receive (a process group's, or a shared-memory ring's) to complete.
 
     A gloo send or receive waits up to ``PEER_WAIT``, as long as its peer takes (``groups``' module doc): left
@@ -69,6 +78,13 @@ def finish(work) -> None:
         work.wait(PEER_WAIT)
     else:
         work.wait()
+
+
+def started(work: dist.Work | None) -> dist.Work:
+    """The work ``dist.isend`` or ``dist.irecv`` started: they return None only to a rank outside the group,
+    which never posts one."""
+    assert work is not None, "a send or receive posted by a rank outside its group"
+    return work
 
 
 def _tag(direction: Direction, mb: int, chunk: int, piece: int) -> int:
@@ -116,7 +132,7 @@ def send_boundary(
 
 @attrs.define
 class PendingRecv:
-    work: object
+    work: InFlight
     buffer: torch.Tensor  # this rank's piece; a host copy-to-be when staged for gloo
     route: Route
     shape: tuple[int, ...]
@@ -264,7 +280,7 @@ SWITCH_TAG = 1 << 20  # apart from every stage-boundary tag (_tag)
 def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
     """One flat message to and from each peer (global ranks): post every receive, then every send, then
     wait for all. Both sides list the same pairs (a switch plan every rank computes alike)."""
-    works = [dist.irecv(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(receives.items())]
-    works += [dist.isend(buf, peer, tag=SWITCH_TAG) for peer, buf in sorted(sends.items())]
+    works = [started(dist.irecv(buf, peer, tag=SWITCH_TAG)) for peer, buf in sorted(receives.items())]
+    works += [started(dist.isend(buf, peer, tag=SWITCH_TAG)) for peer, buf in sorted(sends.items())]
     for w in works:
         finish(w)

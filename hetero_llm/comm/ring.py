@@ -28,7 +28,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from hetero_llm.comm.p2p import finish
+from hetero_llm.comm.p2p import finish, started
 
 
 @attrs.frozen(eq=False)
@@ -72,8 +72,8 @@ class Ring:
             ops += [dist.P2POp(dist.isend, t, nxt, self.group, tag + j) for j, t in enumerate(sends)]
             works = dist.batch_isend_irecv(ops)
         else:
-            works = [dist.irecv(buf, prev, group=self.group, tag=tag + j) for j, buf in enumerate(received)]
-            works += [dist.isend(t, nxt, group=self.group, tag=tag + j) for j, t in enumerate(sends)]
+            works = [started(dist.irecv(buf, prev, group=self.group, tag=tag + j)) for j, buf in enumerate(received)]
+            works += [started(dist.isend(t, nxt, group=self.group, tag=tag + j)) for j, t in enumerate(sends)]
         return Shift(works, received, sends, device if staged else None, self.waits)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -31,8 +31,9 @@ class KVCache:
         self.length = 0
 
     def extend(self, i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[i] is not None:
-            k, v = torch.cat([self.k[i], k], dim=2), torch.cat([self.v[i], v], dim=2)
+        held_k, held_v = self.k[i], self.v[i]
+        if held_k is not None and held_v is not None:  # set together
+            k, v = torch.cat([held_k, k], dim=2), torch.cat([held_v, v], dim=2)
         self.k[i], self.v[i] = k, v
         return k, v
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from operator import methodcaller
 from pathlib import Path
 from typing import Any
 
@@ -86,7 +87,7 @@ def export(
     config = json.dumps(hf_config(model, eos_token_id), indent=2) + "\n"
     write_atomically(out / WEIGHTS, lambda f: f.write(save(tensors, metadata={"format": "pt"})))
     for name, data in (extra_files or {}).items():
-        write_atomically(out / name, lambda f, data=data: f.write(data))
+        write_atomically(out / name, methodcaller("write", data))
     write_atomically(out / CONFIG, lambda f: f.write(config.encode()))  # last: the folder is complete once it is there
     return out
 

@@ -132,7 +132,7 @@ def hf_shapes(model: ModelSpec, cfg: dict) -> dict[str, tuple[int, ...]]:
         if ".c_attn." in src.key:
             shape = (*shape[:-1], 3 * model.hidden)
         if name == "embed.pos":
-            shape = (cfg.get("n_positions"), model.hidden)
+            shape = (cfg["n_positions"], model.hidden)  # check_config refuses a GPT-2 config without it
         out[src.key] = shape
     return out
 

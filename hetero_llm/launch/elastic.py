@@ -246,7 +246,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
     store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
     members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
-    present = present_nodes(cluster, members)  # type: ignore[arg-type]
+    present = present_nodes(cluster, members)
     t0 = time.perf_counter()
     lay = plan_for(cluster, present)
     plan = compile_plan(lay)

@@ -59,8 +59,9 @@ def check_environment(environ: Mapping[str, str], world_size: int) -> None:
         ("XDG_CACHE_HOME", "user caches, e.g. ~/.cache, as the XDG spec asks"),
     ):
         value = environ.get(var)
-        given = value or (value is not None and var == "HETERO_SHM_DIR")  # empty: the default, but not for shm
-        if given and (not os.path.isabs(value) or os.path.isfile(value)):
+        if value is None or not value and var != "HETERO_SHM_DIR":  # unset, or empty: the default (not for shm)
+            continue
+        if not os.path.isabs(value) or os.path.isfile(value):
             refuse(var, f"the absolute path of a folder (for {what}; give one, or unset it)")
     if environ.get("TORCHELASTIC_USE_AGENT_STORE", "True") not in ("True", "False"):
         refuse("TORCHELASTIC_USE_AGENT_STORE", "True or False (torchrun sets it; unset it outside torchrun)")

@@ -27,7 +27,7 @@ def _getaddrinfo(host: str) -> list[tuple]:
 def local_addresses() -> set[str]:
     names = {"127.0.0.1", "localhost", "::1", socket.gethostname(), socket.getfqdn()}
     try:
-        names |= {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+        names |= {str(info[4][0]) for info in socket.getaddrinfo(socket.gethostname(), None)}  # IP sockaddrs: a str
     except OSError:
         pass
     return names

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from typing import Any
 
 import attrs
 
@@ -110,7 +111,7 @@ def check_memory(plan: Plan, ranks: list[int], ram: int | None = None, device_me
             by_key: dict[str, int] = {}
             for part, n in parts.items():
                 by_key[MEMORY_KEYS[part]] = by_key.get(MEMORY_KEYS[part], 0) + n
-            key = max(by_key, key=by_key.get)
+            key = max(by_key, key=by_key.__getitem__)
         value, bound = bounds[key]
         fits = f"at most {bound} fits" if bound else "no value fits with the rest of the layout"
         raise LayoutError(
@@ -134,7 +135,8 @@ def _largest_fitting(plan: Plan, which: list[int], on_host: bool, capacity: int,
         step = model.heads * (2 if model.position.value == "rope" else 1)
 
     def fits(v: int) -> bool:
-        change = {"global_batch": v} if key == "train.global_batch" else {"model": attrs.evolve(model, **{field: v})}
+        resized: dict[str, Any] = {field: v}  # one of MEMORY_CHOICES' model fields (an int)
+        change = {"global_batch": v} if key == "train.global_batch" else {"model": attrs.evolve(model, **resized)}
         return sum(_placed_parts(plan, which, on_host, **change).values()) <= capacity
 
     lo, hi = 0, value // step  # invariant: lo == 0 or fits(lo * step); not fits(hi * step)

@@ -133,14 +133,14 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
                 _rank_child(plan, r, attrs.evolve(options, error_dir=str(errdir)), threads)  # never returns
             procs[r] = _Child(pid)
         while procs:
-            failed = {r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0}
+            failed = {r: code for r, p in procs.items() if (code := p.poll()) is not None and code != 0}
             for r in [r for r, p in procs.items() if p.returncode == 0]:
                 del procs[r]
             if failed:
                 # A dead rank makes its peers fail with connection errors moments later: give them a
                 # moment to report, then blame the root cause rather than the first rank polled.
                 time.sleep(0.3)
-                failed.update({r: p.returncode for r, p in procs.items() if p.poll() is not None and p.returncode != 0})
+                failed.update({r: code for r, p in procs.items() if (code := p.poll()) is not None and code != 0})
                 raise _failure(plan, failed, errdir)
             _check_stopped(plan, procs, stopped_since)
             time.sleep(0.05)

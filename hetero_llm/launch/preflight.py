@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import attrs
 
@@ -125,7 +125,7 @@ def _ranks_here(plan: Plan) -> list[int]:
         return []
 
 
-def load_layout(path: str | os.PathLike, overrides: Sequence[str] = ()) -> Layout:
+def load_layout(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Layout:
     """The layout at ``path`` (with ``--set`` overrides), with every check that reads no data: the TOML's keys and
     values (layout.load) and the files it names that must match it (``init_from``'s config.json)."""
     lay = layout_mod.load(path, overrides)

@@ -76,8 +76,8 @@ def agree(
     resume, source, keep = json.loads(reply)
     if local == 0:
         if not keep:  # the choice is on disk (or nothing held was newer): nothing in memory is needed any more
-            for held in snapshots.iterdir():  # emptied, not removed: the folder's name stays this user's
-                shutil.rmtree(held, ignore_errors=True)
+            for snapshot in snapshots.iterdir():  # emptied, not removed: the folder's name stays this user's
+                shutil.rmtree(snapshot, ignore_errors=True)
         if store.add("cleaned", 1) == len(nodes):
             store.set("all-cleaned", "")
     if _wait_key(store, "all-cleaned", [], timeout_s) is None:  # no rank writes snapshots before every node cleaned

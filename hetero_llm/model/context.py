@@ -216,7 +216,7 @@ def _grouped(t: torch.Tensor, nkv: int) -> torch.Tensor:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, shard: ContextShard):  # type: ignore[override]
+    def forward(ctx, q, k, v, shard: ContextShard):
         plan, ring = _plan_of(shard), shard.ring
         B, nh, T, hd = q.shape
         scale = 1.0 / math.sqrt(hd)
@@ -244,7 +244,7 @@ class _RingAttention(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx, dy):  # type: ignore[override]
+    def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
         shard: ContextShard = ctx.shard
         plan, ring = _plan_of(shard), shard.ring

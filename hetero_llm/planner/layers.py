@@ -238,12 +238,12 @@ class LayerSplitter:
             choice.append(pick + 1)
         if not best[n] < INF:
             return None
-        t, split, r = float(best[n]), [], n
+        t, units, r = float(best[n]), [], n  # units: each group's layers in units of ``unit``
         for pick in reversed(choice):
-            split.append(int(pick[r]))
-            r -= split[-1]
-        split.append(r)
-        split = tuple(u * unit for u in split)
+            units.append(int(pick[r]))
+            r -= units[-1]
+        units.append(r)
+        split = tuple(u * unit for u in units)
         flags = tuple(
             self._stage_cost(g, l, i == 0, i == k - 1, rows, peaks[i], others)[1]
             for i, (g, l) in enumerate(zip(groups, split))

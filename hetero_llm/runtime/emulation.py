@@ -60,11 +60,13 @@ def _emulation_problem(var: str, who: str, sep: str, spec: str, world_size: int)
         for kind, value in pairs:
             if kind not in ("F", "B", "I", "W"):
                 return f"'{kind}' is not a compute action (F, B, I or W)"
-            if _number(value) is None or _number(value) < 0:
+            seconds = _number(value)
+            if seconds is None or seconds < 0:
                 return f"{kind} = '{value}' is not a number of seconds >= 0"
         return None
     least = 1 if var == "HETERO_EMULATE_SLOWDOWN" else 0
-    if _number(spec) is None or _number(spec) < least:
+    number = _number(spec)
+    if number is None or number < least:
         what = "a slowdown factor >= 1" if least else "a jitter >= 0 (a fraction of the compute time)"
         return f"'{spec}' is not {what}"
     return None
@@ -139,8 +141,8 @@ class Emulation:
             if r.strip() in (str(rank), "*"):
                 pairs = [(k.strip(), float(v)) for k, _, v in (x.partition("=") for x in spec.split(";"))]
                 seconds = tuple((_KINDS_BY_VALUE[k], s) for k, s in pairs if k in _KINDS_BY_VALUE)  # others never ran
-        spec = device_spec(rank)
-        device = EmulatedDevice.parse(spec) if spec is not None else None
+        device_text = device_spec(rank)
+        device = EmulatedDevice.parse(device_text) if device_text is not None else None
         return cls(pick("HETERO_EMULATE_SLOWDOWN", 1.0), pick("HETERO_EMULATE_JITTER", 0.0), rank, seconds, device)
 
     @property

@@ -15,7 +15,7 @@ from hetero_llm.runtime.state import RankState
 def _block_view(state: RankState, name: str, dim: int, lo: int, hi: int) -> torch.Tensor:
     """The gradient of global block [lo, hi) along ``dim`` of ``name``, in local coordinates."""
     _, shard_lo, _, _ = state.coords[name]
-    return state.params[name].grad.narrow(dim, lo - shard_lo, hi - lo)
+    return state.grad(name).narrow(dim, lo - shard_lo, hi - lo)
 
 
 def _sum_sq(tensors: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -48,7 +48,7 @@ def sync_grads(rp: RankPlan, state: RankState, comms: Comms, streams: Streams = 
         ]
         pending.append((blocks, views, collectives.start_all_reduce_flat(comms, scaled, blocks.key, streams)))
     # TP-replicated shards are identical on the TP ranks of a stage: each counts 1/replicas.
-    sq = _sum_sq([p.grad for p in state.params.values()], [1.0 / state.replicas[n] for n in state.params])
+    sq = _sum_sq([state.grad(n) for n in state.params], [1.0 / state.replicas[n] for n in state.params])
     for blocks, views, reduction in pending:
         summed = reduction.wait()
         share = 1.0 / len(blocks.group)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from typing import Protocol
 
 import attrs
 import torch
@@ -36,6 +37,7 @@ from hetero_llm.model.forward import (
     FP32,
     PLAIN_LINEAR,
     TP,
+    BlockFn,
     Compute,
     Linear,
     StageShape,
@@ -49,6 +51,13 @@ from hetero_llm.runtime import context_rows, tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.wgrad import WeightGradStore
 from hetero_llm.schedule import BACKWARD_KINDS, COMPUTE_KINDS, OPTIMIZER_KINDS, Action, Direction, Kind, peer
+
+
+class Trace(Protocol):
+    """Where a traced rank's ``(action string, start s, end s)`` records go: a list, or the launcher's
+    ``predict.trace.RankTraceWriter``."""
+
+    def append(self, record: tuple[str, float, float], /) -> None: ...
 
 
 @attrs.define
@@ -83,7 +92,7 @@ class StageRunner:
     model: ModelSpec
     tp: TP
     routes: StageRoutes
-    trace: list | None = None  # (action string, start s, end s) per action, when tracing
+    trace: Trace | None = None  # (action string, start s, end s) per action, when tracing
     emulation: Emulation = Emulation()
     compute: Compute = FP32  # precision, recomputation, compilation of this stage
     streams: Streams = NO_STREAMS  # side CUDA streams for p2p (none on CPU)
@@ -93,7 +102,7 @@ class StageRunner:
     ring: Ring | None = None  # the stage's CP group this rank is in (cp > 1): its ranks run the same actions
     _rng: random.Random = attrs.field(init=False)
     _state: StepState | None = attrs.field(init=False, default=None)  # of the step running
-    _block_fn: object = attrs.field(init=False)
+    _block_fn: BlockFn = attrs.field(init=False)
     _weight_grads: WeightGradStore | None = attrs.field(init=False, default=None)
     _linear: Linear = attrs.field(init=False, default=PLAIN_LINEAR)
 
@@ -105,6 +114,12 @@ class StageRunner:
         self._block_fn = make_block_fn(self.model, self.tp, self.compute, self._linear)  # built once: compiled once
         if self.ring is not None and self.emulation.active:  # attention blocks paced, ring waits counted
             self.ring = context_rows.emulated_ring(self.ring, self.model, self.stage.tp, self.emulation.device)
+
+    @property
+    def _step(self) -> StepState:
+        """The step running (``_begin`` starts it)."""
+        assert self._state is not None, "no step is running: _begin starts one"
+        return self._state
 
     @property
     def chunks(self) -> int:
@@ -134,7 +149,7 @@ class StageRunner:
         )
 
     def _shape(self, m: int) -> tuple[int, ...]:
-        b, t = self._state.mbs[m].inputs.shape
+        b, t = self._step.mbs[m].inputs.shape
         return (b, t, self.model.hidden)
 
     def _peer_tag(self, a: Action) -> tuple[int, int]:
@@ -157,13 +172,13 @@ class StageRunner:
     def _await(self, direction: Direction, a: Action) -> torch.Tensor:
         """Wait for a received tensor; traced as its own event (the RECV's wait), not as compute."""
         t0 = self._clock()
-        x = self._state.recvs.pop((direction, (a.mb, a.chunk))).wait(self.comms)
+        x = self._step.recvs.pop((direction, (a.mb, a.chunk))).wait(self.comms)
         if self.trace is not None:
             self.trace.append((str(Action(direction.recv, a.mb, a.chunk)), t0, self._clock()))
         return x
 
     def execute(self, a: Action) -> None:
-        st, s = self.stage, self._state
+        st, s = self.stage, self._step
         key = (a.mb, a.chunk)
         _, _, first, last = st.chunk_shape(a.chunk)
         received = None
@@ -178,30 +193,21 @@ class StageRunner:
         ring_waits = self.ring.waits if self.ring is not None else None
         ring0 = ring_waits.seconds if ring_waits is not None else 0.0
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
-            d = a.kind.direction
-            route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
-            runs = self.routes.recv_f_runs if d is Direction.FWD else self.routes.recv_b_runs
-            shape, group = self._shape(a.mb), self._group(a.kind)
-
-            def post(r, shape):
-                return p2p.recv_boundary(self.comms, r, shape, s.dtype, d, a.mb, a.chunk, self.streams, group)
-
-            s.recvs[(d, key)] = (
-                post(route, shape)
-                if route is not None  # else stages of different cp: this rank's positions from each sender
-                else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
-            )
+            self._post_receive(a)
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
             self._backward(a, received)
         elif a.kind is Kind.I:
+            assert self._weight_grads is not None  # a schedule with I and W splits its backward (split_backward)
             with self._weight_grads.capturing(key):  # W computes what this backward leaves out
                 self._backward(a, received)
         elif a.kind is Kind.W:
+            assert self._weight_grads is not None
             self._weight_grads.flush(key)
         elif a.kind is Kind.SEND_F or a.kind is Kind.SEND_B:
             d = a.kind.direction
+            assert d is not None
             tensor, routes = (
                 (s.outputs[key], self.routes.send_f)
                 if d is Direction.FWD
@@ -233,17 +239,36 @@ class StageRunner:
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
 
+    def _post_receive(self, a: Action) -> None:
+        """Post the receive of ``RECV_F`` / ``RECV_B`` action ``a``; the compute action that needs it waits for it."""
+        s, d = self._step, a.kind.direction
+        assert d is not None  # a communication kind has a direction
+        route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
+        runs = self.routes.recv_f_runs if d is Direction.FWD else self.routes.recv_b_runs
+        shape, group = self._shape(a.mb), self._group(a.kind)
+
+        def post(r, shape):
+            return p2p.recv_boundary(self.comms, r, shape, s.dtype, d, a.mb, a.chunk, self.streams, group)
+
+        s.recvs[(d, (a.mb, a.chunk))] = (
+            post(route, shape)
+            if route is not None  # else stages of different cp: this rank's positions from each sender
+            else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
+        )
+
     def _modelled_seconds(self, a: Action) -> float:
         """An emulated device's duration of compute action ``a`` (``predict.device.action_seconds``); on a CP rank
         that of its columns (``rows x T / cp`` positions) and of its queries' share of the rows' attention
         (``context_rows.attention_square``: its keys come from the whole row)."""
-        mb = self._state.mbs[a.mb]
+        mb = self._step.mbs[a.mb]
         rows, width = mb.inputs.shape
         if mb.ctx is not None:
             square = context_rows.attention_square(mb.ctx)
         else:
             square = mb.docs.square_sum if mb.docs is not None else rows * width * width
         lo, hi, _, head = self.stage.chunk_shape(a.chunk)
+        device = self.emulation.device
+        assert device is not None  # called for an emulated device only
         return action_seconds(
             self.model,
             a.kind.value,
@@ -253,15 +278,19 @@ class StageRunner:
             square,
             self.stage.tp,
             head,
-            self.emulation.device,
+            device,
             recompute=self.compute.recompute,
         )
 
     def _forward(self, a: Action, received: torch.Tensor | None) -> None:
-        s = self._state
+        s = self._step
         key = (a.mb, a.chunk)
         lo, hi, first, last = self.stage.chunk_shape(a.chunk)
-        x = s.mbs[a.mb].inputs.to(self.comms.device) if first else received.requires_grad_()
+        if first:
+            x = s.mbs[a.mb].inputs.to(self.comms.device)
+        else:
+            assert received is not None  # a later chunk's forward waited for its input (execute)
+            x = received.requires_grad_()
         s.inputs[key] = x
         out = stage_forward(
             self.params,
@@ -282,7 +311,7 @@ class StageRunner:
         s.outputs[key] = out
 
     def _backward(self, a: Action, received: torch.Tensor | None) -> None:
-        s = self._state
+        s = self._step
         key = (a.mb, a.chunk)
         _, _, first, last = self.stage.chunk_shape(a.chunk)
         out = s.outputs.pop(key)
@@ -296,7 +325,7 @@ class StageRunner:
 
     def _finish(self) -> torch.Tensor:
         p2p.wait_sends(self.comms)
-        s = self._state
+        s = self._step
         put_off = self._weight_grads.pending if self._weight_grads is not None else []
         if s.recvs or s.outputs or s.inputs or s.grads_out or put_off:
             receives = sorted((int(direction), key) for direction, key in s.recvs)  # printed as before: 0 fwd, 1 bwd
@@ -327,8 +356,8 @@ class StageRunner:
             for a in actions:
                 if a.kind in (Kind.F, Kind.SEND_F, Kind.RECV_F, Kind.AG):
                     self.execute(a)
-        self._state.inputs.clear()
-        self._state.outputs.clear()
+        self._step.inputs.clear()
+        self._step.outputs.clear()
         return self._finish()
 
     def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
@@ -337,8 +366,9 @@ class StageRunner:
         M = len(microbatches)
         window = st.num_stages - st.stage  # the 1F1B in-flight bound: same activation memory
         self._begin(microbatches, global_tokens)
-        s = self._state
-        next_f, next_recv_f, in_flight, done = 0, 0, [], 0
+        s = self._step
+        next_f, next_recv_f, done = 0, 0, 0
+        in_flight: list[int] = []  # microbatches forwarded, not yet backwarded
         if self.optimizer_hooks:
             self.execute(Action(Kind.AG, 0))  # this step's parameters, before any forward
         leader = self.comms.tp_group is None or collectives.tp_index(self.comms) == 0
@@ -359,7 +389,7 @@ class StageRunner:
 
         while done < M:
             post_forward_receives()
-            choice = None
+            choice: tuple[Kind, int] | None = None
             if leader:
                 while choice is None:
                     arrival.clear()  # cleared before the polls: an arrival after them wakes the wait below
@@ -374,6 +404,7 @@ class StageRunner:
                 choice = collectives.tp_agree(self.comms, choice)
             if self.ring is not None:  # then CP rank 0's TP group to the other CP ranks, each TP index in its ring
                 choice = context_rows.cp_agree(self.ring, choice, self.comms.device)
+            assert choice is not None  # the leader chose (a rank alone in its TP x CP group is its own leader)
             kind, m = choice
             if kind is Kind.F:
                 self.execute(Action(Kind.F, m))

@@ -20,6 +20,12 @@ class RankState:
     replicas: dict[str, int]  # name -> copies of this shard inside this rank's pipeline (TP-replicated)
     decay: dict[str, bool]
 
+    def grad(self, name: str) -> torch.Tensor:
+        """The gradient of shard ``name``: the step's backward gives every shard one."""
+        grad = self.params[name].grad
+        assert grad is not None, f"{name} has no gradient: the step's backward did not reach it"
+        return grad
+
 
 def init_state(rp: RankPlan, device: torch.device, initial: dict[str, torch.Tensor] | None = None) -> RankState:
     """The rank's shards: ``initial`` (restored from a checkpoint, or read from model.init_from) where given,

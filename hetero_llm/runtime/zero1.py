@@ -47,6 +47,7 @@ class ShardedAdamW:
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
         mine = rp.optimizer_slices  # this rank's slices, resolved by the plan (optim_shards.owned)
+        assert mine is not None, "ShardedAdamW runs a plan with optimizer.zero1 (its RankPlans have optimizer_slices)"
         self.units: list[tuple[ZeroUnit, list[Slice]]] = [(u, list(sl)) for u, sl in mine.units]
         self.local: list[Slice] = list(mine.local)
         self.slices: list[Slice] = [s for _, sl in self.units for s in sl] + self.local

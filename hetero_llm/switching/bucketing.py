@@ -32,7 +32,7 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
     for i in reversed(range(len(bounds))):
         if layout.buckets[i].top_up and mine[i]:
             _top_up(docs, mine, rows_of, i, bounds)
-    out = []
+    out: list[PackedRows | None] = []
     for i, group in enumerate(mine):
         if not group:
             out.append(None)

@@ -31,7 +31,7 @@ from hetero_llm.plan import Plan
 from hetero_llm.plan.rank import StageRoutes
 from hetero_llm.runtime import tensor_meter
 from hetero_llm.runtime.emulation import Emulation
-from hetero_llm.runtime.interpreter import Microbatch, StageRunner
+from hetero_llm.runtime.interpreter import Microbatch, StageRunner, Trace
 from hetero_llm.switching.bucketing import bucket_rows, bucket_split
 from hetero_llm.switching.transfers import SwitchPlan, Transfer, step_switch
 
@@ -66,7 +66,7 @@ class Switcher:
         coords: dict[str, tuple],
         home_runner: StageRunner,
         compute_of,
-        trace: list | None,
+        trace: Trace | None,
         streams: Streams,
     ):
         lay = home.layout
@@ -98,7 +98,7 @@ class Switcher:
         world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
         rp = plan.rank_plan(rank) if rank is not None else None
         groups = layout_groups(plan.groups, rp, world_of)  # every rank, in order
-        if rank is None:
+        if rank is None or rp is None:  # the layout leaves this device idle
             return Slot(name, plan, None, {}, {}, None)
         params, coords = {}, {}
         for info, lo, hi in plan.params_of(rank):
@@ -154,6 +154,7 @@ class Switcher:
             if slot is not current:
                 self._switch(current, slot, accumulated)
             if slot.runner is not None:
+                assert slot.rank is not None  # a slot has a runner when this device has a rank in its layout
                 mbs, plan = self._work(index, slot, rows)
                 run = (
                     slot.runner.run_dynamic(mbs, global_tokens)
@@ -172,6 +173,7 @@ class Switcher:
         """This rank's microbatches of bucket ``index`` in this step, and the plan whose schedule runs them: the
         slot's, or for an elastic bucket one compiled for this step's microbatch count (once per count)."""
         elastic = self.layout.buckets[index].elastic
+        assert slot.rank is not None  # step runs the slots this device has a rank in
         rounds, split = bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
         offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
         mbs = [
@@ -293,6 +295,7 @@ def _apply(slot: Slot, t: Transfer, block: torch.Tensor) -> None:
     dim, lo = slot.coords[t.name]
     p = slot.params[t.name]
     if t.accumulate:
+        assert p.grad is not None  # a switch with gradients zeroes the target's first (relayout)
         p.grad.narrow(dim, t.lo - lo, t.hi - t.lo).add_(block)
     else:
         p.detach().narrow(dim, t.lo - lo, t.hi - t.lo).copy_(block)

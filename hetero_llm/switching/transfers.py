@@ -251,17 +251,17 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
     lines = ["hot switching buckets (shortest first; each runs under its own layout, the home layout takes the step):"]
     plans = list(home.buckets)  # compiled with the home plan
     low = 0
-    for i, (b, plan) in enumerate(zip(layout.buckets, plans)):
+    for i, (bucket, plan) in enumerate(zip(layout.buckets, plans)):
         shape = " | ".join(
             "[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines
         )
-        where = "home layout" if not b.pipelines else f"{plan.world_size} ranks"
+        where = "home layout" if not bucket.pipelines else f"{plan.world_size} ranks"
         lines.append(
-            f"  bucket {i}: documents of {low + 1}-{b.max_len} positions, rows of {b.max_len}, {where}, "
+            f"  bucket {i}: documents of {low + 1}-{bucket.max_len} positions, rows of {bucket.max_len}, {where}, "
             f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}"
-            + (", elastic (as many microbatches as a step's rows need)" if b.elastic else "")
+            + (", elastic (as many microbatches as a step's rows need)" if bucket.elastic else "")
         )
-        low = b.max_len
+        low = bucket.max_len
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]
     for i, ((a, name_a), (b, name_b)) in enumerate(zip(zip(chain, names), zip(chain[1:], names[1:]))):

@@ -54,6 +54,7 @@ class Saver:
         return bool(self.root) and (done == self.rp.train.steps or bool(self.every) and done % self.every == 0)
 
     def save(self, state: RankState, optimizer, done: int):
+        assert self.root is not None  # due() only with a root
         save_checkpoint(self.rp, state, optimizer, self.root, done, progress=self.progress)
         self.last = folders.step_folder(self.root, done)
         return self.last

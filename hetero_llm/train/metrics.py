@@ -8,10 +8,14 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import attrs
 
 from hetero_llm._fs import write_atomically
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 @attrs.frozen
@@ -34,7 +38,7 @@ class Progress:
 
     total: int
     first: int = 0  # the step this run starts at (a resumed run's ETA counts only its own steps)
-    out: object = sys.stdout
+    out: TextIO = sys.stdout
     started: float = attrs.field(factory=time.perf_counter)
     tokens: int = 0
 
@@ -69,7 +73,7 @@ def tensorboard_scalars(m: StepMetrics) -> dict[str, float]:
     return values
 
 
-def summary_writer(directory: str):
+def summary_writer(directory: str) -> SummaryWriter:
     """A TensorBoard writer (the CLI checked that tensorboard is installed); steps counted as in the JSONL."""
     from torch.utils.tensorboard import SummaryWriter
 
@@ -106,7 +110,7 @@ class Reporter:
     log_every: int
     progress: Progress | None = None
     metrics_file: int | None = None
-    scalars: object = None  # a TensorBoard SummaryWriter
+    scalars: SummaryWriter | None = None
 
     @classmethod
     def open(

@@ -27,7 +27,7 @@ from hetero_llm.plan.rank import RankPlan
 from hetero_llm.predict import trace as tracing
 from hetero_llm.runtime import context_rows, tensor_meter, zero1
 from hetero_llm.runtime.emulation import Emulation
-from hetero_llm.runtime.interpreter import StageRunner
+from hetero_llm.runtime.interpreter import StageRunner, Trace
 from hetero_llm.runtime.state import make_optimizer
 from hetero_llm.train import loop
 from hetero_llm.train.batches import Batches
@@ -74,7 +74,7 @@ def train(
     comms: Comms,
     options: RunOptions,
     *,
-    trace: list | None = None,
+    trace: Trace | None = None,
     switcher: Callable | None = None,
     keep_history: bool = False,
 ) -> list[StepMetrics]:
@@ -89,7 +89,7 @@ def train(
 
 
 def build(
-    rp: RankPlan, comms: Comms, options: RunOptions, trace: list | None = None, switcher: Callable | None = None
+    rp: RankPlan, comms: Comms, options: RunOptions, trace: Trace | None = None, switcher: Callable | None = None
 ) -> loop.Rank:
     """Everything the rank's steps use, in the order it is made: its state (cut from the save ``options.resume``
     names, else from ``model.init_from``, else the seed), its optimizer (ZeRO-1's slices where the plan shards it),
@@ -129,7 +129,7 @@ def build(
     return rank
 
 
-def _runner(rp: RankPlan, comms: Comms, state, optimizer, trace: list | None, streams: Streams) -> StageRunner:
+def _runner(rp: RankPlan, comms: Comms, state, optimizer, trace: Trace | None, streams: Streams) -> StageRunner:
     """The interpreter of the rank's action lists over its stage's parameters (emulated devices: their waits)."""
     emulation = Emulation.from_env(rp.rank)
     tp_waits = collectives.TpWaits() if emulation.active else None
