@@ -20,7 +20,7 @@ from bench.gpu_bench_cases import Case, Size, layout_toml
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
-from hetero_llm.data import batches as data
+from hetero_llm.data import batches
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.loop import train
 
@@ -123,7 +123,7 @@ class PlainGPT(nn.Module):
 
 def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: Path) -> Run:
     _reset(device)
-    source = data.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
+    source = batches.make_source(layout_mod.DataSpec(kind=layout_mod.DataKind.TEXT, path=str(corpus)), "<gpu_bench>")
     model = PlainGPT(case.size, case.seq).to(device)
     decay = [p for p in model.parameters() if p.dim() == 2 and p is not model.tok.weight and p is not model.pos.weight]
     other = [p for p in model.parameters() if all(p is not d for d in decay)]
@@ -139,7 +139,7 @@ def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: P
     seconds, loss_value = [], float("nan")
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = torch.from_numpy(data.global_batch(source, 0, step, case.batch, case.seq))
+        batch = torch.from_numpy(batches.global_batch(source, 0, step, case.batch, case.seq))
         if cuda:
             batch = batch.pin_memory().to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):

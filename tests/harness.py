@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from helpers_launch import run_cli
 
 from hetero_llm import layout
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.cli.launch import main
-from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout import reader
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +136,7 @@ def assert_copies_agree(ckpt: Path) -> None:
     import torch
 
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
-    saved = checkpoint.find(ckpt)
+    saved = folders.find(ckpt)
     for path in (saved.rank_file(r) for r in range(saved.world_size)):
         for name, shard in torch.load(path)["shards"].items():
             dim, lo, hi, shape = shard["coords"]
@@ -215,7 +215,7 @@ def own_nodes(
 
 def sections(common: str, path: Path | str = "<common>") -> tuple[layout.ModelSpec, layout.TrainSpec, layout.DataSpec]:
     """The [model], [train] and [data] tables of TOML text, typed as the loader types them (paths as written)."""
-    raw = layout_toml.parse(common, str(path))
+    raw = reader.parse(common, str(path))
     assert set(raw) <= {"model", "train", "data"}, f"common sections hold more than [model]/[train]/[data]: {set(raw)}"
     return tuple(
         layout.build(cls, raw.get(name, {}), name, str(path))  # type: ignore[return-value]

@@ -485,7 +485,7 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
     run no empty microbatches, and top-up also fills the long rows' padding with short documents."""
     from hetero_llm import layout as layout_mod
     from hetero_llm.predict.device import EmulatedDevice
-    from hetero_llm.switching import predict as bucket_sim
+    from hetero_llm.switching import predict
 
     cfg = hot.Config()
     device = EmulatedDevice.parse(hot.device_spec(cfg))
@@ -497,7 +497,7 @@ def test_hot_switch_layouts_are_predicted_in_the_order_of_their_padding(tmp_path
         path.write_text(hot.layout_text(cfg, mode, rows))
         lay = layout_mod.load(path)
         steps[mode] = sum(
-            bucket_sim.simulate_buckets(lay, s, device, links, copy_bandwidth=50e9, block_overhead=1e-5).total
+            predict.simulate_buckets(lay, s, device, links, copy_bandwidth=50e9, block_overhead=1e-5).total
             for s in range(cfg.warmup, cfg.steps)
         )
     assert rows[0] > 1 and rows[1] > 1  # fixed buckets pad to the most microbatches any step needs

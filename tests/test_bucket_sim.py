@@ -1,6 +1,6 @@
-"""The simulator's hot-switching step (``bucket_sim.simulate_buckets``), the emulated device's action costs
+"""The simulator's hot-switching step (``predict.simulate_buckets``), the emulated device's action costs
 (``action_seconds``, what ``HETERO_EMULATE_DEVICE`` makes compute actions last) and the switch
-cost over link kinds (``bucket_sim.switch_seconds``). Torch-free, except the runtime's reading of the variable."""
+cost over link kinds (``predict.switch_seconds``). Torch-free, except the runtime's reading of the variable."""
 
 from __future__ import annotations
 
@@ -15,8 +15,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm.data import documents
 from hetero_llm.plan import compile_plan
 from hetero_llm.predict.device import EmulatedDevice, action_seconds
-from hetero_llm.switching import bucketing
-from hetero_llm.switching import predict as bucket_sim
+from hetero_llm.switching import bucketing, predict
 from hetero_llm.switching.transfers import bucket_plans, step_switch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,11 +123,11 @@ def test_switch_seconds_charges_local_copies_blocks_and_buffers():
     for source, target in [(home, b0), (b0, b1), (b1, home)]:
         sw = step_switch(home, source, target, params=target is not home, grads=source is not home)
         same = {k: (1e-4, 1e9) for k in LINKS}
-        base = bucket_sim.switch_seconds(sw, same)
-        assert base < bucket_sim.switch_seconds(sw, same, 5e9)  # local copies cost
-        assert base < bucket_sim.switch_seconds(sw, same, math.inf, 3e-6)  # so does each block
+        base = predict.switch_seconds(sw, same)
+        assert base < predict.switch_seconds(sw, same, 5e9)  # local copies cost
+        assert base < predict.switch_seconds(sw, same, math.inf, 3e-6)  # so does each block
         if sw.grad_buffers:
-            assert base < bucket_sim.switch_seconds(sw, same, math.inf, 0.0, 2e-5)  # and each gradient buffer
+            assert base < predict.switch_seconds(sw, same, math.inf, 0.0, 2e-5)  # and each gradient buffer
 
 
 def test_switch_seconds_price_each_link_kind_apart():
@@ -138,14 +137,14 @@ def test_switch_seconds_price_each_link_kind_apart():
     sw = step_switch(home, home, b0, params=True, grads=False)
     assert set(sw.link_of[k] for k in sw.messages()) == {"node"}  # one node in this layout
     slow_domain = {**LINKS, "domain": (1.0, 1.0)}
-    assert bucket_sim.switch_seconds(sw, slow_domain) == bucket_sim.switch_seconds(sw, LINKS)  # no domain traffic
+    assert predict.switch_seconds(sw, slow_domain) == predict.switch_seconds(sw, LINKS)  # no domain traffic
     slow_node = {**LINKS, "node": (1e-4, 1e6)}
-    assert bucket_sim.switch_seconds(sw, slow_node) > 10 * bucket_sim.switch_seconds(sw, LINKS)
+    assert predict.switch_seconds(sw, slow_node) > 10 * predict.switch_seconds(sw, LINKS)
 
 
 def test_a_bucketed_step_is_its_buckets_schedules_and_its_switches():
     lay = layout_mod.load(THREE)
-    result = bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS)
+    result = predict.simulate_buckets(lay, 0, DEVICE, LINKS)
     assert len(result.buckets) == 3 and all(b is not None and b > 0 for b in result.buckets)
     # home -> b0 -> b1 -> bucket 2, which is the home layout: no switch after it
     assert [(a, b) for a, b, _ in result.switches] == [("home", "b0"), ("b0", "b1"), ("b1", "home")]
@@ -153,7 +152,7 @@ def test_a_bucketed_step_is_its_buckets_schedules_and_its_switches():
     assert result.total == pytest.approx(sum(result.buckets) + sum(s for _, _, s in result.switches))
     home, plans = compile_plan(lay), bucket_plans(lay)
     first = step_switch(home, home, plans[0], params=True, grads=False)
-    assert result.switches[0][2] == bucket_sim.switch_seconds(first, LINKS)
+    assert result.switches[0][2] == predict.switch_seconds(first, LINKS)
 
 
 def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
@@ -176,7 +175,7 @@ def test_a_one_stage_bucket_takes_the_sum_of_its_microbatches_actions():
                 for k in "FB"
             ),
         )
-    assert bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
+    assert predict.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[0] == pytest.approx(expected)
 
 
 def test_an_elastic_bucket_splits_its_rows_into_more_microbatches_of_fixed_rows():
@@ -220,14 +219,14 @@ def test_an_elastic_two_stage_bucket_is_predicted_with_the_steps_microbatch_coun
     elastic = layout_mod.load(TP23)
     fixed = layout_mod.load(TP23, [f"buckets.{i}.elastic=false" for i in range(3)])
     assert [b.elastic for b in elastic.buckets] == [True] * 3
-    e, f = (bucket_sim.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[2] for lay in (elastic, fixed))
+    e, f = (predict.simulate_buckets(lay, 0, DEVICE, LINKS).buckets[2] for lay in (elastic, fixed))
     assert e < 0.95 * f
 
 
 def test_home_sync_is_a_ring_all_reduce_across_home_pipelines():
     lay = layout_mod.load(THREE)
     two_home = attrs.evolve(lay, pipelines=lay.buckets[1].pipelines)  # TP 2 x DP 2 as the home layout
-    result = bucket_sim.simulate_buckets(two_home, 0, DEVICE, LINKS)
+    result = predict.simulate_buckets(two_home, 0, DEVICE, LINKS)
     per_device = sum(info_size(i, lo, hi) for i, lo, hi in compile_plan(two_home).params_of(0)) * 4
     assert result.home_sync == pytest.approx(per_device / 1e9 + 2 * 1e-4)  # 2 (n-1)/n bytes/bw + 2 (n-1) latency
 

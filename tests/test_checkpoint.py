@@ -12,7 +12,7 @@ import torch
 
 from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
 from hetero_llm.errors import CheckpointError
 from hetero_llm.runtime.adamw import AdamW
@@ -23,12 +23,12 @@ FOLDER = Path("ckpt/step-000002")
 
 def _save(root: Path, step: int, lay: layout_mod.Layout, world_size: int = 1, complete: bool = True) -> Path:
     """A save's files as the CLI sees them (it reads meta.json and checks that every rank file is there)."""
-    folder = checkpoint.step_folder(root, step)
-    checkpoint.begin_save(folder)
+    folder = folders.step_folder(root, step)
+    folders.begin_save(folder)
     for r in range(world_size):
-        checkpoint.rank_file(folder, r).write_bytes(b"")
+        folders.rank_file(folder, r).write_bytes(b"")
     if complete:
-        checkpoint.finish_save(folder, step, world_size, lay)
+        folders.finish_save(folder, step, world_size, lay)
     return folder
 
 
@@ -40,8 +40,8 @@ def test_root_means_latest(tmp_path):
     _save(tmp_path, 1, lay)
     two = _save(tmp_path, 2, lay)
     assert (tmp_path / "latest").read_text() == "step-000002\n"
-    assert checkpoint.find(tmp_path).path == two
-    assert checkpoint.find(tmp_path).step == 2
+    assert folders.find(tmp_path).path == two
+    assert folders.find(tmp_path).step == 2
 
 
 def test_interrupted_save_is_never_picked(tmp_path):
@@ -49,7 +49,7 @@ def test_interrupted_save_is_never_picked(tmp_path):
     lay = layout_mod.load(REFERENCE)
     two = _save(tmp_path, 2, lay)
     _save(tmp_path, 4, lay, complete=False)
-    assert checkpoint.find(tmp_path).path == two
+    assert folders.find(tmp_path).path == two
 
 
 def test_latest_naming_an_interrupted_resave_falls_back_to_the_newest_complete_folder(tmp_path):
@@ -58,17 +58,17 @@ def test_latest_naming_an_interrupted_resave_falls_back_to_the_newest_complete_f
     _save(tmp_path, 2, lay)
     three = _save(tmp_path, 3, lay)
     four = _save(tmp_path, 4, lay)
-    checkpoint.begin_save(four)
+    folders.begin_save(four)
     assert not (four / "meta.json").exists()
     assert (tmp_path / "latest").read_text() == "step-000004\n"
-    assert checkpoint.find(tmp_path).path == three
+    assert folders.find(tmp_path).path == three
 
 
 def test_step_folder_means_itself(tmp_path):
     lay = layout_mod.load(REFERENCE)
     one = _save(tmp_path, 1, lay, world_size=3)
     _save(tmp_path, 2, lay)
-    found = checkpoint.find(one)
+    found = folders.find(one)
     assert (found.path, found.step, found.world_size, found.layout) == (one, 1, 3, str(REFERENCE))
     assert found.shapes["layers.0.attn.wq"] == (32, 32)
 
@@ -246,13 +246,13 @@ def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = 
 
     lay = layout_mod.load(layout)
     plan = compile_plan(lay)
-    folder = checkpoint.step_folder(root, step)
-    checkpoint.begin_save(folder)
+    folder = folders.step_folder(root, step)
+    folders.begin_save(folder)
     for r, data in enumerate(contents):
-        checkpoint.rank_file(folder, r).write_bytes(data)
-    digests = [checkpoint.file_digest(checkpoint.rank_file(folder, r)) for r in range(len(contents))]
-    checkpoint.finish_save(
-        folder, step, plan.world_size, lay, checkpoint.file_records(plan.rank_plan(0).saved_shards, digests)
+        folders.rank_file(folder, r).write_bytes(data)
+    digests = [folders.file_digest(folders.rank_file(folder, r)) for r in range(len(contents))]
+    folders.finish_save(
+        folder, step, plan.world_size, lay, folders.file_records(plan.rank_plan(0).saved_shards, digests)
     )
     return folder
 
@@ -269,9 +269,9 @@ def test_meta_records_size_sha256_and_shards_of_every_rank_file(tmp_path):
     assert record["shards"]["layers.0.attn.wo"] == {"dim": 1, "range": [0, 32], "shape": [32, 32]}
     assert set(record["shards"]) == set(meta["params"])
     assert '  "layers.0.attn.wq": [32, 32],\n' in (folder / "meta.json").read_text()  # one line per tensor
-    found = checkpoint.find(tmp_path)
+    found = folders.find(tmp_path)
     assert found.files["rank0.pt"].shards["layers.0.attn.wq"] == (0, 0, 32, (32, 32))
-    assert checkpoint.verify(found) is None
+    assert folders.verify(found) is None
 
 
 @pytest.mark.parametrize(
@@ -378,7 +378,7 @@ def test_a_rank_names_an_unreadable_rank_file_of_an_unrecorded_save(tmp_path):
 
     folder = _save(tmp_path, 2, layout_mod.load(REFERENCE))  # its rank0.pt is empty
     with pytest.raises(CheckpointError) as e:
-        _load_rank_file(checkpoint.find(tmp_path), 0)
+        _load_rank_file(folders.find(tmp_path), 0)
     assert str(e.value).startswith(f"{folder / 'rank0.pt'}: --resume: cannot be read (")  # then torch's words
     assert str(e.value).endswith(f"): the save is damaged; {DAMAGED}")
 
@@ -397,7 +397,7 @@ def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
         folder / "rank0.pt",
     )
     with pytest.raises(CheckpointError) as e:
-        _load_rank_file(checkpoint.find(tmp_path), 0)
+        _load_rank_file(folders.find(tmp_path), 0)
     assert str(e.value) == (
         f"{folder / 'rank0.pt'}: --resume: its shard of layers.0.attn.wq ([32, 32]) is rows "
         f"[0, 48) of dim 0, outside the tensor: the save is damaged; {DAMAGED}"
@@ -409,7 +409,7 @@ def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
 
 def test_the_next_save_removes_temporary_files_of_a_killed_one(tmp_path):
     lay = layout_mod.load(REFERENCE)
-    killed = checkpoint.step_folder(tmp_path, 2)
+    killed = folders.step_folder(tmp_path, 2)
     killed.mkdir(parents=True)
     leftovers = [killed / "rank0.pt.tmp", killed / "meta.json.tmp", tmp_path / "latest.tmp"]
     for path in leftovers:
@@ -427,5 +427,5 @@ def test_a_failed_write_leaves_no_temporary_file(tmp_path):
         raise OSError("No space left on device")
 
     with pytest.raises(OSError):
-        checkpoint.write_atomically(tmp_path / "rank0.pt", fail)
+        folders.write_atomically(tmp_path / "rank0.pt", fail)
     assert list(tmp_path.iterdir()) == []

@@ -21,21 +21,21 @@ from click.testing import CliRunner
 from harness import LAYOUTS, assert_one_error_line, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli import export, generate, place, timeline, tokenize
-from hetero_llm.cli import launch as cli
-from hetero_llm.cli import plan as plan_cli
-from hetero_llm.data import batches as data
+from hetero_llm.cli import launch as cli_launch
+from hetero_llm.cli import plan as cli_plan
+from hetero_llm.data import batches
 from hetero_llm.errors import LayoutError
 from hetero_llm.interop import export as interop_export
-from hetero_llm.launch import memory as params
+from hetero_llm.launch import memory
 from hetero_llm.model.params import count_params
 from hetero_llm.plan import compile_plan
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = LAYOUTS / "quickstart.toml"
 COMMANDS = [
-    (cli.main, "hetero-launch"),
+    (cli_launch.main, "hetero-launch"),
     (place.main, "hetero-place"),
-    (plan_cli.main, "hetero-plan"),
+    (cli_plan.main, "hetero-plan"),
     (export.main, "hetero-export"),
     (tokenize.main, "hetero-tokenize"),
     (generate.main, "hetero-generate"),
@@ -169,7 +169,7 @@ def test_timeline_flags(tmp_path, args, message):
 
 def test_plan_usage_error_is_one_line(tmp_path):
     assert_one_error_line(
-        invoke(plan_cli.main, tmp_path / "c.toml", "--top", "many"),
+        invoke(cli_plan.main, tmp_path / "c.toml", "--top", "many"),
         "Invalid value for '--top': 'many' is not a valid integer (see hetero-plan --help)",
     )
 
@@ -398,20 +398,20 @@ def _plan(*overrides: str):
 
 
 def test_token_estimate_is_the_batch_every_rank_draws():
-    """The 'tokens' part is the size of the array data.global_batch allocates in every rank."""
+    """The 'tokens' part is the size of the array batches.global_batch allocates in every rank."""
     plan = _plan("train.global_batch=32", "pipelines[0].batch=32")
     lay = plan.layout
-    source = data.make_source(lay.data, lay.file)
-    drawn = data.global_batch(source, lay.train.seed, 0, lay.train.global_batch, lay.model.seq_len)
+    source = batches.make_source(lay.data, lay.file)
+    drawn = batches.global_batch(source, lay.train.seed, 0, lay.train.global_batch, lay.model.seq_len)
     for rank in range(plan.world_size):
-        assert params.memory_parts(plan, rank)["tokens"] == drawn.nbytes
+        assert memory.memory_parts(plan, rank)["tokens"] == drawn.nbytes
 
 
 def test_parameter_estimate_counts_every_parameter_once_per_holder():
     """16 bytes (weight, gradient, two AdamW moments) per parameter: over the ranks, the model's count."""
     plan = _plan()
     total = sum(
-        params.memory_parts(plan, r)["blocks"] + params.memory_parts(plan, r)["embeddings"]
+        memory.memory_parts(plan, r)["blocks"] + memory.memory_parts(plan, r)["embeddings"]
         for r in range(plan.world_size)
     )
     assert total == 16 * count_params(plan.layout.model)
@@ -427,7 +427,7 @@ def test_a_context_parallel_rank_holds_its_share_of_the_positions():
             ["pipelines[0].stages[0].cp=1", "pipelines[0].stages[0].devices=['node0:0','node0:1']"],
         )
     )
-    with_cp, without = params.memory_parts(cp, 0), params.memory_parts(tp, 0)
+    with_cp, without = memory.memory_parts(cp, 0), memory.memory_parts(tp, 0)
     assert with_cp["blocks"] == without["blocks"] and with_cp["embeddings"] == without["embeddings"]
     assert with_cp["activations"] * 2 == without["activations"] > 0
 
@@ -436,24 +436,24 @@ def test_the_named_bound_is_the_largest_value_that_fits():
     """A vocabulary too big for the memory given: the bound named fits, one more does not."""
     ram = 2**30
     with pytest.raises(LayoutError) as info:
-        params.check_memory(_plan("model.vocab=10000000"), [0, 1], ram=ram)
+        memory.check_memory(_plan("model.vocab=10000000"), [0, 1], ram=ram)
     assert (info.value.path, info.value.file) == ("model.vocab", str(QUICKSTART))
     bound = int(info.value.message.split("at most ")[1].split(" fits")[0])
-    params.check_memory(_plan(f"model.vocab={bound}"), [0, 1], ram=ram)
+    memory.check_memory(_plan(f"model.vocab={bound}"), [0, 1], ram=ram)
     with pytest.raises(LayoutError):
-        params.check_memory(_plan(f"model.vocab={bound + 1}"), [0, 1], ram=ram)
+        memory.check_memory(_plan(f"model.vocab={bound + 1}"), [0, 1], ram=ram)
 
 
 def test_a_gpu_is_checked_against_its_own_memory():
     """A GPU rank keeps only its token ids in RAM; the rest is held against the device's memory."""
     plan = _plan("cluster.nodes[0].devices=['cuda:0','cuda:1']")
-    parts = [params.memory_parts(plan, r) for r in range(2)]
+    parts = [memory.memory_parts(plan, r) for r in range(2)]
     on_gpu0 = sum(parts[0].values()) - parts[0]["tokens"]
-    params.check_memory(
+    memory.check_memory(
         plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 if d == "cuda:0" else 2**40
     )
     with pytest.raises(LayoutError) as info:
-        params.check_memory(plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 - 1)
+        memory.check_memory(plan, [0, 1], ram=2 * parts[0]["tokens"], device_memory=lambda d: on_gpu0 - 1)
     assert "of memory on cuda:0 for rank(s) 0," in info.value.message
 
 
@@ -480,10 +480,10 @@ def test_a_global_batch_that_cannot_be_allocated_is_one_line_before_start():
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.startswith(f"error: {QUICKSTART}: train.global_batch: 1000000000 needs an estimated ")
     assert (
-        f"of RAM on this host for rank(s) 0, 1, more than its {params.host_memory_bytes() / 2**30:.1f} GiB"
+        f"of RAM on this host for rank(s) 0, 1, more than its {memory.host_memory_bytes() / 2**30:.1f} GiB"
         in proc.stderr
     )
-    assert params.MEMORY_RULE in proc.stderr
+    assert memory.MEMORY_RULE in proc.stderr
 
 
 def test_gpu_memory_comes_from_nvidia_smi_without_torch(tmp_path, monkeypatch):
@@ -494,14 +494,14 @@ def test_gpu_memory_comes_from_nvidia_smi_without_torch(tmp_path, monkeypatch):
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert params._gpu_memory("cuda:0") == 40960 * 2**20
-    assert params._gpu_memory("cuda:1") is None
+    assert memory._gpu_memory("cuda:0") == 40960 * 2**20
+    assert memory._gpu_memory("cuda:1") is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,0")
-    assert params._gpu_memory("cuda:0") == 81559 * 2**20
-    assert params._gpu_memory("cuda") == 81559 * 2**20
-    assert params._gpu_memory("cuda:2") is None
+    assert memory._gpu_memory("cuda:0") == 81559 * 2**20
+    assert memory._gpu_memory("cuda") == 81559 * 2**20
+    assert memory._gpu_memory("cuda:2") is None
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f1e")
-    assert params._gpu_memory("cuda:0") is None
+    assert memory._gpu_memory("cuda:0") is None
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
-    assert params._gpu_memory("cuda:0") is None
+    assert memory._gpu_memory("cuda:0") is None

@@ -19,7 +19,7 @@ from harness import assert_one_error_line
 from harness import invoke_cli as invoke
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint.folders import FIX
-from hetero_llm.data import text_cache as textcache
+from hetero_llm.data import text_cache
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import outputs
 
@@ -282,17 +282,17 @@ def test_binary_schedule_file(tmp_path):
 def test_token_cache_goes_where_HETERO_LLM_CACHE_says(tmp_path, monkeypatch):
     source = tmp_path / "corpus.txt"
     source.write_text("abc" * 10)
-    monkeypatch.setenv(textcache.CACHE_ENV, str(tmp_path / "cache"))
-    tokens = textcache.TokenFileSource.from_file(str(source), "text")
+    monkeypatch.setenv(text_cache.CACHE_ENV, str(tmp_path / "cache"))
+    tokens = text_cache.TokenFileSource.from_file(str(source), "text")
     assert tokens.num_tokens == 30
-    assert os.listdir(tmp_path / "cache") == [os.path.basename(textcache.cache_path(str(source)))]
+    assert os.listdir(tmp_path / "cache") == [os.path.basename(text_cache.cache_path(str(source)))]
     assert sorted(os.listdir(tmp_path)) == ["cache", "corpus.txt"]
-    monkeypatch.setenv(textcache.CACHE_ENV, str(source / "cache"))  # a folder under a file: cannot be made
+    monkeypatch.setenv(text_cache.CACHE_ENV, str(source / "cache"))  # a folder under a file: cannot be made
     with pytest.raises(LayoutError) as info:
-        textcache.TokenFileSource.from_file(str(source), "text", file_for_errors="run.toml")
+        text_cache.TokenFileSource.from_file(str(source), "text", file_for_errors="run.toml")
     assert str(info.value) == (
         f"run.toml: data.path: cannot write the token cache of '{source}' in '{source / 'cache'}'"
-        f": Not a directory (set {textcache.CACHE_ENV} to a writable folder)"
+        f": Not a directory (set {text_cache.CACHE_ENV} to a writable folder)"
     )
 
 
@@ -302,11 +302,11 @@ def test_text_data_in_a_read_only_folder_caches_in_the_user_cache(tmp_path):
     data_dir.mkdir()
     (data_dir / "corpus.txt").write_text("hello " * 10)
     code = (
-        "import json, sys; from hetero_llm.data import text_cache as textcache; "
-        "s = textcache.TokenFileSource.from_file(sys.argv[1], 'text'); "
-        "print(json.dumps([s.num_tokens, textcache.cache_path(sys.argv[1])]))"
+        "import json, sys; from hetero_llm.data import text_cache; "
+        "s = text_cache.TokenFileSource.from_file(sys.argv[1], 'text'); "
+        "print(json.dumps([s.num_tokens, text_cache.cache_path(sys.argv[1])]))"
     )
-    env = {"XDG_CACHE_HOME": str(cache), textcache.CACHE_ENV: ""}
+    env = {"XDG_CACHE_HOME": str(cache), text_cache.CACHE_ENV: ""}
     proc = _in_read_only_folder(data_dir, f'{sys.executable} -c "{code}" {data_dir / "corpus.txt"}', env)
     assert proc.returncode == 0, proc.stderr
     count, where = json.loads(proc.stdout)

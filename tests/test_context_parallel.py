@@ -18,8 +18,7 @@ from helpers_precision import assert_bf16_close
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
 from hetero_llm import layout
-from hetero_llm.data import documents
-from hetero_llm.data import held_out as evaluate
+from hetero_llm.data import documents, held_out
 from hetero_llm.model import cp_chunks
 
 pytestmark = pytest.mark.multiprocess
@@ -100,7 +99,7 @@ def test_packed_documents_across_chunk_boundaries(shared_launch, tmp_path):
     """Documents packed into rows cross the zigzag chunks' boundaries (checked on the first step's rows): each
     token keeps its document and its position inside it on whichever CP rank holds it."""
     model, tr, data = sections(COMMON_DOCS)
-    source, _ = evaluate.document_sources(data, model.seq_len, str(DOCUMENTS))
+    source, _ = held_out.document_sources(data, model.seq_len, str(DOCUMENTS))
     rows = documents.fill_rows(source, tr.seed, 0, tr.global_batch, model.seq_len)
     cuts = {hi for r in range(2) for _, hi in cp_chunks.chunk_ranges(model.seq_len, 2, r)} - {model.seq_len}
     crossing = [(row, start, n) for row, start, n in rows.spans.tolist() if any(start < c < start + n for c in cuts)]

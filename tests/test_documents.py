@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import held_out as evaluate
+from hetero_llm.data import held_out
 from hetero_llm.data.batches import GrammarSource, make_source
 from hetero_llm.data.documents import (
     IGNORE,
@@ -278,11 +278,11 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
     # ... and, at the end, the final model's mean loss over those documents' targets, each document run alone
     lay = layout_mod.load(tmp_path / "ref" / "ref.toml")
-    _, held_out = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    _, held_out_source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)
     total, targets = 0.0, 0
     with torch.no_grad():
         for index in range(2):
-            rows = evaluate.held_out_rows(held_out, lay.train.seed, index, 12, 16)
+            rows = held_out.held_out_rows(held_out_source, lay.train.seed, index, 12, 16)
             assert rows.num_targets > 0
             for r, start, n in rows.spans.tolist():
                 doc = np.concatenate([rows.inputs[r, start : start + n], rows.targets[r, start + n - 1 : start + n]])

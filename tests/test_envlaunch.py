@@ -20,7 +20,7 @@ import pytest
 
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.launch import external as envlaunch
+from hetero_llm.launch import external
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
 TWO_STAGES = [(12, 3, [(3, 1), (3, 1)])]  # node n0: ranks 0 and 1
@@ -65,15 +65,15 @@ def _losses(metrics: Path) -> list[float]:
 
 
 def test_which_variables_give_a_rank():
-    assert envlaunch.assigned({}) is None
-    assert envlaunch.assigned({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}) == envlaunch.Assigned(
+    assert external.assigned({}) is None
+    assert external.assigned({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}) == external.Assigned(
         1, 2, "torchrun", "RANK", "WORLD_SIZE"
     )
     slurm = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_STEP_ID": "0"}
-    assert envlaunch.assigned(slurm) == envlaunch.Assigned(3, 4, "srun", "SLURM_PROCID", "SLURM_NTASKS")
-    assert envlaunch.assigned({**slurm, "RANK": "0", "WORLD_SIZE": "4"}).launcher == "torchrun"  # torchrun in srun
-    assert envlaunch.assigned({k: v for k, v in slurm.items() if k != "SLURM_STEP_ID"}) is None  # the batch script
-    assert envlaunch.assigned({**slurm, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # an interactive step
+    assert external.assigned(slurm) == external.Assigned(3, 4, "srun", "SLURM_PROCID", "SLURM_NTASKS")
+    assert external.assigned({**slurm, "RANK": "0", "WORLD_SIZE": "4"}).launcher == "torchrun"  # torchrun in srun
+    assert external.assigned({k: v for k, v in slurm.items() if k != "SLURM_STEP_ID"}) is None  # the batch script
+    assert external.assigned({**slurm, "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None  # an interactive step
 
 
 def test_world_size_mismatch_is_one_line(tmp_path, clean_env):
@@ -128,15 +128,15 @@ def test_explicit_rank_or_node_wins_over_the_environment(tmp_path, clean_env):
 def test_resume_auto_finds_the_newest_complete_save_or_none(tmp_path):
     lay = layout_mod.load(write_layout(tmp_path / "l.toml", COMMON, TWO_STAGES))
     ckpt = tmp_path / "ckpt"
-    assert envlaunch.resume_auto(str(ckpt), lay) is None  # no folder yet
+    assert external.resume_auto(str(ckpt), lay) is None  # no folder yet
     (ckpt / "step-000002").mkdir(parents=True)  # an interrupted save only
-    assert envlaunch.resume_auto(str(ckpt), lay) is None
+    assert external.resume_auto(str(ckpt), lay) is None
     with pytest.raises(
         layout_mod.LayoutError,
         match=r": --resume: auto needs --checkpoint DIR \(the folder it "
         r"resumes from and saves into\)$",
     ):
-        envlaunch.resume_auto(None, lay)
+        external.resume_auto(None, lay)
 
 
 def test_resume_auto_without_checkpoint_is_one_line(tmp_path, clean_env):

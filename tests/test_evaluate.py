@@ -16,7 +16,7 @@ import torch
 from harness import LAYOUTS, RTOL, common_sections, free_port, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint.shards import load_full_params
-from hetero_llm.data import held_out as evaluate
+from hetero_llm.data import held_out
 from hetero_llm.errors import LayoutError
 from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 
@@ -92,11 +92,11 @@ def test_held_out_loss_is_the_same_under_every_layout(tmp_path):
     # the logged loss is the final model's mean loss over exactly held-out batches 0 and 1
     lay = layout_mod.load(one)
     params = load_full_params(str(tmp_path / "one" / "ckpt"))
-    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
+    train, valid = held_out.train_and_held_out(lay.data, lay.file)
     total = 0.0
     with torch.no_grad():
         for index in range(2):
-            batch = torch.from_numpy(evaluate.batch(valid, lay.train.seed, index, 12, lay.model.seq_len))
+            batch = torch.from_numpy(held_out.batch(valid, lay.train.seed, index, 12, lay.model.seq_len))
             logits = stage_forward(params, batch[:, :-1], StageShape(0, 6, True, True), lay.model)
             total += float(token_loss_sum(logits, batch[:, 1:]))
     assert abs(total / (2 * 12 * 16) - rows[-1]["valid_loss"]) <= RTOL * rows[-1]["valid_loss"]
@@ -108,12 +108,12 @@ def test_held_out_batches_differ_from_training_batches():
         COMMON + '[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 12\n'
         'microbatches = 1\n[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
     )
-    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
-    from hetero_llm.data import batches as data
+    train, valid = held_out.train_and_held_out(lay.data, lay.file)
+    from hetero_llm.data import batches
 
-    held = evaluate.batch(valid, 7, 0, 12, 16)
-    assert np.array_equal(held, evaluate.batch(valid, 7, 0, 12, 16))
-    assert not any(np.array_equal(held, data.global_batch(train, 7, step, 12, 16)) for step in range(5))
+    held = held_out.batch(valid, 7, 0, 12, 16)
+    assert np.array_equal(held, held_out.batch(valid, 7, 0, 12, 16))
+    assert not any(np.array_equal(held, batches.global_batch(train, 7, step, 12, 16)) for step in range(5))
 
 
 def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
@@ -126,7 +126,7 @@ def test_valid_fraction_holds_out_the_end_of_the_file(tmp_path):
         '[[pipelines.stages]]\nlayers = 6\ndevices = ["n:0"]\n'
     )
     lay = layout_mod.loads(text, base_dir=tmp_path)
-    train, valid = evaluate.train_and_held_out(lay.data, lay.file)
+    train, valid = held_out.train_and_held_out(lay.data, lay.file)
     n = 95 * 20
     assert len(train.tokens) == n * 3 // 4 and len(valid.tokens) == n - n * 3 // 4
     assert np.array_equal(
@@ -149,23 +149,23 @@ def test_held_out_documents_are_packed_on_a_stream_of_their_own_and_never_traine
     docs = [f"d{i} " + "x" * (i % 7) for i in range(40)]  # shorter than seq_len: one piece each
     (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     lay = _packed(tmp_path, 'kind = "jsonl"\npath = "d.jsonl"\nvalid_fraction = 0.25')
-    train, valid = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+    train, valid = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)
     assert (train.num_documents, valid.num_documents) == (30, 10)  # the last quarter of the documents, in file order
     assert train.starts.max() < valid.starts.min()
 
     def texts(rows):
         return {bytes(rows.inputs[r, s : s + n].astype(np.uint8)) for r, s, n in rows.spans.tolist()}
 
-    held = evaluate.held_out_rows(valid, 7, 0, 12, 16)
+    held = held_out.held_out_rows(valid, 7, 0, 12, 16)
     assert held.num_targets > 0
-    assert np.array_equal(held.inputs, evaluate.held_out_rows(valid, 7, 0, 12, 16).inputs)  # a pure function
-    assert not np.array_equal(held.inputs, evaluate.held_out_rows(valid, 7, 1, 12, 16).inputs)
+    assert np.array_equal(held.inputs, held_out.held_out_rows(valid, 7, 0, 12, 16).inputs)  # a pure function
+    assert not np.array_equal(held.inputs, held_out.held_out_rows(valid, 7, 1, 12, 16).inputs)
     trained = set().union(*(texts(documents.fill_rows(train, 7, step, 12, 16)) for step in range(20)))
     assert texts(held) and not texts(held) & trained  # no held-out document is ever a training one
     # the grammar: held-out rows are other samples than every training step's
     lay = _packed(tmp_path, 'kind = "grammar"')
-    train, valid = evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
-    held = evaluate.held_out_rows(valid, 7, 0, 12, 16)
+    train, valid = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)
+    held = held_out.held_out_rows(valid, 7, 0, 12, 16)
     assert not any(np.array_equal(held.inputs, documents.fill_rows(train, 7, step, 12, 16).inputs) for step in range(5))
 
 
@@ -173,7 +173,7 @@ def test_valid_fraction_of_a_one_document_file_is_one_line(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"text": "only one"}) + "\n")
     lay = _packed(tmp_path, 'kind = "jsonl"\npath = "d.jsonl"\nvalid_fraction = 0.1')
     with pytest.raises(LayoutError, match=r"data.valid_fraction: .*has 1 document: nothing to hold out \(give a file"):
-        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)
+        held_out.document_sources(lay.data, lay.model.seq_len, lay.file)
 
 
 def test_tensorboard_flag_without_tensorboard_is_one_line(tmp_path, monkeypatch):

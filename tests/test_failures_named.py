@@ -23,7 +23,7 @@ import pytest
 from harness import LAYOUTS, free_port
 from hetero_llm import _fs
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.comm import rendezvous
 from hetero_llm.errors import CheckpointError, LayoutError
 from hetero_llm.model.params import all_params
@@ -219,7 +219,7 @@ def test_a_disk_that_fills_up_during_a_save_is_named_and_the_last_save_stays(tmp
         assert left == round(free / 1e6, 1) and left < needed  # what the disk has, with the half file removed
         # The save before stays whole and newest; the failed one left no temporary file.
         assert (ckpt / "latest").read_text() == "step-000002\n"
-        assert checkpoint.verify(checkpoint.find(ckpt), progress=False) is None
+        assert folders.verify(folders.find(ckpt), progress=False) is None
         files = sorted(p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file())
         assert files == ["latest", "step-000002/meta.json", "step-000002/rank0.pt"]
     finally:
@@ -231,16 +231,16 @@ def test_a_full_disk_writing_meta_json_is_named_and_latest_stays(tmp_path, monke
     quota-limited filesystem reports it), where a tmpfs cannot be mounted: the same line, no temporary file."""
     lay = layout_mod.load(REFERENCE)
     for step in (2, 4):
-        checkpoint.step_folder(tmp_path, step).mkdir()
-    checkpoint.finish_save(checkpoint.step_folder(tmp_path, 2), 2, 1, lay)
-    folder = checkpoint.step_folder(tmp_path, 4)
+        folders.step_folder(tmp_path, step).mkdir()
+    folders.finish_save(folders.step_folder(tmp_path, 2), 2, 1, lay)
+    folder = folders.step_folder(tmp_path, 4)
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(_fs.os, "fsync", full)
     with pytest.raises(CheckpointError) as err:
-        checkpoint.finish_save(folder, 4, 1, lay)
+        folders.finish_save(folder, 4, 1, lay)
     monkeypatch.undo()
     meta = folder / "meta.json"
     needed = (tmp_path / "step-000002" / "meta.json").stat().st_size  # step 4's: the same but for one digit

@@ -7,7 +7,7 @@ import pytest
 from harness import LAYOUTS
 from hetero_llm import layout as layout_mod
 from hetero_llm.errors import Diverged, RankFailure
-from hetero_llm.launch import node as launch
+from hetero_llm.launch import node
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.metrics import duration
 
@@ -43,14 +43,14 @@ def test_a_diverged_run_is_reported_as_such_not_as_a_rank_failure(tmp_path):
     cause = "training diverged at step 5 (counting from 1, as the console and --metrics-jsonl do): loss nan, gradient norm nan; ..."
     for r in (0, 1, 2):
         (tmp_path / f"rank{r}.err").write_text(cause + "\n")
-    failure = launch._failure(_plan(), {0: 3, 1: 3, 2: 3}, tmp_path)
+    failure = node._failure(_plan(), {0: 3, 1: 3, 2: 3}, tmp_path)
     assert type(failure) is Diverged and str(failure) == cause and failure.exit_code == 3
 
 
 def test_a_failed_rank_is_still_named(tmp_path):
     (tmp_path / "rank0.err").write_text("RuntimeError: Connection closed by peer\n")
     (tmp_path / "rank1.err").write_text("RuntimeError: boom\n")
-    failure = launch._failure(_plan(), {0: 1, 1: 1}, tmp_path)
+    failure = node._failure(_plan(), {0: 1, 1: 1}, tmp_path)
     assert type(failure) is RankFailure and failure.exit_code == 1
     assert str(failure) == (
         "rank 1 (node0:1, pipeline 0 stage 1) failed: RuntimeError: boom; 1 other rank(s) failed "

@@ -16,7 +16,7 @@ from harness import LAYOUTS, assert_one_error_line, hf_folder
 from harness import invoke_cli as invoke
 from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.errors import CheckpointError
 from hetero_llm.interop import hf_names
 from hetero_llm.launch import outputs
@@ -251,7 +251,7 @@ def test_files_made_during_a_run_never_follow_a_link(tmp_path):
     step.parent.mkdir()
     step.symlink_to(target.parent)
     with pytest.raises(CheckpointError) as e:
-        checkpoint.begin_save(step)
+        folders.begin_save(step)
     assert str(e.value) == (
         f"{step}: --checkpoint: is a symbolic link to '{target.parent}' in the folder "
         f"--checkpoint writes into {NO_LINKS}"
@@ -420,10 +420,10 @@ def _generate(*args):
 
 def _rerecord(folder: Path) -> None:
     """Record rank0.pt's current size and sha256 in meta.json, as if it had been saved so."""
-    meta = json.loads((folder / checkpoint.META).read_text())
-    size, sha = checkpoint.file_digest(folder / "rank0.pt")
+    meta = json.loads((folder / folders.META).read_text())
+    size, sha = folders.file_digest(folder / "rank0.pt")
     meta["files"]["rank0.pt"].update(bytes=size, sha256=sha)
-    (folder / checkpoint.META).write_text(json.dumps(meta))
+    (folder / folders.META).write_text(json.dumps(meta))
 
 
 def _flip_a_bit(path: Path) -> None:
@@ -448,7 +448,7 @@ def _nan_in_a_tensor(path: Path) -> None:
 def _resume_error(ckpt: Path) -> str:
     """What ``hetero-launch --resume`` says of the save: the CLI's line before any rank starts, or (a save whose
     records match) the resumed rank's own refusal."""
-    from hetero_llm.checkpoint import shards as checkpoint_io
+    from hetero_llm.checkpoint import shards
     from hetero_llm.plan import compile_plan
 
     result = invoke(REFERENCE, "--dry-run", "--resume", ckpt)
@@ -456,7 +456,7 @@ def _resume_error(ckpt: Path) -> str:
         assert result.exit_code == 2 and result.stderr.startswith("error: "), result.stderr
         return result.stderr[len("error: ") :].rstrip("\n")
     with pytest.raises(CheckpointError) as e:
-        checkpoint_io.restore(compile_plan(layout_mod.load(REFERENCE)).rank_plan(0), str(ckpt))
+        shards.restore(compile_plan(layout_mod.load(REFERENCE)).rank_plan(0), str(ckpt))
     return str(e.value)
 
 
@@ -464,11 +464,9 @@ def _resume_error(ckpt: Path) -> str:
 def test_export_and_generate_refuse_a_damaged_save_as_resume_does(damage, ckpt, tmp_path):
     damage(ckpt / "step-000002" / "rank0.pt")
     resume = _resume_error(ckpt)
-    assert ": --resume: " in resume and resume.endswith(checkpoint.DAMAGED)
+    assert ": --resume: " in resume and resume.endswith(folders.DAMAGED)
     # the same line, located at the command's argument, its fix naming what these commands can do instead
-    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(
-        checkpoint.DAMAGED, "pass another step folder"
-    )
+    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(folders.DAMAGED, "pass another step folder")
     for result in (
         _export(ckpt, "--hf", tmp_path / "hf"),
         _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2"),

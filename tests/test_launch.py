@@ -392,11 +392,11 @@ def test_forked_ranks_run_from_the_launchers_plan(tmp_path):
     path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(3, 1), (3, 1)])])
     metrics = tmp_path / "metrics.jsonl"
     code = (
-        "import os, sys; from hetero_llm import layout; from hetero_llm.launch import node as launch; "
+        "import os, sys; from hetero_llm import layout; from hetero_llm.launch import node; "
         "from hetero_llm.plan import compile_plan; "
         f"plan = compile_plan(layout.load({str(path)!r}, ['train.steps=2', 'cluster.port={free_port()}'])); "
         f"os.remove({str(path)!r}); "
-        f"launch.run_ranks(plan, [0, 1], launch.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "
+        f"node.run_ranks(plan, [0, 1], node.RunOptions(metrics_jsonl={str(metrics)!r}, quiet=True)); "
         "print('hetero_llm.cli' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)

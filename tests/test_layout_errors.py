@@ -210,23 +210,21 @@ def test_every_field_rule_runs(monkeypatch):
     that validation never asks about would be dead without a word."""
     import attrs
 
-    from hetero_llm.layout import cluster_schema
-    from hetero_llm.layout import fields as layout_fields
-    from hetero_llm.layout import schema as layout_schema
+    from hetero_llm.layout import cluster_schema, fields, schema
 
     asked = set()
-    first_problem = layout_fields.first_problem
+    first_problem = fields.first_problem
 
     def spy(obj, name):
         asked.add((type(obj).__name__, name))
         return first_problem(obj, name)
 
-    monkeypatch.setattr(layout_fields, "first_problem", spy)  # what check_own asks, for every rules module
+    monkeypatch.setattr(fields, "first_problem", spy)  # what check_own asks, for every rules module
     for path in GOOD:  # between them: grammar and file data, packed documents, buckets, network domains
         layout.load(path)
     declared = {
         (cls.__name__, f.name)
-        for module in (layout_schema, cluster_schema)
+        for module in (schema, cluster_schema)
         for cls in vars(module).values()
         if isinstance(cls, type) and attrs.has(cls)
         for f in attrs.fields(cls)

@@ -300,11 +300,11 @@ def fake_measure(spread: float):
 
 
 def test_profile_reports_its_spread_and_refuses_a_noisy_one(tmp_path, monkeypatch):
-    import hetero_llm.cli.plan as plan_cli
+    import hetero_llm.cli.plan as cli_plan
 
     out = tmp_path / "p.json"
-    monkeypatch.setattr(plan_cli, "_torch", lambda f: None)
-    monkeypatch.setattr(plan_cli, "measure", fake_measure(0.8))
+    monkeypatch.setattr(cli_plan, "_torch", lambda f: None)
+    monkeypatch.setattr(cli_plan, "measure", fake_measure(0.8))
     res = run_plan(SMALL, "--profile", out, "--kind", "cpu", "--device", "cpu")
     assert res.stderr == (
         f"error: {SMALL}: --profile: the measurement is noisy: layer_backward_s ranged 2 / 2 / 3.6 ms (min / "
@@ -320,7 +320,7 @@ def test_profile_reports_its_spread_and_refuses_a_noisy_one(tmp_path, monkeypatc
     assert json.loads(out.read_text())["kinds"]["cpu"]["info"]["min_median_max_s"]["layer_backward_s"][2] == 2e-3 * (
         1 + 0.8
     )
-    monkeypatch.setattr(plan_cli, "measure", fake_measure(0.1))
+    monkeypatch.setattr(cli_plan, "measure", fake_measure(0.1))
     res = run_plan(SMALL, "--profile", out, "--kind", "cpu", "--device", "cpu")
     assert res.exit_code == 0 and "widest spread 10%" in res.stdout
     res = run_plan(SMALL, "--profile", out, "--kind", "cpu", "--device", "cpu", "--max-spread", "-1")

@@ -697,8 +697,7 @@ def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
     """The planner's ZeRO-1 state per device is what optim_shards gives the written layout's ranks (up to
     whole rows), for every plan it ranks: TP 2 beside TP 1, uneven boundaries, memory_gb weights declared
     on every node, on some (then unweighted) or none."""
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.plan import zero1_slices as optim_shards
+    from hetero_llm.plan import compile_plan, zero1_slices
 
     path = zero1_cluster(tmp_path, memory)
     c = load_cluster(path)
@@ -712,7 +711,7 @@ def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
         for pipe, moments, whole in zip(cand.pipelines, cost.moments(cand), plain.moments(cand)):
             for stage, m, w in zip(pipe.stages, moments, whole):
                 for _ in stage.group.devices:
-                    got = optim_shards.state_elements(plan, rank, zero1=True)
+                    got = zero1_slices.state_elements(plan, rank, zero1=True)
                     assert m == pytest.approx(got, rel=0.03, abs=64), (cand, rank)
                     assert m <= w * (1 + 1e-9)
                     rank, total = rank + 1, total + m

@@ -21,7 +21,7 @@ import pytest
 
 from harness import LAYOUTS, ROOT, common_sections, free_port, write_layout
 from hetero_llm import progress
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 
 BAR = re.compile(r"\r([^\r\n]+)")  # a line drawn over the previous one
 
@@ -169,23 +169,23 @@ def megabytes(folder: Path) -> str:
 def test_every_save_prints_its_folder_and_shows_a_bar_on_a_terminal(saved):
     layout, ckpt, stdout, stderr = saved
     said = [line for line in stdout.splitlines() if line.startswith("saved ")]
-    assert said == [f"saved {checkpoint.step_folder(ckpt, n)} (step {n} of 4)" for n in (2, 4)]
+    assert said == [f"saved {folders.step_folder(ckpt, n)} (step {n} of 4)" for n in (2, 4)]
     for n in (2, 4):  # each line names a complete save of that step
-        assert checkpoint.find(checkpoint.step_folder(ckpt, n)).step == n
-        drawn = bars(stderr, f"saving {checkpoint.step_folder(ckpt, n)}:")
-        assert drawn and drawn[-1].startswith(f"saving {checkpoint.step_folder(ckpt, n)}: 100% "), stderr
+        assert folders.find(folders.step_folder(ckpt, n)).step == n
+        drawn = bars(stderr, f"saving {folders.step_folder(ckpt, n)}:")
+        assert drawn and drawn[-1].startswith(f"saving {folders.step_folder(ckpt, n)}: 100% "), stderr
 
 
 @pytest.mark.multiprocess
 def test_resuming_shows_verifying_and_loading_on_a_terminal(saved, tmp_path):
     layout, ckpt, _, _ = saved
-    step2 = checkpoint.step_folder(ckpt, 2)
+    step2 = folders.step_folder(ckpt, 2)
     code, stdout, stderr = run(launch_args(layout, "--resume", str(step2), "--checkpoint", str(tmp_path)), True)
     assert code == 0, stdout + stderr
     for desc in (f"verifying {step2}:", f"loading {step2}:"):  # every byte of the save checked, every file read
         drawn = bars(stderr, desc)
         assert drawn and drawn[-1].startswith(f"{desc} 100% {megabytes(step2)} of {megabytes(step2)} |"), stderr
-    assert bars(stderr, f"saving {checkpoint.step_folder(tmp_path, 4)}: 100% "), stderr
+    assert bars(stderr, f"saving {folders.step_folder(tmp_path, 4)}: 100% "), stderr
 
 
 @pytest.mark.multiprocess
@@ -195,7 +195,7 @@ def test_a_log_gets_the_save_lines_and_no_bars(saved, tmp_path):
         launch_args(
             layout,
             "--resume",
-            str(checkpoint.step_folder(ckpt, 2)),
+            str(folders.step_folder(ckpt, 2)),
             "--checkpoint",
             str(tmp_path),
             "--checkpoint-every",
@@ -205,7 +205,7 @@ def test_a_log_gets_the_save_lines_and_no_bars(saved, tmp_path):
     )
     assert code == 0 and stderr == "", stderr  # verifying, loading and two saves: none drawn
     assert [line for line in stdout.splitlines() if line.startswith("saved ")] == [
-        f"saved {checkpoint.step_folder(tmp_path, n)} (step {n} of 4)" for n in (3, 4)
+        f"saved {folders.step_folder(tmp_path, n)} (step {n} of 4)" for n in (3, 4)
     ]
 
 
@@ -213,11 +213,11 @@ def test_a_log_gets_the_save_lines_and_no_bars(saved, tmp_path):
 def test_quiet_shows_no_bars_and_no_save_lines_even_on_a_terminal(saved, tmp_path):
     layout, ckpt, _, _ = saved
     code, stdout, stderr = run(
-        launch_args(layout, "--resume", str(checkpoint.step_folder(ckpt, 2)), "--checkpoint", str(tmp_path), "--quiet"),
+        launch_args(layout, "--resume", str(folders.step_folder(ckpt, 2)), "--checkpoint", str(tmp_path), "--quiet"),
         True,
     )
     assert (code, stdout, stderr) == (0, "", ""), stdout + stderr
-    assert checkpoint.find(tmp_path).step == 4
+    assert folders.find(tmp_path).step == 4
 
 
 # ------------------------------------------------------------------------------------------
@@ -242,7 +242,7 @@ def test_generate_shows_tokens_generated_on_a_terminal_only(saved, monkeypatch, 
     assert len(stdout.split()) == 3 + 8  # the grammar's ids: the prompt and 8 new ones
     drawn = bars(terminal.getvalue(), "generating:")
     assert drawn and re.match(r"generating: 100% 8 tok of 8 tok \| ", drawn[-1]), terminal.getvalue()
-    assert bars(terminal.getvalue(), f"loading {checkpoint.find(ckpt).path}: 100% "), terminal.getvalue()
+    assert bars(terminal.getvalue(), f"loading {folders.find(ckpt).path}: 100% "), terminal.getvalue()
     log = io.StringIO()
     assert command(generate.main, args, log, monkeypatch, capsys) == stdout and log.getvalue() == ""
 
@@ -257,7 +257,7 @@ def test_export_shows_loading_on_a_terminal_only(saved, tmp_path, monkeypatch, c
     assert command(export.main, [str(ckpt), "--hf", str(tmp_path / "a")], terminal, monkeypatch, capsys).startswith(
         f"wrote {tmp_path / 'a'}"
     )
-    assert bars(terminal.getvalue(), f"loading {checkpoint.find(ckpt).path}: 100% "), terminal.getvalue()
+    assert bars(terminal.getvalue(), f"loading {folders.find(ckpt).path}: 100% "), terminal.getvalue()
     log = io.StringIO()
     command(export.main, [str(ckpt), "--hf", str(tmp_path / "b")], log, monkeypatch, capsys)
     assert log.getvalue() == "" and (tmp_path / "b" / "config.json").exists()

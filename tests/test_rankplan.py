@@ -16,8 +16,7 @@ from helpers_plan import TP_MIX, make
 from harness import LAYOUT_FILES, LAYOUTS, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.layout import Layout
-from hetero_llm.plan import compile_plan
-from hetero_llm.plan import describe as dryrun
+from hetero_llm.plan import compile_plan, describe
 from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 
@@ -182,7 +181,7 @@ groups this rank creates, in order (* = a member):
 
 def test_describe_says_what_one_rank_does():
     plan = compile_plan(make(TP_MIX))
-    text = dryrun.describe_rank(plan.rank_plan(2))
+    text = describe.describe_rank(plan.rank_plan(2))
     assert text.startswith(RANK_2)
     rest = text[len(RANK_2) :].splitlines()
     buckets = [b for b in plan.sync_blocks if 2 in b.group]
@@ -198,11 +197,11 @@ def test_describe_says_what_one_rank_does():
     assert rest[-len(buckets) - 1 :] == ["gradient sync buckets:"] + [
         f"  {b.name:<28} {len(b.entries)} blocks" for b in buckets
     ]
-    tp = dryrun.describe_rank(plan.rank_plan(4)).splitlines()
+    tp = describe.describe_rank(plan.rank_plan(4)).splitlines()
     assert tp[3] == "  tp          index 1 of 3, ranks [3, 4, 5], group tp[p1.s0]"
     assert "  layers.0.attn.wq             [24, 24]  dim 0: 8-15 of 24" in tp
     assert "  batch share rows 4-5 of 6 in 1 microbatch" in tp
-    assert "  loss        not counted here; reports progress and metrics" in dryrun.describe_rank(plan.rank_plan(0))
+    assert "  loss        not counted here; reports progress and metrics" in describe.describe_rank(plan.rank_plan(0))
 
 
 def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
@@ -210,8 +209,8 @@ def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
     plan = compile_plan(layout_mod.load(path))
     result = invoke_cli(path, "--dry-run", "--rank", "5")
     assert result.exit_code == 0, result.output
-    assert result.output.startswith(dryrun.describe_rank(plan.rank_plan(5)) + "\n\nrendezvous: ")
-    assert len(result.output.splitlines()) == len(dryrun.describe_rank(plan.rank_plan(5)).splitlines()) + 2
+    assert result.output.startswith(describe.describe_rank(plan.rank_plan(5)) + "\n\nrendezvous: ")
+    assert len(result.output.splitlines()) == len(describe.describe_rank(plan.rank_plan(5)).splitlines()) + 2
     plain = invoke_cli(path, "--dry-run", "--full")
     assert plain.exit_code == 0 and "rank  device      node      pipeline  stage  tp" in plain.output
     assert "rank 5 of 8" not in plain.output
@@ -298,10 +297,10 @@ def test_context_parallel_plan_facts():
     # the CP ranks of a stage hold the same shards with their own tokens' gradients: summed among them
     assert [b.group for b in plan.sync_blocks] == [(0, 1, 2, 3), (0, 2), (1, 3), (4, 5)]
     assert [rp.counts_loss for rp in plan.rank_plans] == [False] * 4 + [True, True]
-    text = dryrun.describe(plan)
+    text = describe.describe(plan)
     assert "  cp[p0.s0.t1]         ring 1 -> 3 -> 1   rank 1: 0-3, 12-15  rank 3: 4-7, 8-11" in text
     assert "  cp          index 1 of 2, ring [1, 3] in cp[p0.s0.t1]: keys/values to rank 1, from rank 1; " in (
-        dryrun.describe_rank(plan.rank_plans[3])
+        describe.describe_rank(plan.rank_plans[3])
     )
 
 

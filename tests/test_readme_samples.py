@@ -25,7 +25,7 @@ import pytest
 from bench import readme_samples as make
 from harness import ROOT, free_port
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import batches as data
+from hetero_llm.data import batches
 
 README = ROOT / "README.md"
 
@@ -60,7 +60,7 @@ def test_recorded_quickstart_has_the_grammars_loss_floor():
     """quickstart.txt's floor line is what the code computes for the layout now (a cheap staleness check of the
     record: the floor depends on the grammar and seq_len only)."""
     lay = layout_mod.load(ROOT / "layouts" / "quickstart.toml")
-    source = data.make_source(lay.data, lay.file)
+    source = batches.make_source(lay.data, lay.file)
     floor = source.loss_floor(lay.model.seq_len)
     line = next(r for r in make.QUICKSTART.read_text().splitlines() if r.startswith("data: "))
     assert f"loss floor {floor:.4f} nats/token" in line, (line, floor)

@@ -27,7 +27,7 @@ from harness import (
     launch,
     write_layout,
 )
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.shards import load_full_params
 
 pytestmark = pytest.mark.multiprocess
@@ -47,7 +47,7 @@ def test_checkpoint_every_saves_step_folders_and_points_latest_at_the_last(refer
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000002", "step-000004"]
     assert (root / "latest").read_text() == "step-000004\n"
     for step in (2, 4):
-        folder = checkpoint.step_folder(root, step)
+        folder = folders.step_folder(root, step)
         assert sorted(p.name for p in folder.iterdir()) == ["meta.json", "rank0.pt"]  # no temporary file left
         assert json.loads((folder / "meta.json").read_text())["step"] == step
     last = load_full_params(str(root / "step-000004"))
@@ -129,11 +129,11 @@ def test_a_save_records_the_size_and_sha256_of_each_rank_file(reference):
     import hashlib
 
     for step in (2, 4):
-        folder = checkpoint.step_folder(reference.workdir / "ckpt", step)
+        folder = folders.step_folder(reference.workdir / "ckpt", step)
         record = json.loads((folder / "meta.json").read_text())["files"]["rank0.pt"]
         data = (folder / "rank0.pt").read_bytes()
         assert (record["bytes"], record["sha256"]) == (len(data), hashlib.sha256(data).hexdigest())
-        assert checkpoint.verify(checkpoint.find(folder)) is None
+        assert folders.verify(folders.find(folder)) is None
 
 
 def _nan_filled(path):

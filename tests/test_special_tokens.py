@@ -15,9 +15,7 @@ from click.testing import CliRunner
 from harness import make_bpe_tokenizer
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli.tokenize import main as tokenize_main
-from hetero_llm.data import batches as data
-from hetero_llm.data import token_files as tokenfiles
-from hetero_llm.data import tokenizers as tokens
+from hetero_llm.data import batches, token_files, tokenizers
 
 pytest.importorskip("tokenizers", reason="the 'test' extra installs tokenizers")
 
@@ -51,7 +49,7 @@ def setup(tmp_path, monkeypatch):
     tok_path = make_bpe_tokenizer(tmp_path / "tokenizer.json", DOCS, SPECIAL)
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in DOCS))
     (tmp_path / "one.txt").write_text(DOCS[1])
-    return tmp_path, tokens.load(str(tok_path))
+    return tmp_path, tokenizers.load(str(tok_path))
 
 
 def test_special_token_text_in_a_document_is_plain_text(setup):
@@ -65,12 +63,12 @@ def test_special_token_text_in_a_document_is_plain_text(setup):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    stream = data.make_source(lay.data, lay.file).tokens.tolist()
+    stream = batches.make_source(lay.data, lay.file).tokens.tolist()
     assert documents_of(stream, tok) == DOCS  # one EOS per document, at its end: none from the text
     lay = layout_mod.loads(
         layout_text('kind = "text"\npath = "one.txt"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert documents_of(data.make_source(lay.data, lay.file).tokens.tolist(), tok) == [DOCS[1]]
+    assert documents_of(batches.make_source(lay.data, lay.file).tokens.tolist(), tok) == [DOCS[1]]
 
 
 def test_hetero_tokenize_keeps_special_token_text_plain(setup):
@@ -96,7 +94,7 @@ def test_a_cache_written_when_special_text_became_special_tokens_is_not_reused(s
     tok._tok.encode_special_tokens = False  # how the text was encoded then
     old = [t for d in DOCS for t in (*tok._tok.encode(d, add_special_tokens=False).ids, tok.eos_id)]
     assert documents_of(old, tok) != DOCS  # then: EOS ids from the text
-    cache = Path(tokenfiles.cache_paths(str(source))[0])
+    cache = Path(token_files.cache_paths(str(source))[0])
     np.array(old, dtype="<u2").tofile(cache)
     cache.with_suffix(".json").write_text(
         json.dumps(
@@ -111,4 +109,7 @@ def test_a_cache_written_when_special_text_became_special_tokens_is_not_reused(s
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert documents_of(data.make_source(lay.data, lay.file).tokens.tolist(), tokens.load(lay.data.tokenizer)) == DOCS
+    assert (
+        documents_of(batches.make_source(lay.data, lay.file).tokens.tolist(), tokenizers.load(lay.data.tokenizer))
+        == DOCS
+    )

@@ -14,9 +14,7 @@ from helpers_text import DOCS, make_tokenizer, write_jsonl
 from harness import assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.cli.tokenize import main as tokenize_main
-from hetero_llm.data import batches as data
-from hetero_llm.data import token_files as tokenfiles
-from hetero_llm.data import tokenizers as tokens
+from hetero_llm.data import batches, token_files, tokenizers
 from hetero_llm.errors import LayoutError
 
 pytest.importorskip("tokenizers", reason="the 'test' extra installs tokenizers")
@@ -33,7 +31,7 @@ def test_hetero_tokenize_bytes_bin_is_nanogpt_layout(tmp_path):
     out = tmp_path / "train.bin"
     result = tokenize(write_jsonl(tmp_path / "docs.jsonl"), "-o", out)
     assert result.exit_code == 0, result.output
-    want = [t for d in DOCS for t in (*d.encode(), tokens.BYTE_EOS)]
+    want = [t for d in DOCS for t in (*d.encode(), tokenizers.BYTE_EOS)]
     assert np.fromfile(out, dtype="<u2").tolist() == want  # raw little-endian uint16, EOS after each document
     assert result.stdout == (
         f"wrote {len(want)} tokens (uint16) to {out}: train on it with [data] kind = 'tokens', path = '{out}'\n"
@@ -47,7 +45,7 @@ def test_hetero_tokenize_with_a_tokenizer_to_npy(tmp_path):
     tok_path = make_tokenizer(tmp_path / "tokenizer.json")
     out = tmp_path / "train.npy"
     assert tokenize(write_jsonl(tmp_path / "docs.jsonl"), "-o", out, "--tokenizer", tok_path).exit_code == 0
-    tok = tokens.load(str(tok_path))
+    tok = tokenizers.load(str(tok_path))
     assert tok.eos_id == tok._tok.token_to_id("<|endoftext|>")
     want = [t for d in DOCS for t in (*tok.encode(d), tok.eos_id)]
     got = np.load(out)
@@ -88,9 +86,9 @@ def test_token_file_windows(dtype, tmp_path):
     lay = layout_mod.loads(
         layout_text(f'kind = "tokens"\npath = "t.bin"\ntoken_dtype = "{dtype}"', vocab=70000), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
+    source = batches.make_source(lay.data, lay.file)
     assert source.vocab_size == int(ids.max()) + 1
-    batch = data.global_batch(source, seed=0, step=3, global_batch=4, seq_len=8)
+    batch = batches.global_batch(source, seed=0, step=3, global_batch=4, seq_len=8)
     for row in batch:  # every window is a run of consecutive file tokens
         start = int(np.flatnonzero(ids == row[0])[0])
         assert row.tolist() == ids[start : start + 9].tolist()
@@ -126,7 +124,7 @@ def test_bad_token_files(name, content, expected, tmp_path):
     text = layout_text(f'kind = "tokens"\npath = "{name}"')
     with pytest.raises(LayoutError) as info:
         lay = layout_mod.loads(text, base_dir=tmp_path)
-        data.make_source(lay.data, lay.file)
+        batches.make_source(lay.data, lay.file)
     if expected:
         assert str(info.value) == "<string>: " + expected.format(f=f)
     elif name.endswith(".bin"):
@@ -144,13 +142,13 @@ def test_text_through_a_tokenizer_is_cached_once(tmp_path, monkeypatch):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
-    tok = tokens.load(str(tok_path))
+    source = batches.make_source(lay.data, lay.file)
+    tok = tokenizers.load(str(tok_path))
     assert source.tokens.tolist() == [t for d in DOCS for t in (*tok.encode(d), tok.eos_id)]
     cache = tmp_path / "docs.jsonl.hf-tokens.bin"
     assert cache.exists() and cache.with_suffix(".json").exists()
-    monkeypatch.setattr(tokenfiles, "tokenize_file", lambda *a, **k: pytest.fail("tokenized again"))
-    assert data.make_source(lay.data, lay.file).tokens.tolist() == source.tokens.tolist()
+    monkeypatch.setattr(token_files, "tokenize_file", lambda *a, **k: pytest.fail("tokenized again"))
+    assert batches.make_source(lay.data, lay.file).tokens.tolist() == source.tokens.tolist()
 
 
 def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
@@ -159,18 +157,18 @@ def test_read_only_data_folder_caches_in_the_user_cache(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "docs.jsonl")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     monkeypatch.delenv("HETERO_LLM_CACHE", raising=False)
-    write = tokenfiles.write_tokens
+    write = token_files.write_tokens
 
     def refuse_beside_source(out, *args, **kwargs):
         if Path(out).parent == tmp_path:
             raise PermissionError(13, "Permission denied", out)
         return write(out, *args, **kwargs)
 
-    monkeypatch.setattr(tokenfiles, "write_tokens", refuse_beside_source)
+    monkeypatch.setattr(token_files, "write_tokens", refuse_beside_source)
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    source = data.make_source(lay.data, lay.file)
+    source = batches.make_source(lay.data, lay.file)
     assert Path(source.path).parent == tmp_path / "user-cache" / "hetero_llm"
     assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()
 
@@ -182,5 +180,5 @@ def test_hetero_llm_cache_names_the_cache_folder(tmp_path, monkeypatch):
     lay = layout_mod.loads(
         layout_text('kind = "jsonl"\npath = "docs.jsonl"\ntokenizer = "tokenizer.json"'), base_dir=tmp_path
     )
-    assert Path(data.make_source(lay.data, lay.file).path).parent == tmp_path / "chosen"
+    assert Path(batches.make_source(lay.data, lay.file).path).parent == tmp_path / "chosen"
     assert not (tmp_path / "docs.jsonl.hf-tokens.bin").exists()

@@ -27,8 +27,8 @@ from hetero_llm.layout import (
     PipelineSpec,
     StageSpec,
     TrainSpec,
+    reader,
 )
-from hetero_llm.layout import reader as layout_toml
 from hetero_llm.layout.writer import toml_key, toml_value
 from hetero_llm.planner.cluster import load_cluster
 
@@ -59,8 +59,8 @@ def test_layout_files_round_trip(path, tmp_path):
     out.parent.mkdir()
     layout.dump(loaded, out, relative_to=out.parent)
     again = layout.load(out)
-    same_files = layout_toml.map_paths(again, lambda p: str(Path(p).resolve()))
-    assert same_files == attrs.evolve(layout_toml.map_paths(loaded, lambda p: str(Path(p).resolve())), file=str(out))
+    same_files = reader.map_paths(again, lambda p: str(Path(p).resolve()))
+    assert same_files == attrs.evolve(reader.map_paths(loaded, lambda p: str(Path(p).resolve())), file=str(out))
     assert {p.name for p in tmp_path.rglob("*")} == {"sub", "copy.toml"}  # no temporary file left
 
 

@@ -110,8 +110,8 @@ def test_with_a_tokenizer_and_a_token_file(workdir, monkeypatch):
     )
     run(f"hetero-export {ckpt} --hf hf-out", workdir, monkeypatch)
     tok = transformers.AutoTokenizer.from_pretrained(workdir / "hf-out")
-    from hetero_llm.data import tokenizers as tokens
+    from hetero_llm.data import tokenizers
 
-    ours = tokens.load(str(workdir / "tokenizer.json"))
+    ours = tokenizers.load(str(workdir / "tokenizer.json"))
     assert tok("the dog sat")["input_ids"] == ours.encode("the dog sat")
     assert tok.eos_token_id == ours.eos_id

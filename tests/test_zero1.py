@@ -18,8 +18,7 @@ from hetero_llm import layout as layout_mod
 from hetero_llm import schedule as sched
 from hetero_llm.errors import ScheduleError
 from hetero_llm.model.params import all_params
-from hetero_llm.plan import compile_plan
-from hetero_llm.plan import zero1_slices as optim_shards
+from hetero_llm.plan import compile_plan, zero1_slices
 from hetero_llm.predict.simulate import CostModel, simulate
 from hetero_llm.predict.trace import rank_rows, read_rank_traces
 
@@ -65,7 +64,7 @@ def test_every_element_is_updated_by_exactly_one_rank(pipelines, tmp_path):
     count = {p.name: [0] * p.shape[p.shard_dim or 0] for p in all_params(plan.layout.model)}  # rows along the dim
     for rank in range(plan.world_size):
         held = {info.name: (lo, hi) for info, lo, hi in plan.params_of(rank)}
-        mine, rest = optim_shards.owned(plan, rank)
+        mine, rest = zero1_slices.owned(plan, rank)
         for name, _dim, lo, hi in [s for _, sl in mine for s in sl] + rest:
             assert held[name][0] <= lo <= hi <= held[name][1], f"rank {rank} updates {name} rows it does not hold"
             for row in range(lo, hi):
@@ -79,8 +78,8 @@ def test_state_per_rank_reduced_by_the_documented_factor(tmp_path):
     (weights tp: 1 and 2 + ... see docs/zero1.md), so the TP-1 rank keeps 1/3 of its state and each TP-2 rank
     2/3 of its (half-size) state, for the matrices; the replicated norms split 1 : 1 : 1."""
     plan = _plan(tmp_path, [(6, 2, [(3, 1), (3, 2)]), (6, 2, [(3, 1), (3, 1)])])
-    full = {r: optim_shards.state_elements(plan, r, zero1=False) for r in range(plan.world_size)}
-    zero = {r: optim_shards.state_elements(plan, r, zero1=True) for r in range(plan.world_size)}
+    full = {r: zero1_slices.state_elements(plan, r, zero1=False) for r in range(plan.world_size)}
+    zero = {r: zero1_slices.state_elements(plan, r, zero1=True) for r in range(plan.world_size)}
     # ranks: 0 = p0.s0, 1-2 = p0.s1 (tp 2), 3 = p1.s0, 4 = p1.s1: stage 0 is held by 2 ranks of tp 1
     assert zero[0] + zero[3] == full[0] == full[3]
     assert abs(zero[0] - zero[3]) <= full[0] // 100  # split evenly
@@ -103,7 +102,7 @@ def test_dry_run_shows_the_state_per_rank(tmp_path):
 
 def test_memory_gb_weights_the_slices(tmp_path):
     plan = _plan(tmp_path, [(6, 2, [(6, 1)]), (6, 2, [(6, 1)])], memory=[16, 48])
-    small, big = (optim_shards.state_elements(plan, r, zero1=True) for r in (0, 1))
+    small, big = (zero1_slices.state_elements(plan, r, zero1=True) for r in (0, 1))
     assert abs(big / small - 3) < 0.05
 
 

@@ -205,14 +205,14 @@ def make_source(spec, file_for_errors: str) -> GrammarSource | TokenFileSource:
             )
         return GrammarSource(spec.grammar_vocab, spec.branching, spec.grammar_seed)
     if spec.kind == "tokens":  # a .bin/.npy token file (tokenfiles.py)
-        from hetero_llm.data import token_files as tokenfiles
+        from hetero_llm.data import token_files
 
-        return tokenfiles.open_tokens(spec.path, getattr(spec.token_dtype, "value", spec.token_dtype), file_for_errors)
+        return token_files.open_tokens(spec.path, getattr(spec.token_dtype, "value", spec.token_dtype), file_for_errors)
     if spec.kind in ("text", "jsonl") and getattr(spec, "tokenizer", "bytes") != "bytes":
-        from hetero_llm.data import token_files as tokenfiles
+        from hetero_llm.data import token_files
 
         kind = getattr(spec.kind, "value", spec.kind)
-        return tokenfiles.tokenized_source(spec.path, kind, spec.field, spec.tokenizer, file_for_errors)
+        return token_files.tokenized_source(spec.path, kind, spec.field, spec.tokenizer, file_for_errors)
     if spec.kind in ("text", "jsonl"):
         return TokenFileSource.from_file(spec.path, spec.kind, spec.field, file_for_errors)
     raise LayoutError(file_for_errors, "data.kind", unknown_kind_message(spec.kind))

@@ -22,8 +22,7 @@ import copy
 import attrs
 import numpy as np
 
-from hetero_llm.data import batches as data
-from hetero_llm.data import documents
+from hetero_llm.data import batches, documents
 from hetero_llm.errors import LayoutError
 
 # Mixed into the held-out RNG seed: never the stream of a training batch, even when the source is shared.
@@ -32,14 +31,14 @@ _EVAL_STREAM = 0xE7A1
 
 def train_and_held_out(spec, file_for_errors: str):
     """(training source, held-out source or None) of a layout's [data]."""
-    train = data.make_source(spec, file_for_errors)
+    train = batches.make_source(spec, file_for_errors)
     kind = getattr(spec.kind, "value", spec.kind)
     if kind == "grammar":
         return train, train  # an infinite source: held-out batches are other samples of the same grammar
     if spec.valid_path:
-        return train, data.make_source(attrs.evolve(spec, path=spec.valid_path, valid_path=""), file_for_errors)
+        return train, batches.make_source(attrs.evolve(spec, path=spec.valid_path, valid_path=""), file_for_errors)
     if spec.valid_fraction:
-        assert isinstance(train, data.TokenFileSource)  # a file's tokens: the grammar returned above
+        assert isinstance(train, batches.TokenFileSource)  # a file's tokens: the grammar returned above
         cut = int(len(train.tokens) * (1 - spec.valid_fraction))
         head, tail = copy.copy(train), copy.copy(train)
         head.tokens, tail.tokens = train.tokens[:cut], train.tokens[cut:]
@@ -49,7 +48,7 @@ def train_and_held_out(spec, file_for_errors: str):
 
 def batch(source, seed: int, index: int, global_batch: int, seq_len: int) -> np.ndarray:
     """Held-out batch ``index``: int64 (global_batch, seq_len + 1), the same on every process and layout."""
-    rng = np.random.default_rng([data._DATA_STREAM, _EVAL_STREAM, seed, index])
+    rng = np.random.default_rng([batches._DATA_STREAM, _EVAL_STREAM, seed, index])
     return source.sample(rng, global_batch, seq_len + 1)
 
 

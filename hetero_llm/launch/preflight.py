@@ -154,16 +154,14 @@ def check_init_weights(lay: Layout, resume: str | None) -> None:
 def checked_source(lay: Layout):
     """The layout's data source, refused now if it cannot give one window of text or holds ids outside
     model.vocab (rather than in every rank)."""
-    from hetero_llm.data import batches as data
-    from hetero_llm.data import text_cache as textcache
-    from hetero_llm.data import token_files as tokenfiles
+    from hetero_llm.data import batches, text_cache, token_files
 
-    source = data.make_source(lay.data, lay.file)
+    source = batches.make_source(lay.data, lay.file)
     if lay.data.packing is Packing.DOCUMENTS:  # whole documents, however short: found now, or why not
-        from hetero_llm.data import held_out as evaluate
+        from hetero_llm.data import held_out
 
-        evaluate.document_sources(lay.data, lay.model.seq_len, lay.file)  # and the held-out ones
-    elif isinstance(source, textcache.TokenFileSource):
+        held_out.document_sources(lay.data, lay.model.seq_len, lay.file)  # and the held-out ones
+    elif isinstance(source, text_cache.TokenFileSource):
         source.require_text(lay.model.seq_len + 1)
-    tokenfiles.check_vocab(source, lay.model.vocab, lay.file)
+    token_files.check_vocab(source, lay.model.vocab, lay.file)
     return source

@@ -79,12 +79,10 @@ def validate_data(layout: Layout) -> None:
                 f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)"
             )
         return
-    from hetero_llm.data import (
-        tokenizers as tokens,
-    )  # torch-free; the tokenizers library loads only for a tokenizer.json
+    from hetero_llm.data import tokenizers  # torch-free; the tokenizers library loads only for a tokenizer.json
 
     try:
-        vocab = tokens.load(d.tokenizer).vocab_size
+        vocab = tokenizers.load(d.tokenizer).vocab_size
     except ValueError as e:
         raise LayoutError(f, "data.tokenizer", str(e)) from None
     if m.vocab < vocab:

@@ -60,9 +60,9 @@ from hetero_llm.layout import (
     Optimizer,
     Precision,
     TrainSpec,
+    rules,
 )
 from hetero_llm.layout import reader as layout_reader
-from hetero_llm.layout import rules as layout_rules
 from hetero_llm.planner import catalogue
 from hetero_llm.planner import profile as profile_mod
 from hetero_llm.planner.catalogue import DeviceKind, catalogue_kind
@@ -240,7 +240,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         )
     # what the written layout's validation would refuse, before the search rather than after it
     probe = Layout(file, model, train, sec["data"], cluster, ())
-    layout_rules.validate_sections(layout_reader.map_paths(probe, lambda p: str(Path(file).parent / p)))
+    rules.validate_sections(layout_reader.map_paths(probe, lambda p: str(Path(file).parent / p)))
     plan = raw.get("plan", {})
     if not isinstance(plan, dict):
         raise LayoutError(file, "plan", "expected a table ([plan])")

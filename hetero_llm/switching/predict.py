@@ -135,8 +135,7 @@ def simulate_buckets(
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's
     gradient all-reduce across its pipelines (ring, over the slowest link among them). Torch-free."""
-    from hetero_llm.data import documents
-    from hetero_llm.data import held_out as evaluate
+    from hetero_llm.data import documents, held_out
     from hetero_llm.layout import elastic_layout
     from hetero_llm.plan import compile_plan
     from hetero_llm.switching import bucketing
@@ -145,7 +144,7 @@ def simulate_buckets(
     home = compile_plan(layout)
     plans = bucket_plans(layout)
     if source is None:
-        source = evaluate.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
+        source = held_out.document_sources(layout.data, layout.model.seq_len, layout.file)[0]  # training's
     docs = documents.fill_documents(source, layout.train.seed, step, layout.train.global_batch, layout.model.seq_len)
     rows_of = bucketing.bucket_rows(layout, docs)
     times: list[float | None] = []

@@ -19,9 +19,7 @@ from hetero_llm.comm import collectives
 from hetero_llm.comm.groups import Comms
 from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import Streams
-from hetero_llm.data import batches as data
-from hetero_llm.data import documents
-from hetero_llm.data import held_out as evaluate
+from hetero_llm.data import batches, documents, held_out
 from hetero_llm.errors import Diverged, RankFailure
 from hetero_llm.layout import Packing, Precision, TrainSpec
 from hetero_llm.model.document_mask import DocumentMask
@@ -61,7 +59,7 @@ def stage_compute(rp: RankPlan, device: torch.device) -> Compute:
 def _microbatches(rp: RankPlan, batch: np.ndarray, ring: Ring | None = None) -> list[Microbatch]:
     """The rank's microbatches (``ring``: a context-parallel rank's columns of them, ``context_rows``)."""
     share = rp.batch
-    pieces = data.pipeline_share(batch, share.offset, share.size, share.microbatches)
+    pieces = batches.pipeline_share(batch, share.offset, share.size, share.microbatches)
     if ring is not None:
         cut = [context_rows.context_columns(ring, rp.model.seq_len, p[:, :-1], p[:, 1:]) for p in pieces]
         return [Microbatch(inputs, targets, ctx=shard) for inputs, targets, shard in cut]
@@ -143,9 +141,9 @@ def train(
     )
     packed = rp.data.packing is Packing.DOCUMENTS
     if packed:
-        source, valid = evaluate.document_sources(rp.data, model.seq_len, rp.file)
+        source, valid = held_out.document_sources(rp.data, model.seq_len, rp.file)
     else:
-        source, valid = evaluate.train_and_held_out(rp.data, rp.file)
+        source, valid = held_out.train_and_held_out(rp.data, rp.file)
     global_tokens = tr.global_batch * model.seq_len
     contributes_loss = home_counts_loss = rp.counts_loss  # held-out batches run under the home layout
     if rp.hot_switching:  # every bucket of a step under its own layout (switching/switcher.py)
@@ -181,7 +179,7 @@ def train(
                     rows = documents.fill_rows(source, tr.seed, step, tr.global_batch, model.seq_len)
                     global_tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
                 else:
-                    batch = data.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
+                    batch = batches.global_batch(source, tr.seed, step, tr.global_batch, model.seq_len)
                     mbs = _microbatches(rp, batch, runner.ring)
                 with tensor_meter.saving():
                     loss_sum = (
@@ -257,11 +255,11 @@ def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bo
     targets = 0
     for index in range(tr.eval_batches):
         if rp.data.packing is Packing.DOCUMENTS:
-            rows = evaluate.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
+            rows = held_out.held_out_rows(valid, tr.seed, index, tr.global_batch, model.seq_len)
             tokens, mbs = rows.num_targets, _packed_microbatches(rp, rows, runner.ring)
         else:
             tokens = tr.global_batch * model.seq_len
-            mbs = _microbatches(rp, evaluate.batch(valid, tr.seed, index, tr.global_batch, model.seq_len), runner.ring)
+            mbs = _microbatches(rp, held_out.batch(valid, tr.seed, index, tr.global_batch, model.seq_len), runner.ring)
         loss_sum = runner.run_forward(rp.actions, mbs, tokens)
         targets += tokens
         if contributes_loss:
