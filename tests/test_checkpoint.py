@@ -241,7 +241,7 @@ DAMAGED = "resume from another step folder (or start without --resume)"
 
 def _save_recorded(root: Path, step: int, contents: list[bytes], layout: Path = REFERENCE) -> Path:
     """A complete save whose meta.json records its rank files (``contents``) and the shards the layout's plan
-    gives each rank, as checkpoint_io.save_checkpoint writes it."""
+    gives each rank, as checkpoint.shards.save_checkpoint writes it."""
     from hetero_llm.plan import compile_plan
 
     lay = layout_mod.load(layout)

@@ -694,7 +694,7 @@ def zero1_cluster(tmp_path: Path, memory: dict[str, float]) -> Path:
 
 @pytest.mark.parametrize("memory", [{}, {"fast0": 6, "slow0": 2, "slow1": 4}, {"fast0": 6}])
 def test_zero1_moments_are_optim_shards_slices(tmp_path, memory):
-    """The planner's ZeRO-1 state per device is what optim_shards gives the written layout's ranks (up to
+    """The planner's ZeRO-1 state per device is what plan.zero1_slices gives the written layout's ranks (up to
     whole rows), for every plan it ranks: TP 2 beside TP 1, uneven boundaries, memory_gb weights declared
     on every node, on some (then unweighted) or none."""
     from hetero_llm.plan import compile_plan, zero1_slices

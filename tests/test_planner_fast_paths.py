@@ -137,7 +137,7 @@ def loop_optimizer_time(m: PlannerCostModel, cand: Candidate) -> float:
 def random_candidate(rng: random.Random, planner: Planner) -> Candidate:
     """TP groups of a random menu, a random subset dealt into random pipelines, random layer splits."""
     L = planner.L
-    kinds = sorted({n.kind.name for n in planner.c.nodes})
+    kinds = sorted({n.kind.name for n in planner.cluster.nodes})
     menu = {k: rng.choice(planner.tp_sizes(8)) for k in kinds}
     groups = planner.groups(menu)
     rng.shuffle(groups)
@@ -250,7 +250,7 @@ def test_estimate_and_bound_from_the_realized_splits_equal_those_from_the_stages
         groups = planner.groups(rng.choice(menus))
         groups = rng.sample(groups, rng.randint(1, len(groups)))
         pipes = Dealer(planner, groups).deal(rng.randint(1, len(groups)), rng.random() < 0.5)
-        rows = rng.choice([d for d in range(1, 9) if planner.G % d == 0])
+        rows = rng.choice([d for d in range(1, 9) if planner.global_batch % d == 0])
         cand = planner.realize(Structure(pipes, rows, rng.choice(["1f1b", "zbh1", "gpipe"])))
         if cand is None:
             continue
@@ -285,7 +285,7 @@ def test_neighbours_are_made_as_taken_each_once(name):
         groups = planner.groups(rng.choice(menus))
         groups = rng.sample(groups, rng.randint(1, len(groups)))
         pipes = Dealer(planner, groups).deal(rng.randint(1, min(len(groups), 8)), rng.random() < 0.5)
-        st = Structure(pipes, rng.choice([d for d in range(1, 9) if planner.G % d == 0]))
+        st = Structure(pipes, rng.choice([d for d in range(1, 9) if planner.global_batch % d == 0]))
         everything = list(moves.neighbours(planner, st))
         keys = [nb.key() for nb in everything]
         assert len(set(keys)) == len(keys) > 0

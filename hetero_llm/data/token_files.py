@@ -210,7 +210,7 @@ def tokenize_file(
 
 def cache_paths(source: str) -> list[Path]:
     """Where the tokens of ``source`` may be cached, in order: the folder ``$HETERO_LLM_CACHE`` names when set;
-    else beside the source, then the user cache folder (as ``textcache.cache_path`` for byte tokens)."""
+    else beside the source, then the user cache folder (as ``text_cache.cache_path`` for byte tokens)."""
     name = os.path.basename(source) + ".hf-tokens.bin"
     chosen = os.environ.get(CACHE_ENV)
     home = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero_llm"

@@ -1,7 +1,7 @@
 """``hetero-export CHECKPOINT_DIR --hf OUT_DIR``: a checkpoint of any layout as a Hugging Face model directory.
 
 The checkpoint's meta.json records the [model] and [data] it was trained with; the full parameters are
-assembled from the rank files (any layout), mapped to Llama or GPT-2 names (hf.py) and written as
+assembled from the rank files (any layout), mapped to Llama or GPT-2 names (hf_names, hf) and written as
 ``config.json`` + ``model.safetensors``, with the tokenizer.json when the run used one.
 """
 
@@ -31,7 +31,7 @@ class Saved:
 
 
 def reader_error(e: LayoutError) -> LayoutError:
-    """An error ``--resume`` would give about this save (checkpoint.py, checkpoint_io.py: the same checks and words),
+    """An error ``--resume`` would give about this save (checkpoint/folders.py, checkpoint/shards.py: the same checks and words),
     located at CHECKPOINT_DIR and without its advice to resume otherwise; any other error as it is."""
     if not isinstance(e, CheckpointError) or e.path != "--resume":
         return e

@@ -1,14 +1,14 @@
 """Layouts: the TOML a user writes, loaded once into frozen attrs classes and validated.
 
-The front of four modules, in data-flow order:
+The front of the package's modules, in data-flow order:
 
-- ``layout_schema``: the classes and enums; every key declared once with its type, default, meaning
-  and single-field rules (``layout_fields`` says how a key is declared); ``cluster_schema`` the
+- ``schema``: the classes and enums; every key declared once with its type, default, meaning
+  and single-field rules (``fields`` says how a key is declared); ``cluster_schema`` the
   ``[cluster]`` tables.
-- ``layout_toml``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
+- ``reader``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
   conversion key by key (unknown keys are errors with a did-you-mean, because a silently ignored
   typo such as ``train.stpes`` is the classic way a TOML config lies to its user).
-- ``layout_rules``: validation, the rules between keys and the order all rules run in (those of
+- ``rules``: validation, the rules between keys and the order all rules run in (those of
   ``[data]`` in ``data_rules``, of ``[cluster]`` in ``cluster_rules``).
 - ``cluster_file``: a layout without pipelines, read by hetero-place and hetero-plan.
 - ``writer``: the loader's inverse, ``dumps`` / ``dump`` (and ``dumps_cluster``): every TOML file the
@@ -122,7 +122,6 @@ __all__ = [
 ]
 
 build = reader.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
-_build = build  # the name hetero_llm.planner.cluster calls
 
 
 def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Layout:

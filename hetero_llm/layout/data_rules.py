@@ -1,5 +1,5 @@
 """Layout validation of ``[data]`` and held-out evaluation: the data's kind, files, tokenizer, packing and
-held-out set, checked against the model. Called by ``layout_rules.validate`` at its place in the fixed order
+held-out set, checked against the model. Called by ``rules.validate`` at its place in the fixed order
 of all rules (the first problem found is the one reported). Imports no torch.
 """
 

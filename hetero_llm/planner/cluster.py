@@ -248,7 +248,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     node_kinds = plan.get("nodes", {})
     tables = ("kinds", "nodes", "nics", "documents")
     limits = (
-        layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
+        layout_mod.build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
         if set(plan) - set(tables)
         else PlanLimits()
     )
@@ -405,7 +405,7 @@ def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind
     for name, table in raw.items():
         where = f"plan.kinds.{name}"
         kind = (
-            layout_mod._build(DeviceKind, table, where, file)
+            layout_mod.build(DeviceKind, table, where, file)
             if isinstance(table, dict) and "name" not in table
             else None
         )

@@ -66,7 +66,7 @@ class MemoryModel:
         self.unfused = cluster.limits.attention == "unfused"
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
-        # declares memory_gb (optim_shards._weights); else by TP size alone
+        # declares memory_gb (zero1_slices._weights); else by TP size alone
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
         self._stage_params: dict[tuple, float] = {}
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
@@ -281,7 +281,7 @@ class MemoryModel:
         return tuple(tuple((f / div, p / div, float(g)) for f, p, g in stage) for stage in held)
 
     def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
-        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
+        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``plan.zero1_slices``
         slices them (up to whole rows): every span of layers between two stage boundaries of any pipeline
         is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
         of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's

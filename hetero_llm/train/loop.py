@@ -101,7 +101,7 @@ def train(
     """Train the rank ``rp`` plans to ``train.steps``; save into ``checkpoint_dir`` every ``checkpoint_every`` steps
     (0: at the end only) and at the end; start from the save ``resume`` names (a step folder or a checkpoint root).
     ``snapshot``: (folder, every) also saves every ``every`` steps into that folder (an elastic run's snapshots in
-    node memory), written in the background (checkpoint/snapshots.py). ``switcher``: for a layout with [[buckets]], what makes the rank's ``hotswitch.Switcher`` (the launcher binds
+    node memory), written in the background (checkpoint/snapshots.py). ``switcher``: for a layout with [[buckets]], what makes the rank's ``switcher.Switcher`` (the launcher binds
     the bucket layouts to it) from (comms, params, coords, runner, compute_of, trace, streams).
 
     Returns every step's metrics with ``keep_history`` (benchmarks), else none: a long run must not grow
@@ -248,7 +248,7 @@ def _update(optimizer, state, sharded: bool, lr: float, grad_norm: float, grad_c
 
 
 def held_out_loss(rp: RankPlan, runner: StageRunner, valid, contributes_loss: bool) -> float:
-    """The mean token loss over the held-out batches (evaluate.py), every rank's share run forward only
+    """The mean token loss over the held-out batches (data/held_out.py), every rank's share run forward only
     (packed documents: over their targets, padding excluded)."""
     tr, model = rp.train, rp.model
     total = torch.zeros((), dtype=torch.float64, device=runner.comms.device)
