@@ -17,7 +17,7 @@ import pytest
 from bench import benchlib, traces
 from bench import hot_switch_config as hot
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, out: Path) -> subprocess.CompletedProcess:

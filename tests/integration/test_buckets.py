@@ -15,20 +15,21 @@ from pathlib import Path
 
 import attrs
 import pytest
+from helpers_buckets import switches
 
-from harness import assert_same_model, invoke_cli, launch
+from harness import assert_same_model, launch
 from hetero_llm import layout as layout_mod
 from hetero_llm.data.documents import fill_documents, make_document_source
-from hetero_llm.layout import Schedule, bucket_layout
 from hetero_llm.plan import compile_plan
 from hetero_llm.predict import trace as tracing
 from hetero_llm.switching.bucketing import bucket_rows
-from hetero_llm.switching.transfers import bucket_plans
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
+
 THREE = (
-    Path(__file__).resolve().parents[1] / "layouts" / "examples" / "hot_switch.toml"
+    Path(__file__).resolve().parents[2] / "layouts" / "examples" / "hot_switch.toml"
 )  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
+
 TP23 = DATA / "buckets_tp23.toml"  # home TP 3 | asymmetric zbh1 | PP 2 dynamic | interleaved, 3 devices
 
 
@@ -47,35 +48,6 @@ def one_process(layout: Path, folder: Path) -> Path:
     return path
 
 
-def test_each_bucket_compiles_to_its_own_layout():
-    lay = layout_mod.load(THREE)
-    assert [b.max_len for b in lay.buckets] == [16, 32, 64]
-    plans = bucket_plans(lay)
-    assert [len(p.layout.pipelines) for p in plans] == [4, 2, 1]
-    assert [p.world_size for p in plans] == [4, 4, 4]
-    # bucket 1 has its own schedule; bucket 2 has no pipelines: the home layout, whose global batch it keeps
-    assert [p.layout.train.schedule for p in plans] == [Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ONE_F_ONE_B]
-    assert bucket_layout(lay, 2).pipelines == lay.pipelines and bucket_layout(lay, 2).train.global_batch == 8
-    assert bucket_layout(lay, 0).train.global_batch == 4  # the sum of its pipelines' row shares
-    # the same model in every bucket: parameters keep their shapes, so switches can move them
-    assert {p.layout.model for p in plans} == {lay.model}
-    assert {d for p in plans for d in (r.device_id for r in p.ranks)} == {r.device_id for r in compile_plan(lay).ranks}
-
-
-def test_dry_run_shows_the_buckets_and_the_switches_of_a_step():
-    result = invoke_cli(THREE, "--dry-run")
-    assert result.exit_code == 0, result.stderr
-    out = result.stdout
-    assert "bucket 0: documents of 1-16 positions, rows of 16, 4 ranks, schedule 1f1b" in out
-    assert "bucket 2: documents of 33-64 positions, rows of 64, home layout" in out
-    # home -> 0 -> 1 -> 2 (the home layout): no switch out of bucket 2, no gradients into bucket 0
-    assert "switch home -> bucket 0: 276 parameter and 0 gradient transfers" in out
-    assert "switch bucket 0 -> bucket 1: 180 parameter and 360 gradient transfers" in out
-    assert "switch bucket 1 -> bucket 2: 0 parameter and 180 gradient transfers" in out  # home's parameters stayed
-    switches = out.split("simulated step")[0]  # then the simulator's step (tests/test_bucket_sim.py)
-    assert "-> home" not in switches and "bucket 2 ->" not in switches
-
-
 STEPS = ("--set", "train.steps=3")
 
 
@@ -90,11 +62,6 @@ def test_three_buckets_over_dp_tp_and_pp_train_the_one_process_model(reference_t
     run = launch(THREE, tmp_path, *STEPS, "--checkpoint-every", "2", "--trace", str(tmp_path / "trace"))
     assert_same_model(run, reference_three)
     assert switches(tmp_path / "trace", 0) == expected_switches(layout_mod.load(THREE, ["train.steps=3"]))
-
-
-def switches(trace: Path, rank: int) -> list[str]:
-    """The SWITCH actions ``rank`` recorded under ``--trace``, in order."""
-    return [e["action"] for e in tracing.read_rank_traces(trace)[rank]["events"] if e["action"].startswith("SWITCH")]
 
 
 def expected_switches(lay) -> list[str]:
@@ -164,11 +131,6 @@ def test_buckets_without_documents_are_skipped_without_a_switch(tmp_path):
     assert switches(tmp_path / "trace", 0) == ["SWITCH>b1", "SWITCH>home"] * 2
 
 
-def test_buckets_can_be_overridden_from_the_command_line():
-    lay = layout_mod.load(THREE, ["buckets.1.max_len=40"])
-    assert [b.max_len for b in lay.buckets] == [16, 40, 64]
-
-
 @pytest.mark.multiprocess
 def test_two_buckets_dp2_and_home_tp2_train_the_one_process_model(tmp_path):
     """... and evaluate as it does: held-out documents packed into the home layout's rows, after every step."""
@@ -204,23 +166,6 @@ def test_zero1_at_home_reduces_after_the_last_switch_and_trains_the_one_process_
     rest = launch(zero1, tmp_path / "b", "--resume", str(tmp_path / "a" / "ckpt" / "step-000002"))
     both = attrs.evolve(rest, losses=first.losses[:2] + rest.losses, grad_norms=first.grad_norms[:2] + rest.grad_norms)
     assert_same_model(both, ref)
-
-
-def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_path):
-    """The plan fingerprint every rank checks at rendezvous covers the buckets, schedule files by name."""
-    # bucket 0's first pipeline (one stage, one microbatch) runs a hand-written order
-    plain = "[[buckets.pipelines]]\nbatch = 1\nmicrobatches = 1\n"
-    text = THREE.read_text().replace(plain, plain + 'schedule_file = "order.txt"\n', 1)
-    prints = []
-    for name in ("a", "b"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "order.txt").write_text("F0 B0\n")
-        (tmp_path / name / "layout.toml").write_text(text)
-        lay = layout_mod.load(tmp_path / name / "layout.toml")
-        assert lay.buckets[0].pipelines[0].schedule_file == str(tmp_path / name / "order.txt")
-        prints.append(compile_plan(lay).fingerprint())
-    other = layout_mod.load(tmp_path / "a" / "layout.toml", ["buckets.1.max_len=40"])
-    assert prints[0] == prints[1] != compile_plan(other).fingerprint()
 
 
 @pytest.mark.multiprocess

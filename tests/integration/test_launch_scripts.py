@@ -22,7 +22,7 @@ from harness import rank0_off_master_layout
 from hetero_llm import layout as layout_mod
 from launch import gen_rank_scripts as gen
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
 RUN_NODE = LAUNCH / "run_node.sh"
 SBATCH = LAUNCH / "slurm_example.sbatch"

@@ -24,98 +24,20 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers_precision import BF16_LOSS_RTOL, BF16_TENSOR_RTOL, assert_bf16_close
+from helpers_precision import assert_bf16_close
+from helpers_precision_common import _step
 
 import hetero_llm.model.forward as model_mod
 from harness import LAYOUTS, RTOL, assert_same_model, common_sections, launch, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import collectives
-from hetero_llm.model.forward import TP, Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
-from hetero_llm.model.params import all_params
-from hetero_llm.plan import compile_plan
-from hetero_llm.train.loop import stage_compute
+from hetero_llm.model.forward import TP, Compute
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
+
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
+
 MODEL = layout_mod.load(REFERENCE).model
-GPT = layout_mod.ModelSpec(layers=3, hidden=32, heads=4, vocab=64, seq_len=16)  # layernorm, learned, gelu
-
-
-# ------------------------------------------------------------------------------------------
-# The model functions, one process
-
-
-def _params(model: layout_mod.ModelSpec) -> dict[str, torch.Tensor]:
-    return {info.name: init_full(info, model, seed=7).requires_grad_() for info in all_params(model)}
-
-
-def _batch(model: layout_mod.ModelSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.vocab, (4, model.seq_len + 1), generator=gen)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _step(model, compute: Compute, tp: TP = model_mod.NO_TP):
-    """Loss and gradients of the whole model as one stage under ``compute``."""
-    p = _params(model)
-    inputs, targets = _batch(model)
-    logits = stage_forward(
-        p, inputs, StageShape(0, model.layers, True, True), model, tp, compute, make_block_fn(model, tp, compute)
-    )
-    loss = token_loss_sum(logits, targets)
-    loss.backward()
-    return logits, loss.detach(), p
-
-
-@pytest.mark.parametrize("model", [MODEL, GPT], ids=["llama-style", "gpt-style"])
-def test_bf16_computes_in_bf16_from_float32_leaves(model):
-    logits, loss, p = _step(model, Compute(torch.bfloat16))
-    assert logits.dtype == torch.bfloat16
-    assert loss.dtype == torch.float32  # token_loss_sum upcasts the logits
-    for name, t in p.items():
-        assert t.dtype == torch.float32 and t.is_leaf, name
-        assert t.grad is not None and t.grad.dtype == torch.float32, name  # accumulated in float32
-
-
-def test_bf16_middle_stage_keeps_received_dtype():
-    p = _params(MODEL)
-    x = torch.randn(2, MODEL.seq_len, MODEL.hidden, dtype=torch.bfloat16, requires_grad=True)
-    out = stage_forward(p, x, StageShape(2, 4, False, False), MODEL, compute=Compute(torch.bfloat16))
-    assert out.dtype == torch.bfloat16  # what the next stage's receive buffer expects
-    out.float().sum().backward()
-    assert x.grad.dtype == torch.bfloat16  # the gradient sent back travels in bf16 too
-    assert p["layers.2.attn.wq"].grad.dtype == torch.float32
-
-
-@pytest.mark.parametrize("model", [MODEL, GPT], ids=["llama-style", "gpt-style"])
-def test_bf16_is_close_to_float32(model):
-    _, loss32, p32 = _step(model, Compute())
-    _, loss16, p16 = _step(model, Compute(torch.bfloat16))
-    assert abs(float(loss16) - float(loss32)) <= BF16_LOSS_RTOL * abs(float(loss32))
-    for name in p32:
-        g32, g16 = p32[name].grad, p16[name].grad
-        assert float((g16 - g32).norm() / g32.norm()) <= BF16_TENSOR_RTOL, name
-
-
-def _grad_fns(t: torch.Tensor) -> set[str]:
-    seen, todo, names = set(), [t.grad_fn], set()
-    while todo:
-        fn = todo.pop()
-        if fn is None or fn in seen:
-            continue
-        seen.add(fn)
-        names.add(type(fn).__name__)
-        todo += [f for f, _ in fn.next_functions]
-    return names
-
-
-def test_float32_path_has_no_casts_or_copies_of_weights():
-    """In float32 the casts are no-ops: no copy nodes, no concatenated weights (same graph as before)."""
-    logits, _, _ = _step(MODEL, Compute())
-    names = _grad_fns(logits)
-    assert not any(n.startswith(("ToCopyBackward", "CatBackward")) for n in names), sorted(names)
-    bf16_names = _grad_fns(_step(MODEL, Compute(torch.bfloat16))[0])
-    assert any(n.startswith("CatBackward") for n in bf16_names)  # bf16: one GEMM for q, k, v
 
 
 def _saved_bytes(model, compute: Compute) -> int:
@@ -182,28 +104,6 @@ def test_compiled_blocks_run_tp_collectives_eagerly(counted_compile):
     assert torch.allclose(logits_c, logits, rtol=1e-5, atol=1e-6)
     for name in p:
         assert torch.allclose(p_c[name].grad, p[name].grad, rtol=1e-4, atol=1e-7), name
-
-
-def test_stage_compute_reads_the_layout():
-    text = REFERENCE.read_text()
-    text = text.replace("[train]\n", '[train]\nprecision = "bf16"\nrecompute = "full"\ncompile = "blocks"\n')
-    text = text.replace('devices = ["cpu"]', 'devices = ["cpu", "cpu"]')
-    text = text.replace(
-        'layers = 6\ndevices = ["node0:0"]',
-        'layers = 2\ndevices = ["node0:0"]\nrecompute = "none"\n[[pipelines.stages]]\nlayers = 4\n'
-        'devices = ["node0:1"]',
-    )
-    plan = compile_plan(layout_mod.loads(text))
-    cpu = torch.device("cpu")
-    stage_says_none, train_default = plan.rank_plan(0), plan.rank_plan(1)
-    assert stage_compute(stage_says_none, cpu) == Compute(torch.bfloat16, recompute=False, compile=True)
-    assert stage_compute(train_default, cpu) == Compute(torch.bfloat16, recompute=True, compile=True)
-    default = compile_plan(layout_mod.load(REFERENCE))
-    assert stage_compute(default.rank_plan(0), cpu) == Compute()
-
-
-# ------------------------------------------------------------------------------------------
-# Whole runs (hetero-launch, gloo, CPU)
 
 
 @pytest.fixture(scope="module")

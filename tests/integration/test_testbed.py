@@ -19,7 +19,7 @@ from click.testing import CliRunner
 
 from bench import testbed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CROSS_RATE, CROSS_DELAY = "50mbit", "5ms"  # one-way; a round trip crosses four shaped link ends: >= 10 ms
 

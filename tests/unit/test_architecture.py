@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "hetero_llm"
+PACKAGE = Path(__file__).resolve().parents[2] / "hetero_llm"
 
 # Lowest first: a module may import its own layer and the layers before it, never a later one.
 LAYERS = [

@@ -3,14 +3,12 @@ restoring either AdamW, and every bad ``--resume`` as one exact line (exit code 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from harness import LAYOUTS, ROOT, assert_one_error_line, invoke_cli
+from harness import LAYOUTS, assert_one_error_line, invoke_cli
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.shards import _assemble, optimizer_steps, restore_optimizer
@@ -18,6 +16,7 @@ from hetero_llm.errors import CheckpointError
 from hetero_llm.runtime.adamw import AdamW
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"  # 6 layers, hidden 32; train.steps = 3
+
 FOLDER = Path("ckpt/step-000002")
 
 
@@ -30,9 +29,6 @@ def _save(root: Path, step: int, lay: layout_mod.Layout, world_size: int = 1, co
     if complete:
         folders.finish_save(folder, step, world_size, lay)
     return folder
-
-
-# ------------------------------------------------------------------------------------ which save
 
 
 def test_root_means_latest(tmp_path):
@@ -73,9 +69,6 @@ def test_step_folder_means_itself(tmp_path):
     assert found.shapes["layers.0.attn.wq"] == (32, 32)
 
 
-# ------------------------------------------------------------------------------------ slicing
-
-
 def _shard(full: torch.Tensor, dim: int | None, lo: int, hi: int) -> dict:
     tensor = full if dim is None else full.narrow(dim, lo, hi - lo)
     return {"tensor": tensor.clone(), "coords": (dim, lo, hi, tuple(full.shape))}
@@ -104,9 +97,6 @@ def test_rows_in_no_rank_file_are_an_error():
     assert str(e.value) == (
         f"{FOLDER}: --resume: w: part of it is in no rank file (the save is damaged); resume from another step folder"
     )
-
-
-# ------------------------------------------------------------------------------------ AdamW state
 
 
 def _adamw(kind: str, params: list[torch.Tensor]):
@@ -143,9 +133,6 @@ def test_restored_adamw_continues_like_the_uninterrupted_one(kind):
     steps(opt, resumed, grads[2:])
     for p, q in zip(resumed, whole):
         assert torch.equal(p, q)
-
-
-# ------------------------------------------------------------------------------------ bad --resume
 
 
 FIX = "pass the --checkpoint DIR of an earlier run or one of its step-NNNNNN folders, or start without --resume"
@@ -220,21 +207,6 @@ def test_checkpoint_every_needs_a_folder():
         f"{REFERENCE}: --checkpoint-every: needs --checkpoint DIR (the folder to save into)",
     )
 
-
-def test_bad_resume_in_a_real_process(tmp_path):
-    """Once outside CliRunner: one line on stderr, exit code 2, no traceback, no rank started."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetero_llm.cli", str(REFERENCE), "--resume", str(tmp_path / "nope")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert (proc.returncode, proc.stdout) == (2, "")
-    assert proc.stderr == f"error: {tmp_path / 'nope'}: --resume: no such folder ({FIX})\n"
-
-
-# ------------------------------------------------------------------------------------ integrity (meta.json's records)
 
 DAMAGED = "resume from another step folder (or start without --resume)"
 
@@ -402,9 +374,6 @@ def test_a_rank_refuses_shards_of_another_models_shape(tmp_path):
         f"{folder / 'rank0.pt'}: --resume: its shard of layers.0.attn.wq ([32, 32]) is rows "
         f"[0, 48) of dim 0, outside the tensor: the save is damaged; {DAMAGED}"
     )
-
-
-# ------------------------------------------------------------------------------------ leftovers of killed saves
 
 
 def test_the_next_save_removes_temporary_files_of_a_killed_one(tmp_path):

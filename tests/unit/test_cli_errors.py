@@ -23,7 +23,7 @@ from hetero_llm.data import text_cache
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import outputs
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "layouts" / "quickstart.toml"
 HELP = "(see hetero-launch --help)"
 

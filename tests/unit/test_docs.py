@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from hetero_llm import layout
 from hetero_llm.cli.launch import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _fresh_machine_commands() -> list[str]:

@@ -14,9 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import LAYOUTS, assert_one_error_line, assert_same_model, common_sections, invoke_cli, launch, write_layout
-from hetero_llm import layout as layout_mod
-from hetero_llm.data import held_out
+from harness import LAYOUTS, assert_one_error_line, invoke_cli
 from hetero_llm.data.batches import GrammarSource, make_source
 from hetero_llm.data.documents import (
     IGNORE,
@@ -24,7 +22,6 @@ from hetero_llm.data.documents import (
     GrammarDocuments,
     fill_rows,
     first_fit_decreasing,
-    make_document_source,
     pack,
     pack_placed,
     step_documents,
@@ -47,9 +44,6 @@ def grammar() -> GrammarSource:
 @pytest.fixture(scope="module")
 def docs_source(grammar) -> GrammarDocuments:
     return GrammarDocuments(grammar, median=12, sigma=1.0, max_tokens=65)
-
-
-# ---------------------------------------------------------------------------------------------- sources
 
 
 def test_lengths_are_long_tailed_and_bounded(docs_source):
@@ -109,9 +103,6 @@ def test_file_without_documents_names_the_file(tmp_path):
     )
 
 
-# ---------------------------------------------------------------------------------------------- a step's documents
-
-
 def test_step_documents_are_a_pure_function_of_seed_and_step(docs_source):
     a = step_documents(docs_source, 7, 3, documents=20)
     b = step_documents(docs_source, 7, 3, documents=20)
@@ -156,9 +147,6 @@ def test_first_fit_decreasing_and_row_limits():
     share = pack([np.arange(n) for n in lengths], 10, rows=4).share(2, 2, 2)
     assert [p.num_rows for p in share] == [1, 1]
     assert share[0].spans.tolist() == [[0, 0, 1]] and share[1].spans.size == 0  # renumbered from row 0; padding
-
-
-# ---------------------------------------------------------------------------------------------- the model
 
 
 def test_ladder_lengths():
@@ -243,61 +231,6 @@ def test_document_attention_equals_a_block_diagonal_mask():
     real = torch.from_numpy(segment >= 0)[:, None, :, None].expand_as(q)
     torch.testing.assert_close(got[real], want[real], rtol=1e-5, atol=1e-6)
     assert (got[~real] == 0).all()
-
-
-# ---------------------------------------------------------------------------------------------- layouts
-
-PACKED = common_sections(LAYOUTS / "reference" / "reference.toml").replace(
-    'kind = "grammar"', 'kind = "grammar"\npacking = "documents"\ndoc_len_median = 8.0\ndoc_len_sigma = 0.5'
-)
-
-
-@pytest.mark.multiprocess
-def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tmp_path):
-    """2 pipelines (2 stages with TP 2 | 1 stage) against one process, both on packed documents."""
-    assert 'packing = "documents"' in PACKED
-    (tmp_path / "ref").mkdir()
-    (tmp_path / "run").mkdir()
-    evaluating = ("--set", "train.eval_every=2", "--set", "train.eval_batches=2")  # after steps 2 and 3
-    ref = launch(
-        write_layout(tmp_path / "ref" / "ref.toml", PACKED, [(12, 3, [(6, 1)])]), tmp_path / "ref", *evaluating
-    )
-    run = launch(
-        write_layout(tmp_path / "run" / "run.toml", PACKED, [(8, 4, [(2, 1), (4, 2)]), (4, 2, [(6, 1)])]),
-        tmp_path / "run",
-        *evaluating,
-    )
-    assert_same_model(run, ref)
-    # Held-out loss over packed held-out documents: the same under both layouts ...
-    valid = {
-        k: [json.loads(line).get("valid_loss") for line in (tmp_path / k / "metrics.jsonl").read_text().splitlines()]
-        for k in ("ref", "run")
-    }
-    assert valid["ref"][0] is None and None not in valid["ref"][1:]
-    for a, b in zip(valid["run"], valid["ref"]):
-        assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
-    # ... and, at the end, the final model's mean loss over those documents' targets, each document run alone
-    lay = layout_mod.load(tmp_path / "ref" / "ref.toml")
-    _, held_out_source = held_out.document_sources(lay.data, lay.model.seq_len, lay.file)
-    total, targets = 0.0, 0
-    with torch.no_grad():
-        for index in range(2):
-            rows = held_out.held_out_rows(held_out_source, lay.train.seed, index, 12, 16)
-            assert rows.num_targets > 0
-            for r, start, n in rows.spans.tolist():
-                doc = np.concatenate([rows.inputs[r, start : start + n], rows.targets[r, start + n - 1 : start + n]])
-                logits = stage_forward(
-                    ref.params, torch.from_numpy(doc[None, :-1]), StageShape(0, lay.model.layers, True, True), lay.model
-                )
-                total += float(F.cross_entropy(logits[0], torch.from_numpy(doc[1:]), reduction="sum"))
-                targets += n
-    assert abs(total / targets - valid["ref"][-1]) <= 1e-5 * valid["ref"][-1]
-    # The loss averages over the documents' targets, which leave some of the 12 x 16 positions as padding.
-    lay = layout_mod.load(tmp_path / "run" / "run.toml")
-    source = make_document_source(lay.data, lay.model.seq_len, lay.file)
-    want = [fill_rows(source, lay.train.seed, step, 12, 16).num_targets for step in range(3)]
-    tokens = [json.loads(line)["tokens"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert tokens == want and all(0.8 * 192 < t < 192 for t in tokens), tokens
 
 
 def test_cli_names_a_file_without_documents_before_any_rank_starts(tmp_path):

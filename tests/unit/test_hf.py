@@ -6,26 +6,24 @@ that the same 2 steps in one process give."""
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
-import attrs
 import pytest
 
 torch = pytest.importorskip("torch", reason="the interop needs torch (a core dependency: always there, CI included)")
+
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
 from click.testing import CliRunner
+from helpers_hf import load_model, make_hf, our_logits, rel
 
-from harness import assert_same_model, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.checkpoint.shards import load_full_params
 from hetero_llm.cli.export import main as export_main
 from hetero_llm.interop import hf, hf_names
-from hetero_llm.model.forward import StageShape, init_full, stage_forward, token_loss_sum
+from hetero_llm.model.forward import init_full, token_loss_sum
 from hetero_llm.model.params import all_params, shard_range
 
 RTOL = 1e-5
+
 LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
 
 # (id, HF config kwargs, [model] lines): Llama with and without GQA/tied/bias, GPT-2 tied or not.
@@ -53,70 +51,8 @@ MODELS = {
 }
 
 
-def make_hf(name: str, folder: Path, seed: int = 0):
-    """A tiny HF model with every parameter (norms and biases too) away from its default init, saved in ``folder``."""
-    kind, kwargs, _ = MODELS[name]
-    torch.manual_seed(seed)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(
-            vocab_size=VOCAB,
-            hidden_size=HIDDEN,
-            intermediate_size=48,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=HEADS,
-            max_position_embeddings=SEQ,
-            **kwargs,
-        )
-        model = transformers.LlamaForCausalLM(cfg)
-    else:
-        cfg = transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=HIDDEN,
-            n_layer=LAYERS,
-            n_head=HEADS,
-            bos_token_id=0,
-            eos_token_id=0,
-            attn_pdrop=0.0,
-            embd_pdrop=0.0,
-            resid_pdrop=0.0,
-            **kwargs,
-        )
-        model = transformers.GPT2LMHeadModel(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
-    model.eval()
-    model.save_pretrained(folder)
-    return model
-
-
-def model_lines(name: str, layers: int = LAYERS) -> str:
-    return (
-        f"[model]\nlayers = {layers}\nhidden = {HIDDEN}\nheads = {HEADS}\nvocab = {VOCAB}\nseq_len = {SEQ}\n"
-        f"{MODELS[name][2]}\n"
-    )
-
-
-def load_model(name: str, init_from: Path | None = None) -> layout_mod.ModelSpec:
-    text = (
-        model_lines(name)
-        + (f'init_from = "{init_from}"\n' if init_from else "")
-        + '[train]\nsteps = 1\nglobal_batch = 1\n[cluster]\n[[cluster.nodes]]\nname = "n"\n[[pipelines]]\nbatch = 1\n'
-        f'microbatches = 1\n[[pipelines.stages]]\nlayers = {LAYERS}\ndevices = ["n:0"]\n'
-    )
-    return layout_mod.loads(text).model
-
-
 def full(model) -> list:
     return [(info, *shard_range(info, 1, 0)) for info in all_params(model)]
-
-
-def our_logits(params, model, ids):
-    return stage_forward(params, ids, StageShape(0, model.layers, True, True), model)
-
-
-def rel(a, b) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -182,61 +118,6 @@ def test_export_of_a_folder_that_is_no_checkpoint(tmp_path):
     result = CliRunner().invoke(export_main, [str(tmp_path), "--hf", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert result.output.startswith(f"error: {tmp_path}: CHECKPOINT_DIR: no complete checkpoint here")
-
-
-TRAIN = """
-[train]
-steps = 2
-global_batch = 12
-seed = 5
-lr = 3e-3
-warmup_steps = 0
-schedule = "1f1b"
-
-[data]
-kind = "grammar"
-grammar_vocab = 64
-"""
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "name,pipelines",
-    [
-        ("llama-gqa-tied-bias-theta", [(8, 4, [(1, 2), (1, 1)]), (4, 2, [(2, 2)])]),
-        ("gpt2", [(12, 3, [(1, 1), (1, 2)])]),
-    ],
-    ids=["llama gqa tied: tp [[2, 1], [2]]", "gpt2: tp [1, 2]"],
-)
-def test_round_trip_through_training(name, pipelines, tmp_path):
-    make_hf(name, tmp_path / "hf")
-    common = model_lines(name) + f'init_from = "{tmp_path / "hf"}"\n' + TRAIN
-    runs = {}
-    for label, pipes in (("one", [(12, 3, [(LAYERS, 1)])]), ("many", pipelines)):
-        (tmp_path / label).mkdir()
-        runs[label] = launch(write_layout(tmp_path / label / "layout.toml", common, pipes), tmp_path / label)
-        result = CliRunner().invoke(
-            export_main, [str(tmp_path / label / "ckpt"), "--hf", str(tmp_path / f"{label}-hf")]
-        )
-        assert result.exit_code == 0, result.output
-    if name.startswith("gpt2"):
-        # Without RoPE a key bias adds q.b to every score of a query alike, and softmax ignores that: its
-        # gradient is zero in exact arithmetic, so Adam's update of it (g / sqrt(v)) is rounding noise, as in
-        # transformers itself. Compared are the losses, grad norms and every other tensor.
-        runs = {
-            k: attrs.evolve(r, params={n: t for n, t in r.params.items() if not n.endswith(".attn.bk")})
-            for k, r in runs.items()
-        }
-    assert_same_model(runs["many"], runs["one"])
-    model = load_model(name)
-    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(4))
-    start = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
-    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "many-hf")
-    with torch.no_grad():
-        one_process = our_logits(load_full_params(str(tmp_path / "one" / "ckpt")), model, ids)
-        assert rel(trained(ids).logits, one_process) <= RTOL
-        assert rel(start(ids).logits, one_process) > 100 * RTOL  # the 2 steps did train
-    shutil.rmtree(tmp_path / "hf")
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers_input_safety import _export, _generate
 
 from harness import LAYOUTS, assert_one_error_line, hf_folder
 from harness import invoke_cli as invoke
@@ -22,7 +23,9 @@ from hetero_llm.interop import hf_names
 from hetero_llm.launch import outputs
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
+
 QUICKSTART = LAYOUTS / "quickstart.toml"
+
 NO_LINKS = "(writes never follow one: remove the link, or give another folder)"
 
 
@@ -39,9 +42,6 @@ def _refused_before_start(layout: Path, args: list, message: str) -> None:
     """``hetero-launch layout args`` and its --dry-run: exactly ``error: message``, exit code 2."""
     for dry in (["--dry-run"], ["--quiet"]):
         assert_one_error_line(invoke(layout, *dry, *args), message)
-
-
-# ------------------------------------------------------------------------------------ hetero-launch: every input
 
 
 def _layout_reading_everything(tmp_path: Path) -> Path:
@@ -155,9 +155,6 @@ def test_tensorboard_folder_is_checked_like_the_other_outputs(tmp_path):
     assert (tmp_path / "a_file").read_text() == "x"
 
 
-# ------------------------------------------------------------------------------------ hetero-launch: symbolic links
-
-
 def _elsewhere(tmp_path: Path) -> Path:
     target = tmp_path / "elsewhere" / "precious.txt"
     target.parent.mkdir()
@@ -257,9 +254,6 @@ def test_files_made_during_a_run_never_follow_a_link(tmp_path):
         f"--checkpoint writes into {NO_LINKS}"
     )
     assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and not saved.exists()
-
-
-# ------------------------------------------------------------------------------------ hetero-plan, hetero-tokenize
 
 
 def _os_refusal(folder: str) -> str:
@@ -385,94 +379,6 @@ def test_tokenize_never_writes_over_its_input(tmp_path):
         f"'{source}', an input of this run (give another path)\n",
     )
     assert source.read_text() == "some text to tokenize" and os.listdir(tmp_path) == ["shard.bin"]
-
-
-# ------------------------------------------------------------------------------------ hetero-export, hetero-generate
-
-
-@pytest.fixture(scope="module")
-def saved_run(tmp_path_factory) -> Path:
-    """A real save of layouts/reference/reference.toml after 2 of its 3 steps (hetero-launch --checkpoint)."""
-    from harness import launch
-
-    workdir = tmp_path_factory.mktemp("saved")
-    launch(REFERENCE, workdir, "--set", "train.steps=2")
-    return workdir / "ckpt"
-
-
-@pytest.fixture
-def ckpt(saved_run, tmp_path) -> Path:
-    """A copy of the save to damage."""
-    return Path(shutil.copytree(saved_run, tmp_path / "ckpt", symlinks=True))
-
-
-def _export(*args):
-    from hetero_llm.cli import export
-
-    return CliRunner().invoke(export.main, [str(a) for a in args])
-
-
-def _generate(*args):
-    from hetero_llm.cli import generate
-
-    return CliRunner().invoke(generate.main, [str(a) for a in args])
-
-
-def _rerecord(folder: Path) -> None:
-    """Record rank0.pt's current size and sha256 in meta.json, as if it had been saved so."""
-    meta = json.loads((folder / folders.META).read_text())
-    size, sha = folders.file_digest(folder / "rank0.pt")
-    meta["files"]["rank0.pt"].update(bytes=size, sha256=sha)
-    (folder / folders.META).write_text(json.dumps(meta))
-
-
-def _flip_a_bit(path: Path) -> None:
-    data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 1
-    path.write_bytes(bytes(data))
-
-
-def _truncate(path: Path) -> None:
-    path.write_bytes(path.read_bytes()[:-4])
-
-
-def _nan_in_a_tensor(path: Path) -> None:
-    import torch
-
-    saved = torch.load(path, weights_only=True)
-    saved["shards"]["layers.0.attn.wq"]["tensor"][0, 0] = float("nan")
-    torch.save(saved, path)
-    _rerecord(path.parent)  # its checksum matches: only the values give it away
-
-
-def _resume_error(ckpt: Path) -> str:
-    """What ``hetero-launch --resume`` says of the save: the CLI's line before any rank starts, or (a save whose
-    records match) the resumed rank's own refusal."""
-    from hetero_llm.checkpoint import shards
-    from hetero_llm.plan import compile_plan
-
-    result = invoke(REFERENCE, "--dry-run", "--resume", ckpt)
-    if result.exit_code:
-        assert result.exit_code == 2 and result.stderr.startswith("error: "), result.stderr
-        return result.stderr[len("error: ") :].rstrip("\n")
-    with pytest.raises(CheckpointError) as e:
-        shards.restore(compile_plan(layout_mod.load(REFERENCE)).rank_plan(0), str(ckpt))
-    return str(e.value)
-
-
-@pytest.mark.parametrize("damage", [_flip_a_bit, _truncate, _nan_in_a_tensor], ids=["bit flip", "truncated", "NaN"])
-def test_export_and_generate_refuse_a_damaged_save_as_resume_does(damage, ckpt, tmp_path):
-    damage(ckpt / "step-000002" / "rank0.pt")
-    resume = _resume_error(ckpt)
-    assert ": --resume: " in resume and resume.endswith(folders.DAMAGED)
-    # the same line, located at the command's argument, its fix naming what these commands can do instead
-    expected = resume.replace(": --resume: ", ": CHECKPOINT_DIR: ").replace(folders.DAMAGED, "pass another step folder")
-    for result in (
-        _export(ckpt, "--hf", tmp_path / "hf"),
-        _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2"),
-    ):
-        assert (result.exit_code, result.output) == (2, f"error: {expected}\n")
-    assert not (tmp_path / "hf").exists()
 
 
 def test_an_intact_save_still_exports_and_generates(ckpt, tmp_path):

@@ -19,7 +19,7 @@ from hetero_llm import layout
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the shared data and bad layouts
 REPO = TESTS.parent
 BAD = sorted((TESTS / "bad_layouts").glob("*.toml"))
 GOOD = RUNNABLE_LAYOUTS

@@ -12,7 +12,7 @@ import pytest
 
 import hetero_llm
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "hetero_llm"
 
 # Every flat module of hetero_llm/ before the reorganization by layer (`git ls-tree --name-only b9da0bf^

@@ -13,29 +13,14 @@ from pathlib import Path
 import attrs
 import pytest
 from click.testing import CliRunner
+from helpers_place import check_rules, domain
 
-from harness import LAYOUTS, assert_same_model, common_sections, launch, sections
+from harness import LAYOUTS
 from hetero_llm import layout
 from hetero_llm.cli.place import main as place_main
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import (
-    CROSS_DOMAIN,
-    ClusterSpec,
-    CrossDomainSpec,
-    DataSpec,
-    DomainKind,
-    DomainSpec,
-    ModelSpec,
-    NodeSpec,
-    Schedule,
-    TrainSpec,
-)
-from hetero_llm.plan import compile_plan
+from hetero_llm.layout import ClusterSpec, CrossDomainSpec, DataSpec, ModelSpec, NodeSpec, Schedule, TrainSpec
 from hetero_llm.planner.place import PlaceOptions, pipeline_specs, place, place_file
-
-
-def domain(name: str, kind: str = "ib") -> DomainSpec:
-    return DomainSpec(name=name, kind=DomainKind(kind), bandwidth_gbps=100.0, latency_us=2.0, gloo_ifname="dom0")
 
 
 def cluster_text(
@@ -62,28 +47,6 @@ def placed(tmp_path: Path, text: str, **options):
     src.write_text(text)
     p = place_file(src, tmp_path / "placed.toml", PlaceOptions(**options))
     return p, layout.load(tmp_path / "placed.toml")
-
-
-def check_rules(lay) -> None:
-    """The rules every placed layout obeys, checked on the compiled plan."""
-    plan = compile_plan(lay)
-    c = lay.cluster
-    for st in plan.stages:  # TP inside a node
-        assert len({plan.ranks[r].node for r in st.ranks}) == 1, st
-    for g in plan.groups:  # DP (and TP) inside a domain; stage boundaries cross domains only where they change
-        if g.name.startswith("p2p"):
-            domains = {c.domain_of(plan.ranks[r].node) for r in g.ranks}
-            assert (g.transport == CROSS_DOMAIN) == (len(domains) > 1), g
-        else:
-            assert g.transport != CROSS_DOMAIN, g
-    domains_used = {c.domain_of(plan.ranks[r].node) for r in range(plan.world_size)}
-    for pi in range(len(lay.pipelines)):  # one cross-domain boundary per domain change
-        seq = [c.domain_of(plan.ranks[s.ranks[0]].node) for s in plan.stages if s.pipeline == pi]
-        crossings = sum(a != b for a, b in zip(seq, seq[1:]))
-        assert crossings == len(domains_used) - 1 and seq == sorted(seq, key=seq.index), seq
-
-
-# ------------------------------------------------------------------------------------ rules
 
 
 def test_two_domains_of_two_nodes(tmp_path):
@@ -227,34 +190,3 @@ def test_cli_prints_the_placement_and_writes_the_layout(tmp_path):
     assert layout.load(out).pipelines == layout.load(LAYOUTS / "planned" / "holmes_two_domains.toml").pipelines
     bad = CliRunner().invoke(place_main, [str(LAYOUTS / "clusters" / "two_domains.toml"), "-o", str(out), "--tp", "3"])
     assert bad.exit_code == 2 and bad.output.startswith("error: ") and "--tp: TP size 3" in bad.output
-
-
-# ------------------------------------------------------------------------------------ invariance
-
-
-@pytest.mark.multiprocess
-def test_placed_layout_with_uneven_speeds_trains_the_reference_model(tmp_path, shared_launch):
-    """A fast two-device node in one domain, two slower nodes in the other: 4 ranks, layers 4 + 2."""
-    model, train, data = sections(common_sections(LAYOUTS / "reference" / "reference.toml"))
-    cluster = ClusterSpec(
-        nodes=(
-            NodeSpec(name="f0", devices=("cpu", "cpu"), speed=2.0, domain="fast"),
-            NodeSpec(name="s0", domain="slow"),
-            NodeSpec(name="s1", domain="slow"),
-        ),
-        domains=(domain("fast"), domain("slow", "roce")),
-        cross_domain=CrossDomainSpec(gloo_ifname="xdom"),
-    )
-    (tmp_path / "cluster.toml").write_text(
-        layout.dumps_cluster({"model": model, "train": train, "data": data, "cluster": cluster})
-    )
-    place_file(tmp_path / "cluster.toml", tmp_path / "placed.toml", PlaceOptions())
-    lay = layout.load(tmp_path / "placed.toml")
-    assert [[s.layers for s in pipe.stages] for pipe in lay.pipelines] == [[4, 2], [4, 2]]
-    check_rules(lay)
-    ref = shared_launch(LAYOUTS / "reference" / "reference.toml")  # the run other modules compare with too
-    run = launch(tmp_path / "placed.toml", tmp_path / "run")
-    assert_same_model(run, ref)
-    # no dom0/xdom on this host: each node says once that its groups use the default interface
-    warnings = [line for line in run.stderr.splitlines() if line.startswith("warning: ")]
-    assert sorted(w.split(":")[1].strip() for w in warnings) == ["f0", "s0", "s1"], run.stderr

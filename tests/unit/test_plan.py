@@ -376,7 +376,7 @@ def test_groups_do_not_depend_on_the_hash_seed():
         "print(repr((p.groups, p.sync_blocks, p.routes_f, p.routes_b)))"
     )
     here = compile_plan(make(TP_MIX))
-    tests = os.path.dirname(os.path.abspath(__file__))
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/, where helpers_plan is
     path = os.pathsep.join(p for p in (tests, os.environ.get("PYTHONPATH")) if p)  # helpers_plan; the root is cwd
     out = subprocess.run(
         [sys.executable, "-c", code],

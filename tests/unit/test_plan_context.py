@@ -23,7 +23,7 @@ from hetero_llm.planner.evaluate import evaluate
 from hetero_llm.planner.output import layout_text, to_json
 from hetero_llm.planner.search import Planner
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_32K = ROOT / "layouts" / "clusters" / "llama7b_32k.toml"
 
 

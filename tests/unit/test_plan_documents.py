@@ -22,7 +22,7 @@ from hetero_llm.planner.cost import PlannerCostModel
 from hetero_llm.planner.documents import Documents
 from hetero_llm.predict.device import EmulatedDevice, action_seconds
 
-LLAMA_32K = Path(__file__).resolve().parents[1] / "layouts" / "clusters" / "llama7b_32k.toml"
+LLAMA_32K = Path(__file__).resolve().parents[2] / "layouts" / "clusters" / "llama7b_32k.toml"
 DOCS = '[plan.documents]\ndistribution = "lognormal"\nmedian = 6\nsigma = 1.2\n'
 
 

@@ -14,7 +14,7 @@ import pytest
 from click.testing import CliRunner
 from helpers_plan import flops_priced
 
-from harness import LAYOUTS, assert_same_model, launch
+from harness import LAYOUTS
 from hetero_llm import layout as layout_mod
 from hetero_llm import schedule as sched
 from hetero_llm.cli.plan import main as plan_main
@@ -48,9 +48,6 @@ def small_cluster(tmp_path: Path, plan: str = "", nodes: str = "", edit=None) ->
     path = tmp_path / "cluster.toml"
     path.write_text(text)
     return path
-
-
-# ------------------------------------------------------------------------------------ fast simulator
 
 
 # interleaved needs >= 2 stages and microbatches divisible by them (a schedule rule): those cases are left out
@@ -171,9 +168,6 @@ def test_batch_shares_equal_the_plain_greedy_loop():
         assert counts == plain(fill, slow, ones, total)
         below = shares.below_level(list(fill), list(slow), total)
         assert sum(below) <= total and (total < 3 * p or sum(below) > 0)  # the level gives most of them
-
-
-# ------------------------------------------------------------------------------------ cost arithmetic
 
 
 def test_parameter_counts_match_the_models_parameters():
@@ -297,9 +291,6 @@ def test_memory_counts_parameter_state_and_activations_in_flight():
     # Q K V (3 H), O (H), w1 and w3 (2 F), w2 (H)
     put_off = 2 * 16 * (3 * 32 + 128 + 3 * 32 + 32 + 2 * 128 + 32) * 4
     assert cost.stage_memory(g, 2, False, False, 1, False, held(2, 1, 0)) == params * 12 + 2 * one + put_off
-
-
-# ------------------------------------------------------------------------------------ search rules
 
 
 def brute_split(planner: Planner, groups, rows, in_flight):
@@ -447,10 +438,8 @@ def test_cli_writes_json_and_explains(tmp_path):
     assert layout_mod.load(out).pipelines
 
 
-# ------------------------------------------------------------------------------------ bad input
-
-
 SCHEDULES = 'schedules = ["1f1b", "zbh1", "interleaved"]\n'
+
 BAD = [
     ("max_tp = 2\n", "max_tp = -1\n", "plan.max_tp: must be >= 0 (0 = a node's device count), got -1"),
     (
@@ -584,9 +573,6 @@ def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
     )
 
 
-# ------------------------------------------------------------------------------------ invariance
-
-
 def test_example_layout_is_the_plan_of_its_cluster_file():
     """layouts/planned/small_cpu.toml is what hetero-plan writes for layouts/clusters/small_cpu.toml (and
     tests/test_invariance.py trains it against layouts/reference/hexiscale.toml, as every example)."""
@@ -594,48 +580,6 @@ def test_example_layout_is_the_plan_of_its_cluster_file():
     result = plan_cluster(c)
     written = (LAYOUTS / "planned" / "small_cpu.toml").read_text()
     assert written == layout_text(c, result.best, result.score, result.seed_score)
-
-
-@pytest.mark.multiprocess
-def test_a_lower_ranked_plan_trains_the_reference_model_too(tmp_path, shared_launch):
-    """The best plan with two pipelines (and another schedule than the pick) trains what one process does."""
-    c = load_cluster(SMALL)
-    result = plan_cluster(c, top=10)
-    cand, score = next(
-        cs for cs in result.ranked if len(cs[0].pipelines) > 1 and cs[0].schedule != result.best.schedule
-    )
-    path = tmp_path / "planned.toml"
-    path.write_text(layout_text(c, cand, score, None))
-    assert_same_model(
-        launch(path, tmp_path / "run"),
-        shared_launch(LAYOUTS / "reference" / "hexiscale.toml"),  # as test_invariance's
-    )
-
-
-# ------------------------------------------------------------------------------------ benchmark and docs
-
-
-def test_plan_bench_quick(tmp_path):
-    """bench/plan_bench.py --quick runs end to end; its plans keep the planner's guarantees."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.plan_bench", "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "plan_bench.json").read_text())
-    assert len(data["small"]) == 2 and len(data["large"]) == 1
-    for row in data["small"]:  # the search against the optimum of plans that use every device
-        assert row["ratio"] <= 1.03
-    for row in data["large"]:
-        assert row["ours"] <= row["place"] and row["memory_ok"]
-    assert (tmp_path / "plan_bench.md").read_text().startswith("## vs exhaustive")
 
 
 def test_planner_doc_lists_every_key():
@@ -655,30 +599,6 @@ def test_emulated_action_seconds_are_read_per_rank(monkeypatch):
 
     assert dict(Emulation.from_env(1).seconds) == {Kind.F: 0.01, Kind.B: 0.02, Kind.I: 0.012, Kind.W: 0.008}
     assert Emulation.from_env(0).active and not Emulation.from_env(2).active
-
-
-@pytest.mark.multiprocess
-def test_plan_vs_measured_quick(tmp_path):
-    """bench/plan_vs_measured.py --quick: two planned layouts run with emulated device speeds."""
-    import subprocess
-    import sys
-
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.plan_vs_measured", "--quick", "--out-dir", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=root,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    data = json.loads((tmp_path / "plan_vs_measured.json").read_text())
-    assert len(data["rows"]) == 2
-    for row in data["rows"]:  # the emulated durations are a floor: a step cannot beat the model's compute
-        assert row["measured_s"] >= 0.8 * row["predicted_s"]
-
-
-# ------------------------------------------------------------------------------------ ZeRO-1
 
 
 def zero1_cluster(tmp_path: Path, memory: dict[str, float]) -> Path:
@@ -757,9 +677,6 @@ def test_peaks_in_flight_past_three_times_the_stages_repeat():
                 held = pipesim.held_in_flight(pipesim.actions(kind, stages, mbs, chunks))
                 want = tuple(tuple((f / chunks, p / chunks, float(g)) for f, p, g in stage) for stage in held)
                 assert cost._peaks(kind, stages, mbs, chunks) == want, (kind, stages, mbs)
-
-
-# ------------------------------------------------------------------------------------ profiles
 
 
 def write_profile(path: Path, cluster, kinds: dict[str, tuple[float, float, float, float]], **model_edit) -> Path:

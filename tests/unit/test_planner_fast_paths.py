@@ -25,7 +25,7 @@ from hetero_llm.planner.spans import Spans
 from hetero_llm.planner.structure import Structure
 from hetero_llm.planner.sweep import Dealer, tp_menus
 
-CLUSTERS = Path(__file__).resolve().parents[1] / "layouts" / "clusters"
+CLUSTERS = Path(__file__).resolve().parents[2] / "layouts" / "clusters"
 
 
 def loop_grad_sync_time(m: PlannerCostModel, cand: Candidate) -> float:

@@ -20,7 +20,7 @@ from hetero_llm.plan import compile_plan, describe
 from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = [p.relative_to(LAYOUTS).as_posix() for p in LAYOUT_FILES if p.name != "mixed_1024gpu.toml"]
 
 

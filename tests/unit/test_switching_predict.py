@@ -18,10 +18,10 @@ from hetero_llm.predict.device import EmulatedDevice, action_seconds
 from hetero_llm.switching import bucketing, predict
 from hetero_llm.switching.transfers import bucket_plans, step_switch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 THREE = ROOT / "layouts" / "examples" / "hot_switch.toml"  # DP 4 | TP 2 x DP 2 (gpipe) | home PP 2 x TP 2
-TWO = Path(__file__).resolve().parent / "data" / "buckets_two.toml"  # DP 2 | home TP 2
-TP23 = Path(__file__).resolve().parent / "data" / "buckets_tp23.toml"  # elastic buckets over 3 devices
+TWO = Path(__file__).resolve().parents[1] / "data" / "buckets_two.toml"  # DP 2 | home TP 2
+TP23 = Path(__file__).resolve().parents[1] / "data" / "buckets_tp23.toml"  # elastic buckets over 3 devices
 DEVICE = EmulatedDevice.parse("gflops=2;tp_gbps=8;tp_latency_us=50")
 LINKS = {"local": (0.0, 5e9), "node": (1e-4, 1e9), "domain": (5e-4, 1e8), "cross_domain": (1e-3, 1e7)}
 

@@ -6,11 +6,11 @@ if torch were not installed; it then imports the torch-free modules and runs the
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
+from helpers_torch_free import run_without_torch
+
+TESTS = Path(__file__).resolve().parents[1]  # tests/: the shared data and bad layouts
 
 TORCH_FREE_MODULES = [
     "errors",
@@ -97,28 +97,8 @@ TORCH_FREE_MODULES = [
     "cli.timeline",
     "cli.tokenize",
 ]
-TORCH_FREE_TESTS = [
-    "test_layout_errors.py",
-    "test_schedule.py",
-    "test_simulate.py",
-    "test_plan.py",
-    "test_schedule_combinations.py",
-    "test_place.py",
-    "test_docs.py",
-    "test_data.py",
-    "test_cli_errors.py",
-    "test_switch.py",
-    "test_rankplan.py",
-    "test_cp_chunks.py",
-]
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
-
-
-def run_without_torch(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", BLOCK_TORCH + code], capture_output=True, text=True, cwd=TESTS.parent, timeout=240
-    )
 
 
 def test_blocking_works():
@@ -131,13 +111,3 @@ def test_core_modules_import_without_torch():
     imports = "; ".join(f"import hetero_llm.{m}" for m in TORCH_FREE_MODULES)
     proc = run_without_torch(imports)
     assert proc.returncode == 0, proc.stderr
-
-
-def test_torch_free_tests_pass_without_torch():
-    """Their unit-tier tests: multi-process ones train, which needs torch; the one integration test among them,
-    the schedule-combination grid (tests/test_schedule_combinations.py, ~8 s), compiles plans through the same
-    torch-free code as test_plan.py and test_rankplan.py, which run here."""
-    args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not integration", *(str(TESTS / f) for f in TORCH_FREE_TESTS)]
-    proc = run_without_torch(f"import pytest; raise SystemExit(pytest.main({args!r}))")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout.splitlines()[-1]

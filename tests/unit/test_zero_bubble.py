@@ -10,17 +10,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
+from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.model.forward import Compute, StageShape, init_full, make_block_fn, stage_forward, token_loss_sum
 from hetero_llm.model.params import all_params
 from hetero_llm.runtime.wgrad import WeightGradStore
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
+
 COMMON = common_sections(REFERENCE)  # 6 layers, hidden 32, 4 heads, rmsnorm, rope, swiglu
+
 LLAMA = layout_mod.load(REFERENCE).model
+
 GPT = layout_mod.ModelSpec(layers=3, hidden=32, heads=4, vocab=64, seq_len=16)  # layernorm, learned, gelu
+
 MODELS = pytest.mark.parametrize("model", [LLAMA, GPT], ids=["llama-style", "gpt-style"])
+
 LINEAR_LEAVES = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "lm_head.weight")
 
 
@@ -136,52 +141,6 @@ def test_runtime_defers_weight_gradients_from_i_to_w():
     split.run(tuple(parse_actions("F0 F1 I0 I1 W1 W0")), mbs, global_tokens=64)
     for name in ref_params:
         assert torch.allclose(split_params[name].grad, ref_params[name].grad, rtol=1e-5, atol=1e-9), name
-
-
-# ------------------------------------------------------------------------------------------
-# Whole layouts against the single-process run
-
-
-@pytest.fixture(scope="module")
-def reference(shared_launch):
-    return shared_launch(REFERENCE)  # one run for the modules that compare with it (conftest.py)
-
-
-ZB_CASES = [
-    ("2 stages uneven", [(12, 4, [(4, 1), (2, 1)])]),
-    ("4 stages uneven, 6 microbatches", [(12, 6, [(2, 1), (1, 1), (1, 1), (2, 1)])]),
-    ("tp [1, 2, 1]", [(12, 3, [(2, 1), (3, 2), (1, 1)])]),
-    ("2 pipelines tp [[1, 2], [1, 1, 1]], rows 8/4", [(8, 4, [(3, 1), (3, 2)]), (4, 2, [(2, 1), (2, 1), (2, 1)])]),
-]
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name,pipelines", ZB_CASES, ids=[c[0] for c in ZB_CASES])
-def test_zbh1_layout_trains_the_reference_model(name, pipelines, reference, tmp_path):
-    path = write_layout(tmp_path / "layout.toml", COMMON, pipelines, "zbh1")
-    assert_same_model(launch(path, tmp_path), reference)
-
-
-@pytest.mark.multiprocess
-def test_zbh1_with_recompute_trains_the_reference_model(reference, tmp_path):
-    path = write_layout(
-        tmp_path / "layout.toml",
-        COMMON.replace("[train]", '[train]\nrecompute = "full"'),
-        [(12, 4, [(3, 1), (3, 1)])],
-        "zbh1",
-    )
-    assert_same_model(launch(path, tmp_path), reference)
-
-
-@pytest.mark.multiprocess
-def test_schedule_file_mixing_split_and_full_backwards(reference, tmp_path):
-    """Stage 0 splits its backwards and runs every W at the end; stage 1 runs full B's."""
-    (tmp_path / "order.txt").write_text("F0 F1 F2 I0 I1 I2 W2 W0 W1\nF0 B0 F1 B1 F2 B2\n")
-    path = write_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(2, 1), (4, 1)])])
-    path.write_text(
-        path.read_text().replace("microbatches = 3\n", 'microbatches = 3\nschedule_file = "order.txt"\n', 1)
-    )
-    assert_same_model(launch(path, tmp_path), reference)
 
 
 def test_schedule_file_with_split_backwards_refuses_compile(tmp_path):
