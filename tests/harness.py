@@ -2,7 +2,7 @@
 compare against a reference.
 
 Torch is imported only by the functions that read checkpoints, so the torch-free test files that use
-``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/test_torch_free.py).
+``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/unit/test_torch_free.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ LAYOUTS = ROOT / "layouts"
 # planned layouts of the papers' clusters are layouts too, but too big to run here. The published runs'
 # layouts (bench/published.py writes them: CUDA, up to 2520 GPUs) are only checked as files.
 PUBLISHED_LAYOUTS = sorted((LAYOUTS / "papers" / "published").glob("*.toml"))
-SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (tests/test_sweep.py)
+SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (unit/test_sweep.py)
 LAYOUT_FILES = sorted(
     p
     for p in LAYOUTS.rglob("*.toml")

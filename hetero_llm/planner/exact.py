@@ -1,5 +1,5 @@
 """Exact enumeration of a small cluster's whole space of structures: the reference the search is measured
-against (tests/test_plan_space.py, bench/plan_exhaustive.py), not a step of the search. Torch-free.
+against (tests/unit/test_plan_space.py, bench/plan_exhaustive.py), not a step of the search. Torch-free.
 
 Every subset of the devices (``subsets``; else every device is used), every TP grouping of every node (each group
 of every TP x CP shape ``plan.max_cp`` allows), every

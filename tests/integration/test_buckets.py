@@ -170,14 +170,14 @@ def test_zero1_at_home_reduces_after_the_last_switch_and_trains_the_one_process_
 
 @pytest.mark.multiprocess
 def test_the_bucket_layouts_hetero_plan_proposes_train_the_one_process_model(tmp_path):
-    """``hetero-plan --buckets`` writes layouts the validator accepts (tests/test_plan_buckets.py); the one it
+    """``hetero-plan --buckets`` writes layouts the validator accepts (tests/unit/test_plan_buckets.py); the one it
     writes when memory binds the long rows (a bucket of its own for rows <= 128, the long documents on home's
     stages as an elastic bucket) also trains the same model."""
     from helpers_plan import cluster, run_plan
 
     planned = tmp_path / "planned.toml"
     path = cluster(tmp_path, memory_gb=0.009)
-    # without interleaving, as tests/test_plan_buckets.py's first test (since issue 33's memory model, the
+    # without interleaving, as tests/unit/test_plan_buckets.py's first test (since issue 33's memory model, the
     # interleaved home layout is predicted faster than switching on this cluster)
     path.write_text(path.read_text().replace('"zbh1", "interleaved"]', '"zbh1"]'))
     result = run_plan(path, "-o", planned, "--buckets", "128")

@@ -146,7 +146,7 @@ def test_resume_across_cp(a, b, shared_launch, tmp_path):
 
 def test_bf16_cp_2(shared_launch, reference, tmp_path):
     """train.precision = "bf16" on a cp 2 stage (ring attention's block math and merge in float32 from bf16 inputs,
-    tests/test_context.py) trains within the bf16 tolerance (tests/test_precision.py's docstring) of the
+    tests/integration/test_context.py) trains within the bf16 tolerance (tests/integration/test_precision.py's docstring) of the
     one-process bf16 run, and of the float32 one."""
     bf16 = ("--set", "train.precision=bf16")
     path = cp_layout(tmp_path / "layout.toml", COMMON, [(12, 3, [(3, 1, 2), (3, 1, 1)])])

@@ -8,7 +8,7 @@ Two parts:
    needs for CUDA tensors) is forced on CPU tensors, both with fake p2p calls and over real gloo.
 2. ``@pytest.mark.gpu`` tests, skipped without CUDA: the reference model on CUDA against CPU, and
    layouts of several ranks on the one GPU (backend gloo, p2p staged through host memory) against
-   the one-process CUDA run, in float32 (1e-5) and bf16 (the tolerance of tests/test_precision.py).
+   the one-process CUDA run, in float32 (1e-5) and bf16 (the tolerance of tests/integration/test_precision.py).
 """
 
 from __future__ import annotations

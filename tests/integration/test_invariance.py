@@ -162,7 +162,7 @@ def _same_model(a: layout_mod.Layout, b: layout_mod.Layout) -> bool:
     return key(a) == key(b)
 
 
-# The walkthrough layouts train for minutes on real text: tests/test_walkthrough.py runs own_text a few steps.
+# The walkthrough layouts train for minutes on real text: tests/integration/test_walkthrough.py runs own_text a few steps.
 EXAMPLES = [
     p
     for p in RUNNABLE_LAYOUTS

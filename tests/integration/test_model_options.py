@@ -1,6 +1,6 @@
 """Model options that reproduce Llama- and GPT-2-style models (grouped-query attention, tied embeddings,
 biases, norm epsilon, RoPE base) keep layout invariance: TP stages and several pipelines train the same
-model as one process. Their effect on the math is checked against transformers in tests/test_hf.py."""
+model as one process. Their effect on the math is checked against transformers in tests/unit/test_hf.py."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _assert_same_model_noisy_biases(run: RunResult, ref: RunResult) -> None:
 
 
 # The Llama options (GQA, tied, theta, eps, bias) train across TP stages and 2 pipelines in
-# tests/test_hf.py's round trip, started from a transformers model and compared with one process.
+# tests/unit/test_hf.py's round trip, started from a transformers model and compared with one process.
 # Here: GPT-2's, and the Llama options under ZeRO-1 (the tied embed.tok's moments split among its holders).
 CASES = [
     ("gpt2: bias, tied; tp [[2, 1], [1]] zbh1", GPT2, [(6, 3, [(3, 2), (3, 1)]), (6, 2, [(6, 1)])], "zbh1"),

@@ -4,7 +4,7 @@ The rendezvous (hetero_llm/comm/rendezvous.py): served where the ranks look for 
 address, every wait bounded by ``cluster.timeout_s`` and every failure one line.
 
 The multi-host proof (a distinct address per node, rank 0 on a node that is not the master) runs on the
-namespace testbed in tests/test_testbed_launch.py; these run anywhere.
+namespace testbed in tests/integration/test_testbed_launch.py; these run anywhere.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Layout invariance across a resume: layout A saves after step 2 of 4, layout B resumes from that save for
 steps 2 and 3, and together they train what one process trains in 4 steps (losses, grad norms and final
-parameters, to the tolerances of tests/test_invariance.py).
+parameters, to the tolerances of tests/integration/test_invariance.py).
 
 The reference run is also the saved run the folder tests look at: ``--checkpoint-every 2`` of 4 steps.
 """

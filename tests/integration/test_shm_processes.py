@@ -4,7 +4,7 @@ The shared-memory transport (hetero_llm/comm/shm.py): rings, matching, waiting, 
 
 Rings are tested in one process with two threads as the two ranks (a ``HashStore`` as rendezvous, a
 temporary folder as /dev/shm); the transport as a user meets it through real ``hetero-launch`` runs.
-Layout invariance with shm is tests/test_invariance.py: its layouts put each pipeline on one node, so
+Layout invariance with shm is tests/integration/test_invariance.py: its layouts put each pipeline on one node, so
 their boundaries use shared memory ('auto'), and two of its cases run with p2p = 'network' as well.
 """
 

@@ -81,7 +81,7 @@ def _layer(module: str) -> int:
         if any(module == n or module.startswith(n + ".") and n != "hetero_llm" for n in names):
             return index
     raise AssertionError(
-        f"{module} is in no layer of tests/test_architecture.py: place it (and in docs/architecture.md)"
+        f"{module} is in no layer of tests/unit/test_architecture.py: place it (and in docs/architecture.md)"
     )
 
 

@@ -50,7 +50,7 @@ def test_dry_run_shows_the_buckets_and_the_switches_of_a_step():
     assert "switch home -> bucket 0: 276 parameter and 0 gradient transfers" in out
     assert "switch bucket 0 -> bucket 1: 180 parameter and 360 gradient transfers" in out
     assert "switch bucket 1 -> bucket 2: 0 parameter and 180 gradient transfers" in out  # home's parameters stayed
-    switches = out.split("simulated step")[0]  # then the simulator's step (tests/test_bucket_sim.py)
+    switches = out.split("simulated step")[0]  # then the simulator's step (tests/unit/test_switching_predict.py)
     assert "-> home" not in switches and "bucket 2 ->" not in switches
 
 

@@ -263,7 +263,7 @@ def test_a_round_store_that_never_answers_is_one_line(tmp_path, clean_env, capfd
 )
 def test_a_snapshot_folder_another_user_controls_is_one_line(tmp_path, clean_env, plant, why):
     """Another local user can compute the folder's name from the --checkpoint path and make it first: refused
-    before any worker reads or writes it (tests/test_snapshot_trust.py: every case in process)."""
+    before any worker reads or writes it (tests/unit/test_snapshot_trust.py: every case in process)."""
     path = cluster_file(tmp_path / "c.toml", 4)
     _torchrun_env(clean_env, HETERO_NODE="n0", HETERO_SHM_DIR=str(tmp_path / "shm"))
     folder = elastic.snapshot_folder(str(tmp_path / "ck"))

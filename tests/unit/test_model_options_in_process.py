@@ -2,7 +2,7 @@
 
 Model options that reproduce Llama- and GPT-2-style models (grouped-query attention, tied embeddings,
 biases, norm epsilon, RoPE base) keep layout invariance: TP stages and several pipelines train the same
-model as one process. Their effect on the math is checked against transformers in tests/test_hf.py."""
+model as one process. Their effect on the math is checked against transformers in tests/unit/test_hf.py."""
 
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ def test_infeasible_cluster_names_the_stage_and_by_how_much(tmp_path):
 
 def test_example_layout_is_the_plan_of_its_cluster_file():
     """layouts/planned/small_cpu.toml is what hetero-plan writes for layouts/clusters/small_cpu.toml (and
-    tests/test_invariance.py trains it against layouts/reference/hexiscale.toml, as every example)."""
+    tests/integration/test_invariance.py trains it against layouts/reference/hexiscale.toml, as every example)."""
     c = load_cluster(SMALL)
     result = plan_cluster(c)
     written = (LAYOUTS / "planned" / "small_cpu.toml").read_text()

@@ -142,7 +142,7 @@ def test_profile_measures_this_machine_and_the_plan_reads_it(tmp_path):
         reason="measuring a profile runs the model (reading one does not); runs wherever torch is installed, as in CI",
     )
     out = tmp_path / "p.json"
-    for kind in ("cpu", "cpu2x"):  # (a noisy machine's measurement is refused: tests/test_plan_explain.py)
+    for kind in ("cpu", "cpu2x"):  # (a noisy machine's measurement is refused: tests/unit/test_plan_explain.py)
         res = run_plan(SMALL, "--profile", out, "--kind", kind, "--device", "cpu", "--max-spread", "1000")
         assert res.exit_code == 0, res.stderr
         assert res.stdout.startswith(f"profiled kind '{kind}' on cpu (")

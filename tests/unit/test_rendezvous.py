@@ -2,7 +2,7 @@
 address, every wait bounded by ``cluster.timeout_s`` and every failure one line.
 
 The multi-host proof (a distinct address per node, rank 0 on a node that is not the master) runs on the
-namespace testbed in tests/test_testbed_launch.py; these run anywhere.
+namespace testbed in tests/integration/test_testbed_launch.py; these run anywhere.
 """
 
 from __future__ import annotations

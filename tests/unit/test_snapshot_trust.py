@@ -5,7 +5,7 @@ not vouched for by the run's key), snapshots the run itself signed that --resume
 a pickle, an empty file, step 999999: never sealed), a symbolic link or another user's or a world-writable folder
 where the snapshot folder goes, the key itself exposed; and the run's own files are private. The tests run as root:
 "another user" is uid 65534 (nobody), given by os.chown. The one-line refusals through the CLI:
-tests/test_elastic.py."""
+tests/unit/test_elastic.py."""
 
 from __future__ import annotations
 

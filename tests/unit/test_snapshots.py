@@ -1,7 +1,7 @@
 """In-memory snapshots of elastic runs (hetero_llm/checkpoint/snapshots.py, holders.py; launch/restart.py), in one
 process: the background write, its failure, what each rank keeps, and the restart's choice by holders over every
 node present (a snapshot step copied into --checkpoint DIR, else the disk's save), a holder lost during the copy.
-The runs under torchrun: tests/test_elastic.py."""
+The runs under torchrun: tests/unit/test_elastic.py."""
 
 from __future__ import annotations
 
