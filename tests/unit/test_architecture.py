@@ -179,3 +179,14 @@ def test_no_bench_module_is_over_500_lines():
     modules = sorted(BENCH.rglob("*.py"))
     assert {BENCH / "benchlib.py", BENCH / "hot_switch.py", BENCH / "testbed" / "__init__.py"} <= set(modules)
     assert _over_500_lines(modules) == {}
+
+
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_no_test_file_is_over_500_lines():
+    """tests/ too, by tier (tests/unit, tests/integration) and the shared helpers: a file that grows past 500 lines is
+    split by what its tests check."""
+    files = sorted(TESTS.rglob("*.py"))
+    assert {TESTS / "harness.py", TESTS / "unit" / "test_architecture.py"} <= set(files)
+    assert _over_500_lines(files) == {}
