@@ -7,7 +7,7 @@ from pathlib import Path
 from hetero_llm.predict import trace as tracing
 
 THREE = (
-    Path(__file__).resolve().parents[2] / "layouts" / "examples" / "hot_switch.toml"
+    Path(__file__).resolve().parents[1] / "layouts" / "examples" / "hot_switch.toml"
 )  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
 
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parents[1]  # tests/: the shared data and bad layouts
+TESTS = Path(__file__).resolve().parent  # tests/
 
 BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 

@@ -29,12 +29,10 @@ TORCH_FREE_TESTS = [
     "unit/test_cp_chunks.py",
 ]
 
-BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
-
 
 def test_torch_free_tests_pass_without_torch():
     """Their unit-tier tests: multi-process ones train, which needs torch; the one integration test among them,
-    the schedule-combination grid (tests/integration/test_schedule_combinations_multiprocess.py, ~8 s), compiles plans
+    the schedule-combination grid (tests/integration/test_schedule_combinations_grid.py, ~8 s), compiles plans
     through the same torch-free code as test_plan.py and test_rank_plan.py, which run here."""
     args = ["-q", "-x", "-p", "no:cacheprovider", "-m", "not integration", *(str(TESTS / f) for f in TORCH_FREE_TESTS)]
     proc = run_without_torch(f"import pytest; raise SystemExit(pytest.main({args!r}))")

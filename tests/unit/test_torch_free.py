@@ -6,11 +6,7 @@ if torch were not installed; it then imports the torch-free modules and runs the
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from helpers_torch_free import run_without_torch
-
-TESTS = Path(__file__).resolve().parents[1]  # tests/: the shared data and bad layouts
 
 TORCH_FREE_MODULES = [
     "errors",
@@ -97,8 +93,6 @@ TORCH_FREE_MODULES = [
     "cli.timeline",
     "cli.tokenize",
 ]
-
-BLOCK_TORCH = "import sys; sys.modules['torch'] = None; "
 
 
 def test_blocking_works():
