@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers_input_safety import _export, _generate
+from helpers_input_safety import _export, _generate, ckpt, saved_run  # noqa: F401  (pytest fixtures)
 
 from harness import LAYOUTS
 from harness import invoke_cli as invoke

@@ -10,6 +10,7 @@ schedule file mixing split and full backwards against the single-process run (fl
 from __future__ import annotations
 
 import pytest
+from helpers_zero_bubble import reference  # noqa: F401  (a pytest fixture)
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from helpers_input_safety import _export, _generate
+from helpers_input_safety_paths import _elsewhere, _snapshot
 
 from harness import LAYOUTS, assert_one_error_line, hf_folder
 from harness import invoke_cli as invoke
@@ -19,7 +19,6 @@ from hetero_llm import layout as layout_mod
 from hetero_llm._fs import write_atomically
 from hetero_llm.checkpoint import folders
 from hetero_llm.errors import CheckpointError
-from hetero_llm.interop import hf_names
 from hetero_llm.launch import outputs
 
 REFERENCE = LAYOUTS / "reference" / "reference.toml"
@@ -27,15 +26,6 @@ REFERENCE = LAYOUTS / "reference" / "reference.toml"
 QUICKSTART = LAYOUTS / "quickstart.toml"
 
 NO_LINKS = "(writes never follow one: remove the link, or give another folder)"
-
-
-def _snapshot(folder: Path) -> dict[str, bytes | str]:
-    """Every entry under ``folder``: a file's bytes, a link's target, a folder as 'dir'."""
-    out: dict[str, bytes | str] = {}
-    for p in sorted(folder.rglob("*")):
-        key = str(p.relative_to(folder))
-        out[key] = f"-> {os.readlink(p)}" if p.is_symlink() else "dir" if p.is_dir() else p.read_bytes()
-    return out
 
 
 def _refused_before_start(layout: Path, args: list, message: str) -> None:
@@ -153,13 +143,6 @@ def test_tensorboard_folder_is_checked_like_the_other_outputs(tmp_path):
         "file, so no folder can be made under it (give another path)",
     )
     assert (tmp_path / "a_file").read_text() == "x"
-
-
-def _elsewhere(tmp_path: Path) -> Path:
-    target = tmp_path / "elsewhere" / "precious.txt"
-    target.parent.mkdir()
-    target.write_text("not yours")
-    return target
 
 
 def test_a_planted_trace_file_link_is_refused(tmp_path):
@@ -379,51 +362,6 @@ def test_tokenize_never_writes_over_its_input(tmp_path):
         f"'{source}', an input of this run (give another path)\n",
     )
     assert source.read_text() == "some text to tokenize" and os.listdir(tmp_path) == ["shard.bin"]
-
-
-def test_an_intact_save_still_exports_and_generates(ckpt, tmp_path):
-    assert _export(ckpt, "--hf", tmp_path / "hf").exit_code == 0
-    assert sorted(os.listdir(tmp_path / "hf")) == [hf_names.CONFIG, hf_names.WEIGHTS]
-    result = _generate(ckpt, "--prompt", "1 2 3", "--max-new-tokens", "2", "--temperature", "0")
-    assert result.exit_code == 0, result.output
-
-
-@pytest.mark.parametrize(
-    "argument,out",
-    [("ckpt", "ckpt"), ("ckpt", "ckpt/hf"), ("ckpt", "ckpt/step-000002"), ("ckpt/step-000002", "ckpt/step-000002/hf")],
-)
-def test_export_never_writes_into_the_checkpoint_it_reads(argument, out, ckpt, tmp_path):
-    before = _snapshot(ckpt)
-    result = _export(tmp_path / argument, "--hf", tmp_path / out)
-    assert (result.exit_code, result.output) == (
-        2,
-        f"error: {tmp_path / out}: --hf: would write into CHECKPOINT_DIR "
-        f"'{tmp_path / argument}', an input of this run (give another "
-        "path)\n",
-    )
-    assert _snapshot(ckpt) == before
-
-
-def test_export_never_writes_through_a_link(ckpt, tmp_path):
-    target = _elsewhere(tmp_path)
-    out = tmp_path / "hf"
-    out.mkdir()
-    (out / hf_names.CONFIG).symlink_to(target)
-    result = _export(ckpt, "--hf", out)
-    assert (result.exit_code, result.output) == (
-        2,
-        f"error: {out / hf_names.CONFIG}: --hf: is a symbolic link to '{target}' in the folder --hf writes into {NO_LINKS}\n",
-    )
-    linked = tmp_path / "linked_hf"
-    linked.symlink_to(target.parent)
-    result = _export(ckpt, "--hf", linked)
-    assert (result.exit_code, result.output) == (
-        2,
-        f"error: {linked}: --hf: is a symbolic link to '{target.parent}' "
-        "(writes never follow one: give the path it points to, or remove "
-        "the link)\n",
-    )
-    assert _snapshot(target.parent) == {"precious.txt": b"not yours"} and os.listdir(out) == [hf_names.CONFIG]
 
 
 def test_place_never_writes_over_the_files_its_cluster_names(tmp_path):
