@@ -38,13 +38,12 @@ PROCESS_MARKS = ("multiprocess", "netns", "gpu")
 def pytest_collection_modifyitems(config, items):
     misplaced = []
     for item in items:
-        name = item.nodeid.split("/")[-1]
         if INTEGRATION in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.integration)
         elif any(item.get_closest_marker(m) for m in PROCESS_MARKS):
             misplaced.append(item.nodeid)
         if _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(name.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group(Path(item.path).name))
     if misplaced:
         raise pytest.UsageError(
             f"{len(misplaced)} test(s) marked {'/'.join(PROCESS_MARKS)} outside tests/integration/ "
