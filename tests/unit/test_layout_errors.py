@@ -7,11 +7,10 @@ The bad inputs are files in ``tests/bad_layouts/``, one case each, whose first l
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers_layout_errors import expected_line
 
 from harness import RUNNABLE_LAYOUTS, assert_one_error_line
 from harness import invoke_cli as invoke
@@ -20,18 +19,16 @@ from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight
 
 TESTS = Path(__file__).resolve().parents[1]  # tests/: the shared data and bad layouts
+
 REPO = TESTS.parent
+
 BAD = sorted((TESTS / "bad_layouts").glob("*.toml"))
+
 GOOD = RUNNABLE_LAYOUTS
+
 QUICKSTART = REPO / "layouts" / "quickstart.toml"
+
 RANK_TABLE_HEADER = "rank  device      node      pipeline  stage  tp     layers   batch share"
-
-
-def expected_line(path: Path) -> str:
-    first = path.read_bytes().split(b"\n", 1)[0].decode("ascii")
-    prefix = "# expect: "
-    assert first.startswith(prefix), f"{path.name}: first line must be '{prefix}<message>'"
-    return first[len(prefix) :].replace("{file}", str(path)).replace("{dir}", str(path.parent))
 
 
 def test_corpus_is_there():
@@ -89,9 +86,6 @@ def test_loads_names_its_file():
         layout.loads("[modle]\nlayers = 2\n", file="inline.toml")
     assert str(info.value) == "inline.toml: modle: unknown section 'modle' (did you mean 'model'?)"
     assert (info.value.file, info.value.path) == ("inline.toml", "modle")
-
-
-# ------------------------------------------------------------------------------------ --set
 
 
 SET_ERRORS = {
@@ -163,25 +157,6 @@ def test_set_shows_in_dry_run():
     assert "rows 0-15 in 2 mb" in result.stdout
 
 
-def test_real_subprocess():
-    """Once for real: the installed entry module, its exit code and its stderr, outside CliRunner."""
-    path = Path("tests") / "bad_layouts" / "unknown_key_typo.toml"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hetero_llm.cli", str(path), "--dry-run"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert proc.returncode == 2
-    assert proc.stdout == ""
-    assert proc.stderr == f"error: {expected_line(REPO / path).replace(str(REPO / path), str(path))}\n"
-    assert proc.stderr.count("\n") == 1
-
-
-# ------------------------------------------------------------------------------------ several problems
-
-
 FIRST_OF_TWO = [  # (two --set items each making one problem, the one reported): validation order, not schema order
     (["model.init_std=-1.0", "train.lr=-0.1"], "train.lr: must be >= 0, got -0.1"),
     (["model.norm_eps=0", "model.hidden=30"], "model.heads: 4 heads do not divide hidden 30 (pick a divisor of 30)"),
@@ -232,9 +207,6 @@ def test_every_field_rule_runs(monkeypatch):
     }
     assert len(declared) >= 40
     assert asked == declared
-
-
-# ------------------------------------------------------------------------------------ good layouts
 
 
 @pytest.mark.parametrize("path", GOOD, ids=[p.stem for p in GOOD])

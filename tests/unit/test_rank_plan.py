@@ -4,9 +4,6 @@ layout, and printed exactly by ``hetero-launch L.toml --dry-run --rank R``. Torc
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import attrs
@@ -21,6 +18,7 @@ from hetero_llm.plan.rank import WORLD, P2PKey, TPKey
 from hetero_llm.schedule import Direction, Kind
 
 ROOT = Path(__file__).resolve().parents[2]
+
 SHIPPED = [p.relative_to(LAYOUTS).as_posix() for p in LAYOUT_FILES if p.name != "mixed_1024gpu.toml"]
 
 
@@ -150,8 +148,6 @@ def test_group_keys_read_as_the_names_people_see():
     assert plan.rank_plan(0).tp_group == TPKey(0, 0) and rp.tp_group is None
 
 
-# --------------------------------------------------------------------------- --dry-run --rank R
-
 RANK_2 = """\
 rank 2 of 6 (inline.toml)
   device      n0:2 on node n0 (cpu)
@@ -216,29 +212,6 @@ def test_dry_run_with_rank_prints_that_rank_only(tmp_path):
     assert "rank 5 of 8" not in plain.output
     bad = invoke_cli(path, "--dry-run", "--rank", "8")
     assert bad.exit_code == 2 and "--rank: rank 8 is not in this layout (ranks 0..7)" in bad.stderr
-
-
-def test_launch_does_not_import_the_cli():
-    """A forked rank runs from the launcher's plan, not through the click command (no import circle)."""
-    tree = ast.parse((ROOT / "hetero_llm" / "launch" / "node.py").read_text())
-    imported = {
-        alias.name
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and node.module == "hetero_llm"
-        for alias in node.names
-    }
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert "cli" not in imported and "hetero_llm.cli" not in imported
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys, hetero_llm.launch.node; print('hetero_llm.cli' in sys.modules)"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.stdout.strip() == "False", proc.stderr
 
 
 RUNTIME_SIDE = [

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
+from helpers_timeline import assert_png
 
 from hetero_llm.cli.timeline import main
 from hetero_llm.predict import trace as tracing
@@ -18,12 +17,6 @@ from hetero_llm.predict.timeline import plot_timeline
 from hetero_llm.schedule import build
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-
-
-def assert_png(path: Path) -> None:
-    data = Path(path).read_bytes()
-    assert data[:8] == PNG_MAGIC
-    assert len(data) > 1000
 
 
 def fake_rank_plans(num_ranks: int) -> list[SimpleNamespace]:
@@ -261,17 +254,6 @@ def test_cli_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[
     message = message.replace("{cwd}", str(tmp_path))
     assert result.output == message if message.endswith("\n") else message in result.output
     assert (tmp_path / "order.txt").read_text() == "F0 F1 F2 B0 B1 B2\nF0 B0 F1 B1 F2 B2\n"
-
-
-def test_cli_as_a_subprocess(tmp_path: Path) -> None:
-    out = tmp_path / "sim.png"
-    args = ["--simulate", "--stages", "2", "--microbatches", "4", "--schedule", "interleaved", "--out", str(out)]
-    done = subprocess.run(
-        [sys.executable, "-m", "hetero_llm.timeline", *args], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, done.stderr
-    assert "mean bubble" in done.stdout
-    assert_png(out)
 
 
 def test_hot_switches_have_their_own_colour() -> None:
