@@ -1,8 +1,8 @@
 """What the package's modules promise, declared once: which import no torch, and which are the runtime side (they
 run from a rank's ``RankPlan`` and never see the ``Layout``).
 
-A package named here promises it for every module in it, the ones added later included. ``tests/test_torch_free.py``
-imports every torch-free module with torch hidden; ``tests/test_rankplan.py`` reads every runtime-side module for
+A package named here promises it for every module in it, the ones added later included. ``tests/unit/test_torch_free.py``
+imports every torch-free module with torch hidden; ``tests/unit/test_rank_plan.py`` reads every runtime-side module for
 the names and attributes that would reach the layout. Imports nothing of the package (and no torch).
 """
 

@@ -35,7 +35,7 @@ from hetero_llm.planner import profile as profiling
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cluster import load_cluster as _load_cluster
 
-# hetero_llm.__all__ lists the public names (re-exported from here); tests/test_api.py checks the two agree
+# hetero_llm.__all__ lists the public names (re-exported from here); tests/unit/test_api.py checks the two agree
 Checkpoint = folders.Checkpoint
 WARMUP_STEPS = 1  # a run's first step (process start, allocation) is left out of its step times when it has more
 

@@ -3,7 +3,7 @@ second; nothing at all when stderr is not a terminal (a log file, a pipe, a batc
 lines a command prints anyway.
 
 Checkpoint saving, loading and verification, ``hetero-export``, ``hetero-generate`` and ``hetero-tokenize``
-share it; training's per-step lines are ``train.Progress``'s. Torch-free and imports nothing of hetero_llm.
+share it; training's per-step lines are ``train.metrics.Progress``'s. Torch-free and imports nothing of hetero_llm.
 """
 
 from __future__ import annotations

@@ -26,50 +26,29 @@ tempfile.tempdir = None  # recomputed from $TMPDIR on next use
 atexit.register(shutil.rmtree, _SUITE_TMP, True)
 
 
-# The two tiers (CONTRIBUTING.md). The integration tier holds every test that starts OS processes or
-# trains for real: those marked multiprocess, netns or gpu, whole modules below, and the single tests named
-# below. The unit tier, `pytest -m "not integration"`, is what remains: torch-free and one-process tests.
-INTEGRATION_MODULES = {
-    "test_bench_scripts.py",
-    "test_holmes_bench.py",
-    "test_gpu_bench.py",
-    "test_testbed.py",
-    "test_testbed_launch.py",
-    "test_walkthrough.py",
-    "test_readme_samples.py",
-    "test_launch_scripts.py",
-    "test_generate.py",
-    "test_launch.py",
-    "test_resume.py",
-    "test_invariance.py",
-}
-INTEGRATION_TESTS = (  # node id prefixes, in modules that are mostly unit tests
-    "test_torch_free.py::test_torch_free_tests_pass_without_torch",  # the torch-free tests again, in a subprocess
-    "test_shm.py::test_independent_rank_launches",
-    "test_shm.py::test_ctrl_c_and_a_killed_rank",
-    "test_planner.py::test_plan_bench_quick",
-    "test_precision.py::test_compiled_blocks",
-    "test_precision.py::test_recompute_is_exact",
-    "test_rendezvous.py::test_a_master_that_never_appears",  # waits out a timeout
-    "test_cli_args.py::test_version_in_a_real_process",
-    "test_checkpoint.py::test_bad_resume_in_a_real_process",
-    "test_input_safety.py::test_export_and_generate",  # trains a checkpoint first
-    "test_schedule_combinations.py::test_every_combination",  # compiles every combination of the grid
-)
+# The two tiers (CONTRIBUTING.md) are the two folders: tests/unit/ (torch-free and one-process tests, the fast loop:
+# `pytest tests/unit`) and tests/integration/ (every test that starts OS processes or trains for real). A test's tier
+# follows from its folder: each test under tests/integration/ is marked `integration` here, so `-m "not integration"`
+# selects the unit tier too. A test marked multiprocess, netns or gpu belongs under tests/integration/.
+INTEGRATION = Path(__file__).resolve().parent / "integration"
+PROCESS_MARKS = ("multiprocess", "netns", "gpu")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's worker reads the xdist_group marks added here
 def pytest_collection_modifyitems(config, items):
+    misplaced = []
     for item in items:
-        name = item.nodeid.split("/")[-1]
-        if (
-            any(item.get_closest_marker(m) for m in ("multiprocess", "netns", "gpu"))
-            or name.split("::")[0] in INTEGRATION_MODULES
-            or name.startswith(INTEGRATION_TESTS)
-        ):
+        if INTEGRATION in Path(item.path).resolve().parents:
             item.add_marker(pytest.mark.integration)
+        elif any(item.get_closest_marker(m) for m in PROCESS_MARKS):
+            misplaced.append(item.nodeid)
         if _uses_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(name.split("::")[0]))
+            item.add_marker(pytest.mark.xdist_group(Path(item.path).name))
+    if misplaced:
+        raise pytest.UsageError(
+            f"{len(misplaced)} test(s) marked {'/'.join(PROCESS_MARKS)} outside tests/integration/ "
+            f"(move them there): {', '.join(misplaced[:5])}"
+        )
 
 
 def _uses_a_module_fixture(item) -> bool:

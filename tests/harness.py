@@ -2,7 +2,7 @@
 compare against a reference.
 
 Torch is imported only by the functions that read checkpoints, so the torch-free test files that use
-``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/test_torch_free.py).
+``invoke_cli`` and ``assert_one_error_line`` run without torch installed (tests/unit/test_torch_free.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from helpers_launch import run_cli
 
 from hetero_llm import layout
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.cli.launch import main
-from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout import reader
 
 if TYPE_CHECKING:
     import torch
@@ -32,7 +32,7 @@ LAYOUTS = ROOT / "layouts"
 # planned layouts of the papers' clusters are layouts too, but too big to run here. The published runs'
 # layouts (bench/planner/published.py writes them: CUDA, up to 2520 GPUs) are only checked as files.
 PUBLISHED_LAYOUTS = sorted((LAYOUTS / "papers" / "published").glob("*.toml"))
-SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (tests/test_sweep.py)
+SWEEP_FILES = sorted((LAYOUTS / "sweeps").glob("*.toml"))  # hetero-sweep's files, not layouts (unit/test_sweep.py)
 LAYOUT_FILES = sorted(
     p
     for p in LAYOUTS.rglob("*.toml")
@@ -136,7 +136,7 @@ def assert_copies_agree(ckpt: Path) -> None:
     import torch
 
     seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # name -> (values, written mask) in full shape
-    saved = checkpoint.find(ckpt)
+    saved = folders.find(ckpt)
     for path in (saved.rank_file(r) for r in range(saved.world_size)):
         for name, shard in torch.load(path)["shards"].items():
             dim, lo, hi, shape = shard["coords"]
@@ -215,7 +215,7 @@ def own_nodes(
 
 def sections(common: str, path: Path | str = "<common>") -> tuple[layout.ModelSpec, layout.TrainSpec, layout.DataSpec]:
     """The [model], [train] and [data] tables of TOML text, typed as the loader types them (paths as written)."""
-    raw = layout_toml.parse(common, str(path))
+    raw = reader.parse(common, str(path))
     assert set(raw) <= {"model", "train", "data"}, f"common sections hold more than [model]/[train]/[data]: {set(raw)}"
     return tuple(
         layout.build(cls, raw.get(name, {}), name, str(path))  # type: ignore[return-value]

@@ -1,9 +1,9 @@
 """Layouts and hetero-plan runs that several test files share (not a test module: nothing here is collected).
 
-``make`` and ``TP_MIX``: small layouts written inline and loaded without torch (tests/test_plan.py,
-tests/test_rankplan.py; test_plan runs them in a second interpreter too, so this module imports only the
+``make`` and ``TP_MIX``: small layouts written inline and loaded without torch (tests/unit/test_plan.py,
+tests/unit/test_rank_plan.py; test_plan runs them in a second interpreter too, so this module imports only the
 library). ``run_plan`` and ``cluster``: ``hetero-plan`` on small_cpu.toml with packed documents
-(tests/test_plan_buckets.py, tests/test_buckets.py).
+(tests/unit/test_plan_buckets.py, tests/integration/test_buckets.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The bf16 tolerance that several test files check runs against (tests/test_precision.py, tests/test_zero1.py,
-tests/test_gpu.py); not a test module. tests/test_precision.py's docstring says where the numbers come from.
+"""The bf16 tolerance that several test files check runs against (tests/integration/test_precision.py, tests/unit/test_zero1.py,
+tests/integration/test_gpu.py); not a test module. tests/integration/test_precision.py's docstring says where the numbers come from.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A few documents, a JSONL file of them and a tokenizer trained on them, for the tests of token files and of
-the README walkthrough (tests/test_tokenfiles.py, tests/test_walkthrough.py); not a test module.
+the README walkthrough (tests/unit/test_token_files.py, tests/integration/test_walkthrough.py); not a test module.
 """
 
 from __future__ import annotations

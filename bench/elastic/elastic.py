@@ -70,7 +70,7 @@ REFERENCE = Path(__file__).resolve().parents[2] / "layouts" / "reference" / "ref
 # No TP: with all three nodes the planner would put a TP-2 stage (6 microbatches of 1 row) on n0, which on this
 # bench's shared 2-core machine trains 3-4x slower than its max_tp = 1 plan (many small cross-process
 # all-reduces; docs/benchmarks_history.md, "TP under emulated slowdown"). The recoveries measured here do not depend on it;
-# tests/test_elastic.py's hung-node test runs the TP plan.
+# tests/unit/test_elastic.py's hung-node test runs the TP plan.
 MAX_TP = 1
 
 

@@ -1,6 +1,6 @@
 """Emulated nodes of an elastic run on one machine: one torchrun elastic agent per node of a cluster file, each in
 its own process group, killed or stopped whole (its agent and the workers it started), and the lines the run
-prints. Shared by bench/elastic/elastic.py and tests/test_elastic.py."""
+prints. Shared by bench/elastic/elastic.py and tests/unit/test_elastic.py."""
 
 from __future__ import annotations
 

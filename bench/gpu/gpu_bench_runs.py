@@ -20,8 +20,7 @@ from bench.gpu.gpu_bench_cases import Case, Size, layout_toml
 from hetero_llm import layout as layout_mod
 from hetero_llm.comm import groups, shm
 from hetero_llm.comm.groups import Comms
-from hetero_llm.data import batches as data
-from hetero_llm.data import sources
+from hetero_llm.data import batches, sources
 from hetero_llm.plan import compile_plan
 from hetero_llm.train.options import RunOptions
 from hetero_llm.train.rank import train
@@ -141,7 +140,7 @@ def run_plain(case: Case, mode: str, steps: int, device: torch.device, corpus: P
     seconds, loss_value = [], float("nan")
     for step in range(steps):
         t0 = time.perf_counter()
-        batch = torch.from_numpy(data.global_batch(source, 0, step, case.batch, case.seq))
+        batch = torch.from_numpy(batches.global_batch(source, 0, step, case.batch, case.seq))
         if cuda:
             batch = batch.pin_memory().to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=torch.bfloat16):

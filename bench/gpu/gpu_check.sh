@@ -42,8 +42,8 @@ part() {  # part NAME SECONDS COMMAND...: run one part under `timeout`, log it, 
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG" 2>&1 || export PYTHONPATH=$PWD
 R="$WORK/results"
 
-part pytest_gpu 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_domains.py
-part pytest_cupy 40 python3 -m pytest -q -p no:cacheprovider -rs tests/test_domains.py -k cupy
+part pytest_gpu 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/integration/test_gpu.py tests/unit/test_domains.py
+part pytest_cupy 40 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_domains.py -k cupy
 part bench_eager 200 python3 -m bench.gpu.gpu_bench --models 124m,1.3b --seqs 1024,2048 --modes eager \
     --steps 14 --warmup 4 --out "$R/eager"
 for m in 124m 1.3b; do

@@ -14,8 +14,8 @@ from bench.hot_switch.hot_switch_config import Config
 def predicted(
     cfg: Config, layout: Path, trace: Path, links: dict, probe: dict, device
 ) -> tuple[list[float], list[float]]:
-    """Per step of the trace: ``bucket_sim.switch_seconds`` of the switches the step made, and
-    ``bucket_sim.simulate_buckets``' whole step (for switching layouts), with ``probe``'s link (latency, bandwidth:
+    """Per step of the trace: ``predict.switch_seconds`` of the switches the step made, and
+    ``predict.simulate_buckets``' whole step (for switching layouts), with ``probe``'s link (latency, bandwidth:
     every network link kind) and host costs (copy bandwidth, per block, per gradient buffer:
     ``hot_switch_probes.HostCosts``) over ``links``."""
     link = (probe["latency_s"], probe["bandwidth_bytes_s"])
@@ -23,16 +23,16 @@ def predicted(
     h = probe["host"]
     host = (h["copy_bandwidth"], h["block_overhead"], h["buffer_overhead"])
     from hetero_llm import layout as layout_mod
-    from hetero_llm.switching import predict as bucket_sim
+    from hetero_llm.switching import predict
 
     lay = layout_mod.load(layout)
     switches: list[float] = []
     for first, switch in trace_switch_plans(layout, trace):
         if first:
             switches.append(0.0)
-        switches[-1] += bucket_sim.switch_seconds(switch, links, *host)
+        switches[-1] += predict.switch_seconds(switch, links, *host)
     steps = [
-        bucket_sim.simulate_buckets(
+        predict.simulate_buckets(
             lay, s, device, links, copy_bandwidth=host[0], block_overhead=host[1], buffer_overhead=host[2]
         ).total
         for s in range(cfg.steps)
@@ -86,10 +86,10 @@ def switch_peers(layout: Path, trace: Path) -> list[dict[int, set[int]]]:
 
 
 def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[float]:
-    """``bucket_sim.simulate_buckets`` of the static layout as one bucket under the home layout (the same
+    """``predict.simulate_buckets`` of the static layout as one bucket under the home layout (the same
     documents, packed first-fit decreasing into the global batch's rows as the static run packs them)."""
     from hetero_llm import layout as layout_mod
-    from hetero_llm.switching import predict as bucket_sim
+    from hetero_llm.switching import predict
 
     one = layout.with_name(layout.stem + "_one_bucket.toml")
     static = layout_mod.load(layout)
@@ -97,4 +97,4 @@ def predicted_static(cfg: Config, layout: Path, links: dict, device) -> list[flo
         attrs.evolve(static, buckets=(layout_mod.BucketSpec(max_len=cfg.seq_len),)), one, relative_to=one.parent
     )
     lay = layout_mod.load(one)
-    return [bucket_sim.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]
+    return [predict.simulate_buckets(lay, s, device, links).total for s in range(cfg.steps)]

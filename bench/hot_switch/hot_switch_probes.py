@@ -136,8 +136,7 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
     from hetero_llm import layout as layout_mod
     from hetero_llm.data import documents, sources
     from hetero_llm.plan import compile_plan
-    from hetero_llm.switching import bucketing
-    from hetero_llm.switching import switcher as hotswitch
+    from hetero_llm.switching import bucketing, switcher
     from hetero_llm.switching.predict import step_switch_plans
 
     lay = layout_mod.load(layout)
@@ -154,7 +153,7 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
 
     step_plans = [step_switch_plans(lay, home, plans, step_rows(step)) for step in steps]
 
-    def slot(name: str, device: str) -> hotswitch.Slot:  # this device's shards in the plan, as the rank holds them
+    def slot(name: str, device: str) -> switcher.Slot:  # this device's shards in the plan, as the rank holds them
         plan = named[name]
         rank = next((r.rank for r in plan.ranks if r.device_id == device), None)
         params, coords = {}, {}
@@ -163,7 +162,7 @@ def host_costs(layout: Path, steps: range, reps: int = 9, idle_s: float = 0.1, m
             dim = info.shard_dim or 0
             shape[dim] = hi - lo
             params[info.name], coords[info.name] = torch.zeros(shape), (dim, lo)
-        return hotswitch.Slot(name, plan, rank, params, coords, None)
+        return switcher.Slot(name, plan, rank, params, coords, None)
 
     slots = {(n, d): slot(n, d) for n in named for d in devices}
     before = _Before(list(steps), step_rows, idle_s, meter)
@@ -223,7 +222,7 @@ def _replay_device(
     "run" rounds, as in a run) or right away (the "hot" rounds)."""
     import torch
 
-    from hetero_llm.switching import switcher as hotswitch
+    from hetero_llm.switching import switcher
 
     torch.set_num_threads(1)  # as a rank runs (OMP_NUM_THREADS=1): a multi-threaded copy stalls on a busy host
     before.start(slots, device)
@@ -243,7 +242,7 @@ def _replay_device(
                     if kind == "run":
                         before(r, j)
                     t0 = time.perf_counter()
-                    hotswitch.relayout(
+                    switcher.relayout(
                         sw,
                         device,
                         world_rank,
@@ -256,7 +255,7 @@ def _replay_device(
                     )
                     out[kind, r, j] = time.perf_counter() - t0
                     if grads:
-                        hotswitch.release_gradients(src)  # outside the switch's time, as in a run
+                        switcher.release_gradients(src)  # outside the switch's time, as in a run
     queue.put((device, out))
 
 

@@ -4,7 +4,7 @@
     python -m bench.launch.readme_samples --check   # run it, and say whether quickstart.txt still holds (exit 1 if not)
 
 The quickstart (``hetero-launch layouts/quickstart.toml``, 400 steps, about a minute on 2 CPU cores) trains on
-the embedded grammar, so its losses depend only on the code. ``tests/test_readme_samples.py`` checks that the
+the embedded grammar, so its losses depend only on the code. ``tests/integration/test_readme_samples.py`` checks that the
 README's quickstart block quotes lines of quickstart.txt: rerun this script after a change that moves the
 numbers, then put the lines it recorded into the README. Throughput and ETA differ from machine to machine;
 they are left out of every comparison (``deterministic``).

@@ -99,14 +99,14 @@ def child(out: str, argv: list[str]) -> None:
     import torch
 
     from bench.memory.zero1_memory import status_bytes
-    from hetero_llm.cli import launch as cli
-    from hetero_llm.train import loop as train  # noqa: F401  (imported before the baseline is read)
+    from hetero_llm.cli import launch
+    from hetero_llm.train import loop  # noqa: F401  (imported before the baseline is read)
 
     rank = int(argv[argv.index("--rank") + 1])
     x = torch.randn(64, 64, requires_grad=True)  # torch's thread pool and kernels: loaded before the baseline
     (x @ x).sum().backward()
     before = status_bytes("VmRSS")
-    cli.main(argv, standalone_mode=False)
+    launch.main(argv, standalone_mode=False)
     (Path(out) / f"rank{rank}.json").write_text(
         json.dumps(
             {"rank": rank, "rss_before": before, "peak_rss": status_bytes("VmHWM"), "rss_after": status_bytes("VmRSS")}

@@ -70,10 +70,9 @@ def status_bytes(key: str) -> int:
 def child(out: str, argv: list[str]) -> None:
     """One rank: run ``hetero-launch ARGV`` and write what it kept to ``out``/rank{R}.json."""
     from hetero_llm import layout as layout_mod
-    from hetero_llm.cli import launch as cli
+    from hetero_llm.cli import launch
     from hetero_llm.layout import Optimizer
-    from hetero_llm.plan import compile_plan
-    from hetero_llm.plan import zero1_slices as optim_shards
+    from hetero_llm.plan import compile_plan, zero1_slices
     from hetero_llm.runtime import zero1
     from hetero_llm.runtime.adamw import AdamW
 
@@ -86,7 +85,7 @@ def child(out: str, argv: list[str]) -> None:
 
         cls.__init__ = init
     rss_before = status_bytes("VmRSS")
-    cli.main(argv, standalone_mode=False)
+    launch.main(argv, standalone_mode=False)
     peak, rss_after = status_bytes("VmHWM"), status_bytes("VmRSS")
     if not made:
         raise RuntimeError(f"hetero-launch {' '.join(argv)} built no optimizer (did it stop early?)")
@@ -101,7 +100,7 @@ def child(out: str, argv: list[str]) -> None:
     record = {
         "rank": rank,
         "state_bytes": state,
-        "formula_bytes": 8 * optim_shards.state_elements(plan, rank, zero),
+        "formula_bytes": 8 * zero1_slices.state_elements(plan, rank, zero),
         "rss_before": rss_before,
         "peak_rss": peak,
         "rss_after": rss_after,
@@ -229,7 +228,7 @@ def main() -> None:
                 )
             ).rstrip(),
             benchlib.markdown_table(headers, rows),
-            "state: bytes of AdamW moments the rank's optimizer keeps (formula: `8 x optim_shards.state_elements`); "
+            "state: bytes of AdamW moments the rank's optimizer keeps (formula: `8 x zero1_slices.state_elements`); "
             "added: peak resident memory (VmHWM) minus the resident memory before training (after imports); "
             "end RSS: resident memory when training has returned (parameters and moments live, gradients freed).",
         ]

@@ -22,8 +22,8 @@ def main() -> None:
     after = int(sys.argv[sys.argv.index("--after") + 1]) if "--after" in sys.argv[:cut] else 2
     launch_args = sys.argv[cut + 1 :]
 
-    from hetero_llm.cli import launch as cli
-    from hetero_llm.runtime import interpreter as runtime
+    from hetero_llm.cli import launch
+    from hetero_llm.runtime import interpreter
 
     profiler = cProfile.Profile()
     calls = [0]
@@ -37,10 +37,10 @@ def main() -> None:
 
         return wrapper
 
-    runtime.StageRunner.run = switch_on_at(runtime.StageRunner.run)
-    runtime.StageRunner.run_dynamic = switch_on_at(runtime.StageRunner.run_dynamic)
+    interpreter.StageRunner.run = switch_on_at(interpreter.StageRunner.run)
+    interpreter.StageRunner.run_dynamic = switch_on_at(interpreter.StageRunner.run_dynamic)
     try:
-        cli.main(launch_args, standalone_mode=False)
+        launch.main(launch_args, standalone_mode=False)
     finally:
         profiler.disable()
         profiler.dump_stats(out)

@@ -4,7 +4,7 @@ It trains the model of a hetero_llm layout file (one pipeline, TP size 1 per sta
 own pipelining: ``PipelineStage`` around an ``nn.Module`` whose forward is ``hetero_llm.model.forward``'s
 ``stage_forward`` over the same parameters (same names, same initialization), ``ScheduleGPipe`` or
 ``Schedule1F1B``, gloo. The step around the schedule is the one ``hetero_llm.train.loop`` runs: the same
-global batch (``data.global_batch``), loss divided by the global token count, global-norm clipping
+global batch (``batches.global_batch``), loss divided by the global token count, global-norm clipping
 with one all-reduce, AdamW with the same groups and learning-rate schedule. So the two sides differ
 only in the pipeline runtime.
 
@@ -25,8 +25,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import batches as data
-from hetero_llm.data import sources
+from hetero_llm.data import batches, sources
 from hetero_llm.model.forward import StageShape, stage_forward, token_loss_sum
 from hetero_llm.plan import compile_plan
 from hetero_llm.runtime.state import init_state
@@ -117,7 +116,7 @@ class TorchPipeline:
         """One training step, as ``hetero_llm.train.loop`` runs it; returns its metrics row."""
         tr, st = self.train, self.st
         t0 = time.perf_counter()
-        batch = torch.from_numpy(data.global_batch(self.source, tr.seed, step, tr.global_batch, self.model.seq_len))
+        batch = torch.from_numpy(batches.global_batch(self.source, tr.seed, step, tr.global_batch, self.model.seq_len))
         losses: list[torch.Tensor] = []
         self.compute = 0.0
         t_schedule = time.perf_counter()

@@ -1,7 +1,7 @@
 """hetero-plan's search against the exhaustive reference on small clusters, device subsets included.
 
     python -m bench.planner.plan_exhaustive                 # 200 clusters (minutes)
-    python -m bench.planner.plan_exhaustive --clusters 20   # the first 20 (tests/test_plan_space.py runs 12 of these)
+    python -m bench.planner.plan_exhaustive --clusters 20   # the first 20 (tests/unit/test_plan_space.py runs 12 of these)
 
 Every plan is scored by the same cost model and simulator (``hetero_llm.planner.cost``); nothing here runs a
 model. The reference (``hetero_llm.planner.exact.all_structures(subsets=True)``) enumerates the planner's whole

@@ -4,7 +4,7 @@
       latest                 "step-000040": the newest complete save, replaced atomically after its meta.json
       step-000020/           one folder per save, named by the optimizer steps taken before it
       step-000040/
-        rank0.pt ...         one file per rank of the layout that saved (checkpoint_io writes them): its parameter
+        rank0.pt ...         one file per rank of the layout that saved (shards.py writes them): its parameter
                              shards and their AdamW moments, keyed by global names with their shard coordinates
         meta.json            written last, once every rank's file is on disk: a folder without it is an
                              interrupted save and is never resumed from. It records each rank file's size,

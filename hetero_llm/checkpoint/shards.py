@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hetero_llm._fs import no_space, write_atomically
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.checkpoint.folders import Checkpoint
 from hetero_llm.comm import collectives
 from hetero_llm.errors import CheckpointError
@@ -71,9 +71,9 @@ def save_checkpoint(
     rank 0 marks the save complete (meta.json) once every rank's file is on disk. ``progress``: show the writing
     and checksumming of this rank's file on a terminal (``progress.Bar``; the reporting rank's)."""
     rank = rp.rank
-    folder = checkpoint.step_folder(root, step)
+    folder = folders.step_folder(root, step)
     if rank == 0:
-        checkpoint.begin_save(folder)
+        folders.begin_save(folder)
     collectives.barrier()  # no rank overwrites a file of an earlier save into this folder while its meta.json stands
     folder.mkdir(parents=True, exist_ok=True)
     shards: dict[str, dict[str, Any]] = {}  # name -> "tensor" and the moments (tensors), "coords" (a tuple)
@@ -88,7 +88,7 @@ def save_checkpoint(
             **{key: moments[key].detach().cpu() for key in MOMENTS},
         }
     saved = {"rank": rank, "step": step, "optimizer_steps": optimizer_steps(optimizer), "shards": shards}
-    path = checkpoint.rank_file(folder, rank)
+    path = folders.rank_file(folder, rank)
     payload = sum(t.nbytes for shard in shards.values() for key, t in shard.items() if key != "coords")
     bar = Bar(f"saving {folder}", 2 * payload, "B", enabled=None if progress else False)  # written, then read back
     failed: list[OSError] = []  # what a write raised: torch.save reports it as a RuntimeError of its own
@@ -98,16 +98,16 @@ def save_checkpoint(
             write_atomically(path, lambda f: torch.save(saved, _Counted(f, bar.update, failed)))  # type: ignore[arg-type]
         except Exception as e:
             if any(no_space(x) for x in (e, *failed)):  # the temporary file is gone, the earlier saves untouched
-                raise checkpoint.no_space_error(root, path, payload) from None
+                raise folders.no_space_error(root, path, payload) from None
             raise
-        digest = checkpoint.file_digest(path, bar.update)
+        digest = folders.file_digest(path, bar.update)
     finally:
         bar.close()
     # Also the barrier: every rank's file is on disk before meta.json marks the save complete.
     device = next(iter(state.params.values())).device
     digests = _all_digests(rp.world_size, rank, digest, device)
     if rank == 0:
-        checkpoint.finish_save(folder, step, rp.world_size, rp, checkpoint.file_records(rp.saved_shards, digests))
+        folders.finish_save(folder, step, rp.world_size, rp, folders.file_records(rp.saved_shards, digests))
 
 
 @attrs.define
@@ -159,7 +159,7 @@ class Restored:
 def restore(rp: RankPlan, path: str, progress: bool = False) -> Restored:
     """The rank's shards cut from the save ``path`` names (a step folder or a checkpoint root's newest), whatever
     layout saved it. ``progress``: show the rank files read on a terminal (the reporting rank's)."""
-    ckpt = checkpoint.for_resume(path, rp)
+    ckpt = folders.for_resume(path, rp)
     ranges = {s.name: (s.lo, s.hi) for s in rp.shards}
     files = [_load_rank_file(ckpt, r) for r in range(ckpt.world_size)]
     steps = {f["optimizer_steps"] for f in files}
@@ -184,7 +184,7 @@ def check_resumable(ckpt: Checkpoint) -> None:
     ``--checkpoint DIR`` before sealing it (``launch.restart``), so no save is made that ``--resume`` would refuse.
     Raises ``CheckpointError`` naming the first problem."""
     steps: set[object] = set()  # each rank file's optimizer step, as it reads
-    held: dict[str, list[checkpoint.Coords]] = {}  # name -> the coordinates of every saved shard of it
+    held: dict[str, list[folders.Coords]] = {}  # name -> the coordinates of every saved shard of it
     for rank in range(ckpt.world_size):
         saved = _load_rank_file(ckpt, rank)
         steps.add(saved.get("optimizer_steps"))
@@ -198,13 +198,13 @@ def check_resumable(ckpt: Checkpoint) -> None:
             str(ckpt.path),
             "--resume",
             f"rank files disagree on the optimizer step ({sorted(map(str, steps))}): the "
-            f"save is damaged; {checkpoint.DAMAGED}",
+            f"save is damaged; {folders.DAMAGED}",
         )
     for name, full in ckpt.shapes.items():
-        gap = checkpoint.uncovered(name, full, held.get(name, []))
+        gap = folders.uncovered(name, full, held.get(name, []))
         if gap:
             raise CheckpointError(
-                str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {checkpoint.DAMAGED}"
+                str(ckpt.path), "--resume", f"{gap} is in no rank file: the save is incomplete; {folders.DAMAGED}"
             )
 
 
@@ -221,17 +221,17 @@ def _check_finite(shards: dict[str, dict[str, torch.Tensor]], folder: Path) -> N
         None,
     )
     if bad:
-        raise CheckpointError(str(folder), "--resume", f"the {bad} holds NaN or infinite values; {checkpoint.DAMAGED}")
+        raise CheckpointError(str(folder), "--resume", f"the {bad} holds NaN or infinite values; {folders.DAMAGED}")
 
 
 def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
     """One rank file, memory-mapped (only the slices a rank copies out are read from disk), its shards checked
-    against the model's shapes: ``checkpoint.verify`` checked it before the ranks started, but a save from
+    against the model's shapes: ``folders.verify`` checked it before the ranks started, but a save from
     before meta.json's records was not."""
     path = ckpt.rank_file(rank)
 
     def damaged(problem: str) -> CheckpointError:
-        return CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {checkpoint.DAMAGED}")
+        return CheckpointError(str(path), "--resume", f"{problem}: the save is damaged; {folders.DAMAGED}")
 
     try:
         saved = torch.load(path, mmap=True, weights_only=True)
@@ -242,10 +242,10 @@ def _load_rank_file(ckpt: Checkpoint, rank: int) -> dict:
     except Exception as e:
         raise damaged(f"cannot be read ({type(e).__name__}: {str(e).splitlines()[0].split('. ')[0]})") from None
     for name, ((dim, lo, hi, full), shapes) in shards.items():
-        problem = checkpoint.shard_problem(name, (dim, lo, hi, ckpt.shapes.get(name, ())), ckpt.shapes)
+        problem = folders.shard_problem(name, (dim, lo, hi, ckpt.shapes.get(name, ())), ckpt.shapes)
         if problem is None and tuple(full) != ckpt.shapes[name]:
             problem = f"its {name} is a shard of a {list(full)} tensor, but the model's is {list(ckpt.shapes[name])}"
-        want = torch.Size(checkpoint.shard_shape(dim, lo, hi, tuple(full)))
+        want = torch.Size(folders.shard_shape(dim, lo, hi, tuple(full)))
         if problem is None and any(shape != want for shape in shapes):
             problem = f"its {name} is {[list(shape) for shape in shapes]} (tensor, moments), not {list(want)}"
         if problem:
@@ -292,7 +292,7 @@ def load_full_params(directory: str, progress: bool = False) -> dict[str, torch.
     """Full (one-process) parameters from any layout's save: a step folder, or a checkpoint root's newest; read
     and refused (damaged shards, NaN) as a resumed rank reads its own. ``progress``: show the rank files read on a
     terminal."""
-    ckpt = checkpoint.find(directory)
+    ckpt = folders.find(directory)
     files = (_load_rank_file(ckpt, r) for r in range(ckpt.world_size))
     with _loading(ckpt, progress) as bar:
         shards = _assemble(_read_through(files, ckpt, bar), dict.fromkeys(ckpt.shapes), ("tensor",), ckpt.path)

@@ -7,7 +7,7 @@ import os
 import click
 
 from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
-from hetero_llm.data import tokenizers as tokens
+from hetero_llm.data import tokenizers
 from hetero_llm.data.token_files import tokenize_file
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import outputs
@@ -57,7 +57,7 @@ class _TokenizeProgress:
     help="Token file to write: .bin (raw, as nanoGPT) or .npy.",
 )
 @click.option(
-    "--tokenizer", default=tokens.BYTES, show_default=True, help="'bytes' or a local Hugging Face tokenizer.json."
+    "--tokenizer", default=tokenizers.BYTES, show_default=True, help="'bytes' or a local Hugging Face tokenizer.json."
 )
 @click.option(
     "--kind",
@@ -74,10 +74,10 @@ def main(source, out, tokenizer, kind, field):
             raise LayoutError(source, "INPUT", "no such file (give a .txt or .jsonl file)")
         if not out.endswith((".bin", ".npy")):
             raise LayoutError(out, "--out", "must end in .bin or .npy")
-        inputs = [("the input file", source)] + ([("--tokenizer", tokenizer)] if tokenizer != tokens.BYTES else [])
+        inputs = [("the input file", source)] + ([("--tokenizer", tokenizer)] if tokenizer != tokenizers.BYTES else [])
         outputs.check_output_file("--out", out, inputs)
         try:
-            tokens.load(tokenizer)
+            tokenizers.load(tokenizer)
         except ValueError as e:
             raise LayoutError(tokenizer, "--tokenizer", str(e)) from None
         progress, done = _TokenizeProgress(source), False

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 _PROBE_S = 2.0  # longest single connect attempt while waiting for the server
 # torch's TCPStore wire protocol (c10d/TCPStoreBackend.hpp, the same for its libuv and its classic server): a
 # client opens with VALIDATE and the magic number, then PING with a nonce that the server sends back. Host
-# byte order. tests/test_failures_named.py checks a real store still answers it.
+# byte order. tests/integration/test_failures_named.py checks a real store still answers it.
 _VALIDATE, _PING, _MAGIC = 0, 13, 0x3C85F7CE
 
 

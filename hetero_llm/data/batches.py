@@ -1,6 +1,7 @@
 """Training data: token sources and the layout-invariant global batch.
 
-Two kinds of source, both with the same small interface (``vocab_size``, ``sample(rng, n, length)``):
+``make_source`` builds the source a layout's ``[data]`` names; every kind has the same small interface
+(``vocab_size``, ``sample(rng, n, length)``):
 
 - ``GrammarSource`` is an embedded dataset that needs no download: a seeded *stochastic grammar*, an
   order-2 Markov chain over ``grammar_vocab`` tokens. Each context (a, b) allows ``branching``
@@ -11,8 +12,10 @@ Two kinds of source, both with the same small interface (``vocab_size``, ``sampl
   from one token, H(X1 | X0) under stationarity, and every later target from the two before it, the
   entropy rate. A training run that approaches the floor has learned the task; one that stalls far
   above it has a bug, whatever the layout.
-- ``TokenFileSource`` (``text_cache.py``) is bring-your-own text (``.txt`` or ``.jsonl``), tokenized once at
-  the byte level into a memory-mapped cache beside the source (or in a user cache folder).
+- ``TokenFileSource`` (``text_cache``) is bring-your-own text (``.txt`` or ``.jsonl``), tokenized once at
+  the byte level into a memory-mapped cache beside the source (or in a user cache folder); with a
+  ``tokenizer.json``, and for pre-tokenized ``.bin`` / ``.npy`` files, the same source is over a token file
+  (``token_files``).
 
 ``global_batch`` makes the tokens of one step a pure function of (seed, step), identical on every
 process, and ``pipeline_share`` cuts out one pipeline's rows and its microbatches (``Windows``: the same

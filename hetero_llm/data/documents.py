@@ -4,17 +4,17 @@
 
 - A *document source* yields documents (token arrays of at least 2 tokens, at most ``seq_len + 1``):
   ``FileDocuments`` reads a JSONL file (one document per line) or a text file split on a separator;
-  ``GrammarDocuments`` is the embedded default: sequences of the seeded grammar (``data.GrammarSource``)
+  ``GrammarDocuments`` is the embedded default: sequences of the seeded grammar (``batches.GrammarSource``)
   with long-tailed lengths (a discretized lognormal), whose best reachable loss is known exactly.
 - ``step_documents`` (a count of documents or a budget of tokens) and ``fill_rows`` (as many rows of a
   width as the step holds) make a step's documents a pure function of (seed, step), on every process.
 - ``pack`` / ``pack_placed`` lay documents into rows. A document of n tokens gives n - 1 positions
   (inputs ``doc[:-1]``, targets ``doc[1:]``); its positions restart at 0; the tail of a row is padding
   whose target is ``IGNORE``. ``PackedRows.spans`` says where each document lies, which is all the
-  model needs for its document mask (``docmask.DocumentMask``): attention never crosses a document, so
+  model needs for its document mask (``model.document_mask.DocumentMask``): attention never crosses a document, so
   a token's loss is the same however the documents were packed.
 
-Imports numpy and the standard library only (torch-free, like ``data``).
+Imports numpy and the standard library only (torch-free, like all of ``data/``).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hetero_llm.data import tokenizers as tokens
+from hetero_llm.data import tokenizers
 from hetero_llm.data.text_cache import CACHE_ENV, TokenFileSource, jsonl_document
 from hetero_llm.errors import LayoutError
 
@@ -197,7 +197,7 @@ def tokenize_file(
 ) -> tuple[int, str]:
     """Tokenize ``source`` into the token file ``out``; return (tokens written, dtype). ``progress(tokens)``
     after each batch written; ``read(bytes)`` as the source is read (``documents``)."""
-    tok = tokens.load(tokenizer)
+    tok = tokenizers.load(tokenizer)
     dtype = dtype_for(tok.vocab_size)
     docs = documents(source, kind, field, file_for_errors, read)
     count = write_tokens(out, encode_documents(docs, tok), dtype, progress)
@@ -210,7 +210,7 @@ def tokenize_file(
 
 def cache_paths(source: str) -> list[Path]:
     """Where the tokens of ``source`` may be cached, in order: the folder ``$HETERO_LLM_CACHE`` names when set;
-    else beside the source, then the user cache folder (as ``textcache.cache_path`` for byte tokens)."""
+    else beside the source, then the user cache folder (as ``text_cache.cache_path`` for byte tokens)."""
     name = os.path.basename(source) + ".hf-tokens.bin"
     chosen = os.environ.get(CACHE_ENV)
     home = Path(chosen) if chosen else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "hetero_llm"

@@ -47,7 +47,7 @@ class HFTokenizer:
         self.name = path
         # Text is text: a document that spells a special token ("<|endoftext|>" in a text about tokenizers) is
         # encoded as those characters, never as the special token. The one EOS between documents is appended
-        # by its id (tokenfiles.encode_documents); tokenizers would otherwise match added tokens in the text.
+        # by its id (token_files.encode_documents); tokenizers would otherwise match added tokens in the text.
         tok.encode_special_tokens = True
         self._tok = tok
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

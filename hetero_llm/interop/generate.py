@@ -3,7 +3,7 @@
 The checkpoint (any layout's) is assembled into full parameters and run as one process with a KV cache:
 the prompt goes through the model once, then each new token attends to the cached keys and values of
 every position before it, so a token costs one position's compute rather than the whole sequence's. The
-math is ``model.block``'s (same norms, projections, RoPE pairs, grouped-query heads); greedy decoding
+math is ``model.forward.block``'s (same norms, projections, RoPE pairs, grouped-query heads); greedy decoding
 (``--temperature 0``) gives what ``transformers.generate`` gives on the exported model.
 """
 

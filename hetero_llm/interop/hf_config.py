@@ -136,7 +136,7 @@ def _toml(value: Any) -> str:
 # goes on without it), pretraining_tp (in transformers < 5 only splits the same matmuls), use_cache,
 # initializer_range, token ids, max_position_embeddings (default RoPE computes any position), GPT-2's
 # reorder_and_upcast_attn (the same math in float32), add_cross_attention (unused without encoder states)
-# and summary_* (GPT2DoubleHeadsModel only). tests/test_hf_fields.py sweeps every field of both configs.
+# and summary_* (GPT2DoubleHeadsModel only). tests/unit/test_hf_fields.py sweeps every field of both configs.
 SILU = ("silu", "swish")  # transformers' ACT2FN: both are x * sigmoid(x)
 GELU_TANH = ("gelu_new", "gelu_pytorch_tanh", "gelu_python_tanh", "gelu_fast", "gelu_accurate")  # 0.5x(1 + tanh(..))
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from hetero_llm.checkpoint import folders as checkpoint
+from hetero_llm.checkpoint import folders
 from hetero_llm.errors import ENVIRONMENT, LayoutError
 from hetero_llm.launch.hosts import is_local_host
 from hetero_llm.plan import Plan
@@ -156,7 +156,7 @@ def resume_auto(checkpoint_dir: str | None, lay) -> str | None:
             lay.file, "--resume", "auto needs --checkpoint DIR (the folder it resumes from and saves into)"
         )
     root = Path(checkpoint_dir)
-    saves = root.glob(f"{checkpoint.STEP_PREFIX}*/{checkpoint.META}") if root.is_dir() else ()
+    saves = root.glob(f"{folders.STEP_PREFIX}*/{folders.META}") if root.is_dir() else ()
     if not any(saves):  # no complete save yet (none, or only interrupted ones): a fresh start
         return None
-    return str(checkpoint.find(root).path)  # a damaged newest save is refused, never silently trained over
+    return str(folders.find(root).path)  # a damaged newest save is refused, never silently trained over

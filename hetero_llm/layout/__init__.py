@@ -1,14 +1,14 @@
 """Layouts: the TOML a user writes, loaded once into frozen attrs classes and validated.
 
-The front of four modules, in data-flow order:
+The front of the package's modules, in data-flow order:
 
-- ``layout_schema``: the classes and enums; every key declared once with its type, default, meaning
-  and single-field rules (``layout_fields`` says how a key is declared); ``cluster_schema`` the
+- ``schema``: the classes and enums; every key declared once with its type, default, meaning
+  and single-field rules (``fields`` says how a key is declared); ``cluster_schema`` the
   ``[cluster]`` tables.
-- ``layout_toml``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
+- ``reader``: the only code that touches the raw TOML dict: reading, ``--set`` overrides, and
   conversion key by key (unknown keys are errors with a did-you-mean, because a silently ignored
   typo such as ``train.stpes`` is the classic way a TOML config lies to its user).
-- ``layout_rules``: validation, the rules between keys and the order all rules run in (those of
+- ``rules``: validation, the rules between keys and the order all rules run in (those of
   ``[data]`` in ``data_rules``, of ``[cluster]`` in ``cluster_rules``).
 - ``cluster_file``: a layout without pipelines, read by hetero-place and hetero-plan.
 - ``writer``: the loader's inverse, ``dumps`` / ``dump`` (and ``dumps_cluster``): every TOML file the
@@ -27,7 +27,7 @@ from typing import Any
 import attrs
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout import reader
 from hetero_llm.layout.cluster_file import read_cluster_file
 from hetero_llm.layout.cluster_rules import validate_cluster
 from hetero_llm.layout.cluster_schema import (
@@ -121,26 +121,25 @@ __all__ = [
     "validate_cluster",
 ]
 
-build = layout_toml.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
-_build = build  # the name hetero_llm.planner.cluster calls
+build = reader.build  # one TOML table into an attrs class, type-checked (the planner's [plan] tables too)
 
 
 def load(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = ()) -> Layout:
     """Read, override (``--set a.b=v``), type-check and validate a layout file."""
-    raw = layout_toml.read(path)
+    raw = reader.read(path)
     for item in overrides:
-        layout_toml.apply_override(raw, item, str(path))
+        reader.apply_override(raw, item, str(path))
     return from_dict(raw, str(path), base_dir=Path(path).parent)
 
 
 def loads(text: str, file: str = "<string>", base_dir: str | os.PathLike = ".") -> Layout:
     """Load a layout from TOML text (tests, generated layouts)."""
-    return from_dict(layout_toml.parse(text, file), file, base_dir=Path(base_dir))
+    return from_dict(reader.parse(text, file), file, base_dir=Path(base_dir))
 
 
 def from_dict(raw: dict, file: str, base_dir: Path) -> Layout:
     """A validated layout from its TOML dict; relative paths in it are taken from ``base_dir``."""
-    layout = layout_toml.to_layout(raw, file, base_dir)
+    layout = reader.to_layout(raw, file, base_dir)
     validate(layout)
     return layout
 
@@ -172,7 +171,7 @@ def schema_markdown() -> str:
     ]:
         for fl in attrs.fields(cls):
             default = "required" if fl.default is attrs.NOTHING else repr(getattr(fl.default, "value", fl.default))
-            kind = layout_toml.shape(cls, fl)[0]
+            kind = reader.shape(cls, fl)[0]
             if kind in ("table", "nccl"):
                 default = "{}" if kind == "nccl" else "(table)"
             rows.append(f"| `{section}.{fl.name}` | {default} | {fl.metadata['doc']} |")

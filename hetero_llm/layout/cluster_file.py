@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from hetero_llm.errors import LayoutError
-from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout import reader
 from hetero_llm.layout.cluster_rules import validate_cluster
 
 
@@ -25,8 +25,8 @@ def read_cluster_file(
         text = p.read_text()
     except UnicodeDecodeError:
         raise LayoutError(file, "", "not UTF-8 text (save the file as UTF-8: TOML requires it)") from None
-    raw = layout_toml.parse(text, file)
-    layout_toml.check_keys(raw, list(layout_toml.SECTIONS) + ["pipelines", *extra], "", file, what="section")
+    raw = reader.parse(text, file)
+    reader.check_keys(raw, list(reader.SECTIONS) + ["pipelines", *extra], "", file, what="section")
     if "pipelines" in raw:
         raise LayoutError(
             file,
@@ -36,8 +36,6 @@ def read_cluster_file(
     for name in ("model", "train", "cluster"):
         if name not in raw:
             raise LayoutError(file, name, f"missing section (add a [{name}] section)")
-    sections = {
-        name: layout_toml.build(cls, raw.get(name, {}), name, file) for name, cls in layout_toml.SECTIONS.items()
-    }
+    sections = {name: reader.build(cls, raw.get(name, {}), name, file) for name, cls in reader.SECTIONS.items()}
     validate_cluster(file, sections["cluster"])
     return text, raw, sections

@@ -1,6 +1,6 @@
 """Layout validation of ``[cluster]``: nodes, the rendezvous master, network domains and the communication
 library. On its own for placement (``cluster_file``: a cluster file has no pipelines yet), and called by
-``layout_rules.validate`` at its place in the fixed order of all rules. Imports no torch.
+``rules.validate`` at its place in the fixed order of all rules. Imports no torch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The ``[cluster]`` part of the layout schema: hosts, network domains and how ranks meet. Imports no torch.
 
-Declared like the rest of the schema (``layout_schema``; see ``layout_fields``): each key once, with its
+Declared like the rest of the schema (``schema``; see ``fields``): each key once, with its
 type, default, meaning and single-field rules. Also the names a plan group's transport can take besides a
 domain's, and the NCCL variables a domain may set.
 """

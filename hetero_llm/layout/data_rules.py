@@ -1,5 +1,5 @@
 """Layout validation of ``[data]`` and held-out evaluation: the data's kind, files, tokenizer, packing and
-held-out set, checked against the model. Called by ``layout_rules.validate`` at its place in the fixed order
+held-out set, checked against the model. Called by ``rules.validate`` at its place in the fixed order
 of all rules (the first problem found is the one reported). Imports no torch.
 """
 
@@ -79,12 +79,10 @@ def validate_data(layout: Layout) -> None:
                 f, "model.vocab", f"{m.vocab} is smaller than the byte tokenizer's 256 tokens (set model.vocab >= 256)"
             )
         return
-    from hetero_llm.data import (
-        tokenizers as tokens,
-    )  # torch-free; the tokenizers library loads only for a tokenizer.json
+    from hetero_llm.data import tokenizers  # torch-free; the tokenizers library loads only for a tokenizer.json
 
     try:
-        vocab = tokens.load(d.tokenizer).vocab_size
+        vocab = tokenizers.load(d.tokenizer).vocab_size
     except ValueError as e:
         raise LayoutError(f, "data.tokenizer", str(e)) from None
     if m.vocab < vocab:

@@ -1,10 +1,10 @@
 """One layout key: how it is declared, and the rules its value must meet on its own.
 
-Every key is an attrs field made by ``key(doc, check=...)`` in ``layout_schema``: its meaning
-(``doc``, from which docs/layout.md is generated), its type (the annotation, which ``layout_toml``
+Every key is an attrs field made by ``key(doc, check=...)`` in ``schema``: its meaning
+(``doc``, from which docs/layout.md is generated), its type (the annotation, which ``reader``
 enforces while converting TOML), and its single-field rules (``check``: a range, a pattern, a
 non-empty list, ...), each with the message and fix a user reads. Rules that need more than one key
-live in ``layout_rules``, which also decides when each field's rules run: the order of its calls is
+live in ``rules``, which also decides when each field's rules run: the order of its calls is
 the order in which a file's problems are found, so the first one reported never depends on the schema.
 """
 

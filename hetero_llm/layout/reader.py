@@ -1,11 +1,11 @@
 """TOML to schema objects: the only code that touches the raw TOML dict.
 
 Reads the file (refusing what TOML cannot be: a folder, a BOM, non-UTF-8 text), applies ``--set``
-overrides, then builds the attrs classes of ``layout_schema`` key by key: a key the schema does not
+overrides, then builds the attrs classes of ``schema`` key by key: a key the schema does not
 declare is an error with a did-you-mean, and each value is converted by its field's annotation (enums
 by their values, numbers, strings, arrays, nested tables), every message naming the key's TOML path.
 How a field is read follows from its annotation alone, so a new key needs no code here. Nothing is
-validated beyond types: that is ``layout_rules``.
+validated beyond types: that is ``rules``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Layout validation: every rule that needs more than one key, and when each key's own rules run.
 
-A key's own rules (ranges, patterns, ...) are declared on its field in ``layout_schema`` and run here
+A key's own rules (ranges, patterns, ...) are declared on its field in ``schema`` and run here
 by name (``check_own``), interleaved with the rules between keys in one fixed order: the order of the calls
 below is the order in which a file's problems are found, and only the first is reported. Keep it when
 adding a rule (tests/bad_layouts has one file per message). The rules of ``[data]`` (``data_rules``) and

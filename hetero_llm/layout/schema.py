@@ -1,8 +1,8 @@
 """The layout schema: the TOML keys a user writes, as frozen attrs classes and enums.
 
 Each key is declared once, here: its type, default, meaning (``doc``) and its single-field rules
-(``check``; see ``layout_fields``). Turning TOML into these classes is ``layout_toml``'s job, rules
-between keys are ``layout_rules``'; ``hetero_llm.layout`` puts them together. Imports no torch.
+(``check``; see ``fields``). Turning TOML into these classes is ``reader``'s job, rules
+between keys are ``rules``'; ``hetero_llm.layout`` puts them together. Imports no torch.
 The ``[cluster]`` tables are declared the same way in ``cluster_schema``.
 
 Every key's documentation is here, beside it: the classes themselves are plain declarations.

@@ -1,6 +1,6 @@
 """Schema objects to TOML: the loader's inverse, ``loads(dumps(load(f))) == load(f)``.
 
-Written from the schema's declarations, as the reader reads them (``layout_toml.shape`` says how each
+Written from the schema's declarations, as the reader reads them (``reader.shape`` says how each
 field is written), so a new key needs no code here: every section in the loader's order, in each table
 its keys in declaration order with defaults left out (they reload identically), then its sub-tables
 (``[cluster.cross_domain]``) and arrays of tables (``[[cluster.nodes]]``, ``[[pipelines]]`` with their
@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 
 from hetero_llm._fs import write_atomically
-from hetero_llm.layout import reader as layout_toml
+from hetero_llm.layout import reader
 from hetero_llm.layout.schema import Layout
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_\-]+")
@@ -43,9 +43,9 @@ def dumps(
     None writes them as they are (paths already relative to where the file goes, e.g. a cluster file's)."""
     if relative_to is not None:
         folder = Path(relative_to)
-        layout = layout_toml.map_paths(layout, lambda p: _relative(p, folder))
-    sections = {name: getattr(layout, name) for name in layout_toml.SECTIONS}
-    arrays = {name: getattr(layout, name) for name in layout_toml.ARRAYS}
+        layout = reader.map_paths(layout, lambda p: _relative(p, folder))
+    sections = {name: getattr(layout, name) for name in reader.SECTIONS}
+    arrays = {name: getattr(layout, name) for name in reader.ARRAYS}
     return _document(sections, arrays, {}, header, comments or {})
 
 
@@ -162,7 +162,7 @@ def _table(obj: Any, path: str, name: str, head: str, comments: Mapping[str, str
         value = getattr(obj, f.name)
         if f.default is not attrs.NOTHING and _same(value, f.default):
             continue
-        kind, _ = layout_toml.shape(cls, f)
+        kind, _ = reader.shape(cls, f)
         where, at = f"{path}.{f.name}", f"{name}.{f.name}"
         if kind == "array":
             for i, item in enumerate(value):

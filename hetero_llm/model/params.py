@@ -1,5 +1,5 @@
-"""Global parameter names, full shapes and tensor-parallel shard dims; from them, the memory a rank needs at
-least, which ``hetero-launch`` checks against the host's RAM (and GPUs) before any rank starts. Torch-free.
+"""Global parameter names, full shapes and tensor-parallel shard dims: what a stage holds (``stage_params``),
+what every memory estimate starts from (launch/memory.py, planner/memory.py). Torch-free.
 
 Names are global (``layers.7.attn.wq``), never stage-local, so a checkpoint or a gradient means the
 same thing under every layout. A TP shard is always a contiguous slice of the full tensor along one

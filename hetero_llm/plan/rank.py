@@ -374,7 +374,7 @@ class ZeroUnit:
 
 @attrs.frozen
 class OptimizerSlices:
-    """What this rank's AdamW updates under ZeRO-1 (``optim_shards.owned``): its slices of each unit it is in
+    """What this rank's AdamW updates under ZeRO-1 (``zero1_slices.owned``): its slices of each unit it is in
     (the unit's group carries their reduce-scatter and all-gather), and the rest of its shards, its alone."""
 
     units: tuple[tuple[ZeroUnit, tuple[Slice, ...]], ...]
@@ -422,7 +422,9 @@ class RankPlan:
     network: Network
     batch: BatchShare
     counts_loss: bool  # its summed loss is its pipeline's (last stage, TP rank 0): added into the logged loss
-    hot_switching: bool  # the layout has [[buckets]]: each step runs every bucket under its own layout (hotswitch)
+    hot_switching: (
+        bool  # the layout has [[buckets]]: each step runs every bucket under its own layout (switching/switcher.py)
+    )
     reports: bool  # prints progress and writes metrics (every rank knows the reduced loss: rank 0 does it)
     fingerprint: str  # ``Plan.fingerprint``: what every rank checks at rendezvous
     meeting: Meeting

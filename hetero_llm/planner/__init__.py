@@ -1,8 +1,14 @@
 """``hetero-plan``: search the layouts a cluster can run for the fastest one under a cost model. Torch-free.
 
-Modules, in data-flow order: ``cluster`` (the cluster file and device kinds), ``cost`` (time and
-memory of a candidate), ``search`` (the exact splits, the sweep and the local search), ``output``
-(the layout file and the explanation). ``plan_file`` is what the CLI calls.
+Modules, in data-flow order: ``cluster`` (the cluster file and ``[plan]``; device kinds in ``catalogue``, the
+corpus in ``documents``, measured profiles in ``profile``), ``candidates`` (a candidate layout and its score),
+``cost`` (step time of a candidate: per-operation pricing in ``roofline``, context parallelism in ``context``,
+the pipeline simulation in ``pipesim``, memory in ``memory`` and ``spans``), ``search`` (the search: its
+structures in ``structure``, the sweep in ``sweep``, the exact layer split and batch split in ``layers`` and
+``shares``, local-search moves in ``moves``, seeds from ``place``'s Holmes placement in ``seeds``; the exhaustive
+reference ``exact``), ``buckets`` (bucket layouts for hot switching), ``evaluate`` (``--evaluate``: a given
+layout priced), ``output`` (the layout file and the explanation). ``plan_cluster`` searches a cluster (what
+``api.plan_cluster`` and ``hetero-plan`` call); ``plan_file`` loads a cluster file and plans it.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ def plan_cluster(cluster: Cluster, top: int = 5, budget_s: float | None = None, 
             planner = Planner(with_optimizer(cluster, opt), budget_s=left, max_evals=n)
             planner.progress = bar
             planner.best_so_far = min((r.score.step_time for r in results), default=planner.best_so_far)
-            seeds = place_seeds(planner.c) + [c for r in results for c, _ in r.ranked]
+            seeds = place_seeds(planner.cluster) + [c for r in results for c, _ in r.ranked]
             # the first search sweeps; the others start from its best plans (and hetero-place's)
             res = planner.run(seeds, top=max(top, 8) if len(options) > 1 else top, swept=not results)
             results.append(tag(res, opt))

@@ -60,9 +60,9 @@ from hetero_llm.layout import (
     Optimizer,
     Precision,
     TrainSpec,
+    rules,
 )
 from hetero_llm.layout import reader as layout_reader
-from hetero_llm.layout import rules as layout_rules
 from hetero_llm.planner import catalogue
 from hetero_llm.planner import profile as profile_mod
 from hetero_llm.planner.catalogue import DeviceKind, catalogue_kind
@@ -240,7 +240,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         )
     # what the written layout's validation would refuse, before the search rather than after it
     probe = Layout(file, model, train, sec["data"], cluster, ())
-    layout_rules.validate_sections(layout_reader.map_paths(probe, lambda p: str(Path(file).parent / p)))
+    rules.validate_sections(layout_reader.map_paths(probe, lambda p: str(Path(file).parent / p)))
     plan = raw.get("plan", {})
     if not isinstance(plan, dict):
         raise LayoutError(file, "plan", "expected a table ([plan])")
@@ -248,7 +248,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
     node_kinds = plan.get("nodes", {})
     tables = ("kinds", "nodes", "nics", "documents")
     limits = (
-        layout_mod._build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
+        layout_mod.build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
         if set(plan) - set(tables)
         else PlanLimits()
     )
@@ -405,7 +405,7 @@ def _kinds(file: str, raw: object, precision: Precision) -> dict[str, DeviceKind
     for name, table in raw.items():
         where = f"plan.kinds.{name}"
         kind = (
-            layout_mod._build(DeviceKind, table, where, file)
+            layout_mod.build(DeviceKind, table, where, file)
             if isinstance(table, dict) and "name" not in table
             else None
         )

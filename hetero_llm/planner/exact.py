@@ -1,5 +1,5 @@
 """Exact enumeration of a small cluster's whole space of structures: the reference the search is measured
-against (tests/test_plan_space.py, bench/planner/plan_exhaustive.py), not a step of the search. Torch-free.
+against (tests/unit/test_plan_space.py, bench/planner/plan_exhaustive.py), not a step of the search. Torch-free.
 
 Every subset of the devices (``subsets``; else every device is used), every TP grouping of every node (each group
 of every TP x CP shape ``plan.max_cp`` allows), every
@@ -31,19 +31,19 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
             for c in _cuts(used, planner.group_sizes(used))
             for shaped in _shapes(c, planner.cp_sizes)
         ]
-        for n in planner.c.nodes
+        for n in planner.cluster.nodes
     ]
     schedules = [
         (sched, c)
         for sched in planner.limits.schedules
-        for c in (chunk_counts(planner.c.model.layers) if sched == "interleaved" else [2])
+        for c in (chunk_counts(planner.cluster.model.layers) if sched == "interleaved" else [2])
     ]
     out = []
     for choice in itertools.product(*per_node):
         if not any(choice):
             continue
         pools: dict[tuple[str, int, int], list[TPGroup]] = {}
-        for node, cut in zip(planner.c.nodes, choice):
+        for node, cut in zip(planner.cluster.nodes, choice):
             idx = 0
             for t, cp in cut:
                 devices = tuple(f"{node.name}:{i}" for i in range(idx, idx + t))
@@ -53,7 +53,7 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
         labels = sorted(i for i, k in enumerate(names) for _ in pools[k])
         for part in _multiset_partitions(labels):
             P = len(part)
-            if P > planner.G:
+            if P > planner.global_batch:
                 continue
             for orders in itertools.product(*(_multiset_permutations(p) for p in part)):
                 used = dict.fromkeys(pools, 0)
@@ -65,7 +65,7 @@ def all_structures(planner: SearchSpace, limit: int, subsets: bool = False) -> l
                         stages.append(pools[key][used[key]])
                         used[key] += 1
                     pipes.append(tuple(stages))
-                for rows in [r for r in range(1, planner.G // P + 1) if planner.G % r == 0]:
+                for rows in [r for r in range(1, planner.global_batch // P + 1) if planner.global_batch % r == 0]:
                     for sched, chunks in schedules:
                         out.append(Structure(tuple(pipes), rows, sched, chunks))
                         if len(out) > limit:

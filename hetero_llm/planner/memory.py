@@ -13,7 +13,7 @@ microbatch's logits' gradients. A microbatch a split backward (ZB-H1) has put of
 and output gradients (``put_off_bytes``), and the gradients (4 bytes per parameter) exist only once a backward has
 made them (the runtime frees them after each step). What a stage holds at once is the largest of the schedule's
 points ``(whole, put off, gradients)`` after each of its actions (``pipesim.held_in_flight``; interleaved:
-(microbatch, chunk) pairs over the chunks, a chunk holding 1/chunks of the stage's layers); tests/test_planner.py
+(microbatch, chunk) pairs over the chunks, a chunk holding 1/chunks of the stage's layers); tests/unit/test_planner.py
 and bench/memory/plan_meter.py (the tensor meter on the planner's picks) check it. With ``plan.vocab_parallel`` (Megatron-
 LM's vocabulary-parallel embedding and head) each TP rank holds V/t of the embedding's and the head's rows and of
 the logits; else the whole of them (the runtime).
@@ -66,7 +66,7 @@ class MemoryModel:
         self.unfused = cluster.limits.attention == "unfused"
         self.zero1 = cluster.train.optimizer is Optimizer.ADAMW_ZERO1
         # ZeRO-1 slices a block's moments in proportion to TP size x node memory_gb, when every holder's node
-        # declares memory_gb (optim_shards._weights); else by TP size alone
+        # declares memory_gb (zero1_slices._weights); else by TP size alone
         self.node_memory = {n.name: n.memory_gb for n in cluster.spec.nodes}
         self._stage_params: dict[tuple, float] = {}
         self._peaks = functools.lru_cache(maxsize=10_000)(self._peak_in_flight)
@@ -235,7 +235,7 @@ class MemoryModel:
     def layer_activation_bytes(self, tp: int) -> float:
         """Bytes one layer saves for its backward per token, on one device of a TP group of ``tp``: what the
         runtime's block (model/forward.py) saves, counted with autograd's saved-tensor hooks for every norm,
-        position and MLP kind (tests/test_memory_model.py checks it is an upper bound within 15%), its attention's
+        position and MLP kind (tests/unit/test_memory_model.py checks it is an upper bound within 15%), its attention's
         as ``attention_activation_bytes`` counts them."""
         m, H, F = self.model, self.H, self.F
         nf = 4 if m.mlp is Mlp.SWIGLU else 2
@@ -273,7 +273,7 @@ class MemoryModel:
         (microbatch, chunk) pair holds 1/chunks of the stage's layers (as predict.simulate counts them)."""
         if schedule != "gpipe" and microbatches > 3 * stages:
             # past 3 x stages, more microbatches only lengthen the steady state: the peaks are those of the
-            # same count modulo the stages (tests/test_planner.py checks it over a grid); saves generating
+            # same count modulo the stages (tests/unit/test_planner.py checks it over a grid); saves generating
             # schedules of hundreds of microbatches
             microbatches = 3 * stages + (microbatches - 3 * stages) % stages
         held = pipesim.held_in_flight(pipesim.actions(schedule, stages, microbatches, chunks))
@@ -281,7 +281,7 @@ class MemoryModel:
         return tuple(tuple((f / div, p / div, float(g)) for f, p, g in stage) for stage in held)
 
     def moments(self, cand: Candidate) -> tuple[tuple[float, ...], ...]:
-        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``optim_shards``
+        """AdamW moment elements per device, [pipeline][stage]. With ZeRO-1, exactly as ``plan.zero1_slices``
         slices them (up to whole rows): every span of layers between two stage boundaries of any pipeline
         is held by one group per pipeline, and a device of group g keeps ``full x w_g / sum of w x tp``
         of it, ``w`` = its node's memory_gb when every holder declares one (else 1); the embedding's

@@ -149,7 +149,7 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
             if (
                 ga.cp == gb.cp == 1
                 and ga.node == gb.node
-                and ga.tp + gb.tp in planner.tp_sizes(planner.c.node(ga.node).devices)
+                and ga.tp + gb.tp in planner.tp_sizes(planner.cluster.node(ga.node).devices)
             ):
                 ids = sorted(ga.devices + gb.devices, key=lambda d: int(d.split(":")[1]))
                 new = copy(pi)
@@ -162,10 +162,10 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
         each(lambda p, c=c: q if (q := list(reshaped(planner, p, c))) != p else None)
     yield from drain()
     for rows in (st.rows * 2, st.rows // 2):
-        if rows >= 1 and planner.G % rows == 0:
+        if rows >= 1 and planner.global_batch % rows == 0:
             make(pipes, rows=rows)
     yield from drain()
-    counts = chunk_counts(planner.c.model.layers)
+    counts = chunk_counts(planner.cluster.model.layers)
     for sch in planner.limits.schedules:  # another schedule (interleaved: with every chunk count)
         for c in counts if sch == "interleaved" else [st.chunks]:
             if (sch, c) != (st.schedule, st.chunks):
@@ -210,14 +210,14 @@ def neighbours(planner: SearchSpace, st: Structure) -> Iterator[Structure]:
         yield from drain()
     # last of all: the microbatch rows to the next size dividing the batch, above and below (doubling and halving
     # miss sizes such as 3 of a batch of 6: issue 23's misses under the eager/compiled pricing)
-    for rows in next_divisors(planner.G, st.rows):
+    for rows in next_divisors(planner.global_batch, st.rows):
         make(pipes, rows=rows)
     yield from drain()
     # and after them: another schedule (or chunk count) together with other microbatch rows, one move. A schedule
     # can need another microbatch count than the one the current schedule is best at (interleaving: a multiple of
     # the stages, and more of them to fill its bubble), and each change alone can be worse (bench/plan_exhaustive's
     # cluster 9: zero-bubble with 3 microbatches of 2 rows -> interleaved x2 with 6 of 1, reordered first)
-    steps = row_steps(planner.G, st.rows)
+    steps = row_steps(planner.global_batch, st.rows)
     retimed = [
         (sch, c, rows)
         for sch in planner.limits.schedules
@@ -302,12 +302,12 @@ def node_swaps(planner: SearchSpace, st: Structure, limit: int = 16) -> list[tup
     """Pairs of nodes (of as many devices, another kind or NIC domain) whose roles the structure can exchange:
     one hosts TP groups, the other single devices only (or stays idle). One node per (kind, domain, size,
     grouping) class; the first ``limit`` pairs in node order."""
-    shape: dict[str, list[int]] = {n.name: [] for n in planner.c.nodes}
+    shape: dict[str, list[int]] = {n.name: [] for n in planner.cluster.nodes}
     for p in st.pipelines:
         for g in p:
             shape[g.node].append(len(g.devices))
     reps: dict[tuple, Node] = {}
-    for n in planner.c.nodes:
+    for n in planner.cluster.nodes:
         reps.setdefault((n.kind.name, n.domain, n.devices, tuple(sorted(shape[n.name]))), n)
     nodes = list(reps.values())
     out = []
@@ -335,7 +335,7 @@ def idle_groups(planner: SearchSpace, st: Structure) -> list[TPGroup]:
     """One TP group (of the largest size that fits) per node with devices the structure leaves idle."""
     used = {d for p in st.pipelines for g in p for d in g.devices}
     out = []
-    for node in planner.c.nodes:
+    for node in planner.cluster.nodes:
         free = [i for i in range(node.devices) if f"{node.name}:{i}" not in used]
         if free:
             t = max(planner.tp_sizes(len(free)))

@@ -6,7 +6,7 @@ attrs events on every call (about 3 s for 8 stages x 64 microbatches). This is t
 an action starts when its stage is free and its inputs have arrived, a transfer takes
 ``latency + bytes / bandwidth``, over a rendezvous link it starts a latency after the receive is posted at the
 earliest) on plain tuples, for schedules the generators made (valid by
-construction). tests/test_planner.py checks it against ``simulate.simulate`` over a grid of
+construction). tests/unit/test_planner.py checks it against ``simulate.simulate`` over a grid of
 schedules and costs.
 """
 
@@ -27,7 +27,7 @@ Acts = tuple[tuple[tuple[int, int, int], ...], ...]
 @functools.lru_cache(maxsize=4096)
 def actions(kind: str, stages: int, microbatches: int, chunks: int = 1) -> Acts:
     """The generator's compute-only schedule as (kind code, microbatch, chunk) tuples per stage: the same
-    tuples as ``reference_actions`` (tests/test_planner.py checks it over a grid), built without the
+    tuples as ``reference_actions`` (tests/unit/test_planner.py checks it over a grid), built without the
     validated ``schedule.Action`` objects (the planner asks for thousands of schedules of up to thousands of
     actions each). Arguments the generators refuse go to them, so the error is theirs."""
     ok = stages >= 1 and microbatches >= 1 and (chunks == 1 or kind == "interleaved")

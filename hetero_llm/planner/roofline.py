@@ -14,7 +14,7 @@ Each kernel is priced on its own (docs/planner.md, "The cost model"):
   load-balanced ring: each rank's query chunks meet every key chunk once); ring traffic is cost.py's. ``unfused`` (Megatron-LM of 2021): two batched matmuls over the full ``S x S``
   scores per head, a softmax kernel and a dropout kernel over them, each priced as above.
 - the memory-bound work, by how it runs (``plan.execution``):
-  ``eager`` (the runtime): one kernel per op ``model.block`` dispatches (tests/test_cost_roofline.py traces
+  ``eager`` (the runtime): one kernel per op ``model.block`` dispatches (tests/unit/test_cost_roofline.py traces
   them): the two norms, the projections' bias adds, the activation, the two residual adds, RoPE's products,
   sums and stack; in backward each one's (1.5x the bytes: it reads the input and the output's gradient and
   writes the input's gradient; a bias's gradient is one read; a residual add's none), the residual stream's two

@@ -41,9 +41,9 @@ from hetero_llm.progress import Bar
 class Planner(LayerSplitter):
     def __init__(self, cluster: Cluster, *, budget_s: float | None = None, max_evals: int | None = None):
         super().__init__(PlannerCostModel(cluster), cluster.model.layers)
-        self.c = cluster
+        self.cluster = cluster
         self.model = cluster.model
-        self.G = cluster.train.global_batch
+        self.global_batch = cluster.train.global_batch
         self.limits = cluster.limits
         self.budget = cluster.limits.time_budget_s if budget_s is None else budget_s  # a safety net only
         # the budget, in work (so the plan is a function of the input only): candidates simulated (on generated
@@ -95,7 +95,7 @@ class Planner(LayerSplitter):
         """Each node's devices in TP groups of its kind's size in ``tp_by_kind`` (or the largest that fits). A group
         made before is returned again, the same object: the memos keyed by groups then find it by identity."""
         out = []
-        for node in self.c.nodes:
+        for node in self.cluster.nodes:
             want = tp_by_kind.get(node.kind.name, 1)
             left, idx = node.devices, 0
             while left:
@@ -124,12 +124,12 @@ class Planner(LayerSplitter):
 
     def _realize(self, st: Structure) -> Candidate | None:
         devices = [d for p in st.pipelines for g in p for d in g.devices]
-        if self.G % st.rows or len(set(devices)) != len(devices):
+        if self.global_batch % st.rows or len(set(devices)) != len(devices):
             return None
         if any(g.cp != p[0].cp for p in st.pipelines for g in p):  # the layout gives a pipeline's stages one cp
             return None
         chunks = st.n_chunks
-        total = self.G // st.rows
+        total = self.global_batch // st.rows
         splits = []
         fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
         times: list[StageTimes] = []  # per pipeline: what ``estimate`` and ``bound`` take of its stages' times
@@ -384,7 +384,7 @@ class Planner(LayerSplitter):
                 t_here = t
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
         if not ranked or not ranked[0][1].feasible:
-            raise sweep.infeasible_error(self.c, self.cost, self.closest())
+            raise sweep.infeasible_error(self.cluster, self.cost, self.closest())
         best, score = ranked[0]
         distinct: list[tuple[Candidate, Score]] = []
         shapes: set[tuple] = set()
@@ -400,15 +400,14 @@ class Planner(LayerSplitter):
         """When nothing fits: the candidate least over memory, among those scored and the most frugal one
         (every device in one pipeline at its node's largest TP size, one sequence per microbatch, recompute,
         layers in proportion to memory)."""
-        groups = self.order(self.groups({n.kind.name: n.devices for n in self.c.nodes}))[: self.L]
+        groups = self.order(self.groups({n.kind.name: n.devices for n in self.cluster.nodes}))[: self.L]
         room = [self.cost.capacity(g) * g.tp for g in groups]
         layers = [1] * len(groups)
         for _ in range(self.L - len(groups)):
             i = max(range(len(groups)), key=lambda i: (room[i] / (layers[i] + 1), -i))
             layers[i] += 1
-        frugal = Candidate(
-            (PipelineChoice(self.G, self.G, tuple(StageChoice(g, l, True) for g, l in zip(groups, layers))),)
-        )
+        stages = tuple(StageChoice(g, l, True) for g, l in zip(groups, layers))
+        frugal = Candidate((PipelineChoice(self.global_batch, self.global_batch, stages),))
         pool = [frugal] + [c for c, _ in self.scored.values()]
 
         def over(cand: Candidate) -> float:

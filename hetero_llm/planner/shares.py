@@ -14,7 +14,7 @@ def batch_shares(fill: list[float], slow: list[float], unit: list[int], total: i
     ``fill + (m - 1) x slow`` (m: its microbatches) grows least, the lower index on a tie; None when they do not
     come out even. A heap keeps it O(M log P): its keys (time, index) are distinct, so the order of pops is a
     function of its contents; with unit 1 the microbatches below a level go at once (``below_level``) and the heap
-    gives the rest (tests/test_planner.py checks both against the plain loop)."""
+    gives the rest (tests/unit/test_planner.py checks both against the plain loop)."""
     counts = [0] * len(fill)
     ones = bool(fill) and all(u == 1 for u in unit)
     if ones:  # the first microbatches at once: those whose keys are below a level that leaves some for the heap

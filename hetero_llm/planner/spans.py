@@ -5,7 +5,7 @@ moment slices (``memory.moments``) sum over. Torch-free.
 The search prices thousands of candidates of hundreds of stages; these arrays replace the per-span Python
 loops with the same arithmetic. Every sum keeps the loops' order (a float sum's last bits depend on it, and a
 plan's ranking on those): ``np.bincount`` adds its weights one at a time in array order, and a cumulative sum
-along a row is sequential, where ``np.sum`` would add pairwise (tests/test_planner_fast_paths.py pins each result to
+along a row is sequential, where ``np.sum`` would add pairwise (tests/unit/test_planner_fast_paths.py pins each result to
 the plain loop's, bit for bit, on random candidates).
 """
 

@@ -16,9 +16,9 @@ from hetero_llm.planner.cost import PlannerCostModel
 class SearchSpace(Protocol):
     """What ``moves``, ``exact`` and ``sweep`` need of the search (``search.Planner`` is one)."""
 
-    c: Cluster
+    cluster: Cluster
     cost: PlannerCostModel
-    G: int  # the global batch
+    global_batch: int
     domain_order: dict[str, int]
     node_order: dict[str, int]
     start: float

@@ -66,7 +66,7 @@ class Dealer:
 
 
 def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
-    top = min(n_groups, planner.G)
+    top = min(n_groups, planner.global_batch)
     if top <= 12:
         return list(range(1, top + 1))
     out, p = set(range(1, 9)), 8.0
@@ -78,7 +78,7 @@ def pipeline_counts(planner: SearchSpace, n_groups: int) -> list[int]:
 
 
 def row_options(planner: SearchSpace, P: int) -> list[int]:
-    divisors = [d for d in range(1, planner.G // P + 1) if planner.G % d == 0]
+    divisors = [d for d in range(1, planner.global_batch // P + 1) if planner.global_batch % d == 0]
     small = [d for d in divisors if d & (d - 1) == 0][:5]  # 1, 2, 4, 8, 16 when they divide
     # and the five smallest divisors (3 of a batch of 6: doubling and halving never reach it from 1 or 2)
     return sorted(set(small + divisors[:5] + divisors[-1:]))
@@ -86,7 +86,7 @@ def row_options(planner: SearchSpace, P: int) -> list[int]:
 
 def tp_menus(planner: SearchSpace) -> list[dict[str, int]]:
     kinds: dict[str, int] = {}
-    for n in planner.c.nodes:
+    for n in planner.cluster.nodes:
         kinds[n.kind.name] = max(kinds.get(n.kind.name, 0), n.devices)
     options = {k: planner.tp_sizes(d) for k, d in kinds.items()}
     names = sorted(options)
@@ -102,8 +102,8 @@ def idle_options(planner: SearchSpace) -> list[tuple[int, str, bool] | None]:
     or all but one kind or domain (when there are three or more): (0 = kind or 1 = domain, name, keep only);
     options that keep the same nodes come once.
     A slow kind, or a domain behind a slow network, can cost more than it adds."""
-    kinds = sorted({n.kind.name for n in planner.c.nodes})
-    domains = sorted({n.domain for n in planner.c.nodes}, key=lambda d: (planner.domain_order.get(d, 0), d))
+    kinds = sorted({n.kind.name for n in planner.cluster.nodes})
+    domains = sorted({n.domain for n in planner.cluster.nodes}, key=lambda d: (planner.domain_order.get(d, 0), d))
     out: list[tuple[int, str, bool] | None] = [None]
     for what, names in ((0, kinds), (1, domains)):
         out += [(what, x, False) for x in names] if len(names) > 1 else []
@@ -112,7 +112,9 @@ def idle_options(planner: SearchSpace) -> list[tuple[int, str, bool] | None]:
     unique: dict[tuple[str, ...], tuple[int, str, bool] | None] = {}
     for drop in out:
         kept = tuple(
-            n.name for n in planner.c.nodes if drop is None or ((n.kind.name, n.domain)[drop[0]] == drop[1]) == drop[2]
+            n.name
+            for n in planner.cluster.nodes
+            if drop is None or ((n.kind.name, n.domain)[drop[0]] == drop[1]) == drop[2]
         )
         unique.setdefault(kept, drop)
     return [drop for kept, drop in unique.items() if kept]

@@ -20,7 +20,7 @@ now with durations:
   when the last one has (the optimizer needs every slice's summed gradient).
 
 A deadlocking schedule raises the validator's ScheduleError (the grid with the stuck steps marked).
-A hot-switching step (buckets, switches, home sync) and emulated devices are simulated in ``bucket_sim``.
+A hot-switching step (buckets, switches, home sync) and emulated devices are simulated in ``switching.predict``.
 Pure standard library + attrs, like ``schedule``.
 """
 

@@ -1,7 +1,7 @@
 """Zero-bubble weight-gradient deferral, beside the runtime that uses it (``WeightGradStore``).
 
 A split backward's ``I`` leaves its linear layers' weight gradients for its ``W``. The model stays
-pure tensor code: its layers take any ``model.Linear``, and a stage whose backwards split passes
+pure tensor code: its layers take any ``forward.Linear``, and a stage whose backwards split passes
 this store's.
 """
 

@@ -1,9 +1,9 @@
 """ZeRO-1 AdamW (``train.optimizer = 'adamw_zero1'``): each holder of a block keeps the moments of its slice only.
 
-Per step, for every unit of ``optim_shards`` this rank is in:
+Per step, for every unit of ``plan.zero1_slices`` this rank is in:
 
 1. ``start_reduce`` (the schedule's ``RS`` action, right after the stage's last backward): pack the block's
-   gradient in holder order (TP-replicated shards scaled by 1/replicas, as ``train.sync_grads`` does) and start
+   gradient in holder order (TP-replicated shards scaled by 1/replicas, as ``grad_sync.sync_grads`` does) and start
    a reduce-scatter on the unit's group: each holder receives the summed gradient of its slice only.
 2. ``finish_reduce``: wait, and return this rank's share of the squared global norm. Every element's summed
    gradient now lives on exactly one rank (its slice's), so the sum over ranks counts each element once.
@@ -46,7 +46,7 @@ class ShardedAdamW:
         self.rank, self.comms, self.streams = rp.rank, comms, streams
         (self.beta1, self.beta2), self.eps, self.weight_decay = betas, eps, weight_decay
         self.steps = 0
-        mine = rp.optimizer_slices  # this rank's slices, resolved by the plan (optim_shards.owned)
+        mine = rp.optimizer_slices  # this rank's slices, resolved by the plan (zero1_slices.owned)
         assert mine is not None, "ShardedAdamW runs a plan with optimizer.zero1 (its RankPlans have optimizer_slices)"
         self.units: list[tuple[ZeroUnit, list[Slice]]] = [(u, list(sl)) for u, sl in mine.units]
         self.local: list[Slice] = list(mine.local)
@@ -229,7 +229,7 @@ class ShardedAdamW:
         return {n: {key: out[key][n] for key in out} for n in params}
 
     def load_moments(self, moments: dict[str, dict[str, torch.Tensor]], steps: int) -> None:
-        """Take this rank's slices of whole-shard moments (``moments[key][name]``, as ``checkpoint_io.restore`` gives them)."""
+        """Take this rank's slices of whole-shard moments (``moments[key][name]``, as ``checkpoint.shards.restore`` gives them)."""
         self.steps = steps
         for key, mine in (("exp_avg", self.exp_avg), ("exp_avg_sq", self.exp_avg_sq)):
             for s, m in zip(self.slices, mine):

@@ -44,7 +44,7 @@ class Direction(enum.IntEnum):
 
     @property
     def label(self) -> str:
-        """``"fwd"`` / ``"bwd"``: how p2p group names spell it (``rankplan.P2PKey.name``)."""
+        """``"fwd"`` / ``"bwd"``: how p2p group names spell it (``plan.rank.P2PKey.name``)."""
         return self.name.lower()
 
     @property

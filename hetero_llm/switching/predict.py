@@ -130,7 +130,7 @@ def simulate_buckets(
     source=None,
 ) -> BucketStep:
     """Predict one hot-switching step of a layout with ``[[buckets]]``: the step's documents (the ones
-    ``hotswitch`` trains on: ``documents.fill_documents`` of (seed, step)) sorted into buckets and packed
+    ``switcher`` trains on: ``documents.fill_documents`` of (seed, step)) sorted into buckets and packed
     as the runtime packs them; each bucket with documents simulated under its layout (``simulate`` per
     pipeline, with ``action_seconds`` on ``device``; the slowest pipeline is the bucket's time); the
     switches the step makes (``switch.step_switch``, priced by ``switch_seconds``); the home layout's

@@ -7,7 +7,7 @@ rows). Then, shortest bucket first, every bucket with documents runs under its l
 *slot*: the bucket's plan, this rank's shards in it, its stage runner), the switch planner's
 transfers moving state between slots: parameters always from the home layout (nothing has changed
 them since its last optimizer step), accumulated gradients from the slot that ran before. After the
-last bucket the gradients switch back to the home layout, where ``train`` syncs them and steps AdamW.
+last bucket the gradients switch back to the home layout, where the training loop (train/loop.py) syncs them and steps AdamW.
 A bucket without documents is skipped, without a switch. Each switch is one batched exchange (one
 flat message per device pair) and is traced as its own action (``SWITCH>b1``).
 

@@ -176,7 +176,7 @@ class _Pricer:
         self.planner_at: dict[int, Score] = {}  # bound -> the home layout's score on rows of that width
         lay = planned_layout(cluster, home)
         self.source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
-        self.G = cluster.train.global_batch
+        self.global_batch = cluster.train.global_batch
         self._Planner = Planner
 
     def home_score_at(self, bound: int) -> Score:
@@ -225,7 +225,7 @@ class _Pricer:
         compute = switches = 0.0
         steps = max(1, min(STEPS, self.cluster.train.steps))
         for step in range(steps):
-            docs = documents.fill_documents(self.source, lay.train.seed, step, self.G, lay.model.seq_len)
+            docs = documents.fill_documents(self.source, lay.train.seed, step, self.global_batch, lay.model.seq_len)
             rows_of = bucketing.bucket_rows(lay, docs)
             for b, rows in zip(buckets, rows_of):
                 if rows is None:
@@ -234,7 +234,7 @@ class _Pricer:
                     shares = sum(p.batch for p in b.plan.pipelines)
                     pipe_s = (b.score.step_time - b.score.sync_time - b.score.optimizer_time) / shares
                 else:
-                    pipe_s = self._home_pipe_s(b.max_len) / self.G
+                    pipe_s = self._home_pipe_s(b.max_len) / self.global_batch
                 compute += pipe_s * rows.num_rows
             switches += sum(s for _, _, s in step_switches(lay, home_plan, plans, rows_of, links, *self._copy()))
         copies, peak, over = self._memory(buckets)

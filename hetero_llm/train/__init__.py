@@ -1,1 +1,1 @@
-"""The training loop: one ranks steps from the first to train.steps, and what they report."""
+"""The training loop: one rank's steps from the first to train.steps, and what they report."""

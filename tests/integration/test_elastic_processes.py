@@ -1,0 +1,196 @@
+"""The tests of tests/unit/test_elastic.py that start processes or train for real (the integration tier).
+
+Elastic runs (hetero_llm/launch/elastic.py): ``hetero-launch CLUSTER.toml --elastic`` under torchrun's agents.
+
+In process: the planning of a round (deterministic, for the nodes present), the mapping of devices to layout
+ranks, and every bad input as one line. In real processes: three emulated nodes on this machine, one torchrun
+agent each; a node is killed mid-run (its agent's whole process group), the survivors re-plan and continue,
+the node comes back and the plan grows back; the per-step losses equal the one-process run's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers_elastic import cluster_file
+
+from bench.elastic import elastic_agents as agents_mod
+from harness import LAYOUTS, common_sections, free_port, launch, sigint_as_in_a_terminal, write_layout
+from hetero_llm.launch import elastic
+from hetero_llm.planner import load_cluster
+
+COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
+
+NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
+
+# The planner told the CPU devices compute 10x faster and links 2.5x faster than the nominal 'cpu' kind: then
+# pipelines across nodes pay, and the full membership's plan leaves no node holding every block (checked below).
+ACROSS_NODES = "[plan.kinds.cpu]\ntflops = 0.05\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 10\n"
+
+
+def _kill_node(agent: subprocess.Popen) -> None:
+    agents_mod.signal_node(agent, signal.SIGKILL)
+
+
+def _rounds(workdir: Path) -> list[str]:
+    return agents_mod.rounds(workdir)
+
+
+def _steps(metrics: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
+
+def _wait(what, condition, agents, workdir: Path, timeout: float = 300) -> None:  # a hang's bound
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
+            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("*.log")))
+            raise AssertionError(f"waiting for {what}:\n{logs}")
+        time.sleep(0.1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(1500)  # over the suite's 300 s per test: more than 300 s at load 6 on one core, nothing hung
+def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
+    """``python -m bench.elastic.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
+    worker, SIGKILL) after step 3, started again after step 6, 14 steps; checked here from its results file."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "bench.elastic.elastic", "--quick", "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+        preexec_fn=sigint_as_in_a_terminal,
+    )
+    try:
+        out, _ = bench.communicate(timeout=1200)  # a hang's bound (the bench's own waits give up sooner)
+    finally:  # stopped early (by this bound or the suite's): Ctrl-C runs its clean-up, which stops its nodes
+        if bench.poll() is None:
+            bench.send_signal(signal.SIGINT)
+            try:
+                bench.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                bench.kill()
+                bench.communicate()
+        for left in Path("/dev/shm").glob(f"bench_elastic_{bench.pid}_*"):
+            shutil.rmtree(left, ignore_errors=True)
+    assert bench.returncode == 0, out
+    got = json.loads((tmp_path / "elastic.json").read_text())
+    members = [agents_mod.members(r) for r in got["rounds"]]
+    lost = members.index("n0, n1")  # re-planned without n2 ...
+    assert members[0] == members[-1] == "n0, n1, n2" and 0 < lost < len(members) - 1, got["rounds"]
+    starts = [agents_mod.start_step(r) for r in got["rounds"]]
+    assert starts[lost + 1] > starts[lost], got["rounds"]  # ... trained steps without it, then took it back in
+    # disk saves every 5 steps, snapshots every step: the kill after step 3 resumes from a snapshot in memory
+    assert got["rounds"][lost].endswith(")") and "from a snapshot in memory" in got["rounds"][lost], got["rounds"]
+    assert got["snapshots_left_behind"] is False  # the finished run removed its snapshots from /dev/shm
+    assert [c["where"] for c in got["save_cost"]] == ["disk", "memory"]  # a save per step, measured (not judged)
+    assert got["steps"] == list(range(1, 15))  # no step twice or skipped, the metrics file continuous
+    for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
+    assert [r["members"] for r in got["results"]] == ["n0, n1", "n0, n1, n2"]
+    # each round's tokens/s beside the planner's prediction for the plan it ran (the bench checks the fingerprints)
+    assert [r["members"] for r in got["rates"]] == members, got["rates"]
+    assert all(r["plan"] in line and r["predicted_tokens_s"] > 0 for r, line in zip(got["rates"], got["rounds"]))
+    assert all(r["recovery_s"] > 0 and r["steps_redone"] >= 0 for r in got["results"])
+    assert (tmp_path / "elastic.png").stat().st_size > 0 and "## Recoveries" in (tmp_path / "elastic.md").read_text()
+
+
+@pytest.mark.multiprocess
+def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
+    """n2 hangs after step 3 and is lost with its memory. Snapshots every step, each node's in its own folder (its
+    HETERO_SHM_DIR: node memory), no disk save. The plan pipelines across nodes (n0:0 -> n1:0, n0:1 -> n2:0), so
+    neither survivor holds every block: they resume from a snapshot step that n0 and n1 hold together."""
+    steps = 8
+    one = tmp_path / "one"
+    one.mkdir()
+    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
+    work = tmp_path / "run"
+    work.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
+    planned = {
+        tuple(present): [
+            ["+".join(s.devices) for s in p.stages] for p in elastic.plan_for(load_cluster(cluster), present).pipelines
+        ]
+        for present in (["n0", "n1", "n2"], ["n0", "n1"])
+    }
+    assert planned == {("n0", "n1", "n2"): [["n0:0", "n1:0"], ["n0:1", "n2:0"]], ("n0", "n1"): [["n0:0+n0:1", "n1:0"]]}
+    metrics = work / "m.jsonl"
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 4.0, (100, 1), 6, shm[node])
+
+    agents = [agent("n0")]
+    try:
+        agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous, not a node lost below
+        agents += [agent("n1"), agent("n2")]
+        _wait(
+            "3 steps on all nodes",
+            lambda: "n0, n1, n2" in "".join(_rounds(work)) and len(_steps(metrics)) >= 3,
+            agents,
+            work,
+        )
+        agents_mod.signal_node(
+            agents[2], signal.SIGSTOP
+        )  # node n2 hangs: its agent and its worker stop, its sockets stay open
+        shutil.rmtree(shm["n2"])  # and its memory is out of reach: it holds nothing for the survivors
+        _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n0, n1 ("), agents[:2], work)
+        for a in agents[:2]:
+            assert a.wait(600) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+    finally:
+        for a in agents:
+            _kill_node(a)
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    # named, as a dead one would be: by the heartbeat, after cluster.timeout_s (10 s; then torchrun's keep-alive
+    # drops the node, 5 s), which is what ends the survivors' waits (nothing else would: n2's sockets stay open)
+    assert "(n2:0) stopped responding: no heartbeat for" in logs, logs[-3000:]
+    survivors = _rounds(work)[-1]  # resumed from what n0 and n1 hold (there is no disk save to resume from)
+    assert " from a snapshot in memory held on n0, n1 " in survivors and agents_mod.start_step(survivors) >= 3, (
+        survivors
+    )
+    assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each node removed its snapshots
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
+
+
+@pytest.mark.multiprocess
+def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
+    """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n1 is
+    killed after step 3, n0's workers fail, the job ends; they removed the snapshot folder on the way out."""
+    work = tmp_path / "run"
+    work.mkdir()
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}  # each node's memory
+    cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
+    metrics = work / "m.jsonl"
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm[node])
+
+    agents = [agent("n0")]
+    try:
+        agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous, not a node lost below
+        agents.append(agent("n1"))
+        _wait(
+            "3 steps and a snapshot",
+            lambda: len(_steps(metrics)) >= 3 and any(shm["n0"].glob("*/*/step-*/rank*.json")),
+            agents,
+            work,
+        )
+        _kill_node(agents[1])
+        shutil.rmtree(shm["n1"])  # its memory gone with it
+        assert agents[0].wait(600) != 0  # out of restarts: the job failed for good
+    finally:
+        for a in agents:
+            _kill_node(a)
+    logs = "".join(p.read_text() for p in work.glob("*.log"))
+    assert list(shm["n0"].iterdir()) == [], logs[-3000:]

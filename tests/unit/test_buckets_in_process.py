@@ -1,0 +1,75 @@
+"""The tests of tests/integration/test_buckets.py that run in this process (the unit tier).
+
+[[buckets]] layouts: each bucket of document lengths under its own layout (hot switching).
+
+Bad input is in tests/bad_layouts/bucket*.toml. Here: what each bucket compiles to, what --dry-run
+shows, and layout invariance: a switching run trains the same model as one process on the same
+documents (float32, 1e-5 per step), for 3 buckets over DP 4 / TP 2 x DP 2 / PP 2 x TP 2 (1f1b, gpipe),
+for 3 buckets over TP 3 (home) / asymmetric zbh1 / PP 2 with TP 2 then 1, dynamic / interleaved with an
+idle device (TP 2 <-> TP 3), with empty buckets skipped, and across a resume in the middle of a run; held-out
+loss under the home layout equals one process's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from harness import invoke_cli
+from hetero_llm import layout as layout_mod
+from hetero_llm.layout import Schedule, bucket_layout
+from hetero_llm.plan import compile_plan
+
+THREE = (
+    Path(__file__).resolve().parents[2] / "layouts" / "examples" / "hot_switch.toml"
+)  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
+
+
+def test_each_bucket_compiles_to_its_own_layout():
+    lay = layout_mod.load(THREE)
+    assert [b.max_len for b in lay.buckets] == [16, 32, 64]
+    plans = compile_plan(lay).buckets
+    assert [len(p.layout.pipelines) for p in plans] == [4, 2, 1]
+    assert [p.world_size for p in plans] == [4, 4, 4]
+    # bucket 1 has its own schedule; bucket 2 has no pipelines: the home layout, whose global batch it keeps
+    assert [p.layout.train.schedule for p in plans] == [Schedule.ONE_F_ONE_B, Schedule.GPIPE, Schedule.ONE_F_ONE_B]
+    assert bucket_layout(lay, 2).pipelines == lay.pipelines and bucket_layout(lay, 2).train.global_batch == 8
+    assert bucket_layout(lay, 0).train.global_batch == 4  # the sum of its pipelines' row shares
+    # the same model in every bucket: parameters keep their shapes, so switches can move them
+    assert {p.layout.model for p in plans} == {lay.model}
+    assert {d for p in plans for d in (r.device_id for r in p.ranks)} == {r.device_id for r in compile_plan(lay).ranks}
+
+
+def test_dry_run_shows_the_buckets_and_the_switches_of_a_step():
+    result = invoke_cli(THREE, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "bucket 0: documents of 1-16 positions, rows of 16, 4 ranks, schedule 1f1b" in out
+    assert "bucket 2: documents of 33-64 positions, rows of 64, home layout" in out
+    # home -> 0 -> 1 -> 2 (the home layout): no switch out of bucket 2, no gradients into bucket 0
+    assert "switch home -> bucket 0: 276 parameter and 0 gradient transfers" in out
+    assert "switch bucket 0 -> bucket 1: 180 parameter and 360 gradient transfers" in out
+    assert "switch bucket 1 -> bucket 2: 0 parameter and 180 gradient transfers" in out  # home's parameters stayed
+    switches = out.split("simulated step")[0]  # then the simulator's step (tests/unit/test_switching_predict.py)
+    assert "-> home" not in switches and "bucket 2 ->" not in switches
+
+
+def test_buckets_can_be_overridden_from_the_command_line():
+    lay = layout_mod.load(THREE, ["buckets.1.max_len=40"])
+    assert [b.max_len for b in lay.buckets] == [16, 40, 64]
+
+
+def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_path):
+    """The plan fingerprint every rank checks at rendezvous covers the buckets, schedule files by name."""
+    # bucket 0's first pipeline (one stage, one microbatch) runs a hand-written order
+    plain = "[[buckets.pipelines]]\nbatch = 1\nmicrobatches = 1\n"
+    text = THREE.read_text().replace(plain, plain + 'schedule_file = "order.txt"\n', 1)
+    prints = []
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "order.txt").write_text("F0 B0\n")
+        (tmp_path / name / "layout.toml").write_text(text)
+        lay = layout_mod.load(tmp_path / name / "layout.toml")
+        assert lay.buckets[0].pipelines[0].schedule_file == str(tmp_path / name / "order.txt")
+        prints.append(compile_plan(lay).fingerprint())
+    other = layout_mod.load(tmp_path / "a" / "layout.toml", ["buckets.1.max_len=40"])
+    assert prints[0] == prints[1] != compile_plan(other).fingerprint()
