@@ -66,7 +66,7 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=Path(__file__).resolve().parents[2],
         preexec_fn=sigint_as_in_a_terminal,
     )
     try:

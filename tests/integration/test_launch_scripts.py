@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from harness import rank0_off_master_layout
+from harness import free_port, rank0_off_master_layout
 from hetero_llm import layout as layout_mod
 from launch import gen_rank_scripts as gen
 
@@ -26,12 +25,6 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "launch"
 RUN_NODE = LAUNCH / "run_node.sh"
 SBATCH = LAUNCH / "slurm_example.sbatch"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:

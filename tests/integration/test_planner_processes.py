@@ -39,7 +39,7 @@ def test_plan_bench_quick(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.planner.plan_bench", "--quick", "--out-dir", str(tmp_path)],
         capture_output=True,
@@ -64,7 +64,7 @@ def test_plan_vs_measured_quick(tmp_path):
     import subprocess
     import sys
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(
         [sys.executable, "-m", "bench.planner.plan_vs_measured", "--quick", "--out-dir", str(tmp_path)],
         capture_output=True,

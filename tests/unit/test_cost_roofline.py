@@ -286,7 +286,7 @@ def test_predicts_this_projects_h200_runs_within_15_percent(tmp_path):
 
     from bench.gpu.gpu_predict import predict
 
-    data = json.loads((Path(__file__).parent.parent / "bench/results/gpu_bench_h200.json").read_text())
+    data = json.loads((Path(__file__).resolve().parents[2] / "bench/results/gpu_bench_h200.json").read_text())
     rows = [r for r in data["single_stage"] if r["impl"] == "ours"]
     (tmp_path / "corpus.txt").write_bytes(bytes(range(256)) * 64)
     ratios = {(r["model"], r["seq"], r["mode"]): predict(r, "h200-sxm", tmp_path) / r["step_s"] for r in rows}
