@@ -76,6 +76,7 @@ TORCH_FREE_MODULES = [
     "planner.shares",
     "planner.layers",
     "planner.moves",
+    "planner.move_parts",
     "planner.exact",
     "planner.output",
     "planner.place",
