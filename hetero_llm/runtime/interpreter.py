@@ -174,19 +174,7 @@ class StageRunner:
         t0 = self._clock()  # compute time excludes the wait: traces and emulation see compute only
         waited0 = self.tp_waits.seconds if self.tp_waits is not None else 0.0
         if a.kind is Kind.RECV_F or a.kind is Kind.RECV_B:
-            d = a.kind.direction
-            route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
-            runs = self.routes.recv_f_runs if d is Direction.FWD else self.routes.recv_b_runs
-            shape, group = self._shape(a.mb), self._group(a.kind)
-
-            def post(r, shape):
-                return p2p.recv_boundary(self.comms, r, shape, s.dtype, d, a.mb, a.chunk, self.streams, group)
-
-            s.recvs[(d, key)] = (
-                post(route, shape)
-                if route is not None  # else stages of different cp: this rank's positions from each sender
-                else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
-            )
+            self._post_receive(a)
         elif a.kind is Kind.F:
             self._forward(a, received)
         elif a.kind is Kind.B:
@@ -216,17 +204,36 @@ class StageRunner:
             # RS frees the gradients before the step's checkpoint; the step's first forwards run before any exist)
             tensor_meter.checkpoint(instant=True)
         if a.kind in COMPUTE_KINDS and self.emulation.active:
-            spent = self._clock() - t0
-            lasts = (
-                dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
-            )
-            if lasts is not None:  # a wait for a TP peer counts: the modelled duration includes TP's messages
-                time.sleep(max(0.0, lasts - spent))
-            else:  # stretch this rank's own compute only, never a wait for its TP peer (collectives.TpWaits)
-                own = spent - (self.tp_waits.seconds - waited0 if self.tp_waits is not None else 0.0)
-                time.sleep(max(0.0, own) * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
+            self._emulate(a, t0, waited0)
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
+
+    def _post_receive(self, a: Action) -> None:
+        """Post the receive of RECV_F or RECV_B ``a`` (waited for by the action that needs it: ``_await``)."""
+        s, d = self._state, a.kind.direction
+        route = self.routes.recv_f if d is Direction.FWD else self.routes.recv_b
+        runs = self.routes.recv_f_runs if d is Direction.FWD else self.routes.recv_b_runs
+        shape, group = self._shape(a.mb), self._group(a.kind)
+
+        def post(r, shape):
+            return p2p.recv_boundary(self.comms, r, shape, s.dtype, d, a.mb, a.chunk, self.streams, group)
+
+        s.recvs[(d, (a.mb, a.chunk))] = (
+            post(route, shape)
+            if route is not None  # else stages of different cp: this rank's positions from each sender
+            else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
+        )
+
+    def _emulate(self, a: Action, t0: float, waited0: float) -> None:
+        """Stretch compute action ``a`` (begun at ``t0``, the TP waits then at ``waited0`` s) to the emulated
+        device's duration."""
+        spent = self._clock() - t0
+        lasts = dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
+        if lasts is not None:  # a wait for a TP peer counts: the modelled duration includes TP's messages
+            time.sleep(max(0.0, lasts - spent))
+        else:  # stretch this rank's own compute only, never a wait for its TP peer (collectives.TpWaits)
+            own = spent - (self.tp_waits.seconds - waited0 if self.tp_waits is not None else 0.0)
+            time.sleep(max(0.0, own) * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
 
     def _modelled_seconds(self, a: Action) -> float:
         """An emulated device's duration of compute action ``a`` (``predict.device.action_seconds``); on a CP rank
@@ -326,7 +333,9 @@ class StageRunner:
         self._state.outputs.clear()
         return self._finish()
 
-    def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
+    # C901: one scheduling loop (MegatronDPP's policy: poll, choose, agree, run) whose counters its closures share;
+    # the policy reads in one place
+    def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:  # noqa: C901
         """MegatronDPP: run whichever ready action has the highest priority (see module doc)."""
         st = self.stage
         M = len(microbatches)
