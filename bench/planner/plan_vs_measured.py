@@ -223,7 +223,9 @@ def kendall(xs: list[float], ys: list[float]) -> float:
     return float("nan") if tau is None else tau
 
 
-def main() -> None:
+# C901: a benchmark script's flags and its one run, step by step in the order they happen (plan, pick, measure,
+# report); its parts are the functions above
+def main() -> None:  # noqa: C901
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="2 plans, 2 steps, loopback, faster devices (the test suite)")
     ap.add_argument("--loopback", action="store_true", help="every rank on loopback (fast links declared), no testbed")

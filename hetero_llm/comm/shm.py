@@ -269,14 +269,17 @@ def open_rings(
             for path, _ in created.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
-    if problems and required:
-        raise RankFailure(f"{label}: no shared memory for the stage boundaries ({why_required}): {problems[0]}")
     if problems:
-        sys.stderr.write(
-            f"warning: {label}: stage boundaries on this node use the network, not shared memory: {problems[0]}\n"
-        )
-        sys.stderr.flush()
+        _refuse_or_warn(problems[0], required, label, why_required)
     return links
+
+
+def _refuse_or_warn(problem: str, required: bool, label: str, why_required: str) -> None:
+    """A ring that could not be made: a RankFailure when rings are ``required``, else one warning line."""
+    if required:
+        raise RankFailure(f"{label}: no shared memory for the stage boundaries ({why_required}): {problem}")
+    sys.stderr.write(f"warning: {label}: stage boundaries on this node use the network, not shared memory: {problem}\n")
+    sys.stderr.flush()
 
 
 def _key(s: RingSpec) -> str:

@@ -16,47 +16,9 @@ def validate_data(layout: Layout) -> None:
     d, m, f = layout.data, layout.model, layout.file
     _validate_packing(layout)
     if d.kind is DataKind.GRAMMAR:
-        check_own(f, d, "data", "grammar_vocab", "branching")
-        if d.branching > d.grammar_vocab:
-            raise LayoutError(
-                f,
-                "data.branching",
-                f"{d.branching} exceeds grammar_vocab {d.grammar_vocab} (use at most {d.grammar_vocab})",
-            )
-        if m.vocab < d.grammar_vocab:
-            raise LayoutError(
-                f,
-                "model.vocab",
-                f"{m.vocab} is smaller than data.grammar_vocab {d.grammar_vocab} "
-                f"(set model.vocab >= {d.grammar_vocab})",
-            )
+        _validate_grammar(layout)
         return
-    if not d.path:
-        raise LayoutError(
-            f,
-            "data.path",
-            f"data.kind '{d.kind.value}' needs a file (set data.path to a "
-            f".{ {DataKind.JSONL: 'jsonl', DataKind.TOKENS: 'bin'}.get(d.kind, 'txt') } file, relative to "
-            "the layout file)",
-        )
-    if Path(d.path).is_dir():
-        raise LayoutError(f, "data.path", f"'{d.path}' is a folder, not a file (give an existing text or JSONL file)")
-    if d.kind is DataKind.TOKENS:
-        if not Path(d.path).is_file():
-            raise LayoutError(
-                f,
-                "data.path",
-                f"file '{d.path}' does not exist (give a .bin or .npy token file, e.g. one hetero-tokenize wrote)",
-            )
-        if not d.path.endswith((".bin", ".npy")):
-            raise LayoutError(
-                f,
-                "data.path",
-                f"file '{d.path}' is neither .bin nor .npy (data.kind 'tokens' reads "
-                "token files; use kind 'text' or 'jsonl' for text)",
-            )
-    elif not Path(d.path).is_file():
-        raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
+    _validate_path(layout)
     size = Path(d.path).stat().st_size
     if size == 0:
         raise LayoutError(
@@ -89,6 +51,55 @@ def validate_data(layout: Layout) -> None:
         raise LayoutError(
             f, "model.vocab", f"{m.vocab} is smaller than the tokenizer's {vocab} tokens (set model.vocab >= {vocab})"
         )
+
+
+def _validate_grammar(layout: Layout) -> None:
+    """data.kind 'grammar': its branching within its vocabulary, and that within the model's."""
+    d, m, f = layout.data, layout.model, layout.file
+    check_own(f, d, "data", "grammar_vocab", "branching")
+    if d.branching > d.grammar_vocab:
+        raise LayoutError(
+            f,
+            "data.branching",
+            f"{d.branching} exceeds grammar_vocab {d.grammar_vocab} (use at most {d.grammar_vocab})",
+        )
+    if m.vocab < d.grammar_vocab:
+        raise LayoutError(
+            f,
+            "model.vocab",
+            f"{m.vocab} is smaller than data.grammar_vocab {d.grammar_vocab} (set model.vocab >= {d.grammar_vocab})",
+        )
+
+
+def _validate_path(layout: Layout) -> None:
+    """data.path names an existing file of the data's kind."""
+    d, f = layout.data, layout.file
+    if not d.path:
+        raise LayoutError(
+            f,
+            "data.path",
+            f"data.kind '{d.kind.value}' needs a file (set data.path to a "
+            f".{ {DataKind.JSONL: 'jsonl', DataKind.TOKENS: 'bin'}.get(d.kind, 'txt') } file, relative to "
+            "the layout file)",
+        )
+    if Path(d.path).is_dir():
+        raise LayoutError(f, "data.path", f"'{d.path}' is a folder, not a file (give an existing text or JSONL file)")
+    if d.kind is DataKind.TOKENS:
+        if not Path(d.path).is_file():
+            raise LayoutError(
+                f,
+                "data.path",
+                f"file '{d.path}' does not exist (give a .bin or .npy token file, e.g. one hetero-tokenize wrote)",
+            )
+        if not d.path.endswith((".bin", ".npy")):
+            raise LayoutError(
+                f,
+                "data.path",
+                f"file '{d.path}' is neither .bin nor .npy (data.kind 'tokens' reads "
+                "token files; use kind 'text' or 'jsonl' for text)",
+            )
+    elif not Path(d.path).is_file():
+        raise LayoutError(f, "data.path", f"file '{d.path}' does not exist (give an existing text or JSONL file)")
 
 
 def _validate_packing(layout: Layout) -> None:

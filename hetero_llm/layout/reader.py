@@ -282,24 +282,7 @@ def _value(value: Any, annotation: str, where: str, file: str, checks: tuple = (
     """One scalar or array of strings, checked against its annotation (an integer written as a float: against the
     key's own ``checks`` too, so that the fix offered is a value the key takes)."""
     if annotation in ("int", "float"):
-        wanted = "an integer" if annotation == "int" else "a number"
-        ok = (int,) if annotation == "int" else (int, float)
-        if isinstance(value, bool) or not isinstance(value, ok):
-            fix = ""
-            if isinstance(value, str):
-                try:
-                    unquoted = tomllib.loads(f"v = {value}")["v"]
-                except tomllib.TOMLDecodeError:
-                    unquoted = None
-                if isinstance(unquoted, ok) and not isinstance(unquoted, bool):
-                    fix = " (remove the quotes)"
-            elif annotation == "int" and isinstance(value, float) and value.is_integer():
-                problem = next((p for p in (rule(value) for rule in checks) if isinstance(p, str)), None)
-                fix = f", and {problem}" if problem else f" (write {int(value)})"
-            raise LayoutError(file, where, f"expected {wanted}, got {type_name(value)}{fix}")
-        if annotation == "float" and not math.isfinite(value):
-            raise LayoutError(file, where, f"expected a finite number, got {value!r}")
-        return value if annotation == "int" else float(value)
+        return _number(value, annotation, where, file, checks)
     if annotation == "bool":
         if not isinstance(value, bool):
             raise LayoutError(file, where, f"expected true or false, got {type_name(value)}")
@@ -322,6 +305,29 @@ def _value(value: Any, annotation: str, where: str, file: str, checks: tuple = (
     raise TypeError(f"layout field type {annotation!r} has no converter")  # a bug here, not user input
 
 
+def _number(value: Any, annotation: str, where: str, file: str, checks: tuple) -> int | float:
+    """``_value`` of an "int" or "float": a float finite; the fix offered for a quoted number or an integer
+    written as a float."""
+    wanted = "an integer" if annotation == "int" else "a number"
+    ok = (int,) if annotation == "int" else (int, float)
+    if isinstance(value, bool) or not isinstance(value, ok):
+        fix = ""
+        if isinstance(value, str):
+            try:
+                unquoted = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                unquoted = None
+            if isinstance(unquoted, ok) and not isinstance(unquoted, bool):
+                fix = " (remove the quotes)"
+        elif annotation == "int" and isinstance(value, float) and value.is_integer():
+            problem = next((p for p in (rule(value) for rule in checks) if isinstance(p, str)), None)
+            fix = f", and {problem}" if problem else f" (write {int(value)})"
+        raise LayoutError(file, where, f"expected {wanted}, got {type_name(value)}{fix}")
+    if annotation == "float" and not math.isfinite(value):
+        raise LayoutError(file, where, f"expected a finite number, got {value!r}")
+    return value if annotation == "int" else float(value)
+
+
 # --------------------------------------------------------------------------------------------
 # --set overrides
 
@@ -341,6 +347,13 @@ def apply_override(raw: dict, item: str, file: str) -> None:
         value = tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
         value = text  # bare words are strings: --set data.kind=text
+    segments = _override_segments(key, file)
+    _check_override_path(segments, key, file)
+    _set_at(raw, segments, value, key, file)
+
+
+def _override_segments(key: str, file: str) -> list[str | int]:
+    """``a.b[0].c`` (or ``a.b.0.c``) as ``["a", "b", 0, "c"]``."""
     segments: list[str | int] = []
     for part in key.split("."):
         if part.isascii() and part.isdigit():
@@ -352,7 +365,11 @@ def apply_override(raw: dict, item: str, file: str) -> None:
         segments.append(m.group(1))
         if m.group(2) is not None:
             segments.append(int(m.group(2)))
-    _check_override_path(segments, key, file)
+    return segments
+
+
+def _set_at(raw: dict, segments: list[str | int], value: Any, key: str, file: str) -> None:
+    """Set ``value`` at ``segments`` of the TOML dict, making the tables on the way (``key``: for messages)."""
     node: Any = raw
     done = ""  # the part of the key walked so far, for messages
     for i, seg in enumerate(segments):

@@ -280,9 +280,29 @@ def _check_device_id(layout: Layout, dev: str, where: str, known: dict[str, int]
 
 def _validate_buckets(layout: Layout) -> None:
     """Bounds ascend and end at seq_len; each bucket's layout is valid on its own, on home devices."""
-    f, m = layout.file, layout.model
+    m = layout.model
     if not layout.buckets:
         return
+    home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
+    _check_switching_supported(layout, home)
+    known = {n.name: len(n.devices) for n in layout.cluster.nodes}
+    previous = 0
+    for bi, b in enumerate(layout.buckets):
+        _check_bucket(layout, bi, previous, home, known)
+        previous = b.max_len
+    if previous != m.seq_len:
+        raise LayoutError(
+            layout.file,
+            f"buckets[{len(layout.buckets) - 1}].max_len",
+            f"{previous} is below model.seq_len "
+            f"({m.seq_len}): documents of {previous + 1} to {m.seq_len} positions would fit no bucket "
+            f"(make the last bucket's max_len {m.seq_len})",
+        )
+
+
+def _check_switching_supported(layout: Layout, home: set[str]) -> None:
+    """What hot switching does not run yet: unpacked data, context parallelism, GPU devices."""
+    f = layout.file
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
     cps = [
@@ -300,8 +320,6 @@ def _validate_buckets(layout: Layout) -> None:
             f"hot switching ([[buckets]]) does not support context parallelism yet (cp = {cps[0][1]}) "
             "(set cp = 1, or remove [[buckets]])",
         )
-    home = {dev for p in layout.pipelines for st in p.stages for dev in st.devices}
-    known = {n.name: len(n.devices) for n in layout.cluster.nodes}
     cuda = sorted(
         d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu"
     )
@@ -312,69 +330,68 @@ def _validate_buckets(layout: Layout) -> None:
             f"hot switching runs on CPU devices only for now, and device '{cuda[0]}' is "
             "a GPU (remove [[buckets]] to train under [[pipelines]] on GPUs)",
         )
-    previous = 0
-    for bi, b in enumerate(layout.buckets):
-        at = f"buckets[{bi}]"
-        check_own(f, b, at, "max_len", "chunks")
-        if b.max_len <= previous:
-            raise LayoutError(
-                f,
-                f"{at}.max_len",
-                f"{b.max_len} is not above buckets[{bi - 1}].max_len ({previous}) "
-                "(list buckets from shortest to longest, each bound above the one before)",
-            )
-        if b.max_len > m.seq_len:
-            raise LayoutError(
-                f,
-                f"{at}.max_len",
-                f"{b.max_len} exceeds model.seq_len ({m.seq_len}): no document is longer (use at most {m.seq_len})",
-            )
-        previous = b.max_len
-        for pi, pipe in enumerate(b.pipelines):
-            for si, stage in enumerate(pipe.stages):
-                for di, dev in enumerate(stage.devices):
-                    where = f"{at}.pipelines[{pi}].stages[{si}].devices[{di}]"
-                    _check_device_id(layout, dev, where, known)
-                    if dev not in home:
-                        raise LayoutError(
-                            f,
-                            where,
-                            f"device '{dev}' is not in the home layout ([[pipelines]]); "
-                            "every bucket runs on the home layout's devices",
-                        )
-        if b.top_up and bi == 0:
-            raise LayoutError(
-                f,
-                f"{at}.top_up",
-                "the shortest bucket has no shorter documents to take (set top_up on a longer bucket)",
-            )
-        fixed = [i for i, p in enumerate(b.pipelines or layout.pipelines) if p.schedule_file]
-        if b.elastic and fixed:
-            where = f"{at}.pipelines[{fixed[0]}]" if b.pipelines else f"pipelines[{fixed[0]}]"
-            raise LayoutError(
-                f,
-                f"{at}.elastic",
-                f"an elastic bucket runs a different number of microbatches each step, "
-                f"and {where}.schedule_file orders a fixed number (set elastic = false, or drop the "
-                "schedule file)",
-            )
-        try:
-            validate(bucket_layout(layout, bi))
-        except LayoutError as e:
-            path = e.path
-            empty = [i for i, p in enumerate(b.pipelines) if p.batch < 1]
-            if path == "train.global_batch" and empty:  # the bucket's batches sum to 0: name its own pipeline's key
-                path = f"pipelines[{empty[0]}].batch"
-            if path.startswith("pipelines"):
-                path = f"{at}.{path}"
-            elif path in ("train.schedule", "train.chunks"):
-                path = f"{at}.{path.removeprefix('train.')}"
-            raise LayoutError(f, path, e.message) from None
-    if previous != m.seq_len:
+
+
+def _check_bucket(layout: Layout, bi: int, previous: int, home: set[str], known: dict[str, int]) -> None:
+    """``buckets[bi]``: its bound above the one before (``previous``), its devices home devices, its keys
+    together, and its layout valid on its own."""
+    f, m, b = layout.file, layout.model, layout.buckets[bi]
+    at = f"buckets[{bi}]"
+    check_own(f, b, at, "max_len", "chunks")
+    if b.max_len <= previous:
         raise LayoutError(
             f,
-            f"buckets[{len(layout.buckets) - 1}].max_len",
-            f"{previous} is below model.seq_len "
-            f"({m.seq_len}): documents of {previous + 1} to {m.seq_len} positions would fit no bucket "
-            f"(make the last bucket's max_len {m.seq_len})",
+            f"{at}.max_len",
+            f"{b.max_len} is not above buckets[{bi - 1}].max_len ({previous}) "
+            "(list buckets from shortest to longest, each bound above the one before)",
         )
+    if b.max_len > m.seq_len:
+        raise LayoutError(
+            f,
+            f"{at}.max_len",
+            f"{b.max_len} exceeds model.seq_len ({m.seq_len}): no document is longer (use at most {m.seq_len})",
+        )
+    for pi, pipe in enumerate(b.pipelines):
+        for si, stage in enumerate(pipe.stages):
+            for di, dev in enumerate(stage.devices):
+                where = f"{at}.pipelines[{pi}].stages[{si}].devices[{di}]"
+                _check_device_id(layout, dev, where, known)
+                if dev not in home:
+                    raise LayoutError(
+                        f,
+                        where,
+                        f"device '{dev}' is not in the home layout ([[pipelines]]); "
+                        "every bucket runs on the home layout's devices",
+                    )
+    if b.top_up and bi == 0:
+        raise LayoutError(
+            f, f"{at}.top_up", "the shortest bucket has no shorter documents to take (set top_up on a longer bucket)"
+        )
+    fixed = [i for i, p in enumerate(b.pipelines or layout.pipelines) if p.schedule_file]
+    if b.elastic and fixed:
+        where = f"{at}.pipelines[{fixed[0]}]" if b.pipelines else f"pipelines[{fixed[0]}]"
+        raise LayoutError(
+            f,
+            f"{at}.elastic",
+            f"an elastic bucket runs a different number of microbatches each step, "
+            f"and {where}.schedule_file orders a fixed number (set elastic = false, or drop the "
+            "schedule file)",
+        )
+    _check_bucket_layout(layout, bi)
+
+
+def _check_bucket_layout(layout: Layout, bi: int) -> None:
+    """The bucket's own layout valid, its errors named by the bucket's keys."""
+    at, b = f"buckets[{bi}]", layout.buckets[bi]
+    try:
+        validate(bucket_layout(layout, bi))
+    except LayoutError as e:
+        path = e.path
+        empty = [i for i, p in enumerate(b.pipelines) if p.batch < 1]
+        if path == "train.global_batch" and empty:  # the bucket's batches sum to 0: name its own pipeline's key
+            path = f"pipelines[{empty[0]}].batch"
+        if path.startswith("pipelines"):
+            path = f"{at}.{path}"
+        elif path in ("train.schedule", "train.chunks"):
+            path = f"{at}.{path.removeprefix('train.')}"
+        raise LayoutError(layout.file, path, e.message) from None

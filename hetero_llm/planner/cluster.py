@@ -246,30 +246,7 @@ def load_cluster(path: str | os.PathLike, profile_file: str | os.PathLike | None
         raise LayoutError(file, "plan", "expected a table ([plan])")
     kinds_raw = plan.get("kinds", {})
     node_kinds = plan.get("nodes", {})
-    tables = ("kinds", "nodes", "nics", "documents")
-    limits = (
-        layout_mod.build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
-        if set(plan) - set(tables)
-        else PlanLimits()
-    )
-    _check_limits(file, limits)
-    if train.compile is Compile.BLOCKS and "zbh1" in limits.schedules:  # the layout would be refused
-        kept = tuple(x for x in limits.schedules if x != "zbh1")
-        if not kept:
-            raise LayoutError(
-                file,
-                "plan.schedules",
-                "only 'zbh1', whose split backward train.compile = 'blocks' cannot compile "
-                "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
-            )
-        limits = attrs.evolve(limits, schedules=kept)
-    if train.compile is Compile.BLOCKS and limits.max_cp > 1:  # the layout would be refused
-        raise LayoutError(
-            file,
-            "plan.max_cp",
-            f"{limits.max_cp}: train.compile = 'blocks' cannot compile the ring attention of context parallelism "
-            "(set plan.max_cp = 1, or train.compile = 'none')",
-        )
+    limits = _plan_limits(file, plan, train)
     kinds = _kinds(file, kinds_raw, train.precision)
     if not isinstance(node_kinds, dict):
         raise LayoutError(file, "plan.nodes", "expected a table of node name (or glob) = device kind")
@@ -336,7 +313,38 @@ def check_devices(cluster: Cluster) -> None:
                 )
 
 
-def _check_limits(file: str, limits: PlanLimits) -> None:
+def _plan_limits(file: str, plan: dict, train: TrainSpec) -> PlanLimits:
+    """``[plan]``'s limits (its keys but the tables), checked; under train.compile = 'blocks' without 'zbh1'."""
+    tables = ("kinds", "nodes", "nics", "documents")
+    limits = (
+        layout_mod.build(PlanLimits, {k: v for k, v in plan.items() if k not in tables}, "plan", file)
+        if set(plan) - set(tables)
+        else PlanLimits()
+    )
+    _check_limits(file, limits)
+    if train.compile is Compile.BLOCKS and "zbh1" in limits.schedules:  # the layout would be refused
+        kept = tuple(x for x in limits.schedules if x != "zbh1")
+        if not kept:
+            raise LayoutError(
+                file,
+                "plan.schedules",
+                "only 'zbh1', whose split backward train.compile = 'blocks' cannot compile "
+                "(allow '1f1b' or 'interleaved', or set train.compile = 'none')",
+            )
+        limits = attrs.evolve(limits, schedules=kept)
+    if train.compile is Compile.BLOCKS and limits.max_cp > 1:  # the layout would be refused
+        raise LayoutError(
+            file,
+            "plan.max_cp",
+            f"{limits.max_cp}: train.compile = 'blocks' cannot compile the ring attention of context parallelism "
+            "(set plan.max_cp = 1, or train.compile = 'none')",
+        )
+    return limits
+
+
+# C901: a flat list of independent rules on [plan]'s limits, each one error, checked in order: a split would
+# only scatter the list
+def _check_limits(file: str, limits: PlanLimits) -> None:  # noqa: C901
     if limits.max_tp < 0:
         raise LayoutError(file, "plan.max_tp", f"must be >= 0 (0 = a node's device count), got {limits.max_tp}")
     if limits.max_cp < 1:

@@ -15,7 +15,7 @@ values round a ring (Megatron-LM's and torchtitan's ring attention), which adds:
 - the all-reduce of the stage's gradients over its CP ranks, which hold the same weights (``cp_sync_time``),
   over the intra-node link, before the sync between pipelines.
 
-The search's CP moves and start points are in moves.py (``reshaped``, ``with_cp``).
+The search's CP moves and start points are in move_parts.py (``reshaped``, ``with_cp``) and moves.py.
 """
 
 from __future__ import annotations

@@ -148,7 +148,9 @@ def _largest(points: set[tuple[int, int, int]]) -> tuple[tuple[int, int, int], .
     return tuple(sorted(keep))
 
 
-def simulate(
+# C901: the search's innermost loop (every candidate's every action), kept in one function on purpose: a call
+# per action would cost the search's time
+def simulate(  # noqa: C901
     acts,
     forward: Sequence[float],
     backward: Sequence[float],

@@ -91,7 +91,20 @@ class Placement:
 
 
 def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, options: PlaceOptions) -> Placement:
-    tp, notes = options.tp, []
+    """The rules of this module's docstring, a step each; ``notes`` say what was left out and why."""
+    tp = options.tp
+    notes: list[str] = []  # what was left out, and why
+    _check_tp(file, model, tp)
+    by_domain = _tp_groups(file, cluster, tp, notes)
+    pipelines, domains = _pipelines_and_domains(file, cluster, train, by_domain, options.pipelines, tp, notes)
+    share = _share(by_domain, domains, pipelines)
+    unit_layers = train.chunks if train.schedule is Schedule.INTERLEAVED else 1
+    domain_layers, placed = _layers(file, model, tp, share, domains, pipelines, unit_layers, notes)
+    out = _rows(file, train, options, placed)
+    return Placement(tuple(out), tuple(domains), tuple(domain_layers), tp, tuple(notes))
+
+
+def _check_tp(file: str, model: ModelSpec, tp: int) -> None:
     if tp < 1:
         raise LayoutError(file, "--tp", f"must be >= 1, got {tp}")
     if model.heads % tp or model.ffn_width % tp:
@@ -101,8 +114,11 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
             f"TP size {tp} does not divide heads ({model.heads}) and the MLP width "
             f"({model.ffn_width}) (pick a common divisor)",
         )
+
+
+def _tp_groups(file: str, cluster: ClusterSpec, tp: int, notes: list[str]) -> dict[str, list[PlaceGroup]]:
+    """Rule 1: each node's ``devices // tp`` TP groups of consecutive devices, by domain."""
     by_domain: dict[str, list[PlaceGroup]] = {}
-    order = [d.name for d in cluster.domains] or [DEFAULT_TRANSPORT]
     for node in cluster.nodes:
         domain = cluster.domain_of(node.name)
         groups = len(node.devices) // tp
@@ -117,8 +133,23 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
     if not by_domain:
         most = max(len(n.devices) for n in cluster.nodes)
         raise LayoutError(file, "--tp", f"no node has {tp} devices (the most is {most}; TP stays inside a node)")
+    return by_domain
+
+
+def _pipelines_and_domains(
+    file: str,
+    cluster: ClusterSpec,
+    train: TrainSpec,
+    by_domain: dict[str, list[PlaceGroup]],
+    pipelines: int,
+    tp: int,
+    notes: list[str],
+) -> tuple[int, list[str]]:
+    """Rule 2: the pipeline count (``pipelines``, 0: the smallest usable domain's TP groups) and the domains,
+    in the cluster's order, with a TP group for each pipeline (the others left out)."""
+    order = [d.name for d in cluster.domains] or [DEFAULT_TRANSPORT]
     sizes = {d: len(by_domain.get(d, [])) for d in order}
-    pipelines = options.pipelines or min(n for n in sizes.values() if n)
+    pipelines = pipelines or min(n for n in sizes.values() if n)
     if pipelines < 1:
         raise LayoutError(file, "--pipelines", f"must be >= 1, got {pipelines}")
     domains = [d for d in order if sizes[d] >= pipelines]
@@ -142,16 +173,13 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
             "--pipelines",
             f"{pipelines} pipelines need train.global_batch >= {pipelines} (it is {train.global_batch})",
         )
-    unit_layers = train.chunks if train.schedule is Schedule.INTERLEAVED else 1
-    if model.layers < len(domains) * unit_layers:
-        raise LayoutError(
-            file,
-            "model.layers",
-            f"{model.layers} layers cannot give a stage to each of the "
-            f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)",
-        )
+    return pipelines, domains
 
-    # Rule 2/3: pipeline p takes a contiguous block of each domain's TP groups (boundaries inside nodes).
+
+def _share(
+    by_domain: dict[str, list[PlaceGroup]], domains: list[str], pipelines: int
+) -> dict[tuple[int, str], list[PlaceGroup]]:
+    """Rule 2/3: pipeline p takes a contiguous block of each domain's TP groups (boundaries inside nodes)."""
     share: dict[tuple[int, str], list[PlaceGroup]] = {}
     for d in domains:
         units = by_domain[d]
@@ -161,26 +189,30 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
             n = base + (p < extra)
             share[(p, d)] = units[lo : lo + n]
             lo += n
+    return share
 
-    # Rule 4: layers per domain (the same in every pipeline), then per stage.
-    layer_sz, embed_sz, head_sz = (
-        _device_params(model, layer_params(model, 0), tp),
-        _device_params(model, embedding_params(model), tp),
-        _device_params(model, head_params(model), tp),
-    )
 
-    def cap(unit: PlaceGroup, first: bool, last: bool) -> int:
-        if unit.memory_gb <= 0:
-            return model.layers
-        room = unit.memory_gb * 1e9 / BYTES_PER_PARAM - (embed_sz if first else 0) - (head_sz if last else 0)
-        return max(0, int(room // layer_sz))
-
-    def caps(p: int, di: int) -> list[int]:
-        units = share[(p, domains[di])]
-        return [cap(u, di == 0 and i == 0, di == len(domains) - 1 and i == len(units) - 1) for i, u in enumerate(units)]
-
+def _layers(
+    file: str,
+    model: ModelSpec,
+    tp: int,
+    share: dict[tuple[int, str], list[PlaceGroup]],
+    domains: list[str],
+    pipelines: int,
+    unit_layers: int,
+    notes: list[str],
+) -> tuple[list[int], list[list[PlacedStage]]]:
+    """Rule 4: layers per domain (the same in every pipeline), then per stage; each pipeline's stages."""
+    if model.layers < len(domains) * unit_layers:
+        raise LayoutError(
+            file,
+            "model.layers",
+            f"{model.layers} layers cannot give a stage to each of the "
+            f"{len(domains)} domains {', '.join(domains)} (use more layers, or fewer domains)",
+        )
+    caps = _layer_caps(model, tp, share, domains, pipelines)
     weights = [sum(sum(u.speed for u in share[(p, d)]) for p in range(pipelines)) / pipelines for d in domains]
-    domain_caps = [min(sum(caps(p, di)) for p in range(pipelines)) for di in range(len(domains))]
+    domain_caps = [min(sum(caps[p, di]) for p in range(pipelines)) for di in range(len(domains))]
     domain_layers = _split(model.layers, weights, domain_caps, unit_layers)
     if domain_layers is None:
         raise LayoutError(
@@ -194,7 +226,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
         stages = []
         for di, d in enumerate(domains):
             units = share[(p, d)]
-            split = _split(domain_layers[di], [u.speed for u in units], caps(p, di), unit_layers)
+            split = _split(domain_layers[di], [u.speed for u in units], caps[p, di], unit_layers)
             assert split is not None  # domain_caps bound every pipeline's capacity here
             if 0 in split:
                 notes.append(
@@ -203,10 +235,39 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
                 )
             stages += [PlacedStage(u, n) for u, n in zip(units, split) if n]
         placed.append(stages)
+    return domain_layers, placed
 
-    # Rule 5: rows by throughput; microbatches a divisor of the rows.
+
+def _layer_caps(
+    model: ModelSpec, tp: int, share: dict[tuple[int, str], list[PlaceGroup]], domains: list[str], pipelines: int
+) -> dict[tuple[int, int], list[int]]:
+    """The most layers each TP group's ``memory_gb`` holds (``BYTES_PER_PARAM``, the embedding on a pipeline's
+    first stage, the head on its last), by (pipeline, domain index)."""
+    layer_sz, embed_sz, head_sz = (
+        _device_params(model, layer_params(model, 0), tp),
+        _device_params(model, embedding_params(model), tp),
+        _device_params(model, head_params(model), tp),
+    )
+
+    def cap(unit: PlaceGroup, first: bool, last: bool) -> int:
+        if unit.memory_gb <= 0:
+            return model.layers
+        room = unit.memory_gb * 1e9 / BYTES_PER_PARAM - (embed_sz if first else 0) - (head_sz if last else 0)
+        return max(0, int(room // layer_sz))
+
+    caps = {}
+    for p in range(pipelines):
+        for di, d in enumerate(domains):
+            units = share[(p, d)]
+            last = di == len(domains) - 1
+            caps[p, di] = [cap(u, di == 0 and i == 0, last and i == len(units) - 1) for i, u in enumerate(units)]
+    return caps
+
+
+def _rows(file: str, train: TrainSpec, options: PlaceOptions, placed: list[list[PlacedStage]]) -> list[PlacedPipeline]:
+    """Rule 5: rows by throughput; microbatches a divisor of the rows."""
     rates = [1.0 / max(s.layers / s.unit.speed for s in st) for st in placed]
-    batches = _split(train.global_batch, rates, [train.global_batch] * pipelines, 1)
+    batches = _split(train.global_batch, rates, [train.global_batch] * len(placed), 1)
     assert batches is not None  # every cap holds the whole batch
     out = []
     for stages, batch in zip(placed, batches):
@@ -222,7 +283,7 @@ def place(file: str, model: ModelSpec, train: TrainSpec, cluster: ClusterSpec, o
                 f"count dividing {batch}" + (f" that is a multiple of {n} ('interleaved')" if step > 1 else ""),
             )
         out.append(PlacedPipeline(batch, fits[-1], tuple(stages)))
-    return Placement(tuple(out), tuple(domains), tuple(domain_layers), tp, tuple(notes))
+    return out
 
 
 def _device_params(model: ModelSpec, infos, tp: int) -> float:

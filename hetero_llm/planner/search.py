@@ -27,7 +27,7 @@ from typing import overload
 
 import attrs
 
-from hetero_llm.planner import exact, moves, sweep
+from hetero_llm.planner import exact, move_parts, moves, sweep
 from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -354,7 +354,7 @@ class Planner(LayerSplitter):
     def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
         """The search from the sweep's best structures (unless not ``swept``) and ``seeds``."""
         structures = sweep.sweep(self, keep=8) if swept else []
-        structures += moves.with_cp(self, structures)
+        structures += move_parts.with_cp(self, structures)
         seed_score = None
         for s in seeds:
             seed_sc = self.evaluate(s)

@@ -283,18 +283,6 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     if cost.weight is None and any(a.kind is Kind.W for actions in schedule for a in actions):
         raise ValueError("the schedule has W actions: give CostModel.weight (seconds per stage)")
 
-    def compute(stage: int, action: Action) -> float:
-        if action.kind is Kind.F:
-            return cost.forward[stage] / chunks
-        if action.kind is Kind.B:
-            return cost.backward[stage] / chunks
-        assert cost.weight is not None  # checked above: the schedule splits backwards
-        weight = cost.weight[stage]
-        return (cost.backward[stage] - weight if action.kind is Kind.I else weight) / chunks
-
-    def duration(stage: int, action: Action) -> float:
-        return compute(stage, action) + (cost.overhead[stage] if cost.overhead is not None else 0.0)
-
     free = [0.0] * num_stages  # when each stage's previous action ended
     ended: dict[Event, float] = {}
     arrives: dict[Event, float] = {}  # SEND (or compute-only output) -> when data is on the peer
@@ -328,7 +316,7 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
                 free[stage] = end
             else:
                 start = ready
-                end = start + duration(stage, action)
+                end = start + _duration(cost, chunks, stage, action)
                 free[stage] = end
             for event in produces(stage, action):
                 ended[event] = end
@@ -342,6 +330,19 @@ def simulate(schedule: Sequence[Sequence[Action]], cost: CostModel) -> SimResult
     stash = cost.stash_bytes or (cost.activation_bytes,) * num_stages
     peak_bytes = tuple(peak * stash[stage] / chunks for stage, peak in enumerate(peaks))
     return SimResult(step_time, busy, bubble, peaks, peak_bytes, timeline)
+
+
+def _duration(cost: CostModel, chunks: int, stage: int, action: Action) -> float:
+    """Seconds of compute action ``action`` on ``stage`` (a chunk's share of the stage's), with its overhead."""
+    if action.kind is Kind.F:
+        compute = cost.forward[stage] / chunks
+    elif action.kind is Kind.B:
+        compute = cost.backward[stage] / chunks
+    else:
+        assert cost.weight is not None  # checked by simulate: the schedule splits backwards
+        weight = cost.weight[stage]
+        compute = (cost.backward[stage] - weight if action.kind is Kind.I else weight) / chunks
+    return compute + (cost.overhead[stage] if cost.overhead is not None else 0.0)
 
 
 def _peak_in_flight(actions: Sequence[Action]) -> int:

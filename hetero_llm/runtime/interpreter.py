@@ -226,16 +226,7 @@ class StageRunner:
             # RS frees the gradients before the step's checkpoint; the step's first forwards run before any exist)
             tensor_meter.checkpoint(instant=True)
         if a.kind in COMPUTE_KINDS and self.emulation.active:
-            # the ring's exposed transfers come on top: a modelled duration has no ring in it (context_rows.pace)
-            spent = self._clock() - t0 - (ring_waits.seconds - ring0 if ring_waits is not None else 0.0)
-            lasts = (
-                dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
-            )
-            if lasts is not None:  # a wait for a TP peer counts: the modelled duration includes TP's messages
-                time.sleep(max(0.0, lasts - spent))
-            else:  # stretch this rank's own compute only, never a wait for its TP peer (collectives.TpWaits)
-                own = spent - (self.tp_waits.seconds - waited0 if self.tp_waits is not None else 0.0)
-                time.sleep(max(0.0, own) * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
+            self._emulate(a, t0, waited0, ring_waits, ring0)
         if self.trace is not None:
             self.trace.append((str(a), t0, self._clock()))
 
@@ -255,6 +246,18 @@ class StageRunner:
             if route is not None  # else stages of different cp: this rank's positions from each sender
             else p2p.PendingRuns([post(r, p2p.runs_shape(r, shape)) for r in runs], shape)
         )
+
+    def _emulate(self, a: Action, t0: float, waited0: float, ring_waits, ring0: float) -> None:
+        """Stretch compute action ``a`` (begun at ``t0``; the TP waits then at ``waited0`` s, the ring's at ``ring0``)
+        to the emulated device's duration; the ring's exposed transfers come on top: a modelled duration has no ring
+        in it (context_rows.pace)."""
+        spent = self._clock() - t0 - (ring_waits.seconds - ring0 if ring_waits is not None else 0.0)
+        lasts = dict(self.emulation.seconds).get(a.kind) if self.emulation.device is None else self._modelled_seconds(a)
+        if lasts is not None:  # a wait for a TP peer counts: the modelled duration includes TP's messages
+            time.sleep(max(0.0, lasts - spent))
+        else:  # stretch this rank's own compute only, never a wait for its TP peer (collectives.TpWaits)
+            own = spent - (self.tp_waits.seconds - waited0 if self.tp_waits is not None else 0.0)
+            time.sleep(max(0.0, own) * (self.emulation.slowdown - 1 + self._rng.uniform(0, self.emulation.jitter)))
 
     def _modelled_seconds(self, a: Action) -> float:
         """An emulated device's duration of compute action ``a`` (``predict.device.action_seconds``); on a CP rank
@@ -360,7 +363,9 @@ class StageRunner:
         self._step.outputs.clear()
         return self._finish()
 
-    def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:
+    # C901: one scheduling loop (MegatronDPP's policy: poll, choose, agree, run) whose counters its closures share;
+    # the policy reads in one place
+    def run_dynamic(self, microbatches: list[Microbatch], global_tokens: int) -> torch.Tensor:  # noqa: C901
         """MegatronDPP: run whichever ready action has the highest priority (see module doc)."""
         st = self.stage
         M = len(microbatches)
