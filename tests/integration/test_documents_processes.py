@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from harness import LAYOUTS, assert_same_model, common_sections, launch, write_layout
 from hetero_llm import layout as layout_mod
-from hetero_llm.data import sources
+from hetero_llm.data import held_out, sources
 from hetero_llm.data.documents import fill_rows
 from hetero_llm.data.sources import make_document_source
 from hetero_llm.model.forward import StageShape, stage_forward
@@ -53,11 +53,11 @@ def test_packed_documents_train_the_same_model_under_a_tp_and_pipeline_layout(tm
         assert (a is None and b is None) or abs(a - b) <= 1e-5 * b, valid
     # ... and, at the end, the final model's mean loss over those documents' targets, each document run alone
     lay = layout_mod.load(tmp_path / "ref" / "ref.toml")
-    _, held_out = sources.document_sources(lay.data, lay.model.seq_len, lay.file)
+    _, held_out_source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)
     total, targets = 0.0, 0
     with torch.no_grad():
         for index in range(2):
-            rows = held_out.held_out_rows(held_out, lay.train.seed, index, 12, 16)
+            rows = held_out.held_out_rows(held_out_source, lay.train.seed, index, 12, 16)
             assert rows.num_targets > 0
             for r, start, n in rows.spans.tolist():
                 doc = np.concatenate([rows.inputs[r, start : start + n], rows.targets[r, start + n - 1 : start + n]])
