@@ -10,7 +10,8 @@ cluster of equal pipelines moves them together), every contiguous split of its l
 ``EVERY_SPLIT``, else every split one unit moved from one stage to another away, each stage recomputing only
 where it does not fit otherwise (the DP's rule), its microbatches as planned; each scored by ``Planner.evaluate``
 (the cost model's step, memory included) and kept where the step is shorter, until none is (or ``MAX_SCORES``
-candidates are scored: the budget in work, so the plan stays a function of its input).
+candidates are scored, at most ``SCORED_DEVICES`` / devices on big clusters: the budget in work, so the plan stays
+a function of its input).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
     from hetero_llm.planner.search import Planner
 
 EVERY_SPLIT = 2_000  # a pipeline with more contiguous splits than this tries one-unit moves between its stages
-MAX_SCORES = 4_000  # candidates one polish may score
+MAX_SCORES = 4_000  # candidates one polish may score, and fewer on big clusters (a score costs ~ devices):
+SCORED_DEVICES = 200_000  # at most this / devices (1,024 GPUs: 195, ~15 s of CPU; 40 GPUs: 4,000)
 
 
 def polish_best(pl: Planner, count: int) -> None:
@@ -41,9 +43,9 @@ def polish_best(pl: Planner, count: int) -> None:
 
 def polish(pl: Planner, cand: Candidate, score: Score) -> tuple[Candidate, Score]:
     """``cand`` with its pipelines' layer splits descended as the module says, and its score."""
-    scored = 0
+    scored, most = 0, min(MAX_SCORES, max(100, SCORED_DEVICES // max(1, pl.c.num_devices)))
     improved = True
-    while improved and scored < MAX_SCORES and not pl.out_of_time():
+    while improved and scored < most and not pl.out_of_time():
         improved = False
         for members in _alike(pl, cand):
             best = None
@@ -57,7 +59,7 @@ def polish(pl: Planner, cand: Candidate, score: Score) -> tuple[Candidate, Score
                 scored += 1
                 if got.feasible and got.step_time < score.step_time * (1 - 1e-12):
                     best, score = other, got
-                if scored >= MAX_SCORES:
+                if scored >= most:
                     break
             if best is not None:
                 cand, improved = best, True
