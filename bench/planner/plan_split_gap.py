@@ -1,6 +1,6 @@
-"""What the planner's two exact sub-solvers leave out, measured: the layer split that minimises the slowest stage
-(``layers.py``'s DP) against the split that minimises the step, and one microbatch size for every pipeline against
-a size per pipeline.
+"""What the planner's two sub-solvers leave out, measured: the layer split the search gives each pipeline
+(``layers.py``'s front and pick, ``polish.py``) against every other split, and one microbatch size for every
+pipeline against a size per pipeline.
 
     python -m bench.planner.plan_split_gap                  # 60 of bench/planner/plan_exhaustive.py's clusters + the CPU clusters
     python -m bench.planner.plan_split_gap --clusters 5     # fewer (the test suite runs --quick: 2)
@@ -13,7 +13,7 @@ with, pipeline by pipeline (the others as they are), every other choice of
   more than ``MAX_SPLITS``, every split one unit moved from one stage to another away), each stage recomputing only
   where it does not fit otherwise (the DP's rule), the microbatches as planned;
 - **rows**: every microbatch size dividing the pipeline's batch (interleaved: microbatches a multiple of the stages),
-  its layers split by the search's DP at that size;
+  its layers split as the search splits them at that size (the front's pick);
 
 kept where the predicted step is shorter, pipeline after pipeline until none improves. The result is a descent, not
 an enumeration of every pipeline's choices at once: the gap it finds is a lower bound of the true gap. Nothing here
@@ -89,7 +89,7 @@ def splits(pl: Planner, cand: Candidate, i: int):
 
 
 def rows(pl: Planner, cand: Candidate, i: int):
-    """Pipeline ``i`` with every other microbatch size dividing its batch, its layers split by the DP."""
+    """Pipeline ``i`` with every other microbatch size dividing its batch, its layers split as the search does."""
     pipe = cand.pipelines[i]
     groups = tuple(s.group for s in pipe.stages)
     schedule, chunks = _kind(cand, len(groups))
@@ -98,10 +98,10 @@ def rows(pl: Planner, cand: Candidate, i: int):
         m = pipe.batch // r
         if pipe.batch % r or r == pipe.rows or (schedule == "interleaved" and m % len(groups)):
             continue
-        got = pl.split_layers(groups, r, schedule, chunks, m, others)
-        if got is not None:
-            split, flags, _ = got
-            yield PipelineChoice(pipe.batch, m, tuple(StageChoice(g, n, f) for g, n, f in zip(groups, split, flags)))
+        front, fills = pl.front_and_fills(groups, r, schedule, chunks, m, others)
+        if front:  # the search's split at that size: its front's pick at m (layers.py)
+            best = front[pl.pick(groups, front, fills, m, r, schedule, chunks)]
+            yield PipelineChoice(pipe.batch, m, tuple(StageChoice(g, n, f) for g, n, f in zip(groups, *best[:2])))
 
 
 def descend(pl: Planner, cand: Candidate, options) -> tuple[Candidate, float]:

@@ -3,11 +3,13 @@
 A candidate is built from a *structure* (which TP groups form which pipeline, in which stage order,
 how many rows per microbatch, which schedule) by two exact steps:
 
-1. layers (``layers``): a min-max dynamic program over contiguous splits gives each pipeline the split whose
-   slowest stage (forward + backward of one microbatch, TP all-reduces included) is fastest, with
-   every stage inside its memory (a stage that does not fit without recompute may recompute);
+1. layers (``layers``): two dynamic programs over contiguous splits give each pipeline its front of splits
+   (the min-max split, whose slowest stage is fastest, then splits of less sum under every bound on a stage's
+   time), every stage inside its memory (a stage that does not fit without recompute may recompute);
 2. batch: microbatches go one at a time to the pipeline whose 1F1B time grows least (exact for
-   this min-max of increasing costs).
+   this min-max of increasing costs), first with the min-max splits; then each pipeline takes the split of its
+   front whose step at its share is shortest (``layers.pick``: closed form, confirmed by the simulator) and the
+   batch is split again, until the picks hold (three rounds at most).
 
 Structures come from a sweep over TP sizes per device kind, pipeline counts and two ways of
 dealing TP groups to pipelines (contiguous per domain, as Holmes; or speed-balanced per domain), pruned
@@ -15,8 +17,8 @@ by the compute lower bound and ranked by a closed-form 1F1B estimate. The best f
 ``hetero-place``'s plan, are scored with the simulator under every allowed schedule and improved by
 local search (move or swap TP groups between pipelines, split or merge TP groups, pipelines +-1,
 microbatch rows x2 or /2 or to the next divisor of the batch, another schedule with other rows at once, a
-pipeline's first or last stages left idle at once). The result is the best candidate ever scored, so never worse
-than the seed.
+pipeline's first or last stages left idle at once). The best candidate's layer splits are then polished against the
+simulated step itself (``polish``). The result is the best candidate ever scored, so never worse than the seed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import overload
 
 import attrs
 
-from hetero_llm.planner import exact, move_parts, moves, sweep
+from hetero_llm.planner import exact, move_parts, moves, polish, sweep
 from hetero_llm.planner.candidates import ByIdentity, Candidate, PipelineChoice, Score, StageChoice, TPGroup
 from hetero_llm.planner.cluster import Cluster
 from hetero_llm.planner.cost import PlannerCostModel
@@ -36,6 +38,8 @@ from hetero_llm.planner.memory import ONE_IN_FLIGHT
 from hetero_llm.planner.shares import batch_shares
 from hetero_llm.planner.structure import Result, Structure
 from hetero_llm.progress import Bar
+
+PICK_MAX_DEVICES = 256  # the largest cluster whose every realized structure picks its splits from their fronts
 
 
 class Planner(LayerSplitter):
@@ -51,6 +55,10 @@ class Planner(LayerSplitter):
         auto = min(400 + 8 * cluster.num_devices, 2500)
         self.max_evals = (cluster.limits.max_evals or auto) if max_evals is None else max_evals
         self.sweep_limit = max(20_000, 8 * self.max_evals)
+        # every realized structure picks its pipelines' splits from their fronts (``layers.pick``) up to this many
+        # devices; above, the min-max split (the pick's simulations made a 1,024-GPU search 6.6x slower: 226 s of
+        # CPU against 34 s), and only the best plan's splits are polished against the step (``polish``)
+        self.pick_splits = cluster.num_devices <= PICK_MAX_DEVICES
         self.cut_by_time = False
         self.progress: Bar | None = None  # plans simulated and the best so far, on a terminal (hetero-plan)
         self.best_so_far = INF
@@ -58,7 +66,6 @@ class Planner(LayerSplitter):
         self.node_order = {n.name: i for i, n in enumerate(cluster.nodes)}
         self.scored: dict[tuple, tuple[Candidate, Score]] = {}
         self.realized: dict[tuple, Candidate | None] = {}
-        self._stages: dict[tuple, tuple[StageChoice, ...]] = {}  # _realize's, by (groups, layers, recompute)
         self._made: dict[tuple[str, int, int], TPGroup] = {}  # groups(): (node, first device, TP size) -> group
         self._reshaped: dict[tuple, TPGroup] = {}  # reshape(): (devices, CP size) -> group
         self._times_of = ByIdentity()  # by the candidates _realize made: their pipelines' StageTimes
@@ -130,34 +137,39 @@ class Planner(LayerSplitter):
             return None
         chunks = st.n_chunks
         total = self.global_batch // st.rows
-        splits = []
-        fill = []  # per pipeline and microbatch: sum of stage times (fill); splits[i][2], the slowest stage
-        times: list[StageTimes] = []  # per pipeline: what ``estimate`` and ``bound`` take of its stages' times
+        fronts, fills = [], []  # per pipeline: its splits' front (layers.front_and_fills) and their fills and times
         others = self.zero1_others(st)
         for groups, other in zip(st.pipelines, others):
             # memory is checked for as many microbatches in flight as the schedule can hold (any share)
-            s, f, t = self.split_and_fill(groups, st.rows, st.schedule, chunks, total, other)
-            if s is None or t is None:
+            front, fill = self.front_and_fills(groups, st.rows, st.schedule, chunks, total, other)
+            if not front:
                 return None
-            splits.append(s)
-            fill.append(f)
-            times.append(t)
+            fronts.append(front)
+            fills.append(fill)
         unit = [len(g) if st.schedule == "interleaved" and len(g) > 1 else 1 for g in st.pipelines]
-        counts = batch_shares(fill, [s[2] for s in splits], unit, total)
+        chosen = [0] * len(fronts)  # the min-max splits first, then each pipeline's best at its share, again
+        counts = batch_shares([f[0][0] for f in fills], [f[0].slowest for f in fronts], unit, total)
+        for _ in range(3 if self.pick_splits else 0):
+            if counts is None or all(len(f) == 1 for f in fronts):
+                break
+            again = [self.pick(*x, st.rows, st.schedule, chunks) for x in zip(st.pipelines, fronts, fills, counts)]
+            if again == chosen:
+                break
+            chosen = again
+            sums = [f[j][0] for f, j in zip(fills, chosen)]
+            counts = batch_shares(sums, [f[j].slowest for f, j in zip(fronts, chosen)], unit, total)
         if counts is None:
             return None
         if self.cost.zero1 and not all(counts):  # fewer holders: each keeps more ZeRO-1 state
             return self._realize(attrs.evolve(st, pipelines=tuple(p for p, m in zip(st.pipelines, counts) if m)))
-        pipes = []
-        for groups, (layers, flags, _), m in zip(st.pipelines, splits, counts):
+        pipes, times = [], []
+        for groups, front, fill, j, m in zip(st.pipelines, fronts, fills, chosen, counts):
             if m == 0:
                 continue
-            stages = self._stages.get((groups, layers, flags))  # the same stages again: shared, not rebuilt
-            if stages is None:
-                stages = self._stages[groups, layers, flags] = tuple(map(StageChoice, groups, layers, flags))
-            pipes.append(PipelineChoice(m * st.rows, m, stages))
+            pipes.append(PipelineChoice(m * st.rows, m, self.stage_tuple(groups, front[j].split, front[j].flags)))
+            times.append(fill[j][1])
         cand = Candidate(tuple(pipes), st.schedule, chunks)
-        self._times_of.put((cand,), [t for t, m in zip(times, counts) if m])
+        self._times_of.put((cand,), times)
         return cand
 
     def _times(self, cand: Candidate) -> list[StageTimes] | None:
@@ -349,6 +361,7 @@ class Planner(LayerSplitter):
             if cand is None or self.bound(cand, best) >= best:
                 continue
             best = min(best, self.evaluate(cand).step_time)
+        polish.polish_best(self, 5)  # the reference's best layer splits against the step itself, as the search's
 
     # ---------------------------------------------------------------- driver
     def run(self, seeds: Sequence[Candidate] = (), top: int = 5, swept: bool = True) -> Result:
@@ -382,6 +395,7 @@ class Planner(LayerSplitter):
                 here, t = self.escape(here, t_here, width)
                 width = 4 if t < t_here else width * 2
                 t_here = t
+        polish.polish_best(self, 1)  # the best plan's layer splits against the step itself (polish.py)
         ranked = sorted(self.scored.values(), key=lambda cs: (cs[1].step_time, cs[0].key()))
         if not ranked or not ranked[0][1].feasible:
             raise sweep.infeasible_error(self.cluster, self.cost, self.closest())
