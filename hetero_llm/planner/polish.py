@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
+from typing import Any
 
 import attrs
 
 from hetero_llm.planner.candidates import Candidate, Score
 from hetero_llm.planner.structure import Structure
 
-if TYPE_CHECKING:
-    from hetero_llm.planner.search import Planner
+# The search's ``Planner`` (planner/search.py), which calls this module: named as Any here, so that no import circle
+# (search -> polish -> search) is made for a type.
+Planner = Any
 
 EVERY_SPLIT = 2_000  # a pipeline with more contiguous splits than this tries one-unit moves between its stages
 MAX_SCORES = 4_000  # candidates one polish may score, and fewer on big clusters (a score costs ~ devices):
