@@ -17,39 +17,11 @@ torch = pytest.importorskip("torch", reason="the interop needs torch (a core dep
 transformers = pytest.importorskip("transformers", reason="the 'test' extra installs transformers")
 
 from click.testing import CliRunner
-from helpers_hf import load_model, make_hf, model_lines, our_logits, rel
+from helpers_hf import LAYERS, RTOL, SEQ, VOCAB, load_model, make_hf, model_lines, our_logits, rel
 
 from harness import assert_same_model, launch, write_layout
 from hetero_llm.checkpoint.shards import load_full_params
 from hetero_llm.cli.export import main as export_main
-
-RTOL = 1e-5
-
-LAYERS, HIDDEN, HEADS, VOCAB, SEQ = 2, 32, 4, 64, 16
-
-# (id, HF config kwargs, [model] lines): Llama with and without GQA/tied/bias, GPT-2 tied or not.
-MODELS = {
-    "llama": (
-        "llama",
-        dict(num_key_value_heads=4, tie_word_embeddings=False, rms_norm_eps=1e-5),
-        'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48',
-    ),
-    "llama-gqa-tied-bias-theta": (
-        "llama",
-        dict(
-            num_key_value_heads=2,
-            tie_word_embeddings=True,
-            attention_bias=True,
-            mlp_bias=True,
-            rope_theta=500000.0,
-            rms_norm_eps=1e-6,
-        ),
-        'norm = "rmsnorm"\nposition = "rope"\nmlp = "swiglu"\nffn = 48\nkv_heads = 2\n'
-        "tie_embeddings = true\nbias = true\nrope_theta = 500000.0\nnorm_eps = 1e-6",
-    ),
-    "gpt2": ("gpt2", dict(tie_word_embeddings=False, n_positions=32), "bias = true"),
-    "gpt2-tied": ("gpt2", dict(tie_word_embeddings=True, n_positions=SEQ), "bias = true\ntie_embeddings = true"),
-}
 
 TRAIN = """
 [train]
