@@ -82,9 +82,11 @@ def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     steps = layout_mod.load(ROOT / "layouts" / "examples" / "own_text.toml").train.steps
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    # torch's scalar kernels, as the README says: its vector kernels (AVX2, AVX-512) sum in another order per CPU,
-    # and 300 steps at lr 1e-2 carry that into the second decimal (2.80 on an AVX2 VM, 2.65 scalar)
+    # torch's scalar kernels and MKL's processor-independent GEMM path, as the README says: the vector kernels (AVX2,
+    # AVX-512) sum in another order per CPU, and 300 steps at lr 1e-2 carry that into the second decimal (2.80 on an
+    # AVX2 VM; 2.65 there with the scalar torch kernels alone, 2.74 on an AVX-512 VM, whose MKL sgemm differs)
     env["ATEN_CPU_CAPABILITY"] = "default"
+    env["MKL_CBWR"] = "COMPATIBLE"
     proc = subprocess.run(
         [
             sys.executable,
