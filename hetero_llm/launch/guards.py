@@ -81,8 +81,16 @@ def check_shared(store, rank: int, members: Sequence[tuple[str, int]], checkpoin
     if local == 0:
         for stale in root.glob(f"{SHARED}*.{node}") if root.is_dir() else ():  # a killed round's, never this one's
             stale.unlink(missing_ok=True)
-        root.mkdir(parents=True, exist_ok=True)
-        mine.write_text(f"{node}\n")
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            mine.write_text(f"{node}\n")
+        except OSError as e:  # the other nodes' workers then wait out the store's timeout
+            why = e.strerror or type(e).__name__
+            raise LayoutError(
+                checkpoint,
+                "--checkpoint",
+                f"cannot be written on node {node} ({why}): give a writable folder, shared by every node",
+            ) from None
         store.set(f"shared/written/{node}", "")
         for n in nodes:
             store.get(f"shared/written/{n}")  # waits (the store's timeout) until every node wrote its file

@@ -142,6 +142,17 @@ def test_a_checkpoint_folder_one_node_does_not_share_is_one_line_on_every_worker
     assert list(own[0].iterdir()) == list(own[2].iterdir()) == []
 
 
+def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / "ck"
+    results = _threads(1, lambda store, r: guards.check_shared(store, r, [("n0", 0)], str(target)))
+    assert isinstance(results[0], LayoutError)
+    assert str(results[0]) == (
+        f"{target}: --checkpoint: cannot be written on node n0 (Not a directory): give a writable folder, shared by "
+        "every node"
+    )
+
+
 # --------------------------------------------------------------------------- a refusal ends the job once
 
 
