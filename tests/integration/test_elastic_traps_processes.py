@@ -1,11 +1,14 @@
 """The traps of an elastic run under real torchrun agents (hetero_llm/launch/guards.py; in process:
-tests/unit/test_elastic_traps.py): a configuration error ends the job once, not at every restart."""
+tests/unit/test_elastic_traps.py): a configuration error ends the job once, not at every restart; a worker whose
+agent is killed exits."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from helpers_elastic import cluster_file
@@ -50,3 +53,56 @@ def test_the_same_node_twice_ends_the_job_once(tmp_path):
     assert all("attempts left" not in log or "will restart worker group" not in log for log in logs.values()), text
     assert not list((work / "ckpt").glob(".hetero-shared.*"))
     print(f"the job ended {took:.1f} s after the agents started")
+
+
+@pytest.mark.multiprocess
+def test_a_worker_whose_agent_is_killed_exits_naming_it(tmp_path):
+    """``kill -9`` of n1's agent alone (torch starts its worker in a session of its own, so the worker outlives
+    it): the worker notices within a second or so and exits with one line, instead of training on as an orphan."""
+    work = tmp_path / "run"
+    work.mkdir()
+    cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
+    metrics = work / "m.jsonl"
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, 2 if node == "n0" else 1, rdzv, work, 12.0, (100, 0), 0)
+
+    agents = [agent("n0")]
+    workers: list[int] = []
+    try:
+        agents_mod.wait_serving(agents[0], rdzv)
+        agents.append(agent("n1"))
+        deadline = time.monotonic() + 600
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training on both nodes
+            assert time.monotonic() < deadline and all(a.poll() is None for a in agents), _logs(work)
+            time.sleep(0.1)
+        workers = agents_mod.children(agents[1].pid)
+        assert len(workers) == 1, workers
+        agents[1].kill()  # the agent alone, not its worker
+        agents[1].wait()
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{workers[0]}").exists() and not _zombie(workers[0]):
+            assert time.monotonic() < deadline, _logs(work)
+            time.sleep(0.1)
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                agents_mod.signal_node(a, signal.SIGKILL)
+        for pid in workers:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    line = f"error: elastic: this worker's torchrun agent (pid {agents[1].pid}) is gone (killed?): ending this worker"
+    assert line in _logs(work)
+
+
+def _logs(work: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(work.glob("*.log")))
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
