@@ -80,10 +80,11 @@ def test_a_worker_whose_agent_is_killed_exits_naming_it(tmp_path):
         assert len(workers) == 1, workers
         agents[1].kill()  # the agent alone, not its worker
         agents[1].wait()
-        deadline = time.monotonic() + 60
+        t0 = time.monotonic()
         while Path(f"/proc/{workers[0]}").exists() and not _zombie(workers[0]):
-            assert time.monotonic() < deadline, _logs(work)
-            time.sleep(0.1)
+            assert time.monotonic() < t0 + 60, _logs(work)
+            time.sleep(0.05)
+        print(f"the orphaned worker ended {time.monotonic() - t0:.2f} s after its agent was killed")
     finally:
         for a in agents:
             if a.poll() is None:
