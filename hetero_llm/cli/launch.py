@@ -155,13 +155,8 @@ def _elastic(args: dict) -> None:
     trains, also stops this worker's torchrun agent (no restart can fix it: ``launch/guards.py``)."""
     from hetero_llm.launch import guards
 
-    guards.TRAINING.clear()
-    try:
+    with guards.refusal_ends_the_job():
         _elastic_round(args)
-    except LayoutError:
-        if not guards.TRAINING.is_set():
-            guards.end_job_on_refusal()
-        raise
 
 
 def _elastic_round(args: dict) -> None:

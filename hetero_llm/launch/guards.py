@@ -16,6 +16,7 @@ Torch-free.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import secrets
@@ -23,7 +24,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from hetero_llm.errors import LayoutError
@@ -120,6 +121,20 @@ def unshared(seen_by: dict[str, list[str]]) -> str:
 
 # ------------------------------------------------------------------------------------------
 # The worker and its torchrun agent
+
+
+@contextlib.contextmanager
+def refusal_ends_the_job() -> Iterator[None]:
+    """Around an elastic worker's round: a ``LayoutError`` raised before the round trains (``TRAINING`` not set)
+    is bad input no restart can fix, so this worker's agent is stopped once the error's line is out
+    (``end_job_on_refusal``); the error goes on to the CLI's one line either way."""
+    TRAINING.clear()
+    try:
+        yield
+    except LayoutError:
+        if not TRAINING.is_set():
+            end_job_on_refusal()
+        raise
 
 
 def is_agent(pid: int) -> bool:

@@ -127,3 +127,14 @@ def test_each_rank_keeps_as_many_snapshots_as_asked(tmp_path):
         writer.take(state, optimizer, step)
     writer.wait()
     assert sorted(p.name for p in (tmp_path / "round").iterdir()) == ["step-000003"]
+
+
+def test_a_bad_keep_last_is_one_line_under_elastic_too(tmp_path):
+    from helpers_elastic import cluster_file
+
+    path = cluster_file(tmp_path / "c.toml", 4)
+    assert_one_error_line(
+        invoke_cli(str(path), "--elastic", "--checkpoint", str(tmp_path / "ck"), "--keep-last", "0"),
+        f"{path}: --keep-last: '0' is not a number of saves >= 1 (the newest N complete saves are kept; without it "
+        "3 with --checkpoint-every, else every save)",
+    )
