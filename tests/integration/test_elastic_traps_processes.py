@@ -16,26 +16,37 @@ from helpers_elastic import cluster_file
 from bench.elastic import elastic_agents as agents_mod
 from harness import free_port
 
-REFUSAL = (
-    "two torchrun agents say they are node n1 (local rank 0 arrived twice): give each agent its own HETERO_NODE=NAME"
-)
+CASES = {  # the agents started (node, its cluster file's train.steps) and the line every worker of the round gives
+    "the same node twice": (
+        [("n0", 4), ("n1", 4), ("n1", 4)],
+        "environment HETERO_NODE: two torchrun agents say they are node n1 (local rank 0 arrived twice): give each "
+        "agent its own HETERO_NODE=NAME in its environment",
+    ),
+    "another cluster file on one node": (
+        [("n0", 4), ("n1", 5)],
+        "every agent must run the same hetero_llm and cluster file",
+    ),
+}
 
 
 @pytest.mark.multiprocess
-def test_the_same_node_twice_ends_the_job_once(tmp_path):
-    """Three agents, two of them HETERO_NODE=n1, each with restarts left (--max-restarts 6): every worker of the
-    round refuses in one line and stops its own agent; no agent starts the round again."""
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_configuration_error_ends_the_job_once(tmp_path, case):
+    """Agents with restarts left (--max-restarts 6) whose round is refused: every worker of it refuses in one line
+    and stops its own agent (or its agent fails with the rendezvous host's); no agent starts the round again."""
+    started, refusal = CASES[case]
     work = tmp_path / "run"
     work.mkdir()
-    cluster, rdzv = cluster_file(work / "c.toml", 4, free_port()), free_port()
+    port, rdzv = free_port(), free_port()
+    files = {steps: cluster_file(work / f"c{steps}.toml", steps, port) for steps in {s for _, s in started}}
 
-    def agent(node: str) -> subprocess.Popen:
-        return agents_mod.start_agent(cluster, node, 1 if node == "n1" else 2, rdzv, work, 4.0, (1, 0), 6)
+    def agent(node: str, steps: int) -> subprocess.Popen:
+        return agents_mod.start_agent(files[steps], node, 1 if node == "n1" else 2, rdzv, work, 4.0, (1, 0), 6)
 
-    agents = [agent("n0")]
+    agents = [agent(*started[0])]
     try:
         agents_mod.wait_serving(agents[0], rdzv)
-        agents += [agent("n1"), agent("n1")]
+        agents += [agent(*a) for a in started[1:]]
         t0 = time.monotonic()
         codes = [a.wait(600) for a in agents]
         took = time.monotonic() - t0
@@ -46,13 +57,13 @@ def test_the_same_node_twice_ends_the_job_once(tmp_path):
     logs = {p.name: p.read_text() for p in sorted(work.glob("*.log"))}
     text = "\n".join(f"--- {name}\n{log[-4000:]}" for name, log in logs.items())
     assert all(code != 0 for code in codes), (codes, text)
-    refusals = sum(log.count(REFUSAL) for log in logs.values())
-    # one round's workers refuse (4: n0's two, one per n1 agent), or fewer when a stopped agent stopped its worker
-    # first; never a refusal per restart (6 restarts left: up to 28 lines before)
-    assert 1 <= refusals <= 4, (refusals, text)
-    assert all("attempts left" not in log or "will restart worker group" not in log for log in logs.values()), text
+    refusals = sum(log.count(refusal) for log in logs.values())
+    # one round's workers refuse (at most one line per worker: 4 or 3 here), or fewer when a stopped agent stopped
+    # its workers first; never a round per restart (6 restarts left: up to 7 rounds' lines before)
+    workers = sum(1 if node == "n1" else 2 for node, _ in started)
+    assert 1 <= refusals <= workers, (refusals, text)
     assert not list((work / "ckpt").glob(".hetero-shared.*"))
-    print(f"the job ended {took:.1f} s after the agents started")
+    print(f"{case}: the job ended {took:.1f} s after the agents started")
 
 
 @pytest.mark.multiprocess
