@@ -36,6 +36,7 @@ TORCH_FREE_MODULES = (
     "launch.hosts",
     "launch.external",
     "launch.restart",
+    "launch.guards",
     "launch.preflight",
     "launch.outputs",
     "launch.memory",

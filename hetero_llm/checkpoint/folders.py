@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from hetero_llm._fs import TMP, device_of, free_bytes, fsync_dir, loads_json, no_space, not_regular, write_atomically
-from hetero_llm.errors import CheckpointError
+from hetero_llm.errors import CheckpointError, LayoutError
 from hetero_llm.layout import Layout, spec_dict
 from hetero_llm.model.params import all_params
 from hetero_llm.progress import Bar
@@ -35,6 +35,8 @@ from hetero_llm.progress import Bar
 if TYPE_CHECKING:
     from hetero_llm.plan.rank import RankPlan, Shard
 
+DEFAULT_KEEP = 3  # complete saves kept with --checkpoint-every and no --keep-last (without it: every save)
+SNAPSHOTS_KEPT = 2  # snapshots each rank keeps without --keep-last (a peer may be one snapshot behind)
 STEP_PREFIX = "step-"
 META = "meta.json"
 LATEST = "latest"
@@ -187,6 +189,54 @@ def _json_lines(value, indent: str = "") -> str:
     inner = indent + " "
     entries = ",\n".join(f"{inner}{json.dumps(k)}: {_json_lines(v, inner)}" for k, v in value.items())
     return f"{{\n{entries}\n{indent}}}"
+
+
+def keep_count(file: str, given: int | None, every: int, checkpoint: str | None) -> int:
+    """How many complete saves a run keeps: ``--keep-last N`` (``given``), else ``DEFAULT_KEEP`` with
+    ``--checkpoint-every`` (a save per step must not fill the disk), else 0 (every save: they are few). A bad N
+    is one ``LayoutError``."""
+    if given is None:
+        return DEFAULT_KEEP if every else 0
+    if given < 1:
+        raise LayoutError(
+            file,
+            "--keep-last",
+            f"'{given}' is not a number of saves >= 1 (the newest N complete saves are kept; without it "
+            f"{DEFAULT_KEEP} with --checkpoint-every, else every save)",
+        )
+    if not checkpoint:
+        raise LayoutError(file, "--keep-last", "needs --checkpoint DIR (the folder whose saves it keeps)")
+    return given
+
+
+def prune(root: str | os.PathLike, keep: int, protect: Sequence[str | os.PathLike] = ()) -> list[Path]:
+    """Remove all but the newest ``keep`` complete saves of checkpoint root ``root`` (``keep`` 0: none), never one
+    in ``protect`` (the save being resumed from) nor the one ``latest`` names; the removed folders. Each removal
+    drops ``meta.json`` first (and syncs the folder): a save half removed is an incomplete one, never resumed."""
+    root = Path(root)
+    if keep < 1 or not root.is_dir():
+        return []
+    complete = sorted(
+        (step, d) for d in root.glob(f"{STEP_PREFIX}*") if (step := _step_of(d)) is not None and (d / META).exists()
+    )
+    latest = root / LATEST
+    named = latest.read_text(errors="replace").strip() if latest.exists() and not not_regular(latest) else ""
+    protected = {Path(p).resolve() for p in protect}
+    removed = []
+    for _, folder in complete[:-keep]:
+        if folder.name == named or folder.resolve() in protected or folder.is_symlink():
+            continue
+        (folder / META).unlink(missing_ok=True)
+        fsync_dir(folder)
+        for entry in folder.iterdir():
+            if entry.is_file() or entry.is_symlink():
+                entry.unlink(missing_ok=True)
+        try:
+            folder.rmdir()
+        except OSError:  # something else in it: incomplete now, never resumed; left for its owner
+            pass
+        removed.append(folder)
+    return removed
 
 
 # ------------------------------------------------------------------------------------------

@@ -94,7 +94,44 @@ def held(base: Path, key: bytes) -> list[dict]:
             found.append(
                 {**{k: v for k, v in record.items() if k != "mac"}, "round": path.parent.parent.name, "rank": rank}
             )
+        else:
+            print(
+                f"elastic: {path.with_suffix('.pt')}: skipped, incomplete: {size} bytes, its record says "
+                f"{record.get('bytes')}",
+                file=sys.stderr,
+            )
     return found
+
+
+def skipped(
+    held_by_node: Mapping[str, Sequence[dict]], lay: Layout, newer_than: int, choice: Choice | None
+) -> list[str]:
+    """Why each snapshot step held by the nodes present (``held_by_node``, as ``choose`` takes it) newer than the
+    one chosen (``choice``; None: every one) is not resumed, a line each: not newer than the disk's save (step
+    ``newer_than``), or incomplete over the nodes present (which ranks no node present holds: their holders lost,
+    or which block none of the files holds)."""
+    shapes = {p.name: tuple(p.shape) for p in all_params(lay.model)}
+    steps: dict[tuple[int, str], dict[int, tuple[str, dict]]] = {}
+    for node, records in held_by_node.items():
+        for record in records:
+            steps.setdefault((record["step"], record["round"]), {}).setdefault(record["rank"], (node, record))
+    lines = []
+    for (step, round_), files in sorted(steps.items(), reverse=True):
+        if choice is not None and step <= choice.step:
+            continue
+        nodes = ", ".join(dict.fromkeys(node for node, _ in files.values()))
+        if step <= newer_than:
+            why = f"older: not newer than the disk's save of step {newer_than}"
+        else:
+            world = max(int(r.get("world_size", 0)) for _, r in files.values())
+            lost = sorted(set(range(world)) - set(files))
+            held = {n: [_coords(r["shards"][n]) for _, r in files.values() if n in r["shards"]] for n in shapes}
+            gap = next((g for n in shapes if (g := folders.uncovered(n, shapes[n], held[n]))), None)
+            parts = [f"rank(s) {', '.join(map(str, lost))} of its {world} held by no node present (holder lost)"]
+            parts = (parts if lost else []) + ([f"{gap} is in no file held"] if gap else [])
+            why = "incomplete: " + ("; ".join(parts) or "not one round's every block")
+        lines.append(f"elastic: the snapshot of step {step} (round {round_}) held on {nodes} is skipped: {why}")
+    return lines
 
 
 def choose(held_by_node: Mapping[str, Sequence[dict]], lay: Layout, newer_than: int) -> Choice | None:

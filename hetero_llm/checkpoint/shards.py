@@ -7,7 +7,8 @@ checks (torch-free): ``hetero_llm.checkpoint.folders``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+import os
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -66,10 +67,13 @@ def save_checkpoint(
     root: str,
     step: int,
     progress: bool = False,
+    keep: int = 0,
+    protect: Sequence[str | os.PathLike] = (),
 ) -> None:
     """Save the rank's shards and AdamW state into ``root``/step-NNNNNN (every rank calls it at the same step);
     rank 0 marks the save complete (meta.json) once every rank's file is on disk. ``progress``: show the writing
-    and checksumming of this rank's file on a terminal (``progress.Bar``; the reporting rank's)."""
+    and checksumming of this rank's file on a terminal (``progress.Bar``; the reporting rank's). ``keep``: then
+    rank 0 keeps the newest ``keep`` complete saves, never one in ``protect`` (``folders.prune``; 0: all)."""
     rank = rp.rank
     folder = folders.step_folder(root, step)
     if rank == 0:
@@ -108,6 +112,7 @@ def save_checkpoint(
     digests = _all_digests(rp.world_size, rank, digest, device)
     if rank == 0:
         folders.finish_save(folder, step, rp.world_size, rp, folders.file_records(rp.saved_shards, digests))
+        folders.prune(root, keep, [*protect, folder])  # never the save just written, even if older than others
 
 
 @attrs.define

@@ -32,7 +32,7 @@ from hetero_llm.errors import RankFailure
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime import zero1
 
-KEEP = 2  # snapshots each rank keeps
+KEEP = folders.SNAPSHOTS_KEPT  # snapshots each rank keeps by default
 
 
 @attrs.define
@@ -45,6 +45,7 @@ class SnapshotWriter:
     thread: threading.Thread | None = None
     failure: str | None = None  # why the last write failed (raised at the next step boundary)
     written: list[int] = attrs.field(factory=list)  # steps of this rank's complete snapshots, oldest first
+    keep: int = KEEP  # snapshots kept (--keep-last N with --elastic)
 
     def take(self, state, optimizer, step: int) -> None:
         """Copy the rank's state at step ``step`` (now) and write it in the background (once the previous write
@@ -100,7 +101,7 @@ class SnapshotWriter:
             text = json.dumps(record).encode()
             write_atomically(path.with_suffix(".json"), lambda f: f.write(text), trust.FILE_MODE)
             self.written.append(step)
-            while len(self.written) > KEEP:
+            while len(self.written) > self.keep:
                 old = folders.rank_file(folders.step_folder(self.root, self.written.pop(0)), self.rp.rank)
                 old.with_suffix(".json").unlink(missing_ok=True)  # the record first: no record vouches for nothing
                 old.unlink(missing_ok=True)

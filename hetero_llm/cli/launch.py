@@ -7,6 +7,7 @@ import math
 import click
 
 from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint.folders import DEFAULT_KEEP
 from hetero_llm.cli.common import OneLineCommand, one_line_errors, version_option
 from hetero_llm.errors import LayoutError
 from hetero_llm.launch import preflight
@@ -62,6 +63,15 @@ from hetero_llm.launch import preflight
     default=0,
     metavar="N",
     help="Also save every N steps (default 0: at the end only).",
+)
+@click.option(
+    "--keep-last",
+    type=int,
+    default=None,
+    metavar="N",
+    help="Keep the newest N complete saves in --checkpoint DIR, removing older ones (never the one resumed "
+    f"from); with --elastic also the snapshots each rank keeps in node memory (default: {DEFAULT_KEEP} saves with "
+    "--checkpoint-every, else every save; 2 snapshots).",
 )
 @click.option(
     "--resume",
@@ -141,7 +151,17 @@ def _run(args: dict) -> None:
 
 
 def _elastic(args: dict) -> None:
-    """``--elastic``: this torchrun worker's round (launch/elastic.py)."""
+    """``--elastic``: this torchrun worker's round (launch/elastic.py); bad input, found before the round
+    trains, also stops this worker's torchrun agent (no restart can fix it: ``launch/guards.py``)."""
+    from hetero_llm.launch import guards
+
+    with guards.refusal_ends_the_job():
+        _elastic_round(args)
+
+
+def _elastic_round(args: dict) -> None:
+    """The options of an elastic worker, checked, and its round."""
+    from hetero_llm.checkpoint import folders
     from hetero_llm.launch import elastic
     from hetero_llm.train.options import RunOptions
 
@@ -159,6 +179,8 @@ def _elastic(args: dict) -> None:
         args["quiet"],
         args["tensorboard"],
         snapshot=(None, args["snapshot_every"]),
+        keep_last=folders.keep_count(file, args["keep_last"], args["checkpoint_every"], args["checkpoint"]),
+        keep_snapshots=args["keep_last"] or folders.SNAPSHOTS_KEPT,
     )
     elastic.run(file, args["node"], options)
 

@@ -134,15 +134,21 @@ class Heartbeat:
         )
 
 
-def exit_now(cause: str, linger_s: float, report: Callable[[str], None]) -> None:
-    """Report ``cause`` and end this process (from the heartbeat thread), ``linger_s`` later."""
-    report(cause)
-    for hook in BEFORE_EXIT:  # os._exit skips atexit and finally blocks: what must not be left behind goes now
+def run_before_exit() -> None:
+    """The ``BEFORE_EXIT`` hooks (os._exit skips atexit and finally blocks: what must not be left behind goes now),
+    then stdout and stderr flushed."""
+    for hook in BEFORE_EXIT:
         try:
             hook()
         except Exception:
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+def exit_now(cause: str, linger_s: float, report: Callable[[str], None]) -> None:
+    """Report ``cause`` and end this process (from the heartbeat thread), ``linger_s`` later."""
+    report(cause)
+    run_before_exit()
     time.sleep(linger_s)
     os._exit(1)

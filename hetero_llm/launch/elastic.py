@@ -40,7 +40,7 @@ import attrs
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import trust
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
-from hetero_llm.launch import external, outputs, restart
+from hetero_llm.launch import external, guards, outputs, restart
 from hetero_llm.launch.hosts import local_hosts
 from hetero_llm.launch.node import run_rank
 from hetero_llm.layout import Layout
@@ -190,9 +190,11 @@ def present_nodes(cluster: Cluster, members: Sequence[tuple[str, int]]) -> list[
     seen: dict[str, set[int]] = {}
     for node, local in members:
         if local in seen.setdefault(node, set()):
-            raise RankFailure(
+            raise LayoutError(
+                cluster.file,
+                f"{ENVIRONMENT} {NODE_ENV}",
                 f"two torchrun agents say they are node {node} (local rank {local} arrived twice): give each "
-                "agent its own --node NAME"
+                f"agent its own {NODE_ENV}=NAME in its environment",
             )
         seen[node].add(local)
     return [n.name for n in cluster.spec.nodes if n.name in seen]
@@ -234,6 +236,7 @@ def describe_round(plan: Plan, present: Sequence[str], cluster: Cluster, start: 
 def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     """One elastic worker's round (see the module's docstring)."""
     worker = check_environment(os.environ)
+    guards.watch_my_agent()  # a worker whose agent is killed ends, naming why, instead of training on alone
     cluster = load_cluster(cluster_file)
     me = this_node(cluster, node, worker)
     check_before_store(cluster, options)
@@ -247,6 +250,7 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
     members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
     present = present_nodes(cluster, members)
+    guards.check_shared(store, worker.rank, members, str(options.checkpoint))  # before any save is looked for
     t0 = time.perf_counter()
     lay = plan_for(cluster, present)
     plan = compile_plan(lay)
@@ -255,9 +259,11 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     for r in range(worker.world_size):
         theirs = store.get(f"plan/{r}").decode()
         if theirs != plan.fingerprint():
-            raise RankFailure(
+            raise LayoutError(
+                cluster.file,
+                "cluster",
                 f"elastic: worker {r} (node {members[r][0]}) planned another layout ({theirs[:12]}, this worker "
-                f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file"
+                f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file",
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
     # one worker picks the save, over the snapshots of every node present (their holders copy it to disk)
@@ -270,11 +276,15 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
     from hetero_llm.checkpoint import folders
 
     start = folders.find(resume).step if resume else 0
+    if (done := guards.finished_line(start, lay.train.steps, resume)) is not None:  # the others trained it all
+        _end_as_done(store, worker, done, snapshots, cluster.spec.timeout_s)
+        return
     if worker.rank == 0 and not options.quiet:
         print(f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s)", flush=True)
     idle = worker.world_size - plan.world_size
     if snapshots is not None and last_round(os.environ, worker):
         _clean_up_on_exit(snapshots)
+    guards.TRAINING.set()  # a refusal from here on is the rank's failure (a port in use may be free next round)
     try:
         if mine is None:
             _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
@@ -296,6 +306,16 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         store.add("snapshots-removed", 1)
     if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle, removed=len(present) if snapshots else 0)
+
+
+def _end_as_done(store, worker: Worker, line: str, snapshots: Path | None, timeout_s: float) -> None:
+    """A round whose save has every step trained: rank 0 says so, each node's local rank 0 removes its snapshots
+    (the run is over), rank 0 keeps the round's store up until every worker read it; every worker exits 0."""
+    if worker.rank == 0:
+        print(line, flush=True)
+    if snapshots is not None and worker.local_rank == 0:
+        shutil.rmtree(snapshots, ignore_errors=True)
+    guards.end_finished_round(store, worker.rank, worker.world_size, timeout_s)
 
 
 def check_before_store(cluster: Cluster, options: RunOptions) -> None:

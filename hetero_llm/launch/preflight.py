@@ -41,6 +41,7 @@ class Request:
     metrics_jsonl: str | None = None
     checkpoint: str | None = None
     checkpoint_every: int = 0
+    keep_last: int | None = None
     resume: str | None = None
     trace: str | None = None
     quiet: bool = False
@@ -74,6 +75,7 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
         resume = external.resume_auto(req.checkpoint, lay)  # the newest complete save, or None: start fresh
     if req.checkpoint_every and not req.checkpoint:
         raise LayoutError(lay.file, "--checkpoint-every", "needs --checkpoint DIR (the folder to save into)")
+    keep = checkpoint_folders.keep_count(lay.file, req.keep_last, req.checkpoint_every, req.checkpoint)
     ranks = None
     if rank is not None:
         launcher.check_rank(plan, rank)
@@ -101,6 +103,7 @@ def prepare(req: Request, warn: Callable[[str], None]) -> Prepared:
         req.trace,
         req.quiet,
         req.tensorboard,
+        keep_last=keep,
     )
     return Prepared(lay, plan, rank, ranks, options)
 

@@ -58,7 +58,10 @@ def agree(
     if rank == 0:
         disk = external.resume_auto(checkpoint, lay)
         held = {n: json.loads(store.get(f"held/{n}")) for n in nodes}
-        choice = holders.choose(held, lay, folders.find(disk).step if disk else -1)
+        disk_step = folders.find(disk).step if disk else -1
+        choice = holders.choose(held, lay, disk_step)
+        for line in holders.skipped(held, lay, disk_step, choice):  # every snapshot passed over says why
+            sys.stderr.write(f"{line}; resuming from {_where(choice, disk)}\n")
         if choice is not None and not holders.begin(folders.step_folder(checkpoint, choice.step)):
             choice = None
         store.set("copy", choice.to_json() if choice else "null")
@@ -83,6 +86,11 @@ def agree(
     if _wait_key(store, "all-cleaned", [], timeout_s) is None:  # no rank writes snapshots before every node cleaned
         raise RankFailure(f"elastic: not every node emptied its snapshot folder within {timeout_s:g} s")
     return resume, source
+
+
+def _where(choice: holders.Choice | None, disk: str | None) -> str:
+    """Where a round resumes from, in words (for the lines of what it skipped)."""
+    return f"the snapshot of step {choice.step} instead" if choice else f"{disk or 'step 0'} instead"
 
 
 def _copy_share(store, node: str, snapshots: Path, folder: Path, choice: holders.Choice) -> None:

@@ -49,13 +49,17 @@ class Saver:
     snapshot_root: str | None = None  # also save here every snapshot_every steps (elastic runs: node memory)
     snapshot_every: int = 0
     snapshots: SnapshotWriter | None = None  # the background writer, once a snapshot was taken
+    keep: int = 0  # --keep-last: complete saves kept (0: all)
+    keep_snapshots: int = 2  # snapshots each rank keeps
+    resumed: object = None  # the save this run resumed from: never pruned
 
     def due(self, done: int) -> bool:
         return bool(self.root) and (done == self.rp.train.steps or bool(self.every) and done % self.every == 0)
 
     def save(self, state: RankState, optimizer, done: int):
         assert self.root is not None  # due() only with a root
-        save_checkpoint(self.rp, state, optimizer, self.root, done, progress=self.progress)
+        protect = [str(self.resumed)] if self.resumed else []
+        save_checkpoint(self.rp, state, optimizer, self.root, done, self.progress, self.keep, protect)
         self.last = folders.step_folder(self.root, done)
         return self.last
 
@@ -68,7 +72,8 @@ class Saver:
         assert self.snapshot_root is not None
         if self.snapshots is None:
             assert self.root is not None  # --snapshot-every needs --elastic, which needs --checkpoint DIR
-            self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root), trust.run_key(self.root))
+            key = trust.run_key(self.root)
+            self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root), key, keep=self.keep_snapshots)
         self.snapshots.take(state, optimizer, done)
 
     def check_snapshot(self) -> None:

@@ -29,6 +29,8 @@ class RunOptions:
     # The folder a launcher (node.run_ranks) reads its ranks' failures from, made by the first rank that reports;
     # None: the rank runs on its own (--rank R, torchrun, srun, an elastic worker) and prints its own failure.
     error_dir: str | None = None
+    keep_last: int = 0  # --keep-last: the newest N complete saves kept (older ones removed); 0: every save kept
+    keep_snapshots: int = 2  # snapshots each rank keeps in node memory (--keep-last N with --elastic)
 
 
 def failure_file(error_dir: str | Path, rank: int) -> Path:

@@ -124,6 +124,7 @@ def build(
         rp, options.checkpoint, options.checkpoint_every, progress=console, last=restored.path if restored else None
     )
     saver.snapshot_root, saver.snapshot_every = options.snapshot
+    saver.keep, saver.keep_snapshots, saver.resumed = options.keep_last, options.keep_snapshots, saver.last
     rank = loop.Rank(rp, comms, state, optimizer, runner, streams, batches, reporter, saver, first, made)
     rank.meter = _meter(rank)
     return rank

@@ -18,7 +18,7 @@ from helpers_elastic import cluster_file
 
 from bench.elastic import elastic_agents as agents_mod
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, write_layout
-from hetero_llm.errors import RankFailure
+from hetero_llm.errors import LayoutError
 from hetero_llm.launch import elastic
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner import load_cluster
@@ -79,7 +79,7 @@ def test_each_membership_is_planned_deterministically(tmp_path):
 def test_present_nodes_in_cluster_order_and_a_node_claimed_twice(tmp_path):
     cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
     assert elastic.present_nodes(cluster, [("n2", 0), ("n0", 1), ("n0", 0)]) == ["n0", "n2"]
-    with pytest.raises(RankFailure, match="two torchrun agents say they are node n1 .local rank 0 arrived twice"):
+    with pytest.raises(LayoutError, match="two torchrun agents say they are node n1 .local rank 0 arrived twice"):
         elastic.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
 
 
