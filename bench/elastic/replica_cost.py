@@ -20,6 +20,7 @@ import json
 import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -27,6 +28,7 @@ import click
 from bench.common import benchlib as B
 from bench.elastic import snapshot_restart
 from hetero_llm import layout as layout_mod
+from hetero_llm.checkpoint import snapshots
 from hetero_llm.launch.node import run_ranks
 from hetero_llm.plan import compile_plan
 from hetero_llm.train import checkpointing
@@ -36,6 +38,7 @@ NAME = "replica_cost"
 MODES = ("none", "snapshot, own node only", "snapshot + replica on the other node")
 _snapshot = checkpointing.Saver.snapshot
 _group = checkpointing._replica_group
+_exchange = snapshots.SnapshotWriter._exchange
 
 
 def _own_node_folder(self, state, optimizer, done):
@@ -46,8 +49,23 @@ def _own_node_folder(self, state, optimizer, done):
     return _snapshot(self, state, optimizer, done)
 
 
-def run_once(tmp: Path, shm: Path, mode: str, steps: int, hidden: int, tag: str) -> float:
-    """The median seconds per step of one run in ``mode`` (steps after the first two)."""
+def _timed_exchange(log: Path):
+    """``SnapshotWriter._exchange`` that appends its milliseconds to ``log`` (one line per call, from every rank)."""
+
+    def exchange(self, step, pt, record):
+        t0 = time.perf_counter()
+        try:
+            return _exchange(self, step, pt, record)
+        finally:
+            with open(log, "a") as f:
+                f.write(f"{1e3 * (time.perf_counter() - t0):.3f} {len(pt)}\n")
+
+    return exchange
+
+
+def run_once(tmp: Path, shm: Path, mode: str, steps: int, hidden: int, tag: str) -> tuple[float, list[str]]:
+    """The median seconds per step of one run in ``mode`` (steps after the first two), and the replica exchanges'
+    lines (milliseconds in the background thread, bytes sent)."""
     snapshot_restart.dp_pp_plan(tmp, hidden, steps)  # its layout file, given a free port below
     path = tmp / f"dp_pp_h{hidden}.toml"
     path.write_text(path.read_text().replace("[cluster]\n", f"[cluster]\nport = {B.free_port()}\n", 1))
@@ -56,17 +74,21 @@ def run_once(tmp: Path, shm: Path, mode: str, steps: int, hidden: int, tag: str)
     snapshot = (str(shm / tag / "unused"), 1) if mode != MODES[0] else (None, 0)
     options = RunOptions(quiet=True, checkpoint=str(tmp / tag), metrics_jsonl=str(metrics), snapshot=snapshot)
     checkpointing._replica_group = _group if mode == MODES[2] else lambda rp: None  # type: ignore[assignment]
+    log = tmp / f"{tag}.exchanges"
+    snapshots.SnapshotWriter._exchange = _timed_exchange(log)  # type: ignore[method-assign]
     try:
         run_ranks(plan, list(range(plan.world_size)), options)
     finally:
         checkpointing._replica_group = _group
+        snapshots.SnapshotWriter._exchange = _exchange  # type: ignore[method-assign]
+    exchanges = log.read_text().splitlines() if log.exists() else []
     seconds = [json.loads(line)["seconds"] for line in metrics.read_text().splitlines()][2:]
     if mode != MODES[0]:  # what the run left: its own files and, with replicas, the other node's too
         held = {n: len(list((shm / tag / n).rglob("rank*.json"))) for n in ("n0", "n1")}
         assert held == ({"n0": 4, "n1": 4} if mode == MODES[1] else {"n0": 8, "n1": 8}), held
     shutil.rmtree(shm / tag, ignore_errors=True)
     shutil.rmtree(tmp / tag, ignore_errors=True)
-    return statistics.median(seconds)
+    return statistics.median(seconds), exchanges
 
 
 @click.command()
@@ -80,12 +102,15 @@ def main(quick, hidden, out_dir):
     B.say(f"{NAME}: {B.machine_line(info)}; load {before[0]:.2f}")
     checkpointing.Saver.snapshot = _own_node_folder  # type: ignore[method-assign]
     per_step: dict[str, list[float]] = {m: [] for m in MODES}
+    exchanged: list[str] = []
     shm = Path("/dev/shm") / f"bench_replica_cost_{os.getpid()}"
     try:
         with tempfile.TemporaryDirectory(prefix="bench_replica_cost_") as tmp:
             for rep in range(reps):
                 for i, mode in enumerate(MODES):
-                    per_step[mode].append(run_once(Path(tmp), shm, mode, steps, hidden, f"r{rep}m{i}"))
+                    seconds, lines = run_once(Path(tmp), shm, mode, steps, hidden, f"r{rep}m{i}")
+                    per_step[mode].append(seconds)
+                    exchanged += lines
                     B.say(f"  {mode}: {1e3 * per_step[mode][-1]:.1f} ms per step")
     finally:
         shutil.rmtree(shm, ignore_errors=True)
@@ -100,6 +125,8 @@ def main(quick, hidden, out_dir):
         }
         for m in MODES
     ]
+    exchange_ms = statistics.median(float(line.split()[0]) for line in exchanged)
+    sent_mb = statistics.median(int(line.split()[1]) for line in exchanged) / 1e6
     md = "\n".join(
         [
             *B.report_head(NAME, info, before, after),
@@ -110,12 +137,27 @@ def main(quick, hidden, out_dir):
             "| mode | ms per step | cost ms per step |",
             "| --- | --- | --- |",
             *[f"| {r['mode']} | {r['ms_per_step']:.1f} | {r['cost_ms']:+.1f} |" for r in rows],
+            "",
+            f"A replica exchange (in the snapshot's background thread: send its snapshot, receive and check and write "
+            f"the one it keeps): median {exchange_ms:.1f} ms for {sent_mb:.2f} MB per rank, over {len(exchanged)} "
+            "exchanges.",
         ]
     )
     B.say(md)
     name = NAME if hidden == 32 else f"{NAME}_h{hidden}"
     B.write_results(
-        out_dir, name, md, {"hidden": hidden, "steps": steps, "reps": reps, "load": [before, after], "rows": rows}
+        out_dir,
+        name,
+        md,
+        {
+            "hidden": hidden,
+            "steps": steps,
+            "reps": reps,
+            "load": [before, after],
+            "rows": rows,
+            "exchange_ms": exchange_ms,
+            "sent_mb": sent_mb,
+        },
     )
 
 
