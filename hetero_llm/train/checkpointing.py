@@ -8,10 +8,9 @@ from pathlib import Path
 import attrs
 import torch
 
-from hetero_llm.checkpoint import folders, trust
+from hetero_llm.checkpoint import folders, replicas, trust
 from hetero_llm.checkpoint.shards import Restored, restore, restore_optimizer, save_checkpoint
 from hetero_llm.checkpoint.snapshots import SnapshotWriter
-from hetero_llm.errors import RankFailure
 from hetero_llm.interop import hf
 from hetero_llm.plan.rank import RankPlan
 from hetero_llm.runtime.state import RankState, init_state
@@ -74,6 +73,7 @@ class Saver:
             assert self.root is not None  # --snapshot-every needs --elastic, which needs --checkpoint DIR
             key = trust.run_key(self.root)
             self.snapshots = SnapshotWriter(self.rp, Path(self.snapshot_root), key, keep=self.keep_snapshots)
+            self.snapshots.group = _replica_group(self.rp)  # collective: every rank takes its first snapshot now
         self.snapshots.take(state, optimizer, done)
 
     def check_snapshot(self) -> None:
@@ -84,8 +84,20 @@ class Saver:
     def finish_snapshots(self, raise_failure: bool = True) -> None:
         """Wait for the snapshot write in flight (at the end of training, or on the way out of a failure)."""
         if self.snapshots is not None:
-            try:
-                self.snapshots.wait()
-            except RankFailure:
-                if raise_failure:
-                    raise
+            if not raise_failure:  # a failure: this rank's own file, not the replicas' exchange with peers gone
+                self.snapshots.wait_local(max(self.rp.network.timeout_s, 30))
+                return
+            self.snapshots.wait()
+
+
+def _replica_group(rp: RankPlan):
+    """The gloo group of every rank that the snapshots' replicas travel over (``checkpoint.replicas``), or None
+    when the plan's ranks run on one node (no replica)."""
+    if not replicas.keepers(rp.peers):
+        return None
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=max(rp.network.timeout_s, 30))  # as the plan's groups' (comm/groups.py)
+    return dist.new_group(list(range(rp.world_size)), timeout=timeout, backend="gloo")

@@ -56,6 +56,17 @@ def _wait(what, condition, agents, workdir: Path, timeout: float = 300) -> None:
         time.sleep(0.1)
 
 
+def _across_nodes(tmp_path: Path, steps: int):
+    """The one-process run of ``steps`` steps (the reference), and the elastic run's folder, cluster file (its plan
+    pipelines across nodes: ``ACROSS_NODES``) and rendezvous port."""
+    one = tmp_path / "one"
+    one.mkdir()
+    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
+    work = tmp_path / "run"
+    work.mkdir()
+    return ref, work, cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(1500)  # over the suite's 300 s per test: more than 300 s at load 6 on one core, nothing hung
 def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
@@ -109,12 +120,7 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
     HETERO_SHM_DIR: node memory), no disk save. The plan pipelines across nodes (n0:0 -> n1:0, n0:1 -> n2:0), so
     neither survivor holds every block: they resume from a snapshot step that n0 and n1 hold together."""
     steps = 8
-    one = tmp_path / "one"
-    one.mkdir()
-    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
-    work = tmp_path / "run"
-    work.mkdir()
-    cluster, rdzv = cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
+    ref, work, cluster, rdzv = _across_nodes(tmp_path, steps)
     planned = {
         tuple(present): [
             ["+".join(s.devices) for s in p.stages] for p in elastic.plan_for(load_cluster(cluster), present).pipelines
@@ -194,3 +200,55 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
             _kill_node(a)
     logs = "".join(p.read_text() for p in work.glob("*.log"))
     assert list(shm["n0"].iterdir()) == [], logs[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_the_node_that_alone_held_a_stage_is_lost_and_its_replicas_resume_it(tmp_path):
+    """n0 runs stage 0 of both pipelines (n0:0 -> n1:0, n0:1 -> n2:0) and is killed after step 3 with its memory:
+    no survivor ran stage 0, and there is no disk save. Each rank's snapshot has a replica on the next node
+    (checkpoint/replicas.py): the survivors resume from a snapshot step, not from step 0. (torchrun's rendezvous
+    is served by this test, so that the lost node is not its host.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    steps = 8
+    ref, work, cluster, rdzv = _across_nodes(tmp_path, steps)
+    plan = elastic.plan_for(load_cluster(cluster), ["n0", "n1", "n2"])
+    assert [["+".join(s.devices) for s in p.stages] for p in plan.pipelines] == [["n0:0", "n1:0"], ["n0:1", "n2:0"]]
+    store = dist.TCPStore("127.0.0.1", rdzv, 3, True, timeout=timedelta(seconds=300), wait_for_workers=False)
+    metrics = work / "m.jsonl"
+    shm = {node: tmp_path / f"shm-{node}" for node in NODES}
+    client = agents_mod.Where(is_host=",is_host=0")
+
+    def agent(node: str) -> subprocess.Popen:
+        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 4.0, (100, 1), 6, shm[node], where=client)
+
+    agents = [agent(n) for n in NODES]
+    try:
+        _wait(
+            "3 steps on all nodes and a replica of n0's ranks on n1",
+            lambda: (
+                "n0, n1, n2" in "".join(_rounds(work))
+                and len(_steps(metrics)) >= 3
+                and any(shm["n1"].glob("*/*/step-*/rank0.json"))
+            ),
+            agents,
+            work,
+        )
+        _kill_node(agents[0])
+        shutil.rmtree(shm["n0"])  # its memory gone with it
+        _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n1, n2 ("), agents[1:], work)
+        for a in agents[1:]:
+            assert a.wait(600) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
+    finally:
+        for a in agents:
+            _kill_node(a)
+        del store
+    survivors = _rounds(work)[-1]
+    # n1 holds rank 0's replica (stage 0 of n0:0) beside its own stage 1: without replicas, step 0 (no disk save)
+    assert " from a snapshot in memory held on n1" in survivors and agents_mod.start_step(survivors) >= 2, survivors
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):
+        assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
