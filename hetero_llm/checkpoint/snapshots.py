@@ -10,7 +10,8 @@ cheap), then written by a background thread while the next steps compute; at mos
 
 so a ``.json`` vouches for a whole ``.pt``, and only the run's key makes one that is believed. The folders are
 made 0700, the files 0600: no other user reads the weights or moments. Each rank keeps its two newest snapshots
-(a peer may be one snapshot behind when a node is lost). ``ROUND`` is one per round (``<plan fingerprint>-<start
+(``--keep-last N`` under ``--elastic``: N; a peer may be one snapshot behind when a node is lost), and as many of
+each replica it keeps. ``ROUND`` is one per round (``<plan fingerprint>-<start
 step>``): files of different layouts are never mixed. What a restart makes of them, over every node's folder: ``checkpoint.holders``.
 When the ranks run on several nodes, each snapshot is also sent to a rank of another node, which keeps it in its
 node's folder (``checkpoint.replicas``): losing any one node leaves every block with a holder.
