@@ -342,8 +342,8 @@ class BucketSpec:
 
     max_len: int = key(
         "longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
-        "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
-        "longest and the last one's max_len is model.seq_len",
+        "previous bucket's; also the width of the bucket's rows (a multiple of 2 x cp for every context-parallel "
+        "stage the bucket runs). Buckets go from shortest to longest and the last one's max_len is model.seq_len",
         check=at_least(1),
     )
     schedule: Schedule | None = key("this bucket's pipeline schedule; unset: train.schedule", default=None)
@@ -353,9 +353,10 @@ class BucketSpec:
         check=at_least(0),
     )
     pipelines: tuple[PipelineSpec, ...] = key(
-        "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
-        "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
-        "proportion); none: the bucket runs under the home layout",
+        "the bucket's layout, over devices of the home layout ([[pipelines]]), stages with their own tp and cp; a "
+        "pipeline's batch is its share of the bucket's rows (a step's rows are the ones its documents need, padded "
+        "with empty rows to a multiple of the smallest shares in these proportions whose microbatches split evenly, "
+        "and split in proportion); none: the bucket runs under the home layout (its rows sized the same way)",
         default=(),
     )
     elastic: bool = key(
