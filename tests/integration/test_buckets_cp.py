@@ -1,8 +1,8 @@
 """Hot switching with context parallelism, one storage for every bucket layout, buckets sized by their documents:
 each run trains the one-process model (float32, 1e-5 per step, parameters as ``assert_same_model`` checks them).
 
-- ``tests/data/buckets_cp.toml``: DP 2 -> cp 2 (rows of 16) -> home TP 2 (no cp): buckets of different cp, a cp
-  bucket under a home layout without cp;
+- ``tests/data/buckets_cp.toml``: DP 2 -> cp 2 (rows of 16, elastic, topped up) -> home TP 2 (no cp): buckets
+  of different cp, a cp bucket under a home layout without cp;
 - ``tests/data/buckets_cp_home.toml``: home cp 2; DP 2 -> home's cp 2 on rows of 16 (a runner of its own, no
   switch) -> TP 2: buckets without cp under a context-parallel home;
 - resumes into a bucket layout (from the one-process run's checkpoint) and out of one (the one-process layout
@@ -22,7 +22,10 @@ from helpers_buckets import one_process, switches
 
 from harness import assert_same_model, launch
 from hetero_llm import layout as layout_mod
+from hetero_llm.data.documents import fill_documents
+from hetero_llm.data.sources import make_document_source
 from hetero_llm.plan import compile_plan
+from hetero_llm.switching.bucketing import bucket_rows
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 CP = DATA / "buckets_cp.toml"  # DP 2 | cp 2 | home TP 2
@@ -49,13 +52,18 @@ def reference(tmp_path_factory):
 
 @pytest.mark.multiprocess
 def test_a_cp_bucket_beside_dp_and_a_home_without_cp_trains_the_one_process_model(reference, tmp_path):
+    lay = layout_mod.load(CP)
+    source = make_document_source(lay.data, lay.model.seq_len, lay.file)
+    rows = [bucket_rows(lay, fill_documents(source, lay.train.seed, s, 4, lay.model.seq_len)) for s in range(3)]
+    assert max(r[1].num_rows for r in rows if r[1] is not None) > 2  # cp 2, elastic: a step of more than one round
+    assert rows[0][2].num_rows == 2 < lay.train.global_batch  # home's bucket: its document's rows, not the batch's
     meter = tmp_path / "meter"
     meter.mkdir()
     run = launch(CP, tmp_path / "run", env={"HETERO_TENSOR_METER": str(meter)})
     assert_same_model(run, reference)
     # one storage for both bucket layouts: the larger layout's shards (DP 2 and cp 2 each hold the whole model
     # on each device), not one copy per layout
-    plan = compile_plan(layout_mod.load(CP))
+    plan = compile_plan(lay)
     whole = sum(math.prod(info.shape) for info, _, _ in plan.buckets[0].params_of(0)) * 4
     for rank in (0, 1):
         report = json.loads((meter / f"rank{rank}.json").read_text())
