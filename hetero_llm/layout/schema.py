@@ -11,6 +11,7 @@ Every key's documentation is here, beside it: the classes themselves are plain d
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -397,15 +398,27 @@ def bucket_layout(layout: Layout, index: int) -> Layout:
     return attrs.evolve(layout, train=train, pipelines=pipelines, buckets=())
 
 
+def elastic_divisor(pipelines) -> int:
+    """What an elastic bucket's pipelines' batch and microbatches divide by for its unit of rows: the greatest
+    common divisor of their microbatch counts, each first divided by its stage count where it is a multiple of it
+    (so a unit keeps the stage multiple an interleaved schedule needs). Home's batch 8 in 8 microbatches: 8, a unit
+    of one row in one microbatch; 2 shares of 2 and 1 microbatches: 1."""
+    return math.gcd(
+        *(p.microbatches // (len(p.stages) if p.microbatches % len(p.stages) == 0 else 1) for p in pipelines)
+    )
+
+
 def elastic_layout(layout: Layout, rounds: int) -> Layout:
-    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` times its
-    pipelines' batch shares: every pipeline's batch and microbatches times ``rounds``, so its microbatches keep
-    their rows and the schedule runs ``rounds`` times as many of them."""
-    if rounds == 1:
+    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` of its unit
+    (every pipeline's batch and microbatches over ``elastic_divisor``): every pipeline's batch and microbatches
+    divided by it and times ``rounds``, so its microbatches keep their rows and the schedule runs as many of them
+    as the step's rows need."""
+    g = elastic_divisor(layout.pipelines)
+    if rounds == g == 1:
         return layout
     pipelines = tuple(
-        attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds) for p in layout.pipelines
+        attrs.evolve(p, batch=p.batch // g * rounds, microbatches=p.microbatches // g * rounds)
+        for p in layout.pipelines
     )
-    return attrs.evolve(
-        layout, pipelines=pipelines, train=attrs.evolve(layout.train, global_batch=layout.train.global_batch * rounds)
-    )
+    train = attrs.evolve(layout.train, global_batch=sum(p.batch for p in pipelines))
+    return attrs.evolve(layout, pipelines=pipelines, train=train)

@@ -124,10 +124,9 @@ class Plan:
         """An elastic bucket's plan for a step whose rows need ``rounds`` times its pipelines' batch shares
         (``layout.elastic_layout``): how many is known only from the step's documents, so each count is compiled
         on its first use and kept (every rank draws the same documents, so every rank compiles the same plans)."""
-        if rounds == 1:
-            return self
         if rounds not in self._by_rounds:
-            self._by_rounds[rounds] = compile_plan(elastic_layout(self.layout, rounds), self.width)
+            lay = elastic_layout(self.layout, rounds)
+            self._by_rounds[rounds] = self if lay is self.layout else compile_plan(lay, self.width)
         return self._by_rounds[rounds]
 
     def fingerprint(self) -> str:

@@ -7,8 +7,9 @@ rows and microbatches, fixed or elastic.
 
 **Sized by the step's documents** (the longest bucket and one under the home layout too): a bucket's rows are
 the rows its documents need, rounded up to a multiple of its *unit* (``bucket_shares``), never to the global
-batch. An elastic bucket's unit is its pipelines' batch shares (its microbatches keep ``batch / microbatches``
-rows and their count follows the rows); a fixed bucket's is the smallest shares in the same proportions that each
+batch. An elastic bucket's unit is its pipelines' batch shares over ``layout.elastic_divisor`` (its microbatches
+keep ``batch / microbatches`` rows and their count follows the rows: home's batch 8 in 8 microbatches, a unit of
+one row, so a step whose long documents fill 3 rows runs 3 microbatches); a fixed bucket's is the smallest shares in the same proportions that each
 pipeline's microbatches still split evenly (home's batch 32 in 4 microbatches: 4 rows, one per microbatch), so a
 step whose long documents fill 10 rows runs 12 in 4 microbatches of 3, not 32. Empty rows carry no targets and
 a step's loss divides by its global target count: the rows a bucket runs do not change the model.
@@ -21,16 +22,18 @@ import math
 import numpy as np
 
 from hetero_llm.data.documents import PackedRows, first_fit_decreasing, pack_placed
+from hetero_llm.layout import elastic_divisor
 
 __all__ = ["bucket_rows", "bucket_shares", "bucket_split"]
 
 
 def bucket_shares(pipelines, elastic: bool) -> list[int]:
-    """Each pipeline's rows in one unit of a bucket's rows (see the module doc): its ``batch`` for an elastic
-    bucket; for a fixed one ``batch / g``, ``g`` the greatest common divisor of the pipelines' rows per
+    """Each pipeline's rows in one unit of a bucket's rows (see the module doc): its ``batch`` over
+    ``elastic_divisor`` for an elastic bucket; for a fixed one ``batch / g``, ``g`` the greatest common divisor of the pipelines' rows per
     microbatch (``batch / microbatches``), so each share still splits into the pipeline's microbatches."""
     if elastic:
-        return [p.batch for p in pipelines]
+        g = elastic_divisor(pipelines)
+        return [p.batch // g for p in pipelines]
     g = math.gcd(*(p.batch // p.microbatches for p in pipelines))
     return [p.batch // g for p in pipelines]
 
@@ -92,6 +95,7 @@ def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tup
     rows, ``rounds = num_rows / sum(shares)``; a fixed bucket splits them into its ``microbatches``, an elastic
     one into ``microbatches x rounds`` of ``batch / microbatches`` rows each (``layout.elastic_layout``)."""
     shares = bucket_shares(pipelines, elastic)
+    g = elastic_divisor(pipelines) if elastic else 1
     unit = sum(shares)
     if num_rows % unit:
         raise ValueError(f"{num_rows} rows are not a multiple of the pipelines' batch shares ({unit})")
@@ -99,6 +103,6 @@ def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tup
     out, offset = [], 0
     for p, share in zip(pipelines, shares):
         size = share * rounds
-        out.append((offset, size, p.microbatches * rounds if elastic else p.microbatches))
+        out.append((offset, size, p.microbatches // g * rounds if elastic else p.microbatches))
         offset += size
     return rounds, out

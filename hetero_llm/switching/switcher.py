@@ -219,9 +219,9 @@ class Switcher:
         rounds, split = bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
         offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
         mbs = [_microbatch(p, slot.ring) for p in rows.share(offset, size, count)]
-        if not elastic or rounds == 1:
+        if not elastic:
             return mbs, slot.plan
-        return mbs, self.home.plan.buckets[index].for_rounds(rounds)
+        return mbs, self.home.plan.buckets[index].for_rounds(rounds)  # itself when its unit is its shares
 
     # -- switches --------------------------------------------------------------------------------
 

@@ -91,9 +91,15 @@ def test_every_bucket_is_sized_by_its_documents_not_padded_to_the_global_batch()
     docs = [np.arange(n + 1) % 7 for n in (30, 3, 25)]  # positions
     short, long = bucket_rows(lay, docs)
     assert long.num_rows == 2 and short.num_rows == 2  # DP 2's unit is its shares, 1 + 1
-    assert bucket_shares(lay.pipelines, elastic=False) == [2] and bucket_shares(lay.pipelines, elastic=True) == [4]
+    assert bucket_shares(lay.pipelines, elastic=False) == [2] and bucket_shares(lay.pipelines, elastic=True) == [2]
     assert bucket_split(lay.pipelines, long.num_rows, elastic=False) == (1, [(0, 2, 2)])
     assert bucket_rows(lay, docs * 3)[1].num_rows == 6  # 6 long documents: 6 rows, 2 microbatches of 3
+    # elastic: home's microbatches of 2 rows, as many as the rows need (its 4 in 2 divide by 2: a unit of 2 rows)
+    elastic = layout_mod.load(TWO, ["buckets.1.elastic=true"])
+    three = bucket_rows(elastic, docs * 3 + docs[:1])[1]
+    assert three.num_rows == 8 and bucket_split(elastic.pipelines, 8, elastic=True) == (4, [(0, 8, 4)])
+    plan = compile_plan(elastic).buckets[1].for_rounds(3)
+    assert [(p.batch, p.microbatches) for p in plan.layout.pipelines] == [(6, 3)]
 
 
 def test_a_context_parallel_bucket_is_compiled_for_rows_of_its_max_len():
