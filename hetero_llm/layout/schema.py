@@ -399,20 +399,16 @@ def bucket_layout(layout: Layout, index: int) -> Layout:
 
 
 def elastic_divisor(pipelines) -> int:
-    """What an elastic bucket's pipelines' batch and microbatches divide by for its unit of rows: the greatest
-    common divisor of their microbatch counts, each first divided by its stage count where it is a multiple of it
-    (so a unit keeps the stage multiple an interleaved schedule needs). Home's batch 8 in 8 microbatches: 8, a unit
-    of one row in one microbatch; 2 shares of 2 and 1 microbatches: 1."""
+    """An elastic bucket's unit is its pipelines' batch and microbatches over this: the gcd of their microbatch
+    counts, each over its stage count where a multiple of it (interleaving's need). Home's 8 in 8: 8, one row."""
     return math.gcd(
         *(p.microbatches // (len(p.stages) if p.microbatches % len(p.stages) == 0 else 1) for p in pipelines)
     )
 
 
 def elastic_layout(layout: Layout, rounds: int) -> Layout:
-    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` of its unit
-    (every pipeline's batch and microbatches over ``elastic_divisor``): every pipeline's batch and microbatches
-    divided by it and times ``rounds``, so its microbatches keep their rows and the schedule runs as many of them
-    as the step's rows need."""
+    """An elastic bucket's layout (``bucket_layout``) for ``rounds`` of its unit: each pipeline's batch and
+    microbatches over ``elastic_divisor``, times ``rounds`` (its microbatches keep their rows)."""
     g = elastic_divisor(layout.pipelines)
     if rounds == g == 1:
         return layout
