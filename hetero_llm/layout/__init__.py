@@ -66,6 +66,7 @@ from hetero_llm.layout.schema import (
     TokenDtype,
     TrainSpec,
     bucket_layout,
+    elastic_divisor,
     elastic_layout,
 )
 from hetero_llm.layout.writer import dump, dumps, dumps_cluster
@@ -109,6 +110,7 @@ __all__ = [
     "dump",
     "dumps",
     "dumps_cluster",
+    "elastic_divisor",
     "elastic_layout",
     "from_dict",
     "load",

@@ -301,25 +301,10 @@ def _validate_buckets(layout: Layout) -> None:
 
 
 def _check_switching_supported(layout: Layout, home: set[str]) -> None:
-    """What hot switching does not run yet: unpacked data, context parallelism, GPU devices."""
+    """What hot switching does not run yet: unpacked data, GPU devices."""
     f = layout.file
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
-    cps = [
-        (f"{at}pipelines[{pi}].stages[{si}].cp", st.cp)
-        for at, pipes in [("", layout.pipelines)]
-        + [(f"buckets[{i}].", b.pipelines) for i, b in enumerate(layout.buckets)]
-        for pi, p in enumerate(pipes)
-        for si, st in enumerate(p.stages)
-        if st.cp > 1
-    ]
-    if cps:
-        raise LayoutError(
-            f,
-            cps[0][0],
-            f"hot switching ([[buckets]]) does not support context parallelism yet (cp = {cps[0][1]}) "
-            "(set cp = 1, or remove [[buckets]])",
-        )
     cuda = sorted(
         d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu"
     )
@@ -378,6 +363,23 @@ def _check_bucket(layout: Layout, bi: int, previous: int, home: set[str], known:
             "schedule file)",
         )
     _check_bucket_layout(layout, bi)
+    _check_bucket_cp(layout, bi)
+
+
+def _check_bucket_cp(layout: Layout, bi: int) -> None:
+    """A bucket's rows are ``max_len`` wide: every context-parallel stage it runs (its own, or home's when it has
+    none) cuts them into 2 x cp equal zigzag chunks."""
+    b = layout.buckets[bi]
+    at = f"buckets[{bi}]." if b.pipelines else ""
+    for pi, pipe in enumerate(b.pipelines or layout.pipelines):
+        for si, st in enumerate(pipe.stages):
+            if st.cp > 1 and b.max_len % (2 * st.cp):
+                raise LayoutError(
+                    layout.file,
+                    f"buckets[{bi}].max_len",
+                    f"{b.max_len} does not cut into 2 x cp = {2 * st.cp} equal chunks, as {at}pipelines[{pi}]."
+                    f"stages[{si}] (cp = {st.cp}) needs for the bucket's rows (use a multiple of {2 * st.cp})",
+                )
 
 
 def _check_bucket_layout(layout: Layout, bi: int) -> None:

@@ -11,6 +11,7 @@ Every key's documentation is here, beside it: the classes themselves are plain d
 from __future__ import annotations
 
 import enum
+import math
 
 import attrs
 
@@ -342,8 +343,8 @@ class BucketSpec:
 
     max_len: int = key(
         "longest document of the bucket in positions (a document of n tokens fills n - 1), above the "
-        "previous bucket's; also the width of the bucket's rows. Buckets go from shortest to "
-        "longest and the last one's max_len is model.seq_len",
+        "previous bucket's; also the width of the bucket's rows (a multiple of 2 x cp for every context-parallel "
+        "stage the bucket runs). Buckets go from shortest to longest and the last one's max_len is model.seq_len",
         check=at_least(1),
     )
     schedule: Schedule | None = key("this bucket's pipeline schedule; unset: train.schedule", default=None)
@@ -353,9 +354,10 @@ class BucketSpec:
         check=at_least(0),
     )
     pipelines: tuple[PipelineSpec, ...] = key(
-        "the bucket's layout, over devices of the home layout ([[pipelines]]); a pipeline's batch is its share of "
-        "the bucket's rows (they are padded with empty rows to a multiple of the shares' sum and split in "
-        "proportion); none: the bucket runs under the home layout",
+        "the bucket's layout, over devices of the home layout ([[pipelines]]), stages with their own tp and cp; a "
+        "pipeline's batch is its share of the bucket's rows (a step's rows are the ones its documents need, padded "
+        "with empty rows to a multiple of the smallest shares in these proportions whose microbatches split evenly, "
+        "and split in proportion); none: the bucket runs under the home layout (its rows sized the same way)",
         default=(),
     )
     elastic: bool = key(
@@ -396,15 +398,23 @@ def bucket_layout(layout: Layout, index: int) -> Layout:
     return attrs.evolve(layout, train=train, pipelines=pipelines, buckets=())
 
 
+def elastic_divisor(pipelines) -> int:
+    """An elastic bucket's unit is its pipelines' batch and microbatches over this: the gcd of their microbatch
+    counts, each over its stage count where a multiple of it (interleaving's need). Home's 8 in 8: 8, one row."""
+    return math.gcd(
+        *(p.microbatches // (len(p.stages) if p.microbatches % len(p.stages) == 0 else 1) for p in pipelines)
+    )
+
+
 def elastic_layout(layout: Layout, rounds: int) -> Layout:
-    """A bucket's layout (``bucket_layout``) for a step of an elastic bucket that needs ``rounds`` times its
-    pipelines' batch shares: every pipeline's batch and microbatches times ``rounds``, so its microbatches keep
-    their rows and the schedule runs ``rounds`` times as many of them."""
-    if rounds == 1:
+    """An elastic bucket's layout (``bucket_layout``) for ``rounds`` of its unit: each pipeline's batch and
+    microbatches over ``elastic_divisor``, times ``rounds`` (its microbatches keep their rows)."""
+    g = elastic_divisor(layout.pipelines)
+    if rounds == g == 1:
         return layout
     pipelines = tuple(
-        attrs.evolve(p, batch=p.batch * rounds, microbatches=p.microbatches * rounds) for p in layout.pipelines
+        attrs.evolve(p, batch=p.batch // g * rounds, microbatches=p.microbatches // g * rounds)
+        for p in layout.pipelines
     )
-    return attrs.evolve(
-        layout, pipelines=pipelines, train=attrs.evolve(layout.train, global_batch=layout.train.global_batch * rounds)
-    )
+    train = attrs.evolve(layout.train, global_batch=sum(p.batch for p in pipelines))
+    return attrs.evolve(layout, pipelines=pipelines, train=train)

@@ -75,6 +75,9 @@ class Plan:
     # one so that no rank, dry run or prediction compiles them again
     buckets: tuple[Plan, ...] = ()
     shm_links: tuple[rings.ShmLink, ...] = ()  # the boundary pieces that travel through shared-memory rings
+    # The width of the rows this plan runs (0: ``model.seq_len``): a bucket's plan is compiled for rows of its
+    # ``max_len``, which its context-parallel chunks and re-chunking boundaries cut (``row_width``)
+    width: int = 0
     # Indexes built once from the fields above (``stage_of``, ``batch_share`` are asked per rank: a scan each
     # time made a 1,024-rank dry run quadratic)
     _stage_at: dict[tuple[int, int], StagePlan] = attrs.field(init=False, repr=False, eq=False)
@@ -94,6 +97,11 @@ class Plan:
     @property
     def world_size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def row_width(self) -> int:
+        """The positions of every row this plan runs: ``model.seq_len``, or a bucket's ``max_len``."""
+        return self.width or self.layout.model.seq_len
 
     def stage_of(self, rank: int) -> StagePlan:
         r = self.ranks[rank]
@@ -116,10 +124,9 @@ class Plan:
         """An elastic bucket's plan for a step whose rows need ``rounds`` times its pipelines' batch shares
         (``layout.elastic_layout``): how many is known only from the step's documents, so each count is compiled
         on its first use and kept (every rank draws the same documents, so every rank compiles the same plans)."""
-        if rounds == 1:
-            return self
         if rounds not in self._by_rounds:
-            self._by_rounds[rounds] = compile_plan(elastic_layout(self.layout, rounds))
+            lay = elastic_layout(self.layout, rounds)
+            self._by_rounds[rounds] = self if lay is self.layout else compile_plan(lay, self.width)
         return self._by_rounds[rounds]
 
     def fingerprint(self) -> str:
@@ -152,7 +159,7 @@ class Plan:
         st, info = self.stage_of(rank), self.ranks[rank]
         if st.cp == 1:
             return None
-        lo, hi = cp_chunks.chunk_ranges(self.layout.model.seq_len, st.cp, info.cp_index)
+        lo, hi = cp_chunks.chunk_ranges(self.row_width, st.cp, info.cp_index)
         return ContextPlan(
             _cp_key(st, info.tp_index), info.cp_index, st.cp_ranks(info.tp_index), (lo, hi), st.cp_overlap
         )
@@ -210,7 +217,10 @@ def _held_at(model, chunks: tuple, tp: int, tp_index: int) -> tuple[tuple[ParamI
     return tuple((p, *shard_range(p, tp, tp_index)) for p in chunk_params(model, chunks))
 
 
-def compile_plan(layout: Layout) -> Plan:
+def compile_plan(layout: Layout, width: int = 0) -> Plan:
+    """Every rank's share of ``layout``, and each bucket's plan (compiled for rows of its ``max_len``). ``width``:
+    the positions of the rows the plan runs (0: ``model.seq_len``; a bucket's plan: its ``max_len``)."""
+    width = 0 if width == layout.model.seq_len else width
     ranks: list[RankInfo] = []
     stages: list[StagePlan] = []
     schedules = []
@@ -235,7 +245,7 @@ def compile_plan(layout: Layout) -> Plan:
         schedules.append(shared.setdefault(lists, lists))  # pipelines of one shape hold the same tuples
 
     pairs = blocks.boundary_pairs(stages, wrap=chunks > 1)
-    routes_f, routes_b = blocks.boundary_routes(pairs, layout.model.seq_len)
+    routes_f, routes_b = blocks.boundary_routes(pairs, width or layout.model.seq_len)
     sync_blocks = blocks.sync_blocks(layout, stages)
     node_of = [r.node for r in ranks]
 
@@ -262,8 +272,9 @@ def compile_plan(layout: Layout) -> Plan:
         tuple(schedules),
         tuple(routes_f),
         tuple(routes_b),
+        width=width,
     )
-    buckets = tuple(compile_plan(bucket_layout(layout, i)) for i in range(len(layout.buckets)))
+    buckets = tuple(compile_plan(bucket_layout(layout, i), b.max_len) for i, b in enumerate(layout.buckets))
     return attrs.evolve(plan, rank_plans=rank_plans(plan), buckets=buckets, shm_links=_shm_links(plan))
 
 

@@ -4,20 +4,43 @@
 ``max_len`` (first-fit decreasing, as HotSPa packs a bucket), a ``top_up`` bucket first filling its rows'
 free positions with shorter buckets' documents; ``bucket_split`` gives each of a bucket's pipelines its
 rows and microbatches, fixed or elastic.
+
+**Sized by the step's documents** (the longest bucket and one under the home layout too): a bucket's rows are
+the rows its documents need, rounded up to a multiple of its *unit* (``bucket_shares``), never to the global
+batch. An elastic bucket's unit is its pipelines' batch shares over ``layout.elastic_divisor`` (its microbatches
+keep ``batch / microbatches`` rows and their count follows the rows: home's batch 8 in 8 microbatches, a unit of
+one row, so a step whose long documents fill 3 rows runs 3 microbatches); a fixed bucket's is the smallest shares in the same proportions that each
+pipeline's microbatches still split evenly (home's batch 32 in 4 microbatches: 4 rows, one per microbatch), so a
+step whose long documents fill 10 rows runs 12 in 4 microbatches of 3, not 32. Empty rows carry no targets and
+a step's loss divides by its global target count: the rows a bucket runs do not change the model.
 """
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from hetero_llm.data.documents import PackedRows, first_fit_decreasing, pack_placed
+from hetero_llm.layout import elastic_divisor
 
-__all__ = ["bucket_rows", "bucket_split"]
+__all__ = ["bucket_rows", "bucket_shares", "bucket_split"]
+
+
+def bucket_shares(pipelines, elastic: bool) -> list[int]:
+    """Each pipeline's rows in one unit of a bucket's rows (see the module doc): its ``batch`` over
+    ``elastic_divisor`` for an elastic bucket; for a fixed one ``batch / g``, ``g`` the greatest common divisor of the pipelines' rows per
+    microbatch (``batch / microbatches``), so each share still splits into the pipeline's microbatches."""
+    if elastic:
+        g = elastic_divisor(pipelines)
+        return [p.batch // g for p in pipelines]
+    g = math.gcd(*(p.batch // p.microbatches for p in pipelines))
+    return [p.batch // g for p in pipelines]
 
 
 def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
     """Each bucket's documents packed first-fit decreasing into rows of its ``max_len`` (None: no documents),
-    padded with empty rows to a multiple of the bucket's pipeline shares.
+    padded with empty rows to a multiple of the bucket's unit (``bucket_shares``' sum).
 
     A bucket with ``top_up`` then fills the free positions of its rows (padding, computed anyway) with shorter
     buckets' documents: longest first (ties in step order), each into the first row with room, without new
@@ -37,7 +60,8 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
         if not group:
             out.append(None)
             continue
-        unit = sum(p.batch for p in (layout.buckets[i].pipelines or layout.pipelines))
+        bucket = layout.buckets[i]
+        unit = sum(bucket_shares(bucket.pipelines or layout.pipelines, bucket.elastic))
         rows = -(-(max(rows_of[i]) + 1) // unit) * unit
         out.append(pack_placed([docs[k] for k in group], rows_of[i], rows, bounds[i]))
     return out
@@ -66,17 +90,19 @@ def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[in
 
 
 def bucket_split(pipelines, num_rows: int, elastic: bool) -> tuple[int, list[tuple[int, int, int]]]:
-    """How a bucket's ``num_rows`` rows (a multiple of its pipelines' ``batch`` sum: ``bucket_rows``) go to its
-    pipelines: (rounds, [(first row, rows, microbatches)] per pipeline). Each pipeline takes ``batch x rounds``
-    rows, ``rounds = num_rows / sum(batch)``; a fixed bucket splits them into its ``microbatches``, an elastic
+    """How a bucket's ``num_rows`` rows (a multiple of its unit, ``bucket_shares``' sum: ``bucket_rows``) go to its
+    pipelines: (rounds, [(first row, rows, microbatches)] per pipeline). Each pipeline takes ``share x rounds``
+    rows, ``rounds = num_rows / sum(shares)``; a fixed bucket splits them into its ``microbatches``, an elastic
     one into ``microbatches x rounds`` of ``batch / microbatches`` rows each (``layout.elastic_layout``)."""
-    unit = sum(p.batch for p in pipelines)
+    shares = bucket_shares(pipelines, elastic)
+    g = elastic_divisor(pipelines) if elastic else 1
+    unit = sum(shares)
     if num_rows % unit:
         raise ValueError(f"{num_rows} rows are not a multiple of the pipelines' batch shares ({unit})")
     rounds = num_rows // unit
     out, offset = [], 0
-    for p in pipelines:
-        size = p.batch * rounds
-        out.append((offset, size, p.microbatches * rounds if elastic else p.microbatches))
+    for p, share in zip(pipelines, shares):
+        size = share * rounds
+        out.append((offset, size, p.microbatches // g * rounds if elastic else p.microbatches))
         offset += size
     return rounds, out

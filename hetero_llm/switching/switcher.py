@@ -13,6 +13,19 @@ flat message per device pair) and is traced as its own action (``SWITCH>b1``).
 
 The processes are the home layout's ranks; a bucket's groups are created once over them
 (``groups.layout_groups``) and its routes are mapped to their world ranks.
+
+**One parameter storage for every bucket layout.** A rank's shards of every bucket layout are views into one
+flat float32 buffer (``Switcher.storage``), sized to the largest of them; the home layout keeps its own (it holds
+the parameters between steps). Only one bucket layout runs at a time, and a switch takes its parameters from
+home, never from the layout before, so the next layout may overwrite the last one's: a rank holds home's
+shards and one bucket layout's, whatever the number of buckets. Gradients live in one layout at a time (a
+switch allocates the target's and then releases the source's).
+
+**Context parallelism in a bucket.** A bucket's stage may have its own ``cp``: its plan is compiled for rows of
+the bucket's ``max_len`` (``Plan.row_width``: the zigzag chunks and re-chunking boundaries cut those), its CP
+ranks hold the stage's parameters like replicas and take their columns of every microbatch
+(``context_rows.context_columns``). A bucket under a context-parallel home layout runs home's parameters through
+a runner of its own (the home stages compiled for its rows' width), without a switch.
 """
 
 from __future__ import annotations
@@ -24,12 +37,13 @@ import torch
 
 from hetero_llm.comm import collectives, p2p
 from hetero_llm.comm.groups import Comms, layout_groups
+from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import Streams
 from hetero_llm.data import documents
 from hetero_llm.model.document_mask import DocumentMask
 from hetero_llm.plan import Plan
 from hetero_llm.plan.rank import StageRoutes
-from hetero_llm.runtime import tensor_meter
+from hetero_llm.runtime import context_rows, tensor_meter
 from hetero_llm.runtime.emulation import Emulation
 from hetero_llm.runtime.interpreter import Microbatch, StageRunner, Trace
 from hetero_llm.switching.bucketing import bucket_rows, bucket_split
@@ -47,6 +61,8 @@ class Slot:
     coords: dict[str, tuple[int, int]]
     runner: StageRunner | None
     dynamic: bool = False
+    ring: Ring | None = None  # this rank's context-parallel ring in the layout (None: its stage has cp 1)
+    home_like: bool = False  # the home layout's parameters, on rows of another width: no switch into or out of it
 
     @property
     def contributes_loss(self) -> bool:
@@ -82,17 +98,24 @@ class Switcher:
             {n: (c[0] or 0, c[1]) for n, c in coords.items()},
             home_runner,
             home.rank_plan(rank).dynamic,
+            context_rows.ring_of(home.rank_plan(rank), comms),
+        )
+        home_cp = any(st.cp > 1 for st in home.stages)  # home's plan cuts rows of seq_len: a narrower bucket's own
+        # One flat buffer for every bucket layout's shards on this device: the largest layout's (module doc)
+        self.storage = torch.zeros(
+            max([_numel(p, self.me) for b, p in zip(lay.buckets, home.buckets) if b.pipelines] + [0]),
+            device=self.device,
         )
         self.slots: list[Slot] = []
         for i, bucket in enumerate(lay.buckets):
-            if not bucket.pipelines:
+            if not bucket.pipelines and not (home_cp and bucket.max_len != lay.model.seq_len):
                 self.slots.append(self.home)
                 continue
             plan = home.buckets[i]  # compiled with the home plan
-            self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams))
+            self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams, home_like=not bucket.pipelines))
         self._plans: dict[tuple, SwitchPlan] = {}
 
-    def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams) -> Slot:
+    def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams, home_like: bool = False) -> Slot:
         mine = [r.rank for r in plan.ranks if r.device_id == self.me]
         rank = mine[0] if mine else None
         world_of = {r.rank: self.world_rank[r.device_id] for r in plan.ranks}
@@ -100,13 +123,10 @@ class Switcher:
         groups = layout_groups(plan.groups, rp, world_of)  # every rank, in order
         if rank is None or rp is None:  # the layout leaves this device idle
             return Slot(name, plan, None, {}, {}, None)
-        params, coords = {}, {}
-        for info, lo, hi in plan.params_of(rank):
-            shape = list(info.shape)
-            dim = info.shard_dim or 0
-            shape[dim] = hi - lo
-            params[info.name] = torch.zeros(shape, device=self.device, requires_grad=True)
-            coords[info.name] = (dim, lo)
+        if home_like:  # home's parameters themselves (the same plan's shards, at the same ranks)
+            params, coords = self.home.params, self.home.coords
+        else:
+            params, coords = self._views(plan, rank)
         st = plan.stage_of(rank)
         bucket_comms = Comms(
             comms.rank,
@@ -115,6 +135,7 @@ class Switcher:
             groups[rp.tp_group] if rp.tp_group else None,
             tuple(world_of[r] for r in st.ranks),
         )
+        ring = context_rows.ring_of(rp, bucket_comms)
         routes = _world_routes(rp.routes, world_of)
         emulation = Emulation.from_env(comms.rank)
         tp_waits = collectives.TpWaits() if emulation.active else None
@@ -131,12 +152,29 @@ class Switcher:
             streams,
             split_backward=rp.split_backward,
             tp_waits=tp_waits,
+            ring=ring,
         )
-        return Slot(name, plan, rank, params, coords, runner, rp.dynamic)
+        return Slot(name, plan, rank, params, coords, runner, rp.dynamic, ring, home_like)
+
+    def _views(self, plan: Plan, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, int]]]:
+        """``rank``'s shards of ``plan`` as views into the shared storage, from its start (module doc)."""
+        params, coords, offset = {}, {}, 0
+        for info, lo, hi in plan.params_of(rank):
+            shape = list(info.shape)
+            dim = info.shard_dim or 0
+            shape[dim] = hi - lo
+            n = _prod(shape)
+            params[info.name] = self.storage.narrow(0, offset, n).view(shape).requires_grad_(True)
+            coords[info.name] = (dim, lo)
+            offset += n
+        return params, coords
 
     def copies(self) -> list[torch.Tensor]:
-        """This rank's parameter shards of the bucket layouts: the copies beside the home layout's."""
-        return [p for s in self.slots if s is not self.home for p in s.params.values()]
+        """This rank's parameter shards of the bucket layouts beside the home layout's: views of one storage
+        (the tensor meter counts a storage once), and their gradients while a layout holds them."""
+        return [self.storage] + [
+            p for s in self.slots if not s.home_like and s is not self.home for p in s.params.values()
+        ]
 
     # -- one step --------------------------------------------------------------------------------
 
@@ -151,8 +189,8 @@ class Switcher:
         for index, (slot, rows) in enumerate(zip(self.slots, bucket_rows(lay, docs))):
             if rows is None:
                 continue  # no documents: no switch either
-            if slot is not current:
-                self._switch(current, slot, accumulated)
+            if self._held(slot) is not current:
+                self._switch(current, self._held(slot), accumulated)
             if slot.runner is not None:
                 assert slot.rank is not None  # a slot has a runner when this device has a rank in its layout
                 mbs, plan = self._work(index, slot, rows)
@@ -164,10 +202,14 @@ class Switcher:
                 if slot.contributes_loss:
                     loss += run
                 tensor_meter.checkpoint()  # the bucket's gradients beside its activations
-            current, accumulated = slot, True
+            current, accumulated = self._held(slot), True
         if current is not self.home:
             self._switch(current, self.home, accumulated)
         return loss, global_tokens
+
+    def _held(self, slot: Slot) -> Slot:
+        """The slot whose parameters ``slot`` runs: home for a home-like one (no switch into it), else itself."""
+        return self.home if slot.home_like else slot
 
     def _work(self, index: int, slot: Slot, rows: documents.PackedRows) -> tuple[list[Microbatch], Plan]:
         """This rank's microbatches of bucket ``index`` in this step, and the plan whose schedule runs them: the
@@ -176,15 +218,10 @@ class Switcher:
         assert slot.rank is not None  # step runs the slots this device has a rank in
         rounds, split = bucket_split(slot.plan.layout.pipelines, rows.num_rows, elastic)
         offset, size, count = split[slot.plan.ranks[slot.rank].pipeline]
-        mbs = [
-            Microbatch(
-                torch.from_numpy(p.inputs), torch.from_numpy(p.targets), DocumentMask.from_spans(p.spans, p.positions)
-            )
-            for p in rows.share(offset, size, count)
-        ]
-        if not elastic or rounds == 1:
+        mbs = [_microbatch(p, slot.ring) for p in rows.share(offset, size, count)]
+        if not elastic:
             return mbs, slot.plan
-        return mbs, self.home.plan.buckets[index].for_rounds(rounds)
+        return mbs, self.home.plan.buckets[index].for_rounds(rounds)  # itself when its unit is its shares
 
     # -- switches --------------------------------------------------------------------------------
 
@@ -261,6 +298,35 @@ def release_gradients(source: Slot) -> None:
     tensor_meter.checkpoint()
     for p in source.params.values():
         p.grad = None
+
+
+def _microbatch(piece: documents.PackedRows, ring: Ring | None) -> Microbatch:
+    """One microbatch of a bucket's rows: with document masks, or on a context-parallel stage (``ring``) this
+    rank's columns of the rows (as wide as the bucket's ``max_len``) and their documents."""
+    if ring is not None:
+        inputs, targets, shard = context_rows.context_columns(
+            ring, piece.inputs.shape[1], piece.inputs, piece.targets, piece.spans, piece.positions
+        )
+        return Microbatch(inputs, targets, ctx=shard)
+    docs = DocumentMask.from_spans(piece.spans, piece.positions)
+    return Microbatch(torch.from_numpy(piece.inputs), torch.from_numpy(piece.targets), docs)
+
+
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _numel(plan: Plan, device: str) -> int:
+    """The float32 elements of ``device``'s shards in ``plan`` (0: the layout leaves it idle)."""
+    rank = next((r.rank for r in plan.ranks if r.device_id == device), None)
+    if rank is None:
+        return 0
+    return sum(
+        _prod(info.shape) // info.shape[info.shard_dim or 0] * (hi - lo) for info, lo, hi in plan.params_of(rank)
+    )
 
 
 def _world_routes(routes: StageRoutes, world_of: dict[int, int]) -> StageRoutes:

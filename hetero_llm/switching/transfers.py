@@ -9,9 +9,11 @@ sync cuts differently sharded replicas; ``plan.params_of`` gives the shard range
   it before copies it locally, any other receives it from one source holder, chosen on the same node
   first, then in the same network domain, then anywhere; among equals the one with the fewest bytes
   assigned so far (HotSPa's NEW_GREEDY: least-loaded, intra-node first).
-- **Gradients** (before the step's gradient sync, each stage holds its *partial* sum; the TP copies of
-  a replicated block inside a stage are equal): each source stage's partial goes to exactly one
-  destination stage, which adds it into every one of its holders of the block. So the sum over stages
+- **Gradients** (before the step's gradient sync, each TP group holds its *partial* sum; the TP copies of
+  a replicated block inside a TP group are equal; the context-parallel ranks of a stage, one TP group each,
+  hold the partials of their own positions, like replicas of the stage that saw different rows): each source
+  TP group's partial goes to exactly one destination TP group, which adds it into every one of its holders of
+  the block. So the sum over stages
   of the partials is preserved and the copies inside each destination stage stay equal, which is what
   the destination's gradient sync assumes. The destination stage chosen is the one that needs the fewest
   copies over the network (ideally one on the same devices), then the nearest (node before domain),
@@ -31,6 +33,7 @@ import attrs
 from hetero_llm.layout import Layout
 from hetero_llm.model.params import ParamInfo, all_params
 from hetero_llm.plan import Plan
+from hetero_llm.switching import bucketing
 
 FLOAT32_BYTES = 4  # parameters and accumulated gradients are float32 (master weights)
 LINKS = ("local", "node", "domain", "cross_domain")  # where a transfer travels, cheapest first
@@ -41,7 +44,9 @@ class Holder:
     """One device's shard [lo, hi) (along the shard dim) of one parameter in one plan."""
 
     device: str  # "node0:1"
-    stage: str  # the stage's label in its plan ("p0.s1"): the TP copies of a block share it
+    stage: (
+        str  # its TP group's label in its plan ("p0.s1", "p0.s1.cp1" on CP rank 1): the TP copies of a block share it
+    )
     lo: int
     hi: int
 
@@ -134,7 +139,8 @@ def holders(plan: Plan) -> dict[str, list[Holder]]:
     """Every parameter's holders in ``plan``, in rank order."""
     out: dict[str, list[Holder]] = defaultdict(list)
     for r in plan.ranks:
-        label = plan.stage_of(r.rank).label
+        st = plan.stage_of(r.rank)
+        label = st.label if st.cp == 1 else f"{st.label}.cp{r.cp_index}"  # each CP rank's TP group: its own partial
         for info, lo, hi in plan.params_of(r.rank):
             out[info.name].append(Holder(r.device_id, label, lo, hi))
     return out
@@ -191,7 +197,7 @@ def plan_switch(
 
 
 def _move_partials(name, dim, lo, hi, nbytes, have, need, sender, load, stage_load, link) -> list[Transfer]:
-    """Each source stage's partial of block [lo, hi) into every holder of one target stage."""
+    """Each source TP group's partial of block [lo, hi) into every holder of one target TP group (``Holder.stage``)."""
     by_stage_src: dict[str, list[str]] = defaultdict(list)
     for h in have:
         by_stage_src[h.stage].append(h.device)
@@ -244,6 +250,21 @@ def step_switch(
     return attrs.evolve(moved, params=fresh.params, link_of={**moved.link_of, **fresh.link_of})
 
 
+def _cp_lines(plan: Plan) -> list[str]:
+    """A bucket's context-parallel groups and the positions of its rows each CP rank holds (``--dry-run``)."""
+    out = []
+    for st in plan.stages:
+        if st.cp > 1:
+            held = []
+            for r in st.cp_ranks(0):
+                ctx = plan.context(r)
+                assert ctx is not None  # a rank of a cp > 1 stage
+                (a, b), (c, d) = ctx.chunks
+                held.append(f"{plan.ranks[r].device_id} {a}-{b - 1} + {c}-{d - 1}")
+            out.append(f"    {st.label}: cp {st.cp} over rows of {plan.row_width}, positions held: " + ", ".join(held))
+    return out
+
+
 def describe_buckets(layout: Layout, home: Plan) -> str:
     """The ``--dry-run`` report of hot switching: each bucket's layout, and the switches of a step in which
     every bucket has documents (home -> shortest -> ... -> longest -> home; none between equal layouts):
@@ -253,14 +274,18 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
     low = 0
     for i, (bucket, plan) in enumerate(zip(layout.buckets, plans)):
         shape = " | ".join(
-            "[" + ", ".join(str(st.tp) for st in p.stages) + f"] x{p.batch}" for p in plan.layout.pipelines
+            "[" + ", ".join(str(st.tp) + (f" cp {st.cp}" if st.cp > 1 else "") for st in p.stages) + f"] x{p.batch}"
+            for p in plan.layout.pipelines
         )
         where = "home layout" if not bucket.pipelines else f"{plan.world_size} ranks"
+        unit = sum(bucketing.bucket_shares(plan.layout.pipelines, bucket.elastic))
         lines.append(
             f"  bucket {i}: documents of {low + 1}-{bucket.max_len} positions, rows of {bucket.max_len}, {where}, "
             f"schedule {plan.layout.train.schedule.value}, TP per stage (x share): {shape}"
             + (", elastic (as many microbatches as a step's rows need)" if bucket.elastic else "")
+            + f"; a step's rows: its documents', in units of {unit}"
         )
+        lines += _cp_lines(plan)
         low = bucket.max_len
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import attrs
 import pytest
-from helpers_buckets import switches
+from helpers_buckets import one_process, switches
 
 from harness import assert_same_model, launch
 from hetero_llm import layout as layout_mod
@@ -32,21 +32,6 @@ THREE = (
 )  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
 
 TP23 = DATA / "buckets_tp23.toml"  # home TP 3 | asymmetric zbh1 | PP 2 dynamic | interleaved, 3 devices
-
-
-def one_process(layout: Path, folder: Path) -> Path:
-    """The single-process layout of the same [model], [train] and [data], without buckets."""
-    lay = layout_mod.load(layout)
-    head = layout.read_text().split("[cluster]")[0]
-    text = head + (
-        '[cluster]\n[[cluster.nodes]]\nname = "node0"\ndevices = ["cpu"]\n[[pipelines]]\n'
-        f"batch = {lay.train.global_batch}\nmicrobatches = 2\n[[pipelines.stages]]\n"
-        f'layers = {lay.model.layers}\ndevices = ["node0:0"]\n'
-    )
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "one_process.toml"
-    path.write_text(text)
-    return path
 
 
 STEPS = ("--set", "train.steps=3")

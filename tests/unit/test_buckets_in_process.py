@@ -22,6 +22,10 @@ from hetero_llm.plan import compile_plan
 THREE = (
     Path(__file__).resolve().parents[2] / "layouts" / "examples" / "hot_switch.toml"
 )  # DP 4 | TP 2 x DP 2 | PP 2 x TP 2
+DATA = Path(__file__).resolve().parents[1] / "data"
+TWO = DATA / "buckets_two.toml"  # DP 2 | home TP 2
+CP = DATA / "buckets_cp.toml"  # DP 2 | cp 2 | home TP 2
+CP_HOME = DATA / "buckets_cp_home.toml"  # DP 2 | home cp 2 | TP 2, home cp 2
 
 
 def test_each_bucket_compiles_to_its_own_layout():
@@ -73,3 +77,40 @@ def test_ranks_agree_on_a_bucket_layout_whatever_the_schedule_files_path(tmp_pat
         prints.append(compile_plan(lay).fingerprint())
     other = layout_mod.load(tmp_path / "a" / "layout.toml", ["buckets.1.max_len=40"])
     assert prints[0] == prints[1] != compile_plan(other).fingerprint()
+
+
+def test_every_bucket_is_sized_by_its_documents_not_padded_to_the_global_batch():
+    """buckets_two.toml: bucket 1 runs under the home layout (batch 4 in 2 microbatches). Two long documents
+    fill 2 rows: it runs those 2 (one per microbatch, the smallest unit in home's proportions), not 4."""
+    import numpy as np
+
+    from hetero_llm.switching.bucketing import bucket_rows, bucket_shares, bucket_split
+
+    lay = layout_mod.load(TWO)
+    assert lay.train.global_batch == 4 and not lay.buckets[1].pipelines
+    docs = [np.arange(n + 1) % 7 for n in (30, 3, 25)]  # positions
+    short, long = bucket_rows(lay, docs)
+    assert long.num_rows == 2 and short.num_rows == 2  # DP 2's unit is its shares, 1 + 1
+    assert bucket_shares(lay.pipelines, elastic=False) == [2] and bucket_shares(lay.pipelines, elastic=True) == [2]
+    assert bucket_split(lay.pipelines, long.num_rows, elastic=False) == (1, [(0, 2, 2)])
+    assert bucket_rows(lay, docs * 3)[1].num_rows == 6  # 6 long documents: 6 rows, 2 microbatches of 3
+    # elastic: home's microbatches of 2 rows, as many as the rows need (its 4 in 2 divide by 2: a unit of 2 rows)
+    elastic = layout_mod.load(TWO, ["buckets.1.elastic=true"])
+    three = bucket_rows(elastic, docs * 3 + docs[:1])[1]
+    assert three.num_rows == 8 and bucket_split(elastic.pipelines, 8, elastic=True) == (4, [(0, 8, 4)])
+    plan = compile_plan(elastic).buckets[1].for_rounds(3)
+    assert [(p.batch, p.microbatches) for p in plan.layout.pipelines] == [(6, 3)]
+
+
+def test_a_context_parallel_bucket_is_compiled_for_rows_of_its_max_len():
+    result = invoke_cli(CP, "--dry-run")
+    assert result.exit_code == 0, result.stderr
+    assert "TP per stage (x share): [1 cp 2] x2" in result.stdout
+    assert "p0.s0: cp 2 over rows of 16, positions held: node0:0 0-3 + 12-15, node0:1 4-7 + 8-11" in result.stdout
+    plans = compile_plan(layout_mod.load(CP)).buckets
+    assert [p.row_width for p in plans] == [8, 16, 32]
+    ctx = plans[1].rank_plan(1).context
+    assert ctx is not None and ctx.chunks == ((4, 8), (8, 12)) and ctx.ranks == (0, 1)
+    home_cp = compile_plan(layout_mod.load(CP_HOME))  # home cp 2: its bucket of 16 gets chunks of 4, home's of 8
+    assert home_cp.rank_plan(0).context.chunks == ((0, 8), (24, 32))
+    assert home_cp.buckets[1].rank_plan(0).context.chunks == ((0, 4), (12, 16))

@@ -31,7 +31,9 @@ def test_bucket_plans_are_compiled_with_the_plan():
         lay = layout_mod.load(path)
         plan = compile_plan(lay)
         assert len(plan.buckets) == len(lay.buckets) > 0
-        assert list(plan.buckets) == [compile_plan(bucket_layout(lay, i)) for i in range(len(lay.buckets))]
+        # each for rows of its max_len (its CP chunks and re-chunking boundaries cut those)
+        assert list(plan.buckets) == [compile_plan(bucket_layout(lay, i), b.max_len) for i, b in enumerate(lay.buckets)]
+        assert [b.row_width for b in plan.buckets] == [b.max_len for b in lay.buckets]
         assert all(b.buckets == () for b in plan.buckets)  # a bucket layout has no buckets of its own
 
 
@@ -40,7 +42,7 @@ def test_an_elastic_buckets_plan_per_microbatch_count_is_compiled_once_and_kept(
     bucket = compile_plan(lay).buckets[0]
     assert bucket.for_rounds(1) is bucket
     three = bucket.for_rounds(3)
-    assert three == compile_plan(elastic_layout(bucket_layout(lay, 0), 3))
+    assert three == compile_plan(elastic_layout(bucket_layout(lay, 0), 3), lay.buckets[0].max_len)
     assert bucket.for_rounds(3) is three  # kept: the second step with 3 rounds compiles nothing
     assert [p.microbatches for p in three.layout.pipelines] == [3 * p.microbatches for p in bucket.layout.pipelines]
 

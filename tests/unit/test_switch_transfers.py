@@ -32,12 +32,9 @@ global_batch = 12
 """
 
 
-def make_plan(
-    pipelines: list[tuple[int, list[tuple[int, list[str]]]]],
-    nodes: dict[str, int],
-    domains: dict[str, str] | None = None,
-):
-    """A plan over ``nodes`` (name -> devices) with pipelines [(batch, [(layers, devices)])]."""
+def make_plan(pipelines: list, nodes: dict[str, int], domains: dict[str, str] | None = None):
+    """A plan over ``nodes`` (name -> devices) with pipelines [(batch, [(layers, devices)])] (a stage may add its
+    ``cp``: (layers, devices, cp))."""
     model, train, data = sections(MODEL)
     kinds = sorted(set((domains or {}).values()))
     cluster = layout_mod.ClusterSpec(
@@ -54,7 +51,10 @@ def make_plan(
         layout_mod.PipelineSpec(
             batch=batch,
             microbatches=1,
-            stages=tuple(layout_mod.StageSpec(layers=layers, devices=tuple(devices)) for layers, devices in stages),
+            stages=tuple(
+                layout_mod.StageSpec(layers=st[0], devices=tuple(st[1]), cp=st[2] if len(st) > 2 else 1)
+                for st in stages
+            ),
         )
         for batch, stages in pipelines
     )
@@ -69,7 +69,11 @@ PP2_TP2 = [(12, [(2, ["n0:0", "n0:1"]), (2, ["n1:0", "n1:1"])])]
 TP3 = [(12, [(4, ["n0:0", "n0:1", "n1:0"])])]
 TP2_ON_TWO_NODES = [(12, [(4, ["n0:1", "n1:1"])])]
 ASYMMETRIC = [(8, [(1, ["n0:0"]), (3, ["n1:0", "n1:1"])]), (4, [(4, ["n0:1"])])]
+CP2_TP2 = [(12, [(4, ["n0:0", "n0:1", "n1:0", "n1:1"], 2)])]  # CP rank 0 on n0, rank 1 on n1: partials of each
+CP4 = [(12, [(4, ["n0:0", "n0:1", "n1:0", "n1:1"], 4)])]
 LAYOUTS = {
+    "cp2 x tp2": CP2_TP2,
+    "cp4": CP4,
     "dp4": DP4,
     "tp2 x dp2": TP2_DP2,
     "pp2 x tp2": PP2_TP2,
@@ -87,6 +91,10 @@ PAIRS = [
     ("dp4", "asymmetric"),
     ("tp2 over nodes", "dp4"),
     ("dp4", "dp4"),
+    ("dp4", "cp2 x tp2"),  # context-parallel ranks hold the stage's parameters like replicas and their own partials
+    ("cp2 x tp2", "tp3"),
+    ("cp4", "pp2 x tp2"),
+    ("cp2 x tp2", "cp4"),
 ]
 
 
@@ -295,3 +303,27 @@ def test_predicted_time_is_the_busiest_device_latency_and_bytes():
     assert same.grad_buffers == {"n0:0": tensors, "n0:1": tensors}
     assert switch_seconds(same, one_link, buffer_overhead=1e-4) == pytest.approx(tensors * 1e-4)
     assert switch.grad_buffers == {} and switch_seconds(switch, one_link, buffer_overhead=1.0) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("a,b", [("cp2 x tp2", "dp4"), ("cp4", "tp2 x dp2")])
+def test_every_context_parallel_ranks_partial_gradient_is_moved(a, b):
+    """The CP ranks of a stage hold the gradients of their own positions: each TP group's partial (found from the
+    plan's ranks, not from ``holders``' labels) reaches the target once, so the target's sum is the whole."""
+    source, target = make_plan(LAYOUTS[a], FOUR), make_plan(LAYOUTS[b], FOUR)
+    rng = np.random.default_rng(2)
+    infos = {i.name: i for i in all_params(source.layout.model)}
+    group_of = {r.device_id: (r.pipeline, r.stage, r.cp_index) for r in source.ranks}
+    partial = {(g, n): rng.standard_normal(i.shape) for g in set(group_of.values()) for n, i in infos.items()}
+    before = {}
+    for name, hs in holders(source).items():
+        for h in hs:
+            full = partial[(group_of[h.device], name)]
+            before[(h.device, name)] = full[_region(infos[name].shard_dim or 0, h.lo, h.hi, full.ndim)].copy()
+    after = execute(attrs_grads(plan_switch(source, target)), source, target, before, fill=0.0)
+    for name, info in infos.items():
+        want = sum(partial[(g, name)] for g in set(group_of.values()))
+        per_stage: dict[str, np.ndarray] = {}  # a target without cp: its TP copies of a block are equal
+        for h in holders(target)[name]:
+            full = per_stage.setdefault(h.stage, np.zeros(info.shape))
+            full[_region(info.shard_dim or 0, h.lo, h.hi, len(info.shape))] = after[(h.device, name)]
+        np.testing.assert_allclose(sum(per_stage.values()), want, rtol=1e-12, atol=1e-12, err_msg=name)
