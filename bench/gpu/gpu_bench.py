@@ -27,6 +27,10 @@ breakdown per rank (forward, backward, sends, receives incl. waiting, and the re
 optimizer, data). Tracing synchronizes the device after every action, so its times are device times.
 ``--tiny`` runs each once, traced, and takes the throughput from that run.
 
+Then hot switching's switch on CUDA (``--switch``, ``bench/gpu/gpu_switch.py``): a [[buckets]] layout of the first
+case's model (home TP 2, short documents under DP 2) on the one GPU over gloo, or on two GPUs over NCCL where there
+are two, traced: the time of a step's switches and the bytes they move.
+
     python -m bench.gpu.gpu_bench                          # on a GPU machine: all of the above
     python -m bench.gpu.gpu_bench --models 124m --seqs 1024 --modes eager
     python -m bench.gpu.gpu_bench --tiny --device cpu      # smoke test: tiny model on CPU, minutes
@@ -51,6 +55,7 @@ import click
 import torch
 
 from bench.common import benchlib
+from bench.gpu import gpu_switch
 from bench.gpu.gpu_bench_cases import SIZES, Case, layout_toml
 from bench.gpu.gpu_bench_runs import Run, World, run_ours, run_plain
 from hetero_llm.comm import groups
@@ -182,7 +187,13 @@ def single_row(case: Case, run: Run, warmup: int, peak: float | None) -> dict:
 
 
 def report(
-    info: dict, single: list[dict], multi: list[dict], breakdown: list[dict], config: dict, from_trace: bool = False
+    info: dict,
+    single: list[dict],
+    multi: list[dict],
+    breakdown: list[dict],
+    config: dict,
+    from_trace: bool = False,
+    switch: dict | None = None,
 ) -> str:
     lines = [
         "# GPU benchmark: hetero_llm vs plain PyTorch (bf16, one device)",
@@ -259,6 +270,8 @@ def report(
             ),
             "",
         ]
+    if switch is not None:
+        lines += gpu_switch.report(switch)
     return "\n".join(lines)
 
 
@@ -283,9 +296,15 @@ def _csv(kind):
     show_default=True,
     help="Also the 2-stage and TP-2 layouts on the one device.",
 )
+@click.option(
+    "--switch/--no-switch",
+    default=True,
+    show_default=True,
+    help="Also hot switching's switch (bench/gpu/gpu_switch.py).",
+)
 @click.option("--peak-tflops", type=float, default=None, help="Dense bf16 peak of this GPU, if not in the table.")
 @click.option("--out", type=click.Path(file_okay=False), default=str(benchlib.RESULTS), show_default=True)
-def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, multi_rank, peak_tflops, out):
+def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, multi_rank, switch, peak_tflops, out):
     """Benchmark hetero_llm against plain PyTorch on one GPU (see the module doc)."""
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -340,9 +359,10 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
                             f"{name} seq {seq} {mode} {run.impl}: {row['step_s'] * 1e3:.1f} ms/step, "
                             f"{row['tokens_per_s']:,.0f} tokens/s, peak {row['peak_gb']:.1f} GiB"
                         )
-        multi, breakdown = [], []
-        if multi_rank:
+        multi, breakdown, switched = [], [], None
+        if multi_rank or switch:
             groups.shutdown()  # the children make their own process groups; this one is done
+        if multi_rank:
             case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
             dev_name = "cpu" if dev.type == "cpu" else f"cuda:{dev.index}"
             for name, kw in (
@@ -355,9 +375,13 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
                 multi.append(summary)
                 breakdown += parts
                 benchlib.say(f"{name}: {summary['step_s'] * 1e3:.1f} ms/step, {summary['tokens_per_s']:,.0f} tokens/s")
+        if switch:
+            case = Case(SIZES[models[0]], seqs[0], max(4, tokens_per_step // seqs[0]))
+            switched = gpu_switch.measure(case, dev, steps, warmup, workdir)
+            benchlib.say(f"switch: {switched['switch_s'] * 1e3:.2f} ms a step over {switched['backend']}")
     finally:  # the corpus and the runs' folders: results go to --out
         shutil.rmtree(workdir, ignore_errors=True)
-    markdown = report(info, single, multi, breakdown, config, from_trace=tiny)
+    markdown = report(info, single, multi, breakdown, config, from_trace=tiny, switch=switched)
     payload = {
         "device": info,
         "torch": torch.__version__,
@@ -365,6 +389,7 @@ def main(device, tiny, models, seqs, modes, tokens_per_step, steps, warmup, mult
         "single_stage": single,
         "multi_rank": multi,
         "breakdown": breakdown,
+        "switch": switched,
         "machine": benchlib.machine(),
     }
     md, js = benchlib.write_results(Path(out), "gpu_bench_tiny" if tiny else "gpu_bench", markdown, payload)

@@ -8,7 +8,8 @@
 #     OUT=/some/folder bash bench/gpu/gpu_check.sh         # on the GPU machine, from the repository root
 #     ONLY="bench_eager pytest_cupy" bash bench/gpu/gpu_check.sh   # only the parts named
 #
-# Budget: about 10 minutes of a fresh machine (the limits below add up to 620 s; the parts took ~430 s). Seen on an H200 (26 Nov 2026):
+# Budget: about 10 minutes of a fresh machine (the limits below add up to 760 s; the parts took ~430 s before the two
+# hot-switching parts, pytest_gpu_buckets and bench_switch, were added: not yet run on a GPU). Seen on an H200 (26 Nov 2026):
 # the GPU tests 60 s, the eager benchmark with its two multi-rank layouts ~190 s (the TP-2 layout on one GPU
 # over gloo alone ~40 s), each profile ~7 s, the compiled 124M pair 46 s, the compiled 1.3B pair ~90 s; a
 # fresh machine takes 30-60 s to start.
@@ -43,9 +44,12 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$LOG
 R="$WORK/results"
 
 part pytest_gpu 100 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/integration/test_gpu.py tests/unit/test_domains.py
+part pytest_gpu_buckets 60 python3 -m pytest -m gpu -q -p no:cacheprovider -rs tests/integration/test_gpu_buckets.py
 part pytest_cupy 40 python3 -m pytest -q -p no:cacheprovider -rs tests/unit/test_domains.py -k cupy
 part bench_eager 200 python3 -m bench.gpu.gpu_bench --models 124m,1.3b --seqs 1024,2048 --modes eager \
-    --steps 14 --warmup 4 --out "$R/eager"
+    --steps 14 --warmup 4 --no-switch --out "$R/eager"
+part bench_switch 80 python3 -m bench.gpu.gpu_bench --models 124m --seqs 1024 --modes eager --no-multi-rank --switch \
+    --steps 8 --warmup 3 --out "$R/switch"
 for m in 124m 1.3b; do
     part "profile_$m" 25 python3 -m hetero_llm.cli.plan "layouts/clusters/published/h100_gpt_${m}_eager.toml" \
         --profile "$R/profile_$m.json" --kind h100-sxm --device cuda

@@ -267,12 +267,42 @@ def layout_groups(
 ) -> dict[GroupKey, dist.ProcessGroup]:
     """Every group of another layout (a hot-switching bucket) over this job's processes: created on every rank
     in that layout's order, members mapped to world ranks; ``rp`` is this process's RankPlan in that layout
-    (None: it has none), whose network settings apply as in ``init``. Made while training, when the heartbeats
+    (None: it has none), whose network settings apply as in ``init`` (NCCL: its options, and its communicator
+    made at once by its members, in the same order on every rank). Made while training, when the heartbeats
     run: their waits, creation included, last up to ``PEER_WAIT`` (a device idle for the bucket waits it out)."""
     groups = {}
+    backend = dist.get_backend()
     for g in groups_in_order:
-        env = group_env(rp, g) if rp is not None and rp.rank in g.ranks else {}
+        member = rp is not None and rp.rank in g.ranks
+        env = group_env(rp, g) if rp is not None and member else {}
         with environment(env):
-            groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=PEER_WAIT)
+            options = _pg_options(rp, g) if rp is not None else None
+            groups[g.key] = dist.new_group([world_rank_of[r] for r in g.ranks], timeout=PEER_WAIT, pg_options=options)
+            if member:
+                _connect(groups[g.key], _current_device(backend), backend)
     dist.barrier()
     return groups
+
+
+def switch_group(rp: RankPlan, device: torch.device) -> dist.ProcessGroup:
+    """The group every hot switch's exchange runs in (``p2p.exchange``): all of the job's ranks, created by the
+    ``Switcher`` on every rank at the same point (after the buckets' groups, before the first step), under the
+    world's network settings, and connected at once.
+
+    Its own group, because of how NCCL runs a batched point-to-point (``dist.batch_isend_irecv``): on the group's
+    communicator, which NCCL builds at the group's first operation and which every member must then join (a
+    lone ``isend``/``irecv`` instead builds a 2-rank communicator per pair, lazily, at the pair's first message:
+    ranks that reach their pairs in different orders hang). With the communicator made here, by every rank in
+    the same order, a switch's batch may involve any subset of the ranks (torch's ``batch_isend_irecv`` contract),
+    and no switch creates anything. Gloo has no communicators to build: the same calls, plain sends and receives.
+    """
+    backend = rp.network.backend.value
+    with _network_env(rp, rp.world):
+        group = dist.new_group(list(range(rp.world_size)), timeout=PEER_WAIT, pg_options=_pg_options(rp, rp.world))
+        _connect(group, device, backend)
+    return group
+
+
+def _current_device(backend: str) -> torch.device:
+    """The device a group's first operation runs on: NCCL's is the rank's GPU (``init`` made it current)."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

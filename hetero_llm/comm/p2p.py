@@ -20,13 +20,14 @@ from hetero_llm.plan import Route
 from hetero_llm.schedule import Direction
 
 
-def stages_through_host(device: torch.device) -> bool:
-    """Gloo's send/recv read and write raw host memory, so a CUDA tensor crosses through a host copy.
+def stages_through_host(device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
+    """Gloo's send/recv read and write raw host memory, so a CUDA tensor crosses through a host copy (in
+    ``group``; None: the default group, whose backend every plan group shares).
 
     This is what lets several ranks share one GPU (NCCL refuses that) with backend = 'gloo'. Gloo's
     collectives take CUDA tensors themselves (they copy through pinned memory on their own streams).
     """
-    return device.type != "cpu" and dist.get_backend() == "gloo"
+    return device.type != "cpu" and dist.get_backend(group) == "gloo"
 
 
 def _to_host(tensor: torch.Tensor, streams: Streams) -> torch.Tensor:
@@ -277,10 +278,28 @@ def wait_sends(comms: Comms) -> None:
 SWITCH_TAG = 1 << 20  # apart from every stage-boundary tag (_tag)
 
 
-def exchange(sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor]) -> None:
-    """One flat message to and from each peer (global ranks): post every receive, then every send, then
-    wait for all. Both sides list the same pairs (a switch plan every rank computes alike)."""
-    works = [started(dist.irecv(buf, peer, tag=SWITCH_TAG)) for peer, buf in sorted(receives.items())]
-    works += [started(dist.isend(buf, peer, tag=SWITCH_TAG)) for peer, buf in sorted(sends.items())]
-    for w in works:
-        finish(w)
+def exchange(
+    sends: dict[int, torch.Tensor], receives: dict[int, torch.Tensor], group: dist.ProcessGroup | None = None
+) -> None:
+    """A switch's exchange: one flat message to and from each peer (global ranks), as one batched point-to-point
+    (``dist.batch_isend_irecv``) in ``group`` (the switch group, ``groups.switch_group``; None: the default group),
+    the receives then the sends, each in peer order, then a wait for all. Both sides list the same pairs (a switch
+    plan every rank computes alike); a rank with nothing to move posts nothing.
+
+    NCCL runs the batch as one group of sends and receives on the group's communicator, made before the first
+    step, so a batch may involve any subset of the group's ranks; the wait makes the current stream wait for it.
+    Gloo has no batches: the same list goes out as plain ``isend``/``irecv``, and a CUDA tensor crosses through a
+    host copy (``stages_through_host``)."""
+    if not sends and not receives:
+        return
+    device = next(iter({**sends, **receives}.values())).device
+    staged = stages_through_host(device, group)
+    out = {peer: buf.cpu() if staged else buf for peer, buf in sends.items()}  # .cpu(): waits for the packing
+    into = {peer: torch.empty_like(buf, device="cpu") if staged else buf for peer, buf in receives.items()}
+    ops = [dist.P2POp(dist.irecv, buf, peer, group, SWITCH_TAG) for peer, buf in sorted(into.items())]
+    ops += [dist.P2POp(dist.isend, buf, peer, group, SWITCH_TAG) for peer, buf in sorted(out.items())]
+    for work in dist.batch_isend_irecv(ops):
+        finish(work)
+    if staged:
+        for peer, buf in receives.items():
+            buf.copy_(into[peer])

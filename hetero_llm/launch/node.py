@@ -311,7 +311,7 @@ def _run(plan: Plan, rank: int, options: RunOptions) -> None:
 
 
 def _switcher(plan: Plan, rank: int):
-    """What makes ``rank``'s hot-switching ``Switcher`` (it compiles the plans of the layout's buckets), or None."""
+    """What makes ``rank``'s hot-switching ``Switcher`` (its bucket plans come compiled with ``plan``), or None."""
     if not plan.layout.buckets:
         return None
     from hetero_llm.switching.switcher import Switcher

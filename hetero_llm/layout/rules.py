@@ -301,20 +301,10 @@ def _validate_buckets(layout: Layout) -> None:
 
 
 def _check_switching_supported(layout: Layout, home: set[str]) -> None:
-    """What hot switching does not run yet: unpacked data, GPU devices."""
+    """What hot switching does not run yet: unpacked data."""
     f = layout.file
     if layout.data.packing is not Packing.DOCUMENTS:
         raise LayoutError(f, "buckets", "need data.packing = 'documents' (buckets sort whole documents by length)")
-    cuda = sorted(
-        d for d in home if layout.cluster.node(d.partition(":")[0]).devices[int(d.partition(":")[2])] != "cpu"
-    )
-    if cuda:  # the switch exchange is plain gloo send/recv of device tensors: CPU only until it is built for NCCL
-        raise LayoutError(
-            f,
-            "buckets",
-            f"hot switching runs on CPU devices only for now, and device '{cuda[0]}' is "
-            "a GPU (remove [[buckets]] to train under [[pipelines]] on GPUs)",
-        )
 
 
 def _check_bucket(layout: Layout, bi: int, previous: int, home: set[str], known: dict[str, int]) -> None:

@@ -9,10 +9,13 @@ transfers moving state between slots: parameters always from the home layout (no
 them since its last optimizer step), accumulated gradients from the slot that ran before. After the
 last bucket the gradients switch back to the home layout, where the training loop (train/loop.py) syncs them and steps AdamW.
 A bucket without documents is skipped, without a switch. Each switch is one batched exchange (one
-flat message per device pair) and is traced as its own action (``SWITCH>b1``).
+flat message per device pair, one ``batch_isend_irecv``: ``p2p.exchange``) and is traced as its own action
+(``SWITCH>b1``).
 
 The processes are the home layout's ranks; a bucket's groups are created once over them
-(``groups.layout_groups``) and its routes are mapped to their world ranks.
+(``groups.layout_groups``) and its routes are mapped to their world ranks. Every switch exchanges in one more
+group over all of them (``groups.switch_group``), made after the buckets' at construction: on every rank in
+the same order before the first step, so no switch creates a communicator (NCCL's are made then).
 
 **One parameter storage for every bucket layout.** A rank's shards of every bucket layout are views into one
 flat float32 buffer (``Switcher.storage``), sized to the largest of them; the home layout keeps its own (it holds
@@ -30,13 +33,14 @@ a runner of its own (the home stages compiled for its rows' width), without a sw
 
 from __future__ import annotations
 
+import functools
 import time
 
 import attrs
 import torch
 
 from hetero_llm.comm import collectives, p2p
-from hetero_llm.comm.groups import Comms, layout_groups
+from hetero_llm.comm.groups import Comms, layout_groups, switch_group
 from hetero_llm.comm.ring import Ring
 from hetero_llm.comm.streams import Streams
 from hetero_llm.data import documents
@@ -113,6 +117,8 @@ class Switcher:
                 continue
             plan = home.buckets[i]  # compiled with the home plan
             self.slots.append(self._slot(f"b{i}", plan, comms, compute_of, streams, home_like=not bucket.pipelines))
+        # every switch's exchange runs in one group made now, on every rank, after the buckets' (see switch_group)
+        self._exchange = functools.partial(p2p.exchange, group=switch_group(home.rank_plan(rank), comms.device))
         self._plans: dict[tuple, SwitchPlan] = {}
 
     def _slot(self, name: str, plan: Plan, comms: Comms, compute_of, streams: Streams, home_like: bool = False) -> Slot:
@@ -240,7 +246,9 @@ class Switcher:
                 source_name=source.name,
                 target_name=target.name,
             )
-        relayout(self._plans[key], self.me, self.world_rank, self.home, source, target, grads, self.device)
+        relayout(
+            self._plans[key], self.me, self.world_rank, self.home, source, target, grads, self.device, self._exchange
+        )
         if self.trace is not None:
             self.trace.append((f"SWITCH>{target.name}", t0, time.perf_counter()))
         if grads:

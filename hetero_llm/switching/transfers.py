@@ -287,6 +287,7 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
         )
         lines += _cp_lines(plan)
         low = bucket.max_len
+    lines.append(_switch_communicators(layout, home, plans))
     names = ["home"] + [f"bucket {i}" for i in range(len(plans))] + ["home"]
     chain = [home] + plans + [home]
     for i, ((a, name_a), (b, name_b)) in enumerate(zip(zip(chain, names), zip(chain[1:], names[1:]))):
@@ -304,3 +305,18 @@ def describe_buckets(layout: Layout, home: Plan) -> str:
         )
         lines.append(switch.describe())
     return "\n".join(lines)
+
+
+def _switch_communicators(layout: Layout, home: Plan, plans: list[Plan]) -> str:
+    """The communicators hot switching adds to the home layout's (``switcher.Switcher``), in their order."""
+    made = [
+        f"bucket {i}'s {len(p.groups)} group{'s' if len(p.groups) != 1 else ''}"
+        for i, (b, p) in enumerate(zip(layout.buckets, plans))
+        if b.pipelines
+    ]
+    return (
+        "  communicators made after the home layout's (on every rank, in this order, before the first step): "
+        + "".join(f"{m}, " for m in made)
+        + f"then the switch group of all {home.world_size} ranks; each switch is one batched point-to-point "
+        f"(batch_isend_irecv, {layout.cluster.backend.value}) in it"
+    )

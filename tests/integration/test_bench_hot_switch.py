@@ -1,5 +1,5 @@
 """The hot-switching benchmark (bench/hot_switch*.py): its --quick run, its switch times, regimes, static baselines,
-predictions and testbed layouts.
+predictions and testbed layouts; and bench/comm/switch_exchange.py (the switch exchange, old and new).
 """
 
 from __future__ import annotations
@@ -192,3 +192,21 @@ def test_hot_switch_testbed_layouts_put_each_device_on_its_own_node_of_one_domai
             for a, b, g in ((home, b0, False), (b0, b1, True))
         ]
     assert bytes_moved["testbed"] == bytes_moved["loopback"] and min(bytes_moved["testbed"]) > 0
+
+
+def test_switch_exchange_times_both_exchanges(tmp_path):
+    """bench/comm/switch_exchange.py: the batched exchange in its own group and the plain one, every size."""
+    import subprocess
+    import sys
+
+    from bench.common import benchlib
+
+    cmd = [sys.executable, "-m", "bench.comm.switch_exchange", "--reps", "3", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=benchlib.clean_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    times = json.loads((tmp_path / "switch_exchange.json").read_text())["times_s"]
+    assert set(times) == {"plain, default group", "batched, switch group"}
+    for by_size in times.values():
+        assert set(by_size) == {"1", "65536", "1048576"}
+        assert all(len(t) == 3 and min(t) > 0 for t in by_size.values()), by_size
+    assert "| exchange " in (tmp_path / "switch_exchange.md").read_text()

@@ -2,7 +2,8 @@
 
 The real numbers come from a GPU machine; this keeps the script runnable there: both sides of the
 single-stage comparison train, and the 2-stage and TP-2 layouts run through hetero-launch with a
-step-time breakdown read back from their traces.
+step-time breakdown read back from their traces, and hot switching's switch layout, its switches' time read
+back from its trace.
 """
 
 from __future__ import annotations
@@ -45,3 +46,7 @@ def test_tiny_cpu_smoke(tmp_path):
     table = (tmp_path / "gpu_bench_tiny.md").read_text()
     assert "| model | seq | batch | mode  | impl  | step ms | tokens/s | MFU | peak GiB | ours/plain |" in table
     assert "Step-time breakdown" in table
+    switch = result["switch"]  # two ranks on the one device over gloo, switching every step with short documents
+    assert switch["backend"] == "gloo" and switch["steps_with_switches"] > 0, switch
+    assert 0 < switch["switch_s"] <= switch["step_s"] and switch["network_mib"] > 0, switch
+    assert "## Hot switching: a step's switches (traced)" in table

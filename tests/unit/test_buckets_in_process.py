@@ -3,7 +3,7 @@
 [[buckets]] layouts: each bucket of document lengths under its own layout (hot switching).
 
 Bad input is in tests/bad_layouts/bucket*.toml. Here: what each bucket compiles to, what --dry-run
-shows, and layout invariance: a switching run trains the same model as one process on the same
+shows (on CPU and on CUDA devices), and layout invariance: a switching run trains the same model as one process on the same
 documents (float32, 1e-5 per step), for 3 buckets over DP 4 / TP 2 x DP 2 / PP 2 x TP 2 (1f1b, gpipe),
 for 3 buckets over TP 3 (home) / asymmetric zbh1 / PP 2 with TP 2 then 1, dynamic / interleaved with an
 idle device (TP 2 <-> TP 3), with empty buckets skipped, and across a resume in the middle of a run; held-out
@@ -55,6 +55,24 @@ def test_dry_run_shows_the_buckets_and_the_switches_of_a_step():
     assert "switch bucket 1 -> bucket 2: 0 parameter and 180 gradient transfers" in out  # home's parameters stayed
     switches = out.split("simulated step")[0]  # then the simulator's step (tests/unit/test_switching_predict.py)
     assert "-> home" not in switches and "bucket 2 ->" not in switches
+
+
+def test_dry_run_of_buckets_on_cuda_devices_over_nccl_describes_the_switch():
+    """[[buckets]] on GPUs is a layout like any other (the switch exchange is NCCL's batched point-to-point)."""
+    gpus = (
+        "--set",
+        'cluster.nodes[0].devices=["cuda:0", "cuda:1", "cuda:2", "cuda:3"]',
+        "--set",
+        "cluster.backend=nccl",
+    )
+    result = invoke_cli(THREE, "--dry-run", *gpus)
+    assert result.exit_code == 0, result.stderr
+    out = result.stdout
+    assert "switch home -> bucket 0: 276 parameter and 0 gradient transfers" in out  # as on CPU devices
+    assert (
+        "before the first step): bucket 0's 1 group, bucket 1's 5 groups, then the switch group of all 4 ranks; "
+        "each switch is one batched point-to-point (batch_isend_irecv, nccl) in it"
+    ) in out
 
 
 def test_buckets_can_be_overridden_from_the_command_line():
