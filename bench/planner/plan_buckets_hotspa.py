@@ -17,7 +17,8 @@ runtime's grammar documents and ``[plan.documents]``:
 
 For each case: the best static plan with CP (``plan_cluster``, the baseline ``--buckets`` prices against), the best
 without CP (``plan.max_cp = 1``, the baseline before issue 36), then ``propose`` and ``judge`` as ``hetero-plan
---buckets`` runs them. Planner only: nothing is run, nothing timed. Results: bench/results/plan_buckets_hotspa.{json,md}.
+--buckets`` runs them. ``--whole-rows``: attention priced over the whole packed row (``S^2``, no
+``[plan.documents]``), as HotSPa's flash attention runs a packed row (no document mask). Planner only: nothing is run, nothing timed. Results: bench/results/plan_buckets_hotspa.{json,md}.
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ CASES = [f"{m}-{g}-32k-{x}" for m in MODELS for g in (8, 16, 32) for x in MIXTUR
 ]
 
 
-def cluster_text(model: str, gpus: int, seq_len: int, mixture: str) -> str:
-    """The case's cluster file (module doc)."""
+def cluster_text(model: str, gpus: int, seq_len: int, mixture: str, whole_rows: bool = False) -> str:
+    """The case's cluster file (module doc); ``whole_rows``: attention priced over the whole packed row (``S^2``,
+    no ``[plan.documents]``), as HotSPa's kernel runs it."""
     text = BASE.read_text()
     head, _, rest = text.partition("[model]")
     shapes = MODELS[model]
@@ -76,6 +78,8 @@ def cluster_text(model: str, gpus: int, seq_len: int, mixture: str) -> str:
     body, _, plan = rest.partition("\n[plan]\n")
     nodes = body.split("[[cluster.nodes]]")
     rest = "[[cluster.nodes]]".join(nodes[: 1 + gpus // 8]).rstrip("\n") + "\n\n[plan]\n" + plan
+    if whole_rows:
+        rest = rest.partition("[plan.documents]")[0]
     return "[model]" + rest
 
 
@@ -92,11 +96,11 @@ def summary(cand) -> str:
     return ", ".join(f"{n}x({k})" if n > 1 else f"({k})" for k, n in shapes.items())
 
 
-def measure(case: str, folder: Path) -> dict:
+def measure(case: str, folder: Path, whole_rows: bool = False) -> dict:
     model, gpus_s, length, mixture = case.split("-", 3)
     gpus, seq_len = int(gpus_s), int(length[:-1]) * 1024
     path = folder / f"{case}.toml"
-    path.write_text(cluster_text(model, gpus, seq_len, mixture))
+    path.write_text(cluster_text(model, gpus, seq_len, mixture, whole_rows))
     c = load_cluster(path)
     t0 = time.process_time()
     out: dict = {"case": case, "model": model, "gpus": gpus, "seq_len": seq_len, "mixture": mixture}
@@ -140,7 +144,8 @@ def report(rows: list[dict], info: dict) -> str:
         info["load_before"],
         info["load_after"],
     ) + [
-        f"{info['cpu_s']:.0f} s of CPU. PREDICTED by the planner's cost model; nothing run. Gain = best static step "
+        ("Attention over the WHOLE packed row (S^2 a row, HotSPa's kernel). " if info["whole_rows"] else "")
+        + f"{info['cpu_s']:.0f} s of CPU. PREDICTED by the planner's cost model; nothing run. Gain = best static step "
         "(CP allowed) / the step of the best set of buckets the descent found (below 1: the static layout is "
         "written; 'written' names the buckets with their own layouts where they pay).",
         "",
@@ -167,6 +172,11 @@ def report(rows: list[dict], info: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated MODEL-GPUS-LENGTH-MIXTURE")
+    ap.add_argument(
+        "--whole-rows",
+        action="store_true",
+        help="price attention over the whole packed row (S^2, as HotSPa's flash attention without document masks)",
+    )
     ap.add_argument("--tag", default="", help="results as plan_buckets_hotspa_TAG.{json,md}")
     ap.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
     args = ap.parse_args()
@@ -175,10 +185,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="plan_buckets_") as folder:
         for case in args.cases.split(","):
-            rows.append(measure(case, Path(folder)))
+            rows.append(measure(case, Path(folder), args.whole_rows))
             r = rows[-1]
             benchlib.say(f"{case}: " + (r["error"] if "error" in r else f"gain {r['gain']:.3f} ({r['cpu_s']:.0f} s)"))
     info = {
+        "whole_rows": args.whole_rows,
         "command": benchlib.command_line(),
         "machine": benchlib.machine(),
         "load_before": load_before,

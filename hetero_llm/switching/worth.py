@@ -20,8 +20,9 @@ included). Memory, as held (one parameter storage shared by every layout, HotSPa
 backbone"): a device holds home's weights, gradients and moments throughout; while a bucket layout runs,
 **one** float32 buffer for the shards of the bucket layout it runs (the largest over the bucket layouts whose
 shards differ from home's on it: layouts run one at a time and share it; a layout with home's shards on a device
-reads home's; freed on the switch back home, as HotSPa frees its switch buffers after the update) and that
-layout's gradients and activations; while home runs, home's activations. A set of buckets that does not fit a
+reads home's weights and adds into home's gradients: only its activations; the buffer is freed on the switch
+back home, as HotSPa frees its switch buffers after the update) and that layout's gradients and activations;
+while home runs, home's activations. A set of buckets that does not fit a
 device is not proposed. Buckets are then
 changed (own plan, home's, home's stages elastic) one at a time while that makes the predicted step faster;
 buckets are proposed only if the step that is left is predicted faster than the static one, else the static
@@ -289,7 +290,9 @@ class _Pricer:
     def _compute(self, b: Bucket, rows: documents.PackedRows) -> float:
         """Seconds of bucket ``b``'s pipelines on its step's ``rows``: its plan (home's without one) at those rows and
         with their documents' attention (the sum of their squared lengths, per row)."""
-        square = round(float((rows.spans[:, 2].astype("float64") ** 2).sum()) / rows.num_rows)
+        square = None  # [plan.documents] says attention spans the whole row (S^2): the corpus' pricing
+        if not self.cluster.documents.per_row:
+            square = round(float((rows.spans[:, 2].astype("float64") ** 2).sum()) / rows.num_rows)
         if b.plan is None:  # under the home layout: home's pipelines, their microbatches fixed
             return pipe_seconds(self.bucket_score(self.home, False, b.max_len, rows.num_rows, square))
         unit = elastic_unit(b.plan)  # the written bucket's shares (planner/output.bucket_specs)
@@ -377,7 +380,12 @@ class _Pricer:
             resident = params * 8 + moments * MOMENT_BYTES  # home's weights, gradients, moments
             # home runs without the buffer (freed on the switch home, as HotSPa frees its switch buffers after the
             # update); a bucket layout runs beside it, with its gradients and activations
-            running = [act] + [copies + lay[d][0] * FLOAT32_BYTES + lay[d][2] for lay, _ in layouts if d in lay]
+            # (a layout with home's shards on the device computes on home's weights into home's gradients)
+            running = [act] + [
+                lay[d][2] if shards.get(d) == home_shards.get(d) else copies + lay[d][0] * FLOAT32_BYTES + lay[d][2]
+                for lay, shards in layouts
+                if d in lay
+            ]
             peak = resident + max(running)
             most_copies, most = max(most_copies, copies), max(most, peak)
             if peak > capacity[d] and not over:

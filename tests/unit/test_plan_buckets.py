@@ -192,10 +192,14 @@ def test_a_bucket_is_priced_by_its_own_plan_at_its_own_rows_and_documents(tmp_pa
     with pytest.raises(ValueError, match="not a multiple"):
         worth.rows_plan(plan, 7, elastic=True)
 
-    c = load_cluster(cluster(tmp_path, seq_len=64))
+    import numpy as np
+
+    path = cluster(tmp_path, seq_len=64)
+    whole_rows = load_cluster(path)  # no [plan.documents]: attention over the whole row, S^2, whatever the documents
+    path.write_text(path.read_text() + '\n[plan.documents]\ndistribution = "lognormal"\nmedian = 16\nsigma = 1.0\n')
+    c = load_cluster(path)
     home = plan_cluster(c, top=1).best
     prices = worth._Pricer(c, home, Planner(c).evaluate(home))
-    import numpy as np
 
     def rows_of(lengths, rows):  # documents of these token counts, one a row, padded to ``rows`` rows
         docs = [np.zeros(n, dtype=np.int64) for n in lengths]
@@ -211,3 +215,5 @@ def test_a_bucket_is_priced_by_its_own_plan_at_its_own_rows_and_documents(tmp_pa
     twice = prices._compute(under_home, rows_of([65] * (2 * G), 2 * G))
     assert twice == pytest.approx(worth.pipe_seconds(prices.bucket_score(home, False, 64, 2 * G, 64 * 64)))
     assert twice > long
+    row_prices = worth._Pricer(whole_rows, home, Planner(whole_rows).evaluate(home))
+    assert row_prices._compute(under_home, rows_of([9] * G, G)) == row_prices._compute(under_home, rows_of([65] * G, G))
