@@ -273,15 +273,16 @@ class _Pricer:
         """Home's stages as an elastic bucket of rows up to ``bound``: each pipeline keeps its rows per microbatch
         and takes the fewest microbatches that keep home's proportions (rounded) and at least its stage count (what
         1F1B and ZB-H1 hold at most: no more activations than planned), so a step's rows pad to the sum of those
-        shares, not to the global batch. None under other schedules, or where that is home itself."""
+        shares, not to the global batch. Under another home schedule (GPipe, interleaved, dynamic) the bucket runs
+        home's stages under 1F1B (one chunk): its in-flight microbatches bounded by the stage count. None where that
+        is home itself or does not fit."""
 
-        if self.home.schedule not in ("1f1b", "zbh1"):
-            return None
+        schedule = self.home.schedule if self.home.schedule in ("1f1b", "zbh1") else "1f1b"
         # the fewest microbatches that keep every pipeline at >= its stage count and home's proportions (rounded)
         f = max(len(p.stages) / p.microbatches for p in self.home.pipelines)
         counts = [max(len(p.stages), round(p.microbatches * f)) for p in self.home.pipelines]
         pipes = tuple(PipelineChoice(p.rows * m, m, p.stages) for p, m in zip(self.home.pipelines, counts))
-        cand = attrs.evolve(self.home, pipelines=pipes)
+        cand = attrs.evolve(self.home, pipelines=pipes, schedule=schedule, chunks=1)
         if cand == self.home or elastic_unit(cand) is None:
             return None
         score = self.bucket_score(cand, True, bound, sum(p.batch for p in pipes))
