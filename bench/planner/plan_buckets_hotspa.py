@@ -48,10 +48,10 @@ BOUNDS = {16384: "4096,8192", 32768: "4096,16384", 65536: "4096,16384,32768"}  #
 # HotSPa's published strategies (dp,tp,pp) per case, from its artifact's scripts (HotSPa-AE README, 16K buckets
 # (16384 8192 4096 0) on CommonCrawl / the GitHub set's four): the longest bucket's first
 HOTSPA = {
-    ("7b", 8): "CommonCrawl 1,4,2 | 2,2,2 | 8,1,1; GitHub 1,4,2 | 2,2,2 | 4,2,1 | 8,1,1",
-    ("7b", 16): "CommonCrawl 2,4,2 | 4,4,1 | 16,1,1; GitHub 2,4,2 | 4,4,1 | 8,2,1 | 16,1,1",
-    ("13b", 8): "CommonCrawl 1,8,1 | 1,4,2 | 4,2,1; GitHub 1,8,1 | 1,4,2 | 2,2,2 | 4,2,1",
-    ("13b", 16): "CommonCrawl 2,8,1 | 4,4,1 | 8,2,1; GitHub 2,8,1 | 4,4,1 | 4,2,2 | 8,2,1",
+    ("7b", 8): "CommonCrawl 1,4,2 / 2,2,2 / 8,1,1; GitHub 1,4,2 / 2,2,2 / 4,2,1 / 8,1,1",
+    ("7b", 16): "CommonCrawl 2,4,2 / 4,4,1 / 16,1,1; GitHub 2,4,2 / 4,4,1 / 8,2,1 / 16,1,1",
+    ("13b", 8): "CommonCrawl 1,8,1 / 1,4,2 / 4,2,1; GitHub 1,8,1 / 1,4,2 / 2,2,2 / 4,2,1",
+    ("13b", 16): "CommonCrawl 2,8,1 / 4,4,1 / 8,2,1; GitHub 2,8,1 / 4,4,1 / 4,2,2 / 8,2,1",
 }
 CASES = [f"{m}-{g}-32k-{x}" for m in MODELS for g in (8, 16, 32) for x in MIXTURES] + [
     f"{m}-16-{s}-{x}" for m in MODELS for s in ("16k", "64k") for x in MIXTURES
@@ -84,10 +84,10 @@ def cluster_text(model: str, gpus: int, seq_len: int, mixture: str, whole_rows: 
 
 
 def summary(cand) -> str:
-    """'2x(PP 2: TP 2 CP 2 | TP 2 CP 2)': the pipelines of a plan, grouped."""
+    """'2x(PP 2: TP 2 CP 2 / TP 2 CP 2)': the pipelines of a plan, grouped (no '|': a table cell)."""
     shapes: dict[str, int] = {}
     for p in cand.pipelines:
-        stages = " | ".join(
+        stages = " / ".join(
             f"TP {s.group.tp}" + (f" CP {s.group.cp}" if s.group.cp > 1 else "") + ("" if not s.recompute else " rc")
             for s in p.stages
         )
