@@ -217,3 +217,24 @@ def test_a_bucket_is_priced_by_its_own_plan_at_its_own_rows_and_documents(tmp_pa
     assert twice > long
     row_prices = worth._Pricer(whole_rows, home, Planner(whole_rows).evaluate(home))
     assert row_prices._compute(under_home, rows_of([9] * G, G)) == row_prices._compute(under_home, rows_of([65] * G, G))
+
+
+@pytest.mark.parametrize("case", ["7b-8-32k-lognormal", "13b-32-64k-github-like", "7b-16-16k-lognormal"])
+def test_hotspa_regime_bench_writes_the_cases_cluster(tmp_path, case):
+    """bench/planner/plan_buckets_hotspa.py: each case's cluster file loads with its model, GPUs, rows, tokens a step
+    and length mixture (both as the runtime's documents and as [plan.documents]); --whole-rows drops the latter."""
+    from bench.planner import plan_buckets_hotspa as bench
+
+    model, gpus, length, mixture = case.split("-", 3)
+    seq_len = int(length[:-1]) * 1024
+    path = tmp_path / "c.toml"
+    path.write_text(bench.cluster_text(model, int(gpus), seq_len, mixture))
+    c = load_cluster(path)
+    assert sum(len(n.devices) for n in c.spec.nodes) == int(gpus) and c.model.seq_len == seq_len
+    assert c.model.layers == bench.MODELS[model]["layers"] and c.model.hidden == bench.MODELS[model]["hidden"]
+    assert c.train.global_batch * seq_len == bench.TOKENS and c.limits.max_cp == 8
+    median, sigma = bench.MIXTURES[mixture]
+    assert (c.documents.median, c.documents.sigma) == (median, sigma)
+    assert (c.data.doc_len_median, c.data.doc_len_sigma) == (median, sigma)
+    path.write_text(bench.cluster_text(model, int(gpus), seq_len, mixture, whole_rows=True))
+    assert load_cluster(path).documents.per_row
