@@ -186,7 +186,7 @@ def plan_cluster(
     if bounds:
         from hetero_llm.switching import propose, worth
 
-        # each bucket's plan, then whole steps priced (switches, shard copies) against the best static plan
+        # each bucket's plan, then whole steps priced (switches, memory held) against the best static plan
         verdict = worth.judge(cluster, result.best, result.score, propose.propose(cluster, bounds, result.best))
         planned = verdict.buckets if verdict.switching else ()
     if out is not None:

@@ -24,7 +24,7 @@ import numpy as np
 from hetero_llm.data.documents import PackedRows, first_fit_decreasing, pack_placed
 from hetero_llm.layout import elastic_divisor
 
-__all__ = ["bucket_rows", "bucket_shares", "bucket_split"]
+__all__ = ["bucket_rows", "bucket_shares", "bucket_split", "placed"]
 
 
 def bucket_shares(pipelines, elastic: bool) -> list[int]:
@@ -46,15 +46,7 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
     buckets' documents: longest first (ties in step order), each into the first row with room, without new
     rows; those documents leave their own bucket. Longer buckets top up first."""
     bounds = [b.max_len for b in layout.buckets]
-    mine: list[list[int]] = [[] for _ in bounds]  # indices into docs
-    for k, d in enumerate(docs):
-        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(k)
-    rows_of: list[list[int]] = [
-        first_fit_decreasing([len(docs[k]) for k in group], bounds[i]) if group else [] for i, group in enumerate(mine)
-    ]
-    for i in reversed(range(len(bounds))):
-        if layout.buckets[i].top_up and mine[i]:
-            _top_up(docs, mine, rows_of, i, bounds)
+    mine, rows_of = placed(bounds, [b.top_up for b in layout.buckets], docs)
     out: list[PackedRows | None] = []
     for i, group in enumerate(mine):
         if not group:
@@ -65,6 +57,21 @@ def bucket_rows(layout, docs: list[np.ndarray]) -> list[PackedRows | None]:
         rows = -(-(max(rows_of[i]) + 1) // unit) * unit
         out.append(pack_placed([docs[k] for k in group], rows_of[i], rows, bounds[i]))
     return out
+
+
+def placed(bounds: list[int], top_up: list[bool], docs: list[np.ndarray]) -> tuple[list[list[int]], list[list[int]]]:
+    """``bucket_rows`` before padding: each bucket's documents (indices into ``docs``) and the row of each, sorted by
+    length into the buckets of ``bounds``, packed first-fit decreasing, the ``top_up`` buckets topped up."""
+    mine: list[list[int]] = [[] for _ in bounds]  # indices into docs
+    for k, d in enumerate(docs):
+        mine[next(i for i, bound in enumerate(bounds) if len(d) - 1 <= bound)].append(k)
+    rows_of: list[list[int]] = [
+        first_fit_decreasing([len(docs[k]) for k in group], bounds[i]) if group else [] for i, group in enumerate(mine)
+    ]
+    for i in reversed(range(len(bounds))):
+        if top_up[i] and mine[i]:
+            _top_up(docs, mine, rows_of, i, bounds)
+    return mine, rows_of
 
 
 def _top_up(docs: list[np.ndarray], mine: list[list[int]], rows_of: list[list[int]], i: int, bounds: list[int]) -> None:

@@ -1,44 +1,51 @@
 """Whether hot switching pays (``hetero-plan --buckets``): planned bucket layouts priced as whole steps, their
-switches and the memory of their shard copies included, against the best static plan. Torch-free.
+switches and the memory they hold included, against the best static plan. Torch-free.
 
 ``propose.propose`` plans each bucket on its own rows. ``judge`` then predicts whole steps, on the
 documents of the first ``STEPS`` steps (the ones training draws, ``documents.fill_documents``):
 
 - each bucket's rows as the run packs them (``bucketing.bucket_rows``: first-fit decreasing, top-up included,
-  padded to its pipelines' shares);
-- each bucket's compute from the planner's cost model: its plan's pipeline time (step time less gradient sync
-  and optimizer) for ``train.global_batch`` rows of its width, scaled by the rows it runs (a bucket under the
-  home layout: home's on rows of that width);
+  padded to its pipelines' shares): a bucket is sized by its step's documents, not by ``train.global_batch``;
+- each bucket's compute from the planner's cost model, its own plan evaluated **at its own rows**
+  (``rows_plan``: an elastic bucket's pipelines run ``rounds`` times their shares and microbatches, a fixed one
+  ``rounds`` times the rows per microbatch; a bucket under the home layout: home's stages likewise) and with its
+  own documents' attention (the sum of their squared lengths over its rows, not the corpus' mean row);
 - the step's switches (``predict.step_switches``: the switch planner's bytes per link kind, each device's
   latency per message, copies and host work per block) over the cluster's links: a node's link at the slowest
   device kind's ``link_gbps``, the domains' NICs, the cross-domain network;
 - home's gradient sync and optimizer step once.
 
-The static step is the best static plan's predicted step (the planner's whole static space). Memory: a rank
-keeps its float32 parameter shards of every planned bucket layout besides home's (``Switcher``'s slots), so a
-device holds home's weights, gradients and moments, every copy, and the running layout's gradients and
-activations; a set of buckets that does not fit a device is not proposed. Buckets are then dropped (run under
-home) one at a time while that makes the predicted step faster; buckets are proposed only if the step that
-is left is predicted faster than the static one, else the static layout is written.
+The static step is the best static plan's predicted step (the planner's whole static space, context parallelism
+included). Memory, as held (one parameter storage shared by every layout, HotSPa's "single model storage
+backbone"): a device holds home's weights, gradients and moments throughout; while a bucket layout runs,
+**one** float32 buffer for the shards of the bucket layout it runs (the largest over the bucket layouts whose
+shards differ from home's on it: layouts run one at a time and share it; a layout with home's shards on a device
+reads home's weights and adds into home's gradients: only its activations; the buffer is freed on the switch
+back home, as HotSPa frees its switch buffers after the update) and that layout's gradients and activations;
+while home runs, home's activations. A set of buckets that does not fit a
+device is not proposed. Buckets are then
+changed (own plan, home's, home's stages elastic) one at a time while that makes the predicted step faster;
+buckets are proposed only if the step that is left is predicted faster than the static one, else the static
+layout is written.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import attrs
 
-from hetero_llm import layout as layout_mod
 from hetero_llm.data import documents, sources
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner.buckets import Bucket, elastic_unit
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, Score
 from hetero_llm.planner.cluster import Cluster
+from hetero_llm.planner.cost import PlannerCostModel
+from hetero_llm.planner.documents import LENGTHS, Documents
 from hetero_llm.planner.memory import MOMENT_BYTES, MemoryModel
 from hetero_llm.planner.output import planned_layout
-from hetero_llm.planner.search import Planner
 from hetero_llm.switching import bucketing
 from hetero_llm.switching.predict import COPY_BANDWIDTH, NODE_LINK, link_costs, step_switches
 
@@ -54,7 +61,7 @@ class Priced:
     compute_s: float  # the buckets' compute
     switch_s: float  # the switches
     home_s: float  # home's gradient sync and optimizer step
-    copy_bytes: float  # the most bytes of bucket-layout parameter copies on one device
+    copy_bytes: float  # the most bytes on one device of the one buffer bucket layouts' own shards share
     peak_bytes: float  # the most bytes on one device, counted as the module doc says
     over: str  # "" when every device fits, else the first device over its memory
 
@@ -82,7 +89,7 @@ class Verdict:
             return (
                 f"buckets up to {', '.join(planned) or '(none)'}: {p.step_s:.4g} s per step ({p.compute_s:.4g} s "
                 f"compute, {p.switch_s:.4g} s switches = {p.switch_s / p.step_s:.1%}, {p.home_s:.4g} s sync and "
-                f"optimizer), {self.static_s / p.step_s:.3f}x static; parameter copies {p.copy_bytes / 1e9:.3g} GB, "
+                f"optimizer), {self.static_s / p.step_s:.3f}x static; bucket shard buffer {p.copy_bytes / 1e9:.3g} GB, "
                 f"peak {p.peak_bytes / 1e9:.3g} GB per device"
             )
 
@@ -155,7 +162,7 @@ def judge(cluster: Cluster, home: Candidate, home_score: Score, buckets: Sequenc
             f"home layout: whole steps with switching are not predicted faster than the best static plan "
             f"({best.step_s:.4g} s vs {static_s:.4g} s)"
             if not best.over
-            else f"home layout: the bucket layouts' parameter copies do not fit ({best.over})"
+            else f"home layout: the bucket layouts do not fit ({best.over})"
         )
         chosen = tuple(_home(b, why) for b in buckets)
     return Verdict(chosen, static_s, proposed, best)
@@ -169,81 +176,164 @@ def _home(b: Bucket, why: str = "") -> Bucket:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def _step_documents(data, seq_len: int, file: str, seed: int, step: int, rows: int) -> tuple:
+    source = sources.document_sources(data, seq_len, file)[0]
+    return tuple(documents.fill_documents(source, seed, step, rows, seq_len))
+
+
+def step_documents(cluster: Cluster, step: int) -> list:
+    """The documents training draws at ``step`` (``documents.fill_documents`` of the cluster's source and seed into
+    ``train.global_batch`` rows of ``model.seq_len``), kept: the pricing reads them for every set of buckets."""
+    m, t = cluster.model, cluster.train
+    return list(_step_documents(cluster.data, m.seq_len, cluster.file, t.seed, step, t.global_batch))
+
+
+def rows_plan(plan: Candidate, rows: int, elastic: bool) -> Candidate:
+    """``plan`` as a bucket runs it on ``rows`` rows (a multiple of its pipelines' batch sum: ``bucketing.bucket_rows``
+    pads to it): ``rounds = rows / sum(batch)``; elastic, every pipeline runs ``rounds`` times its batch and its
+    microbatches (the rows per microbatch the plan was checked for); fixed, its microbatches of ``rounds`` times the
+    rows (``bucketing.bucket_split``)."""
+    unit = sum(p.batch for p in plan.pipelines)
+    if rows % unit:
+        raise ValueError(f"{rows} rows are not a multiple of the pipelines' batch shares ({unit})")
+    rounds = rows // unit
+    if rounds == 1:
+        return plan
+    return attrs.evolve(
+        plan,
+        pipelines=tuple(
+            PipelineChoice(p.batch * rounds, p.microbatches * rounds if elastic else p.microbatches, p.stages)
+            for p in plan.pipelines
+        ),
+    )
+
+
+def pipe_seconds(score: Score) -> float:
+    """A plan's pipelines' time in a step: its step less the gradient sync and the optimizer (a bucket runs its
+    pipelines; home syncs and steps once)."""
+    return score.step_time - score.sync_time - score.optimizer_time
+
+
+def home_resident(cluster: Cluster, home: Candidate) -> dict[str, float]:
+    """device -> the bytes home keeps there whatever layout runs: its weights and gradients (float32) and its
+    optimizer moments (ZeRO-1: their share)."""
+    mm = MemoryModel(cluster)
+    moments = mm.moments(home)
+    out = {}
+    for p, pipe in enumerate(home.pipelines):
+        for s, st in enumerate(pipe.stages):
+            params = mm.stage_params(st.group.tp, st.layers, s == 0, s == len(pipe.stages) - 1)
+            for d in st.group.devices:
+                out[d] = params * 8 + moments[p][s] * MOMENT_BYTES
+    return out
+
+
+def _shards(cand: Candidate) -> dict[str, tuple[int, int, int]]:
+    """device -> (first layer, layers, TP) of the stage it holds: two layouts with the same entry for a device hold
+    the same parameter shards there."""
+    out = {}
+    for p in cand.pipelines:
+        first = 0
+        for st in p.stages:
+            for d in st.group.devices:
+                out[d] = (first, st.layers, st.group.tp)
+            first += st.layers
+    return out
+
+
 class _Pricer:
     def __init__(self, cluster: Cluster, home: Candidate, home_score: Score):
 
         self.cluster, self.home, self.home_score = cluster, home, home_score
-        self.planner_at: dict[int, Score] = {}  # bound -> the home layout's score on rows of that width
-        lay = planned_layout(cluster, home)
-        self.source = sources.document_sources(lay.data, lay.model.seq_len, lay.file)[0]
         self.global_batch = cluster.train.global_batch
-        self._Planner = Planner
+        self.scores: dict[tuple, Score] = {}  # (plan, elastic, bound, rows, attention per row) -> its score
 
-    def home_score_at(self, bound: int) -> Score:
-        """The home layout's score on rows of ``bound`` positions."""
-        if bound not in self.planner_at:
-            shorter = attrs.evolve(self.cluster, model=attrs.evolve(self.cluster.model, seq_len=bound))
-            at_seq_len = bound == self.cluster.model.seq_len
-            self.planner_at[bound] = self.home_score if at_seq_len else self._Planner(shorter).evaluate(self.home)
-        return self.planner_at[bound]
+    def at(self, bound: int, rows: int | None = None, square: int | None = None) -> Cluster:
+        """The cluster with rows of ``bound`` positions, ``rows`` of them a step (default: the global batch) and
+        ``square`` positions squared of attention per row (default: the corpus', ``[plan.documents]``)."""
+        c = attrs.evolve(
+            self.cluster,
+            model=attrs.evolve(self.cluster.model, seq_len=bound),
+            train=attrs.evolve(self.cluster.train, global_batch=rows or self.global_batch),
+        )
+        if square is not None:  # one document length whose full rows have that square sum (documents.square_sum)
+            c = attrs.evolve(c, documents=Documents(LENGTHS, (max(2, round(square / bound) + 1),), (1.0,)))
+        return c
 
-    def _home_pipe_s(self, bound: int) -> float:
-        s = self.home_score_at(bound)
-        return s.step_time - s.sync_time - s.optimizer_time
+    def bucket_score(self, plan: Candidate, elastic: bool, bound: int, rows: int, square: int | None = None) -> Score:
+        """``plan`` scored as a bucket runs it: on ``rows`` rows of ``bound`` positions (``rows_plan``), its
+        attention ``square`` positions squared per row (None: the corpus')."""
+        key = (plan, elastic, bound, rows, square)
+        if key not in self.scores:
+            self.scores[key] = PlannerCostModel(self.at(bound, rows, square)).score(rows_plan(plan, rows, elastic))
+        return self.scores[key]
 
     def elastic_home(self, bound: int) -> Bucket | None:
         """Home's stages as an elastic bucket of rows up to ``bound``: each pipeline keeps its rows per microbatch
         and takes the fewest microbatches that keep home's proportions (rounded) and at least its stage count (what
         1F1B and ZB-H1 hold at most: no more activations than planned), so a step's rows pad to the sum of those
-        shares, not to the global batch. None under other schedules, or where that is home itself."""
+        shares, not to the global batch. Under another home schedule (GPipe, interleaved, dynamic) the bucket runs
+        home's stages under 1F1B (one chunk): its in-flight microbatches bounded by the stage count. None where that
+        is home itself or does not fit."""
 
-        if self.home.schedule not in ("1f1b", "zbh1"):
-            return None
+        schedule = self.home.schedule if self.home.schedule in ("1f1b", "zbh1") else "1f1b"
         # the fewest microbatches that keep every pipeline at >= its stage count and home's proportions (rounded)
         f = max(len(p.stages) / p.microbatches for p in self.home.pipelines)
         counts = [max(len(p.stages), round(p.microbatches * f)) for p in self.home.pipelines]
         pipes = tuple(PipelineChoice(p.rows * m, m, p.stages) for p, m in zip(self.home.pipelines, counts))
-        cand = attrs.evolve(self.home, pipelines=pipes)
+        cand = attrs.evolve(self.home, pipelines=pipes, schedule=schedule, chunks=1)
         if cand == self.home or elastic_unit(cand) is None:
             return None
-        shares = sum(p.batch for p in pipes)
-        at = attrs.evolve(
-            self.cluster,
-            model=attrs.evolve(self.cluster.model, seq_len=bound),
-            train=attrs.evolve(self.cluster.train, global_batch=shares),
-        )
-        score = self._Planner(at).evaluate(cand)
+        score = self.bucket_score(cand, True, bound, sum(p.batch for p in pipes))
         return Bucket(bound, cand, score, "") if score.feasible else None
 
-    def price(self, buckets: tuple[Bucket, ...]) -> Priced:
+    def _compute(self, b: Bucket, rows: documents.PackedRows) -> float:
+        """Seconds of bucket ``b``'s pipelines on its step's ``rows``: its plan (home's without one) at those rows and
+        with their documents' attention (the sum of their squared lengths, per row)."""
+        square = None  # [plan.documents] says attention spans the whole row (S^2): the corpus' pricing
+        if not self.cluster.documents.per_row:
+            square = round(float((rows.spans[:, 2].astype("float64") ** 2).sum()) / rows.num_rows)
+        if b.plan is None:  # under the home layout: home's pipelines, their microbatches fixed
+            return pipe_seconds(self.bucket_score(self.home, False, b.max_len, rows.num_rows, square))
+        unit = elastic_unit(b.plan)  # the written bucket's shares (planner/output.bucket_specs)
+        shares = attrs.evolve(
+            b.plan,
+            pipelines=tuple(
+                PipelineChoice(p.batch // (unit or 1), p.microbatches // (unit or 1), p.stages)
+                for p in b.plan.pipelines
+            ),
+        )
+        return pipe_seconds(self.bucket_score(shares, unit is not None, b.max_len, rows.num_rows, square))
 
-        text = layout_mod.dumps(planned_layout(self.cluster, self.home, buckets))
-        lay = layout_mod.loads(text, file=self.cluster.file, base_dir=Path(self.cluster.file).parent)
+    def price(self, buckets: tuple[Bucket, ...]) -> Priced:
+        # the layout as written, compiled without the runtime's checks of what it runs yet (GPU devices, a
+        # bucket's cp): the price is the plan's, whichever runtime trains it
+        lay = planned_layout(self.cluster, self.home, buckets)
         home_plan = compile_plan(lay)
         plans = list(home_plan.buckets)
         links = self._links(lay)
         compute = switches = 0.0
         steps = max(1, min(STEPS, self.cluster.train.steps))
         for step in range(steps):
-            docs = documents.fill_documents(self.source, lay.train.seed, step, self.global_batch, lay.model.seq_len)
-            rows_of = bucketing.bucket_rows(lay, docs)
+            rows_of = bucketing.bucket_rows(lay, step_documents(self.cluster, step))
             for b, rows in zip(buckets, rows_of):
-                if rows is None:
-                    continue
-                if b.plan is not None and b.score is not None:  # its plan's time for its shares' rows
-                    shares = sum(p.batch for p in b.plan.pipelines)
-                    pipe_s = (b.score.step_time - b.score.sync_time - b.score.optimizer_time) / shares
-                else:
-                    pipe_s = self._home_pipe_s(b.max_len) / self.global_batch
-                compute += pipe_s * rows.num_rows
+                if rows is not None:
+                    compute += self._compute(b, rows)
             switches += sum(s for _, _, s in step_switches(lay, home_plan, plans, rows_of, links, *self._copy()))
         copies, peak, over = self._memory(buckets)
+        if not over and not math.isfinite(compute):
+            over = "a bucket's microbatches at its step's rows"
         home_s = self.home_score.sync_time + self.home_score.optimizer_time
         return Priced(buckets, compute / steps, switches / steps, home_s, copies, peak, over)
 
     def _copy(self) -> tuple[float, float]:
-
-        return COPY_BANDWIDTH, 0.0
+        """(bytes/s of a block copy, seconds per block): on GPUs the slowest kind's achieved memory bandwidth over
+        2 (a copy reads and writes each byte), else ``predict.COPY_BANDWIDTH`` (a host's, as the CPU bench
+        measured it)."""
+        if any(d == "cpu" for n in self.cluster.spec.nodes for d in n.devices):
+            return COPY_BANDWIDTH, 0.0
+        return min(n.kind.mem_bw_gbs * n.kind.mem_fraction for n in self.cluster.nodes) * 1e9 / 2, 0.0
 
     def _links(self, lay) -> dict[str, tuple[float, float]]:
         """The switch links: ``predict.link_costs`` (the layout's domains and cross-domain network), a node's
@@ -256,7 +346,8 @@ class _Pricer:
         return links
 
     def _memory(self, buckets: tuple[Bucket, ...]) -> tuple[float, float, str]:
-        """(most copy bytes on a device, most bytes on a device, the first device over its memory or "")."""
+        """(most bucket-layout shard bytes on a device, most bytes on a device, the first device over its memory or
+        ""), counted as held (module doc): one shared storage, not a copy per bucket layout."""
 
         mm = MemoryModel(self.cluster)
 
@@ -273,20 +364,29 @@ class _Pricer:
             return out
 
         home = per_device(self.home, self.home_score, mm)
-        layouts = []
+        home_shards = _shards(self.home)
+        layouts = []  # (device -> its numbers, device -> its shard) of each planned bucket layout
         for b in buckets:
             if b.plan is not None and b.score is not None:
-                shorter = attrs.evolve(self.cluster, model=attrs.evolve(self.cluster.model, seq_len=b.max_len))
-                layouts.append(per_device(b.plan, b.score, MemoryModel(shorter)))
+                layouts.append((per_device(b.plan, b.score, MemoryModel(self.at(b.max_len))), _shards(b.plan)))
         capacity = {
             d: mm.capacity(st.group) for pipe in self.home.pipelines for st in pipe.stages for d in st.group.devices
         }
         most_copies = most = 0.0
         over = ""
         for d, (params, moments, act) in home.items():
-            copies = sum(lay.get(d, (0.0, 0.0, 0.0))[0] for lay in layouts) * FLOAT32_BYTES
-            resident = params * 8 + moments * MOMENT_BYTES + copies  # home's weights, gradients, moments; copies
-            running = [act] + [lay[d][0] * FLOAT32_BYTES + lay[d][2] for lay in layouts if d in lay]
+            # the one buffer a device keeps for the bucket layouts whose shards differ from home's there
+            own = [lay[d][0] for lay, shards in layouts if d in lay and shards.get(d) != home_shards.get(d)]
+            copies = max(own, default=0.0) * FLOAT32_BYTES
+            resident = params * 8 + moments * MOMENT_BYTES  # home's weights, gradients, moments
+            # home runs without the buffer (freed on the switch home, as HotSPa frees its switch buffers after the
+            # update); a bucket layout runs beside it, with its gradients and activations
+            # (a layout with home's shards on the device computes on home's weights into home's gradients)
+            running = [act] + [
+                lay[d][2] if shards.get(d) == home_shards.get(d) else copies + lay[d][0] * FLOAT32_BYTES + lay[d][2]
+                for lay, shards in layouts
+                if d in lay
+            ]
             peak = resident + max(running)
             most_copies, most = max(most_copies, copies), max(most, peak)
             if peak > capacity[d] and not over:

@@ -40,40 +40,54 @@ def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_fa
     c = load_cluster(path)
     result = plan_cluster(c, top=1)
     proposed = propose.propose(c, (128, 1024), result.best)
-    shorter = Planner(_at(c, 128)).evaluate(result.best)
-    assert proposed[0].plan is not None
-    assert proposed[0].score.step_time * propose.MIN_GAIN <= shorter.step_time
+    shorter = Planner(_at(c, 128)).evaluate(result.best)  # home on the global batch's rows of 128
+    rows = propose.demand(c, (128, 1024))
+    assert proposed[0].plan is not None and sum(p.batch for p in proposed[0].plan.pipelines) == rows[0]
+    own_row = worth.pipe_seconds(proposed[0].score) / rows[0]
+    assert own_row * propose.MIN_GAIN <= worth.pipe_seconds(shorter) / c.train.global_batch
     # the whole step, priced: faster than the static plan, switches counted, the copies of both bucket layouts
     verdict = worth.judge(c, result.best, result.score, proposed)
     kept = verdict.chosen
     assert verdict.switching and kept.step_s < verdict.static_s == result.score.step_time
     assert kept.switch_s > 0 and kept.step_s == pytest.approx(kept.compute_s + kept.switch_s + kept.home_s)
+    # one shared buffer per device for the bucket layouts' own shards: the largest, not a copy per layout; the
+    # elastic home bucket holds home's shards (no buffer)
     mm = MemoryModel(c)
-    copies = {}
+    home_shards = worth._shards(result.best)
+    copies: dict[str, list[float]] = {}
     for b in kept.buckets:
         for p in b.plan.pipelines:
             for i, st in enumerate(p.stages):
                 for d in st.group.devices:
-                    n = mm.stage_params(st.group.tp, st.layers, i == 0, i == len(p.stages) - 1)
-                    copies[d] = copies.get(d, 0) + 4 * n
-    assert kept.copy_bytes == pytest.approx(max(copies.values()))
+                    if worth._shards(b.plan)[d] != home_shards[d]:
+                        n = mm.stage_params(st.group.tp, st.layers, i == 0, i == len(p.stages) - 1)
+                        copies.setdefault(d, []).append(4 * n)
+    assert kept.copy_bytes == pytest.approx(max(max(c) for c in copies.values()))
     # written elastic (ZB-H1 or 1F1B, every pipeline with at least as many microbatches as stages)
     assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up
 
 
-def test_buckets_whose_shard_copies_do_not_fit_are_not_written(tmp_path):
-    """At 5 MB the short bucket's plan fits on its own, but not beside the home layout's shards: the static layout
-    is written, and the output says why. (AdamW only: under ZeRO-1 the home layout's shards leave room.)"""
+def test_buckets_planned_beside_home_in_one_shared_storage_fit_where_copies_did_not(tmp_path):
+    """At 5 MB (AdamW only) the short bucket's plan, searched on the whole memory and counted as a float32 copy held
+    beside home's shards all step, did not fit (before issue 36: the static layout was written). Searched on the
+    memory home's storage leaves (``propose.beside_home``) and counted as held (one shared buffer, only while a
+    bucket layout runs), it fits every device and pays: the verdict changes."""
     path, out = cluster(tmp_path, memory_gb=0.005), tmp_path / "out.toml"
     path.write_text(path.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n'))
     res = run_plan(path, "-o", out, "--buckets", "128")
     assert res.exit_code == 0, res.stderr
-    assert "  proposed buckets up to 128: do not fit (fast0:0: " in res.stdout
-    assert "  => switching is not predicted to pay: writing the static layout (no [[buckets]])" in res.stdout
-    assert layout_mod.load(out).buckets == ()
+    assert "do not fit" not in res.stdout and "  => writing the buckets kept" in res.stdout
+    assert [b.max_len for b in layout_mod.load(out).buckets] == [128, 1024]
     verdict = json.loads(run_plan(path, "--json", "--buckets", "128").stdout)["buckets"]
-    assert not verdict["switching"] and verdict["proposed"]["over_memory"].startswith("fast0:0: ")
-    assert verdict["proposed"]["step_s"] is None and verdict["static_step_s"] > 0
+    assert verdict["switching"] and verdict["kept"]["over_memory"] is None
+    c = load_cluster(path)
+    home = plan_cluster(c, top=1).best
+    room = propose.beside_home(c, home)
+    resident = worth.home_resident(c, home)
+    for n, m in zip(c.nodes, room.nodes):  # a bucket's search gets what home's storage leaves on each device
+        for d, kept in resident.items():
+            if d.partition(":")[0] == n.name:
+                assert m.kind.memory_gb * 1e9 <= n.kind.memory_gb * 1e9 - kept + 1e-3 < n.kind.memory_gb * 1e9
 
 
 def test_switches_are_priced_slow_links_drop_the_bucket_whose_switches_cross_the_network(tmp_path, monkeypatch):
@@ -160,3 +174,67 @@ def test_buckets_need_packed_documents(tmp_path):
         f"error: {path}: data.packing: --buckets sorts whole documents by length: set "
         'data.packing = "documents" in the cluster file\n'
     )
+
+
+def test_a_bucket_is_priced_by_its_own_plan_at_its_own_rows_and_documents(tmp_path):
+    """Issue 36: a bucket's compute is its plan evaluated on the rows its step's documents fill (an elastic bucket:
+    its shares and microbatches ``rounds`` times; a fixed one: its microbatches ``rounds`` times the rows), with the
+    attention of its own documents, not the plan's time for the global batch scaled by rows."""
+    from hetero_llm.data.documents import pack_placed
+    from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice
+
+    stage = StageChoice(group=None, layers=4)
+    plan = Candidate(pipelines=(PipelineChoice(4, 2, (stage, stage)), PipelineChoice(2, 2, (stage,))), schedule="1f1b")
+    assert worth.rows_plan(plan, 6, elastic=True) is plan
+    tripled = worth.rows_plan(plan, 18, elastic=True)
+    assert [(p.batch, p.microbatches) for p in tripled.pipelines] == [(12, 6), (6, 6)]
+    assert [(p.batch, p.microbatches) for p in worth.rows_plan(plan, 18, elastic=False).pipelines] == [(12, 2), (6, 2)]
+    with pytest.raises(ValueError, match="not a multiple"):
+        worth.rows_plan(plan, 7, elastic=True)
+
+    import numpy as np
+
+    path = cluster(tmp_path, seq_len=64)
+    whole_rows = load_cluster(path)  # no [plan.documents]: attention over the whole row, S^2, whatever the documents
+    path.write_text(path.read_text() + '\n[plan.documents]\ndistribution = "lognormal"\nmedian = 16\nsigma = 1.0\n')
+    c = load_cluster(path)
+    home = plan_cluster(c, top=1).best
+    prices = worth._Pricer(c, home, Planner(c).evaluate(home))
+
+    def rows_of(lengths, rows):  # documents of these token counts, one a row, padded to ``rows`` rows
+        docs = [np.zeros(n, dtype=np.int64) for n in lengths]
+        return pack_placed(docs, list(range(len(docs))), rows, 64)
+
+    under_home = buckets.Bucket(64, None, None)
+    G = c.train.global_batch
+    short, long = prices._compute(under_home, rows_of([9] * G, G)), prices._compute(under_home, rows_of([65] * G, G))
+    assert short < long  # the same rows, shorter documents: less attention
+    expected = worth.pipe_seconds(prices.bucket_score(home, False, 64, G, round(64 * 64)))
+    assert long == pytest.approx(expected)
+    # twice the global batch's rows: home's pipelines on twice the rows per microbatch, priced as such
+    twice = prices._compute(under_home, rows_of([65] * (2 * G), 2 * G))
+    assert twice == pytest.approx(worth.pipe_seconds(prices.bucket_score(home, False, 64, 2 * G, 64 * 64)))
+    assert twice > long
+    row_prices = worth._Pricer(whole_rows, home, Planner(whole_rows).evaluate(home))
+    assert row_prices._compute(under_home, rows_of([9] * G, G)) == row_prices._compute(under_home, rows_of([65] * G, G))
+
+
+@pytest.mark.parametrize("case", ["7b-8-32k-lognormal", "13b-32-64k-github-like", "7b-16-16k-lognormal"])
+def test_hotspa_regime_bench_writes_the_cases_cluster(tmp_path, case):
+    """bench/planner/plan_buckets_hotspa.py: each case's cluster file loads with its model, GPUs, rows, tokens a step
+    and length mixture (both as the runtime's documents and as [plan.documents]); --whole-rows drops the latter."""
+    from bench.planner import plan_buckets_hotspa as bench
+
+    model, gpus, length, mixture = case.split("-", 3)
+    seq_len = int(length[:-1]) * 1024
+    path = tmp_path / "c.toml"
+    path.write_text(bench.cluster_text(model, int(gpus), seq_len, mixture))
+    c = load_cluster(path)
+    assert sum(len(n.devices) for n in c.spec.nodes) == int(gpus) and c.model.seq_len == seq_len
+    assert c.model.layers == bench.MODELS[model]["layers"] and c.model.hidden == bench.MODELS[model]["hidden"]
+    assert c.train.global_batch * seq_len == bench.TOKENS and c.limits.max_cp == 8
+    median, sigma = bench.MIXTURES[mixture]
+    assert (c.documents.median, c.documents.sigma) == (median, sigma)
+    assert (c.data.doc_len_median, c.data.doc_len_sigma) == (median, sigma)
+    path.write_text(bench.cluster_text(model, int(gpus), seq_len, mixture, whole_rows=True))
+    assert load_cluster(path).documents.per_row

@@ -8,12 +8,10 @@ from pathlib import Path
 
 import attrs
 import pytest
-from click.testing import CliRunner
 from test_planner import SMALL
 
 from bench.planner.plan_exhaustive import reference
 from hetero_llm import layout as layout_mod
-from hetero_llm.cli.plan import main as plan_main
 from hetero_llm.errors import LayoutError
 from hetero_llm.planner import context, plan_cluster
 from hetero_llm.planner.candidates import Candidate, PipelineChoice, StageChoice, TPGroup
@@ -233,15 +231,25 @@ def test_bad_cp_limits_are_one_line_errors(tmp_path, extra, edit, what):
     assert str(e.value) == f"{path}: {what}"
 
 
-def test_buckets_refuse_cp(tmp_path):
-    path = small(tmp_path)
+def test_buckets_search_cp_and_the_static_baseline_uses_it_where_faster(tmp_path, monkeypatch):
+    """``--buckets`` with plan.max_cp = 2 (issue 36): the static baseline the buckets are priced against is the best
+    static plan with CP (faster than without it here), and every bucket's own search may use CP too."""
+    from hetero_llm import api
+    from hetero_llm.switching import propose
+
+    path = cp_wins(tmp_path)
     path.write_text(path.read_text().replace('kind = "grammar"\n', 'kind = "grammar"\npacking = "documents"\n', 1))
-    res = CliRunner().invoke(plan_main, [str(path), "--json", "--buckets", "64"])
-    assert res.exit_code == 2
-    assert res.output.strip() == (
-        f"error: {path}: plan.max_cp: 2: hot switching (--buckets) does not support context parallelism yet (plan "
-        "with plan.max_cp = 1, or without --buckets)"
-    )
+    searched = []
+    real = propose.plan_cluster
+    monkeypatch.setattr(propose, "plan_cluster", lambda c, top: searched.append(c) or real(c, top=top))
+    planned = api.plan_cluster(path, buckets="256")
+    best = planned.result.best
+    assert any(s.group.cp == 2 for p in best.pipelines for s in p.stages)
+    assert planned.verdict.static_s == planned.result.score.step_time
+    c = load_cluster(path)
+    without = plan_cluster(attrs.evolve(c, limits=attrs.evolve(c.limits, max_cp=1)), top=1)
+    assert without.score.step_time > planned.verdict.static_s
+    assert searched and all(c.limits.max_cp == 2 and c.model.seq_len == 256 for c in searched)
 
 
 def test_evaluate_refuses_cp_with_unfused_attention(tmp_path):
