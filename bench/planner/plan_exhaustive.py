@@ -21,6 +21,7 @@ Results: bench/results/plan_exhaustive.{json,md} (or --out-dir).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -84,6 +85,7 @@ def _draw(seed: int) -> str | None:
     return cluster_toml(model, rng.choice([4, 6, 8]), nodes, domains, (rng.choice([5, 10, 25]), 20), 0)
 
 
+@functools.cache  # a pure function of the seed; a process that asks again (tests/unit/test_plan_space.py) draws once
 def draw(seed: int) -> str:
     """Small cluster ``seed``: the first of its draws whose space the reference can enumerate."""
     for attempt in range(100):

@@ -4,6 +4,9 @@ sample of bench/planner/plan_exhaustive.py's clusters. Torch-free, one process."
 
 from __future__ import annotations
 
+import functools
+import math
+
 import attrs
 import pytest
 from helpers_plan import flops_priced
@@ -23,15 +26,21 @@ from hetero_llm.planner.structure import Structure
 SAMPLE = [1, 2, 3, 5, 7, 9, 11, 12, 13, 14, 16, 19, 22, 24, 27]
 
 
-def test_search_is_within_the_targets_of_the_exhaustive_optimum():
+def test_the_sample_meets_the_targets_only_with_every_cluster_within_them():
+    """On this sample ">= 95% within 1%" leaves no cluster out (the per-cluster test below asks each for 1%)."""
+    assert math.ceil(plan_exhaustive.TARGET_SHARE * len(SAMPLE) - 1e-9) == len(SAMPLE)
+
+
+@pytest.mark.parametrize("seed", SAMPLE)
+def test_search_is_within_the_targets_of_the_exhaustive_optimum(seed):
     """>= 95% of the sample within 1% of the optimum over the whole space (device subsets, every schedule and
-    chunk count, both optimizers), none worse than 1.03x; and the search never beats the reference (it is the
-    optimum of the same space)."""
-    rows = plan_exhaustive.run(SAMPLE)
-    ratios = [r["ratio"] for r in rows]
-    assert min(ratios) >= 1 - 1e-9, "the reference missed a plan the search found: it is not exhaustive"
-    assert sum(x <= 1.01 for x in ratios) >= 0.95 * len(ratios)
-    assert max(ratios) <= 1.03
+    chunk count, both optimizers), none worse than 1.03x: on 15 clusters every one within 1% (above), one cluster
+    a test (the sample's clusters run in parallel under pytest-xdist); and the search never beats the reference
+    (it is the optimum of the same space)."""
+    (row,) = plan_exhaustive.run([seed])
+    assert row["ratio"] >= 1 - 1e-9, "the reference missed a plan the search found: it is not exhaustive"
+    assert row["ratio"] <= 1 + plan_exhaustive.WITHIN
+    assert row["ratio"] <= plan_exhaustive.TARGET_WORST
 
 
 def test_reference_enumerates_device_subsets():
@@ -52,6 +61,14 @@ def test_reference_enumerates_device_subsets():
     assert {s.schedule for s in subsets} == set(c.limits.schedules)
 
 
+@functools.cache  # a pure function: the tests that read it plan it once per process
+def solved(seed: int):
+    """Cluster ``seed`` of bench/planner/plan_exhaustive.py, its reference optimum and the search's result."""
+    c = load(plan_exhaustive.draw(seed))
+    return c, plan_exhaustive.reference(c)[0], plan_cluster(c)
+
+
+@functools.cache
 def interleaving_cluster():
     """plan_exhaustive's cluster 200 priced by FLOPs at peak, ZB-H1 left out: with it, since the layer split
     minimises the step, a ZB-H1 plan over the RTX 4090 group and the A100 node (1/4/7 layers, 0.09855 s) is faster
@@ -60,13 +77,18 @@ def interleaving_cluster():
     return attrs.evolve(c, limits=attrs.evolve(c.limits, schedules=tuple(s for s in c.limits.schedules if s != "zbh1")))
 
 
+@functools.cache
+def interleaving_plan():
+    """hetero-plan's result for ``interleaving_cluster`` (two tests read it)."""
+    return plan_cluster(interleaving_cluster())
+
+
 def test_search_finds_a_plan_that_leaves_devices_idle_with_more_than_two_chunks():
     """A cluster whose best plan (the reference's: 0.0987 s) runs its A100 node alone, interleaved with 4 chunks:
     two of the search's moves away from where its descents end (drop the RTX 4090 group, interleave x4). Priced
     as when it was found (FLOPs at peak): under the roofline model the optimum of this cluster is another plan.
     Without ZB-H1 (``interleaving_cluster``)."""
-    c = interleaving_cluster()
-    result = plan_cluster(c)
+    result = interleaving_plan()
     used = {d for p in result.best.pipelines for s in p.stages for d in s.group.devices}
     assert result.best.schedule == "interleaved" and result.best.chunks > 2
     assert used and all(d.startswith("n0:") for d in used)  # the A100 node's devices only
@@ -90,7 +112,7 @@ def test_written_layout_carries_the_optimizer_and_chunks(tmp_path):
     """The plan's optimizer and chunk count are what the written layout runs (on the cluster priced as in the test
     above, whose plan interleaves more than two chunks)."""
     c = interleaving_cluster()
-    result = plan_cluster(c)
+    result = interleaving_plan()
     cand = attrs.evolve(result.best, optimizer="adamw_zero1")
     score = Planner(with_optimizer(c, "adamw_zero1")).cost.score(cand)
     text = layout_text(c, cand, score, None)
@@ -101,16 +123,22 @@ def test_written_layout_carries_the_optimizer_and_chunks(tmp_path):
     assert (lay.train.schedule.value, lay.train.chunks) == (cand.schedule, cand.chunks)
 
 
+@functools.cache
+def planned_with(optimizers: tuple[str, ...], top: int = 5):
+    """plan_exhaustive's cluster ``SAMPLE[1]`` planned with ``plan.optimizers = optimizers`` (the two-optimizer
+    case compares itself with the one-optimizer cases' plans: each planned once per process)."""
+    c = load(plan_exhaustive.draw(SAMPLE[1]))
+    return plan_cluster(attrs.evolve(c, limits=attrs.evolve(c.limits, optimizers=optimizers)), top=top)
+
+
 @pytest.mark.parametrize("optimizers", [("adamw",), ("adamw_zero1",), ("adamw", "adamw_zero1")])
 def test_optimizer_is_chosen_among_plan_optimizers_only(optimizers):
-    c = load(plan_exhaustive.draw(SAMPLE[1]))
-    c = attrs.evolve(c, limits=attrs.evolve(c.limits, optimizers=optimizers))
-    result = plan_cluster(c, top=8)
+    result = planned_with(optimizers, top=8)
     assert {cand.optimizer for cand, _ in result.ranked} <= set(optimizers)
     assert result.best.optimizer in optimizers
     if len(optimizers) == 2:  # never slower than either optimizer alone
         for o in optimizers:
-            alone = plan_cluster(attrs.evolve(c, limits=attrs.evolve(c.limits, optimizers=(o,))))
+            alone = planned_with((o,), top=8)
             assert result.score.step_time <= alone.score.step_time * (1 + 1e-9)
 
 
@@ -159,9 +187,8 @@ def test_search_reaches_the_optimum_where_the_tp_group_must_change_node():
     """Cluster 143 of bench/planner/plan_exhaustive.py: the optimum hosts the TP-2 group on the other two-device node
     than the search's earlier local optimum, with the idle device between two nodes' stages (issue 23's worst
     miss, 1.052x): the node-exchange and idle-insertion moves reach it."""
-    c = load(plan_exhaustive.draw(143))
-    optimum, _ = plan_exhaustive.reference(c)
-    assert plan_cluster(c).score.step_time <= optimum * (1 + 1e-9)
+    _, optimum, res = solved(143)
+    assert res.score.step_time <= optimum * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("seed", [36, 151])
@@ -169,9 +196,7 @@ def test_search_reaches_an_optimum_of_three_rows_per_microbatch(seed):
     """Clusters 36 and 151 of bench/planner/plan_exhaustive.py (batch 6): the optimum runs microbatches of 3 rows, which
     doubling and halving never reach from 1 or 2 (1.036x and 1.046x before the sweep tried the smallest divisors
     of the batch and the rows move the next divisor above and below)."""
-    c = load(plan_exhaustive.draw(seed))
-    optimum, _ = plan_exhaustive.reference(c)
-    res = plan_cluster(c)
+    _, optimum, res = solved(seed)
     assert res.score.step_time <= optimum * (1 + 1e-9)
     assert {p.rows for p in res.best.pipelines} == {3}
 
@@ -183,9 +208,7 @@ def test_search_reaches_an_optimum_of_another_schedule_and_microbatch_size(seed)
     ZB-H1 with 3 of 2 (and another stage order); 130's runs the last 2 of the search's 4 interleaved stages with
     4 chunks and 2 rows instead of 2 chunks and 1. Each change alone is worse: the schedule and rows move as one,
     and a pipeline's first or last stages left idle at once, reach them."""
-    c = load(plan_exhaustive.draw(seed))
-    optimum, _ = plan_exhaustive.reference(c)
-    res = plan_cluster(c)
+    _, optimum, res = solved(seed)
     assert res.score.step_time <= optimum * (1 + 1e-9)
     assert res.best.schedule == "interleaved"
 
@@ -209,9 +232,7 @@ def test_search_splits_a_tp_group_into_two_pipelines_each_with_an_idle_device():
     counts when the gradients exist (issue 33: none during a step's first forwards), the search stops elsewhere, at
     the TP-2 stage with the whole batch in one 1F1B microbatch (which now fits), 1.0007x the optimum; the move is
     checked from where it was found."""
-    c = load(plan_exhaustive.draw(196))
-    optimum, _ = plan_exhaustive.reference(c)
-    res = plan_cluster(c)
+    c, optimum, res = solved(196)
     assert optimum * (1 - 1e-9) <= res.score.step_time <= optimum * 1.001
     pl = Planner(c)
     groups = pl.groups({"a100-40g": 2})
@@ -247,45 +268,6 @@ def test_node_swap_exchanges_which_node_hosts_the_tp_group():
     swapped = Structure(((group(b, 0, 1), group(a, 0), group(a, 1)),), 1)
     assert [(x.name, y.name) for x, y in moves.node_swaps(pl, st)] == [(a, b)]
     assert swapped.key() in {nb.key() for nb in moves.neighbours(pl, st)}
-
-
-# main's HexiScale layout before the eager pricing (commit 32ca588): 2 ZB-H1 pipelines of 8 and 10 stages, the
-# 3080 Ti node as four TP-2 groups (one in the first pipeline, three in the second), the 3090s as two TP-4 groups
-# in the middle; under the eager pricing it is predicted faster than what the search found then (5.11 s, 5.31 s)
-HEXISCALE_PREVIOUS = (
-    ("r4090b:0-1", "r4090b:4-5", "r4090a:4-5", "r4090a:0-1", "r3090:4-7", "ti0:0-1", "r4090c:0-1", "r4090c:4-5"),
-    (
-        "r4090b:6-7",
-        "r4090b:2-3",
-        "r4090a:6-7",
-        "r4090a:2-3",
-        "ti0:4-5",
-        "r3090:0-3",
-        "ti0:6-7",
-        "ti0:2-3",
-        "r4090c:6-7",
-        "r4090c:2-3",
-    ),
-)
-
-
-def test_search_beats_the_previous_hexiscale_layout():
-    """HexiScale's 40-GPU cluster at its default budget (720 plans): the search's plan is predicted faster than
-    main's previous layout for it, completed by the same layer DP and batch split. Before the moves that place a
-    group anywhere in its pipeline and a halved group's half in another pipeline (and the ZeRO-1 search's equal
-    share of the budget) it stopped at 5.31 s, 1.04x the previous layout."""
-    c = load_cluster(ROOT / "layouts" / "clusters" / "hexiscale_40gpu.toml")
-    pl = Planner(with_optimizer(c, "adamw_zero1"))
-    nodes = {n.name: n for n in c.nodes}
-
-    def group(spec: str) -> TPGroup:
-        name, span = spec.split(":")
-        lo, hi = map(int, span.split("-"))
-        n = nodes[name]
-        return TPGroup(name, n.domain, tuple(f"{name}:{i}" for i in range(lo, hi + 1)), n.kind)
-
-    previous = pl.evaluate(pl.realize(Structure(tuple(tuple(map(group, p)) for p in HEXISCALE_PREVIOUS), 1, "zbh1")))
-    assert plan_cluster(c).score.step_time < previous.step_time
 
 
 def test_bound_is_below_every_simulated_step():
