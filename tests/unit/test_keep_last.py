@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.elastic import snapshot_restart
-from harness import LAYOUTS, assert_one_error_line, common_sections, invoke_cli, launch, write_layout
+from harness import LAYOUTS, assert_one_error_line, common_sections, invoke_cli, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders, snapshots, trust
 from hetero_llm.errors import LayoutError
@@ -103,20 +103,6 @@ def test_a_bad_keep_last_is_one_line(tmp_path):
         f"{path}: --keep-last: '-2' is not a number of saves >= 1 (the newest N complete saves are kept; without it "
         "3 with --checkpoint-every, else every save)",
     )
-
-
-def test_a_run_saving_every_step_keeps_3_by_default_and_a_resumed_run_keeps_its_save(tmp_path):
-    path = write_layout(tmp_path / "l.toml", COMMON, [(12, 3, [(6, 1)])])
-    first = tmp_path / "a"
-    first.mkdir()
-    launch(path, first, "--checkpoint-every", "1", "--set", "train.steps=5")
-    root = first / "ckpt"
-    assert _steps(root) == [3, 4, 5]  # the default with --checkpoint-every: the newest 3
-    resumed = folders.step_folder(root, 3)  # resumed in the same folder, saving every step, keeping 1
-    args = ("--checkpoint-every", "1", "--keep-last", "1", "--resume", str(resumed), "--set", "train.steps=7")
-    launch(path, first, *args)
-    assert _steps(root) == [3, 7]  # the newest, and the save it resumed from
-    assert folders.find(root).step == 7
 
 
 def test_each_rank_keeps_as_many_snapshots_as_asked(tmp_path):
