@@ -32,10 +32,11 @@ block, per gradient buffer) replayed on the run's real blocks (both probed just 
 switching run, the prediction the mean of the two: the load of this shared host drifts within a run); peak RSS (the largest process); the modelled peak per device
 (the planner's memory model, bucket layouts' parameter copies counted).
 
-**With CP** (``--max-cp 2``, issue 36 5b; ``layouts/clusters/hot_switch_cp_a100_ib200.toml`` is its cluster in
-``a100-ib200``): the planner may use CP for the static layouts and ``--buckets``; the cap is what cp 2 with full
-recompute needs for one row (no device holds a whole row alone); the hand-made layouts are not run, and the buckets
-``--buckets`` priced are run even where it rejects them (named so), to check the refusal.
+**With CP** (``--max-cp 2``, issue 36 5b; ``layouts/clusters/hot_switch_cp_a100_{ib200,nvlink}.toml`` are its
+clusters in ``a100-ib200`` and ``a100-nvlink``): the planner may use CP for the static layouts and ``--buckets``;
+the cap is what cp 2 with full recompute needs for one row (no device holds a whole row alone); the hand-made
+layouts are not run, and the buckets ``--buckets`` priced are run even where it rejects them (named so), to check
+the refusal.
 
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
 devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with

@@ -224,8 +224,10 @@ def test_hot_switch_with_cp_the_cap_splits_every_row_and_the_rejected_buckets_ar
     assert "max_cp = 2" in static.cluster_text(cfg, 1.0) and "max_cp = 1" in static.cluster_text(hot.Config(), 1.0)
     memory, found = static.static_candidates(cfg, tmp_path)
     assert memory < static.cap_gb(attrs.evolve(cfg, max_cp=1), tmp_path)  # tighter than without CP
-    committed = (ROOT / "layouts" / "clusters" / "hot_switch_cp_a100_ib200.toml").read_text()
-    assert committed.endswith("\n" + static.cluster_text(cfg, memory, "adamw"))  # the regime's cluster file
+    for regime in ("a100-ib200", "a100-nvlink"):  # the regimes' cluster files are what the bench plans on
+        at = attrs.evolve(cfg, regime=regime)
+        committed = (ROOT / "layouts" / "clusters" / f"hot_switch_cp_{regime.replace('-', '_')}.toml").read_text()
+        assert committed.endswith("\n" + static.cluster_text(at, static.cap_gb(at, tmp_path), "adamw"))
     assert any(s.cp == 2 for x in found for p in x.layout.pipelines for s in p.stages)
     for x in found:  # every row split: over stages, TP or CP; one device never runs all layers of a row
         for p in x.layout.pipelines:
