@@ -15,6 +15,9 @@ microbatch (elastic).
 Measured: tokens/s over the real targets (median step after ``warmup``), every layout on the same documents. Not
 the planner's best static layout (``hetero-plan`` with CP and buckets is the planner's side): the static layouts
 that fit the cap, by hand. Results: bench/results/cp_buckets.{md,json}.
+
+Superseded for issue 36 5b by ``python -m bench.hot_switch.hot_switch --max-cp 2`` (the planner's best static layout
+with CP and what ``--buckets`` proposes or rejects; docs/benchmarks.md); this run is kept for its history.
 """
 
 from __future__ import annotations

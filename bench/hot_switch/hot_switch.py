@@ -32,6 +32,12 @@ block, per gradient buffer) replayed on the run's real blocks (both probed just 
 switching run, the prediction the mean of the two: the load of this shared host drifts within a run); peak RSS (the largest process); the modelled peak per device
 (the planner's memory model, bucket layouts' parameter copies counted).
 
+**With CP** (``--max-cp 2``, issue 36 5b; ``layouts/clusters/hot_switch_cp_a100_{ib200,nvlink}.toml`` are its
+clusters in ``a100-ib200`` and ``a100-nvlink``): the planner may use CP for the static layouts and ``--buckets``;
+the cap is what cp 2 with full recompute needs for one row (no device holds a whole row alone); the hand-made
+layouts are not run, and the buckets ``--buckets`` priced are run even where it rejects them (named so), to check
+the refusal.
+
 Network (``--network``). ``testbed`` (the default where it can be built: root and network namespaces): the two
 devices are two emulated nodes (``bench/testbed/``) of one domain, every link shaped to the TP link's rate with
 no added delay. Results go to ``hot_switch_testbed.{md,json,png}`` (``--tag T``: ``hot_switch_testbed_T.*``). ``loopback``: one node of two devices
@@ -151,8 +157,9 @@ def entries(cfg: Config, folder: Path) -> tuple[float, list[Entry], list[str]]:
     memory, statics = static_candidates(cfg, folder)
     planned, verdict = planned_buckets(cfg, folder, memory)
     out = [Entry(x.name, x.layout, False, x.predicted_s) for x in statics]
-    out.append(Entry(HAND, switch_layout(cfg, "top-up", bucket_rows_needed(cfg)), True, None))
-    out.append(Entry(HAND_RC, recompute_layout(cfg), True, None))
+    if cfg.hand:
+        out.append(Entry(HAND, switch_layout(cfg, "top-up", bucket_rows_needed(cfg)), True, None))
+        out.append(Entry(HAND_RC, recompute_layout(cfg), True, None))
     if planned is not None:
         out.append(Entry(planned.name, planned.layout, True, planned.predicted_s))
     return memory, out, verdict
@@ -304,7 +311,7 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
             f"= {cfg.tp_comm:.3g} x the forward matmuls), two devices ({network_line(cfg)}). Model: {cfg.layers} layers, "
             f"hidden {cfg.hidden}, seq_len {cfg.seq_len}, global batch {cfg.global_batch} rows of packed documents from "
             f"{corpus}. Memory cap {memory * 1e3 * 0.9:.2f} MB per device (planner kind memory_gb {memory:.5g}, "
-            f"10% margin: static TP 2 with one row per microbatch).",
+            f"10% margin: static {'cp 2 with full recompute' if cfg.max_cp > 1 else 'TP 2'} with one row per microbatch).",
             "",
             table,
             "",
@@ -352,6 +359,14 @@ def report(cfg: Config, spec: str, memory: float, results, static, verdict, prob
 @click.option("--tag", default="", help="Appended to the results' name (one invocation per part of a long run).")
 @click.option("--steps", type=int, default=0, help="Steps per run, the first 2 skipped (default: the config's, 6).")
 @click.option(
+    "--max-cp",
+    type=int,
+    default=1,
+    show_default=True,
+    help="The planner's plan.max_cp (2: issue 36 5b: CP allowed, the cap forces a split even recomputing, only "
+    "the planner's layouts run, and the buckets --buckets rejects too).",
+)
+@click.option(
     "--switching-only", is_flag=True, help="Run the switching layouts only: the switch-time rows, no x best static."
 )
 def main(
@@ -363,6 +378,7 @@ def main(
     out_dir: Path,
     tag: str,
     steps: int,
+    max_cp: int,
     switching_only: bool,
 ) -> None:
     if network == "auto":
@@ -379,6 +395,8 @@ def main(
     if steps:
         base = attrs.evolve(base, steps=steps)
     base = attrs.evolve(base, switching_only=switching_only)
+    if max_cp > 1:
+        base = attrs.evolve(base, max_cp=max_cp, hand=False, run_rejected=True)
     for x in base.regimes:
         if x not in REGIMES:
             sys.exit(f"hot_switch: --regimes: unknown regime {x!r} (known: {', '.join(REGIMES)})")

@@ -56,6 +56,9 @@ class Config:
     probe_reps: int = 40  # exchanges of each size per link probe
     probe_host_reps: int = 15  # rounds of a step's switches per host-work probe (hot_switch_probes.host_costs)
     switching_only: bool = False  # run the switching layouts only (their switch times), not the static ones
+    hand: bool = True  # run the hand-made switching layouts (switch_layout, recompute_layout)
+    run_rejected: bool = False  # also run the buckets --buckets priced and rejected (hot_switch_static)
+    max_cp: int = 1  # the planner's plan.max_cp for the static layouts and --buckets (2: CP allowed, issue 36 5b)
     network: str = "loopback"  # "testbed": the two devices on two emulated nodes joined by a link at the TP link's rate
 
     @property

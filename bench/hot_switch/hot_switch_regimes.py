@@ -69,6 +69,12 @@ REGIMES = {
     "a100-ib100": Regime(
         "A100 TP 2 across nodes over 100 Gbit/s InfiniBand", 312.0, 12.5, "one 100 Gbit/s HDR100 NIC per GPU"
     ),
+    "a100-ib200": Regime(
+        "A100 across nodes over 200 Gbit/s InfiniBand",
+        312.0,
+        25.0,
+        "one 200 Gbit/s HDR NIC per GPU, eight a DGX A100 node: HotSPa's and issue 36 5a's cluster",
+    ),
     "rtx4090-pcie": Regime(
         "RTX 4090 TP 2 over PCIe 4.0 x16", 165.2, 25.0, "no NVLink or P2P: through host memory, ~25 GB/s at best"
     ),

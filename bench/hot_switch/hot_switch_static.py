@@ -21,8 +21,9 @@ import attrs
 
 from bench.hot_switch.hot_switch_config import Config, common, tp2
 from hetero_llm import layout as layout_mod
-from hetero_llm.layout import Layout
+from hetero_llm.layout import Layout, Recompute
 
+REJECTED = "buckets --buckets rejected (kept set, not written)"
 SCHEDULES = ("1f1b", "zbh1", "interleaved")  # every schedule the planner prices (planner/cluster.py)
 OPTIMIZERS = ("adamw", "adamw_zero1")
 
@@ -39,6 +40,7 @@ def cluster_text(cfg: Config, memory_gb: float, optimizer: str = "adamw") -> str
         + f"""
 [plan]
 max_tp = 2
+max_cp = {cfg.max_cp}
 schedules = [{schedules}]
 max_evals = 400
 [plan.nodes]
@@ -66,6 +68,9 @@ def cap_gb(cfg: Config, folder: Path) -> float:
 
     cluster = load(cfg, folder, 1e3)
     tp = one_node(cfg, common(cfg, (tp2(cfg, cfg.global_batch, cfg.global_batch),)))
+    if cfg.max_cp > 1:  # a row must be split even recomputing: the cap is cp 2 with full recompute
+        stage = attrs.evolve(tp.pipelines[0].stages[0], cp=2, recompute=Recompute.FULL)
+        tp = attrs.evolve(tp, pipelines=(attrs.evolve(tp.pipelines[0], stages=(stage,)),))
     score = evaluate(cluster, tp, "<hot_switch tp2>").score
     return max(m for ms in score.memory for m in ms) / (1 - cluster.limits.memory_margin) / 1e9 * 1.0001
 
@@ -118,7 +123,9 @@ def static_candidates(cfg: Config, folder: Path) -> tuple[float, list[Planned]]:
     ranked.sort(key=lambda x: x[0])
     distinct, seen = [], set()
     for x in ranked:  # the best of each structure (a schedule or optimizer of the same stages: near the same step)
-        key = tuple((p.rows, tuple((s.group.tp, s.layers, s.recompute) for s in p.stages)) for p in x[3].pipelines)
+        key = tuple(
+            (p.rows, tuple((s.group.tp, s.group.cp, s.layers, s.recompute) for s in p.stages)) for p in x[3].pipelines
+        )
         if key not in seen:
             seen.add(key)
             distinct.append(x)
@@ -126,8 +133,10 @@ def static_candidates(cfg: Config, folder: Path) -> tuple[float, list[Planned]]:
     for seconds, optimizer, cluster, cand in distinct[: cfg.static_candidates]:
         recompute = sum(st.recompute for p in cand.pipelines for st in p.stages)
         tp = "/".join(str(st.group.tp) for p in cand.pipelines for st in p.stages)
+        cp = "/".join(str(st.group.cp) for p in cand.pipelines for st in p.stages)
         name = (
             f"static #{len(out) + 1}: {summary(cand)}, TP {tp}, {p_rows(cand)} rows/mb"
+            + (f", cp {cp}" if cfg.max_cp > 1 else "")
             + (f", recompute {recompute} stage(s)" if recompute else "")
             + (", ZeRO-1" if optimizer != "adamw" else "")
         )
@@ -151,7 +160,12 @@ def planned_buckets(cfg: Config, folder: Path, memory: float) -> tuple[Planned |
     bounds = propose.parse_bounds(f"{cfg.short}", cluster)
     verdict = worth.judge(cluster, result.best, result.score, propose.propose(cluster, bounds, result.best))
     if not verdict.switching:
-        return None, verdict.lines()
+        kept = [b for b in verdict.chosen.buckets if b.plan is not None]
+        if not (cfg.run_rejected and kept and not verdict.chosen.over):
+            return None, verdict.lines()
+        # the buckets --buckets priced and rejected (it writes the static layout): run to check the refusal
+        lay = on_bench(cfg, planned_layout(cluster, result.best, verdict.chosen.buckets))
+        return Planned(REJECTED, lay, verdict.chosen.step_s, 0), verdict.lines()
     lay = on_bench(cfg, planned_layout(cluster, result.best, verdict.buckets))
     return Planned("switching, hetero-plan --buckets", lay, verdict.chosen.step_s, 0), verdict.lines()
 

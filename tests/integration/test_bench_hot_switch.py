@@ -210,3 +210,32 @@ def test_switch_exchange_times_both_exchanges(tmp_path):
         assert set(by_size) == {"1", "65536", "1048576"}
         assert all(len(t) == 3 and min(t) > 0 for t in by_size.values()), by_size
     assert "| exchange " in (tmp_path / "switch_exchange.md").read_text()
+
+
+def test_hot_switch_with_cp_the_cap_splits_every_row_and_the_rejected_buckets_are_run(tmp_path):
+    """``--max-cp 2`` (issue 36 5b): the planner may use CP, the cap is what cp 2 needs recomputing (so no device
+    holds a whole row, even recomputing), and the buckets ``--buckets`` priced are run even where it rejects them."""
+    import attrs
+
+    from bench.hot_switch import hot_switch_static as static
+    from hetero_llm.layout import Recompute
+
+    cfg = attrs.evolve(hot.Config(), regime="a100-ib200", max_cp=2, hand=False, run_rejected=True)
+    assert "max_cp = 2" in static.cluster_text(cfg, 1.0) and "max_cp = 1" in static.cluster_text(hot.Config(), 1.0)
+    memory, found = static.static_candidates(cfg, tmp_path)
+    assert memory < static.cap_gb(attrs.evolve(cfg, max_cp=1), tmp_path)  # tighter than without CP
+    for regime in ("a100-ib200", "a100-nvlink"):  # the regimes' cluster files are what the bench plans on
+        at = attrs.evolve(cfg, regime=regime)
+        committed = (ROOT / "layouts" / "clusters" / f"hot_switch_cp_{regime.replace('-', '_')}.toml").read_text()
+        assert committed.endswith("\n" + static.cluster_text(at, static.cap_gb(at, tmp_path), "adamw"))
+    assert any(s.cp == 2 for x in found for p in x.layout.pipelines for s in p.stages)
+    for x in found:  # every row split: over stages, TP or CP; one device never runs all layers of a row
+        for p in x.layout.pipelines:
+            assert len(p.stages) > 1 or len(p.stages[0].devices) > 1
+            assert all(s.recompute is Recompute.FULL or len(p.stages) > 1 for s in p.stages)
+    planned, verdict = static.planned_buckets(cfg, tmp_path, memory)
+    assert planned is not None and planned.layout.buckets
+    rejected = "not predicted to pay" in verdict[-1]
+    assert (planned.name == static.REJECTED) == rejected
+    if rejected:
+        assert static.planned_buckets(attrs.evolve(cfg, run_rejected=False), tmp_path, memory)[0] is None
