@@ -28,7 +28,14 @@ import traceback
 # Read when Python, torch or OpenMP start, or when the CLI decides how loud torch's C++ logging is.
 IMPORT_TIME = ("TORCH_", "PYTORCH_", "OMP_", "KMP_", "GOMP_", "MKL_", "CUDA_", "LD_", "PYTHON", "HETERO_DEBUG")
 # What the launcher holds when it forks its ranks (node.run_ranks): torch imported, no torch op run.
-PRELOAD = ["torch", "torch.distributed", "hetero_llm.cli.launch", "hetero_llm.launch.node", "hetero_llm.comm.shm"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "hetero_llm.cli.launch",
+    "hetero_llm.launch.node",
+    "hetero_llm.comm.shm",
+    "hetero_llm.train.rank",
+]
 
 _server_env: dict[str, str] | None = None
 

@@ -6,7 +6,8 @@ run by its composition root, ``train/rank.py``), so one launch and the per-proce
 counts are the same code path. A forked rank runs from the plan the launcher compiled (fork hands it
 over); it does not load the layout again. The launcher imports torch once and forks the ranks from it,
 rather than starting a fresh interpreter per rank: importing torch costs each process about 2 s of CPU, which a node with
-more ranks than cores pays many times over before any rank trains. The launcher runs no torch op
+more ranks than cores pays many times over before any rank trains; so does importing the rank's own code
+(``train/rank.py`` and what it imports: about 1 s more), which the launcher imports once too. The launcher runs no torch op
 before forking (no OpenMP or CUDA state to inherit). A rank names itself ``hl-rank<R>`` (``ps -o
 comm``). Children die with the launcher (PR_SET_PDEATHSIG), so Ctrl-C or a killed launcher leaves no
 process behind. A failed rank leaves its one line where ``RunOptions.error_dir`` says (the launcher names the
@@ -115,6 +116,7 @@ def run_ranks(plan: Plan, ranks: list[int], options: RunOptions, grace_s: float 
     """Start ``ranks`` as child processes; return when all succeed, raise RankFailure on the first failure."""
     import torch  # noqa: F401  (once, here: every forked rank starts with it loaded)
 
+    import hetero_llm.train.rank  # noqa: F401  (likewise: ~1 s of CPU per rank, paid before its first step)
     from hetero_llm.comm import rendezvous, shm
 
     shm.check_space(plan, ranks)  # before any rank starts: a node's /dev/shm too small for p2p = 'shm'
