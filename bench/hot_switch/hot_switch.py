@@ -30,7 +30,7 @@ waiting included), each switch's own time (last rank in to last rank out), and `
 switches with gloo's latency and bandwidth as a switch sees them and the switch's host work (copy bandwidth, per
 block, per gradient buffer) replayed on the run's real blocks (both probed just before and just after every
 switching run, the prediction the mean of the two: the load of this shared host drifts within a run); peak RSS (the largest process); the modelled peak per device
-(the planner's memory model, bucket layouts' parameter copies counted).
+(the planner's memory model, the bucket layouts' one shared parameter storage counted).
 
 **With CP** (``--max-cp 2``, issue 36 5b; ``layouts/clusters/hot_switch_cp_a100_{ib200,nvlink}.toml`` are its
 clusters in ``a100-ib200`` and ``a100-nvlink``): the planner may use CP for the static layouts and ``--buckets``;

@@ -202,7 +202,7 @@ def switch_layout(cfg: Config, mode: str, rows: tuple[int, int]) -> Layout:
 def recompute_layout(cfg: Config) -> Layout:
     """Switching against a data-parallel baseline that recomputes: home DP 2 with full recompute, one row per
     microbatch; documents of 1-``short_dp`` positions under DP 2 *without* recompute (one row of ``short_dp`` per
-    microbatch: what the cap allows, parameter copies counted), the rest under home's stages as an elastic bucket
+    microbatch: what the cap allows, its parameter storage counted), the rest under home's stages as an elastic bucket
     (one row per microbatch, recompute, topped up). What switching can win here is the recomputed forward of the
     short documents."""
     from hetero_llm.layout import Recompute

@@ -177,8 +177,9 @@ def modelled_peak(cfg: Config, folder: Path, memory: float, lay: Layout) -> floa
 
 def modelled_peaks(cfg: Config, folder: Path, memory: float, lay: Layout) -> list[float]:
     """Bytes per device (``cfg.devices``' order) by the planner's memory model: home's (its weights, gradients,
-    moments and activations); with buckets, an upper bound: that, plus every bucket layout's parameter copy
-    (float32, this device's shards in it), plus the most any bucket layout's own modelled bytes exceed home's."""
+    moments and activations); with buckets, an upper bound: that, plus the one storage every bucket layout's
+    parameters share (float32, the largest of this device's shards in them: ``Switcher.storage``), plus the most
+    any bucket layout's own modelled bytes exceed home's."""
     from hetero_llm.plan import compile_plan
     from hetero_llm.planner.evaluate import evaluate
 
@@ -210,7 +211,7 @@ def modelled_peaks(cfg: Config, folder: Path, memory: float, lay: Layout) -> lis
                 _numel(info.shape) // info.shape[info.shard_dim or 0] * (hi - lo)
                 for info, lo, hi in plan.params_of(r.rank)
             )
-            copies[r.device_id] += 4 * shard
+            copies[r.device_id] = max(copies[r.device_id], 4.0 * shard)  # one storage: the largest layout's
         mine = per_device(attrs.evolve(own, train=attrs.evolve(own.train, optimizer=lay.train.optimizer)), b.max_len)
         for d, m in mine.items():
             running[d] = max(running[d], m)
