@@ -212,7 +212,7 @@ def test_switch_exchange_times_both_exchanges(tmp_path):
     assert "| exchange " in (tmp_path / "switch_exchange.md").read_text()
 
 
-def test_hot_switch_with_cp_the_cap_splits_every_row_and_the_rejected_buckets_are_run(tmp_path):
+def test_hot_switch_with_cp_the_cap_splits_every_row_and_buckets_do_not_fit_beside_home(tmp_path):
     """``--max-cp 2`` (issue 36 5b): the planner may use CP, the cap is what cp 2 needs recomputing (so no device
     holds a whole row, even recomputing), and the buckets ``--buckets`` priced are run even where it rejects them,
     if they fit: under this cap they do not (the bucket layouts' buffer beside home's storage)."""
