@@ -17,11 +17,11 @@ documents of the first ``STEPS`` steps (the ones training draws, ``documents.fil
 
 The static step is the best static plan's predicted step (the planner's whole static space, context parallelism
 included). Memory, as held (one parameter storage shared by every layout, HotSPa's "single model storage
-backbone"): a device holds home's weights, gradients and moments throughout; while a bucket layout runs,
-**one** float32 buffer for the shards of the bucket layout it runs (the largest over the bucket layouts whose
-shards differ from home's on it: layouts run one at a time and share it; a layout with home's shards on a device
-reads home's weights and adds into home's gradients: only its activations; the buffer is freed on the switch
-back home, as HotSPa frees its switch buffers after the update) and that layout's gradients and activations;
+backbone"): a device holds home's weights, gradients and moments throughout, and beside them **one** float32
+buffer for the bucket layouts' shards (the largest over the bucket layouts with a plan of their own: layouts run
+one at a time and share it, the runtime's ``Switcher.storage``; a layout whose shards equal home's on a device
+gets its views too, as the runtime gives it them; allocated once, so counted while home runs too, where HotSPa
+frees its switch buffers after the update); while a bucket layout runs, that layout's gradients and activations;
 while home runs, home's activations. A set of buckets that does not fit a
 device is not proposed. Buckets are then
 changed (own plan, home's, home's stages elastic) one at a time while that makes the predicted step faster;
@@ -190,23 +190,15 @@ def step_documents(cluster: Cluster, step: int) -> list:
 
 
 def rows_plan(plan: Candidate, rows: int, elastic: bool) -> Candidate:
-    """``plan`` as a bucket runs it on ``rows`` rows (a multiple of its pipelines' batch sum: ``bucketing.bucket_rows``
-    pads to it): ``rounds = rows / sum(batch)``; elastic, every pipeline runs ``rounds`` times its batch and its
-    microbatches (the rows per microbatch the plan was checked for); fixed, its microbatches of ``rounds`` times the
-    rows (``bucketing.bucket_split``)."""
-    unit = sum(p.batch for p in plan.pipelines)
-    if rows % unit:
-        raise ValueError(f"{rows} rows are not a multiple of the pipelines' batch shares ({unit})")
-    rounds = rows // unit
-    if rounds == 1:
+    """``plan`` as a bucket runs it on ``rows`` rows (a multiple of its unit, ``bucketing.bucket_shares``' sum:
+    ``bucketing.bucket_rows`` pads to it), split as the runtime splits them (``bucketing.bucket_split``): each
+    pipeline its share times the rounds; elastic, in that many more microbatches of the rows per microbatch the
+    plan was checked for; fixed, in its own microbatches."""
+    _, split = bucketing.bucket_split(plan.pipelines, rows, elastic)
+    pipes = tuple(PipelineChoice(size, count, p.stages) for p, (_, size, count) in zip(plan.pipelines, split))
+    if all(q.batch == p.batch and q.microbatches == p.microbatches for p, q in zip(plan.pipelines, pipes)):
         return plan
-    return attrs.evolve(
-        plan,
-        pipelines=tuple(
-            PipelineChoice(p.batch * rounds, p.microbatches * rounds if elastic else p.microbatches, p.stages)
-            for p in plan.pipelines
-        ),
-    )
+    return attrs.evolve(plan, pipelines=pipes)
 
 
 def pipe_seconds(score: Score) -> float:
@@ -226,19 +218,6 @@ def home_resident(cluster: Cluster, home: Candidate) -> dict[str, float]:
             params = mm.stage_params(st.group.tp, st.layers, s == 0, s == len(pipe.stages) - 1)
             for d in st.group.devices:
                 out[d] = params * 8 + moments[p][s] * MOMENT_BYTES
-    return out
-
-
-def _shards(cand: Candidate) -> dict[str, tuple[int, int, int]]:
-    """device -> (first layer, layers, TP) of the stage it holds: two layouts with the same entry for a device hold
-    the same parameter shards there."""
-    out = {}
-    for p in cand.pipelines:
-        first = 0
-        for st in p.stages:
-            for d in st.group.devices:
-                out[d] = (first, st.layers, st.group.tp)
-            first += st.layers
     return out
 
 
@@ -364,29 +343,24 @@ class _Pricer:
             return out
 
         home = per_device(self.home, self.home_score, mm)
-        home_shards = _shards(self.home)
-        layouts = []  # (device -> its numbers, device -> its shard) of each planned bucket layout
+        layouts = []  # device -> its numbers, of each planned bucket layout
         for b in buckets:
             if b.plan is not None and b.score is not None:
-                layouts.append((per_device(b.plan, b.score, MemoryModel(self.at(b.max_len))), _shards(b.plan)))
+                layouts.append(per_device(b.plan, b.score, MemoryModel(self.at(b.max_len))))
         capacity = {
             d: mm.capacity(st.group) for pipe in self.home.pipelines for st in pipe.stages for d in st.group.devices
         }
         most_copies = most = 0.0
         over = ""
         for d, (params, moments, act) in home.items():
-            # the one buffer a device keeps for the bucket layouts whose shards differ from home's there
-            own = [lay[d][0] for lay, shards in layouts if d in lay and shards.get(d) != home_shards.get(d)]
+            # the one buffer a device keeps for the bucket layouts with a plan of their own (the runtime's
+            # Switcher.storage: a layout whose shards equal home's there gets its views too, not home's tensors)
+            own = [lay[d][0] for lay in layouts if d in lay]
             copies = max(own, default=0.0) * FLOAT32_BYTES
             resident = params * 8 + moments * MOMENT_BYTES  # home's weights, gradients, moments
-            # home runs without the buffer (freed on the switch home, as HotSPa frees its switch buffers after the
-            # update); a bucket layout runs beside it, with its gradients and activations
-            # (a layout with home's shards on the device computes on home's weights into home's gradients)
-            running = [act] + [
-                lay[d][2] if shards.get(d) == home_shards.get(d) else copies + lay[d][0] * FLOAT32_BYTES + lay[d][2]
-                for lay, shards in layouts
-                if d in lay
-            ]
+            # the buffer is allocated once (the runtime's Switcher.storage) and held while home runs too; a bucket
+            # layout runs beside it, with its gradients and activations
+            running = [copies + act] + [copies + lay[d][0] * FLOAT32_BYTES + lay[d][2] for lay in layouts if d in lay]
             peak = resident + max(running)
             most_copies, most = max(most_copies, copies), max(most, peak)
             if peak > capacity[d] and not over:

@@ -212,9 +212,10 @@ def test_switch_exchange_times_both_exchanges(tmp_path):
     assert "| exchange " in (tmp_path / "switch_exchange.md").read_text()
 
 
-def test_hot_switch_with_cp_the_cap_splits_every_row_and_the_rejected_buckets_are_run(tmp_path):
+def test_hot_switch_with_cp_the_cap_splits_every_row_and_buckets_do_not_fit_beside_home(tmp_path):
     """``--max-cp 2`` (issue 36 5b): the planner may use CP, the cap is what cp 2 needs recomputing (so no device
-    holds a whole row, even recomputing), and the buckets ``--buckets`` priced are run even where it rejects them."""
+    holds a whole row, even recomputing), and the buckets ``--buckets`` priced are run even where it rejects them,
+    if they fit: under this cap they do not (the bucket layouts' buffer beside home's storage)."""
     import attrs
 
     from bench.hot_switch import hot_switch_static as static
@@ -234,8 +235,7 @@ def test_hot_switch_with_cp_the_cap_splits_every_row_and_the_rejected_buckets_ar
             assert len(p.stages) > 1 or len(p.stages[0].devices) > 1
             assert all(s.recompute is Recompute.FULL or len(p.stages) > 1 for s in p.stages)
     planned, verdict = static.planned_buckets(cfg, tmp_path, memory)
-    assert planned is not None and planned.layout.buckets
-    rejected = "not predicted to pay" in verdict[-1]
-    assert (planned.name == static.REJECTED) == rejected
-    if rejected:
-        assert static.planned_buckets(attrs.evolve(cfg, run_rejected=False), tmp_path, memory)[0] is None
+    # counted as the runtime holds them (one float32 buffer for the bucket layouts' shards beside home's storage,
+    # held all step, and a bucket layout's own gradients), buckets do not fit beside home under this cap: nothing
+    # is written, and the rejected set is not run either (the bench runs a rejected set only where it fits)
+    assert planned is None and "not predicted to pay" in verdict[-1]

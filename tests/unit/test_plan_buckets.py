@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import attrs
 import pytest
 from helpers_plan import cluster, run_plan
 
@@ -50,29 +51,34 @@ def test_short_documents_get_their_own_layout_where_whole_steps_are_predicted_fa
     kept = verdict.chosen
     assert verdict.switching and kept.step_s < verdict.static_s == result.score.step_time
     assert kept.switch_s > 0 and kept.step_s == pytest.approx(kept.compute_s + kept.switch_s + kept.home_s)
-    # one shared buffer per device for the bucket layouts' own shards: the largest, not a copy per layout; the
-    # elastic home bucket holds home's shards (no buffer)
+    # one shared buffer per device for the bucket layouts' shards: the largest, not a copy per layout (every layout
+    # with a plan of its own has its views in it, home's stages as an elastic bucket too: the runtime's storage)
     mm = MemoryModel(c)
-    home_shards = worth._shards(result.best)
     copies: dict[str, list[float]] = {}
     for b in kept.buckets:
-        for p in b.plan.pipelines:
+        for p in b.plan.pipelines if b.plan is not None else ():
             for i, st in enumerate(p.stages):
                 for d in st.group.devices:
-                    if worth._shards(b.plan)[d] != home_shards[d]:
-                        n = mm.stage_params(st.group.tp, st.layers, i == 0, i == len(p.stages) - 1)
-                        copies.setdefault(d, []).append(4 * n)
+                    n = mm.stage_params(st.group.tp, st.layers, i == 0, i == len(p.stages) - 1)
+                    copies.setdefault(d, []).append(4 * n)
+    assert sum(len(c) > 1 for c in copies.values()) > 0  # some device holds two layouts' shards: one buffer for both
     assert kept.copy_bytes == pytest.approx(max(max(c) for c in copies.values()))
     # written elastic (ZB-H1 or 1F1B, every pipeline with at least as many microbatches as stages)
     assert lay.buckets[0].elastic and not lay.buckets[0].top_up and lay.buckets[1].top_up
 
 
-def test_buckets_planned_beside_home_in_one_shared_storage_fit_where_copies_did_not(tmp_path):
-    """At 5 MB (AdamW only) the short bucket's plan, searched on the whole memory and counted as a float32 copy held
-    beside home's shards all step, did not fit (before issue 36: the static layout was written). Searched on the
-    memory home's storage leaves (``propose.beside_home``) and counted as held (one shared buffer, only while a
-    bucket layout runs), it fits every device and pays: the verdict changes."""
-    path, out = cluster(tmp_path, memory_gb=0.005), tmp_path / "out.toml"
+def test_buckets_planned_beside_home_are_counted_as_the_runtime_holds_them(tmp_path):
+    """Each bucket is searched on the memory home's storage leaves (``propose.beside_home``) and counted as held: one
+    float32 buffer for every bucket layout's shards (the largest; a layout on home's stages too), held all step as
+    the runtime's ``Switcher.storage`` is, beside that layout's gradients. At 6 MB (AdamW only) that fits every
+    device and pays; at 5.5 MB it does not fit and the static layout is written, the device over its memory named."""
+    tight = cluster(tmp_path, memory_gb=0.0055)
+    tight.write_text(tight.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n'))
+    res = run_plan(tight, "--buckets", "128", "-o", tmp_path / "tight.toml")
+    assert res.exit_code == 0, res.stderr
+    assert "do not fit (" in res.stdout and "writing the static layout" in res.stdout
+    assert not layout_mod.load(tmp_path / "tight.toml").buckets
+    path, out = cluster(tmp_path, memory_gb=0.006), tmp_path / "out.toml"
     path.write_text(path.read_text().replace("[plan]\n", '[plan]\noptimizers = ["adamw"]\n'))
     res = run_plan(path, "-o", out, "--buckets", "128")
     assert res.exit_code == 0, res.stderr
@@ -238,3 +244,23 @@ def test_hotspa_regime_bench_writes_the_cases_cluster(tmp_path, case):
     assert (c.data.doc_len_median, c.data.doc_len_sigma) == (median, sigma)
     path.write_text(bench.cluster_text(model, int(gpus), seq_len, mixture, whole_rows=True))
     assert load_cluster(path).documents.per_row
+
+
+def test_a_bucket_is_priced_on_the_rows_the_runtime_splits_not_a_multiple_of_the_global_batch(tmp_path):
+    """``worth.rows_plan`` splits a bucket's rows as ``bucketing.bucket_split`` does at run time: a fixed bucket of
+    home's batch 32 in 4 microbatches has a unit of 4 rows (one per microbatch), so 16 rows are 4 microbatches of 4
+    (they raised "not a multiple of the pipelines' batch shares (32)" when the pricing padded to the batch); an
+    elastic one keeps its rows per microbatch and takes more microbatches."""
+    from hetero_llm.planner.candidates import PipelineChoice
+    from hetero_llm.switching import bucketing
+
+    home = plan_cluster(load_cluster(cluster(tmp_path, memory_gb=0.009)), top=1).best
+    one = attrs.evolve(home, pipelines=(PipelineChoice(32, 4, home.pipelines[0].stages),))
+    fixed = worth.rows_plan(one, 16, False)
+    assert [(p.batch, p.microbatches) for p in fixed.pipelines] == [(16, 4)]
+    assert bucketing.bucket_split(one.pipelines, 16, False)[1] == [(0, 16, 4)]
+    elastic = worth.rows_plan(attrs.evolve(one, pipelines=(PipelineChoice(8, 8, one.pipelines[0].stages),)), 16, True)
+    assert [(p.batch, p.microbatches) for p in elastic.pipelines] == [(16, 16)]  # one row per microbatch
+    assert worth.rows_plan(one, 32, False) is one
+    with pytest.raises(ValueError, match="not a multiple"):
+        worth.rows_plan(one, 6, False)
