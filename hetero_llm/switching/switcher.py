@@ -34,6 +34,7 @@ a runner of its own (the home stages compiled for its rows' width), without a sw
 from __future__ import annotations
 
 import functools
+import math
 import time
 
 import attrs
@@ -169,7 +170,7 @@ class Switcher:
             shape = list(info.shape)
             dim = info.shard_dim or 0
             shape[dim] = hi - lo
-            n = _prod(shape)
+            n = math.prod(shape)
             params[info.name] = self.storage.narrow(0, offset, n).view(shape).requires_grad_(True)
             coords[info.name] = (dim, lo)
             offset += n
@@ -320,20 +321,13 @@ def _microbatch(piece: documents.PackedRows, ring: Ring | None) -> Microbatch:
     return Microbatch(torch.from_numpy(piece.inputs), torch.from_numpy(piece.targets), docs)
 
 
-def _prod(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def _numel(plan: Plan, device: str) -> int:
     """The float32 elements of ``device``'s shards in ``plan`` (0: the layout leaves it idle)."""
     rank = next((r.rank for r in plan.ranks if r.device_id == device), None)
     if rank is None:
         return 0
     return sum(
-        _prod(info.shape) // info.shape[info.shard_dim or 0] * (hi - lo) for info, lo, hi in plan.params_of(rank)
+        math.prod(info.shape) // info.shape[info.shard_dim or 0] * (hi - lo) for info, lo, hi in plan.params_of(rank)
     )
 
 
