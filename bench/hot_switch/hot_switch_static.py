@@ -43,6 +43,10 @@ max_tp = 2
 max_cp = {cfg.max_cp}
 schedules = [{schedules}]
 max_evals = 400
+[plan.documents]  # the lengths the rows are packed from (data.doc_len_*): attention priced per document
+distribution = "lognormal"
+median = {cfg.median:.9g}
+sigma = {cfg.sigma:.9g}
 [plan.nodes]
 node0 = "emu"
 [plan.kinds.emu]

@@ -22,6 +22,7 @@ per row, ``S x median``-ish for short documents.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -94,6 +95,62 @@ class Documents:
             n, w = np.asarray([max(2.0, float(round(self.median)))]), np.asarray([1.0])
         positions, squares = piece_sums(n, S)
         return float(S * (w * squares).sum() / (w * positions).sum())
+
+    def cp_imbalance(self, S: int, cp: int, rows: int) -> float:
+        """The slowest CP rank's attention over the mean rank's, for microbatches of ``rows`` packed rows.
+
+        Ring attention couples a stage's CP ranks every layer (each ring step waits for its neighbour's keys and
+        values, the backward for its key/value gradients), so a layer lasts as long as its slowest rank's blocks.
+        The zigzag split gives every rank the same share of a causal row (1 with one document per row), but a
+        packed row's documents fall where they fall: a rank whose chunks hold the long documents' late positions
+        sees more pairs. Sampled: rows filled with documents back to back (pieces of at most ``S`` positions, the
+        last one cut at the row's end), each rank's visible pairs summed over the microbatch's rows, E[max] / E[mean]
+        over up to ``_IMBALANCE_MICROBATCHES`` microbatches (seeded)."""
+        if cp < 2 or self.per_row:
+            return 1.0
+        return _cp_imbalance(self, S, cp, rows)
+
+
+@functools.lru_cache(maxsize=256)
+def _cp_imbalance(docs: Documents, S: int, cp: int, rows: int) -> float:
+    n, w = docs.weighted(S)
+    if docs.distribution == LOGNORMAL and docs.sigma == 0:
+        n, w = np.asarray([max(2.0, float(round(docs.median)))]), np.asarray([1.0])
+    positions = np.maximum(1, np.minimum(n - 1, S)).astype(np.int64)  # a document's positions, cut at a row
+    rng = np.random.default_rng(0)
+    samples = max(50, min(_IMBALANCE_MICROBATCHES, _IMBALANCE_POSITIONS // (rows * S)))  # bounded memory
+    lengths = positions[rng.choice(len(w), size=(samples * rows, S), p=w / w.sum())]
+    starts = np.cumsum(lengths, axis=1) - lengths  # (rows, S) each document's first position, back to back
+    pos = np.arange(S)
+    # per position, the start of the document holding it: the last start at or before it
+    at = np.zeros((len(starts), S), dtype=np.int64)
+    r, c = np.nonzero(starts < S)
+    at[r, starts[r, c]] = starts[r, c]
+    start_of = np.maximum.accumulate(at, axis=1)
+    seen = (pos[None, :] - start_of + 1).astype(np.float64)  # visible keys of each query
+    owner = zigzag_owner(S, cp)
+    per_rank = np.stack([seen[:, owner == k].sum(1) for k in range(cp)], axis=1)  # (rows, cp)
+    per = per_rank.reshape(samples, rows, cp).sum(1)
+    return float(per.max(1).sum() / per.mean(1).sum())
+
+
+_IMBALANCE_MICROBATCHES = 1000  # sampled microbatches of cp_imbalance (seeded: the planner is deterministic)
+_IMBALANCE_POSITIONS = 2_000_000  # at most this many sampled positions (long rows: fewer microbatches)
+
+
+def zigzag_owner(S: int, cp: int) -> np.ndarray:
+    """(S,) the CP index holding each position of a row: chunks r and 2 cp - 1 - r of 2 cp (model/cp_chunks.py)."""
+    chunk = np.arange(S) * (2 * cp) // S
+    return np.minimum(chunk, 2 * cp - 1 - chunk)
+
+
+def rank_pairs(starts: np.ndarray, S: int, cp: int) -> np.ndarray:
+    """(cp,) visible query/key pairs per CP rank of one row whose documents start at ``starts`` (sorted, the first
+    0): a query at position q sees the keys of its document up to itself, ``q - start + 1``, on the rank holding
+    its position (ring attention computes each rank's own queries against every key)."""
+    pos = np.arange(S)
+    start_of = starts[np.searchsorted(starts, pos, side="right") - 1]
+    return np.bincount(zigzag_owner(S, cp), weights=(pos - start_of + 1).astype(np.float64), minlength=cp)
 
 
 def piece_sums(n: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
