@@ -205,7 +205,7 @@ class PlannerCostModel(MemoryModel):
 
     def cp_imbalance(self, cp: int, rows: int) -> float:
         """The slowest CP rank's attention over a balanced rank's (``Documents.cp_imbalance``; 1 without documents)."""
-        return self.cluster.documents.cp_imbalance(self.S, cp, rows)
+        return self.cluster.documents.cp_imbalance(self.S, cp, rows, self.cluster.train.global_batch)
 
     @staticmethod
     def intra_bw(group: TPGroup) -> float:

@@ -96,46 +96,59 @@ class Documents:
         positions, squares = piece_sums(n, S)
         return float(S * (w * squares).sum() / (w * positions).sum())
 
-    def cp_imbalance(self, S: int, cp: int, rows: int) -> float:
+    def cp_imbalance(self, S: int, cp: int, rows: int, batch: int) -> float:
         """The slowest CP rank's attention over the mean rank's, for microbatches of ``rows`` packed rows.
 
         Ring attention couples a stage's CP ranks every layer (each ring step waits for its neighbour's keys and
         values, the backward for its key/value gradients), so a layer lasts as long as its slowest rank's blocks.
         The zigzag split gives every rank the same share of a causal row (1 with one document per row), but a
         packed row's documents fall where they fall: a rank whose chunks hold the long documents' late positions
-        sees more pairs. Sampled: rows filled with documents back to back (pieces of at most ``S`` positions, the
-        last one cut at the row's end), each rank's visible pairs summed over the microbatch's rows, E[max] / E[mean]
-        over up to ``_IMBALANCE_MICROBATCHES`` microbatches (seeded)."""
-        if cp < 2 or self.per_row:
+        sees more pairs. Sampled: steps of ``batch`` rows filled as training fills them (data.documents._fill:
+        each drawn document's pieces (as ``square_sum`` cuts them) into the first row with room, until
+        ``_FILL_MISSES`` in a row fit nowhere), each
+        rank's visible pairs summed over each microbatch's ``rows`` rows, E[max] / E[mean] over up to
+        ``_IMBALANCE_MICROBATCHES`` microbatches (seeded)."""
+        if cp < 2 or self.per_row or rows > batch:
             return 1.0
-        return _cp_imbalance(self, S, cp, rows)
+        return _cp_imbalance(self, S, cp, rows, batch)
 
 
 @functools.lru_cache(maxsize=256)
-def _cp_imbalance(docs: Documents, S: int, cp: int, rows: int) -> float:
+def _cp_imbalance(docs: Documents, S: int, cp: int, rows: int, batch: int) -> float:
     n, w = docs.weighted(S)
     if docs.distribution == LOGNORMAL and docs.sigma == 0:
         n, w = np.asarray([max(2.0, float(round(docs.median)))]), np.asarray([1.0])
-    positions = np.maximum(1, np.minimum(n - 1, S)).astype(np.int64)  # a document's positions, cut at a row
+    tokens = n.astype(np.int64)
+    p = w / w.sum()
     rng = np.random.default_rng(0)
-    samples = max(50, min(_IMBALANCE_MICROBATCHES, _IMBALANCE_POSITIONS // (rows * S)))  # bounded memory
-    lengths = positions[rng.choice(len(w), size=(samples * rows, S), p=w / w.sum())]
-    starts = np.cumsum(lengths, axis=1) - lengths  # (rows, S) each document's first position, back to back
-    pos = np.arange(S)
-    # per position, the start of the document holding it: the last start at or before it
-    at = np.zeros((len(starts), S), dtype=np.int64)
-    r, c = np.nonzero(starts < S)
-    at[r, starts[r, c]] = starts[r, c]
-    start_of = np.maximum.accumulate(at, axis=1)
-    seen = (pos[None, :] - start_of + 1).astype(np.float64)  # visible keys of each query
-    owner = zigzag_owner(S, cp)
-    per_rank = np.stack([seen[:, owner == k].sum(1) for k in range(cp)], axis=1)  # (rows, cp)
-    per = per_rank.reshape(samples, rows, cp).sum(1)
-    return float(per.max(1).sum() / per.mean(1).sum())
+    steps = max(4, min(_IMBALANCE_MICROBATCHES * rows, _IMBALANCE_POSITIONS // S) // batch)  # bounded work
+    owner, ramp = zigzag_owner(S, cp), np.arange(1, S + 1, dtype=np.float64)
+    worst = mean = 0.0
+    for _ in range(steps):
+        seen = np.zeros((batch, S))
+        free = [S] * batch
+        misses = 0
+        while misses < _FILL_MISSES and max(free) >= 1:  # data.documents._fill: first fit, in drawing order
+            for m in _piece_positions(tokens[rng.choice(len(p), size=_FILL_DRAW, p=p)], S):
+                r = next((i for i, f in enumerate(free) if f >= m), -1)
+                if r < 0:
+                    misses += 1
+                    if misses >= _FILL_MISSES:
+                        break
+                    continue
+                misses, at = 0, S - free[r]
+                seen[r, at : at + m] = ramp[:m]
+                free[r] -= m
+        per_rank = np.stack([seen[:, owner == k].sum(1) for k in range(cp)], axis=1)  # (batch, cp)
+        for lo in range(0, batch - rows + 1, rows):  # the step's microbatches of `rows` rows
+            per = per_rank[lo : lo + rows].sum(0)
+            worst, mean = worst + per.max(), mean + per.mean()
+    return float(worst / mean) if mean > 0 else 1.0
 
 
-_IMBALANCE_MICROBATCHES = 1000  # sampled microbatches of cp_imbalance (seeded: the planner is deterministic)
+_IMBALANCE_MICROBATCHES = 400  # sampled microbatches of cp_imbalance (seeded: the planner is deterministic)
 _IMBALANCE_POSITIONS = 2_000_000  # at most this many sampled positions (long rows: fewer microbatches)
+_FILL_DRAW, _FILL_MISSES = 64, 16  # data.documents._DRAW, _MISSES: candidates drawn at a time, misses that end a fill
 
 
 def zigzag_owner(S: int, cp: int) -> np.ndarray:
@@ -151,6 +164,16 @@ def rank_pairs(starts: np.ndarray, S: int, cp: int) -> np.ndarray:
     pos = np.arange(S)
     start_of = starts[np.searchsorted(starts, pos, side="right") - 1]
     return np.bincount(zigzag_owner(S, cp), weights=(pos - start_of + 1).astype(np.float64), minlength=cp)
+
+
+def _piece_positions(n: np.ndarray, S: int) -> list[int]:
+    """The positions of the pieces of documents of ``n`` tokens, in order (``piece_sums``' pieces: of at most
+    ``S + 1`` tokens, one of fewer than 2 dropped)."""
+    out: list[int] = []
+    for tokens in n.tolist():
+        full, rest = divmod(tokens, S + 1)
+        out += [S] * full + ([rest - 1] if rest >= 2 else [])
+    return out
 
 
 def piece_sums(n: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:
