@@ -10,7 +10,9 @@ link: the planner groups TP inside a node, so its cluster is one node of two dev
 layouts' second device is then renamed to the second node's), ``memory_gb`` the cap: what static TP 2 with one
 row per microbatch needs per device by the planner's own memory model (``cap_positions`` = half a row of
 ``seq_len``), over one minus the memory margin. Every static layout the planner proposes fits it, as does every
-bucket layout the bench runs (checked: ``modelled_peak``).
+bucket layout the bench runs (checked: ``modelled_peak``). ``[plan.documents]`` declares the lognormal lengths the
+rows are packed from (the scenario's median and sigma), so the planner prices attention per document, as the
+runtime computes it.
 """
 
 from __future__ import annotations
@@ -43,6 +45,10 @@ max_tp = 2
 max_cp = {cfg.max_cp}
 schedules = [{schedules}]
 max_evals = 400
+[plan.documents]  # the lengths the rows are packed from (data.doc_len_*): attention priced per document
+distribution = "lognormal"
+median = {cfg.median:.9g}
+sigma = {cfg.sigma:.9g}
 [plan.nodes]
 node0 = "emu"
 [plan.kinds.emu]

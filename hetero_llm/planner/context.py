@@ -12,6 +12,8 @@ values round a ring (Megatron-LM's and torchtitan's ring attention), which adds:
   overlaps one of the ``cp`` blocks the rank's attention runs in and costs what the block does not hide; the
   last gradients come home after the last block, exposed; with the layout's ``cp_overlap = false`` every
   transfer is exposed (``ring_exposed``, the runtime's order of model/context.py);
+- the slowest CP rank's attention: the ring couples the ranks every layer, and packed documents fall unevenly on
+  the zigzag chunks, so the attention is charged at ``Documents.cp_imbalance`` x a balanced rank's (cost.py);
 - the all-reduce of the stage's gradients over its CP ranks, which hold the same weights (``cp_sync_time``),
   over the intra-node link, before the sync between pipelines.
 

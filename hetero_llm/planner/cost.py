@@ -180,6 +180,10 @@ class PlannerCostModel(MemoryModel):
             hf, hb, hw = self.roofline.head(group.kind, rows, head_tp, cp) if last else (0.0, 0.0, 0.0)
             fwd, wgt = layers * lf + hf, layers * lw + hw
             bwd = layers * lb + hb + (layers * lf if recompute else 0.0)
+            if cp > 1:  # the slowest CP rank's attention sets each layer's pace (context.py)
+                af, ab = self.roofline.attention(group.kind, rows, group.tp, cp)
+                extra = self.cp_imbalance(cp, rows) - 1.0
+                fwd, bwd = fwd + layers * extra * af, bwd + layers * extra * (ab + (af if recompute else 0.0))
         else:
             speed = group.flops
             fwd = rows * layers * self.layer_forward_flops() / speed
@@ -189,12 +193,19 @@ class PlannerCostModel(MemoryModel):
                 fwd += head
                 wgt += head
             bwd = 2 * fwd + (rows * layers * self.layer_forward_flops() / speed if recompute else 0.0)
+            if cp > 1:  # the slowest CP rank's attention sets each layer's pace (context.py)
+                extra = (self.cp_imbalance(cp, rows) - 1.0) * rows * layers * 2 * self.square * self.H / speed
+                fwd, bwd = fwd + extra, bwd + (3 if recompute else 2) * extra
         link = self.intra_bw(group)
         one = self.allreduce(rows * self.S // cp * self.H * self.act_bytes, group.tp, link)
         tp_f, tp_b = 2 * layers * one, (4 if recompute else 2) * layers * one
         ring_f, ring_b = context.ring_exposed(self, group, rows)  # CP: the ring steps the attention does not hide
         tp_f, tp_b = tp_f + layers * ring_f, tp_b + layers * (ring_b + (ring_f if recompute else 0.0))
         return fwd + tp_f, bwd + tp_b, wgt, tp_f + tp_b
+
+    def cp_imbalance(self, cp: int, rows: int) -> float:
+        """The slowest CP rank's attention over a balanced rank's (``Documents.cp_imbalance``; 1 without documents)."""
+        return self.cluster.documents.cp_imbalance(self.S, cp, rows, self.cluster.train.global_batch)
 
     @staticmethod
     def intra_bw(group: TPGroup) -> float:

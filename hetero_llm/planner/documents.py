@@ -22,6 +22,7 @@ per row, ``S x median``-ish for short documents.
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -94,6 +95,85 @@ class Documents:
             n, w = np.asarray([max(2.0, float(round(self.median)))]), np.asarray([1.0])
         positions, squares = piece_sums(n, S)
         return float(S * (w * squares).sum() / (w * positions).sum())
+
+    def cp_imbalance(self, S: int, cp: int, rows: int, batch: int) -> float:
+        """The slowest CP rank's attention over the mean rank's, for microbatches of ``rows`` packed rows.
+
+        Ring attention couples a stage's CP ranks every layer (each ring step waits for its neighbour's keys and
+        values, the backward for its key/value gradients), so a layer lasts as long as its slowest rank's blocks.
+        The zigzag split gives every rank the same share of a causal row (1 with one document per row), but a
+        packed row's documents fall where they fall: a rank whose chunks hold the long documents' late positions
+        sees more pairs. Sampled: steps of ``batch`` rows filled as training fills them (data.documents._fill:
+        each drawn document's pieces (as ``square_sum`` cuts them) into the first row with room, until
+        ``_FILL_MISSES`` in a row fit nowhere), each
+        rank's visible pairs summed over each microbatch's ``rows`` rows, E[max] / E[mean] over up to
+        ``_IMBALANCE_MICROBATCHES`` microbatches (seeded)."""
+        if cp < 2 or self.per_row or rows > batch:
+            return 1.0
+        return _cp_imbalance(self, S, cp, rows, batch)
+
+
+@functools.lru_cache(maxsize=256)
+def _cp_imbalance(docs: Documents, S: int, cp: int, rows: int, batch: int) -> float:
+    n, w = docs.weighted(S)
+    if docs.distribution == LOGNORMAL and docs.sigma == 0:
+        n, w = np.asarray([max(2.0, float(round(docs.median)))]), np.asarray([1.0])
+    tokens = n.astype(np.int64)
+    p = w / w.sum()
+    rng = np.random.default_rng(0)
+    steps = max(4, min(_IMBALANCE_MICROBATCHES * rows, _IMBALANCE_POSITIONS // S) // batch)  # bounded work
+    owner, ramp = zigzag_owner(S, cp), np.arange(1, S + 1, dtype=np.float64)
+    worst = mean = 0.0
+    for _ in range(steps):
+        seen = np.zeros((batch, S))
+        free = [S] * batch
+        misses = 0
+        while misses < _FILL_MISSES and max(free) >= 1:  # data.documents._fill: first fit, in drawing order
+            for m in _piece_positions(tokens[rng.choice(len(p), size=_FILL_DRAW, p=p)], S):
+                r = next((i for i, f in enumerate(free) if f >= m), -1)
+                if r < 0:
+                    misses += 1
+                    if misses >= _FILL_MISSES:
+                        break
+                    continue
+                misses, at = 0, S - free[r]
+                seen[r, at : at + m] = ramp[:m]
+                free[r] -= m
+        per_rank = np.stack([seen[:, owner == k].sum(1) for k in range(cp)], axis=1)  # (batch, cp)
+        for lo in range(0, batch - rows + 1, rows):  # the step's microbatches of `rows` rows
+            per = per_rank[lo : lo + rows].sum(0)
+            worst, mean = worst + per.max(), mean + per.mean()
+    return float(worst / mean) if mean > 0 else 1.0
+
+
+_IMBALANCE_MICROBATCHES = 400  # sampled microbatches of cp_imbalance (seeded: the planner is deterministic)
+_IMBALANCE_POSITIONS = 2_000_000  # at most this many sampled positions (long rows: fewer microbatches)
+_FILL_DRAW, _FILL_MISSES = 64, 16  # data.documents._DRAW, _MISSES: candidates drawn at a time, misses that end a fill
+
+
+def zigzag_owner(S: int, cp: int) -> np.ndarray:
+    """(S,) the CP index holding each position of a row: chunks r and 2 cp - 1 - r of 2 cp (model/cp_chunks.py)."""
+    chunk = np.arange(S) * (2 * cp) // S
+    return np.minimum(chunk, 2 * cp - 1 - chunk)
+
+
+def rank_pairs(starts: np.ndarray, S: int, cp: int) -> np.ndarray:
+    """(cp,) visible query/key pairs per CP rank of one row whose documents start at ``starts`` (sorted, the first
+    0): a query at position q sees the keys of its document up to itself, ``q - start + 1``, on the rank holding
+    its position (ring attention computes each rank's own queries against every key)."""
+    pos = np.arange(S)
+    start_of = starts[np.searchsorted(starts, pos, side="right") - 1]
+    return np.bincount(zigzag_owner(S, cp), weights=(pos - start_of + 1).astype(np.float64), minlength=cp)
+
+
+def _piece_positions(n: np.ndarray, S: int) -> list[int]:
+    """The positions of the pieces of documents of ``n`` tokens, in order (``piece_sums``' pieces: of at most
+    ``S + 1`` tokens, one of fewer than 2 dropped)."""
+    out: list[int] = []
+    for tokens in n.tolist():
+        full, rest = divmod(tokens, S + 1)
+        out += [S] * full + ([rest - 1] if rest >= 2 else [])
+    return out
 
 
 def piece_sums(n: np.ndarray, S: int) -> tuple[np.ndarray, np.ndarray]:

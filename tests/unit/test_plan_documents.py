@@ -165,3 +165,83 @@ def test_per_document_pricing_needs_document_packing(tmp_path):
         "is 'none': the runtime attends across the whole row (set data.packing = 'documents', or remove "
         "[plan.documents])"
     )
+
+
+class LognormalSource:
+    """A document source (data.documents.DocumentSource) of lognormal lengths cut at rows (data.documents._cut)."""
+
+    def __init__(self, median: float, sigma: float, S: int):
+        self.median, self.sigma, self.S = median, sigma, S
+
+    def candidates(self, rng, n):  # the documents cut into pieces of at most S + 1 tokens, as a file's are
+        _, pieces = _cut(np.zeros(n, dtype=np.int64), lognormal_sample(rng, self.median, self.sigma, n), self.S + 1)
+        return np.arange(len(pieces), dtype=np.int64), pieces
+
+    def documents(self, rng, ids, lengths):
+        return [np.zeros(int(n), dtype=np.int64) for n in lengths]
+
+
+def runtime_rank_pairs(median: float, sigma: float, S: int, cp: int, batch: int, steps: int) -> np.ndarray:
+    """(steps x batch, cp): per row of ``steps`` steps filled as training fills them (data.documents._fill, then
+    pack_placed), the visible query/key pairs of each CP rank's positions (model/cp_chunks.local_positions): a query
+    sees its document's keys up to itself; ring attention computes a rank's own queries (model/context.py's pacing
+    counts the same pairs)."""
+    from hetero_llm.data.documents import _fill, pack_placed
+    from hetero_llm.model.cp_chunks import local_positions
+
+    out = []
+    for step in range(steps):
+        docs, placed = _fill(LognormalSource(median, sigma, S), np.random.default_rng([7, step]), batch, S)
+        rows = pack_placed(docs, placed, batch, S)
+        seen = np.zeros((batch, S))
+        for row, start, n in rows.spans:
+            seen[row, start : start + n] = np.arange(1, n + 1)
+        out.append(np.stack([seen[:, local_positions(S, cp, r)].sum(1) for r in range(cp)], axis=1))
+    return np.concatenate(out)
+
+
+def test_cp_rank_pairs_by_hand():
+    """Rows of 8 at cp 2 (rank 0 holds positions 0, 1, 6, 7; rank 1 2-5): one causal document is balanced; two
+    of 6 and 2 leave rank 0 with 1 + 2 + 1 + 2 pairs and rank 1 with 3 + 4 + 5 + 6."""
+    from hetero_llm.planner.documents import rank_pairs, zigzag_owner
+
+    assert list(zigzag_owner(8, 2)) == [0, 0, 1, 1, 1, 1, 0, 0]
+    assert list(rank_pairs(np.array([0]), 8, 2)) == [18, 18]
+    assert list(rank_pairs(np.array([0, 6]), 8, 2)) == [6, 18]
+    assert list(rank_pairs(np.array([0]), 16, 4)) == [34] * 4  # zigzag: every rank the same share of a causal row
+
+
+@pytest.mark.parametrize("median,sigma,S,cp", [(48.0, 1.2, 512, 2), (20.0, 1.0, 256, 4)])
+def test_cp_imbalance_matches_the_runtimes_packed_rows(median, sigma, S, cp):
+    """The slowest CP rank's attention over the mean rank's (one and two rows per microbatch, steps of 8 rows),
+    against training's own fill and the runtime's CP chunks over 150 steps: within 5%; more than 1 (a packed row's
+    documents fall unevenly on the chunks); 1 with one document per row or without CP."""
+    pairs = runtime_rank_pairs(median, sigma, S, cp, 8, 150)
+    want = pairs.max(1).sum() / pairs.mean(1).sum()
+    docs = Documents("lognormal", median=median, sigma=sigma)
+    got = docs.cp_imbalance(S, cp, 1, 8)
+    assert want > 1.05 and got == pytest.approx(want, rel=0.05)
+    two = pairs.reshape(-1, 2, cp).sum(1)  # microbatches of 2 rows
+    assert docs.cp_imbalance(S, cp, 2, 8) == pytest.approx(two.max(1).sum() / two.mean(1).sum(), rel=0.05)
+    assert Documents().cp_imbalance(S, cp, 1, 8) == 1.0 and docs.cp_imbalance(S, 1, 1, 8) == 1.0
+
+
+def test_cp_stage_pays_the_slowest_ranks_attention(tmp_path, monkeypatch):
+    """A FLOP-priced CP 2 stage over packed documents: its forward is the balanced one plus (imbalance - 1) x the
+    attention of its rows on the group, its backward twice that (three times recomputing)."""
+    c = load_cluster(cluster_file(tmp_path))
+    cost = PlannerCostModel(c)
+    nd = c.spec.nodes[0]
+    node = c.node(nd.name)
+    g = TPGroup(node.name, node.domain, tuple(f"{node.name}:{i}" for i in range(2)), node.kind, 2)
+    assert g.kind.pricing != "roofline"  # the FLOP model (the roofline charges the same share of its attention)
+    rows, layers = 2, 2
+    base = {r: PlannerCostModel(c) for r in (False, True)}
+    for recompute in (False, True):
+        monkeypatch.setattr(Documents, "cp_imbalance", lambda self, S, cp, rows, batch: 1.0)
+        f0, b0, _, _ = base[recompute].stage_times(g, layers, False, rows, recompute)
+        monkeypatch.undo()
+        f, b, _, _ = cost.stage_times(g, layers, False, rows, recompute)
+        extra = (cost.cp_imbalance(2, rows) - 1) * rows * layers * 2 * cost.square * cost.H / g.flops
+        assert extra > 0
+        assert f == pytest.approx(f0 + extra) and b == pytest.approx(b0 + (3 if recompute else 2) * extra)
