@@ -232,8 +232,7 @@ def scenario(
         B.say(f"{NAME}: {'cut the link of' if cut else 'killed'} node n2 after step {recorded}")
         t_detected = run.wait(  # in place (the survivors keep their workers: launch/in_place.py), or a restart
             "the survivors' round or their workers to exit",
-            lambda: run.round_with("n0, n1", 0) is not None
-            or not any(Path(f"/proc/{p}").exists() for p in survivors),
+            lambda: run.round_with("n0, n1", 0) is not None or not any(Path(f"/proc/{p}").exists() for p in survivors),
         )
         line = run.round_with("n0, n1", 0)
         if line is not None and ", in place: " in line:

@@ -70,9 +70,11 @@ def test_a_killed_node_is_recovered_in_place_by_the_survivors_processes(tmp_path
         agents += [agent("n1"), agent("n2")]
         _wait(
             "3 steps on all nodes and a replica of n2's rank on n0",
-            lambda: "n0, n1, n2" in "".join(agents_mod.rounds(work))
-            and len(_steps(metrics)) >= 3
-            and any(shm["n0"].glob("*/*/step-*/rank3.json")),
+            lambda: (
+                "n0, n1, n2" in "".join(agents_mod.rounds(work))
+                and len(_steps(metrics)) >= 3
+                and any(shm["n0"].glob("*/*/step-*/rank3.json"))
+            ),
             agents,
             work,
         )
