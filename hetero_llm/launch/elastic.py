@@ -2,9 +2,10 @@
 
 A cluster file (a layout without ``[[pipelines]]``, the planner's input) lists every node the run may use.
 One torchrun agent runs per node (``torchrun --nnodes MIN:MAX --nproc-per-node N --max-restarts K
---rdzv-backend c10d ...``); torchrun decides who is present, restarts every worker when a node is lost
-(a worker failed) or arrives (a node waits at the rendezvous), and gives each worker ``RANK``, ``WORLD_SIZE``
-and ``LOCAL_RANK``. Each worker, at every start and restart (a *round*):
+--rdzv-backend c10d ...``); torchrun decides who is present, restarts every worker when a node arrives (a node
+waits at the rendezvous) or a loss cannot be recovered in place, and gives each worker ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK``. A node lost is recovered in place when it can be: the survivors' workers go on in their
+processes, in the round's next *generation* (``launch/in_place.py``). Each worker, at every start and restart (a *round*):
 
 1. says which node it belongs to (``HETERO_NODE=NAME`` in its agent's environment, or ``--node NAME``, which
    torchrun's argument parser would take for its own ``--node-rank`` when given before the script; else the node whose host is this machine) and its local rank,
