@@ -174,6 +174,32 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     }
 
 
+def _recovery_in_place(run: _Run, t0: float, nodes: str, recorded: int) -> dict:
+    """The times and steps of a recovery in place that began at ``t0`` (the kill): no worker exits or starts; the
+    survivors agree (detection and agreement: the round line's "agreed in"), plan and resume in their processes."""
+    line = run.round_with(nodes, 0)
+    start = A.start_step(line)
+    t_step = run.wait(f"a step of the round of {nodes}", lambda: run.recorded() > start)
+    step_s = json.loads(run.metrics.read_text().splitlines()[start])["seconds"]
+    planned = float(re.search(r"planned in ([0-9.]+) s", line).group(1))
+    agreed = float(re.search(r"survivors agreed in ([0-9.]+) s", line).group(1))
+    recovery = max(0.0, t_step - t0 - step_s)
+    return {
+        "members": nodes,
+        "join_s": 0.0,
+        "detection_s": agreed,  # from the survivor's failure to the leader's decision (the failure is immediate)
+        "restart_s": 0.0,
+        "rendezvous_s": 0.0,
+        "worker_start_s": 0.0,
+        "planning_s": planned,
+        "restore_s": max(0.0, recovery - agreed - planned),
+        "recovery_s": recovery,
+        "resumed_at": start,
+        "steps_redone": max(0, recorded - start),
+        "in_place": True,
+    }
+
+
 def _link(tb, node: str, state: str) -> None:
     """Take the node's testbed link (its domain interface) down or up: a partition and its end."""
     subprocess.run(["ip", "-n", tb.namespace(node), "link", "set", tb.interface("domain"), state], check=True)
@@ -204,10 +230,15 @@ def scenario(
             A.signal_node(run.agents["n2"], signal.SIGKILL)
             shutil.rmtree(run.shm("n2"), ignore_errors=True)  # its memory is lost with it: its snapshots too
         B.say(f"{NAME}: {'cut the link of' if cut else 'killed'} node n2 after step {recorded}")
-        t_detected = run.wait(
-            "the survivors' workers to exit", lambda: not any(Path(f"/proc/{p}").exists() for p in survivors)
+        t_detected = run.wait(  # in place (the survivors keep their workers: launch/in_place.py), or a restart
+            "the survivors' round or their workers to exit",
+            lambda: run.round_with("n0, n1", 0) is not None or not any(Path(f"/proc/{p}").exists() for p in survivors),
         )
-        lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded, survivors)
+        line = run.round_with("n0, n1", 0)
+        if line is not None and ", in place: " in line:
+            lost = _recovery_in_place(run, t_kill, "n0, n1", recorded)
+        else:
+            lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded, survivors)
         B.say(f"{NAME}: re-planned without n2: recovery {lost['recovery_s']:.1f} s")
         run.wait(f"step {back_at}", lambda: run.recorded() >= back_at)
         running = [w for n in ("n0", "n1") for w in A.children(run.agents[n].pid)]

@@ -70,17 +70,19 @@ class Heartbeat:
             t.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self._stop.set()
-        # Say this rank is done, but never wait long on a store that may be gone or stopped.
-        done = threading.Thread(target=self._mark_done, daemon=True)
+        # Say this rank is done, but never wait long on a store that may be gone or stopped. A rank that failed does
+        # not linger for the others (a peer may be gone for good: an elastic survivor recovers without that wait).
+        failed = exc_type is not None
+        done = threading.Thread(target=self._mark_done, args=(failed,), daemon=True)
         done.start()
-        done.join(timeout=_LINGER_S)
+        done.join(timeout=_OP_TIMEOUT_S if failed else _LINGER_S)
 
-    def _mark_done(self) -> None:
+    def _mark_done(self, failed: bool = False) -> None:
         try:
             self.store.add(f"beat/{self.rank}", _DONE)
-            if self.rank == self.server:
+            if self.rank == self.server and not failed:
                 # The store dies with this process: let the other ranks' heartbeats finish first, or one
                 # caught in an operation prints torch's connection-closed warning, C++ frames and all.
                 deadline = time.monotonic() + _LINGER_S

@@ -2,9 +2,10 @@
 
 A cluster file (a layout without ``[[pipelines]]``, the planner's input) lists every node the run may use.
 One torchrun agent runs per node (``torchrun --nnodes MIN:MAX --nproc-per-node N --max-restarts K
---rdzv-backend c10d ...``); torchrun decides who is present, restarts every worker when a node is lost
-(a worker failed) or arrives (a node waits at the rendezvous), and gives each worker ``RANK``, ``WORLD_SIZE``
-and ``LOCAL_RANK``. Each worker, at every start and restart (a *round*):
+--rdzv-backend c10d ...``); torchrun decides who is present, restarts every worker when a node arrives (a node
+waits at the rendezvous) or a loss cannot be recovered in place, and gives each worker ``RANK``, ``WORLD_SIZE``
+and ``LOCAL_RANK``. A node lost is recovered in place when it can be: the survivors' workers go on in their
+processes, in the round's next *generation* (``launch/in_place.py``). Each worker, at every start and restart (a *round*):
 
 1. says which node it belongs to (``HETERO_NODE=NAME`` in its agent's environment, or ``--node NAME``, which
    torchrun's argument parser would take for its own ``--node-rank`` when given before the script; else the node whose host is this machine) and its local rank,
@@ -32,7 +33,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
@@ -40,7 +41,7 @@ import attrs
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import trust
 from hetero_llm.errors import ENVIRONMENT, LayoutError, RankFailure
-from hetero_llm.launch import external, guards, outputs, restart
+from hetero_llm.launch import external, guards, in_place, outputs, restart
 from hetero_llm.launch.hosts import local_hosts
 from hetero_llm.launch.node import run_rank
 from hetero_llm.layout import Layout
@@ -234,7 +235,8 @@ def describe_round(plan: Plan, present: Sequence[str], cluster: Cluster, start: 
 
 
 def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
-    """One elastic worker's round (see the module's docstring)."""
+    """One elastic worker (see the module's docstring): its round, generation after generation while nodes are lost
+    and the survivors recover in place (``launch/in_place.py``)."""
     worker = check_environment(os.environ)
     guards.watch_my_agent()  # a worker whose agent is killed ends, naming why, instead of training on alone
     cluster = load_cluster(cluster_file)
@@ -246,29 +248,63 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
         snapshots = trust.private_folder(snapshot_folder(options.checkpoint))
     # the round's workers start together but import torch first: on a loaded host that may take longer than
     # cluster.timeout_s, which bounds a training rank's silence, not a start
-    store = _round_store(worker, max(_START_S, cluster.spec.timeout_s))
+    timeout_s = max(_START_S, cluster.spec.timeout_s)
+    store = _round_store(worker, timeout_s)
     store.set(f"member/{worker.rank}", json.dumps([me, worker.local_rank]))
     members = [tuple(json.loads(store.get(f"member/{r}"))) for r in range(worker.world_size)]
-    present = present_nodes(cluster, members)
+    present_nodes(cluster, members)  # two agents claiming one node: refused
     guards.check_shared(store, worker.rank, members, str(options.checkpoint))  # before any save is looked for
+    liveness = in_place.Liveness(worker.host, worker.port, worker.rank, worker.world_size, timeout_s, worker.rank == 0)
+    gen, recovered = in_place.Generation.first(members), ""
+    try:
+        while (failure := _generation(store, worker, me, cluster, gen, options, snapshots, key, recovered)) is not None:
+            gen, recovered = in_place.recover(store, worker.rank, gen, liveness, failure, cluster.spec.timeout_s)
+            liveness.generation = gen.number
+    except BaseException:
+        if snapshots is not None and last_round(os.environ, worker):
+            shutil.rmtree(snapshots, ignore_errors=True)  # no round comes after this one: its snapshots go now
+        raise
+    finally:
+        liveness.stop()
+    if gen.number:  # the store lives in torchrun rank 0's process: it ends after every other worker let go of it
+        in_place.leave(store, worker.rank, gen, cluster.spec.timeout_s)
+
+
+def _generation(
+    raw,
+    worker: Worker,
+    me: str,
+    cluster: Cluster,
+    gen: in_place.Generation,
+    options: RunOptions,
+    snapshots,
+    key,
+    recovered: str,
+) -> RankFailure | None:
+    """One generation of the round: plan for its nodes, agree on the save, run this worker's layout rank (or wait,
+    idle). None when the run is over; the failure of this worker's rank (or another's, seen as the next generation
+    opened) when the survivors are to recover in place."""
+    store = raw if gen.number == 0 else _prefixed(raw, gen.prefix)
+    rank, members = gen.rank_of(worker.rank), list(gen.members)
+    present = present_nodes(cluster, members)
     t0 = time.perf_counter()
     lay = plan_for(cluster, present)
     plan = compile_plan(lay)
     planned_s = time.perf_counter() - t0
-    store.set(f"plan/{worker.rank}", plan.fingerprint())
-    for r in range(worker.world_size):
+    store.set(f"plan/{rank}", plan.fingerprint())
+    for r in range(len(members)):
         theirs = store.get(f"plan/{r}").decode()
         if theirs != plan.fingerprint():
             raise LayoutError(
                 cluster.file,
                 "cluster",
-                f"elastic: worker {r} (node {members[r][0]}) planned another layout ({theirs[:12]}, this worker "
-                f"{plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file",
+                f"elastic: worker {gen.ranks[r]} (node {members[r][0]}) planned another layout ({theirs[:12]}, this "
+                f"worker {plan.fingerprint()[:12]}): every agent must run the same hetero_llm and cluster file",
             )
     external.check_environment(os.environ, plan.world_size)  # OMP_NUM_THREADS, HETERO_EMULATE_*, ...: one line
     # one worker picks the save, over the snapshots of every node present (their holders copy it to disk)
     resume, source = restart.agree(
-        store, worker.rank, members, lay, str(options.checkpoint), snapshots, key, cluster.spec.timeout_s
+        store, rank, members, lay, str(options.checkpoint), snapshots, key, cluster.spec.timeout_s
     )
     o = options
     outputs.check_run_paths(lay, o.metrics_jsonl, o.checkpoint, o.trace, resume, o.tensorboard)
@@ -277,45 +313,73 @@ def run(cluster_file: str, node: str | None, options: RunOptions) -> None:
 
     start = folders.find(resume).step if resume else 0
     if (done := guards.finished_line(start, lay.train.steps, resume)) is not None:  # the others trained it all
-        _end_as_done(store, worker, done, snapshots, cluster.spec.timeout_s)
-        return
-    if worker.rank == 0 and not options.quiet:
-        print(f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s)", flush=True)
-    idle = worker.world_size - plan.world_size
+        _end_as_done(store, rank, len(members), worker.local_rank, done, snapshots, cluster.spec.timeout_s)
+        return None
+    if rank == 0 and not options.quiet:
+        line = f"{describe_round(plan, present, cluster, start)}{source} (planned in {planned_s:.2f} s{recovered})"
+        print(line, flush=True)
+    idle = len(members) - plan.world_size
     if snapshots is not None and last_round(os.environ, worker):
         _clean_up_on_exit(snapshots)
     guards.TRAINING.set()  # a refusal from here on is the rank's failure (a port in use may be free next round)
-    try:
-        if mine is None:
-            _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True)
-            store.add("idle-done", 1)
-        else:
-            for var in _TORCHRUN_VARS:  # from here on the rank runs as `hetero-launch LAYOUT --rank R` does
-                os.environ.pop(var, None)
-            round_folder = snapshots / f"{plan.fingerprint()[:12]}-{start:06d}" if snapshots else None
-            keep = (str(round_folder), options.snapshot[1]) if round_folder else (None, 0)
+    until = lambda: in_place.opened(raw, gen)  # noqa: E731  (another worker's rank failed: recover with it)
+    if mine is None:
+        if not _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True, until=until):
+            return RankFailure("elastic: another worker's rank failed")
+        store.add("idle-done", 1)
+    else:
+        _rank_environment(worker, gen)
+        round_folder = snapshots / f"{plan.fingerprint()[:12]}-{start:06d}" if snapshots else None
+        keep = (str(round_folder), options.snapshot[1]) if round_folder else (None, 0)
+        try:
             run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
-            store.add("finished", 1)
-    except BaseException:
-        if snapshots is not None and last_round(os.environ, worker):
-            shutil.rmtree(snapshots, ignore_errors=True)  # no round comes after this one: its snapshots go now
-        raise
+        except RankFailure as failure:  # a peer lost (its connection closed): the survivors recover in place
+            failure.__traceback__ = None  # (its frames held this generation's groups and stores)
+            return failure
+        store.add("finished", 1)
+        if not _wait_for(store, plan.world_size, cluster.spec.timeout_s, forever=True, until=until):
+            return RankFailure("elastic: another worker's rank failed after this one finished")
     if snapshots is not None and worker.local_rank == 0:  # one worker per node removes its node's snapshots
         if _wait_for(store, plan.world_size, cluster.spec.timeout_s):  # once the run is over (every rank done)
             shutil.rmtree(snapshots, ignore_errors=True)  # (a failed round keeps them for the next)
         store.add("snapshots-removed", 1)
-    if worker.rank == 0:  # this round's store lives in this process: let the others read it to the end
+    if rank == 0:  # this round's store lives in torchrun rank 0's process: let the others read it to the end
         _wait_for(store, plan.world_size, cluster.spec.timeout_s, idle=idle, removed=len(present) if snapshots else 0)
+    return None
 
 
-def _end_as_done(store, worker: Worker, line: str, snapshots: Path | None, timeout_s: float) -> None:
+def _prefixed(store, prefix: str):
+    import torch.distributed as dist
+
+    return dist.PrefixStore(prefix, store)
+
+
+def _rank_environment(worker: Worker, gen: in_place.Generation) -> None:
+    """The environment a layout rank runs in: as ``hetero-launch LAYOUT --rank R`` (torchrun's variables gone) in
+    the first generation, whose ranks meet at the layout's own rendezvous; in a later one they meet in the round's
+    store under the generation's keys, as torchrun's workers do in its agent's store (the layout's rendezvous
+    port may still be held by the first generation's server, in a survivor's process)."""
+    for var in _TORCHRUN_VARS:
+        os.environ.pop(var, None)
+    if gen.number:
+        os.environ.update(
+            MASTER_ADDR=worker.host,
+            MASTER_PORT=str(worker.port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RESTART_COUNT=f"{worker.restart}g{gen.number}",
+        )
+
+
+def _end_as_done(
+    store, rank: int, world_size: int, local_rank: int, line: str, snapshots: Path | None, timeout_s: float
+) -> None:
     """A round whose save has every step trained: rank 0 says so, each node's local rank 0 removes its snapshots
     (the run is over), rank 0 keeps the round's store up until every worker read it; every worker exits 0."""
-    if worker.rank == 0:
+    if rank == 0:
         print(line, flush=True)
-    if snapshots is not None and worker.local_rank == 0:
+    if snapshots is not None and local_rank == 0:
         shutil.rmtree(snapshots, ignore_errors=True)
-    guards.end_finished_round(store, worker.rank, worker.world_size, timeout_s)
+    guards.end_finished_round(store, rank, world_size, timeout_s)
 
 
 def check_before_store(cluster: Cluster, options: RunOptions) -> None:
@@ -401,16 +465,27 @@ def _round_store(worker: Worker, timeout_s: float):
         ) from None
 
 
-def _wait_for(store, ranks: int, timeout_s: float, idle: int = 0, removed: int = 0, forever: bool = False) -> bool:
+def _wait_for(
+    store,
+    ranks: int,
+    timeout_s: float,
+    idle: int = 0,
+    removed: int = 0,
+    forever: bool = False,
+    until: Callable[[], bool] | None = None,
+) -> bool:
     """Until ``ranks`` layout ranks finished (and ``idle`` idle workers saw it, ``removed`` nodes removed their
     snapshots): True; bounded by ``timeout_s`` unless ``forever`` (an idle worker waits out the whole training;
-    torchrun stops it if the round fails). False when the time ran out or the store went away."""
+    torchrun stops it if the round fails). False when the time ran out, the store went away or ``until()`` holds
+    (the next generation opened: a rank failed)."""
     deadline = time.monotonic() + timeout_s
     counts = {"finished": ranks, "idle-done": idle, "snapshots-removed": removed}
     while forever or time.monotonic() < deadline:
         try:
             if all(store.add(key, 0) >= n for key, n in counts.items()):
                 return True
+            if until is not None and until():
+                return False
         except Exception:  # the store's process ended: the round is over either way
             if forever:
                 sys.stderr.write("elastic: this round's store (torchrun's rank 0) went away; ending this worker\n")

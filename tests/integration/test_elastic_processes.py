@@ -171,35 +171,46 @@ def test_a_hung_node_is_detected_and_the_survivors_go_on(tmp_path):
 
 @pytest.mark.multiprocess
 def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
-    """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n1 is
-    killed after step 3, n0's workers fail, the job ends; they removed the snapshot folder on the way out."""
+    """Agents without a restart left (--max-restarts 0) and snapshots every step in a private HETERO_SHM_DIR: n0,
+    whose worker is torchrun's rank 0 and serves the round's store, is killed after step 3, so n1 cannot recover in
+    place (it says why), its worker fails, the job ends; it removed its snapshot folder on the way out. (torchrun's
+    rendezvous is served by this test, so that the lost node is not its host.)"""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     work = tmp_path / "run"
     work.mkdir()
     shm = {node: tmp_path / f"shm-{node}" for node in NODES}  # each node's memory
     cluster, rdzv = cluster_file(work / "c.toml", 40, free_port()), free_port()
+    store = dist.TCPStore("127.0.0.1", rdzv, 3, True, timeout=timedelta(seconds=300), wait_for_workers=False)
     metrics = work / "m.jsonl"
+    client = agents_mod.Where(is_host=",is_host=0")
 
     def agent(node: str) -> subprocess.Popen:
-        return agents_mod.start_agent(cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm[node])
+        return agents_mod.start_agent(
+            cluster, node, NODES[node], rdzv, work, 12.0, (100, 1), 0, shm[node], where=client
+        )
 
     agents = [agent("n0")]
     try:
-        agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous, not a node lost below
-        agents.append(agent("n1"))
+        agents.append(agent("n1"))  # after n0's: on one host torchrun numbers the agents by pid, n0's workers first
         _wait(
             "3 steps and a snapshot",
-            lambda: len(_steps(metrics)) >= 3 and any(shm["n0"].glob("*/*/step-*/rank*.json")),
+            lambda: len(_steps(metrics)) >= 3 and any(shm["n1"].glob("*/*/step-*/rank*.json")),
             agents,
             work,
         )
-        _kill_node(agents[1])
-        shutil.rmtree(shm["n1"])  # its memory gone with it
-        assert agents[0].wait(600) != 0  # out of restarts: the job failed for good
+        _kill_node(agents[0])
+        shutil.rmtree(shm["n0"])  # its memory gone with it
+        assert agents[1].wait(600) != 0  # out of restarts: the job failed for good
     finally:
         for a in agents:
             _kill_node(a)
+        del store
     logs = "".join(p.read_text() for p in work.glob("*.log"))
-    assert list(shm["n0"].iterdir()) == [], logs[-3000:]
+    assert "not recovered in place (this round's store (torchrun's rank 0, node n0) is gone" in logs, logs[-3000:]
+    assert list(shm["n1"].iterdir()) == [], logs[-3000:]
 
 
 @pytest.mark.multiprocess

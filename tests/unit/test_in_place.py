@@ -1,0 +1,108 @@
+"""In-place recovery's pure parts (hetero_llm/launch/in_place.py): the leader's rule for the next generation's
+members, and cutting a process's connections except the round store's. The recovery itself, in real torchrun
+agents, is tests/integration/test_elastic_in_place.py."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from hetero_llm.launch import in_place
+from hetero_llm.launch.in_place import Decision, Generation
+
+# torchrun ranks 0..3: n0 runs two workers, n1 and n2 one each
+GEN = Generation.first([("n0", 0), ("n0", 1), ("n1", 0), ("n2", 0)])
+
+
+def test_the_leader_waits_while_a_worker_has_neither_arrived_nor_gone_silent():
+    assert in_place.decide(GEN, {0, 1, 2}, set(), {}, False) is None  # rank 3 may still be busy training
+    assert in_place.decide(GEN, {0, 1}, {3}, {}, False) is None  # rank 2 is alive, not yet arrived
+
+
+def test_a_silent_workers_node_is_lost_and_the_others_go_on_in_order():
+    got = in_place.decide(GEN, {0, 1, 2}, {3}, {2: "rank 2 failed: closed"}, False)
+    assert got == Decision((0, 1, 2), ("n2",), "rank 2 failed: closed")
+    nxt = in_place.next_generation(GEN, got)
+    assert nxt == Generation(1, (0, 1, 2), (("n0", 0), ("n0", 1), ("n1", 0)))
+    assert nxt.rank_of(2) == 2 and nxt.prefix == "g1/" and nxt.nodes() == ["n0", "n1"]
+
+
+def test_a_node_that_lost_one_of_its_workers_is_left_out_whole():
+    got = in_place.decide(GEN, {0, 2, 3}, {1}, {}, False)  # n0:1 silent: n0:0 is left out with it
+    assert got is not None and got.ranks == (2, 3) and got.lost == ("n0",)
+
+
+def test_no_worker_lost_is_a_decision_with_nothing_lost_which_the_worker_does_not_recover_from():
+    got = in_place.decide(GEN, {0, 1, 2, 3}, set(), {}, False)
+    assert got is not None and got.lost == () and got.ranks == (0, 1, 2, 3)
+
+
+def test_past_the_deadline_every_worker_that_did_not_arrive_is_lost():
+    got = in_place.decide(GEN, {0, 1}, set(), {}, True)
+    assert got is not None and got.ranks == (0, 1) and got.lost == ("n1", "n2")
+
+
+def test_a_decision_survives_its_text():
+    d = Decision((0, 2), ("n1",), "why")
+    assert Decision.from_json(d.to_json()) == d
+
+
+def test_the_first_failure_by_rank_is_the_why():
+    got = in_place.decide(GEN, {0, 1, 2}, {3}, {2: "second", 0: "first"}, False)
+    assert got is not None and got.why == "first"
+
+
+def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    return server, client, accepted
+
+
+def test_cutting_connections_ends_a_blocked_receive_and_keeps_the_stores_and_every_listener():
+    store_server, store_client, store_accepted = _pair()  # the round store: kept, both ends
+    other_server, other_client, other_accepted = _pair()  # a gloo pair of the old generation: cut
+    got: list[bytes] = []
+    blocked = threading.Thread(target=lambda: got.append(other_client.recv(1)), daemon=True)
+    blocked.start()
+    try:
+        cut = in_place.cut_connections(store_server.getsockname()[1])
+        blocked.join(timeout=30)
+        assert not blocked.is_alive() and got == [b""]  # the receive ended (no bytes: shut down)
+        assert cut >= 2  # both ends of the other pair live in this process
+        store_client.sendall(b"x")
+        assert store_accepted.recv(1) == b"x"  # the store's connection still carries
+        for listener in (store_server, other_server):  # listeners are not cut (gloo's accept thread would die)
+            again = socket.create_connection(listener.getsockname())
+            again.close()
+    finally:
+        for s in (store_server, store_client, store_accepted, other_server, other_client, other_accepted):
+            s.close()
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_liveness_beats_and_the_leader_sees_who_went_silent(lead):
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from harness import free_port
+
+    port = free_port()
+    server = dist.TCPStore("127.0.0.1", port, 2, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    live = in_place.Liveness("127.0.0.1", port, 0, 2, 30, lead)
+    try:
+        server.add("alive/1", 1)  # rank 1 beat once, then never again
+        while int(server.add("alive/0", 0)) < 3:  # this worker's thread beats
+            pass
+        if lead:
+            waited = 0.0
+            while 1 not in live.silent([0, 1], 0.5) and waited < 30:
+                threading.Event().wait(0.05)
+                waited += 0.05
+            assert live.silent([0, 1], 0.5) == {1}  # rank 0 beats on, rank 1 went silent
+    finally:
+        live.stop()
+        del server
