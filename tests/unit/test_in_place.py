@@ -4,7 +4,6 @@ agents, is tests/integration/test_elastic_in_place.py."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -54,32 +53,40 @@ def test_the_first_failure_by_rank_is_the_why():
     assert got is not None and got.why == "first"
 
 
-def _pair() -> tuple[socket.socket, socket.socket, socket.socket]:
+_CUT = """
+import socket, threading
+from hetero_llm.launch import in_place
+
+def pair():
     server = socket.create_server(("127.0.0.1", 0))
     client = socket.create_connection(server.getsockname())
     accepted, _ = server.accept()
     return server, client, accepted
 
+store_server, store_client, store_accepted = pair()  # the round store: kept, both ends
+other_server, other_client, other_accepted = pair()  # a gloo pair of the old generation: cut
+got = []
+blocked = threading.Thread(target=lambda: got.append(other_client.recv(1)), daemon=True)
+blocked.start()
+cut = in_place.cut_connections(store_server.getsockname()[1])
+blocked.join(timeout=30)
+assert not blocked.is_alive() and got == [b""], got  # the receive ended (no bytes: shut down)
+assert cut == 2, cut  # both ends of the other pair, and nothing else: this process has no other connection
+store_client.sendall(b"x")
+assert store_accepted.recv(1) == b"x"  # the store's connection still carries
+for listener in (store_server, other_server):  # listeners are not cut (gloo's accept thread would die)
+    socket.create_connection(listener.getsockname()).close()
+print("ok")
+"""
+
 
 def test_cutting_connections_ends_a_blocked_receive_and_keeps_the_stores_and_every_listener():
-    store_server, store_client, store_accepted = _pair()  # the round store: kept, both ends
-    other_server, other_client, other_accepted = _pair()  # a gloo pair of the old generation: cut
-    got: list[bytes] = []
-    blocked = threading.Thread(target=lambda: got.append(other_client.recv(1)), daemon=True)
-    blocked.start()
-    try:
-        cut = in_place.cut_connections(store_server.getsockname()[1])
-        blocked.join(timeout=30)
-        assert not blocked.is_alive() and got == [b""]  # the receive ended (no bytes: shut down)
-        assert cut >= 2  # both ends of the other pair live in this process
-        store_client.sendall(b"x")
-        assert store_accepted.recv(1) == b"x"  # the store's connection still carries
-        for listener in (store_server, other_server):  # listeners are not cut (gloo's accept thread would die)
-            again = socket.create_connection(listener.getsockname())
-            again.close()
-    finally:
-        for s in (store_server, store_client, store_accepted, other_server, other_client, other_accepted):
-            s.close()
+    """In a process of its own: the cut is of every connection of the process (this test's would be cut too)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CUT], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
 @pytest.mark.parametrize("lead", [True, False])
