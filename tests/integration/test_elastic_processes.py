@@ -71,7 +71,7 @@ def _across_nodes(tmp_path: Path, steps: int):
 @pytest.mark.timeout(1500)  # over the suite's 300 s per test: more than 300 s at load 6 on one core, nothing hung
 def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     """``python -m bench.elastic.elastic --quick`` (also the bench's smoke run): 3 emulated nodes, n2 killed (its agent and
-    worker, SIGKILL) after step 3, started again after step 6, 14 steps; checked here from its results file."""
+    worker, SIGKILL) after step 3, started again after step 6, 20 steps (14 left when it starts: its agent may take 10 s on a loaded host); checked here from its results file."""
     bench = subprocess.Popen(
         [sys.executable, "-m", "bench.elastic.elastic", "--quick", "--out-dir", str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -103,7 +103,7 @@ def test_a_node_lost_and_back_trains_the_one_process_model(tmp_path):
     assert got["rounds"][lost].endswith(")") and "from a snapshot in memory" in got["rounds"][lost], got["rounds"]
     assert got["snapshots_left_behind"] is False  # the finished run removed its snapshots from /dev/shm
     assert [c["where"] for c in got["save_cost"]] == ["disk", "memory"]  # a save per step, measured (not judged)
-    assert got["steps"] == list(range(1, 15))  # no step twice or skipped, the metrics file continuous
+    assert got["steps"] == list(range(1, 21))  # no step twice or skipped, the metrics file continuous
     for step, (a, b) in enumerate(zip(got["losses"], got["reference_losses"]), start=1):
         assert abs(a - b) <= 1e-5 * abs(b), f"step {step}: loss {a!r} vs the one-process run's {b!r}"
     assert [r["members"] for r in got["results"]] == ["n0, n1", "n0, n1, n2"]
