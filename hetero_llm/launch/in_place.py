@@ -123,10 +123,9 @@ def agree(store, gen: Generation, worker_rank: int, liveness: Liveness, timeout_
             arrived = {r for r in gen.ranks if store.check([f"{nxt}here/{r}"])}
             silent = liveness.silent(gen.ranks, LOST_S)
             decision = decide(gen, arrived, silent, {}, time.monotonic() > deadline)
-            if decision is not None:
-                whys = {r: store.get(f"{nxt}why/{r}").decode() for r in arrived if store.check([f"{nxt}why/{r}"])}
-                decision = decide(gen, arrived, silent | (set(gen.ranks) - arrived), whys, True)
-                assert decision is not None
+            if decision is not None:  # each arrived worker set its why before its arrival (open_next)
+                why = next((store.get(f"{nxt}why/{r}").decode() for r in sorted(arrived)), "")
+                decision = attrs.evolve(decision, why=why)
                 store.set(f"{nxt}decision", decision.to_json())
                 return decision
             time.sleep(POLL_S)
