@@ -52,7 +52,8 @@ from bench import testbed as T
 from bench.common import benchlib as B
 from bench.elastic import elastic_agents as A
 from bench.elastic import elastic_report as R
-from hetero_llm.launch.elastic import plan_for, snapshot_folder
+from hetero_llm.launch.elastic import plan_for
+from hetero_llm.launch.elastic_worker import snapshot_folder
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner.cluster import load_cluster
 from hetero_llm.planner.evaluate import evaluate

@@ -1,6 +1,6 @@
 """Which snapshots in node memory a run trusts: its own, vouched for by a secret kept in its ``--checkpoint DIR``.
 
-A node's snapshot folder (``launch.elastic.snapshot_folder``) is named after the ``--checkpoint`` path, a name
+A node's snapshot folder (``launch.elastic_worker.snapshot_folder``) is named after the ``--checkpoint`` path, a name
 any local user can compute from the run's command line. So:
 
 - the folder is private: created 0700 (the folders in it 0700, its files 0600: ``checkpoint.snapshots``), and

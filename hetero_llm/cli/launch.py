@@ -162,13 +162,13 @@ def _elastic(args: dict) -> None:
 def _elastic_round(args: dict) -> None:
     """The options of an elastic worker, checked, and its round."""
     from hetero_llm.checkpoint import folders
-    from hetero_llm.launch import elastic
+    from hetero_llm.launch import elastic, elastic_worker
     from hetero_llm.train.options import RunOptions
 
     file = args["layout_file"]
     refused = {f"--{k.replace('_', '-')}": args[k] for k in ("overrides", "dry_run", "rank", "resume")}
     refused["--set"] = refused.pop("--overrides")
-    elastic.check_request(file, args["checkpoint"], refused)
+    elastic_worker.check_request(file, args["checkpoint"], refused)
     options = RunOptions(
         (),
         args["metrics_jsonl"],

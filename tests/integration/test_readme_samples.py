@@ -74,7 +74,7 @@ def test_recorded_quickstart_has_the_grammars_loss_floor():
 @pytest.mark.multiprocess
 def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     """``hetero-launch layouts/examples/own_text.toml`` run as the README says (on a copy of its text, so the token cache
-    lands here), its last line's losses compared with the ones the README quotes, at the README's 2 decimals."""
+    lands here), its last line's losses compared with the ones the README quotes, within 0.15 (CPUs round differently)."""
     (tmp_path / "layouts" / "examples").mkdir(parents=True)
     (tmp_path / "docs" / "samples").mkdir(parents=True)
     shutil.copy(ROOT / "layouts" / "examples" / "own_text.toml", tmp_path / "layouts" / "examples")
@@ -105,10 +105,13 @@ def test_readme_quotes_the_own_text_runs_final_losses(tmp_path):
     assert proc.returncode == 0, proc.stderr
     last = next(line for line in proc.stdout.splitlines() if line.startswith(f"step {steps:>5}/{steps} |"))
     loss, valid = re.match(r"step +\d+/\d+ \| loss (\d+\.\d+) \| valid (\d+\.\d+) \|", last).groups()
-    want = f"`step {steps}/{steps} | loss {float(loss):.2f} | valid {float(valid):.2f} | ...`"
-    quoted = re.search(r"`step \d+/\d+ \| loss [\d.]+ \| valid [\d.]+ \| \.\.\.`", README.read_text())
+    quoted = re.search(r"`step (\d+)/\d+ \| loss ([\d.]+) \| valid ([\d.]+) \| \.\.\.`", README.read_text())
     assert quoted is not None, "README.md no longer quotes the own-text run's last line"
-    assert quoted.group(0) == want, (
-        f"README.md quotes {quoted.group(0)} for layouts/examples/own_text.toml, but it prints\n  {last}\nput {want} in "
-        f"the README"
-    )
+    assert int(quoted.group(1)) == steps, f"README.md quotes step {quoted.group(1)}; own_text.toml runs {steps} steps"
+    # within 0.15, not to the digit: the flags pin the kernels' order on one CPU, not across CPUs (README: 2.62/2.66 on
+    # an AVX2 EPYC, 2.67/2.78 on an AVX-512 VM); a broken model or data path lands far outside (the first step is ~5.5)
+    for name, printed, said in (("loss", loss, quoted.group(2)), ("valid", valid, quoted.group(3))):
+        assert abs(float(printed) - float(said)) <= 0.15, (
+            f"README.md quotes {name} {said} for layouts/examples/own_text.toml, but it prints\n  {last}\nput "
+            f"`step {steps}/{steps} | loss {float(loss):.2f} | valid {float(valid):.2f} | ...` in the README"
+        )

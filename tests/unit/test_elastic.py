@@ -19,7 +19,7 @@ from helpers_elastic import cluster_file
 from bench.elastic import elastic_agents as agents_mod
 from harness import LAYOUTS, assert_one_error_line, common_sections, free_port, invoke_cli, write_layout
 from hetero_llm.errors import LayoutError
-from hetero_llm.launch import elastic
+from hetero_llm.launch import elastic, elastic_worker
 from hetero_llm.plan import compile_plan
 from hetero_llm.planner import load_cluster
 
@@ -78,9 +78,9 @@ def test_each_membership_is_planned_deterministically(tmp_path):
 
 def test_present_nodes_in_cluster_order_and_a_node_claimed_twice(tmp_path):
     cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
-    assert elastic.present_nodes(cluster, [("n2", 0), ("n0", 1), ("n0", 0)]) == ["n0", "n2"]
+    assert elastic_worker.present_nodes(cluster, [("n2", 0), ("n0", 1), ("n0", 0)]) == ["n0", "n2"]
     with pytest.raises(LayoutError, match="two torchrun agents say they are node n1 .local rank 0 arrived twice"):
-        elastic.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
+        elastic_worker.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
 
 
 def test_elastic_outside_torchrun_is_one_line(tmp_path, clean_env):
@@ -129,11 +129,11 @@ def test_snapshots_without_elastic_are_one_line(tmp_path, clean_env):
 
 def test_snapshot_folder_is_one_per_checkpoint_folder(tmp_path, monkeypatch):
     monkeypatch.delenv("HETERO_SHM_DIR", raising=False)
-    a, b = elastic.snapshot_folder(str(tmp_path / "a")), elastic.snapshot_folder(str(tmp_path / "b"))
+    a, b = elastic_worker.snapshot_folder(str(tmp_path / "a")), elastic_worker.snapshot_folder(str(tmp_path / "b"))
     assert a.parent == b.parent == Path("/dev/shm") and a != b
-    assert elastic.snapshot_folder(str(tmp_path / "a")) == a  # every worker of every round names the same one
+    assert elastic_worker.snapshot_folder(str(tmp_path / "a")) == a  # every worker of every round names the same one
     monkeypatch.setenv("HETERO_SHM_DIR", str(tmp_path))
-    assert elastic.snapshot_folder(str(tmp_path / "a")).parent == tmp_path
+    assert elastic_worker.snapshot_folder(str(tmp_path / "a")).parent == tmp_path
 
 
 @pytest.mark.parametrize(
@@ -266,7 +266,7 @@ def test_a_snapshot_folder_another_user_controls_is_one_line(tmp_path, clean_env
     before any worker reads or writes it (tests/unit/test_snapshot_trust.py: every case in process)."""
     path = cluster_file(tmp_path / "c.toml", 4)
     _torchrun_env(clean_env, HETERO_NODE="n0", HETERO_SHM_DIR=str(tmp_path / "shm"))
-    folder = elastic.snapshot_folder(str(tmp_path / "ck"))
+    folder = elastic_worker.snapshot_folder(str(tmp_path / "ck"))
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     folder.parent.mkdir()

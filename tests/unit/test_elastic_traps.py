@@ -25,7 +25,7 @@ from bench.elastic import snapshot_restart
 from harness import free_port, invoke_cli
 from hetero_llm.checkpoint import folders, holders, trust
 from hetero_llm.errors import LayoutError
-from hetero_llm.launch import elastic, guards
+from hetero_llm.launch import elastic, elastic_worker, guards
 from hetero_llm.planner import load_cluster
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -159,7 +159,7 @@ def test_a_checkpoint_folder_that_cannot_be_made_is_one_line(tmp_path):
 def test_two_agents_claiming_one_node_name_the_variable(tmp_path):
     cluster = load_cluster(cluster_file(tmp_path / "c.toml", 4))
     with pytest.raises(LayoutError) as e:
-        elastic.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
+        elastic_worker.present_nodes(cluster, [("n1", 0), ("n0", 0), ("n0", 1), ("n1", 0)])
     assert str(e.value) == (
         f"{cluster.file}: environment HETERO_NODE: two torchrun agents say they are node n1 (local rank 0 arrived "
         "twice): give each agent its own HETERO_NODE=NAME in its environment"

@@ -18,7 +18,7 @@ from harness import LAYOUTS, common_sections, write_layout
 from hetero_llm import layout as layout_mod
 from hetero_llm.checkpoint import folders, holders, shards, snapshots, trust
 from hetero_llm.errors import RankFailure
-from hetero_llm.launch import elastic, restart
+from hetero_llm.launch import elastic_worker, restart
 from hetero_llm.plan import compile_plan
 
 COMMON = common_sections(LAYOUTS / "reference" / "reference.toml").replace("steps = 3", "steps = 20")
@@ -196,6 +196,6 @@ def test_a_holder_lost_during_the_copy_makes_the_round_take_the_disk_save(tmp_pa
 
 @pytest.mark.parametrize("restart, max_restarts, last", [("0", "0", True), ("1", "3", False), ("3", "3", True)])
 def test_the_last_round_is_known_from_torchruns_restarts(restart, max_restarts, last):
-    worker = elastic.Worker(0, 1, 0, 1, "127.0.0.1", 1, int(restart))
-    assert elastic.last_round({"TORCHELASTIC_MAX_RESTARTS": max_restarts}, worker) is last
-    assert elastic.last_round({}, worker) is False
+    worker = elastic_worker.Worker(0, 1, 0, 1, "127.0.0.1", 1, int(restart))
+    assert elastic_worker.last_round({"TORCHELASTIC_MAX_RESTARTS": max_restarts}, worker) is last
+    assert elastic_worker.last_round({}, worker) is False
