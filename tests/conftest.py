@@ -10,13 +10,24 @@ would delete the live report folder of a job that another suite (or a user) runs
 from __future__ import annotations
 
 import atexit
+import compileall
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+
+# The suite's bytecode: with PYTHONDONTWRITEBYTECODE set (as on the CI machine) every process the suite starts, ranks
+# and agents included, would compile the package's modules again (about 1 s of CPU each). They are compiled once here
+# (up-to-date files are only stat'ed), into the __pycache__ folders git ignores, and read by every later process.
+if sys.dont_write_bytecode:
+    _ROOT = Path(__file__).resolve().parent.parent
+    for _folder in ("hetero_llm", "bench", "tests"):
+        compileall.compile_dir(_ROOT / _folder, quiet=2, workers=1)
+    sys.dont_write_bytecode = False  # pytest's rewritten test modules are cached too
 
 _SUITE_TMP = Path(tempfile.mkdtemp(prefix="hl-suite-"))
 os.environ["TMPDIR"] = str(_SUITE_TMP)
@@ -27,7 +38,8 @@ atexit.register(shutil.rmtree, _SUITE_TMP, True)
 
 
 # The two tiers (CONTRIBUTING.md) are the two folders: tests/unit/ (torch-free and one-process tests, the fast loop:
-# `pytest tests/unit`) and tests/integration/ (every test that starts OS processes or trains for real). A test's tier
+# `pytest tests/unit`) and tests/integration/ (every test that starts OS processes, trains for real or runs for seconds
+# of CPU: a whole search, an exhaustive enumeration). A test's tier
 # follows from its folder: each test under tests/integration/ is marked `integration` here, so `-m "not integration"`
 # selects the unit tier too. A test marked multiprocess, netns or gpu belongs under tests/integration/.
 INTEGRATION = Path(__file__).resolve().parent / "integration"

@@ -8,21 +8,25 @@ this machine's loopback. Each node's devices are emulated devices (``HETERO_EMUL
 every compute action lasts its modelled time, the real computation inside it, the numbers unchanged), and the
 cluster file declares the same speeds to the planner (``[plan.kinds]``, priced by FLOPs: the same durations) and
 the links' bandwidth and latency, so each round's plan and its predicted tokens/s are for the devices that run.
-Node n2 (its agent and workers) is SIGKILLed once step N is recorded and started again once step M is; the run
-goes on to the last step. It saves to disk every 5 steps and snapshots every step into node memory
-(``--snapshot-every 1``; each node its own /dev/shm folder, removed with the node when it is lost, so a round
-resumes from snapshots the nodes present hold, copied into the checkpoint folder): a round resumes from the newer
-of the two.
-Measured with this script's clock (polling every 50 ms):
+Node n2 (its agent and workers) is SIGKILLed once step N is recorded (``--hang``: SIGSTOPped, a hung node whose
+sockets stay open; ``--partition``: its testbed link taken down) and started again once step M is; the run goes on
+to the last step. It saves to disk every 5 steps and snapshots every step into node memory (``--snapshot-every 1``;
+each node its own /dev/shm folder, removed with the node when it is lost, so a round resumes from snapshots the
+nodes present hold): a round resumes from the newer of the two.
+Measured with this script's clock (polling every 50 ms). A loss recovered in place (the survivors keep their
+processes, launch/in_place.py):
 
-- detection: the kill -> every survivor's worker has exited (their collectives failed, or the heartbeat named
-  the silent rank within cluster.timeout_s);
-- restart: -> the survivors' round line (torchrun's rendezvous without n2, its keep-alive expired, workers started,
-  the plan made: its own time is the line's "planned in");
-- restore: the round line -> the first new step recorded, less that step's own time (the layout's rendezvous,
-  reading the save, resharding);
-- recovery = detection + restart + restore (the redone steps excluded); steps redone = recorded at the kill -
-  the step the round resumed at. The same for the node's return (a membership change: no failure to detect).
+- detection: the loss -> a survivor's rank failed (at once for a kill; a hang: its heartbeat named n2, after
+  cluster.timeout_s) -> the survivors agreed on the membership (the round line's "agreed in");
+- planning: the round line's "planned in"; restore: the rest until the first new step recorded, less that step's
+  own time (the layout's rendezvous in the round's store, reading the snapshot, resharding);
+- recovery = detection + planning + restore (the redone steps excluded); steps redone = recorded at the loss - the
+  step the round resumed at.
+
+A loss or a return that restarts every worker (the node's return today):
+
+- detection: the loss -> every survivor's worker has exited; restart: -> the survivors' round line (torchrun's
+  rendezvous, workers started, the plan made); restore as above; recovery = detection + restart + restore.
 - tokens/s of each membership (median over its steps but its first) against the planner's prediction for the plan
   the round ran (planned here by the workers' own function, its fingerprint checked against the round line's);
 - the loss per step against the one-process run (a plot).
@@ -30,6 +34,7 @@ Measured with this script's clock (polling every 50 ms):
     python -m bench.elastic.elastic                  # the netns testbed (root)
     python -m bench.elastic.elastic --one-machine    # every agent on loopback
     python -m bench.elastic.elastic --quick          # one machine, 20 steps (the test suite)
+    python -m bench.elastic.elastic --quick --hang   # n2 hung, not killed
 """
 
 from __future__ import annotations
@@ -175,9 +180,10 @@ def _recovery(run: _Run, t0: float, t_detected: float, nodes: str, after: int, r
     }
 
 
-def _recovery_in_place(run: _Run, t0: float, nodes: str, recorded: int) -> dict:
-    """The times and steps of a recovery in place that began at ``t0`` (the kill): no worker exits or starts; the
-    survivors agree (detection and agreement: the round line's "agreed in"), plan and resume in their processes."""
+def _recovery_in_place(run: _Run, t0: float, t_detected: float, nodes: str, recorded: int) -> dict:
+    """The times and steps of a recovery in place that began at ``t0`` (the kill or the hang): no worker exits or
+    starts; a survivor's rank fails (at once for a kill; ``t_detected``, when a heartbeat named the hung node), the
+    survivors agree (the round line's "agreed in"), plan and resume in their processes."""
     line = run.round_with(nodes, 0)
     start = A.start_step(line)
     t_step = run.wait(f"a step of the round of {nodes}", lambda: run.recorded() > start)
@@ -188,12 +194,13 @@ def _recovery_in_place(run: _Run, t0: float, nodes: str, recorded: int) -> dict:
     return {
         "members": nodes,
         "join_s": 0.0,
-        "detection_s": agreed,  # from the survivor's failure to the leader's decision (the failure is immediate)
+        # until a survivor's rank failed (a hang: its heartbeat's cluster.timeout_s), then the leader's decision
+        "detection_s": (t_detected - t0) + agreed,
         "restart_s": 0.0,
         "rendezvous_s": 0.0,
         "worker_start_s": 0.0,
         "planning_s": planned,
-        "restore_s": max(0.0, recovery - agreed - planned),
+        "restore_s": max(0.0, recovery - (t_detected - t0) - agreed - planned),
         "recovery_s": recovery,
         "resumed_at": start,
         "steps_redone": max(0, recorded - start),
@@ -206,12 +213,17 @@ def _link(tb, node: str, state: str) -> None:
     subprocess.run(["ip", "-n", tb.namespace(node), "link", "set", tb.interface("domain"), state], check=True)
 
 
+LOSSES = {"kill": "killed", "cut": "cut the link of", "hang": "stopped (SIGSTOP)"}
+HANDED_ON = "the survivors recover in place"  # a survivor's heartbeat named the hung node (train/rank.py)
+
+
 def scenario(
-    work: Path, steps: int, kill_at: int, back_at: int, tb=None, cut: bool = False
+    work: Path, steps: int, kill_at: int, back_at: int, tb=None, how: str = "kill"
 ) -> tuple[list[dict], list[dict], list[str], bool]:
-    """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind; ``cut``:
-    lose n2 by taking its link down (its processes live on, cut off: a hang to detect) instead of killing it, and
-    at its return kill what is left of it and bring the link up before its agent starts again."""
+    """Run it: the recoveries, the metrics rows, the round lines and whether snapshots were left behind; ``how`` n2
+    is lost (``LOSSES``): killed; its link taken down (its processes live on, cut off: a hang to detect); or its
+    agent and workers stopped (a hung node, its sockets open). At its return what is left of it is killed (and its
+    link brought up) before its agent starts again."""
     run = _Run(work, steps, tb)
     try:
         run.start("n0")  # it serves torchrun's rendezvous: first
@@ -225,28 +237,34 @@ def scenario(
         recorded = run.recorded()
         t_kill = time.monotonic()
         run.killed.add("n2")
-        if cut:
+        if how == "cut":
             _link(tb, "n2", "down")
         else:
-            A.signal_node(run.agents["n2"], signal.SIGKILL)
+            A.signal_node(run.agents["n2"], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             shutil.rmtree(run.shm("n2"), ignore_errors=True)  # its memory is lost with it: its snapshots too
-        B.say(f"{NAME}: {'cut the link of' if cut else 'killed'} node n2 after step {recorded}")
-        t_detected = run.wait(  # in place (the survivors keep their workers: launch/in_place.py), or a restart
-            "the survivors' round or their workers to exit",
-            lambda: run.round_with("n0, n1", 0) is not None or not any(Path(f"/proc/{p}").exists() for p in survivors),
-        )
+        B.say(f"{NAME}: {LOSSES[how]} node n2 after step {recorded}")
+        named: dict[str, float] = {}  # a hang: when a survivor's heartbeat named n2 (its line in the agents' logs)
+
+        def survivors_on() -> bool:
+            if "at" not in named and any(HANDED_ON in p.read_text() for p in run.work.glob("n[01].*.log")):
+                named["at"] = time.monotonic()
+            return run.round_with("n0, n1", 0) is not None or not any(Path(f"/proc/{p}").exists() for p in survivors)
+
+        # in place (the survivors keep their workers: launch/in_place.py), or a restart
+        t_detected = run.wait("the survivors' round or their workers to exit", survivors_on)
         line = run.round_with("n0, n1", 0)
         if line is not None and ", in place: " in line:
-            lost = _recovery_in_place(run, t_kill, "n0, n1", recorded)
+            lost = _recovery_in_place(run, t_kill, named.get("at", t_kill), "n0, n1", recorded)
         else:
             lost = _recovery(run, t_kill, t_detected, "n0, n1", 0, recorded, survivors)
         B.say(f"{NAME}: re-planned without n2: recovery {lost['recovery_s']:.1f} s")
         run.wait(f"step {back_at}", lambda: run.recorded() >= back_at)
         running = [w for n in ("n0", "n1") for w in A.children(run.agents[n].pid)]
         t_back = time.monotonic()
-        if cut:  # the cut-off node's agent and workers (hung or failed) go, its link comes back
+        if how != "kill":  # the cut-off or stopped node's agent and workers (hung or failed) go, its link comes back
             A.signal_node(run.agents["n2"], signal.SIGKILL)
-            _link(tb, "n2", "up")
+            if how == "cut":
+                _link(tb, "n2", "up")
         run.start("n2")  # training goes on while its agent starts and joins: the running agents stop their workers
         t_stopped = run.wait(  # once they see it waiting at the rendezvous; the time not training starts there
             "the running workers to stop", lambda: not any(Path(f"/proc/{p}").exists() for p in running)
@@ -361,18 +379,26 @@ def testbed_spec() -> T.TestbedSpec:
     help="Lose n2 by cutting its link (ip link down: a hang to detect) instead of killing it (the testbed only).",
 )
 @click.option(
+    "--hang",
+    is_flag=True,
+    help="Lose n2 by stopping its agent and workers (SIGSTOP: a hung node, its sockets open) instead of killing it.",
+)
+@click.option(
     "--work-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keep the run's files (agents' logs, metrics, checkpoints) here instead of a temporary folder.",
 )
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, one_machine, partition, skip_saves, work_dir, out_dir):
+def main(quick, one_machine, partition, hang, skip_saves, work_dir, out_dir):
     """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
     steps, kill_at, back_at = (20, 3, 6) if quick else (60, 8, 20)  # quick: n2 joins with 14 steps left (a loaded host)
     testbed = not (quick or one_machine)
     if partition and not testbed:
         raise SystemExit(f"{NAME}: --partition cuts a testbed link: it cannot run with --quick or --one-machine")
-    name = NAME + ("_partition" if partition else "")
+    if partition and hang:
+        raise SystemExit(f"{NAME}: --partition and --hang are two ways to lose n2: pass one")
+    how = "cut" if partition else "hang" if hang else "kill"
+    name = NAME + {"kill": "", "cut": "_partition", "hang": "_hang"}[how]
     if testbed:
         ok, why = T.available()
         if not ok:
@@ -390,7 +416,8 @@ def main(quick, one_machine, partition, skip_saves, work_dir, out_dir):
         work = Path(tmp, "run")
         work.mkdir()
         with T.Testbed(testbed_spec()) if testbed else contextlib.nullcontext() as tb:
-            recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb, partition)
+            recoveries, rows, lines, left = scenario(work, steps, kill_at, back_at, tb, how)
+        timeout_s = load_cluster(work / "cluster.toml").spec.timeout_s  # what a hang is named after
         per_round = rates(rows, lines, work / "cluster.toml")
         cost = save_cost(Path(tmp), 10 if quick else 30, 1 if quick else 3) if not skip_saves else []
     after = B.load_average()
@@ -404,11 +431,14 @@ def main(quick, one_machine, partition, skip_saves, work_dir, out_dir):
         "steps": steps,
         "at": (kill_at, back_at),
         "testbed": testbed,
-        "cut": partition,
+        "how": how,
+        "timeout_s": timeout_s,
     }
     md = R.report(setup, info, before, after, recoveries, per_round, cost, worst, continuous)
     out_dir.mkdir(parents=True, exist_ok=True)
-    R.plot(rows, ref, recoveries, out_dir / f"{name}.png", "n2 cut off" if partition else "n2 lost")
+    R.plot(
+        rows, ref, recoveries, out_dir / f"{name}.png", {"kill": "n2 lost", "cut": "n2 cut off", "hang": "n2 hung"}[how]
+    )
     md_path, _ = B.write_results(
         out_dir,
         name,

@@ -10,9 +10,10 @@ from bench.common import benchlib as B
 def report(setup: dict, info, before, after, recoveries, per_round, cost, worst, continuous) -> str:
     """The results' markdown; ``setup``: the run's ``name``, ``gflops`` per node, ``link`` (Gbit/s, us), ``saves``
     (--checkpoint-every, --snapshot-every), ``steps``, ``at`` (the steps n2 is lost and back after), ``testbed``
-    and ``cut`` (n2 lost by cutting its link, not by killing it)."""
+    and ``how`` n2 is lost (``kill``, ``cut``: its link taken down, ``hang``: SIGSTOP of its agent and workers);
+    ``timeout_s``: the cluster file's (a hang is named after it)."""
     gbps, us = setup["link"]
-    testbed, cut, at, steps = setup["testbed"], setup["cut"], setup["at"], setup["steps"]
+    testbed, how, at, steps = setup["testbed"], setup["how"], setup["at"], setup["steps"]
     where = (
         f"the netns testbed (bench/testbed/: each node a network namespace, its torchrun agent and workers inside, "
         f"one domain of veth links shaped to {gbps:g} Gbit/s and {us:g} us one way)"
@@ -20,8 +21,19 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
         else "one machine (every agent on loopback)"
     )
     speeds = ", ".join(f"{n} {g:g}" for n, g in setup["gflops"].items())
-    lost = "cut off (its link down: its processes live on, a hang)" if cut else "killed (agent and workers, SIGKILL)"
-    verdict = "met" if all(r["recovery_s"] <= 15 for r in recoveries) else "MISSED"
+    lost = {
+        "kill": "killed (agent and workers, SIGKILL)",
+        "cut": "cut off (its link down: its processes live on, a hang)",
+        "hang": "hung (agent and workers stopped, SIGSTOP: its sockets stay open)",
+    }[how]
+    # issue 38's targets: the next step <= 3 s after a kill; a hang handled within cluster.timeout_s + 3 s; the others'
+    # pause at a rejoin <= 1 s (a rejoin restarts every worker today)
+    bound = 3.0 if how == "kill" else setup["timeout_s"] + 3.0
+    targets = (bound, 1.0)
+    verdict = ", ".join(
+        f"{what} <= {t:g} s: {'met' if r['recovery_s'] <= t else 'MISSED'}"
+        for what, r, t in zip((f"n2 {how}", "n2 back"), recoveries, targets)
+    )
     close = "met" if all(abs(r["ratio"] - 1) <= 0.10 for r in per_round) else "MISSED"
     lines = [
         *B.report_head(setup["name"], info, before, after),
@@ -30,7 +42,7 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
         f"{steps} steps, node n2 {lost} after step {at[0]} and started again after step {at[1]}; "
         f"--checkpoint-every {setup['saves'][0]} --snapshot-every {setup['saves'][1]}.",
         "",
-        f"## Recoveries (target <= 15 s excluding redone steps: {verdict})",
+        f"## Recoveries (targets, redone steps excluded: {verdict})",
         "",
         B.markdown_table(
             [
@@ -52,7 +64,9 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
                     B.fmt(r["restore_s"]),
                 ]
                 + [B.fmt(r["recovery_s"]), r["resumed_at"], r["steps_redone"]]
-                for what, r in zip(("n2 cut off" if cut else "n2 killed", "n2 back"), recoveries)
+                for what, r in zip(
+                    ({"kill": "n2 killed", "cut": "n2 cut off", "hang": "n2 hung"}[how], "n2 back"), recoveries
+                )
             ],
         ),
         "",

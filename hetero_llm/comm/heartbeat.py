@@ -7,7 +7,8 @@ thread that bumps its own counter in the rendezvous store every ``INTERVAL_S`` a
 else's. A process that is stopped stops all its threads, so its counter stands still while the rank is
 alive to the kernel. When a peer's counter has not moved for ``cluster.timeout_s``, the watcher gives
 up for its rank with one line naming that peer, and exits: the main thread may be blocked inside a
-collective, where no exception can reach it. When the store itself stops answering for that long,
+collective, where no exception can reach it (an elastic survivor instead hands the line to its round, which cuts
+those connections and recovers in place: ``launch/in_place.py``). When the store itself stops answering for that long,
 the rank that serves it is the one named (it runs in that rank's process).
 
 A rank that finishes marks itself done, so peers that are still saving or exiting never blame it.
@@ -122,8 +123,10 @@ class Heartbeat:
                 return
             if silent > self.limit_s and self.server is not None and self.server != self.rank:
                 self._blame(self.server, silent, "the rendezvous store it serves stopped answering")
-            elif stalled and stalled[-1][0] > self.limit_s:
+                return  # give_up ended the process, or handed the failure on (an elastic survivor): once
+            if stalled and stalled[-1][0] > self.limit_s:
                 self._blame(stalled[-1][1], stalled[-1][0], "no heartbeat")
+                return
 
     def _blame(self, rank: int, seconds: float, why: str) -> None:
         # The other ranks' watchdogs fire within an interval of this one: the rank serving the store

@@ -206,8 +206,10 @@ def _generation(
         _rank_environment(worker, gen)
         round_folder = snapshots / f"{plan.fingerprint()[:12]}-{start:06d}" if snapshots else None
         keep = (str(round_folder), options.snapshot[1]) if round_folder else (None, 0)
+        # a peer that stops responding (a hung node): the heartbeat opens the next generation instead of exiting
+        lost = lambda cause: in_place.open_next(raw, gen, worker.rank, cause)  # noqa: E731
         try:
-            run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep))
+            run_rank(plan, mine, attrs.evolve(options, resume=resume, snapshot=keep, on_lost_peer=lost))
         except RankFailure as failure:  # a peer lost (its connection closed): the survivors recover in place
             failure.__traceback__ = None  # (its frames held this generation's groups and stores)
             return failure

@@ -1,7 +1,8 @@
 """In-place recovery of an elastic round: when a node is lost, the survivors keep their processes.
 
 A round (``launch/elastic.py``) runs in *generations*. Generation 0 is the round torchrun started. When a layout
-rank's training fails (a peer's connection closed: a node was killed), its worker does not exit: it opens the next
+rank's training fails (a peer's connection closed: a node was killed) or its heartbeat gives up on a peer that
+stopped responding (a hung node: ``comm/heartbeat.py``), its worker does not exit: it opens the next
 generation in the round's store (served by torchrun's rank 0, which must be a survivor), and every other worker
 of the round joins it as its own training fails or, idle or finished, as it sees the generation open. Torchrun
 rank 0, the **leader**, decides who is in it: every worker that arrived, once each worker of the generation has
@@ -75,9 +76,11 @@ def opened(store, gen: Generation) -> bool:
 
 
 def open_next(store, gen: Generation, worker_rank: int, why: str) -> None:
-    """This worker enters the next generation (``why``: its failure, kept by the leader for its line)."""
+    """This worker enters the next generation (``why``: its failure, kept by the leader for its line; the first
+    one kept: a heartbeat's line naming a hung peer comes before the connection errors its cut causes)."""
     nxt = f"g{gen.number + 1}/"
-    store.set(f"{nxt}why/{worker_rank}", why)
+    if not store.check([f"{nxt}why/{worker_rank}"]):
+        store.set(f"{nxt}why/{worker_rank}", why)
     store.set(f"{nxt}open", "1")
     store.set(f"{nxt}here/{worker_rank}", "1")
 

@@ -158,7 +158,6 @@ def _plan_of(shard: ContextShard) -> _Plan:
     return shard._plan[0]
 
 
-@torch.compiler.disable  # ring p2p and host-side block decisions do not trace: eager between compiled pieces
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ContextShard) -> torch.Tensor:
     """q (B, nh, T_local, hd), k and v (B, nkv, T_local, hd) -> (B, nh, T_local, hd), in q's dtype.
 

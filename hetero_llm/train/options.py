@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -31,6 +32,9 @@ class RunOptions:
     error_dir: str | None = None
     keep_last: int = 0  # --keep-last: the newest N complete saves kept (older ones removed); 0: every save kept
     keep_snapshots: int = 2  # snapshots each rank keeps in node memory (--keep-last N with --elastic)
+    # An elastic worker's: called with the heartbeat's line when a peer stops responding, instead of the process
+    # ending (it opens the round's next generation: the survivors recover in place, launch/in_place.py); None: exit.
+    on_lost_peer: Callable[[str], None] | None = attrs.field(default=None, eq=False)
 
 
 def failure_file(error_dir: str | Path, rank: int) -> Path:

@@ -52,7 +52,7 @@ def run(rp: RankPlan, options: RunOptions, rings: RankRings, switcher: Callable 
         made = rp
         events = tracing.RankTraceWriter(options.trace, rp) if options.trace else None
         try:
-            give_up = lambda cause, linger_s: heartbeat.exit_now(cause, linger_s, _gave_up(rp.rank, options))  # noqa: E731
+            give_up = _give_up(rp.rank, options)
             with heartbeat.Heartbeat(rp, give_up):
                 train(rp, comms, options, trace=events, switcher=switcher)
         finally:
@@ -176,12 +176,21 @@ def _store_gone(rp: RankPlan | None, e: BaseException) -> RankFailure | None:
     return server_gone(rp)
 
 
-def _gave_up(rank: int, options: RunOptions):
-    """How the heartbeat thread reports that this rank gives up on a stopped peer (then it exits)."""
+def _give_up(rank: int, options: RunOptions) -> Callable[[str, float], None]:
+    """What the heartbeat thread does when this rank gives up on a stopped peer: report it and end the process, or,
+    in an elastic worker (``options.on_lost_peer``), say so and open the round's next generation: the worker's
+    liveness thread then cuts the connections the main thread is blocked on, and the survivors recover in place."""
 
     def report(cause: str) -> None:
         report_failure(options, rank, RankFailure(cause))
         if not options.error_dir:  # no launcher to print it
             sys.stderr.write(f"error: {cause}\n")
 
-    return report
+    def give_up(cause: str, linger_s: float) -> None:
+        if options.on_lost_peer is None:
+            heartbeat.exit_now(cause, linger_s, report)
+            return
+        sys.stderr.write(f"elastic: {cause}; the survivors recover in place\n")
+        options.on_lost_peer(cause)
+
+    return give_up

@@ -44,10 +44,13 @@ def _wait(what, condition, agents, work: Path, timeout: float = 300) -> None:  #
 
 
 @pytest.mark.multiprocess
-def test_a_killed_node_is_recovered_in_place_by_the_survivors_processes(tmp_path):
-    """n2 (which runs stage 1 of the second pipeline) is killed after step 3 with its memory; snapshots every step,
-    no disk save. The survivors' workers are the same processes before and after; they resume from a snapshot step
-    (n2's blocks from their replica on n0), every step once, per-step losses within 1e-5 of the one-process run."""
+@pytest.mark.parametrize("event", ["killed", "hung"])
+def test_a_lost_node_is_recovered_in_place_by_the_survivors_processes(tmp_path, event):
+    """n2 (which runs stage 1 of the second pipeline) is lost after step 3 with its memory: killed (its connections
+    close) or hung (SIGSTOP of its agent and worker: its sockets stay open, and the survivors' heartbeats name it
+    after cluster.timeout_s); snapshots every step, no disk save. The survivors' workers are the same processes
+    before and after; they resume from a snapshot step (n2's blocks from their replica on n0), every step once,
+    per-step losses within 1e-5 of the one-process run."""
     steps = 8
     one = tmp_path / "one"
     one.mkdir()
@@ -79,7 +82,7 @@ def test_a_killed_node_is_recovered_in_place_by_the_survivors_processes(tmp_path
             work,
         )
         workers = {n: sorted(agents_mod.children(a.pid)) for n, a in zip(NODES, agents)}
-        agents_mod.signal_node(agents[2], signal.SIGKILL)
+        agents_mod.signal_node(agents[2], signal.SIGKILL if event == "killed" else signal.SIGSTOP)
         _wait("the run's last step", lambda: len(set(_steps(metrics))) >= steps, agents[:2], work)
         _wait(
             "the survivors' workers to end",
@@ -97,11 +100,14 @@ def test_a_killed_node_is_recovered_in_place_by_the_survivors_processes(tmp_path
     assert ", in place: n2 lost, survivors agreed in " in rounds[-1], rounds
     assert " from a snapshot in memory held on n0" in rounds[-1] and agents_mod.start_step(rounds[-1]) >= 2, rounds
     assert "elastic: node(s) n2 lost (" in logs and "re-plan in place" in logs, logs
+    if event == "hung":  # named by a survivor's heartbeat (nothing else ends its waits: n2's sockets stay open)
+        assert "(n2:0) stopped responding: no heartbeat for" in logs and "the survivors recover in place" in logs, logs
     # the survivors' agents never restarted their workers: the only worker processes they ever had were these
     assert all(len(kept[n]) == NODES[n] for n in kept), kept
     assert "Starting worker group" not in "".join(
         p.read_text().split("elastic: node(s) n2 lost", 1)[-1] for p in work.glob("n[01].*.log")
     ), logs
+    assert [p for node in ("n0", "n1") for p in shm[node].glob("*")] == []  # each survivor removed its snapshots
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1)), logs
     for step, (a, b) in enumerate(zip([r["loss"] for r in rows], ref.losses), start=1):

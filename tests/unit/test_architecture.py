@@ -7,6 +7,7 @@ a dependency) and under ``if TYPE_CHECKING:`` (a type-only import still ties two
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -74,7 +75,11 @@ def _imports(name: str, path: Path) -> set[str]:
     return found
 
 
-EDGES = {name: _imports(name, path) for name, path in MODULES.items()}
+@functools.cache
+def _edges() -> dict[str, set[str]]:
+    """Every module's imports of the package's modules (made at the first test that asks: parsing every module costs
+    ~2 s, which each xdist worker would pay at collection)."""
+    return {name: _imports(name, path) for name, path in MODULES.items()}
 
 
 def _layer(module: str) -> int:
@@ -98,7 +103,7 @@ def _cycles() -> list[list[str]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in EDGES[v]:
+        for w in _edges()[v]:
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -115,7 +120,7 @@ def _cycles() -> list[list[str]]:
             if len(component) > 1:
                 out.append(sorted(component))
 
-    for v in sorted(EDGES):
+    for v in sorted(_edges()):
         if v not in index:
             visit(v)
     return out
@@ -123,9 +128,9 @@ def _cycles() -> list[list[str]]:
 
 def test_the_scan_sees_every_kind_of_import():
     """Top-level, function-local and TYPE_CHECKING imports are all edges (the scan must see what it checks)."""
-    assert "hetero_llm.comm.streams" in EDGES["hetero_llm.train.loop"]  # top level
-    assert "hetero_llm.interop.hf" in EDGES["hetero_llm.launch.preflight"]  # inside a function
-    assert "hetero_llm.plan.rank" in EDGES["hetero_llm.checkpoint.folders"]  # under TYPE_CHECKING
+    assert "hetero_llm.comm.streams" in _edges()["hetero_llm.train.loop"]  # top level
+    assert "hetero_llm.interop.hf" in _edges()["hetero_llm.launch.preflight"]  # inside a function
+    assert "hetero_llm.plan.rank" in _edges()["hetero_llm.checkpoint.folders"]  # under TYPE_CHECKING
 
 
 def test_no_import_cycle():
@@ -140,7 +145,7 @@ LAZY_REEXPORT = ("hetero_llm", "hetero_llm.api")
 @pytest.mark.parametrize("module", sorted(MODULES))
 def test_imports_run_down_the_layers(module):
     mine = _layer(module)
-    upward = sorted(t for t in EDGES[module] if _layer(t) > mine and (module, t) != LAZY_REEXPORT)
+    upward = sorted(t for t in _edges()[module] if _layer(t) > mine and (module, t) != LAZY_REEXPORT)
     assert upward == [], f"{module} (layer {mine}) imports later layers: {upward}"
 
 
@@ -156,7 +161,7 @@ def test_nothing_below_the_command_line_imports_it():
     cli_layer = _layer("hetero_llm.cli")
     users = sorted(
         m
-        for m, targets in EDGES.items()
+        for m, targets in _edges().items()
         if _layer(m) < cli_layer and any(t == "hetero_llm.cli" or t.startswith("hetero_llm.cli.") for t in targets)
     )
     assert users == []

@@ -113,3 +113,52 @@ def test_liveness_beats_and_the_leader_sees_who_went_silent(lead):
     finally:
         live.stop()
         del server
+
+
+def test_a_workers_first_why_is_kept_when_it_enters_the_next_generation_again():
+    """A hung peer: the heartbeat's line opens the next generation; the connection errors its cut causes, which the
+    same worker's rank then fails with, do not replace it (the leader's line names the hung node, not the cut)."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    in_place.open_next(store, GEN, 2, "rank 3 (n2:0) stopped responding: no heartbeat for 10 s")
+    assert in_place.opened(store, GEN)
+    in_place.open_next(store, GEN, 2, "rank 2 (n1:0) failed: Connection closed by peer")
+    in_place.open_next(store, GEN, 0, "rank 0 (n0:0) failed: Connection closed by peer")
+    assert store.get("g1/why/2").decode() == "rank 3 (n2:0) stopped responding: no heartbeat for 10 s"
+    assert store.get("g1/why/0").decode() == "rank 0 (n0:0) failed: Connection closed by peer"
+    assert store.check(["g1/here/0", "g1/here/2"]) and not store.check(["g1/here/1"])
+
+
+def test_an_elastic_ranks_heartbeat_hands_a_hung_peer_to_its_round_instead_of_exiting(monkeypatch, capsys):
+    from hetero_llm.comm import heartbeat
+    from hetero_llm.train import rank as rank_mod
+    from hetero_llm.train.options import RunOptions
+
+    exits, handed = [], []
+    monkeypatch.setattr(heartbeat, "exit_now", lambda cause, linger_s, report: exits.append(cause))
+    rank_mod._give_up(1, RunOptions())("rank 3 (n2:0) stopped responding", 0.0)
+    assert exits == ["rank 3 (n2:0) stopped responding"] and handed == []  # a plain rank ends its process
+    rank_mod._give_up(1, RunOptions(on_lost_peer=handed.append))("rank 3 (n2:0) stopped responding", 0.0)
+    assert handed == ["rank 3 (n2:0) stopped responding"] and len(exits) == 1  # an elastic one hands it on
+    assert "rank 3 (n2:0) stopped responding; the survivors recover in place" in capsys.readouterr().err
+
+
+def test_the_heartbeats_watchdog_gives_up_once_and_stops_watching(monkeypatch):
+    """After ``give_up`` returns (an elastic survivor's: the round recovers in place), the watchdog does not blame
+    the silent peer again every interval."""
+    import time as time_mod
+
+    from hetero_llm.comm import heartbeat
+
+    monkeypatch.setattr(heartbeat, "INTERVAL_S", 0.01)
+    hb = object.__new__(heartbeat.Heartbeat)
+    blamed = []
+    hb.rank, hb.server, hb.limit_s, hb._lock, hb._stop = 0, 0, 0.05, threading.Lock(), threading.Event()
+    hb._answered = time_mod.monotonic()
+    hb._moved = [time_mod.monotonic()] * 2
+    hb._blame = lambda rank, seconds, why: blamed.append((rank, why))
+    watch = threading.Thread(target=hb._watch, daemon=True)
+    watch.start()
+    watch.join(timeout=30)
+    assert not watch.is_alive() and blamed == [(1, "no heartbeat")]
