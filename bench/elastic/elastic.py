@@ -34,7 +34,7 @@ A loss or a return that restarts every worker (the node's return today):
     python -m bench.elastic.elastic                  # the netns testbed (root)
     python -m bench.elastic.elastic --one-machine    # every agent on loopback
     python -m bench.elastic.elastic --quick          # one machine, 20 steps (the test suite)
-    python -m bench.elastic.elastic --quick --hang   # n2 hung, not killed
+    python -m bench.elastic.elastic --quick --hang   # n2 hung, not killed (--hang-worker: its worker only)
 """
 
 from __future__ import annotations
@@ -213,7 +213,12 @@ def _link(tb, node: str, state: str) -> None:
     subprocess.run(["ip", "-n", tb.namespace(node), "link", "set", tb.interface("domain"), state], check=True)
 
 
-LOSSES = {"kill": "killed", "cut": "cut the link of", "hang": "stopped (SIGSTOP)"}
+LOSSES = {
+    "kill": "killed",
+    "cut": "cut the link of",
+    "hang": "stopped (SIGSTOP)",
+    "hang-worker": "stopped the worker (SIGSTOP, its agent running) of",
+}
 HANDED_ON = "the survivors recover in place"  # a survivor's heartbeat named the hung node (train/rank.py)
 
 
@@ -240,7 +245,11 @@ def scenario(
         if how == "cut":
             _link(tb, "n2", "down")
         else:
-            A.signal_node(run.agents["n2"], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+            if how == "hang-worker":  # its agent runs on, waiting for a worker that never ends
+                for worker in A.children(run.agents["n2"].pid):
+                    os.kill(worker, signal.SIGSTOP)
+            else:
+                A.signal_node(run.agents["n2"], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
             shutil.rmtree(run.shm("n2"), ignore_errors=True)  # its memory is lost with it: its snapshots too
         B.say(f"{NAME}: {LOSSES[how]} node n2 after step {recorded}")
         named: dict[str, float] = {}  # a hang: when a survivor's heartbeat named n2 (its line in the agents' logs)
@@ -384,21 +393,24 @@ def testbed_spec() -> T.TestbedSpec:
     help="Lose n2 by stopping its agent and workers (SIGSTOP: a hung node, its sockets open) instead of killing it.",
 )
 @click.option(
+    "--hang-worker", is_flag=True, help="Lose n2 by stopping its worker only (SIGSTOP), its torchrun agent running on."
+)
+@click.option(
     "--work-dir",
     type=click.Path(file_okay=False, path_type=Path),
     help="Keep the run's files (agents' logs, metrics, checkpoints) here instead of a temporary folder.",
 )
 @click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path), default=B.RESULTS, show_default=True)
-def main(quick, one_machine, partition, hang, skip_saves, work_dir, out_dir):
+def main(quick, one_machine, partition, hang, hang_worker, skip_saves, work_dir, out_dir):
     """Kill an emulated node at step N, bring it back at step M: recovery times, tokens/s, losses."""
     steps, kill_at, back_at = (20, 3, 6) if quick else (60, 8, 20)  # quick: n2 joins with 14 steps left (a loaded host)
     testbed = not (quick or one_machine)
     if partition and not testbed:
         raise SystemExit(f"{NAME}: --partition cuts a testbed link: it cannot run with --quick or --one-machine")
-    if partition and hang:
-        raise SystemExit(f"{NAME}: --partition and --hang are two ways to lose n2: pass one")
-    how = "cut" if partition else "hang" if hang else "kill"
-    name = NAME + {"kill": "", "cut": "_partition", "hang": "_hang"}[how]
+    if partition + hang + hang_worker > 1:
+        raise SystemExit(f"{NAME}: --partition, --hang and --hang-worker are ways to lose n2: pass one")
+    how = "cut" if partition else "hang" if hang else "hang-worker" if hang_worker else "kill"
+    name = NAME + {"kill": "", "cut": "_partition", "hang": "_hang", "hang-worker": "_hang_worker"}[how]
     if testbed:
         ok, why = T.available()
         if not ok:
@@ -436,9 +448,7 @@ def main(quick, one_machine, partition, hang, skip_saves, work_dir, out_dir):
     }
     md = R.report(setup, info, before, after, recoveries, per_round, cost, worst, continuous)
     out_dir.mkdir(parents=True, exist_ok=True)
-    R.plot(
-        rows, ref, recoveries, out_dir / f"{name}.png", {"kill": "n2 lost", "cut": "n2 cut off", "hang": "n2 hung"}[how]
-    )
+    R.plot(rows, ref, recoveries, out_dir / f"{name}.png", R.EVENT[how])
     md_path, _ = B.write_results(
         out_dir,
         name,

@@ -6,6 +6,8 @@ from pathlib import Path
 
 from bench.common import benchlib as B
 
+EVENT = {"kill": "n2 killed", "cut": "n2 cut off", "hang": "n2 hung", "hang-worker": "n2's worker hung"}
+
 
 def report(setup: dict, info, before, after, recoveries, per_round, cost, worst, continuous) -> str:
     """The results' markdown; ``setup``: the run's ``name``, ``gflops`` per node, ``link`` (Gbit/s, us), ``saves``
@@ -25,6 +27,7 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
         "kill": "killed (agent and workers, SIGKILL)",
         "cut": "cut off (its link down: its processes live on, a hang)",
         "hang": "hung (agent and workers stopped, SIGSTOP: its sockets stay open)",
+        "hang-worker": "hung (its worker stopped, SIGSTOP, its torchrun agent running on)",
     }[how]
     # issue 38's targets: the next step <= 3 s after a kill; a hang handled within cluster.timeout_s + 3 s; the others'
     # pause at a rejoin <= 1 s (a rejoin restarts every worker today)
@@ -32,7 +35,7 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
     targets = (bound, 1.0)
     verdict = ", ".join(
         f"{what} <= {t:g} s: {'met' if r['recovery_s'] <= t else 'MISSED'}"
-        for what, r, t in zip((f"n2 {how}", "n2 back"), recoveries, targets)
+        for what, r, t in zip((EVENT[how], "n2 back"), recoveries, targets)
     )
     close = "met" if all(abs(r["ratio"] - 1) <= 0.10 for r in per_round) else "MISSED"
     lines = [
@@ -64,9 +67,7 @@ def report(setup: dict, info, before, after, recoveries, per_round, cost, worst,
                     B.fmt(r["restore_s"]),
                 ]
                 + [B.fmt(r["recovery_s"]), r["resumed_at"], r["steps_redone"]]
-                for what, r in zip(
-                    ({"kill": "n2 killed", "cut": "n2 cut off", "hang": "n2 hung"}[how], "n2 back"), recoveries
-                )
+                for what, r in zip((EVENT[how], "n2 back"), recoveries)
             ],
         ),
         "",
