@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 
 from bench.common import benchlib as B
+from hetero_llm.launch import in_place
 
 ROUND = "elastic: nodes "  # the line each round's torchrun rank 0 prints (launch/elastic.py)
 DROP = (
@@ -169,16 +170,7 @@ class Where:
 
 def listening(port: int) -> bool:
     """Whether a socket of this machine listens on TCP ``port`` (/proc/net/tcp, tcp6: read, nothing connects)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            rows = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            local, state = row.split()[1], row.split()[3]
-            if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
-                return True
-    return False
+    return any(state == in_place.LISTEN and local == port for _, state, local, _ in in_place.tcp_sockets())
 
 
 def wait_serving(agent: subprocess.Popen, port: int, timeout: float = 300) -> None:

@@ -35,7 +35,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -79,10 +79,12 @@ def open_next(store, gen: Generation, worker_rank: int, why: str) -> None:
     """This worker enters the next generation (``why``: its failure, kept by the leader for its line; the first
     one kept: a heartbeat's line naming a hung peer comes before the connection errors its cut causes)."""
     nxt = f"g{gen.number + 1}/"
-    if not store.check([f"{nxt}why/{worker_rank}"]):
-        store.set(f"{nxt}why/{worker_rank}", why)
+    if store.check([f"{nxt}here/{worker_rank}"]):  # entered already (its heartbeat's line, then its rank's failure)
+        return
+    store.set(f"{nxt}why/{worker_rank}", why)
     store.set(f"{nxt}open", "1")
     store.set(f"{nxt}here/{worker_rank}", "1")
+    store.add(f"{nxt}arrived", 1)  # after its key: the leader reads who is here when this moves (a race counts twice)
 
 
 @attrs.frozen
@@ -122,8 +124,11 @@ def agree(store, gen: Generation, worker_rank: int, liveness: Liveness, timeout_
     nxt = f"g{gen.number + 1}/"
     if worker_rank == gen.ranks[0]:
         deadline = time.monotonic() + timeout_s
-        while True:
-            arrived = {r for r in gen.ranks if store.check([f"{nxt}here/{r}"])}
+        counted, arrived = -1, set()
+        while True:  # one store operation a poll; the workers' keys are read again only when one more arrived
+            if (count := int(store.add(f"{nxt}arrived", 0))) != counted:
+                counted = count
+                arrived |= {r for r in gen.ranks if r not in arrived and store.check([f"{nxt}here/{r}"])}
             silent = liveness.silent(gen.ranks, LOST_S)
             decision = decide(gen, arrived, silent, {}, time.monotonic() > deadline)
             if decision is not None:  # each arrived worker set its why before its arrival (open_next)
@@ -197,9 +202,12 @@ def _socket_inodes() -> dict[int, int]:
     return found
 
 
-def _tcp_ports() -> dict[int, tuple[int, int]]:
-    """Every connected TCP socket of this network namespace (not a listener): inode -> (local port, remote port)."""
-    ports = {}
+LISTEN = "0A"  # a socket's state in /proc/net/tcp
+
+
+def tcp_sockets() -> Iterator[tuple[int, str, int, int]]:
+    """Every TCP socket of this network namespace (/proc/self/net/tcp and tcp6, read: nothing connects): (inode,
+    state, local port, remote port)."""
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             rows = open(table).read().splitlines()[1:]
@@ -207,11 +215,14 @@ def _tcp_ports() -> dict[int, tuple[int, int]]:
             continue
         for row in rows:
             cols = row.split()
-            local, remote, state, inode = cols[1], cols[2], cols[3], int(cols[9])
-            if state == "0A":  # LISTEN: a listener shut down ends gloo's accept thread (and the process) with it
-                continue
-            ports[inode] = (int(local.rsplit(":", 1)[1], 16), int(remote.rsplit(":", 1)[1], 16))
-    return ports
+            local, remote = int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)
+            yield int(cols[9]), cols[3], local, remote
+
+
+def _tcp_ports() -> dict[int, tuple[int, int]]:
+    """Every connected TCP socket of this network namespace (not a listener: one shut down ends gloo's accept
+    thread, and the process with it): inode -> (local port, remote port)."""
+    return {inode: (local, remote) for inode, state, local, remote in tcp_sockets() if state != LISTEN}
 
 
 def cut_connections(keep_port: int) -> int:

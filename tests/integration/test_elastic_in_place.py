@@ -12,35 +12,14 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
-from pathlib import Path
 
+import helpers_elastic
 import pytest
-from helpers_elastic import NODES, cluster_file
+from helpers_elastic import NODES, across_nodes, wait
 
 from bench.elastic import elastic_agents as agents_mod
-from harness import LAYOUTS, common_sections, free_port, launch, write_layout
 from hetero_llm.launch import elastic
 from hetero_llm.planner import load_cluster
-
-COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
-ACROSS_NODES = "[plan.kinds.cpu]\ntflops = 0.05\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 10\n"
-
-
-def _steps(metrics: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
-
-
-def _logs(work: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(work.glob("*.log")))
-
-
-def _wait(what, condition, agents, work: Path, timeout: float = 300) -> None:  # a hang's bound
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
-            raise AssertionError(f"waiting for {what}:\n{_logs(work)}")
-        time.sleep(0.1)
 
 
 @pytest.mark.multiprocess
@@ -52,13 +31,7 @@ def test_a_lost_node_is_recovered_in_place_by_the_survivors_processes(tmp_path, 
     before and after; they resume from a snapshot step (n2's blocks from their replica on n0), every step once,
     per-step losses within 1e-5 of the one-process run."""
     steps = 8
-    one = tmp_path / "one"
-    one.mkdir()
-    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
-    work = tmp_path / "run"
-    work.mkdir()
-    cluster = cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES)
-    rdzv = free_port()
+    ref, work, cluster, rdzv = across_nodes(tmp_path, steps)
     plan = elastic.plan_for(load_cluster(cluster), ["n0", "n1", "n2"])
     assert [["+".join(s.devices) for s in p.stages] for p in plan.pipelines] == [["n0:0", "n1:0"], ["n0:1", "n2:0"]]
     metrics = work / "m.jsonl"
@@ -71,11 +44,11 @@ def test_a_lost_node_is_recovered_in_place_by_the_survivors_processes(tmp_path, 
     try:
         agents_mod.wait_serving(agents[0], rdzv)  # n0 serves torchrun's rendezvous (and runs its rank 0)
         agents += [agent("n1"), agent("n2")]
-        _wait(
+        wait(
             "3 steps on all nodes and a replica of n2's rank on n0",
             lambda: (
                 "n0, n1, n2" in "".join(agents_mod.rounds(work))
-                and len(_steps(metrics)) >= 3
+                and len(helpers_elastic.steps(metrics)) >= 3
                 and any(shm["n0"].glob("*/*/step-*/rank3.json"))
             ),
             agents,
@@ -83,8 +56,8 @@ def test_a_lost_node_is_recovered_in_place_by_the_survivors_processes(tmp_path, 
         )
         workers = {n: sorted(agents_mod.children(a.pid)) for n, a in zip(NODES, agents)}
         agents_mod.signal_node(agents[2], signal.SIGKILL if event == "killed" else signal.SIGSTOP)
-        _wait("the run's last step", lambda: len(set(_steps(metrics))) >= steps, agents[:2], work)
-        _wait(
+        wait("the run's last step", lambda: len(set(helpers_elastic.steps(metrics))) >= steps, agents[:2], work)
+        wait(
             "the survivors' workers to end",
             lambda: all(not agents_mod.children(a.pid) for a in agents[:2]),
             agents[:2],
@@ -94,7 +67,7 @@ def test_a_lost_node_is_recovered_in_place_by_the_survivors_processes(tmp_path, 
     finally:
         for a in agents:  # the survivors' agents wait in torchrun's exit barrier for the dead one (300 s)
             agents_mod.signal_node(a, signal.SIGKILL)
-    logs = _logs(work)
+    logs = helpers_elastic.logs(work)
     rounds = agents_mod.rounds(work)
     assert [agents_mod.members(r) for r in rounds] == ["n0, n1, n2", "n0, n1"], logs
     assert ", in place: n2 lost, survivors agreed in " in rounds[-1], rounds

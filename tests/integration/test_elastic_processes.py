@@ -15,24 +15,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+import helpers_elastic
 import pytest
-from helpers_elastic import cluster_file
+from helpers_elastic import across_nodes, cluster_file, wait
 
 from bench.elastic import elastic_agents as agents_mod
-from harness import LAYOUTS, common_sections, free_port, launch, sigint_as_in_a_terminal, write_layout
+from harness import free_port, sigint_as_in_a_terminal
 from hetero_llm.launch import elastic
 from hetero_llm.planner import load_cluster
 
-COMMON = common_sections(LAYOUTS / "reference" / "reference.toml")
-
 NODES = {"n0": 2, "n1": 1, "n2": 1}  # devices per node (torchrun --nproc-per-node differs per agent)
-
-# The planner told the CPU devices compute 10x faster and links 2.5x faster than the nominal 'cpu' kind: then
-# pipelines across nodes pay, and the full membership's plan leaves no node holding every block (checked below).
-ACROSS_NODES = "[plan.kinds.cpu]\ntflops = 0.05\nmemory_gb = 8\nlink_gbps = 100\nmem_bw_gbs = 10\n"
 
 
 def _kill_node(agent: subprocess.Popen) -> None:
@@ -41,30 +35,6 @@ def _kill_node(agent: subprocess.Popen) -> None:
 
 def _rounds(workdir: Path) -> list[str]:
     return agents_mod.rounds(workdir)
-
-
-def _steps(metrics: Path) -> list[int]:
-    return [json.loads(line)["step"] for line in metrics.read_text().splitlines()] if metrics.exists() else []
-
-
-def _wait(what, condition, agents, workdir: Path, timeout: float = 300) -> None:  # a hang's bound
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline or any(a.poll() not in (None, 0) for a in agents):
-            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(workdir.glob("*.log")))
-            raise AssertionError(f"waiting for {what}:\n{logs}")
-        time.sleep(0.1)
-
-
-def _across_nodes(tmp_path: Path, steps: int):
-    """The one-process run of ``steps`` steps (the reference), and the elastic run's folder, cluster file (its plan
-    pipelines across nodes: ``ACROSS_NODES``) and rendezvous port."""
-    one = tmp_path / "one"
-    one.mkdir()
-    ref = launch(write_layout(one / "l.toml", COMMON, [(12, 3, [(6, 1)])]), one, "--set", f"train.steps={steps}")
-    work = tmp_path / "run"
-    work.mkdir()
-    return ref, work, cluster_file(work / "c.toml", steps, free_port(), ACROSS_NODES), free_port()
 
 
 @pytest.mark.multiprocess
@@ -140,9 +110,9 @@ def test_a_job_that_fails_for_good_leaves_no_snapshot_in_memory(tmp_path):
     agents = [agent("n0")]
     try:
         agents.append(agent("n1"))  # after n0's: on one host torchrun numbers the agents by pid, n0's workers first
-        _wait(
+        wait(
             "3 steps and a snapshot",
-            lambda: len(_steps(metrics)) >= 3 and any(shm["n1"].glob("*/*/step-*/rank*.json")),
+            lambda: len(helpers_elastic.steps(metrics)) >= 3 and any(shm["n1"].glob("*/*/step-*/rank*.json")),
             agents,
             work,
         )
@@ -169,7 +139,7 @@ def test_the_node_that_alone_held_a_stage_is_lost_and_its_replicas_resume_it(tmp
     import torch.distributed as dist
 
     steps = 8
-    ref, work, cluster, rdzv = _across_nodes(tmp_path, steps)
+    ref, work, cluster, rdzv = across_nodes(tmp_path, steps)
     plan = elastic.plan_for(load_cluster(cluster), ["n0", "n1", "n2"])
     assert [["+".join(s.devices) for s in p.stages] for p in plan.pipelines] == [["n0:0", "n1:0"], ["n0:1", "n2:0"]]
     store = dist.TCPStore("127.0.0.1", rdzv, 3, True, timeout=timedelta(seconds=300), wait_for_workers=False)
@@ -182,11 +152,11 @@ def test_the_node_that_alone_held_a_stage_is_lost_and_its_replicas_resume_it(tmp
 
     agents = [agent(n) for n in NODES]
     try:
-        _wait(
+        wait(
             "3 steps on all nodes and a replica of n0's ranks on n1",
             lambda: (
                 "n0, n1, n2" in "".join(_rounds(work))
-                and len(_steps(metrics)) >= 3
+                and len(helpers_elastic.steps(metrics)) >= 3
                 and any(shm["n1"].glob("*/*/step-*/rank0.json"))
             ),
             agents,
@@ -194,7 +164,7 @@ def test_the_node_that_alone_held_a_stage_is_lost_and_its_replicas_resume_it(tmp
         )
         _kill_node(agents[0])
         shutil.rmtree(shm["n0"])  # its memory gone with it
-        _wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n1, n2 ("), agents[1:], work)
+        wait("the survivors' round", lambda: _rounds(work)[-1].startswith("elastic: nodes n1, n2 ("), agents[1:], work)
         for a in agents[1:]:
             assert a.wait(600) == 0, "\n".join(p.read_text()[-3000:] for p in work.glob("*.log"))
     finally:

@@ -162,3 +162,45 @@ def test_the_heartbeats_watchdog_gives_up_once_and_stops_watching(monkeypatch):
     watch.start()
     watch.join(timeout=30)
     assert not watch.is_alive() and blamed == [(1, "no heartbeat")]
+
+
+class _Silent:
+    """A leader's Liveness as ``agree`` reads it: who has been silent (n2's worker, rank 3)."""
+
+    def __init__(self, silent: set[int]):
+        self._silent = silent
+
+    def silent(self, ranks, for_s):
+        return {r for r in ranks if r in self._silent}
+
+
+class _Counting:
+    """A store that counts the operations the leader makes while it waits."""
+
+    def __init__(self, store):
+        self.store, self.ops = store, 0
+
+    def __getattr__(self, name):
+        def op(*args):
+            self.ops += 1
+            return getattr(self.store, name)(*args)
+
+        return op
+
+
+def test_the_leader_reads_who_arrived_only_when_one_more_did_and_decides_without_the_silent_node():
+    import torch.distributed as dist
+
+    store = _Counting(dist.HashStore())
+    in_place.open_next(store, GEN, 0, "rank 0 (n0:0) failed: Connection closed by peer")
+    later = threading.Timer(0.5, lambda: [in_place.open_next(store, GEN, r, "closed") for r in (1, 2)])
+    later.start()
+    try:
+        decision = in_place.agree(store, GEN, 0, _Silent({3}), timeout_s=30)
+    finally:
+        later.join()
+    assert decision == Decision((0, 1, 2), ("n2",), "rank 0 (n0:0) failed: Connection closed by peer")
+    assert store.store.get("g1/decision").decode() == decision.to_json()
+    # ~10 polls of one operation each while it waited 0.5 s, and each worker's key read once or twice: not
+    # every worker's key every poll (that would be >= 40 operations)
+    assert store.ops < 40, store.ops
