@@ -146,6 +146,14 @@ def environment(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def gloo_world_group(rp: RankPlan, timeout: timedelta):
+    """A gloo group of every rank beside the plan's (the snapshots' replicas travel over one), its sockets on the
+    world's interface (``gloo_ifname``: without it gloo takes the hostname's address, which on a host whose name
+    resolves to 127.0.0.1 reaches no other host)."""
+    with _network_env(rp, rp.world):
+        return dist.new_group(list(range(rp.world_size)), timeout=timeout, backend="gloo")
+
+
 def _network_env(rp: RankPlan, group: Group):
     """The group's network variables, set while it is created (nothing for a rank outside it)."""
     return environment(group_env(rp, group) if rp.rank in group.ranks else {})

@@ -97,7 +97,7 @@ def _replica_group(rp: RankPlan):
         return None
     from datetime import timedelta
 
-    import torch.distributed as dist
+    from hetero_llm.comm import groups
 
     timeout = timedelta(seconds=max(rp.network.timeout_s, 30))  # as the plan's groups' (comm/groups.py)
-    return dist.new_group(list(range(rp.world_size)), timeout=timeout, backend="gloo")
+    return groups.gloo_world_group(rp, timeout)

@@ -385,3 +385,24 @@ def test_cupy_groups_share_one_unique_id_through_the_store(monkeypatch, uid):
     assert sorted((n, rank, net) for n, _, rank, net in made) == [(2, 0, "IB"), (2, 1, "IB")]
     assert made[0][1] == made[1][1] == uid and type(made[0][1]) is type(uid)
     assert "NCCL_NET" not in os.environ and groups[3].ranks == (3, 5)
+
+
+def test_the_snapshots_replica_group_is_made_on_the_worlds_interface(monkeypatch):
+    """The gloo group the elastic snapshots' replicas travel over (train/checkpointing.py) binds its sockets where
+    the plan's own groups do: to the world's gloo_ifname (cross-domain here). Without it gloo took the hostname's
+    address, 127.0.0.1 in the netns testbed's namespaces, and the first round's replica exchange never connected."""
+    from hetero_llm.comm import groups
+    from hetero_llm.train import checkpointing
+
+    lay = make({"a": ("ib0", 1), "b": ("eth", 1)}, [(2, [["a:0"], ["b:0"]])])
+    rp = compile_plan(lay).rank_plan(0)
+    monkeypatch.setattr(groups, "has_interface", lambda name: True)  # this host has no 'eth0'
+    made = []
+    monkeypatch.setattr(
+        groups.dist,
+        "new_group",
+        lambda ranks, **kw: made.append((ranks, kw["backend"], os.environ.get("GLOO_SOCKET_IFNAME"))),
+    )
+    checkpointing._replica_group(rp)
+    assert made == [([0, 1], "gloo", "eth0")]
+    assert os.environ.get("GLOO_SOCKET_IFNAME") != "eth0"  # restored after
