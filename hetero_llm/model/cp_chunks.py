@@ -42,3 +42,14 @@ def document_ids(spans: np.ndarray, rows: int, width: int) -> np.ndarray:
     for d, (row, start, n) in enumerate(np.asarray(spans, dtype=np.int64).reshape(-1, 3).tolist()):
         out[row, start : start + n] = d
     return out
+
+
+def attention_shares(spans: np.ndarray, rows: int, width: int, cp: int) -> list[int]:
+    """Each CP rank's share of packed rows' attention work, in the units of ``DocumentMask.square_sum``: the sum
+    over its ``local_positions`` of ``2 k + 1``, ``k`` the position in its document (0 at padding), what the
+    runtime's ``context_rows.attention_square`` counts for a rank's shard. The shares add up to the rows' square
+    sum; the largest paces the ring."""
+    weight = np.zeros((rows, width), dtype=np.int64)
+    for row, start, n in np.asarray(spans, dtype=np.int64).reshape(-1, 3).tolist():
+        weight[row, start : start + n] = 2 * np.arange(n, dtype=np.int64) + 1
+    return [int(weight[:, local_positions(width, cp, r)].sum()) for r in range(cp)]

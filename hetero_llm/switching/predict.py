@@ -12,6 +12,7 @@ import math
 
 import attrs
 
+from hetero_llm.model import cp_chunks
 from hetero_llm.predict.device import FLOAT32_BYTES, EmulatedDevice, action_seconds
 from hetero_llm.predict.simulate import CostModel, simulate
 
@@ -93,7 +94,11 @@ def _pipeline_seconds(
         per = {k: 0.0 for k in "FBW"}
         for piece in pieces:
             rows, width = piece.inputs.shape
-            square = int((piece.spans[:, 2].astype("int64") ** 2).sum())
+            if st.cp > 1:  # a CP rank's columns, and the slowest CP rank's share of the rows' attention
+                square = max(cp_chunks.attention_shares(piece.spans, rows, width, st.cp))
+                width //= st.cp
+            else:
+                square = int((piece.spans[:, 2].astype("int64") ** 2).sum())
             for c in range(chunks):
                 lo, hi, _, head = st.chunk_shape(c)
                 for k in per:

@@ -67,3 +67,18 @@ def test_document_ids():
     assert got.dtype == np.int64
     assert got.tolist() == [[0, 0, 0, 1, 1, 1, 1, 1], [2, 2, -1, -1, 3, 3, 3, -1]]
     assert cp_chunks.document_ids(np.zeros((0, 3)), 1, 4).tolist() == [[-1] * 4]
+
+
+def test_attention_shares_add_up_to_the_rows_square_sum_and_follow_each_ranks_positions():
+    """A CP rank's share of packed rows' attention (switching/predict.py prices the slowest one): ``2 k + 1`` at each
+    of its positions, ``k`` the position in its document, 0 at padding. Two rows of 16: a row of documents 10 and 6,
+    a row of one document of 5 then padding."""
+    spans = np.array([[0, 0, 10], [0, 10, 6], [1, 0, 5]])
+    shares = cp_chunks.attention_shares(spans, 2, 16, 2)
+    assert sum(shares) == 10**2 + 6**2 + 5**2 == 161
+    in_doc = np.zeros((2, 16), dtype=np.int64)
+    in_doc[0, :10], in_doc[0, 10:], in_doc[1, :5] = 2 * np.arange(10) + 1, 2 * np.arange(6) + 1, 2 * np.arange(5) + 1
+    assert shares == [int(in_doc[:, cp_chunks.local_positions(16, 2, r)].sum()) for r in range(2)]
+    # rank 0 holds positions 0-3 and 12-15, rank 1 4-11: the long first document's late tokens are rank 1's
+    assert shares == [1 + 3 + 5 + 7 + 5 + 7 + 9 + 11 + 1 + 3 + 5 + 7, 161 - 64] == [64, 97]
+    assert cp_chunks.attention_shares(spans, 2, 16, 1) == [161]

@@ -139,3 +139,24 @@ def test_cp_rank_models_its_share_of_the_rows_attention(packed, squares):
         forward = matmul + 3 * 2 * H * rows * square
         assert StageRunner._modelled_seconds(runner, Action(Kind.F, 0)) == pytest.approx(forward / 1e9, rel=1e-12)
         assert StageRunner._modelled_seconds(runner, Action(Kind.B, 0)) == pytest.approx(2 * forward / 1e9, rel=1e-12)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_the_simulators_attention_shares_are_what_each_cp_ranks_shard_paces(cp):
+    """``cp_chunks.attention_shares`` (switching/predict.py's price of a CP stage, torch-free) is, rank by rank,
+    ``context_rows.attention_square`` of the shard the runtime cuts from the same packed rows."""
+    from hetero_llm.data import documents
+    from hetero_llm.model import cp_chunks
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(0, 50, size=int(n)) for n in rng.integers(1, 40, size=14)]
+    packed = documents.pack(docs, 64)
+    rows = packed.num_rows
+    shares = cp_chunks.attention_shares(packed.spans, rows, 64, cp)
+    for index in range(cp):
+        ring = SimpleNamespace(size=cp, index=index)
+        _, _, shard = context_rows.context_columns(
+            ring, 64, packed.inputs, packed.targets, packed.spans, packed.positions
+        )
+        assert context_rows.attention_square(shard) == shares[index]
+    assert sum(shares) == int((packed.spans[:, 2] ** 2).sum())
