@@ -35,10 +35,6 @@ from hetero_llm.model.params import BIAS_OF, ParamInfo, layer_params
 Params = dict[str, torch.Tensor]
 BlockFn = Callable[..., torch.Tensor]  # (one block's params by local name, x, docs=None, ctx=None) -> x
 Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x, w) -> x @ w.T in x's dtype
-# What a context-parallel stage's attention calls: the ring's p2p and its host-side block decisions do not trace, so
-# the first compiled block fn makes it eager between compiled pieces (torch.compiler.disable, here and not as a
-# decorator: that imports torch._dynamo, ~3 s of CPU in every process that imports the model, compiled or not).
-_RING: list[Callable[..., torch.Tensor]] = [context_attention]
 
 
 @attrs.frozen
@@ -226,7 +222,9 @@ def _attention(
 ) -> torch.Tensor:
     """Causal attention of q (B, nh, T, hd) over k, v (B, nkv, T, hd): inside documents, across CP ranks."""
     if ctx is not None:  # keys and values travel the ring unexpanded: GQA's sharing is done inside
-        return _RING[0](q, k, v, ctx)
+        # never compiled: the layout rules refuse train.compile = 'blocks' with cp > 1 (the ring's p2p and host-side
+        # block decisions do not trace)
+        return context_attention(q, k, v, ctx)
     nh, nkv = q.shape[1], k.shape[1]
     if nkv != nh:  # grouped-query attention: query head i reads key/value head i // (nh / nkv)
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
@@ -252,8 +250,6 @@ def make_block_fn(model: ModelSpec, tp: TP = NO_TP, compute: Compute = FP32, lin
     if compute.compile and tp is not NO_TP:
         # c10d collectives do not trace: the TP all-reduces run eagerly between compiled pieces.
         tp = TP(torch.compiler.disable(tp.enter), torch.compiler.disable(tp.exit))
-    if compute.compile and _RING[0] is context_attention:
-        _RING[0] = torch.compiler.disable(context_attention)
 
     def apply(p: Params, x: torch.Tensor, docs: DocumentMask | None = None, ctx: ContextShard | None = None):
         return block(p, x, model, tp, linear, docs, ctx)
